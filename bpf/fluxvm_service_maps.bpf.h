@@ -1,0 +1,46 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Map capacities for the three map tiers.
+ *
+ * One C source is compiled once per tier with -DFLUXVM_MAP_TIER=<n>; the
+ * loader picks the object whose capacities match the configured tier, so a
+ * tier change is a reload with new maps rather than a resize in place (BPF
+ * maps cannot grow). Without the define the default tier M is built.
+ *
+ * The Go side mirrors these numbers (bpf.Tier) and a test reads them back
+ * from every object's BTF, so the two cannot drift apart.
+ */
+#ifndef FLUXVM_SERVICE_MAPS_BPF_H
+#define FLUXVM_SERVICE_MAPS_BPF_H
+
+#define FLUXVM_TIER_S 1
+#define FLUXVM_TIER_M 2
+#define FLUXVM_TIER_L 3
+
+#ifndef FLUXVM_MAP_TIER
+#define FLUXVM_MAP_TIER FLUXVM_TIER_M
+#endif
+
+#if FLUXVM_MAP_TIER == FLUXVM_TIER_S
+#define FLUXVM_MAX_SERVICES     256
+#define FLUXVM_MAX_BACKENDS     4096
+#define FLUXVM_MAGLEV_SIZE      16381
+#define FLUXVM_CT_ENTRIES       65536
+#define FLUXVM_NAT_ENTRIES      65536
+#elif FLUXVM_MAP_TIER == FLUXVM_TIER_M
+#define FLUXVM_MAX_SERVICES     1024
+#define FLUXVM_MAX_BACKENDS     16384
+#define FLUXVM_MAGLEV_SIZE      65537
+#define FLUXVM_CT_ENTRIES       262144
+#define FLUXVM_NAT_ENTRIES      262144
+#elif FLUXVM_MAP_TIER == FLUXVM_TIER_L
+#define FLUXVM_MAX_SERVICES     4096
+#define FLUXVM_MAX_BACKENDS     65536
+#define FLUXVM_MAGLEV_SIZE      131071
+#define FLUXVM_CT_ENTRIES       1048576
+#define FLUXVM_NAT_ENTRIES      1048576
+#else
+#error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
+#endif
+
+#endif /* FLUXVM_SERVICE_MAPS_BPF_H */

@@ -1,0 +1,7 @@
+package bpf
+
+// The objects are compiled from the C sources in this directory by bpf2go
+// and committed, so that `go get` users never need clang. Regenerate with
+// `go generate ./bpf/...` or scripts/build-ebpf.sh after changing any C.
+//
+//go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -output-stem fluxvm_service -type fluxvm_counter service fluxvm_service.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu

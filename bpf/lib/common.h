@@ -1,0 +1,35 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/* Includes and small helpers every FluxVM BPF object uses. */
+#ifndef FLUXVM_LIB_COMMON_H
+#define FLUXVM_LIB_COMMON_H
+
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "../fluxvm_service_maps.bpf.h"
+#include "../fluxvm_service_v6.bpf.h"
+
+#ifndef likely
+#define likely(x) __builtin_expect(!!(x), 1)
+#endif
+#ifndef unlikely
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#endif
+
+/*
+ * TC_ACT_UNSPEC is also TCX_NEXT: with TCX links and with cls_bpf chains
+ * alike it hands the packet to the next program, so traffic that is not
+ * ours is still seen by the policy program behind us.
+ */
+#define FLUXVM_TC_NEXT TC_ACT_UNSPEC
+
+#endif /* FLUXVM_LIB_COMMON_H */

@@ -1,0 +1,50 @@
+// Package bpffs finds and mounts the BPF filesystem that pinned maps and
+// programs live on.
+package bpffs
+
+import (
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultRoot is where bpffs is conventionally mounted.
+const DefaultRoot = "/sys/fs/bpf"
+
+// ErrNotBPFFS reports a path that exists but is not on a BPF filesystem.
+var ErrNotBPFFS = errors.New("not on a bpf filesystem")
+
+// IsBPFFS reports whether path lies on a mounted BPF filesystem.
+func IsBPFFS(path string) (bool, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return false, fmt.Errorf("bpffs: statfs %s: %w", path, err)
+	}
+	return uint32(st.Type) == unix.BPF_FS_MAGIC, nil
+}
+
+// Ensure makes sure that root is a mounted BPF filesystem, mounting one
+// there when root is an empty mount point on another filesystem. It never
+// mounts over a directory that already has contents.
+func Ensure(root string) error {
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return fmt.Errorf("bpffs: %w", err)
+	}
+	ok, err := IsBPFFS(root)
+	if err != nil || ok {
+		return err
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil {
+		return fmt.Errorf("bpffs: %w", err)
+	}
+	if len(entries) != 0 {
+		return fmt.Errorf("bpffs: %s: %w and not empty; refusing to mount over it", root, ErrNotBPFFS)
+	}
+	if err := unix.Mount("bpffs", root, "bpf", 0, "mode=0700"); err != nil {
+		return fmt.Errorf("bpffs: mount at %s: %w", root, err)
+	}
+	return nil
+}

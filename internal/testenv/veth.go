@@ -1,0 +1,67 @@
+package testenv
+
+import (
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// VethPair creates the veth pair a <-> b in the calling thread's network
+// namespace (call it inside InNetNS or NetNS.Do), with IPv6 disabled on
+// both ends so that the kernel sends nothing on its own, and brings both up.
+// The pair disappears with its namespace.
+func VethPair(a, b string) (netlink.Link, netlink.Link, error) {
+	la := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: a}, PeerName: b}
+	if err := netlink.LinkAdd(la); err != nil {
+		return nil, nil, fmt.Errorf("testenv: add veth %s/%s: %w", a, b, err)
+	}
+	var links [2]netlink.Link
+	for i, name := range []string{a, b} {
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0o644); err != nil {
+			return nil, nil, fmt.Errorf("testenv: disable ipv6 on %s: %w", name, err)
+		}
+		l, err := netlink.LinkByName(name)
+		if err != nil {
+			return nil, nil, fmt.Errorf("testenv: %w", err)
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			return nil, nil, fmt.Errorf("testenv: set %s up: %w", name, err)
+		}
+		links[i] = l
+	}
+	return links[0], links[1], nil
+}
+
+// RawSocket is an AF_PACKET socket that sends whole Ethernet frames, as they
+// are, out of one interface.
+type RawSocket struct {
+	fd      int
+	ifindex int
+}
+
+// NewRawSocket opens a raw packet socket on ifindex in the calling thread's
+// namespace; it is closed when the test ends.
+func NewRawSocket(tb testing.TB, ifindex int) *RawSocket {
+	tb.Helper()
+	// Protocol 0: send only, nothing is queued for reading.
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		tb.Fatalf("testenv: packet socket: %v", err)
+	}
+	tb.Cleanup(func() { unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrLinklayer{Ifindex: ifindex}); err != nil {
+		tb.Fatalf("testenv: bind packet socket: %v", err)
+	}
+	return &RawSocket{fd: fd, ifindex: ifindex}
+}
+
+// Send transmits frame unchanged.
+func (s *RawSocket) Send(frame []byte) error {
+	if err := unix.Sendto(s.fd, frame, 0, &unix.SockaddrLinklayer{Ifindex: s.ifindex, Halen: 6}); err != nil {
+		return fmt.Errorf("testenv: send %d bytes: %w", len(frame), err)
+	}
+	return nil
+}

@@ -16,36 +16,45 @@ func TestCounterABI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	checkEnum(t, spec, "fluxvm_counter", "FLUXVM_CNT_", NumCounters, func(v uint64) string { return Counter(v).String() })
+	checkEnum(t, spec, "fluxvm_drop_reason", "FLUXVM_DROP_", NumDropReasons, func(v uint64) string { return DropReason(v).String() })
+
+	for name, n := range map[string]int{"fluxvm_counters": NumCounters, "fluxvm_drops": NumDropReasons} {
+		m := spec.Maps[name]
+		if m == nil {
+			t.Fatalf("no %s map in the object", name)
+		}
+		if m.Type != ebpf.PerCPUArray || m.KeySize != 4 || m.ValueSize != 8 || int(m.MaxEntries) != n {
+			t.Errorf("%s = %v key %d value %d entries %d; want per-CPU array, 4, 8, %d",
+				name, m.Type, m.KeySize, m.ValueSize, m.MaxEntries, n)
+		}
+	}
+}
+
+// checkEnum requires a Go name for every value of the C enum, equal to the
+// C name without prefix in lower case, and the MAX value to equal n.
+func checkEnum(t *testing.T, spec *ebpf.CollectionSpec, cname, prefix string, n int, goName func(uint64) string) {
+	t.Helper()
 	var enum *btf.Enum
-	if err := spec.Types.TypeByName("fluxvm_counter", &enum); err != nil {
-		t.Fatalf("fluxvm_counter not in BTF: %v", err)
+	if err := spec.Types.TypeByName(cname, &enum); err != nil {
+		t.Fatalf("%s not in BTF: %v", cname, err)
 	}
 	seen := 0
 	for _, v := range enum.Values {
-		if v.Name == "FLUXVM_CNT_MAX" {
-			if int(v.Value) != NumCounters {
-				t.Errorf("FLUXVM_CNT_MAX = %d, Go NumCounters = %d", v.Value, NumCounters)
+		if v.Name == prefix+"MAX" {
+			if int(v.Value) != n {
+				t.Errorf("%sMAX = %d, Go has %d", prefix, v.Value, n)
 			}
 			continue
 		}
 		seen++
-		c := Counter(v.Value)
-		want := strings.ToLower(strings.TrimPrefix(v.Name, "FLUXVM_CNT_"))
-		if got := c.String(); got != want {
+		want := strings.ToLower(strings.TrimPrefix(v.Name, prefix))
+		if got := goName(v.Value); got != want {
 			t.Errorf("%s (%d): Go name %q, want %q", v.Name, v.Value, got, want)
 		}
 	}
-	if seen != NumCounters {
-		t.Errorf("BTF has %d counters, Go has %d", seen, NumCounters)
-	}
-
-	m := spec.Maps["fluxvm_counters"]
-	if m == nil {
-		t.Fatal("no fluxvm_counters map in the object")
-	}
-	if m.Type != ebpf.PerCPUArray || m.KeySize != 4 || m.ValueSize != 8 || int(m.MaxEntries) != NumCounters {
-		t.Errorf("fluxvm_counters = %v key %d value %d entries %d; want per-CPU array, 4, 8, %d",
-			m.Type, m.KeySize, m.ValueSize, m.MaxEntries, NumCounters)
+	if seen != n {
+		t.Errorf("%s: BTF has %d values, Go has %d", cname, seen, n)
 	}
 }
 

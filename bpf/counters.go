@@ -55,7 +55,8 @@ func (c Counter) String() string {
 // Counters holds one total per Counter, summed over CPUs.
 type Counters [NumCounters]uint64
 
-// ErrCounterMap reports a map that does not have the fluxvm_counters layout.
+// ErrCounterMap reports a map that does not have the layout of the counter
+// map it was read as.
 var ErrCounterMap = errors.New("not a fluxvm_counters map")
 
 // ReadCounters sums the per-CPU slots of a fluxvm_counters map.
@@ -64,14 +65,74 @@ func ReadCounters(m *ebpf.Map) (Counters, error) {
 	if m.Type() != ebpf.PerCPUArray || m.KeySize() != 4 || m.ValueSize() != 8 || int(m.MaxEntries()) != NumCounters {
 		return out, fmt.Errorf("bpf: read counters: %w", ErrCounterMap)
 	}
+	if err := sumPerCPU(m, out[:]); err != nil {
+		return out, fmt.Errorf("bpf: read counters: %w", err)
+	}
+	return out, nil
+}
+
+// DropReason indexes the per-CPU drop counters (map fluxvm_drops, C enum
+// fluxvm_drop_reason). Values are ABI: they are only ever appended.
+type DropReason uint32
+
+// The drop reasons, tied at compile time to the object's BTF.
+const (
+	DropNoBackend      = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_NO_BACKEND)
+	DropBackendInvalid = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_BACKEND_INVALID)
+	DropGuardClosed    = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_GUARD_CLOSED)
+	DropFragment       = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_FRAGMENT)
+	DropCTUpdate       = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_CT_UPDATE)
+	DropNATUpdate      = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_NAT_UPDATE)
+	DropRewrite        = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_REWRITE)
+
+	// NumDropReasons is the size of the drop counter map; index 0 is unused.
+	NumDropReasons = int(serviceFluxvmDropReasonFLUXVM_DROP_MAX)
+)
+
+var dropNames = [NumDropReasons]string{
+	0:                  "none",
+	DropNoBackend:      "no_backend",
+	DropBackendInvalid: "backend_invalid",
+	DropGuardClosed:    "guard_closed",
+	DropFragment:       "fragment",
+	DropCTUpdate:       "ct_update",
+	DropNATUpdate:      "nat_update",
+	DropRewrite:        "rewrite",
+}
+
+// String returns the reason's metric-style name, e.g. "no_backend".
+func (r DropReason) String() string {
+	if int(r) < NumDropReasons && dropNames[r] != "" {
+		return dropNames[r]
+	}
+	return fmt.Sprintf("drop_reason(%d)", uint32(r))
+}
+
+// Drops holds one total per DropReason, summed over CPUs.
+type Drops [NumDropReasons]uint64
+
+// ReadDrops sums the per-CPU slots of a fluxvm_drops map.
+func ReadDrops(m *ebpf.Map) (Drops, error) {
+	var out Drops
+	if m.Type() != ebpf.PerCPUArray || m.KeySize() != 4 || m.ValueSize() != 8 || int(m.MaxEntries()) != NumDropReasons {
+		return out, fmt.Errorf("bpf: read drops: %w", ErrCounterMap)
+	}
+	if err := sumPerCPU(m, out[:]); err != nil {
+		return out, fmt.Errorf("bpf: read drops: %w", err)
+	}
+	return out, nil
+}
+
+// sumPerCPU fills out[i] with the sum over CPUs of the u64 at index i.
+func sumPerCPU(m *ebpf.Map, out []uint64) error {
 	var perCPU []uint64
 	for i := range out {
 		if err := m.Lookup(uint32(i), &perCPU); err != nil {
-			return out, fmt.Errorf("bpf: read counter %s: %w", Counter(i), err)
+			return fmt.Errorf("index %d: %w", i, err)
 		}
 		for _, v := range perCPU {
 			out[i] += v
 		}
 	}
-	return out, nil
+	return nil
 }

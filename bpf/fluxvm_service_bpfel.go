@@ -8,9 +8,20 @@ import (
 	_ "embed"
 	"fmt"
 	"io"
+	"structs"
 
 	"github.com/cilium/ebpf"
 )
+
+type serviceFluxvmBackend struct {
+	_            structs.HostLayout
+	Addr         [4]uint32
+	Port         uint16
+	Family       uint8
+	State        uint8
+	ServiceId    uint32
+	DrainUntilNs uint64
+}
 
 type serviceFluxvmCounter uint32
 
@@ -29,12 +40,141 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_MAX         serviceFluxvmCounter = 11
 )
 
+type serviceFluxvmCtValue struct {
+	_          structs.HostLayout
+	ServiceId  uint32
+	BackendId  uint32
+	CreatedNs  uint64
+	LastSeenNs uint64
+	DeadlineNs uint64
+	State      uint8
+	Flags      uint8
+	Pad0       uint16
+	Pad1       uint32
+}
+
+type serviceFluxvmDropReason uint32
+
+const (
+	serviceFluxvmDropReasonFLUXVM_DROP_NONE            serviceFluxvmDropReason = 0
+	serviceFluxvmDropReasonFLUXVM_DROP_NO_BACKEND      serviceFluxvmDropReason = 1
+	serviceFluxvmDropReasonFLUXVM_DROP_BACKEND_INVALID serviceFluxvmDropReason = 2
+	serviceFluxvmDropReasonFLUXVM_DROP_GUARD_CLOSED    serviceFluxvmDropReason = 3
+	serviceFluxvmDropReasonFLUXVM_DROP_FRAGMENT        serviceFluxvmDropReason = 4
+	serviceFluxvmDropReasonFLUXVM_DROP_CT_UPDATE       serviceFluxvmDropReason = 5
+	serviceFluxvmDropReasonFLUXVM_DROP_NAT_UPDATE      serviceFluxvmDropReason = 6
+	serviceFluxvmDropReasonFLUXVM_DROP_REWRITE         serviceFluxvmDropReason = 7
+	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 8
+)
+
+type serviceFluxvmGuard struct {
+	_        structs.HostLayout
+	State    uint32
+	Revision uint32
+}
+
+type serviceFluxvmMetaValue struct {
+	_                      structs.HostLayout
+	SchemaVersion          uint32
+	ProgramGeneration      uint32
+	Tier                   uint32
+	Flags                  uint32
+	HashSeed               uint64
+	TimeoutTcpSynS         uint32
+	TimeoutTcpEstablishedS uint32
+	TimeoutTcpFinS         uint32
+	TimeoutTcpRstS         uint32
+	TimeoutUdpS            uint32
+	Pad                    uint32
+}
+
+type serviceFluxvmNatValue struct {
+	_          structs.HostLayout
+	Vip        [4]uint32
+	Vport      uint16
+	Pad0       uint16
+	ServiceId  uint32
+	BackendId  uint32
+	Pad1       uint32
+	LastSeenNs uint64
+}
+
+type serviceFluxvmSvc4Key struct {
+	_     structs.HostLayout
+	Vip   uint32
+	Port  uint16
+	Proto uint8
+	Pad   uint8
+}
+
+type serviceFluxvmSvc6Key struct {
+	_     structs.HostLayout
+	Vip   [4]uint32
+	Port  uint16
+	Proto uint8
+	Pad   uint8
+}
+
+type serviceFluxvmSvcStatsValue struct {
+	_            structs.HostLayout
+	Packets      uint64
+	Bytes        uint64
+	ReplyPackets uint64
+	ReplyBytes   uint64
+	NewFlows     uint64
+	Failovers    uint64
+	Drops        uint64
+	Reserved     uint64
+}
+
+type serviceFluxvmSvcValue struct {
+	_         structs.HostLayout
+	ServiceId uint32
+	Flags     uint32
+	Revision  uint32
+	Reserved0 uint32
+	Reserved1 uint64
+}
+
+type serviceFluxvmTuple4 struct {
+	_     structs.HostLayout
+	Saddr uint32
+	Daddr uint32
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
+type serviceFluxvmTuple6 struct {
+	_     structs.HostLayout
+	Saddr [4]uint32
+	Daddr [4]uint32
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	serviceMapFluxvmBackends = "fluxvm_backends"
 	serviceMapFluxvmCounters = "fluxvm_counters"
+	serviceMapFluxvmDrops    = "fluxvm_drops"
+	serviceMapFluxvmFct4     = "fluxvm_fct4"
+	serviceMapFluxvmFct6     = "fluxvm_fct6"
+	serviceMapFluxvmMaglev   = "fluxvm_maglev"
+	serviceMapFluxvmMeta     = "fluxvm_meta"
+	serviceMapFluxvmNat4     = "fluxvm_nat4"
+	serviceMapFluxvmNat6     = "fluxvm_nat6"
+	serviceMapFluxvmSguard   = "fluxvm_sguard"
+	serviceMapFluxvmSvc4     = "fluxvm_svc4"
+	serviceMapFluxvmSvc6     = "fluxvm_svc6"
+	serviceMapFluxvmSvcStats = "fluxvm_svc_stats"
 	serviceProgFluxvmFromVm  = "fluxvm_from_vm"
+	serviceProgFluxvmToVm    = "fluxvm_to_vm"
 )
 
 // loadService returns the embedded CollectionSpec for service.
@@ -80,13 +220,26 @@ type serviceSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceProgramSpecs struct {
 	FluxvmFromVm *ebpf.ProgramSpec `ebpf:"fluxvm_from_vm"`
+	FluxvmToVm   *ebpf.ProgramSpec `ebpf:"fluxvm_to_vm"`
 }
 
 // serviceMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceMapSpecs struct {
+	FluxvmBackends *ebpf.MapSpec `ebpf:"fluxvm_backends"`
 	FluxvmCounters *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops    *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmFct4     *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6     *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev   *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta     *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4     *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6     *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmSguard   *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSvc4     *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6     *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -115,12 +268,36 @@ func (o *serviceObjects) Close() error {
 //
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceMaps struct {
+	FluxvmBackends *ebpf.Map `ebpf:"fluxvm_backends"`
 	FluxvmCounters *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops    *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmFct4     *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6     *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev   *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta     *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4     *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6     *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmSguard   *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSvc4     *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6     *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceMaps) Close() error {
 	return _ServiceClose(
+		m.FluxvmBackends,
 		m.FluxvmCounters,
+		m.FluxvmDrops,
+		m.FluxvmFct4,
+		m.FluxvmFct6,
+		m.FluxvmMaglev,
+		m.FluxvmMeta,
+		m.FluxvmNat4,
+		m.FluxvmNat6,
+		m.FluxvmSguard,
+		m.FluxvmSvc4,
+		m.FluxvmSvc6,
+		m.FluxvmSvcStats,
 	)
 }
 
@@ -135,11 +312,13 @@ type serviceVariables struct {
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type servicePrograms struct {
 	FluxvmFromVm *ebpf.Program `ebpf:"fluxvm_from_vm"`
+	FluxvmToVm   *ebpf.Program `ebpf:"fluxvm_to_vm"`
 }
 
 func (p *servicePrograms) Close() error {
 	return _ServiceClose(
 		p.FluxvmFromVm,
+		p.FluxvmToVm,
 	)
 }
 

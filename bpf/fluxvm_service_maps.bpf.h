@@ -43,4 +43,10 @@
 #error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
 #endif
 
+/*
+ * A service has one frontend per (VIP, port, protocol) plus one VIP marker
+ * per (VIP, protocol); four per service on average is generous.
+ */
+#define FLUXVM_MAX_FRONTENDS (4 * FLUXVM_MAX_SERVICES)
+
 #endif /* FLUXVM_SERVICE_MAPS_BPF_H */

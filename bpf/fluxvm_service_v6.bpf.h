@@ -37,4 +37,178 @@ enum fluxvm_counter {
 	FLUXVM_CNT_MAX = 11,
 };
 
+/* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
+enum fluxvm_drop_reason {
+	FLUXVM_DROP_NONE = 0,            /* unused: index 0 is never counted */
+	FLUXVM_DROP_NO_BACKEND = 1,      /* the service has no eligible backend */
+	FLUXVM_DROP_BACKEND_INVALID = 2, /* the table names a backend that is not Ready */
+	FLUXVM_DROP_GUARD_CLOSED = 3,    /* the service is being reprogrammed */
+	FLUXVM_DROP_FRAGMENT = 4,        /* an IP fragment addressed to a VIP */
+	FLUXVM_DROP_CT_UPDATE = 5,       /* the conntrack entry could not be written */
+	FLUXVM_DROP_NAT_UPDATE = 6,      /* the reverse-NAT entry could not be written */
+	FLUXVM_DROP_REWRITE = 7,         /* a packet rewrite helper failed */
+	FLUXVM_DROP_MAX = 8,
+};
+
+/* Address family tags used in map values. */
+#define FLUXVM_AF_INET 4
+#define FLUXVM_AF_INET6 6
+
+/*
+ * Frontends: fluxvm_svc4 / fluxvm_svc6, (VIP, port, protocol) -> service.
+ * Port 0 is never a service port; the entry (VIP, 0, protocol) marks the
+ * VIP itself so that fragments, which carry no ports, can be recognised.
+ */
+struct fluxvm_svc4_key {
+	__be32 vip;
+	__be16 port;
+	__u8 proto;
+	__u8 pad;
+};
+_Static_assert(sizeof(struct fluxvm_svc4_key) == 8, "fluxvm_svc4_key size");
+
+struct fluxvm_svc6_key {
+	__be32 vip[4];
+	__be16 port;
+	__u8 proto;
+	__u8 pad;
+};
+_Static_assert(sizeof(struct fluxvm_svc6_key) == 20, "fluxvm_svc6_key size");
+
+#define FLUXVM_SVC_F_VIP_MARKER (1U << 0) /* the (VIP, 0, proto) entry */
+
+struct fluxvm_svc_value {
+	__u32 service_id;  /* index into fluxvm_maglev, fluxvm_sguard, stats */
+	__u32 flags;       /* FLUXVM_SVC_F_* */
+	__u32 revision;    /* bumped by userspace on every reprogramming */
+	__u32 reserved0;
+	__u64 reserved1;   /* kept for EDT rate without a layout change */
+};
+_Static_assert(sizeof(struct fluxvm_svc_value) == 24, "fluxvm_svc_value size");
+
+/* Service guard (fluxvm_sguard, array by service id). Zero is closed, so a
+ * service whose guard was never written fails closed. */
+#define FLUXVM_GUARD_OPEN 1
+
+struct fluxvm_guard {
+	__u32 state;      /* FLUXVM_GUARD_OPEN, anything else drops */
+	__u32 revision;   /* the svc revision the guard was opened for */
+};
+_Static_assert(sizeof(struct fluxvm_guard) == 8, "fluxvm_guard size");
+
+/* Backends (fluxvm_backends, array by backend id; id 0 is never used). */
+enum fluxvm_backend_state {
+	FLUXVM_BE_UNUSED = 0,
+	FLUXVM_BE_READY = 1,     /* takes new flows and keeps its flows */
+	FLUXVM_BE_DRAINING = 2,  /* keeps its flows until drain_until_ns */
+	FLUXVM_BE_UNHEALTHY = 3, /* its flows fail over */
+};
+
+struct fluxvm_backend {
+	__be32 addr[4];          /* IPv4 uses addr[0] */
+	__be16 port;
+	__u8 family;             /* FLUXVM_AF_INET or FLUXVM_AF_INET6 */
+	__u8 state;              /* enum fluxvm_backend_state */
+	__u32 service_id;        /* owner; a flow never follows an id to another service */
+	__u64 drain_until_ns;    /* CLOCK_MONOTONIC (coarse) deadline while Draining */
+};
+_Static_assert(sizeof(struct fluxvm_backend) == 32, "fluxvm_backend size");
+
+/*
+ * Flow tuples, as the packet carries them. Conntrack (fluxvm_fct4/6) keys
+ * the client's view: client -> VIP. Reverse NAT (fluxvm_nat4/6) keys the
+ * reply's view: backend -> client.
+ */
+struct fluxvm_tuple4 {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+_Static_assert(sizeof(struct fluxvm_tuple4) == 16, "fluxvm_tuple4 size");
+
+struct fluxvm_tuple6 {
+	__be32 saddr[4];
+	__be32 daddr[4];
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+_Static_assert(sizeof(struct fluxvm_tuple6) == 40, "fluxvm_tuple6 size");
+
+enum fluxvm_ct_state {
+	FLUXVM_CT_NONE = 0,
+	FLUXVM_CT_TCP_SYN = 1,         /* client SYN seen, handshake not complete */
+	FLUXVM_CT_TCP_ESTABLISHED = 2,
+	FLUXVM_CT_TCP_FIN = 3,         /* a FIN was seen in either direction */
+	FLUXVM_CT_TCP_RST = 4,         /* a RST was seen in either direction */
+	FLUXVM_CT_UDP = 5,
+};
+
+struct fluxvm_ct_value {
+	__u32 service_id;
+	__u32 backend_id;
+	__u64 created_ns;    /* CLOCK_MONOTONIC (coarse) */
+	__u64 last_seen_ns;  /* refreshed at most once per FLUXVM_CT_REFRESH_NS */
+	__u64 deadline_ns;   /* expiry for userspace GC, from the state's timeout */
+	__u8 state;          /* enum fluxvm_ct_state */
+	__u8 flags;
+	__u16 pad0;
+	__u32 pad1;
+};
+_Static_assert(sizeof(struct fluxvm_ct_value) == 40, "fluxvm_ct_value size");
+
+struct fluxvm_nat_value {
+	__be32 vip[4];       /* IPv4 uses vip[0] */
+	__be16 vport;
+	__u16 pad0;
+	__u32 service_id;
+	__u32 backend_id;
+	__u32 pad1;
+	__u64 last_seen_ns;  /* refresh throttle for the reply direction */
+};
+_Static_assert(sizeof(struct fluxvm_nat_value) == 40, "fluxvm_nat_value size");
+
+/* Per-service counters (per-CPU array fluxvm_svc_stats by service id). */
+struct fluxvm_svc_stats_value {
+	__u64 packets;        /* client -> VIP packets translated */
+	__u64 bytes;
+	__u64 reply_packets;  /* backend -> client packets translated back */
+	__u64 reply_bytes;
+	__u64 new_flows;      /* conntrack entries created */
+	__u64 failovers;      /* flows moved off an Unhealthy/removed backend */
+	__u64 drops;
+	__u64 reserved;
+};
+_Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
+
+/* Node-wide settings and identity (fluxvm_meta, one entry at key 0). */
+struct fluxvm_meta_value {
+	__u32 schema_version;      /* FLUXVM_SCHEMA_VERSION of the pinned maps */
+	__u32 program_generation;
+	__u32 tier;                /* FLUXVM_TIER_* */
+	__u32 flags;
+	__u64 hash_seed;           /* per-node seed of the flow hash */
+	__u32 timeout_tcp_syn_s;   /* 0 = built-in default, for every timeout */
+	__u32 timeout_tcp_established_s;
+	__u32 timeout_tcp_fin_s;
+	__u32 timeout_tcp_rst_s;
+	__u32 timeout_udp_s;
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
+
+#define FLUXVM_TIMEOUT_TCP_SYN_S 60
+#define FLUXVM_TIMEOUT_TCP_ESTABLISHED_S 21600
+#define FLUXVM_TIMEOUT_TCP_FIN_S 30
+#define FLUXVM_TIMEOUT_TCP_RST_S 10
+#define FLUXVM_TIMEOUT_UDP_S 60
+
+/* Conntrack deadlines are refreshed at most this often per flow, so that a
+ * busy flow does not write its entry on every packet. */
+#define FLUXVM_CT_REFRESH_NS 1000000000ULL
+
 #endif /* FLUXVM_SERVICE_V6_BPF_H */

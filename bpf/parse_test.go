@@ -175,37 +175,36 @@ func parserCases() []parserCase {
 // BPF_PROG_TEST_RUN: the verdict must be "continue", the frame must come
 // out byte for byte as it went in, and exactly the listed counters move.
 func TestParser(t *testing.T) {
-	testenv.InNetNS(t, func() {
-		var objs serviceObjects
-		if err := loadServiceObjects(&objs, nil); err != nil {
-			t.Fatalf("load: %v", err)
-		}
-		defer objs.Close()
+	th := testenv.NewThread(t)
+	var objs serviceObjects
+	if err := loadServiceObjects(&objs, nil); err != nil {
+		t.Fatalf("load: %v", err)
+	}
+	defer objs.Close()
 
-		for _, tt := range parserCases() {
-			t.Run(tt.name, func(t *testing.T) {
-				if tt.onlyVeth {
-					t.Skip("BPF_PROG_TEST_RUN refuses this frame; TestParserOnVeth covers it")
-				}
-				before, err := ReadCounters(objs.FluxvmCounters)
-				if err != nil {
-					t.Fatal(err)
-				}
-				ret, out := run(t, objs.FluxvmFromVm, tt.frame)
-				if ret != tcNext {
-					t.Errorf("verdict = %d, want TC_ACT_UNSPEC (continue to next program)", int32(ret))
-				}
-				if !bytes.Equal(out, tt.frame) {
-					t.Errorf("packet was modified:\n in: %x\nout: %x", tt.frame, out)
-				}
-				after, err := ReadCounters(objs.FluxvmCounters)
-				if err != nil {
-					t.Fatal(err)
-				}
-				checkCounterDelta(t, before, after, tt.want)
-			})
-		}
-	})
+	for _, tt := range parserCases() {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.onlyVeth {
+				t.Skip("BPF_PROG_TEST_RUN refuses this frame; TestParserOnVeth covers it")
+			}
+			before, err := ReadCounters(objs.FluxvmCounters)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ret, out := run(t, th, objs.FluxvmFromVm, tt.frame)
+			if ret != tcNext {
+				t.Errorf("verdict = %d, want TC_ACT_UNSPEC (continue to next program)", int32(ret))
+			}
+			if !bytes.Equal(out, tt.frame) {
+				t.Errorf("packet was modified:\n in: %x\nout: %x", tt.frame, out)
+			}
+			after, err := ReadCounters(objs.FluxvmCounters)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkCounterDelta(t, before, after, tt.want)
+		})
+	}
 }
 
 // Ext resizes a generic extension header (a helper for the size-limit case).
@@ -214,13 +213,14 @@ func Ext(e pkt.Ext, size int) pkt.Ext {
 	return e
 }
 
-// run feeds one frame through prog once and returns the verdict and the
-// frame as the program left it.
-func run(tb testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
+// run feeds one frame through prog once, on the test's namespace thread,
+// and returns the verdict and the frame as the program left it.
+func run(tb testing.TB, th *testenv.Thread, prog *ebpf.Program, frame []byte) (uint32, []byte) {
 	tb.Helper()
-	out := make([]byte, len(frame)+256)
-	opts := ebpf.RunOptions{Data: frame, DataOut: out, Repeat: 1}
-	ret, err := prog.Run(&opts)
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Repeat: 1}
+	var ret uint32
+	var err error
+	th.Do(func() { ret, err = prog.Run(&opts) })
 	if err != nil {
 		tb.Fatalf("run: %v", err)
 	}

@@ -1,18 +1,14 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
-/* Global per-CPU packet counters, indexed by enum fluxvm_counter. */
+/*
+ * Counters: global per-CPU packet counters, drops by reason, and per-service
+ * statistics. Per-CPU slots need no atomics: a program runs to completion
+ * on one CPU.
+ */
 #ifndef FLUXVM_LIB_COUNTERS_H
 #define FLUXVM_LIB_COUNTERS_H
 
-#include "common.h"
+#include "maps.h"
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__type(key, enum fluxvm_counter); /* puts the enum in BTF for Go */
-	__type(value, __u64);
-	__uint(max_entries, FLUXVM_CNT_MAX);
-} fluxvm_counters SEC(".maps");
-
-/* Per-CPU slots need no atomics: a program runs to completion on one CPU. */
 static __always_inline void fluxvm_count(enum fluxvm_counter c)
 {
 	enum fluxvm_counter key = c;
@@ -20,6 +16,25 @@ static __always_inline void fluxvm_count(enum fluxvm_counter c)
 
 	if (v)
 		*v += 1;
+}
+
+static __always_inline struct fluxvm_svc_stats_value *fluxvm_stats(__u32 service_id)
+{
+	return bpf_map_lookup_elem(&fluxvm_svc_stats, &service_id);
+}
+
+/* Count a drop by reason and, when the service is known, against it. */
+static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
+				       struct fluxvm_svc_stats_value *st)
+{
+	enum fluxvm_drop_reason key = reason;
+	__u64 *v = bpf_map_lookup_elem(&fluxvm_drops, &key);
+
+	if (v)
+		*v += 1;
+	if (st)
+		st->drops++;
+	return TC_ACT_SHOT;
 }
 
 #endif /* FLUXVM_LIB_COUNTERS_H */

@@ -21,7 +21,7 @@
 #ifndef FLUXVM_LIB_PARSE_H
 #define FLUXVM_LIB_PARSE_H
 
-#include "common.h"
+#include "counters.h"
 
 #define FLUXVM_IPV6_MAX_EXTHDRS 8
 #define FLUXVM_MAX_L4_OFF 512

@@ -161,3 +161,50 @@ func PinRoot(tb testing.TB) string {
 	})
 	return dir
 }
+
+// Thread is an OS thread parked inside a fresh, unnamed network namespace.
+// Work handed to Do runs there, so subtests on other goroutines can still
+// act inside the test's namespace. The thread is retired when the test
+// ends and the namespace disappears with it.
+type Thread struct {
+	work chan func()
+}
+
+// NewThread starts a Thread in a new network namespace.
+func NewThread(tb testing.TB) *Thread {
+	tb.Helper()
+	RequirePrivileged(tb)
+	th := &Thread{work: make(chan func())}
+	ready := make(chan error, 1)
+	go func() {
+		// Never unlocked: when this goroutine returns, the runtime
+		// terminates the thread instead of reusing it elsewhere.
+		runtime.LockOSThread()
+		ns, err := netns.New()
+		if err != nil {
+			ready <- fmt.Errorf("testenv: new netns: %w", err)
+			return
+		}
+		defer ns.Close()
+		ready <- nil
+		for fn := range th.work {
+			fn()
+		}
+	}()
+	if err := <-ready; err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { close(th.work) })
+	return th
+}
+
+// Do runs fn on the thread inside the namespace and waits for it. fn runs
+// on another goroutine, so it must not call t.Fatal.
+func (th *Thread) Do(fn func()) {
+	done := make(chan struct{})
+	th.work <- func() {
+		defer close(done)
+		fn()
+	}
+	<-done
+}

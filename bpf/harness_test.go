@@ -1,0 +1,272 @@
+package bpf
+
+import (
+	"errors"
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/internal/testenv"
+)
+
+// Verdicts as Program.Run reports them.
+const (
+	tcOK   = 0 // TC_ACT_OK: rewritten, chain ends
+	tcShot = 2 // TC_ACT_SHOT: dropped
+)
+
+// harness is the loaded TC object plus the map writes a control plane
+// would do, in raw form, for datapath tests.
+type harness struct {
+	t    testing.TB
+	th   *testenv.Thread
+	spec *ebpf.CollectionSpec
+	objs serviceObjects
+}
+
+func newHarness(t testing.TB) *harness {
+	t.Helper()
+	h := &harness{t: t, th: testenv.NewThread(t)}
+	spec, err := loadService()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The lifecycle maps hold hundreds of thousands of preallocated
+	// entries at tier M; the behaviour under test does not depend on
+	// capacity, and small maps keep a load per test cheap.
+	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
+		spec.Maps[name].MaxEntries = 4096
+	}
+	h.spec = spec
+	if err := spec.LoadAndAssign(&h.objs, nil); err != nil {
+		t.Fatalf("load: %v", err)
+	}
+	t.Cleanup(func() { h.objs.Close() })
+	return h
+}
+
+// reset empties every map, so that one loaded object (verification is the
+// slow part of a load) serves many independent scenarios.
+func (h *harness) reset() {
+	h.t.Helper()
+	for name, m := range map[string]*ebpf.Map{
+		"fluxvm_svc4": h.objs.FluxvmSvc4, "fluxvm_svc6": h.objs.FluxvmSvc6,
+		"fluxvm_fct4": h.objs.FluxvmFct4, "fluxvm_fct6": h.objs.FluxvmFct6,
+		"fluxvm_nat4": h.objs.FluxvmNat4, "fluxvm_nat6": h.objs.FluxvmNat6,
+		"fluxvm_maglev": h.objs.FluxvmMaglev,
+	} {
+		var keys []any
+		it := m.Iterate()
+		k := make([]byte, m.KeySize())
+		var v []byte
+		if m.Type() == ebpf.ArrayOfMaps {
+			for i := range m.MaxEntries() {
+				_ = m.Delete(i)
+			}
+			continue
+		}
+		for it.Next(&k, &v) {
+			keys = append(keys, append([]byte(nil), k...))
+		}
+		h.must(it.Err())
+		for _, key := range keys {
+			if err := m.Delete(key); err != nil {
+				h.t.Fatalf("reset %s: %v", name, err)
+			}
+		}
+	}
+	ncpu := ebpf.MustPossibleCPU()
+	for _, z := range []struct {
+		m    *ebpf.Map
+		vals func(n int) any
+	}{
+		{h.objs.FluxvmBackends, func(n int) any { return make([]Backend, n) }},
+		{h.objs.FluxvmSguard, func(n int) any { return make([]Guard, n) }},
+		{h.objs.FluxvmMeta, func(n int) any { return make([]Meta, n) }},
+		{h.objs.FluxvmSvcStats, func(n int) any { return make([]ServiceStats, n*ncpu) }},
+		{h.objs.FluxvmDrops, func(n int) any { return make([]uint64, n*ncpu) }},
+		{h.objs.FluxvmCounters, func(n int) any { return make([]uint64, n*ncpu) }},
+	} {
+		n := int(z.m.MaxEntries())
+		keys := make([]uint32, n)
+		for i := range keys {
+			keys[i] = uint32(i)
+		}
+		_, err := z.m.BatchUpdate(keys, z.vals(n), nil)
+		h.must(err)
+	}
+}
+
+func (h *harness) must(err error) {
+	h.t.Helper()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// service installs the frontend (vip, proto) -> sid, its VIP marker, and
+// opens the guard.
+func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
+	h.t.Helper()
+	val := SvcValue{ServiceId: sid, Revision: 1}
+	marker := SvcValue{ServiceId: sid, Flags: SvcFlagVIPMarker, Revision: 1}
+	if vip.Addr().Is4() {
+		w := AddrWords(vip.Addr())
+		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Port: Port(vip.Port()), Proto: proto}, val))
+		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Proto: proto}, marker))
+	} else {
+		w := AddrWords(vip.Addr())
+		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Port: Port(vip.Port()), Proto: proto}, val))
+		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Proto: proto}, marker))
+	}
+	h.guard(sid, GuardOpen)
+}
+
+func (h *harness) guard(sid, state uint32) {
+	h.t.Helper()
+	h.must(h.objs.FluxvmSguard.Put(sid, Guard{State: state, Revision: 1}))
+}
+
+func (h *harness) backend(id, sid uint32, ap netip.AddrPort, state BackendState, drainUntil uint64) {
+	h.t.Helper()
+	fam := uint8(FamilyIPv6)
+	if ap.Addr().Is4() {
+		fam = FamilyIPv4
+	}
+	h.must(h.objs.FluxvmBackends.Put(id, Backend{
+		Addr: AddrWords(ap.Addr()), Port: Port(ap.Port()), Family: fam,
+		State: uint8(state), ServiceId: sid, DrainUntilNs: drainUntil,
+	}))
+}
+
+// table swaps in a complete Maglev table for sid, as the control plane
+// does: a new inner map, filled, then one update of the outer slot.
+func (h *harness) table(sid uint32, entries []uint32) {
+	h.t.Helper()
+	inner, err := ebpf.NewMap(h.spec.Maps["fluxvm_maglev"].InnerMap)
+	h.must(err)
+	defer inner.Close()
+	if int(inner.MaxEntries()) != len(entries) {
+		h.t.Fatalf("table of %d entries for a map of %d", len(entries), inner.MaxEntries())
+	}
+	keys := make([]uint32, len(entries))
+	for i := range keys {
+		keys[i] = uint32(i)
+	}
+	_, err = inner.BatchUpdate(keys, entries, nil)
+	h.must(err)
+	h.must(h.objs.FluxvmMaglev.Put(sid, inner))
+}
+
+// fill returns a table whose every slot names id.
+func (h *harness) fill(id uint32) []uint32 {
+	e := make([]uint32, h.spec.Maps["fluxvm_maglev"].InnerMap.MaxEntries)
+	for i := range e {
+		e[i] = id
+	}
+	return e
+}
+
+func (h *harness) noTable(sid uint32) {
+	h.t.Helper()
+	if err := h.objs.FluxvmMaglev.Delete(sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		h.t.Fatal(err)
+	}
+}
+
+func (h *harness) meta(m Meta) {
+	h.t.Helper()
+	h.must(h.objs.FluxvmMeta.Put(uint32(0), m))
+}
+
+func (h *harness) run(prog *ebpf.Program, frame []byte) (uint32, []byte) {
+	h.t.Helper()
+	return run(h.t, h.th, prog, frame)
+}
+
+// tuple keys a flow the way the datapath does.
+type tuple struct {
+	src, dst netip.AddrPort
+	proto    uint8
+}
+
+func (tp tuple) key() any {
+	if tp.src.Addr().Is4() {
+		s, d := AddrWords(tp.src.Addr()), AddrWords(tp.dst.Addr())
+		return Tuple4{Saddr: s[0], Daddr: d[0], Sport: Port(tp.src.Port()), Dport: Port(tp.dst.Port()), Proto: tp.proto}
+	}
+	return Tuple6{Saddr: AddrWords(tp.src.Addr()), Daddr: AddrWords(tp.dst.Addr()), Sport: Port(tp.src.Port()), Dport: Port(tp.dst.Port()), Proto: tp.proto}
+}
+
+func (h *harness) ctMap(tp tuple) *ebpf.Map {
+	if tp.src.Addr().Is4() {
+		return h.objs.FluxvmFct4
+	}
+	return h.objs.FluxvmFct6
+}
+
+func (h *harness) natMap(tp tuple) *ebpf.Map {
+	if tp.src.Addr().Is4() {
+		return h.objs.FluxvmNat4
+	}
+	return h.objs.FluxvmNat6
+}
+
+// ct returns the conntrack entry of the client's view tp, if any.
+func (h *harness) ct(tp tuple) (CTValue, bool) {
+	h.t.Helper()
+	var v CTValue
+	err := h.ctMap(tp).Lookup(tp.key(), &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return v, false
+	}
+	h.must(err)
+	return v, true
+}
+
+// nat returns the reverse-NAT entry of the reply view tp, if any.
+func (h *harness) nat(tp tuple) (NATValue, bool) {
+	h.t.Helper()
+	var v NATValue
+	err := h.natMap(tp).Lookup(tp.key(), &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return v, false
+	}
+	h.must(err)
+	return v, true
+}
+
+func (h *harness) stats(sid uint32) ServiceStats {
+	h.t.Helper()
+	var per []ServiceStats
+	h.must(h.objs.FluxvmSvcStats.Lookup(sid, &per))
+	var s ServiceStats
+	for _, p := range per {
+		s.Packets += p.Packets
+		s.Bytes += p.Bytes
+		s.ReplyPackets += p.ReplyPackets
+		s.ReplyBytes += p.ReplyBytes
+		s.NewFlows += p.NewFlows
+		s.Failovers += p.Failovers
+		s.Drops += p.Drops
+	}
+	return s
+}
+
+func (h *harness) drops() Drops {
+	h.t.Helper()
+	d, err := ReadDrops(h.objs.FluxvmDrops)
+	h.must(err)
+	return d
+}
+
+// monoNow is CLOCK_MONOTONIC_COARSE, the clock the datapath stamps with.
+func monoNow(tb testing.TB) uint64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
+		tb.Fatal(err)
+	}
+	return uint64(ts.Nano())
+}

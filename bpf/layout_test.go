@@ -1,0 +1,91 @@
+package bpf
+
+import (
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf/btf"
+)
+
+// TestLayoutsMatchBTF compares every Go mirror with the struct of the same
+// name in the object's BTF: total size, and the name, offset and size of
+// each field. The C side asserts the sizes with _Static_assert too, so a
+// layout can change on neither side alone.
+func TestLayoutsMatchBTF(t *testing.T) {
+	spec, err := loadService()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		cname string
+		size  uint32
+		goVal any
+	}{
+		{"fluxvm_svc4_key", 8, SvcKey4{}},
+		{"fluxvm_svc6_key", 20, SvcKey6{}},
+		{"fluxvm_svc_value", 24, SvcValue{}},
+		{"fluxvm_guard", 8, Guard{}},
+		{"fluxvm_backend", 32, Backend{}},
+		{"fluxvm_tuple4", 16, Tuple4{}},
+		{"fluxvm_tuple6", 40, Tuple6{}},
+		{"fluxvm_ct_value", 40, CTValue{}},
+		{"fluxvm_nat_value", 40, NATValue{}},
+		{"fluxvm_svc_stats_value", 64, ServiceStats{}},
+		{"fluxvm_meta_value", 48, Meta{}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.cname, func(t *testing.T) {
+			var st *btf.Struct
+			if err := spec.Types.TypeByName(tt.cname, &st); err != nil {
+				t.Fatalf("not in BTF: %v", err)
+			}
+			gt := reflect.TypeOf(tt.goVal)
+			if st.Size != tt.size || uintptr(st.Size) != gt.Size() {
+				t.Fatalf("size: C %d, Go %d, want %d", st.Size, gt.Size(), tt.size)
+			}
+			var fields []reflect.StructField
+			for i := range gt.NumField() {
+				if f := gt.Field(i); f.Name != "_" {
+					fields = append(fields, f)
+				}
+			}
+			if len(fields) != len(st.Members) {
+				t.Fatalf("C has %d fields, Go %d", len(st.Members), len(fields))
+			}
+			for i, m := range st.Members {
+				f := fields[i]
+				if !strings.EqualFold(strings.ReplaceAll(m.Name, "_", ""), f.Name) {
+					t.Errorf("field %d: C %s, Go %s", i, m.Name, f.Name)
+				}
+				if uint32(m.Offset.Bytes()) != uint32(f.Offset) {
+					t.Errorf("%s: C offset %d, Go %d", m.Name, m.Offset.Bytes(), f.Offset)
+				}
+				sz, err := btf.Sizeof(m.Type)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if uintptr(sz) != f.Type.Size() {
+					t.Errorf("%s: C size %d, Go %d", m.Name, sz, f.Type.Size())
+				}
+			}
+		})
+	}
+}
+
+func TestAddrWordsRoundTrip(t *testing.T) {
+	for _, s := range []string{"10.1.2.3", "::ffff:10.1.2.3", "fd00::1", "2001:db8::ff:1"} {
+		a := netip.MustParseAddr(s)
+		fam := uint8(FamilyIPv6)
+		if a.Is4() || a.Is4In6() {
+			fam = FamilyIPv4
+		}
+		if got := Addr(AddrWords(a), fam); got != a.Unmap() {
+			t.Errorf("%s: round trip gave %s", s, got)
+		}
+	}
+	if Port(Port(8080)) != 8080 {
+		t.Error("Port is not its own inverse")
+	}
+}

@@ -1,0 +1,105 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Conntrack: protocol state and deadlines of forward-affinity entries.
+ *
+ * The datapath only writes deadlines; expired entries are removed by the
+ * userspace GC (conntrack.Map.GC), which also removes entries whose
+ * backend's drain deadline passed. Times are CLOCK_MONOTONIC in coarse
+ * resolution (bpf_ktime_get_coarse_ns), which is plenty for timeouts of
+ * seconds and much cheaper per packet.
+ */
+#ifndef FLUXVM_LIB_CT_H
+#define FLUXVM_LIB_CT_H
+
+#include "maps.h"
+#include "parse.h"
+
+#define FLUXVM_TCP_FIN 0x01
+#define FLUXVM_TCP_SYN 0x02
+#define FLUXVM_TCP_RST 0x04
+#define FLUXVM_TCP_ACK 0x10
+
+static __always_inline struct fluxvm_meta_value *fluxvm_meta_get(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&fluxvm_meta, &zero);
+}
+
+static __always_inline __u64 fluxvm_timeout_ns(const struct fluxvm_meta_value *m,
+					       __u8 state)
+{
+	__u32 s = 0;
+
+	switch (state) {
+	case FLUXVM_CT_TCP_SYN:
+		s = m ? m->timeout_tcp_syn_s : 0;
+		s = s ?: FLUXVM_TIMEOUT_TCP_SYN_S;
+		break;
+	case FLUXVM_CT_TCP_ESTABLISHED:
+		s = m ? m->timeout_tcp_established_s : 0;
+		s = s ?: FLUXVM_TIMEOUT_TCP_ESTABLISHED_S;
+		break;
+	case FLUXVM_CT_TCP_FIN:
+		s = m ? m->timeout_tcp_fin_s : 0;
+		s = s ?: FLUXVM_TIMEOUT_TCP_FIN_S;
+		break;
+	case FLUXVM_CT_TCP_RST:
+		s = m ? m->timeout_tcp_rst_s : 0;
+		s = s ?: FLUXVM_TIMEOUT_TCP_RST_S;
+		break;
+	default:
+		s = m ? m->timeout_udp_s : 0;
+		s = s ?: FLUXVM_TIMEOUT_UDP_S;
+		break;
+	}
+	return (__u64)s * 1000000000ULL;
+}
+
+static __always_inline int fluxvm_tcp_is_syn(const struct fluxvm_pkt *pkt)
+{
+	return pkt->l4_proto == IPPROTO_TCP &&
+	       (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK | FLUXVM_TCP_RST)) == FLUXVM_TCP_SYN;
+}
+
+/*
+ * The state after @pkt. @reply is set for backend -> client packets. RST
+ * wins over FIN, which wins over the handshake; a flow first seen mid-stream
+ * (for example after its entry was lost) is taken as established.
+ */
+static __always_inline __u8 fluxvm_ct_next(__u8 cur, const struct fluxvm_pkt *pkt,
+					   int reply)
+{
+	__u8 f = pkt->tcp_flags;
+
+	if (pkt->l4_proto != IPPROTO_TCP)
+		return FLUXVM_CT_UDP;
+	if (f & FLUXVM_TCP_RST)
+		return FLUXVM_CT_TCP_RST;
+	if (cur == FLUXVM_CT_TCP_RST)
+		return cur;
+	if (f & FLUXVM_TCP_FIN)
+		return FLUXVM_CT_TCP_FIN;
+	if (cur == FLUXVM_CT_NONE)
+		return fluxvm_tcp_is_syn(pkt) ? FLUXVM_CT_TCP_SYN : FLUXVM_CT_TCP_ESTABLISHED;
+	if (cur == FLUXVM_CT_TCP_SYN && !reply && (f & FLUXVM_TCP_ACK) && !(f & FLUXVM_TCP_SYN))
+		return FLUXVM_CT_TCP_ESTABLISHED;
+	return cur;
+}
+
+/*
+ * Move @ct to @state and push its deadline when the state changed or the
+ * last refresh is older than FLUXVM_CT_REFRESH_NS. Returns 1 when it wrote.
+ */
+static __always_inline int fluxvm_ct_touch(struct fluxvm_ct_value *ct, __u8 state,
+					   __u64 now)
+{
+	if (state == ct->state && now - ct->last_seen_ns < FLUXVM_CT_REFRESH_NS)
+		return 0;
+	ct->state = state;
+	ct->last_seen_ns = now;
+	ct->deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), state);
+	return 1;
+}
+
+#endif /* FLUXVM_LIB_CT_H */

@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * The maps of BPF schema 4. Layouts are in fluxvm_service_v6.bpf.h,
+ * capacities in fluxvm_service_maps.bpf.h. Pinning is done by the Go loader,
+ * which owns the pin root and decides which maps survive a reload.
+ */
+#ifndef FLUXVM_LIB_MAPS_H
+#define FLUXVM_LIB_MAPS_H
+
+#include "common.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct fluxvm_svc4_key);
+	__type(value, struct fluxvm_svc_value);
+	__uint(max_entries, FLUXVM_MAX_FRONTENDS);
+} fluxvm_svc4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct fluxvm_svc6_key);
+	__type(value, struct fluxvm_svc_value);
+	__uint(max_entries, FLUXVM_MAX_FRONTENDS);
+} fluxvm_svc6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_backend);
+	__uint(max_entries, FLUXVM_MAX_BACKENDS);
+} fluxvm_backends SEC(".maps");
+
+/*
+ * One Maglev table per service: an array of FLUXVM_MAGLEV_SIZE backend ids
+ * indexed by flow hash % size. Userspace builds a complete new inner table
+ * and swaps it into the outer slot with one update, so a packet sees either
+ * the old table or the new one, never a mix. An empty slot means the
+ * service has no eligible backend.
+ */
+struct fluxvm_maglev_inner {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(max_entries, FLUXVM_MAGLEV_SIZE);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__type(key, __u32);
+	__uint(max_entries, FLUXVM_MAX_SERVICES);
+	__array(values, struct fluxvm_maglev_inner);
+} fluxvm_maglev SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_tuple4);
+	__type(value, struct fluxvm_ct_value);
+	__uint(max_entries, FLUXVM_CT_ENTRIES);
+} fluxvm_fct4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_tuple6);
+	__type(value, struct fluxvm_ct_value);
+	__uint(max_entries, FLUXVM_CT_ENTRIES);
+} fluxvm_fct6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_tuple4);
+	__type(value, struct fluxvm_nat_value);
+	__uint(max_entries, FLUXVM_NAT_ENTRIES);
+} fluxvm_nat4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_tuple6);
+	__type(value, struct fluxvm_nat_value);
+	__uint(max_entries, FLUXVM_NAT_ENTRIES);
+} fluxvm_nat6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_guard);
+	__uint(max_entries, FLUXVM_MAX_SERVICES);
+} fluxvm_sguard SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_svc_stats_value);
+	__uint(max_entries, FLUXVM_MAX_SERVICES);
+} fluxvm_svc_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, enum fluxvm_drop_reason); /* puts the enum in BTF for Go */
+	__type(value, __u64);
+	__uint(max_entries, FLUXVM_DROP_MAX);
+} fluxvm_drops SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, enum fluxvm_counter); /* puts the enum in BTF for Go */
+	__type(value, __u64);
+	__uint(max_entries, FLUXVM_CNT_MAX);
+} fluxvm_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_meta_value);
+	__uint(max_entries, 1);
+} fluxvm_meta SEC(".maps");
+
+#endif /* FLUXVM_LIB_MAPS_H */

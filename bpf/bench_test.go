@@ -37,7 +37,8 @@ func BenchmarkDatapath(b *testing.B) {
 	const blocks = 20
 	per := calls / blocks
 
-	h := newHarness(b)
+	// Real tier capacities: a shrunken LRU would measure eviction instead.
+	h := newHarnessSized(b, 0)
 	v4, v6 := variants()[0], variants()[2]
 	v4.setup(h)
 	v6.setup(h)

@@ -28,6 +28,13 @@ type harness struct {
 
 func newHarness(t testing.TB) *harness {
 	t.Helper()
+	return newHarnessSized(t, 4096)
+}
+
+// newHarnessSized loads the object with the lifecycle maps shrunk to
+// ctEntries (0 keeps the tier's real capacity).
+func newHarnessSized(t testing.TB, ctEntries uint32) *harness {
+	t.Helper()
 	h := &harness{t: t, th: testenv.NewThread(t)}
 	spec, err := loadService()
 	if err != nil {
@@ -37,7 +44,9 @@ func newHarness(t testing.TB) *harness {
 	// entries at tier M; the behaviour under test does not depend on
 	// capacity, and small maps keep a load per test cheap.
 	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
-		spec.Maps[name].MaxEntries = 4096
+		if ctEntries != 0 {
+			spec.Maps[name].MaxEntries = ctEntries
+		}
 	}
 	h.spec = spec
 	if err := spec.LoadAndAssign(&h.objs, nil); err != nil {

@@ -14,6 +14,7 @@
 #include <linux/udp.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 #include "../fluxvm_service_maps.bpf.h"
 #include "../fluxvm_service_v6.bpf.h"

@@ -41,10 +41,15 @@ fi
 if [ "$mode" = install ]; then
   dest="${DESTDIR:-}/usr/lib/fluxvm/bpf"
   install -d -m 0755 "$dest"
-  # bpf2go names objects <stem>_bpfel.o; operators know them as <stem>.bpf.o.
-  for obj in bpf/*_bpfel.o; do
-    name=$(basename "$obj" _bpfel.o).bpf.o
-    install -m 0644 "$obj" "$dest/$name"
+  # bpf2go names objects <stem>_bpfel.o; operators know them by the names
+  # below (bpf.ObjectName). The default object is tier M.
+  while read -r src name; do
+    install -m 0644 "bpf/$src" "$dest/$name"
     echo "installed $dest/$name"
-  done
+  done <<'LIST'
+fluxvm_service_bpfel.o fluxvm_service.bpf.o
+fluxvm_service_tier_s_bpfel.o fluxvm_service_tier_S.bpf.o
+fluxvm_service_bpfel.o fluxvm_service_tier_M.bpf.o
+fluxvm_service_tier_l_bpfel.o fluxvm_service_tier_L.bpf.o
+LIST
 fi

@@ -1,0 +1,400 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Hook is a place on an interface where a FluxVM program runs.
+type Hook uint8
+
+// Hooks. Names are from the VM's point of view.
+const (
+	// HookFromVM is TC ingress of the host side of a VM interface:
+	// packets the VM sends. East-west VIPs are translated here.
+	HookFromVM Hook = 1
+	// HookToVM is TC egress of the same interface: packets delivered to
+	// the VM. Replies get their VIP back here.
+	HookToVM Hook = 2
+)
+
+func (h Hook) String() string {
+	switch h {
+	case HookFromVM:
+		return "from_vm"
+	case HookToVM:
+		return "to_vm"
+	}
+	return fmt.Sprintf("hook(%d)", uint8(h))
+}
+
+func (h Hook) program() (string, error) {
+	switch h {
+	case HookFromVM:
+		return "fluxvm_from_vm", nil
+	case HookToVM:
+		return "fluxvm_to_vm", nil
+	}
+	return "", fmt.Errorf("bpf: %s: %w", h, ErrHook)
+}
+
+func (h Hook) ingress() bool { return h == HookFromVM }
+
+// AttachMode is how a program is attached to TC.
+type AttachMode string
+
+// Attach modes.
+const (
+	// AttachTCX uses TCX links (Linux 6.6+): ordered, owned, atomic.
+	AttachTCX AttachMode = "tcx"
+	// AttachClsBPF uses a clsact qdisc with a direct-action cls_bpf
+	// filter at priority 1, for kernels without TCX.
+	AttachClsBPF AttachMode = "cls_bpf"
+)
+
+// Errors of attach and detach, checkable with errors.Is.
+var (
+	ErrHook           = errors.New("unknown hook")
+	ErrAttachMode     = errors.New("unknown attach mode")
+	ErrForeignProgram = errors.New("a program that FluxVM does not own is in the way")
+	ErrNotAttached    = errors.New("not attached")
+)
+
+// clsName marks our cls_bpf filters; anything else at our priority is
+// someone else's and is never replaced or removed.
+const clsPrefix = "fluxvm:"
+
+// Attachment is one program on one hook of one interface.
+type Attachment struct {
+	Ifname  string
+	Ifindex int
+	Hook    Hook
+	Mode    AttachMode
+	Program string
+}
+
+// Interface names an interface by name or by index (one is enough).
+type Interface struct {
+	Name  string
+	Index int
+}
+
+func (i Interface) resolve() (string, int, error) {
+	var (
+		ifc *net.Interface
+		err error
+	)
+	if i.Index > 0 {
+		ifc, err = net.InterfaceByIndex(i.Index)
+	} else {
+		ifc, err = net.InterfaceByName(i.Name)
+	}
+	if err != nil {
+		return "", 0, fmt.Errorf("bpf: interface %+v: %w", i, err)
+	}
+	if i.Name != "" && i.Index > 0 && ifc.Name != i.Name {
+		return "", 0, fmt.Errorf("bpf: interface index %d is %s, not %s", i.Index, ifc.Name, i.Name)
+	}
+	return ifc.Name, ifc.Index, nil
+}
+
+// Attach puts the hook's program first on the interface, in the calling
+// thread's network namespace. It is idempotent: attaching again updates the
+// program in place. TCX links are pinned under the pin root so that the
+// program stays attached after this process exits.
+func (d *Datapath) Attach(ifc Interface, hook Hook) (Attachment, error) {
+	if d.coll == nil {
+		return Attachment{}, ErrClosed
+	}
+	progName, err := hook.program()
+	if err != nil {
+		return Attachment{}, err
+	}
+	name, index, err := ifc.resolve()
+	if err != nil {
+		return Attachment{}, err
+	}
+	prog := d.coll.Programs[progName]
+	a := Attachment{Ifname: name, Ifindex: index, Hook: hook, Program: progName}
+
+	mode := d.opts.AttachMode
+	if mode == "" || mode == AttachTCX {
+		err := d.attachTCX(index, hook, prog)
+		if err == nil {
+			a.Mode = AttachTCX
+			return a, nil
+		}
+		if mode == AttachTCX || !errors.Is(err, ebpf.ErrNotSupported) {
+			return a, err
+		}
+	}
+	if err := attachClsBPF(index, hook, prog, progName); err != nil {
+		return a, err
+	}
+	a.Mode = AttachClsBPF
+	return a, nil
+}
+
+func (d *Datapath) linkPin(index int, hook Hook) string {
+	return filepath.Join(linkDir(d.opts.PinRoot), fmt.Sprintf("tcx_%d_%s", index, hook))
+}
+
+func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
+	pin := d.linkPin(index, hook)
+	if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+		defer l.Close()
+		if info, err := l.Info(); err == nil && info.TCX() != nil && int(info.TCX().Ifindex) == index {
+			if err := l.Update(prog); err != nil {
+				return fmt.Errorf("bpf: attach %s on %d: update link: %w", hook, index, err)
+			}
+			return nil
+		}
+		// The interface behind that pin is gone (its index now names
+		// another one): the stale pin is ours to drop.
+		l.Unpin()
+	}
+	at := ebpf.AttachTCXEgress
+	if hook.ingress() {
+		at = ebpf.AttachTCXIngress
+	}
+	l, err := link.AttachTCX(link.TCXOptions{Interface: index, Program: prog, Attach: at, Anchor: link.Head()})
+	if err != nil {
+		return fmt.Errorf("bpf: attach %s on %d (tcx): %w", hook, index, err)
+	}
+	defer l.Close()
+	if err := l.Pin(pin); err != nil {
+		return fmt.Errorf("bpf: attach %s on %d: pin link: %w", hook, index, err)
+	}
+	return nil
+}
+
+func clsParent(hook Hook) uint32 {
+	if hook.ingress() {
+		return netlink.HANDLE_MIN_INGRESS
+	}
+	return netlink.HANDLE_MIN_EGRESS
+}
+
+func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) error {
+	l, err := netlink.LinkByIndex(index)
+	if err != nil {
+		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+	}
+	q := &netlink.GenericQdisc{
+		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
+		QdiscType:  "clsact",
+	}
+	if err := netlink.QdiscAdd(q); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("bpf: attach %s on %d: clsact: %w", hook, index, err)
+	}
+	f, err := ourFilter(l, hook)
+	if err != nil {
+		return err
+	}
+	nf := &netlink.BpfFilter{
+		FilterAttrs: netlink.FilterAttrs{
+			LinkIndex: index, Parent: clsParent(hook), Handle: netlink.MakeHandle(0, 1),
+			Protocol: unix.ETH_P_ALL, Priority: 1,
+		},
+		Fd: prog.FD(), Name: clsPrefix + progName, DirectAction: true,
+	}
+	if f != nil {
+		err = netlink.FilterReplace(nf)
+	} else {
+		err = netlink.FilterAdd(nf)
+	}
+	if err != nil {
+		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+	}
+	return nil
+}
+
+// ourFilter returns our filter at priority 1 on the hook, nil when the
+// slot is free, and ErrForeignProgram when someone else holds it.
+func ourFilter(l netlink.Link, hook Hook) (*netlink.BpfFilter, error) {
+	fs, err := netlink.FilterList(l, clsParent(hook))
+	if err != nil {
+		return nil, fmt.Errorf("bpf: list filters on %s: %w", l.Attrs().Name, err)
+	}
+	for _, f := range fs {
+		if f.Attrs().Priority != 1 {
+			continue
+		}
+		bf, ok := f.(*netlink.BpfFilter)
+		if !ok || !strings.HasPrefix(bf.Name, clsPrefix) {
+			return nil, fmt.Errorf("bpf: %s %s priority 1: %w", l.Attrs().Name, hook, ErrForeignProgram)
+		}
+		return bf, nil
+	}
+	return nil, nil
+}
+
+// Detach removes our program from the hook of the interface. A program
+// that is not ours is never removed; detaching what is not attached is
+// ErrNotAttached.
+func (d *Datapath) Detach(ifc Interface, hook Hook) error {
+	if _, err := hook.program(); err != nil {
+		return err
+	}
+	name, index, err := ifc.resolve()
+	if err != nil {
+		return err
+	}
+	pin := d.linkPin(index, hook)
+	if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+		defer l.Close()
+		if err := l.Unpin(); err != nil {
+			return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, err)
+		}
+		// Closing the last reference to an unpinned link detaches it.
+		return nil
+	}
+	l, err := netlink.LinkByIndex(index)
+	if err != nil {
+		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, err)
+	}
+	f, err := ourFilter(l, hook)
+	if err != nil {
+		return err
+	}
+	if f == nil {
+		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, ErrNotAttached)
+	}
+	if err := netlink.FilterDel(f); err != nil {
+		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, err)
+	}
+	return nil
+}
+
+// Attachments lists our attachments visible in the calling thread's
+// network namespace: pinned TCX links and our cls_bpf filters.
+func (d *Datapath) Attachments() ([]Attachment, error) {
+	var out []Attachment
+	entries, err := os.ReadDir(linkDir(d.opts.PinRoot))
+	if err != nil {
+		return nil, fmt.Errorf("bpf: attachments: %w", err)
+	}
+	for _, e := range entries {
+		index, hook, ok := parseLinkPin(e.Name())
+		if !ok {
+			continue
+		}
+		a := Attachment{Ifindex: index, Hook: hook, Mode: AttachTCX}
+		a.Program, _ = hook.program()
+		if ifc, err := net.InterfaceByIndex(index); err == nil {
+			a.Ifname = ifc.Name
+		}
+		out = append(out, a)
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("bpf: attachments: %w", err)
+	}
+	for _, l := range links {
+		for _, hook := range []Hook{HookFromVM, HookToVM} {
+			f, err := ourFilter(l, hook)
+			if err != nil || f == nil {
+				continue
+			}
+			out = append(out, Attachment{Ifname: l.Attrs().Name, Ifindex: l.Attrs().Index, Hook: hook, Mode: AttachClsBPF, Program: strings.TrimPrefix(f.Name, clsPrefix)})
+		}
+	}
+	return out, nil
+}
+
+func parseLinkPin(name string) (int, Hook, bool) {
+	rest, ok := strings.CutPrefix(name, "tcx_")
+	if !ok {
+		return 0, 0, false
+	}
+	idx, hookName, ok := strings.Cut(rest, "_")
+	if !ok {
+		return 0, 0, false
+	}
+	index, err := strconv.Atoi(idx)
+	if err != nil {
+		return 0, 0, false
+	}
+	for _, h := range []Hook{HookFromVM, HookToVM} {
+		if h.String() == hookName {
+			return index, h, true
+		}
+	}
+	return 0, 0, false
+}
+
+// updateLinks points every pinned link at the freshly loaded program of
+// its hook and returns the names of the links it updated.
+func (d *Datapath) updateLinks() ([]string, error) {
+	entries, err := os.ReadDir(linkDir(d.opts.PinRoot))
+	if err != nil {
+		return nil, fmt.Errorf("bpf: open: %w", err)
+	}
+	var updated []string
+	for _, e := range entries {
+		_, hook, ok := parseLinkPin(e.Name())
+		if !ok {
+			continue
+		}
+		progName, _ := hook.program()
+		l, err := link.LoadPinnedLink(filepath.Join(linkDir(d.opts.PinRoot), e.Name()), nil)
+		if err != nil {
+			return updated, fmt.Errorf("bpf: open: pinned link %s: %w", e.Name(), err)
+		}
+		err = l.Update(d.coll.Programs[progName])
+		l.Close()
+		if err != nil {
+			return updated, fmt.Errorf("bpf: open: update link %s: %w", e.Name(), err)
+		}
+		updated = append(updated, e.Name())
+	}
+	return updated, nil
+}
+
+// Remove detaches every attachment of ours in the calling thread's network
+// namespace, removes the pin root with everything pinned in it, and closes
+// the datapath. Nothing outside the pin root is touched.
+func (d *Datapath) Remove() error {
+	var errs []error
+	if as, err := d.Attachments(); err == nil {
+		for _, a := range as {
+			if a.Mode == AttachClsBPF {
+				errs = append(errs, d.Detach(Interface{Index: a.Ifindex}, a.Hook))
+			}
+		}
+	} else {
+		errs = append(errs, err)
+	}
+	d.Close()
+	// Unpinning the links and maps drops the kernel's last references.
+	for _, dir := range []string{linkDir(d.opts.PinRoot), mapDir(d.opts.PinRoot)} {
+		entries, err := os.ReadDir(dir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+			continue
+		}
+		for _, e := range entries {
+			errs = append(errs, os.Remove(filepath.Join(dir, e.Name())))
+		}
+		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.Remove(d.opts.PinRoot); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("bpf: remove %s (not empty: something else lives there?): %w", d.opts.PinRoot, err))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("bpf: remove: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,478 @@
+package bpf
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/bpffs"
+)
+
+// ProgramGeneration identifies the programs of this SDK release. Pinned
+// state written by an older generation keeps its lifecycle maps (conntrack
+// and reverse NAT) across the reload; every other map is recreated, which
+// leaves each service guard closed until the control plane reprograms it.
+const ProgramGeneration = 1
+
+// DefaultPinRoot is the pin root a node uses unless told otherwise.
+const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"
+
+// LifecycleMaps hold flow state that must survive program reloads,
+// upgrades and daemon restarts.
+var LifecycleMaps = []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"}
+
+// Errors of the loader, checkable with errors.Is.
+var (
+	ErrPinRoot        = errors.New("invalid pin root")
+	ErrObjectMismatch = errors.New("object does not match this SDK's map layouts")
+	ErrClosed         = errors.New("datapath is closed")
+)
+
+// Options configure Open. The zero value loads the embedded tier M object
+// under DefaultPinRoot.
+type Options struct {
+	// PinRoot is the directory on bpffs that this datapath owns. Nothing
+	// outside it is ever created or removed. Default DefaultPinRoot.
+	PinRoot string
+	// Tier selects map capacities. Default DefaultTier.
+	Tier Tier
+	// ObjectDir, when set, loads the object from this directory
+	// (ObjectName(tier)) instead of the embedded one.
+	ObjectDir string
+	// HashSeed seeds the datapath's flow hash when the maps are created;
+	// 0 picks a random seed. An existing seed in the pins is kept, so
+	// restarts do not move flows.
+	HashSeed uint64
+	// AttachMode forces TCX or cls_bpf; empty picks TCX where the kernel
+	// has it.
+	AttachMode AttachMode
+}
+
+// Status says what Open found in the pin root and what it did.
+type Status struct {
+	PinRoot       string
+	SchemaVersion uint32
+	Generation    uint32
+	Tier          Tier
+	Capacities    Capacities
+	// Created: the pin root held no state; everything is new.
+	Created bool
+	// SchemaRebuilt: the pins had another (or no readable) schema and the
+	// owned root was rebuilt. PreviousSchema is 0 when it was unreadable.
+	SchemaRebuilt  bool
+	PreviousSchema uint32
+	// Reloaded: the pins came from another program generation; lifecycle
+	// maps were kept and every other map recreated.
+	Reloaded           bool
+	PreviousGeneration uint32
+	// TierChanged: the maps were recreated at the new tier's capacities;
+	// Migrated lifecycle entries were carried over, NotMigrated did not fit.
+	TierChanged  bool
+	PreviousTier Tier
+	Migrated     int
+	NotMigrated  int
+	// KeptMaps and NewMaps name the maps reused from the pins and the maps
+	// created by this Open.
+	KeptMaps, NewMaps []string
+	// Links lists the pinned attachments whose program was updated.
+	Links []string
+}
+
+// Datapath is the loaded TC object with its maps pinned under one owned
+// pin root. Close releases this process's handles and leaves pins and
+// attachments in place, so traffic keeps flowing while no process runs;
+// Remove tears everything down.
+type Datapath struct {
+	opts   Options
+	spec   *ebpf.CollectionSpec
+	coll   *ebpf.Collection
+	status Status
+}
+
+// Open loads the datapath, adopting or rebuilding the state in the pin
+// root as Status describes. It never touches anything outside the root.
+func Open(opts Options) (*Datapath, error) {
+	if opts.PinRoot == "" {
+		opts.PinRoot = DefaultPinRoot
+	}
+	if opts.Tier == 0 {
+		opts.Tier = DefaultTier
+	}
+	if opts.AttachMode != "" && opts.AttachMode != AttachTCX && opts.AttachMode != AttachClsBPF {
+		return nil, fmt.Errorf("bpf: open: attach mode %q: %w", opts.AttachMode, ErrAttachMode)
+	}
+	root, err := checkPinRoot(opts.PinRoot)
+	if err != nil {
+		return nil, err
+	}
+	opts.PinRoot = root
+	spec, err := loadSpec(opts)
+	if err != nil {
+		return nil, err
+	}
+	caps, err := CapacitiesOf(spec)
+	if err != nil {
+		return nil, err
+	}
+	for _, dir := range []string{root, mapDir(root), linkDir(root)} {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, fmt.Errorf("bpf: open: %w", err)
+		}
+	}
+
+	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps}
+	pinned, prev, err := adoptPins(root, spec, &st)
+	defer func() {
+		for _, m := range pinned {
+			m.Close()
+		}
+	}()
+	if err != nil {
+		return nil, err
+	}
+
+	// Build the full map set: reused pins, or new maps (not pinned until
+	// the programs loaded, so a failed Open leaves the old state alone).
+	maps := make(map[string]*ebpf.Map, len(spec.Maps))
+	var fresh []*ebpf.Map
+	closeFresh := func() {
+		for _, m := range fresh {
+			m.Close()
+		}
+	}
+	for name, ms := range spec.Maps {
+		if m, ok := pinned[name]; ok && compatible(m, ms) {
+			maps[name] = m
+			st.KeptMaps = append(st.KeptMaps, name)
+			continue
+		}
+		m, err := ebpf.NewMap(ms)
+		if err != nil {
+			closeFresh()
+			return nil, fmt.Errorf("bpf: open: create %s: %w", name, err)
+		}
+		fresh = append(fresh, m)
+		maps[name] = m
+		st.NewMaps = append(st.NewMaps, name)
+		if old, ok := pinned[name]; ok && slices.Contains(LifecycleMaps, name) {
+			moved, dropped, err := migrate(old, m)
+			if err != nil {
+				closeFresh()
+				return nil, fmt.Errorf("bpf: open: migrate %s: %w", name, err)
+			}
+			st.Migrated += moved
+			st.NotMigrated += dropped
+		}
+	}
+	slices.Sort(st.KeptMaps)
+	slices.Sort(st.NewMaps)
+
+	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: maps})
+	if err != nil {
+		closeFresh()
+		return nil, fmt.Errorf("bpf: open: load programs: %w", err)
+	}
+	d := &Datapath{opts: opts, spec: spec, coll: coll, status: st}
+	closeFresh() // the collection holds its own references now
+
+	if err := d.writeMeta(prev); err != nil {
+		d.Close()
+		return nil, err
+	}
+	// Pin the new maps in place of whatever stood there.
+	for _, name := range st.NewMaps {
+		path := filepath.Join(mapDir(root), name)
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			d.Close()
+			return nil, fmt.Errorf("bpf: open: replace pin %s: %w", name, err)
+		}
+		if err := d.coll.Maps[name].Pin(path); err != nil {
+			d.Close()
+			return nil, fmt.Errorf("bpf: open: pin %s: %w", name, err)
+		}
+	}
+	// Programs attached by an earlier process run the old code until
+	// their links are pointed at the new programs.
+	if d.status.Links, err = d.updateLinks(); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// Status reports what Open found and did.
+func (d *Datapath) Status() Status { return d.status }
+
+// Map returns the map called name (for example "fluxvm_fct4"), or nil.
+// Packages above this one wrap the maps they own in typed APIs.
+func (d *Datapath) Map(name string) *ebpf.Map {
+	if d.coll == nil {
+		return nil
+	}
+	return d.coll.Maps[name]
+}
+
+// Program returns the program called name, or nil.
+func (d *Datapath) Program(name string) *ebpf.Program {
+	if d.coll == nil {
+		return nil
+	}
+	return d.coll.Programs[name]
+}
+
+// Spec returns the collection spec the datapath was loaded from. Its
+// fluxvm_maglev InnerMap is the template for new Maglev tables.
+func (d *Datapath) Spec() *ebpf.CollectionSpec { return d.spec }
+
+// Close releases this process's handles. Pins and attachments stay.
+func (d *Datapath) Close() error {
+	if d.coll != nil {
+		d.coll.Close()
+		d.coll = nil
+	}
+	return nil
+}
+
+// ReadMeta returns the meta map's entry.
+func (d *Datapath) ReadMeta() (Meta, error) {
+	var m Meta
+	mm := d.Map("fluxvm_meta")
+	if mm == nil {
+		return m, ErrClosed
+	}
+	if err := mm.Lookup(uint32(0), &m); err != nil {
+		return m, fmt.Errorf("bpf: read meta: %w", err)
+	}
+	return m, nil
+}
+
+// UpdateMeta changes the tunable fields of the meta map (timeouts, flags)
+// with f. Identity fields (schema, generation, tier, hash seed) keep their
+// values whatever f does to them.
+func (d *Datapath) UpdateMeta(f func(*Meta)) error {
+	m, err := d.ReadMeta()
+	if err != nil {
+		return err
+	}
+	keep := m
+	f(&m)
+	m.SchemaVersion, m.ProgramGeneration, m.Tier, m.HashSeed = keep.SchemaVersion, keep.ProgramGeneration, keep.Tier, keep.HashSeed
+	if err := d.Map("fluxvm_meta").Put(uint32(0), m); err != nil {
+		return fmt.Errorf("bpf: update meta: %w", err)
+	}
+	return nil
+}
+
+// writeMeta stamps schema, generation and tier, keeping the previous hash
+// seed and timeouts when the meta map was adopted.
+func (d *Datapath) writeMeta(prev *Meta) error {
+	m := Meta{}
+	if prev != nil {
+		m = *prev
+	}
+	m.SchemaVersion = SchemaVersion
+	m.ProgramGeneration = ProgramGeneration
+	m.Tier = uint32(d.opts.Tier)
+	if m.HashSeed == 0 {
+		m.HashSeed = d.opts.HashSeed
+	}
+	if m.HashSeed == 0 {
+		var b [8]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return fmt.Errorf("bpf: hash seed: %w", err)
+		}
+		m.HashSeed = binary.LittleEndian.Uint64(b[:]) | 1
+	}
+	if err := d.coll.Maps["fluxvm_meta"].Put(uint32(0), m); err != nil {
+		return fmt.Errorf("bpf: write meta: %w", err)
+	}
+	return nil
+}
+
+func loadSpec(opts Options) (*ebpf.CollectionSpec, error) {
+	embedded, err := Spec(opts.Tier)
+	if err != nil {
+		return nil, err
+	}
+	if opts.ObjectDir == "" {
+		return embedded, nil
+	}
+	spec, err := SpecFromDir(opts.ObjectDir, opts.Tier)
+	if err != nil {
+		return nil, err
+	}
+	for name, want := range embedded.Maps {
+		got := spec.Maps[name]
+		if got == nil || got.Type != want.Type || got.KeySize != want.KeySize || got.ValueSize != want.ValueSize || got.MaxEntries != want.MaxEntries {
+			return nil, fmt.Errorf("bpf: %s: map %s: %w", ObjectName(opts.Tier), name, ErrObjectMismatch)
+		}
+	}
+	return spec, nil
+}
+
+// checkPinRoot makes sure root is an absolute directory strictly below a
+// bpffs mount, mounting bpffs at /sys/fs/bpf on a machine without one.
+func checkPinRoot(root string) (string, error) {
+	if !filepath.IsAbs(root) {
+		return "", fmt.Errorf("bpf: pin root %q: %w: not absolute", root, ErrPinRoot)
+	}
+	root = filepath.Clean(root)
+	if strings.HasPrefix(root+"/", bpffs.DefaultRoot+"/") {
+		if root == bpffs.DefaultRoot {
+			return "", fmt.Errorf("bpf: pin root %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
+		}
+		if err := bpffs.Ensure(bpffs.DefaultRoot); err != nil {
+			return "", fmt.Errorf("bpf: pin root: %w", err)
+		}
+	}
+	parent := filepath.Dir(root)
+	for {
+		if _, err := os.Stat(parent); err == nil {
+			break
+		}
+		parent = filepath.Dir(parent)
+	}
+	ok, err := bpffs.IsBPFFS(parent)
+	if err != nil {
+		return "", fmt.Errorf("bpf: pin root: %w", err)
+	}
+	if !ok {
+		return "", fmt.Errorf("bpf: pin root %q: %w: %s is not on bpffs", root, ErrPinRoot, parent)
+	}
+	return root, nil
+}
+
+func mapDir(root string) string  { return filepath.Join(root, "maps") }
+func linkDir(root string) string { return filepath.Join(root, "links") }
+
+// adoptPins opens the maps pinned under root and decides, from the meta
+// map, which of them may be reused. It removes pins that must not be (and
+// only our own names). It returns the adoptable maps by name and the
+// previous meta entry when the meta map itself is kept.
+func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*ebpf.Map, *Meta, error) {
+	entries, err := os.ReadDir(mapDir(root))
+	if err != nil {
+		return nil, nil, fmt.Errorf("bpf: open: %w", err)
+	}
+	var ours []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), "fluxvm_") {
+			ours = append(ours, e.Name())
+		}
+	}
+	if len(ours) == 0 {
+		st.Created = true
+		return nil, nil, nil
+	}
+	pinned := make(map[string]*ebpf.Map)
+	closeAll := func() {
+		for _, m := range pinned {
+			m.Close()
+		}
+	}
+	for _, name := range ours {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(mapDir(root), name), nil)
+		if err != nil {
+			continue // an unreadable pin is rebuilt below
+		}
+		pinned[name] = m
+	}
+
+	var prev Meta
+	metaOK := false
+	if mm := pinned["fluxvm_meta"]; mm != nil && mm.ValueSize() == uint32(binary.Size(prev)) {
+		metaOK = mm.Lookup(uint32(0), &prev) == nil
+	}
+	switch {
+	case !metaOK || prev.SchemaVersion != SchemaVersion:
+		// Another schema: nothing is reusable. Remove every pin of ours.
+		st.SchemaRebuilt = true
+		if metaOK {
+			st.PreviousSchema = prev.SchemaVersion
+		}
+		closeAll()
+		for _, name := range ours {
+			if err := os.Remove(filepath.Join(mapDir(root), name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return nil, nil, fmt.Errorf("bpf: rebuild pin root: %w", err)
+			}
+		}
+		return nil, nil, nil
+	}
+
+	keep := func(name string) bool { return true }
+	if prev.ProgramGeneration != ProgramGeneration {
+		st.Reloaded = true
+		st.PreviousGeneration = prev.ProgramGeneration
+		keep = func(name string) bool { return slices.Contains(LifecycleMaps, name) }
+	}
+	if Tier(prev.Tier) != st.Tier {
+		st.TierChanged = true
+		st.PreviousTier = Tier(prev.Tier)
+	}
+	for name, m := range pinned {
+		if spec.Maps[name] == nil || !keep(name) {
+			// Lifecycle maps stay open for migration even when their
+			// size changed; everything else is recreated.
+			if !slices.Contains(LifecycleMaps, name) || spec.Maps[name] == nil {
+				m.Close()
+				delete(pinned, name)
+			}
+		}
+	}
+	var meta *Meta
+	if pinned["fluxvm_meta"] != nil && compatible(pinned["fluxvm_meta"], spec.Maps["fluxvm_meta"]) {
+		meta = &prev
+	}
+	return pinned, meta, nil
+}
+
+// compatible reports whether a pinned map can stand in for spec as is.
+// (A map-in-map's inner template is not visible through the pin; a
+// mismatch there makes the program load fail loudly instead.)
+func compatible(m *ebpf.Map, spec *ebpf.MapSpec) bool {
+	return m.Type() == spec.Type && m.KeySize() == spec.KeySize && m.ValueSize() == spec.ValueSize &&
+		m.MaxEntries() == spec.MaxEntries && m.Flags() == spec.Flags
+}
+
+// migrate copies the entries of old into new and returns how many arrived
+// and how many did not. The count is taken from new afterwards, because an
+// LRU map makes room by evicting rather than refusing an insert.
+func migrate(old, new *ebpf.Map) (moved, dropped int, err error) {
+	total, err := countEntries(old)
+	if err != nil {
+		return 0, 0, err
+	}
+	if old.KeySize() == new.KeySize() && old.ValueSize() == new.ValueSize() {
+		k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+		it := old.Iterate()
+		for it.Next(&k, &v) {
+			// A full hash map refuses; the entry is then counted as
+			// not migrated below.
+			_ = new.Update(k, v, ebpf.UpdateNoExist)
+		}
+		if err := it.Err(); err != nil {
+			return 0, 0, err
+		}
+	}
+	if moved, err = countEntries(new); err != nil {
+		return 0, 0, err
+	}
+	return moved, total - moved, nil
+}
+
+func countEntries(m *ebpf.Map) (int, error) {
+	n := 0
+	k, v := make([]byte, m.KeySize()), make([]byte, m.ValueSize())
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	return n, it.Err()
+}

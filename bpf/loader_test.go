@@ -1,0 +1,353 @@
+package bpf
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/internal/testenv"
+)
+
+func openT(t *testing.T, opts Options) *Datapath {
+	t.Helper()
+	d, err := Open(opts)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+func ctKey(i int) Tuple4 {
+	return Tuple4{Saddr: uint32(i) + 1, Daddr: 0x0a60000a, Sport: Port(uint16(1000 + i%60000)), Dport: Port(80), Proto: ipTCP}
+}
+
+func putCT(t *testing.T, d *Datapath, n int) {
+	t.Helper()
+	m := d.Map("fluxvm_fct4")
+	keys := make([]Tuple4, n)
+	vals := make([]CTValue, n)
+	for i := range keys {
+		keys[i] = ctKey(i)
+		vals[i] = CTValue{ServiceId: 1, BackendId: uint32(i%3 + 1), State: uint8(CTTCPEstablished)}
+	}
+	if _, err := m.BatchUpdate(keys, vals, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func count(t *testing.T, m *ebpf.Map) int {
+	t.Helper()
+	n, err := countEntries(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestOpenFreshAndRestart(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS, HashSeed: 0xfeed})
+	st := d.Status()
+	if !st.Created || st.SchemaRebuilt || st.Reloaded || st.TierChanged || len(st.KeptMaps) != 0 {
+		t.Errorf("fresh open status %+v", st)
+	}
+	meta, err := d.ReadMeta()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if meta.SchemaVersion != SchemaVersion || meta.ProgramGeneration != ProgramGeneration || Tier(meta.Tier) != TierS || meta.HashSeed != 0xfeed {
+		t.Errorf("meta %+v", meta)
+	}
+	for name := range d.Spec().Maps {
+		if _, err := os.Stat(filepath.Join(root, "maps", name)); err != nil {
+			t.Errorf("map %s not pinned: %v", name, err)
+		}
+	}
+	putCT(t, d, 10)
+	svc := SvcKey4{Vip: 0x0a60000a, Port: Port(80), Proto: ipTCP}
+	if err := d.Map("fluxvm_svc4").Put(svc, SvcValue{ServiceId: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.UpdateMeta(func(m *Meta) { m.TimeoutUdpS = 99; m.HashSeed = 1 }); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+
+	// A restart adopts every map: flows, services, seed and timeouts.
+	d = openT(t, Options{PinRoot: root, Tier: TierS, HashSeed: 0xbad})
+	st = d.Status()
+	if st.Created || st.SchemaRebuilt || st.Reloaded || st.TierChanged || len(st.NewMaps) != 0 {
+		t.Errorf("restart status %+v", st)
+	}
+	if n := count(t, d.Map("fluxvm_fct4")); n != 10 {
+		t.Errorf("conntrack entries after restart: %d, want 10", n)
+	}
+	var v SvcValue
+	if err := d.Map("fluxvm_svc4").Lookup(svc, &v); err != nil {
+		t.Errorf("service lost across restart: %v", err)
+	}
+	meta, _ = d.ReadMeta()
+	if meta.HashSeed != 0xfeed || meta.TimeoutUdpS != 99 {
+		t.Errorf("meta after restart %+v (seed must be kept, UpdateMeta must not change it)", meta)
+	}
+}
+
+func TestOpenSchemaMismatchRebuildsOnlyOurRoot(t *testing.T) {
+	base := testenv.PinRoot(t)
+	root := filepath.Join(base, "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS})
+	putCT(t, d, 5)
+	if err := d.Map("fluxvm_meta").Put(uint32(0), Meta{SchemaVersion: 3, ProgramGeneration: ProgramGeneration, Tier: uint32(TierS)}); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	// Neighbours that are not ours: a pin beside the root, a directory
+	// inside it.
+	other, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if err := other.Pin(filepath.Join(base, "someone_else")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(root, "theirs"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+
+	d = openT(t, Options{PinRoot: root, Tier: TierS})
+	st := d.Status()
+	if !st.SchemaRebuilt || st.PreviousSchema != 3 || len(st.KeptMaps) != 0 {
+		t.Errorf("status %+v, want a rebuild from schema 3", st)
+	}
+	if n := count(t, d.Map("fluxvm_fct4")); n != 0 {
+		t.Errorf("%d conntrack entries survived a schema change", n)
+	}
+	for _, p := range []string{filepath.Join(base, "someone_else"), filepath.Join(root, "theirs")} {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("%s was touched: %v", p, err)
+		}
+	}
+	os.Remove(filepath.Join(root, "theirs"))
+}
+
+func TestOpenGenerationBumpKeepsLifecycleMaps(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS})
+	putCT(t, d, 7)
+	if err := d.Map("fluxvm_nat4").Put(Tuple4{Saddr: 1, Proto: ipTCP}, NATValue{ServiceId: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Map("fluxvm_sguard").Put(uint32(1), Guard{State: GuardOpen}); err != nil {
+		t.Fatal(err)
+	}
+	meta, _ := d.ReadMeta()
+	meta.ProgramGeneration = ProgramGeneration - 1 + 100 // another generation
+	if err := d.Map("fluxvm_meta").Put(uint32(0), meta); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+
+	d = openT(t, Options{PinRoot: root, Tier: TierS})
+	st := d.Status()
+	if !st.Reloaded || st.PreviousGeneration != ProgramGeneration+99 {
+		t.Errorf("status %+v, want a generation reload", st)
+	}
+	for _, name := range LifecycleMaps {
+		if !slices.Contains(st.KeptMaps, name) {
+			t.Errorf("lifecycle map %s not kept (kept %v)", name, st.KeptMaps)
+		}
+	}
+	if n := count(t, d.Map("fluxvm_fct4")); n != 7 {
+		t.Errorf("conntrack entries: %d, want 7", n)
+	}
+	if n := count(t, d.Map("fluxvm_nat4")); n != 1 {
+		t.Errorf("nat entries: %d, want 1", n)
+	}
+	var g Guard
+	if err := d.Map("fluxvm_sguard").Lookup(uint32(1), &g); err != nil || g.State == GuardOpen {
+		t.Errorf("guard %+v (%v): a reload must leave guards closed until reprogrammed", g, err)
+	}
+	if meta, _ := d.ReadMeta(); meta.ProgramGeneration != ProgramGeneration {
+		t.Errorf("meta generation %d", meta.ProgramGeneration)
+	}
+}
+
+func TestOpenTierChangeMigrates(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS})
+	putCT(t, d, 1000)
+	d.Close()
+
+	d = openT(t, Options{PinRoot: root, Tier: TierM})
+	st := d.Status()
+	if !st.TierChanged || st.PreviousTier != TierS || st.Migrated != 1000 || st.NotMigrated != 0 {
+		t.Errorf("S->M status %+v, want 1000 migrated", st)
+	}
+	if n := count(t, d.Map("fluxvm_fct4")); n != 1000 {
+		t.Errorf("entries after S->M: %d", n)
+	}
+	if got := d.Map("fluxvm_fct4").MaxEntries(); got != 262144 {
+		t.Errorf("tier M conntrack capacity %d", got)
+	}
+	// Back down with more flows than tier S holds.
+	putCT(t, d, 70000)
+	d.Close()
+	d = openT(t, Options{PinRoot: root, Tier: TierS})
+	st = d.Status()
+	n := count(t, d.Map("fluxvm_fct4"))
+	if !st.TierChanged || st.Migrated != n || st.Migrated+st.NotMigrated != 70000 || st.NotMigrated == 0 {
+		t.Errorf("M->S status %+v with %d entries present", st, n)
+	}
+	t.Logf("M->S: migrated %d, did not fit %d", st.Migrated, st.NotMigrated)
+}
+
+func TestOpenRejectsBadRoots(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	for _, root := range []string{"relative/root", "/sys/fs/bpf", t.TempDir()} {
+		if _, err := Open(Options{PinRoot: root}); !errors.Is(err, ErrPinRoot) {
+			t.Errorf("Open(%q) = %v, want ErrPinRoot", root, err)
+		}
+	}
+	if _, err := Open(Options{PinRoot: "/sys/fs/bpf/x", AttachMode: "xdp"}); !errors.Is(err, ErrAttachMode) {
+		t.Errorf("bad attach mode: %v", err)
+	}
+}
+
+// tcxPrograms lists the program IDs attached by TCX on a hook.
+func tcxPrograms(t *testing.T, index int, at ebpf.AttachType) []ebpf.ProgramID {
+	t.Helper()
+	res, err := link.QueryPrograms(link.QueryOptions{Target: index, Attach: at})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []ebpf.ProgramID
+	for _, p := range res.Programs {
+		ids = append(ids, p.ID)
+	}
+	return ids
+}
+
+func TestAttachTCX(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		_, rx, err := testenv.VethPair("fvtx", "fvrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		idx := rx.Attrs().Index
+		d := openT(t, Options{PinRoot: root, Tier: TierS})
+		for range 2 { // idempotent
+			for _, h := range []Hook{HookFromVM, HookToVM} {
+				a, err := d.Attach(Interface{Name: "fvrx"}, h)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if a.Mode != AttachTCX || a.Ifindex != idx || a.Ifname != "fvrx" {
+					t.Errorf("attachment %+v", a)
+				}
+			}
+		}
+		if n := len(tcxPrograms(t, idx, ebpf.AttachTCXIngress)); n != 1 {
+			t.Fatalf("%d ingress programs after attaching twice, want 1", n)
+		}
+		as, err := d.Attachments()
+		if err != nil || len(as) != 2 {
+			t.Fatalf("attachments %+v, %v", as, err)
+		}
+
+		// A process exit leaves the programs attached; a restart moves
+		// the links to its new programs.
+		d.Close()
+		before := tcxPrograms(t, idx, ebpf.AttachTCXIngress)
+		if len(before) != 1 {
+			t.Fatalf("program gone after Close: %v", before)
+		}
+		d = openT(t, Options{PinRoot: root, Tier: TierS})
+		if got := d.Status().Links; len(got) != 2 {
+			t.Errorf("links updated on reopen: %v", got)
+		}
+		after := tcxPrograms(t, idx, ebpf.AttachTCXIngress)
+		info, _ := d.Program("fluxvm_from_vm").Info()
+		id, _ := info.ID()
+		if len(after) != 1 || after[0] != id {
+			t.Errorf("ingress runs %v, want the reopened program %d", after, id)
+		}
+
+		if err := d.Detach(Interface{Index: idx}, HookFromVM); err != nil {
+			t.Fatal(err)
+		}
+		if n := len(tcxPrograms(t, idx, ebpf.AttachTCXIngress)); n != 0 {
+			t.Errorf("%d ingress programs after detach", n)
+		}
+		if err := d.Detach(Interface{Index: idx}, HookFromVM); !errors.Is(err, ErrNotAttached) {
+			t.Errorf("second detach: %v, want ErrNotAttached", err)
+		}
+		if err := d.Remove(); err != nil {
+			t.Fatal(err)
+		}
+		if n := len(tcxPrograms(t, idx, ebpf.AttachTCXEgress)); n != 0 {
+			t.Errorf("%d egress programs after Remove", n)
+		}
+		if _, err := os.Stat(root); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("pin root still there after Remove: %v", err)
+		}
+	})
+}
+
+func TestAttachClsBPF(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		_, rx, err := testenv.VethPair("fvtx", "fvrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := openT(t, Options{PinRoot: root, Tier: TierS, AttachMode: AttachClsBPF})
+		for range 2 {
+			a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookFromVM)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if a.Mode != AttachClsBPF {
+				t.Errorf("mode %s", a.Mode)
+			}
+		}
+		fs, err := netlink.FilterList(rx, netlink.HANDLE_MIN_INGRESS)
+		if err != nil || len(fs) != 1 {
+			t.Fatalf("filters %v, %v; want exactly ours", fs, err)
+		}
+		if name := fs[0].(*netlink.BpfFilter).Name; name != "fluxvm:fluxvm_from_vm" {
+			t.Errorf("filter name %q", name)
+		}
+		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookFromVM); err != nil {
+			t.Fatal(err)
+		}
+
+		// Someone else's filter at priority 1 is never replaced or removed.
+		foreign := &netlink.BpfFilter{
+			FilterAttrs: netlink.FilterAttrs{LinkIndex: rx.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS,
+				Handle: netlink.MakeHandle(0, 1), Protocol: unix.ETH_P_ALL, Priority: 1},
+			Fd: d.Program("fluxvm_to_vm").FD(), Name: "policy", DirectAction: true,
+		}
+		if err := netlink.FilterAdd(foreign); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookToVM); !errors.Is(err, ErrForeignProgram) {
+			t.Errorf("attach over a foreign filter: %v, want ErrForeignProgram", err)
+		}
+		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookToVM); !errors.Is(err, ErrForeignProgram) {
+			t.Errorf("detach of a foreign filter: %v, want ErrForeignProgram", err)
+		}
+		if fs, _ := netlink.FilterList(rx, netlink.HANDLE_MIN_EGRESS); len(fs) != 1 {
+			t.Errorf("foreign filter disturbed: %v", fs)
+		}
+	})
+}

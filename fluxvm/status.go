@@ -1,0 +1,121 @@
+package fluxvm
+
+import (
+	"net/netip"
+	"time"
+)
+
+// ServiceStatus is a service as the node has it: the stored intent and
+// what it became in the datapath.
+type ServiceStatus struct {
+	Service   Service          `json:"service"`
+	Revision  uint64           `json:"revision"`
+	AppliedAt time.Time        `json:"applied_at"`
+	Frontends []FrontendStatus `json:"frontends"`
+}
+
+// FrontendStatus is one datapath service: one VIP, port and protocol.
+type FrontendStatus struct {
+	VIP       netip.AddrPort `json:"vip"`
+	Protocol  Protocol       `json:"protocol"`
+	ServiceID uint32         `json:"service_id"`
+	// Eligible counts the Ready backends in the Maglev table; 0 means
+	// new flows are dropped (no_backend).
+	Eligible int `json:"eligible_backends"`
+	// Backends counts all backends the datapath knows for this frontend,
+	// Draining and Unhealthy ones included.
+	Backends int `json:"backends"`
+	// GuardOpen is false while the frontend is being reprogrammed or the
+	// service is disabled: its packets are dropped.
+	GuardOpen bool `json:"guard_open"`
+}
+
+// Status describes the node's dataplane.
+type Status struct {
+	SchemaVersion uint32            `json:"schema_version"`
+	Generation    uint32            `json:"program_generation"`
+	Tier          string            `json:"map_tier"`
+	PinRoot       string            `json:"pin_root"`
+	Capacities    Capacities        `json:"capacities"`
+	Load          LoadStatus        `json:"load"`
+	Interfaces    []InterfaceStatus `json:"interfaces"`
+	Services      int               `json:"services"`
+	LastGC        *GCResult         `json:"last_gc,omitempty"`
+}
+
+// Capacities are the map sizes of the loaded tier.
+type Capacities struct {
+	Services   uint32 `json:"services"`
+	Frontends  uint32 `json:"frontends"`
+	Backends   uint32 `json:"backends"`
+	MaglevSize uint32 `json:"maglev_size"`
+	Conntrack  uint32 `json:"conntrack"`
+	NAT        uint32 `json:"nat"`
+}
+
+// LoadStatus says what opening the pin root found and did.
+type LoadStatus struct {
+	Created            bool   `json:"created"`
+	SchemaRebuilt      bool   `json:"schema_rebuilt"`
+	PreviousSchema     uint32 `json:"previous_schema,omitempty"`
+	Reloaded           bool   `json:"reloaded"`
+	PreviousGeneration uint32 `json:"previous_generation,omitempty"`
+	TierChanged        bool   `json:"tier_changed"`
+	PreviousTier       string `json:"previous_tier,omitempty"`
+	Migrated           int    `json:"migrated_entries,omitempty"`
+	NotMigrated        int    `json:"not_migrated_entries,omitempty"`
+}
+
+// InterfaceStatus is one VM-edge interface and how its hooks are attached.
+type InterfaceStatus struct {
+	Name    string       `json:"name"`
+	Index   int          `json:"ifindex"`
+	VMID    string       `json:"vm_id"`
+	Hooks   []HookStatus `json:"hooks"`
+	Problem string       `json:"problem,omitempty"`
+}
+
+// HookStatus is one attached hook.
+type HookStatus struct {
+	Hook string `json:"hook"` // "from_vm" or "to_vm"
+	Mode string `json:"mode"` // "tcx" or "cls_bpf"
+}
+
+// Counters are packet and byte totals of the datapath.
+type Counters struct {
+	Packets      uint64 `json:"packets"`
+	Bytes        uint64 `json:"bytes"`
+	ReplyPackets uint64 `json:"reply_packets"`
+	ReplyBytes   uint64 `json:"reply_bytes"`
+	NewFlows     uint64 `json:"new_flows"`
+	Failovers    uint64 `json:"failovers"`
+	Drops        uint64 `json:"drops"`
+}
+
+// Stats are the node's datapath statistics.
+type Stats struct {
+	// Services by name, summed over the service's frontends.
+	Services map[string]Counters `json:"services"`
+	// Drops by reason (no_backend, guard_closed, fragment, ...).
+	Drops map[string]uint64 `json:"drops"`
+	// Parser counts packets by what the parser saw (ipv4, tcp, truncated, ...).
+	Parser map[string]uint64 `json:"parser"`
+}
+
+// VMStats are the service statistics of one VM's edge interfaces.
+type VMStats struct {
+	VMID       string   `json:"vm_id"`
+	Interfaces []string `json:"interfaces"`
+	Counters   Counters `json:"counters"`
+}
+
+// GCResult reports one conntrack garbage collection.
+type GCResult struct {
+	At       time.Time     `json:"at"`
+	Duration time.Duration `json:"duration_ns"`
+	Scanned  int           `json:"scanned"`
+	Expired  int           `json:"expired"`
+	Drained  int           `json:"drained"`
+	Orphans  int           `json:"orphans_removed"`
+	Repaired int           `json:"repaired"`
+}

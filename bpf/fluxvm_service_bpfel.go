@@ -67,6 +67,12 @@ const (
 	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 8
 )
 
+type serviceFluxvmEdgeSlot struct {
+	_       structs.HostLayout
+	Ifindex uint32
+	Slot    uint32
+}
+
 type serviceFluxvmGuard struct {
 	_        structs.HostLayout
 	State    uint32
@@ -160,21 +166,23 @@ type serviceFluxvmTuple6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceMapFluxvmBackends = "fluxvm_backends"
-	serviceMapFluxvmCounters = "fluxvm_counters"
-	serviceMapFluxvmDrops    = "fluxvm_drops"
-	serviceMapFluxvmFct4     = "fluxvm_fct4"
-	serviceMapFluxvmFct6     = "fluxvm_fct6"
-	serviceMapFluxvmMaglev   = "fluxvm_maglev"
-	serviceMapFluxvmMeta     = "fluxvm_meta"
-	serviceMapFluxvmNat4     = "fluxvm_nat4"
-	serviceMapFluxvmNat6     = "fluxvm_nat6"
-	serviceMapFluxvmSguard   = "fluxvm_sguard"
-	serviceMapFluxvmSvc4     = "fluxvm_svc4"
-	serviceMapFluxvmSvc6     = "fluxvm_svc6"
-	serviceMapFluxvmSvcStats = "fluxvm_svc_stats"
-	serviceProgFluxvmFromVm  = "fluxvm_from_vm"
-	serviceProgFluxvmToVm    = "fluxvm_to_vm"
+	serviceMapFluxvmBackends  = "fluxvm_backends"
+	serviceMapFluxvmCounters  = "fluxvm_counters"
+	serviceMapFluxvmDrops     = "fluxvm_drops"
+	serviceMapFluxvmEdgeSlots = "fluxvm_edge_slots"
+	serviceMapFluxvmEdgeStats = "fluxvm_edge_stats"
+	serviceMapFluxvmFct4      = "fluxvm_fct4"
+	serviceMapFluxvmFct6      = "fluxvm_fct6"
+	serviceMapFluxvmMaglev    = "fluxvm_maglev"
+	serviceMapFluxvmMeta      = "fluxvm_meta"
+	serviceMapFluxvmNat4      = "fluxvm_nat4"
+	serviceMapFluxvmNat6      = "fluxvm_nat6"
+	serviceMapFluxvmSguard    = "fluxvm_sguard"
+	serviceMapFluxvmSvc4      = "fluxvm_svc4"
+	serviceMapFluxvmSvc6      = "fluxvm_svc6"
+	serviceMapFluxvmSvcStats  = "fluxvm_svc_stats"
+	serviceProgFluxvmFromVm   = "fluxvm_from_vm"
+	serviceProgFluxvmToVm     = "fluxvm_to_vm"
 )
 
 // loadService returns the embedded CollectionSpec for service.
@@ -227,19 +235,21 @@ type serviceProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceMapSpecs struct {
-	FluxvmBackends *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmCounters *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops    *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmFct4     *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6     *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev   *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta     *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4     *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6     *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmSguard   *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4     *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6     *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -268,19 +278,21 @@ func (o *serviceObjects) Close() error {
 //
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceMaps struct {
-	FluxvmBackends *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmCounters *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops    *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmFct4     *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6     *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev   *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta     *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4     *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6     *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmSguard   *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4     *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6     *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceMaps) Close() error {
@@ -288,6 +300,8 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmBackends,
 		m.FluxvmCounters,
 		m.FluxvmDrops,
+		m.FluxvmEdgeSlots,
+		m.FluxvmEdgeStats,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

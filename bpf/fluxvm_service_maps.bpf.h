@@ -49,4 +49,7 @@
  */
 #define FLUXVM_MAX_FRONTENDS (4 * FLUXVM_MAX_SERVICES)
 
+/* VM-edge interfaces with their own statistics. */
+#define FLUXVM_MAX_EDGES FLUXVM_MAX_SERVICES
+
 #endif /* FLUXVM_SERVICE_MAPS_BPF_H */

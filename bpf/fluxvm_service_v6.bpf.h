@@ -185,6 +185,15 @@ struct fluxvm_svc_stats_value {
 };
 _Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
 
+/* Where a VM-edge interface's counters live (fluxvm_edge_slots). */
+#define FLUXVM_EDGE_SLOT_MASK 0xffff
+
+struct fluxvm_edge_slot {
+	__u32 ifindex;  /* the full ifindex, to tell apart those sharing a key */
+	__u32 slot;     /* index into fluxvm_edge_stats; 0 = not counted */
+};
+_Static_assert(sizeof(struct fluxvm_edge_slot) == 8, "fluxvm_edge_slot size");
+
 /* Node-wide settings and identity (fluxvm_meta, one entry at key 0). */
 struct fluxvm_meta_value {
 	__u32 schema_version;      /* FLUXVM_SCHEMA_VERSION of the pinned maps */

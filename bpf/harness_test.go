@@ -95,6 +95,8 @@ func (h *harness) reset() {
 		{h.objs.FluxvmSguard, func(n int) any { return make([]Guard, n) }},
 		{h.objs.FluxvmMeta, func(n int) any { return make([]Meta, n) }},
 		{h.objs.FluxvmSvcStats, func(n int) any { return make([]ServiceStats, n*ncpu) }},
+		{h.objs.FluxvmEdgeStats, func(n int) any { return make([]ServiceStats, n*ncpu) }},
+		{h.objs.FluxvmEdgeSlots, func(n int) any { return make([]EdgeSlot, n) }},
 		{h.objs.FluxvmDrops, func(n int) any { return make([]uint64, n*ncpu) }},
 		{h.objs.FluxvmCounters, func(n int) any { return make([]uint64, n*ncpu) }},
 	} {
@@ -259,6 +261,28 @@ func (h *harness) stats(sid uint32) ServiceStats {
 		s.ReplyBytes += p.ReplyBytes
 		s.NewFlows += p.NewFlows
 		s.Failovers += p.Failovers
+		s.Drops += p.Drops
+	}
+	return s
+}
+
+// edge registers the interface BPF_PROG_TEST_RUN packets arrive on (the
+// namespace's loopback, ifindex 1) for per-interface statistics.
+func (h *harness) edge() {
+	h.t.Helper()
+	h.must(h.objs.FluxvmEdgeSlots.Put(uint32(1), EdgeSlot{Ifindex: 1, Slot: 5}))
+}
+
+func (h *harness) edgeStats() ServiceStats {
+	h.t.Helper()
+	var per []ServiceStats
+	h.must(h.objs.FluxvmEdgeStats.Lookup(uint32(5), &per))
+	var s ServiceStats
+	for _, p := range per {
+		s.Packets += p.Packets
+		s.Bytes += p.Bytes
+		s.ReplyPackets += p.ReplyPackets
+		s.NewFlows += p.NewFlows
 		s.Drops += p.Drops
 	}
 	return s

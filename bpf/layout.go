@@ -26,7 +26,11 @@ type (
 	NATValue     = serviceFluxvmNatValue
 	ServiceStats = serviceFluxvmSvcStatsValue
 	Meta         = serviceFluxvmMetaValue
+	EdgeSlot     = serviceFluxvmEdgeSlot
 )
+
+// EdgeSlotMask selects the fluxvm_edge_slots entry of an ifindex.
+const EdgeSlotMask = 0xffff
 
 // SvcFlagVIPMarker marks the (VIP, 0, protocol) frontend entry that lets the
 // datapath recognise fragments addressed to a VIP.

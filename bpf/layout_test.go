@@ -34,6 +34,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_nat_value", 40, NATValue{}},
 		{"fluxvm_svc_stats_value", 64, ServiceStats{}},
 		{"fluxvm_meta_value", 48, Meta{}},
+		{"fluxvm_edge_slot", 8, EdgeSlot{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

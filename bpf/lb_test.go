@@ -288,6 +288,18 @@ func TestForwardingMatrix(t *testing.T) {
 			h.guard(sid, GuardOpen)
 			expectForward(t, h, v, 40000, pkt.ACK, v.backends[0])
 		}},
+		{"per-interface statistics count service traffic only", func(t *testing.T, h *harness, v variant) {
+			v.setup(h)
+			h.edge()
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			expectUntouched(t, h, "from_vm", v.frame(v.clientAt(40000), netip.AddrPortFrom(v.other, 80), pkt.SYN))
+			h.run(h.objs.FluxvmToVm, v.reply(v.backends[0], 40000, pkt.SYNACK))
+			h.guard(sid, 0)
+			expectDrop(t, h, v.fwd(40001, pkt.SYN), DropGuardClosed)
+			if es := h.edgeStats(); es.Packets != 1 || es.NewFlows != 1 || es.ReplyPackets != 1 || es.Drops != 1 {
+				t.Errorf("edge stats %+v, want 1 packet, 1 new flow, 1 reply, 1 drop", es)
+			}
+		}},
 		{"reply is translated back to the VIP", func(t *testing.T, h *harness, v variant) {
 			v.setup(h)
 			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])

@@ -60,6 +60,7 @@ type Capacities struct {
 	MaglevSize uint32 // slots per Maglev table (prime)
 	Conntrack  uint32 // conntrack entries per address family
 	NAT        uint32 // reverse-NAT entries per address family
+	Edges      uint32 // VM-edge interfaces with statistics (slot 0 unused)
 }
 
 // CapacitiesOf reads the capacities from a collection spec of the TC
@@ -79,7 +80,7 @@ func CapacitiesOf(spec *ebpf.CollectionSpec) (Capacities, error) {
 		name string
 	}{
 		{&c.Services, "fluxvm_sguard"}, {&c.Frontends, "fluxvm_svc4"}, {&c.Backends, "fluxvm_backends"},
-		{&c.Conntrack, "fluxvm_fct4"}, {&c.NAT, "fluxvm_nat4"},
+		{&c.Conntrack, "fluxvm_fct4"}, {&c.NAT, "fluxvm_nat4"}, {&c.Edges, "fluxvm_edge_stats"},
 	} {
 		if *f.dst, err = get(f.name); err != nil {
 			return c, err

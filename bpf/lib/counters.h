@@ -23,9 +23,24 @@ static __always_inline struct fluxvm_svc_stats_value *fluxvm_stats(__u32 service
 	return bpf_map_lookup_elem(&fluxvm_svc_stats, &service_id);
 }
 
-/* Count a drop by reason and, when the service is known, against it. */
+static __always_inline struct fluxvm_svc_stats_value *
+fluxvm_edge(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	__u32 key = ifindex & FLUXVM_EDGE_SLOT_MASK;
+	struct fluxvm_edge_slot *s = bpf_map_lookup_elem(&fluxvm_edge_slots, &key);
+
+	if (!s || s->ifindex != ifindex || !s->slot)
+		return NULL;
+	key = s->slot;
+	return bpf_map_lookup_elem(&fluxvm_edge_stats, &key);
+}
+
+/* Count a drop by reason and, when known, against the service and the
+ * VM-edge interface. */
 static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
-				       struct fluxvm_svc_stats_value *st)
+				       struct fluxvm_svc_stats_value *st,
+				       struct fluxvm_svc_stats_value *es)
 {
 	enum fluxvm_drop_reason key = reason;
 	__u64 *v = bpf_map_lookup_elem(&fluxvm_drops, &key);
@@ -34,6 +49,8 @@ static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
 		*v += 1;
 	if (st)
 		st->drops++;
+	if (es)
+		es->drops++;
 	return TC_ACT_SHOT;
 }
 

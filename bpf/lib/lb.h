@@ -83,7 +83,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
 	struct fluxvm_ct_value *ct, nct = {};
 	struct fluxvm_svc_value *svc;
-	struct fluxvm_svc_stats_value *st;
+	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_guard *guard;
 	struct fluxvm_backend *be;
 	struct fluxvm_meta_value *meta;
@@ -97,7 +97,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		svc = fluxvm_frontend(pkt, v6, 0);
 		if (!svc)
 			return FLUXVM_TC_NEXT;
-		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id));
+		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id), fluxvm_edge(skb));
 	}
 	svc = fluxvm_frontend(pkt, v6, pkt->dport);
 	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER))
@@ -105,9 +105,10 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 
 	sid = svc->service_id;
 	st = fluxvm_stats(sid);
+	es = fluxvm_edge(skb);
 	guard = bpf_map_lookup_elem(&fluxvm_sguard, &sid);
 	if (!guard || guard->state != FLUXVM_GUARD_OPEN)
-		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st);
+		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
 
 	if (v6) {
 		__builtin_memcpy(t6.saddr, pkt->saddr, 16);
@@ -134,7 +135,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 			if (!(fluxvm_tcp_is_syn(pkt) && ct->state >= FLUXVM_CT_TCP_FIN)) {
 				if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
 				    fluxvm_nat_ensure(pkt, v6, be, sid, bid, now))
-					return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st);
+					return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 				goto rewrite;
 			}
 		} else {
@@ -147,10 +148,10 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
 	bid = fluxvm_maglev_pick(sid, hash);
 	if (!bid)
-		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st);
+		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
 	be = fluxvm_backend_get(bid);
 	if (!be || be->service_id != sid || be->state != FLUXVM_BE_READY)
-		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st);
+		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
 
 	/* Learn both halves before the rewrite, whose helpers invalidate
 	 * packet pointers. */
@@ -161,20 +162,28 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
 	nct.deadline_ns = now + fluxvm_timeout_ns(meta, nct.state);
 	if (bpf_map_update_elem(ct_map, ct_key, &nct, BPF_ANY))
-		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st);
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now))
-		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st);
+		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 	if (st) {
 		st->new_flows++;
 		st->failovers += failover;
 	}
+	if (es) {
+		es->new_flows++;
+		es->failovers += failover;
+	}
 
 rewrite:
 	if (fluxvm_rewrite(skb, pkt, v6, 1, be->addr, be->port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st);
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (st) {
 		st->packets++;
 		st->bytes += skb->len;
+	}
+	if (es) {
+		es->packets++;
+		es->bytes += skb->len;
 	}
 	/* TC_ACT_OK ends the chain: the VM policy program behind us never
 	 * sees the backend address and port. */
@@ -194,7 +203,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	void *nat_map = v6 ? (void *)&fluxvm_nat6 : (void *)&fluxvm_nat4;
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *key = v6 ? (void *)&t6 : (void *)&t4;
-	struct fluxvm_svc_stats_value *st;
+	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_nat_value *nat;
 	struct fluxvm_ct_value *ct;
 	__u64 now;
@@ -221,8 +230,9 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	if (!nat)
 		return FLUXVM_TC_NEXT;
 	st = fluxvm_stats(nat->service_id);
+	es = fluxvm_edge(skb);
 	if (pkt->frag != FLUXVM_FRAG_NONE)
-		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st);
+		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
 
 	now = bpf_ktime_get_coarse_ns();
 	if (now - nat->last_seen_ns >= FLUXVM_CT_REFRESH_NS ||
@@ -261,10 +271,14 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	}
 
 	if (fluxvm_rewrite(skb, pkt, v6, 0, nat->vip, nat->vport))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st);
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (st) {
 		st->reply_packets++;
 		st->reply_bytes += skb->len;
+	}
+	if (es) {
+		es->reply_packets++;
+		es->reply_bytes += skb->len;
 	}
 	return TC_ACT_OK;
 }

@@ -93,6 +93,27 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_SERVICES);
 } fluxvm_svc_stats SEC(".maps");
 
+/*
+ * Per VM-edge interface statistics. Userspace gives each attached interface
+ * a slot and records it at fluxvm_edge_slots[ifindex & 0xffff] together with
+ * the full ifindex; the datapath finds its counters with two array lookups
+ * (which the verifier inlines), where a hash lookup cost ~45 ns a packet. An
+ * interface without a matching slot entry is not counted.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_edge_slot);
+	__uint(max_entries, FLUXVM_EDGE_SLOT_MASK + 1);
+} fluxvm_edge_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_svc_stats_value);
+	__uint(max_entries, FLUXVM_MAX_EDGES);
+} fluxvm_edge_stats SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__type(key, enum fluxvm_drop_reason); /* puts the enum in BTF for Go */

@@ -30,12 +30,12 @@ func TestRealSocketsThroughVIP(t *testing.T) {
 	for _, offload := range []bool{true, false} {
 		t.Run(fmt.Sprintf("guest_tx_offload=%v", offload), func(t *testing.T) {
 			h := newHarness(t)
-			node := lab.NewNode(t)
-			cli, srv := node.AddVM(t, 1), node.AddVM(t, 2)
+			node := lab.NewForTest(t)
+			cli, srv := node.AddVMForTest(t, 1), node.AddVMForTest(t, 2)
 			for _, vm := range []*lab.VM{cli, srv} {
-				h.must(lab.SetChecksumOffload(node.NS, vm.NodeIf, false, false))
+				h.must(lab.SetChecksumOffload(node.Node, vm.NodeIf, false, false))
 				h.must(lab.SetChecksumOffload(vm.NS, "eth0", offload, false))
-				h.must(node.NS.Do(func() error {
+				h.must(node.Node.Do(func() error {
 					for _, a := range []struct {
 						prog *ebpf.Program
 						at   ebpf.AttachType

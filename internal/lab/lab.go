@@ -20,20 +20,23 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/fluxvm/servicefabric/internal/nsutil"
 	"github.com/fluxvm/servicefabric/internal/testenv"
 )
 
-// Node is the namespace where the datapath runs.
-type Node struct {
-	NS  *testenv.NetNS
-	nl  *netlink.Handle
-	vms []*VM
+// Lab is one topology: a node namespace and the VMs wired to it. Close
+// removes everything it created, in reverse order.
+type Lab struct {
+	Node   *nsutil.NS
+	VMs    []*VM
+	suffix string
+	nl     *netlink.Handle
 }
 
 // VM is one guest namespace, connected to the node by a veth pair.
 type VM struct {
 	Name         string
-	NS           *testenv.NetNS
+	NS           *nsutil.NS
 	Addr4, Addr6 netip.Addr
 	// NodeIf is the node-side veth: its ingress carries what the VM
 	// sends, its egress what the VM receives.
@@ -41,15 +44,18 @@ type VM struct {
 	NodeIfIndex int
 }
 
-// NewNode creates the node namespace with forwarding on.
-func NewNode(tb testing.TB) *Node {
-	tb.Helper()
-	ns := testenv.NewNetNS(tb, "fvnode")
-	h, err := netlink.NewHandleAt(ns.Handle())
+// New creates the node namespace ("fvnode-<suffix>") with forwarding on.
+func New() (*Lab, error) {
+	l := &Lab{suffix: nsutil.Suffix()}
+	ns, err := nsutil.Create("fvnode-" + l.suffix)
 	if err != nil {
-		tb.Fatalf("lab: netlink in node: %v", err)
+		return nil, fmt.Errorf("lab: %w", err)
 	}
-	tb.Cleanup(h.Close)
+	l.Node = ns
+	if l.nl, err = netlink.NewHandleAt(ns.Handle()); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("lab: netlink in node: %w", err)
+	}
 	err = ns.Do(func() error {
 		return writeSysctls(map[string]string{
 			"net/ipv4/ip_forward":                 "1",
@@ -62,19 +68,57 @@ func NewNode(tb testing.TB) *Node {
 		})
 	})
 	if err != nil {
-		tb.Fatalf("lab: node sysctls: %v", err)
+		l.Close()
+		return nil, fmt.Errorf("lab: node sysctls: %w", err)
 	}
-	return &Node{NS: ns, nl: h}
+	return l, nil
+}
+
+// NewForTest is New for a test: it skips (or fails) without privileges and
+// closes the lab when the test ends.
+func NewForTest(tb testing.TB) *Lab {
+	tb.Helper()
+	testenv.RequirePrivileged(tb)
+	l, err := New()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if err := l.Close(); err != nil {
+			tb.Errorf("lab: %v", err)
+		}
+	})
+	return l
+}
+
+// Close deletes every namespace of the lab (the veths go with them).
+func (l *Lab) Close() error {
+	var errs []error
+	for i := len(l.VMs) - 1; i >= 0; i-- {
+		errs = append(errs, l.VMs[i].NS.Delete())
+	}
+	l.VMs = nil
+	if l.nl != nil {
+		l.nl.Close()
+		l.nl = nil
+	}
+	if l.Node != nil {
+		errs = append(errs, l.Node.Delete())
+		l.Node = nil
+	}
+	return errors.Join(errs...)
 }
 
 // AddVM creates VM number idx (1..250) and wires it to the node.
-func (n *Node) AddVM(tb testing.TB, idx int) *VM {
-	tb.Helper()
+func (l *Lab) AddVM(idx int) (*VM, error) {
 	if idx < 1 || idx > 250 {
-		tb.Fatalf("lab: VM index %d out of range", idx)
+		return nil, fmt.Errorf("lab: VM index %d out of range", idx)
 	}
 	name := fmt.Sprintf("vm%d", idx)
-	vns := testenv.NewNetNS(tb, "fv"+name)
+	vns, err := nsutil.Create(fmt.Sprintf("fv%s-%s", name, l.suffix))
+	if err != nil {
+		return nil, fmt.Errorf("lab: %w", err)
+	}
 	vm := &VM{
 		Name:   name,
 		NS:     vns,
@@ -82,16 +126,17 @@ func (n *Node) AddVM(tb testing.TB, idx int) *VM {
 		Addr6:  netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::2", idx)),
 		NodeIf: name,
 	}
+	l.VMs = append(l.VMs, vm)
 	gw4 := netip.MustParseAddr(fmt.Sprintf("10.200.%d.1", idx))
 	gw6 := netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::1", idx))
 
-	// Create the pair in the node, then move the VM end into the VM.
+	// Create the pair in the node, with the VM end born in the VM.
 	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: vm.NodeIf}, PeerName: "eth0",
 		PeerNamespace: netlink.NsFd(int(vns.Handle()))}
-	if err := n.nl.LinkAdd(veth); err != nil {
-		tb.Fatalf("lab: veth for %s: %v", name, err)
+	if err := l.nl.LinkAdd(veth); err != nil {
+		return nil, fmt.Errorf("lab: veth for %s: %w", name, err)
 	}
-	err := vns.Do(func() error {
+	err = vns.Do(func() error {
 		return writeSysctls(map[string]string{
 			"net/ipv6/conf/default/accept_dad": "0",
 			"net/ipv6/conf/eth0/accept_dad":    "0",
@@ -99,29 +144,38 @@ func (n *Node) AddVM(tb testing.TB, idx int) *VM {
 		})
 	})
 	if err != nil {
-		tb.Fatalf("lab: %s sysctls: %v", name, err)
+		return nil, fmt.Errorf("lab: %s sysctls: %w", name, err)
 	}
 	vh, err := netlink.NewHandleAt(vns.Handle())
 	if err != nil {
-		tb.Fatalf("lab: netlink in %s: %v", name, err)
+		return nil, fmt.Errorf("lab: netlink in %s: %w", name, err)
 	}
 	defer vh.Close()
 
-	if err := configure(n.nl, vm.NodeIf, gw4, 24, gw6, 64, nil, nil); err != nil {
-		tb.Fatalf("lab: node side of %s: %v", name, err)
+	if err := configure(l.nl, vm.NodeIf, gw4, 24, gw6, 64, nil, nil); err != nil {
+		return nil, fmt.Errorf("lab: node side of %s: %w", name, err)
 	}
 	if err := configure(vh, "eth0", vm.Addr4, 24, vm.Addr6, 64, &gw4, &gw6); err != nil {
-		tb.Fatalf("lab: %s: %v", name, err)
+		return nil, fmt.Errorf("lab: %s: %w", name, err)
 	}
 	if err := configure(vh, "lo", netip.Addr{}, 0, netip.Addr{}, 0, nil, nil); err != nil {
-		tb.Fatalf("lab: %s lo: %v", name, err)
+		return nil, fmt.Errorf("lab: %s lo: %w", name, err)
 	}
-	l, err := n.nl.LinkByName(vm.NodeIf)
+	link, err := l.nl.LinkByName(vm.NodeIf)
 	if err != nil {
-		tb.Fatalf("lab: %v", err)
+		return nil, fmt.Errorf("lab: %w", err)
 	}
-	vm.NodeIfIndex = l.Attrs().Index
-	n.vms = append(n.vms, vm)
+	vm.NodeIfIndex = link.Attrs().Index
+	return vm, nil
+}
+
+// AddVMForTest is AddVM that fails the test on error.
+func (l *Lab) AddVMForTest(tb testing.TB, idx int) *VM {
+	tb.Helper()
+	vm, err := l.AddVM(idx)
+	if err != nil {
+		tb.Fatal(err)
+	}
 	return vm
 }
 
@@ -173,7 +227,7 @@ func writeSysctls(kv map[string]string) error {
 // CHECKSUM_PARTIAL packets; with it off, checksums are computed and, on
 // receive, verified in software, which is what makes a wrong checksum
 // visible in a veth-only lab.
-func SetChecksumOffload(ns *testenv.NetNS, ifname string, tx, rx bool) error {
+func SetChecksumOffload(ns *nsutil.NS, ifname string, tx, rx bool) error {
 	return ns.Do(func() error {
 		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {

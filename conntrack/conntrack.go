@@ -1,0 +1,418 @@
+package conntrack
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/mapscan"
+	"github.com/fluxvm/servicefabric/nat"
+)
+
+// Sentinel errors; test for them with errors.Is.
+var (
+	// ErrNotFound: no conntrack entry for the key.
+	ErrNotFound = errors.New("conntrack entry not found")
+	// ErrInvalidMap: a map in Config is missing or is not the map of this
+	// schema it should be (type, key or value size, name).
+	ErrInvalidMap = errors.New("not a conntrack map of this schema")
+	// ErrInvalidKey: a key the datapath could never have written.
+	ErrInvalidKey = errors.New("invalid conntrack key")
+)
+
+// IP protocols the datapath tracks.
+const (
+	ProtoTCP = nat.ProtoTCP
+	ProtoUDP = nat.ProtoUDP
+)
+
+// Family is an address family, as a Filter selects it.
+type Family uint8
+
+// Families; the zero Family in a Filter selects both.
+const (
+	IPv4 Family = bpf.FamilyIPv4
+	IPv6 Family = bpf.FamilyIPv6
+)
+
+func (f Family) String() string { return nat.Family(f).String() }
+
+// Key names a conntrack entry: the flow as the client sent it, from Client
+// to the service's VIP. IPv4-mapped IPv6 addresses are taken as IPv4, the
+// way the datapath stores them.
+type Key struct {
+	Client netip.AddrPort // the client's address and source port
+	VIP    netip.AddrPort // the service frontend the client addressed
+	Proto  uint8          // ProtoTCP or ProtoUDP
+}
+
+func (k Key) String() string {
+	p := "udp"
+	if k.Proto == ProtoTCP {
+		p = "tcp"
+	} else if k.Proto != ProtoUDP {
+		p = fmt.Sprintf("proto(%d)", k.Proto)
+	}
+	return fmt.Sprintf("%s %s->%s", p, k.Client, k.VIP)
+}
+
+// Family is the key's address family.
+func (k Key) Family() Family {
+	if k.Client.Addr().Unmap().Is4() {
+		return IPv4
+	}
+	return IPv6
+}
+
+func unmap(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}
+
+func (k Key) normal() (Key, error) {
+	k.Client, k.VIP = unmap(k.Client), unmap(k.VIP)
+	c, v := k.Client.Addr(), k.VIP.Addr()
+	switch {
+	case !c.IsValid() || !v.IsValid():
+		return k, fmt.Errorf("%w: %s: missing address", ErrInvalidKey, k)
+	case c.Is4() != v.Is4():
+		return k, fmt.Errorf("%w: %s: mixed address families", ErrInvalidKey, k)
+	case c.Zone() != "" || v.Zone() != "":
+		return k, fmt.Errorf("%w: %s: zoned address", ErrInvalidKey, k)
+	case k.Proto != ProtoTCP && k.Proto != ProtoUDP:
+		return k, fmt.Errorf("%w: %s: protocol must be TCP or UDP", ErrInvalidKey, k)
+	}
+	return k, nil
+}
+
+// Entry is one conntrack entry: which backend a flow is pinned to, in which
+// protocol state, and until when. Times are on CLOCK_MONOTONIC_COARSE (time
+// since boot; see Now), the clock the datapath stamps with.
+type Entry struct {
+	Key
+	ServiceID uint32
+	BackendID uint32 // id in fluxvm_backends
+	State     bpf.CTState
+	Created   time.Duration // when the datapath learned the flow
+	LastSeen  time.Duration // last refresh; at most one a second per flow
+	Deadline  time.Duration // LastSeen + the timeout of State; GC removes the entry after it
+}
+
+// Expired reports whether GC at now removes the entry for its deadline.
+func (e Entry) Expired(now time.Duration) bool { return e.Deadline < now }
+
+// Filter selects entries for Scan and List. The zero Filter selects all.
+type Filter struct {
+	Family     Family   // 0: both families
+	ServiceIDs []uint32 // nil: any service; empty but non-nil: none
+	BackendIDs []uint32 // nil: any backend; empty but non-nil: none
+}
+
+func (f Filter) matches(fam Family, v *bpf.CTValue) bool {
+	return (f.Family == 0 || f.Family == fam) &&
+		(f.ServiceIDs == nil || slices.Contains(f.ServiceIDs, v.ServiceId)) &&
+		(f.BackendIDs == nil || slices.Contains(f.BackendIDs, v.BackendId))
+}
+
+// Config names the maps a Map works on; all are required. The Map does not
+// close them.
+type Config struct {
+	// CT4 and CT6 are fluxvm_fct4 and fluxvm_fct6. In user space only
+	// this package reads or writes their entries.
+	CT4, CT6 *ebpf.Map
+	// Backends is fluxvm_backends, read to find a flow's backend address
+	// and state. The Map never writes it.
+	Backends *ebpf.Map
+	// NAT is the table over fluxvm_nat4/6, the other half of every flow.
+	NAT *nat.Table
+	// Timeouts are the timeouts the loader writes into the meta map (see
+	// Timeouts.ApplyTo). GC uses them to judge whether a reverse-NAT entry
+	// without its conntrack half is fresh. The zero value means
+	// DefaultTimeouts.
+	Timeouts Timeouts
+}
+
+// Map is the typed view of the conntrack maps fluxvm_fct4/6 and their
+// garbage collector. It is safe for concurrent use; GC runs one at a time.
+type Map struct {
+	ct4, ct6, backends *ebpf.Map
+	nat                *nat.Table
+	timeouts           Timeouts
+	mode               mapscan.Mode
+	chunk              int
+	gcMu               sync.Mutex
+}
+
+// New checks the configuration (map types, layouts and names, timeouts) and
+// returns the Map. It does not take ownership of the maps: closing them
+// is the caller's business.
+func New(cfg Config) (*Map, error) {
+	var errs []error
+	check := func(name string, m *ebpf.Map, types []ebpf.MapType, key, val uintptr) {
+		switch {
+		case m == nil:
+			errs = append(errs, fmt.Errorf("%s: %w: nil map", name, ErrInvalidMap))
+		case !slices.Contains(types, m.Type()):
+			errs = append(errs, fmt.Errorf("%s: %w: type %s", name, ErrInvalidMap, m.Type()))
+		case uintptr(m.KeySize()) != key || uintptr(m.ValueSize()) != val:
+			errs = append(errs, fmt.Errorf("%s: %w: key/value size %d/%d, want %d/%d",
+				name, ErrInvalidMap, m.KeySize(), m.ValueSize(), key, val))
+		default:
+			// fluxvm_fct4 and fluxvm_nat4 have the same layout; only the
+			// name tells them apart. Maps made without a name pass.
+			if info, err := m.Info(); err == nil && info.Name != "" && info.Name != name {
+				errs = append(errs, fmt.Errorf("%s: %w: map is named %s", name, ErrInvalidMap, info.Name))
+			}
+		}
+	}
+	hashes := []ebpf.MapType{ebpf.LRUHash, ebpf.Hash}
+	ctv := unsafe.Sizeof(bpf.CTValue{})
+	check("fluxvm_fct4", cfg.CT4, hashes, unsafe.Sizeof(bpf.Tuple4{}), ctv)
+	check("fluxvm_fct6", cfg.CT6, hashes, unsafe.Sizeof(bpf.Tuple6{}), ctv)
+	check("fluxvm_backends", cfg.Backends, []ebpf.MapType{ebpf.Array}, 4, unsafe.Sizeof(bpf.Backend{}))
+	if cfg.NAT == nil {
+		errs = append(errs, fmt.Errorf("%w: nil nat.Table", ErrInvalidMap))
+	}
+	to := cfg.Timeouts
+	if to == (Timeouts{}) {
+		to = DefaultTimeouts()
+	}
+	if err := to.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("conntrack: new: %w", errors.Join(errs...))
+	}
+	return &Map{
+		ct4: cfg.CT4, ct6: cfg.CT6, backends: cfg.Backends, nat: cfg.NAT,
+		timeouts: to, chunk: mapscan.DefaultChunk,
+	}, nil
+}
+
+// Timeouts returns the timeouts the Map was configured with.
+func (m *Map) Timeouts() Timeouts { return m.timeouts }
+
+// Lookup returns the entry for k, or an error matching ErrNotFound.
+func (m *Map) Lookup(k Key) (Entry, error) {
+	k, err := k.normal()
+	if err != nil {
+		return Entry{}, fmt.Errorf("conntrack: lookup: %w", err)
+	}
+	v, err := m.lookupRaw(k)
+	if err != nil {
+		return Entry{}, notFound("lookup", k, err)
+	}
+	return entry(k, &v), nil
+}
+
+func (m *Map) lookupRaw(k Key) (v bpf.CTValue, err error) {
+	if k.Family() == IPv4 {
+		err = m.ct4.Lookup(key4(k), &v)
+	} else {
+		err = m.ct6.Lookup(key6(k), &v)
+	}
+	return v, err
+}
+
+// createRaw writes v for k only if k has no entry, so that a repair never
+// overwrites what the datapath wrote meanwhile. It reports whether it wrote.
+func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
+	var err error
+	if k.Family() == IPv4 {
+		err = m.ct4.Update(key4(k), v, ebpf.UpdateNoExist)
+	} else {
+		err = m.ct6.Update(key6(k), v, ebpf.UpdateNoExist)
+	}
+	if errors.Is(err, ebpf.ErrKeyExist) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// Delete removes the flow k: its conntrack entry and, when its backend is
+// still known, its reverse-NAT half, so that no half outlives the other.
+// It returns an error matching ErrNotFound when k has no entry. A flow
+// that is still sending is learned again by the datapath on its next
+// packet.
+func (m *Map) Delete(k Key) error {
+	k, err := k.normal()
+	if err != nil {
+		return fmt.Errorf("conntrack: delete: %w", err)
+	}
+	v, err := m.lookupRaw(k)
+	if err != nil {
+		return notFound("delete", k, err)
+	}
+	if k.Family() == IPv4 {
+		err = m.ct4.Delete(key4(k))
+	} else {
+		err = m.ct6.Delete(key6(k))
+	}
+	if err != nil {
+		return notFound("delete", k, err)
+	}
+	var b bpf.Backend
+	if err := m.backends.Lookup(v.BackendId, &b); err != nil || !owns(&b, v.ServiceId) {
+		// Without its backend the NAT half cannot be named; GC's sweep
+		// of the NAT maps finds it as an orphan.
+		return nil
+	}
+	nk := natKey(k, &b)
+	// Delete the NAT half only if it is this flow's: a failover or a
+	// reused tuple may have given the key to another flow.
+	if e, err := m.nat.Lookup(nk); err == nil && e.BackendID == v.BackendId && e.VIP == k.VIP {
+		if err := m.nat.Delete(nk); err != nil && !errors.Is(err, nat.ErrNotFound) {
+			return fmt.Errorf("conntrack: delete %s: %w", k, err)
+		}
+	}
+	return nil
+}
+
+// Scan streams the entries that match f to fn in chunks of at most a few
+// thousand, IPv4 first. The slice is reused for the next chunk, so fn must
+// copy what it keeps; fn may Delete entries of its chunk without
+// disturbing the scan. An error from fn stops the scan and is returned as
+// is.
+//
+// Memory stays bounded by the chunk size however large the maps are. The
+// scan is not a snapshot: entries the datapath adds or the LRU evicts
+// meanwhile may or may not be seen.
+func (m *Map) Scan(f Filter, fn func([]Entry) error) error {
+	buf := make([]Entry, 0, m.chunk)
+	if f.Family == 0 || f.Family == IPv4 {
+		if err := scanEntries(mapscan.NewScanner[bpf.Tuple4, bpf.CTValue](m.ct4, &m.mode, m.chunk), f, IPv4, buf, key4From, fn); err != nil {
+			return err
+		}
+	}
+	if f.Family == 0 || f.Family == IPv6 {
+		if err := scanEntries(mapscan.NewScanner[bpf.Tuple6, bpf.CTValue](m.ct6, &m.mode, m.chunk), f, IPv6, buf, key6From, fn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func scanEntries[K any](s *mapscan.Scanner[K, bpf.CTValue], f Filter, fam Family, buf []Entry,
+	decode func(*K) Key, fn func([]Entry) error) error {
+	for {
+		n, err := s.Chunk()
+		if err != nil {
+			return fmt.Errorf("conntrack: scan %s: %w", fam, err)
+		}
+		if n == 0 {
+			return nil
+		}
+		buf = buf[:0]
+		for i := range n {
+			if v := &s.Vals[i]; f.matches(fam, v) {
+				buf = append(buf, entry(decode(&s.Keys[i]), v))
+			}
+		}
+		if len(buf) > 0 {
+			if err := fn(buf); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// List returns all entries that match f. It holds them all in memory; use
+// Scan for maps that may be large.
+func (m *Map) List(f Filter) ([]Entry, error) {
+	var out []Entry
+	err := m.Scan(f, func(es []Entry) error {
+		out = append(out, es...)
+		return nil
+	})
+	return out, err
+}
+
+// Now returns the current time on CLOCK_MONOTONIC_COARSE: time since boot,
+// in the resolution of the kernel tick. It is the clock the datapath stamps
+// entries with (bpf_ktime_get_coarse_ns) and the one GC's now is read on.
+// Wall-clock time (time.Now) is a different clock and cannot be compared
+// with entry times.
+func Now() (time.Duration, error) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
+		return 0, fmt.Errorf("conntrack: clock_gettime(CLOCK_MONOTONIC_COARSE): %w", err)
+	}
+	return time.Duration(ts.Nano()), nil
+}
+
+func notFound(op string, k Key, err error) error {
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("conntrack: %s %s: %w (%w)", op, k, ErrNotFound, err)
+	}
+	return fmt.Errorf("conntrack: %s %s: %w", op, k, err)
+}
+
+// owns reports whether backend slot b is in use by service sid.
+func owns(b *bpf.Backend, sid uint32) bool {
+	return bpf.BackendState(b.State) != bpf.BackendUnused && b.ServiceId == sid
+}
+
+// natKey names the reverse-NAT half of flow k pinned to backend b: the
+// reply from the backend to the client. The backend address is read in the
+// flow's family, as the datapath writes it.
+func natKey(k Key, b *bpf.Backend) nat.Key {
+	return nat.Key{
+		Backend: netip.AddrPortFrom(bpf.Addr(b.Addr, uint8(k.Family())), bpf.Port(b.Port)),
+		Client:  k.Client,
+		Proto:   k.Proto,
+	}
+}
+
+// The conversions between typed entries and the raw map layout.
+
+func key4(k Key) bpf.Tuple4 {
+	s, d := bpf.AddrWords(k.Client.Addr()), bpf.AddrWords(k.VIP.Addr())
+	return bpf.Tuple4{
+		Saddr: s[0], Daddr: d[0],
+		Sport: bpf.Port(k.Client.Port()), Dport: bpf.Port(k.VIP.Port()),
+		Proto: k.Proto,
+	}
+}
+
+func key6(k Key) bpf.Tuple6 {
+	return bpf.Tuple6{
+		Saddr: bpf.AddrWords(k.Client.Addr()), Daddr: bpf.AddrWords(k.VIP.Addr()),
+		Sport: bpf.Port(k.Client.Port()), Dport: bpf.Port(k.VIP.Port()),
+		Proto: k.Proto,
+	}
+}
+
+func key4From(t *bpf.Tuple4) Key {
+	return Key{
+		Client: netip.AddrPortFrom(bpf.Addr([4]uint32{t.Saddr}, bpf.FamilyIPv4), bpf.Port(t.Sport)),
+		VIP:    netip.AddrPortFrom(bpf.Addr([4]uint32{t.Daddr}, bpf.FamilyIPv4), bpf.Port(t.Dport)),
+		Proto:  t.Proto,
+	}
+}
+
+func key6From(t *bpf.Tuple6) Key {
+	return Key{
+		Client: netip.AddrPortFrom(bpf.Addr(t.Saddr, bpf.FamilyIPv6), bpf.Port(t.Sport)),
+		VIP:    netip.AddrPortFrom(bpf.Addr(t.Daddr, bpf.FamilyIPv6), bpf.Port(t.Dport)),
+		Proto:  t.Proto,
+	}
+}
+
+func entry(k Key, v *bpf.CTValue) Entry {
+	return Entry{
+		Key:       k,
+		ServiceID: v.ServiceId,
+		BackendID: v.BackendId,
+		State:     bpf.CTState(v.State),
+		Created:   time.Duration(v.CreatedNs),
+		LastSeen:  time.Duration(v.LastSeenNs),
+		Deadline:  time.Duration(v.DeadlineNs),
+	}
+}

@@ -1,0 +1,73 @@
+// Package conntrack is the typed view of the datapath's forward-affinity
+// maps, fluxvm_fct4 and fluxvm_fct6, and their garbage collector.
+//
+// # What the maps hold
+//
+// The TC program at the VM edge pins every flow to a backend. The first
+// packet of a flow from a client to a service VIP takes the Maglev pick
+// among the service's Ready backends; the program then remembers the
+// choice in a conntrack entry keyed by the client's view of the flow:
+//
+//	key   (Key)    client addr:port -> VIP addr:port, protocol
+//	value (Entry)  service id, backend id, protocol state,
+//	               created, last seen, deadline
+//
+// Later packets of the flow find the entry and go to the same backend as
+// long as it is Ready, or Draining with its drain deadline ahead, even when
+// the Maglev table has changed meanwhile. An Unhealthy or removed backend
+// makes the flow fail over to a new pick.
+//
+// At the same moment the program writes the flow's other half, a
+// reverse-NAT entry keyed by the reply's view (backend -> client), which
+// turns replies back into packets from the VIP; see package nat.
+//
+// # Protocol states and deadlines
+//
+// An entry carries a protocol state (bpf.CTState): TCP SYN, established,
+// FIN or RST, or UDP. Each state has its own idle timeout (Timeouts), and
+// the datapath sets Deadline to the last packet plus that timeout, at most
+// once a second per flow so a busy flow does not write its entry on every
+// packet. The datapath never deletes an entry; removing expired ones is
+// GC's job. The loader writes the timeouts into the meta map
+// (Timeouts.ApplyTo); a zero field there means the built-in default.
+//
+// # The pairing rule
+//
+// A flow is two entries in two LRU maps, and either may be evicted alone
+// when a map is full, a known failure of other dataplanes: a conntrack
+// entry without its reverse-NAT half black-holes replies, and a
+// reverse-NAT entry without its conntrack half is either a flow whose
+// forward state was lost or garbage holding a slot. So:
+//
+//   - a reverse-NAT half never outlives or lacks its conntrack half;
+//   - GC removes both halves of a flow together (the NAT key is the
+//     backend's address and port, found in fluxvm_backends by the entry's
+//     backend id, and the client from the conntrack key);
+//   - GC repairs what eviction broke: a conntrack entry without its NAT half
+//     gets it back while its backend exists; a NAT entry without its
+//     conntrack half gets it back if it is fresh (replies seen within the
+//     established or UDP timeout) and its backend still keeps flows, and is
+//     removed otherwise; a NAT entry whose conntrack half names another
+//     backend (the flow failed over) is removed.
+//
+// The datapath helps from its side: it recreates a missing NAT half when it
+// refreshes a conntrack entry, and a missing conntrack half from a reply.
+//
+// # GC
+//
+// Map.GC removes (a) expired entries, (b) entries whose backend is
+// Draining past its drain deadline and (c) entries whose backend slot is
+// unused or belongs to another service, then repairs orphans, and returns
+// a GCResult with counts per reason. It streams the maps in bounded chunks
+// with batch map commands (key-by-key iteration on kernels without them),
+// so its memory does not grow with the number of flows. Call it
+// periodically, e.g. every few seconds; a shorter interval than the
+// shortest timeout buys nothing.
+//
+// # Clocks
+//
+// Entry times are durations since boot on CLOCK_MONOTONIC_COARSE, the
+// clock the datapath reads with bpf_ktime_get_coarse_ns; they are not
+// wall-clock times. GC takes its notion of now as an argument so that
+// callers (and tests) decide the instant; Now reads the right clock.
+package conntrack

@@ -1,0 +1,414 @@
+package conntrack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/mapscan"
+	"github.com/fluxvm/servicefabric/nat"
+)
+
+// GCResult counts what one GC run did. Removal counts are exact: entries
+// that vanished on their own (LRU eviction) between the read and the
+// delete are not counted.
+type GCResult struct {
+	// Scanned is the number of conntrack entries examined for removal.
+	Scanned int
+	// Conntrack entries removed, by reason (each entry counts once, under
+	// the first reason that applies, in this order):
+	Expired     int // (a) idle past its deadline
+	Drained     int // (b) its backend is Draining and the drain deadline passed
+	BackendGone int // (c) its backend slot is unused or owned by another service
+	// PairedNATRemoved is the number of reverse-NAT halves removed
+	// together with the conntrack entries above.
+	PairedNATRemoved int
+
+	// NATScanned is the number of reverse-NAT entries examined for orphans.
+	NATScanned int
+	// StaleNATRemoved: reverse-NAT entries without a conntrack half that
+	// could not be repaired: idle past the established (TCP) or UDP
+	// timeout, or their backend no longer keeps flows. The NAT halves of
+	// flows removed as BackendGone are counted here: without the backend
+	// slot their key cannot be named from the conntrack side, so this
+	// sweep is what finds them.
+	StaleNATRemoved int
+	// SupersededNATRemoved: reverse-NAT entries whose conntrack half names
+	// another backend (the flow failed over) or whose backend id now has
+	// another address.
+	SupersededNATRemoved int
+	// CTRepaired: conntrack halves recreated from a fresh reverse-NAT entry.
+	CTRepaired int
+	// NATRepaired: reverse-NAT halves recreated for a conntrack entry
+	// whose backend still exists.
+	NATRepaired int
+}
+
+// Removed is the number of conntrack entries removed, for all reasons.
+func (r GCResult) Removed() int { return r.Expired + r.Drained + r.BackendGone }
+
+func (r GCResult) String() string {
+	return fmt.Sprintf("scanned %d: expired %d, drained %d, backend gone %d (nat halves %d); "+
+		"nat scanned %d: stale %d, superseded %d; repaired ct %d, nat %d",
+		r.Scanned, r.Expired, r.Drained, r.BackendGone, r.PairedNATRemoved,
+		r.NATScanned, r.StaleNATRemoved, r.SupersededNATRemoved, r.CTRepaired, r.NATRepaired)
+}
+
+// GC removes dead flows and repairs half-flows, as of now on
+// CLOCK_MONOTONIC_COARSE (use Now; tests pass any time they like).
+//
+// It runs three streaming sweeps, each in bounded chunks:
+//
+//  1. conntrack: remove every entry that is expired (Deadline < now),
+//     whose backend is Draining with its drain deadline passed
+//     (DrainUntilNs <= now, the datapath's own test), or whose backend
+//     slot is unused or owned by another service, together with its
+//     reverse-NAT half;
+//  2. reverse NAT: an entry whose conntrack half names another backend is
+//     removed; an entry without a conntrack half gets it back (state
+//     established for TCP, UDP for UDP, deadline LastSeen + that
+//     timeout) if it is fresh and its backend still keeps flows, and is
+//     removed otherwise;
+//  3. conntrack again: an entry without its reverse-NAT half whose backend
+//     still exists gets it back.
+//
+// A reverse-NAT entry names exactly one conntrack entry, so when sweep 2
+// proves as many pairs as sweep 1 kept conntrack entries, every one of them
+// has its half and sweep 3 is skipped: it is the price of repairs, paid
+// only when something is broken. (Were the maps changing meanwhile, a NAT
+// half evicted while a new flow was learned could balance the count; that
+// repair then waits for the next run, or for the datapath, which restores
+// a missing NAT half when it next refreshes the flow.)
+//
+// Removing before repairing matters when the LRU maps are full: the
+// repairs then take the room the removals freed instead of evicting live
+// halves. Entries of Unhealthy backends stay: the datapath moves such a
+// flow on its next packet, and keeps it if the backend recovered first.
+//
+// GC runs one at a time per Map. It checks ctx between chunks and returns
+// what it did so far with ctx's error.
+func (m *Map) GC(ctx context.Context, now time.Duration) (GCResult, error) {
+	if now < 0 {
+		return GCResult{}, fmt.Errorf("conntrack: gc: negative time %v", now)
+	}
+	m.gcMu.Lock()
+	defer m.gcMu.Unlock()
+	g := &gcRun{m: m, ctx: ctx, now: uint64(now), backends: make(map[uint32]cachedBackend)}
+	err := g.do(
+		func() error { return sweep(g, m.ct4, IPv4, key4From) },
+		func() error { return sweep(g, m.ct6, IPv6, key6From) },
+		g.sweepNAT,
+	)
+	if err == nil && g.kept != g.paired {
+		err = g.do(
+			func() error { return repair(g, m.ct4, IPv4, key4From) },
+			func() error { return repair(g, m.ct6, IPv6, key6From) },
+		)
+	}
+	if err != nil {
+		return g.res, fmt.Errorf("conntrack: gc: %w", err)
+	}
+	return g.res, nil
+}
+
+func (g *gcRun) do(steps ...func() error) error {
+	for _, step := range steps {
+		if err := step(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// gcRun is the state of one GC run.
+type gcRun struct {
+	m   *Map
+	ctx context.Context
+	now uint64
+	res GCResult
+
+	// backends caches backend slots for the run, so that a million flows
+	// over a few hundred backends cost a few hundred lookups. Only slots
+	// that keep their flows are trusted for the whole run; a slot that
+	// condemns flows (unused, drained) is trusted only within the chunk it
+	// was read in (gen), so that a slot reused in the meantime is read
+	// again before its new flows could be taken for old ones.
+	backends map[uint32]cachedBackend
+	gen      uint64
+
+	// kept counts the conntrack entries sweep 1 kept, paired the NAT
+	// entries sweep 2 found with their conntrack half.
+	kept, paired int
+
+	natDel, natStale, natSuperseded []nat.Key
+
+	// Scratch for single lookups, allocated once per run rather than per
+	// call (a key passed as any escapes to the heap).
+	k4 bpf.Tuple4
+	k6 bpf.Tuple6
+	v  bpf.CTValue
+}
+
+// lookupCT reads the conntrack entry of k into g.v.
+func (g *gcRun) lookupCT(k Key) error {
+	if k.Family() == IPv4 {
+		g.k4 = key4(k)
+		return g.m.ct4.Lookup(&g.k4, &g.v)
+	}
+	g.k6 = key6(k)
+	return g.m.ct6.Lookup(&g.k6, &g.v)
+}
+
+type cachedBackend struct {
+	b   bpf.Backend
+	gen uint64
+}
+
+// backend returns slot id of fluxvm_backends; an id beyond the array
+// reads as an unused slot.
+func (g *gcRun) backend(id uint32) (bpf.Backend, error) {
+	if c, ok := g.backends[id]; ok && (c.gen == g.gen || g.keepsAny(&c.b)) {
+		return c.b, nil
+	}
+	var b bpf.Backend
+	if err := g.m.backends.Lookup(id, &b); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return b, fmt.Errorf("backend %d: %w", id, err)
+	}
+	g.backends[id] = cachedBackend{b: b, gen: g.gen}
+	return b, nil
+}
+
+// keepsAny: slot b condemns none of the flows of its service at g.now.
+func (g *gcRun) keepsAny(b *bpf.Backend) bool {
+	switch bpf.BackendState(b.State) {
+	case bpf.BackendReady, bpf.BackendUnhealthy:
+		return true
+	case bpf.BackendDraining:
+		return g.now < b.DrainUntilNs
+	}
+	return false
+}
+
+// keeps: the datapath keeps a flow of service sid on b at g.now.
+func (g *gcRun) keeps(b *bpf.Backend, sid uint32) bool {
+	if b.ServiceId != sid {
+		return false
+	}
+	switch bpf.BackendState(b.State) {
+	case bpf.BackendReady:
+		return true
+	case bpf.BackendDraining:
+		return g.now < b.DrainUntilNs
+	}
+	return false
+}
+
+type reason uint8
+
+const (
+	keep reason = iota
+	expired
+	drained
+	gone
+)
+
+// classify decides the fate of conntrack entry v in sweep 1.
+func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
+	switch {
+	case v.DeadlineNs < g.now:
+		return expired
+	case !owns(b, v.ServiceId):
+		return gone
+	case bpf.BackendState(b.State) == bpf.BackendDraining && b.DrainUntilNs <= g.now:
+		return drained
+	}
+	return keep
+}
+
+func (g *gcRun) nextChunk() error {
+	g.gen++
+	return g.ctx.Err()
+}
+
+// sweep is pass 1 over one conntrack map: remove dead flows, both halves.
+func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
+	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
+	del := make([]K, 0, len(s.Keys))
+	why := make([]reason, 0, len(s.Keys))
+	for {
+		if err := g.nextChunk(); err != nil {
+			return err
+		}
+		n, err := s.Chunk()
+		if err != nil {
+			return fmt.Errorf("scan %s conntrack: %w", fam, err)
+		}
+		if n == 0 {
+			return nil
+		}
+		g.res.Scanned += n
+		del, why, g.natDel = del[:0], why[:0], g.natDel[:0]
+		for i := range n {
+			v := &s.Vals[i]
+			b, err := g.backend(v.BackendId)
+			if err != nil {
+				return err
+			}
+			r := g.classify(v, &b)
+			if r == keep {
+				continue
+			}
+			del = append(del, s.Keys[i])
+			why = append(why, r)
+			if owns(&b, v.ServiceId) {
+				g.natDel = append(g.natDel, natKey(decode(&s.Keys[i]), &b))
+			}
+			// Otherwise the NAT half cannot be named from here; sweep 2
+			// finds it without its conntrack half and a backend that
+			// keeps no flows, and removes it.
+		}
+		g.kept += n - len(del)
+		// An entry already gone (evicted since the read) is not counted.
+		if _, err := mapscan.DeleteKeys(ctm, &g.m.mode, del, func(i int) { why[i] = keep }); err != nil {
+			return fmt.Errorf("delete %s conntrack: %w", fam, err)
+		}
+		for _, r := range why {
+			switch r {
+			case expired:
+				g.res.Expired++
+			case drained:
+				g.res.Drained++
+			case gone:
+				g.res.BackendGone++
+			}
+		}
+		nd, err := g.m.nat.DeleteKeys(g.natDel)
+		g.res.PairedNATRemoved += nd
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// sweepNAT is pass 2: every reverse-NAT entry must have its conntrack half.
+func (g *gcRun) sweepNAT() error {
+	to := g.m.timeouts
+	return g.m.nat.Scan(nat.Filter{}, func(es []nat.Entry) error {
+		if err := g.nextChunk(); err != nil {
+			return err
+		}
+		g.res.NATScanned += len(es)
+		g.natStale, g.natSuperseded = g.natStale[:0], g.natSuperseded[:0]
+		for i := range es {
+			e := &es[i]
+			b, err := g.backend(e.BackendID)
+			if err != nil {
+				return err
+			}
+			ck := Key{Client: e.Client, VIP: e.VIP, Proto: e.Proto}
+			// The backend id may have been given to another address since
+			// the flow was learned; replies from the old one are over.
+			moved := owns(&b, e.ServiceID) && natKey(ck, &b).Backend != e.Backend
+			err = g.lookupCT(ck)
+			switch {
+			case err == nil:
+				if ct := &g.v; ct.BackendId != e.BackendID || ct.ServiceId != e.ServiceID || moved {
+					g.natSuperseded = append(g.natSuperseded, e.Key)
+				} else {
+					g.paired++
+				}
+			case !errors.Is(err, ebpf.ErrKeyNotExist):
+				return fmt.Errorf("conntrack lookup %s: %w", ck, err)
+			default:
+				state, timeout := bpf.CTUDP, to.UDP
+				if e.Proto == ProtoTCP {
+					state, timeout = bpf.CTTCPEstablished, to.TCPEstablished
+				}
+				last := uint64(e.LastSeen)
+				deadline := last + uint64(timeout)
+				if moved || !g.keeps(&b, e.ServiceID) || deadline < g.now {
+					g.natStale = append(g.natStale, e.Key)
+					continue
+				}
+				ok, err := g.m.createRaw(ck, &bpf.CTValue{
+					ServiceId: e.ServiceID, BackendId: e.BackendID,
+					CreatedNs: last, LastSeenNs: last, DeadlineNs: deadline,
+					State: uint8(state),
+				})
+				if err != nil {
+					return fmt.Errorf("recreate conntrack %s: %w", ck, err)
+				}
+				if ok {
+					g.res.CTRepaired++
+				}
+			}
+		}
+		n, err := g.m.nat.DeleteKeys(g.natStale)
+		g.res.StaleNATRemoved += n
+		if err != nil {
+			return err
+		}
+		n, err = g.m.nat.DeleteKeys(g.natSuperseded)
+		g.res.SupersededNATRemoved += n
+		return err
+	})
+}
+
+// repair is pass 3 over one conntrack map: give every flow whose backend
+// still exists its reverse-NAT half.
+func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
+	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
+	for {
+		if err := g.nextChunk(); err != nil {
+			return err
+		}
+		n, err := s.Chunk()
+		if err != nil {
+			return fmt.Errorf("scan %s conntrack: %w", fam, err)
+		}
+		if n == 0 {
+			return nil
+		}
+		for i := range n {
+			v := &s.Vals[i]
+			b, err := g.backend(v.BackendId)
+			if err != nil {
+				return err
+			}
+			if g.classify(v, &b) != keep {
+				continue // learned since sweep 1 and already dead: next run
+			}
+			k := decode(&s.Keys[i])
+			nk := natKey(k, &b)
+			_, err = g.m.nat.Lookup(nk)
+			if err == nil {
+				// Present. If it belongs to another flow (two services
+				// sharing a backend address and a client port), the
+				// datapath shares the key the same way: leave it.
+				continue
+			}
+			if !errors.Is(err, nat.ErrNotFound) {
+				return err
+			}
+			err = g.m.nat.Create(nat.Entry{
+				Key: nk, VIP: k.VIP, ServiceID: v.ServiceId, BackendID: v.BackendId,
+				LastSeen: time.Duration(v.LastSeenNs),
+			})
+			switch {
+			case err == nil:
+				g.res.NATRepaired++
+			case errors.Is(err, nat.ErrExists):
+				// The datapath was quicker.
+			case errors.Is(err, nat.ErrInvalidEntry):
+				// Nothing the datapath could use (a backend without a
+				// port, say); the flow fails over on its next packet.
+			default:
+				return err
+			}
+		}
+	}
+}

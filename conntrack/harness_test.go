@@ -1,0 +1,361 @@
+package conntrack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/nat"
+)
+
+// dataplane is the real TC object of tier S with its lifecycle maps shrunk,
+// the Map and nat.Table over it, and the control-plane writes a test needs
+// to make the program learn flows.
+type dataplane struct {
+	t    testing.TB
+	th   *testenv.Thread
+	spec *ebpf.CollectionSpec
+	objs struct {
+		FromVM   *ebpf.Program `ebpf:"fluxvm_from_vm"`
+		ToVM     *ebpf.Program `ebpf:"fluxvm_to_vm"`
+		Svc4     *ebpf.Map     `ebpf:"fluxvm_svc4"`
+		Svc6     *ebpf.Map     `ebpf:"fluxvm_svc6"`
+		Sguard   *ebpf.Map     `ebpf:"fluxvm_sguard"`
+		Backends *ebpf.Map     `ebpf:"fluxvm_backends"`
+		Maglev   *ebpf.Map     `ebpf:"fluxvm_maglev"`
+		Meta     *ebpf.Map     `ebpf:"fluxvm_meta"`
+		Fct4     *ebpf.Map     `ebpf:"fluxvm_fct4"`
+		Fct6     *ebpf.Map     `ebpf:"fluxvm_fct6"`
+		Nat4     *ebpf.Map     `ebpf:"fluxvm_nat4"`
+		Nat6     *ebpf.Map     `ebpf:"fluxvm_nat6"`
+	}
+	nat    *nat.Table
+	ct     *Map
+	tables map[string]*ebpf.Map // Maglev tables by backend list
+}
+
+type sizes struct{ ct, nat uint32 }
+
+// newDataplane loads an object of its own for a test that needs special
+// map sizes, inside a fresh network namespace thread. Lifecycle maps are
+// shrunk: 64k preallocated entries are pointless for a test, and small
+// ones let a test fill them.
+func newDataplane(t testing.TB, sz sizes, to Timeouts) *dataplane {
+	t.Helper()
+	testenv.RequirePrivileged(t)
+	d, err := load(sz, to)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.close)
+	d.t, d.th = t, testenv.NewThread(t)
+	return d
+}
+
+// shared is the one object most tests use, loaded on first use: program
+// verification is the slow part of a test, and more so on a busy machine.
+var shared struct {
+	once sync.Once
+	d    *dataplane
+	err  error
+}
+
+// sharedDataplane returns the shared object (maps of 4096 entries,
+// testTimeouts in the meta map) for t: emptied, with a thread in a fresh
+// network namespace of t's own. Tests using it must not run in parallel.
+func sharedDataplane(t *testing.T) *dataplane {
+	t.Helper()
+	testenv.RequirePrivileged(t)
+	shared.once.Do(func() { shared.d, shared.err = load(sizes{4096, 4096}, testTimeouts) })
+	if shared.err != nil {
+		t.Fatal(shared.err)
+	}
+	d := shared.d
+	d.t, d.th = t, testenv.NewThread(t)
+	d.reset()
+	return d
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if shared.d != nil {
+		shared.d.close()
+	}
+	os.Exit(code)
+}
+
+func load(sz sizes, to Timeouts) (*dataplane, error) {
+	d := &dataplane{}
+	spec, err := bpf.Spec(bpf.TierS)
+	if err != nil {
+		return nil, err
+	}
+	spec.Maps["fluxvm_fct4"].MaxEntries = sz.ct
+	spec.Maps["fluxvm_fct6"].MaxEntries = sz.ct
+	spec.Maps["fluxvm_nat4"].MaxEntries = sz.nat
+	spec.Maps["fluxvm_nat6"].MaxEntries = sz.nat
+	d.spec = spec
+	if err := spec.LoadAndAssign(&d.objs, nil); err != nil {
+		return nil, fmt.Errorf("load: %w", err)
+	}
+	o := &d.objs
+	if d.nat, err = nat.New(o.Nat4, o.Nat6); err == nil {
+		d.ct, err = New(Config{CT4: o.Fct4, CT6: o.Fct6, Backends: o.Backends, NAT: d.nat, Timeouts: to})
+	}
+	if err == nil && to != (Timeouts{}) {
+		var m bpf.Meta
+		if err = to.ApplyTo(&m); err == nil {
+			err = o.Meta.Put(uint32(0), m)
+		}
+	}
+	if err != nil {
+		d.close()
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *dataplane) close() {
+	o := &d.objs
+	for _, c := range []interface{ Close() error }{o.FromVM, o.ToVM, o.Svc4, o.Svc6, o.Sguard,
+		o.Backends, o.Maglev, o.Meta, o.Fct4, o.Fct6, o.Nat4, o.Nat6} {
+		c.Close()
+	}
+	for _, m := range d.tables {
+		m.Close()
+	}
+}
+
+func (d *dataplane) must(err error) {
+	d.t.Helper()
+	if err != nil {
+		d.t.Fatal(err)
+	}
+}
+
+// reset empties the lifecycle maps and the backend slots a test uses, so
+// that one loaded object serves many cases.
+func (d *dataplane) reset() {
+	d.t.Helper()
+	for _, m := range []*ebpf.Map{d.objs.Fct4, d.objs.Fct6, d.objs.Nat4, d.objs.Nat6} {
+		var keys [][]byte
+		k := make([]byte, m.KeySize())
+		var v []byte
+		it := m.Iterate()
+		for it.Next(&k, &v) {
+			keys = append(keys, append([]byte(nil), k...))
+		}
+		d.must(it.Err())
+		for _, k := range keys {
+			d.must(m.Delete(k))
+		}
+	}
+	for id := uint32(0); id < 16; id++ {
+		d.must(d.objs.Backends.Put(id, bpf.Backend{}))
+	}
+}
+
+// service installs frontend vip/proto -> sid, opens its guard and fills
+// its Maglev table from bids, slot i naming bids[i%len(bids)].
+func (d *dataplane) service(sid uint32, vip netip.AddrPort, proto uint8, bids ...uint32) {
+	d.t.Helper()
+	val := bpf.SvcValue{ServiceId: sid, Revision: 1}
+	w := bpf.AddrWords(vip.Addr())
+	if vip.Addr().Is4() {
+		d.must(d.objs.Svc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val))
+	} else {
+		d.must(d.objs.Svc6.Put(bpf.SvcKey6{Vip: w, Port: bpf.Port(vip.Port()), Proto: proto}, val))
+	}
+	d.must(d.objs.Sguard.Put(sid, bpf.Guard{State: bpf.GuardOpen, Revision: 1}))
+	d.table(sid, bids...)
+}
+
+// table swaps in a Maglev table for sid, as the control plane does. Tables
+// are built once per backend list and reused: filling 16k slots is the
+// slowest control-plane write a test makes.
+func (d *dataplane) table(sid uint32, bids ...uint32) {
+	d.t.Helper()
+	name := fmt.Sprint(bids)
+	inner := d.tables[name]
+	if inner == nil {
+		var err error
+		inner, err = ebpf.NewMap(d.spec.Maps["fluxvm_maglev"].InnerMap)
+		d.must(err)
+		n := inner.MaxEntries()
+		keys, ids := make([]uint32, n), make([]uint32, n)
+		for i := range keys {
+			keys[i], ids[i] = uint32(i), bids[i%len(bids)]
+		}
+		_, err = inner.BatchUpdate(keys, ids, nil)
+		d.must(err)
+		if d.tables == nil {
+			d.tables = map[string]*ebpf.Map{}
+		}
+		d.tables[name] = inner
+	}
+	d.must(d.objs.Maglev.Put(sid, inner))
+}
+
+func (d *dataplane) backend(id, sid uint32, ap netip.AddrPort, state bpf.BackendState, drainUntil time.Duration) {
+	d.t.Helper()
+	fam := uint8(bpf.FamilyIPv6)
+	if ap.Addr().Is4() {
+		fam = bpf.FamilyIPv4
+	}
+	d.must(d.objs.Backends.Put(id, bpf.Backend{
+		Addr: bpf.AddrWords(ap.Addr()), Port: bpf.Port(ap.Port()), Family: fam,
+		State: uint8(state), ServiceId: sid, DrainUntilNs: uint64(drainUntil),
+	}))
+}
+
+func (d *dataplane) removeBackend(id uint32) {
+	d.t.Helper()
+	d.must(d.objs.Backends.Put(id, bpf.Backend{}))
+}
+
+func frame(src, dst netip.AddrPort, proto uint8, f pkt.TCPFlags) []byte {
+	if proto == ProtoTCP {
+		return pkt.TCP(src, dst, f, []byte("fluxvm"))
+	}
+	return pkt.UDP(src, dst, []byte("fluxvm"))
+}
+
+const tcOK = 0 // TC_ACT_OK: translated
+
+func (d *dataplane) run(prog *ebpf.Program, in []byte) (uint32, []byte) {
+	d.t.Helper()
+	opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+256), Repeat: 1}
+	var ret uint32
+	var err error
+	d.th.Do(func() { ret, err = prog.Run(&opts) })
+	d.must(err)
+	return ret, opts.DataOut
+}
+
+// send passes client -> vip packets with the given TCP flags, in order,
+// through the VM-edge program; each must be translated. It returns the
+// destination the last one was sent to.
+func (d *dataplane) send(k Key, flags ...pkt.TCPFlags) netip.AddrPort {
+	d.t.Helper()
+	if len(flags) == 0 {
+		flags = []pkt.TCPFlags{pkt.SYN}
+	}
+	var out []byte
+	for _, f := range flags {
+		var ret uint32
+		ret, out = d.run(d.objs.FromVM, frame(k.Client, k.VIP, k.Proto, f))
+		if ret != tcOK {
+			d.t.Fatalf("%s: verdict %d, want TC_ACT_OK", k, int32(ret))
+		}
+	}
+	p := pkt.Decode(out)
+	dst := netip.AddrPort{}
+	if nl := p.NetworkLayer(); nl != nil {
+		a, _ := netip.AddrFromSlice(nl.NetworkFlow().Dst().Raw())
+		port := uint16(0)
+		if tl := p.TransportLayer(); tl != nil {
+			raw := tl.TransportFlow().Dst().Raw()
+			port = uint16(raw[0])<<8 | uint16(raw[1])
+		}
+		dst = netip.AddrPortFrom(a.Unmap(), port)
+	}
+	return dst
+}
+
+// reply passes backend -> client through the program toward the VM and
+// returns the source the client sees, or the invalid AddrPort when the
+// reply was not translated.
+func (d *dataplane) reply(backend netip.AddrPort, k Key) netip.AddrPort {
+	d.t.Helper()
+	ret, out := d.run(d.objs.ToVM, frame(backend, k.Client, k.Proto, pkt.ACK))
+	if ret != tcOK {
+		return netip.AddrPort{}
+	}
+	want := frame(k.VIP, k.Client, k.Proto, pkt.ACK)
+	if string(out[:len(want)]) != string(want) {
+		d.t.Fatalf("reply from %s for %s:\n got %x\nwant %x", backend, k, out[:len(want)], want)
+	}
+	return k.VIP
+}
+
+func (d *dataplane) gc(now time.Duration) GCResult {
+	d.t.Helper()
+	res, err := d.ct.GC(context.Background(), now)
+	if err != nil {
+		d.t.Fatalf("gc: %v", err)
+	}
+	return res
+}
+
+func (d *dataplane) lookup(k Key) (Entry, bool) {
+	d.t.Helper()
+	e, err := d.ct.Lookup(k)
+	if errors.Is(err, ErrNotFound) {
+		return e, false
+	}
+	d.must(err)
+	return e, true
+}
+
+func (d *dataplane) natLookup(k nat.Key) (nat.Entry, bool) {
+	d.t.Helper()
+	e, err := d.nat.Lookup(k)
+	if errors.Is(err, nat.ErrNotFound) {
+		return e, false
+	}
+	d.must(err)
+	return e, true
+}
+
+func (d *dataplane) backendOf(id uint32) bpf.Backend {
+	d.t.Helper()
+	var b bpf.Backend
+	d.must(d.objs.Backends.Lookup(id, &b))
+	return b
+}
+
+// pairing checks the pairing rule over the whole maps and returns the
+// number of complete flows and the number of broken halves (a conntrack
+// entry without its NAT half, or a NAT entry without its conntrack half).
+func (d *dataplane) pairing() (flows, broken int) {
+	d.t.Helper()
+	cts, err := d.ct.List(Filter{})
+	d.must(err)
+	nats, err := d.nat.List(nat.Filter{})
+	d.must(err)
+	for _, c := range cts {
+		b := d.backendOf(c.BackendID)
+		e, ok := d.natLookup(natKey(c.Key, &b))
+		if ok && e.BackendID == c.BackendID && e.VIP == c.VIP && e.ServiceID == c.ServiceID {
+			flows++
+		} else {
+			broken++
+		}
+	}
+	for _, e := range nats {
+		c, ok := d.lookup(Key{Client: e.Client, VIP: e.VIP, Proto: e.Proto})
+		if !ok || c.BackendID != e.BackendID {
+			broken++
+		}
+	}
+	return flows, broken
+}
+
+// now is CLOCK_MONOTONIC_COARSE, the clock the program stamps with.
+func now(t testing.TB) time.Duration {
+	n, err := Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}

@@ -1,0 +1,43 @@
+// Package nat is the typed view of the datapath's reverse-NAT maps,
+// fluxvm_nat4 and fluxvm_nat6.
+//
+// # What the maps hold
+//
+// When the TC program at the VM edge sends a new flow from a client to a
+// service VIP, it rewrites the destination to the backend it picked (DNAT)
+// and writes two entries: a conntrack entry, keyed by the client's view of
+// the flow (client -> VIP, package conntrack), and a reverse-NAT entry,
+// keyed by the reply as it will leave the backend:
+//
+//	key   (Key)    backend addr:port -> client addr:port, protocol
+//	value (Entry)  VIP addr:port, service id, backend id, last seen
+//
+// A reply from the backend finds its entry by its own addresses and has its
+// source rewritten back to the VIP and port the client addressed, so the
+// client never sees the backend. Without the entry the reply leaves
+// untranslated and the client drops it: a reverse-NAT entry is as important
+// as the conntrack entry it belongs to.
+//
+// Both maps are LRU hashes sized by the object's tier. The datapath
+// refreshes LastSeen at most once a second per flow, on replies, with
+// bpf_ktime_get_coarse_ns; LastSeen is therefore time since boot on
+// CLOCK_MONOTONIC_COARSE, not wall-clock time.
+//
+// # Ownership and the pairing rule
+//
+// This package is the only code that reads or writes the bytes of these
+// maps; everything else goes through Table. A reverse-NAT entry is one half
+// of a flow whose other half is the conntrack entry, and a half must never
+// outlive or lack the other. Keeping that true is the job of conntrack's
+// garbage collector (conntrack.Map.GC), which removes and repairs halves
+// through this package; Table itself enforces nothing across the two maps.
+//
+// # Concurrency
+//
+// A Table is safe for concurrent use, and the datapath writes the maps all
+// the time: an entry read may be refreshed, replaced or evicted a moment
+// later. Create never overwrites (use it for repairs), Put always does.
+// Scan streams the maps in bounded chunks (batch map commands where the
+// kernel has them, key-by-key iteration where it answers
+// ebpf.ErrNotSupported), so memory does not grow with the map.
+package nat

@@ -1,0 +1,435 @@
+package nat
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/mapscan"
+)
+
+// Sentinel errors; test for them with errors.Is.
+var (
+	// ErrNotFound: the table holds no entry for the key.
+	ErrNotFound = errors.New("reverse-NAT entry not found")
+	// ErrExists: Create found an entry for the key already.
+	ErrExists = errors.New("reverse-NAT entry exists")
+	// ErrInvalidMap: a map handed to New is not a reverse-NAT map of this
+	// schema (type, key or value size).
+	ErrInvalidMap = errors.New("not a reverse-NAT map")
+	// ErrInvalidEntry: a key or entry that the datapath could never have
+	// written (mixed address families, protocol, zero ids or ports).
+	ErrInvalidEntry = errors.New("invalid reverse-NAT entry")
+)
+
+// IP protocols the datapath translates.
+const (
+	ProtoTCP = 6
+	ProtoUDP = 17
+)
+
+// Family is an address family, as a Filter selects it.
+type Family uint8
+
+// Families; the zero Family in a Filter selects both.
+const (
+	IPv4 Family = bpf.FamilyIPv4
+	IPv6 Family = bpf.FamilyIPv6
+)
+
+func (f Family) String() string {
+	switch f {
+	case 0:
+		return "any"
+	case IPv4:
+		return "ipv4"
+	case IPv6:
+		return "ipv6"
+	}
+	return fmt.Sprintf("family(%d)", uint8(f))
+}
+
+// Key names a reverse-NAT entry: a reply as it leaves the backend, from
+// Backend to Client. IPv4-mapped IPv6 addresses are taken as IPv4, the
+// way the datapath stores them.
+type Key struct {
+	Backend netip.AddrPort // the backend's address and port (reply source)
+	Client  netip.AddrPort // the client's address and port (reply destination)
+	Proto   uint8          // ProtoTCP or ProtoUDP
+}
+
+// Entry is one reverse-NAT entry: how to turn a reply from Key.Backend back
+// into one from the VIP the client addressed.
+type Entry struct {
+	Key
+	VIP       netip.AddrPort // the service frontend the client addressed
+	ServiceID uint32
+	BackendID uint32 // id in fluxvm_backends; never 0
+	// LastSeen is when a reply last refreshed the entry, on
+	// CLOCK_MONOTONIC_COARSE (time since boot), the clock the datapath
+	// stamps with. The datapath refreshes it at most once a second.
+	LastSeen time.Duration
+}
+
+func (k Key) String() string {
+	return fmt.Sprintf("%s %s->%s", protoName(k.Proto), k.Backend, k.Client)
+}
+
+// Family is the key's address family, taken from the backend address.
+func (k Key) Family() Family {
+	if k.Backend.Addr().Unmap().Is4() {
+		return IPv4
+	}
+	return IPv6
+}
+
+func protoName(p uint8) string {
+	switch p {
+	case ProtoTCP:
+		return "tcp"
+	case ProtoUDP:
+		return "udp"
+	}
+	return fmt.Sprintf("proto(%d)", p)
+}
+
+func unmap(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}
+
+// normal returns k with mapped addresses unmapped, or an error if the
+// datapath could never have written it.
+func (k Key) normal() (Key, error) {
+	k.Backend, k.Client = unmap(k.Backend), unmap(k.Client)
+	b, c := k.Backend.Addr(), k.Client.Addr()
+	switch {
+	case !b.IsValid() || !c.IsValid():
+		return k, fmt.Errorf("%w: %s: missing address", ErrInvalidEntry, k)
+	case b.Is4() != c.Is4():
+		return k, fmt.Errorf("%w: %s: mixed address families", ErrInvalidEntry, k)
+	case b.Zone() != "" || c.Zone() != "":
+		return k, fmt.Errorf("%w: %s: zoned address", ErrInvalidEntry, k)
+	case k.Proto != ProtoTCP && k.Proto != ProtoUDP:
+		return k, fmt.Errorf("%w: %s: protocol must be TCP or UDP", ErrInvalidEntry, k)
+	}
+	return k, nil
+}
+
+func (e Entry) normal() (Entry, error) {
+	k, err := e.Key.normal()
+	if err != nil {
+		return e, err
+	}
+	e.Key, e.VIP = k, unmap(e.VIP)
+	switch {
+	case !e.VIP.Addr().IsValid() || e.VIP.Addr().Is4() != k.Backend.Addr().Is4():
+		return e, fmt.Errorf("%w: %s: VIP %s is not of the key's family", ErrInvalidEntry, k, e.VIP)
+	case e.VIP.Port() == 0:
+		// Port 0 marks a VIP in the frontend map; it is never a service port.
+		return e, fmt.Errorf("%w: %s: VIP port 0", ErrInvalidEntry, k)
+	case e.BackendID == 0:
+		return e, fmt.Errorf("%w: %s: backend id 0 is never used", ErrInvalidEntry, k)
+	case e.LastSeen < 0:
+		return e, fmt.Errorf("%w: %s: negative last-seen time", ErrInvalidEntry, k)
+	}
+	return e, nil
+}
+
+// Filter selects entries for Scan and List. The zero Filter selects all.
+type Filter struct {
+	Family     Family   // 0: both families
+	ServiceIDs []uint32 // nil: any service; empty but non-nil: none
+	BackendIDs []uint32 // nil: any backend; empty but non-nil: none
+}
+
+func (f Filter) matches(fam Family, sid, bid uint32) bool {
+	return (f.Family == 0 || f.Family == fam) &&
+		(f.ServiceIDs == nil || slices.Contains(f.ServiceIDs, sid)) &&
+		(f.BackendIDs == nil || slices.Contains(f.BackendIDs, bid))
+}
+
+// Table is the typed view of the reverse-NAT maps fluxvm_nat4 and
+// fluxvm_nat6. It is safe for concurrent use; the datapath writes the same
+// maps concurrently (see the package documentation for what that means).
+type Table struct {
+	nat4, nat6 *ebpf.Map
+	mode       mapscan.Mode
+	chunk      int
+}
+
+// New returns the Table over the reverse-NAT maps of a loaded (or pinned)
+// TC object. It checks that they are hash maps with this schema's key and
+// value layouts (and names, when the kernel reports one) and returns an
+// ErrInvalidMap error otherwise. The Table
+// does not own the maps: closing them is the caller's business.
+func New(nat4, nat6 *ebpf.Map) (*Table, error) {
+	if err := checkMap("fluxvm_nat4", nat4, unsafe.Sizeof(bpf.Tuple4{})); err != nil {
+		return nil, err
+	}
+	if err := checkMap("fluxvm_nat6", nat6, unsafe.Sizeof(bpf.Tuple6{})); err != nil {
+		return nil, err
+	}
+	return &Table{nat4: nat4, nat6: nat6, chunk: mapscan.DefaultChunk}, nil
+}
+
+func checkMap(name string, m *ebpf.Map, keySize uintptr) error {
+	valSize := unsafe.Sizeof(bpf.NATValue{})
+	switch {
+	case m == nil:
+		return fmt.Errorf("nat: %s: %w: nil map", name, ErrInvalidMap)
+	case m.Type() != ebpf.LRUHash && m.Type() != ebpf.Hash:
+		return fmt.Errorf("nat: %s: %w: type %s, want LRU hash", name, ErrInvalidMap, m.Type())
+	case uintptr(m.KeySize()) != keySize || uintptr(m.ValueSize()) != valSize:
+		return fmt.Errorf("nat: %s: %w: key/value size %d/%d, want %d/%d",
+			name, ErrInvalidMap, m.KeySize(), m.ValueSize(), keySize, valSize)
+	}
+	// fluxvm_nat4 and fluxvm_fct4 have the same layout; only the name
+	// tells them apart. Maps made without a name pass.
+	if info, err := m.Info(); err == nil && info.Name != "" && info.Name != name {
+		return fmt.Errorf("nat: %s: %w: map is named %s", name, ErrInvalidMap, info.Name)
+	}
+	return nil
+}
+
+// Lookup returns the entry for k, or an error matching ErrNotFound.
+func (t *Table) Lookup(k Key) (Entry, error) {
+	k, err := k.normal()
+	if err != nil {
+		return Entry{}, fmt.Errorf("nat: lookup: %w", err)
+	}
+	var v bpf.NATValue
+	if k.Family() == IPv4 {
+		err = t.nat4.Lookup(key4(k), &v)
+	} else {
+		err = t.nat6.Lookup(key6(k), &v)
+	}
+	if err != nil {
+		return Entry{}, wrapNotFound("lookup", k, err)
+	}
+	return entry(k, &v), nil
+}
+
+// Put creates the entry or replaces the one with the same key.
+func (t *Table) Put(e Entry) error {
+	return t.update("put", e, ebpf.UpdateAny)
+}
+
+// Create adds the entry only if its key is free, and otherwise returns an
+// error matching ErrExists. Repairs use it so that they never overwrite
+// what the datapath wrote in the meantime.
+func (t *Table) Create(e Entry) error {
+	return t.update("create", e, ebpf.UpdateNoExist)
+}
+
+func (t *Table) update(op string, e Entry, flags ebpf.MapUpdateFlags) error {
+	e, err := e.normal()
+	if err != nil {
+		return fmt.Errorf("nat: %s: %w", op, err)
+	}
+	v := value(&e)
+	if e.Family() == IPv4 {
+		err = t.nat4.Update(key4(e.Key), &v, flags)
+	} else {
+		err = t.nat6.Update(key6(e.Key), &v, flags)
+	}
+	if errors.Is(err, ebpf.ErrKeyExist) {
+		return fmt.Errorf("nat: %s %s: %w (%w)", op, e.Key, ErrExists, err)
+	}
+	if err != nil {
+		return fmt.Errorf("nat: %s %s: %w", op, e.Key, err)
+	}
+	return nil
+}
+
+// Delete removes the entry for k, or returns an error matching ErrNotFound.
+func (t *Table) Delete(k Key) error {
+	k, err := k.normal()
+	if err != nil {
+		return fmt.Errorf("nat: delete: %w", err)
+	}
+	if k.Family() == IPv4 {
+		err = t.nat4.Delete(key4(k))
+	} else {
+		err = t.nat6.Delete(key6(k))
+	}
+	if err != nil {
+		return wrapNotFound("delete", k, err)
+	}
+	return nil
+}
+
+// DeleteKeys removes the entries for keys with batch deletes and returns
+// how many it removed. Keys without an entry are skipped, not an error:
+// the LRU may have evicted them. It stops at the first invalid key or
+// failing syscall.
+func (t *Table) DeleteKeys(keys []Key) (int, error) {
+	// GC calls this once per chunk; pooled buffers keep its garbage from
+	// growing with the number of flows.
+	b4, b6 := tuple4Pool.Get().(*[]bpf.Tuple4), tuple6Pool.Get().(*[]bpf.Tuple6)
+	defer func() {
+		*b4, *b6 = (*b4)[:0], (*b6)[:0]
+		tuple4Pool.Put(b4)
+		tuple6Pool.Put(b6)
+	}()
+	k4, k6 := *b4, *b6
+	for _, k := range keys {
+		k, err := k.normal()
+		if err != nil {
+			return 0, fmt.Errorf("nat: delete keys: %w", err)
+		}
+		if k.Family() == IPv4 {
+			k4 = append(k4, key4(k))
+		} else {
+			k6 = append(k6, key6(k))
+		}
+	}
+	*b4, *b6 = k4, k6
+	n4, err := mapscan.DeleteKeys(t.nat4, &t.mode, k4, nil)
+	if err != nil {
+		return n4, fmt.Errorf("nat: delete keys: fluxvm_nat4: %w", err)
+	}
+	n6, err := mapscan.DeleteKeys(t.nat6, &t.mode, k6, nil)
+	if err != nil {
+		return n4 + n6, fmt.Errorf("nat: delete keys: fluxvm_nat6: %w", err)
+	}
+	return n4 + n6, nil
+}
+
+var (
+	tuple4Pool = sync.Pool{New: func() any { return new([]bpf.Tuple4) }}
+	tuple6Pool = sync.Pool{New: func() any { return new([]bpf.Tuple6) }}
+)
+
+// Scan streams the entries that match f to fn in chunks of at most a few
+// thousand, IPv4 first. The slice is reused for the next chunk, so fn must
+// copy what it keeps. fn may delete entries of its chunk (Delete,
+// DeleteKeys) without disturbing the scan; an entry it adds may or may not
+// be seen later in the same scan. An error from fn stops the scan and is
+// returned as is.
+//
+// Memory stays bounded by the chunk size however large the maps are. The
+// scan is not a snapshot: entries the datapath adds or the LRU evicts
+// meanwhile may or may not be seen.
+func (t *Table) Scan(f Filter, fn func([]Entry) error) error {
+	buf := make([]Entry, 0, t.chunk)
+	if f.Family == 0 || f.Family == IPv4 {
+		s := mapscan.NewScanner[bpf.Tuple4, bpf.NATValue](t.nat4, &t.mode, t.chunk)
+		if err := scan(s, f, IPv4, buf, key4From, fn); err != nil {
+			return err
+		}
+	}
+	if f.Family == 0 || f.Family == IPv6 {
+		s := mapscan.NewScanner[bpf.Tuple6, bpf.NATValue](t.nat6, &t.mode, t.chunk)
+		if err := scan(s, f, IPv6, buf, key6From, fn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func scan[K any](s *mapscan.Scanner[K, bpf.NATValue], f Filter, fam Family, buf []Entry,
+	decode func(*K) Key, fn func([]Entry) error) error {
+	for {
+		n, err := s.Chunk()
+		if err != nil {
+			return fmt.Errorf("nat: scan %s: %w", fam, err)
+		}
+		if n == 0 {
+			return nil
+		}
+		buf = buf[:0]
+		for i := range n {
+			v := &s.Vals[i]
+			if f.matches(fam, v.ServiceId, v.BackendId) {
+				buf = append(buf, entry(decode(&s.Keys[i]), v))
+			}
+		}
+		if len(buf) == 0 {
+			continue
+		}
+		if err := fn(buf); err != nil {
+			return err
+		}
+	}
+}
+
+// List returns all entries that match f. It holds them all in memory;
+// use Scan for maps that may be large.
+func (t *Table) List(f Filter) ([]Entry, error) {
+	var out []Entry
+	err := t.Scan(f, func(es []Entry) error {
+		out = append(out, es...)
+		return nil
+	})
+	return out, err
+}
+
+func wrapNotFound(op string, k Key, err error) error {
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("nat: %s %s: %w (%w)", op, k, ErrNotFound, err)
+	}
+	return fmt.Errorf("nat: %s %s: %w", op, k, err)
+}
+
+// The conversions between typed entries and the raw map layout. They are
+// the only place that knows which tuple field holds what.
+
+func key4(k Key) bpf.Tuple4 {
+	s, d := bpf.AddrWords(k.Backend.Addr()), bpf.AddrWords(k.Client.Addr())
+	return bpf.Tuple4{
+		Saddr: s[0], Daddr: d[0],
+		Sport: bpf.Port(k.Backend.Port()), Dport: bpf.Port(k.Client.Port()),
+		Proto: k.Proto,
+	}
+}
+
+func key6(k Key) bpf.Tuple6 {
+	return bpf.Tuple6{
+		Saddr: bpf.AddrWords(k.Backend.Addr()), Daddr: bpf.AddrWords(k.Client.Addr()),
+		Sport: bpf.Port(k.Backend.Port()), Dport: bpf.Port(k.Client.Port()),
+		Proto: k.Proto,
+	}
+}
+
+func key4From(t *bpf.Tuple4) Key {
+	return Key{
+		Backend: netip.AddrPortFrom(bpf.Addr([4]uint32{t.Saddr}, bpf.FamilyIPv4), bpf.Port(t.Sport)),
+		Client:  netip.AddrPortFrom(bpf.Addr([4]uint32{t.Daddr}, bpf.FamilyIPv4), bpf.Port(t.Dport)),
+		Proto:   t.Proto,
+	}
+}
+
+func key6From(t *bpf.Tuple6) Key {
+	return Key{
+		Backend: netip.AddrPortFrom(bpf.Addr(t.Saddr, bpf.FamilyIPv6), bpf.Port(t.Sport)),
+		Client:  netip.AddrPortFrom(bpf.Addr(t.Daddr, bpf.FamilyIPv6), bpf.Port(t.Dport)),
+		Proto:   t.Proto,
+	}
+}
+
+func entry(k Key, v *bpf.NATValue) Entry {
+	return Entry{
+		Key:       k,
+		VIP:       netip.AddrPortFrom(bpf.Addr(v.Vip, uint8(k.Family())), bpf.Port(v.Vport)),
+		ServiceID: v.ServiceId,
+		BackendID: v.BackendId,
+		LastSeen:  time.Duration(v.LastSeenNs),
+	}
+}
+
+func value(e *Entry) bpf.NATValue {
+	return bpf.NATValue{
+		Vip:        bpf.AddrWords(e.VIP.Addr()),
+		Vport:      bpf.Port(e.VIP.Port()),
+		ServiceId:  e.ServiceID,
+		BackendId:  e.BackendID,
+		LastSeenNs: uint64(e.LastSeen),
+	}
+}

@@ -83,6 +83,11 @@ type Status struct {
 	KeptMaps, NewMaps []string
 	// Links lists the pinned attachments whose program was updated.
 	Links []string
+	// MountedBPFFS: there was no bpffs at /sys/fs/bpf and Open mounted
+	// one. If this process runs in a private mount namespace (as under
+	// `ip netns exec`), the pins go away with it; run the daemon in the
+	// host's mount namespace to keep state across restarts.
+	MountedBPFFS bool
 }
 
 // Datapath is the loaded TC object with its maps pinned under one owned
@@ -108,7 +113,7 @@ func Open(opts Options) (*Datapath, error) {
 	if opts.AttachMode != "" && opts.AttachMode != AttachTCX && opts.AttachMode != AttachClsBPF {
 		return nil, fmt.Errorf("bpf: open: attach mode %q: %w", opts.AttachMode, ErrAttachMode)
 	}
-	root, err := checkPinRoot(opts.PinRoot)
+	root, mounted, err := checkPinRoot(opts.PinRoot)
 	if err != nil {
 		return nil, err
 	}
@@ -127,7 +132,7 @@ func Open(opts Options) (*Datapath, error) {
 		}
 	}
 
-	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps}
+	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps, MountedBPFFS: mounted}
 	pinned, prev, err := adoptPins(root, spec, &st)
 	defer func() {
 		for _, m := range pinned {
@@ -319,17 +324,19 @@ func loadSpec(opts Options) (*ebpf.CollectionSpec, error) {
 
 // checkPinRoot makes sure root is an absolute directory strictly below a
 // bpffs mount, mounting bpffs at /sys/fs/bpf on a machine without one.
-func checkPinRoot(root string) (string, error) {
+func checkPinRoot(root string) (string, bool, error) {
 	if !filepath.IsAbs(root) {
-		return "", fmt.Errorf("bpf: pin root %q: %w: not absolute", root, ErrPinRoot)
+		return "", false, fmt.Errorf("bpf: pin root %q: %w: not absolute", root, ErrPinRoot)
 	}
 	root = filepath.Clean(root)
+	mounted := false
 	if strings.HasPrefix(root+"/", bpffs.DefaultRoot+"/") {
 		if root == bpffs.DefaultRoot {
-			return "", fmt.Errorf("bpf: pin root %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
+			return "", false, fmt.Errorf("bpf: pin root %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
 		}
-		if err := bpffs.Ensure(bpffs.DefaultRoot); err != nil {
-			return "", fmt.Errorf("bpf: pin root: %w", err)
+		var err error
+		if mounted, err = bpffs.Ensure(bpffs.DefaultRoot); err != nil {
+			return "", false, fmt.Errorf("bpf: pin root: %w", err)
 		}
 	}
 	parent := filepath.Dir(root)
@@ -341,12 +348,12 @@ func checkPinRoot(root string) (string, error) {
 	}
 	ok, err := bpffs.IsBPFFS(parent)
 	if err != nil {
-		return "", fmt.Errorf("bpf: pin root: %w", err)
+		return "", false, fmt.Errorf("bpf: pin root: %w", err)
 	}
 	if !ok {
-		return "", fmt.Errorf("bpf: pin root %q: %w: %s is not on bpffs", root, ErrPinRoot, parent)
+		return "", false, fmt.Errorf("bpf: pin root %q: %w: %s is not on bpffs", root, ErrPinRoot, parent)
 	}
-	return root, nil
+	return root, mounted, nil
 }
 
 func mapDir(root string) string  { return filepath.Join(root, "maps") }

@@ -51,6 +51,7 @@ type Capacities struct {
 	MaglevSize uint32 `json:"maglev_size"`
 	Conntrack  uint32 `json:"conntrack"`
 	NAT        uint32 `json:"nat"`
+	Edges      uint32 `json:"vm_edge_interfaces"`
 }
 
 // LoadStatus says what opening the pin root found and did.
@@ -116,6 +117,8 @@ type GCResult struct {
 	Scanned  int           `json:"scanned"`
 	Expired  int           `json:"expired"`
 	Drained  int           `json:"drained"`
-	Orphans  int           `json:"orphans_removed"`
-	Repaired int           `json:"repaired"`
+	// BackendGone counts flows whose backend was removed.
+	BackendGone int `json:"backend_gone"`
+	Orphans     int `json:"orphans_removed"`
+	Repaired    int `json:"repaired"`
 }

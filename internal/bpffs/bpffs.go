@@ -26,25 +26,30 @@ func IsBPFFS(path string) (bool, error) {
 }
 
 // Ensure makes sure that root is a mounted BPF filesystem, mounting one
-// there when root is an empty mount point on another filesystem. It never
-// mounts over a directory that already has contents.
-func Ensure(root string) error {
+// there when root is an empty mount point on another filesystem, and
+// reports whether it mounted. It never mounts over a directory that already
+// has contents.
+//
+// A mount made here lives in this process's mount namespace: when that is
+// not the host's (for example under `ip netns exec`, which remounts /sys),
+// pins made below it disappear with the process.
+func Ensure(root string) (mounted bool, err error) {
 	if err := os.MkdirAll(root, 0o755); err != nil {
-		return fmt.Errorf("bpffs: %w", err)
+		return false, fmt.Errorf("bpffs: %w", err)
 	}
 	ok, err := IsBPFFS(root)
 	if err != nil || ok {
-		return err
+		return false, err
 	}
 	entries, err := os.ReadDir(root)
 	if err != nil {
-		return fmt.Errorf("bpffs: %w", err)
+		return false, fmt.Errorf("bpffs: %w", err)
 	}
 	if len(entries) != 0 {
-		return fmt.Errorf("bpffs: %s: %w and not empty; refusing to mount over it", root, ErrNotBPFFS)
+		return false, fmt.Errorf("bpffs: %s: %w and not empty; refusing to mount over it", root, ErrNotBPFFS)
 	}
 	if err := unix.Mount("bpffs", root, "bpf", 0, "mode=0700"); err != nil {
-		return fmt.Errorf("bpffs: mount at %s: %w", root, err)
+		return false, fmt.Errorf("bpffs: mount at %s: %w", root, err)
 	}
-	return nil
+	return true, nil
 }

@@ -71,6 +71,10 @@ func New() (*Lab, error) {
 		l.Close()
 		return nil, fmt.Errorf("lab: node sysctls: %w", err)
 	}
+	if err := configure(l.nl, "lo", netip.Addr{}, 0, netip.Addr{}, 0, nil, nil); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("lab: node lo: %w", err)
+	}
 	return l, nil
 }
 

@@ -76,7 +76,7 @@ func NewNetNS(tb testing.TB, prefix string) *NetNS {
 func PinRoot(tb testing.TB) string {
 	tb.Helper()
 	RequirePrivileged(tb)
-	if err := bpffs.Ensure(bpffs.DefaultRoot); err != nil {
+	if _, err := bpffs.Ensure(bpffs.DefaultRoot); err != nil {
 		tb.Fatalf("testenv: %v", err)
 	}
 	dir := filepath.Join(bpffs.DefaultRoot, "fluxvm-test-"+Suffix())

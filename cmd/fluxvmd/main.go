@@ -1,0 +1,172 @@
+// Command fluxvmd is the reference FluxVM Service Fabric daemon for
+// standalone nodes: it opens the node's dataplane from a TOML configuration
+// and serves the REST API.
+//
+//	fluxvmd [-config /etc/fluxvm/fluxvmd.toml] [run]   serve (default)
+//	fluxvmd [-config ...] check-config                 validate the config and exit
+//	fluxvmd [-config ...] cleanup                      remove everything FluxVM owns
+//
+// Stopping the daemon leaves the datapath forwarding: pins, attachments and
+// the catalog stay, and the next start adopts them without disturbing
+// established flows. `cleanup` detaches the programs and removes the pin
+// root and the catalog.
+//
+// Tokens come from the files named in the [sandbox.dataplane.service.api]
+// table or from FLUXVM_ADMIN_TOKEN / FLUXVM_READ_TOKEN; an admin token is
+// required.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+)
+
+func main() {
+	if err := run(context.Background(), os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "fluxvmd:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("fluxvmd", flag.ContinueOnError)
+	cfgPath := fs.String("config", "/etc/fluxvm/fluxvmd.toml", "configuration file")
+	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cmd := "run"
+	if fs.NArg() > 1 {
+		return fmt.Errorf("one command at most, got %q", fs.Args())
+	}
+	if fs.NArg() == 1 {
+		cmd = fs.Arg(0)
+	}
+	var h slog.Handler = slog.NewTextHandler(os.Stderr, nil)
+	if *logJSON {
+		h = slog.NewJSONHandler(os.Stderr, nil)
+	}
+	log := slog.New(h)
+
+	cfg, err := fluxvm.LoadConfig(*cfgPath)
+	if err != nil {
+		return err
+	}
+	switch cmd {
+	case "check-config":
+		fmt.Println("configuration is valid")
+		return nil
+	case "cleanup":
+		return cleanup(cfg, log)
+	case "run":
+		return serve(ctx, cfg, log)
+	}
+	return fmt.Errorf("unknown command %q (run, check-config, cleanup)", cmd)
+}
+
+func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
+	opts := fluxvm.OptionsFrom(cfg)
+	opts.Logger = log
+	opts.GCInterval = -1
+	d, err := fluxvm.Open(opts)
+	if err != nil {
+		return err
+	}
+	if err := d.Cleanup(); err != nil {
+		return err
+	}
+	log.Info("fluxvmd: removed the datapath, its pins and the catalog", "pin_root", cfg.PinRoot)
+	return nil
+}
+
+func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
+	admin, read, err := tokens(cfg.API)
+	if err != nil {
+		return err
+	}
+	opts := fluxvm.OptionsFrom(cfg)
+	opts.Logger = log
+	d, err := fluxvm.Open(opts)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	handler, err := api.New(d, api.Options{AdminTokens: admin, ReadTokens: read, MaxBodyBytes: cfg.API.MaxBodyBytes, Logger: log})
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cfg.API.Listen)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	errc := make(chan error, 1)
+	go func() {
+		if cfg.API.TLSCertFile != "" {
+			errc <- srv.ServeTLS(ln, cfg.API.TLSCertFile, cfg.API.TLSKeyFile)
+		} else {
+			errc <- srv.Serve(ln)
+		}
+	}()
+	log.Info("fluxvmd: serving", "listen", ln.Addr().String(), "tls", cfg.API.TLSCertFile != "")
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("fluxvmd: stopping; the datapath keeps forwarding")
+	shut, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// tokens reads the admin and read tokens from their files or environment.
+func tokens(a fluxvm.APIConfig) (admin, read []string, err error) {
+	get := func(file, env string) ([]string, error) {
+		if file != "" {
+			b, err := os.ReadFile(file)
+			if err != nil {
+				return nil, fmt.Errorf("token file: %w", err)
+			}
+			var out []string
+			for _, line := range strings.Split(string(b), "\n") {
+				if t := strings.TrimSpace(line); t != "" && !strings.HasPrefix(t, "#") {
+					out = append(out, t)
+				}
+			}
+			return out, nil
+		}
+		if v := strings.TrimSpace(os.Getenv(env)); v != "" {
+			return []string{v}, nil
+		}
+		return nil, nil
+	}
+	if admin, err = get(a.AdminTokenFile, "FLUXVM_ADMIN_TOKEN"); err != nil {
+		return nil, nil, err
+	}
+	if read, err = get(a.ReadTokenFile, "FLUXVM_READ_TOKEN"); err != nil {
+		return nil, nil, err
+	}
+	if len(admin) == 0 {
+		return nil, nil, errors.New("no admin token: set admin_token_file or FLUXVM_ADMIN_TOKEN")
+	}
+	return admin, read, nil
+}

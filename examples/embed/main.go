@@ -1,0 +1,93 @@
+// Command embed shows how a VMM embeds the FluxVM Service Fabric: it opens
+// the node dataplane, attaches a VM's host-side interface, applies a
+// service from a JSON file and mounts the REST API on its own mux.
+//
+//	go run ./examples/embed -iface tap-vm1 -vm vm-1 -service examples/service-fabric-v4-east-west.json
+//
+// It needs root (CAP_BPF, CAP_NET_ADMIN) and an existing interface. Stop it
+// with Ctrl-C; the datapath keeps forwarding (run it again, or call
+// Dataplane.Cleanup, to take over or remove the state).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/signal"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+)
+
+func main() {
+	ifname := flag.String("iface", "", "host-side interface of the VM (required)")
+	vmID := flag.String("vm", "vm-1", "the VM's id")
+	svcFile := flag.String("service", "", "service JSON to apply (optional)")
+	listen := flag.String("listen", "127.0.0.1:7788", "where to serve the REST API")
+	flag.Parse()
+	if *ifname == "" {
+		log.Fatal("-iface is required")
+	}
+
+	cfg := fluxvm.DefaultConfig()
+	cfg.CatalogPath = "/run/fluxvm-embed/catalog.json"
+	if err := cfg.Validate(); err != nil {
+		log.Fatal(err)
+	}
+	opts := fluxvm.OptionsFrom(cfg)
+	opts.Logger = slog.Default()
+	d, err := fluxvm.Open(opts)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer d.Close()
+
+	// Interfaces come from the embedder, as VMs start and stop.
+	if _, err := d.AddInterface(fluxvm.VMEdgeInterface{Name: *ifname, VMID: *vmID}); err != nil {
+		log.Fatal(err)
+	}
+	if *svcFile != "" {
+		f, err := os.Open(*svcFile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		svc, err := fluxvm.DecodeService(f)
+		f.Close()
+		if err != nil {
+			log.Fatal(err)
+		}
+		st, err := d.ApplyService(context.Background(), svc)
+		if err != nil {
+			log.Fatal(err)
+		}
+		for _, fe := range st.Frontends {
+			fmt.Printf("%s %s -> %d eligible backends\n", fe.VIP, fe.Protocol, fe.Eligible)
+		}
+	}
+
+	token := os.Getenv("FLUXVM_ADMIN_TOKEN")
+	if token == "" {
+		log.Fatal("set FLUXVM_ADMIN_TOKEN")
+	}
+	h, err := api.New(d, api.Options{AdminTokens: []string{token}})
+	if err != nil {
+		log.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/v1/", h)
+	mux.Handle("/metrics", h)
+	srv := &http.Server{Addr: *listen, Handler: mux}
+	go func() {
+		if err := srv.ListenAndServe(); err != nil && err != http.ErrServerClosed {
+			log.Fatal(err)
+		}
+	}()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	<-ctx.Done()
+	srv.Shutdown(context.Background())
+}

@@ -1,0 +1,231 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// Dataplane is what the handler needs from the node's service dataplane.
+// *fluxvm.Dataplane implements it. Implementations must be safe for
+// concurrent use: the handler calls them from many requests at once.
+type Dataplane interface {
+	// ApplyService validates and applies one service (create or replace)
+	// and returns what the node made of it.
+	ApplyService(ctx context.Context, svc fluxvm.Service) (fluxvm.ServiceStatus, error)
+	// DeleteService removes a service; it wraps fluxvm.ErrNotFound when
+	// there is no such service.
+	DeleteService(ctx context.Context, name string) error
+	// Services lists every service.
+	Services() []fluxvm.ServiceStatus
+	// Service returns one service; it wraps fluxvm.ErrNotFound when absent.
+	Service(name string) (fluxvm.ServiceStatus, error)
+	// Status describes the dataplane (schema, tier, interfaces, last GC).
+	Status() fluxvm.Status
+	// Stats reads the datapath counters.
+	Stats() (fluxvm.Stats, error)
+	// VMStats reads the counters of one VM's edge interfaces; it wraps
+	// fluxvm.ErrNotFound for an unknown VM.
+	VMStats(vmID string) (fluxvm.VMStats, error)
+	// GC runs one conntrack garbage collection now.
+	GC(ctx context.Context) (fluxvm.GCResult, error)
+}
+
+// DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.
+const DefaultMaxBodyBytes int64 = 1 << 20
+
+// Options configure the handler made by [New].
+type Options struct {
+	// AdminTokens may call every route, mutations included.
+	AdminTokens []string
+	// ReadTokens may call the GET routes (and /metrics) only.
+	ReadTokens []string
+	// MaxBodyBytes bounds a request body; larger bodies get 413.
+	// 0 means DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// Logger receives one record per request (method, path, status,
+	// duration; never a token) and the detail of internal errors.
+	// nil discards them.
+	Logger *slog.Logger
+	// Registry, when set, receives the dataplane collector and is what
+	// /metrics serves, so an embedder can add its own collectors (Go
+	// runtime, process) to the same page. nil uses a private registry
+	// holding only the dataplane collector.
+	Registry *prometheus.Registry
+}
+
+// New returns the REST handler for dp. It fails when dp is nil, when no
+// token is configured, when a token is empty, malformed or configured both
+// as admin and read token, when MaxBodyBytes is negative, or when the
+// collector cannot be registered in opts.Registry (for example because it
+// already holds one).
+func New(dp Dataplane, opts Options) (http.Handler, error) {
+	if dp == nil {
+		return nil, errors.New("api: nil dataplane")
+	}
+	auth, err := newAuthenticator(opts.AdminTokens, opts.ReadTokens)
+	if err != nil {
+		return nil, fmt.Errorf("api: %w", err)
+	}
+	maxBody := opts.MaxBodyBytes
+	switch {
+	case maxBody < 0:
+		return nil, fmt.Errorf("api: negative MaxBodyBytes %d", maxBody)
+	case maxBody == 0:
+		maxBody = DefaultMaxBodyBytes
+	}
+	logger := opts.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	reg := opts.Registry
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	if err := reg.Register(NewCollector(dp)); err != nil {
+		return nil, fmt.Errorf("api: register metrics collector: %w", err)
+	}
+
+	h := &handler{
+		dp:      dp,
+		auth:    auth,
+		maxBody: maxBody,
+		log:     logger,
+		mux:     http.NewServeMux(),
+	}
+	h.metrics = newMetricsHandler(reg, logger)
+	for _, rt := range routes {
+		h.mux.Handle(rt.pattern(), h.endpoint(rt))
+	}
+	return h, nil
+}
+
+// handler is the http.Handler returned by New.
+type handler struct {
+	dp      Dataplane
+	auth    *authenticator
+	maxBody int64
+	log     *slog.Logger
+	mux     *http.ServeMux
+	metrics http.Handler
+}
+
+// ServeHTTP authenticates the request, routes it and logs the outcome.
+func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	rw := &responseWriter{ResponseWriter: w}
+	hdr := w.Header()
+	hdr.Set("Content-Type", "application/json")
+	hdr.Set("Cache-Control", "no-store")
+	hdr.Set("X-Content-Type-Options", "nosniff")
+
+	defer func() {
+		if v := recover(); v != nil {
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+			h.log.Error("api: panic serving request", "method", r.Method, "path", r.URL.Path, "panic", v)
+			if !rw.wroteHeader {
+				rw.routed = true
+				h.writeError(rw, r, newAPIError(CodeInternal, internalMessage))
+			}
+		}
+		h.logRequest(r, rw, start)
+	}()
+
+	lvl := h.auth.authenticate(r.Header.Get("Authorization"))
+	if lvl == levelNone {
+		rw.routed = true
+		h.writeError(rw, r, errUnauthorized(r.Header.Get("Authorization") != ""))
+		return
+	}
+	h.mux.ServeHTTP(rw, r.WithContext(context.WithValue(r.Context(), levelKey{}, lvl)))
+}
+
+// logRequest writes the access log record of one request.
+func (h *handler) logRequest(r *http.Request, rw *responseWriter, start time.Time) {
+	status := rw.status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	lvl := slog.LevelInfo
+	if status >= http.StatusInternalServerError {
+		lvl = slog.LevelError
+	}
+	h.log.LogAttrs(r.Context(), lvl, "api request",
+		slog.String("method", r.Method),
+		slog.String("path", r.URL.Path),
+		slog.Int("status", status),
+		slog.Duration("duration", time.Since(start)),
+		slog.Int64("bytes", rw.written),
+		slog.String("remote", r.RemoteAddr),
+	)
+}
+
+// levelKey is the context key of the caller's access level.
+type levelKey struct{}
+
+// responseWriter records the status for the log and turns the plain-text
+// 404 and 405 answers of http.ServeMux into JSON errors: a write that
+// happens before an endpoint of the route table claimed the request comes
+// from the mux itself.
+type responseWriter struct {
+	http.ResponseWriter
+	status      int
+	written     int64
+	wroteHeader bool
+	routed      bool // an endpoint (or ServeHTTP itself) writes the response
+	swallow     bool // drop the body the mux writes after we replaced it
+}
+
+func (w *responseWriter) WriteHeader(code int) {
+	if w.wroteHeader {
+		return
+	}
+	if !w.routed {
+		var e *apiError
+		switch code {
+		case http.StatusNotFound:
+			e = newAPIError(CodeNotFound, "no such route")
+		case http.StatusMethodNotAllowed:
+			e = newAPIError(CodeMethodNotAllowed, "method not allowed; see the Allow header")
+		}
+		if e != nil {
+			w.routed = true // from here on we write our own body
+			w.Header().Del("Content-Length")
+			writeErrorBody(w, e)
+			w.swallow = true
+			return
+		}
+		// A redirect to the cleaned path: it has no body.
+		w.Header().Del("Content-Type")
+	}
+	w.wroteHeader = true
+	w.status = code
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *responseWriter) Write(b []byte) (int, error) {
+	if w.swallow {
+		return len(b), nil
+	}
+	if !w.wroteHeader {
+		w.WriteHeader(http.StatusOK)
+		if w.swallow {
+			return len(b), nil
+		}
+	}
+	n, err := w.ResponseWriter.Write(b)
+	w.written += int64(n)
+	return n, err
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (w *responseWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

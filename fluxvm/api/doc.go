@@ -1,0 +1,73 @@
+// Package api is the REST surface of the FluxVM Service Fabric: an
+// [http.Handler] that the reference daemon serves on 127.0.0.1:7788 and that
+// embedders can mount in their own server.
+//
+// # Model
+//
+// The handler owns no state. It authenticates the caller, decodes and
+// bounds the request, and calls the node's dataplane through the small
+// [Dataplane] interface, which *fluxvm.Dataplane implements. Tests and
+// embedders with their own dataplane can pass any implementation.
+//
+// # Routes
+//
+//	GET    /v1/network/services                     list services (array of ServiceStatus)
+//	POST   /v1/network/services                     apply one service (create or replace); 200 + ServiceStatus
+//	GET    /v1/network/services/status              dataplane status
+//	GET    /v1/network/services/stats               datapath statistics
+//	POST   /v1/network/services/conntrack/gc        run a conntrack GC now; 200 + GCResult
+//	GET    /v1/network/services/{name}              one service; 404 when absent
+//	DELETE /v1/network/services/{name}              remove a service; 204
+//	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
+//	GET    /metrics                                 Prometheus text format
+//
+// For GET, the literal segments "status" and "stats" take precedence over
+// {name} (http.ServeMux prefers the more specific pattern), so a service
+// named "status" or "stats" is not readable by name, only through the
+// list; DELETE has no literal sibling and still removes it.
+// docs/openapi.yaml in the module describes every route and schema.
+//
+// Applying a service is an idempotent upsert: the same request twice leaves
+// the node unchanged and both answer 200 with the resulting ServiceStatus.
+// The body must be a JSON fluxvm.Service sent as application/json; unknown
+// fields are rejected.
+//
+// # Authentication
+//
+// Every request, /metrics and unknown paths included, needs an
+// "Authorization: Bearer <token>" header with a configured token. Read
+// tokens may call the GET routes; admin tokens may call every route.
+// Mutations (POST, DELETE) need an admin token. Tokens are compared in
+// constant time against every configured token. A handler needs at least
+// one token; the reference daemon additionally refuses to start without an
+// admin token.
+//
+// # Errors
+//
+// Errors are JSON objects with a stable code (see [Code]):
+//
+//	{"error": {"code": "invalid_request", "message": "...", "field": "backends[1].port"}}
+//
+//	code                    status  cause
+//	invalid_request         400     fluxvm.ErrMalformed (bad JSON, unknown field), fluxvm.ErrInvalid
+//	unauthorized            401     no or unknown bearer token (WWW-Authenticate: Bearer)
+//	forbidden               403     read token on a mutation
+//	not_found               404     unknown route, service or VM (fluxvm.ErrNotFound)
+//	method_not_allowed      405     route exists with other methods (Allow lists them)
+//	conflict                409     fluxvm.ErrConflict
+//	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
+//	unsupported_media_type  415     POST body that is not application/json
+//	unsupported             422     fluxvm.ErrUnsupported
+//	missing_prerequisite    422     fluxvm.ErrPrerequisite
+//	limit_exceeded          422     fluxvm.ErrLimit
+//	internal                500     anything else; the detail goes to the log only
+//
+// "field" is present when a [fluxvm.ValidationError] names one.
+//
+// # Metrics
+//
+// /metrics serves a [prometheus.Registry] (Options.Registry or a private
+// one) holding the collector of [NewCollector], which reads the dataplane's
+// Stats and Status at scrape time. Embedders that serve their own /metrics
+// can register [NewCollector] in their registry instead.
+package api

@@ -1,0 +1,186 @@
+package api
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// Code is the stable, machine-readable code of an error response. Clients
+// branch on it, never on the message.
+type Code string
+
+// Error codes and the HTTP status each is sent with.
+const (
+	CodeInvalidRequest       Code = "invalid_request"        // 400
+	CodeUnauthorized         Code = "unauthorized"           // 401
+	CodeForbidden            Code = "forbidden"              // 403
+	CodeNotFound             Code = "not_found"              // 404
+	CodeMethodNotAllowed     Code = "method_not_allowed"     // 405
+	CodeConflict             Code = "conflict"               // 409
+	CodePayloadTooLarge      Code = "payload_too_large"      // 413
+	CodeUnsupportedMediaType Code = "unsupported_media_type" // 415
+	CodeUnsupported          Code = "unsupported"            // 422
+	CodeMissingPrerequisite  Code = "missing_prerequisite"   // 422
+	CodeLimitExceeded        Code = "limit_exceeded"         // 422
+	CodeInternal             Code = "internal"               // 500
+)
+
+// allCodes lists every code, in the order of the documentation.
+var allCodes = []Code{
+	CodeInvalidRequest, CodeUnauthorized, CodeForbidden, CodeNotFound,
+	CodeMethodNotAllowed, CodeConflict, CodePayloadTooLarge,
+	CodeUnsupportedMediaType, CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded,
+	CodeInternal,
+}
+
+// Status returns the HTTP status an error with code c is sent with
+// (500 for an unknown code).
+func (c Code) Status() int {
+	switch c {
+	case CodeInvalidRequest:
+		return http.StatusBadRequest
+	case CodeUnauthorized:
+		return http.StatusUnauthorized
+	case CodeForbidden:
+		return http.StatusForbidden
+	case CodeNotFound:
+		return http.StatusNotFound
+	case CodeMethodNotAllowed:
+		return http.StatusMethodNotAllowed
+	case CodeConflict:
+		return http.StatusConflict
+	case CodePayloadTooLarge:
+		return http.StatusRequestEntityTooLarge
+	case CodeUnsupportedMediaType:
+		return http.StatusUnsupportedMediaType
+	case CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded:
+		return http.StatusUnprocessableEntity
+	}
+	return http.StatusInternalServerError
+}
+
+// ErrorResponse is the body of every error response.
+type ErrorResponse struct {
+	Error ErrorDetail `json:"error"`
+}
+
+// ErrorDetail describes one error.
+type ErrorDetail struct {
+	// Code is stable; see the constants.
+	Code Code `json:"code"`
+	// Message is for humans and may change between versions.
+	Message string `json:"message"`
+	// Field names the offending request field (for example
+	// "backends[1].port") when one is known.
+	Field string `json:"field,omitempty"`
+}
+
+// internalMessage is all a client learns about an internal error.
+const internalMessage = "internal error; see the node's log"
+
+// apiError is an error on its way to the client.
+type apiError struct {
+	status  int
+	code    Code
+	message string
+	field   string
+	cause   error  // logged for internal errors, never sent
+	wwwAuth string // WWW-Authenticate value of a 401
+}
+
+func newAPIError(code Code, message string) *apiError {
+	return &apiError{status: code.Status(), code: code, message: message}
+}
+
+func (e *apiError) Error() string { return string(e.code) + ": " + e.message }
+
+// errUnauthorized is the 401 answer; presented says whether the request
+// carried an Authorization header at all.
+func errUnauthorized(presented bool) *apiError {
+	if presented {
+		e := newAPIError(CodeUnauthorized, "invalid bearer token")
+		e.wwwAuth = `Bearer realm="fluxvm", error="invalid_token"`
+		return e
+	}
+	e := newAPIError(CodeUnauthorized, "missing bearer token")
+	e.wwwAuth = `Bearer realm="fluxvm"`
+	return e
+}
+
+// toAPIError classifies an error returned by decoding or by the dataplane.
+func toAPIError(err error) *apiError {
+	var ae *apiError
+	if errors.As(err, &ae) {
+		return ae
+	}
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		return newAPIError(CodePayloadTooLarge,
+			"request body larger than "+strconv.FormatInt(mbe.Limit, 10)+" bytes")
+	}
+
+	var code Code
+	switch {
+	case errors.Is(err, fluxvm.ErrTooLarge):
+		code = CodePayloadTooLarge
+	case errors.Is(err, fluxvm.ErrNotFound):
+		code = CodeNotFound
+	case errors.Is(err, fluxvm.ErrUnsupported):
+		code = CodeUnsupported
+	case errors.Is(err, fluxvm.ErrPrerequisite):
+		code = CodeMissingPrerequisite
+	case errors.Is(err, fluxvm.ErrConflict):
+		code = CodeConflict
+	case errors.Is(err, fluxvm.ErrLimit):
+		code = CodeLimitExceeded
+	case errors.Is(err, fluxvm.ErrMalformed), errors.Is(err, fluxvm.ErrInvalid), isJSONError(err):
+		code = CodeInvalidRequest
+	default:
+		e := newAPIError(CodeInternal, internalMessage)
+		e.cause = err
+		return e
+	}
+	// A validation error carries the field and a message without the
+	// wrapping of the layers it came through.
+	var ve *fluxvm.ValidationError
+	if errors.As(err, &ve) {
+		e := newAPIError(code, ve.Error())
+		e.field = ve.Field
+		return e
+	}
+	return newAPIError(code, err.Error())
+}
+
+// isJSONError reports errors of encoding/json and of a short body, in case
+// a decoder returns them without wrapping fluxvm.ErrInvalid.
+func isJSONError(err error) bool {
+	var (
+		se *json.SyntaxError
+		te *json.UnmarshalTypeError
+	)
+	return errors.As(err, &se) || errors.As(err, &te) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
+}
+
+// writeError sends e as JSON and logs the cause of internal errors.
+func (h *handler) writeError(w http.ResponseWriter, r *http.Request, e *apiError) {
+	if e.code == CodeInternal && e.cause != nil {
+		h.log.Error("api: internal error", "method", r.Method, "path", r.URL.Path, "error", e.cause)
+	}
+	if e.wwwAuth != "" {
+		w.Header().Set("WWW-Authenticate", e.wwwAuth)
+	}
+	writeErrorBody(w, e)
+}
+
+// writeErrorBody writes the status and JSON body of e.
+func writeErrorBody(w http.ResponseWriter, e *apiError) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(e.status)
+	_ = json.NewEncoder(w).Encode(ErrorResponse{Error: ErrorDetail{Code: e.code, Message: e.message, Field: e.field}})
+}

@@ -1,0 +1,138 @@
+package api_test
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
+// its fields are returned by the matching method.
+type fakeDataplane struct {
+	mu       sync.Mutex
+	services map[string]fluxvm.ServiceStatus
+	revision uint64
+	applied  []fluxvm.Service // every service ApplyService received
+	deleted  []string
+	gcRuns   int
+
+	applyErr    error
+	statsErr    error
+	statusPanic bool
+	gcErr       error
+	status      fluxvm.Status
+	stats       fluxvm.Stats
+	vms         map[string]fluxvm.VMStats
+}
+
+func newFake() *fakeDataplane {
+	return &fakeDataplane{
+		services: map[string]fluxvm.ServiceStatus{},
+		vms:      map[string]fluxvm.VMStats{},
+		status: fluxvm.Status{
+			SchemaVersion: 4, Generation: 8, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm/service",
+		},
+	}
+}
+
+func (f *fakeDataplane) ApplyService(_ context.Context, svc fluxvm.Service) (fluxvm.ServiceStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.applied = append(f.applied, svc)
+	if f.applyErr != nil {
+		return fluxvm.ServiceStatus{}, f.applyErr
+	}
+	f.revision++
+	st := fluxvm.ServiceStatus{
+		Service:   svc,
+		Revision:  f.revision,
+		AppliedAt: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC),
+	}
+	for _, vip := range svc.VIPs {
+		for _, p := range svc.Ports {
+			st.Frontends = append(st.Frontends, fluxvm.FrontendStatus{
+				VIP: netip.AddrPortFrom(vip, p.Port), Protocol: p.Protocol, ServiceID: uint32(f.revision),
+				Eligible: len(svc.Backends), Backends: len(svc.Backends), GuardOpen: true,
+			})
+		}
+	}
+	f.services[svc.Name] = st
+	return st, nil
+}
+
+func (f *fakeDataplane) DeleteService(_ context.Context, name string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.services[name]; !ok {
+		return fmt.Errorf("service %q: %w", name, fluxvm.ErrNotFound)
+	}
+	delete(f.services, name)
+	f.deleted = append(f.deleted, name)
+	return nil
+}
+
+func (f *fakeDataplane) Services() []fluxvm.ServiceStatus {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []fluxvm.ServiceStatus
+	for _, s := range f.services {
+		out = append(out, s)
+	}
+	return out
+}
+
+func (f *fakeDataplane) Service(name string) (fluxvm.ServiceStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, ok := f.services[name]
+	if !ok {
+		return fluxvm.ServiceStatus{}, fmt.Errorf("service %q: %w", name, fluxvm.ErrNotFound)
+	}
+	return s, nil
+}
+
+func (f *fakeDataplane) Status() fluxvm.Status {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.statusPanic {
+		panic("status exploded")
+	}
+	st := f.status
+	st.Services = len(f.services)
+	return st
+}
+
+func (f *fakeDataplane) Stats() (fluxvm.Stats, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.stats, f.statsErr
+}
+
+func (f *fakeDataplane) VMStats(vmID string) (fluxvm.VMStats, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, ok := f.vms[vmID]
+	if !ok {
+		return fluxvm.VMStats{}, fmt.Errorf("vm %q: %w", vmID, fluxvm.ErrNotFound)
+	}
+	return s, nil
+}
+
+func (f *fakeDataplane) GC(context.Context) (fluxvm.GCResult, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.gcRuns++
+	if f.gcErr != nil {
+		return fluxvm.GCResult{}, f.gcErr
+	}
+	res := fluxvm.GCResult{
+		At: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), Duration: 1500 * time.Microsecond,
+		Scanned: 10, Expired: 3, Drained: 1,
+	}
+	f.status.LastGC = &res
+	return res, nil
+}

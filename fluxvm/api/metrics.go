@@ -1,0 +1,151 @@
+package api
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// MetricsSource is the part of [Dataplane] the metrics collector reads.
+type MetricsSource interface {
+	Status() fluxvm.Status
+	Stats() (fluxvm.Stats, error)
+}
+
+func desc(name, help string, labels ...string) *prometheus.Desc {
+	return prometheus.NewDesc("fluxvm_"+name, help, labels, nil)
+}
+
+// Metric descriptions. Counters are the datapath's own totals, read at
+// scrape time; they restart from zero when the node's maps are rebuilt.
+var (
+	descPackets      = desc("service_packets_total", "Packets from clients to the service's frontends.", "service")
+	descBytes        = desc("service_bytes_total", "Bytes from clients to the service's frontends.", "service")
+	descReplyPackets = desc("service_reply_packets_total", "Reply packets from backends, reverse-translated.", "service")
+	descReplyBytes   = desc("service_reply_bytes_total", "Reply bytes from backends, reverse-translated.", "service")
+	descNewFlows     = desc("service_new_flows_total", "Flows that got a backend from Maglev.", "service")
+	descFailovers    = desc("service_failovers_total", "Established flows moved to another backend.", "service")
+	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
+	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
+	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
+	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
+	descServices     = desc("services", "Services in the node's catalog.")
+	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
+		"schema_version", "program_generation", "map_tier")
+	descGCTime     = desc("conntrack_gc_last_run_timestamp_seconds", "Unix time of the last conntrack GC.")
+	descGCDuration = desc("conntrack_gc_last_duration_seconds", "Duration of the last conntrack GC.")
+	descGCEntries  = desc("conntrack_gc_last_entries", "Entries the last conntrack GC scanned or removed, by result.", "result")
+)
+
+// collector exports the dataplane's counters and status.
+type collector struct{ src MetricsSource }
+
+// NewCollector returns a Prometheus collector that reads src's Stats and
+// Status at every scrape (no background goroutine). New registers one in
+// the registry /metrics serves; embedders that serve their own /metrics can
+// register one themselves. It exports:
+//
+//	fluxvm_service_packets_total, fluxvm_service_bytes_total,
+//	fluxvm_service_reply_packets_total, fluxvm_service_reply_bytes_total,
+//	fluxvm_service_new_flows_total, fluxvm_service_failovers_total,
+//	fluxvm_service_drops_total                  counters {service}
+//	fluxvm_datapath_drops_total                 counter {reason}
+//	fluxvm_datapath_parser_packets_total        counter {kind}
+//	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
+//	fluxvm_services                             gauge: services in the catalog
+//	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}
+//	fluxvm_conntrack_gc_last_run_timestamp_seconds, fluxvm_conntrack_gc_last_duration_seconds  gauges
+//	fluxvm_conntrack_gc_last_entries            gauge {result: scanned, expired, drained, backend_gone,
+//	                                            orphans_removed, repaired}
+//
+// The GC series appear once the dataplane has run a GC. When Stats fails,
+// the status series are still served, fluxvm_datapath_stats_up is 0 and
+// the error goes to the handler's log.
+func NewCollector(src MetricsSource) prometheus.Collector { return collector{src: src} }
+
+// Describe implements prometheus.Collector.
+func (collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{
+		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
+		descServiceDrops, descDrops, descParser, descStatsUp, descServices, descInfo,
+		descGCTime, descGCDuration, descGCEntries,
+	} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c collector) Collect(ch chan<- prometheus.Metric) {
+	emit := func(d *prometheus.Desc, t prometheus.ValueType, v float64, labels ...string) {
+		m, err := prometheus.NewConstMetric(d, t, v, labels...)
+		if err != nil {
+			m = prometheus.NewInvalidMetric(d, fmt.Errorf("fluxvm metrics: %w", err))
+		}
+		ch <- m
+	}
+
+	st := c.src.Status()
+	emit(descServices, prometheus.GaugeValue, float64(st.Services))
+	emit(descInfo, prometheus.GaugeValue, 1,
+		strconv.FormatUint(uint64(st.SchemaVersion), 10), strconv.FormatUint(uint64(st.Generation), 10), st.Tier)
+	if gc := st.LastGC; gc != nil {
+		emit(descGCTime, prometheus.GaugeValue, float64(gc.At.UnixNano())/1e9)
+		emit(descGCDuration, prometheus.GaugeValue, gc.Duration.Seconds())
+		for _, e := range []struct {
+			result string
+			n      int
+		}{
+			{"scanned", gc.Scanned}, {"expired", gc.Expired}, {"drained", gc.Drained},
+			{"backend_gone", gc.BackendGone}, {"orphans_removed", gc.Orphans}, {"repaired", gc.Repaired},
+		} {
+			emit(descGCEntries, prometheus.GaugeValue, float64(e.n), e.result)
+		}
+	}
+
+	stats, err := c.src.Stats()
+	if err != nil {
+		emit(descStatsUp, prometheus.GaugeValue, 0)
+		ch <- prometheus.NewInvalidMetric(descPackets, fmt.Errorf("fluxvm metrics: read stats: %w", err))
+		return
+	}
+	emit(descStatsUp, prometheus.GaugeValue, 1)
+	for name, s := range stats.Services {
+		for _, e := range []struct {
+			d *prometheus.Desc
+			v uint64
+		}{
+			{descPackets, s.Packets}, {descBytes, s.Bytes}, {descReplyPackets, s.ReplyPackets},
+			{descReplyBytes, s.ReplyBytes}, {descNewFlows, s.NewFlows}, {descFailovers, s.Failovers},
+			{descServiceDrops, s.Drops},
+		} {
+			emit(e.d, prometheus.CounterValue, float64(e.v), name)
+		}
+	}
+	for reason, n := range stats.Drops {
+		emit(descDrops, prometheus.CounterValue, float64(n), reason)
+	}
+	for kind, n := range stats.Parser {
+		emit(descParser, prometheus.CounterValue, float64(n), kind)
+	}
+}
+
+// newMetricsHandler serves reg in the Prometheus exposition formats. A
+// collector error is logged and the remaining series are still served
+// (fluxvm_datapath_stats_up tells a failed counter read apart).
+func newMetricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog:      promLogger{log},
+		ErrorHandling: promhttp.ContinueOnError,
+	})
+}
+
+// promLogger adapts slog to promhttp.Logger.
+type promLogger struct{ log *slog.Logger }
+
+func (l promLogger) Println(v ...any) { l.log.Error("api: metrics: " + fmt.Sprint(v...)) }

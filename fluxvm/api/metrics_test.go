@@ -1,0 +1,189 @@
+package api_test
+
+import (
+	"errors"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+)
+
+// withMetricsData fills dp with services, counters and a GC result.
+func withMetricsData(dp *fakeDataplane) *fakeDataplane {
+	dp.services["web"] = fluxvm.ServiceStatus{Service: fluxvm.Service{Name: "web"}}
+	dp.services["dns"] = fluxvm.ServiceStatus{Service: fluxvm.Service{Name: "dns"}}
+	dp.stats = fluxvm.Stats{
+		Services: map[string]fluxvm.Counters{
+			"web": {Packets: 10, Bytes: 1000, ReplyPackets: 8, ReplyBytes: 4000, NewFlows: 3, Failovers: 1, Drops: 2},
+			"dns": {Packets: 4, Bytes: 256},
+		},
+		Drops:  map[string]uint64{"no_backend": 2, "guard_closed": 5},
+		Parser: map[string]uint64{"ipv4": 100, "truncated": 1},
+	}
+	dp.status.LastGC = &fluxvm.GCResult{
+		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
+		Scanned: 40, Expired: 7, Drained: 2, BackendGone: 3, Orphans: 1, Repaired: 0,
+	}
+	return dp
+}
+
+func TestCollector(t *testing.T) {
+	dp := withMetricsData(newFake())
+	const want = `
+# HELP fluxvm_service_packets_total Packets from clients to the service's frontends.
+# TYPE fluxvm_service_packets_total counter
+fluxvm_service_packets_total{service="dns"} 4
+fluxvm_service_packets_total{service="web"} 10
+# HELP fluxvm_service_bytes_total Bytes from clients to the service's frontends.
+# TYPE fluxvm_service_bytes_total counter
+fluxvm_service_bytes_total{service="dns"} 256
+fluxvm_service_bytes_total{service="web"} 1000
+# HELP fluxvm_service_reply_packets_total Reply packets from backends, reverse-translated.
+# TYPE fluxvm_service_reply_packets_total counter
+fluxvm_service_reply_packets_total{service="dns"} 0
+fluxvm_service_reply_packets_total{service="web"} 8
+# HELP fluxvm_service_reply_bytes_total Reply bytes from backends, reverse-translated.
+# TYPE fluxvm_service_reply_bytes_total counter
+fluxvm_service_reply_bytes_total{service="dns"} 0
+fluxvm_service_reply_bytes_total{service="web"} 4000
+# HELP fluxvm_service_new_flows_total Flows that got a backend from Maglev.
+# TYPE fluxvm_service_new_flows_total counter
+fluxvm_service_new_flows_total{service="dns"} 0
+fluxvm_service_new_flows_total{service="web"} 3
+# HELP fluxvm_service_failovers_total Established flows moved to another backend.
+# TYPE fluxvm_service_failovers_total counter
+fluxvm_service_failovers_total{service="dns"} 0
+fluxvm_service_failovers_total{service="web"} 1
+# HELP fluxvm_service_drops_total Packets to the service that were dropped.
+# TYPE fluxvm_service_drops_total counter
+fluxvm_service_drops_total{service="dns"} 0
+fluxvm_service_drops_total{service="web"} 2
+# HELP fluxvm_datapath_drops_total Packets dropped by the datapath, by reason.
+# TYPE fluxvm_datapath_drops_total counter
+fluxvm_datapath_drops_total{reason="guard_closed"} 5
+fluxvm_datapath_drops_total{reason="no_backend"} 2
+# HELP fluxvm_datapath_parser_packets_total Packets seen by the datapath parser, by kind.
+# TYPE fluxvm_datapath_parser_packets_total counter
+fluxvm_datapath_parser_packets_total{kind="ipv4"} 100
+fluxvm_datapath_parser_packets_total{kind="truncated"} 1
+# HELP fluxvm_datapath_stats_up 1 when the datapath counters could be read in this scrape, else 0.
+# TYPE fluxvm_datapath_stats_up gauge
+fluxvm_datapath_stats_up 1
+# HELP fluxvm_services Services in the node's catalog.
+# TYPE fluxvm_services gauge
+fluxvm_services 2
+# HELP fluxvm_dataplane_info Loaded datapath: BPF schema version, program generation and map tier (value 1).
+# TYPE fluxvm_dataplane_info gauge
+fluxvm_dataplane_info{map_tier="M",program_generation="8",schema_version="4"} 1
+# HELP fluxvm_conntrack_gc_last_run_timestamp_seconds Unix time of the last conntrack GC.
+# TYPE fluxvm_conntrack_gc_last_run_timestamp_seconds gauge
+fluxvm_conntrack_gc_last_run_timestamp_seconds 1.7672256005e+09
+# HELP fluxvm_conntrack_gc_last_duration_seconds Duration of the last conntrack GC.
+# TYPE fluxvm_conntrack_gc_last_duration_seconds gauge
+fluxvm_conntrack_gc_last_duration_seconds 0.0025
+# HELP fluxvm_conntrack_gc_last_entries Entries the last conntrack GC scanned or removed, by result.
+# TYPE fluxvm_conntrack_gc_last_entries gauge
+fluxvm_conntrack_gc_last_entries{result="backend_gone"} 3
+fluxvm_conntrack_gc_last_entries{result="drained"} 2
+fluxvm_conntrack_gc_last_entries{result="expired"} 7
+fluxvm_conntrack_gc_last_entries{result="orphans_removed"} 1
+fluxvm_conntrack_gc_last_entries{result="repaired"} 0
+fluxvm_conntrack_gc_last_entries{result="scanned"} 40
+`
+	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
+		t.Fatal(err)
+	}
+	// The collector is consistent with its descriptions.
+	if problems, err := testutil.CollectAndLint(api.NewCollector(dp)); err != nil || len(problems) != 0 {
+		t.Errorf("lint: %v %+v", err, problems)
+	}
+}
+
+func TestCollectorNoGCYet(t *testing.T) {
+	dp := newFake()
+	if n := testutil.CollectAndCount(api.NewCollector(dp), "fluxvm_conntrack_gc_last_entries"); n != 0 {
+		t.Errorf("%d GC series before any GC", n)
+	}
+}
+
+func TestCollectorStatsError(t *testing.T) {
+	dp := withMetricsData(newFake())
+	dp.statsErr = errors.New("read per-cpu map: EPERM")
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(api.NewCollector(dp))
+	if _, err := reg.Gather(); err == nil || !strings.Contains(err.Error(), "EPERM") {
+		t.Errorf("Gather error = %v, want the stats error", err)
+	}
+}
+
+func TestMetricsEndpoint(t *testing.T) {
+	e := newEnv(t)
+	withMetricsData(e.dp)
+	w := e.do(req{method: "GET", path: "/metrics", token: readToken})
+	if w.Code != http.StatusOK {
+		t.Fatalf("status %d: %s", w.Code, w.Body)
+	}
+	if ct := w.Header().Get("Content-Type"); !strings.HasPrefix(ct, "text/plain") {
+		t.Errorf("Content-Type = %q", ct)
+	}
+	if cc := w.Header().Get("Cache-Control"); cc != "no-store" {
+		t.Errorf("Cache-Control = %q", cc)
+	}
+	body := w.Body.String()
+	for _, want := range []string{
+		`fluxvm_service_packets_total{service="web"} 10`,
+		`fluxvm_service_reply_bytes_total{service="web"} 4000`,
+		`fluxvm_service_failovers_total{service="web"} 1`,
+		`fluxvm_datapath_drops_total{reason="no_backend"} 2`,
+		`fluxvm_datapath_parser_packets_total{kind="truncated"} 1`,
+		`fluxvm_services 2`,
+		`fluxvm_conntrack_gc_last_entries{result="expired"} 7`,
+		`fluxvm_datapath_stats_up 1`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+
+	// A failing counter read still serves the status series.
+	e.dp.statsErr = errors.New("read per-cpu map: EPERM")
+	w = e.do(req{method: "GET", path: "/metrics", token: readToken})
+	if w.Code != http.StatusOK {
+		t.Fatalf("status %d with a stats error", w.Code)
+	}
+	for _, want := range []string{"fluxvm_services 2", "fluxvm_datapath_stats_up 0"} {
+		if !strings.Contains(w.Body.String(), want) {
+			t.Errorf("/metrics with a stats error lacks %q:\n%s", want, w.Body)
+		}
+	}
+	if strings.Contains(w.Body.String(), "fluxvm_service_packets_total") {
+		t.Error("counters served although Stats failed")
+	}
+	if !strings.Contains(e.log.String(), "EPERM") {
+		t.Errorf("stats error not logged:\n%s", e.log)
+	}
+}
+
+func TestMetricsRegistry(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	extra := prometheus.NewCounter(prometheus.CounterOpts{Name: "embedder_things_total", Help: "Things."})
+	reg.MustRegister(extra)
+	extra.Add(3)
+	e := newEnv(t, func(o *api.Options) { o.Registry = reg })
+	w := e.do(req{method: "GET", path: "/metrics", token: adminToken})
+	for _, want := range []string{"embedder_things_total 3", "fluxvm_services 0"} {
+		if !strings.Contains(w.Body.String(), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+	// The same registry cannot take a second dataplane collector.
+	if _, err := api.New(newFake(), api.Options{AdminTokens: []string{"a"}, Registry: reg}); err == nil {
+		t.Error("New registered a second collector in the same registry")
+	}
+}

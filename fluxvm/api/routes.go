@@ -1,0 +1,241 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"slices"
+	"strings"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// route is one endpoint. The table below is the single list of endpoints:
+// New registers exactly these, and a test checks docs/openapi.yaml against
+// it in both directions.
+type route struct {
+	method string
+	path   string // http.ServeMux path pattern
+	admin  bool   // needs an admin token (all mutations do)
+	// body says the endpoint reads a request body: it must be
+	// application/json and at most MaxBodyBytes long.
+	body bool
+	// handle serves the request. An error it returns becomes the error
+	// response: the dataplane's error message is sent as is for the
+	// categories of fluxvm (it names the service or VM), and the
+	// internal ones are logged with the method and path, never sent.
+	handle func(h *handler, w http.ResponseWriter, r *http.Request) error
+}
+
+// pattern is the ServeMux pattern of the route.
+func (rt route) pattern() string { return rt.method + " " + rt.path }
+
+var routes = []route{
+	{method: http.MethodGet, path: "/v1/network/services", handle: (*handler).listServices},
+	{method: http.MethodPost, path: "/v1/network/services", admin: true, body: true, handle: (*handler).applyService},
+	{method: http.MethodGet, path: "/v1/network/services/status", handle: (*handler).status},
+	{method: http.MethodGet, path: "/v1/network/services/stats", handle: (*handler).stats},
+	{method: http.MethodPost, path: "/v1/network/services/conntrack/gc", admin: true, body: true, handle: (*handler).gc},
+	{method: http.MethodGet, path: "/v1/network/services/{name}", handle: (*handler).getService},
+	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
+	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
+	{method: http.MethodGet, path: "/metrics", handle: (*handler).serveMetrics},
+}
+
+// endpoint wraps a route's handler with the checks every route shares:
+// access level, media type and body size.
+func (h *handler) endpoint(rt route) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if rw, ok := w.(*responseWriter); ok {
+			rw.routed = true
+		}
+		lvl, _ := r.Context().Value(levelKey{}).(level)
+		if rt.admin && lvl != levelAdmin {
+			h.writeError(w, r, newAPIError(CodeForbidden, "this route needs an admin token"))
+			return
+		}
+		if rt.body {
+			if hasBody(r) && !isJSON(r.Header.Get("Content-Type")) {
+				h.writeError(w, r, newAPIError(CodeUnsupportedMediaType, "request body must be application/json"))
+				return
+			}
+			if r.ContentLength > h.maxBody {
+				h.writeError(w, r, toAPIError(&http.MaxBytesError{Limit: h.maxBody}))
+				return
+			}
+			r.Body = http.MaxBytesReader(w, r.Body, h.maxBody)
+		}
+		if err := rt.handle(h, w, r); err != nil {
+			h.writeError(w, r, toAPIError(err))
+		}
+	})
+}
+
+// hasBody reports whether the request announces a body.
+func hasBody(r *http.Request) bool {
+	return r.ContentLength > 0 || (r.ContentLength < 0 && r.Body != nil && r.Body != http.NoBody)
+}
+
+// isJSON reports whether a Content-Type is application/json (parameters
+// such as charset are ignored).
+func isJSON(contentType string) bool {
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && mt == "application/json"
+}
+
+// readBody reads the whole (already bounded) request body.
+func readBody(r *http.Request) ([]byte, error) {
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		return nil, fmt.Errorf("read request body: %w", err)
+	}
+	return b, nil
+}
+
+// writeJSON sends v with the given status.
+func (h *handler) writeJSON(w http.ResponseWriter, r *http.Request, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		h.writeError(w, r, toAPIError(fmt.Errorf("encode response: %w", err)))
+		return
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}
+
+func (h *handler) listServices(w http.ResponseWriter, r *http.Request) error {
+	list := h.dp.Services()
+	if list == nil {
+		list = []fluxvm.ServiceStatus{}
+	}
+	list = slices.Clone(list)
+	slices.SortStableFunc(list, func(a, b fluxvm.ServiceStatus) int {
+		return strings.Compare(a.Service.Name, b.Service.Name)
+	})
+	h.writeJSON(w, r, http.StatusOK, list)
+	return nil
+}
+
+func (h *handler) applyService(w http.ResponseWriter, r *http.Request) error {
+	svc, err := fluxvm.DecodeServiceLimit(r.Body, h.maxBody)
+	if err != nil {
+		return err
+	}
+	st, err := h.dp.ApplyService(r.Context(), svc)
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
+	return nil
+}
+
+func (h *handler) getService(w http.ResponseWriter, r *http.Request) error {
+	st, err := h.dp.Service(r.PathValue("name"))
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
+	return nil
+}
+
+func (h *handler) deleteService(w http.ResponseWriter, r *http.Request) error {
+	if err := h.dp.DeleteService(r.Context(), r.PathValue("name")); err != nil {
+		return err
+	}
+	w.Header().Del("Content-Type")
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (h *handler) status(w http.ResponseWriter, r *http.Request) error {
+	h.writeJSON(w, r, http.StatusOK, h.dp.Status())
+	return nil
+}
+
+func (h *handler) stats(w http.ResponseWriter, r *http.Request) error {
+	st, err := h.dp.Stats()
+	if err != nil {
+		return err
+	}
+	if st.Services == nil {
+		st.Services = map[string]fluxvm.Counters{}
+	}
+	if st.Drops == nil {
+		st.Drops = map[string]uint64{}
+	}
+	if st.Parser == nil {
+		st.Parser = map[string]uint64{}
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
+	return nil
+}
+
+// gcRequest is the body of POST /v1/network/services/conntrack/gc: empty or
+// "{}" today; it exists so options can be added without breaking clients.
+type gcRequest struct{}
+
+func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
+	body, err := readBody(r)
+	if err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(body)) > 0 {
+		if err := decodeStrict(body, &gcRequest{}); err != nil {
+			return err
+		}
+	}
+	res, err := h.dp.GC(r.Context())
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, res)
+	return nil
+}
+
+func (h *handler) vmStats(w http.ResponseWriter, r *http.Request) error {
+	st, err := h.dp.VMStats(r.PathValue("id"))
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
+	return nil
+}
+
+func (h *handler) serveMetrics(w http.ResponseWriter, r *http.Request) error {
+	h.metrics.ServeHTTP(w, r)
+	return nil
+}
+
+// decodeStrict decodes one JSON value into v, rejecting unknown fields and
+// trailing data.
+func decodeStrict(body []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		e := newAPIError(CodeInvalidRequest, err.Error())
+		if f := unknownField(err); f != "" {
+			e.field = f
+			e.message = f + ": unknown field"
+		}
+		return e
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return newAPIError(CodeInvalidRequest, "trailing data after the JSON value")
+	}
+	return nil
+}
+
+// unknownField extracts the field name from encoding/json's unknown-field
+// error, or returns "".
+func unknownField(err error) string {
+	const prefix = `json: unknown field "`
+	msg := err.Error()
+	if !strings.HasPrefix(msg, prefix) {
+		return ""
+	}
+	return strings.TrimSuffix(strings.TrimPrefix(msg, prefix), `"`)
+}

@@ -1,0 +1,100 @@
+package fluxvm
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// catalogVersion is the format of the node-local catalog file.
+const catalogVersion = 1
+
+// catalogFile is the node-local copy of Fabric's intent, with the datapath
+// ids each frontend and backend was given, so that a restarted node keeps
+// the ids its conntrack entries name and established flows stay put.
+type catalogFile struct {
+	Version  int              `json:"version"`
+	Services []catalogService `json:"services"`
+}
+
+type catalogService struct {
+	Service   Service           `json:"service"`
+	Revision  uint64            `json:"revision"`
+	AppliedAt time.Time         `json:"applied_at"`
+	Frontends []catalogFrontend `json:"frontends"`
+}
+
+type catalogFrontend struct {
+	VIP       netip.Addr       `json:"vip"`
+	Port      uint16           `json:"port"`
+	Protocol  Protocol         `json:"protocol"`
+	ServiceID uint32           `json:"service_id"`
+	Backends  []catalogBackend `json:"backends"`
+}
+
+type catalogBackend struct {
+	Endpoint  netip.AddrPort `json:"endpoint"`
+	BackendID uint32         `json:"backend_id"`
+}
+
+// writeFileAtomic replaces path with data so that a reader (or a crash)
+// sees either the old file or the new one: temp file, fsync, rename, fsync
+// of the directory.
+func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // no-op after a successful rename
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Chmod(perm); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+func readCatalog(path string) (catalogFile, error) {
+	var c catalogFile
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return catalogFile{Version: catalogVersion}, nil
+	}
+	if err != nil {
+		return c, fmt.Errorf("fluxvm: catalog: %w", err)
+	}
+	if err := json.Unmarshal(data, &c); err != nil {
+		return c, fmt.Errorf("fluxvm: catalog %s: %w", path, err)
+	}
+	if c.Version != catalogVersion {
+		return c, fmt.Errorf("fluxvm: catalog %s: version %d, want %d", path, c.Version, catalogVersion)
+	}
+	return c, nil
+}

@@ -1,0 +1,566 @@
+package fluxvm
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	toml "github.com/pelletier/go-toml/v2"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+)
+
+// ConfigTable is the TOML table that holds the node's Service Fabric
+// configuration. Keys in errors are spelled in full below it
+// ("sandbox.dataplane.service.api.listen").
+const ConfigTable = "sandbox.dataplane.service"
+
+// Defaults of the configuration (see DefaultConfig).
+const (
+	DefaultCatalogPath         = "/var/lib/fluxvm/service-catalog.json"
+	DefaultConntrackGCInterval = 30 * time.Second
+	DefaultAPIListen           = "127.0.0.1:7788"
+	DefaultAPIMaxBodyBytes     = MaxRequestBytes
+)
+
+// Bounds of the configuration.
+const (
+	// MinConntrackGCInterval and MaxConntrackGCInterval bound
+	// conntrack_gc_interval.
+	MinConntrackGCInterval = time.Second
+	MaxConntrackGCInterval = time.Hour
+	// MinAPIMaxBodyBytes and MaxAPIMaxBodyBytes bound api.max_body_bytes.
+	MinAPIMaxBodyBytes = 1 << 10
+	MaxAPIMaxBodyBytes = 64 << 20
+	// MaxInterfaceNameLen is the kernel's limit on interface names
+	// (IFNAMSIZ less the terminating NUL).
+	MaxInterfaceNameLen = 15
+	// MaxVMIDLen bounds vm_id, which appears in URL paths
+	// (/v1/vms/{id}/network/services/stats).
+	MaxVMIDLen = 128
+	// MaxConfigBytes bounds a configuration file read by LoadConfig.
+	MaxConfigBytes = 1 << 20
+)
+
+// Environment variables the reference daemon reads for its bearer tokens
+// when api.admin_token_file or api.read_token_file is not set. The daemon,
+// not this package, reads them.
+const (
+	EnvAdminToken = "FLUXVM_ADMIN_TOKEN"
+	EnvReadToken  = "FLUXVM_READ_TOKEN"
+)
+
+// Duration is a time.Duration written in TOML as a Go duration string
+// ("30s", "6h", "1m30s"). A bare number is rejected: it would be
+// ambiguous about its unit.
+type Duration struct{ time.Duration }
+
+// UnmarshalText parses a Go duration string.
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("%q is not a duration; write a string such as \"30s\", \"6h\" or \"1m30s\"", b)
+	}
+	d.Duration = v
+	return nil
+}
+
+// MarshalText formats d as a Go duration string.
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.Duration.String()), nil }
+
+// VMEdgeInterface is one VM-edge interface (the host side of a VM's tap
+// or veth) on which the TC programs are attached, and the VM it belongs
+// to (statistics per VM are summed over its interfaces).
+type VMEdgeInterface struct {
+	// Name is the interface name: 1..15 characters, no '/', ':' or white
+	// space, not "." or "..". Unique across the configuration.
+	Name string `toml:"name" json:"name"`
+	// VMID is the VM's id: 1..128 printable ASCII characters without '/'
+	// or white space. Several interfaces may belong to one VM.
+	VMID string `toml:"vm_id" json:"vm_id"`
+}
+
+// APIConfig is the [sandbox.dataplane.service.api] table, read by the
+// reference daemon's REST API.
+type APIConfig struct {
+	// Listen is the host:port the REST API listens on. Default
+	// DefaultAPIListen (127.0.0.1:7788). A host that is not a loopback
+	// address (including an empty host, meaning every address) needs TLS
+	// or AllowInsecureNonLoopback.
+	Listen string `toml:"listen"`
+	// AdminTokenFile holds the bearer token for mutating requests (first
+	// line, surrounding white space trimmed). When empty the daemon takes
+	// the token from the environment variable FLUXVM_ADMIN_TOKEN.
+	AdminTokenFile string `toml:"admin_token_file"`
+	// ReadTokenFile holds the bearer token for read-only requests; when
+	// empty the daemon takes it from FLUXVM_READ_TOKEN. The admin token is
+	// accepted for reads too.
+	ReadTokenFile string `toml:"read_token_file"`
+	// TLSCertFile and TLSKeyFile (PEM) enable HTTPS; both or neither.
+	TLSCertFile string `toml:"tls_cert_file"`
+	TLSKeyFile  string `toml:"tls_key_file"`
+	// AllowInsecureNonLoopback allows plain HTTP on a non-loopback
+	// address. Default false.
+	AllowInsecureNonLoopback bool `toml:"allow_insecure_non_loopback"`
+	// MaxBodyBytes bounds a request body. Default DefaultAPIMaxBodyBytes
+	// (1 MiB), range MinAPIMaxBodyBytes..MaxAPIMaxBodyBytes.
+	MaxBodyBytes int64 `toml:"max_body_bytes"`
+}
+
+// Config is the node's Service Fabric configuration: the
+// [sandbox.dataplane.service] table of the TOML configuration file (see
+// examples/fluxvmd.toml). Start from DefaultConfig (or ParseConfig /
+// LoadConfig, which apply the defaults first); the zero Config is not
+// valid. Validate checks every key.
+type Config struct {
+	// MapTier selects the map capacities: "S", "M" or "L" (either case).
+	// Default "M". Changing it reloads the pins with new maps.
+	MapTier string `toml:"map_tier"`
+	// PinRoot is the bpffs directory the datapath owns. Default
+	// bpf.DefaultPinRoot (/sys/fs/bpf/fluxvm/service). Absolute, and a
+	// directory of its own (not a bpffs mount point itself).
+	PinRoot string `toml:"pin_root"`
+	// ObjectDir, when set, loads the BPF objects from this directory
+	// (e.g. /usr/lib/fluxvm/bpf) instead of the ones embedded in the
+	// binary. Absolute. Default empty (embedded).
+	ObjectDir string `toml:"object_dir"`
+	// AttachMode forces how the TC programs are attached: "tcx" or
+	// "cls_bpf"; empty (the default) picks TCX where the kernel has it.
+	AttachMode bpf.AttachMode `toml:"attach_mode"`
+	// HashSeed seeds the datapath's flow hash when the maps are created.
+	// 0 (the default) picks a random seed; a seed already in the pins is
+	// kept either way. TOML integers are signed, so at most 2^63-1.
+	HashSeed uint64 `toml:"hash_seed"`
+	// CatalogPath is the node-local copy of the service catalog, restored
+	// after a restart. Absolute. Default DefaultCatalogPath.
+	CatalogPath string `toml:"catalog_path"`
+	// ConntrackGCInterval is how often userspace garbage-collects
+	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
+	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
+	// Conntrack idle timeouts by protocol state, whole seconds in
+	// conntrack.MinTimeout..conntrack.MaxTimeout (2s..168h). Defaults are
+	// the datapath's built-in ones (bpf.DefaultTimeout*): 60s, 6h, 30s,
+	// 10s and 60s.
+	TCPSynTimeout         Duration `toml:"tcp_syn_timeout"`
+	TCPEstablishedTimeout Duration `toml:"tcp_established_timeout"`
+	TCPFinTimeout         Duration `toml:"tcp_fin_timeout"`
+	TCPRstTimeout         Duration `toml:"tcp_rst_timeout"`
+	UDPTimeout            Duration `toml:"udp_timeout"`
+	// VMEdgeInterfaces are the VM-edge interfaces to attach to.
+	VMEdgeInterfaces []VMEdgeInterface `toml:"vm_edge_interfaces"`
+	// NorthSouthInterfaces are the node's north-south interfaces. Parsed,
+	// but this build has no north-south hooks: a non-empty list is
+	// rejected (ErrUnsupported).
+	NorthSouthInterfaces []string `toml:"north_south_interfaces"`
+	// SNATAddress is the source address of north-south NAT, so that
+	// backend replies return through this node. Optional; a unicast
+	// address without a zone.
+	SNATAddress netip.Addr `toml:"snat_address"`
+	// EDTEnabled enables per-service EDT pacing (max_egress_mbps). This
+	// build has no EDT pacing and this machine's kernel lacks sch_fq:
+	// true is rejected (ErrUnsupported). Default false.
+	EDTEnabled bool `toml:"edt_enabled"`
+	// API configures the reference daemon's REST API.
+	API APIConfig `toml:"api"`
+}
+
+// DefaultConfig returns the configuration with every default applied. It
+// is valid as it is: east-west Maglev on tier M, no interfaces yet.
+func DefaultConfig() Config {
+	return Config{
+		MapTier:               bpf.DefaultTier.String(),
+		PinRoot:               bpf.DefaultPinRoot,
+		CatalogPath:           DefaultCatalogPath,
+		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
+		TCPSynTimeout:         Duration{bpf.DefaultTimeoutTCPSyn * time.Second},
+		TCPEstablishedTimeout: Duration{bpf.DefaultTimeoutTCPEstablished * time.Second},
+		TCPFinTimeout:         Duration{bpf.DefaultTimeoutTCPFin * time.Second},
+		TCPRstTimeout:         Duration{bpf.DefaultTimeoutTCPRst * time.Second},
+		UDPTimeout:            Duration{bpf.DefaultTimeoutUDP * time.Second},
+		API: APIConfig{
+			Listen:       DefaultAPIListen,
+			MaxBodyBytes: DefaultAPIMaxBodyBytes,
+		},
+	}
+}
+
+// configFile is the layout of the whole TOML document.
+type configFile struct {
+	Sandbox struct {
+		Dataplane struct {
+			Service Config `toml:"service"`
+		} `toml:"dataplane"`
+	} `toml:"sandbox"`
+}
+
+// LoadConfig reads and parses the TOML file at path (see ParseConfig).
+func LoadConfig(path string) (Config, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("fluxvm: config: %w", err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxConfigBytes+1))
+	if err != nil {
+		return Config{}, fmt.Errorf("fluxvm: config %s: %w", path, err)
+	}
+	if len(data) > MaxConfigBytes {
+		return Config{}, fmt.Errorf("fluxvm: config %s: %w", path, verr(ErrTooLarge, "", "larger than %d bytes", MaxConfigBytes))
+	}
+	cfg, err := parseConfig(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("fluxvm: config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// ParseConfig parses a TOML document: DefaultConfig overlaid with the keys
+// of its [sandbox.dataplane.service] table (and the .api sub-table), then
+// validated. The document may hold nothing else: every unknown key or
+// table is an error naming it, as is a value of the wrong type. Errors are
+// *ValidationError values (joined when there are several) whose Field is
+// the full dotted key.
+func ParseConfig(data []byte) (Config, error) {
+	cfg, err := parseConfig(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("fluxvm: config: %w", err)
+	}
+	return cfg, nil
+}
+
+func parseConfig(data []byte) (Config, error) {
+	var f configFile
+	f.Sandbox.Dataplane.Service = DefaultConfig()
+	err := toml.NewDecoder(bytes.NewReader(data)).DisallowUnknownFields().Decode(&f)
+	if err != nil {
+		return Config{}, tomlError(err, data)
+	}
+	cfg := f.Sandbox.Dataplane.Service
+	if err := cfg.validate(); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+var tomlTypeMismatch = regexp.MustCompile(`^cannot decode TOML (\S+) into .* of type (\S+)$`)
+
+// tomlError turns the TOML library's errors into ValidationErrors naming
+// the key, with the line and column.
+func tomlError(err error, data []byte) error {
+	var strict *toml.StrictMissingError
+	if errors.As(err, &strict) {
+		errs := make([]error, 0, len(strict.Errors))
+		for i := range strict.Errors {
+			de := &strict.Errors[i]
+			line, _ := de.Position()
+			k := strings.Join(de.Key(), ".")
+			hint := ""
+			if !strings.HasPrefix(k, ConfigTable+".") {
+				hint = "; the file holds only the [" + ConfigTable + "] table"
+			}
+			errs = append(errs, verr(ErrMalformed, k, "unknown key (line %d)%s", line, hint))
+		}
+		return errors.Join(errs...)
+	}
+	var de *toml.DecodeError
+	if errors.As(err, &de) {
+		line, col := de.Position()
+		msg := strings.TrimPrefix(de.Error(), "toml: ")
+		if m := tomlTypeMismatch.FindStringSubmatch(msg); m != nil {
+			msg = fmt.Sprintf("wrong type: a TOML %s where %s is wanted", m[1], goTypeName(m[2]))
+		}
+		return verr(ErrMalformed, strings.Join(de.Key(), "."), "%s (line %d, column %d)", msg, line, col)
+	}
+	if e := durationTypeError(data); e != nil {
+		return e
+	}
+	return verr(ErrMalformed, "", "%s", strings.TrimPrefix(err.Error(), "toml: "))
+}
+
+// durationTypeError finds a duration key whose value is not a string. The
+// TOML library hands a number to Duration.UnmarshalText without saying
+// which key it came from, so the key is found by looking at the document
+// again.
+func durationTypeError(data []byte) *ValidationError {
+	var doc map[string]any
+	if toml.Unmarshal(data, &doc) != nil {
+		return nil
+	}
+	table := any(doc)
+	for _, part := range strings.Split(ConfigTable, ".") {
+		m, ok := table.(map[string]any)
+		if !ok {
+			return nil
+		}
+		table = m[part]
+	}
+	m, ok := table.(map[string]any)
+	if !ok {
+		return nil
+	}
+	t := reflect.TypeFor[Config]()
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if f.Type != reflect.TypeFor[Duration]() {
+			continue
+		}
+		k := f.Tag.Get("toml")
+		if v, set := m[k]; set {
+			if _, isString := v.(string); !isString {
+				return verr(ErrMalformed, configKey(k), "%v is not a duration; write a string such as \"30s\", \"6h\" or \"1m30s\" (a bare number does not say its unit)", v)
+			}
+		}
+	}
+	return nil
+}
+
+// goTypeName says in TOML terms what a Go type in the library's message
+// wants.
+func goTypeName(t string) string {
+	switch {
+	case t == "string" || t == "bpf.AttachMode":
+		return "a string"
+	case t == "bool":
+		return "a boolean"
+	case strings.HasPrefix(t, "uint") || strings.HasPrefix(t, "int"):
+		return "an integer"
+	case strings.HasPrefix(t, "[]"):
+		return "an array"
+	case strings.HasSuffix(t, "Duration"):
+		return "a duration string such as \"30s\""
+	case strings.HasSuffix(t, "Addr"):
+		return "an IP address string"
+	}
+	return "a table"
+}
+
+// configKey is the full TOML key of a field of the service table.
+func configKey(k string) string { return ConfigTable + "." + k }
+
+// Validate checks every key of the configuration and returns nil or all
+// the problems found, joined, each a *ValidationError whose Field is the
+// full TOML key:
+//
+//   - map_tier S, M or L; pin_root absolute and not a bpffs mount point;
+//     object_dir empty or absolute; attach_mode "", "tcx" or "cls_bpf";
+//     catalog_path absolute;
+//   - conntrack_gc_interval 1s..1h; each conntrack timeout a whole number
+//     of seconds in 2s..168h;
+//   - vm_edge_interfaces: valid, unique interface names (1..15 characters),
+//     non-empty VM ids; north_south_interfaces: valid names, unique, none
+//     also a VM edge, and (this build) none at all;
+//   - snat_address: unset or a unicast address; edt_enabled false (this
+//     build);
+//   - api.listen host:port with a numeric port 1..65535; a non-loopback
+//     host needs TLS (tls_cert_file and tls_key_file) or
+//     allow_insecure_non_loopback; tls_cert_file and tls_key_file both or
+//     neither; file paths absolute; max_body_bytes 1 KiB..64 MiB.
+//
+// Validate reads no files: whether they exist is the daemon's concern.
+func (c *Config) Validate() error {
+	if err := c.validate(); err != nil {
+		return fmt.Errorf("fluxvm: config: %w", err)
+	}
+	return nil
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	bad := func(category error, k, format string, args ...any) {
+		errs = append(errs, verr(category, configKey(k), format, args...))
+	}
+	if _, err := bpf.ParseTier(c.MapTier); err != nil {
+		bad(ErrInvalid, "map_tier", "%q is not a map tier (want S, M or L)", c.MapTier)
+	}
+	switch root := filepath.Clean(c.PinRoot); {
+	case !filepath.IsAbs(c.PinRoot):
+		bad(ErrInvalid, "pin_root", "%q is not an absolute path", c.PinRoot)
+	case root == "/" || root == "/sys/fs/bpf":
+		bad(ErrInvalid, "pin_root", "%q must be a directory of its own below a bpffs mount, e.g. %s", c.PinRoot, bpf.DefaultPinRoot)
+	}
+	if c.ObjectDir != "" && !filepath.IsAbs(c.ObjectDir) {
+		bad(ErrInvalid, "object_dir", "%q is not an absolute path", c.ObjectDir)
+	}
+	switch c.AttachMode {
+	case "", bpf.AttachTCX, bpf.AttachClsBPF:
+	default:
+		bad(ErrInvalid, "attach_mode", "%q is not an attach mode (want \"\" for automatic, %q or %q)", c.AttachMode, bpf.AttachTCX, bpf.AttachClsBPF)
+	}
+	if !filepath.IsAbs(c.CatalogPath) {
+		bad(ErrInvalid, "catalog_path", "%q is not an absolute path", c.CatalogPath)
+	}
+	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
+		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)
+	}
+	for _, t := range []struct {
+		k string
+		d time.Duration
+	}{
+		{"tcp_syn_timeout", c.TCPSynTimeout.Duration},
+		{"tcp_established_timeout", c.TCPEstablishedTimeout.Duration},
+		{"tcp_fin_timeout", c.TCPFinTimeout.Duration},
+		{"tcp_rst_timeout", c.TCPRstTimeout.Duration},
+		{"udp_timeout", c.UDPTimeout.Duration},
+	} {
+		switch {
+		case t.d < conntrack.MinTimeout || t.d > conntrack.MaxTimeout:
+			bad(ErrInvalid, t.k, "%v is outside %v..%v", t.d, conntrack.MinTimeout, conntrack.MaxTimeout)
+		case t.d%time.Second != 0:
+			bad(ErrInvalid, t.k, "%v is not a whole number of seconds (the datapath keeps seconds)", t.d)
+		}
+	}
+	names := make(map[string]string)
+	for i, ifc := range c.VMEdgeInterfaces {
+		at := fmt.Sprintf("vm_edge_interfaces[%d]", i)
+		if why := ifnameProblem(ifc.Name); why != "" {
+			bad(ErrInvalid, at+".name", "%s", why)
+		} else if prev, dup := names[ifc.Name]; dup {
+			bad(ErrConflict, at+".name", "%q is already %s", ifc.Name, prev)
+		} else {
+			names[ifc.Name] = at
+		}
+		if why := vmIDProblem(ifc.VMID); why != "" {
+			bad(ErrInvalid, at+".vm_id", "%s", why)
+		}
+	}
+	for i, n := range c.NorthSouthInterfaces {
+		at := fmt.Sprintf("north_south_interfaces[%d]", i)
+		if why := ifnameProblem(n); why != "" {
+			bad(ErrInvalid, at, "%s", why)
+		} else if prev, dup := names[n]; dup {
+			bad(ErrConflict, at, "%q is already %s", n, prev)
+		} else {
+			names[n] = at
+		}
+	}
+	if c.SNATAddress.IsValid() {
+		if why := addrProblem(c.SNATAddress, false); why != "" {
+			bad(ErrInvalid, "snat_address", "%s", why)
+		}
+	}
+	c.API.validate(bad)
+	for _, f := range unsupported {
+		if f.config != nil && f.config(c) {
+			bad(ErrUnsupported, f.field, "%s", f.reason)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (a *APIConfig) validate(bad func(category error, k, format string, args ...any)) {
+	loopback := true
+	host, port, err := net.SplitHostPort(a.Listen)
+	if err != nil {
+		bad(ErrInvalid, "api.listen", "%q is not host:port", a.Listen)
+	} else {
+		if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
+			bad(ErrInvalid, "api.listen", "port %q is not a number in 1..65535", port)
+		}
+		if host == "localhost" {
+			host = "127.0.0.1"
+		}
+		ip, err := netip.ParseAddr(host)
+		loopback = err == nil && ip.IsLoopback()
+	}
+	tls := a.TLSCertFile != "" || a.TLSKeyFile != ""
+	switch {
+	case a.TLSCertFile != "" && a.TLSKeyFile == "":
+		bad(ErrInvalid, "api.tls_key_file", "required with tls_cert_file")
+	case a.TLSKeyFile != "" && a.TLSCertFile == "":
+		bad(ErrInvalid, "api.tls_cert_file", "required with tls_key_file")
+	}
+	if !loopback && !tls && !a.AllowInsecureNonLoopback {
+		bad(ErrInvalid, "api.listen", "%q is not a loopback address: set tls_cert_file and tls_key_file, or allow_insecure_non_loopback = true to serve bearer tokens over plain HTTP", a.Listen)
+	}
+	for _, p := range []struct{ k, v string }{
+		{"api.admin_token_file", a.AdminTokenFile},
+		{"api.read_token_file", a.ReadTokenFile},
+		{"api.tls_cert_file", a.TLSCertFile},
+		{"api.tls_key_file", a.TLSKeyFile},
+	} {
+		if p.v != "" && !filepath.IsAbs(p.v) {
+			bad(ErrInvalid, p.k, "%q is not an absolute path", p.v)
+		}
+	}
+	if a.MaxBodyBytes < MinAPIMaxBodyBytes || a.MaxBodyBytes > MaxAPIMaxBodyBytes {
+		bad(ErrInvalid, "api.max_body_bytes", "%d is outside %d..%d", a.MaxBodyBytes, MinAPIMaxBodyBytes, MaxAPIMaxBodyBytes)
+	}
+}
+
+// ifnameProblem applies the kernel's rules for interface names
+// (dev_valid_name), or returns "".
+func ifnameProblem(n string) string {
+	switch {
+	case n == "":
+		return "required: an interface name"
+	case len(n) > MaxInterfaceNameLen:
+		return fmt.Sprintf("%q is longer than %d characters", n, MaxInterfaceNameLen)
+	case n == "." || n == "..":
+		return fmt.Sprintf("%q is not an interface name", n)
+	}
+	for _, r := range n {
+		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
+			return fmt.Sprintf("%q has a character not allowed in an interface name ('/', ':', white space or a control character)", n)
+		}
+	}
+	return ""
+}
+
+func vmIDProblem(id string) string {
+	switch {
+	case id == "":
+		return "required: the VM's id"
+	case len(id) > MaxVMIDLen:
+		return fmt.Sprintf("longer than %d characters", MaxVMIDLen)
+	}
+	for _, r := range id {
+		if r <= ' ' || r >= 0x7f || r == '/' {
+			return fmt.Sprintf("%q has a character other than printable ASCII without '/' and white space", id)
+		}
+	}
+	return ""
+}
+
+// Tier returns map_tier as a bpf.Tier, or 0 if it is not valid (Validate
+// reports that).
+func (c *Config) Tier() bpf.Tier {
+	t, err := bpf.ParseTier(c.MapTier)
+	if err != nil {
+		return 0
+	}
+	return t
+}
+
+// LoaderOptions returns the options for bpf.Open.
+func (c *Config) LoaderOptions() bpf.Options {
+	return bpf.Options{
+		PinRoot:    c.PinRoot,
+		Tier:       c.Tier(),
+		ObjectDir:  c.ObjectDir,
+		HashSeed:   c.HashSeed,
+		AttachMode: c.AttachMode,
+	}
+}
+
+// ConntrackTimeouts returns the conntrack timeouts, for conntrack.Config
+// and for the meta map (conntrack.Timeouts.ApplyTo).
+func (c *Config) ConntrackTimeouts() conntrack.Timeouts {
+	return conntrack.Timeouts{
+		TCPSyn:         c.TCPSynTimeout.Duration,
+		TCPEstablished: c.TCPEstablishedTimeout.Duration,
+		TCPFin:         c.TCPFinTimeout.Duration,
+		TCPRst:         c.TCPRstTimeout.Duration,
+		UDP:            c.UDPTimeout.Duration,
+	}
+}

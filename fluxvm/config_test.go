@@ -1,0 +1,442 @@
+package fluxvm
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+)
+
+const exampleConfigPath = "../examples/fluxvmd.toml"
+
+func TestDefaultConfig(t *testing.T) {
+	c := DefaultConfig()
+	if err := c.Validate(); err != nil {
+		t.Fatalf("DefaultConfig is not valid: %v", err)
+	}
+	if c.Tier() != bpf.TierM {
+		t.Errorf("tier %v", c.Tier())
+	}
+	want := bpf.Options{PinRoot: bpf.DefaultPinRoot, Tier: bpf.TierM}
+	if got := c.LoaderOptions(); got != want {
+		t.Errorf("LoaderOptions = %+v, want %+v", got, want)
+	}
+	if got := c.ConntrackTimeouts(); got != conntrack.DefaultTimeouts() {
+		t.Errorf("timeouts %+v, want the datapath's defaults %+v", got, conntrack.DefaultTimeouts())
+	}
+	if c.CatalogPath != "/var/lib/fluxvm/service-catalog.json" || c.ConntrackGCInterval.Duration != 30*time.Second ||
+		c.API.Listen != "127.0.0.1:7788" || c.API.MaxBodyBytes != 1<<20 || c.API.AllowInsecureNonLoopback || c.EDTEnabled {
+		t.Errorf("defaults: %+v", c)
+	}
+	// An empty document, or an empty table, is the defaults.
+	for _, doc := range []string{"", "# nothing\n", "[sandbox.dataplane.service]\n", "[sandbox.dataplane.service.api]\n"} {
+		got, err := ParseConfig([]byte(doc))
+		if err != nil {
+			t.Fatalf("%q: %v", doc, err)
+		}
+		if !reflect.DeepEqual(got, c) {
+			t.Errorf("%q: got %+v, want the defaults", doc, got)
+		}
+	}
+}
+
+// TestParseConfigEveryKey sets every key to a value other than its
+// default and checks that each lands in its field.
+func TestParseConfigEveryKey(t *testing.T) {
+	doc := `
+[sandbox.dataplane.service]
+map_tier = "l"
+pin_root = "/sys/fs/bpf/fluxvm/test"
+object_dir = "/usr/lib/fluxvm/bpf"
+attach_mode = "cls_bpf"
+hash_seed = 0x7fffffffffffffff
+catalog_path = "/srv/fluxvm/catalog.json"
+conntrack_gc_interval = "1m30s"
+tcp_syn_timeout = "2s"
+tcp_established_timeout = "168h"
+tcp_fin_timeout = "45s"
+tcp_rst_timeout = "5s"
+udp_timeout = "2m"
+vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }, { name = "tap-vm1b", vm_id = "vm-1" }]
+north_south_interfaces = []
+snat_address = "203.0.113.10"
+edt_enabled = false
+
+[sandbox.dataplane.service.api]
+listen = "[2001:db8::7]:8443"
+admin_token_file = "/etc/fluxvm/admin.token"
+read_token_file = "/etc/fluxvm/read.token"
+tls_cert_file = "/etc/fluxvm/tls.crt"
+tls_key_file = "/etc/fluxvm/tls.key"
+allow_insecure_non_loopback = true
+max_body_bytes = 2097152
+`
+	c, err := ParseConfig([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Config{
+		MapTier:               "l",
+		PinRoot:               "/sys/fs/bpf/fluxvm/test",
+		ObjectDir:             "/usr/lib/fluxvm/bpf",
+		AttachMode:            bpf.AttachClsBPF,
+		HashSeed:              1<<63 - 1,
+		CatalogPath:           "/srv/fluxvm/catalog.json",
+		ConntrackGCInterval:   Duration{90 * time.Second},
+		TCPSynTimeout:         Duration{2 * time.Second},
+		TCPEstablishedTimeout: Duration{168 * time.Hour},
+		TCPFinTimeout:         Duration{45 * time.Second},
+		TCPRstTimeout:         Duration{5 * time.Second},
+		UDPTimeout:            Duration{2 * time.Minute},
+		VMEdgeInterfaces:      []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
+		NorthSouthInterfaces:  []string{},
+		SNATAddress:           netip.MustParseAddr("203.0.113.10"),
+		API: APIConfig{
+			Listen:                   "[2001:db8::7]:8443",
+			AdminTokenFile:           "/etc/fluxvm/admin.token",
+			ReadTokenFile:            "/etc/fluxvm/read.token",
+			TLSCertFile:              "/etc/fluxvm/tls.crt",
+			TLSKeyFile:               "/etc/fluxvm/tls.key",
+			AllowInsecureNonLoopback: true,
+			MaxBodyBytes:             2 << 20,
+		},
+	}
+	if !reflect.DeepEqual(c, want) {
+		t.Errorf("got  %+v\nwant %+v", c, want)
+	}
+	// Every field differs from its default, so none was left unset.
+	def := reflect.ValueOf(DefaultConfig())
+	got := reflect.ValueOf(c)
+	for i := range got.NumField() {
+		name := got.Type().Field(i).Name
+		if name == "NorthSouthInterfaces" || name == "EDTEnabled" { // must stay empty/false in this build
+			continue
+		}
+		if reflect.DeepEqual(got.Field(i).Interface(), def.Field(i).Interface()) {
+			t.Errorf("%s kept its default", name)
+		}
+	}
+	if c.Tier() != bpf.TierL {
+		t.Errorf("tier %v", c.Tier())
+	}
+	wantOpts := bpf.Options{PinRoot: "/sys/fs/bpf/fluxvm/test", Tier: bpf.TierL, ObjectDir: "/usr/lib/fluxvm/bpf", HashSeed: 1<<63 - 1, AttachMode: bpf.AttachClsBPF}
+	if got := c.LoaderOptions(); got != wantOpts {
+		t.Errorf("LoaderOptions = %+v, want %+v", got, wantOpts)
+	}
+	to := c.ConntrackTimeouts()
+	if err := to.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var m bpf.Meta
+	if err := to.ApplyTo(&m); err != nil {
+		t.Fatal(err)
+	}
+	if m.TimeoutTcpSynS != 2 || m.TimeoutTcpEstablishedS != 168*3600 || m.TimeoutTcpFinS != 45 || m.TimeoutTcpRstS != 5 || m.TimeoutUdpS != 120 {
+		t.Errorf("meta timeouts %+v", m)
+	}
+}
+
+// TestExampleConfig parses examples/fluxvmd.toml and checks that it shows
+// every key the parser knows.
+func TestExampleConfig(t *testing.T) {
+	data, err := os.ReadFile(exampleConfigPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := ParseConfig(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if len(c.VMEdgeInterfaces) != 2 || c.VMEdgeInterfaces[0] != (VMEdgeInterface{"tap-vm1", "vm-1"}) {
+		t.Errorf("vm_edge_interfaces %+v", c.VMEdgeInterfaces)
+	}
+	c2, err := LoadConfig(exampleConfigPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(c, c2) {
+		t.Error("LoadConfig and ParseConfig disagree")
+	}
+	for _, k := range tomlKeys(reflect.TypeFor[Config]()) {
+		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(k) + ` = `).Match(data) {
+			t.Errorf("%s does not set %s", exampleConfigPath, k)
+		}
+	}
+	// The example keeps the defaults except where it shows a value.
+	def := DefaultConfig()
+	c.VMEdgeInterfaces, c.NorthSouthInterfaces = nil, nil
+	c.API.AdminTokenFile, c.API.ReadTokenFile = "", ""
+	if !reflect.DeepEqual(c, def) {
+		t.Errorf("example differs from the defaults:\n got %+v\nwant %+v", c, def)
+	}
+}
+
+// tomlKeys lists the toml tags of t's fields, recursing into struct and
+// slice-of-struct fields (whose keys appear in their own tables).
+func tomlKeys(t reflect.Type) []string {
+	var out []string
+	for i := range t.NumField() {
+		f := t.Field(i)
+		tag := f.Tag.Get("toml")
+		if tag == "" || f.Type == reflect.TypeFor[Duration]() || f.Type == reflect.TypeFor[netip.Addr]() {
+			if tag != "" {
+				out = append(out, tag)
+			}
+			continue
+		}
+		switch {
+		case f.Type.Kind() == reflect.Struct:
+			out = append(out, tomlKeys(f.Type)...)
+		case f.Type.Kind() == reflect.Slice && f.Type.Elem().Kind() == reflect.Struct:
+			out = append(out, tomlKeys(f.Type.Elem())...)
+		default:
+			out = append(out, tag)
+		}
+	}
+	return out
+}
+
+func TestParseConfigErrors(t *testing.T) {
+	const table = "[sandbox.dataplane.service]\n"
+	const api = "[sandbox.dataplane.service.api]\n"
+	k := func(s string) string { return "sandbox.dataplane.service." + s }
+	tests := []struct {
+		name   string
+		doc    string
+		field  string
+		kind   error
+		reason string
+	}{
+		// Syntax, unknown keys, types.
+		{name: "syntax", doc: "[sandbox.dataplane.service\n", kind: ErrMalformed, reason: "line 1"},
+		{name: "unknown key", doc: table + "map_teir = \"S\"\n", field: k("map_teir"), kind: ErrMalformed, reason: "unknown key (line 2)"},
+		{name: "unknown api key", doc: api + "lissen = \"127.0.0.1:1\"\n", field: k("api.lissen"), kind: ErrMalformed},
+		{name: "unknown interface key", doc: table + "vm_edge_interfaces = [{ name = \"t\", vm = \"v\" }]\n", field: k("vm"), kind: ErrMalformed},
+		{name: "unknown table", doc: "[sandbox.dataplane.network]\nx = 1\n", field: "sandbox.dataplane.network", kind: ErrMalformed, reason: "only the [sandbox.dataplane.service] table"},
+		{name: "unknown top-level key", doc: "debug = true\n", field: "debug", kind: ErrMalformed},
+		{name: "map_tier not a string", doc: table + "map_tier = 3\n", field: k("map_tier"), kind: ErrMalformed, reason: "wrong type: a TOML integer where a string is wanted"},
+		{name: "hash_seed negative", doc: table + "hash_seed = -1\n", field: k("hash_seed"), kind: ErrMalformed},
+		{name: "hash_seed a string", doc: table + "hash_seed = \"7\"\n", field: k("hash_seed"), kind: ErrMalformed, reason: "integer"},
+		{name: "edt_enabled a string", doc: table + "edt_enabled = \"no\"\n", field: k("edt_enabled"), kind: ErrMalformed, reason: "boolean"},
+		{name: "interfaces not a list", doc: table + "north_south_interfaces = \"eth0\"\n", field: k("north_south_interfaces"), kind: ErrMalformed},
+		{name: "snat_address malformed", doc: table + "snat_address = \"1.2.3\"\n", field: k("snat_address"), kind: ErrMalformed},
+		{name: "max_body_bytes a float", doc: api + "max_body_bytes = 1.5\n", field: k("api.max_body_bytes"), kind: ErrMalformed},
+
+		// Durations.
+		{name: "duration without unit", doc: table + "udp_timeout = \"60\"\n", field: k("udp_timeout"), kind: ErrMalformed, reason: "not a duration"},
+		{name: "duration as integer", doc: table + "udp_timeout = 60\n", field: k("udp_timeout"), kind: ErrMalformed, reason: "not a duration"},
+		{name: "duration garbage", doc: table + "conntrack_gc_interval = \"soon\"\n", field: k("conntrack_gc_interval"), kind: ErrMalformed},
+		{name: "gc interval too short", doc: table + "conntrack_gc_interval = \"500ms\"\n", field: k("conntrack_gc_interval"), kind: ErrInvalid},
+		{name: "gc interval zero", doc: table + "conntrack_gc_interval = \"0s\"\n", field: k("conntrack_gc_interval"), kind: ErrInvalid},
+		{name: "gc interval too long", doc: table + "conntrack_gc_interval = \"2h\"\n", field: k("conntrack_gc_interval"), kind: ErrInvalid},
+		{name: "timeout not whole seconds", doc: table + "tcp_fin_timeout = \"30.5s\"\n", field: k("tcp_fin_timeout"), kind: ErrInvalid, reason: "whole number of seconds"},
+		{name: "timeout too short", doc: table + "tcp_rst_timeout = \"1s\"\n", field: k("tcp_rst_timeout"), kind: ErrInvalid},
+		{name: "timeout negative", doc: table + "tcp_syn_timeout = \"-60s\"\n", field: k("tcp_syn_timeout"), kind: ErrInvalid},
+		{name: "timeout too long", doc: table + "tcp_established_timeout = \"169h\"\n", field: k("tcp_established_timeout"), kind: ErrInvalid},
+
+		// Datapath keys.
+		{name: "map_tier unknown", doc: table + "map_tier = \"XL\"\n", field: k("map_tier"), kind: ErrInvalid},
+		{name: "map_tier empty", doc: table + "map_tier = \"\"\n", field: k("map_tier"), kind: ErrInvalid},
+		{name: "pin_root relative", doc: table + "pin_root = \"fluxvm\"\n", field: k("pin_root"), kind: ErrInvalid},
+		{name: "pin_root the mount", doc: table + "pin_root = \"/sys/fs/bpf/\"\n", field: k("pin_root"), kind: ErrInvalid},
+		{name: "object_dir relative", doc: table + "object_dir = \"bpf\"\n", field: k("object_dir"), kind: ErrInvalid},
+		{name: "attach_mode unknown", doc: table + "attach_mode = \"xdp\"\n", field: k("attach_mode"), kind: ErrInvalid},
+		{name: "catalog_path relative", doc: table + "catalog_path = \"catalog.json\"\n", field: k("catalog_path"), kind: ErrInvalid},
+		{name: "catalog_path empty", doc: table + "catalog_path = \"\"\n", field: k("catalog_path"), kind: ErrInvalid},
+
+		// Interfaces.
+		{name: "edge name too long", doc: table + "vm_edge_interfaces = [{ name = \"tap-0123456789ab\", vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid, reason: "15"},
+		{name: "edge name missing", doc: table + "vm_edge_interfaces = [{ vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid},
+		{name: "edge name with slash", doc: table + "vm_edge_interfaces = [{ name = \"tap/1\", vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid},
+		{name: "edge name with space", doc: table + "vm_edge_interfaces = [{ name = \"tap 1\", vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid},
+		{name: "edge name dot", doc: table + "vm_edge_interfaces = [{ name = \".\", vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid},
+		{name: "edge names duplicate", doc: table + "vm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a\" }, { name = \"tap1\", vm_id = \"b\" }]\n", field: k("vm_edge_interfaces[1].name"), kind: ErrConflict},
+		{name: "edge vm_id missing", doc: table + "[[sandbox.dataplane.service.vm_edge_interfaces]]\nname = \"tap1\"\n", field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
+		{name: "edge vm_id with slash", doc: table + "vm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a/b\" }]\n", field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
+		{name: "edge vm_id too long", doc: table + fmt.Sprintf("vm_edge_interfaces = [{ name = \"tap1\", vm_id = %q }]\n", strings.Repeat("v", 129)), field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
+		{name: "north-south interfaces not built", doc: table + "north_south_interfaces = [\"eth0\"]\n", field: k("north_south_interfaces"), kind: ErrUnsupported},
+		{name: "north-south name invalid", doc: table + "north_south_interfaces = [\"\"]\n", field: k("north_south_interfaces[0]"), kind: ErrInvalid},
+		{name: "north-south also a VM edge", doc: table + "north_south_interfaces = [\"tap1\"]\nvm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a\" }]\n", field: k("north_south_interfaces[0]"), kind: ErrConflict},
+
+		// SNAT and EDT.
+		{name: "snat_address multicast", doc: table + "snat_address = \"224.0.0.1\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "snat_address unspecified", doc: table + "snat_address = \"::\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "edt_enabled not built", doc: table + "edt_enabled = true\n", field: k("edt_enabled"), kind: ErrUnsupported, reason: "sch_fq"},
+
+		// API.
+		{name: "listen without port", doc: api + "listen = \"127.0.0.1\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "listen port 0", doc: api + "listen = \"127.0.0.1:0\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "listen port by name", doc: api + "listen = \"127.0.0.1:http\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "listen port too large", doc: api + "listen = \"127.0.0.1:65536\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "listen non-loopback without TLS", doc: api + "listen = \"10.0.0.1:7788\"\n", field: k("api.listen"), kind: ErrInvalid, reason: "allow_insecure_non_loopback"},
+		{name: "listen every address without TLS", doc: api + "listen = \":7788\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "listen host name without TLS", doc: api + "listen = \"node1.example:7788\"\n", field: k("api.listen"), kind: ErrInvalid},
+		{name: "tls cert without key", doc: api + "tls_cert_file = \"/etc/fluxvm/tls.crt\"\n", field: k("api.tls_key_file"), kind: ErrInvalid},
+		{name: "tls key without cert", doc: api + "tls_key_file = \"/etc/fluxvm/tls.key\"\n", field: k("api.tls_cert_file"), kind: ErrInvalid},
+		{name: "tls cert relative", doc: api + "tls_cert_file = \"tls.crt\"\ntls_key_file = \"/etc/fluxvm/tls.key\"\n", field: k("api.tls_cert_file"), kind: ErrInvalid},
+		{name: "admin token file relative", doc: api + "admin_token_file = \"admin.token\"\n", field: k("api.admin_token_file"), kind: ErrInvalid},
+		{name: "read token file relative", doc: api + "read_token_file = \"read.token\"\n", field: k("api.read_token_file"), kind: ErrInvalid},
+		{name: "max_body_bytes too small", doc: api + "max_body_bytes = 100\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
+		{name: "max_body_bytes too large", doc: api + "max_body_bytes = 134217728\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := ParseConfig([]byte(tt.doc))
+			if err == nil {
+				t.Fatalf("parsed %+v, want an error", c)
+			}
+			var ve *ValidationError
+			if !errors.As(err, &ve) {
+				t.Fatalf("error %v (%T) is not a *ValidationError", err, err)
+			}
+			if ve.Field != tt.field {
+				t.Errorf("field %q, want %q (error: %v)", ve.Field, tt.field, err)
+			}
+			if !errors.Is(err, tt.kind) {
+				t.Errorf("error %v is not %v", err, tt.kind)
+			}
+			if tt.reason != "" && !strings.Contains(ve.Reason, tt.reason) {
+				t.Errorf("reason %q does not mention %q", ve.Reason, tt.reason)
+			}
+			if !strings.HasPrefix(err.Error(), "fluxvm: config: ") {
+				t.Errorf("error %q lacks context", err)
+			}
+		})
+	}
+}
+
+func TestParseConfigReportsEveryProblem(t *testing.T) {
+	doc := "[sandbox.dataplane.service]\nmap_teir = \"S\"\nfoo = 1\n[sandbox.dataplane.service.api]\nlissen = \"x\"\n"
+	_, err := ParseConfig([]byte(doc))
+	for _, key := range []string{"map_teir", "foo", "api.lissen"} {
+		if !strings.Contains(fmt.Sprint(err), "sandbox.dataplane.service."+key+": unknown key") {
+			t.Errorf("error %v does not name %s", err, key)
+		}
+	}
+	c := DefaultConfig()
+	c.MapTier, c.PinRoot, c.API.Listen = "Q", "x", "0.0.0.0:1"
+	err = c.Validate()
+	for _, key := range []string{"map_tier", "pin_root", "api.listen"} {
+		if !strings.Contains(fmt.Sprint(err), "sandbox.dataplane.service."+key+":") {
+			t.Errorf("error %v does not name %s", err, key)
+		}
+	}
+}
+
+func TestConfigListen(t *testing.T) {
+	for _, c := range []struct {
+		listen, cert, key string
+		insecure          bool
+		ok                bool
+	}{
+		{listen: "127.0.0.1:7788", ok: true},
+		{listen: "127.1.2.3:7788", ok: true},
+		{listen: "[::1]:7788", ok: true},
+		{listen: "localhost:7788", ok: true},
+		{listen: "10.0.0.1:7788", ok: false},
+		{listen: "10.0.0.1:7788", insecure: true, ok: true},
+		{listen: "10.0.0.1:7788", cert: "/c", key: "/k", ok: true},
+		{listen: "0.0.0.0:7788", cert: "/c", key: "/k", ok: true},
+		{listen: "[::]:7788", ok: false},
+		{listen: ":7788", insecure: true, ok: true},
+		{listen: "127.0.0.1:7788", cert: "/c", ok: false},
+		{listen: "10.0.0.1:7788", key: "/k", insecure: true, ok: false},
+	} {
+		cfg := DefaultConfig()
+		cfg.API.Listen, cfg.API.TLSCertFile, cfg.API.TLSKeyFile, cfg.API.AllowInsecureNonLoopback = c.listen, c.cert, c.key, c.insecure
+		err := cfg.Validate()
+		if (err == nil) != c.ok {
+			t.Errorf("%+v: error %v, want ok=%v", c, err, c.ok)
+		}
+	}
+}
+
+func TestLoadConfig(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "fluxvmd.toml")
+	if err := os.WriteFile(path, []byte("[sandbox.dataplane.service]\nmap_tier = \"S\"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Tier() != bpf.TierS {
+		t.Errorf("tier %v", c.Tier())
+	}
+
+	_, err = LoadConfig(filepath.Join(dir, "missing.toml"))
+	if !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("missing file: %v", err)
+	}
+
+	bad := filepath.Join(dir, "bad.toml")
+	if err := os.WriteFile(bad, []byte("[sandbox.dataplane.service]\nmap_tier = \"XL\"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err = LoadConfig(bad)
+	var ve *ValidationError
+	if !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.map_tier" || !strings.Contains(err.Error(), bad) {
+		t.Errorf("bad file: %v", err)
+	}
+
+	big := filepath.Join(dir, "big.toml")
+	if err := os.WriteFile(big, []byte(strings.Repeat("#", MaxConfigBytes+1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadConfig(big); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("big file: %v", err)
+	}
+}
+
+func TestConfigTierInvalid(t *testing.T) {
+	c := DefaultConfig()
+	c.MapTier = "XL"
+	if c.Tier() != 0 || c.LoaderOptions().Tier != 0 {
+		t.Errorf("invalid tier gave %v", c.Tier())
+	}
+}
+
+func TestDuration(t *testing.T) {
+	var d Duration
+	if err := d.UnmarshalText([]byte("1h2m3s")); err != nil || d.Duration != time.Hour+2*time.Minute+3*time.Second {
+		t.Fatalf("%v %v", d, err)
+	}
+	b, err := d.MarshalText()
+	if err != nil || string(b) != "1h2m3s" {
+		t.Errorf("MarshalText = %q, %v", b, err)
+	}
+	if err := d.UnmarshalText([]byte("3")); err == nil {
+		t.Error("a bare number was accepted")
+	}
+}
+
+func ExampleParseConfig() {
+	cfg, err := ParseConfig([]byte(`
+[sandbox.dataplane.service]
+map_tier = "S"
+vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }]
+`))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(cfg.Tier(), cfg.LoaderOptions().PinRoot, cfg.ConntrackTimeouts().TCPEstablished)
+
+	_, err = ParseConfig([]byte("[sandbox.dataplane.service]\nedt_enabled = true\n"))
+	fmt.Println(err)
+	// Output:
+	// S /sys/fs/bpf/fluxvm/service 6h0m0s
+	// fluxvm: config: sandbox.dataplane.service.edt_enabled: EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)
+}

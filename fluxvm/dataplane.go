@@ -1,0 +1,424 @@
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/maglev"
+	"github.com/fluxvm/servicefabric/nat"
+)
+
+// Options configure a Dataplane.
+type Options struct {
+	// Config supplies the node settings that validation depends on
+	// (edt_enabled, snat_address, north-south interfaces).
+	Config Config
+	// Loader configures the BPF loader (pin root, tier, object dir,
+	// attach mode, hash seed).
+	Loader bpf.Options
+	// CatalogPath is where the node-local catalog is kept; empty keeps it
+	// in memory only.
+	CatalogPath string
+	// GCInterval is the conntrack GC period; 0 means DefaultConntrackGCInterval and
+	// a negative value turns the timer off (GC then runs on demand only).
+	GCInterval time.Duration
+	// Timeouts are the conntrack timeouts; zero means the defaults.
+	Timeouts conntrack.Timeouts
+	// MaglevSeed seeds the Maglev tables. It must be the same on every
+	// node that should compute the same tables (an HA pair).
+	MaglevSeed uint64
+	// Interfaces are attached when the dataplane opens.
+	Interfaces []VMEdgeInterface
+	// InNamespace, when set, runs interface operations (attach, detach,
+	// lookups by name) inside the node's network namespace. Default: the
+	// calling thread's namespace.
+	InNamespace func(func() error) error
+	// Logger receives operational messages; default slog.Default().
+	Logger *slog.Logger
+}
+
+// Dataplane is the node's Service Fabric: the datapath with its pinned
+// maps, the catalog of services, the attached VM interfaces and the
+// conntrack GC. It is safe for concurrent use.
+type Dataplane struct {
+	mu     sync.Mutex
+	opts   Options
+	log    *slog.Logger
+	dp     *bpf.Datapath
+	ct     *conntrack.Map
+	caps   bpf.Capacities
+	limits Limits
+	inner  *ebpf.MapSpec
+
+	services  map[string]*service
+	frontends map[feKey]*frontend
+	markers   map[markerKey][]uint32
+	sids      *idPool
+	bids      *idPool
+	edges     *idPool
+	ifaces    map[string]*iface
+	revision  uint64
+	lastGC    *GCResult
+
+	stop chan struct{}
+	done chan struct{}
+}
+
+type feKey struct {
+	vip   netip.Addr
+	port  uint16
+	proto uint8
+}
+
+type markerKey struct {
+	vip   netip.Addr
+	proto uint8
+}
+
+type service struct {
+	intent    Service
+	revision  uint64
+	applied   time.Time
+	frontends []*frontend
+}
+
+type frontend struct {
+	key      feKey
+	sid      uint32
+	service  string
+	backends map[netip.AddrPort]uint32
+	table    *maglev.Table
+	eligible int
+	guard    bool
+}
+
+type iface struct {
+	VMEdgeInterface
+	index   int
+	slot    uint32
+	hooks   []HookStatus
+	problem string
+}
+
+// Open loads the datapath (adopting the pins as bpf.Open describes),
+// restores the catalog, attaches the configured interfaces and starts the
+// GC timer.
+func Open(opts Options) (*Dataplane, error) {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.InNamespace == nil {
+		opts.InNamespace = func(f func() error) error { return f() }
+	}
+	if opts.GCInterval == 0 {
+		opts.GCInterval = DefaultConntrackGCInterval
+	}
+	if opts.Timeouts == (conntrack.Timeouts{}) {
+		opts.Timeouts = conntrack.DefaultTimeouts()
+	}
+	if err := opts.Timeouts.Validate(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	dp, err := bpf.Open(opts.Loader)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	d := &Dataplane{
+		opts: opts, log: opts.Logger, dp: dp,
+		services: map[string]*service{}, frontends: map[feKey]*frontend{},
+		markers: map[markerKey][]uint32{}, ifaces: map[string]*iface{},
+	}
+	if err := d.init(); err != nil {
+		dp.Close()
+		return nil, err
+	}
+	if opts.GCInterval > 0 {
+		d.stop, d.done = make(chan struct{}), make(chan struct{})
+		go d.gcLoop(opts.GCInterval)
+	}
+	return d, nil
+}
+
+func (d *Dataplane) init() error {
+	st := d.dp.Status()
+	d.caps = st.Capacities
+	d.limits = LimitsFor(d.caps)
+	d.inner = d.dp.Spec().Maps["fluxvm_maglev"].InnerMap
+	d.sids = newIDPool(d.caps.Services)
+	d.bids = newIDPool(d.caps.Backends)
+	d.edges = newIDPool(d.caps.Edges)
+	if st.MountedBPFFS {
+		d.log.Warn("fluxvm: mounted bpffs at /sys/fs/bpf; if this process has a private mount namespace (ip netns exec), pins and flows will not survive it")
+	}
+	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
+		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,
+		"tier_changed", st.TierChanged, "migrated", st.Migrated, "not_migrated", st.NotMigrated)
+
+	if err := d.dp.UpdateMeta(func(m *bpf.Meta) { _ = d.opts.Timeouts.ApplyTo(m) }); err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
+	nt, err := nat.New(d.dp.Map("fluxvm_nat4"), d.dp.Map("fluxvm_nat6"))
+	if err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
+	d.ct, err = conntrack.New(conntrack.Config{
+		CT4: d.dp.Map("fluxvm_fct4"), CT6: d.dp.Map("fluxvm_fct6"),
+		Backends: d.dp.Map("fluxvm_backends"), NAT: nt, Timeouts: d.opts.Timeouts,
+	})
+	if err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
+	if err := d.restore(); err != nil {
+		return err
+	}
+	for _, vi := range d.opts.Interfaces {
+		if _, err := d.AddInterface(vi); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// restore re-applies the catalog with the ids it recorded. After a plain
+// restart every write repeats what the adopted maps already hold; after a
+// generation reload or tier change it reprograms the recreated maps.
+func (d *Dataplane) restore() error {
+	if d.opts.CatalogPath == "" {
+		return nil
+	}
+	cat, err := readCatalog(d.opts.CatalogPath)
+	if err != nil {
+		return err
+	}
+	var intents []Service
+	for _, cs := range cat.Services {
+		intents = append(intents, cs.Service)
+	}
+	if err := ValidateCatalog(intents, d.opts.Config, d.limits); err != nil {
+		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
+	}
+	for _, cs := range cat.Services {
+		for _, cf := range cs.Frontends {
+			if !d.sids.reserve(cf.ServiceID) {
+				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
+			}
+			fe := &frontend{key: feKey{cf.VIP, cf.Port, cf.Protocol.Number()}, sid: cf.ServiceID, service: cs.Service.Name, backends: map[netip.AddrPort]uint32{}}
+			for _, cb := range cf.Backends {
+				if !d.bids.reserve(cb.BackendID) {
+					return fmt.Errorf("fluxvm: restore catalog: backend id %d of %s: %w", cb.BackendID, cs.Service.Name, ErrConflict)
+				}
+				fe.backends[cb.Endpoint] = cb.BackendID
+			}
+			d.frontends[fe.key] = fe
+		}
+		d.services[cs.Service.Name] = &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt}
+		if cs.Revision > d.revision {
+			d.revision = cs.Revision
+		}
+	}
+	for _, cs := range cat.Services {
+		if err := d.program(cs.Service, d.services[cs.Service.Name]); err != nil {
+			return fmt.Errorf("fluxvm: restore %s: %w", cs.Service.Name, err)
+		}
+	}
+	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services))
+	return nil
+}
+
+// Close stops the GC timer and releases this process's handles. The
+// datapath keeps forwarding: pins and attachments stay in place.
+func (d *Dataplane) Close() error {
+	if d.stop != nil {
+		close(d.stop)
+		<-d.done
+		d.stop = nil
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.dp.Close()
+}
+
+// Cleanup removes everything the dataplane owns: it detaches the VM-edge
+// programs, deletes the pin root and the catalog file, and closes.
+func (d *Dataplane) Cleanup() error {
+	if d.stop != nil {
+		close(d.stop)
+		<-d.done
+		d.stop = nil
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var errs []error
+	err := d.opts.InNamespace(func() error {
+		for _, ifc := range d.ifaces {
+			for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
+				if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+					errs = append(errs, err)
+				}
+			}
+		}
+		return d.dp.Remove()
+	})
+	errs = append(errs, err)
+	if d.opts.CatalogPath != "" {
+		if err := removeIfExists(d.opts.CatalogPath); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("fluxvm: cleanup: %w", err)
+	}
+	return nil
+}
+
+// AddInterface attaches the VM-edge programs to a VM's host-side
+// interface. It is idempotent.
+func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
+	if vi.Name == "" || vi.VMID == "" {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface: %w", &ValidationError{Field: "interface", Reason: "name and vm_id are required"})
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if other, ok := d.ifaces[vi.Name]; ok && other.VMID != vi.VMID {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: belongs to VM %s: %w", vi.Name, other.VMID, ErrConflict)
+	}
+	ifc := &iface{VMEdgeInterface: vi}
+	err := d.opts.InNamespace(func() error {
+		for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
+			a, err := d.dp.Attach(bpf.Interface{Name: vi.Name}, h)
+			if err != nil {
+				return err
+			}
+			ifc.index = a.Ifindex
+			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
+		}
+		return nil
+	})
+	if err != nil {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err)
+	}
+	if old, ok := d.ifaces[vi.Name]; ok {
+		ifc.slot = old.slot
+	} else if err := d.registerEdge(ifc); err != nil {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: statistics: %w", vi.Name, err)
+	}
+	d.ifaces[vi.Name] = ifc
+	d.log.Info("fluxvm: VM interface attached", "interface", vi.Name, "vm", vi.VMID, "mode", ifc.hooks[0].Mode)
+	return ifc.status(), nil
+}
+
+// RemoveInterface detaches the VM-edge programs from an interface.
+func (d *Dataplane) RemoveInterface(name string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ifc, ok := d.ifaces[name]
+	if !ok {
+		return fmt.Errorf("fluxvm: remove interface %s: %w", name, ErrNotFound)
+	}
+	err := d.opts.InNamespace(func() error {
+		var errs []error
+		for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
+			if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+				errs = append(errs, err)
+			}
+		}
+		return errors.Join(errs...)
+	})
+	if err != nil {
+		return fmt.Errorf("fluxvm: remove interface %s: %w", name, err)
+	}
+	if err := d.unregisterEdge(ifc); err != nil {
+		return fmt.Errorf("fluxvm: remove interface %s: statistics: %w", name, err)
+	}
+	delete(d.ifaces, name)
+	return nil
+}
+
+func (i *iface) status() InterfaceStatus {
+	return InterfaceStatus{Name: i.Name, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
+}
+
+// Status describes the dataplane.
+func (d *Dataplane) Status() Status {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	st := d.dp.Status()
+	out := Status{
+		SchemaVersion: st.SchemaVersion, Generation: st.Generation, Tier: st.Tier.String(), PinRoot: st.PinRoot,
+		Capacities: Capacities(st.Capacities),
+		Load: LoadStatus{
+			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
+			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
+			Migrated: st.Migrated, NotMigrated: st.NotMigrated,
+		},
+		Services: len(d.services),
+		LastGC:   d.lastGC,
+	}
+	if st.TierChanged {
+		out.Load.PreviousTier = st.PreviousTier.String()
+	}
+	for _, ifc := range d.ifaces {
+		out.Interfaces = append(out.Interfaces, ifc.status())
+	}
+	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
+	return out
+}
+
+// GC removes dead flows now (the timer does the same periodically) and
+// then frees the ids that removed services and backends held.
+func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
+	now, err := conntrack.Now()
+	if err != nil {
+		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
+	}
+	start := time.Now()
+	r, err := d.ct.GC(ctx, now)
+	if err != nil {
+		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
+	}
+	res := GCResult{
+		At: start, Duration: time.Since(start), Scanned: r.Scanned,
+		Expired: r.Expired, Drained: r.Drained, BackendGone: r.BackendGone,
+		Orphans:  r.StaleNATRemoved + r.SupersededNATRemoved,
+		Repaired: r.CTRepaired + r.NATRepaired,
+	}
+	d.mu.Lock()
+	d.lastGC = &res
+	// Flows naming quarantined ids are gone now.
+	d.sids.releaseQuarantined()
+	d.bids.releaseQuarantined()
+	d.mu.Unlock()
+	return res, nil
+}
+
+func (d *Dataplane) gcLoop(every time.Duration) {
+	defer close(d.done)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-t.C:
+			ctx, cancel := context.WithTimeout(context.Background(), every)
+			if r, err := d.GC(ctx); err != nil {
+				d.log.Warn("fluxvm: conntrack gc failed", "err", err)
+			} else if r.Expired+r.Drained+r.BackendGone+r.Orphans+r.Repaired > 0 {
+				d.log.Debug("fluxvm: conntrack gc", "scanned", r.Scanned, "expired", r.Expired,
+					"drained", r.Drained, "backend_gone", r.BackendGone, "orphans", r.Orphans, "repaired", r.Repaired)
+			}
+			cancel()
+		}
+	}
+}

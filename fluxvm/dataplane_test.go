@@ -1,0 +1,295 @@
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/lab"
+	"github.com/fluxvm/servicefabric/internal/testenv"
+)
+
+// env is a lab (a client VM and three backend VMs running identity
+// servers on port 8080) with a dataplane configuration for it.
+type env struct {
+	lab      *lab.Lab
+	cli      *lab.VM
+	backends []*lab.VM
+	opts     Options
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	l := lab.NewForTest(t)
+	e := &env{lab: l, cli: l.AddVMForTest(t, 1)}
+	for i := 2; i <= 4; i++ {
+		vm := l.AddVMForTest(t, i)
+		srv, err := vm.Serve(8080)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { srv.Close() })
+		e.backends = append(e.backends, vm)
+	}
+	var ifs []VMEdgeInterface
+	for _, vm := range l.VMs {
+		ifs = append(ifs, VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
+	}
+	e.opts = Options{
+		Config:      DefaultConfig(),
+		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		CatalogPath: filepath.Join(t.TempDir(), "catalog.json"),
+		GCInterval:  -1,
+		Interfaces:  ifs,
+		InNamespace: l.Node.Do,
+	}
+	return e
+}
+
+func (e *env) open(t *testing.T) *Dataplane {
+	t.Helper()
+	d, err := Open(e.opts)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+var (
+	vip4 = netip.MustParseAddr("10.96.0.10")
+	vip6 = netip.MustParseAddr("fd00:96::10")
+)
+
+func u32(v uint32) *uint32 { return &v }
+
+// service builds the test service over the env's backends with weights.
+func (e *env) service(weights ...uint32) Service {
+	s := Service{
+		Name:  "web",
+		VIPs:  []netip.Addr{vip4, vip6},
+		Ports: []ServicePort{{Port: 80, Protocol: TCP}, {Port: 80, Protocol: UDP}},
+	}
+	for i, vm := range e.backends {
+		for _, a := range []netip.Addr{vm.Addr4, vm.Addr6} {
+			s.Backends = append(s.Backends, Backend{Address: a, Port: 8080, Weight: u32(weights[i])})
+		}
+	}
+	return s
+}
+
+func (e *env) dial(t *testing.T, vip netip.Addr) *lab.Conn {
+	t.Helper()
+	c, err := e.cli.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+	if err != nil {
+		t.Fatalf("connect to %s:80: %v", vip, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func echo(t *testing.T, c *lab.Conn, what string) {
+	t.Helper()
+	if err := c.Echo([]byte(what), 3*time.Second); err != nil {
+		t.Fatalf("%s: connection to %s broke: %v", what, c.Backend, err)
+	}
+}
+
+func TestDataplaneServesAVIP(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	st, err := d.ApplyService(ctx, e.service(1, 1, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Frontends) != 4 {
+		t.Fatalf("frontends %+v, want 2 VIPs x 2 protocols", st.Frontends)
+	}
+	for _, fe := range st.Frontends {
+		if fe.Eligible != 3 || !fe.GuardOpen {
+			t.Errorf("frontend %+v", fe)
+		}
+	}
+
+	for _, vip := range []netip.Addr{vip4, vip6} {
+		got := map[string]int{}
+		for range 80 {
+			c := e.dial(t, vip)
+			got[c.Backend]++
+			c.Close()
+		}
+		t.Logf("%s: %v (weights 1:1:2)", vip, got)
+		if got["vm2"] == 0 || got["vm3"] == 0 || got["vm4"] < got["vm2"] || got["vm4"] < got["vm3"] {
+			t.Errorf("%s: distribution %v does not follow weights 1:1:2", vip, got)
+		}
+		name, err := e.cli.AskUDP(netip.AddrPortFrom(vip, 80), 2*time.Second)
+		if err != nil || name == "" {
+			t.Errorf("%s udp: %q %v", vip, name, err)
+		}
+	}
+
+	stats, err := d.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := stats.Services["web"]; c.NewFlows < 160 || c.Packets == 0 || c.ReplyPackets == 0 {
+		t.Errorf("service stats %+v", c)
+	}
+	vs, err := d.VMStats("vm1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if vs.Counters.NewFlows < 160 || vs.Counters.Packets == 0 || vs.Counters.ReplyPackets == 0 {
+		t.Errorf("VM stats %+v", vs)
+	}
+	if _, err := d.VMStats("nope"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("unknown VM: %v", err)
+	}
+	status := d.Status()
+	if len(status.Interfaces) != 4 || status.Interfaces[0].Hooks[0].Mode != "tcx" || status.Services != 1 {
+		t.Errorf("status %+v", status)
+	}
+}
+
+func TestDataplaneRejectsWithoutChanges(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	first, err := d.ApplyService(ctx, e.service(1, 1, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := d.ApplyService(ctx, e.service(1, 1, 1))
+	if err != nil || again.Revision != first.Revision {
+		t.Errorf("re-applying the same intent: revision %d -> %d, %v", first.Revision, again.Revision, err)
+	}
+	before, _ := os.ReadFile(e.opts.CatalogPath)
+
+	bad := e.service(1, 1, 1)
+	bad.Backends[0].Port = 0
+	_, err = d.ApplyService(ctx, bad)
+	var ve *ValidationError
+	if !errors.As(err, &ve) || ve.Field == "" {
+		t.Fatalf("invalid backend port: %v", err)
+	}
+	clash := e.service(1, 1, 1)
+	clash.Name = "other"
+	if _, err := d.ApplyService(ctx, clash); !errors.Is(err, ErrConflict) {
+		t.Errorf("second service on the same frontends: %v, want ErrConflict", err)
+	}
+	after, _ := os.ReadFile(e.opts.CatalogPath)
+	if string(before) != string(after) {
+		t.Error("a rejected request changed the catalog")
+	}
+	if got, _ := d.Service("web"); got.Revision != first.Revision {
+		t.Errorf("a rejected request changed the service: %+v", got)
+	}
+	if len(d.Services()) != 1 {
+		t.Errorf("services %v", d.Services())
+	}
+}
+
+func TestDataplaneKeepsFlowsAcrossUpdatesAndRestart(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	svc := e.service(1, 1, 1)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	conns := []*lab.Conn{e.dial(t, vip4), e.dial(t, vip6)}
+	for _, c := range conns {
+		echo(t, c, "before")
+	}
+	pinned := conns[0].Backend
+	idx := int(pinned[len(pinned)-1]-'0') - 2
+
+	// The pinned backend's weight drops to 0: new flows avoid it, the
+	// established one stays.
+	w := []uint32{1, 1, 1}
+	w[idx] = 0
+	if _, err := d.ApplyService(ctx, e.service(w...)); err != nil {
+		t.Fatal(err)
+	}
+	echo(t, conns[0], "after weight change")
+	for range 20 {
+		c := e.dial(t, vip4)
+		if c.Backend == pinned {
+			t.Fatalf("new flow went to %s, whose weight is 0", pinned)
+		}
+		c.Close()
+	}
+
+	// Draining with a deadline ahead keeps it too.
+	drain := e.service(1, 1, 1)
+	for i := range drain.Backends {
+		if i/2 == idx {
+			drain.Backends[i].State = BackendDraining
+			drain.Backends[i].DrainUntilUnixMs = time.Now().Add(time.Hour).UnixMilli()
+		}
+	}
+	if _, err := d.ApplyService(ctx, drain); err != nil {
+		t.Fatal(err)
+	}
+	echo(t, conns[0], "while draining")
+
+	// The process goes away: the datapath keeps forwarding.
+	d.Close()
+	for _, c := range conns {
+		echo(t, c, "with no dataplane process")
+	}
+	// A new process adopts pins and catalog without disturbing flows.
+	d = e.open(t)
+	if st := d.Status(); st.Load.Created || st.Load.SchemaRebuilt || st.Load.Reloaded || st.Services != 1 {
+		t.Errorf("status after restart %+v", st)
+	}
+	for _, c := range conns {
+		echo(t, c, "after restart")
+	}
+	if got, err := d.Service("web"); err != nil || len(got.Frontends) != 4 {
+		t.Errorf("restored service %+v, %v", got, err)
+	}
+	c := e.dial(t, vip6)
+	echo(t, c, "new flow after restart")
+
+	res, err := d.GC(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Scanned == 0 {
+		t.Errorf("gc %+v scanned nothing", res)
+	}
+}
+
+func TestDataplaneDeleteAndCleanup(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	e.dial(t, vip4).Close()
+	if err := d.DeleteService(ctx, "web"); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.DeleteService(ctx, "web"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("second delete: %v", err)
+	}
+	if _, err := e.cli.DialTCP(netip.AddrPortFrom(vip4, 80), 300*time.Millisecond); err == nil {
+		t.Error("the VIP still answers after delete")
+	}
+	if err := d.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{e.opts.Loader.PinRoot, e.opts.CatalogPath} {
+		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s still exists after cleanup", p)
+		}
+	}
+}

@@ -1,0 +1,610 @@
+package fluxvm
+
+import (
+	"fmt"
+	"math"
+	"net/netip"
+	"strings"
+
+	"github.com/fluxvm/servicefabric/bpf"
+)
+
+// Categories that this file adds to those of errors.go. Each is a
+// refinement of ErrInvalid or ErrLimit, so errors.Is(err, ErrInvalid)
+// holds for a malformed or prerequisite error and errors.Is(err,
+// ErrLimit) for an oversize input: a caller that knows only the broad
+// categories still classifies them right.
+var (
+	// ErrMalformed: the input is not JSON (or TOML) of the expected shape:
+	// a syntax error, a value of the wrong type, an unknown or repeated
+	// field, trailing data. It wraps ErrInvalid.
+	ErrMalformed = fmt.Errorf("malformed input: %w", ErrInvalid)
+	// ErrPrerequisite: a feature is requested without what it depends on,
+	// e.g. max_egress_mbps without edt_enabled in the node configuration.
+	// It wraps ErrInvalid.
+	ErrPrerequisite = fmt.Errorf("missing prerequisite: %w", ErrInvalid)
+	// ErrTooLarge: the input exceeds its size limit (MaxRequestBytes). It
+	// wraps ErrLimit; an HTTP API answers it with 413.
+	ErrTooLarge = fmt.Errorf("input too large: %w", ErrLimit)
+)
+
+// Every error that decoding and validation return about the content of a
+// request, a catalog or a configuration is (or joins) a *ValidationError
+// (errors.go) whose Field is the path of the field as the input spells it:
+// "name", "backends[2].weight", "health_check.kind" for a service,
+// "services[3].ports[0]" within a catalog,
+// "sandbox.dataplane.service.api.listen" for the configuration; empty
+// when the error concerns the input as a whole. Its Kind is the category.
+// verr makes one.
+func verr(kind error, field, format string, args ...any) *ValidationError {
+	return &ValidationError{Field: field, Reason: fmt.Sprintf(format, args...), Kind: kind}
+}
+
+// withinField returns a copy of e whose field is prefixed with a parent
+// path.
+func withinField(e *ValidationError, parent string) *ValidationError {
+	c := *e
+	switch {
+	case parent == "":
+	case c.Field == "":
+		c.Field = parent
+	case strings.HasPrefix(c.Field, "["):
+		c.Field = parent + c.Field
+	default:
+		c.Field = parent + "." + c.Field
+	}
+	return &c
+}
+
+// Bounds of a service.
+const (
+	// MaxNameLen is the longest service name. A name is 1 to MaxNameLen
+	// characters of a-z, 0-9 and '-', starting with a letter, so that it
+	// is usable in a URL path, a file name and a metric label as it is.
+	MaxNameLen = 63
+	// MaxVIPs is the number of VIPs of a service: at most one per family.
+	MaxVIPs = 2
+	// MaxPortsPerService bounds Service.Ports. Every port is served on
+	// every VIP, and each (VIP, port) is one datapath service with its own
+	// Maglev table, so ports multiply the datapath's cost.
+	MaxPortsPerService = 64
+	// MaxBackendsPerService bounds Service.Backends (both families
+	// together, disabled backends included).
+	MaxBackendsPerService = 1024
+	// MaxWeight is the largest backend weight. Weights are relative; the
+	// bound keeps the Maglev fill well within its arithmetic and catches
+	// units mistakes.
+	MaxWeight = 65535
+	// MaxDrainUntilUnixMs is the latest drain deadline: the datapath keeps
+	// deadlines in nanoseconds in 64 bits, which end in April 2262.
+	MaxDrainUntilUnixMs = math.MaxInt64 / 1_000_000
+)
+
+// Health-check defaults and bounds. A field left 0 takes its default.
+const (
+	DefaultHealthTimeoutMs          = 1000
+	DefaultHealthIntervalMs         = 5000
+	DefaultHealthUnhealthyThreshold = 3
+	DefaultHealthHealthyThreshold   = 2
+
+	MinHealthTimeoutMs  = 1
+	MaxHealthTimeoutMs  = 60_000
+	MinHealthIntervalMs = 100
+	MaxHealthIntervalMs = 600_000
+	MaxHealthThreshold  = 100
+)
+
+// HealthCheckKindTCP is the only health check the node runs: a TCP
+// connect to the backend's address and port.
+const HealthCheckKindTCP = "tcp"
+
+// WithDefaults returns h with every field left 0 set to its default
+// (DefaultHealth*).
+func (h HealthCheck) WithDefaults() HealthCheck {
+	if h.TimeoutMs == 0 {
+		h.TimeoutMs = DefaultHealthTimeoutMs
+	}
+	if h.IntervalMs == 0 {
+		h.IntervalMs = DefaultHealthIntervalMs
+	}
+	if h.UnhealthyThreshold == 0 {
+		h.UnhealthyThreshold = DefaultHealthUnhealthyThreshold
+	}
+	if h.HealthyThreshold == 0 {
+		h.HealthyThreshold = DefaultHealthHealthyThreshold
+	}
+	return h
+}
+
+// feature is one row of the unsupported table: a feature of the product
+// description that this build does not have. Exactly one of service and
+// config is set; it reports whether the input asks for the feature.
+type feature struct {
+	field   string // JSON field of a service, or TOML key of the service table
+	service func(*Service) bool
+	config  func(*Config) bool
+	reason  string
+}
+
+// unsupported lists every feature that is rejected with ErrUnsupported
+// because this build does not implement it. The issue that builds a
+// feature removes its row (and adds the tests that prove it works).
+var unsupported = []feature{
+	{field: "exposure", reason: "north-south exposure is not in this build (there are no north-south hooks yet); use east-west",
+		service: func(s *Service) bool { return s.Exposure == ExposureNorthSouth || s.Exposure == ExposureBoth }},
+	{field: "mode", reason: "DSR is not in this build; use nat",
+		service: func(s *Service) bool { return s.Mode == ModeDSR }},
+	{field: "host_routing", reason: "the host-routing FIB fast path is not in this build",
+		service: func(s *Service) bool { return s.HostRouting }},
+	{field: "max_egress_mbps", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
+		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
+	{field: "advertise", reason: "VIP advertisement is not in this build",
+		service: func(s *Service) bool { return s.Advertise }},
+	{field: "health_check", reason: "active health checks are not in this build yet; Fabric sets backend state instead",
+		service: func(s *Service) bool { return s.HealthCheck != nil }},
+	{field: "north_south_interfaces", reason: "north-south interfaces are not in this build; leave the list empty",
+		config: func(c *Config) bool { return len(c.NorthSouthInterfaces) > 0 }},
+	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
+		config: func(c *Config) bool { return c.EDTEnabled }},
+}
+
+// prerequisite is a service feature that needs something else, in the
+// service or in the node configuration. missing returns why, or "".
+type prerequisite struct {
+	field   string
+	missing func(*Service, *Config) string
+}
+
+// prerequisites are checked before the unsupported table, so that a
+// request that could never work reports what it lacks, not only that the
+// feature is not built. (HA export/import will add: HA requires
+// north_south_interfaces.)
+var prerequisites = []prerequisite{
+	{"max_egress_mbps", func(s *Service, c *Config) string {
+		if s.MaxEgressMbps != 0 && !c.EDTEnabled {
+			return "requires edt_enabled = true in [sandbox.dataplane.service]"
+		}
+		return ""
+	}},
+	{"advertise", func(s *Service, c *Config) string {
+		if s.Advertise && !northSouth(s) {
+			return "requires exposure north-south or both (an east-west VIP is never advertised)"
+		}
+		return ""
+	}},
+	{"exposure", func(s *Service, c *Config) string {
+		if northSouth(s) && len(c.NorthSouthInterfaces) == 0 {
+			return fmt.Sprintf("%s requires north_south_interfaces in [sandbox.dataplane.service]", s.Exposure)
+		}
+		return ""
+	}},
+	{"exposure", func(s *Service, c *Config) string {
+		if northSouth(s) && s.Mode != ModeDSR && !c.SNATAddress.IsValid() {
+			return fmt.Sprintf("%s NAT requires snat_address in [sandbox.dataplane.service], so that backend replies return through this node", s.Exposure)
+		}
+		return ""
+	}},
+}
+
+func northSouth(s *Service) bool {
+	return s.Exposure == ExposureNorthSouth || s.Exposure == ExposureBoth
+}
+
+// ValidateService checks one service against the rules below and against
+// the prerequisites in cfg (which should itself have passed
+// Config.Validate). It returns nil or the first problem found, as a
+// *ValidationError wrapped with the service's name. It has no side
+// effects: a rejected service changes nothing anywhere.
+//
+// Rules, each reported with the field it concerns:
+//
+//   - name: required, 1..MaxNameLen characters of a-z, 0-9 and '-',
+//     starting with a letter.
+//   - exposure: "" (east-west), east-west, north-south or both.
+//   - mode: "" (nat), nat or dsr.
+//   - vips: 1 or 2, at most one per address family; each a valid address
+//     without a zone, not IPv4-mapped IPv6, not unspecified, loopback,
+//     multicast, link-local or the IPv4 broadcast address.
+//   - ports: 1..MaxPortsPerService; port 1..65535 (port 0 is reserved by
+//     the datapath for VIP markers); protocol tcp or udp; no (port,
+//     protocol) twice (ErrConflict).
+//   - backends: 0..MaxBackendsPerService; address valid, without a zone,
+//     not IPv4-mapped, unspecified, loopback (a VM's packets to a loopback
+//     destination are dropped by the kernel), multicast or broadcast, and
+//     of a family the service has a VIP of; port 1..65535; weight
+//     0..MaxWeight; state ready, draining or unhealthy ("" = ready);
+//     drain_until_unix_ms set only with state draining, and required
+//     (> 0, at most MaxDrainUntilUnixMs) there; no (address, port) twice
+//     (ErrConflict).
+//   - health_check: kind "tcp" (UDP and application health belong in an
+//     application-aware control-plane probe); timeout_ms
+//     MinHealthTimeoutMs..MaxHealthTimeoutMs, interval_ms
+//     MinHealthIntervalMs..MaxHealthIntervalMs and above the timeout,
+//     thresholds 1..MaxHealthThreshold; 0 takes the default
+//     (DefaultHealth*).
+//   - prerequisites (ErrPrerequisite): max_egress_mbps needs edt_enabled;
+//     advertise needs exposure north-south or both; north-south exposure
+//     needs north_south_interfaces, and with NAT an snat_address.
+//   - features this build does not have (ErrUnsupported): north-south
+//     exposure, dsr, host_routing, max_egress_mbps, advertise,
+//     health_check.
+func ValidateService(s Service, cfg Config) error {
+	if e := validateService(&s, &cfg); e != nil {
+		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)
+	}
+	return nil
+}
+
+// quoteName quotes a service name for an error message, shortened if it
+// is too long to be one.
+func quoteName(name string) string {
+	if len(name) > MaxNameLen+8 {
+		name = name[:MaxNameLen] + "..."
+	}
+	return fmt.Sprintf("%q", name)
+}
+
+func validateService(s *Service, cfg *Config) *ValidationError {
+	if e := checkName(s.Name); e != nil {
+		return e
+	}
+	switch s.Exposure {
+	case "", ExposureEastWest, ExposureNorthSouth, ExposureBoth:
+	default:
+		return verr(ErrInvalid, "exposure", "%q is not an exposure (want east-west, north-south or both)", s.Exposure)
+	}
+	switch s.Mode {
+	case "", ModeNAT, ModeDSR:
+	default:
+		return verr(ErrInvalid, "mode", "%q is not a mode (want nat or dsr)", s.Mode)
+	}
+	var fam [2]bool // has a VIP of IPv4, IPv6
+	if e := checkVIPs(s.VIPs, &fam); e != nil {
+		return e
+	}
+	if e := checkPorts(s.Ports); e != nil {
+		return e
+	}
+	if e := checkBackends(s.Backends, fam); e != nil {
+		return e
+	}
+	if s.HealthCheck != nil {
+		if e := checkHealth(s.HealthCheck); e != nil {
+			return e
+		}
+	}
+	for _, p := range prerequisites {
+		if why := p.missing(s, cfg); why != "" {
+			return verr(ErrPrerequisite, p.field, "%s", why)
+		}
+	}
+	for _, f := range unsupported {
+		if f.service != nil && f.service(s) {
+			return verr(ErrUnsupported, f.field, "%s", f.reason)
+		}
+	}
+	return nil
+}
+
+func checkName(name string) *ValidationError {
+	const rule = "must be 1 to 63 characters of a-z, 0-9 and '-', starting with a letter"
+	if name == "" {
+		return verr(ErrInvalid, "name", "required; %s", rule)
+	}
+	if len(name) > MaxNameLen {
+		return verr(ErrInvalid, "name", "%d characters; %s", len(name), rule)
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		letter := c >= 'a' && c <= 'z'
+		if i == 0 && !letter {
+			return verr(ErrInvalid, "name", "%q does not start with a letter; %s", name, rule)
+		}
+		if !letter && !(c >= '0' && c <= '9') && c != '-' {
+			return verr(ErrInvalid, "name", "%q has a character other than a-z, 0-9 and '-'; %s", name, rule)
+		}
+	}
+	if reservedNames[name] {
+		return verr(ErrInvalid, "name", "%q is reserved: it is a path segment of the REST API under /v1/network/services/", name)
+	}
+	return nil
+}
+
+// reservedNames are the literal segments under /v1/network/services/ that
+// the REST API uses now or will use; a service so named could not be read
+// by name.
+var reservedNames = map[string]bool{
+	"status": true, "stats": true, "health": true, "conntrack": true, "pressure": true,
+	"advertisements": true, "flows": true, "telemetry": true, "policies": true,
+}
+
+var broadcast4 = netip.AddrFrom4([4]byte{255, 255, 255, 255})
+
+// addrProblem says what is wrong with a as a VIP (vip) or a backend
+// address, or "".
+func addrProblem(a netip.Addr, vip bool) string {
+	switch {
+	case !a.IsValid():
+		return "not a valid IP address"
+	case a.Zone() != "":
+		return fmt.Sprintf("%s has a zone; zones are not allowed", a)
+	case a.Is4In6():
+		return fmt.Sprintf("%s is an IPv4-mapped IPv6 address; write the IPv4 address %s", a, a.Unmap())
+	case a.IsUnspecified():
+		return fmt.Sprintf("%s is the unspecified address", a)
+	case a.IsMulticast():
+		return fmt.Sprintf("%s is a multicast address", a)
+	case a == broadcast4:
+		return fmt.Sprintf("%s is the broadcast address", a)
+	case a.IsLoopback():
+		return fmt.Sprintf("%s is a loopback address", a)
+	case vip && a.IsLinkLocalUnicast():
+		return fmt.Sprintf("%s is a link-local address", a)
+	}
+	return ""
+}
+
+func addrFamily(a netip.Addr) int {
+	if a.Is4() {
+		return 0
+	}
+	return 1
+}
+
+var familyName = [2]string{"IPv4", "IPv6"}
+
+func checkVIPs(vips []netip.Addr, fam *[2]bool) *ValidationError {
+	switch {
+	case len(vips) == 0:
+		return verr(ErrInvalid, "vips", "required: at least one VIP")
+	case len(vips) > MaxVIPs:
+		return verr(ErrInvalid, "vips", "%d VIPs; a service has at most %d, one per address family", len(vips), MaxVIPs)
+	}
+	for i, a := range vips {
+		field := fmt.Sprintf("vips[%d]", i)
+		if why := addrProblem(a, true); why != "" {
+			return verr(ErrInvalid, field, "%s", why)
+		}
+		f := addrFamily(a)
+		if fam[f] {
+			return verr(ErrInvalid, field, "a second %s VIP; a service has at most one VIP per address family", familyName[f])
+		}
+		fam[f] = true
+	}
+	return nil
+}
+
+func checkPorts(ports []ServicePort) *ValidationError {
+	switch {
+	case len(ports) == 0:
+		return verr(ErrInvalid, "ports", "required: at least one port")
+	case len(ports) > MaxPortsPerService:
+		return verr(ErrLimit, "ports", "%d ports; a service has at most %d", len(ports), MaxPortsPerService)
+	}
+	seen := make(map[ServicePort]int, len(ports))
+	for i, p := range ports {
+		field := fmt.Sprintf("ports[%d]", i)
+		if p.Port == 0 {
+			return verr(ErrInvalid, field+".port", "must be 1..65535 (port 0 is reserved by the datapath for VIP markers)")
+		}
+		switch p.Protocol {
+		case TCP, UDP:
+		case "":
+			return verr(ErrInvalid, field+".protocol", "required: tcp or udp")
+		default:
+			return verr(ErrInvalid, field+".protocol", "%q is not a protocol (want tcp or udp)", p.Protocol)
+		}
+		if j, dup := seen[p]; dup {
+			return verr(ErrConflict, field, "%s is already ports[%d]", p, j)
+		}
+		seen[p] = i
+	}
+	return nil
+}
+
+func checkBackends(backends []Backend, fam [2]bool) *ValidationError {
+	if len(backends) > MaxBackendsPerService {
+		return verr(ErrLimit, "backends", "%d backends; a service has at most %d", len(backends), MaxBackendsPerService)
+	}
+	seen := make(map[netip.AddrPort]int, len(backends))
+	for i := range backends {
+		b := &backends[i]
+		field := fmt.Sprintf("backends[%d]", i)
+		if why := addrProblem(b.Address, false); why != "" {
+			return verr(ErrInvalid, field+".address", "%s", why)
+		}
+		if f := addrFamily(b.Address); !fam[f] {
+			return verr(ErrInvalid, field+".address", "%s backend %s, but the service has no %s VIP", familyName[f], b.Address, familyName[f])
+		}
+		if b.Port == 0 {
+			return verr(ErrInvalid, field+".port", "must be 1..65535")
+		}
+		if b.Weight != nil && *b.Weight > MaxWeight {
+			return verr(ErrInvalid, field+".weight", "%d is above the maximum weight %d", *b.Weight, MaxWeight)
+		}
+		switch b.State {
+		case "", BackendReady, BackendDraining, BackendUnhealthy:
+		default:
+			return verr(ErrInvalid, field+".state", "%q is not a backend state (want ready, draining or unhealthy)", b.State)
+		}
+		if b.EffectiveState() == BackendDraining {
+			switch {
+			case b.DrainUntilUnixMs <= 0:
+				return verr(ErrInvalid, field+".drain_until_unix_ms",
+					"a draining backend needs a drain deadline > 0 (ms since the Unix epoch); without one its established flows would be kept forever")
+			case b.DrainUntilUnixMs > MaxDrainUntilUnixMs:
+				return verr(ErrInvalid, field+".drain_until_unix_ms", "%d is after the latest deadline %d (year 2262)", b.DrainUntilUnixMs, int64(MaxDrainUntilUnixMs))
+			}
+		} else if b.DrainUntilUnixMs != 0 {
+			return verr(ErrInvalid, field+".drain_until_unix_ms", "set only for a draining backend (state is %s)", b.EffectiveState())
+		}
+		ep := b.Endpoint()
+		if j, dup := seen[ep]; dup {
+			return verr(ErrConflict, field, "%s is already backends[%d]", ep, j)
+		}
+		seen[ep] = i
+	}
+	return nil
+}
+
+func checkHealth(h *HealthCheck) *ValidationError {
+	switch h.Kind {
+	case HealthCheckKindTCP:
+	case "":
+		return verr(ErrInvalid, "health_check.kind", `required: "tcp" (a TCP connect to each backend)`)
+	default:
+		return verr(ErrInvalid, "health_check.kind",
+			"%q: the node runs only TCP connect checks (kind \"tcp\"); UDP and application health belong in an application-aware control-plane probe, which reports through backend state", h.Kind)
+	}
+	e := h.WithDefaults()
+	switch {
+	case e.TimeoutMs < MinHealthTimeoutMs || e.TimeoutMs > MaxHealthTimeoutMs:
+		return verr(ErrInvalid, "health_check.timeout_ms", "%d is outside %d..%d", e.TimeoutMs, MinHealthTimeoutMs, MaxHealthTimeoutMs)
+	case e.IntervalMs < MinHealthIntervalMs || e.IntervalMs > MaxHealthIntervalMs:
+		return verr(ErrInvalid, "health_check.interval_ms", "%d is outside %d..%d", e.IntervalMs, MinHealthIntervalMs, MaxHealthIntervalMs)
+	case e.IntervalMs <= e.TimeoutMs:
+		return verr(ErrInvalid, "health_check.interval_ms", "%d must be greater than timeout_ms (%d)", e.IntervalMs, e.TimeoutMs)
+	case e.UnhealthyThreshold > MaxHealthThreshold:
+		return verr(ErrInvalid, "health_check.unhealthy_threshold", "%d is outside 1..%d", e.UnhealthyThreshold, MaxHealthThreshold)
+	case e.HealthyThreshold > MaxHealthThreshold:
+		return verr(ErrInvalid, "health_check.healthy_threshold", "%d is outside 1..%d", e.HealthyThreshold, MaxHealthThreshold)
+	}
+	return nil
+}
+
+// Limits bound a whole catalog by the capacities of the datapath's maps.
+// Each service becomes one datapath service per (VIP, port, protocol); see
+// the fields for what each one uses. Derive them from the loaded object
+// with LimitsFor, or from a tier with LimitsForTier.
+type Limits struct {
+	// Services is the number of datapath services: one per VIP and port of
+	// every service. Each takes a service id, a Maglev table and a guard.
+	Services int
+	// Frontends is the number of frontend entries per address family:
+	// one per (VIP, port, protocol) of that family, plus one VIP marker
+	// per distinct (VIP, protocol).
+	Frontends int
+	// Backends is the number of datapath backend entries: every datapath
+	// service has one for each enabled backend of its VIP's family.
+	Backends int
+	// MaglevSize is the number of slots of a Maglev table; a datapath
+	// service cannot have more eligible (ready, weighted) backends.
+	MaglevSize int
+}
+
+// LimitsFor returns the limits of an object with capacities c. Service
+// and backend id 0 mean "none" in the maps and are never allocated, so one
+// of each is subtracted.
+func LimitsFor(c bpf.Capacities) Limits {
+	dec := func(n uint32) int {
+		if n == 0 {
+			return 0
+		}
+		return int(n) - 1
+	}
+	return Limits{
+		Services:   dec(c.Services),
+		Frontends:  int(c.Frontends),
+		Backends:   dec(c.Backends),
+		MaglevSize: int(c.MaglevSize),
+	}
+}
+
+// LimitsForTier returns the limits of the embedded object of tier t,
+// without loading anything into the kernel.
+func LimitsForTier(t bpf.Tier) (Limits, error) {
+	spec, err := bpf.Spec(t)
+	if err != nil {
+		return Limits{}, fmt.Errorf("fluxvm: limits of tier %s: %w", t, err)
+	}
+	c, err := bpf.CapacitiesOf(spec)
+	if err != nil {
+		return Limits{}, fmt.Errorf("fluxvm: limits of tier %s: %w", t, err)
+	}
+	return LimitsFor(c), nil
+}
+
+type catalogFE struct {
+	vip   netip.Addr
+	port  uint16
+	proto Protocol
+}
+
+type catalogMarker struct {
+	vip   netip.Addr
+	proto Protocol
+}
+
+// ValidateCatalog checks a whole catalog, the set of services a node is
+// to serve at once: every service passes ValidateService with cfg
+// (errors name it as services[i]); names are unique; no frontend (VIP,
+// port, protocol) belongs to two services (ErrConflict); and the catalog
+// fits limits (ErrLimit, naming the first service that does not fit):
+// datapath services, frontend entries per family (VIP markers included),
+// backend entries, and eligible backends per Maglev table. Disabled
+// services count: they keep their frontends, closed. Disabled backends do
+// not: the datapath does not have them. Like ValidateService it is pure.
+func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
+	names := make(map[string]int, len(services))
+	frontends := make(map[catalogFE]int)
+	markers := make(map[catalogMarker]bool)
+	var dpServices, backends int
+	var feCount [2]int
+	for i := range services {
+		s := &services[i]
+		at := fmt.Sprintf("services[%d]", i)
+		fail := func(e *ValidationError) error {
+			return fmt.Errorf("fluxvm: catalog: service %s: %w", quoteName(s.Name), withinField(e, at))
+		}
+		if e := validateService(s, &cfg); e != nil {
+			return fail(e)
+		}
+		if j, dup := names[s.Name]; dup {
+			return fail(verr(ErrConflict, "name", "%q is already the name of services[%d]", s.Name, j))
+		}
+		names[s.Name] = i
+		for _, vip := range s.VIPs {
+			f := addrFamily(vip)
+			var perFrontend, eligible int
+			for k := range s.Backends {
+				b := &s.Backends[k]
+				if !b.IsEnabled() || addrFamily(b.Address) != f {
+					continue
+				}
+				perFrontend++
+				if b.EffectiveState() == BackendReady && b.EffectiveWeight() > 0 {
+					eligible++
+				}
+			}
+			if eligible > limits.MaglevSize {
+				return fail(verr(ErrLimit, "backends", "%d eligible %s backends; a Maglev table of this tier has %d slots", eligible, familyName[f], limits.MaglevSize))
+			}
+			for pi, p := range s.Ports {
+				k := catalogFE{vip, p.Port, p.Protocol}
+				if j, dup := frontends[k]; dup {
+					return fail(verr(ErrConflict, fmt.Sprintf("ports[%d]", pi), "frontend %s/%s is already served by service %q (services[%d])",
+						netip.AddrPortFrom(vip, p.Port), p.Protocol, services[j].Name, j))
+				}
+				frontends[k] = i
+				dpServices++
+				backends += perFrontend
+				feCount[f]++
+				if m := (catalogMarker{vip, p.Protocol}); !markers[m] {
+					markers[m] = true
+					feCount[f]++
+				}
+			}
+		}
+		switch {
+		case dpServices > limits.Services:
+			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d datapath services (one per VIP and port); the map tier has %d", dpServices, limits.Services))
+		case feCount[0] > limits.Frontends:
+			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d IPv4 frontend entries (VIP markers included); the map tier has %d", feCount[0], limits.Frontends))
+		case feCount[1] > limits.Frontends:
+			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d IPv6 frontend entries (VIP markers included); the map tier has %d", feCount[1], limits.Frontends))
+		case backends > limits.Backends:
+			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d datapath backend entries (one per frontend and backend of its family); the map tier has %d", backends, limits.Backends))
+		}
+	}
+	return nil
+}

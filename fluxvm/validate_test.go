@@ -1,0 +1,475 @@
+package fluxvm
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/fluxvm/servicefabric/bpf"
+)
+
+func ptr[T any](v T) *T { return &v }
+
+// validService is a dual-stack east-west service that passes validation;
+// every row of the tables below is one mutation of it.
+func validService() Service {
+	ip := netip.MustParseAddr
+	return Service{
+		Name:  "web",
+		VIPs:  []netip.Addr{ip("10.96.0.10"), ip("fd00:96::10")},
+		Ports: []ServicePort{{80, TCP}, {443, TCP}},
+		Backends: []Backend{
+			{Address: ip("10.200.1.2"), Port: 8080, Weight: ptr[uint32](1)},
+			{Address: ip("10.200.2.2"), Port: 8080, Weight: ptr[uint32](2)},
+			{Address: ip("10.200.3.2"), Port: 8080, State: BackendDraining, DrainUntilUnixMs: 1788850000000},
+			{Address: ip("fd00:200:1::2"), Port: 8080},
+		},
+	}
+}
+
+// nsConfig is a configuration with the north-south prerequisites met (it
+// would fail Config.Validate in this build, which is the point: it lets
+// the tests reach the unsupported table).
+func nsConfig() Config {
+	c := DefaultConfig()
+	c.NorthSouthInterfaces = []string{"eth0"}
+	c.SNATAddress = netip.MustParseAddr("203.0.113.10")
+	return c
+}
+
+func TestValidateService(t *testing.T) {
+	ip := netip.MustParseAddr
+	tests := []struct {
+		name   string
+		mutate func(*Service)
+		cfg    func() Config // default DefaultConfig
+		field  string        // "" = valid
+		kind   error
+		reason string // substring of the reason, optional
+	}{
+		// Valid services.
+		{name: "valid dual-stack", mutate: func(s *Service) {}},
+		{name: "valid IPv4 only", mutate: func(s *Service) { s.VIPs = s.VIPs[:1]; s.Backends = s.Backends[:3] }},
+		{name: "valid IPv6 only", mutate: func(s *Service) { s.VIPs = s.VIPs[1:]; s.Backends = s.Backends[3:] }},
+		{name: "valid without backends", mutate: func(s *Service) { s.Backends = nil }},
+		{name: "valid explicit east-west nat", mutate: func(s *Service) { s.Exposure = ExposureEastWest; s.Mode = ModeNAT }},
+		{name: "valid disabled", mutate: func(s *Service) { s.Enabled = ptr(false) }},
+		{name: "valid name of 63", mutate: func(s *Service) { s.Name = "a" + strings.Repeat("b-9", 20) + "zz" }},
+		{name: "valid name of one letter", mutate: func(s *Service) { s.Name = "w" }},
+		{name: "valid same port tcp and udp", mutate: func(s *Service) { s.Ports = []ServicePort{{53, TCP}, {53, UDP}} }},
+		{name: "valid port 65535", mutate: func(s *Service) { s.Ports = []ServicePort{{65535, UDP}} }},
+		{name: "valid weight 0", mutate: func(s *Service) { s.Backends[0].Weight = ptr[uint32](0) }},
+		{name: "valid weight max", mutate: func(s *Service) { s.Backends[0].Weight = ptr[uint32](MaxWeight) }},
+		{name: "valid unhealthy", mutate: func(s *Service) { s.Backends[0].State = BackendUnhealthy }},
+		{name: "valid explicit ready", mutate: func(s *Service) { s.Backends[0].State = BackendReady }},
+		{name: "valid disabled backend", mutate: func(s *Service) { s.Backends[0].Enabled = ptr(false) }},
+		{name: "valid same address other port", mutate: func(s *Service) { s.Backends[1].Address = s.Backends[0].Address; s.Backends[1].Port = 8081 }},
+		{name: "valid link-local backend", mutate: func(s *Service) { s.Backends[0].Address = ip("169.254.10.2") }},
+		{name: "valid max drain deadline", mutate: func(s *Service) { s.Backends[2].DrainUntilUnixMs = MaxDrainUntilUnixMs }},
+		{name: "valid max backends", mutate: func(s *Service) { s.Backends = manyBackends(MaxBackendsPerService) }},
+		{name: "valid max ports", mutate: func(s *Service) { s.Ports = manyPorts(MaxPortsPerService) }},
+
+		// name
+		{name: "name missing", mutate: func(s *Service) { s.Name = "" }, field: "name", kind: ErrInvalid, reason: "required"},
+		{name: "name of 64", mutate: func(s *Service) { s.Name = strings.Repeat("a", 64) }, field: "name", kind: ErrInvalid},
+		{name: "name starts with a digit", mutate: func(s *Service) { s.Name = "1web" }, field: "name", kind: ErrInvalid, reason: "start with a letter"},
+		{name: "name starts with a hyphen", mutate: func(s *Service) { s.Name = "-web" }, field: "name", kind: ErrInvalid},
+		{name: "name upper case", mutate: func(s *Service) { s.Name = "Web" }, field: "name", kind: ErrInvalid},
+		{name: "name underscore", mutate: func(s *Service) { s.Name = "web_api" }, field: "name", kind: ErrInvalid},
+		{name: "name dot", mutate: func(s *Service) { s.Name = "web.api" }, field: "name", kind: ErrInvalid},
+		{name: "name non-ASCII", mutate: func(s *Service) { s.Name = "wéb" }, field: "name", kind: ErrInvalid},
+
+		// exposure and mode
+		{name: "exposure unknown", mutate: func(s *Service) { s.Exposure = "outside" }, field: "exposure", kind: ErrInvalid},
+		{name: "mode unknown", mutate: func(s *Service) { s.Mode = "tunnel" }, field: "mode", kind: ErrInvalid},
+
+		// vips
+		{name: "vips missing", mutate: func(s *Service) { s.VIPs = nil }, field: "vips", kind: ErrInvalid},
+		{name: "vips three", mutate: func(s *Service) { s.VIPs = append(s.VIPs, ip("10.96.0.11")) }, field: "vips", kind: ErrInvalid},
+		{name: "vips two IPv4", mutate: func(s *Service) { s.VIPs[1] = ip("10.96.0.11") }, field: "vips[1]", kind: ErrInvalid, reason: "one VIP per address family"},
+		{name: "vips same twice", mutate: func(s *Service) { s.VIPs[1] = s.VIPs[0] }, field: "vips[1]", kind: ErrInvalid},
+		{name: "vip zero", mutate: func(s *Service) { s.VIPs[0] = netip.Addr{} }, field: "vips[0]", kind: ErrInvalid},
+		{name: "vip zone", mutate: func(s *Service) { s.VIPs[1] = ip("fd00:96::10%eth0") }, field: "vips[1]", kind: ErrInvalid, reason: "zone"},
+		{name: "vip IPv4-mapped", mutate: func(s *Service) { s.VIPs = []netip.Addr{ip("::ffff:10.96.0.10")} }, field: "vips[0]", kind: ErrInvalid, reason: "IPv4-mapped"},
+		{name: "vip unspecified IPv4", mutate: func(s *Service) { s.VIPs[0] = ip("0.0.0.0") }, field: "vips[0]", kind: ErrInvalid},
+		{name: "vip unspecified IPv6", mutate: func(s *Service) { s.VIPs[1] = ip("::") }, field: "vips[1]", kind: ErrInvalid},
+		{name: "vip multicast IPv4", mutate: func(s *Service) { s.VIPs[0] = ip("239.1.1.1") }, field: "vips[0]", kind: ErrInvalid},
+		{name: "vip multicast IPv6", mutate: func(s *Service) { s.VIPs[1] = ip("ff02::1") }, field: "vips[1]", kind: ErrInvalid},
+		{name: "vip loopback IPv4", mutate: func(s *Service) { s.VIPs[0] = ip("127.0.0.5") }, field: "vips[0]", kind: ErrInvalid},
+		{name: "vip loopback IPv6", mutate: func(s *Service) { s.VIPs[1] = ip("::1") }, field: "vips[1]", kind: ErrInvalid},
+		{name: "vip link-local IPv4", mutate: func(s *Service) { s.VIPs[0] = ip("169.254.1.1") }, field: "vips[0]", kind: ErrInvalid},
+		{name: "vip link-local IPv6", mutate: func(s *Service) { s.VIPs[1] = ip("fe80::1") }, field: "vips[1]", kind: ErrInvalid},
+		{name: "vip broadcast", mutate: func(s *Service) { s.VIPs[0] = ip("255.255.255.255") }, field: "vips[0]", kind: ErrInvalid},
+
+		// ports
+		{name: "ports missing", mutate: func(s *Service) { s.Ports = nil }, field: "ports", kind: ErrInvalid},
+		{name: "ports too many", mutate: func(s *Service) { s.Ports = manyPorts(MaxPortsPerService + 1) }, field: "ports", kind: ErrLimit},
+		{name: "port 0", mutate: func(s *Service) { s.Ports[1].Port = 0 }, field: "ports[1].port", kind: ErrInvalid, reason: "VIP markers"},
+		{name: "protocol missing", mutate: func(s *Service) { s.Ports[0].Protocol = "" }, field: "ports[0].protocol", kind: ErrInvalid},
+		{name: "protocol sctp", mutate: func(s *Service) { s.Ports[0].Protocol = "sctp" }, field: "ports[0].protocol", kind: ErrInvalid},
+		{name: "protocol upper case", mutate: func(s *Service) { s.Ports[0].Protocol = "TCP" }, field: "ports[0].protocol", kind: ErrInvalid},
+		{name: "port duplicate", mutate: func(s *Service) { s.Ports[1] = s.Ports[0] }, field: "ports[1]", kind: ErrConflict, reason: "ports[0]"},
+
+		// backends
+		{name: "backends too many", mutate: func(s *Service) { s.Backends = manyBackends(MaxBackendsPerService + 1) }, field: "backends", kind: ErrLimit},
+		{name: "backend address zero", mutate: func(s *Service) { s.Backends[0].Address = netip.Addr{} }, field: "backends[0].address", kind: ErrInvalid},
+		{name: "backend address zone", mutate: func(s *Service) { s.Backends[3].Address = ip("fe80::2%tap0") }, field: "backends[3].address", kind: ErrInvalid},
+		{name: "backend address IPv4-mapped", mutate: func(s *Service) { s.Backends[0].Address = ip("::ffff:10.200.1.2") }, field: "backends[0].address", kind: ErrInvalid},
+		{name: "backend address unspecified", mutate: func(s *Service) { s.Backends[0].Address = ip("0.0.0.0") }, field: "backends[0].address", kind: ErrInvalid},
+		{name: "backend address multicast", mutate: func(s *Service) { s.Backends[3].Address = ip("ff05::2") }, field: "backends[3].address", kind: ErrInvalid},
+		{name: "backend address loopback", mutate: func(s *Service) { s.Backends[1].Address = ip("127.0.0.1") }, field: "backends[1].address", kind: ErrInvalid, reason: "loopback"},
+		{name: "backend address broadcast", mutate: func(s *Service) { s.Backends[1].Address = ip("255.255.255.255") }, field: "backends[1].address", kind: ErrInvalid},
+		{name: "backend IPv6 without IPv6 VIP", mutate: func(s *Service) { s.VIPs = s.VIPs[:1] }, field: "backends[3].address", kind: ErrInvalid, reason: "no IPv6 VIP"},
+		{name: "backend IPv4 without IPv4 VIP", mutate: func(s *Service) { s.VIPs = s.VIPs[1:] }, field: "backends[0].address", kind: ErrInvalid, reason: "no IPv4 VIP"},
+		{name: "backend port 0", mutate: func(s *Service) { s.Backends[1].Port = 0 }, field: "backends[1].port", kind: ErrInvalid},
+		{name: "backend weight above max", mutate: func(s *Service) { s.Backends[2].Weight = ptr[uint32](MaxWeight + 1) }, field: "backends[2].weight", kind: ErrInvalid},
+		{name: "backend state unknown", mutate: func(s *Service) { s.Backends[0].State = "sleeping" }, field: "backends[0].state", kind: ErrInvalid},
+		{name: "backend draining without deadline", mutate: func(s *Service) { s.Backends[2].DrainUntilUnixMs = 0 }, field: "backends[2].drain_until_unix_ms", kind: ErrInvalid, reason: "draining backend needs a drain deadline"},
+		{name: "backend draining negative deadline", mutate: func(s *Service) { s.Backends[2].DrainUntilUnixMs = -1 }, field: "backends[2].drain_until_unix_ms", kind: ErrInvalid},
+		{name: "backend draining deadline too late", mutate: func(s *Service) { s.Backends[2].DrainUntilUnixMs = MaxDrainUntilUnixMs + 1 }, field: "backends[2].drain_until_unix_ms", kind: ErrInvalid},
+		{name: "backend deadline while ready", mutate: func(s *Service) { s.Backends[0].DrainUntilUnixMs = 1788850000000 }, field: "backends[0].drain_until_unix_ms", kind: ErrInvalid, reason: "only for a draining backend"},
+		{name: "backend deadline while unhealthy", mutate: func(s *Service) { s.Backends[2].State = BackendUnhealthy }, field: "backends[2].drain_until_unix_ms", kind: ErrInvalid},
+		{name: "backend duplicate", mutate: func(s *Service) {
+			s.Backends[3].Address, s.Backends[3].Port = s.Backends[1].Address, s.Backends[1].Port
+		}, field: "backends[3]", kind: ErrConflict, reason: "backends[1]"},
+		{name: "backend duplicate disabled", mutate: func(s *Service) { s.Backends[1] = s.Backends[0]; s.Backends[1].Enabled = ptr(false) }, field: "backends[1]", kind: ErrConflict},
+
+		// health_check: checked, then rejected as not built.
+		{name: "health kind udp", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "udp"} }, field: "health_check.kind", kind: ErrInvalid, reason: "application-aware control-plane probe"},
+		{name: "health kind http", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "http"} }, field: "health_check.kind", kind: ErrInvalid, reason: "application-aware"},
+		{name: "health kind missing", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{} }, field: "health_check.kind", kind: ErrInvalid},
+		{name: "health timeout too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 60001} }, field: "health_check.timeout_ms", kind: ErrInvalid},
+		{name: "health interval too short", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 50, IntervalMs: 99} }, field: "health_check.interval_ms", kind: ErrInvalid},
+		{name: "health interval too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", IntervalMs: 600001} }, field: "health_check.interval_ms", kind: ErrInvalid},
+		{name: "health interval not above timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 500} }, field: "health_check.interval_ms", kind: ErrInvalid, reason: "greater than timeout_ms"},
+		{name: "health default interval below timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 6000} }, field: "health_check.interval_ms", kind: ErrInvalid},
+		{name: "health unhealthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", UnhealthyThreshold: 101} }, field: "health_check.unhealthy_threshold", kind: ErrInvalid},
+		{name: "health healthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", HealthyThreshold: 101} }, field: "health_check.healthy_threshold", kind: ErrInvalid},
+		{name: "health valid but not built", mutate: func(s *Service) {
+			s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, UnhealthyThreshold: 3, HealthyThreshold: 2}
+		}, field: "health_check", kind: ErrUnsupported},
+
+		// Prerequisites come before the unsupported table.
+		{name: "max_egress without edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 }, field: "max_egress_mbps", kind: ErrPrerequisite, reason: "edt_enabled"},
+		{name: "max_egress with edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 },
+			cfg: func() Config { c := DefaultConfig(); c.EDTEnabled = true; return c }, field: "max_egress_mbps", kind: ErrUnsupported, reason: "sch_fq"},
+		{name: "advertise east-west", mutate: func(s *Service) { s.Advertise = true }, field: "advertise", kind: ErrPrerequisite, reason: "north-south or both"},
+		{name: "advertise default exposure", mutate: func(s *Service) { s.Advertise = true; s.Exposure = ExposureEastWest }, field: "advertise", kind: ErrPrerequisite},
+		{name: "north-south without interfaces", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
+		{name: "both NAT without snat_address", mutate: func(s *Service) { s.Exposure = ExposureBoth },
+			cfg: func() Config { c := nsConfig(); c.SNATAddress = netip.Addr{}; return c }, field: "exposure", kind: ErrPrerequisite, reason: "snat_address"},
+		{name: "north-south with prerequisites", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, cfg: nsConfig, field: "exposure", kind: ErrUnsupported},
+		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Mode = ModeDSR },
+			cfg: func() Config { c := nsConfig(); c.SNATAddress = netip.Addr{}; return c }, field: "exposure", kind: ErrUnsupported},
+		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig, field: "exposure", kind: ErrUnsupported},
+
+		// Features not built.
+		{name: "dsr", mutate: func(s *Service) { s.Mode = ModeDSR }, field: "mode", kind: ErrUnsupported},
+		{name: "host_routing", mutate: func(s *Service) { s.HostRouting = true }, field: "host_routing", kind: ErrUnsupported},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := validService()
+			tt.mutate(&s)
+			cfg := DefaultConfig()
+			if tt.cfg != nil {
+				cfg = tt.cfg()
+			}
+			err := ValidateService(s, cfg)
+			checkValidation(t, err, tt.field, tt.kind, tt.reason)
+		})
+	}
+}
+
+// checkValidation asserts that err is nil (field == "") or a
+// *ValidationError of that field, kind and reason substring.
+func checkValidation(t *testing.T, err error, field string, kind error, reason string) {
+	t.Helper()
+	if field == "" && kind == nil {
+		if err != nil {
+			t.Fatalf("want valid, got %v", err)
+		}
+		return
+	}
+	if err == nil {
+		t.Fatalf("want an error on %q, got nil", field)
+	}
+	var ve *ValidationError
+	if !errors.As(err, &ve) {
+		t.Fatalf("error %v (%T) is not a *ValidationError", err, err)
+	}
+	if ve.Field != field {
+		t.Errorf("field %q, want %q (error: %v)", ve.Field, field, err)
+	}
+	if !errors.Is(err, kind) {
+		t.Errorf("error %v is not %v", err, kind)
+	}
+	if reason != "" && !strings.Contains(ve.Reason, reason) {
+		t.Errorf("reason %q does not mention %q", ve.Reason, reason)
+	}
+	if !strings.Contains(err.Error(), field) {
+		t.Errorf("message %q does not name the field %q", err, field)
+	}
+}
+
+func manyPorts(n int) []ServicePort {
+	out := make([]ServicePort, n)
+	for i := range out {
+		out[i] = ServicePort{Port: uint16(1000 + i), Protocol: TCP}
+	}
+	return out
+}
+
+func manyBackends(n int) []Backend {
+	out := make([]Backend, n)
+	for i := range out {
+		out[i] = Backend{Address: netip.AddrFrom4([4]byte{10, 200, byte(i >> 8), byte(i)}), Port: 8080}
+	}
+	return out
+}
+
+func TestErrorCategories(t *testing.T) {
+	for _, c := range []struct {
+		err, parent error
+	}{{ErrMalformed, ErrInvalid}, {ErrPrerequisite, ErrInvalid}, {ErrTooLarge, ErrLimit}} {
+		if !errors.Is(c.err, c.parent) {
+			t.Errorf("%v is not %v", c.err, c.parent)
+		}
+	}
+	if errors.Is(ErrPrerequisite, ErrUnsupported) || errors.Is(ErrMalformed, ErrConflict) {
+		t.Error("categories overlap")
+	}
+}
+
+// TestValidateIsPure checks that validation changes nothing: not the
+// service it is given (slices are shared with the caller) and not the
+// configuration.
+func TestValidateIsPure(t *testing.T) {
+	for _, mutate := range []func(*Service){
+		func(s *Service) {},
+		func(s *Service) { s.Backends[2].DrainUntilUnixMs = 0 },
+		func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp"} },
+		func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true },
+	} {
+		s, want := validService(), validService()
+		mutate(&s)
+		mutate(&want)
+		cfg, wantCfg := nsConfig(), nsConfig()
+		_ = ValidateService(s, cfg)
+		_ = ValidateCatalog([]Service{s, s}, cfg, Limits{})
+		if !reflect.DeepEqual(s, want) {
+			t.Errorf("validation changed the service:\n got %+v\nwant %+v", s, want)
+		}
+		if !reflect.DeepEqual(cfg, wantCfg) {
+			t.Errorf("validation changed the config")
+		}
+	}
+}
+
+func TestUnsupportedTable(t *testing.T) {
+	seen := map[string]bool{}
+	for _, f := range unsupported {
+		if (f.service == nil) == (f.config == nil) {
+			t.Errorf("row %s: exactly one of service and config must be set", f.field)
+		}
+		if f.reason == "" {
+			t.Errorf("row %s: no reason", f.field)
+		}
+		if seen[f.field] {
+			t.Errorf("row %s twice", f.field)
+		}
+		seen[f.field] = true
+	}
+	// Nothing in the valid service or the default config hits a row.
+	s, c := validService(), DefaultConfig()
+	for _, f := range unsupported {
+		if (f.service != nil && f.service(&s)) || (f.config != nil && f.config(&c)) {
+			t.Errorf("row %s rejects the valid defaults", f.field)
+		}
+	}
+}
+
+func TestHealthCheckDefaults(t *testing.T) {
+	got := HealthCheck{Kind: "tcp"}.WithDefaults()
+	want := HealthCheck{Kind: "tcp", TimeoutMs: 1000, IntervalMs: 5000, UnhealthyThreshold: 3, HealthyThreshold: 2}
+	if got != want {
+		t.Errorf("WithDefaults = %+v, want %+v", got, want)
+	}
+	set := HealthCheck{Kind: "tcp", TimeoutMs: 7, IntervalMs: 8, UnhealthyThreshold: 9, HealthyThreshold: 10}
+	if set.WithDefaults() != set {
+		t.Errorf("WithDefaults changed set fields")
+	}
+}
+
+func TestLimitsFor(t *testing.T) {
+	got := LimitsFor(bpf.Capacities{Services: 256, Frontends: 1024, Backends: 4096, MaglevSize: 16381, Conntrack: 1, NAT: 1})
+	want := Limits{Services: 255, Frontends: 1024, Backends: 4095, MaglevSize: 16381}
+	if got != want {
+		t.Errorf("LimitsFor = %+v, want %+v", got, want)
+	}
+	if got := LimitsFor(bpf.Capacities{}); got != (Limits{}) {
+		t.Errorf("LimitsFor(zero) = %+v", got)
+	}
+	for _, tier := range []bpf.Tier{bpf.TierS, bpf.TierM, bpf.TierL} {
+		l, err := LimitsForTier(tier)
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec, err := bpf.Spec(tier)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := bpf.CapacitiesOf(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l != LimitsFor(c) || l.Services <= 0 || l.Backends <= 0 || l.Frontends <= 0 || l.MaglevSize <= 0 {
+			t.Errorf("tier %s: limits %+v from capacities %+v", tier, l, c)
+		}
+	}
+	if _, err := LimitsForTier(0); err == nil {
+		t.Error("LimitsForTier(0) succeeded")
+	}
+}
+
+func TestValidateCatalog(t *testing.T) {
+	ip := netip.MustParseAddr
+	big := Limits{Services: 1000, Frontends: 1000, Backends: 100000, MaglevSize: 16381}
+	other := func() Service {
+		s := validService()
+		s.Name = "api"
+		s.Ports = []ServicePort{{8443, TCP}}
+		return s
+	}
+	tests := []struct {
+		name     string
+		services func() []Service
+		limits   Limits
+		field    string
+		kind     error
+		reason   string
+	}{
+		{name: "empty", services: func() []Service { return nil }},
+		{name: "empty with zero limits", services: func() []Service { return []Service{} }, limits: Limits{}},
+		{name: "two services share a VIP on other ports", services: func() []Service { return []Service{validService(), other()} }},
+		{name: "same VIP and port, other protocol", services: func() []Service {
+			o := other()
+			o.Ports = []ServicePort{{80, UDP}}
+			return []Service{validService(), o}
+		}},
+		{name: "invalid service", services: func() []Service {
+			o := other()
+			o.Backends[1].Port = 0
+			return []Service{validService(), o}
+		}, field: "services[1].backends[1].port", kind: ErrInvalid},
+		{name: "unsupported service", services: func() []Service {
+			o := other()
+			o.HostRouting = true
+			return []Service{o}
+		}, field: "services[0].host_routing", kind: ErrUnsupported},
+		{name: "duplicate name", services: func() []Service {
+			o := other()
+			o.Name = "web"
+			return []Service{validService(), o}
+		}, field: "services[1].name", kind: ErrConflict, reason: "services[0]"},
+		{name: "frontend used twice", services: func() []Service {
+			o := other()
+			o.Ports = []ServicePort{{8443, TCP}, {443, TCP}}
+			return []Service{validService(), o}
+		}, field: "services[1].ports[1]", kind: ErrConflict, reason: `service "web"`},
+		{name: "frontend used twice on IPv6 only", services: func() []Service {
+			o := other()
+			o.VIPs = []netip.Addr{ip("10.96.0.99"), ip("fd00:96::10")}
+			o.Ports = []ServicePort{{80, TCP}}
+			return []Service{validService(), o}
+		}, field: "services[1].ports[0]", kind: ErrConflict},
+		// validService: 2 VIPs x 2 ports = 4 datapath services.
+		{name: "services fit exactly", services: func() []Service { return []Service{validService(), other()} },
+			limits: Limits{Services: 6, Frontends: 100, Backends: 1000, MaglevSize: 100}},
+		{name: "services exceeded", services: func() []Service { return []Service{validService(), other()} },
+			limits: Limits{Services: 5, Frontends: 100, Backends: 1000, MaglevSize: 100}, field: "services[1]", kind: ErrLimit, reason: "6 datapath services"},
+		// Per family: web has 2 frontends + 1 marker, api 1 frontend (its
+		// marker (VIP, tcp) is web's) = 4.
+		{name: "frontends fit exactly", services: func() []Service { return []Service{validService(), other()} },
+			limits: Limits{Services: 100, Frontends: 4, Backends: 1000, MaglevSize: 100}},
+		{name: "frontends exceeded by a marker", services: func() []Service {
+			o := other()
+			o.Ports = []ServicePort{{8443, UDP}} // a new (VIP, udp) marker
+			return []Service{validService(), o}
+		}, limits: Limits{Services: 100, Frontends: 4, Backends: 1000, MaglevSize: 100}, field: "services[1]", kind: ErrLimit, reason: "IPv4 frontend entries"},
+		{name: "IPv6 frontends exceeded", services: func() []Service {
+			w := validService()
+			w.VIPs = []netip.Addr{ip("10.96.0.10"), ip("fd00:96::10")}
+			o := other()
+			o.VIPs = []netip.Addr{ip("fd00:96::20")}
+			o.Backends = o.Backends[3:]
+			return []Service{w, o}
+		}, limits: Limits{Services: 100, Frontends: 4, Backends: 1000, MaglevSize: 100}, field: "services[1]", kind: ErrLimit, reason: "IPv6 frontend entries"},
+		// Backends: web has 3 IPv4 + 1 IPv6 backends on 2 ports: 8 entries;
+		// api 4 on one port. A disabled backend takes none.
+		{name: "backends fit exactly", services: func() []Service { return []Service{validService(), other()} },
+			limits: Limits{Services: 100, Frontends: 100, Backends: 12, MaglevSize: 100}},
+		{name: "backends exceeded", services: func() []Service { return []Service{validService(), other()} },
+			limits: Limits{Services: 100, Frontends: 100, Backends: 11, MaglevSize: 100}, field: "services[1]", kind: ErrLimit, reason: "backend entries"},
+		{name: "disabled backends take no entries", services: func() []Service {
+			o := other()
+			o.Backends[0].Enabled = ptr(false)
+			return []Service{validService(), o}
+		}, limits: Limits{Services: 100, Frontends: 100, Backends: 11, MaglevSize: 100}},
+		{name: "disabled service keeps its frontends", services: func() []Service {
+			o := other()
+			o.Enabled = ptr(false)
+			return []Service{validService(), o}
+		}, limits: Limits{Services: 5, Frontends: 100, Backends: 1000, MaglevSize: 100}, field: "services[1]", kind: ErrLimit},
+		// Eligible = ready with weight > 0: web IPv4 has 2 (one drains).
+		{name: "maglev fits", services: func() []Service { return []Service{validService()} },
+			limits: Limits{Services: 100, Frontends: 100, Backends: 1000, MaglevSize: 2}},
+		{name: "maglev exceeded", services: func() []Service {
+			w := validService()
+			w.Backends[2].State, w.Backends[2].DrainUntilUnixMs = BackendReady, 0
+			return []Service{w}
+		}, limits: Limits{Services: 100, Frontends: 100, Backends: 1000, MaglevSize: 2}, field: "services[0].backends", kind: ErrLimit, reason: "Maglev"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			limits := tt.limits
+			if limits == (Limits{}) && tt.name != "empty with zero limits" {
+				limits = big
+			}
+			err := ValidateCatalog(tt.services(), DefaultConfig(), limits)
+			checkValidation(t, err, tt.field, tt.kind, tt.reason)
+			if err != nil && tt.field != "" && !strings.Contains(err.Error(), "service \"") {
+				t.Errorf("error %q does not name the service", err)
+			}
+		})
+	}
+}
+
+// TestValidateCatalogTierM fills tier M with services of one VIP and one
+// port each, up to its datapath service limit, and one more.
+func TestValidateCatalogTierM(t *testing.T) {
+	limits, err := LimitsForTier(bpf.TierM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(n int) []Service {
+		out := make([]Service, n)
+		for i := range out {
+			out[i] = Service{
+				Name:     fmt.Sprintf("svc-%d", i),
+				VIPs:     []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})},
+				Ports:    []ServicePort{{80, TCP}},
+				Backends: []Backend{{Address: netip.MustParseAddr("10.200.1.2"), Port: 8080}},
+			}
+		}
+		return out
+	}
+	if err := ValidateCatalog(mk(limits.Services), DefaultConfig(), limits); err != nil {
+		t.Fatalf("%d services: %v", limits.Services, err)
+	}
+	err = ValidateCatalog(mk(limits.Services+1), DefaultConfig(), limits)
+	checkValidation(t, err, fmt.Sprintf("services[%d]", limits.Services), ErrLimit, "")
+}

@@ -1,0 +1,172 @@
+package lab
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Server is a TCP and UDP server inside a VM that tells each client who
+// it is: a TCP connection first receives "<vm name>\n" and is then echoed;
+// a UDP datagram is answered with "<vm name>\n" followed by its payload.
+type Server struct {
+	vm   *VM
+	ln   net.Listener
+	pc   net.PacketConn
+	wg   sync.WaitGroup
+	mu   sync.Mutex
+	conn map[net.Conn]bool
+}
+
+// Serve starts a Server on port (TCP and UDP, both address families).
+func (vm *VM) Serve(port uint16) (*Server, error) {
+	s := &Server{vm: vm, conn: map[net.Conn]bool{}}
+	addr := ":" + strconv.Itoa(int(port))
+	err := vm.NS.Do(func() (err error) {
+		if s.ln, err = net.Listen("tcp", addr); err != nil {
+			return err
+		}
+		if s.pc, err = net.ListenPacket("udp", addr); err != nil {
+			s.ln.Close()
+		}
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lab: serve on %s %s: %w", vm.Name, addr, err)
+	}
+	s.wg.Add(2)
+	go s.acceptLoop()
+	go s.udpLoop()
+	return s, nil
+}
+
+func (s *Server) acceptLoop() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			return
+		}
+		s.mu.Lock()
+		s.conn[c] = true
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			defer func() {
+				s.mu.Lock()
+				delete(s.conn, c)
+				s.mu.Unlock()
+				c.Close()
+			}()
+			if _, err := io.WriteString(c, s.vm.Name+"\n"); err != nil {
+				return
+			}
+			io.Copy(c, c)
+		}()
+	}
+}
+
+func (s *Server) udpLoop() {
+	defer s.wg.Done()
+	buf := make([]byte, 64<<10)
+	for {
+		n, from, err := s.pc.ReadFrom(buf)
+		if err != nil {
+			return
+		}
+		reply := append([]byte(s.vm.Name+"\n"), buf[:n]...)
+		s.pc.WriteTo(reply, from)
+	}
+}
+
+// Close stops the server and closes its open connections.
+func (s *Server) Close() error {
+	err := errors.Join(s.ln.Close(), s.pc.Close())
+	s.mu.Lock()
+	for c := range s.conn {
+		c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return err
+}
+
+// Conn is a TCP connection from a VM through which the server's identity
+// was read.
+type Conn struct {
+	net.Conn
+	r *bufio.Reader
+	// Backend is the name of the VM that answered.
+	Backend string
+}
+
+// DialTCP connects from vm to addr and reads the server's identity line.
+func (vm *VM) DialTCP(addr netip.AddrPort, timeout time.Duration) (*Conn, error) {
+	var c net.Conn
+	err := vm.NS.Do(func() (err error) {
+		c, err = net.DialTimeout("tcp", addr.String(), timeout)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	c.SetReadDeadline(time.Now().Add(timeout))
+	r := bufio.NewReader(c)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("lab: identity from %s: %w", addr, err)
+	}
+	c.SetReadDeadline(time.Time{})
+	return &Conn{Conn: c, r: r, Backend: strings.TrimSpace(line)}, nil
+}
+
+// Echo writes msg and reads it back.
+func (c *Conn) Echo(msg []byte, timeout time.Duration) error {
+	c.SetDeadline(time.Now().Add(timeout))
+	defer c.SetDeadline(time.Time{})
+	if _, err := c.Write(msg); err != nil {
+		return err
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c.r, got); err != nil {
+		return err
+	}
+	if string(got) != string(msg) {
+		return fmt.Errorf("lab: echo differs")
+	}
+	return nil
+}
+
+// AskUDP sends one datagram from vm to addr and returns the name of the VM
+// that answered.
+func (vm *VM) AskUDP(addr netip.AddrPort, timeout time.Duration) (string, error) {
+	var c net.Conn
+	err := vm.NS.Do(func() (err error) {
+		c, err = net.Dial("udp", addr.String())
+		return err
+	})
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(timeout))
+	if _, err := c.Write([]byte("who")); err != nil {
+		return "", err
+	}
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	if err != nil {
+		return "", err
+	}
+	name, _, _ := strings.Cut(string(buf[:n]), "\n")
+	return name, nil
+}

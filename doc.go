@@ -14,19 +14,29 @@
 //
 // Imports point down only:
 //
+//   - [github.com/fluxvm/servicefabric/fluxvm]: the node Service Fabric:
+//     intent types, configuration, validation and the Dataplane that an
+//     embedder opens; [github.com/fluxvm/servicefabric/fluxvm/api] serves
+//     it over REST.
+//   - [github.com/fluxvm/servicefabric/conntrack] and
+//     [github.com/fluxvm/servicefabric/nat]: typed views of the flow maps
+//     and their garbage collector.
 //   - [github.com/fluxvm/servicefabric/maglev]: weighted, deterministic
 //     Maglev lookup tables in pure Go; usable on its own.
 //   - [github.com/fluxvm/servicefabric/bpf]: the eBPF C sources, the
 //     objects compiled from them (embedded, so users need no clang), the Go
-//     mirrors of their shared layouts and the packet counters.
-//   - internal/testenv, internal/pkt, internal/bpffs: privilege gating,
-//     throwaway network namespaces and pin roots for tests, and packet
-//     builders.
+//     mirrors of their layouts, the loader and attach/detach.
+//   - internal/: test support, namespaces, the lab topology and scenarios.
 //
 // # Using it
 //
-// `go get github.com/fluxvm/servicefabric` is all an embedder needs: the BPF
-// objects are embedded in the bpf package, and loading them needs root (or
-// CAP_BPF and CAP_NET_ADMIN) at run time, not a compiler. The README lists
-// what works today and how it is tested.
+// `go get github.com/fluxvm/servicefabric`, then:
+//
+//	cfg := fluxvm.DefaultConfig()
+//	d, err := fluxvm.Open(fluxvm.OptionsFrom(cfg))
+//	d.AddInterface(fluxvm.VMEdgeInterface{Name: "tap-vm1", VMID: "vm-1"})
+//	d.ApplyService(ctx, svc)
+//
+// Loading the datapath needs root (or CAP_BPF and CAP_NET_ADMIN) at run
+// time, not a compiler. The README lists what works today.
 package servicefabric

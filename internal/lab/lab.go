@@ -14,6 +14,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -27,10 +29,13 @@ import (
 // Lab is one topology: a node namespace and the VMs wired to it. Close
 // removes everything it created, in reverse order.
 type Lab struct {
-	Node   *nsutil.NS
-	VMs    []*VM
-	suffix string
-	nl     *netlink.Handle
+	Node *nsutil.NS
+	VMs  []*VM
+	// External is the client outside the node, behind the north-south
+	// interface "uplink" (nil until AddExternal).
+	External *VM
+	suffix   string
+	nl       *netlink.Handle
 }
 
 // VM is one guest namespace, connected to the node by a veth pair.
@@ -98,6 +103,10 @@ func NewForTest(tb testing.TB) *Lab {
 // Close deletes every namespace of the lab (the veths go with them).
 func (l *Lab) Close() error {
 	var errs []error
+	if l.External != nil {
+		errs = append(errs, l.External.NS.Delete())
+		l.External = nil
+	}
 	for i := len(l.VMs) - 1; i >= 0; i-- {
 		errs = append(errs, l.VMs[i].NS.Delete())
 	}
@@ -119,26 +128,42 @@ func (l *Lab) AddVM(idx int) (*VM, error) {
 		return nil, fmt.Errorf("lab: VM index %d out of range", idx)
 	}
 	name := fmt.Sprintf("vm%d", idx)
+	vm, err := l.wire(name, name,
+		netip.MustParseAddr(fmt.Sprintf("10.200.%d.2", idx)), netip.MustParseAddr(fmt.Sprintf("10.200.%d.1", idx)),
+		netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::2", idx)), netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::1", idx)))
+	if vm != nil {
+		l.VMs = append(l.VMs, vm)
+	}
+	return vm, err
+}
+
+// AddExternal creates the external client "ext" behind the node's
+// north-south interface "uplink" (10.250.0.2 / fd00:250::2).
+func (l *Lab) AddExternal() (*VM, error) {
+	vm, err := l.wire("ext", "uplink",
+		netip.MustParseAddr("10.250.0.2"), netip.MustParseAddr("10.250.0.1"),
+		netip.MustParseAddr("fd00:250::2"), netip.MustParseAddr("fd00:250::1"))
+	if vm != nil {
+		l.External = vm
+	}
+	return vm, err
+}
+
+// wire creates the namespace of a guest and its veth pair to the node:
+// nodeIf in the node, eth0 in the guest, with addresses and default routes.
+// On error the namespace is returned too, so that Close removes it.
+func (l *Lab) wire(name, nodeIf string, addr4, gw4, addr6, gw6 netip.Addr) (*VM, error) {
 	vns, err := nsutil.Create(fmt.Sprintf("fv%s-%s", name, l.suffix))
 	if err != nil {
 		return nil, fmt.Errorf("lab: %w", err)
 	}
-	vm := &VM{
-		Name:   name,
-		NS:     vns,
-		Addr4:  netip.MustParseAddr(fmt.Sprintf("10.200.%d.2", idx)),
-		Addr6:  netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::2", idx)),
-		NodeIf: name,
-	}
-	l.VMs = append(l.VMs, vm)
-	gw4 := netip.MustParseAddr(fmt.Sprintf("10.200.%d.1", idx))
-	gw6 := netip.MustParseAddr(fmt.Sprintf("fd00:200:%x::1", idx))
+	vm := &VM{Name: name, NS: vns, Addr4: addr4, Addr6: addr6, NodeIf: nodeIf}
 
-	// Create the pair in the node, with the VM end born in the VM.
-	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: vm.NodeIf}, PeerName: "eth0",
+	// Create the pair in the node, with the guest end born in the guest.
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: nodeIf}, PeerName: "eth0",
 		PeerNamespace: netlink.NsFd(int(vns.Handle()))}
 	if err := l.nl.LinkAdd(veth); err != nil {
-		return nil, fmt.Errorf("lab: veth for %s: %w", name, err)
+		return vm, fmt.Errorf("lab: veth for %s: %w", name, err)
 	}
 	err = vns.Do(func() error {
 		return writeSysctls(map[string]string{
@@ -148,29 +173,43 @@ func (l *Lab) AddVM(idx int) (*VM, error) {
 		})
 	})
 	if err != nil {
-		return nil, fmt.Errorf("lab: %s sysctls: %w", name, err)
+		return vm, fmt.Errorf("lab: %s sysctls: %w", name, err)
 	}
 	vh, err := netlink.NewHandleAt(vns.Handle())
 	if err != nil {
-		return nil, fmt.Errorf("lab: netlink in %s: %w", name, err)
+		return vm, fmt.Errorf("lab: netlink in %s: %w", name, err)
 	}
 	defer vh.Close()
 
-	if err := configure(l.nl, vm.NodeIf, gw4, 24, gw6, 64, nil, nil); err != nil {
-		return nil, fmt.Errorf("lab: node side of %s: %w", name, err)
+	if err := configure(l.nl, nodeIf, gw4, 24, gw6, 64, nil, nil); err != nil {
+		return vm, fmt.Errorf("lab: node side of %s: %w", name, err)
 	}
-	if err := configure(vh, "eth0", vm.Addr4, 24, vm.Addr6, 64, &gw4, &gw6); err != nil {
-		return nil, fmt.Errorf("lab: %s: %w", name, err)
+	if err := configure(vh, "eth0", addr4, 24, addr6, 64, &gw4, &gw6); err != nil {
+		return vm, fmt.Errorf("lab: %s: %w", name, err)
 	}
 	if err := configure(vh, "lo", netip.Addr{}, 0, netip.Addr{}, 0, nil, nil); err != nil {
-		return nil, fmt.Errorf("lab: %s lo: %w", name, err)
+		return vm, fmt.Errorf("lab: %s lo: %w", name, err)
 	}
-	link, err := l.nl.LinkByName(vm.NodeIf)
+	link, err := l.nl.LinkByName(nodeIf)
 	if err != nil {
-		return nil, fmt.Errorf("lab: %w", err)
+		return vm, fmt.Errorf("lab: %w", err)
 	}
 	vm.NodeIfIndex = link.Attrs().Index
 	return vm, nil
+}
+
+// Describe prints the topology: namespaces, interfaces and addresses.
+func (l *Lab) Describe() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "node     netns %-16s forwards between the interfaces below\n", l.Node.Name)
+	for _, vm := range append(slices.Clone(l.VMs), l.External) {
+		if vm == nil {
+			continue
+		}
+		fmt.Fprintf(&b, "%-8s netns %-16s eth0 %-12s %-16s <-> node %s (ifindex %d)\n",
+			vm.Name, vm.NS.Name, vm.Addr4, vm.Addr6, vm.NodeIf, vm.NodeIfIndex)
+	}
+	return b.String()
 }
 
 // AddVMForTest is AddVM that fails the test on error.

@@ -205,10 +205,9 @@ type tuple struct {
 
 func (tp tuple) key() any {
 	if tp.src.Addr().Is4() {
-		s, d := AddrWords(tp.src.Addr()), AddrWords(tp.dst.Addr())
-		return Tuple4{Saddr: s[0], Daddr: d[0], Sport: Port(tp.src.Port()), Dport: Port(tp.dst.Port()), Proto: tp.proto}
+		return MakeTuple4(tp.src, tp.dst, tp.proto)
 	}
-	return Tuple6{Saddr: AddrWords(tp.src.Addr()), Daddr: AddrWords(tp.dst.Addr()), Sport: Port(tp.src.Port()), Dport: Port(tp.dst.Port()), Proto: tp.proto}
+	return MakeTuple6(tp.src, tp.dst, tp.proto)
 }
 
 func (h *harness) ctMap(tp tuple) *ebpf.Map {

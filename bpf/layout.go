@@ -149,3 +149,26 @@ func Port(p uint16) uint16 {
 	binary.BigEndian.PutUint16(b[:], p)
 	return binary.NativeEndian.Uint16(b[:])
 }
+
+// MakeTuple4 builds the IPv4 tuple key of a packet from src to dst.
+func MakeTuple4(src, dst netip.AddrPort, proto uint8) Tuple4 {
+	s, d := AddrWords(src.Addr()), AddrWords(dst.Addr())
+	return Tuple4{Saddr: s[0], Daddr: d[0], Sport: Port(src.Port()), Dport: Port(dst.Port()), Proto: proto}
+}
+
+// MakeTuple6 builds the IPv6 tuple key of a packet from src to dst.
+func MakeTuple6(src, dst netip.AddrPort, proto uint8) Tuple6 {
+	return Tuple6{Saddr: AddrWords(src.Addr()), Daddr: AddrWords(dst.Addr()), Sport: Port(src.Port()), Dport: Port(dst.Port()), Proto: proto}
+}
+
+// Endpoints returns the source and destination of the tuple.
+func (t *serviceFluxvmTuple4) Endpoints() (src, dst netip.AddrPort) {
+	return netip.AddrPortFrom(Addr([4]uint32{t.Saddr}, FamilyIPv4), Port(t.Sport)),
+		netip.AddrPortFrom(Addr([4]uint32{t.Daddr}, FamilyIPv4), Port(t.Dport))
+}
+
+// Endpoints returns the source and destination of the tuple.
+func (t *serviceFluxvmTuple6) Endpoints() (src, dst netip.AddrPort) {
+	return netip.AddrPortFrom(Addr(t.Saddr, FamilyIPv6), Port(t.Sport)),
+		netip.AddrPortFrom(Addr(t.Daddr, FamilyIPv6), Port(t.Dport))
+}

@@ -372,37 +372,17 @@ func natKey(k Key, b *bpf.Backend) nat.Key {
 
 // The conversions between typed entries and the raw map layout.
 
-func key4(k Key) bpf.Tuple4 {
-	s, d := bpf.AddrWords(k.Client.Addr()), bpf.AddrWords(k.VIP.Addr())
-	return bpf.Tuple4{
-		Saddr: s[0], Daddr: d[0],
-		Sport: bpf.Port(k.Client.Port()), Dport: bpf.Port(k.VIP.Port()),
-		Proto: k.Proto,
-	}
-}
-
-func key6(k Key) bpf.Tuple6 {
-	return bpf.Tuple6{
-		Saddr: bpf.AddrWords(k.Client.Addr()), Daddr: bpf.AddrWords(k.VIP.Addr()),
-		Sport: bpf.Port(k.Client.Port()), Dport: bpf.Port(k.VIP.Port()),
-		Proto: k.Proto,
-	}
-}
+func key4(k Key) bpf.Tuple4 { return bpf.MakeTuple4(k.Client, k.VIP, k.Proto) }
+func key6(k Key) bpf.Tuple6 { return bpf.MakeTuple6(k.Client, k.VIP, k.Proto) }
 
 func key4From(t *bpf.Tuple4) Key {
-	return Key{
-		Client: netip.AddrPortFrom(bpf.Addr([4]uint32{t.Saddr}, bpf.FamilyIPv4), bpf.Port(t.Sport)),
-		VIP:    netip.AddrPortFrom(bpf.Addr([4]uint32{t.Daddr}, bpf.FamilyIPv4), bpf.Port(t.Dport)),
-		Proto:  t.Proto,
-	}
+	c, v := t.Endpoints()
+	return Key{Client: c, VIP: v, Proto: t.Proto}
 }
 
 func key6From(t *bpf.Tuple6) Key {
-	return Key{
-		Client: netip.AddrPortFrom(bpf.Addr(t.Saddr, bpf.FamilyIPv6), bpf.Port(t.Sport)),
-		VIP:    netip.AddrPortFrom(bpf.Addr(t.Daddr, bpf.FamilyIPv6), bpf.Port(t.Dport)),
-		Proto:  t.Proto,
-	}
+	c, v := t.Endpoints()
+	return Key{Client: c, VIP: v, Proto: t.Proto}
 }
 
 func entry(k Key, v *bpf.CTValue) Entry {

@@ -381,37 +381,17 @@ func wrapNotFound(op string, k Key, err error) error {
 // The conversions between typed entries and the raw map layout. They are
 // the only place that knows which tuple field holds what.
 
-func key4(k Key) bpf.Tuple4 {
-	s, d := bpf.AddrWords(k.Backend.Addr()), bpf.AddrWords(k.Client.Addr())
-	return bpf.Tuple4{
-		Saddr: s[0], Daddr: d[0],
-		Sport: bpf.Port(k.Backend.Port()), Dport: bpf.Port(k.Client.Port()),
-		Proto: k.Proto,
-	}
-}
-
-func key6(k Key) bpf.Tuple6 {
-	return bpf.Tuple6{
-		Saddr: bpf.AddrWords(k.Backend.Addr()), Daddr: bpf.AddrWords(k.Client.Addr()),
-		Sport: bpf.Port(k.Backend.Port()), Dport: bpf.Port(k.Client.Port()),
-		Proto: k.Proto,
-	}
-}
+func key4(k Key) bpf.Tuple4 { return bpf.MakeTuple4(k.Backend, k.Client, k.Proto) }
+func key6(k Key) bpf.Tuple6 { return bpf.MakeTuple6(k.Backend, k.Client, k.Proto) }
 
 func key4From(t *bpf.Tuple4) Key {
-	return Key{
-		Backend: netip.AddrPortFrom(bpf.Addr([4]uint32{t.Saddr}, bpf.FamilyIPv4), bpf.Port(t.Sport)),
-		Client:  netip.AddrPortFrom(bpf.Addr([4]uint32{t.Daddr}, bpf.FamilyIPv4), bpf.Port(t.Dport)),
-		Proto:   t.Proto,
-	}
+	b, c := t.Endpoints()
+	return Key{Backend: b, Client: c, Proto: t.Proto}
 }
 
 func key6From(t *bpf.Tuple6) Key {
-	return Key{
-		Backend: netip.AddrPortFrom(bpf.Addr(t.Saddr, bpf.FamilyIPv6), bpf.Port(t.Sport)),
-		Client:  netip.AddrPortFrom(bpf.Addr(t.Daddr, bpf.FamilyIPv6), bpf.Port(t.Dport)),
-		Proto:   t.Proto,
-	}
+	b, c := t.Endpoints()
+	return Key{Backend: b, Client: c, Proto: t.Proto}
 }
 
 func entry(k Key, v *bpf.NATValue) Entry {

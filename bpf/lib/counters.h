@@ -54,4 +54,30 @@ static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
 	return TC_ACT_SHOT;
 }
 
+/* Count a translated packet of @len bytes against the service and the VM
+ * edge; @reply selects the backend -> client counters. */
+static __always_inline void fluxvm_count_translated(struct fluxvm_svc_stats_value *st,
+						    struct fluxvm_svc_stats_value *es,
+						    __u32 len, const int reply)
+{
+	if (st) {
+		if (reply) {
+			st->reply_packets++;
+			st->reply_bytes += len;
+		} else {
+			st->packets++;
+			st->bytes += len;
+		}
+	}
+	if (es) {
+		if (reply) {
+			es->reply_packets++;
+			es->reply_bytes += len;
+		} else {
+			es->packets++;
+			es->bytes += len;
+		}
+	}
+}
+
 #endif /* FLUXVM_LIB_COUNTERS_H */

@@ -44,6 +44,27 @@ fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
 	return bpf_map_lookup_elem(&fluxvm_svc4, &k);
 }
 
+/* The packet's own tuple, as conntrack (forward) and reverse NAT (reply)
+ * key it. */
+static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const int v6,
+					     struct fluxvm_tuple4 *t4,
+					     struct fluxvm_tuple6 *t6)
+{
+	if (v6) {
+		__builtin_memcpy(t6->saddr, pkt->saddr, 16);
+		__builtin_memcpy(t6->daddr, pkt->daddr, 16);
+		t6->sport = pkt->sport;
+		t6->dport = pkt->dport;
+		t6->proto = pkt->l4_proto;
+	} else {
+		t4->saddr = pkt->saddr[0];
+		t4->daddr = pkt->daddr[0];
+		t4->sport = pkt->sport;
+		t4->dport = pkt->dport;
+		t4->proto = pkt->l4_proto;
+	}
+}
+
 static __always_inline struct fluxvm_backend *fluxvm_backend_get(__u32 id)
 {
 	return bpf_map_lookup_elem(&fluxvm_backends, &id);
@@ -110,19 +131,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	if (!guard || guard->state != FLUXVM_GUARD_OPEN)
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
 
-	if (v6) {
-		__builtin_memcpy(t6.saddr, pkt->saddr, 16);
-		__builtin_memcpy(t6.daddr, pkt->daddr, 16);
-		t6.sport = pkt->sport;
-		t6.dport = pkt->dport;
-		t6.proto = pkt->l4_proto;
-	} else {
-		t4.saddr = pkt->saddr[0];
-		t4.daddr = pkt->daddr[0];
-		t4.sport = pkt->sport;
-		t4.dport = pkt->dport;
-		t4.proto = pkt->l4_proto;
-	}
+	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
 
 	now = bpf_ktime_get_coarse_ns();
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
@@ -177,14 +186,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 rewrite:
 	if (fluxvm_rewrite(skb, pkt, v6, 1, be->addr, be->port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (st) {
-		st->packets++;
-		st->bytes += skb->len;
-	}
-	if (es) {
-		es->packets++;
-		es->bytes += skb->len;
-	}
+	fluxvm_count_translated(st, es, skb->len, 0);
 	/* TC_ACT_OK ends the chain: the VM policy program behind us never
 	 * sees the backend address and port. */
 	return TC_ACT_OK;
@@ -213,19 +215,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	if (pkt->frag == FLUXVM_FRAG_LATER)
 		return FLUXVM_TC_NEXT;
 
-	if (v6) {
-		__builtin_memcpy(t6.saddr, pkt->saddr, 16);
-		__builtin_memcpy(t6.daddr, pkt->daddr, 16);
-		t6.sport = pkt->sport;
-		t6.dport = pkt->dport;
-		t6.proto = pkt->l4_proto;
-	} else {
-		t4.saddr = pkt->saddr[0];
-		t4.daddr = pkt->daddr[0];
-		t4.sport = pkt->sport;
-		t4.dport = pkt->dport;
-		t4.proto = pkt->l4_proto;
-	}
+	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
 	nat = bpf_map_lookup_elem(nat_map, key);
 	if (!nat)
 		return FLUXVM_TC_NEXT;
@@ -272,14 +262,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 
 	if (fluxvm_rewrite(skb, pkt, v6, 0, nat->vip, nat->vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (st) {
-		st->reply_packets++;
-		st->reply_bytes += skb->len;
-	}
-	if (es) {
-		es->reply_packets++;
-		es->reply_bytes += skb->len;
-	}
+	fluxvm_count_translated(st, es, skb->len, 1);
 	return TC_ACT_OK;
 }
 

@@ -167,13 +167,37 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 }
 
 /*
- * Remember how to translate replies of a flow from backend @be back to the
- * VIP the client used. The key is the reply as it leaves the backend.
+ * The reverse-NAT key of a flow: the reply as it leaves backend @be for the
+ * client that sent @pkt.
  */
+static __always_inline void fluxvm_nat_key(const struct fluxvm_pkt *pkt, const int v6,
+					   const struct fluxvm_backend *be,
+					   struct fluxvm_tuple4 *k4,
+					   struct fluxvm_tuple6 *k6)
+{
+	if (v6) {
+		__builtin_memcpy(k6->saddr, be->addr, 16);
+		__builtin_memcpy(k6->daddr, pkt->saddr, 16);
+		k6->sport = be->port;
+		k6->dport = pkt->sport;
+		k6->proto = pkt->l4_proto;
+	} else {
+		k4->saddr = be->addr[0];
+		k4->daddr = pkt->saddr[0];
+		k4->sport = be->port;
+		k4->dport = pkt->sport;
+		k4->proto = pkt->l4_proto;
+	}
+}
+
+/* Remember how to translate replies of a flow from backend @be back to the
+ * VIP the client used. */
 static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const int v6,
 					    const struct fluxvm_backend *be,
 					    __u32 sid, __u32 bid, __u64 now)
 {
+	struct fluxvm_tuple4 k4 = {};
+	struct fluxvm_tuple6 k6 = {};
 	struct fluxvm_nat_value nv = {
 		.vport = pkt->dport,
 		.service_id = sid,
@@ -181,28 +205,13 @@ static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const 
 		.last_seen_ns = now,
 	};
 
+	fluxvm_nat_key(pkt, v6, be, &k4, &k6);
 	if (v6) {
-		struct fluxvm_tuple6 k = {
-			.sport = be->port,
-			.dport = pkt->sport,
-			.proto = pkt->l4_proto,
-		};
-
-		__builtin_memcpy(k.saddr, be->addr, 16);
-		__builtin_memcpy(k.daddr, pkt->saddr, 16);
 		__builtin_memcpy(nv.vip, pkt->daddr, 16);
-		return bpf_map_update_elem(&fluxvm_nat6, &k, &nv, BPF_ANY);
+		return bpf_map_update_elem(&fluxvm_nat6, &k6, &nv, BPF_ANY);
 	}
-	struct fluxvm_tuple4 k = {
-		.saddr = be->addr[0],
-		.daddr = pkt->saddr[0],
-		.sport = be->port,
-		.dport = pkt->sport,
-		.proto = pkt->l4_proto,
-	};
-
 	nv.vip[0] = pkt->daddr[0];
-	return bpf_map_update_elem(&fluxvm_nat4, &k, &nv, BPF_ANY);
+	return bpf_map_update_elem(&fluxvm_nat4, &k4, &nv, BPF_ANY);
 }
 
 /*
@@ -214,29 +223,12 @@ static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const
 					     const struct fluxvm_backend *be,
 					     __u32 sid, __u32 bid, __u64 now)
 {
+	struct fluxvm_tuple4 k4 = {};
+	struct fluxvm_tuple6 k6 = {};
 	void *nv;
 
-	if (v6) {
-		struct fluxvm_tuple6 k = {
-			.sport = be->port,
-			.dport = pkt->sport,
-			.proto = pkt->l4_proto,
-		};
-
-		__builtin_memcpy(k.saddr, be->addr, 16);
-		__builtin_memcpy(k.daddr, pkt->saddr, 16);
-		nv = bpf_map_lookup_elem(&fluxvm_nat6, &k);
-	} else {
-		struct fluxvm_tuple4 k = {
-			.saddr = be->addr[0],
-			.daddr = pkt->saddr[0],
-			.sport = be->port,
-			.dport = pkt->sport,
-			.proto = pkt->l4_proto,
-		};
-
-		nv = bpf_map_lookup_elem(&fluxvm_nat4, &k);
-	}
+	fluxvm_nat_key(pkt, v6, be, &k4, &k6);
+	nv = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &k6) : bpf_map_lookup_elem(&fluxvm_nat4, &k4);
 	if (nv)
 		return 0;
 	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now);

@@ -25,6 +25,7 @@ const (
 	CounterTruncated  = Counter(serviceFluxvmCounterFLUXVM_CNT_TRUNCATED)
 	CounterMalformed  = Counter(serviceFluxvmCounterFLUXVM_CNT_MALFORMED)
 	CounterParseLimit = Counter(serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT)
+	CounterNATStale   = Counter(serviceFluxvmCounterFLUXVM_CNT_NAT_STALE)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -42,6 +43,7 @@ var counterNames = [NumCounters]string{
 	CounterTruncated:  "truncated",
 	CounterMalformed:  "malformed",
 	CounterParseLimit: "parse_limit",
+	CounterNATStale:   "nat_stale",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

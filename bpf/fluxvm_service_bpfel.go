@@ -37,7 +37,8 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED   serviceFluxvmCounter = 8
 	serviceFluxvmCounterFLUXVM_CNT_MALFORMED   serviceFluxvmCounter = 9
 	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT serviceFluxvmCounter = 10
-	serviceFluxvmCounterFLUXVM_CNT_MAX         serviceFluxvmCounter = 11
+	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE   serviceFluxvmCounter = 11
+	serviceFluxvmCounterFLUXVM_CNT_MAX         serviceFluxvmCounter = 12
 )
 
 type serviceFluxvmCtValue struct {

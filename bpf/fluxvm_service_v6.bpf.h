@@ -34,7 +34,8 @@ enum fluxvm_counter {
 	FLUXVM_CNT_TRUNCATED = 8,   /* a header or the IP payload is cut short */
 	FLUXVM_CNT_MALFORMED = 9,   /* a header field is invalid */
 	FLUXVM_CNT_PARSE_LIMIT = 10, /* beyond the parser's bounds (see lib/parse.h) */
-	FLUXVM_CNT_MAX = 11,
+	FLUXVM_CNT_NAT_STALE = 11,  /* stale reverse-NAT entry dropped on a foreign SYN-ACK */
+	FLUXVM_CNT_MAX = 12,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */

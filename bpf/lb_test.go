@@ -319,6 +319,28 @@ func TestForwardingMatrix(t *testing.T) {
 				t.Errorf("stats %+v", st)
 			}
 		}},
+		{"stale reverse-NAT entry never captures a direct connection", func(t *testing.T, h *harness, v variant) {
+			if v.proto != ipTCP {
+				return // UDP has no handshake to tell the two flows apart (docs/architecture.md)
+			}
+			v.setup(h)
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			if ret, _ := h.run(h.objs.FluxvmFromVm, v.fwd(40000, pkt.RST)); ret != tcOK {
+				t.Fatal("RST of the VIP flow not forwarded")
+			}
+			// The client reuses port 40000 for a direct connection to the
+			// backend; the backend's SYN-ACK must reach it unchanged.
+			before, _ := ReadCounters(h.objs.FluxvmCounters)
+			expectUntouched(t, h, "to_vm", v.reply(v.backends[0], 40000, pkt.SYNACK))
+			expectUntouched(t, h, "to_vm", v.reply(v.backends[0], 40000, pkt.ACK))
+			after, _ := ReadCounters(h.objs.FluxvmCounters)
+			if got := after[CounterNATStale] - before[CounterNATStale]; got != 1 {
+				t.Errorf("nat_stale +%d, want +1", got)
+			}
+			if _, ok := h.nat(v.natKey(v.backends[0], 40000)); ok {
+				t.Error("the stale reverse-NAT entry is still there")
+			}
+		}},
 		{"traffic that is not for a service is untouched", func(t *testing.T, h *harness, v variant) {
 			v.setup(h)
 			other := netip.AddrPortFrom(v.other, 80)

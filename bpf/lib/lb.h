@@ -200,14 +200,16 @@ rewrite:
 static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 					   struct fluxvm_pkt *pkt, const int v6)
 {
-	struct fluxvm_tuple4 t4 = {};
-	struct fluxvm_tuple6 t6 = {};
+	struct fluxvm_tuple4 t4 = {}, c4 = {};
+	struct fluxvm_tuple6 t6 = {}, c6 = {};
 	void *nat_map = v6 ? (void *)&fluxvm_nat6 : (void *)&fluxvm_nat4;
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *key = v6 ? (void *)&t6 : (void *)&t4;
+	void *ct_key = v6 ? (void *)&c6 : (void *)&c4;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_nat_value *nat;
 	struct fluxvm_ct_value *ct;
+	int synack;
 	__u64 now;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
@@ -225,22 +227,41 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
 
 	now = bpf_ktime_get_coarse_ns();
-	if (now - nat->last_seen_ns >= FLUXVM_CT_REFRESH_NS ||
+	synack = pkt->l4_proto == IPPROTO_TCP &&
+		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
+	if (synack || now - nat->last_seen_ns >= FLUXVM_CT_REFRESH_NS ||
 	    (pkt->l4_proto == IPPROTO_TCP && (pkt->tcp_flags & (FLUXVM_TCP_FIN | FLUXVM_TCP_RST)))) {
-		nat->last_seen_ns = now;
-		/* Reuse the key buffer for the client's view of the flow. */
+		/* The client's view of the flow. */
 		if (v6) {
-			__builtin_memcpy(t6.saddr, pkt->daddr, 16);
-			__builtin_memcpy(t6.daddr, nat->vip, 16);
-			t6.sport = pkt->dport;
-			t6.dport = nat->vport;
+			__builtin_memcpy(c6.saddr, pkt->daddr, 16);
+			__builtin_memcpy(c6.daddr, nat->vip, 16);
+			c6.sport = pkt->dport;
+			c6.dport = nat->vport;
+			c6.proto = pkt->l4_proto;
 		} else {
-			t4.saddr = pkt->daddr[0];
-			t4.daddr = nat->vip[0];
-			t4.sport = pkt->dport;
-			t4.dport = nat->vport;
+			c4.saddr = pkt->daddr[0];
+			c4.daddr = nat->vip[0];
+			c4.sport = pkt->dport;
+			c4.dport = nat->vport;
+			c4.proto = pkt->l4_proto;
 		}
-		ct = bpf_map_lookup_elem(ct_map, key);
+		ct = bpf_map_lookup_elem(ct_map, ct_key);
+		/*
+		 * A SYN-ACK answers a handshake. If our flow is not in one, the
+		 * backend is answering a connection that did not come through
+		 * the VIP (the client reused its port for a direct connection
+		 * to the backend after our flow ended): this reverse-NAT entry
+		 * is stale and would hijack that connection. Drop the entry and
+		 * let the packet through untouched. (A handshake whose
+		 * conntrack half was evicted recovers: the client's SYN
+		 * retransmit learns both halves again.)
+		 */
+		if (synack && (!ct || ct->backend_id != nat->backend_id || ct->state != FLUXVM_CT_TCP_SYN)) {
+			bpf_map_delete_elem(nat_map, key);
+			fluxvm_count(FLUXVM_CNT_NAT_STALE);
+			return FLUXVM_TC_NEXT;
+		}
+		nat->last_seen_ns = now;
 		if (ct) {
 			/* After a failover the flow's conntrack names another
 			 * backend; this half is an orphan the GC removes. */
@@ -256,7 +277,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 
 			nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
 			nct.deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), nct.state);
-			bpf_map_update_elem(ct_map, key, &nct, BPF_NOEXIST);
+			bpf_map_update_elem(ct_map, ct_key, &nct, BPF_NOEXIST);
 		}
 	}
 

@@ -3,7 +3,7 @@
 # from a client VM to one backend VM, direct, through our VIP (Maglev in the
 # TC programs) and through a kube-proxy style nftables DNAT load balancer,
 # interleaved in rounds, with medians and ratios. See
-# internal/scenario/PERF.md for recorded results.
+# docs/lab-perf.md for recorded results.
 #
 #   scripts/test-service-fabric-perf.sh [perf flags]   e.g. -rounds 7 -duration 3s
 #

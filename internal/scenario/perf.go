@@ -454,10 +454,7 @@ func (p *perfRun) close() {
 // path has its own, so that no path meets state another one left behind.
 // The ports of short connections linger in TIME_WAIT, and their number
 // makes connect(2) slower: each path fills a port space of its own, as
-// much as the others. And the datapath's reverse-NAT entries are keyed by
-// the backend's reply (backend, client address and port): a direct
-// connection from a client port that a VIP flow used moments ago would
-// have its replies rewritten to the VIP (see PERF.md).
+// much as the others.
 func (p *perfRun) source(path PerfPath) netip.Addr {
 	switch path {
 	case PathBare:

@@ -120,15 +120,17 @@ func TestDatapathAgrees(t *testing.T) {
 				t.Errorf("last seen %v not around now %v", e.LastSeen, before)
 			}
 
-			// Point the entry at another VIP: the reply must say so.
+			// Point the entry at another VIP: the reply must say so. (An
+			// ACK, not a SYN-ACK: a SYN-ACK is also checked against the
+			// flow's conntrack half, which names the original VIP.)
 			other := netip.AddrPortFrom(tc.vip.Addr().Next(), 8443)
 			e.VIP = other
 			d.must(d.table.Put(e))
-			ret, out := d.run(d.objs.ToVM, frame(tc.backend, tc.client, tc.proto, pkt.SYNACK))
+			ret, out := d.run(d.objs.ToVM, frame(tc.backend, tc.client, tc.proto, pkt.ACK))
 			if ret != tcOK {
 				t.Fatalf("reply verdict %d", int32(ret))
 			}
-			if wantOut := frame(other, tc.client, tc.proto, pkt.SYNACK); !bytes.Equal(out, wantOut) {
+			if wantOut := frame(other, tc.client, tc.proto, pkt.ACK); !bytes.Equal(out, wantOut) {
 				t.Errorf("reply\n got %x\nwant %x", out, wantOut)
 			}
 			d.must(d.table.Delete(key))

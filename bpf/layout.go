@@ -172,3 +172,23 @@ func (t *serviceFluxvmTuple6) Endpoints() (src, dst netip.AddrPort) {
 	return netip.AddrPortFrom(Addr(t.Saddr, FamilyIPv6), Port(t.Sport)),
 		netip.AddrPortFrom(Addr(t.Daddr, FamilyIPv6), Port(t.Dport))
 }
+
+// NormalizeEndpoints unmaps IPv4-mapped addresses of a flow's two endpoints
+// and says what makes them a flow the datapath could never have stored
+// (missing or zoned address, mixed families, neither TCP nor UDP), or "".
+func NormalizeEndpoints(a, b netip.AddrPort, proto uint8) (netip.AddrPort, netip.AddrPort, string) {
+	a = netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+	b = netip.AddrPortFrom(b.Addr().Unmap(), b.Port())
+	x, y := a.Addr(), b.Addr()
+	switch {
+	case !x.IsValid() || !y.IsValid():
+		return a, b, "missing address"
+	case x.Is4() != y.Is4():
+		return a, b, "mixed address families"
+	case x.Zone() != "" || y.Zone() != "":
+		return a, b, "zoned address"
+	case proto != 6 && proto != 17:
+		return a, b, "protocol must be TCP or UDP"
+	}
+	return a, b, ""
+}

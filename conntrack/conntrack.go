@@ -72,22 +72,11 @@ func (k Key) Family() Family {
 	return IPv6
 }
 
-func unmap(ap netip.AddrPort) netip.AddrPort {
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-}
-
 func (k Key) normal() (Key, error) {
-	k.Client, k.VIP = unmap(k.Client), unmap(k.VIP)
-	c, v := k.Client.Addr(), k.VIP.Addr()
-	switch {
-	case !c.IsValid() || !v.IsValid():
-		return k, fmt.Errorf("%w: %s: missing address", ErrInvalidKey, k)
-	case c.Is4() != v.Is4():
-		return k, fmt.Errorf("%w: %s: mixed address families", ErrInvalidKey, k)
-	case c.Zone() != "" || v.Zone() != "":
-		return k, fmt.Errorf("%w: %s: zoned address", ErrInvalidKey, k)
-	case k.Proto != ProtoTCP && k.Proto != ProtoUDP:
-		return k, fmt.Errorf("%w: %s: protocol must be TCP or UDP", ErrInvalidKey, k)
+	var problem string
+	k.Client, k.VIP, problem = bpf.NormalizeEndpoints(k.Client, k.VIP, k.Proto)
+	if problem != "" {
+		return k, fmt.Errorf("%w: %s: %s", ErrInvalidKey, k, problem)
 	}
 	return k, nil
 }

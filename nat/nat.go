@@ -100,24 +100,13 @@ func protoName(p uint8) string {
 	return fmt.Sprintf("proto(%d)", p)
 }
 
-func unmap(ap netip.AddrPort) netip.AddrPort {
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-}
-
 // normal returns k with mapped addresses unmapped, or an error if the
 // datapath could never have written it.
 func (k Key) normal() (Key, error) {
-	k.Backend, k.Client = unmap(k.Backend), unmap(k.Client)
-	b, c := k.Backend.Addr(), k.Client.Addr()
-	switch {
-	case !b.IsValid() || !c.IsValid():
-		return k, fmt.Errorf("%w: %s: missing address", ErrInvalidEntry, k)
-	case b.Is4() != c.Is4():
-		return k, fmt.Errorf("%w: %s: mixed address families", ErrInvalidEntry, k)
-	case b.Zone() != "" || c.Zone() != "":
-		return k, fmt.Errorf("%w: %s: zoned address", ErrInvalidEntry, k)
-	case k.Proto != ProtoTCP && k.Proto != ProtoUDP:
-		return k, fmt.Errorf("%w: %s: protocol must be TCP or UDP", ErrInvalidEntry, k)
+	var problem string
+	k.Backend, k.Client, problem = bpf.NormalizeEndpoints(k.Backend, k.Client, k.Proto)
+	if problem != "" {
+		return k, fmt.Errorf("%w: %s: %s", ErrInvalidEntry, k, problem)
 	}
 	return k, nil
 }
@@ -127,7 +116,7 @@ func (e Entry) normal() (Entry, error) {
 	if err != nil {
 		return e, err
 	}
-	e.Key, e.VIP = k, unmap(e.VIP)
+	e.Key, e.VIP = k, netip.AddrPortFrom(e.VIP.Addr().Unmap(), e.VIP.Port())
 	switch {
 	case !e.VIP.Addr().IsValid() || e.VIP.Addr().Is4() != k.Backend.Addr().Is4():
 		return e, fmt.Errorf("%w: %s: VIP %s is not of the key's family", ErrInvalidEntry, k, e.VIP)

@@ -127,13 +127,31 @@
 //
 // # Cost
 //
-// A build keeps only each backend's offset, skip and position in its
-// preference list, never the N×M permutation: memory is O(M + N), 8⅛ bytes
-// per slot plus a few hundred bytes per backend. The fill probes about M·ln M
-// slots in all (the last slots are the hardest to find). The order of turns
-// repeats every W' = Σ w/gcd(w) turns, so it is computed for one period
-// (or for all M turns if that is shorter) at O(log G) per turn, G being the
-// number of distinct weights, and replayed.
+// A build keeps each backend's offset and skip, its position in its
+// preference list and a window of its next 64 preferences, never the N×M
+// permutation: memory is O(M + N), 8¼ bytes per slot (the table's two
+// arrays of M entries and two copies of an occupancy bitmap) plus about
+// 300 bytes per backend.
+//
+// Searching preference by preference, a fill examines about M·ln M slots
+// in all, the last slots being the hardest to find. How the search is done
+// changes as the table fills, never which slot a turn takes (the package's
+// tests hold every path to the plain search, entry for entry). While most
+// slots are empty a turn tests its backend's preferences one by one. From
+// 30% full, if every backend takes at least 64 slots, a backend reads the
+// occupancy of its next 64 preferences at once, without a branch, and its
+// turns take the free ones in order: this spares the CPU the branch
+// misprediction that the one-by-one search costs almost every turn once
+// many slots are taken. For the last 10%/N of the slots, with up to about
+// 30 backends, each backend gets a bitmap of the empty slots in the order
+// of its preferences, built in O(N) per empty slot, and a turn jumps
+// straight to its next empty slot.
+//
+// The order of turns repeats every W' = Σ w/gcd(w) turns: with equal
+// weights it is round robin, otherwise one period (or all M turns if that
+// is shorter) is scheduled at O(log G) per turn, G being the number of
+// distinct weights, and replayed.
+//
 // Rebuild reuses the table's storage and allocates nothing in steady state.
 // See docs/benchmarks.md for measured figures.
 package maglev

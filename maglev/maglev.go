@@ -126,8 +126,10 @@ type Table struct {
 	sorted        []sortItem
 	idScratch     []uint32
 	remainders    []remainder
-	pos, skip     []uint32
-	used          []uint64 // occupancy bitmap of the slots during a fill
+	cursors       []cursor
+	windows       []window
+	tails         []tailCursor
+	used          []uint64 // occupancy bitmap of the slots during a fill, two copies (see mirror)
 	quota, filled []uint32
 	members       []member
 	groups        []group

@@ -9,6 +9,7 @@ import (
 	"math/big"
 	"math/rand/v2"
 	"net/netip"
+	"runtime"
 	"slices"
 	"testing"
 )
@@ -508,6 +509,65 @@ func TestRebuildAllocatesNothing(t *testing.T) {
 			}
 			checkInvariants(t, tab, a)
 		})
+	}
+}
+
+// TestRebuildAllocatesNothingAcrossPaths: the fill takes different paths
+// for equal and unequal weights and for few or many backends; a table that
+// has held a set at least as large must not allocate on any of them, not
+// even the first time it takes one.
+func TestRebuildAllocatesNothingAcrossPaths(t *testing.T) {
+	mallocs := func(f func()) uint64 {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		f()
+		runtime.ReadMemStats(&after)
+		return after.Mallocs - before.Mallocs
+	}
+	for _, m := range []uint32{SizeS, SizeM} {
+		sets := [][]Backend{
+			testBackends(10, equalWeights),                                           // probe, windows, tail; round robin
+			testBackends(10, mixedWeights),                                           // the same with the turns stored
+			testBackends(3, func(i int) uint32 { return []uint32{1, 100000, 7}[i] }), // a schedule of every turn
+			testBackends(1000, mixedWeights),                                         // probe only at SizeS
+			testBackends(2, equalWeights),
+		}
+		// A table that has held 1000 backends (twice: Rebuild alternates
+		// between two backend lists), on each path for the first time.
+		big := mustNew(t, m, 3, sets[3])
+		if err := big.Rebuild(sets[3]); err != nil {
+			t.Fatal(err)
+		}
+		for i, bs := range sets {
+			if n := mallocs(func() {
+				if err := big.Rebuild(bs); err != nil {
+					t.Fatal(err)
+				}
+			}); n != 0 {
+				t.Errorf("M=%d: first Rebuild with set %d after 1000 backends allocates %d times", m, i, n)
+			}
+		}
+		for _, first := range [][]Backend{sets[0], sets[3]} {
+			tab := mustNew(t, m, 3, first)
+			// Twice each: Rebuild alternates between two backend lists.
+			for _, bs := range sets {
+				for range 2 {
+					if err := tab.Rebuild(bs); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			for i, bs := range sets {
+				if allocs := testing.AllocsPerRun(5, func() {
+					if err := tab.Rebuild(bs); err != nil {
+						t.Fatal(err)
+					}
+				}); allocs != 0 {
+					t.Errorf("M=%d, after %d backends: Rebuild with set %d allocates %v times", m, len(first), i, allocs)
+				}
+				checkInvariants(t, tab, bs)
+			}
+		}
 	}
 }
 

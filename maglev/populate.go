@@ -1,6 +1,9 @@
 package maglev
 
-import "slices"
+import (
+	"math/bits"
+	"slices"
+)
 
 type remainder struct {
 	r uint64
@@ -61,28 +64,149 @@ func (t *Table) apportion() {
 //
 // Only each backend's next position in its preference list is kept (O(N)),
 // never the N×M permutation.
+//
+// How a turn finds its slot changes as the table fills; which slot it
+// finds never does (TestFillMatchesReference holds every path to the
+// plain fill, entry for entry). While most slots are empty, probe tests
+// one preference after the other. From windowsFrom on, if every backend
+// claims at least fastMinClaims slots, playWindows reads the occupancy of
+// a backend's next 64 preferences at once. For the last slots, with few
+// backends, fillTail jumps straight to each backend's next empty slot.
 func (t *Table) populate() {
 	m := t.cfg.Size
 	n := len(t.backends)
-	t.slots = grow(t.slots, int(m))
-	t.entries = grow(t.entries, int(m))
-	t.used = grow(t.used, int(m+63)/64)
+	t.reserve(n)
 	clear(t.used)
-	t.pos = grow(t.pos, n)
-	t.skip = grow(t.skip, n)
 	for i, id := range t.ids {
-		t.pos[i], t.skip[i] = offsetSkip(t.cfg.Seed, id, m)
+		t.cursors[i].p, t.cursors[i].s = offsetSkip(t.cfg.Seed, id, m)
+	}
+	turns := t.turnOrder()
+
+	kA, kB := phases(m, n, turns != nil)
+	probe(turns, 0, kA, t.cursors, t.used, t.slots, m)
+	if kA < int(m) {
+		for i, c := range t.cursors {
+			w := &t.windows[i]
+			w.ks[0] = 0
+			for j := 1; j < 64; j++ {
+				w.ks[j] = wrapAdd(w.ks[j-1], c.s, m)
+			}
+			w.base, w.adv = c.p, wrapAdd(w.ks[63], c.s, m)
+		}
+	}
+	if kA < kB {
+		mirror(t.used, m)
+		for i := range t.windows {
+			w := &t.windows[i]
+			w.mask = gather(w.base, &w.ks, t.used)
+		}
+		playWindows(turns, kA, kB-kA, t.windows, t.used, t.slots, m)
+		// Back to cursors: every preference before the first one not
+		// marked in the window is taken.
+		for i := range t.cursors {
+			w := &t.windows[i]
+			if w.mask == ^uint64(0) {
+				t.cursors[i].p = wrapAdd(w.base, w.adv, m)
+			} else {
+				t.cursors[i].p = wrapAdd(w.base, w.ks[bits.TrailingZeros64(^w.mask)&63], m)
+			}
+		}
+	}
+	if kB < int(m) {
+		t.fillTail(turns, kB)
 	}
 
-	// Backend i's k-th turn comes at (k/w_i, i) in the order of turns.
-	// Adding w_i to k adds exactly 1 to k/w_i for every backend, so the
-	// order repeats with a period of W' = Σ w_i/g turns (g the gcd of the
-	// weights): when W' < M, schedule one period and replay it, skipping
-	// backends that hold their count (which leaves the others' order as it
-	// was). Equal weights give the period 0, 1, ..., N−1: round robin.
-	// Otherwise schedule every turn. The schedule borrows t.entries, which
-	// is only written at the end.
+	ids := t.idScratch[:n]
+	for i := range t.backends {
+		ids[i] = t.backends[i].ID
+	}
+	entries := t.entries[:len(t.slots)]
+	for s, i := range t.slots {
+		entries[s] = ids[i]
+	}
+}
+
+// phases returns where the fill changes method for M slots and n
+// backends: turns [0, kA) probe, turns [kA, kB) use windows, and the turns
+// from kB on are the tail. stored says whether the turns are stored in
+// t.entries, which the tail borrows.
+func phases(m uint32, n int, stored bool) (kA, kB int) {
+	kA, kB = int(m), int(m)
+	if m < fastMinSize || int(m) < fastMinClaims*n {
+		return kA, kB
+	}
+	kA = int(m) * windowsFrom / 1000
+	if e := int(m) * tailEmpty / (1000 * n); e >= tailMinEmpty {
+		room := int(m)
+		if stored {
+			room = int(m) - e
+		}
+		if n*tailWords(m) <= room {
+			kB = int(m) - e
+		}
+	}
+	return kA, kB
+}
+
+// Where the fill changes method, measured on the benchmarks' tables with
+// N = 2 to 1000 (docs/benchmarks.md): probing one preference at a time is
+// cheaper until windowsFrom per mille of the slots are taken, and windows
+// are cheaper than the tail until tailEmpty/N per mille are left. Windows
+// pay off once every backend claims at least about a window's worth of
+// slots.
+const (
+	windowsFrom   = 300
+	tailEmpty     = 100
+	tailMinEmpty  = 64
+	fastMinSize   = 1024
+	fastMinClaims = 64
+)
+
+// reserve sizes the fill's scratch for n backends. All of it is sized by M
+// and N alone, whatever path the fill takes, so that a table that has held
+// a backend set at least as large never allocates again.
+func (t *Table) reserve(n int) {
+	m := int(t.cfg.Size)
+	t.slots = grow(t.slots, m)
+	t.entries = grow(t.entries, m)
+	t.used = grow(t.used, 2*((m+63)/64)+1) // two copies for the windows
+	t.cursors = grow(t.cursors, n)
+	t.windows = grow(t.windows, n)
+	t.tails = grow(t.tails, n)
 	t.quota = grow(t.quota, n)
+	t.filled = grow(t.filled, n)
+	t.idScratch = grow(t.idScratch, n)
+	t.members = withCap(t.members, n)
+	t.groups = withCap(t.groups, n)
+	t.heap = withCap(t.heap, n)
+}
+
+// withCap returns s emptied, with room for n elements.
+func withCap[T any](s []T, n int) []T {
+	if cap(s) < n {
+		return make([]T, 0, n)
+	}
+	return s[:0]
+}
+
+// cursor is a backend's place in its preference list: the next slot to
+// look at, p, and the step to the one after it, s (the skip).
+type cursor struct{ p, s uint32 }
+
+// turnOrder returns the backend of each of the M turns, or nil for round
+// robin: turn k is backend k mod N.
+//
+// Backend i's k-th turn comes at (k/w_i, i) in the order of turns. Adding
+// w_i to k adds exactly 1 to k/w_i for every backend, so the order repeats
+// with a period of W' = Σ w_i/g turns (g the gcd of the weights). Equal
+// weights give the period 0, 1, ..., N−1: round robin, and the counts are
+// ⌈M/N⌉ for the first M mod N backends and ⌊M/N⌋ for the others, so no
+// turn is ever skipped. Otherwise the turns are written to t.entries,
+// which is only written at the end of the fill: when W' < M one period is
+// scheduled and replayed, skipping backends that hold their count (which
+// leaves the others' order as it was), else every turn is scheduled.
+func (t *Table) turnOrder() []uint32 {
+	m := t.cfg.Size
 	g := uint32(0)
 	for i := range t.backends {
 		g = gcd(g, t.backends[i].Weight)
@@ -91,48 +215,48 @@ func (t *Table) populate() {
 	for i := range t.backends {
 		period += uint64(t.backends[i].Weight / g)
 	}
-	if period < uint64(m) {
-		for i := range t.backends {
-			t.quota[i] = t.backends[i].Weight / g
-		}
-	} else {
-		copy(t.quota, t.counts)
+	if period == uint64(len(t.backends)) {
+		return nil
 	}
-	seq := t.schedule(t.quota, t.entries[:0])
+	turns := t.entries[:m]
+	if period >= uint64(m) {
+		copy(t.quota, t.counts)
+		return t.schedule(t.quota, turns[:0])
+	}
+	for i := range t.backends {
+		t.quota[i] = t.backends[i].Weight / g
+	}
+	seq := t.schedule(t.quota, turns[:0])
 
 	// Until the first backend reaches its count, whole periods need no
-	// count checks. With a schedule of every turn that is all of it.
+	// count checks. There is at least one: counts[i] ≥ ⌊M·q_i/W'⌋ ≥ q_i as
+	// M > W'. So the replays below write from turns[len(seq)] on and never
+	// overwrite the period they read in turns[:len(seq)].
 	full := ^uint32(0)
 	for i, q := range t.quota {
 		if q > 0 {
 			full = min(full, t.counts[i]/q)
 		}
 	}
-	for range full {
-		for _, i := range seq {
-			t.claim(int(i))
-		}
+	k := len(seq)
+	for range full - 1 {
+		k += copy(turns[k:], seq)
 	}
-	left := m - full*uint32(len(seq))
-	t.filled = grow(t.filled, n)
 	for i, q := range t.quota {
 		t.filled[i] = full * q
 	}
-	for left > 0 {
+	for k < int(m) {
 		for _, i := range seq {
 			if t.filled[i] < t.counts[i] {
-				t.claim(int(i))
+				turns[k] = i
 				t.filled[i]++
-				if left--; left == 0 {
+				if k++; k == int(m) {
 					break
 				}
 			}
 		}
 	}
-
-	for s, i := range t.slots {
-		t.entries[s] = t.backends[i].ID
-	}
+	return turns
 }
 
 func gcd(a, b uint32) uint32 {
@@ -142,32 +266,261 @@ func gcd(a, b uint32) uint32 {
 	return a
 }
 
-// claim gives backend i the first empty slot in its preference list and
-// advances the list past it. There always is one: claims stop when the
-// table is full, and the list visits every slot.
+// probe plays count turns from turn k (turns[k+c], or round robin if turns
+// is nil) the classic way: backend i claims the first empty slot of its
+// preference list, probing the slots one by one, and its cursor moves past
+// the slot.
 //
 // Occupancy is probed in a bitmap rather than in the slots themselves: at
-// M/8 bytes (16 KiB for SizeL) it stays in the L1 cache, and the probes
-// (about M·ln M in a whole fill) are where a build spends its time.
-func (t *Table) claim(i int) {
-	m, used := t.cfg.Size, t.used
-	p, s := t.pos[i], t.skip[i]
-	for used[p>>6]&(1<<(p&63)) != 0 {
-		p = wrapAdd(p, s, m)
+// M/8 bytes (16 KiB for SizeL) it stays in the L1 cache.
+func probe(turns []uint32, k, count int, cs []cursor, used []uint64, slots []uint32, m uint32) {
+	n := uint32(len(cs))
+	i := uint32(k % len(cs))
+	for c := range count {
+		if turns != nil {
+			i = turns[k+c]
+		}
+		cu := &cs[i]
+		p, s := cu.p, cu.s
+		for {
+			w := used[p>>6]
+			if bit := uint64(1) << (p & 63); w&bit == 0 {
+				used[p>>6] = w | bit
+				break
+			}
+			p = wrapAdd(p, s, m)
+		}
+		slots[p] = i
+		cu.p = wrapAdd(p, s, m)
+		if i++; i == n {
+			i = 0
+		}
 	}
-	used[p>>6] |= 1 << (p & 63)
-	t.slots[p] = uint32(i)
-	t.pos[i] = wrapAdd(p, s, m)
 }
 
-// wrapAdd returns (p + s) mod m for p, s < m without a division: p+s < 2m,
-// so at most one m comes off. Written as a min of unsigned values (p+s−m
-// wraps around to a huge value when p+s < m) it compiles to a conditional
-// move, free of the branch the CPU could not predict: whether a step wraps
-// is as random as the skip.
+// wrapAdd returns (p + s) mod m for p, s < m < 2^31 without a division or
+// a branch: p+s−m is negative, as an int32, exactly when p+s < m, and then
+// the sign mask adds m back. (Whether a step wraps is as random as the
+// skip, so a branch would be mispredicted half the time.)
 func wrapAdd(p, s, m uint32) uint32 {
-	p += s
-	return min(p, p-m)
+	q := p + s - m
+	return q + m&uint32(int32(q)>>31)
+}
+
+// window is what a backend knows of its next 64 preferences: base is the
+// slot of the first, and bit j of mask is set if preference j was taken
+// when the window was read, or has been passed since. Preference j is
+// base + ks[j] (mod M), ks[j] = j·skip mod M; adv = 64·skip mod M moves
+// the window on.
+//
+// Probing mispredicts about once a turn, since whether the next preference
+// is free is a coin toss once a good part of the slots are taken. Reading
+// a window tests its 64 preferences without a branch, and then each turn
+// takes the first preference not marked. It checks that the slot is still
+// empty, in case another backend took it after the window was read; that
+// is rare, as other backends take only a few slots between two turns of
+// the same backend, and then the turn marks it and tries the next.
+type window struct {
+	mask uint64
+	base uint32
+	adv  uint32
+	ks   [64]uint32
+}
+
+// mirror copies bits [0, M) of used to bits [M, 2M), so that a window can
+// test slot base + ks[j] < 2M without reducing it mod M. playWindows keeps
+// both copies up to date.
+func mirror(used []uint64, m uint32) {
+	w0, sh := int(m>>6), m&63
+	words := int(m+63) >> 6
+	for w := range words {
+		v := used[w]
+		if w == words-1 && sh != 0 {
+			v &= 1<<sh - 1
+		}
+		used[w0+w] |= v << sh
+		if sh != 0 {
+			used[w0+w+1] |= v >> (64 - sh)
+		}
+	}
+}
+
+// gather reads the occupancy of the 64 preferences base + ks[j].
+func gather(base uint32, ks *[64]uint32, used []uint64) uint64 {
+	var lo, hi uint64
+	for j := 31; j >= 0; j -= 4 {
+		x0, x1, x2, x3 := base+ks[j], base+ks[j-1], base+ks[j-2], base+ks[j-3]
+		lo = lo<<4 | (used[x0>>6]>>(x0&63)&1)<<3 | (used[x1>>6]>>(x1&63)&1)<<2 |
+			(used[x2>>6]>>(x2&63)&1)<<1 | used[x3>>6]>>(x3&63)&1
+		y0, y1, y2, y3 := base+ks[j+32], base+ks[j+31], base+ks[j+30], base+ks[j+29]
+		hi = hi<<4 | (used[y0>>6]>>(y0&63)&1)<<3 | (used[y1>>6]>>(y1&63)&1)<<2 |
+			(used[y2>>6]>>(y2&63)&1)<<1 | used[y3>>6]>>(y3&63)&1
+	}
+	return hi<<32 | lo
+}
+
+// playWindows plays count turns from turn k, as probe does, with windows.
+func playWindows(turns []uint32, k, count int, ws []window, used []uint64, slots []uint32, m uint32) {
+	n := uint32(len(ws))
+	i := uint32(k % len(ws))
+	for c := range count {
+		if turns != nil {
+			i = turns[k+c]
+		}
+		w := &ws[i]
+		mask := w.mask
+		var x uint32
+		var u uint64
+		for {
+			if mask == ^uint64(0) {
+				w.base = wrapAdd(w.base, w.adv, m)
+				mask = gather(w.base, &w.ks, used)
+				continue
+			}
+			b := bits.TrailingZeros64(^mask)
+			mask |= 1 << b
+			x = w.base + w.ks[b&63]
+			if u = used[x>>6]; u&(1<<(x&63)) == 0 {
+				break
+			}
+		}
+		w.mask = mask
+		used[x>>6] = u | 1<<(x&63)
+		// The slot is x mod M; set its other copy, x+M or x−M, too.
+		d := x - m
+		neg := uint32(int32(d) >> 31) // all ones if x < M
+		y := d + 2*m&neg
+		used[y>>6] |= 1 << (y & 63)
+		slots[d+m&neg] = i
+		if i++; i == n {
+			i = 0
+		}
+	}
+}
+
+// tailCursor is a backend's place in its rank bitmap during the tail: the
+// word q, the slot sb of the first rank the word stands for, and
+// adv = 32·skip mod M, which moves sb to the next word.
+type tailCursor struct {
+	q, sb, adv uint32
+}
+
+// tailWords is the length of a backend's rank bitmap in 32-bit words.
+func tailWords(m uint32) int { return (int(m) + 31) / 32 }
+
+// fillTail plays the turns from k0 on, when few slots are left empty,
+// without probing one slot at a time; the slots claimed are exactly those
+// probe would claim.
+//
+// Backend i's next claim is the empty slot that comes first in its
+// preference list from its cursor c_i on: the empty slot e with the
+// smallest rank r = (e − c_i)·s_i⁻¹ mod M, s_i⁻¹ being the inverse of the
+// skip mod M (M is prime), since every slot before the cursor is taken.
+// So each backend gets a bitmap over ranks, with a bit set for every slot
+// still empty at k0. On its turn it takes the next set bit, maps the rank
+// back to its slot c_i + r·s_i mod M and claims it, unless another backend
+// has taken it since. Setting the bits costs O(N·E) for E empty slots,
+// and each backend reads each bit at most once, where probing would cost
+// about M/E per claim near the end.
+//
+// The bitmaps, N·tailWords(M) words, borrow t.entries: its turns before
+// k0 are played, if the turns are there at all.
+func (t *Table) fillTail(turns []uint32, k0 int) {
+	m := t.cfg.Size
+	n := len(t.backends)
+	words := tailWords(m)
+	ranks := t.entries[:n*words]
+	clear(ranks)
+	used := t.used[:(m+63)/64]
+	last := ^uint64(0)
+	if m&63 != 0 {
+		last = 1<<(m&63) - 1
+	}
+	mu := ^uint64(0) / uint64(m)
+	for i, c := range t.cursors {
+		// With e = 64w + b, ρ(e) = (e − c)·s⁻¹ = ρ(64w) + ti[b], and
+		// ρ(64(w+1)) = ρ(64w) + step.
+		inv := invMod(c.s, m)
+		var ti [64]uint32
+		for b := 1; b < 64; b++ {
+			ti[b] = wrapAdd(ti[b-1], inv, m)
+		}
+		step := wrapAdd(ti[63], inv, m)
+		rho := mulMod(wrapAdd(0, m-c.p, m), inv, m, mu) // ρ(0)
+		r := ranks[i*words : i*words+words]
+		for w, u := range used {
+			free := ^u
+			if w == len(used)-1 {
+				free &= last
+			}
+			for ; free != 0; free &= free - 1 {
+				x := wrapAdd(rho, ti[bits.TrailingZeros64(free)&63], m)
+				r[x>>5] |= 1 << (x & 31)
+			}
+			rho = wrapAdd(rho, step, m)
+		}
+		t.tails[i] = tailCursor{q: uint32(i * words), sb: c.p, adv: t.windows[i].ks[32]}
+	}
+	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, used, t.slots, m)
+}
+
+// playTail plays count turns from turn k, as probe does, with the rank
+// bitmaps of fillTail. It uses ws[i].ks[b] = b·skip mod M for b < 32.
+func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws []window, used []uint64, slots []uint32, m uint32) {
+	n := uint32(len(tc))
+	i := uint32(k % len(tc))
+	for c := range count {
+		if turns != nil {
+			i = turns[k+c]
+		}
+		tci := &tc[i]
+		q, sb := tci.q, tci.sb
+		ks := &ws[i].ks
+		for {
+			w := ranks[q]
+			for w == 0 {
+				q++
+				sb = wrapAdd(sb, tci.adv, m)
+				w = ranks[q]
+			}
+			ranks[q] = w & (w - 1)
+			e := wrapAdd(sb, ks[bits.TrailingZeros32(w)&31], m)
+			if u := used[e>>6]; u&(1<<(e&63)) == 0 {
+				used[e>>6] = u | 1<<(e&63)
+				slots[e] = i
+				break
+			}
+		}
+		tci.q, tci.sb = q, sb
+		if i++; i == n {
+			i = 0
+		}
+	}
+}
+
+// mulMod returns a·b mod m for a, b < m < 2^24 by Barrett reduction with
+// mu = ⌊(2^64−1)/m⌋: the quotient estimate is at most one short, so one
+// conditional subtraction finishes it.
+func mulMod(a, b, m uint32, mu uint64) uint32 {
+	x := uint64(a) * uint64(b)
+	q, _ := bits.Mul64(x, mu)
+	return wrapAdd(uint32(x-q*uint64(m)), 0, m)
+}
+
+// invMod returns the inverse of a mod the prime m, 0 < a < m, by the
+// extended Euclidean algorithm.
+func invMod(a, m uint32) uint32 {
+	r0, r1 := int64(m), int64(a)
+	t0, t1 := int64(0), int64(1)
+	for r1 != 0 {
+		q := r0 / r1
+		r0, r1 = r1, r0-q*r1
+		t0, t1 = t1, t0-q*t1
+	}
+	if t0 < 0 {
+		t0 += int64(m)
+	}
+	return uint32(t0)
 }
 
 // schedule appends to seq the order of turns when backend i takes quota[i]

@@ -290,26 +290,17 @@ func (m *Map) Scan(f Filter, fn func([]Entry) error) error {
 
 func scanEntries[K any](s *mapscan.Scanner[K, bpf.CTValue], f Filter, fam Family, buf []Entry,
 	decode func(*K) Key, fn func([]Entry) error) error {
-	for {
-		n, err := s.Chunk()
-		if err != nil {
-			return fmt.Errorf("conntrack: scan %s: %w", fam, err)
+	var ferr error // fn's own errors pass through unwrapped
+	err := mapscan.Each(s, buf, func(k *K, v *bpf.CTValue) (Entry, bool) {
+		if !f.matches(fam, v) {
+			return Entry{}, false
 		}
-		if n == 0 {
-			return nil
-		}
-		buf = buf[:0]
-		for i := range n {
-			if v := &s.Vals[i]; f.matches(fam, v) {
-				buf = append(buf, entry(decode(&s.Keys[i]), v))
-			}
-		}
-		if len(buf) > 0 {
-			if err := fn(buf); err != nil {
-				return err
-			}
-		}
+		return entry(decode(k), v), true
+	}, func(es []Entry) error { ferr = fn(es); return ferr })
+	if err != nil && err != ferr {
+		return fmt.Errorf("conntrack: scan %s: %w", fam, err)
 	}
+	return err
 }
 
 // List returns all entries that match f. It holds them all in memory; use

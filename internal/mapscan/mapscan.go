@@ -192,3 +192,26 @@ func DeleteKeys[K any](m *ebpf.Map, mode *Mode, keys []K, missing func(int)) (in
 	}
 	return deleted, nil
 }
+
+// Each streams the scanner's map chunk by chunk: conv turns each entry into
+// an E (false skips it) and fn receives the converted entries of one chunk
+// in buf, reused between chunks.
+func Each[K, V, E any](s *Scanner[K, V], buf []E, conv func(k *K, v *V) (E, bool), fn func([]E) error) error {
+	for {
+		n, err := s.Chunk()
+		if err != nil || n == 0 {
+			return err
+		}
+		buf = buf[:0]
+		for i := range n {
+			if e, ok := conv(&s.Keys[i], &s.Vals[i]); ok {
+				buf = append(buf, e)
+			}
+		}
+		if len(buf) > 0 {
+			if err := fn(buf); err != nil {
+				return err
+			}
+		}
+	}
+}

@@ -26,7 +26,17 @@ const (
 	// HookToVM is TC egress of the same interface: packets delivered to
 	// the VM. Replies get their VIP back here.
 	HookToVM Hook = 2
+	// HookNSIn is TC ingress of a north-south interface: clients outside
+	// the node reach north-south VIPs here, and remote backends' replies
+	// to the SNAT address are translated back.
+	HookNSIn Hook = 3
+	// HookNSOut is TC egress of a north-south interface: the reverse path
+	// for replies to the SNAT address that met no ingress hook of ours.
+	HookNSOut Hook = 4
 )
+
+// Hooks lists every hook.
+var Hooks = []Hook{HookFromVM, HookToVM, HookNSIn, HookNSOut}
 
 func (h Hook) String() string {
 	switch h {
@@ -34,6 +44,10 @@ func (h Hook) String() string {
 		return "from_vm"
 	case HookToVM:
 		return "to_vm"
+	case HookNSIn:
+		return "ns_in"
+	case HookNSOut:
+		return "ns_out"
 	}
 	return fmt.Sprintf("hook(%d)", uint8(h))
 }
@@ -44,11 +58,15 @@ func (h Hook) program() (string, error) {
 		return "fluxvm_from_vm", nil
 	case HookToVM:
 		return "fluxvm_to_vm", nil
+	case HookNSIn:
+		return "fluxvm_ns_in", nil
+	case HookNSOut:
+		return "fluxvm_ns_out", nil
 	}
 	return "", fmt.Errorf("bpf: %s: %w", h, ErrHook)
 }
 
-func (h Hook) ingress() bool { return h == HookFromVM }
+func (h Hook) ingress() bool { return h == HookFromVM || h == HookNSIn }
 
 // AttachMode is how a program is attached to TC.
 type AttachMode string
@@ -301,7 +319,7 @@ func (d *Datapath) Attachments() ([]Attachment, error) {
 		return nil, fmt.Errorf("bpf: attachments: %w", err)
 	}
 	for _, l := range links {
-		for _, hook := range []Hook{HookFromVM, HookToVM} {
+		for _, hook := range Hooks {
 			f, err := ourFilter(l, hook)
 			if err != nil || f == nil {
 				continue
@@ -325,7 +343,7 @@ func parseLinkPin(name string) (int, Hook, bool) {
 	if err != nil {
 		return 0, 0, false
 	}
-	for _, h := range []Hook{HookFromVM, HookToVM} {
+	for _, h := range Hooks {
 		if h.String() == hookName {
 			return index, h, true
 		}

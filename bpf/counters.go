@@ -26,24 +26,36 @@ const (
 	CounterMalformed  = Counter(serviceFluxvmCounterFLUXVM_CNT_MALFORMED)
 	CounterParseLimit = Counter(serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT)
 	CounterNATStale   = Counter(serviceFluxvmCounterFLUXVM_CNT_NAT_STALE)
+	// CounterHostRouted counts packets host_routing redirected after a
+	// FIB hit; CounterHostRouteFallback those it left to the host stack.
+	CounterHostRouted        = Counter(serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS)
+	CounterHostRouteFallback = Counter(serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS)
+	// CounterSNATRetry counts SNAT port candidates found taken.
+	CounterSNATRetry = Counter(serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES)
+	// CounterDSRForwarded counts packets DSR redirected toward a backend.
+	CounterDSRForwarded = Counter(serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
 )
 
 var counterNames = [NumCounters]string{
-	CounterIPv4:       "ipv4",
-	CounterIPv6:       "ipv6",
-	CounterTCP:        "tcp",
-	CounterUDP:        "udp",
-	CounterL4Other:    "l4_other",
-	CounterIPv6ExtHdr: "ipv6_exthdr",
-	CounterFragment:   "fragment",
-	CounterNonIP:      "non_ip",
-	CounterTruncated:  "truncated",
-	CounterMalformed:  "malformed",
-	CounterParseLimit: "parse_limit",
-	CounterNATStale:   "nat_stale",
+	CounterIPv4:              "ipv4",
+	CounterIPv6:              "ipv6",
+	CounterTCP:               "tcp",
+	CounterUDP:               "udp",
+	CounterL4Other:           "l4_other",
+	CounterIPv6ExtHdr:        "ipv6_exthdr",
+	CounterFragment:          "fragment",
+	CounterNonIP:             "non_ip",
+	CounterTruncated:         "truncated",
+	CounterMalformed:         "malformed",
+	CounterParseLimit:        "parse_limit",
+	CounterNATStale:          "nat_stale",
+	CounterHostRouted:        "host_routed_packets",
+	CounterHostRouteFallback: "host_route_fallbacks",
+	CounterSNATRetry:         "snat_retries",
+	CounterDSRForwarded:      "dsr_forwarded",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".
@@ -86,6 +98,14 @@ const (
 	DropCTUpdate       = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_CT_UPDATE)
 	DropNATUpdate      = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_NAT_UPDATE)
 	DropRewrite        = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_REWRITE)
+	// DropSNATFailed: no free SNAT port after the bounded retries, or no
+	// SNAT address for the family.
+	DropSNATFailed = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED)
+	// DropSNATConflict: the flow's SNAT port is now held by another flow
+	// (its mapping was evicted and the port reallocated).
+	DropSNATConflict = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_SNAT_CONFLICT)
+	// DropDSRNoRoute: DSR found no route, neighbour or TTL to the backend.
+	DropDSRNoRoute = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE)
 
 	// NumDropReasons is the size of the drop counter map; index 0 is unused.
 	NumDropReasons = int(serviceFluxvmDropReasonFLUXVM_DROP_MAX)
@@ -100,6 +120,9 @@ var dropNames = [NumDropReasons]string{
 	DropCTUpdate:       "ct_update",
 	DropNATUpdate:      "nat_update",
 	DropRewrite:        "rewrite",
+	DropSNATFailed:     "snat_failed",
+	DropSNATConflict:   "snat_conflict",
+	DropDSRNoRoute:     "dsr_no_route",
 }
 
 // String returns the reason's metric-style name, e.g. "no_backend".

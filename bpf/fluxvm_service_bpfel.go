@@ -26,19 +26,23 @@ type serviceFluxvmBackend struct {
 type serviceFluxvmCounter uint32
 
 const (
-	serviceFluxvmCounterFLUXVM_CNT_IPV4        serviceFluxvmCounter = 0
-	serviceFluxvmCounterFLUXVM_CNT_IPV6        serviceFluxvmCounter = 1
-	serviceFluxvmCounterFLUXVM_CNT_TCP         serviceFluxvmCounter = 2
-	serviceFluxvmCounterFLUXVM_CNT_UDP         serviceFluxvmCounter = 3
-	serviceFluxvmCounterFLUXVM_CNT_L4OTHER     serviceFluxvmCounter = 4
-	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR  serviceFluxvmCounter = 5
-	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT    serviceFluxvmCounter = 6
-	serviceFluxvmCounterFLUXVM_CNT_NON_IP      serviceFluxvmCounter = 7
-	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED   serviceFluxvmCounter = 8
-	serviceFluxvmCounterFLUXVM_CNT_MALFORMED   serviceFluxvmCounter = 9
-	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT serviceFluxvmCounter = 10
-	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE   serviceFluxvmCounter = 11
-	serviceFluxvmCounterFLUXVM_CNT_MAX         serviceFluxvmCounter = 12
+	serviceFluxvmCounterFLUXVM_CNT_IPV4                 serviceFluxvmCounter = 0
+	serviceFluxvmCounterFLUXVM_CNT_IPV6                 serviceFluxvmCounter = 1
+	serviceFluxvmCounterFLUXVM_CNT_TCP                  serviceFluxvmCounter = 2
+	serviceFluxvmCounterFLUXVM_CNT_UDP                  serviceFluxvmCounter = 3
+	serviceFluxvmCounterFLUXVM_CNT_L4OTHER              serviceFluxvmCounter = 4
+	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR           serviceFluxvmCounter = 5
+	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT             serviceFluxvmCounter = 6
+	serviceFluxvmCounterFLUXVM_CNT_NON_IP               serviceFluxvmCounter = 7
+	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED            serviceFluxvmCounter = 8
+	serviceFluxvmCounterFLUXVM_CNT_MALFORMED            serviceFluxvmCounter = 9
+	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT          serviceFluxvmCounter = 10
+	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE            serviceFluxvmCounter = 11
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS  serviceFluxvmCounter = 12
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS serviceFluxvmCounter = 13
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES         serviceFluxvmCounter = 14
+	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED        serviceFluxvmCounter = 15
+	serviceFluxvmCounterFLUXVM_CNT_MAX                  serviceFluxvmCounter = 16
 )
 
 type serviceFluxvmCtValue struct {
@@ -50,8 +54,9 @@ type serviceFluxvmCtValue struct {
 	DeadlineNs uint64
 	State      uint8
 	Flags      uint8
-	Pad0       uint16
+	NatPort    uint16
 	Pad1       uint32
+	NatAddr    [4]uint32
 }
 
 type serviceFluxvmDropReason uint32
@@ -65,7 +70,10 @@ const (
 	serviceFluxvmDropReasonFLUXVM_DROP_CT_UPDATE       serviceFluxvmDropReason = 5
 	serviceFluxvmDropReasonFLUXVM_DROP_NAT_UPDATE      serviceFluxvmDropReason = 6
 	serviceFluxvmDropReasonFLUXVM_DROP_REWRITE         serviceFluxvmDropReason = 7
-	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 8
+	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED     serviceFluxvmDropReason = 8
+	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_CONFLICT   serviceFluxvmDropReason = 9
+	serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE    serviceFluxvmDropReason = 10
+	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 11
 )
 
 type serviceFluxvmEdgeSlot struct {
@@ -99,11 +107,38 @@ type serviceFluxvmNatValue struct {
 	_          structs.HostLayout
 	Vip        [4]uint32
 	Vport      uint16
-	Pad0       uint16
+	Flags      uint8
+	Pad0       uint8
 	ServiceId  uint32
 	BackendId  uint32
 	Pad1       uint32
 	LastSeenNs uint64
+	Client     [4]uint32
+	Cport      uint16
+	Pad2       uint16
+	Pad3       uint32
+}
+
+type serviceFluxvmSnatCfg struct {
+	_       structs.HostLayout
+	Addr4   uint32
+	Addr6   [4]uint32
+	PortMin uint16
+	PortMax uint16
+	Flags   uint32
+	Pad     uint32
+}
+
+type serviceFluxvmSnatTry struct {
+	_     structs.HostLayout
+	K4    serviceFluxvmTuple4
+	K6    serviceFluxvmTuple6
+	Nv    serviceFluxvmNatValue
+	Min   uint32
+	Range uint32
+	Cand  uint32
+	V6    uint32
+	Err   int64
 }
 
 type serviceFluxvmSvc4Key struct {
@@ -167,23 +202,27 @@ type serviceFluxvmTuple6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceMapFluxvmBackends  = "fluxvm_backends"
-	serviceMapFluxvmCounters  = "fluxvm_counters"
-	serviceMapFluxvmDrops     = "fluxvm_drops"
-	serviceMapFluxvmEdgeSlots = "fluxvm_edge_slots"
-	serviceMapFluxvmEdgeStats = "fluxvm_edge_stats"
-	serviceMapFluxvmFct4      = "fluxvm_fct4"
-	serviceMapFluxvmFct6      = "fluxvm_fct6"
-	serviceMapFluxvmMaglev    = "fluxvm_maglev"
-	serviceMapFluxvmMeta      = "fluxvm_meta"
-	serviceMapFluxvmNat4      = "fluxvm_nat4"
-	serviceMapFluxvmNat6      = "fluxvm_nat6"
-	serviceMapFluxvmSguard    = "fluxvm_sguard"
-	serviceMapFluxvmSvc4      = "fluxvm_svc4"
-	serviceMapFluxvmSvc6      = "fluxvm_svc6"
-	serviceMapFluxvmSvcStats  = "fluxvm_svc_stats"
-	serviceProgFluxvmFromVm   = "fluxvm_from_vm"
-	serviceProgFluxvmToVm     = "fluxvm_to_vm"
+	serviceMapFluxvmBackends    = "fluxvm_backends"
+	serviceMapFluxvmCounters    = "fluxvm_counters"
+	serviceMapFluxvmDrops       = "fluxvm_drops"
+	serviceMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
+	serviceMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceMapFluxvmFct4        = "fluxvm_fct4"
+	serviceMapFluxvmFct6        = "fluxvm_fct6"
+	serviceMapFluxvmMaglev      = "fluxvm_maglev"
+	serviceMapFluxvmMeta        = "fluxvm_meta"
+	serviceMapFluxvmNat4        = "fluxvm_nat4"
+	serviceMapFluxvmNat6        = "fluxvm_nat6"
+	serviceMapFluxvmSguard      = "fluxvm_sguard"
+	serviceMapFluxvmSnat        = "fluxvm_snat"
+	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceMapFluxvmSvc4        = "fluxvm_svc4"
+	serviceMapFluxvmSvc6        = "fluxvm_svc6"
+	serviceMapFluxvmSvcStats    = "fluxvm_svc_stats"
+	serviceProgFluxvmFromVm     = "fluxvm_from_vm"
+	serviceProgFluxvmNsIn       = "fluxvm_ns_in"
+	serviceProgFluxvmNsOut      = "fluxvm_ns_out"
+	serviceProgFluxvmToVm       = "fluxvm_to_vm"
 )
 
 // loadService returns the embedded CollectionSpec for service.
@@ -229,6 +268,8 @@ type serviceSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceProgramSpecs struct {
 	FluxvmFromVm *ebpf.ProgramSpec `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.ProgramSpec `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.ProgramSpec `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.ProgramSpec `ebpf:"fluxvm_to_vm"`
 }
 
@@ -236,21 +277,23 @@ type serviceProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceMapSpecs struct {
-	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -279,21 +322,23 @@ func (o *serviceObjects) Close() error {
 //
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceMaps struct {
-	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceMaps) Close() error {
@@ -310,6 +355,8 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmSguard,
+		m.FluxvmSnat,
+		m.FluxvmSnatScratch,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,
@@ -327,12 +374,16 @@ type serviceVariables struct {
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type servicePrograms struct {
 	FluxvmFromVm *ebpf.Program `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.Program `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.Program `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.Program `ebpf:"fluxvm_to_vm"`
 }
 
 func (p *servicePrograms) Close() error {
 	return _ServiceClose(
 		p.FluxvmFromVm,
+		p.FluxvmNsIn,
+		p.FluxvmNsOut,
 		p.FluxvmToVm,
 	)
 }

@@ -16,23 +16,27 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceTierLMapFluxvmBackends  = "fluxvm_backends"
-	serviceTierLMapFluxvmCounters  = "fluxvm_counters"
-	serviceTierLMapFluxvmDrops     = "fluxvm_drops"
-	serviceTierLMapFluxvmEdgeSlots = "fluxvm_edge_slots"
-	serviceTierLMapFluxvmEdgeStats = "fluxvm_edge_stats"
-	serviceTierLMapFluxvmFct4      = "fluxvm_fct4"
-	serviceTierLMapFluxvmFct6      = "fluxvm_fct6"
-	serviceTierLMapFluxvmMaglev    = "fluxvm_maglev"
-	serviceTierLMapFluxvmMeta      = "fluxvm_meta"
-	serviceTierLMapFluxvmNat4      = "fluxvm_nat4"
-	serviceTierLMapFluxvmNat6      = "fluxvm_nat6"
-	serviceTierLMapFluxvmSguard    = "fluxvm_sguard"
-	serviceTierLMapFluxvmSvc4      = "fluxvm_svc4"
-	serviceTierLMapFluxvmSvc6      = "fluxvm_svc6"
-	serviceTierLMapFluxvmSvcStats  = "fluxvm_svc_stats"
-	serviceTierLProgFluxvmFromVm   = "fluxvm_from_vm"
-	serviceTierLProgFluxvmToVm     = "fluxvm_to_vm"
+	serviceTierLMapFluxvmBackends    = "fluxvm_backends"
+	serviceTierLMapFluxvmCounters    = "fluxvm_counters"
+	serviceTierLMapFluxvmDrops       = "fluxvm_drops"
+	serviceTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
+	serviceTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceTierLMapFluxvmFct4        = "fluxvm_fct4"
+	serviceTierLMapFluxvmFct6        = "fluxvm_fct6"
+	serviceTierLMapFluxvmMaglev      = "fluxvm_maglev"
+	serviceTierLMapFluxvmMeta        = "fluxvm_meta"
+	serviceTierLMapFluxvmNat4        = "fluxvm_nat4"
+	serviceTierLMapFluxvmNat6        = "fluxvm_nat6"
+	serviceTierLMapFluxvmSguard      = "fluxvm_sguard"
+	serviceTierLMapFluxvmSnat        = "fluxvm_snat"
+	serviceTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceTierLMapFluxvmSvc4        = "fluxvm_svc4"
+	serviceTierLMapFluxvmSvc6        = "fluxvm_svc6"
+	serviceTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
+	serviceTierLProgFluxvmFromVm     = "fluxvm_from_vm"
+	serviceTierLProgFluxvmNsIn       = "fluxvm_ns_in"
+	serviceTierLProgFluxvmNsOut      = "fluxvm_ns_out"
+	serviceTierLProgFluxvmToVm       = "fluxvm_to_vm"
 )
 
 // loadServiceTierL returns the embedded CollectionSpec for serviceTierL.
@@ -78,6 +82,8 @@ type serviceTierLSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierLProgramSpecs struct {
 	FluxvmFromVm *ebpf.ProgramSpec `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.ProgramSpec `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.ProgramSpec `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.ProgramSpec `ebpf:"fluxvm_to_vm"`
 }
 
@@ -85,21 +91,23 @@ type serviceTierLProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierLMapSpecs struct {
-	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceTierLVariableSpecs contains global variables before they are loaded into the kernel.
@@ -128,21 +136,23 @@ func (o *serviceTierLObjects) Close() error {
 //
 // It can be passed to loadServiceTierLObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierLMaps struct {
-	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceTierLMaps) Close() error {
@@ -159,6 +169,8 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmSguard,
+		m.FluxvmSnat,
+		m.FluxvmSnatScratch,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,
@@ -176,12 +188,16 @@ type serviceTierLVariables struct {
 // It can be passed to loadServiceTierLObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierLPrograms struct {
 	FluxvmFromVm *ebpf.Program `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.Program `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.Program `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.Program `ebpf:"fluxvm_to_vm"`
 }
 
 func (p *serviceTierLPrograms) Close() error {
 	return _ServiceTierLClose(
 		p.FluxvmFromVm,
+		p.FluxvmNsIn,
+		p.FluxvmNsOut,
 		p.FluxvmToVm,
 	)
 }

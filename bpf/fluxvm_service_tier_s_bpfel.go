@@ -16,23 +16,27 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceTierSMapFluxvmBackends  = "fluxvm_backends"
-	serviceTierSMapFluxvmCounters  = "fluxvm_counters"
-	serviceTierSMapFluxvmDrops     = "fluxvm_drops"
-	serviceTierSMapFluxvmEdgeSlots = "fluxvm_edge_slots"
-	serviceTierSMapFluxvmEdgeStats = "fluxvm_edge_stats"
-	serviceTierSMapFluxvmFct4      = "fluxvm_fct4"
-	serviceTierSMapFluxvmFct6      = "fluxvm_fct6"
-	serviceTierSMapFluxvmMaglev    = "fluxvm_maglev"
-	serviceTierSMapFluxvmMeta      = "fluxvm_meta"
-	serviceTierSMapFluxvmNat4      = "fluxvm_nat4"
-	serviceTierSMapFluxvmNat6      = "fluxvm_nat6"
-	serviceTierSMapFluxvmSguard    = "fluxvm_sguard"
-	serviceTierSMapFluxvmSvc4      = "fluxvm_svc4"
-	serviceTierSMapFluxvmSvc6      = "fluxvm_svc6"
-	serviceTierSMapFluxvmSvcStats  = "fluxvm_svc_stats"
-	serviceTierSProgFluxvmFromVm   = "fluxvm_from_vm"
-	serviceTierSProgFluxvmToVm     = "fluxvm_to_vm"
+	serviceTierSMapFluxvmBackends    = "fluxvm_backends"
+	serviceTierSMapFluxvmCounters    = "fluxvm_counters"
+	serviceTierSMapFluxvmDrops       = "fluxvm_drops"
+	serviceTierSMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
+	serviceTierSMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceTierSMapFluxvmFct4        = "fluxvm_fct4"
+	serviceTierSMapFluxvmFct6        = "fluxvm_fct6"
+	serviceTierSMapFluxvmMaglev      = "fluxvm_maglev"
+	serviceTierSMapFluxvmMeta        = "fluxvm_meta"
+	serviceTierSMapFluxvmNat4        = "fluxvm_nat4"
+	serviceTierSMapFluxvmNat6        = "fluxvm_nat6"
+	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
+	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
+	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceTierSMapFluxvmSvc4        = "fluxvm_svc4"
+	serviceTierSMapFluxvmSvc6        = "fluxvm_svc6"
+	serviceTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
+	serviceTierSProgFluxvmFromVm     = "fluxvm_from_vm"
+	serviceTierSProgFluxvmNsIn       = "fluxvm_ns_in"
+	serviceTierSProgFluxvmNsOut      = "fluxvm_ns_out"
+	serviceTierSProgFluxvmToVm       = "fluxvm_to_vm"
 )
 
 // loadServiceTierS returns the embedded CollectionSpec for serviceTierS.
@@ -78,6 +82,8 @@ type serviceTierSSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierSProgramSpecs struct {
 	FluxvmFromVm *ebpf.ProgramSpec `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.ProgramSpec `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.ProgramSpec `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.ProgramSpec `ebpf:"fluxvm_to_vm"`
 }
 
@@ -85,21 +91,23 @@ type serviceTierSProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierSMapSpecs struct {
-	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceTierSVariableSpecs contains global variables before they are loaded into the kernel.
@@ -128,21 +136,23 @@ func (o *serviceTierSObjects) Close() error {
 //
 // It can be passed to loadServiceTierSObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierSMaps struct {
-	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
-	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceTierSMaps) Close() error {
@@ -159,6 +169,8 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmSguard,
+		m.FluxvmSnat,
+		m.FluxvmSnatScratch,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,
@@ -176,12 +188,16 @@ type serviceTierSVariables struct {
 // It can be passed to loadServiceTierSObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierSPrograms struct {
 	FluxvmFromVm *ebpf.Program `ebpf:"fluxvm_from_vm"`
+	FluxvmNsIn   *ebpf.Program `ebpf:"fluxvm_ns_in"`
+	FluxvmNsOut  *ebpf.Program `ebpf:"fluxvm_ns_out"`
 	FluxvmToVm   *ebpf.Program `ebpf:"fluxvm_to_vm"`
 }
 
 func (p *serviceTierSPrograms) Close() error {
 	return _ServiceTierSClose(
 		p.FluxvmFromVm,
+		p.FluxvmNsIn,
+		p.FluxvmNsOut,
 		p.FluxvmToVm,
 	)
 }

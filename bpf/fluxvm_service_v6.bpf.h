@@ -35,7 +35,11 @@ enum fluxvm_counter {
 	FLUXVM_CNT_MALFORMED = 9,   /* a header field is invalid */
 	FLUXVM_CNT_PARSE_LIMIT = 10, /* beyond the parser's bounds (see lib/parse.h) */
 	FLUXVM_CNT_NAT_STALE = 11,  /* stale reverse-NAT entry dropped on a foreign SYN-ACK */
-	FLUXVM_CNT_MAX = 12,
+	FLUXVM_CNT_HOST_ROUTED_PACKETS = 12,/* host_routing: redirected after a FIB hit */
+	FLUXVM_CNT_HOST_ROUTE_FALLBACKS = 13, /* host_routing: FIB miss, left to the host stack */
+	FLUXVM_CNT_SNAT_RETRIES = 14, /* an SNAT port candidate was taken; another was tried */
+	FLUXVM_CNT_DSR_FORWARDED = 15, /* DSR packet redirected toward its backend */
+	FLUXVM_CNT_MAX = 16,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -48,7 +52,10 @@ enum fluxvm_drop_reason {
 	FLUXVM_DROP_CT_UPDATE = 5,       /* the conntrack entry could not be written */
 	FLUXVM_DROP_NAT_UPDATE = 6,      /* the reverse-NAT entry could not be written */
 	FLUXVM_DROP_REWRITE = 7,         /* a packet rewrite helper failed */
-	FLUXVM_DROP_MAX = 8,
+	FLUXVM_DROP_SNAT_FAILED = 8,     /* no free SNAT port after the bounded retries, or no SNAT address */
+	FLUXVM_DROP_SNAT_CONFLICT = 9,   /* the flow's SNAT port is now held by another flow */
+	FLUXVM_DROP_DSR_NO_ROUTE = 10,   /* DSR: no route, neighbour or TTL toward the backend */
+	FLUXVM_DROP_MAX = 11,
 };
 
 /* Address family tags used in map values. */
@@ -76,7 +83,11 @@ struct fluxvm_svc6_key {
 };
 _Static_assert(sizeof(struct fluxvm_svc6_key) == 20, "fluxvm_svc6_key size");
 
-#define FLUXVM_SVC_F_VIP_MARKER (1U << 0) /* the (VIP, 0, proto) entry */
+#define FLUXVM_SVC_F_VIP_MARKER (1U << 0)  /* the (VIP, 0, proto) entry */
+#define FLUXVM_SVC_F_NORTH_SOUTH (1U << 1) /* served on north-south interfaces */
+#define FLUXVM_SVC_F_NO_EAST_WEST (1U << 2) /* not served on VM edges */
+#define FLUXVM_SVC_F_DSR (1U << 3)         /* routed DSR instead of NAT */
+#define FLUXVM_SVC_F_HOST_ROUTING (1U << 4) /* FIB lookup and redirect after NAT */
 
 struct fluxvm_svc_value {
 	__u32 service_id;  /* index into fluxvm_maglev, fluxvm_sguard, stats */
@@ -118,7 +129,8 @@ _Static_assert(sizeof(struct fluxvm_backend) == 32, "fluxvm_backend size");
 /*
  * Flow tuples, as the packet carries them. Conntrack (fluxvm_fct4/6) keys
  * the client's view: client -> VIP. Reverse NAT (fluxvm_nat4/6) keys the
- * reply's view: backend -> client.
+ * reply's view: backend -> client, where for a north-south flow with SNAT
+ * the "client" is the SNAT address and port the backend sees.
  */
 struct fluxvm_tuple4 {
 	__be32 saddr;
@@ -156,22 +168,56 @@ struct fluxvm_ct_value {
 	__u64 last_seen_ns;  /* refreshed at most once per FLUXVM_CT_REFRESH_NS */
 	__u64 deadline_ns;   /* expiry for userspace GC, from the state's timeout */
 	__u8 state;          /* enum fluxvm_ct_state */
-	__u8 flags;
-	__u16 pad0;
+	__u8 flags;          /* FLUXVM_CT_F_* */
+	__be16 nat_port;     /* SNAT: the source port the backend sees */
 	__u32 pad1;
+	__be32 nat_addr[4];  /* SNAT: the source address the backend sees */
 };
-_Static_assert(sizeof(struct fluxvm_ct_value) == 40, "fluxvm_ct_value size");
+_Static_assert(sizeof(struct fluxvm_ct_value) == 56, "fluxvm_ct_value size");
+
+#define FLUXVM_CT_F_SNAT (1U << 0) /* north-south NAT: source translated too */
+#define FLUXVM_CT_F_DSR (1U << 1)  /* routed DSR: nothing translated */
 
 struct fluxvm_nat_value {
 	__be32 vip[4];       /* IPv4 uses vip[0] */
 	__be16 vport;
-	__u16 pad0;
+	__u8 flags;          /* FLUXVM_NAT_F_* */
+	__u8 pad0;
 	__u32 service_id;
 	__u32 backend_id;
 	__u32 pad1;
 	__u64 last_seen_ns;  /* refresh throttle for the reply direction */
+	__be32 client[4];    /* SNAT: the client's own address, restored on replies */
+	__be16 cport;        /* SNAT: the client's own port */
+	__u16 pad2;
+	__u32 pad3;
 };
-_Static_assert(sizeof(struct fluxvm_nat_value) == 40, "fluxvm_nat_value size");
+_Static_assert(sizeof(struct fluxvm_nat_value) == 64, "fluxvm_nat_value size");
+
+#define FLUXVM_NAT_F_SNAT (1U << 0)         /* the key's destination is the SNAT address */
+#define FLUXVM_NAT_F_HOST_ROUTING (1U << 1) /* replies take the FIB fast path */
+
+/*
+ * North-south source NAT (fluxvm_snat, one entry at key 0): the addresses
+ * the backend sees as the client, and the port range to allocate from.
+ * Ports are host order; a range with port_min > port_max or no address for
+ * the family makes every new north-south NAT flow drop (SNAT_FAILED).
+ */
+#define FLUXVM_SNAT_F_V4 (1U << 0)
+#define FLUXVM_SNAT_F_V6 (1U << 1)
+
+struct fluxvm_snat_cfg {
+	__be32 addr4;
+	__be32 addr6[4];
+	__u16 port_min;
+	__u16 port_max;
+	__u32 flags;         /* FLUXVM_SNAT_F_* */
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_snat_cfg) == 32, "fluxvm_snat_cfg size");
+
+/* Candidate ports tried for one new SNAT mapping before the flow drops. */
+#define FLUXVM_SNAT_TRIES 32
 
 /* Per-service counters (per-CPU array fluxvm_svc_stats by service id). */
 struct fluxvm_svc_stats_value {

@@ -27,14 +27,57 @@ type (
 	ServiceStats = serviceFluxvmSvcStatsValue
 	Meta         = serviceFluxvmMetaValue
 	EdgeSlot     = serviceFluxvmEdgeSlot
+	SNATConfig   = serviceFluxvmSnatCfg
 )
 
 // EdgeSlotMask selects the fluxvm_edge_slots entry of an ifindex.
 const EdgeSlotMask = 0xffff
 
-// SvcFlagVIPMarker marks the (VIP, 0, protocol) frontend entry that lets the
-// datapath recognise fragments addressed to a VIP.
-const SvcFlagVIPMarker = 1 << 0
+// SvcValue.Flags (C FLUXVM_SVC_F_*).
+const (
+	// SvcFlagVIPMarker marks the (VIP, 0, protocol) frontend entry that
+	// lets the datapath recognise fragments addressed to a VIP.
+	SvcFlagVIPMarker = 1 << 0
+	// SvcFlagNorthSouth serves the frontend on north-south interfaces
+	// (DNAT + SNAT, or DSR).
+	SvcFlagNorthSouth = 1 << 1
+	// SvcFlagNoEastWest keeps the frontend off VM edges.
+	SvcFlagNoEastWest = 1 << 2
+	// SvcFlagDSR forwards by routed DSR instead of NAT.
+	SvcFlagDSR = 1 << 3
+	// SvcFlagHostRouting forwards translated packets by FIB lookup and
+	// redirect (a miss falls through to the host stack).
+	SvcFlagHostRouting = 1 << 4
+)
+
+// CTValue.Flags (C FLUXVM_CT_F_*).
+const (
+	// CTFlagSNAT marks a north-south NAT flow: its source is translated
+	// to NATAddr/NATPort as well.
+	CTFlagSNAT = 1 << 0
+	// CTFlagDSR marks a routed DSR flow: nothing is translated and there
+	// is no reverse-NAT half.
+	CTFlagDSR = 1 << 1
+)
+
+// NATValue.Flags (C FLUXVM_NAT_F_*).
+const (
+	// NATFlagSNAT marks an SNAT mapping: the key's destination is the
+	// SNAT address and port, Client/Cport hold the client's own.
+	NATFlagSNAT = 1 << 0
+	// NATFlagHostRouting sends translated replies by FIB lookup.
+	NATFlagHostRouting = 1 << 1
+)
+
+// SNATConfig.Flags (C FLUXVM_SNAT_F_*).
+const (
+	SNATFlagV4 = 1 << 0 // Addr4 is set
+	SNATFlagV6 = 1 << 1 // Addr6 is set
+)
+
+// SNATTries is how many candidate ports a new SNAT mapping tries before
+// the flow drops with DropSNATFailed.
+const SNATTries = 32
 
 // GuardOpen is the guard state that lets a service forward; every other
 // value, including the zero value of a never-written guard, drops.

@@ -30,11 +30,12 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_backend", 32, Backend{}},
 		{"fluxvm_tuple4", 16, Tuple4{}},
 		{"fluxvm_tuple6", 40, Tuple6{}},
-		{"fluxvm_ct_value", 40, CTValue{}},
-		{"fluxvm_nat_value", 40, NATValue{}},
+		{"fluxvm_ct_value", 56, CTValue{}},
+		{"fluxvm_nat_value", 64, NATValue{}},
 		{"fluxvm_svc_stats_value", 64, ServiceStats{}},
 		{"fluxvm_meta_value", 48, Meta{}},
 		{"fluxvm_edge_slot", 8, EdgeSlot{}},
+		{"fluxvm_snat_cfg", 32, SNATConfig{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

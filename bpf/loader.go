@@ -19,7 +19,11 @@ import (
 // state written by an older generation keeps its lifecycle maps (conntrack
 // and reverse NAT) across the reload; every other map is recreated, which
 // leaves each service guard closed until the control plane reprograms it.
-const ProgramGeneration = 1
+//
+// Generation 2 added the north-south hooks (SNAT, DSR, host routing); its
+// conntrack and reverse-NAT values grew at the end, and the reload carries
+// generation-1 entries over zero-extended (see migrate).
+const ProgramGeneration = 2
 
 // DefaultPinRoot is the pin root a node uses unless told otherwise.
 const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"
@@ -451,18 +455,24 @@ func compatible(m *ebpf.Map, spec *ebpf.MapSpec) bool {
 // migrate copies the entries of old into new and returns how many arrived
 // and how many did not. The count is taken from new afterwards, because an
 // LRU map makes room by evicting rather than refusing an insert.
+//
+// Lifecycle values only ever grow at the end, with zero meaning what the
+// older layout meant (an east-west flow), so a value shorter than the new
+// layout is carried over zero-extended. Keys must match exactly.
 func migrate(old, new *ebpf.Map) (moved, dropped int, err error) {
 	total, err := countEntries(old)
 	if err != nil {
 		return 0, 0, err
 	}
-	if old.KeySize() == new.KeySize() && old.ValueSize() == new.ValueSize() {
+	if old.KeySize() == new.KeySize() && old.ValueSize() <= new.ValueSize() {
 		k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+		nv := make([]byte, new.ValueSize())
 		it := old.Iterate()
 		for it.Next(&k, &v) {
+			copy(nv, v)
 			// A full hash map refuses; the entry is then counted as
 			// not migrated below.
-			_ = new.Update(k, v, ebpf.UpdateNoExist)
+			_ = new.Update(k, nv, ebpf.UpdateNoExist)
 		}
 		if err := it.Err(); err != nil {
 			return 0, 0, err

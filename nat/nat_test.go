@@ -2,6 +2,7 @@ package nat
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -12,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/mapscan"
 	"github.com/fluxvm/servicefabric/internal/pkt"
 	"github.com/fluxvm/servicefabric/internal/testenv"
@@ -36,6 +38,7 @@ func monoNow(t testing.TB) time.Duration {
 
 func TestNewRejectsForeignMaps(t *testing.T) {
 	testenv.RequirePrivileged(t)
+	nv := uint32(binary.Size(bpf.NATValue{}))
 	mk := func(typ ebpf.MapType, k, v uint32) *ebpf.Map {
 		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: typ, KeySize: k, ValueSize: v, MaxEntries: 16})
 		if err != nil {
@@ -45,27 +48,27 @@ func TestNewRejectsForeignMaps(t *testing.T) {
 		return m
 	}
 	named := func(name string, k uint32) *ebpf.Map {
-		m, err := ebpf.NewMap(&ebpf.MapSpec{Name: name, Type: ebpf.LRUHash, KeySize: k, ValueSize: 40, MaxEntries: 16})
+		m, err := ebpf.NewMap(&ebpf.MapSpec{Name: name, Type: ebpf.LRUHash, KeySize: k, ValueSize: nv, MaxEntries: 16})
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { m.Close() })
 		return m
 	}
-	good4, good6 := mk(ebpf.LRUHash, 16, 40), mk(ebpf.LRUHash, 40, 40)
+	good4, good6 := mk(ebpf.LRUHash, 16, nv), mk(ebpf.LRUHash, 40, nv)
 	tests := []struct {
 		name       string
 		nat4, nat6 *ebpf.Map
 		wantErr    bool
 	}{
 		{"real layouts", good4, good6, false},
-		{"plain hash is accepted", mk(ebpf.Hash, 16, 40), mk(ebpf.Hash, 40, 40), false},
+		{"plain hash is accepted", mk(ebpf.Hash, 16, nv), mk(ebpf.Hash, 40, nv), false},
 		{"nil nat4", nil, good6, true},
 		{"nil nat6", good4, nil, true},
 		{"families swapped", good6, good4, true},
-		{"array", mk(ebpf.Array, 4, 40), good6, true},
-		{"conntrack-sized value", good4, mk(ebpf.LRUHash, 40, 48), true},
-		{"short key", mk(ebpf.LRUHash, 12, 40), good6, true},
+		{"array", mk(ebpf.Array, 4, nv), good6, true},
+		{"conntrack-sized value", good4, mk(ebpf.LRUHash, 40, uint32(binary.Size(bpf.CTValue{}))), true},
+		{"short key", mk(ebpf.LRUHash, 12, nv), good6, true},
 		{"conntrack map of the same layout", named("fluxvm_fct4", 16), good6, true},
 		{"named right", named("fluxvm_nat4", 16), named("fluxvm_nat6", 40), false},
 	}

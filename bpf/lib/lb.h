@@ -11,6 +11,13 @@
  *     a new Maglev pick, never a blackhole;
  *   - no eligible backend, or the service guard closed: drop with a reason.
  *
+ * The same forward path serves two kinds of edge (a compile-time argument):
+ *   - the VM edge (east-west): DNAT only, or routed DSR;
+ *   - the north-south edge: DNAT plus SNAT to the node's SNAT address
+ *     (snat.h), or routed DSR.
+ * A service says where it is served with FLUXVM_SVC_F_NORTH_SOUTH and
+ * FLUXVM_SVC_F_NO_EAST_WEST; elsewhere its packets pass untouched.
+ *
  * Fragments addressed to a VIP are dropped (FLUXVM_DROP_FRAGMENT): later
  * fragments carry no ports, so translating only the first would send the
  * rest, untranslated, to the VIP. TCP avoids fragmentation with PMTU
@@ -25,6 +32,8 @@
 #include "hash.h"
 #include "ct.h"
 #include "nat.h"
+#include "snat.h"
+#include "fib.h"
 
 static __always_inline struct fluxvm_svc_value *
 fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
@@ -94,9 +103,60 @@ static __always_inline __u32 fluxvm_maglev_pick(__u32 sid, __u32 hash)
 	return id ? *id : 0;
 }
 
-/* Client -> VIP: pick or keep a backend and DNAT to it. */
+/* Where a forward path runs. */
+#define FLUXVM_EDGE_VM 0 /* VM-edge ingress: east-west clients */
+#define FLUXVM_EDGE_NS 1 /* north-south ingress: clients outside the node */
+
+static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, const int edge)
+{
+	if (edge == FLUXVM_EDGE_NS)
+		return svc->flags & FLUXVM_SVC_F_NORTH_SOUTH;
+	return !(svc->flags & FLUXVM_SVC_F_NO_EAST_WEST);
+}
+
+/*
+ * Routed DSR: the packet keeps the VIP as its destination and is forwarded
+ * toward the backend's address, which holds the VIP locally and answers the
+ * client directly. Without a route to the backend the packet is dropped:
+ * the host stack would route it by the VIP instead.
+ */
+static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb, const int v6,
+					      const struct fluxvm_backend *be,
+					      struct fluxvm_svc_stats_value *st,
+					      struct fluxvm_svc_stats_value *es)
+{
+	__be32 addr[4];
+	__u32 len = skb->len;
+	int ret;
+
+	__builtin_memcpy(addr, be->addr, 16);
+	ret = fluxvm_fib_redirect(skb, v6, addr);
+	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT)
+		return fluxvm_drop(FLUXVM_DROP_DSR_NO_ROUTE, st, es);
+	fluxvm_count(FLUXVM_CNT_DSR_FORWARDED);
+	fluxvm_count_translated(st, es, len, 0);
+	return ret;
+}
+
+/* host_routing: forward a translated packet ourselves; a FIB miss leaves it
+ * to the host stack (TC_ACT_OK), never a drop. */
+static __always_inline int fluxvm_host_route(struct __sk_buff *skb, const int v6)
+{
+	int ret = fluxvm_fib_redirect(skb, v6, NULL);
+
+	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT) {
+		fluxvm_count(FLUXVM_CNT_HOST_ROUTE_FALLBACKS);
+		return TC_ACT_OK;
+	}
+	fluxvm_count(FLUXVM_CNT_HOST_ROUTED_PACKETS);
+	return ret;
+}
+
+/* Client -> VIP: pick or keep a backend, then DNAT (and SNAT at the
+ * north-south edge) or forward it by DSR. */
 static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
-					     struct fluxvm_pkt *pkt, const int v6)
+					     struct fluxvm_pkt *pkt, const int v6,
+					     const int edge)
 {
 	struct fluxvm_tuple4 t4 = {};
 	struct fluxvm_tuple6 t6 = {};
@@ -108,23 +168,31 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	struct fluxvm_guard *guard;
 	struct fluxvm_backend *be;
 	struct fluxvm_meta_value *meta;
-	__u32 sid, bid, hash;
-	int failover = 0;
+	__be32 nat_addr[4] = {};
+	__be16 nat_port = 0;
+	__u32 sid, bid, hash, flags;
+	__u8 kind, nat_flags;
+	int failover = 0, dsr, snat, ret;
 	__u64 now;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return FLUXVM_TC_NEXT;
 	if (pkt->frag != FLUXVM_FRAG_NONE) {
 		svc = fluxvm_frontend(pkt, v6, 0);
-		if (!svc)
+		if (!svc || !fluxvm_svc_here(svc, edge))
 			return FLUXVM_TC_NEXT;
 		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id), fluxvm_edge(skb));
 	}
 	svc = fluxvm_frontend(pkt, v6, pkt->dport);
-	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER))
+	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, edge))
 		return FLUXVM_TC_NEXT;
 
 	sid = svc->service_id;
+	flags = svc->flags;
+	dsr = flags & FLUXVM_SVC_F_DSR;
+	snat = edge == FLUXVM_EDGE_NS && !dsr;
+	kind = dsr ? FLUXVM_CT_F_DSR : snat ? FLUXVM_CT_F_SNAT : 0;
+	nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
 	st = fluxvm_stats(sid);
 	es = fluxvm_edge(skb);
 	guard = bpf_map_lookup_elem(&fluxvm_sguard, &sid);
@@ -135,17 +203,29 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 
 	now = bpf_ktime_get_coarse_ns();
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	if (ct && ct->service_id == sid) {
+	/* An entry of another kind (the service changed mode) is relearned. */
+	if (ct && ct->service_id == sid && (ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) == kind) {
 		bid = ct->backend_id;
 		be = fluxvm_backend_get(bid);
 		if (fluxvm_backend_keeps(be, sid, now)) {
 			/* A fresh SYN on a closed entry is a new connection
 			 * reusing the tuple: it gets a fresh pick. */
 			if (!(fluxvm_tcp_is_syn(pkt) && ct->state >= FLUXVM_CT_TCP_FIN)) {
-				if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
-				    fluxvm_nat_ensure(pkt, v6, be, sid, bid, now))
+				int wrote = fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+
+				if (snat) {
+					ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
+					if (ret == FLUXVM_SNAT_CONFLICT)
+						return fluxvm_drop(FLUXVM_DROP_SNAT_CONFLICT, st, es);
+					if (ret)
+						return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+					__builtin_memcpy(nat_addr, ct->nat_addr, 16);
+					nat_port = ct->nat_port;
+				} else if (!dsr && wrote &&
+					   fluxvm_nat_ensure(pkt, v6, be, sid, bid, now, nat_flags)) {
 					return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-				goto rewrite;
+				}
+				goto out;
 			}
 		} else {
 			failover = 1;
@@ -162,18 +242,34 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	if (!be || be->service_id != sid || be->state != FLUXVM_BE_READY)
 		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
 
-	/* Learn both halves before the rewrite, whose helpers invalidate
-	 * packet pointers. */
+	/* Learn both halves before the rewrite or redirect, whose helpers
+	 * invalidate packet pointers; a half that cannot be written takes
+	 * the other with it. */
 	nct.service_id = sid;
 	nct.backend_id = bid;
 	nct.created_ns = now;
 	nct.last_seen_ns = now;
 	nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
 	nct.deadline_ns = now + fluxvm_timeout_ns(meta, nct.state);
-	if (bpf_map_update_elem(ct_map, ct_key, &nct, BPF_ANY))
+	nct.flags = dsr ? FLUXVM_CT_F_DSR : 0;
+	if (snat) {
+		ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, &nct);
+		if (ret == FLUXVM_SNAT_FAILED)
+			return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
+		if (ret)
+			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+		__builtin_memcpy(nat_addr, nct.nat_addr, 16);
+		nat_port = nct.nat_port;
+	}
+	if (bpf_map_update_elem(ct_map, ct_key, &nct, BPF_ANY)) {
+		if (snat)
+			fluxvm_snat_forget(pkt, v6, be, &nct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now))
+	}
+	if (!snat && !dsr && fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
+		bpf_map_delete_elem(ct_map, ct_key);
 		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+	}
 	if (st) {
 		st->new_flows++;
 		st->failovers += failover;
@@ -183,22 +279,47 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		es->failovers += failover;
 	}
 
-rewrite:
+out:
+	if (dsr)
+		return fluxvm_dsr_forward(skb, v6, be, st, es);
 	if (fluxvm_rewrite(skb, pkt, v6, 1, be->addr, be->port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	if (snat && fluxvm_rewrite(skb, pkt, v6, 0, nat_addr, nat_port))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, skb->len, 0);
+	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
+		return fluxvm_host_route(skb, v6);
 	/* TC_ACT_OK ends the chain: the VM policy program behind us never
 	 * sees the backend address and port. */
 	return TC_ACT_OK;
 }
 
+/* Which replies a reply path translates. */
+#define FLUXVM_REPLY_EW 0   /* VM-edge egress: replies to east-west clients */
+#define FLUXVM_REPLY_SNAT 1 /* ingress hooks, north-south egress: replies to the SNAT address */
+
+/* Is reverse-NAT entry @nat (the reply @pkt matched) the other half of
+ * conntrack entry @ct? */
+static __always_inline int fluxvm_ct_owns_nat(const struct fluxvm_ct_value *ct,
+					      const struct fluxvm_nat_value *nat,
+					      const struct fluxvm_pkt *pkt, int snat)
+{
+	if (ct->backend_id != nat->backend_id)
+		return 0;
+	if (!snat)
+		return !(ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR));
+	return (ct->flags & FLUXVM_CT_F_SNAT) && ct->nat_port == pkt->dport;
+}
+
 /*
  * Backend -> client: translate the source back to the VIP and port the
- * client used, and keep the conntrack half current (state changes, idle
- * deadline, and recreation if the LRU evicted it).
+ * client used (and, for SNAT, the destination back to the client), and
+ * keep the conntrack half current (state changes, idle deadline, and
+ * recreation if the LRU evicted it). @ingress allows host routing.
  */
 static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
-					   struct fluxvm_pkt *pkt, const int v6)
+					   struct fluxvm_pkt *pkt, const int v6,
+					   const int kind, const int ingress)
 {
 	struct fluxvm_tuple4 t4 = {}, c4 = {};
 	struct fluxvm_tuple6 t6 = {}, c6 = {};
@@ -209,18 +330,34 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_nat_value *nat;
 	struct fluxvm_ct_value *ct;
-	int synack;
+	__be32 client[4] = {};
+	__be16 cport;
+	int synack, snat;
+	__u8 nat_flags;
 	__u64 now;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return FLUXVM_TC_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
 		return FLUXVM_TC_NEXT;
+	if (kind == FLUXVM_REPLY_SNAT && !fluxvm_is_snat_addr(pkt->daddr, v6))
+		return FLUXVM_TC_NEXT;
 
 	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
 	nat = bpf_map_lookup_elem(nat_map, key);
 	if (!nat)
 		return FLUXVM_TC_NEXT;
+	nat_flags = nat->flags;
+	snat = nat_flags & FLUXVM_NAT_F_SNAT;
+	if (snat != (kind == FLUXVM_REPLY_SNAT))
+		return FLUXVM_TC_NEXT;
+	if (snat) {
+		__builtin_memcpy(client, nat->client, 16);
+		cport = nat->cport;
+	} else {
+		__builtin_memcpy(client, pkt->daddr, 16);
+		cport = pkt->dport;
+	}
 	st = fluxvm_stats(nat->service_id);
 	es = fluxvm_edge(skb);
 	if (pkt->frag != FLUXVM_FRAG_NONE)
@@ -233,15 +370,15 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	    (pkt->l4_proto == IPPROTO_TCP && (pkt->tcp_flags & (FLUXVM_TCP_FIN | FLUXVM_TCP_RST)))) {
 		/* The client's view of the flow. */
 		if (v6) {
-			__builtin_memcpy(c6.saddr, pkt->daddr, 16);
+			__builtin_memcpy(c6.saddr, client, 16);
 			__builtin_memcpy(c6.daddr, nat->vip, 16);
-			c6.sport = pkt->dport;
+			c6.sport = cport;
 			c6.dport = nat->vport;
 			c6.proto = pkt->l4_proto;
 		} else {
-			c4.saddr = pkt->daddr[0];
+			c4.saddr = client[0];
 			c4.daddr = nat->vip[0];
-			c4.sport = pkt->dport;
+			c4.sport = cport;
 			c4.dport = nat->vport;
 			c4.proto = pkt->l4_proto;
 		}
@@ -256,7 +393,8 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		 * conntrack half was evicted recovers: the client's SYN
 		 * retransmit learns both halves again.)
 		 */
-		if (synack && (!ct || ct->backend_id != nat->backend_id || ct->state != FLUXVM_CT_TCP_SYN)) {
+		if (synack && (!ct || !fluxvm_ct_owns_nat(ct, nat, pkt, snat) ||
+			       ct->state != FLUXVM_CT_TCP_SYN)) {
 			bpf_map_delete_elem(nat_map, key);
 			fluxvm_count(FLUXVM_CNT_NAT_STALE);
 			return FLUXVM_TC_NEXT;
@@ -265,7 +403,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		if (ct) {
 			/* After a failover the flow's conntrack names another
 			 * backend; this half is an orphan the GC removes. */
-			if (ct->backend_id == nat->backend_id)
+			if (fluxvm_ct_owns_nat(ct, nat, pkt, snat))
 				fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
 		} else {
 			struct fluxvm_ct_value nct = {
@@ -277,13 +415,22 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 
 			nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
 			nct.deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), nct.state);
+			if (snat) {
+				nct.flags = FLUXVM_CT_F_SNAT;
+				nct.nat_port = pkt->dport;
+				__builtin_memcpy(nct.nat_addr, pkt->daddr, 16);
+			}
 			bpf_map_update_elem(ct_map, ct_key, &nct, BPF_NOEXIST);
 		}
 	}
 
 	if (fluxvm_rewrite(skb, pkt, v6, 0, nat->vip, nat->vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	if (snat && fluxvm_rewrite(skb, pkt, v6, 1, client, cport))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, skb->len, 1);
+	if (ingress && (nat_flags & FLUXVM_NAT_F_HOST_ROUTING))
+		return fluxvm_host_route(skb, v6);
 	return TC_ACT_OK;
 }
 

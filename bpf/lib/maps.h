@@ -135,4 +135,11 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_meta SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_snat_cfg);
+	__uint(max_entries, 1);
+} fluxvm_snat SEC(".maps");
+
 #endif /* FLUXVM_LIB_MAPS_H */

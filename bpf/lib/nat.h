@@ -116,8 +116,8 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 	if (l4_off > FLUXVM_MAX_L4_OFF)
 		return -1;
 	csum_off = l4_off + (udp ? 6 : 16);
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
+	data = fluxvm_data(skb);
+	end = fluxvm_data_end(skb);
 
 	if (v6) {
 		struct ipv6hdr *ip6 = data + ETH_HLEN;
@@ -194,12 +194,13 @@ static __always_inline void fluxvm_nat_key(const struct fluxvm_pkt *pkt, const i
  * VIP the client used. */
 static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const int v6,
 					    const struct fluxvm_backend *be,
-					    __u32 sid, __u32 bid, __u64 now)
+					    __u32 sid, __u32 bid, __u64 now, __u8 flags)
 {
 	struct fluxvm_tuple4 k4 = {};
 	struct fluxvm_tuple6 k6 = {};
 	struct fluxvm_nat_value nv = {
 		.vport = pkt->dport,
+		.flags = flags,
 		.service_id = sid,
 		.backend_id = bid,
 		.last_seen_ns = now,
@@ -221,7 +222,7 @@ static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const 
  */
 static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const int v6,
 					     const struct fluxvm_backend *be,
-					     __u32 sid, __u32 bid, __u64 now)
+					     __u32 sid, __u32 bid, __u64 now, __u8 flags)
 {
 	struct fluxvm_tuple4 k4 = {};
 	struct fluxvm_tuple6 k6 = {};
@@ -231,7 +232,7 @@ static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const
 	nv = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &k6) : bpf_map_lookup_elem(&fluxvm_nat4, &k4);
 	if (nv)
 		return 0;
-	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now);
+	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now, flags);
 }
 
 #endif /* FLUXVM_LIB_NAT_H */

@@ -69,9 +69,9 @@ struct fluxvm_pkt {
  * area already; the pull is only paid for when they are not, because it may
  * copy the skb.
  *
- * The compiler barrier makes clang load skb->data afresh: reusing an older
- * load can make it emit a 32-bit move on the pointer, which the verifier
- * turns into a scalar and then refuses to dereference.
+ * The compiler barrier and fluxvm_data() make clang load skb->data afresh:
+ * reusing an older load can make it emit a 32-bit move on the pointer,
+ * which the verifier turns into a scalar and then refuses to dereference.
  */
 static __always_inline void *fluxvm_hdr(struct __sk_buff *skb, __u32 off,
 					__u32 len)
@@ -79,14 +79,14 @@ static __always_inline void *fluxvm_hdr(struct __sk_buff *skb, __u32 off,
 	void *data, *end;
 
 	asm volatile("" ::: "memory");
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
+	data = fluxvm_data(skb);
+	end = fluxvm_data_end(skb);
 	if (data + off + len <= end)
 		return data + off;
 	if (off + len > skb->len || bpf_skb_pull_data(skb, off + len))
 		return NULL;
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
+	data = fluxvm_data(skb);
+	end = fluxvm_data_end(skb);
 	if (data + off + len > end)
 		return NULL;
 	return data + off;

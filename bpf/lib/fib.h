@@ -1,0 +1,121 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Forwarding a packet ourselves: a FIB lookup in the node's routing table
+ * and a redirect to the interface it names, with the L2 header and the
+ * TTL/hop limit set as the kernel's forwarding path would set them.
+ *
+ * Used after NAT on services with host_routing (a miss leaves the packet to
+ * the host stack) and for routed DSR (the lookup is on the backend's
+ * address while the packet keeps the VIP; a miss drops). Both run on
+ * ingress hooks, after conntrack and reverse NAT were learned, because a
+ * redirect ends our say over the packet.
+ */
+#ifndef FLUXVM_LIB_FIB_H
+#define FLUXVM_LIB_FIB_H
+
+#include "parse.h"
+
+#define FLUXVM_AF_INET_KERNEL 2   /* AF_INET, as bpf_fib_lookup wants it */
+#define FLUXVM_AF_INET6_KERNEL 10 /* AF_INET6 */
+
+/* fluxvm_fib_redirect found no way to forward the packet. */
+#define FLUXVM_FIB_MISS -1
+
+/* ip_decrease_ttl: one less TTL and the header checksum patched (RFC 1624). */
+static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
+{
+	__u32 check = (__u32)iph->check;
+
+	check += (__u32)bpf_htons(0x0100);
+	iph->check = (__sum16)(check + (check >= 0xFFFF));
+	iph->ttl--;
+}
+
+/*
+ * Forward the packet to @dst (the packet's own destination when NULL) as
+ * the host would: FIB lookup from the interface the packet came in on, then
+ * a redirect with the neighbour's address, or through the kernel's
+ * neighbour resolution when it is not known yet. Returns the TC verdict of
+ * the redirect, or FLUXVM_FIB_MISS when the FIB has no forwarding answer
+ * (local destination, no route, forwarding disabled, MTU exceeded, or TTL
+ * about to expire: the host stack handles all of these properly, with
+ * ICMP errors where due). Nothing is written on a miss.
+ */
+static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int v6,
+					       const __be32 *dst)
+{
+	struct bpf_fib_lookup fib = {};
+	struct bpf_redir_neigh nh = {};
+	struct ethhdr *eth;
+	void *data, *end;
+	int rc;
+
+	data = fluxvm_data(skb);
+	end = fluxvm_data_end(skb);
+
+	fib.ifindex = skb->ingress_ifindex;
+	if (v6) {
+		struct ipv6hdr *ip6 = data + ETH_HLEN;
+
+		if ((void *)(ip6 + 1) > end || ip6->hop_limit <= 1)
+			return FLUXVM_FIB_MISS;
+		fib.family = FLUXVM_AF_INET6_KERNEL;
+		fib.tot_len = bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
+		__builtin_memcpy(fib.ipv6_src, &ip6->saddr, 16);
+		if (dst)
+			__builtin_memcpy(fib.ipv6_dst, dst, 16);
+		else
+			__builtin_memcpy(fib.ipv6_dst, &ip6->daddr, 16);
+	} else {
+		struct iphdr *iph = data + ETH_HLEN;
+
+		if ((void *)(iph + 1) > end || iph->ttl <= 1)
+			return FLUXVM_FIB_MISS;
+		fib.family = FLUXVM_AF_INET_KERNEL;
+		fib.tos = iph->tos;
+		fib.tot_len = bpf_ntohs(iph->tot_len);
+		fib.ipv4_src = iph->saddr;
+		fib.ipv4_dst = dst ? dst[0] : iph->daddr;
+	}
+
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+		return FLUXVM_FIB_MISS;
+
+	/* The helper does not move the packet, but re-derive the pointers
+	 * the verifier wants checked again after a call. */
+	data = fluxvm_data(skb);
+	end = fluxvm_data_end(skb);
+	eth = data;
+	if (v6) {
+		struct ipv6hdr *ip6 = data + ETH_HLEN;
+
+		if ((void *)(ip6 + 1) > end)
+			return FLUXVM_FIB_MISS;
+		ip6->hop_limit--;
+	} else {
+		struct iphdr *iph = data + ETH_HLEN;
+
+		if ((void *)(iph + 1) > end)
+			return FLUXVM_FIB_MISS;
+		fluxvm_ipv4_dec_ttl(iph);
+	}
+
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
+		__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
+		__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
+		return bpf_redirect(fib.ifindex, 0);
+	}
+	/* The next hop is known but its link-layer address is not (yet):
+	 * let the kernel resolve it and queue the packet meanwhile. */
+	if (v6) {
+		nh.nh_family = FLUXVM_AF_INET6_KERNEL;
+		__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+	} else {
+		nh.nh_family = FLUXVM_AF_INET_KERNEL;
+		nh.ipv4_nh = fib.ipv4_dst;
+	}
+	return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+}
+
+#endif /* FLUXVM_LIB_FIB_H */

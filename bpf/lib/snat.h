@@ -1,0 +1,254 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * North-south source NAT: a client outside the node reaches a backend as
+ * the node's SNAT address and a port allocated here, so that the backend's
+ * replies come back through us to be translated back.
+ *
+ * A mapping is the reverse-NAT entry keyed by the reply's view (backend
+ * address and port -> SNAT address and port). Allocation inserts that
+ * entry with BPF_NOEXIST: the kernel refuses a key that exists, so a port
+ * that a live mapping to the same backend tuple holds is never handed out
+ * again. A refused candidate counts FLUXVM_CNT_SNAT_RETRIES and the next one
+ * is random; after FLUXVM_SNAT_TRIES refusals the flow drops with
+ * FLUXVM_DROP_SNAT_FAILED. The first candidate is the client's own port
+ * when it lies in the range (so a client keeps its port while there is no
+ * clash), else one derived from the flow hash.
+ *
+ * The LRU may evict a mapping of a live flow under pressure, and another
+ * flow may then take its port. Every packet of a flow with SNAT therefore
+ * checks that its mapping is still its own: an evicted one is recreated,
+ * one taken by another flow drops the packet with FLUXVM_DROP_SNAT_CONFLICT
+ * instead of mixing two flows' replies.
+ */
+#ifndef FLUXVM_LIB_SNAT_H
+#define FLUXVM_LIB_SNAT_H
+
+#include "maps.h"
+#include "counters.h"
+#include "parse.h"
+
+#ifndef EEXIST
+#define EEXIST 17
+#endif
+
+/* Results of the SNAT helpers other than 0 (success). */
+#define FLUXVM_SNAT_FAILED 1   /* no address, empty range, or no free port */
+#define FLUXVM_SNAT_CONFLICT 2 /* the flow's port is held by another flow */
+#define FLUXVM_SNAT_ERROR 3    /* the map refused for another reason */
+
+static __always_inline struct fluxvm_snat_cfg *fluxvm_snat_cfg_get(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&fluxvm_snat, &zero);
+}
+
+/* Is @addr the SNAT address of its family? Replies are looked up only for
+ * packets to it, so other traffic pays one inlined array lookup. */
+static __always_inline int fluxvm_is_snat_addr(const __be32 *addr, const int v6)
+{
+	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
+
+	if (!cfg)
+		return 0;
+	if (v6)
+		return (cfg->flags & FLUXVM_SNAT_F_V6) && addr[0] == cfg->addr6[0] &&
+		       addr[1] == cfg->addr6[1] && addr[2] == cfg->addr6[2] &&
+		       addr[3] == cfg->addr6[3];
+	return (cfg->flags & FLUXVM_SNAT_F_V4) && addr[0] == cfg->addr4;
+}
+
+/* The mapping's key and value for the flow @pkt (client -> VIP) pinned to
+ * backend @be, translated to @snat_addr. The key's port is left to the
+ * caller. */
+static __always_inline void fluxvm_snat_entry(const struct fluxvm_pkt *pkt, const int v6,
+					      const struct fluxvm_backend *be,
+					      const __be32 *snat_addr,
+					      struct fluxvm_tuple4 *k4, struct fluxvm_tuple6 *k6,
+					      struct fluxvm_nat_value *nv)
+{
+	if (v6) {
+		__builtin_memcpy(k6->saddr, be->addr, 16);
+		__builtin_memcpy(k6->daddr, snat_addr, 16);
+		k6->sport = be->port;
+		k6->proto = pkt->l4_proto;
+		__builtin_memcpy(nv->vip, pkt->daddr, 16);
+		__builtin_memcpy(nv->client, pkt->saddr, 16);
+	} else {
+		k4->saddr = be->addr[0];
+		k4->daddr = snat_addr[0];
+		k4->sport = be->port;
+		k4->proto = pkt->l4_proto;
+		nv->vip[0] = pkt->daddr[0];
+		nv->client[0] = pkt->saddr[0];
+	}
+	nv->vport = pkt->dport;
+	nv->cport = pkt->sport;
+}
+
+/*
+ * State of one allocation, shared with the bpf_loop callback. It lives in a
+ * per-CPU scratch map rather than on the stack: the north-south program
+ * already uses most of its 512 bytes, and a program runs to completion on
+ * its CPU, so one slot per CPU is enough.
+ */
+struct fluxvm_snat_try {
+	struct fluxvm_tuple4 k4;
+	struct fluxvm_tuple6 k6;
+	struct fluxvm_nat_value nv;
+	__u32 min;
+	__u32 range;
+	__u32 cand;
+	__u32 v6;
+	__s64 err;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_snat_try);
+	__uint(max_entries, 1);
+} fluxvm_snat_scratch SEC(".maps");
+
+static __always_inline struct fluxvm_snat_try *fluxvm_snat_scratch_get(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&fluxvm_snat_scratch, &zero);
+}
+
+/*
+ * One candidate port. Run through bpf_loop so that the verifier checks the
+ * body once instead of once per try. Returns 1 (stop) on success or on an
+ * error other than "taken".
+ */
+static long fluxvm_snat_try_one(__u32 i, void *arg)
+{
+	struct fluxvm_snat_try *t = fluxvm_snat_scratch_get();
+	__be16 port;
+
+	if (!t || !t->range)
+		return 1;
+	port = bpf_htons((__u16)(t->min + t->cand % t->range));
+	t->k4.dport = port;
+	t->k6.dport = port;
+	t->err = t->v6 ? bpf_map_update_elem(&fluxvm_nat6, &t->k6, &t->nv, BPF_NOEXIST)
+		       : bpf_map_update_elem(&fluxvm_nat4, &t->k4, &t->nv, BPF_NOEXIST);
+	if (t->err != -EEXIST)
+		return 1;
+	fluxvm_count(FLUXVM_CNT_SNAT_RETRIES);
+	t->cand = bpf_get_prandom_u32();
+	return 0;
+}
+
+/*
+ * Allocate an SNAT port for a new flow and insert its mapping. On success
+ * the flow's conntrack value @nct gets the address and port. @nat_flags
+ * are extra FLUXVM_NAT_F_* for the mapping.
+ */
+static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const int v6,
+					     const struct fluxvm_backend *be, __u32 sid, __u32 bid,
+					     __u64 now, __u32 hash, __u8 nat_flags,
+					     struct fluxvm_ct_value *nct)
+{
+	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
+	struct fluxvm_snat_try *t = fluxvm_snat_scratch_get();
+	__be32 addr[4] = {};
+
+	if (!t || !cfg || cfg->port_min == 0 || cfg->port_min > cfg->port_max)
+		return FLUXVM_SNAT_FAILED;
+	__builtin_memset(t, 0, sizeof(*t));
+	t->nv.flags = FLUXVM_NAT_F_SNAT | nat_flags;
+	t->nv.service_id = sid;
+	t->nv.backend_id = bid;
+	t->nv.last_seen_ns = now;
+	t->v6 = v6;
+	t->err = -EEXIST;
+	if (v6) {
+		if (!(cfg->flags & FLUXVM_SNAT_F_V6))
+			return FLUXVM_SNAT_FAILED;
+		__builtin_memcpy(addr, cfg->addr6, 16);
+	} else {
+		if (!(cfg->flags & FLUXVM_SNAT_F_V4))
+			return FLUXVM_SNAT_FAILED;
+		addr[0] = cfg->addr4;
+	}
+	t->min = cfg->port_min;
+	t->range = (__u32)cfg->port_max - t->min + 1;
+	fluxvm_snat_entry(pkt, v6, be, addr, &t->k4, &t->k6, &t->nv);
+
+	t->cand = bpf_ntohs(pkt->sport);
+	t->cand = t->cand >= t->min && t->cand - t->min < t->range ? t->cand - t->min : hash;
+	bpf_loop(FLUXVM_SNAT_TRIES, fluxvm_snat_try_one, NULL, 0);
+	if (t->err == -EEXIST)
+		return FLUXVM_SNAT_FAILED;
+	if (t->err)
+		return FLUXVM_SNAT_ERROR;
+	nct->flags |= FLUXVM_CT_F_SNAT;
+	nct->nat_port = v6 ? t->k6.dport : t->k4.dport;
+	__builtin_memcpy(nct->nat_addr, addr, 16);
+	return 0;
+}
+
+/* Remove the mapping @nct names (both halves go together when the
+ * conntrack half could not be written). */
+static __always_inline void fluxvm_snat_forget(const struct fluxvm_pkt *pkt, const int v6,
+					       const struct fluxvm_backend *be,
+					       const struct fluxvm_ct_value *nct)
+{
+	struct fluxvm_tuple4 k4 = {};
+	struct fluxvm_tuple6 k6 = {};
+	struct fluxvm_nat_value nv = {};
+
+	fluxvm_snat_entry(pkt, v6, be, nct->nat_addr, &k4, &k6, &nv);
+	k4.dport = nct->nat_port;
+	k6.dport = nct->nat_port;
+	if (v6)
+		bpf_map_delete_elem(&fluxvm_nat6, &k6);
+	else
+		bpf_map_delete_elem(&fluxvm_nat4, &k4);
+}
+
+/*
+ * An established flow with SNAT: is its mapping (@ct's address and port,
+ * backend @be) still its own? An evicted mapping is recreated.
+ */
+static __always_inline int fluxvm_snat_check(const struct fluxvm_pkt *pkt, const int v6,
+					     const struct fluxvm_backend *be,
+					     const struct fluxvm_ct_value *ct, __u32 sid, __u32 bid,
+					     __u64 now, __u8 nat_flags)
+{
+	struct fluxvm_tuple4 k4 = {};
+	struct fluxvm_tuple6 k6 = {};
+	struct fluxvm_nat_value nv = {
+		.flags = FLUXVM_NAT_F_SNAT | nat_flags,
+		.service_id = sid,
+		.backend_id = bid,
+		.last_seen_ns = now,
+	};
+	struct fluxvm_nat_value *cur;
+	long err;
+
+	fluxvm_snat_entry(pkt, v6, be, ct->nat_addr, &k4, &k6, &nv);
+	k4.dport = ct->nat_port;
+	k6.dport = ct->nat_port;
+	cur = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &k6) : bpf_map_lookup_elem(&fluxvm_nat4, &k4);
+	if (cur) {
+		if (!(cur->flags & FLUXVM_NAT_F_SNAT) || cur->backend_id != bid ||
+		    cur->cport != pkt->sport || cur->vport != pkt->dport ||
+		    cur->client[0] != pkt->saddr[0] || cur->vip[0] != pkt->daddr[0])
+			return FLUXVM_SNAT_CONFLICT;
+		if (v6 && (cur->client[1] != pkt->saddr[1] || cur->client[2] != pkt->saddr[2] ||
+			   cur->client[3] != pkt->saddr[3] || cur->vip[1] != pkt->daddr[1] ||
+			   cur->vip[2] != pkt->daddr[2] || cur->vip[3] != pkt->daddr[3]))
+			return FLUXVM_SNAT_CONFLICT;
+		return 0;
+	}
+	err = v6 ? bpf_map_update_elem(&fluxvm_nat6, &k6, &nv, BPF_NOEXIST)
+		 : bpf_map_update_elem(&fluxvm_nat4, &k4, &nv, BPF_NOEXIST);
+	if (!err)
+		return 0;
+	return err == -EEXIST ? FLUXVM_SNAT_CONFLICT : FLUXVM_SNAT_ERROR;
+}
+
+#endif /* FLUXVM_LIB_SNAT_H */

@@ -53,7 +53,9 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	data = fluxvm_data(skb);
 	end = fluxvm_data_end(skb);
 
-	fib.ifindex = skb->ingress_ifindex;
+	/* On the ingress hooks that call this, the device is the one the
+	 * packet arrived on. */
+	fib.ifindex = skb->ifindex;
 	if (v6) {
 		struct ipv6hdr *ip6 = data + ETH_HLEN;
 

@@ -8,8 +8,8 @@
  * address and port -> SNAT address and port). Allocation inserts that
  * entry with BPF_NOEXIST: the kernel refuses a key that exists, so a port
  * that a live mapping to the same backend tuple holds is never handed out
- * again. A refused candidate counts FLUXVM_CNT_SNAT_RETRIES and the next one
- * is random; after FLUXVM_SNAT_TRIES refusals the flow drops with
+ * again. A refused candidate counts FLUXVM_CNT_SNAT_RETRIES; the second
+ * candidate is random and the following ones its neighbours; after FLUXVM_SNAT_TRIES refusals the flow drops with
  * FLUXVM_DROP_SNAT_FAILED. The first candidate is the client's own port
  * when it lies in the range (so a client keeps its port while there is no
  * clash), else one derived from the flow hash.
@@ -137,7 +137,10 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
 	if (t->err != -EEXIST)
 		return 1;
 	fluxvm_count(FLUXVM_CNT_SNAT_RETRIES);
-	t->cand = bpf_get_prandom_u32();
+	/* A random start, then its neighbours: independent of the preferred
+	 * port, and a range of up to FLUXVM_SNAT_TRIES - 1 ports is searched
+	 * completely. */
+	t->cand = i == 0 ? bpf_get_prandom_u32() : t->cand + 1;
 	return 0;
 }
 

@@ -388,6 +388,14 @@ func (d *Datapath) Remove() error {
 		for _, a := range as {
 			if a.Mode == AttachClsBPF {
 				errs = append(errs, d.Detach(Interface{Index: a.Ifindex}, a.Hook))
+				continue
+			}
+			// Closing the last descriptor of an unpinned link detaches
+			// it before Close returns; merely removing the pin would
+			// leave the kernel to release it later, so Remove could
+			// return with the programs still running.
+			if l, err := link.LoadPinnedLink(d.linkPin(a.Ifindex, a.Hook), nil); err == nil {
+				errs = append(errs, l.Unpin(), l.Close())
 			}
 		}
 	} else {

@@ -81,6 +81,47 @@ func (k Key) normal() (Key, error) {
 	return k, nil
 }
 
+// Kind is how the datapath forwards a flow, from the kind bits of the
+// conntrack value's flags (bpf.CTFlagSNAT, bpf.CTFlagDSR).
+type Kind uint8
+
+// Flow kinds. Entries written by program generation 1 have no flags and
+// are east-west flows, which is what they are.
+const (
+	// EastWest: DNAT to the backend; the reverse-NAT half is keyed by
+	// the client itself (backend -> client).
+	EastWest Kind = 0
+	// SNAT: north-south NAT; DNAT to the backend and SNAT of the source
+	// to Entry.SNAT. The reverse-NAT half is keyed by the SNAT address
+	// and port (backend -> Entry.SNAT) and carries the client as its
+	// origin.
+	SNAT Kind = bpf.CTFlagSNAT
+	// DSR: routed direct server return; nothing is translated and the
+	// flow has no reverse-NAT half.
+	DSR Kind = bpf.CTFlagDSR
+)
+
+// kindMask selects the kind bits of a conntrack value's flags. A value
+// with both bits set is no kind the datapath writes; it reads as
+// Kind(kindMask), has no reverse-NAT half GC could name, and the
+// datapath relearns the flow on its next packet.
+const kindMask = bpf.CTFlagSNAT | bpf.CTFlagDSR
+
+func (k Kind) String() string {
+	switch k {
+	case EastWest:
+		return "east-west"
+	case SNAT:
+		return "snat"
+	case DSR:
+		return "dsr"
+	}
+	return fmt.Sprintf("kind(%d)", uint8(k))
+}
+
+// hasNAT reports whether flows of kind k have a reverse-NAT half.
+func (k Kind) hasNAT() bool { return k == EastWest || k == SNAT }
+
 // Entry is one conntrack entry: which backend a flow is pinned to, in which
 // protocol state, and until when. Times are on CLOCK_MONOTONIC_COARSE (time
 // since boot; see Now), the clock the datapath stamps with.
@@ -92,6 +133,12 @@ type Entry struct {
 	Created   time.Duration // when the datapath learned the flow
 	LastSeen  time.Duration // last refresh; at most one a second per flow
 	Deadline  time.Duration // LastSeen + the timeout of State; GC removes the entry after it
+	// Kind is how the flow is forwarded: EastWest, SNAT or DSR.
+	Kind Kind
+	// SNAT is, for a flow of Kind SNAT, the address and port its source
+	// is translated to (the source the backend sees); the zero AddrPort
+	// for every other kind.
+	SNAT netip.AddrPort
 }
 
 // Expired reports whether GC at now removes the entry for its deadline.
@@ -102,12 +149,14 @@ type Filter struct {
 	Family     Family   // 0: both families
 	ServiceIDs []uint32 // nil: any service; empty but non-nil: none
 	BackendIDs []uint32 // nil: any backend; empty but non-nil: none
+	Kinds      []Kind   // nil: any kind; empty but non-nil: none
 }
 
 func (f Filter) matches(fam Family, v *bpf.CTValue) bool {
 	return (f.Family == 0 || f.Family == fam) &&
 		(f.ServiceIDs == nil || slices.Contains(f.ServiceIDs, v.ServiceId)) &&
-		(f.BackendIDs == nil || slices.Contains(f.BackendIDs, v.BackendId))
+		(f.BackendIDs == nil || slices.Contains(f.BackendIDs, v.BackendId)) &&
+		(f.Kinds == nil || slices.Contains(f.Kinds, kindOf(v)))
 }
 
 // Config names the maps a Map works on; all are required. The Map does not
@@ -227,9 +276,11 @@ func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
 
 // Delete removes the flow k: its conntrack entry and, when its backend is
 // still known, its reverse-NAT half, so that no half outlives the other.
-// It returns an error matching ErrNotFound when k has no entry. A flow
-// that is still sending is learned again by the datapath on its next
-// packet.
+// The NAT half is removed only while it still belongs to this flow (for an
+// SNAT flow: the mapping of its SNAT port names this client); a DSR flow
+// has none. It returns an error matching ErrNotFound when k has no entry.
+// A flow that is still sending is learned again by the datapath on its
+// next packet.
 func (m *Map) Delete(k Key) error {
 	k, err := k.normal()
 	if err != nil {
@@ -253,10 +304,14 @@ func (m *Map) Delete(k Key) error {
 		// of the NAT maps finds it as an orphan.
 		return nil
 	}
-	nk := natKey(k, &b)
-	// Delete the NAT half only if it is this flow's: a failover or a
-	// reused tuple may have given the key to another flow.
-	if e, err := m.nat.Lookup(nk); err == nil && e.BackendID == v.BackendId && e.VIP == k.VIP {
+	nk, ok := natKey(k, &v, &b)
+	if !ok {
+		return nil // DSR: no NAT half
+	}
+	// Delete the NAT half only if it is this flow's: a failover, a
+	// reused tuple or a reallocated SNAT port may have given the key to
+	// another flow.
+	if e, err := m.nat.Lookup(nk); err == nil && natOwnedBy(&e, k, &v) {
 		if err := m.nat.Delete(nk); err != nil && !errors.Is(err, nat.ErrNotFound) {
 			return fmt.Errorf("conntrack: delete %s: %w", k, err)
 		}
@@ -339,15 +394,49 @@ func owns(b *bpf.Backend, sid uint32) bool {
 	return bpf.BackendState(b.State) != bpf.BackendUnused && b.ServiceId == sid
 }
 
-// natKey names the reverse-NAT half of flow k pinned to backend b: the
-// reply from the backend to the client. The backend address is read in the
-// flow's family, as the datapath writes it.
-func natKey(k Key, b *bpf.Backend) nat.Key {
-	return nat.Key{
-		Backend: netip.AddrPortFrom(bpf.Addr(b.Addr, uint8(k.Family())), bpf.Port(b.Port)),
-		Client:  k.Client,
-		Proto:   k.Proto,
+// kindOf is the kind of conntrack value v.
+func kindOf(v *bpf.CTValue) Kind { return Kind(v.Flags & kindMask) }
+
+// snatOf is the SNAT address and port of conntrack value v of flow k, read
+// in the flow's family as the datapath writes them.
+func snatOf(k Key, v *bpf.CTValue) netip.AddrPort {
+	return netip.AddrPortFrom(bpf.Addr(v.NatAddr, uint8(k.Family())), bpf.Port(v.NatPort))
+}
+
+// backendAddr is backend b's address and port, read in family fam as the
+// datapath writes them.
+func backendAddr(fam Family, b *bpf.Backend) netip.AddrPort {
+	return netip.AddrPortFrom(bpf.Addr(b.Addr, uint8(fam)), bpf.Port(b.Port))
+}
+
+// natKey names the reverse-NAT half of flow k (conntrack value v) pinned
+// to backend b: the reply from the backend to the client, or for an SNAT
+// flow to the SNAT address and port. It reports false for flows without a
+// NAT half (DSR, or kind bits the datapath never writes).
+func natKey(k Key, v *bpf.CTValue, b *bpf.Backend) (nat.Key, bool) {
+	nk := nat.Key{Backend: backendAddr(k.Family(), b), Client: k.Client, Proto: k.Proto}
+	switch kindOf(v) {
+	case EastWest:
+		return nk, true
+	case SNAT:
+		nk.Client = snatOf(k, v)
+		return nk, true
 	}
+	return nat.Key{}, false
+}
+
+// natOwnedBy reports whether reverse-NAT entry e, found at the NAT key of
+// flow k (conntrack value v), is that flow's half: the same backend and
+// VIP, and for an SNAT flow a mapping back to this client. The datapath
+// makes the same check on every packet of an SNAT flow.
+func natOwnedBy(e *nat.Entry, k Key, v *bpf.CTValue) bool {
+	if e.BackendID != v.BackendId || e.VIP != k.VIP {
+		return false
+	}
+	if kindOf(v) == SNAT {
+		return e.SNAT && e.Origin == k.Client
+	}
+	return !e.SNAT
 }
 
 // The conversions between typed entries and the raw map layout.
@@ -365,8 +454,11 @@ func key6From(t *bpf.Tuple6) Key {
 	return Key{Client: c, VIP: v, Proto: t.Proto}
 }
 
+// entry decodes a raw entry. The SNAT words are read only for the SNAT
+// kind: generation-1 entries were zero-extended, and only the flag says
+// the words mean something.
 func entry(k Key, v *bpf.CTValue) Entry {
-	return Entry{
+	e := Entry{
 		Key:       k,
 		ServiceID: v.ServiceId,
 		BackendID: v.BackendId,
@@ -374,5 +466,10 @@ func entry(k Key, v *bpf.CTValue) Entry {
 		Created:   time.Duration(v.CreatedNs),
 		LastSeen:  time.Duration(v.LastSeenNs),
 		Deadline:  time.Duration(v.DeadlineNs),
+		Kind:      kindOf(v),
 	}
+	if e.Kind == SNAT {
+		e.SNAT = snatOf(k, v)
+	}
+	return e
 }

@@ -21,6 +21,22 @@
 // reverse-NAT entry keyed by the reply's view (backend -> client), which
 // turns replies back into packets from the VIP; see package nat.
 //
+// # Flow kinds
+//
+// Entry.Kind says how the flow is forwarded:
+//
+//   - EastWest: DNAT only, at the VM edge. NAT half (backend -> client).
+//   - SNAT: a north-south flow in NAT mode; the source is translated too,
+//     to Entry.SNAT (the node's SNAT address and a port allocated for the
+//     flow). NAT half (backend -> SNAT addr:port), an SNAT mapping whose
+//     origin is the client (nat.Entry.SNAT, nat.Entry.Origin).
+//   - DSR: routed direct server return; nothing is translated, the backend
+//     answers the client directly, and there is no NAT half.
+//
+// The key is the client's view (client -> VIP) for every kind. Entries
+// written by program generation 1 carry no kind flags and are EastWest,
+// which is what they are.
+//
 // # Protocol states and deadlines
 //
 // An entry carries a protocol state (bpf.CTState): TCP SYN, established,
@@ -42,13 +58,20 @@
 //   - a reverse-NAT half never outlives or lacks its conntrack half;
 //   - GC removes both halves of a flow together (the NAT key is the
 //     backend's address and port, found in fluxvm_backends by the entry's
-//     backend id, and the client from the conntrack key);
+//     backend id, and the client from the conntrack key, or for an SNAT
+//     flow its SNAT address and port; a DSR flow has no NAT half);
+//   - a NAT entry pairs only with a conntrack entry of its own kind: an
+//     east-west entry with an EastWest flow, an SNAT mapping with an SNAT
+//     flow translated to the mapping's own address and port; any other
+//     conntrack entry at its key supersedes it;
 //   - GC repairs what eviction broke: a conntrack entry without its NAT half
 //     gets it back while its backend exists; a NAT entry without its
 //     conntrack half gets it back if it is fresh (replies seen within the
 //     established or UDP timeout) and its backend still keeps flows, and is
 //     removed otherwise; a NAT entry whose conntrack half names another
-//     backend (the flow failed over) is removed.
+//     backend (the flow failed over) or is not of its kind is removed. A
+//     repair never overwrites: an SNAT port another flow took after this
+//     flow's mapping was evicted stays that flow's.
 //
 // The datapath helps from its side: it recreates a missing NAT half when it
 // refreshes a conntrack entry, and a missing conntrack half from a reply.

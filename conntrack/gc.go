@@ -25,7 +25,9 @@ type GCResult struct {
 	Drained     int // (b) its backend is Draining and the drain deadline passed
 	BackendGone int // (c) its backend slot is unused or owned by another service
 	// PairedNATRemoved is the number of reverse-NAT halves removed
-	// together with the conntrack entries above.
+	// together with the conntrack entries above. DSR flows have none, and
+	// an SNAT mapping is removed only while it still maps back to the
+	// removed flow (the port may have been given to another flow since).
 	PairedNATRemoved int
 
 	// NATScanned is the number of reverse-NAT entries examined for orphans.
@@ -38,13 +40,17 @@ type GCResult struct {
 	// sweep is what finds them.
 	StaleNATRemoved int
 	// SupersededNATRemoved: reverse-NAT entries whose conntrack half names
-	// another backend (the flow failed over) or whose backend id now has
-	// another address.
+	// another backend (the flow failed over), is of another kind (an
+	// east-west entry whose flow is now SNAT or DSR, or the reverse), or
+	// for an SNAT mapping translates to another SNAT address or port; or
+	// whose backend id now has another address.
 	SupersededNATRemoved int
-	// CTRepaired: conntrack halves recreated from a fresh reverse-NAT entry.
+	// CTRepaired: conntrack halves recreated from a fresh reverse-NAT
+	// entry (of kind SNAT, with the mapping's address and port, when the
+	// entry is an SNAT mapping).
 	CTRepaired int
 	// NATRepaired: reverse-NAT halves recreated for a conntrack entry
-	// whose backend still exists.
+	// whose backend still exists. DSR flows never get one.
 	NATRepaired int
 }
 
@@ -67,22 +73,38 @@ func (r GCResult) String() string {
 //     whose backend is Draining with its drain deadline passed
 //     (DrainUntilNs <= now, the datapath's own test), or whose backend
 //     slot is unused or owned by another service, together with its
-//     reverse-NAT half;
-//  2. reverse NAT: an entry whose conntrack half names another backend is
-//     removed; an entry without a conntrack half gets it back (state
-//     established for TCP, UDP for UDP, deadline LastSeen + that
-//     timeout) if it is fresh and its backend still keeps flows, and is
-//     removed otherwise;
-//  3. conntrack again: an entry without its reverse-NAT half whose backend
-//     still exists gets it back.
+//     reverse-NAT half: (backend -> client) for an east-west flow,
+//     (backend -> SNAT address:port) for an SNAT flow if that mapping
+//     still maps back to the flow, none for a DSR flow;
+//  2. reverse NAT: an entry whose conntrack half is not its flow (another
+//     backend, another kind, or for an SNAT mapping another SNAT address
+//     or port) is removed as superseded; an entry without a conntrack
+//     half gets it back (state established for TCP, UDP for UDP,
+//     deadline LastSeen + that timeout; kind SNAT with the mapping's
+//     address and port for an SNAT mapping) if it is fresh and its
+//     backend still keeps flows, and is removed otherwise. The conntrack
+//     half of an SNAT mapping is keyed by its origin: (Origin -> VIP);
+//  3. conntrack again: an east-west or SNAT entry without its
+//     reverse-NAT half whose backend still exists gets it back (created,
+//     never overwritten: an SNAT port another flow took meanwhile stays
+//     that flow's, and the datapath drops this flow's packets as an SNAT
+//     conflict). DSR entries have no half to repair.
 //
 // A reverse-NAT entry names exactly one conntrack entry, so when sweep 2
-// proves as many pairs as sweep 1 kept conntrack entries, every one of them
-// has its half and sweep 3 is skipped: it is the price of repairs, paid
-// only when something is broken. (Were the maps changing meanwhile, a NAT
-// half evicted while a new flow was learned could balance the count; that
-// repair then waits for the next run, or for the datapath, which restores
-// a missing NAT half when it next refreshes the flow.)
+// proves as many pairs as sweep 1 kept east-west and SNAT conntrack
+// entries, every one of them has its half and sweep 3 is skipped: it is
+// the price of repairs, paid only when something is broken. (Were the maps
+// changing meanwhile, a NAT half evicted while a new flow was learned
+// could balance the count; that repair then waits for the next run, or for
+// the datapath, which restores a missing NAT half when it next refreshes
+// the flow.)
+//
+// A repaired reverse-NAT half does not know the service's host_routing
+// setting (conntrack does not record it): its replies take the host stack,
+// which is host routing's own fallback.
+//
+// Entries written by program generation 1 have no kind flags and are
+// collected as the east-west flows they are.
 //
 // Removing before repairing matters when the LRU maps are full: the
 // repairs then take the room the removals freed instead of evicting live
@@ -140,11 +162,15 @@ type gcRun struct {
 	backends map[uint32]cachedBackend
 	gen      uint64
 
-	// kept counts the conntrack entries sweep 1 kept, paired the NAT
-	// entries sweep 2 found with their conntrack half.
+	// kept counts the conntrack entries with a reverse-NAT half (east-west
+	// and SNAT) that sweep 1 kept, paired the NAT entries sweep 2 found
+	// with their conntrack half.
 	kept, paired int
 
 	natDel, natStale, natSuperseded []nat.Key
+	// snatSuperseded are the SNAT mappings of natSuperseded's chunk,
+	// checked again just before they go (see sweepNAT).
+	snatSuperseded []nat.Entry
 
 	// Scratch for single lookups, allocated once per run rather than per
 	// call (a key passed as any escapes to the heap).
@@ -260,18 +286,40 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			}
 			r := g.classify(v, &b)
 			if r == keep {
+				if kindOf(v).hasNAT() {
+					g.kept++
+				}
 				continue
 			}
 			del = append(del, s.Keys[i])
 			why = append(why, r)
-			if owns(&b, v.ServiceId) {
-				g.natDel = append(g.natDel, natKey(decode(&s.Keys[i]), &b))
+			if !owns(&b, v.ServiceId) {
+				// The NAT half cannot be named from here; sweep 2 finds
+				// it without its conntrack half and a backend that keeps
+				// no flows, and removes it.
+				continue
 			}
-			// Otherwise the NAT half cannot be named from here; sweep 2
-			// finds it without its conntrack half and a backend that
-			// keeps no flows, and removes it.
+			k := decode(&s.Keys[i])
+			nk, ok := natKey(k, v, &b)
+			if !ok {
+				continue // DSR: no NAT half
+			}
+			if kindOf(v) == SNAT {
+				// The port may have been given to another flow since
+				// this one's mapping was evicted: remove only our own.
+				e, err := g.m.nat.Lookup(nk)
+				if errors.Is(err, nat.ErrNotFound) {
+					continue
+				}
+				if err != nil {
+					return err
+				}
+				if !natOwnedBy(&e, k, v) {
+					continue
+				}
+			}
+			g.natDel = append(g.natDel, nk)
 		}
-		g.kept += n - len(del)
 		// An entry already gone (evicted since the read) is not counted.
 		if _, err := mapscan.DeleteKeys(ctm, &g.m.mode, del, func(i int) { why[i] = keep }); err != nil {
 			return fmt.Errorf("delete %s conntrack: %w", fam, err)
@@ -294,6 +342,30 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 	}
 }
 
+// ctKeyOf is the conntrack key of the flow reverse-NAT entry e belongs to:
+// the client's view, from the client (an SNAT mapping's origin) to the VIP.
+func ctKeyOf(e *nat.Entry) Key {
+	if e.SNAT {
+		return Key{Client: e.Origin, VIP: e.VIP, Proto: e.Proto}
+	}
+	return Key{Client: e.Client, VIP: e.VIP, Proto: e.Proto}
+}
+
+// pairs reports whether conntrack value ct (at ctKeyOf(e)) is the other
+// half of reverse-NAT entry e: the same service and backend, and the
+// matching kind: an east-west entry pairs only with an east-west flow, an
+// SNAT mapping only with an SNAT flow translated to the mapping's own
+// address and port (the key's destination). DSR flows pair with nothing.
+func pairs(e *nat.Entry, ck Key, ct *bpf.CTValue) bool {
+	if ct.BackendId != e.BackendID || ct.ServiceId != e.ServiceID {
+		return false
+	}
+	if e.SNAT {
+		return kindOf(ct) == SNAT && snatOf(ck, ct) == e.Client
+	}
+	return kindOf(ct) == EastWest
+}
+
 // sweepNAT is pass 2: every reverse-NAT entry must have its conntrack half.
 func (g *gcRun) sweepNAT() error {
 	to := g.m.timeouts
@@ -302,24 +374,29 @@ func (g *gcRun) sweepNAT() error {
 			return err
 		}
 		g.res.NATScanned += len(es)
-		g.natStale, g.natSuperseded = g.natStale[:0], g.natSuperseded[:0]
+		g.natStale, g.natSuperseded, g.snatSuperseded = g.natStale[:0], g.natSuperseded[:0], g.snatSuperseded[:0]
 		for i := range es {
 			e := &es[i]
 			b, err := g.backend(e.BackendID)
 			if err != nil {
 				return err
 			}
-			ck := Key{Client: e.Client, VIP: e.VIP, Proto: e.Proto}
+			ck := ctKeyOf(e)
 			// The backend id may have been given to another address since
 			// the flow was learned; replies from the old one are over.
-			moved := owns(&b, e.ServiceID) && natKey(ck, &b).Backend != e.Backend
+			moved := owns(&b, e.ServiceID) && backendAddr(Family(e.Family()), &b) != e.Backend
 			err = g.lookupCT(ck)
 			switch {
 			case err == nil:
-				if ct := &g.v; ct.BackendId != e.BackendID || ct.ServiceId != e.ServiceID || moved {
-					g.natSuperseded = append(g.natSuperseded, e.Key)
-				} else {
+				switch {
+				case pairs(e, ck, &g.v) && !moved:
 					g.paired++
+				case e.SNAT && !moved:
+					// The datapath inserts a new flow's mapping just
+					// before its conntrack half; checked again below.
+					g.snatSuperseded = append(g.snatSuperseded, *e)
+				default:
+					g.natSuperseded = append(g.natSuperseded, e.Key)
 				}
 			case !errors.Is(err, ebpf.ErrKeyNotExist):
 				return fmt.Errorf("conntrack lookup %s: %w", ck, err)
@@ -334,17 +411,42 @@ func (g *gcRun) sweepNAT() error {
 					g.natStale = append(g.natStale, e.Key)
 					continue
 				}
-				ok, err := g.m.createRaw(ck, &bpf.CTValue{
+				ct := bpf.CTValue{
 					ServiceId: e.ServiceID, BackendId: e.BackendID,
 					CreatedNs: last, LastSeenNs: last, DeadlineNs: deadline,
 					State: uint8(state),
-				})
+				}
+				if e.SNAT {
+					ct.Flags = bpf.CTFlagSNAT
+					ct.NatAddr = bpf.AddrWords(e.Client.Addr())
+					ct.NatPort = bpf.Port(e.Client.Port())
+				}
+				ok, err := g.m.createRaw(ck, &ct)
 				if err != nil {
 					return fmt.Errorf("recreate conntrack %s: %w", ck, err)
 				}
 				if ok {
 					g.res.CTRepaired++
 				}
+			}
+		}
+		// An SNAT mapping that does not pair may be a new flow's whose
+		// conntrack half the datapath is writing right now (a tuple
+		// reused after its old flow closed): look again, after the rest
+		// of the chunk, before removing it.
+		for i := range g.snatSuperseded {
+			e := &g.snatSuperseded[i]
+			ck := ctKeyOf(e)
+			err := g.lookupCT(ck)
+			switch {
+			case err == nil && pairs(e, ck, &g.v):
+				g.paired++
+			case err == nil || errors.Is(err, ebpf.ErrKeyNotExist):
+				// Still another flow's (or that flow is gone too): the
+				// mapping's own flow is over.
+				g.natSuperseded = append(g.natSuperseded, e.Key)
+			default:
+				return fmt.Errorf("conntrack lookup %s: %w", ck, err)
 			}
 		}
 		n, err := g.m.nat.DeleteKeys(g.natStale)
@@ -383,21 +485,32 @@ func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) err
 				continue // learned since sweep 1 and already dead: next run
 			}
 			k := decode(&s.Keys[i])
-			nk := natKey(k, &b)
+			nk, ok := natKey(k, v, &b)
+			if !ok {
+				continue // DSR: never a NAT half
+			}
 			_, err = g.m.nat.Lookup(nk)
 			if err == nil {
 				// Present. If it belongs to another flow (two services
 				// sharing a backend address and a client port), the
-				// datapath shares the key the same way: leave it.
+				// datapath shares the key the same way: leave it. An
+				// SNAT port another flow took after this flow's mapping
+				// was evicted stays that flow's: the datapath drops this
+				// flow's packets as an SNAT conflict rather than mix the
+				// two flows' replies.
 				continue
 			}
 			if !errors.Is(err, nat.ErrNotFound) {
 				return err
 			}
-			err = g.m.nat.Create(nat.Entry{
+			ne := nat.Entry{
 				Key: nk, VIP: k.VIP, ServiceID: v.ServiceId, BackendID: v.BackendId,
 				LastSeen: time.Duration(v.LastSeenNs),
-			})
+			}
+			if kindOf(v) == SNAT {
+				ne.SNAT, ne.Origin = true, k.Client
+			}
+			err = g.m.nat.Create(ne)
 			switch {
 			case err == nil:
 				g.res.NATRepaired++

@@ -160,11 +160,19 @@ func BenchmarkGC(b *testing.B) {
 	}
 }
 
-// empty4 empties fluxvm_fct4 or fluxvm_nat4 (16-byte keys, 40-byte values).
+// empty4 empties fluxvm_fct4 or fluxvm_nat4 (16-byte keys, values of the
+// map's own layout).
 func empty4(m *ebpf.Map) error {
+	if m.ValueSize() == uint32(binary.Size(bpf.CTValue{})) {
+		return emptyBatch[bpf.CTValue](m)
+	}
+	return emptyBatch[bpf.NATValue](m)
+}
+
+func emptyBatch[V any](m *ebpf.Map) error {
 	var c ebpf.MapBatchCursor
 	keys := make([][16]byte, 4096)
-	vals := make([][40]byte, 4096)
+	vals := make([]V, 4096)
 	for {
 		_, err := m.BatchLookupAndDelete(&c, keys, vals, nil)
 		if errors.Is(err, ebpf.ErrKeyNotExist) {

@@ -399,8 +399,8 @@ func TestGCModesAgree(t *testing.T) {
 				}
 				switch i % 3 {
 				case 1:
-					b := d.backendOf(c.BackendID)
-					d.must(d.nat.Delete(natKey(k, &b)))
+					nk, _ := d.natHalf(c, d.backendOf(c.BackendID))
+					d.must(d.nat.Delete(nk))
 				case 2:
 					d.must(d.ct.rawCT(k).Delete(rawKey(k)))
 				}

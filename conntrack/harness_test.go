@@ -28,6 +28,7 @@ type dataplane struct {
 	objs struct {
 		FromVM   *ebpf.Program `ebpf:"fluxvm_from_vm"`
 		ToVM     *ebpf.Program `ebpf:"fluxvm_to_vm"`
+		NSIn     *ebpf.Program `ebpf:"fluxvm_ns_in"`
 		Svc4     *ebpf.Map     `ebpf:"fluxvm_svc4"`
 		Svc6     *ebpf.Map     `ebpf:"fluxvm_svc6"`
 		Sguard   *ebpf.Map     `ebpf:"fluxvm_sguard"`
@@ -38,6 +39,7 @@ type dataplane struct {
 		Fct6     *ebpf.Map     `ebpf:"fluxvm_fct6"`
 		Nat4     *ebpf.Map     `ebpf:"fluxvm_nat4"`
 		Nat6     *ebpf.Map     `ebpf:"fluxvm_nat6"`
+		SNAT     *ebpf.Map     `ebpf:"fluxvm_snat"`
 	}
 	nat    *nat.Table
 	ct     *Map
@@ -127,8 +129,8 @@ func load(sz sizes, to Timeouts) (*dataplane, error) {
 
 func (d *dataplane) close() {
 	o := &d.objs
-	for _, c := range []interface{ Close() error }{o.FromVM, o.ToVM, o.Svc4, o.Svc6, o.Sguard,
-		o.Backends, o.Maglev, o.Meta, o.Fct4, o.Fct6, o.Nat4, o.Nat6} {
+	for _, c := range []interface{ Close() error }{o.FromVM, o.ToVM, o.NSIn, o.Svc4, o.Svc6, o.Sguard,
+		o.Backends, o.Maglev, o.Meta, o.Fct4, o.Fct6, o.Nat4, o.Nat6, o.SNAT} {
 		c.Close()
 	}
 	for _, m := range d.tables {
@@ -169,7 +171,13 @@ func (d *dataplane) reset() {
 // its Maglev table from bids, slot i naming bids[i%len(bids)].
 func (d *dataplane) service(sid uint32, vip netip.AddrPort, proto uint8, bids ...uint32) {
 	d.t.Helper()
-	val := bpf.SvcValue{ServiceId: sid, Revision: 1}
+	d.serviceFlags(sid, vip, proto, 0, bids...)
+}
+
+// serviceFlags is service with frontend flags (bpf.SvcFlag*).
+func (d *dataplane) serviceFlags(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bids ...uint32) {
+	d.t.Helper()
+	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
 	w := bpf.AddrWords(vip.Addr())
 	if vip.Addr().Is4() {
 		d.must(d.objs.Svc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val))
@@ -223,6 +231,23 @@ func (d *dataplane) removeBackend(id uint32) {
 	d.must(d.objs.Backends.Put(id, bpf.Backend{}))
 }
 
+// The node's SNAT addresses and port range in north-south tests.
+var (
+	snat4 = netip.MustParseAddr("192.0.2.1")
+	snat6 = netip.MustParseAddr("2001:db8::1")
+)
+
+const snatPortMin, snatPortMax = 20000, 20999
+
+// snatConfig writes the north-south SNAT configuration (both families).
+func (d *dataplane) snatConfig() {
+	d.t.Helper()
+	d.must(d.objs.SNAT.Put(uint32(0), bpf.SNATConfig{
+		Addr4: bpf.AddrWords(snat4)[0], Addr6: bpf.AddrWords(snat6),
+		PortMin: snatPortMin, PortMax: snatPortMax, Flags: bpf.SNATFlagV4 | bpf.SNATFlagV6,
+	}))
+}
+
 func frame(src, dst netip.AddrPort, proto uint8, f pkt.TCPFlags) []byte {
 	if proto == ProtoTCP {
 		return pkt.TCP(src, dst, f, []byte("fluxvm"))
@@ -258,18 +283,52 @@ func (d *dataplane) send(k Key, flags ...pkt.TCPFlags) netip.AddrPort {
 			d.t.Fatalf("%s: verdict %d, want TC_ACT_OK", k, int32(ret))
 		}
 	}
-	p := pkt.Decode(out)
-	dst := netip.AddrPort{}
-	if nl := p.NetworkLayer(); nl != nil {
-		a, _ := netip.AddrFromSlice(nl.NetworkFlow().Dst().Raw())
-		port := uint16(0)
-		if tl := p.TransportLayer(); tl != nil {
-			raw := tl.TransportFlow().Dst().Raw()
-			port = uint16(raw[0])<<8 | uint16(raw[1])
-		}
-		dst = netip.AddrPortFrom(a.Unmap(), port)
-	}
+	_, dst := endpoints(out)
 	return dst
+}
+
+// endpoints decodes the source and destination of a frame.
+func endpoints(frame []byte) (src, dst netip.AddrPort) {
+	p := pkt.Decode(frame)
+	nl, tl := p.NetworkLayer(), p.TransportLayer()
+	if nl == nil || tl == nil {
+		return src, dst
+	}
+	ap := func(addr, port []byte) netip.AddrPort {
+		a, _ := netip.AddrFromSlice(addr)
+		return netip.AddrPortFrom(a.Unmap(), uint16(port[0])<<8|uint16(port[1]))
+	}
+	return ap(nl.NetworkFlow().Src().Raw(), tl.TransportFlow().Src().Raw()),
+		ap(nl.NetworkFlow().Dst().Raw(), tl.TransportFlow().Dst().Raw())
+}
+
+// sendNS passes client -> vip packets with the given TCP flags, in order,
+// through the north-south ingress program and returns the last verdict
+// and the source and destination of the last packet as it left.
+func (d *dataplane) sendNS(k Key, flags ...pkt.TCPFlags) (verdict uint32, src, dst netip.AddrPort) {
+	d.t.Helper()
+	if len(flags) == 0 {
+		flags = []pkt.TCPFlags{pkt.SYN}
+	}
+	var out []byte
+	for _, f := range flags {
+		verdict, out = d.run(d.objs.NSIn, frame(k.Client, k.VIP, k.Proto, f))
+	}
+	src, dst = endpoints(out)
+	return verdict, src, dst
+}
+
+// replyNS passes a reply from backend to the SNAT address and port through
+// the north-south ingress program and reports whether it left translated
+// to exactly the packet from the VIP to the client.
+func (d *dataplane) replyNS(backend, snat netip.AddrPort, k Key) bool {
+	d.t.Helper()
+	ret, out := d.run(d.objs.NSIn, frame(backend, snat, k.Proto, pkt.ACK))
+	if ret != tcOK {
+		return false
+	}
+	want := frame(k.VIP, k.Client, k.Proto, pkt.ACK)
+	return string(out[:len(want)]) == string(want)
 }
 
 // reply passes backend -> client through the program toward the VM and
@@ -324,9 +383,26 @@ func (d *dataplane) backendOf(id uint32) bpf.Backend {
 	return b
 }
 
+// natHalf is the reverse-NAT key of flow c on backend b, as GC names it,
+// or false for a flow without one (DSR).
+func (d *dataplane) natHalf(c Entry, b bpf.Backend) (nat.Key, bool) {
+	d.t.Helper()
+	k := nat.Key{Backend: backendAddr(c.Family(), &b), Client: c.Client, Proto: c.Proto}
+	switch c.Kind {
+	case EastWest:
+		return k, true
+	case SNAT:
+		k.Client = c.SNAT
+		return k, true
+	}
+	return nat.Key{}, false
+}
+
 // pairing checks the pairing rule over the whole maps and returns the
 // number of complete flows and the number of broken halves (a conntrack
 // entry without its NAT half, or a NAT entry without its conntrack half).
+// DSR flows are complete without a NAT half; a NAT entry whose conntrack
+// half is DSR is broken.
 func (d *dataplane) pairing() (flows, broken int) {
 	d.t.Helper()
 	cts, err := d.ct.List(Filter{})
@@ -334,17 +410,26 @@ func (d *dataplane) pairing() (flows, broken int) {
 	nats, err := d.nat.List(nat.Filter{})
 	d.must(err)
 	for _, c := range cts {
-		b := d.backendOf(c.BackendID)
-		e, ok := d.natLookup(natKey(c.Key, &b))
-		if ok && e.BackendID == c.BackendID && e.VIP == c.VIP && e.ServiceID == c.ServiceID {
+		nk, ok := d.natHalf(c, d.backendOf(c.BackendID))
+		if !ok {
+			flows++
+			continue
+		}
+		e, ok := d.natLookup(nk)
+		if ok && e.BackendID == c.BackendID && e.VIP == c.VIP && e.ServiceID == c.ServiceID &&
+			e.SNAT == (c.Kind == SNAT) && (!e.SNAT || e.Origin == c.Client) {
 			flows++
 		} else {
 			broken++
 		}
 	}
 	for _, e := range nats {
-		c, ok := d.lookup(Key{Client: e.Client, VIP: e.VIP, Proto: e.Proto})
-		if !ok || c.BackendID != e.BackendID {
+		client, kind, snat := e.Client, EastWest, netip.AddrPort{}
+		if e.SNAT {
+			client, kind, snat = e.Origin, SNAT, e.Client
+		}
+		c, ok := d.lookup(Key{Client: client, VIP: e.VIP, Proto: e.Proto})
+		if !ok || c.BackendID != e.BackendID || c.Kind != kind || c.SNAT != snat {
 			broken++
 		}
 	}

@@ -18,6 +18,29 @@
 // untranslated and the client drops it: a reverse-NAT entry is as important
 // as the conntrack entry it belongs to.
 //
+// # SNAT mappings
+//
+// A north-south flow in NAT mode has its source translated as well, to the
+// node's SNAT address and a port allocated for the flow, so that the
+// backend's replies come back through the node. Its reverse-NAT entry is
+// an SNAT mapping (Entry.SNAT):
+//
+//	key   (Key)    backend addr:port -> SNAT addr:port, protocol
+//	value (Entry)  VIP addr:port, service id, backend id, last seen,
+//	               SNAT, Origin (the client's own addr:port)
+//
+// A reply to the SNAT address gets the VIP as its source and Origin as its
+// destination back. The datapath allocates the port by inserting the
+// mapping with BPF_NOEXIST, so a live mapping's key is never handed to a
+// second flow; a flow whose mapping was evicted and whose port another
+// flow took is dropped by the datapath (an SNAT conflict) rather than mix
+// the two flows' replies. Routed DSR flows are not translated and have no
+// reverse-NAT entry at all. Entry.HostRouting marks entries of services
+// with host routing, whose replies the datapath forwards by FIB lookup.
+//
+// Entries written by program generation 1 carry no flags: they read as
+// the east-west entries they are.
+//
 // Both maps are LRU hashes sized by the object's tier. The datapath
 // refreshes LastSeen at most once a second per flow, on replies, with
 // bpf_ktime_get_coarse_ns; LastSeen is therefore time since boot on

@@ -21,6 +21,7 @@ type dataplane struct {
 	objs struct {
 		FromVM   *ebpf.Program `ebpf:"fluxvm_from_vm"`
 		ToVM     *ebpf.Program `ebpf:"fluxvm_to_vm"`
+		NSIn     *ebpf.Program `ebpf:"fluxvm_ns_in"`
 		Svc4     *ebpf.Map     `ebpf:"fluxvm_svc4"`
 		Svc6     *ebpf.Map     `ebpf:"fluxvm_svc6"`
 		Sguard   *ebpf.Map     `ebpf:"fluxvm_sguard"`
@@ -28,6 +29,7 @@ type dataplane struct {
 		Maglev   *ebpf.Map     `ebpf:"fluxvm_maglev"`
 		Nat4     *ebpf.Map     `ebpf:"fluxvm_nat4"`
 		Nat6     *ebpf.Map     `ebpf:"fluxvm_nat6"`
+		SNAT     *ebpf.Map     `ebpf:"fluxvm_snat"`
 	}
 	table *Table
 }
@@ -50,8 +52,8 @@ func newDataplane(t testing.TB, entries uint32) *dataplane {
 		t.Fatalf("load: %v", err)
 	}
 	t.Cleanup(func() {
-		for _, c := range []interface{ Close() error }{d.objs.FromVM, d.objs.ToVM, d.objs.Svc4, d.objs.Svc6,
-			d.objs.Sguard, d.objs.Backends, d.objs.Maglev, d.objs.Nat4, d.objs.Nat6} {
+		for _, c := range []interface{ Close() error }{d.objs.FromVM, d.objs.ToVM, d.objs.NSIn, d.objs.Svc4, d.objs.Svc6,
+			d.objs.Sguard, d.objs.Backends, d.objs.Maglev, d.objs.Nat4, d.objs.Nat6, d.objs.SNAT} {
 			c.Close()
 		}
 	})
@@ -98,7 +100,13 @@ func (d *dataplane) must(err error) {
 // every slot of its Maglev table at backend bid.
 func (d *dataplane) service(sid uint32, vip netip.AddrPort, proto uint8, bid uint32) {
 	d.t.Helper()
-	val := bpf.SvcValue{ServiceId: sid, Revision: 1}
+	d.serviceFlags(sid, vip, proto, 0, bid)
+}
+
+// serviceFlags is service with frontend flags (bpf.SvcFlag*).
+func (d *dataplane) serviceFlags(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bid uint32) {
+	d.t.Helper()
+	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
 	w := bpf.AddrWords(vip.Addr())
 	if vip.Addr().Is4() {
 		d.must(d.objs.Svc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val))
@@ -158,4 +166,14 @@ func (d *dataplane) forward(client, vip netip.AddrPort, proto uint8) {
 	if ret, _ := d.run(d.objs.FromVM, frame(client, vip, proto, pkt.SYN)); ret != tcOK {
 		d.t.Fatalf("forward %s -> %s: verdict %d, want TC_ACT_OK", client, vip, int32(ret))
 	}
+}
+
+// snatConfig writes the north-south SNAT configuration: addresses a4 and
+// a6, ports [min, max].
+func (d *dataplane) snatConfig(a4, a6 netip.Addr, min, max uint16) {
+	d.t.Helper()
+	d.must(d.objs.SNAT.Put(uint32(0), bpf.SNATConfig{
+		Addr4: bpf.AddrWords(a4)[0], Addr6: bpf.AddrWords(a6),
+		PortMin: min, PortMax: max, Flags: bpf.SNATFlagV4 | bpf.SNATFlagV6,
+	}))
 }

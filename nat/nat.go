@@ -67,6 +67,16 @@ type Key struct {
 
 // Entry is one reverse-NAT entry: how to turn a reply from Key.Backend back
 // into one from the VIP the client addressed.
+//
+// An east-west entry (SNAT false) keys the reply by the client itself:
+// Key.Client is the client's address and port, and only the reply's source
+// is translated (back to VIP). A north-south entry with source NAT (SNAT
+// true) is an SNAT mapping: Key.Client is the SNAT address and port the
+// backend saw as the flow's source, and Origin is the client's own address
+// and port, which the reply's destination is translated back to.
+//
+// Entries written by program generation 1 have no flags and read as
+// east-west entries, which is what they are.
 type Entry struct {
 	Key
 	VIP       netip.AddrPort // the service frontend the client addressed
@@ -76,6 +86,17 @@ type Entry struct {
 	// CLOCK_MONOTONIC_COARSE (time since boot), the clock the datapath
 	// stamps with. The datapath refreshes it at most once a second.
 	LastSeen time.Duration
+	// SNAT marks an SNAT mapping (bpf.NATFlagSNAT): Key.Client is the
+	// SNAT address and port, never port 0, and Origin is set.
+	SNAT bool
+	// Origin is the client's own address and port, of the key's family,
+	// for an SNAT mapping; the zero AddrPort for an east-west entry.
+	Origin netip.AddrPort
+	// HostRouting (bpf.NATFlagHostRouting): translated replies that
+	// arrive on an ingress hook are forwarded by FIB lookup and redirect
+	// instead of through the host stack. It changes how replies travel,
+	// not what they are translated to.
+	HostRouting bool
 }
 
 func (k Key) String() string {
@@ -127,6 +148,25 @@ func (e Entry) normal() (Entry, error) {
 		return e, fmt.Errorf("%w: %s: backend id 0 is never used", ErrInvalidEntry, k)
 	case e.LastSeen < 0:
 		return e, fmt.Errorf("%w: %s: negative last-seen time", ErrInvalidEntry, k)
+	}
+	if !e.SNAT {
+		if e.Origin != (netip.AddrPort{}) {
+			return e, fmt.Errorf("%w: %s: origin %s set on an entry without SNAT", ErrInvalidEntry, k, e.Origin)
+		}
+		return e, nil
+	}
+	e.Origin = netip.AddrPortFrom(e.Origin.Addr().Unmap(), e.Origin.Port())
+	switch o := e.Origin.Addr(); {
+	case !o.IsValid():
+		return e, fmt.Errorf("%w: %s: SNAT entry without an origin", ErrInvalidEntry, k)
+	case o.Is4() != k.Backend.Addr().Is4():
+		return e, fmt.Errorf("%w: %s: origin %s is not of the key's family", ErrInvalidEntry, k, e.Origin)
+	case o.Zone() != "":
+		return e, fmt.Errorf("%w: %s: zoned origin %s", ErrInvalidEntry, k, e.Origin)
+	case k.Client.Port() == 0:
+		// The datapath allocates SNAT ports from a range that starts
+		// above 0.
+		return e, fmt.Errorf("%w: %s: SNAT port 0", ErrInvalidEntry, k)
 	}
 	return e, nil
 }
@@ -372,22 +412,42 @@ func key6From(t *bpf.Tuple6) Key {
 	return Key{Backend: b, Client: c, Proto: t.Proto}
 }
 
+// entry decodes a raw entry. The client words of an entry without
+// NATFlagSNAT are not read: generation-1 entries were zero-extended, and
+// only the flag says the words mean something. Flag bits this package
+// does not know are dropped.
 func entry(k Key, v *bpf.NATValue) Entry {
-	return Entry{
-		Key:       k,
-		VIP:       netip.AddrPortFrom(bpf.Addr(v.Vip, uint8(k.Family())), bpf.Port(v.Vport)),
-		ServiceID: v.ServiceId,
-		BackendID: v.BackendId,
-		LastSeen:  time.Duration(v.LastSeenNs),
+	fam := uint8(k.Family())
+	e := Entry{
+		Key:         k,
+		VIP:         netip.AddrPortFrom(bpf.Addr(v.Vip, fam), bpf.Port(v.Vport)),
+		ServiceID:   v.ServiceId,
+		BackendID:   v.BackendId,
+		LastSeen:    time.Duration(v.LastSeenNs),
+		SNAT:        v.Flags&bpf.NATFlagSNAT != 0,
+		HostRouting: v.Flags&bpf.NATFlagHostRouting != 0,
 	}
+	if e.SNAT {
+		e.Origin = netip.AddrPortFrom(bpf.Addr(v.Client, fam), bpf.Port(v.Cport))
+	}
+	return e
 }
 
 func value(e *Entry) bpf.NATValue {
-	return bpf.NATValue{
+	v := bpf.NATValue{
 		Vip:        bpf.AddrWords(e.VIP.Addr()),
 		Vport:      bpf.Port(e.VIP.Port()),
 		ServiceId:  e.ServiceID,
 		BackendId:  e.BackendID,
 		LastSeenNs: uint64(e.LastSeen),
 	}
+	if e.SNAT {
+		v.Flags |= bpf.NATFlagSNAT
+		v.Client = bpf.AddrWords(e.Origin.Addr())
+		v.Cport = bpf.Port(e.Origin.Port())
+	}
+	if e.HostRouting {
+		v.Flags |= bpf.NATFlagHostRouting
+	}
+	return v
 }

@@ -212,6 +212,27 @@ func (l *Lab) Describe() string {
 	return b.String()
 }
 
+// AddLocalAddress assigns a (a host address: /32 or /128) to the VM's
+// loopback, as a backend behind routed DSR holds the VIP: it accepts
+// packets addressed to the VIP and answers from it, while the node still
+// reaches it by its own address.
+func (vm *VM) AddLocalAddress(a netip.Addr) error {
+	h, err := netlink.NewHandleAt(vm.NS.Handle())
+	if err != nil {
+		return fmt.Errorf("lab: netlink in %s: %w", vm.Name, err)
+	}
+	defer h.Close()
+	lo, err := h.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("lab: %s: %w", vm.Name, err)
+	}
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(a.BitLen(), a.BitLen())}, Flags: unix.IFA_F_NODAD}
+	if err := h.AddrAdd(lo, addr); err != nil {
+		return fmt.Errorf("lab: %s: add %s to lo: %w", vm.Name, a, err)
+	}
+	return nil
+}
+
 // AddVMForTest is AddVM that fails the test on error.
 func (l *Lab) AddVMForTest(tb testing.TB, idx int) *VM {
 	tb.Helper()

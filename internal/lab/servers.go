@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,18 +18,56 @@ import (
 // it is: a TCP connection first receives "<vm name>\n" and is then echoed;
 // a UDP datagram is answered with "<vm name>\n" followed by its payload.
 type Server struct {
-	vm   *VM
-	ln   net.Listener
-	pc   net.PacketConn
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	conn map[net.Conn]bool
+	vm    *VM
+	ln    net.Listener
+	pc    net.PacketConn
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conn  map[net.Conn]bool
+	peers []netip.AddrPort
 }
 
 // Serve starts a Server on port (TCP and UDP, both address families).
 func (vm *VM) Serve(port uint16) (*Server, error) {
+	return vm.serve(":" + strconv.Itoa(int(port)))
+}
+
+// ServeOn starts a Server bound to one address. A UDP reply then leaves
+// from that address, which a backend behind routed DSR needs: a wildcard
+// socket would answer from the interface's address instead of the VIP.
+func (vm *VM) ServeOn(ap netip.AddrPort) (*Server, error) {
+	return vm.serve(ap.String())
+}
+
+// Peers returns the client addresses the server has seen, in order of
+// first contact: what a backend sees as its client (the SNAT address and
+// port for a north-south NAT flow, the client itself otherwise).
+func (s *Server) Peers() []netip.AddrPort {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.peers)
+}
+
+func (s *Server) sawPeer(a net.Addr) {
+	var ap netip.AddrPort
+	switch a := a.(type) {
+	case *net.TCPAddr:
+		ap = a.AddrPort()
+	case *net.UDPAddr:
+		ap = a.AddrPort()
+	default:
+		return
+	}
+	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !slices.Contains(s.peers, ap) {
+		s.peers = append(s.peers, ap)
+	}
+}
+
+func (vm *VM) serve(addr string) (*Server, error) {
 	s := &Server{vm: vm, conn: map[net.Conn]bool{}}
-	addr := ":" + strconv.Itoa(int(port))
 	err := vm.NS.Do(func() (err error) {
 		if s.ln, err = net.Listen("tcp", addr); err != nil {
 			return err
@@ -54,6 +93,7 @@ func (s *Server) acceptLoop() {
 		if err != nil {
 			return
 		}
+		s.sawPeer(c.RemoteAddr())
 		s.mu.Lock()
 		s.conn[c] = true
 		s.mu.Unlock()
@@ -82,6 +122,7 @@ func (s *Server) udpLoop() {
 		if err != nil {
 			return
 		}
+		s.sawPeer(from)
 		reply := append([]byte(s.vm.Name+"\n"), buf[:n]...)
 		s.pc.WriteTo(reply, from)
 	}

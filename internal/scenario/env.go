@@ -47,7 +47,11 @@ type Env struct {
 
 // NewEnv builds the topology with n backend VMs and opens the dataplane
 // in the node namespace (tier S, a pin root and catalog of its own).
-func NewEnv(n int, log *slog.Logger) (e *Env, err error) {
+func NewEnv(n int, log *slog.Logger) (*Env, error) { return NewEnvConfig(n, log, nil) }
+
+// NewEnvConfig is NewEnv with a hook that adjusts the node configuration
+// (north-south interfaces, SNAT addresses, ...) before the dataplane opens.
+func NewEnvConfig(n int, log *slog.Logger, configure func(*fluxvm.Config)) (e *Env, err error) {
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -92,6 +96,9 @@ func NewEnv(n int, log *slog.Logger) (e *Env, err error) {
 	cfg.CatalogPath = filepath.Join(e.tmp, "catalog.json")
 	for _, vm := range e.Lab.VMs {
 		cfg.VMEdgeInterfaces = append(cfg.VMEdgeInterfaces, fluxvm.VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
+	}
+	if configure != nil {
+		configure(&cfg)
 	}
 	if err := cfg.Validate(); err != nil {
 		return e, err

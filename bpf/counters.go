@@ -34,6 +34,9 @@ const (
 	CounterSNATRetry = Counter(serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES)
 	// CounterDSRForwarded counts packets DSR redirected toward a backend.
 	CounterDSRForwarded = Counter(serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED)
+	// CounterSNATConflicts counts SNAT flows whose port another flow held
+	// (after their mapping was evicted) and that were mapped afresh.
+	CounterSNATConflicts = Counter(serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -56,6 +59,7 @@ var counterNames = [NumCounters]string{
 	CounterHostRouteFallback: "host_route_fallbacks",
 	CounterSNATRetry:         "snat_retries",
 	CounterDSRForwarded:      "dsr_forwarded",
+	CounterSNATConflicts:     "snat_conflicts",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".
@@ -101,9 +105,6 @@ const (
 	// DropSNATFailed: no free SNAT port after the bounded retries, or no
 	// SNAT address for the family.
 	DropSNATFailed = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED)
-	// DropSNATConflict: the flow's SNAT port is now held by another flow
-	// (its mapping was evicted and the port reallocated).
-	DropSNATConflict = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_SNAT_CONFLICT)
 	// DropDSRNoRoute: DSR found no route, neighbour or TTL to the backend.
 	DropDSRNoRoute = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE)
 
@@ -121,7 +122,6 @@ var dropNames = [NumDropReasons]string{
 	DropNATUpdate:      "nat_update",
 	DropRewrite:        "rewrite",
 	DropSNATFailed:     "snat_failed",
-	DropSNATConflict:   "snat_conflict",
 	DropDSRNoRoute:     "dsr_no_route",
 }
 

@@ -42,7 +42,8 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS serviceFluxvmCounter = 13
 	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES         serviceFluxvmCounter = 14
 	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED        serviceFluxvmCounter = 15
-	serviceFluxvmCounterFLUXVM_CNT_MAX                  serviceFluxvmCounter = 16
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS       serviceFluxvmCounter = 16
+	serviceFluxvmCounterFLUXVM_CNT_MAX                  serviceFluxvmCounter = 17
 )
 
 type serviceFluxvmCtValue struct {
@@ -71,9 +72,8 @@ const (
 	serviceFluxvmDropReasonFLUXVM_DROP_NAT_UPDATE      serviceFluxvmDropReason = 6
 	serviceFluxvmDropReasonFLUXVM_DROP_REWRITE         serviceFluxvmDropReason = 7
 	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED     serviceFluxvmDropReason = 8
-	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_CONFLICT   serviceFluxvmDropReason = 9
-	serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE    serviceFluxvmDropReason = 10
-	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 11
+	serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE    serviceFluxvmDropReason = 9
+	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 10
 )
 
 type serviceFluxvmEdgeSlot struct {

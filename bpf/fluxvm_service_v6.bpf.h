@@ -39,7 +39,8 @@ enum fluxvm_counter {
 	FLUXVM_CNT_HOST_ROUTE_FALLBACKS = 13, /* host_routing: FIB miss, left to the host stack */
 	FLUXVM_CNT_SNAT_RETRIES = 14, /* an SNAT port candidate was taken; another was tried */
 	FLUXVM_CNT_DSR_FORWARDED = 15, /* DSR packet redirected toward its backend */
-	FLUXVM_CNT_MAX = 16,
+	FLUXVM_CNT_SNAT_CONFLICTS = 16, /* an SNAT flow's port was held by another flow: remapped */
+	FLUXVM_CNT_MAX = 17,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -53,9 +54,8 @@ enum fluxvm_drop_reason {
 	FLUXVM_DROP_NAT_UPDATE = 6,      /* the reverse-NAT entry could not be written */
 	FLUXVM_DROP_REWRITE = 7,         /* a packet rewrite helper failed */
 	FLUXVM_DROP_SNAT_FAILED = 8,     /* no free SNAT port after the bounded retries, or no SNAT address */
-	FLUXVM_DROP_SNAT_CONFLICT = 9,   /* the flow's SNAT port is now held by another flow */
-	FLUXVM_DROP_DSR_NO_ROUTE = 10,   /* DSR: no route, neighbour or TTL toward the backend */
-	FLUXVM_DROP_MAX = 11,
+	FLUXVM_DROP_DSR_NO_ROUTE = 9,    /* DSR: no route, neighbour or TTL toward the backend */
+	FLUXVM_DROP_MAX = 10,
 };
 
 /* Address family tags used in map values. */

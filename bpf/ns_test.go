@@ -334,7 +334,8 @@ func expectDropOn(t *testing.T, h *harness, prog *ebpf.Program, frame []byte, re
 
 // TestSNATMappingLost: an established flow whose mapping the LRU evicted
 // gets it back on its next packet; one whose port another flow took since
-// drops (snat_conflict) rather than mixing two flows' replies.
+// is mapped afresh (counted) rather than mixing two flows' replies, and the
+// other flow keeps its mapping.
 func TestSNATMappingLost(t *testing.T) {
 	h := newHarness(t)
 	for _, v := range variants() {
@@ -347,16 +348,34 @@ func TestSNATMappingLost(t *testing.T) {
 			key := v.snatKey(b, port)
 
 			h.must(h.natMap(key).Delete(key.key()))
-			nsForward(t, h, v, c, pkt.ACK, b)
+			if p := nsForward(t, h, v, c, pkt.ACK, b); p != port {
+				t.Errorf("evicted mapping: flow moved to port %d from %d", p, port)
+			}
 			if _, ok := h.nat(key); !ok {
 				t.Fatal("evicted mapping was not recreated")
 			}
 
 			other := v.clientAt(9)
-			nv, _ := h.nat(key)
-			nv.Client, nv.Cport = AddrWords(other.Addr()), Port(other.Port())
-			h.must(h.natMap(key).Put(key.key(), nv))
-			expectDropOn(t, h, h.objs.FluxvmNsIn, v.frame(c, v.vip, pkt.ACK), DropSNATConflict)
+			stolen, _ := h.nat(key)
+			stolen.Client, stolen.Cport = AddrWords(other.Addr()), Port(other.Port())
+			h.must(h.natMap(key).Put(key.key(), stolen))
+			before := h.counters()
+			p := nsForward(t, h, v, c, pkt.ACK, b)
+			if p == port {
+				t.Fatalf("flow kept port %d that another flow holds", p)
+			}
+			if got := h.counters()[CounterSNATConflicts] - before[CounterSNATConflicts]; got != 1 {
+				t.Errorf("snat_conflicts +%d, want +1", got)
+			}
+			if nv, _ := h.nat(key); nv != stolen {
+				t.Errorf("the other flow's mapping changed: %+v", nv)
+			}
+			if ct, _ := h.ct(tuple{c, v.vip, v.proto}); Port(ct.NatPort) != p {
+				t.Errorf("conntrack names port %d, packets use %d", Port(ct.NatPort), p)
+			}
+			if _, ok := h.nat(v.snatKey(b, p)); !ok {
+				t.Error("no mapping for the new port")
+			}
 		})
 	}
 }

@@ -302,7 +302,7 @@ func TestGCPairingSNAT(t *testing.T) {
 			}
 		}, GCResult{Scanned: 1, NATScanned: 2, SupersededNATRemoved: 1}, 0},
 
-		{"port taken by another flow after eviction: repair leaves it, the datapath drops", func(t *testing.T, d *dataplane, v variant, k Key, e Entry) time.Duration {
+		{"port taken by another flow after eviction: repair leaves it, the datapath remaps", func(t *testing.T, d *dataplane, v variant, k Key, e Entry) time.Duration {
 			nk := snatKey(v, e, 0)
 			d.must(d.nat.Delete(nk))
 			t0 := now(t)
@@ -314,12 +314,20 @@ func TestGCPairingSNAT(t *testing.T) {
 				t.Errorf("the other flow's mapping was replaced: %+v", n)
 			}
 			// The other flow got its conntrack half back; this one keeps
-			// its entry, and the datapath refuses its packets.
+			// its entry until its next packet, which maps it afresh to
+			// another port and leaves the other flow's mapping alone.
 			if c, ok := d.lookup(Key{Client: otherClient(k), VIP: v.vip, Proto: k.Proto}); !ok || c.Kind != SNAT || c.SNAT != e.SNAT {
 				t.Errorf("other flow's conntrack %+v (present %v)", c, ok)
 			}
-			if verdict, _, _ := d.sendNS(k, pkt.ACK); verdict != tcShot {
-				t.Errorf("conflicting flow's packet: verdict %d, want TC_ACT_SHOT", int32(verdict))
+			verdict, src, _ := d.sendNS(k, pkt.ACK)
+			if verdict != tcOK || src == e.SNAT || src.Addr() != e.SNAT.Addr() {
+				t.Errorf("conflicting flow's packet: verdict %d from %s, want TC_ACT_OK from a new port of %s", int32(verdict), src, e.SNAT.Addr())
+			}
+			if c, ok := d.lookup(k); !ok || c.SNAT != src {
+				t.Errorf("remapped flow's conntrack %+v (present %v), want SNAT %s", c, ok, src)
+			}
+			if n, _ := d.natLookup(snatKey(v, e, 0)); n.Origin != otherClient(k) {
+				t.Errorf("the other flow's mapping was replaced by the remap: %+v", n)
 			}
 		}, GCResult{Scanned: 1, NATScanned: 1, CTRepaired: 1}, 1},
 

@@ -215,8 +215,14 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 
 				if (snat) {
 					ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
-					if (ret == FLUXVM_SNAT_CONFLICT)
-						return fluxvm_drop(FLUXVM_DROP_SNAT_CONFLICT, st, es);
+					/* Our mapping was evicted and another flow
+					 * took the port: map this flow afresh rather
+					 * than mix two flows' replies (the backend
+					 * sees a new source, as after a failover). */
+					if (ret == FLUXVM_SNAT_CONFLICT) {
+						fluxvm_count(FLUXVM_CNT_SNAT_CONFLICTS);
+						goto pick;
+					}
 					if (ret)
 						return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 					__builtin_memcpy(nat_addr, ct->nat_addr, 16);
@@ -232,6 +238,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		}
 	}
 
+pick:
 	meta = fluxvm_meta_get();
 	hash = v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);

@@ -16,9 +16,9 @@
  *
  * The LRU may evict a mapping of a live flow under pressure, and another
  * flow may then take its port. Every packet of a flow with SNAT therefore
- * checks that its mapping is still its own: an evicted one is recreated,
- * one taken by another flow drops the packet with FLUXVM_DROP_SNAT_CONFLICT
- * instead of mixing two flows' replies.
+ * checks that its mapping is still its own: an evicted one is recreated;
+ * when another flow holds the port, the flow is mapped afresh (counted as
+ * FLUXVM_CNT_SNAT_CONFLICTS) instead of mixing two flows' replies.
  */
 #ifndef FLUXVM_LIB_SNAT_H
 #define FLUXVM_LIB_SNAT_H

@@ -129,9 +129,11 @@
 //
 // A build keeps each backend's offset and skip, its position in its
 // preference list and a window of its next 64 preferences, never the N×M
-// permutation: memory is O(M + N), 8¼ bytes per slot (the table's two
-// arrays of M entries and two copies of an occupancy bitmap) plus about
-// 300 bytes per backend.
+// permutation: memory is O(M + N). A table keeps 8 bytes per slot (its two
+// arrays of M entries); the fill's scratch is 2⅛ bytes per slot (two
+// copies of a byte of occupancy per slot, and an occupancy bitmap for the
+// last slots) plus about 300 bytes per backend. New borrows that scratch
+// from a pool and returns it; a table that is rebuilt keeps its own.
 //
 // Searching preference by preference, a fill examines about M·ln M slots
 // in all, the last slots being the hardest to find. How the search is done

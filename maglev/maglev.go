@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"sync"
 )
 
 // Table sizes offered for the datapath's map tiers. Each is prime; by the
@@ -129,7 +130,8 @@ type Table struct {
 	cursors       []cursor
 	windows       []window
 	tails         []tailCursor
-	used          []uint64 // occupancy bitmap of the slots during a fill, two copies (see mirror)
+	occ           []byte   // occupancy of the slots during a fill, 1 if taken, two copies (see window)
+	used          []uint64 // the same as a bitmap, for the tail
 	quota, filled []uint32
 	members       []member
 	groups        []group
@@ -151,11 +153,34 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 		return nil, err
 	}
 	t := &Table{cfg: cfg}
-	if err := t.Rebuild(backends); err != nil {
+	// The fill's largest scratch comes from a pool and goes back to it:
+	// the table does not need it once built, and a later Rebuild grows
+	// its own.
+	sc, _ := scratchPool.Get().(*scratch)
+	if sc == nil {
+		sc = new(scratch)
+	}
+	t.occ, t.used, t.windows = sc.occ, sc.used, sc.windows
+	err := t.Rebuild(backends)
+	sc.occ, sc.used, sc.windows = t.occ, t.used, t.windows
+	t.occ, t.used, t.windows = nil, nil, nil
+	scratchPool.Put(sc)
+	if err != nil {
 		return nil, err
 	}
 	return t, nil
 }
+
+// scratch is the part of a fill's scratch that New borrows from
+// scratchPool: the occupancy (2¼ bytes per slot) and the windows (about
+// 270 bytes per backend).
+type scratch struct {
+	occ     []byte
+	used    []uint64
+	windows []window
+}
+
+var scratchPool sync.Pool
 
 func checkSize(m uint32) error {
 	if m < MinSize || m > MaxSize {
@@ -169,7 +194,9 @@ func checkSize(m uint32) error {
 
 // Rebuild replaces the table's contents with the table for backends, with
 // the table's existing Config. It reuses the table's storage: once the table
-// has held a backend set at least as large, Rebuild allocates nothing.
+// has been rebuilt with a backend set at least as large, Rebuild allocates
+// nothing. (The first Rebuild of a table made by New allocates the fill's
+// scratch, which New borrows from a pool instead.)
 //
 // On error the table is left exactly as it was. On success, slices
 // previously returned by Entries see the new contents.

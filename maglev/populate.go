@@ -1,6 +1,7 @@
 package maglev
 
 import (
+	"encoding/binary"
 	"math/bits"
 	"slices"
 )
@@ -76,14 +77,15 @@ func (t *Table) populate() {
 	m := t.cfg.Size
 	n := len(t.backends)
 	t.reserve(n)
-	clear(t.used)
+	occ := t.occ[:2*m]
+	clear(occ[:m])
 	for i, id := range t.ids {
 		t.cursors[i].p, t.cursors[i].s = offsetSkip(t.cfg.Seed, id, m)
 	}
 	turns := t.turnOrder()
 
 	kA, kB := phases(m, n, turns != nil)
-	probe(turns, 0, kA, t.cursors, t.used, t.slots, m)
+	probe(turns, 0, kA, t.cursors, occ[:m], t.slots, m)
 	if kA < int(m) {
 		for i, c := range t.cursors {
 			w := &t.windows[i]
@@ -95,12 +97,12 @@ func (t *Table) populate() {
 		}
 	}
 	if kA < kB {
-		mirror(t.used, m)
+		copy(occ[m:], occ[:m]) // the mirror: see window
 		for i := range t.windows {
 			w := &t.windows[i]
-			w.mask = gather(w.base, &w.ks, t.used)
+			w.mask = gather(w.base, &w.ks, occ)
 		}
-		playWindows(turns, kA, kB-kA, t.windows, t.used, t.slots, m)
+		playWindows(turns, kA, kB-kA, t.windows, occ, t.slots, m)
 		// Back to cursors: every preference before the first one not
 		// marked in the window is taken.
 		for i := range t.cursors {
@@ -113,6 +115,7 @@ func (t *Table) populate() {
 		}
 	}
 	if kB < int(m) {
+		pack(t.used, occ[:m])
 		t.fillTail(turns, kB)
 	}
 
@@ -123,6 +126,30 @@ func (t *Table) populate() {
 	entries := t.entries[:len(t.slots)]
 	for s, i := range t.slots {
 		entries[s] = ids[i]
+	}
+}
+
+// pack sets bit s of used for every taken slot s, occ[s] = 1: the
+// occupancy as the tail reads it, 64 slots a word. Eight bytes of 0 or 1
+// are packed into eight bits by one multiplication: byte k times the
+// byte 2^(7−j) at position j lands in bit 56+k of the product when
+// j = 7−k, and the other products fall elsewhere without carries.
+func pack(used []uint64, occ []byte) {
+	full := len(occ) / 64
+	for w := range full {
+		o := occ[64*w : 64*w+64]
+		var u uint64
+		for k := 7; k >= 0; k-- {
+			u = u<<8 | binary.LittleEndian.Uint64(o[8*k:])*0x0102040810204080>>56
+		}
+		used[w] = u
+	}
+	if full < len(used) {
+		var u uint64
+		for b, o := range occ[64*full:] {
+			u |= uint64(o) << b
+		}
+		used[full] = u
 	}
 }
 
@@ -169,7 +196,8 @@ func (t *Table) reserve(n int) {
 	m := int(t.cfg.Size)
 	t.slots = grow(t.slots, m)
 	t.entries = grow(t.entries, m)
-	t.used = grow(t.used, 2*((m+63)/64)+1) // two copies for the windows
+	t.occ = grow(t.occ, 2*m) // two copies for the windows
+	t.used = grow(t.used, (m+63)/64)
 	t.cursors = grow(t.cursors, n)
 	t.windows = grow(t.windows, n)
 	t.tails = grow(t.tails, n)
@@ -271,9 +299,10 @@ func gcd(a, b uint32) uint32 {
 // preference list, probing the slots one by one, and its cursor moves past
 // the slot.
 //
-// Occupancy is probed in a bitmap rather than in the slots themselves: at
-// M/8 bytes (16 KiB for SizeL) it stays in the L1 cache.
-func probe(turns []uint32, k, count int, cs []cursor, used []uint64, slots []uint32, m uint32) {
+// Occupancy is probed in occ, a byte per slot (1 if taken), rather than in
+// the slots themselves: a byte is tested and set with one load or store,
+// and occ is a quarter of the size of the slots.
+func probe(turns []uint32, k, count int, cs []cursor, occ []byte, slots []uint32, m uint32) {
 	n := uint32(len(cs))
 	i := uint32(k % len(cs))
 	for c := range count {
@@ -282,14 +311,10 @@ func probe(turns []uint32, k, count int, cs []cursor, used []uint64, slots []uin
 		}
 		cu := &cs[i]
 		p, s := cu.p, cu.s
-		for {
-			w := used[p>>6]
-			if bit := uint64(1) << (p & 63); w&bit == 0 {
-				used[p>>6] = w | bit
-				break
-			}
+		for occ[p] != 0 {
 			p = wrapAdd(p, s, m)
 		}
+		occ[p] = 1
 		slots[p] = i
 		cu.p = wrapAdd(p, s, m)
 		if i++; i == n {
@@ -320,6 +345,12 @@ func wrapAdd(p, s, m uint32) uint32 {
 // empty, in case another backend took it after the window was read; that
 // is rare, as other backends take only a few slots between two turns of
 // the same backend, and then the turn marks it and tries the next.
+//
+// Preference j is read from occ[base + ks[j]] without reducing the index
+// mod M: occ holds two copies of the occupancy, occ[M+s] = occ[s], made
+// when the windows start and both kept up to date, so any index below 2M
+// is good. Reading a byte costs a load, a shift and an or per preference,
+// where a bitmap also costs the shifts that find the bit.
 type window struct {
 	mask uint64
 	base uint32
@@ -327,40 +358,22 @@ type window struct {
 	ks   [64]uint32
 }
 
-// mirror copies bits [0, M) of used to bits [M, 2M), so that a window can
-// test slot base + ks[j] < 2M without reducing it mod M. playWindows keeps
-// both copies up to date.
-func mirror(used []uint64, m uint32) {
-	w0, sh := int(m>>6), m&63
-	words := int(m+63) >> 6
-	for w := range words {
-		v := used[w]
-		if w == words-1 && sh != 0 {
-			v &= 1<<sh - 1
-		}
-		used[w0+w] |= v << sh
-		if sh != 0 {
-			used[w0+w+1] |= v >> (64 - sh)
-		}
-	}
-}
-
-// gather reads the occupancy of the 64 preferences base + ks[j].
-func gather(base uint32, ks *[64]uint32, used []uint64) uint64 {
+// gather reads the occupancy of the 64 preferences base + ks[j]: bit j of
+// the result is occ[base + ks[j]]. base + ks[j] < 2M indexes the two
+// copies of occ (see window).
+func gather(base uint32, ks *[64]uint32, occ []byte) uint64 {
 	var lo, hi uint64
-	for j := 31; j >= 0; j -= 4 {
-		x0, x1, x2, x3 := base+ks[j], base+ks[j-1], base+ks[j-2], base+ks[j-3]
-		lo = lo<<4 | (used[x0>>6]>>(x0&63)&1)<<3 | (used[x1>>6]>>(x1&63)&1)<<2 |
-			(used[x2>>6]>>(x2&63)&1)<<1 | used[x3>>6]>>(x3&63)&1
-		y0, y1, y2, y3 := base+ks[j+32], base+ks[j+31], base+ks[j+30], base+ks[j+29]
-		hi = hi<<4 | (used[y0>>6]>>(y0&63)&1)<<3 | (used[y1>>6]>>(y1&63)&1)<<2 |
-			(used[y2>>6]>>(y2&63)&1)<<1 | used[y3>>6]>>(y3&63)&1
+	for j := 28; j >= 0; j -= 4 {
+		lo = lo<<4 | uint64(occ[base+ks[j+3]])<<3 | uint64(occ[base+ks[j+2]])<<2 |
+			uint64(occ[base+ks[j+1]])<<1 | uint64(occ[base+ks[j]])
+		hi = hi<<4 | uint64(occ[base+ks[j+35]])<<3 | uint64(occ[base+ks[j+34]])<<2 |
+			uint64(occ[base+ks[j+33]])<<1 | uint64(occ[base+ks[j+32]])
 	}
 	return hi<<32 | lo
 }
 
 // playWindows plays count turns from turn k, as probe does, with windows.
-func playWindows(turns []uint32, k, count int, ws []window, used []uint64, slots []uint32, m uint32) {
+func playWindows(turns []uint32, k, count int, ws []window, occ []byte, slots []uint32, m uint32) {
 	n := uint32(len(ws))
 	i := uint32(k % len(ws))
 	for c := range count {
@@ -370,27 +383,25 @@ func playWindows(turns []uint32, k, count int, ws []window, used []uint64, slots
 		w := &ws[i]
 		mask := w.mask
 		var x uint32
-		var u uint64
 		for {
 			if mask == ^uint64(0) {
 				w.base = wrapAdd(w.base, w.adv, m)
-				mask = gather(w.base, &w.ks, used)
+				mask = gather(w.base, &w.ks, occ)
 				continue
 			}
 			b := bits.TrailingZeros64(^mask)
 			mask |= 1 << b
 			x = w.base + w.ks[b&63]
-			if u = used[x>>6]; u&(1<<(x&63)) == 0 {
+			if occ[x] == 0 {
 				break
 			}
 		}
 		w.mask = mask
-		used[x>>6] = u | 1<<(x&63)
-		// The slot is x mod M; set its other copy, x+M or x−M, too.
+		// The slot is x mod M; mark its other copy, x+M or x−M, too.
 		d := x - m
 		neg := uint32(int32(d) >> 31) // all ones if x < M
-		y := d + 2*m&neg
-		used[y>>6] |= 1 << (y & 63)
+		occ[x] = 1
+		occ[d+2*m&neg] = 1
 		slots[d+m&neg] = i
 		if i++; i == n {
 			i = 0

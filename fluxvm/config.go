@@ -32,6 +32,12 @@ const (
 	DefaultConntrackGCInterval = 30 * time.Second
 	DefaultAPIListen           = "127.0.0.1:7788"
 	DefaultAPIMaxBodyBytes     = MaxRequestBytes
+	// DefaultSNATPortMin and DefaultSNATPortMax are the default SNAT port
+	// range: above Linux's default ephemeral range (32768..60999,
+	// net.ipv4.ip_local_port_range), so that north-south SNAT mappings
+	// and the node's own outgoing connections do not compete for ports.
+	DefaultSNATPortMin = 61000
+	DefaultSNATPortMax = 65535
 )
 
 // Bounds of the configuration.
@@ -51,6 +57,10 @@ const (
 	MaxVMIDLen = 128
 	// MaxConfigBytes bounds a configuration file read by LoadConfig.
 	MaxConfigBytes = 1 << 20
+	// MinSNATPort and MaxSNATPort bound snat_port_min and snat_port_max:
+	// the well-known ports below 1024 are never allocated.
+	MinSNATPort = 1024
+	MaxSNATPort = 65535
 )
 
 // Environment variables the reference daemon reads for its bearer tokens
@@ -159,14 +169,33 @@ type Config struct {
 	UDPTimeout            Duration `toml:"udp_timeout"`
 	// VMEdgeInterfaces are the VM-edge interfaces to attach to.
 	VMEdgeInterfaces []VMEdgeInterface `toml:"vm_edge_interfaces"`
-	// NorthSouthInterfaces are the node's north-south interfaces. Parsed,
-	// but this build has no north-south hooks: a non-empty list is
-	// rejected (ErrUnsupported).
+	// NorthSouthInterfaces are the node's north-south interfaces (its
+	// uplinks toward clients outside the node). Each gets the
+	// north-south programs on TC ingress (ns_in) and egress (ns_out).
+	// Valid, unique interface names, none also a VM edge. Services with
+	// exposure north-south or both need at least one. Default none.
 	NorthSouthInterfaces []string `toml:"north_south_interfaces"`
 	// SNATAddress is the source address of north-south NAT, so that
-	// backend replies return through this node. Optional; a unicast
-	// address without a zone.
+	// backend replies return through this node: IPv4 or IPv6. With
+	// SNATAddressV6 set it must be the IPv4 one. Optional (north-south
+	// NAT of a VIP needs an SNAT address of the VIP's family); a unicast
+	// address without a zone, not loopback or link-local. Backends must
+	// route it back to this node; prefer an address the node does not use
+	// for its own connections (see docs/operations.md).
 	SNATAddress netip.Addr `toml:"snat_address"`
+	// SNATAddressV6 is the IPv6 SNAT address of a node that SNATs both
+	// families (snat_address then holds the IPv4 one). Optional; IPv6
+	// only, with the rules of snat_address.
+	SNATAddressV6 netip.Addr `toml:"snat_address_v6"`
+	// SNATPortMin and SNATPortMax are the source ports north-south SNAT
+	// allocates from, inclusive. Defaults DefaultSNATPortMin (61000) and
+	// DefaultSNATPortMax (65535), outside Linux's default ephemeral range
+	// 32768..60999; each MinSNATPort..MaxSNATPort (1024..65535), min <=
+	// max. A new flow tries up to bpf.SNATTries ports of the range (its
+	// own source port first when it lies in the range) and drops
+	// (snat_failed) when all are held by other mappings to its backend.
+	SNATPortMin int `toml:"snat_port_min"`
+	SNATPortMax int `toml:"snat_port_max"`
 	// EDTEnabled enables per-service EDT pacing (max_egress_mbps). This
 	// build has no EDT pacing and this machine's kernel lacks sch_fq:
 	// true is rejected (ErrUnsupported). Default false.
@@ -176,7 +205,8 @@ type Config struct {
 }
 
 // DefaultConfig returns the configuration with every default applied. It
-// is valid as it is: east-west Maglev on tier M, no interfaces yet.
+// is valid as it is: east-west Maglev on tier M, no interfaces yet, no
+// SNAT address, SNAT ports 61000..65535.
 func DefaultConfig() Config {
 	return Config{
 		MapTier:               bpf.DefaultTier.String(),
@@ -188,6 +218,8 @@ func DefaultConfig() Config {
 		TCPFinTimeout:         Duration{bpf.DefaultTimeoutTCPFin * time.Second},
 		TCPRstTimeout:         Duration{bpf.DefaultTimeoutTCPRst * time.Second},
 		UDPTimeout:            Duration{bpf.DefaultTimeoutUDP * time.Second},
+		SNATPortMin:           DefaultSNATPortMin,
+		SNATPortMax:           DefaultSNATPortMax,
 		API: APIConfig{
 			Listen:       DefaultAPIListen,
 			MaxBodyBytes: DefaultAPIMaxBodyBytes,
@@ -359,9 +391,12 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //     of seconds in 2s..168h;
 //   - vm_edge_interfaces: valid, unique interface names (1..15 characters),
 //     non-empty VM ids; north_south_interfaces: valid names, unique, none
-//     also a VM edge, and (this build) none at all;
-//   - snat_address: unset or a unicast address; edt_enabled false (this
-//     build);
+//     also a VM edge;
+//   - snat_address: unset or a unicast IPv4 or IPv6 address (no zone, not
+//     loopback or link-local); snat_address_v6: unset or such an IPv6
+//     address, and then snat_address, if set, is IPv4;
+//   - snat_port_min and snat_port_max: 1024..65535 each, min <= max;
+//   - edt_enabled false (this build);
 //   - api.listen host:port with a numeric port 1..65535; a non-loopback
 //     host needs TLS (tls_cert_file and tls_key_file) or
 //     allow_insecure_non_loopback; tls_cert_file and tls_key_file both or
@@ -444,11 +479,7 @@ func (c *Config) validate() error {
 			names[n] = at
 		}
 	}
-	if c.SNATAddress.IsValid() {
-		if why := addrProblem(c.SNATAddress, false); why != "" {
-			bad(ErrInvalid, "snat_address", "%s", why)
-		}
-	}
+	c.validateSNAT(bad)
 	c.API.validate(bad)
 	for _, f := range unsupported {
 		if f.config != nil && f.config(c) {
@@ -456,6 +487,100 @@ func (c *Config) validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+func (c *Config) validateSNAT(bad func(category error, k, format string, args ...any)) {
+	if c.SNATAddress.IsValid() {
+		if why := snatAddrProblem(c.SNATAddress); why != "" {
+			bad(ErrInvalid, "snat_address", "%s", why)
+		} else if c.SNATAddressV6.IsValid() && c.SNATAddress.Is6() {
+			bad(ErrConflict, "snat_address", "%s is IPv6, and so is snat_address_v6 (%s): with snat_address_v6 set, snat_address is the IPv4 SNAT address", c.SNATAddress, c.SNATAddressV6)
+		}
+	}
+	if c.SNATAddressV6.IsValid() {
+		if why := snatAddrProblem(c.SNATAddressV6); why != "" {
+			bad(ErrInvalid, "snat_address_v6", "%s", why)
+		} else if !c.SNATAddressV6.Is6() {
+			bad(ErrInvalid, "snat_address_v6", "%s is not an IPv6 address; put the IPv4 SNAT address in snat_address", c.SNATAddressV6)
+		}
+	}
+	minOK, maxOK := true, true
+	for _, p := range []struct {
+		k  string
+		v  int
+		ok *bool
+	}{{"snat_port_min", c.SNATPortMin, &minOK}, {"snat_port_max", c.SNATPortMax, &maxOK}} {
+		if p.v < MinSNATPort || p.v > MaxSNATPort {
+			bad(ErrInvalid, p.k, "%d is outside %d..%d", p.v, MinSNATPort, MaxSNATPort)
+			*p.ok = false
+		}
+	}
+	if minOK && maxOK && c.SNATPortMin > c.SNATPortMax {
+		bad(ErrInvalid, "snat_port_min", "%d is above snat_port_max (%d)", c.SNATPortMin, c.SNATPortMax)
+	}
+}
+
+// checkNorthSouth checks the SNAT keys of a configuration that Open
+// applies (Options.Config need not have passed Validate as a whole; a
+// port range left 0..0 takes the defaults, as SNATConfig does).
+func (c *Config) checkNorthSouth() error {
+	cc := *c
+	if cc.SNATPortMin == 0 && cc.SNATPortMax == 0 {
+		cc.SNATPortMin, cc.SNATPortMax = DefaultSNATPortMin, DefaultSNATPortMax
+	}
+	var errs []error
+	cc.validateSNAT(func(category error, k, format string, args ...any) {
+		errs = append(errs, verr(category, configKey(k), format, args...))
+	})
+	return errors.Join(errs...)
+}
+
+// snatAddrProblem says what is wrong with a as an SNAT address, or "".
+// Backends must route replies to it across the network, so it has the
+// rules of a VIP (no link-local) and is never IPv4-mapped.
+func snatAddrProblem(a netip.Addr) string {
+	if a.Is4In6() {
+		return fmt.Sprintf("%s is an IPv4-mapped IPv6 address; write the IPv4 address %s in snat_address", a, a.Unmap())
+	}
+	return addrProblem(a, true)
+}
+
+// SNATAddressFor returns the SNAT address of a family (v6 false: IPv4),
+// or the zero Addr when the configuration has none: IPv4 is snat_address
+// if that is IPv4; IPv6 is snat_address_v6, else snat_address if that is
+// IPv6.
+func (c *Config) SNATAddressFor(v6 bool) netip.Addr {
+	switch {
+	case !v6 && c.SNATAddress.Is4():
+		return c.SNATAddress
+	case v6 && c.SNATAddressV6.Is6() && !c.SNATAddressV6.Is4In6():
+		return c.SNATAddressV6
+	case v6 && c.SNATAddress.Is6() && !c.SNATAddress.Is4In6():
+		return c.SNATAddress
+	}
+	return netip.Addr{}
+}
+
+// SNATConfig returns the value of the datapath's fluxvm_snat entry for
+// this configuration: the address of each family it has, and the port
+// range. A range left 0..0 (a Config not built from DefaultConfig) takes
+// the defaults.
+func (c *Config) SNATConfig() bpf.SNATConfig {
+	var v bpf.SNATConfig
+	if a := c.SNATAddressFor(false); a.IsValid() {
+		v.Addr4 = bpf.AddrWords(a)[0]
+		v.Flags |= bpf.SNATFlagV4
+	}
+	if a := c.SNATAddressFor(true); a.IsValid() {
+		v.Addr6 = bpf.AddrWords(a)
+		v.Flags |= bpf.SNATFlagV6
+	}
+	lo, hi := c.SNATPortMin, c.SNATPortMax
+	if lo == 0 && hi == 0 {
+		lo, hi = DefaultSNATPortMin, DefaultSNATPortMax
+	}
+	v.PortMin, v.PortMax = uint16(min(max(lo, 0), MaxSNATPort)), uint16(min(max(hi, 0), MaxSNATPort))
+	return v
 }
 
 func (a *APIConfig) validate(bad func(category error, k, format string, args ...any)) {

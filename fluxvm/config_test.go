@@ -67,8 +67,11 @@ tcp_fin_timeout = "45s"
 tcp_rst_timeout = "5s"
 udp_timeout = "2m"
 vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }, { name = "tap-vm1b", vm_id = "vm-1" }]
-north_south_interfaces = []
+north_south_interfaces = ["uplink0", "uplink1"]
 snat_address = "203.0.113.10"
+snat_address_v6 = "2001:db8:10::10"
+snat_port_min = 20000
+snat_port_max = 29999
 edt_enabled = false
 
 [sandbox.dataplane.service.api]
@@ -98,8 +101,11 @@ max_body_bytes = 2097152
 		TCPRstTimeout:         Duration{5 * time.Second},
 		UDPTimeout:            Duration{2 * time.Minute},
 		VMEdgeInterfaces:      []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
-		NorthSouthInterfaces:  []string{},
+		NorthSouthInterfaces:  []string{"uplink0", "uplink1"},
 		SNATAddress:           netip.MustParseAddr("203.0.113.10"),
+		SNATAddressV6:         netip.MustParseAddr("2001:db8:10::10"),
+		SNATPortMin:           20000,
+		SNATPortMax:           29999,
 		API: APIConfig{
 			Listen:                   "[2001:db8::7]:8443",
 			AdminTokenFile:           "/etc/fluxvm/admin.token",
@@ -118,7 +124,7 @@ max_body_bytes = 2097152
 	got := reflect.ValueOf(c)
 	for i := range got.NumField() {
 		name := got.Type().Field(i).Name
-		if name == "NorthSouthInterfaces" || name == "EDTEnabled" { // must stay empty/false in this build
+		if name == "EDTEnabled" { // must stay false in this build
 			continue
 		}
 		if reflect.DeepEqual(got.Field(i).Interface(), def.Field(i).Interface()) {
@@ -266,13 +272,31 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "edge vm_id missing", doc: table + "[[sandbox.dataplane.service.vm_edge_interfaces]]\nname = \"tap1\"\n", field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
 		{name: "edge vm_id with slash", doc: table + "vm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a/b\" }]\n", field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
 		{name: "edge vm_id too long", doc: table + fmt.Sprintf("vm_edge_interfaces = [{ name = \"tap1\", vm_id = %q }]\n", strings.Repeat("v", 129)), field: k("vm_edge_interfaces[0].vm_id"), kind: ErrInvalid},
-		{name: "north-south interfaces not built", doc: table + "north_south_interfaces = [\"eth0\"]\n", field: k("north_south_interfaces"), kind: ErrUnsupported},
 		{name: "north-south name invalid", doc: table + "north_south_interfaces = [\"\"]\n", field: k("north_south_interfaces[0]"), kind: ErrInvalid},
+		{name: "north-south name too long", doc: table + "north_south_interfaces = [\"eth0\", \"uplink-0123456789\"]\n", field: k("north_south_interfaces[1]"), kind: ErrInvalid, reason: "15"},
+		{name: "north-south name with colon", doc: table + "north_south_interfaces = [\"eth0:1\"]\n", field: k("north_south_interfaces[0]"), kind: ErrInvalid},
+		{name: "north-south names duplicate", doc: table + "north_south_interfaces = [\"eth0\", \"eth0\"]\n", field: k("north_south_interfaces[1]"), kind: ErrConflict},
 		{name: "north-south also a VM edge", doc: table + "north_south_interfaces = [\"tap1\"]\nvm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a\" }]\n", field: k("north_south_interfaces[0]"), kind: ErrConflict},
 
 		// SNAT and EDT.
 		{name: "snat_address multicast", doc: table + "snat_address = \"224.0.0.1\"\n", field: k("snat_address"), kind: ErrInvalid},
 		{name: "snat_address unspecified", doc: table + "snat_address = \"::\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "snat_address loopback", doc: table + "snat_address = \"127.0.0.1\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "snat_address link-local", doc: table + "snat_address = \"fe80::1\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "snat_address with zone", doc: table + "snat_address = \"fd00::1%eth0\"\n", field: k("snat_address"), kind: ErrInvalid},
+		{name: "snat_address IPv4-mapped", doc: table + "snat_address = \"::ffff:192.0.2.1\"\n", field: k("snat_address"), kind: ErrInvalid, reason: "IPv4-mapped"},
+		{name: "snat_address IPv6 with snat_address_v6", doc: table + "snat_address = \"2001:db8::1\"\nsnat_address_v6 = \"2001:db8::2\"\n", field: k("snat_address"), kind: ErrConflict, reason: "IPv4 SNAT address"},
+		{name: "snat_address_v6 IPv4", doc: table + "snat_address_v6 = \"192.0.2.1\"\n", field: k("snat_address_v6"), kind: ErrInvalid, reason: "not an IPv6"},
+		{name: "snat_address_v6 IPv4-mapped", doc: table + "snat_address_v6 = \"::ffff:192.0.2.1\"\n", field: k("snat_address_v6"), kind: ErrInvalid},
+		{name: "snat_address_v6 multicast", doc: table + "snat_address_v6 = \"ff02::1\"\n", field: k("snat_address_v6"), kind: ErrInvalid},
+		{name: "snat_address_v6 malformed", doc: table + "snat_address_v6 = \"2001:db8::x\"\n", field: k("snat_address_v6"), kind: ErrMalformed},
+		{name: "snat_port_min below 1024", doc: table + "snat_port_min = 1023\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "1024..65535"},
+		{name: "snat_port_min zero", doc: table + "snat_port_min = 0\n", field: k("snat_port_min"), kind: ErrInvalid},
+		{name: "snat_port_max above 65535", doc: table + "snat_port_max = 65536\n", field: k("snat_port_max"), kind: ErrInvalid},
+		{name: "snat_port_max negative", doc: table + "snat_port_max = -1\n", field: k("snat_port_max"), kind: ErrInvalid},
+		{name: "snat ports reversed", doc: table + "snat_port_min = 62000\nsnat_port_max = 61999\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max"},
+		{name: "snat_port_min below the default max", doc: table + "snat_port_max = 2000\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max (2000)"},
+		{name: "snat_port_min a string", doc: table + "snat_port_min = \"61000\"\n", field: k("snat_port_min"), kind: ErrMalformed, reason: "integer"},
 		{name: "edt_enabled not built", doc: table + "edt_enabled = true\n", field: k("edt_enabled"), kind: ErrUnsupported, reason: "sch_fq"},
 
 		// API.
@@ -439,4 +463,71 @@ vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }]
 	// Output:
 	// S /sys/fs/bpf/fluxvm/service 6h0m0s
 	// fluxvm: config: sandbox.dataplane.service.edt_enabled: EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)
+}
+
+// TestSNATConfig checks which SNAT address serves each family and the
+// fluxvm_snat value built from the configuration.
+func TestSNATConfig(t *testing.T) {
+	ip := netip.MustParseAddr
+	v4, v6, v6b := ip("203.0.113.10"), ip("2001:db8:10::10"), ip("2001:db8:20::20")
+	tests := []struct {
+		name           string
+		doc            string
+		want4, want6   netip.Addr
+		flags          uint32
+		portMin, ports int
+	}{
+		{name: "none", doc: "", flags: 0, portMin: 61000, ports: 4536},
+		{name: "IPv4 only", doc: `snat_address = "203.0.113.10"`, want4: v4, flags: bpf.SNATFlagV4, portMin: 61000, ports: 4536},
+		{name: "IPv6 in snat_address", doc: `snat_address = "2001:db8:20::20"`, want6: v6b, flags: bpf.SNATFlagV6, portMin: 61000, ports: 4536},
+		{name: "IPv6 in snat_address_v6 only", doc: `snat_address_v6 = "2001:db8:10::10"`, want6: v6, flags: bpf.SNATFlagV6, portMin: 61000, ports: 4536},
+		{name: "both families", doc: "snat_address = \"203.0.113.10\"\nsnat_address_v6 = \"2001:db8:10::10\"\nsnat_port_min = 1024\nsnat_port_max = 1024",
+			want4: v4, want6: v6, flags: bpf.SNATFlagV4 | bpf.SNATFlagV6, portMin: 1024, ports: 1},
+		{name: "whole range", doc: "snat_port_min = 1024\nsnat_port_max = 65535", portMin: 1024, ports: 64512},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := ParseConfig([]byte("[sandbox.dataplane.service]\n" + tt.doc + "\n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.SNATAddressFor(false); got != tt.want4 {
+				t.Errorf("IPv4 SNAT address %v, want %v", got, tt.want4)
+			}
+			if got := c.SNATAddressFor(true); got != tt.want6 {
+				t.Errorf("IPv6 SNAT address %v, want %v", got, tt.want6)
+			}
+			v := c.SNATConfig()
+			if v.Flags != tt.flags || int(v.PortMin) != tt.portMin || int(v.PortMax)-int(v.PortMin)+1 != tt.ports {
+				t.Errorf("SNATConfig %+v, want flags %#x ports %d+%d", v, tt.flags, tt.portMin, tt.ports)
+			}
+			if tt.want4.IsValid() && bpf.Addr([4]uint32{v.Addr4}, bpf.FamilyIPv4) != tt.want4 {
+				t.Errorf("Addr4 %#x is not %v", v.Addr4, tt.want4)
+			}
+			if tt.want6.IsValid() && bpf.Addr(v.Addr6, bpf.FamilyIPv6) != tt.want6 {
+				t.Errorf("Addr6 %#x is not %v", v.Addr6, tt.want6)
+			}
+			if !tt.want4.IsValid() && v.Addr4 != 0 || !tt.want6.IsValid() && v.Addr6 != [4]uint32{} {
+				t.Errorf("an address without its flag: %+v", v)
+			}
+		})
+	}
+	// A Config not built from DefaultConfig (ports 0..0) takes the default
+	// range, and Open's check accepts it; a bad address is still refused.
+	var zero Config
+	if v := zero.SNATConfig(); v.PortMin != DefaultSNATPortMin || v.PortMax != DefaultSNATPortMax || v.Flags != 0 {
+		t.Errorf("zero config: %+v", v)
+	}
+	if err := zero.checkNorthSouth(); err != nil {
+		t.Errorf("zero config: %v", err)
+	}
+	zero.SNATAddressV6 = v4
+	var ve *ValidationError
+	if err := zero.checkNorthSouth(); !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.snat_address_v6" {
+		t.Errorf("IPv4 snat_address_v6: %v", err)
+	}
+	zero = Config{SNATPortMin: 70000, SNATPortMax: 1}
+	if err := zero.checkNorthSouth(); !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.snat_port_min" {
+		t.Errorf("bad ports: %v", err)
+	}
 }

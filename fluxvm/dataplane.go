@@ -22,7 +22,10 @@ import (
 // Options configure a Dataplane.
 type Options struct {
 	// Config supplies the node settings that validation depends on
-	// (edt_enabled, snat_address, north-south interfaces).
+	// (edt_enabled, snat_address, north-south interfaces) and the
+	// north-south settings Open applies: the SNAT addresses and port range
+	// are written to the datapath, and north_south_interfaces are
+	// attached.
 	Config Config
 	// Loader configures the BPF loader (pin root, tier, object dir,
 	// attach mode, hash seed).
@@ -38,7 +41,8 @@ type Options struct {
 	// MaglevSeed seeds the Maglev tables. It must be the same on every
 	// node that should compute the same tables (an HA pair).
 	MaglevSeed uint64
-	// Interfaces are attached when the dataplane opens.
+	// Interfaces are the VM-edge interfaces attached when the dataplane
+	// opens (Config.NorthSouthInterfaces are attached too).
 	Interfaces []VMEdgeInterface
 	// InNamespace, when set, runs interface operations (attach, detach,
 	// lookups by name) inside the node's network namespace. Default: the
@@ -49,8 +53,9 @@ type Options struct {
 }
 
 // Dataplane is the node's Service Fabric: the datapath with its pinned
-// maps, the catalog of services, the attached VM interfaces and the
-// conntrack GC. It is safe for concurrent use.
+// maps, the catalog of services, the attached VM-edge and north-south
+// interfaces, the SNAT settings and the conntrack GC. It is safe for
+// concurrent use.
 type Dataplane struct {
 	mu     sync.Mutex
 	opts   Options
@@ -63,11 +68,12 @@ type Dataplane struct {
 
 	services  map[string]*service
 	frontends map[feKey]*frontend
-	markers   map[markerKey][]uint32
+	markers   map[markerKey][]*frontend
 	sids      *idPool
 	bids      *idPool
 	edges     *idPool
 	ifaces    map[string]*iface
+	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
 
@@ -101,14 +107,22 @@ type frontend struct {
 	table    *maglev.Table
 	eligible int
 	guard    bool
+	flags    uint32 // SvcValue flags (svcFlags)
 }
 
+// Interface kinds, as InterfaceStatus.Kind reports them.
+const (
+	InterfaceVMEdge     = "vm-edge"
+	InterfaceNorthSouth = "north-south"
+)
+
 type iface struct {
-	VMEdgeInterface
-	index   int
-	slot    uint32
-	hooks   []HookStatus
-	problem string
+	VMEdgeInterface // VMID is empty on a north-south interface
+	kind            string
+	index           int
+	slot            uint32
+	hooks           []HookStatus
+	problem         string
 }
 
 // Open loads the datapath (adopting the pins as bpf.Open describes),
@@ -130,6 +144,9 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.Timeouts.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	if err := opts.Config.checkNorthSouth(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	dp, err := bpf.Open(opts.Loader)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
@@ -137,7 +154,7 @@ func Open(opts Options) (*Dataplane, error) {
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, dp: dp,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
-		markers: map[markerKey][]uint32{}, ifaces: map[string]*iface{},
+		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
 	if err := d.init(); err != nil {
 		dp.Close()
@@ -179,6 +196,9 @@ func (d *Dataplane) init() error {
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	if err := d.writeSNAT(); err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
 	if err := d.restore(); err != nil {
 		return err
 	}
@@ -187,6 +207,26 @@ func (d *Dataplane) init() error {
 			return err
 		}
 	}
+	for _, name := range d.opts.Config.NorthSouthInterfaces {
+		if _, err := d.AddNorthSouthInterface(name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeSNAT writes the SNAT addresses and port range of the configuration
+// to fluxvm_snat. Without an address of a family, new north-south NAT
+// flows of that family drop (snat_failed); validation keeps services that
+// would need one out.
+func (d *Dataplane) writeSNAT() error {
+	v := d.opts.Config.SNATConfig()
+	if err := d.dp.Map("fluxvm_snat").Put(uint32(0), v); err != nil {
+		return fmt.Errorf("snat config: %w", err)
+	}
+	d.snat = v
+	d.log.Info("fluxvm: SNAT configured", "address_v4", d.opts.Config.SNATAddressFor(false), "address_v6", d.opts.Config.SNATAddressFor(true),
+		"port_min", v.PortMin, "port_max", v.PortMax)
 	return nil
 }
 
@@ -250,7 +290,7 @@ func (d *Dataplane) Close() error {
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// programs, deletes the pin root and the catalog file, and closes.
+// and north-south programs, deletes the pin root and the catalog file, and closes.
 func (d *Dataplane) Cleanup() error {
 	if d.stop != nil {
 		close(d.stop)
@@ -262,7 +302,7 @@ func (d *Dataplane) Cleanup() error {
 	var errs []error
 	err := d.opts.InNamespace(func() error {
 		for _, ifc := range d.ifaces {
-			for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
+			for _, h := range hooksOf(ifc.kind) {
 				if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
 					errs = append(errs, err)
 				}
@@ -282,30 +322,36 @@ func (d *Dataplane) Cleanup() error {
 	return nil
 }
 
+// hooksOf returns the hooks of an interface kind.
+func hooksOf(kind string) []bpf.Hook {
+	if kind == InterfaceNorthSouth {
+		return []bpf.Hook{bpf.HookNSIn, bpf.HookNSOut}
+	}
+	return []bpf.Hook{bpf.HookFromVM, bpf.HookToVM}
+}
+
 // AddInterface attaches the VM-edge programs to a VM's host-side
-// interface. It is idempotent.
+// interface. It is idempotent. An interface that is attached as a
+// north-south interface is a conflict (ErrConflict).
 func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	if vi.Name == "" || vi.VMID == "" {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface: %w", &ValidationError{Field: "interface", Reason: "name and vm_id are required"})
 	}
+	if why := ifnameProblem(vi.Name); why != "" {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface: %w", verr(ErrInvalid, "name", "%s", why))
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if other, ok := d.ifaces[vi.Name]; ok && other.VMID != vi.VMID {
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: belongs to VM %s: %w", vi.Name, other.VMID, ErrConflict)
-	}
-	ifc := &iface{VMEdgeInterface: vi}
-	err := d.opts.InNamespace(func() error {
-		for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
-			a, err := d.dp.Attach(bpf.Interface{Name: vi.Name}, h)
-			if err != nil {
-				return err
-			}
-			ifc.index = a.Ifindex
-			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
+	if other, ok := d.ifaces[vi.Name]; ok {
+		switch {
+		case other.kind != InterfaceVMEdge:
+			return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: it is a %s interface: %w", vi.Name, other.kind, ErrConflict)
+		case other.VMID != vi.VMID:
+			return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: belongs to VM %s: %w", vi.Name, other.VMID, ErrConflict)
 		}
-		return nil
-	})
-	if err != nil {
+	}
+	ifc := &iface{VMEdgeInterface: vi, kind: InterfaceVMEdge}
+	if err := d.attach(ifc); err != nil {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err)
 	}
 	if old, ok := d.ifaces[vi.Name]; ok {
@@ -318,7 +364,55 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	return ifc.status(), nil
 }
 
-// RemoveInterface detaches the VM-edge programs from an interface.
+// AddNorthSouthInterface attaches the north-south programs to one of the
+// node's uplinks: ns_in on TC ingress (clients outside the node reach
+// north-south VIPs; replies of remote backends to the SNAT address are
+// translated back) and ns_out on TC egress (replies to the SNAT address
+// that met no ingress hook of ours). It is idempotent. An interface that
+// is attached as a VM edge is a conflict (ErrConflict).
+//
+// The name then counts as configured in north_south_interfaces for the
+// validation of services (exposure north-south or both) for the rest of
+// the dataplane's life, also after RemoveInterface.
+// North-south interfaces have no per-VM statistics slot.
+func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error) {
+	if why := ifnameProblem(name); why != "" {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface: %w", verr(ErrInvalid, "name", "%s", why))
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if other, ok := d.ifaces[name]; ok && other.kind != InterfaceNorthSouth {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: it is the VM-edge interface of VM %s: %w", name, other.VMID, ErrConflict)
+	}
+	ifc := &iface{VMEdgeInterface: VMEdgeInterface{Name: name}, kind: InterfaceNorthSouth}
+	if err := d.attach(ifc); err != nil {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+	}
+	d.ifaces[name] = ifc
+	if !slices.Contains(d.opts.Config.NorthSouthInterfaces, name) {
+		d.opts.Config.NorthSouthInterfaces = append(slices.Clip(d.opts.Config.NorthSouthInterfaces), name)
+	}
+	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode)
+	return ifc.status(), nil
+}
+
+// attach puts the programs of ifc's kind on its hooks and records them.
+func (d *Dataplane) attach(ifc *iface) error {
+	return d.opts.InNamespace(func() error {
+		for _, h := range hooksOf(ifc.kind) {
+			a, err := d.dp.Attach(bpf.Interface{Name: ifc.Name}, h)
+			if err != nil {
+				return err
+			}
+			ifc.index = a.Ifindex
+			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
+		}
+		return nil
+	})
+}
+
+// RemoveInterface detaches the programs from a VM-edge or north-south
+// interface.
 func (d *Dataplane) RemoveInterface(name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -328,7 +422,7 @@ func (d *Dataplane) RemoveInterface(name string) error {
 	}
 	err := d.opts.InNamespace(func() error {
 		var errs []error
-		for _, h := range []bpf.Hook{bpf.HookFromVM, bpf.HookToVM} {
+		for _, h := range hooksOf(ifc.kind) {
 			if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
 				errs = append(errs, err)
 			}
@@ -346,7 +440,7 @@ func (d *Dataplane) RemoveInterface(name string) error {
 }
 
 func (i *iface) status() InterfaceStatus {
-	return InterfaceStatus{Name: i.Name, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
+	return InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
 }
 
 // Status describes the dataplane.
@@ -363,6 +457,7 @@ func (d *Dataplane) Status() Status {
 			Migrated: st.Migrated, NotMigrated: st.NotMigrated,
 		},
 		Services: len(d.services),
+		SNAT:     d.snatStatus(),
 		LastGC:   d.lastGC,
 	}
 	if st.TierChanged {
@@ -373,6 +468,18 @@ func (d *Dataplane) Status() Status {
 	}
 	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
 	return out
+}
+
+// snatStatus describes what writeSNAT put in fluxvm_snat.
+func (d *Dataplane) snatStatus() SNATStatus {
+	st := SNATStatus{PortMin: d.snat.PortMin, PortMax: d.snat.PortMax}
+	if d.snat.Flags&bpf.SNATFlagV4 != 0 {
+		st.Address4 = bpf.Addr([4]uint32{d.snat.Addr4}, bpf.FamilyIPv4)
+	}
+	if d.snat.Flags&bpf.SNATFlagV6 != 0 {
+		st.Address6 = bpf.Addr(d.snat.Addr6, bpf.FamilyIPv6)
+	}
+	return st
 }
 
 // GC removes dead flows now (the timer does the same periodically) and

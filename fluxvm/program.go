@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"reflect"
+	"slices"
 	"sort"
 	"time"
 
@@ -26,6 +27,11 @@ import (
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatus, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	// The service alone first, so that its errors name its own fields
+	// (backends[0].port), then the catalog it would join.
+	if err := ValidateService(svc, d.opts.Config); err != nil {
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
+	}
 	next := make([]Service, 0, len(d.services)+1)
 	for name, s := range d.services {
 		if name != svc.Name {
@@ -283,7 +289,8 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 		}
 	}
 
-	val := bpf.SvcValue{ServiceId: fe.sid, Revision: uint32(s.revision)}
+	fe.flags = svcFlags(&svc)
+	val := bpf.SvcValue{ServiceId: fe.sid, Flags: fe.flags, Revision: uint32(s.revision)}
 	if err := d.putFrontend(fe.key, val); err != nil {
 		return err
 	}
@@ -370,33 +377,70 @@ func (d *Dataplane) deleteFrontend(k feKey) error {
 	return nil
 }
 
-// addMarker makes sure the (VIP, 0, proto) entry that recognises fragments
-// exists; several services may share a VIP, and the marker names the first.
-func (d *Dataplane) addMarker(fe *frontend) error {
-	mk := markerKey{fe.key.vip, fe.key.proto}
-	for _, sid := range d.markers[mk] {
-		if sid == fe.sid {
-			return nil
+// svcFlags are the SvcValue flags of every frontend of svc: where it is
+// served and how it forwards.
+func svcFlags(svc *Service) uint32 {
+	var f uint32
+	switch svc.Exposure {
+	case ExposureNorthSouth:
+		f |= bpf.SvcFlagNorthSouth | bpf.SvcFlagNoEastWest
+	case ExposureBoth:
+		f |= bpf.SvcFlagNorthSouth
+	}
+	if svc.Mode == ModeDSR {
+		f |= bpf.SvcFlagDSR
+	}
+	if svc.HostRouting {
+		f |= bpf.SvcFlagHostRouting
+	}
+	return f
+}
+
+// markerFlags are the flags of the (VIP, 0, proto) entry shared by the
+// frontends fes: the datapath reads only where it is served (for
+// fragments), so it is north-south if any of them is, and off the VM
+// edges only if all of them are.
+func markerFlags(fes []*frontend) uint32 {
+	f := uint32(bpf.SvcFlagVIPMarker)
+	noEW := len(fes) > 0
+	for _, fe := range fes {
+		f |= fe.flags & bpf.SvcFlagNorthSouth
+		if fe.flags&bpf.SvcFlagNoEastWest == 0 {
+			noEW = false
 		}
 	}
-	d.markers[mk] = append(d.markers[mk], fe.sid)
-	return d.putFrontend(feKey{fe.key.vip, 0, fe.key.proto}, bpf.SvcValue{ServiceId: d.markers[mk][0], Flags: bpf.SvcFlagVIPMarker})
+	if noEW {
+		f |= bpf.SvcFlagNoEastWest
+	}
+	return f
+}
+
+// addMarker makes sure the (VIP, 0, proto) entry that recognises fragments
+// exists with the flags of every frontend on the VIP (fe's may have
+// changed); several services may share a VIP, and the marker names the
+// first.
+func (d *Dataplane) addMarker(fe *frontend) error {
+	mk := markerKey{fe.key.vip, fe.key.proto}
+	if !slices.Contains(d.markers[mk], fe) {
+		d.markers[mk] = append(d.markers[mk], fe)
+	}
+	return d.putMarker(mk)
+}
+
+func (d *Dataplane) putMarker(mk markerKey) error {
+	fes := d.markers[mk]
+	return d.putFrontend(feKey{mk.vip, 0, mk.proto}, bpf.SvcValue{ServiceId: fes[0].sid, Flags: markerFlags(fes)})
 }
 
 func (d *Dataplane) dropMarker(fe *frontend) error {
 	mk := markerKey{fe.key.vip, fe.key.proto}
-	var rest []uint32
-	for _, sid := range d.markers[mk] {
-		if sid != fe.sid {
-			rest = append(rest, sid)
-		}
-	}
+	rest := slices.DeleteFunc(slices.Clone(d.markers[mk]), func(o *frontend) bool { return o == fe })
 	if len(rest) == 0 {
 		delete(d.markers, mk)
 		return d.deleteFrontend(feKey{fe.key.vip, 0, fe.key.proto})
 	}
 	d.markers[mk] = rest
-	return d.putFrontend(feKey{fe.key.vip, 0, fe.key.proto}, bpf.SvcValue{ServiceId: rest[0], Flags: bpf.SvcFlagVIPMarker})
+	return d.putMarker(mk)
 }
 
 // removeFrontend takes a frontend out of the datapath: first the entry

@@ -44,6 +44,20 @@ func (d *Dataplane) Stats() (Stats, error) {
 	return out, nil
 }
 
+// IsEventCounter reports whether a name in Stats.Parser is a datapath
+// event counter (nat_stale, host_routed_packets, host_route_fallbacks,
+// snat_retries, dsr_forwarded, snat_conflicts, and any counter added
+// later) rather than
+// a kind of packet the parser saw (ipv4, tcp, truncated, ...).
+func IsEventCounter(name string) bool {
+	for c := range bpf.NumCounters {
+		if bpf.Counter(c).String() == name {
+			return bpf.Counter(c) > bpf.CounterParseLimit
+		}
+	}
+	return true
+}
+
 // VMStats sums the service counters of a VM's edge interfaces: what its
 // clients sent to VIPs, what came back, and what was dropped.
 func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
@@ -52,7 +66,7 @@ func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
 	out := VMStats{VMID: vmID}
 	found := false
 	for _, ifc := range d.ifaces {
-		if ifc.VMID != vmID {
+		if ifc.kind != InterfaceVMEdge || ifc.VMID != vmID {
 			continue
 		}
 		found = true

@@ -40,7 +40,21 @@ type Status struct {
 	Load          LoadStatus        `json:"load"`
 	Interfaces    []InterfaceStatus `json:"interfaces"`
 	Services      int               `json:"services"`
-	LastGC        *GCResult         `json:"last_gc,omitempty"`
+	// SNAT is the north-south source NAT the datapath applies.
+	SNAT   SNATStatus `json:"snat"`
+	LastGC *GCResult  `json:"last_gc,omitempty"`
+}
+
+// SNATStatus is the datapath's SNAT configuration (fluxvm_snat): the
+// source address of north-south NAT flows per family (absent when the
+// node has none: new north-south NAT flows of that family would drop as
+// snat_failed, and validation rejects services that need one) and the
+// port range allocated from.
+type SNATStatus struct {
+	Address4 netip.Addr `json:"address_v4,omitzero"`
+	Address6 netip.Addr `json:"address_v6,omitzero"`
+	PortMin  uint16     `json:"port_min"`
+	PortMax  uint16     `json:"port_max"`
 }
 
 // Capacities are the map sizes of the loaded tier.
@@ -67,18 +81,23 @@ type LoadStatus struct {
 	NotMigrated        int    `json:"not_migrated_entries,omitempty"`
 }
 
-// InterfaceStatus is one VM-edge interface and how its hooks are attached.
+// InterfaceStatus is one VM-edge or north-south interface and how its
+// hooks are attached.
 type InterfaceStatus struct {
-	Name    string       `json:"name"`
-	Index   int          `json:"ifindex"`
-	VMID    string       `json:"vm_id"`
+	Name string `json:"name"`
+	// Kind is "vm-edge" (hooks from_vm and to_vm) or "north-south" (hooks
+	// ns_in and ns_out).
+	Kind  string `json:"kind"`
+	Index int    `json:"ifindex"`
+	// VMID is the VM of a VM-edge interface; absent on a north-south one.
+	VMID    string       `json:"vm_id,omitempty"`
 	Hooks   []HookStatus `json:"hooks"`
 	Problem string       `json:"problem,omitempty"`
 }
 
 // HookStatus is one attached hook.
 type HookStatus struct {
-	Hook string `json:"hook"` // "from_vm" or "to_vm"
+	Hook string `json:"hook"` // "from_vm", "to_vm", "ns_in" or "ns_out"
 	Mode string `json:"mode"` // "tcx" or "cls_bpf"
 }
 
@@ -97,9 +116,17 @@ type Counters struct {
 type Stats struct {
 	// Services by name, summed over the service's frontends.
 	Services map[string]Counters `json:"services"`
-	// Drops by reason (no_backend, guard_closed, fragment, ...).
+	// Drops by reason (no_backend, guard_closed, fragment, ...,
+	// snat_failed, dsr_no_route).
 	Drops map[string]uint64 `json:"drops"`
-	// Parser counts packets by what the parser saw (ipv4, tcp, truncated, ...).
+	// Parser holds the datapath's global counters by name: packets by
+	// what the parser saw (ipv4, tcp, truncated, ...) and datapath events
+	// (see IsEventCounter): nat_stale; host_routed_packets and
+	// host_route_fallbacks (host_routing FIB hits redirected, misses left
+	// to the host stack); snat_retries (SNAT port candidates found taken);
+	// snat_conflicts (SNAT flows whose port another flow took, mapped
+	// afresh);
+	// dsr_forwarded (packets DSR redirected toward a backend).
 	Parser map[string]uint64 `json:"parser"`
 }
 

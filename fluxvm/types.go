@@ -21,9 +21,12 @@ type Service struct {
 	// Default true.
 	Enabled *bool `json:"enabled,omitempty"`
 	// Exposure says where clients are: "east-west" (VMs on this node,
-	// the default), "north-south" or "both".
+	// served on VM edges; the default), "north-south" (outside the node,
+	// served on north-south interfaces only) or "both".
 	Exposure Exposure `json:"exposure,omitempty"`
-	// Mode is "nat" (the default) or "dsr".
+	// Mode is "nat" (the default: DNAT, plus SNAT on north-south
+	// interfaces) or "dsr" (routed DSR: the packet keeps the VIP and its
+	// port, so backend ports must equal the frontend ports).
 	Mode Mode `json:"mode,omitempty"`
 	// VIPs are the virtual addresses, at most one per address family.
 	VIPs []netip.Addr `json:"vips"`
@@ -35,7 +38,8 @@ type Service struct {
 	HealthCheck *HealthCheck `json:"health_check,omitempty"`
 	// MaxEgressMbps paces the service's egress (EDT); needs edt_enabled.
 	MaxEgressMbps uint32 `json:"max_egress_mbps,omitempty"`
-	// HostRouting enables the FIB fast path after NAT.
+	// HostRouting enables the FIB fast path after NAT (a FIB miss falls
+	// back to the host stack); needs mode nat.
 	HostRouting bool `json:"host_routing,omitempty"`
 	// Advertise publishes the VIP for BGP adapters; needs north-south
 	// exposure.

@@ -130,20 +130,12 @@ type feature struct {
 // because this build does not implement it. The issue that builds a
 // feature removes its row (and adds the tests that prove it works).
 var unsupported = []feature{
-	{field: "exposure", reason: "north-south exposure is not in this build (there are no north-south hooks yet); use east-west",
-		service: func(s *Service) bool { return s.Exposure == ExposureNorthSouth || s.Exposure == ExposureBoth }},
-	{field: "mode", reason: "DSR is not in this build; use nat",
-		service: func(s *Service) bool { return s.Mode == ModeDSR }},
-	{field: "host_routing", reason: "the host-routing FIB fast path is not in this build",
-		service: func(s *Service) bool { return s.HostRouting }},
 	{field: "max_egress_mbps", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
 	{field: "advertise", reason: "VIP advertisement is not in this build",
 		service: func(s *Service) bool { return s.Advertise }},
 	{field: "health_check", reason: "active health checks are not in this build yet; Fabric sets backend state instead",
 		service: func(s *Service) bool { return s.HealthCheck != nil }},
-	{field: "north_south_interfaces", reason: "north-south interfaces are not in this build; leave the list empty",
-		config: func(c *Config) bool { return len(c.NorthSouthInterfaces) > 0 }},
 	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		config: func(c *Config) bool { return c.EDTEnabled }},
 }
@@ -178,12 +170,52 @@ var prerequisites = []prerequisite{
 		}
 		return ""
 	}},
-	{"exposure", func(s *Service, c *Config) string {
-		if northSouth(s) && s.Mode != ModeDSR && !c.SNATAddress.IsValid() {
-			return fmt.Sprintf("%s NAT requires snat_address in [sandbox.dataplane.service], so that backend replies return through this node", s.Exposure)
+	{"host_routing", func(s *Service, c *Config) string {
+		if s.HostRouting && s.Mode == ModeDSR {
+			return "requires mode nat: the FIB fast path forwards translated packets, and DSR forwards by FIB lookup already"
 		}
 		return ""
 	}},
+}
+
+// snatPrerequisite checks that north-south NAT has an SNAT address of
+// each VIP's family, naming the VIP.
+func snatPrerequisite(s *Service, c *Config) *ValidationError {
+	if !northSouth(s) || s.Mode == ModeDSR {
+		return nil
+	}
+	for i, vip := range s.VIPs {
+		v6 := !vip.Unmap().Is4()
+		if c.SNATAddressFor(v6).IsValid() {
+			continue
+		}
+		key := "an IPv4 snat_address"
+		if v6 {
+			key = "snat_address_v6 (or an IPv6 snat_address)"
+		}
+		return verr(ErrPrerequisite, fmt.Sprintf("vips[%d]", i),
+			"%s NAT of the %s VIP %s requires %s in [sandbox.dataplane.service], so that backend replies return through this node",
+			s.Exposure, familyName[addrFamily(vip.Unmap())], vip, key)
+	}
+	return nil
+}
+
+// checkDSRPorts enforces what routed DSR cannot do: the packet keeps the
+// VIP and its destination port, so every backend must listen on the
+// frontend port itself.
+func checkDSRPorts(s *Service) *ValidationError {
+	if s.Mode != ModeDSR {
+		return nil
+	}
+	for i, b := range s.Backends {
+		for j, p := range s.Ports {
+			if b.Port != p.Port {
+				return verr(ErrInvalid, fmt.Sprintf("backends[%d].port", i),
+					"%d differs from the frontend port %d (ports[%d]): DSR does not rewrite ports, so with mode dsr every backend port must equal every frontend port", b.Port, p.Port, j)
+			}
+		}
+	}
+	return nil
 }
 
 func northSouth(s *Service) bool {
@@ -222,12 +254,16 @@ func northSouth(s *Service) bool {
 //     MinHealthIntervalMs..MaxHealthIntervalMs and above the timeout,
 //     thresholds 1..MaxHealthThreshold; 0 takes the default
 //     (DefaultHealth*).
+//   - mode dsr: every backend port equals every frontend port (the
+//     datapath does not rewrite ports under DSR), else backends[i].port.
 //   - prerequisites (ErrPrerequisite): max_egress_mbps needs edt_enabled;
 //     advertise needs exposure north-south or both; north-south exposure
-//     needs north_south_interfaces, and with NAT an snat_address.
-//   - features this build does not have (ErrUnsupported): north-south
-//     exposure, dsr, host_routing, max_egress_mbps, advertise,
-//     health_check.
+//     (north-south or both) needs north_south_interfaces (field exposure);
+//     host_routing needs mode nat; north-south NAT needs an SNAT address
+//     of each VIP's family (field vips[i]): an IPv4 VIP an IPv4
+//     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
+//   - features this build does not have (ErrUnsupported): max_egress_mbps,
+//     advertise, health_check.
 func ValidateService(s Service, cfg Config) error {
 	if e := validateService(&s, &cfg); e != nil {
 		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)
@@ -273,10 +309,16 @@ func validateService(s *Service, cfg *Config) *ValidationError {
 			return e
 		}
 	}
+	if e := checkDSRPorts(s); e != nil {
+		return e
+	}
 	for _, p := range prerequisites {
 		if why := p.missing(s, cfg); why != "" {
 			return verr(ErrPrerequisite, p.field, "%s", why)
 		}
+	}
+	if e := snatPrerequisite(s, cfg); e != nil {
+		return e
 	}
 	for _, f := range unsupported {
 		if f.service != nil && f.service(s) {

@@ -30,14 +30,36 @@ func validService() Service {
 	}
 }
 
-// nsConfig is a configuration with the north-south prerequisites met (it
-// would fail Config.Validate in this build, which is the point: it lets
-// the tests reach the unsupported table).
+// nsConfig is a configuration with the north-south prerequisites met for
+// both families: a north-south interface and an SNAT address of each.
 func nsConfig() Config {
 	c := DefaultConfig()
 	c.NorthSouthInterfaces = []string{"eth0"}
 	c.SNATAddress = netip.MustParseAddr("203.0.113.10")
+	c.SNATAddressV6 = netip.MustParseAddr("2001:db8:10::10")
 	return c
+}
+
+// nsConfigWith is nsConfig with other SNAT addresses (zero: unset).
+func nsConfigWith(snat, snat6 string) func() Config {
+	return func() Config {
+		c := nsConfig()
+		c.SNATAddress, c.SNATAddressV6 = netip.Addr{}, netip.Addr{}
+		if snat != "" {
+			c.SNATAddress = netip.MustParseAddr(snat)
+		}
+		if snat6 != "" {
+			c.SNATAddressV6 = netip.MustParseAddr(snat6)
+		}
+		return c
+	}
+}
+
+// dsr makes s a DSR service whose backends listen on its one frontend
+// port, as DSR requires.
+func dsr(s *Service) {
+	s.Mode = ModeDSR
+	s.Ports = []ServicePort{{8080, TCP}, {8080, UDP}}
 }
 
 func TestValidateService(t *testing.T) {
@@ -159,16 +181,47 @@ func TestValidateService(t *testing.T) {
 		{name: "advertise east-west", mutate: func(s *Service) { s.Advertise = true }, field: "advertise", kind: ErrPrerequisite, reason: "north-south or both"},
 		{name: "advertise default exposure", mutate: func(s *Service) { s.Advertise = true; s.Exposure = ExposureEastWest }, field: "advertise", kind: ErrPrerequisite},
 		{name: "north-south without interfaces", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
+		{name: "both DSR without interfaces", mutate: func(s *Service) { s.Exposure = ExposureBoth; dsr(s) }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
 		{name: "both NAT without snat_address", mutate: func(s *Service) { s.Exposure = ExposureBoth },
-			cfg: func() Config { c := nsConfig(); c.SNATAddress = netip.Addr{}; return c }, field: "exposure", kind: ErrPrerequisite, reason: "snat_address"},
-		{name: "north-south with prerequisites", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, cfg: nsConfig, field: "exposure", kind: ErrUnsupported},
-		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Mode = ModeDSR },
-			cfg: func() Config { c := nsConfig(); c.SNATAddress = netip.Addr{}; return c }, field: "exposure", kind: ErrUnsupported},
-		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig, field: "exposure", kind: ErrUnsupported},
+			cfg: nsConfigWith("", ""), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
+		{name: "north-south NAT of IPv6 VIP with IPv4 snat only", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth },
+			cfg: nsConfigWith("203.0.113.10", ""), field: "vips[1]", kind: ErrPrerequisite, reason: "snat_address_v6 (or an IPv6 snat_address)"},
+		{name: "north-south NAT of IPv4 VIP with IPv6 snat only", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth },
+			cfg: nsConfigWith("", "2001:db8:10::10"), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
+		{name: "north-south NAT IPv6 VIP, IPv6 snat_address", mutate: func(s *Service) {
+			s.Exposure = ExposureNorthSouth
+			s.VIPs = s.VIPs[1:]
+			s.Backends = s.Backends[3:]
+		}, cfg: nsConfigWith("2001:db8:20::20", "")},
+		{name: "north-south NAT IPv6 VIP, snat_address_v6", mutate: func(s *Service) {
+			s.Exposure = ExposureNorthSouth
+			s.VIPs = s.VIPs[1:]
+			s.Backends = s.Backends[3:]
+		}, cfg: nsConfigWith("", "2001:db8:10::10")},
+		{name: "north-south NAT IPv4 VIP, IPv4 snat_address", mutate: func(s *Service) {
+			s.Exposure = ExposureNorthSouth
+			s.VIPs = s.VIPs[:1]
+			s.Backends = s.Backends[:3]
+		}, cfg: nsConfigWith("203.0.113.10", "")},
+		{name: "north-south NAT dual-stack", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, cfg: nsConfig},
+		{name: "both NAT dual-stack host_routing", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.HostRouting = true }, cfg: nsConfig},
+		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; dsr(s) }, cfg: nsConfigWith("", "")},
+		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig, field: "advertise", kind: ErrUnsupported},
+		{name: "advertise before missing interfaces", mutate: func(s *Service) { s.Advertise = true }, cfg: nsConfigWith("", ""), field: "advertise", kind: ErrPrerequisite},
 
-		// Features not built.
-		{name: "dsr", mutate: func(s *Service) { s.Mode = ModeDSR }, field: "mode", kind: ErrUnsupported},
-		{name: "host_routing", mutate: func(s *Service) { s.HostRouting = true }, field: "host_routing", kind: ErrUnsupported},
+		// host_routing and DSR.
+		{name: "host_routing east-west nat", mutate: func(s *Service) { s.HostRouting = true }},
+		{name: "host_routing explicit nat", mutate: func(s *Service) { s.HostRouting = true; s.Mode = ModeNAT }},
+		{name: "host_routing dsr", mutate: func(s *Service) { s.HostRouting = true; dsr(s) }, field: "host_routing", kind: ErrPrerequisite, reason: "mode nat"},
+		{name: "dsr east-west", mutate: dsr},
+		{name: "dsr both", mutate: func(s *Service) { dsr(s); s.Exposure = ExposureBoth }, cfg: nsConfig},
+		{name: "dsr backend port differs", mutate: func(s *Service) { s.Mode = ModeDSR }, field: "backends[0].port", kind: ErrInvalid, reason: "DSR does not rewrite ports"},
+		{name: "dsr two frontend ports", mutate: func(s *Service) { dsr(s); s.Ports = append(s.Ports, ServicePort{8443, TCP}) },
+			field: "backends[0].port", kind: ErrInvalid, reason: "ports[2]"},
+		{name: "dsr one backend differs", mutate: func(s *Service) { dsr(s); s.Backends[2].Port = 9090 }, field: "backends[2].port", kind: ErrInvalid},
+		{name: "dsr disabled backend differs", mutate: func(s *Service) { dsr(s); s.Backends[3].Port = 9090; s.Backends[3].Enabled = ptr(false) },
+			field: "backends[3].port", kind: ErrInvalid},
+		{name: "dsr without backends", mutate: func(s *Service) { s.Mode = ModeDSR; s.Backends = nil }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -367,9 +420,14 @@ func TestValidateCatalog(t *testing.T) {
 		}, field: "services[1].backends[1].port", kind: ErrInvalid},
 		{name: "unsupported service", services: func() []Service {
 			o := other()
-			o.HostRouting = true
+			o.HealthCheck = &HealthCheck{Kind: "tcp"}
 			return []Service{o}
-		}, field: "services[0].host_routing", kind: ErrUnsupported},
+		}, field: "services[0].health_check", kind: ErrUnsupported},
+		{name: "missing prerequisite in a catalog", services: func() []Service {
+			o := other()
+			o.Exposure = ExposureNorthSouth
+			return []Service{validService(), o}
+		}, field: "services[1].exposure", kind: ErrPrerequisite},
 		{name: "duplicate name", services: func() []Service {
 			o := other()
 			o.Name = "web"

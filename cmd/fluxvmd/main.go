@@ -67,7 +67,7 @@ func run(ctx context.Context, args []string) error {
 	}
 	switch cmd {
 	case "check-config":
-		fmt.Println("configuration is valid")
+		fmt.Print(describeConfig(cfg))
 		return nil
 	case "cleanup":
 		return cleanup(cfg, log)
@@ -75,6 +75,32 @@ func run(ctx context.Context, args []string) error {
 		return serve(ctx, cfg, log)
 	}
 	return fmt.Errorf("unknown command %q (run, check-config, cleanup)", cmd)
+}
+
+// describeConfig is what check-config prints about a valid configuration:
+// the settings that decide where the datapath attaches and how it SNATs.
+func describeConfig(cfg fluxvm.Config) string {
+	var b strings.Builder
+	b.WriteString("configuration is valid\n")
+	fmt.Fprintf(&b, "map_tier %s, pin_root %s\n", strings.ToUpper(cfg.MapTier), cfg.PinRoot)
+	fmt.Fprintf(&b, "vm_edge_interfaces: %d\n", len(cfg.VMEdgeInterfaces))
+	ns := "none (north-south and both exposure are refused)"
+	if len(cfg.NorthSouthInterfaces) > 0 {
+		ns = strings.Join(cfg.NorthSouthInterfaces, ", ")
+	}
+	fmt.Fprintf(&b, "north_south_interfaces: %s\n", ns)
+	for _, f := range []struct {
+		name string
+		v6   bool
+	}{{"IPv4", false}, {"IPv6", true}} {
+		a := "none (north-south NAT of " + f.name + " VIPs is refused)"
+		if addr := cfg.SNATAddressFor(f.v6); addr.IsValid() {
+			a = addr.String()
+		}
+		fmt.Fprintf(&b, "snat %s address: %s\n", f.name, a)
+	}
+	fmt.Fprintf(&b, "snat ports: %d..%d\n", cfg.SNATPortMin, cfg.SNATPortMax)
+	return b.String()
 }
 
 func cleanup(cfg fluxvm.Config, log *slog.Logger) error {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -125,6 +126,10 @@ func TestDaemonRestartKeepsFlows(t *testing.T) {
 	}
 	defer srv.Close()
 
+	if _, err := l.AddExternal(); err != nil {
+		t.Fatal(err)
+	}
+
 	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
 	cfg := filepath.Join(t.TempDir(), "fluxvmd.toml")
 	conf := fmt.Sprintf(`[sandbox.dataplane.service]
@@ -132,12 +137,37 @@ map_tier = "S"
 pin_root = %q
 catalog_path = %q
 vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
+north_south_interfaces = ["uplink"]
+snat_address = "10.250.0.100"
+snat_address_v6 = "fd00:250::100"
+snat_port_min = 62000
+snat_port_max = 62999
 `, pinRoot, filepath.Join(t.TempDir(), "catalog.json"))
 	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
 	}
 
 	d := startDaemon(t, bin, cfg, l)
+	// The status shows the north-south interface and the SNAT settings.
+	body, err := d.request("GET", "/v1/network/services/status", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var status fluxvm.Status
+	if err := json.Unmarshal(body, &status); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]string{}
+	for _, ifc := range status.Interfaces {
+		kinds[ifc.Name] = ifc.Kind
+	}
+	if kinds["uplink"] != "north-south" || kinds["vm1"] != "vm-edge" || kinds["vm2"] != "vm-edge" {
+		t.Errorf("status interfaces %s", body)
+	}
+	wantSNAT := fluxvm.SNATStatus{Address4: netip.MustParseAddr("10.250.0.100"), Address6: netip.MustParseAddr("fd00:250::100"), PortMin: 62000, PortMax: 62999}
+	if status.SNAT != wantSNAT {
+		t.Errorf("status snat %+v, want %+v", status.SNAT, wantSNAT)
+	}
 	svc := fluxvm.Service{
 		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
@@ -164,7 +194,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	if err := c.Echo([]byte("daemon restarted"), 3*time.Second); err != nil {
 		t.Fatalf("flow broke when the daemon restarted: %v\n%s", err, d.out)
 	}
-	body, err := d.request("GET", "/v1/network/services/web", nil)
+	body, err = d.request("GET", "/v1/network/services/web", nil)
 	if err != nil {
 		t.Fatalf("catalog not restored: %v", err)
 	}
@@ -187,5 +217,57 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	}
 	if _, err := os.Stat(pinRoot); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pin root left after cleanup: %v", err)
+	}
+}
+
+// TestCheckConfig runs the check-config command on valid and invalid
+// north-south settings: a valid file is summarised, an invalid one fails
+// naming the key.
+func TestCheckConfig(t *testing.T) {
+	const head = "[sandbox.dataplane.service]\n"
+	tests := []struct {
+		name string
+		doc  string
+		want string // substring of the error; "" = valid
+	}{
+		{name: "defaults", doc: head},
+		{name: "north-south dual-stack", doc: head + `north_south_interfaces = ["eth1"]
+snat_address = "203.0.113.10"
+snat_address_v6 = "2001:db8:10::10"
+snat_port_min = 40000
+snat_port_max = 49999
+`},
+		{name: "snat_address_v6 IPv4", doc: head + "snat_address_v6 = \"203.0.113.10\"\n", want: "sandbox.dataplane.service.snat_address_v6"},
+		{name: "two IPv6 SNAT addresses", doc: head + "snat_address = \"2001:db8::1\"\nsnat_address_v6 = \"2001:db8::2\"\n", want: "sandbox.dataplane.service.snat_address:"},
+		{name: "port below 1024", doc: head + "snat_port_min = 80\n", want: "sandbox.dataplane.service.snat_port_min"},
+		{name: "ports reversed", doc: head + "snat_port_min = 65000\nsnat_port_max = 64000\n", want: "sandbox.dataplane.service.snat_port_min"},
+		{name: "north-south also a VM edge", doc: head + "north_south_interfaces = [\"tap1\"]\nvm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a\" }]\n",
+			want: "sandbox.dataplane.service.north_south_interfaces[0]"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "fluxvmd.toml")
+			if err := os.WriteFile(path, []byte(tt.doc), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			err := run(context.Background(), []string{"-config", path, "check-config"})
+			switch {
+			case tt.want == "" && err != nil:
+				t.Errorf("valid configuration refused: %v", err)
+			case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+				t.Errorf("error %v, want one naming %s", err, tt.want)
+			}
+		})
+	}
+	cfg, err := fluxvm.ParseConfig([]byte(tests[1].doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := describeConfig(cfg)
+	for _, want := range []string{"configuration is valid", "north_south_interfaces: eth1", "snat IPv4 address: 203.0.113.10",
+		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("check-config output lacks %q:\n%s", want, out)
+		}
 	}
 }

@@ -4,6 +4,11 @@
 //
 //	go run ./examples/embed -iface tap-vm1 -vm vm-1 -service examples/service-fabric-v4-east-west.json
 //
+// With -uplink (and -snat for north-south NAT) it also serves north-south
+// services to clients behind that interface:
+//
+//	go run ./examples/embed -iface tap-vm1 -uplink eth1 -snat 203.0.113.10 -service ...
+//
 // It needs root (CAP_BPF, CAP_NET_ADMIN) and an existing interface. Stop it
 // with Ctrl-C; the datapath keeps forwarding (run it again, or call
 // Dataplane.Cleanup, to take over or remove the state).
@@ -16,6 +21,7 @@ import (
 	"log"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 
@@ -28,6 +34,8 @@ func main() {
 	vmID := flag.String("vm", "vm-1", "the VM's id")
 	svcFile := flag.String("service", "", "service JSON to apply (optional)")
 	listen := flag.String("listen", "127.0.0.1:7788", "where to serve the REST API")
+	uplink := flag.String("uplink", "", "north-south interface (optional)")
+	snat := flag.String("snat", "", "SNAT address of north-south NAT (optional)")
 	flag.Parse()
 	if *ifname == "" {
 		log.Fatal("-iface is required")
@@ -35,6 +43,18 @@ func main() {
 
 	cfg := fluxvm.DefaultConfig()
 	cfg.CatalogPath = "/run/fluxvm-embed/catalog.json"
+	if *uplink != "" {
+		// Attached by Open; Dataplane.AddNorthSouthInterface does the same
+		// later on.
+		cfg.NorthSouthInterfaces = []string{*uplink}
+	}
+	if *snat != "" {
+		a, err := netip.ParseAddr(*snat)
+		if err != nil {
+			log.Fatal(err)
+		}
+		cfg.SNATAddress = a
+	}
 	if err := cfg.Validate(); err != nil {
 		log.Fatal(err)
 	}

@@ -34,6 +34,7 @@ var (
 	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
 	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
 	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
+	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts.", "event")
 	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
 	descServices     = desc("services", "Services in the node's catalog.")
 	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
@@ -57,6 +58,9 @@ type collector struct{ src MetricsSource }
 //	fluxvm_service_drops_total                  counters {service}
 //	fluxvm_datapath_drops_total                 counter {reason}
 //	fluxvm_datapath_parser_packets_total        counter {kind}
+//	fluxvm_datapath_events_total                counter {event: nat_stale, host_routed_packets,
+//	                                            host_route_fallbacks, snat_retries, dsr_forwarded,
+//	                                            snat_conflicts}
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}
@@ -73,7 +77,7 @@ func NewCollector(src MetricsSource) prometheus.Collector { return collector{src
 func (collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
-		descServiceDrops, descDrops, descParser, descStatsUp, descServices, descInfo,
+		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries,
 	} {
 		ch <- d
@@ -131,7 +135,11 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		emit(descDrops, prometheus.CounterValue, float64(n), reason)
 	}
 	for kind, n := range stats.Parser {
-		emit(descParser, prometheus.CounterValue, float64(n), kind)
+		if fluxvm.IsEventCounter(kind) {
+			emit(descEvents, prometheus.CounterValue, float64(n), kind)
+		} else {
+			emit(descParser, prometheus.CounterValue, float64(n), kind)
+		}
 	}
 }
 

@@ -23,8 +23,9 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 			"web": {Packets: 10, Bytes: 1000, ReplyPackets: 8, ReplyBytes: 4000, NewFlows: 3, Failovers: 1, Drops: 2},
 			"dns": {Packets: 4, Bytes: 256},
 		},
-		Drops:  map[string]uint64{"no_backend": 2, "guard_closed": 5},
-		Parser: map[string]uint64{"ipv4": 100, "truncated": 1},
+		Drops: map[string]uint64{"no_backend": 2, "guard_closed": 5, "snat_failed": 4, "dsr_no_route": 1},
+		Parser: map[string]uint64{"ipv4": 100, "truncated": 1, "nat_stale": 0,
+			"host_routed_packets": 9, "host_route_fallbacks": 2, "snat_retries": 6, "dsr_forwarded": 11, "snat_conflicts": 3},
 	}
 	dp.status.LastGC = &fluxvm.GCResult{
 		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
@@ -66,12 +67,22 @@ fluxvm_service_drops_total{service="dns"} 0
 fluxvm_service_drops_total{service="web"} 2
 # HELP fluxvm_datapath_drops_total Packets dropped by the datapath, by reason.
 # TYPE fluxvm_datapath_drops_total counter
+fluxvm_datapath_drops_total{reason="dsr_no_route"} 1
 fluxvm_datapath_drops_total{reason="guard_closed"} 5
 fluxvm_datapath_drops_total{reason="no_backend"} 2
+fluxvm_datapath_drops_total{reason="snat_failed"} 4
 # HELP fluxvm_datapath_parser_packets_total Packets seen by the datapath parser, by kind.
 # TYPE fluxvm_datapath_parser_packets_total counter
 fluxvm_datapath_parser_packets_total{kind="ipv4"} 100
 fluxvm_datapath_parser_packets_total{kind="truncated"} 1
+# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts.
+# TYPE fluxvm_datapath_events_total counter
+fluxvm_datapath_events_total{event="dsr_forwarded"} 11
+fluxvm_datapath_events_total{event="host_route_fallbacks"} 2
+fluxvm_datapath_events_total{event="host_routed_packets"} 9
+fluxvm_datapath_events_total{event="nat_stale"} 0
+fluxvm_datapath_events_total{event="snat_conflicts"} 3
+fluxvm_datapath_events_total{event="snat_retries"} 6
 # HELP fluxvm_datapath_stats_up 1 when the datapath counters could be read in this scrape, else 0.
 # TYPE fluxvm_datapath_stats_up gauge
 fluxvm_datapath_stats_up 1
@@ -142,6 +153,9 @@ func TestMetricsEndpoint(t *testing.T) {
 		`fluxvm_service_failovers_total{service="web"} 1`,
 		`fluxvm_datapath_drops_total{reason="no_backend"} 2`,
 		`fluxvm_datapath_parser_packets_total{kind="truncated"} 1`,
+		`fluxvm_datapath_events_total{event="host_routed_packets"} 9`,
+		`fluxvm_datapath_events_total{event="host_route_fallbacks"} 2`,
+		`fluxvm_datapath_drops_total{reason="snat_failed"} 4`,
 		`fluxvm_services 2`,
 		`fluxvm_conntrack_gc_last_entries{result="expired"} 7`,
 		`fluxvm_datapath_stats_up 1`,

@@ -160,6 +160,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"LoadStatus":      reflect.TypeFor[fluxvm.LoadStatus](),
 		"InterfaceStatus": reflect.TypeFor[fluxvm.InterfaceStatus](),
 		"HookStatus":      reflect.TypeFor[fluxvm.HookStatus](),
+		"SNATStatus":      reflect.TypeFor[fluxvm.SNATStatus](),
 		"Counters":        reflect.TypeFor[fluxvm.Counters](),
 		"Stats":           reflect.TypeFor[fluxvm.Stats](),
 		"VMStats":         reflect.TypeFor[fluxvm.VMStats](),

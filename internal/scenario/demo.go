@@ -47,7 +47,11 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 	}
 	fmt.Fprintln(w, "== FluxVM Service Fabric lab demo")
 	fmt.Fprintln(w, "building the lab: a node namespace, a client VM, three backend VMs, an external client")
-	env, err := NewEnv(3, nil)
+	env, err := NewEnvConfig(3, nil, func(c *fluxvm.Config) {
+		c.NorthSouthInterfaces = []string{"uplink"}
+		c.SNATAddress = DemoSNAT4
+		c.SNATAddressV6 = DemoSNAT6
+	})
 	if err != nil {
 		return err
 	}
@@ -68,15 +72,20 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 		for _, h := range ifc.Hooks {
 			hooks = append(hooks, h.Hook+"/"+h.Mode)
 		}
-		fmt.Fprintf(w, "   %-5s (VM %s): %s\n", ifc.Name, ifc.VMID, strings.Join(hooks, " "))
+		who := "VM " + ifc.VMID
+		if ifc.VMID == "" {
+			who = ifc.Kind
+		}
+		fmt.Fprintf(w, "   %-6s (%s): %s\n", ifc.Name, who, strings.Join(hooks, " "))
 	}
 
 	svc := env.Service("web", o.Weights)
+	svc.Exposure = fluxvm.ExposureBoth
 	applied, err := env.DP.ApplyService(ctx, svc)
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "\n== service %q: Maglev over %d backends with weights %v\n", svc.Name, len(env.Backends), o.Weights)
+	fmt.Fprintf(w, "\n== service %q (exposure %s): Maglev over %d backends with weights %v\n", svc.Name, svc.Exposure, len(env.Backends), o.Weights)
 	for _, fe := range applied.Frontends {
 		fmt.Fprintf(w, "   %-22s %s  service id %d, %d eligible backends\n", fe.VIP, fe.Protocol, fe.ServiceID, fe.Eligible)
 	}
@@ -103,6 +112,9 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 		fmt.Fprintf(w, "   UDP to %s answered by %s\n", netip.AddrPortFrom(vip, 80), name)
 	}
 	if err := printStats(w, env.DP); err != nil {
+		return err
+	}
+	if err := northSouth(ctx, w, env); err != nil {
 		return err
 	}
 
@@ -164,6 +176,62 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 	}
 	fmt.Fprintf(w, "   %s took no new connections; its established ones stay until the deadline\n", victim)
 	return printStats(w, env.DP)
+}
+
+// The demo's SNAT addresses: held by no interface; VM backends reach them
+// through their default route, and the node translates their replies on
+// the VM edge.
+var (
+	DemoSNAT4 = netip.MustParseAddr("10.254.0.1")
+	DemoSNAT6 = netip.MustParseAddr("fd00:254::1")
+)
+
+// northSouth shows the external client reaching the VIPs through the
+// node's north-south interface: DNAT plus SNAT, so the backends see the
+// node's SNAT address, and the replies translated back.
+func northSouth(ctx context.Context, w io.Writer, env *Env) error {
+	ext := env.Lab.External
+	fmt.Fprintf(w, "\n== north-south: %s (%s, %s) through %q\n", ext.Name, ext.Addr4, ext.Addr6, ext.NodeIf)
+	got := map[string]int{}
+	const n = 60
+	for i := range n {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		c, err := ext.DialTCP(netip.AddrPortFrom(pick(i), 80), 3*time.Second)
+		if err != nil {
+			return fmt.Errorf("demo: north-south connection %d: %w", i, err)
+		}
+		got[c.Backend]++
+		c.Close()
+	}
+	fmt.Fprintf(w, "   %d TCP connections from %s: %s\n", n, ext.Name, formatCounts(got))
+	for _, vip := range []netip.Addr{VIP4, VIP6} {
+		name, err := ext.AskUDP(netip.AddrPortFrom(vip, 80), 2*time.Second)
+		if err != nil {
+			return fmt.Errorf("demo: north-south UDP through %s: %w", vip, err)
+		}
+		fmt.Fprintf(w, "   UDP to %s answered by %s\n", netip.AddrPortFrom(vip, 80), name)
+	}
+	var snat4, snat6, direct int
+	for _, s := range env.servers {
+		for _, p := range s.Peers() {
+			switch p.Addr() {
+			case DemoSNAT4:
+				snat4++
+			case DemoSNAT6:
+				snat6++
+			case ext.Addr4, ext.Addr6:
+				direct++
+			}
+		}
+	}
+	fmt.Fprintf(w, "   the backends saw %s as %d client ports of %s and %d of %s; %s itself %d times\n",
+		ext.Name, snat4, DemoSNAT4, snat6, DemoSNAT6, ext.Name, direct)
+	if direct != 0 || snat4 == 0 || snat6 == 0 {
+		return fmt.Errorf("demo: north-south traffic was not source-translated")
+	}
+	return nil
 }
 
 // pick alternates between the two VIPs.

@@ -23,6 +23,10 @@
  * from the verifier's instruction limit and load in a fraction of the time,
  * for the cost of a BPF-to-BPF call. @pkt points at the caller's parse
  * result; the verifier cannot know it is never NULL.
+ *
+ * The VM-edge reply path stays inline in fluxvm_to_vm, its only user, and
+ * fluxvm_from_vm calls the SNAT reply path only for packets to the SNAT
+ * address, so that pass-through traffic pays for no extra call.
  */
 #define FLUXVM_PATH(name, call)                                                 \
 	__attribute__((noinline)) int name(struct __sk_buff *skb, struct fluxvm_pkt *pkt) \
@@ -36,8 +40,6 @@ FLUXVM_PATH(fluxvm_forward4_vm, fluxvm_lb_forward(skb, pkt, 0, FLUXVM_EDGE_VM))
 FLUXVM_PATH(fluxvm_forward6_vm, fluxvm_lb_forward(skb, pkt, 1, FLUXVM_EDGE_VM))
 FLUXVM_PATH(fluxvm_forward4_ns, fluxvm_lb_forward(skb, pkt, 0, FLUXVM_EDGE_NS))
 FLUXVM_PATH(fluxvm_forward6_ns, fluxvm_lb_forward(skb, pkt, 1, FLUXVM_EDGE_NS))
-FLUXVM_PATH(fluxvm_reply4_ew, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_EW, 0))
-FLUXVM_PATH(fluxvm_reply6_ew, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_EW, 0))
 FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNAT, 0))
@@ -57,10 +59,14 @@ int fluxvm_from_vm(struct __sk_buff *skb)
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		ret = fluxvm_forward4_vm(skb, &pkt);
-		return ret == FLUXVM_TC_NEXT ? fluxvm_reply4_snat_in(skb, &pkt) : ret;
+		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+			ret = fluxvm_reply4_snat_in(skb, &pkt);
+		return ret;
 	}
 	ret = fluxvm_forward6_vm(skb, &pkt);
-	return ret == FLUXVM_TC_NEXT ? fluxvm_reply6_snat_in(skb, &pkt) : ret;
+	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+		ret = fluxvm_reply6_snat_in(skb, &pkt);
+	return ret;
 }
 
 /* VM-edge egress: packets delivered to a VM. Replies from a backend get the
@@ -75,8 +81,8 @@ int fluxvm_to_vm(struct __sk_buff *skb)
 	if (ret != FLUXVM_PARSE_OK)
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP)
-		return fluxvm_reply4_ew(skb, &pkt);
-	return fluxvm_reply6_ew(skb, &pkt);
+		return fluxvm_lb_reply(skb, &pkt, 0, FLUXVM_REPLY_EW, 0);
+	return fluxvm_lb_reply(skb, &pkt, 1, FLUXVM_REPLY_EW, 0);
 }
 
 /* North-south ingress: clients outside the node reach north-south VIPs

@@ -162,7 +162,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	struct fluxvm_tuple6 t6 = {};
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
-	struct fluxvm_ct_value *ct, nct = {};
+	struct fluxvm_ct_value *ct, nct;
 	struct fluxvm_svc_value *svc;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_guard *guard;
@@ -251,7 +251,9 @@ pick:
 
 	/* Learn both halves before the rewrite or redirect, whose helpers
 	 * invalidate packet pointers; a half that cannot be written takes
-	 * the other with it. */
+	 * the other with it. (Zeroed here, not at the declaration: the
+	 * conntrack-hit path must not pay for it.) */
+	__builtin_memset(&nct, 0, sizeof(nct));
 	nct.service_id = sid;
 	nct.backend_id = bid;
 	nct.created_ns = now;

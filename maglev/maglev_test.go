@@ -534,16 +534,29 @@ func TestRebuildAllocatesNothingAcrossPaths(t *testing.T) {
 		}
 		// A table that has held 1000 backends (twice: Rebuild alternates
 		// between two backend lists), on each path for the first time.
-		big := mustNew(t, m, 3, sets[3])
-		if err := big.Rebuild(sets[3]); err != nil {
-			t.Fatal(err)
-		}
-		for i, bs := range sets {
-			if n := mallocs(func() {
-				if err := big.Rebuild(bs); err != nil {
-					t.Fatal(err)
+		// MemStats counts every goroutine's allocations, and the runtime
+		// and test framework allocate now and then in the background, so
+		// the scenario runs three times on fresh tables and the least
+		// count is what the fill itself allocates.
+		least := make([]uint64, len(sets))
+		for trial := range 3 {
+			big := mustNew(t, m, 3, sets[3])
+			if err := big.Rebuild(sets[3]); err != nil {
+				t.Fatal(err)
+			}
+			for i, bs := range sets {
+				n := mallocs(func() {
+					if err := big.Rebuild(bs); err != nil {
+						t.Fatal(err)
+					}
+				})
+				if trial == 0 || n < least[i] {
+					least[i] = n
 				}
-			}); n != 0 {
+			}
+		}
+		for i, n := range least {
+			if n != 0 {
 				t.Errorf("M=%d: first Rebuild with set %d after 1000 backends allocates %d times", m, i, n)
 			}
 		}

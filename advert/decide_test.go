@@ -1,0 +1,63 @@
+package advert
+
+import (
+	"net/netip"
+	"testing"
+)
+
+func TestDecide(t *testing.T) {
+	vip := netip.MustParseAddr("203.0.113.10")
+	good := Input{
+		VIP: vip, Service: "web", Exposure: ExposureNorthSouth,
+		Ports:   []Port{{Port: 443, Protocol: "tcp"}},
+		Enabled: true, Advertise: true, ReadyBackends: 1,
+	}
+	tests := []struct {
+		name       string
+		mutate     func(*Input)
+		advertised bool
+		reason     Reason
+	}{
+		{"advertise, enabled, north-south, one ready backend", func(*Input) {}, true, ""},
+		{"exposure both", func(in *Input) { in.Exposure = ExposureBoth }, true, ""},
+		{"many ready backends", func(in *Input) { in.ReadyBackends = 7 }, true, ""},
+		{"advertise=false", func(in *Input) { in.Advertise = false }, false, ReasonAdvertiseFalse},
+		{"advertise=false wins over disabled and no backend", func(in *Input) {
+			in.Advertise, in.Enabled, in.ReadyBackends = false, false, 0
+		}, false, ReasonAdvertiseFalse},
+		{"service disabled", func(in *Input) { in.Enabled = false }, false, ReasonServiceDisabled},
+		{"disabled wins over no backend", func(in *Input) { in.Enabled, in.ReadyBackends = false, 0 }, false, ReasonServiceDisabled},
+		{"east-west exposure", func(in *Input) { in.Exposure = ExposureEastWest }, false, ReasonNotNorthSouth},
+		{"empty exposure is east-west", func(in *Input) { in.Exposure = "" }, false, ReasonNotNorthSouth},
+		{"no ready backend", func(in *Input) { in.ReadyBackends = 0 }, false, ReasonNoReadyBackend},
+		{"negative count is none", func(in *Input) { in.ReadyBackends = -1 }, false, ReasonNoReadyBackend},
+		{"zero input withdraws", func(in *Input) { *in = Input{VIP: vip, Service: "web"} }, false, ReasonAdvertiseFalse},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			in := good
+			in.Ports = append([]Port(nil), good.Ports...)
+			tt.mutate(&in)
+			e := Decide(in)
+			if e.Advertised != tt.advertised || e.Reason != tt.reason {
+				t.Fatalf("Decide = advertised %v reason %q, want %v %q", e.Advertised, e.Reason, tt.advertised, tt.reason)
+			}
+			if e.VIP != in.VIP || e.Service != in.Service || e.Exposure != in.Exposure {
+				t.Fatalf("Decide copied %+v from %+v", e, in)
+			}
+			// Every decision is a valid entry for Publish.
+			if _, err := normalize([]Entry{e}); err != nil {
+				t.Fatalf("Decide result rejected by Publish: %v", err)
+			}
+		})
+	}
+}
+
+func TestDecideCopiesPorts(t *testing.T) {
+	ports := []Port{{Port: 80, Protocol: "tcp"}}
+	e := Decide(Input{VIP: netip.MustParseAddr("192.0.2.1"), Service: "s", Ports: ports})
+	ports[0].Port = 81
+	if e.Ports[0].Port != 80 {
+		t.Fatal("Decide shares the caller's Ports slice")
+	}
+}

@@ -50,6 +50,10 @@ type Options struct {
 	InNamespace func(func() error) error
 	// Logger receives operational messages; default slog.Default().
 	Logger *slog.Logger
+	// HealthConcurrency bounds how many health checks (TCP connects, see
+	// Service.HealthCheck) run at once across all services; 0 means
+	// health.DefaultConcurrency (32).
+	HealthConcurrency int
 }
 
 // Dataplane is the node's Service Fabric: the datapath with its pinned
@@ -76,6 +80,7 @@ type Dataplane struct {
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
+	health    healthChecks // active health checks (health.go)
 
 	stop chan struct{}
 	done chan struct{}
@@ -156,10 +161,13 @@ func Open(opts Options) (*Dataplane, error) {
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
+	d.initHealth()
 	if err := d.init(); err != nil {
+		d.health.cancel()
 		dp.Close()
 		return nil, err
 	}
+	d.startHealth()
 	if opts.GCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
 		go d.gcLoop(opts.GCInterval)
@@ -276,9 +284,11 @@ func (d *Dataplane) restore() error {
 	return nil
 }
 
-// Close stops the GC timer and releases this process's handles. The
-// datapath keeps forwarding: pins and attachments stay in place.
+// Close stops the health checks and the GC timer and releases this
+// process's handles. The datapath keeps forwarding: pins and attachments
+// stay in place.
 func (d *Dataplane) Close() error {
+	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
 		<-d.done
@@ -292,6 +302,7 @@ func (d *Dataplane) Close() error {
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
 // and north-south programs, deletes the pin root and the catalog file, and closes.
 func (d *Dataplane) Cleanup() error {
+	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
 		<-d.done

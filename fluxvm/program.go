@@ -65,6 +65,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	d.services[svc.Name] = s
+	d.syncHealth(svc.Name)
 	if err := d.saveCatalog(); err != nil {
 		return d.statusOf(s), fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
 	}
@@ -84,6 +85,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	d.syncHealth(name)
 	if err := d.saveCatalog(); err != nil {
 		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
 	}
@@ -245,7 +247,8 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 			fe.backends[ep] = id
 		}
 		state, drain := bpf.BackendReady, uint64(0)
-		switch b.EffectiveState() {
+		// The intent state, with the health overlay (health.go).
+		switch d.effectiveState(&svc, &b) {
 		case BackendDraining:
 			state = bpf.BackendDraining
 			left := b.DrainUntil().Sub(wallNow)

@@ -80,17 +80,19 @@ const (
 	MaxDrainUntilUnixMs = math.MaxInt64 / 1_000_000
 )
 
-// Health-check defaults and bounds. A field left 0 takes its default.
+// Health-check defaults and bounds (milliseconds and check counts). A
+// field left 0 takes its default; the interval must also be greater than
+// the timeout, so that one round ends before the next begins.
 const (
 	DefaultHealthTimeoutMs          = 1000
-	DefaultHealthIntervalMs         = 5000
+	DefaultHealthIntervalMs         = 2000
 	DefaultHealthUnhealthyThreshold = 3
 	DefaultHealthHealthyThreshold   = 2
 
-	MinHealthTimeoutMs  = 1
+	MinHealthTimeoutMs  = 10
 	MaxHealthTimeoutMs  = 60_000
 	MinHealthIntervalMs = 100
-	MaxHealthIntervalMs = 600_000
+	MaxHealthIntervalMs = 3_600_000
 	MaxHealthThreshold  = 100
 )
 
@@ -134,8 +136,6 @@ var unsupported = []feature{
 		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
 	{field: "advertise", reason: "VIP advertisement is not in this build",
 		service: func(s *Service) bool { return s.Advertise }},
-	{field: "health_check", reason: "active health checks are not in this build yet; Fabric sets backend state instead",
-		service: func(s *Service) bool { return s.HealthCheck != nil }},
 	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		config: func(c *Config) bool { return c.EDTEnabled }},
 }
@@ -249,11 +249,12 @@ func northSouth(s *Service) bool {
 //     (> 0, at most MaxDrainUntilUnixMs) there; no (address, port) twice
 //     (ErrConflict).
 //   - health_check: kind "tcp" (UDP and application health belong in an
-//     application-aware control-plane probe); timeout_ms
-//     MinHealthTimeoutMs..MaxHealthTimeoutMs, interval_ms
-//     MinHealthIntervalMs..MaxHealthIntervalMs and above the timeout,
-//     thresholds 1..MaxHealthThreshold; 0 takes the default
-//     (DefaultHealth*).
+//     application-aware control-plane probe; any other kind is ErrInvalid
+//     on health_check.kind); timeout_ms 10..60000 ms (default 1000),
+//     interval_ms 100..3600000 ms (default 2000) and greater than the
+//     timeout (else health_check.interval_ms), unhealthy_threshold and
+//     healthy_threshold 1..100 (defaults 3 and 2); 0 takes the default
+//     (the DefaultHealth* and Min/MaxHealth* constants).
 //   - mode dsr: every backend port equals every frontend port (the
 //     datapath does not rewrite ports under DSR), else backends[i].port.
 //   - prerequisites (ErrPrerequisite): max_egress_mbps needs edt_enabled;
@@ -263,7 +264,7 @@ func northSouth(s *Service) bool {
 //     of each VIP's family (field vips[i]): an IPv4 VIP an IPv4
 //     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
 //   - features this build does not have (ErrUnsupported): max_egress_mbps,
-//     advertise, health_check.
+//     advertise.
 func ValidateService(s Service, cfg Config) error {
 	if e := validateService(&s, &cfg); e != nil {
 		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)

@@ -159,20 +159,30 @@ func TestValidateService(t *testing.T) {
 		}, field: "backends[3]", kind: ErrConflict, reason: "backends[1]"},
 		{name: "backend duplicate disabled", mutate: func(s *Service) { s.Backends[1] = s.Backends[0]; s.Backends[1].Enabled = ptr(false) }, field: "backends[1]", kind: ErrConflict},
 
-		// health_check: checked, then rejected as not built.
-		{name: "health kind udp", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "udp"} }, field: "health_check.kind", kind: ErrInvalid, reason: "application-aware control-plane probe"},
+		// health_check: kind tcp only; bounds, defaults, interval > timeout.
+		{name: "health kind udp", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "udp"} }, field: "health_check.kind", kind: ErrInvalid, reason: "UDP and application health belong in an application-aware control-plane probe"},
 		{name: "health kind http", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "http"} }, field: "health_check.kind", kind: ErrInvalid, reason: "application-aware"},
-		{name: "health kind missing", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{} }, field: "health_check.kind", kind: ErrInvalid},
-		{name: "health timeout too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 60001} }, field: "health_check.timeout_ms", kind: ErrInvalid},
-		{name: "health interval too short", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 50, IntervalMs: 99} }, field: "health_check.interval_ms", kind: ErrInvalid},
-		{name: "health interval too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", IntervalMs: 600001} }, field: "health_check.interval_ms", kind: ErrInvalid},
-		{name: "health interval not above timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 500} }, field: "health_check.interval_ms", kind: ErrInvalid, reason: "greater than timeout_ms"},
-		{name: "health default interval below timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 6000} }, field: "health_check.interval_ms", kind: ErrInvalid},
-		{name: "health unhealthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", UnhealthyThreshold: 101} }, field: "health_check.unhealthy_threshold", kind: ErrInvalid},
-		{name: "health healthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", HealthyThreshold: 101} }, field: "health_check.healthy_threshold", kind: ErrInvalid},
-		{name: "health valid but not built", mutate: func(s *Service) {
+		{name: "health kind upper case", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "TCP"} }, field: "health_check.kind", kind: ErrInvalid},
+		{name: "health kind missing", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{} }, field: "health_check.kind", kind: ErrInvalid, reason: "required"},
+		{name: "health tcp with defaults", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp"} }},
+		{name: "health tcp of the product description", mutate: func(s *Service) {
 			s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, UnhealthyThreshold: 3, HealthyThreshold: 2}
-		}, field: "health_check", kind: ErrUnsupported},
+		}},
+		{name: "health lowest bounds", mutate: func(s *Service) {
+			s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 10, IntervalMs: 100, UnhealthyThreshold: 1, HealthyThreshold: 1}
+		}},
+		{name: "health highest bounds", mutate: func(s *Service) {
+			s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 60000, IntervalMs: 3600000, UnhealthyThreshold: 100, HealthyThreshold: 100}
+		}},
+		{name: "health interval just above timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 501} }},
+		{name: "health timeout too short", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 9} }, field: "health_check.timeout_ms", kind: ErrInvalid, reason: "10..60000"},
+		{name: "health timeout too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 60001, IntervalMs: 120000} }, field: "health_check.timeout_ms", kind: ErrInvalid},
+		{name: "health interval too short", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 50, IntervalMs: 99} }, field: "health_check.interval_ms", kind: ErrInvalid, reason: "100..3600000"},
+		{name: "health interval too long", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", IntervalMs: 3600001} }, field: "health_check.interval_ms", kind: ErrInvalid},
+		{name: "health interval not above timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 500} }, field: "health_check.interval_ms", kind: ErrInvalid, reason: "greater than timeout_ms"},
+		{name: "health default interval not above timeout", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", TimeoutMs: 2000} }, field: "health_check.interval_ms", kind: ErrInvalid, reason: "greater than timeout_ms (2000)"},
+		{name: "health unhealthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", UnhealthyThreshold: 101} }, field: "health_check.unhealthy_threshold", kind: ErrInvalid, reason: "1..100"},
+		{name: "health healthy threshold", mutate: func(s *Service) { s.HealthCheck = &HealthCheck{Kind: "tcp", HealthyThreshold: 101} }, field: "health_check.healthy_threshold", kind: ErrInvalid, reason: "1..100"},
 
 		// Prerequisites come before the unsupported table.
 		{name: "max_egress without edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 }, field: "max_egress_mbps", kind: ErrPrerequisite, reason: "edt_enabled"},
@@ -347,7 +357,7 @@ func TestUnsupportedTable(t *testing.T) {
 
 func TestHealthCheckDefaults(t *testing.T) {
 	got := HealthCheck{Kind: "tcp"}.WithDefaults()
-	want := HealthCheck{Kind: "tcp", TimeoutMs: 1000, IntervalMs: 5000, UnhealthyThreshold: 3, HealthyThreshold: 2}
+	want := HealthCheck{Kind: "tcp", TimeoutMs: 1000, IntervalMs: 2000, UnhealthyThreshold: 3, HealthyThreshold: 2}
 	if got != want {
 		t.Errorf("WithDefaults = %+v, want %+v", got, want)
 	}
@@ -418,11 +428,21 @@ func TestValidateCatalog(t *testing.T) {
 			o.Backends[1].Port = 0
 			return []Service{validService(), o}
 		}, field: "services[1].backends[1].port", kind: ErrInvalid},
-		{name: "unsupported service", services: func() []Service {
+		{name: "health-checked service", services: func() []Service {
 			o := other()
 			o.HealthCheck = &HealthCheck{Kind: "tcp"}
+			return []Service{validService(), o}
+		}},
+		{name: "health check of another kind in a catalog", services: func() []Service {
+			o := other()
+			o.HealthCheck = &HealthCheck{Kind: "udp"}
+			return []Service{validService(), o}
+		}, field: "services[1].health_check.kind", kind: ErrInvalid, reason: "application-aware"},
+		{name: "max_egress in a catalog", services: func() []Service {
+			o := other()
+			o.MaxEgressMbps = 10
 			return []Service{o}
-		}, field: "services[0].health_check", kind: ErrUnsupported},
+		}, field: "services[0].max_egress_mbps", kind: ErrPrerequisite},
 		{name: "missing prerequisite in a catalog", services: func() []Service {
 			o := other()
 			o.Exposure = ExposureNorthSouth

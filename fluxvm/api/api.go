@@ -36,6 +36,12 @@ type Dataplane interface {
 	VMStats(vmID string) (fluxvm.VMStats, error)
 	// GC runs one conntrack garbage collection now.
 	GC(ctx context.Context) (fluxvm.GCResult, error)
+	// Health reports the observed health of the backends of every
+	// service with a health check.
+	Health() fluxvm.HealthReport
+	// ReconcileHealth runs one round of every health check now and
+	// returns the report.
+	ReconcileHealth(ctx context.Context) (fluxvm.HealthReport, error)
 }
 
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.

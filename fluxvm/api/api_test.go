@@ -550,6 +550,8 @@ func TestAuthMatrix(t *testing.T) {
 		{"metrics", req{method: "GET", path: "/metrics"}, read},
 		{"apply", req{method: "POST", path: "/v1/network/services", body: validService}, admin},
 		{"gc", req{method: "POST", path: "/v1/network/services/conntrack/gc"}, admin},
+		{"health", req{method: "GET", path: "/v1/network/services/health"}, read},
+		{"reconcile health", req{method: "POST", path: "/v1/network/services/health/reconcile"}, admin},
 		{"delete", req{method: "DELETE", path: "/v1/network/services/web"}, admin},
 		{"unknown route", req{method: "GET", path: "/v1/unknown"}, nil},
 	}
@@ -587,7 +589,7 @@ func TestAuthMatrix(t *testing.T) {
 				default: // read token on a mutation
 					wantError(t, w, 403, api.CodeForbidden, "")
 				}
-				if !ok && (len(e.dp.applied) != 0 || len(e.dp.deleted) != 0 || e.dp.gcRuns != 0) {
+				if !ok && (len(e.dp.applied) != 0 || len(e.dp.deleted) != 0 || e.dp.gcRuns != 0 || e.dp.reconciles != 0) {
 					t.Errorf("refused request reached the dataplane")
 				}
 			})

@@ -13,12 +13,15 @@ import (
 // fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
 // its fields are returned by the matching method.
 type fakeDataplane struct {
-	mu       sync.Mutex
-	services map[string]fluxvm.ServiceStatus
-	revision uint64
-	applied  []fluxvm.Service // every service ApplyService received
-	deleted  []string
-	gcRuns   int
+	mu           sync.Mutex
+	services     map[string]fluxvm.ServiceStatus
+	revision     uint64
+	applied      []fluxvm.Service // every service ApplyService received
+	deleted      []string
+	gcRuns       int
+	reconciles   int
+	health       fluxvm.HealthReport
+	reconcileErr error
 
 	applyErr    error
 	statsErr    error
@@ -135,4 +138,20 @@ func (f *fakeDataplane) GC(context.Context) (fluxvm.GCResult, error) {
 	}
 	f.status.LastGC = &res
 	return res, nil
+}
+
+func (f *fakeDataplane) Health() fluxvm.HealthReport {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.health
+}
+
+func (f *fakeDataplane) ReconcileHealth(context.Context) (fluxvm.HealthReport, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reconciles++
+	if f.reconcileErr != nil {
+		return fluxvm.HealthReport{}, f.reconcileErr
+	}
+	return f.health, nil
 }

@@ -40,6 +40,8 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/status", handle: (*handler).status},
 	{method: http.MethodGet, path: "/v1/network/services/stats", handle: (*handler).stats},
 	{method: http.MethodPost, path: "/v1/network/services/conntrack/gc", admin: true, body: true, handle: (*handler).gc},
+	{method: http.MethodGet, path: "/v1/network/services/health", handle: (*handler).health},
+	{method: http.MethodPost, path: "/v1/network/services/health/reconcile", admin: true, body: true, handle: (*handler).reconcileHealth},
 	{method: http.MethodGet, path: "/v1/network/services/{name}", handle: (*handler).getService},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
@@ -194,6 +196,46 @@ func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
 	}
 	h.writeJSON(w, r, http.StatusOK, res)
 	return nil
+}
+
+func (h *handler) health(w http.ResponseWriter, r *http.Request) error {
+	h.writeJSON(w, r, http.StatusOK, healthReport(h.dp.Health()))
+	return nil
+}
+
+// reconcileRequest is the body of POST
+// /v1/network/services/health/reconcile: empty or "{}" today.
+type reconcileRequest struct{}
+
+func (h *handler) reconcileHealth(w http.ResponseWriter, r *http.Request) error {
+	body, err := readBody(r)
+	if err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(body)) > 0 {
+		if err := decodeStrict(body, &reconcileRequest{}); err != nil {
+			return err
+		}
+	}
+	rep, err := h.dp.ReconcileHealth(r.Context())
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, healthReport(rep))
+	return nil
+}
+
+// healthReport makes the lists of a report [] rather than null.
+func healthReport(rep fluxvm.HealthReport) fluxvm.HealthReport {
+	if rep.Services == nil {
+		rep.Services = []fluxvm.ServiceHealth{}
+	}
+	for i := range rep.Services {
+		if rep.Services[i].Backends == nil {
+			rep.Services[i].Backends = []fluxvm.BackendHealth{}
+		}
+	}
+	return rep
 }
 
 func (h *handler) vmStats(w http.ResponseWriter, r *http.Request) error {

@@ -1,0 +1,307 @@
+package fluxvm
+
+import (
+	"context"
+	"net/netip"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/health"
+)
+
+// TestEffectiveState is the overlay rule: only a Ready backend of a
+// health-checked service that is observed Unhealthy changes.
+func TestEffectiveState(t *testing.T) {
+	ep := netip.MustParseAddrPort("10.200.2.2:8080")
+	check := &HealthCheck{Kind: "tcp"}
+	tests := []struct {
+		intent   BackendState
+		check    *HealthCheck
+		observed health.State // "" = not tracked
+		want     BackendState
+	}{
+		{BackendReady, check, "", BackendReady},
+		{BackendReady, check, health.Unknown, BackendReady},
+		{BackendReady, check, health.Healthy, BackendReady},
+		{BackendReady, check, health.Unhealthy, BackendUnhealthy},
+		{"", check, health.Unhealthy, BackendUnhealthy},
+		{BackendReady, nil, health.Unhealthy, BackendReady}, // check removed: overlay ignored
+		{BackendDraining, check, health.Unhealthy, BackendDraining},
+		{BackendDraining, check, health.Healthy, BackendDraining},
+		{BackendUnhealthy, check, health.Healthy, BackendUnhealthy},
+		{BackendUnhealthy, check, health.Unknown, BackendUnhealthy},
+	}
+	for _, tt := range tests {
+		d := &Dataplane{}
+		d.health.observed = map[string]map[netip.AddrPort]*health.Status{}
+		if tt.observed != "" {
+			st := health.NewStatus(time.Now())
+			st.State = tt.observed
+			d.health.observed["web"] = map[netip.AddrPort]*health.Status{ep: &st}
+		}
+		svc := Service{Name: "web", HealthCheck: tt.check}
+		b := Backend{Address: ep.Addr(), Port: ep.Port(), State: tt.intent}
+		if got := d.effectiveState(&svc, &b); got != tt.want {
+			t.Errorf("intent %q, check %v, observed %q: %s, want %s", tt.intent, tt.check != nil, tt.observed, got, tt.want)
+		}
+	}
+}
+
+// healthService is a TCP service on both VIPs with vm2 (listening on
+// 8080) and vm3 on port 8081 (nothing listens: refused), both families.
+func (e *env) healthService(hc *HealthCheck) Service {
+	s := Service{Name: "web", VIPs: []netip.Addr{vip4, vip6}, Ports: []ServicePort{{Port: 80, Protocol: TCP}}, HealthCheck: hc}
+	for _, a := range []netip.Addr{e.backends[0].Addr4, e.backends[0].Addr6} {
+		s.Backends = append(s.Backends, Backend{Address: a, Port: 8080})
+	}
+	for _, a := range []netip.Addr{e.backends[1].Addr4, e.backends[1].Addr6} {
+		s.Backends = append(s.Backends, Backend{Address: a, Port: 8081})
+	}
+	return s
+}
+
+func reconcile(t *testing.T, d *Dataplane, n int) HealthReport {
+	t.Helper()
+	var rep HealthReport
+	for range n {
+		var err error
+		if rep, err = d.ReconcileHealth(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return rep
+}
+
+func backendHealth(t *testing.T, rep HealthReport, ep netip.AddrPort) BackendHealth {
+	t.Helper()
+	for _, s := range rep.Services {
+		for _, b := range s.Backends {
+			if netip.AddrPortFrom(b.Address, b.Port) == ep {
+				return b
+			}
+		}
+	}
+	t.Fatalf("%s not in the report %+v", ep, rep)
+	return BackendHealth{}
+}
+
+// datapathState reads the state of ep in the backend entries of every
+// frontend of the service.
+func datapathState(t *testing.T, d *Dataplane, ep netip.AddrPort) []uint8 {
+	t.Helper()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []uint8
+	for _, fe := range d.frontends {
+		id, ok := fe.backends[ep]
+		if !ok {
+			continue
+		}
+		var v bpf.Backend
+		if err := d.dp.Map("fluxvm_backends").Lookup(id, &v); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, v.State)
+	}
+	return out
+}
+
+func eligible(t *testing.T, d *Dataplane, want int) {
+	t.Helper()
+	st, err := d.Service("web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, fe := range st.Frontends {
+		if fe.Eligible != want || !fe.GuardOpen {
+			t.Errorf("frontend %s/%s: %d eligible (guard open %v), want %d", fe.VIP, fe.Protocol, fe.Eligible, fe.GuardOpen, want)
+		}
+	}
+	for _, b := range st.Service.Backends {
+		if b.State != "" {
+			t.Errorf("intent of %s rewritten to %q", b.Endpoint(), b.State)
+		}
+	}
+}
+
+// TestDataplaneHealthOverlay runs the checks against the lab's backends
+// from the node namespace: a refused backend becomes unhealthy after the
+// threshold and leaves the Maglev tables, the intent stays ready, a
+// server that starts brings it back after the healthy threshold, updates
+// keep the overlay, and removing the check or the service drops it. No
+// goroutine outlives Close.
+func TestDataplaneHealthOverlay(t *testing.T) {
+	e := newEnv(t)
+	before := runtime.NumGoroutine()
+	d := e.open(t)
+	ctx := context.Background()
+	// A long interval: the timer runs the first round only; the test
+	// drives the others.
+	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 60_000, UnhealthyThreshold: 2, HealthyThreshold: 2}
+	svc := e.healthService(hc)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	up4 := netip.AddrPortFrom(e.backends[0].Addr4, 8080)
+	down4 := netip.AddrPortFrom(e.backends[1].Addr4, 8081)
+	down6 := netip.AddrPortFrom(e.backends[1].Addr6, 8081)
+
+	rep := reconcile(t, d, 2)
+	if len(rep.Services) != 1 || rep.Services[0].Name != "web" || len(rep.Services[0].Backends) != 4 {
+		t.Fatalf("report %+v", rep)
+	}
+	if rep.Services[0].HealthCheck != *hc {
+		t.Errorf("report check %+v, want %+v", rep.Services[0].HealthCheck, *hc)
+	}
+	for _, ep := range []netip.AddrPort{down4, down6} {
+		b := backendHealth(t, rep, ep)
+		if b.Observed != health.Unhealthy || b.EffectiveState != BackendUnhealthy || b.IntentState != BackendReady ||
+			b.ConsecutiveFailures < 2 || b.ConsecutiveSuccesses != 0 || !strings.Contains(b.LastError, "refused") || b.LastCheck == nil {
+			t.Errorf("%s: %+v, want observed and effective unhealthy after refused connects", ep, b)
+		}
+		if got := datapathState(t, d, ep); len(got) != 1 || got[0] != uint8(bpf.BackendUnhealthy) {
+			t.Errorf("%s: datapath states %v, want unhealthy", ep, got)
+		}
+	}
+	if b := backendHealth(t, rep, up4); b.Observed != health.Healthy || b.EffectiveState != BackendReady || b.ConsecutiveSuccesses < 2 || b.LastError != "" {
+		t.Errorf("%s: %+v, want healthy", up4, b)
+	}
+	eligible(t, d, 1)
+	for range 10 {
+		c := e.dial(t, vip4)
+		c.Close()
+		if c.Backend != "vm2" {
+			t.Fatalf("a new connection went to %s, which is unhealthy", c.Backend)
+		}
+	}
+
+	// A server on 8081: one success is below the healthy threshold.
+	srv, err := e.backends[1].Serve(8081)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	rep = reconcile(t, d, 1)
+	if b := backendHealth(t, rep, down4); b.Observed != health.Unhealthy || b.ConsecutiveSuccesses != 1 || b.ConsecutiveFailures != 0 {
+		t.Errorf("after one success: %+v", b)
+	}
+	eligible(t, d, 1)
+	rep = reconcile(t, d, 1)
+	changed := backendHealth(t, rep, down4)
+	if changed.Observed != health.Healthy || changed.EffectiveState != BackendReady || !strings.Contains(changed.LastError, "refused") {
+		t.Errorf("after two successes: %+v", changed)
+	}
+	if got := datapathState(t, d, down4); len(got) != 1 || got[0] != uint8(bpf.BackendReady) {
+		t.Errorf("datapath states %v, want ready", got)
+	}
+	eligible(t, d, 2)
+
+	// An update that keeps the check keeps the overlay.
+	svc.Backends[0].Weight = u32(3)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	if b := backendHealth(t, d.Health(), down4); b.Observed != health.Healthy || !b.LastChange.Equal(changed.LastChange) {
+		t.Errorf("after an update: %+v, want the overlay kept (%+v)", b, changed)
+	}
+
+	// Down again, then the check is removed: its overlay goes with it.
+	srv.Close()
+	reconcile(t, d, 2)
+	eligible(t, d, 1)
+	svc.HealthCheck = nil
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	eligible(t, d, 2)
+	if rep := d.Health(); len(rep.Services) != 0 {
+		t.Errorf("report after removing the check: %+v", rep)
+	}
+	d.mu.Lock()
+	n, m := len(d.health.checkers), len(d.health.observed)
+	d.mu.Unlock()
+	if n != 0 || m != 0 {
+		t.Errorf("%d checkers, %d overlays left after removing the check", n, m)
+	}
+
+	// Back on: the refused backend starts unknown (ready) again.
+	svc.HealthCheck = hc
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	reconcile(t, d, 2)
+	eligible(t, d, 1)
+	if err := d.DeleteService(ctx, "web"); err != nil {
+		t.Fatal(err)
+	}
+	d.mu.Lock()
+	n, m = len(d.health.checkers), len(d.health.observed)
+	d.mu.Unlock()
+	if n != 0 || m != 0 {
+		t.Errorf("%d checkers, %d overlays left after the delete", n, m)
+	}
+
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before {
+		buf := make([]byte, 1<<20)
+		t.Errorf("%d goroutines after Close, %d before Open:\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// TestDataplaneHealthProbesWithoutLock checks that a round whose checks
+// hang (an address nobody answers ARP for) does not hold the dataplane:
+// reads and applies go on meanwhile, and the round ends with the timeout.
+func TestDataplaneHealthProbesWithoutLock(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 800, IntervalMs: 60_000, UnhealthyThreshold: 1, HealthyThreshold: 1}
+	svc := e.healthService(hc)
+	// In vm3's subnet, but not vm3's address: the node's ARP requests go
+	// unanswered.
+	silent := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 3, 99}), 8080)
+	svc.Backends = append(svc.Backends, Backend{Address: silent.Addr(), Port: silent.Port()})
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan HealthReport)
+	start := time.Now()
+	go func() {
+		rep, err := d.ReconcileHealth(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- rep
+	}()
+	time.Sleep(100 * time.Millisecond)
+	t0 := time.Now()
+	_ = d.Services()
+	_ = d.Health()
+	svc.Backends[0].Weight = u32(2)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(t0); took > 300*time.Millisecond {
+		t.Errorf("reads and an apply took %v during a round", took)
+	}
+	rep := <-done
+	took := time.Since(start)
+	if b := backendHealth(t, rep, silent); b.Observed != health.Unhealthy || !strings.Contains(b.LastError, "no answer within 800ms") {
+		t.Errorf("silent backend: %+v", b)
+	}
+	if took < 700*time.Millisecond || took > 3*time.Second {
+		t.Errorf("the round took %v with a timeout of 800ms", took)
+	}
+}

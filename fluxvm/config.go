@@ -17,6 +17,7 @@ import (
 
 	toml "github.com/pelletier/go-toml/v2"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 )
@@ -61,6 +62,8 @@ const (
 	// the well-known ports below 1024 are never allocated.
 	MinSNATPort = 1024
 	MaxSNATPort = 65535
+	// MaxNodeNameLen bounds node_name (the longest DNS name).
+	MaxNodeNameLen = 253
 )
 
 // Environment variables the reference daemon reads for its bearer tokens
@@ -155,6 +158,17 @@ type Config struct {
 	// CatalogPath is the node-local copy of the service catalog, restored
 	// after a restart. Absolute. Default DefaultCatalogPath.
 	CatalogPath string `toml:"catalog_path"`
+	// AdvertisementsPath is where the VIP advertisement snapshot is
+	// published for routing adapters (FRR, BIRD; see
+	// docs/advertisements.md). Absolute, a file name of its own (not
+	// catalog_path). Default advert.DefaultPath
+	// (/run/fluxvm/service-advertisements.json).
+	AdvertisementsPath string `toml:"advertisements_path"`
+	// NodeName is written as the "node" field of the advertisement
+	// snapshot, so that adapters collecting snapshots of several nodes
+	// can tell them apart. Optional (default empty: no node field); at
+	// most MaxNodeNameLen printable ASCII characters without white space.
+	NodeName string `toml:"node_name"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -212,6 +226,7 @@ func DefaultConfig() Config {
 		MapTier:               bpf.DefaultTier.String(),
 		PinRoot:               bpf.DefaultPinRoot,
 		CatalogPath:           DefaultCatalogPath,
+		AdvertisementsPath:    advert.DefaultPath,
 		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
 		TCPSynTimeout:         Duration{bpf.DefaultTimeoutTCPSyn * time.Second},
 		TCPEstablishedTimeout: Duration{bpf.DefaultTimeoutTCPEstablished * time.Second},
@@ -386,7 +401,9 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //
 //   - map_tier S, M or L; pin_root absolute and not a bpffs mount point;
 //     object_dir empty or absolute; attach_mode "", "tcx" or "cls_bpf";
-//     catalog_path absolute;
+//     catalog_path absolute; advertisements_path absolute, naming a file,
+//     and not catalog_path; node_name empty or at most 253 printable ASCII
+//     characters without white space;
 //   - conntrack_gc_interval 1s..1h; each conntrack timeout a whole number
 //     of seconds in 2s..168h;
 //   - vm_edge_interfaces: valid, unique interface names (1..15 characters),
@@ -434,6 +451,17 @@ func (c *Config) validate() error {
 	}
 	if !filepath.IsAbs(c.CatalogPath) {
 		bad(ErrInvalid, "catalog_path", "%q is not an absolute path", c.CatalogPath)
+	}
+	switch ap := c.AdvertisementsPath; {
+	case !filepath.IsAbs(ap):
+		bad(ErrInvalid, "advertisements_path", "%q is not an absolute path", ap)
+	case strings.HasSuffix(ap, "/") || filepath.Clean(ap) == "/":
+		bad(ErrInvalid, "advertisements_path", "%q names a directory; name the snapshot file, e.g. %s", ap, advert.DefaultPath)
+	case filepath.IsAbs(c.CatalogPath) && filepath.Clean(ap) == filepath.Clean(c.CatalogPath):
+		bad(ErrConflict, "advertisements_path", "%q is also catalog_path; the snapshot needs a file of its own", ap)
+	}
+	if why := nodeNameProblem(c.NodeName); why != "" {
+		bad(ErrInvalid, "node_name", "%s", why)
 	}
 	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
 		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)
@@ -637,6 +665,19 @@ func ifnameProblem(n string) string {
 	for _, r := range n {
 		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
 			return fmt.Sprintf("%q has a character not allowed in an interface name ('/', ':', white space or a control character)", n)
+		}
+	}
+	return ""
+}
+
+// nodeNameProblem says what is wrong with node_name, or "".
+func nodeNameProblem(n string) string {
+	if len(n) > MaxNodeNameLen {
+		return fmt.Sprintf("longer than %d characters", MaxNodeNameLen)
+	}
+	for _, r := range n {
+		if r <= ' ' || r >= 0x7f {
+			return fmt.Sprintf("%q has a character other than printable ASCII without white space", n)
 		}
 	}
 	return ""

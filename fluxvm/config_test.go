@@ -60,6 +60,8 @@ object_dir = "/usr/lib/fluxvm/bpf"
 attach_mode = "cls_bpf"
 hash_seed = 0x7fffffffffffffff
 catalog_path = "/srv/fluxvm/catalog.json"
+advertisements_path = "/run/fluxvm-test/adverts.json"
+node_name = "node-a.example"
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -94,6 +96,8 @@ max_body_bytes = 2097152
 		AttachMode:            bpf.AttachClsBPF,
 		HashSeed:              1<<63 - 1,
 		CatalogPath:           "/srv/fluxvm/catalog.json",
+		AdvertisementsPath:    "/run/fluxvm-test/adverts.json",
+		NodeName:              "node-a.example",
 		ConntrackGCInterval:   Duration{90 * time.Second},
 		TCPSynTimeout:         Duration{2 * time.Second},
 		TCPEstablishedTimeout: Duration{168 * time.Hour},
@@ -261,6 +265,14 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "attach_mode unknown", doc: table + "attach_mode = \"xdp\"\n", field: k("attach_mode"), kind: ErrInvalid},
 		{name: "catalog_path relative", doc: table + "catalog_path = \"catalog.json\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "catalog_path empty", doc: table + "catalog_path = \"\"\n", field: k("catalog_path"), kind: ErrInvalid},
+		{name: "advertisements_path relative", doc: table + "advertisements_path = \"adverts.json\"\n", field: k("advertisements_path"), kind: ErrInvalid, reason: "absolute"},
+		{name: "advertisements_path empty", doc: table + "advertisements_path = \"\"\n", field: k("advertisements_path"), kind: ErrInvalid},
+		{name: "advertisements_path a directory", doc: table + "advertisements_path = \"/run/fluxvm/\"\n", field: k("advertisements_path"), kind: ErrInvalid, reason: "directory"},
+		{name: "advertisements_path root", doc: table + "advertisements_path = \"/\"\n", field: k("advertisements_path"), kind: ErrInvalid},
+		{name: "advertisements_path is catalog_path", doc: table + "catalog_path = \"/var/lib/fluxvm/x.json\"\nadvertisements_path = \"/var/lib/fluxvm//x.json\"\n", field: k("advertisements_path"), kind: ErrConflict, reason: "catalog_path"},
+		{name: "advertisements_path a number", doc: table + "advertisements_path = 1\n", field: k("advertisements_path"), kind: ErrMalformed},
+		{name: "node_name with space", doc: table + "node_name = \"node a\"\n", field: k("node_name"), kind: ErrInvalid},
+		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},
 
 		// Interfaces.
 		{name: "edge name too long", doc: table + "vm_edge_interfaces = [{ name = \"tap-0123456789ab\", vm_id = \"v\" }]\n", field: k("vm_edge_interfaces[0].name"), kind: ErrInvalid, reason: "15"},

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/maglev"
@@ -33,6 +34,17 @@ type Options struct {
 	// CatalogPath is where the node-local catalog is kept; empty keeps it
 	// in memory only.
 	CatalogPath string
+	// AdvertisementsPath is the file the VIP advertisement snapshot is
+	// published to (atomically; see package advert and
+	// docs/advertisements.md). Empty keeps the advertisements in memory
+	// only: Advertisements() and GET /v1/network/services/advertisements
+	// still report them, with a generation of their own, but no file is
+	// written, so no routing adapter on the node can follow them.
+	// OptionsFrom sets it from advertisements_path (default
+	// advert.DefaultPath).
+	AdvertisementsPath string
+	// NodeName is the node field of the advertisement snapshot; optional.
+	NodeName string
 	// GCInterval is the conntrack GC period; 0 means DefaultConntrackGCInterval and
 	// a negative value turns the timer off (GC then runs on demand only).
 	GCInterval time.Duration
@@ -81,6 +93,7 @@ type Dataplane struct {
 	revision  uint64
 	lastGC    *GCResult
 	health    healthChecks // active health checks (health.go)
+	adv       advertiser   // VIP advertisements (advertise.go)
 
 	stop chan struct{}
 	done chan struct{}
@@ -131,8 +144,9 @@ type iface struct {
 }
 
 // Open loads the datapath (adopting the pins as bpf.Open describes),
-// restores the catalog, attaches the configured interfaces and starts the
-// GC timer.
+// restores the catalog, attaches the configured interfaces, publishes the
+// VIP advertisements of the restored catalog and starts the health
+// checks and the GC timer.
 func Open(opts Options) (*Dataplane, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -162,11 +176,17 @@ func Open(opts Options) (*Dataplane, error) {
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
 	d.initHealth()
+	if err := d.initAdvertiser(); err != nil {
+		d.health.cancel()
+		dp.Close()
+		return nil, err
+	}
 	if err := d.init(); err != nil {
 		d.health.cancel()
 		dp.Close()
 		return nil, err
 	}
+	d.startAdvertiser()
 	d.startHealth()
 	if opts.GCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
@@ -284,9 +304,11 @@ func (d *Dataplane) restore() error {
 	return nil
 }
 
-// Close stops the health checks and the GC timer and releases this
-// process's handles. The datapath keeps forwarding: pins and attachments
-// stay in place.
+// Close stops the health checks and the GC timer, publishes the last
+// advertisements not yet written and stops their publisher, and releases
+// this process's handles. The datapath keeps forwarding: pins and
+// attachments stay in place, and so does the advertisement file, as last
+// published.
 func (d *Dataplane) Close() error {
 	d.stopHealth()
 	if d.stop != nil {
@@ -294,6 +316,7 @@ func (d *Dataplane) Close() error {
 		<-d.done
 		d.stop = nil
 	}
+	d.stopAdvertiser()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.dp.Close()
@@ -301,6 +324,9 @@ func (d *Dataplane) Close() error {
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
 // and north-south programs, deletes the pin root and the catalog file, and closes.
+// The advertisement file is not removed: Cleanup publishes a snapshot with
+// no entries, so that routing adapters withdraw every VIP (a missing file
+// would leave them to guess).
 func (d *Dataplane) Cleanup() error {
 	d.stopHealth()
 	if d.stop != nil {
@@ -308,6 +334,8 @@ func (d *Dataplane) Cleanup() error {
 		<-d.done
 		d.stop = nil
 	}
+	d.adv.submit([]advert.Entry{})
+	d.stopAdvertiser()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	var errs []error
@@ -470,6 +498,8 @@ func (d *Dataplane) Status() Status {
 		Services: len(d.services),
 		SNAT:     d.snatStatus(),
 		LastGC:   d.lastGC,
+		// advertiser.status takes only the advertiser's own lock.
+		Advertisements: d.adv.status(),
 	}
 	if st.TierChanged {
 		out.Load.PreviousTier = st.PreviousTier.String()

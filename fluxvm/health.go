@@ -260,12 +260,12 @@ func (d *Dataplane) recordHealth(c *checker, results []health.Result) {
 
 // healthChanged is called, with d.mu held, after a change of observed
 // health changed the effective state of a backend of service and the
-// service was reprogrammed. It is the seam for what depends on effective
-// states beyond the datapath (the VIP advertisements: a VIP whose service
-// has no effectively Ready backend is withdrawn); effectiveState tells
-// the state of each backend. It must not block or take d.mu. Changes of
-// intent (ApplyService, DeleteService) do not call it.
-func (d *Dataplane) healthChanged(service string) {}
+// service was reprogrammed. It recomputes the VIP advertisements (a VIP
+// whose service has no effectively Ready backend is withdrawn) and hands
+// them to the publisher goroutine (advertise.go) without blocking.
+// Changes of intent (ApplyService, DeleteService) recompute them
+// themselves.
+func (d *Dataplane) healthChanged(service string) { d.advertise() }
 
 // effectiveState is the state the datapath gets for backend b of svc: its
 // intent state, except Unhealthy for a Ready backend that svc's health

@@ -7,8 +7,12 @@ func OptionsFrom(cfg Config) Options {
 		Config:      cfg,
 		Loader:      cfg.LoaderOptions(),
 		CatalogPath: cfg.CatalogPath,
-		GCInterval:  cfg.ConntrackGCInterval.Duration,
-		Timeouts:    cfg.ConntrackTimeouts(),
+		// Always set by a validated configuration: the daemon publishes
+		// the advertisement file.
+		AdvertisementsPath: cfg.AdvertisementsPath,
+		NodeName:           cfg.NodeName,
+		GCInterval:         cfg.ConntrackGCInterval.Duration,
+		Timeouts:           cfg.ConntrackTimeouts(),
 	}
 	opts.Interfaces = append(opts.Interfaces, cfg.VMEdgeInterfaces...)
 	return opts

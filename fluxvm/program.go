@@ -25,6 +25,10 @@ import (
 // touches conntrack or reverse-NAT state: established flows keep their
 // backends as the selection rules say.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatus, error) {
+	// The dataplane keeps the intent: it must not share the caller's
+	// slices and pointers, or a caller that edits its copy afterwards
+	// would change the stored intent behind our back.
+	svc = svc.Clone()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	// The service alone first, so that its errors name its own fields
@@ -66,6 +70,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	}
 	d.services[svc.Name] = s
 	d.syncHealth(svc.Name)
+	d.advertise()
 	if err := d.saveCatalog(); err != nil {
 		return d.statusOf(s), fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
 	}
@@ -86,6 +91,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 	}
 	delete(d.services, name)
 	d.syncHealth(name)
+	d.advertise()
 	if err := d.saveCatalog(); err != nil {
 		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
 	}

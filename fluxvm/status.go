@@ -43,6 +43,9 @@ type Status struct {
 	// SNAT is the north-south source NAT the datapath applies.
 	SNAT   SNATStatus `json:"snat"`
 	LastGC *GCResult  `json:"last_gc,omitempty"`
+	// Advertisements is the state of the VIP advertisement snapshot
+	// (path, generation, last publish error).
+	Advertisements AdvertisementStatus `json:"advertisements"`
 }
 
 // SNATStatus is the datapath's SNAT configuration (fluxvm_snat): the

@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"time"
 )
 
@@ -48,6 +49,32 @@ type Service struct {
 
 // IsEnabled reports Enabled with its default.
 func (s *Service) IsEnabled() bool { return s.Enabled == nil || *s.Enabled }
+
+// Clone returns a deep copy of s: it shares no slice or pointer with s.
+func (s Service) Clone() Service {
+	c := s
+	c.Enabled = clonePtr(s.Enabled)
+	c.VIPs = slices.Clone(s.VIPs)
+	c.Ports = slices.Clone(s.Ports)
+	if s.Backends != nil {
+		c.Backends = make([]Backend, len(s.Backends))
+		for i, b := range s.Backends {
+			b.Weight = clonePtr(b.Weight)
+			b.Enabled = clonePtr(b.Enabled)
+			c.Backends[i] = b
+		}
+	}
+	c.HealthCheck = clonePtr(s.HealthCheck)
+	return c
+}
+
+func clonePtr[T any](p *T) *T {
+	if p == nil {
+		return nil
+	}
+	v := *p
+	return &v
+}
 
 // Exposure is where a service's clients are.
 type Exposure string

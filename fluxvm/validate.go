@@ -134,8 +134,6 @@ type feature struct {
 var unsupported = []feature{
 	{field: "max_egress_mbps", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
-	{field: "advertise", reason: "VIP advertisement is not in this build",
-		service: func(s *Service) bool { return s.Advertise }},
 	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		config: func(c *Config) bool { return c.EDTEnabled }},
 }
@@ -263,8 +261,7 @@ func northSouth(s *Service) bool {
 //     host_routing needs mode nat; north-south NAT needs an SNAT address
 //     of each VIP's family (field vips[i]): an IPv4 VIP an IPv4
 //     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
-//   - features this build does not have (ErrUnsupported): max_egress_mbps,
-//     advertise.
+//   - features this build does not have (ErrUnsupported): max_egress_mbps.
 func ValidateService(s Service, cfg Config) error {
 	if e := validateService(&s, &cfg); e != nil {
 		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)

@@ -216,7 +216,11 @@ func TestValidateService(t *testing.T) {
 		{name: "north-south NAT dual-stack", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, cfg: nsConfig},
 		{name: "both NAT dual-stack host_routing", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.HostRouting = true }, cfg: nsConfig},
 		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; dsr(s) }, cfg: nsConfigWith("", "")},
-		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig, field: "advertise", kind: ErrUnsupported},
+		{name: "advertise both", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig},
+		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true }, cfg: nsConfig},
+		{name: "advertise north-south DSR", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true; dsr(s) }, cfg: nsConfig},
+		{name: "advertise east-west with interfaces", mutate: func(s *Service) { s.Exposure = ExposureEastWest; s.Advertise = true }, cfg: nsConfig,
+			field: "advertise", kind: ErrPrerequisite, reason: "requires exposure north-south or both"},
 		{name: "advertise before missing interfaces", mutate: func(s *Service) { s.Advertise = true }, cfg: nsConfigWith("", ""), field: "advertise", kind: ErrPrerequisite},
 
 		// host_routing and DSR.

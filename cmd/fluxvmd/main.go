@@ -8,8 +8,10 @@
 //
 // Stopping the daemon leaves the datapath forwarding: pins, attachments and
 // the catalog stay, and the next start adopts them without disturbing
-// established flows. `cleanup` detaches the programs and removes the pin
-// root and the catalog.
+// established flows. The VIP advertisement snapshot (advertisements_path)
+// stays as last published. `cleanup` detaches the programs, removes the pin
+// root and the catalog, and publishes an empty advertisement snapshot so
+// that routing adapters withdraw every VIP.
 //
 // Tokens come from the files named in the [sandbox.dataplane.service.api]
 // table or from FLUXVM_ADMIN_TOKEN / FLUXVM_READ_TOKEN; an admin token is
@@ -100,6 +102,12 @@ func describeConfig(cfg fluxvm.Config) string {
 		fmt.Fprintf(&b, "snat %s address: %s\n", f.name, a)
 	}
 	fmt.Fprintf(&b, "snat ports: %d..%d\n", cfg.SNATPortMin, cfg.SNATPortMax)
+	fmt.Fprintf(&b, "catalog_path: %s\n", cfg.CatalogPath)
+	node := ""
+	if cfg.NodeName != "" {
+		node = fmt.Sprintf(" (node %s)", cfg.NodeName)
+	}
+	fmt.Fprintf(&b, "advertisements_path: %s%s\n", cfg.AdvertisementsPath, node)
 	return b.String()
 }
 
@@ -114,7 +122,8 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	if err := d.Cleanup(); err != nil {
 		return err
 	}
-	log.Info("fluxvmd: removed the datapath, its pins and the catalog", "pin_root", cfg.PinRoot)
+	log.Info("fluxvmd: removed the datapath, its pins and the catalog; every VIP is withdrawn",
+		"pin_root", cfg.PinRoot, "advertisements_path", cfg.AdvertisementsPath)
 	return nil
 }
 
@@ -149,13 +158,14 @@ func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
 			errc <- srv.Serve(ln)
 		}
 	}()
-	log.Info("fluxvmd: serving", "listen", ln.Addr().String(), "tls", cfg.API.TLSCertFile != "")
+	log.Info("fluxvmd: serving", "listen", ln.Addr().String(), "tls", cfg.API.TLSCertFile != "",
+		"advertisements_path", cfg.AdvertisementsPath)
 	select {
 	case err := <-errc:
 		return err
 	case <-ctx.Done():
 	}
-	log.Info("fluxvmd: stopping; the datapath keeps forwarding")
+	log.Info("fluxvmd: stopping; the datapath keeps forwarding and the advertisement snapshot stays as last published")
 	shut, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, http.ErrServerClosed) {

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/lab"
 	"github.com/fluxvm/servicefabric/internal/testenv"
@@ -132,17 +133,21 @@ func TestDaemonRestartKeepsFlows(t *testing.T) {
 
 	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
 	cfg := filepath.Join(t.TempDir(), "fluxvmd.toml")
+	// Never the default /run/fluxvm: the test writes only its own files.
+	advPath := filepath.Join(t.TempDir(), "service-advertisements.json")
 	conf := fmt.Sprintf(`[sandbox.dataplane.service]
 map_tier = "S"
 pin_root = %q
 catalog_path = %q
+advertisements_path = %q
+node_name = "lab-node"
 vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
 north_south_interfaces = ["uplink"]
 snat_address = "10.250.0.100"
 snat_address_v6 = "fd00:250::100"
 snat_port_min = 62000
 snat_port_max = 62999
-`, pinRoot, filepath.Join(t.TempDir(), "catalog.json"))
+`, pinRoot, filepath.Join(t.TempDir(), "catalog.json"), advPath)
 	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -168,6 +173,9 @@ snat_port_max = 62999
 	if status.SNAT != wantSNAT {
 		t.Errorf("status snat %+v, want %+v", status.SNAT, wantSNAT)
 	}
+	if status.Advertisements.Path != advPath || status.Advertisements.Generation != 1 {
+		t.Errorf("status advertisements %+v", status.Advertisements)
+	}
 	svc := fluxvm.Service{
 		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
@@ -176,6 +184,36 @@ snat_port_max = 62999
 	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
+	// A north-south service that asks to be advertised: the REST answer
+	// is the file, byte for byte.
+	ns := fluxvm.Service{
+		Name: "edge", Exposure: fluxvm.ExposureNorthSouth, Advertise: true,
+		VIPs:     []netip.Addr{netip.MustParseAddr("10.96.0.30")},
+		Ports:    []fluxvm.ServicePort{{Port: 443, Protocol: fluxvm.TCP}},
+		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
+	}
+	if _, err := d.request("POST", "/v1/network/services", ns); err != nil {
+		t.Fatal(err)
+	}
+	body, err = d.request("GET", "/v1/network/services/advertisements", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	file, err := os.ReadFile(advPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(body, file) {
+		t.Errorf("GET advertisements differs from the file:\n%s\n%s", body, file)
+	}
+	snap, err := advert.Decode(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := snap.AdvertisedPrefixes(); len(got) != 1 || got[0] != netip.MustParsePrefix("10.96.0.30/32") || snap.Node != "lab-node" {
+		t.Errorf("advertisements %s", file)
+	}
+	advGen := snap.Generation
 	vip := netip.MustParseAddrPort("10.96.0.10:80")
 	c, err := cli.DialTCP(vip, 3*time.Second)
 	if err != nil {
@@ -187,6 +225,9 @@ snat_port_max = 62999
 	}
 
 	d.stop()
+	if s, err := advert.Read(advPath); err != nil || s.Generation != advGen || len(s.AdvertisedPrefixes()) != 1 {
+		t.Errorf("after stop the snapshot is %+v (%v), want generation %d as last published", s, err, advGen)
+	}
 	if err := c.Echo([]byte("daemon stopped"), 3*time.Second); err != nil {
 		t.Fatalf("flow broke when the daemon stopped: %v", err)
 	}
@@ -201,6 +242,11 @@ snat_port_max = 62999
 	var st fluxvm.ServiceStatus
 	if err := json.Unmarshal(body, &st); err != nil || len(st.Frontends) != 1 || !st.Frontends[0].GuardOpen {
 		t.Errorf("restored service %s (%v)", body, err)
+	}
+	// The restarted daemon finds the same content: no rewrite.
+	body, err = d.request("GET", "/v1/network/services/advertisements", nil)
+	if s, derr := advert.Decode(body); err != nil || derr != nil || s.Generation != advGen {
+		t.Errorf("advertisements after restart: %s (%v, %v), want generation %d", body, err, derr, advGen)
 	}
 	c2, err := cli.DialTCP(vip, 3*time.Second)
 	if err != nil {
@@ -217,6 +263,9 @@ snat_port_max = 62999
 	}
 	if _, err := os.Stat(pinRoot); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pin root left after cleanup: %v", err)
+	}
+	if s, err := advert.Read(advPath); err != nil || len(s.Entries) != 0 || s.Generation != advGen+1 {
+		t.Errorf("after cleanup the snapshot is %+v (%v), want no entries", s, err)
 	}
 }
 
@@ -265,7 +314,7 @@ snat_port_max = 49999
 	}
 	out := describeConfig(cfg)
 	for _, want := range []string{"configuration is valid", "north_south_interfaces: eth1", "snat IPv4 address: 203.0.113.10",
-		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999"} {
+		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999", "advertisements_path: /run/fluxvm/service-advertisements.json"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("check-config output lacks %q:\n%s", want, out)
 		}

@@ -43,6 +43,7 @@ func main() {
 
 	cfg := fluxvm.DefaultConfig()
 	cfg.CatalogPath = "/run/fluxvm-embed/catalog.json"
+	cfg.AdvertisementsPath = "/run/fluxvm-embed/service-advertisements.json"
 	if *uplink != "" {
 		// Attached by Open; Dataplane.AddNorthSouthInterface does the same
 		// later on.

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -42,6 +43,9 @@ type Dataplane interface {
 	// ReconcileHealth runs one round of every health check now and
 	// returns the report.
 	ReconcileHealth(ctx context.Context) (fluxvm.HealthReport, error)
+	// Advertisements returns the current VIP advertisement snapshot, the
+	// document the node's snapshot file holds.
+	Advertisements() advert.Snapshot
 }
 
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.

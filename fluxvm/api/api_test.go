@@ -552,6 +552,7 @@ func TestAuthMatrix(t *testing.T) {
 		{"gc", req{method: "POST", path: "/v1/network/services/conntrack/gc"}, admin},
 		{"health", req{method: "GET", path: "/v1/network/services/health"}, read},
 		{"reconcile health", req{method: "POST", path: "/v1/network/services/health/reconcile"}, admin},
+		{"advertisements", req{method: "GET", path: "/v1/network/services/advertisements"}, read},
 		{"delete", req{method: "DELETE", path: "/v1/network/services/web"}, admin},
 		{"unknown route", req{method: "GET", path: "/v1/unknown"}, nil},
 	}

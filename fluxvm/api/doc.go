@@ -16,15 +16,18 @@
 //	GET    /v1/network/services/status              dataplane status
 //	GET    /v1/network/services/stats               datapath statistics
 //	POST   /v1/network/services/conntrack/gc        run a conntrack GC now; 200 + GCResult
+//	GET    /v1/network/services/health              observed health of health-checked backends
+//	POST   /v1/network/services/health/reconcile    run every health check now; 200 + HealthReport
+//	GET    /v1/network/services/advertisements      VIP advertisement snapshot (as the file holds it)
 //	GET    /v1/network/services/{name}              one service; 404 when absent
 //	DELETE /v1/network/services/{name}              remove a service; 204
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
-// For GET, the literal segments "status" and "stats" take precedence over
-// {name} (http.ServeMux prefers the more specific pattern), so a service
-// named "status" or "stats" is not readable by name, only through the
-// list; DELETE has no literal sibling and still removes it.
+// For GET, the literal segments "status", "stats", "health" and
+// "advertisements" take precedence over {name} (http.ServeMux prefers the
+// more specific pattern); validation reserves these names, so no service
+// can be named so.
 // docs/openapi.yaml in the module describes every route and schema.
 //
 // Applying a service is an idempotent upsert: the same request twice leaves

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -22,6 +23,7 @@ type fakeDataplane struct {
 	reconciles   int
 	health       fluxvm.HealthReport
 	reconcileErr error
+	adverts      advert.Snapshot
 
 	applyErr    error
 	statsErr    error
@@ -154,4 +156,10 @@ func (f *fakeDataplane) ReconcileHealth(context.Context) (fluxvm.HealthReport, e
 		return fluxvm.HealthReport{}, f.reconcileErr
 	}
 	return f.health, nil
+}
+
+func (f *fakeDataplane) Advertisements() advert.Snapshot {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.adverts.Clone()
 }

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -170,6 +171,10 @@ func TestOpenAPISchemas(t *testing.T) {
 		"HealthReport":           reflect.TypeFor[fluxvm.HealthReport](),
 		"ServiceHealth":          reflect.TypeFor[fluxvm.ServiceHealth](),
 		"BackendHealth":          reflect.TypeFor[fluxvm.BackendHealth](),
+		"AdvertisementStatus":    reflect.TypeFor[fluxvm.AdvertisementStatus](),
+		"AdvertisementSnapshot":  reflect.TypeFor[advert.Snapshot](),
+		"AdvertisementEntry":     reflect.TypeFor[advert.Entry](),
+		"AdvertisementPort":      reflect.TypeFor[advert.Port](),
 		"Error":                  reflect.TypeFor[ErrorResponse](),
 		"ErrorDetail":            reflect.TypeFor[ErrorDetail](),
 	}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -42,6 +43,7 @@ var routes = []route{
 	{method: http.MethodPost, path: "/v1/network/services/conntrack/gc", admin: true, body: true, handle: (*handler).gc},
 	{method: http.MethodGet, path: "/v1/network/services/health", handle: (*handler).health},
 	{method: http.MethodPost, path: "/v1/network/services/health/reconcile", admin: true, body: true, handle: (*handler).reconcileHealth},
+	{method: http.MethodGet, path: "/v1/network/services/advertisements", handle: (*handler).advertisements},
 	{method: http.MethodGet, path: "/v1/network/services/{name}", handle: (*handler).getService},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
@@ -236,6 +238,28 @@ func healthReport(rep fluxvm.HealthReport) fluxvm.HealthReport {
 		}
 	}
 	return rep
+}
+
+// advertisements sends the VIP advertisement snapshot byte for byte as
+// the file holds it (package advert): indented JSON and a final newline,
+// entries never null.
+func (h *handler) advertisements(w http.ResponseWriter, r *http.Request) error {
+	s := h.dp.Advertisements()
+	if s.Entries == nil {
+		s.Entries = []advert.Entry{}
+	}
+	for i := range s.Entries {
+		if s.Entries[i].Ports == nil {
+			s.Entries[i].Ports = []advert.Port{}
+		}
+	}
+	b, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode advertisements: %w", err)
+	}
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(append(b, '\n'))
+	return nil
 }
 
 func (h *handler) vmStats(w http.ResponseWriter, r *http.Request) error {

@@ -46,7 +46,8 @@ type Env struct {
 }
 
 // NewEnv builds the topology with n backend VMs and opens the dataplane
-// in the node namespace (tier S, a pin root and catalog of its own).
+// in the node namespace (tier S, a pin root, catalog and advertisement
+// snapshot of its own).
 func NewEnv(n int, log *slog.Logger) (*Env, error) { return NewEnvConfig(n, log, nil) }
 
 // NewEnvConfig is NewEnv with a hook that adjusts the node configuration
@@ -94,6 +95,8 @@ func NewEnvConfig(n int, log *slog.Logger, configure func(*fluxvm.Config)) (e *E
 	cfg.MapTier = "S"
 	cfg.PinRoot = filepath.Join(e.pinBase, "service")
 	cfg.CatalogPath = filepath.Join(e.tmp, "catalog.json")
+	// The lab never writes the node's real snapshot under /run/fluxvm.
+	cfg.AdvertisementsPath = filepath.Join(e.tmp, "service-advertisements.json")
 	for _, vm := range e.Lab.VMs {
 		cfg.VMEdgeInterfaces = append(cfg.VMEdgeInterfaces, fluxvm.VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 	}

@@ -64,6 +64,24 @@ func FuzzPrograms(f *testing.F) {
 			f.Add(corrupt)
 		}
 	}
+	// The same flows behind IPv4 options and IPv6 extension headers, so
+	// that rewrites with the L4 header further in are fuzzed too.
+	for _, v := range vs {
+		ns := netip.AddrPortFrom(v.other, 443)
+		for _, hk := range headerKinds() {
+			if hk.v6 == v.client.Is4() {
+				continue
+			}
+			for _, frame := range [][]byte{
+				v.fwd(40000, pkt.SYN),
+				v.reply(v.backends[0], 40000, pkt.ACK),
+				v.frame(v.clientAt(snatMin+2), ns, pkt.SYN),
+				v.frame(v.backends[0], netip.AddrPortFrom(v.snatAddr(), snatMin+2), pkt.SYNACK),
+			} {
+				f.Add(hk.wrap(frame))
+			}
+		}
+	}
 	f.Add([]byte{})
 	f.Add(make([]byte, 14))
 
@@ -115,13 +133,15 @@ func runFuzz(t *testing.T, h *harness, p *ebpf.Program, frame []byte) (uint32, [
 	return ret, opts.DataOut, true
 }
 
-// checksumsOK reports whether frame is a TCP or UDP packet whose checksums
-// verify. A frame the checker cannot even read counts as not verifying.
+// checksumsOK reports whether frame is an IP packet whose checksums verify
+// (IPv4 header; TCP or UDP over the pseudo-header, also behind IPv4
+// options and IPv6 extension headers). A frame the checker cannot even
+// read counts as not verifying.
 func checksumsOK(frame []byte) (ok bool) {
 	defer func() {
 		if recover() != nil {
 			ok = false
 		}
 	}()
-	return pkt.VerifyChecksums(frame) == nil
+	return verifyChecksumsAnyHeaders(frame) == nil
 }

@@ -127,6 +127,7 @@ func parserCases() []parserCase {
 		// IPv6 extension headers.
 		{"ipv6 hop-by-hop udp", pkt.IPv6Ext(udp6, pkt.HopByHop), counts(CounterIPv6, CounterIPv6ExtHdr, CounterUDP), false},
 		{"ipv6 hbh+routing+dest tcp", pkt.IPv6Ext(tcp6, pkt.HopByHop, pkt.Routing, pkt.DestOpts), counts(CounterIPv6, CounterIPv6ExtHdr, CounterTCP), false},
+		{"ipv6 routing header with segments left", mutate(pkt.IPv6Ext(tcp6, pkt.HopByHop, pkt.Routing), func(b []byte) { b[14+48+3] = 1 }), counts(CounterIPv6, CounterIPv6ExtHdr, CounterL4Other), false},
 		{"ipv6 auth header tcp", pkt.IPv6Ext(tcp6, pkt.AH), counts(CounterIPv6, CounterIPv6ExtHdr, CounterTCP), false},
 		{"ipv6 eight ext headers udp", pkt.IPv6Ext(udp6, pkt.HopByHop, pkt.DestOpts, pkt.Routing, pkt.DestOpts, pkt.DestOpts, pkt.DestOpts, pkt.DestOpts, pkt.DestOpts), counts(CounterIPv6, CounterIPv6ExtHdr, CounterUDP), false},
 		{"ipv6 no next header", mutate(pkt.IPv6Ext(udp6, pkt.DestOpts), func(b []byte) { b[14+40] = 59 }), counts(CounterIPv6, CounterIPv6ExtHdr, CounterL4Other), false},

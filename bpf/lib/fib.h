@@ -109,8 +109,11 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 		return bpf_redirect(fib.ifindex, 0);
 	}
 	/* The next hop is known but its link-layer address is not (yet):
-	 * let the kernel resolve it and queue the packet meanwhile. */
-	if (v6) {
+	 * let the kernel resolve it and queue the packet meanwhile. The
+	 * lookup left the next hop (the gateway, or the destination itself
+	 * on a link route) in fib's destination, and its family in
+	 * fib.family: an IPv4 route may have an IPv6 gateway (RFC 5549). */
+	if (fib.family == FLUXVM_AF_INET6_KERNEL) {
 		nh.nh_family = FLUXVM_AF_INET6_KERNEL;
 		__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
 	} else {

@@ -8,6 +8,10 @@
  * than pointers are kept, because helpers that resize or rewrite the skb
  * invalidate every packet pointer.
  *
+ * An IPv6 routing header with segments left ends the walk: the packet is
+ * only passing through on its way to another destination, so its upper
+ * layer is not for us (l4_proto is the routing header's).
+ *
  * Bounds, chosen so the verifier sees a finite walk and real traffic fits:
  *   - at most FLUXVM_IPV6_MAX_EXTHDRS IPv6 extension headers;
  *   - the L4 header must start within FLUXVM_MAX_L4_OFF bytes of the frame.
@@ -170,6 +174,16 @@ static __always_inline int fluxvm_parse_ipv6(struct __sk_buff *skb,
 		h = fluxvm_hdr(skb, off, 8);
 		if (!h)
 			return FLUXVM_PARSE_TRUNCATED;
+		/* A routing header with segments left makes this node a
+		 * waypoint: what follows belongs to the final destination,
+		 * whose address (not ours) is in the L4 checksum's
+		 * pseudo-header (RFC 8200 8.1). The routing header is then
+		 * the upper layer as far as we are concerned, so the packet
+		 * is never service traffic. */
+		if (nh == FLUXVM_NEXTHDR_ROUTING && h[3]) {
+			pkt->exthdrs++;
+			goto upper;
+		}
 		if (nh == FLUXVM_NEXTHDR_FRAGMENT) {
 			__u16 fo = ((__u16)h[2] << 8) | h[3];
 

@@ -129,6 +129,9 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
 
 	if (!t || !t->range)
 		return 1;
+	/* cand stays below range (the preferred port is an offset into it,
+	 * the others are reduced as they are made), so that the neighbours
+	 * of the random start never wrap around 2^32 into a repeat. */
 	port = bpf_htons((__u16)(t->min + t->cand % t->range));
 	t->k4.dport = port;
 	t->k6.dport = port;
@@ -140,7 +143,7 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
 	/* A random start, then its neighbours: independent of the preferred
 	 * port, and a range of up to FLUXVM_SNAT_TRIES - 1 ports is searched
 	 * completely. */
-	t->cand = i == 0 ? bpf_get_prandom_u32() : t->cand + 1;
+	t->cand = (i == 0 ? bpf_get_prandom_u32() : t->cand + 1) % t->range;
 	return 0;
 }
 
@@ -181,7 +184,8 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	fluxvm_snat_entry(pkt, v6, be, addr, &t->k4, &t->k6, &t->nv);
 
 	t->cand = bpf_ntohs(pkt->sport);
-	t->cand = t->cand >= t->min && t->cand - t->min < t->range ? t->cand - t->min : hash;
+	t->cand = t->cand >= t->min && t->cand - t->min < t->range ? t->cand - t->min
+								 : hash % t->range;
 	bpf_loop(FLUXVM_SNAT_TRIES, fluxvm_snat_try_one, NULL, 0);
 	if (t->err == -EEXIST)
 		return FLUXVM_SNAT_FAILED;

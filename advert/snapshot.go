@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"os"
 	"slices"
@@ -162,13 +163,23 @@ func decode(data []byte) (Snapshot, error) {
 	if err := dec.Decode(&s); err != nil {
 		return Snapshot{}, fmt.Errorf("%w: %v", ErrCorrupt, err)
 	}
-	if s.Generation == 0 {
+	switch s.Generation {
+	case 0:
 		return Snapshot{}, fmt.Errorf("%w: generation 0", ErrCorrupt)
+	case math.MaxUint64:
+		// No later generation exists: a publisher continuing it would
+		// wrap to 0, which no valid file has.
+		return Snapshot{}, fmt.Errorf("%w: generation %d leaves no next generation", ErrCorrupt, s.Generation)
 	}
 	if s.Entries == nil {
 		return Snapshot{}, fmt.Errorf("%w: no entries list", ErrCorrupt)
 	}
 	s.Timestamp = s.Timestamp.UTC()
+	if y := s.Timestamp.Year(); y < 0 || y > 9999 {
+		// An offset can push a timestamp out of the years RFC 3339 (and
+		// encoding/json) can write in UTC.
+		return Snapshot{}, fmt.Errorf("%w: timestamp is outside the years 0000..9999 in UTC", ErrCorrupt)
+	}
 	for i := range s.Entries {
 		e := &s.Entries[i]
 		if err := checkEntry(*e); err != nil {

@@ -622,3 +622,49 @@ func TestOpenAdvertisementsUnreadable(t *testing.T) {
 		t.Errorf("unexpected %v", err)
 	}
 }
+
+// TestCleanupReportsUnpublishedWithdrawal: Cleanup promises adapters an
+// empty snapshot. When that snapshot cannot be written, the file still
+// advertises the VIPs of a node that no longer serves them, and Cleanup
+// must say so instead of reporting success.
+func TestCleanupReportsUnpublishedWithdrawal(t *testing.T) {
+	e := newNSEnv(t)
+	dir := filepath.Join(t.TempDir(), "run")
+	path := filepath.Join(dir, "service-advertisements.json")
+	e.opts.AdvertisementsPath = path
+	d, err := Open(e.opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleaned := false
+	t.Cleanup(func() {
+		if !cleaned {
+			d.Cleanup()
+		}
+	})
+	svc := e.nsService("web", advVIP4, advVIP6, ExposureNorthSouth, ModeNAT, false)
+	svc.Advertise = true
+	if _, err := d.ApplyService(context.Background(), svc); err != nil {
+		t.Fatal(err)
+	}
+	if s := d.Advertisements(); len(s.AdvertisedPrefixes()) != 2 || s.Generation == 0 {
+		t.Fatalf("before Cleanup: %+v", s)
+	}
+	// The directory becomes a file: no snapshot can be written any more.
+	moved := dir + ".moved"
+	if err := os.Rename(dir, moved); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir, []byte("not a directory"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	err = d.Cleanup()
+	cleaned = true
+	if err == nil || !strings.Contains(err.Error(), "advertisements") {
+		t.Errorf("Cleanup = %v, want an error saying the withdrawal was not published", err)
+	}
+	if s, err := advert.Read(filepath.Join(moved, filepath.Base(path))); err != nil || len(s.AdvertisedPrefixes()) != 2 {
+		t.Fatalf("the last published file: %+v, %v", s, err)
+	}
+	advertiserStopped(t, d)
+}

@@ -112,13 +112,15 @@ type APIConfig struct {
 	// address (including an empty host, meaning every address) needs TLS
 	// or AllowInsecureNonLoopback.
 	Listen string `toml:"listen"`
-	// AdminTokenFile holds the bearer token for mutating requests (first
-	// line, surrounding white space trimmed). When empty the daemon takes
-	// the token from the environment variable FLUXVM_ADMIN_TOKEN.
+	// AdminTokenFile holds the bearer tokens for mutating requests: one
+	// per line, surrounding white space trimmed, empty lines and lines
+	// starting with '#' skipped; every token listed is accepted (so that
+	// a token can be rotated). When empty the daemon takes the token from
+	// the environment variable FLUXVM_ADMIN_TOKEN.
 	AdminTokenFile string `toml:"admin_token_file"`
-	// ReadTokenFile holds the bearer token for read-only requests; when
-	// empty the daemon takes it from FLUXVM_READ_TOKEN. The admin token is
-	// accepted for reads too.
+	// ReadTokenFile holds the bearer tokens for read-only requests, in
+	// the format of AdminTokenFile; when empty the daemon takes the token
+	// from FLUXVM_READ_TOKEN. Admin tokens are accepted for reads too.
 	ReadTokenFile string `toml:"read_token_file"`
 	// TLSCertFile and TLSKeyFile (PEM) enable HTTPS; both or neither.
 	TLSCertFile string `toml:"tls_cert_file"`

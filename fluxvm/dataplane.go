@@ -97,6 +97,8 @@ type Dataplane struct {
 
 	stop chan struct{}
 	done chan struct{}
+
+	afterGCScan func() // tests: runs between GC's scan and its release of ids
 }
 
 type feKey struct {
@@ -326,7 +328,8 @@ func (d *Dataplane) Close() error {
 // and north-south programs, deletes the pin root and the catalog file, and closes.
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
-// would leave them to guess).
+// would leave them to guess); when that snapshot cannot be written,
+// Cleanup still removes the rest and returns an error saying so.
 func (d *Dataplane) Cleanup() error {
 	d.stopHealth()
 	if d.stop != nil {
@@ -336,9 +339,14 @@ func (d *Dataplane) Cleanup() error {
 	}
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
+	var errs []error
+	// The goroutine's last publish only logs a failure; try once more
+	// here, so that Cleanup fails when adapters were not told to withdraw.
+	if err := d.adv.flush(); err != nil {
+		errs = append(errs, fmt.Errorf("advertisements: the empty snapshot that withdraws every VIP was not published: %w", err))
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	var errs []error
 	err := d.opts.InNamespace(func() error {
 		for _, ifc := range d.ifaces {
 			for _, h := range hooksOf(ifc.kind) {
@@ -530,10 +538,18 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	if err != nil {
 		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
 	}
+	// Only the ids in quarantine before the scan are free of flows after
+	// it: an id released meanwhile may be named by a flow already passed.
+	d.mu.Lock()
+	smark, bmark := d.sids.quarantineMark(), d.bids.quarantineMark()
+	d.mu.Unlock()
 	start := time.Now()
 	r, err := d.ct.GC(ctx, now)
 	if err != nil {
 		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
+	}
+	if d.afterGCScan != nil {
+		d.afterGCScan()
 	}
 	res := GCResult{
 		At: start, Duration: time.Since(start), Scanned: r.Scanned,
@@ -543,9 +559,9 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	}
 	d.mu.Lock()
 	d.lastGC = &res
-	// Flows naming quarantined ids are gone now.
-	d.sids.releaseQuarantined()
-	d.bids.releaseQuarantined()
+	// Flows naming the ids quarantined before the scan are gone now.
+	d.sids.releaseQuarantinedBefore(smark)
+	d.bids.releaseQuarantinedBefore(bmark)
 	d.mu.Unlock()
 	return res, nil
 }

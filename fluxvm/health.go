@@ -59,6 +59,11 @@ type checker struct {
 	ctx     context.Context
 	cancel  context.CancelFunc
 	round   sync.Mutex // one round at a time
+	// unprogrammed says that the last reprogram after a health change
+	// failed: the datapath may not have the overlay yet, so the next
+	// round reprograms even if nothing changes then. Guarded by
+	// Dataplane.mu.
+	unprogrammed bool
 }
 
 func (c *checker) thresholds() health.Thresholds {
@@ -248,13 +253,15 @@ func (d *Dataplane) recordHealth(c *checker, results []health.Result) {
 			reprogram = true
 		}
 	}
-	if !reprogram {
+	if !reprogram && !c.unprogrammed {
 		return
 	}
 	if err := d.program(s.intent, s); err != nil {
-		d.log.Error("fluxvm: reprogramming after a health change failed; the next change retries", "service", c.service, "err", err)
+		c.unprogrammed = true
+		d.log.Error("fluxvm: reprogramming after a health change failed; the next round retries", "service", c.service, "err", err)
 		return
 	}
+	c.unprogrammed = false
 	d.healthChanged(c.service)
 }
 

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/health"
 )
@@ -304,4 +306,75 @@ func TestDataplaneHealthProbesWithoutLock(t *testing.T) {
 	if took < 700*time.Millisecond || took > 3*time.Second {
 		t.Errorf("the round took %v with a timeout of 800ms", took)
 	}
+}
+
+// maglevIDs returns the backend ids the kernel's Maglev table of
+// frontend sid names.
+func maglevIDs(t *testing.T, d *Dataplane, sid uint32) map[uint32]bool {
+	t.Helper()
+	var inner *ebpf.Map
+	if err := d.dp.Map("fluxvm_maglev").Lookup(sid, &inner); err != nil {
+		t.Fatalf("maglev table of service id %d: %v", sid, err)
+	}
+	defer inner.Close()
+	ids := map[uint32]bool{}
+	var slot, id uint32
+	it := inner.Iterate()
+	for it.Next(&slot, &id) {
+		ids[id] = true
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// TestHealthReprogramRetried: when reprogramming after a health change
+// fails, the overlay already says unhealthy (and so do the report and the
+// advertisements), but the kernel's tables still pick the backend. The
+// next round must retry, even though the observed health does not change
+// again.
+func TestHealthReprogramRetried(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 60_000, UnhealthyThreshold: 3, HealthyThreshold: 1}
+	svc := e.healthService(hc)
+	svc.VIPs = svc.VIPs[:1] // IPv4 only
+	svc.Backends = []Backend{svc.Backends[0], svc.Backends[2]}
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	down := netip.AddrPortFrom(e.backends[1].Addr4, 8081)
+	// Every new Maglev table fails to be created from now on.
+	d.mu.Lock()
+	good := d.inner
+	bad := good.Copy()
+	bad.MaxEntries = 0
+	d.inner = bad
+	d.mu.Unlock()
+	for i := 0; ; i++ {
+		rep := reconcile(t, d, 1)
+		if backendHealth(t, rep, down).Observed == health.Unhealthy {
+			break
+		}
+		if i == 5 {
+			t.Fatalf("%s not unhealthy: %+v", down, rep)
+		}
+	}
+	d.mu.Lock()
+	d.inner = good
+	var sid, downID uint32
+	for _, fe := range d.frontends {
+		sid, downID = fe.sid, fe.backends[down]
+	}
+	d.mu.Unlock()
+	rep := reconcile(t, d, 1)
+	if b := backendHealth(t, rep, down); b.Observed != health.Unhealthy || b.EffectiveState != BackendUnhealthy {
+		t.Fatalf("%s: %+v", down, b)
+	}
+	if ids := maglevIDs(t, d, sid); ids[downID] || len(ids) != 1 {
+		t.Errorf("the Maglev table names backend ids %v; %s (id %d) is unhealthy and must not be picked", ids, down, downID)
+	}
+	eligible(t, d, 1)
 }

@@ -6,9 +6,16 @@ package fluxvm
 // service or backend can take it over.
 type idPool struct {
 	used       []bool
-	quarantine []uint32
+	quarantine []quarantined // in the order of release
+	released   uint64        // ids released so far: the next one's seq
 	next       uint32
 	free       int
+}
+
+// quarantined is a released id and the order of its release.
+type quarantined struct {
+	id  uint32
+	seq uint64
 }
 
 func newIDPool(max uint32) *idPool {
@@ -57,15 +64,30 @@ func (p *idPool) get() uint32 {
 // release quarantines id until releaseQuarantined.
 func (p *idPool) release(id uint32) {
 	if id != 0 && int(id) < len(p.used) && p.used[id] {
-		p.quarantine = append(p.quarantine, id)
+		p.quarantine = append(p.quarantine, quarantined{id, p.released})
+		p.released++
 	}
+}
+
+// quarantineMark marks the ids in quarantine now; a conntrack GC takes it
+// before its scan begins.
+func (p *idPool) quarantineMark() uint64 { return p.released }
+
+// releaseQuarantinedBefore makes available again the ids that were in
+// quarantine at mark. Ids released since (while the GC scanned, so that
+// flows it already passed may still name them) wait for the next GC.
+func (p *idPool) releaseQuarantinedBefore(mark uint64) {
+	n := 0
+	for n < len(p.quarantine) && p.quarantine[n].seq < mark {
+		q := p.quarantine[n]
+		p.used[q.id] = false
+		p.free++
+		n++
+	}
+	p.quarantine = append(p.quarantine[:0], p.quarantine[n:]...)
 }
 
 // releaseQuarantined makes quarantined ids available again.
 func (p *idPool) releaseQuarantined() {
-	for _, id := range p.quarantine {
-		p.used[id] = false
-		p.free++
-	}
-	p.quarantine = p.quarantine[:0]
+	p.releaseQuarantinedBefore(p.released)
 }

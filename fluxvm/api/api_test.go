@@ -2,6 +2,7 @@ package api_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -440,6 +441,12 @@ func TestGC(t *testing.T) {
 	}
 	e.dp.gcErr = errors.New("iterate fct4: EIO")
 	wantError(t, e.do(req{method: "POST", path: "/v1/network/services/conntrack/gc", token: adminToken}), 500, api.CodeInternal, "")
+	// A GC cut short because the request ended (the client went away, or
+	// an embedder's deadline) is not an internal error of the node.
+	for _, cause := range []error{context.Canceled, context.DeadlineExceeded} {
+		e.dp.gcErr = fmt.Errorf("fluxvm: gc: iterate fct4: %w", cause)
+		wantError(t, e.do(req{method: "POST", path: "/v1/network/services/conntrack/gc", token: adminToken}), 503, api.CodeUnavailable, "")
+	}
 }
 
 func TestVMStats(t *testing.T) {

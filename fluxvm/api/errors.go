@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -28,6 +29,10 @@ const (
 	CodeMissingPrerequisite  Code = "missing_prerequisite"   // 422
 	CodeLimitExceeded        Code = "limit_exceeded"         // 422
 	CodeInternal             Code = "internal"               // 500
+	// CodeUnavailable: the request ended (the client went away, or a
+	// deadline of the embedder passed) before the node finished the work
+	// it asked for (a GC, a health round); nothing is wrong with the node.
+	CodeUnavailable Code = "unavailable" // 503
 )
 
 // allCodes lists every code, in the order of the documentation.
@@ -35,7 +40,7 @@ var allCodes = []Code{
 	CodeInvalidRequest, CodeUnauthorized, CodeForbidden, CodeNotFound,
 	CodeMethodNotAllowed, CodeConflict, CodePayloadTooLarge,
 	CodeUnsupportedMediaType, CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded,
-	CodeInternal,
+	CodeInternal, CodeUnavailable,
 }
 
 // Status returns the HTTP status an error with code c is sent with
@@ -60,6 +65,8 @@ func (c Code) Status() int {
 		return http.StatusUnsupportedMediaType
 	case CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded:
 		return http.StatusUnprocessableEntity
+	case CodeUnavailable:
+		return http.StatusServiceUnavailable
 	}
 	return http.StatusInternalServerError
 }
@@ -122,6 +129,10 @@ func toAPIError(err error) *apiError {
 	if errors.As(err, &mbe) {
 		return newAPIError(CodePayloadTooLarge,
 			"request body larger than "+strconv.FormatInt(mbe.Limit, 10)+" bytes")
+	}
+
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return newAPIError(CodeUnavailable, "the request ended before the node finished: "+err.Error())
 	}
 
 	var code Code

@@ -79,8 +79,12 @@ func TestReconcileHealth(t *testing.T) {
 	if e.dp.reconciles != 2 {
 		t.Errorf("rejected requests ran a round: %d", e.dp.reconciles)
 	}
-	e.dp.reconcileErr = fmt.Errorf("round: %w", context.Canceled)
-	wantError(t, e.do(req{method: "POST", path: path, token: adminToken}), 500, api.CodeInternal, "")
+	// A round cut short because the request ended is not an internal
+	// error: 503, and nothing logged as one.
+	for _, cause := range []error{context.Canceled, context.DeadlineExceeded} {
+		e.dp.reconcileErr = fmt.Errorf("round: %w", cause)
+		wantError(t, e.do(req{method: "POST", path: path, token: adminToken}), 503, api.CodeUnavailable, "")
+	}
 	e.dp.reconcileErr = errors.New("boom")
 	wantError(t, e.do(req{method: "POST", path: path, token: adminToken}), 500, api.CodeInternal, "")
 }

@@ -353,30 +353,42 @@ func parseLinkPin(name string) (int, Hook, bool) {
 
 // updateLinks points every pinned link at the freshly loaded program of
 // its hook and returns the names of the links it updated.
-func (d *Datapath) updateLinks() ([]string, error) {
+func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 	entries, err := os.ReadDir(linkDir(d.opts.PinRoot))
 	if err != nil {
-		return nil, fmt.Errorf("bpf: open: %w", err)
+		return nil, nil, fmt.Errorf("bpf: open: %w", err)
 	}
-	var updated []string
 	for _, e := range entries {
 		_, hook, ok := parseLinkPin(e.Name())
 		if !ok {
 			continue
 		}
 		progName, _ := hook.program()
-		l, err := link.LoadPinnedLink(filepath.Join(linkDir(d.opts.PinRoot), e.Name()), nil)
+		pin := filepath.Join(linkDir(d.opts.PinRoot), e.Name())
+		l, err := link.LoadPinnedLink(pin, nil)
 		if err != nil {
-			return updated, fmt.Errorf("bpf: open: pinned link %s: %w", e.Name(), err)
+			return updated, severed, fmt.Errorf("bpf: open: pinned link %s: %w", e.Name(), err)
 		}
 		err = l.Update(d.coll.Programs[progName])
+		if errors.Is(err, unix.ENOLINK) {
+			// The interface went away (the kernel severs a TCX link
+			// when its device is deleted): nothing to update, and the
+			// pin only keeps a dead link alive.
+			err = l.Unpin()
+			l.Close()
+			if err != nil {
+				return updated, severed, fmt.Errorf("bpf: open: unpin severed link %s: %w", e.Name(), err)
+			}
+			severed = append(severed, e.Name())
+			continue
+		}
 		l.Close()
 		if err != nil {
-			return updated, fmt.Errorf("bpf: open: update link %s: %w", e.Name(), err)
+			return updated, severed, fmt.Errorf("bpf: open: update link %s: %w", e.Name(), err)
 		}
 		updated = append(updated, e.Name())
 	}
-	return updated, nil
+	return updated, severed, nil
 }
 
 // Remove detaches every attachment of ours in the calling thread's network

@@ -87,6 +87,10 @@ type Status struct {
 	KeptMaps, NewMaps []string
 	// Links lists the pinned attachments whose program was updated.
 	Links []string
+	// SeveredLinks lists pinned attachments whose interface no longer
+	// exists (a VM's tap removed while no process ran); their pins were
+	// removed.
+	SeveredLinks []string
 	// MountedBPFFS: there was no bpffs at /sys/fs/bpf and Open mounted
 	// one. If this process runs in a private mount namespace (as under
 	// `ip netns exec`), the pins go away with it; run the daemon in the
@@ -209,7 +213,7 @@ func Open(opts Options) (*Datapath, error) {
 	}
 	// Programs attached by an earlier process run the old code until
 	// their links are pointed at the new programs.
-	if d.status.Links, err = d.updateLinks(); err != nil {
+	if d.status.Links, d.status.SeveredLinks, err = d.updateLinks(); err != nil {
 		d.Close()
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -348,6 +349,62 @@ func TestAttachClsBPF(t *testing.T) {
 		}
 		if fs, _ := netlink.FilterList(rx, netlink.HANDLE_MIN_EGRESS); len(fs) != 1 {
 			t.Errorf("foreign filter disturbed: %v", fs)
+		}
+	})
+}
+
+// TestOpenAfterInterfaceDeleted: an interface deleted while no process ran
+// leaves a severed TCX link pinned. The next Open must not fail on it: it
+// removes the pin, says so, and updates the links that are still alive.
+func TestOpenAfterInterfaceDeleted(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		gone, _, err := testenv.VethPair("fvgone", "fvgone-p")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, stay, err := testenv.VethPair("fvstay-p", "fvstay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := openT(t, Options{PinRoot: root, Tier: TierS})
+		for _, name := range []string{"fvgone", "fvstay"} {
+			for _, h := range []Hook{HookFromVM, HookToVM} {
+				if _, err := d.Attach(Interface{Name: name}, h); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		d.Close()
+		if err := netlink.LinkDel(gone); err != nil {
+			t.Fatal(err)
+		}
+
+		d, err = Open(Options{PinRoot: root, Tier: TierS})
+		if err != nil {
+			t.Fatalf("open after an interface was deleted: %v", err)
+		}
+		t.Cleanup(func() { d.Close() })
+		st := d.Status()
+		want := []string{
+			fmt.Sprintf("tcx_%d_from_vm", gone.Attrs().Index),
+			fmt.Sprintf("tcx_%d_to_vm", gone.Attrs().Index),
+		}
+		if !slices.Equal(st.SeveredLinks, want) {
+			t.Errorf("severed links %v, want %v", st.SeveredLinks, want)
+		}
+		if len(st.Links) != 2 {
+			t.Errorf("updated links %v, want the 2 of fvstay", st.Links)
+		}
+		for _, name := range want {
+			if _, err := os.Stat(filepath.Join(linkDir(root), name)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("pin %s still there: %v", name, err)
+			}
+		}
+		info, _ := d.Program("fluxvm_from_vm").Info()
+		id, _ := info.ID()
+		if got := tcxPrograms(t, stay.Attrs().Index, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != id {
+			t.Errorf("fvstay ingress runs %v, want the reopened program %d", got, id)
 		}
 	})
 }

@@ -211,6 +211,9 @@ func (d *Dataplane) init() error {
 	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
 		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,
 		"tier_changed", st.TierChanged, "migrated", st.Migrated, "not_migrated", st.NotMigrated)
+	if len(st.SeveredLinks) > 0 {
+		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
+	}
 
 	if err := d.dp.UpdateMeta(func(m *bpf.Meta) { _ = d.opts.Timeouts.ApplyTo(m) }); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)

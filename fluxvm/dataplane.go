@@ -449,11 +449,22 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 // attach puts the programs of ifc's kind on its hooks and records them.
 func (d *Dataplane) attach(ifc *iface) error {
 	return d.opts.InNamespace(func() error {
+		var done []bpf.Hook
 		for _, h := range hooksOf(ifc.kind) {
 			a, err := d.dp.Attach(bpf.Interface{Name: ifc.Name}, h)
 			if err != nil {
+				// Both hooks or none: a VM edge that translates on
+				// the way out but not back (or the reverse) would
+				// break every flow through it.
+				for _, u := range done {
+					if derr := d.dp.Detach(bpf.Interface{Name: ifc.Name}, u); derr != nil {
+						err = errors.Join(err, fmt.Errorf("undo %s: %w", u, derr))
+					}
+				}
+				ifc.hooks = nil
 				return err
 			}
+			done = append(done, h)
 			ifc.index = a.Ifindex
 			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
 		}

@@ -6,8 +6,14 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/lab"
@@ -291,5 +297,72 @@ func TestDataplaneDeleteAndCleanup(t *testing.T) {
 		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("%s still exists after cleanup", p)
 		}
+	}
+}
+
+// TestAddInterfaceAllOrNothing: when the second hook of an interface
+// cannot be attached (here a foreign cls_bpf filter holds the egress
+// priority we use), the first one is detached again and the interface is
+// not recorded.
+func TestAddInterfaceAllOrNothing(t *testing.T) {
+	e := newEnv(t)
+	e.opts.Interfaces = nil
+	e.opts.Config.AttachMode = bpf.AttachClsBPF
+	e.opts.Loader.AttachMode = bpf.AttachClsBPF
+	d := e.open(t)
+	vm := e.backends[0]
+
+	foreign, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: ebpf.SchedCLS, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer foreign.Close()
+	err = e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(vm.NodeIf)
+		if err != nil {
+			return err
+		}
+		if err := netlink.QdiscReplace(&netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{
+			LinkIndex: l.Attrs().Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT,
+		}, QdiscType: "clsact"}); err != nil {
+			return err
+		}
+		return netlink.FilterAdd(&netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{
+			LinkIndex: l.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS, Priority: 1, Protocol: unix.ETH_P_ALL,
+		}, Fd: foreign.FD(), Name: "someone-else", DirectAction: true})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err == nil {
+		t.Fatal("AddInterface succeeded over a foreign egress filter")
+	}
+	for _, ifc := range d.Status().Interfaces {
+		if ifc.Name == vm.NodeIf {
+			t.Errorf("half-attached interface recorded: %+v", ifc)
+		}
+	}
+	err = e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(vm.NodeIf)
+		if err != nil {
+			return err
+		}
+		fs, err := netlink.FilterList(l, netlink.HANDLE_MIN_INGRESS)
+		if err != nil {
+			return err
+		}
+		for _, f := range fs {
+			if bf, ok := f.(*netlink.BpfFilter); ok && strings.HasPrefix(bf.Name, "fluxvm") {
+				t.Errorf("ingress filter %q left behind", bf.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -58,7 +58,7 @@ type checker struct {
 	cfg     HealthCheck // with defaults
 	ctx     context.Context
 	cancel  context.CancelFunc
-	round   sync.Mutex // one round at a time
+	round   chan struct{} // one round at a time: holds a token while one runs
 	// unprogrammed says that the last reprogram after a health change
 	// failed: the datapath may not have the overlay yet, so the next
 	// round reprograms even if nothing changes then. Guarded by
@@ -156,7 +156,7 @@ func (d *Dataplane) syncHealth(name string) {
 	if c != nil {
 		c.cancel()
 	}
-	c = &checker{service: name, cfg: cfg}
+	c = &checker{service: name, cfg: cfg, round: make(chan struct{}, 1)}
 	c.ctx, c.cancel = context.WithCancel(hc.ctx)
 	hc.checkers[name] = c
 	hc.wg.Add(1)
@@ -194,8 +194,15 @@ func (d *Dataplane) runChecker(c *checker) {
 // runRound probes every enabled backend of c's service once and records
 // the results. It holds d.mu only to read the targets and to record.
 func (d *Dataplane) runRound(ctx context.Context, c *checker) {
-	c.round.Lock()
-	defer c.round.Unlock()
+	// Wait for a running round without outliving ctx: a reconcile must
+	// return when its caller gives up, even if a round of many slow
+	// checks is still going.
+	select {
+	case c.round <- struct{}{}:
+	case <-ctx.Done():
+		return
+	}
+	defer func() { <-c.round }()
 	d.mu.Lock()
 	s := d.services[c.service]
 	if d.health.checkers[c.service] != c || s == nil {

@@ -2,6 +2,7 @@ package fluxvm
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 	"runtime"
 	"strings"
@@ -377,4 +378,40 @@ func TestHealthReprogramRetried(t *testing.T) {
 		t.Errorf("the Maglev table names backend ids %v; %s (id %d) is unhealthy and must not be picked", ids, down, downID)
 	}
 	eligible(t, d, 1)
+}
+
+// TestReconcileHealthHonoursItsContext: a reconcile that finds a round of
+// slow checks already running returns when its own context ends, not when
+// that round does.
+func TestReconcileHealthHonoursItsContext(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 1500, IntervalMs: 60_000, UnhealthyThreshold: 1, HealthyThreshold: 1}
+	svc := e.healthService(hc)
+	silent := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 3, 99}), 8080)
+	svc.Backends = append(svc.Backends, Backend{Address: silent.Addr(), Port: silent.Port()})
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := d.ReconcileHealth(ctx)
+		first <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the first round is waiting on the silent backend
+
+	short, cancel := context.WithTimeout(ctx, 150*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := d.ReconcileHealth(short)
+	if took := time.Since(start); took > 700*time.Millisecond {
+		t.Errorf("a reconcile with a 150ms context returned after %v", took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("reconcile error %v, want the context's deadline", err)
+	}
+	if err := <-first; err != nil {
+		t.Errorf("first reconcile: %v", err)
+	}
 }

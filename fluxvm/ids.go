@@ -6,6 +6,7 @@ package fluxvm
 // service or backend can take it over.
 type idPool struct {
 	used       []bool
+	held       []bool        // released and still in quarantine
 	quarantine []quarantined // in the order of release
 	released   uint64        // ids released so far: the next one's seq
 	next       uint32
@@ -19,7 +20,7 @@ type quarantined struct {
 }
 
 func newIDPool(max uint32) *idPool {
-	p := &idPool{used: make([]bool, max), next: 1}
+	p := &idPool{used: make([]bool, max), held: make([]bool, max), next: 1}
 	if max > 0 {
 		p.used[0] = true // 0 means "none" in every map
 		p.free = int(max) - 1
@@ -63,7 +64,9 @@ func (p *idPool) get() uint32 {
 
 // release quarantines id until releaseQuarantined.
 func (p *idPool) release(id uint32) {
-	if id != 0 && int(id) < len(p.used) && p.used[id] {
+	// Releasing an id twice (a retried removal) must not free it twice.
+	if id != 0 && int(id) < len(p.used) && p.used[id] && !p.held[id] {
+		p.held[id] = true
 		p.quarantine = append(p.quarantine, quarantined{id, p.released})
 		p.released++
 	}
@@ -81,6 +84,7 @@ func (p *idPool) releaseQuarantinedBefore(mark uint64) {
 	for n < len(p.quarantine) && p.quarantine[n].seq < mark {
 		q := p.quarantine[n]
 		p.used[q.id] = false
+		p.held[q.id] = false
 		p.free++
 		n++
 	}

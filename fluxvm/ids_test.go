@@ -42,6 +42,33 @@ func TestIDPoolQuarantineMark(t *testing.T) {
 	}
 }
 
+// TestIDPoolDoubleRelease: releasing an id again while it is in
+// quarantine (a removal retried after a failure) frees it once, so the
+// pool never counts more free ids than it has, and a freed id can be
+// released again after it is reused.
+func TestIDPoolDoubleRelease(t *testing.T) {
+	p := newIDPool(4)
+	a, b := p.get(), p.get()
+	p.release(a)
+	p.release(a)
+	p.releaseQuarantined()
+	if got := p.available(); got != 2 {
+		t.Fatalf("available %d after releasing one id twice, want 2", got)
+	}
+	if c := p.get(); c == 0 || c == b {
+		t.Fatalf("get %d", c)
+	}
+	a2 := p.get()
+	if a2 != a && p.available() != 0 {
+		t.Fatalf("pool state: got %d, available %d", a2, p.available())
+	}
+	p.release(a)
+	p.releaseQuarantined()
+	if got := p.available(); got != 1 {
+		t.Errorf("available %d after releasing the reused id, want 1", got)
+	}
+}
+
 // TestGCKeepsIDsReleasedDuringTheScan removes a backend while a GC scans
 // the flow tables: its id must stay quarantined after that GC (the scan
 // may have passed flows that name it), and be free after the next.

@@ -468,6 +468,9 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 		if err := d.dp.Map("fluxvm_backends").Put(id, bpf.Backend{}); err != nil {
 			return fmt.Errorf("remove backend %s: %w", ep, err)
 		}
+		// Forget it as it goes, so that a retry after a failure further
+		// on never releases an id twice.
+		delete(fe.backends, ep)
 		d.bids.release(id)
 	}
 	if err := d.dp.Map("fluxvm_sguard").Put(fe.sid, bpf.Guard{}); err != nil {

@@ -97,6 +97,9 @@ type Dataplane struct {
 
 	stop chan struct{}
 	done chan struct{}
+	// closed is set (under mu) by Close and Cleanup: every later change
+	// fails with ErrClosed instead of writing to maps being released.
+	closed bool
 
 	afterGCScan func() // tests: runs between GC's scan and its release of ids
 }
@@ -314,7 +317,30 @@ func (d *Dataplane) restore() error {
 // this process's handles. The datapath keeps forwarding: pins and
 // attachments stay in place, and so does the advertisement file, as last
 // published.
+// markClosed sets closed and reports whether this call did (false: the
+// Dataplane was closed already).
+func (d *Dataplane) markClosed() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return false
+	}
+	d.closed = true
+	return true
+}
+
+// checkOpen is the first thing every change does, with mu held.
+func (d *Dataplane) checkOpen(op string) error {
+	if d.closed {
+		return fmt.Errorf("fluxvm: %s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
 func (d *Dataplane) Close() error {
+	if !d.markClosed() {
+		return nil
+	}
 	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
@@ -334,6 +360,9 @@ func (d *Dataplane) Close() error {
 // would leave them to guess); when that snapshot cannot be written,
 // Cleanup still removes the rest and returns an error saying so.
 func (d *Dataplane) Cleanup() error {
+	if !d.markClosed() {
+		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
+	}
 	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
@@ -392,6 +421,9 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("add interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	if other, ok := d.ifaces[vi.Name]; ok {
 		switch {
 		case other.kind != InterfaceVMEdge:
@@ -431,6 +463,9 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("add north-south interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	if other, ok := d.ifaces[name]; ok && other.kind != InterfaceNorthSouth {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: it is the VM-edge interface of VM %s: %w", name, other.VMID, ErrConflict)
 	}
@@ -477,6 +512,9 @@ func (d *Dataplane) attach(ifc *iface) error {
 func (d *Dataplane) RemoveInterface(name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("remove interface"); err != nil {
+		return err
+	}
 	ifc, ok := d.ifaces[name]
 	if !ok {
 		return fmt.Errorf("fluxvm: remove interface %s: %w", name, ErrNotFound)
@@ -555,6 +593,10 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	// Only the ids in quarantine before the scan are free of flows after
 	// it: an id released meanwhile may be named by a flow already passed.
 	d.mu.Lock()
+	if err := d.checkOpen("gc"); err != nil {
+		d.mu.Unlock()
+		return GCResult{}, err
+	}
 	smark, bmark := d.sids.quarantineMark(), d.bids.quarantineMark()
 	d.mu.Unlock()
 	start := time.Now()

@@ -366,3 +366,36 @@ func TestAddInterfaceAllOrNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestClosedDataplaneChangesNothing: after Close every change fails with
+// ErrClosed (instead of writing to maps being released), and a second
+// Close is harmless.
+func TestClosedDataplaneChangesNothing(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	vm := e.backends[0]
+	for name, err := range map[string]error{
+		"apply":         func() error { _, err := d.ApplyService(ctx, e.service(2, 1, 1)); return err }(),
+		"delete":        d.DeleteService(ctx, "web"),
+		"add interface": func() error { _, err := d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); return err }(),
+		"add uplink":    func() error { _, err := d.AddNorthSouthInterface("uplink"); return err }(),
+		"remove":        d.RemoveInterface(vm.NodeIf),
+		"gc":            func() error { _, err := d.GC(ctx); return err }(),
+		"reconcile":     func() error { _, err := d.ReconcileHealth(ctx); return err }(),
+		"cleanup":       d.Cleanup(),
+	} {
+		if !errors.Is(err, ErrClosed) {
+			t.Errorf("%s after Close: %v, want ErrClosed", name, err)
+		}
+	}
+}

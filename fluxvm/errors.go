@@ -21,6 +21,9 @@ var (
 	ErrLimit = errors.New("limit exceeded")
 	// ErrNotFound: no such service or VM.
 	ErrNotFound = errors.New("not found")
+	// ErrClosed: the Dataplane was closed (Close or Cleanup); it changes
+	// nothing any more.
+	ErrClosed = errors.New("dataplane closed")
 )
 
 // ValidationError says which field of a request is wrong and why. Its

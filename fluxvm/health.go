@@ -389,6 +389,10 @@ func (d *Dataplane) healthReport() HealthReport {
 // counted).
 func (d *Dataplane) ReconcileHealth(ctx context.Context) (HealthReport, error) {
 	d.mu.Lock()
+	if err := d.checkOpen("reconcile health"); err != nil {
+		d.mu.Unlock()
+		return HealthReport{}, err
+	}
 	cs := make([]*checker, 0, len(d.health.checkers))
 	for _, c := range d.health.checkers {
 		cs = append(cs, c)

@@ -31,6 +31,9 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	svc = svc.Clone()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("apply " + svc.Name); err != nil {
+		return ServiceStatus{}, err
+	}
 	// The service alone first, so that its errors name its own fields
 	// (backends[0].port), then the catalog it would join.
 	if err := ValidateService(svc, d.opts.Config); err != nil {
@@ -83,6 +86,9 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("delete " + name); err != nil {
+		return err
+	}
 	if _, ok := d.services[name]; !ok {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, ErrNotFound)
 	}

@@ -64,7 +64,7 @@
 //	missing_prerequisite    422     fluxvm.ErrPrerequisite
 //	limit_exceeded          422     fluxvm.ErrLimit
 //	internal                500     anything else; the detail goes to the log only
-//	unavailable             503     the request ended (client gone, deadline) before a GC or health round finished
+//	unavailable             503     the request ended (client gone, deadline) before a GC or health round finished, or the dataplane is shutting down
 //
 // "field" is present when a [fluxvm.ValidationError] names one.
 //

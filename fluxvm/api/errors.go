@@ -134,6 +134,9 @@ func toAPIError(err error) *apiError {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return newAPIError(CodeUnavailable, "the request ended before the node finished: "+err.Error())
 	}
+	if errors.Is(err, fluxvm.ErrClosed) {
+		return newAPIError(CodeUnavailable, "the dataplane is shutting down")
+	}
 
 	var code Code
 	switch {

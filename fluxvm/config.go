@@ -20,6 +20,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/health"
 )
 
 // ConfigTable is the TOML table that holds the node's Service Fabric
@@ -64,6 +65,8 @@ const (
 	MaxSNATPort = 65535
 	// MaxNodeNameLen bounds node_name (the longest DNS name).
 	MaxNodeNameLen = 253
+	// MaxHealthCheckConcurrency bounds health_check_concurrency.
+	MaxHealthCheckConcurrency = 1024
 )
 
 // Environment variables the reference daemon reads for its bearer tokens
@@ -171,6 +174,10 @@ type Config struct {
 	// can tell them apart. Optional (default empty: no node field); at
 	// most MaxNodeNameLen printable ASCII characters without white space.
 	NodeName string `toml:"node_name"`
+	// HealthCheckConcurrency bounds how many health-check connects the
+	// node runs at once, over all services: 1..MaxHealthCheckConcurrency,
+	// 0 (the default) means health.DefaultConcurrency (32).
+	HealthCheckConcurrency int `toml:"health_check_concurrency"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -404,7 +411,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - map_tier S, M or L; pin_root absolute and not a bpffs mount point;
 //     object_dir empty or absolute; attach_mode "", "tcx" or "cls_bpf";
 //     catalog_path absolute; advertisements_path absolute, naming a file,
-//     and not catalog_path; node_name empty or at most 253 printable ASCII
+//     and not catalog_path; health_check_concurrency 0..1024; node_name
+//     empty or at most 253 printable ASCII
 //     characters without white space;
 //   - conntrack_gc_interval 1s..1h; each conntrack timeout a whole number
 //     of seconds in 2s..168h;
@@ -464,6 +472,9 @@ func (c *Config) validate() error {
 	}
 	if why := nodeNameProblem(c.NodeName); why != "" {
 		bad(ErrInvalid, "node_name", "%s", why)
+	}
+	if n := c.HealthCheckConcurrency; n < 0 || n > MaxHealthCheckConcurrency {
+		bad(ErrInvalid, "health_check_concurrency", "%d is outside 0..%d (0: the default, %d)", n, MaxHealthCheckConcurrency, health.DefaultConcurrency)
 	}
 	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
 		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)

@@ -62,6 +62,7 @@ hash_seed = 0x7fffffffffffffff
 catalog_path = "/srv/fluxvm/catalog.json"
 advertisements_path = "/run/fluxvm-test/adverts.json"
 node_name = "node-a.example"
+health_check_concurrency = 8
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -90,26 +91,27 @@ max_body_bytes = 2097152
 		t.Fatal(err)
 	}
 	want := Config{
-		MapTier:               "l",
-		PinRoot:               "/sys/fs/bpf/fluxvm/test",
-		ObjectDir:             "/usr/lib/fluxvm/bpf",
-		AttachMode:            bpf.AttachClsBPF,
-		HashSeed:              1<<63 - 1,
-		CatalogPath:           "/srv/fluxvm/catalog.json",
-		AdvertisementsPath:    "/run/fluxvm-test/adverts.json",
-		NodeName:              "node-a.example",
-		ConntrackGCInterval:   Duration{90 * time.Second},
-		TCPSynTimeout:         Duration{2 * time.Second},
-		TCPEstablishedTimeout: Duration{168 * time.Hour},
-		TCPFinTimeout:         Duration{45 * time.Second},
-		TCPRstTimeout:         Duration{5 * time.Second},
-		UDPTimeout:            Duration{2 * time.Minute},
-		VMEdgeInterfaces:      []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
-		NorthSouthInterfaces:  []string{"uplink0", "uplink1"},
-		SNATAddress:           netip.MustParseAddr("203.0.113.10"),
-		SNATAddressV6:         netip.MustParseAddr("2001:db8:10::10"),
-		SNATPortMin:           20000,
-		SNATPortMax:           29999,
+		MapTier:                "l",
+		PinRoot:                "/sys/fs/bpf/fluxvm/test",
+		ObjectDir:              "/usr/lib/fluxvm/bpf",
+		AttachMode:             bpf.AttachClsBPF,
+		HashSeed:               1<<63 - 1,
+		CatalogPath:            "/srv/fluxvm/catalog.json",
+		AdvertisementsPath:     "/run/fluxvm-test/adverts.json",
+		NodeName:               "node-a.example",
+		HealthCheckConcurrency: 8,
+		ConntrackGCInterval:    Duration{90 * time.Second},
+		TCPSynTimeout:          Duration{2 * time.Second},
+		TCPEstablishedTimeout:  Duration{168 * time.Hour},
+		TCPFinTimeout:          Duration{45 * time.Second},
+		TCPRstTimeout:          Duration{5 * time.Second},
+		UDPTimeout:             Duration{2 * time.Minute},
+		VMEdgeInterfaces:       []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
+		NorthSouthInterfaces:   []string{"uplink0", "uplink1"},
+		SNATAddress:            netip.MustParseAddr("203.0.113.10"),
+		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
+		SNATPortMin:            20000,
+		SNATPortMax:            29999,
 		API: APIConfig{
 			Listen:                   "[2001:db8::7]:8443",
 			AdminTokenFile:           "/etc/fluxvm/admin.token",
@@ -272,6 +274,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "advertisements_path is catalog_path", doc: table + "catalog_path = \"/var/lib/fluxvm/x.json\"\nadvertisements_path = \"/var/lib/fluxvm//x.json\"\n", field: k("advertisements_path"), kind: ErrConflict, reason: "catalog_path"},
 		{name: "advertisements_path a number", doc: table + "advertisements_path = 1\n", field: k("advertisements_path"), kind: ErrMalformed},
 		{name: "node_name with space", doc: table + "node_name = \"node a\"\n", field: k("node_name"), kind: ErrInvalid},
+		{name: "health_check_concurrency negative", doc: table + "health_check_concurrency = -1\n", field: k("health_check_concurrency"), kind: ErrInvalid},
+		{name: "health_check_concurrency too large", doc: table + "health_check_concurrency = 1025\n", field: k("health_check_concurrency"), kind: ErrInvalid, reason: "1024"},
 		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},
 
 		// Interfaces.

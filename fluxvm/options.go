@@ -11,6 +11,7 @@ func OptionsFrom(cfg Config) Options {
 		// the advertisement file.
 		AdvertisementsPath: cfg.AdvertisementsPath,
 		NodeName:           cfg.NodeName,
+		HealthConcurrency:  cfg.HealthCheckConcurrency,
 		GCInterval:         cfg.ConntrackGCInterval.Duration,
 		Timeouts:           cfg.ConntrackTimeouts(),
 	}

@@ -16,6 +16,7 @@ import (
 type MetricsSource interface {
 	Status() fluxvm.Status
 	Stats() (fluxvm.Stats, error)
+	Health() fluxvm.HealthReport
 }
 
 func desc(name, help string, labels ...string) *prometheus.Desc {
@@ -42,6 +43,11 @@ var (
 	descGCTime     = desc("conntrack_gc_last_run_timestamp_seconds", "Unix time of the last conntrack GC.")
 	descGCDuration = desc("conntrack_gc_last_duration_seconds", "Duration of the last conntrack GC.")
 	descGCEntries  = desc("conntrack_gc_last_entries", "Entries the last conntrack GC scanned or removed, by result.", "result")
+
+	descHealth      = desc("health_backends", "Backends of services with a health check, by observed health (unknown, healthy, unhealthy).", "service", "observed")
+	descAdvertVIPs  = desc("advertisement_entries", "Entries of the current VIP advertisement snapshot, by state (advertised, withdrawn).", "state")
+	descAdvertGen   = desc("advertisement_generation", "Generation of the current advertisement snapshot (0 before the first publish).")
+	descAdvertError = desc("advertisement_publish_failing", "1 while the last publish of the advertisement snapshot failed (the file keeps the previous one), else 0.")
 )
 
 // collector exports the dataplane's counters and status.
@@ -67,6 +73,10 @@ type collector struct{ src MetricsSource }
 //	fluxvm_conntrack_gc_last_run_timestamp_seconds, fluxvm_conntrack_gc_last_duration_seconds  gauges
 //	fluxvm_conntrack_gc_last_entries            gauge {result: scanned, expired, drained, backend_gone,
 //	                                            orphans_removed, repaired}
+//	fluxvm_health_backends                      gauge {service, observed: unknown, healthy, unhealthy}
+//	fluxvm_advertisement_entries                gauge {state: advertised, withdrawn}
+//	fluxvm_advertisement_generation             gauge
+//	fluxvm_advertisement_publish_failing        gauge: 1 while publishing fails
 //
 // The GC series appear once the dataplane has run a GC. When Stats fails,
 // the status series are still served, fluxvm_datapath_stats_up is 0 and
@@ -78,7 +88,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
-		descGCTime, descGCDuration, descGCEntries,
+		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
 	} {
 		ch <- d
 	}
@@ -109,6 +119,25 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			{"backend_gone", gc.BackendGone}, {"orphans_removed", gc.Orphans}, {"repaired", gc.Repaired},
 		} {
 			emit(descGCEntries, prometheus.GaugeValue, float64(e.n), e.result)
+		}
+	}
+
+	adv := st.Advertisements
+	emit(descAdvertVIPs, prometheus.GaugeValue, float64(adv.Advertised), "advertised")
+	emit(descAdvertVIPs, prometheus.GaugeValue, float64(adv.Withdrawn), "withdrawn")
+	emit(descAdvertGen, prometheus.GaugeValue, float64(adv.Generation))
+	failing := 0.0
+	if adv.LastError != "" {
+		failing = 1
+	}
+	emit(descAdvertError, prometheus.GaugeValue, failing)
+	for _, sh := range c.src.Health().Services {
+		n := map[string]int{"unknown": 0, "healthy": 0, "unhealthy": 0}
+		for _, b := range sh.Backends {
+			n[string(b.Observed)]++
+		}
+		for state, k := range n {
+			emit(descHealth, prometheus.GaugeValue, float64(k), sh.Name, state)
 		}
 	}
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/health"
 )
 
 // withMetricsData fills dp with services, counters and a GC result.
@@ -31,6 +32,13 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
 		Scanned: 40, Expired: 7, Drained: 2, BackendGone: 3, Orphans: 1, Repaired: 0,
 	}
+	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
+	dp.health = fluxvm.HealthReport{Services: []fluxvm.ServiceHealth{{
+		Name: "web",
+		Backends: []fluxvm.BackendHealth{
+			{Observed: health.Healthy}, {Observed: health.Healthy}, {Observed: health.Unhealthy},
+		},
+	}}}
 	return dp
 }
 
@@ -106,6 +114,21 @@ fluxvm_conntrack_gc_last_entries{result="expired"} 7
 fluxvm_conntrack_gc_last_entries{result="orphans_removed"} 1
 fluxvm_conntrack_gc_last_entries{result="repaired"} 0
 fluxvm_conntrack_gc_last_entries{result="scanned"} 40
+# HELP fluxvm_health_backends Backends of services with a health check, by observed health (unknown, healthy, unhealthy).
+# TYPE fluxvm_health_backends gauge
+fluxvm_health_backends{observed="healthy",service="web"} 2
+fluxvm_health_backends{observed="unhealthy",service="web"} 1
+fluxvm_health_backends{observed="unknown",service="web"} 0
+# HELP fluxvm_advertisement_entries Entries of the current VIP advertisement snapshot, by state (advertised, withdrawn).
+# TYPE fluxvm_advertisement_entries gauge
+fluxvm_advertisement_entries{state="advertised"} 2
+fluxvm_advertisement_entries{state="withdrawn"} 1
+# HELP fluxvm_advertisement_generation Generation of the current advertisement snapshot (0 before the first publish).
+# TYPE fluxvm_advertisement_generation gauge
+fluxvm_advertisement_generation 12
+# HELP fluxvm_advertisement_publish_failing 1 while the last publish of the advertisement snapshot failed (the file keeps the previous one), else 0.
+# TYPE fluxvm_advertisement_publish_failing gauge
+fluxvm_advertisement_publish_failing 1
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)

@@ -401,3 +401,34 @@ func ExampleValidateService() {
 	// Output:
 	// fluxvm: service "web": backends[0].address: IPv6 backend fd00:200:1::2, but the service has no IPv6 VIP
 }
+
+// TestExampleNorthSouthService loads examples/service-fabric-north-south.json:
+// it decodes, is refused without north-south interfaces and SNAT addresses
+// (naming what is missing), and validates with a configuration that has
+// them: exposure both, NAT with SNAT for both families, advertised, with a
+// TCP health check.
+func TestExampleNorthSouthService(t *testing.T) {
+	f, err := os.Open("../examples/service-fabric-north-south.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	s, err := DecodeService(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ve *ValidationError
+	if err := ValidateService(s, DefaultConfig()); !errors.As(err, &ve) || !errors.Is(err, ErrPrerequisite) {
+		t.Fatalf("without north-south interfaces: %v, want a prerequisite error", err)
+	}
+	cfg := DefaultConfig()
+	cfg.NorthSouthInterfaces = []string{"uplink0"}
+	cfg.SNATAddress = netip.MustParseAddr("203.0.113.10")
+	cfg.SNATAddressV6 = netip.MustParseAddr("2001:db8:10::10")
+	if err := ValidateService(s, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if s.Exposure != ExposureBoth || !s.Advertise || s.HealthCheck == nil || s.HealthCheck.Kind != "tcp" || len(s.VIPs) != 2 {
+		t.Errorf("example service %+v", s)
+	}
+}

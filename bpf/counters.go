@@ -37,29 +37,34 @@ const (
 	// CounterSNATConflicts counts SNAT flows whose port another flow held
 	// (after their mapping was evicted) and that were mapped afresh.
 	CounterSNATConflicts = Counter(serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS)
+	// CounterICMPErrorsTranslated counts ICMP errors about translated
+	// flows whose quoted packet (and, for SNAT, outer destination) was
+	// translated back to the client's view.
+	CounterICMPErrorsTranslated = Counter(serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
 )
 
 var counterNames = [NumCounters]string{
-	CounterIPv4:              "ipv4",
-	CounterIPv6:              "ipv6",
-	CounterTCP:               "tcp",
-	CounterUDP:               "udp",
-	CounterL4Other:           "l4_other",
-	CounterIPv6ExtHdr:        "ipv6_exthdr",
-	CounterFragment:          "fragment",
-	CounterNonIP:             "non_ip",
-	CounterTruncated:         "truncated",
-	CounterMalformed:         "malformed",
-	CounterParseLimit:        "parse_limit",
-	CounterNATStale:          "nat_stale",
-	CounterHostRouted:        "host_routed_packets",
-	CounterHostRouteFallback: "host_route_fallbacks",
-	CounterSNATRetry:         "snat_retries",
-	CounterDSRForwarded:      "dsr_forwarded",
-	CounterSNATConflicts:     "snat_conflicts",
+	CounterIPv4:                 "ipv4",
+	CounterIPv6:                 "ipv6",
+	CounterTCP:                  "tcp",
+	CounterUDP:                  "udp",
+	CounterL4Other:              "l4_other",
+	CounterIPv6ExtHdr:           "ipv6_exthdr",
+	CounterFragment:             "fragment",
+	CounterNonIP:                "non_ip",
+	CounterTruncated:            "truncated",
+	CounterMalformed:            "malformed",
+	CounterParseLimit:           "parse_limit",
+	CounterNATStale:             "nat_stale",
+	CounterHostRouted:           "host_routed_packets",
+	CounterHostRouteFallback:    "host_route_fallbacks",
+	CounterSNATRetry:            "snat_retries",
+	CounterDSRForwarded:         "dsr_forwarded",
+	CounterSNATConflicts:        "snat_conflicts",
+	CounterICMPErrorsTranslated: "icmp_errors_translated",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

@@ -15,6 +15,7 @@
 #include "lib/counters.h"
 #include "lib/parse.h"
 #include "lib/lb.h"
+#include "lib/icmp.h"
 
 /*
  * The feature paths, one global (non-inlined) function per path, address
@@ -26,7 +27,8 @@
  *
  * The VM-edge reply path stays inline in fluxvm_to_vm, its only user, and
  * fluxvm_from_vm calls the SNAT reply path only for packets to the SNAT
- * address, so that pass-through traffic pays for no extra call.
+ * address, so that pass-through traffic pays for no extra call. ICMP goes
+ * to the ICMP error path instead (the TCP/UDP paths have nothing for it).
  */
 #define FLUXVM_PATH(name, call)                                                 \
 	__attribute__((noinline)) int name(struct __sk_buff *skb, struct fluxvm_pkt *pkt) \
@@ -44,6 +46,12 @@ FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNA
 FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNAT, 0))
 FLUXVM_PATH(fluxvm_reply6_snat_out, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_SNAT, 0))
+/* ICMP errors about translated flows (lib/icmp.h), for the two reply
+ * directions: to an east-west client, and to the SNAT address. */
+FLUXVM_PATH(fluxvm_icmp4_ew, fluxvm_icmp_error(skb, pkt, 0, FLUXVM_REPLY_EW))
+FLUXVM_PATH(fluxvm_icmp6_ew, fluxvm_icmp_error(skb, pkt, 1, FLUXVM_REPLY_EW))
+FLUXVM_PATH(fluxvm_icmp4_snat, fluxvm_icmp_error(skb, pkt, 0, FLUXVM_REPLY_SNAT))
+FLUXVM_PATH(fluxvm_icmp6_snat, fluxvm_icmp_error(skb, pkt, 1, FLUXVM_REPLY_SNAT))
 
 /* VM-edge ingress: packets a VM sends. East-west VIPs are DNATed (or
  * forwarded by DSR) here; a VM backend's replies to the SNAT address of a
@@ -57,12 +65,18 @@ int fluxvm_from_vm(struct __sk_buff *skb)
 	fluxvm_count_parse(ret, &pkt);
 	if (ret != FLUXVM_PARSE_OK)
 		return FLUXVM_TC_NEXT;
+	/* ICMP is never service traffic; errors to the SNAT address are
+	 * translated back (fluxvm_icmp*_snat check the address). */
 	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(skb, &pkt);
 		ret = fluxvm_forward4_vm(skb, &pkt);
 		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
 			ret = fluxvm_reply4_snat_in(skb, &pkt);
 		return ret;
 	}
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(skb, &pkt);
 	ret = fluxvm_forward6_vm(skb, &pkt);
 	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
 		ret = fluxvm_reply6_snat_in(skb, &pkt);
@@ -80,8 +94,13 @@ int fluxvm_to_vm(struct __sk_buff *skb)
 	fluxvm_count_parse(ret, &pkt);
 	if (ret != FLUXVM_PARSE_OK)
 		return FLUXVM_TC_NEXT;
-	if (pkt.l3_proto == ETH_P_IP)
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_ew(skb, &pkt);
 		return fluxvm_lb_reply(skb, &pkt, 0, FLUXVM_REPLY_EW, 0);
+	}
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_ew(skb, &pkt);
 	return fluxvm_lb_reply(skb, &pkt, 1, FLUXVM_REPLY_EW, 0);
 }
 
@@ -98,9 +117,13 @@ int fluxvm_ns_in(struct __sk_buff *skb)
 	if (ret != FLUXVM_PARSE_OK)
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(skb, &pkt);
 		ret = fluxvm_forward4_ns(skb, &pkt);
 		return ret == FLUXVM_TC_NEXT ? fluxvm_reply4_snat_in(skb, &pkt) : ret;
 	}
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(skb, &pkt);
 	ret = fluxvm_forward6_ns(skb, &pkt);
 	return ret == FLUXVM_TC_NEXT ? fluxvm_reply6_snat_in(skb, &pkt) : ret;
 }
@@ -117,8 +140,13 @@ int fluxvm_ns_out(struct __sk_buff *skb)
 	fluxvm_count_parse(ret, &pkt);
 	if (ret != FLUXVM_PARSE_OK)
 		return FLUXVM_TC_NEXT;
-	if (pkt.l3_proto == ETH_P_IP)
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(skb, &pkt);
 		return fluxvm_reply4_snat_out(skb, &pkt);
+	}
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(skb, &pkt);
 	return fluxvm_reply6_snat_out(skb, &pkt);
 }
 

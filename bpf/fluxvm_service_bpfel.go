@@ -26,24 +26,25 @@ type serviceFluxvmBackend struct {
 type serviceFluxvmCounter uint32
 
 const (
-	serviceFluxvmCounterFLUXVM_CNT_IPV4                 serviceFluxvmCounter = 0
-	serviceFluxvmCounterFLUXVM_CNT_IPV6                 serviceFluxvmCounter = 1
-	serviceFluxvmCounterFLUXVM_CNT_TCP                  serviceFluxvmCounter = 2
-	serviceFluxvmCounterFLUXVM_CNT_UDP                  serviceFluxvmCounter = 3
-	serviceFluxvmCounterFLUXVM_CNT_L4OTHER              serviceFluxvmCounter = 4
-	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR           serviceFluxvmCounter = 5
-	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT             serviceFluxvmCounter = 6
-	serviceFluxvmCounterFLUXVM_CNT_NON_IP               serviceFluxvmCounter = 7
-	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED            serviceFluxvmCounter = 8
-	serviceFluxvmCounterFLUXVM_CNT_MALFORMED            serviceFluxvmCounter = 9
-	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT          serviceFluxvmCounter = 10
-	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE            serviceFluxvmCounter = 11
-	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS  serviceFluxvmCounter = 12
-	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS serviceFluxvmCounter = 13
-	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES         serviceFluxvmCounter = 14
-	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED        serviceFluxvmCounter = 15
-	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS       serviceFluxvmCounter = 16
-	serviceFluxvmCounterFLUXVM_CNT_MAX                  serviceFluxvmCounter = 17
+	serviceFluxvmCounterFLUXVM_CNT_IPV4                   serviceFluxvmCounter = 0
+	serviceFluxvmCounterFLUXVM_CNT_IPV6                   serviceFluxvmCounter = 1
+	serviceFluxvmCounterFLUXVM_CNT_TCP                    serviceFluxvmCounter = 2
+	serviceFluxvmCounterFLUXVM_CNT_UDP                    serviceFluxvmCounter = 3
+	serviceFluxvmCounterFLUXVM_CNT_L4OTHER                serviceFluxvmCounter = 4
+	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR             serviceFluxvmCounter = 5
+	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT               serviceFluxvmCounter = 6
+	serviceFluxvmCounterFLUXVM_CNT_NON_IP                 serviceFluxvmCounter = 7
+	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED              serviceFluxvmCounter = 8
+	serviceFluxvmCounterFLUXVM_CNT_MALFORMED              serviceFluxvmCounter = 9
+	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT            serviceFluxvmCounter = 10
+	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE              serviceFluxvmCounter = 11
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS    serviceFluxvmCounter = 12
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS   serviceFluxvmCounter = 13
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES           serviceFluxvmCounter = 14
+	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED          serviceFluxvmCounter = 15
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS         serviceFluxvmCounter = 16
+	serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED serviceFluxvmCounter = 17
+	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 18
 )
 
 type serviceFluxvmCtValue struct {

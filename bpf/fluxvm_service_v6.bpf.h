@@ -40,7 +40,8 @@ enum fluxvm_counter {
 	FLUXVM_CNT_SNAT_RETRIES = 14, /* an SNAT port candidate was taken; another was tried */
 	FLUXVM_CNT_DSR_FORWARDED = 15, /* DSR packet redirected toward its backend */
 	FLUXVM_CNT_SNAT_CONFLICTS = 16, /* an SNAT flow's port was held by another flow: remapped */
-	FLUXVM_CNT_MAX = 17,
+	FLUXVM_CNT_ICMP_ERRORS_TRANSLATED = 17, /* ICMP error about a translated flow, translated (lib/icmp.h) */
+	FLUXVM_CNT_MAX = 18,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */

@@ -82,6 +82,31 @@ func FuzzPrograms(f *testing.F) {
 			}
 		}
 	}
+	// ICMP errors about each kind of flow (east-west to the client, SNAT
+	// to the SNAT address), whole and cut quotes, an echo, and the same
+	// behind IPv4 options and IPv6 extension headers.
+	for _, v := range vs {
+		c, b := v.clientAt(40000), v.backends[0]
+		s := netip.AddrPortFrom(v.snatAddr(), snatMin+2)
+		pmtu, echo := v.icmpErrors()[0], v.icmpEchoes()[0]
+		ewQuote := v.frame(c, b, pkt.SYN)
+		nsQuote := v.frame(s, b, pkt.SYN)
+		for _, frame := range [][]byte{
+			icmpMsg(pmtu, v.router(), c.Addr(), quote(ewQuote, -1)),
+			icmpMsg(pmtu, v.router(), c.Addr(), quote(ewQuote, 8)),
+			icmpMsg(v.icmpErrors()[2], v.router(), c.Addr(), quote(ewQuote, 4)),
+			icmpMsg(pmtu, v.router(), s.Addr(), quote(nsQuote, -1)),
+			icmpMsg(pmtu, v.router(), s.Addr(), quote(nsQuote, 8)),
+			icmpMsg(echo, v.router(), c.Addr(), quote(ewQuote, -1)),
+		} {
+			f.Add(frame)
+			for _, hk := range headerKinds() {
+				if hk.v6 != v.client.Is4() {
+					f.Add(hk.wrap(frame))
+				}
+			}
+		}
+	}
 	f.Add([]byte{})
 	f.Add(make([]byte, 14))
 

@@ -40,8 +40,9 @@ func headerKinds() []headerKind {
 }
 
 // verifyChecksumsAnyHeaders is pkt.VerifyChecksums for frames with IPv4
-// options or IPv6 extension headers. A routing header with segments left
-// (whose pseudo-header would carry the final destination) is an error.
+// options or IPv6 extension headers, which also checks ICMP and ICMPv6
+// checksums. A routing header with segments left (whose pseudo-header
+// would carry the final destination) is an error.
 func verifyChecksumsAnyHeaders(frame []byte) error {
 	var pseudo, l4 []byte
 	var proto byte
@@ -102,6 +103,18 @@ func verifyChecksumsAnyHeaders(frame []byte) error {
 	case 17:
 		if len(l4) < 8 {
 			return fmt.Errorf("short UDP header")
+		}
+	case 1: // ICMP: no pseudo-header
+		if len(pseudo) != 12 {
+			return nil
+		}
+		if c := pkt.Checksum(l4); c != 0 {
+			return fmt.Errorf("bad ICMP checksum (residue %#04x)", c)
+		}
+		return nil
+	case 58: // ICMPv6: over the pseudo-header
+		if len(pseudo) == 12 {
+			return nil
 		}
 	default:
 		return nil

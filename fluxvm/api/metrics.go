@@ -35,7 +35,7 @@ var (
 	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
 	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
 	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
-	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts.", "event")
+	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated.", "event")
 	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
 	descServices     = desc("services", "Services in the node's catalog.")
 	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
@@ -66,7 +66,7 @@ type collector struct{ src MetricsSource }
 //	fluxvm_datapath_parser_packets_total        counter {kind}
 //	fluxvm_datapath_events_total                counter {event: nat_stale, host_routed_packets,
 //	                                            host_route_fallbacks, snat_retries, dsr_forwarded,
-//	                                            snat_conflicts}
+//	                                            snat_conflicts, icmp_errors_translated}
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}

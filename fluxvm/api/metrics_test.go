@@ -83,7 +83,7 @@ fluxvm_datapath_drops_total{reason="snat_failed"} 4
 # TYPE fluxvm_datapath_parser_packets_total counter
 fluxvm_datapath_parser_packets_total{kind="ipv4"} 100
 fluxvm_datapath_parser_packets_total{kind="truncated"} 1
-# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts.
+# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated.
 # TYPE fluxvm_datapath_events_total counter
 fluxvm_datapath_events_total{event="dsr_forwarded"} 11
 fluxvm_datapath_events_total{event="host_route_fallbacks"} 2

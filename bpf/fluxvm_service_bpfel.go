@@ -214,6 +214,7 @@ const (
 	serviceMapFluxvmMeta        = "fluxvm_meta"
 	serviceMapFluxvmNat4        = "fluxvm_nat4"
 	serviceMapFluxvmNat6        = "fluxvm_nat6"
+	serviceMapFluxvmScratch     = "fluxvm_scratch"
 	serviceMapFluxvmSguard      = "fluxvm_sguard"
 	serviceMapFluxvmSnat        = "fluxvm_snat"
 	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -289,6 +290,7 @@ type serviceMapSpecs struct {
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -334,6 +336,7 @@ type serviceMaps struct {
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -355,6 +358,7 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
+		m.FluxvmScratch,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

@@ -27,6 +27,7 @@ const (
 	serviceTierSMapFluxvmMeta        = "fluxvm_meta"
 	serviceTierSMapFluxvmNat4        = "fluxvm_nat4"
 	serviceTierSMapFluxvmNat6        = "fluxvm_nat6"
+	serviceTierSMapFluxvmScratch     = "fluxvm_scratch"
 	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
 	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -102,6 +103,7 @@ type serviceTierSMapSpecs struct {
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -147,6 +149,7 @@ type serviceTierSMaps struct {
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -168,6 +171,7 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
+		m.FluxvmScratch,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

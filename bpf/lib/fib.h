@@ -13,6 +13,7 @@
 #ifndef FLUXVM_LIB_FIB_H
 #define FLUXVM_LIB_FIB_H
 
+#include "maps.h"
 #include "parse.h"
 
 #define FLUXVM_AF_INET_KERNEL 2   /* AF_INET, as bpf_fib_lookup wants it */
@@ -20,6 +21,7 @@
 
 /* fluxvm_fib_redirect found no way to forward the packet. */
 #define FLUXVM_FIB_MISS -1
+
 
 /* ip_decrease_ttl: one less TTL and the header checksum patched (RFC 1624). */
 static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
@@ -44,43 +46,51 @@ static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
 static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int v6,
 					       const __be32 *dst)
 {
-	struct bpf_fib_lookup fib = {};
-	struct bpf_redir_neigh nh = {};
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct bpf_fib_lookup *fib;
 	struct ethhdr *eth;
 	void *data, *end;
 	int rc;
 
+	/* The lookup and the neighbour live in per-CPU scratch (maps.h):
+	 * routing is a rare path and they would take ~90 bytes of every
+	 * frame that inlines it. */
+	if (!s)
+		return FLUXVM_FIB_MISS;
+	fib = &s->fib;
+	__builtin_memset(fib, 0, sizeof(*fib));
+	__builtin_memset(&s->nh, 0, sizeof(s->nh));
 	data = fluxvm_data(skb);
 	end = fluxvm_data_end(skb);
 
 	/* On the ingress hooks that call this, the device is the one the
 	 * packet arrived on. */
-	fib.ifindex = skb->ifindex;
+	fib->ifindex = skb->ifindex;
 	if (v6) {
 		struct ipv6hdr *ip6 = data + ETH_HLEN;
 
 		if ((void *)(ip6 + 1) > end || ip6->hop_limit <= 1)
 			return FLUXVM_FIB_MISS;
-		fib.family = FLUXVM_AF_INET6_KERNEL;
-		fib.tot_len = bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
-		__builtin_memcpy(fib.ipv6_src, &ip6->saddr, 16);
+		fib->family = FLUXVM_AF_INET6_KERNEL;
+		fib->tot_len = bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
+		__builtin_memcpy(fib->ipv6_src, &ip6->saddr, 16);
 		if (dst)
-			__builtin_memcpy(fib.ipv6_dst, dst, 16);
+			__builtin_memcpy(fib->ipv6_dst, dst, 16);
 		else
-			__builtin_memcpy(fib.ipv6_dst, &ip6->daddr, 16);
+			__builtin_memcpy(fib->ipv6_dst, &ip6->daddr, 16);
 	} else {
 		struct iphdr *iph = data + ETH_HLEN;
 
 		if ((void *)(iph + 1) > end || iph->ttl <= 1)
 			return FLUXVM_FIB_MISS;
-		fib.family = FLUXVM_AF_INET_KERNEL;
-		fib.tos = iph->tos;
-		fib.tot_len = bpf_ntohs(iph->tot_len);
-		fib.ipv4_src = iph->saddr;
-		fib.ipv4_dst = dst ? dst[0] : iph->daddr;
+		fib->family = FLUXVM_AF_INET_KERNEL;
+		fib->tos = iph->tos;
+		fib->tot_len = bpf_ntohs(iph->tot_len);
+		fib->ipv4_src = iph->saddr;
+		fib->ipv4_dst = dst ? dst[0] : iph->daddr;
 	}
 
-	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	rc = bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return FLUXVM_FIB_MISS;
 
@@ -104,23 +114,23 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	}
 
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
-		__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
-		__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
-		return bpf_redirect(fib.ifindex, 0);
+		__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
+		__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
+		return bpf_redirect(fib->ifindex, 0);
 	}
 	/* The next hop is known but its link-layer address is not (yet):
 	 * let the kernel resolve it and queue the packet meanwhile. The
 	 * lookup left the next hop (the gateway, or the destination itself
 	 * on a link route) in fib's destination, and its family in
-	 * fib.family: an IPv4 route may have an IPv6 gateway (RFC 5549). */
-	if (fib.family == FLUXVM_AF_INET6_KERNEL) {
-		nh.nh_family = FLUXVM_AF_INET6_KERNEL;
-		__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+	 * fib->family: an IPv4 route may have an IPv6 gateway (RFC 5549). */
+	if (fib->family == FLUXVM_AF_INET6_KERNEL) {
+		s->nh.nh_family = FLUXVM_AF_INET6_KERNEL;
+		__builtin_memcpy(s->nh.ipv6_nh, fib->ipv6_dst, 16);
 	} else {
-		nh.nh_family = FLUXVM_AF_INET_KERNEL;
-		nh.ipv4_nh = fib.ipv4_dst;
+		s->nh.nh_family = FLUXVM_AF_INET_KERNEL;
+		s->nh.ipv4_nh = fib->ipv4_dst;
 	}
-	return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	return bpf_redirect_neigh(fib->ifindex, &s->nh, sizeof(s->nh), 0);
 }
 
 #endif /* FLUXVM_LIB_FIB_H */

@@ -125,12 +125,10 @@ static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb, const int v
 					      struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
-	__be32 addr[4];
 	__u32 len = skb->len;
 	int ret;
 
-	__builtin_memcpy(addr, be->addr, 16);
-	ret = fluxvm_fib_redirect(skb, v6, addr);
+	ret = fluxvm_fib_redirect(skb, v6, be->addr);
 	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT)
 		return fluxvm_drop(FLUXVM_DROP_DSR_NO_ROUTE, st, es);
 	fluxvm_count(FLUXVM_CNT_DSR_FORWARDED);
@@ -162,7 +160,8 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	struct fluxvm_tuple6 t6 = {};
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
-	struct fluxvm_ct_value *ct, nct;
+	struct fluxvm_ct_value *ct, *nct;
+	struct fluxvm_scratch *scr;
 	struct fluxvm_svc_value *svc;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_guard *guard;
@@ -251,28 +250,32 @@ pick:
 
 	/* Learn both halves before the rewrite or redirect, whose helpers
 	 * invalidate packet pointers; a half that cannot be written takes
-	 * the other with it. (Zeroed here, not at the declaration: the
-	 * conntrack-hit path must not pay for it.) */
-	__builtin_memset(&nct, 0, sizeof(nct));
-	nct.service_id = sid;
-	nct.backend_id = bid;
-	nct.created_ns = now;
-	nct.last_seen_ns = now;
-	nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
-	nct.deadline_ns = now + fluxvm_timeout_ns(meta, nct.state);
-	nct.flags = dsr ? FLUXVM_CT_F_DSR : 0;
+	 * the other with it. The new entry is built in per-CPU scratch
+	 * (maps.h), off the stack of the conntrack-hit path. */
+	scr = fluxvm_scratch_get();
+	if (!scr)
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	nct = &scr->nct;
+	__builtin_memset(nct, 0, sizeof(*nct));
+	nct->service_id = sid;
+	nct->backend_id = bid;
+	nct->created_ns = now;
+	nct->last_seen_ns = now;
+	nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
+	nct->deadline_ns = now + fluxvm_timeout_ns(meta, nct->state);
+	nct->flags = dsr ? FLUXVM_CT_F_DSR : 0;
 	if (snat) {
-		ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, &nct);
+		ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, nct);
 		if (ret == FLUXVM_SNAT_FAILED)
 			return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
 		if (ret)
 			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-		__builtin_memcpy(nat_addr, nct.nat_addr, 16);
-		nat_port = nct.nat_port;
+		__builtin_memcpy(nat_addr, nct->nat_addr, 16);
+		nat_port = nct->nat_port;
 	}
-	if (bpf_map_update_elem(ct_map, ct_key, &nct, BPF_ANY)) {
+	if (bpf_map_update_elem(ct_map, ct_key, nct, BPF_ANY)) {
 		if (snat)
-			fluxvm_snat_forget(pkt, v6, be, &nct);
+			fluxvm_snat_forget(pkt, v6, be, nct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
 	if (!snat && !dsr && fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
@@ -338,6 +341,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	void *ct_key = v6 ? (void *)&c6 : (void *)&c4;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_nat_value *nat;
+	struct fluxvm_scratch *scr;
 	struct fluxvm_ct_value *ct;
 	__be32 client[4] = {};
 	__be16 cport;
@@ -414,22 +418,23 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 			 * backend; this half is an orphan the GC removes. */
 			if (fluxvm_ct_owns_nat(ct, nat, pkt, snat))
 				fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
-		} else {
-			struct fluxvm_ct_value nct = {
-				.service_id = nat->service_id,
-				.backend_id = nat->backend_id,
-				.created_ns = now,
-				.last_seen_ns = now,
-			};
+		} else if ((scr = fluxvm_scratch_get())) {
+			/* Built in per-CPU scratch (maps.h), off the stack. */
+			struct fluxvm_ct_value *nct = &scr->nct;
 
-			nct.state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
-			nct.deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), nct.state);
+			__builtin_memset(nct, 0, sizeof(*nct));
+			nct->service_id = nat->service_id;
+			nct->backend_id = nat->backend_id;
+			nct->created_ns = now;
+			nct->last_seen_ns = now;
+			nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
+			nct->deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), nct->state);
 			if (snat) {
-				nct.flags = FLUXVM_CT_F_SNAT;
-				nct.nat_port = pkt->dport;
-				__builtin_memcpy(nct.nat_addr, pkt->daddr, 16);
+				nct->flags = FLUXVM_CT_F_SNAT;
+				nct->nat_port = pkt->dport;
+				__builtin_memcpy(nct->nat_addr, pkt->daddr, 16);
 			}
-			bpf_map_update_elem(ct_map, ct_key, &nct, BPF_NOEXIST);
+			bpf_map_update_elem(ct_map, ct_key, nct, BPF_NOEXIST);
 		}
 	}
 

@@ -142,4 +142,43 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_snat SEC(".maps");
 
+/*
+ * Per-CPU scratch space of the rare paths: learning a new flow, recreating
+ * an evicted half, routing (host_routing, DSR). Their keys, values and
+ * helper arguments live here rather than on the stack because the stack
+ * of a program and the global functions it calls is limited to 512 bytes
+ * in all, and fluxvm_from_vm inlines its IPv4 forward path (so that a
+ * conntrack hit pays no BPF-to-BPF call) while still calling the global
+ * reply and ICMP paths. Each inlined copy of a rare path would otherwise
+ * take its own stack slots in every frame that inlines it. A program runs
+ * to completion on its CPU, so one slot per CPU is enough; the fields are
+ * separate so that no two users in one packet's path overlap.
+ */
+struct fluxvm_scratch {
+	struct fluxvm_ct_value nct;      /* a conntrack entry being created */
+	struct fluxvm_tuple4 k4;         /* a reverse-NAT entry being learned (nat.h) */
+	struct fluxvm_tuple6 k6;
+	struct fluxvm_nat_value nv;
+	struct bpf_fib_lookup fib;       /* fib.h */
+	struct bpf_redir_neigh nh;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	/* By size: BTF would give bpf2go the kernel's bpf_fib_lookup, with
+	 * anonymous unions it cannot mirror in Go. */
+	__uint(value_size, sizeof(struct fluxvm_scratch));
+	__uint(max_entries, 1);
+} fluxvm_scratch SEC(".maps");
+
+/* Nothing clears the slot between packets: each user zeroes or sets the
+ * fields it reads before reading them. */
+static __always_inline struct fluxvm_scratch *fluxvm_scratch_get(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&fluxvm_scratch, &zero);
+}
+
 #endif /* FLUXVM_LIB_MAPS_H */

@@ -204,45 +204,58 @@ static __always_inline void fluxvm_nat_key(const struct fluxvm_pkt *pkt, const i
 }
 
 /* Remember how to translate replies of a flow from backend @be back to the
- * VIP the client used. */
+ * VIP the client used. The key and value are built in per-CPU scratch
+ * (maps.h): this runs for new flows and refreshes only, and its ~100 bytes
+ * would otherwise sit in the frame of the conntrack-hit path that inlines
+ * it, twice (here and in fluxvm_nat_ensure). */
 static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const int v6,
 					    const struct fluxvm_backend *be,
 					    __u32 sid, __u32 bid, __u64 now, __u8 flags)
 {
-	struct fluxvm_tuple4 k4 = {};
-	struct fluxvm_tuple6 k6 = {};
-	struct fluxvm_nat_value nv = {
-		.vport = pkt->dport,
-		.flags = flags,
-		.service_id = sid,
-		.backend_id = bid,
-		.last_seen_ns = now,
-	};
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_nat_value *nv;
 
-	fluxvm_nat_key(pkt, v6, be, &k4, &k6);
+	if (!s)
+		return -1;
+	nv = &s->nv;
+	/* Keys are hashed with their padding: zero it. */
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	__builtin_memset(&s->k6, 0, sizeof(s->k6));
+	__builtin_memset(nv, 0, sizeof(*nv));
+	nv->vport = pkt->dport;
+	nv->flags = flags;
+	nv->service_id = sid;
+	nv->backend_id = bid;
+	nv->last_seen_ns = now;
+	fluxvm_nat_key(pkt, v6, be, &s->k4, &s->k6);
 	if (v6) {
-		__builtin_memcpy(nv.vip, pkt->daddr, 16);
-		return bpf_map_update_elem(&fluxvm_nat6, &k6, &nv, BPF_ANY);
+		__builtin_memcpy(nv->vip, pkt->daddr, 16);
+		return bpf_map_update_elem(&fluxvm_nat6, &s->k6, nv, BPF_ANY);
 	}
-	nv.vip[0] = pkt->daddr[0];
-	return bpf_map_update_elem(&fluxvm_nat4, &k4, &nv, BPF_ANY);
+	nv->vip[0] = pkt->daddr[0];
+	return bpf_map_update_elem(&fluxvm_nat4, &s->k4, nv, BPF_ANY);
 }
 
 /*
  * Recreate the reverse-NAT half of a flow if the LRU evicted it, so that a
  * conntrack entry never lives without it. Called on conntrack refresh only,
- * which bounds the cost to one lookup per flow per refresh interval.
+ * which bounds the cost to one lookup per flow per refresh interval. The
+ * key is built in per-CPU scratch, as in fluxvm_nat_learn.
  */
 static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const int v6,
 					     const struct fluxvm_backend *be,
 					     __u32 sid, __u32 bid, __u64 now, __u8 flags)
 {
-	struct fluxvm_tuple4 k4 = {};
-	struct fluxvm_tuple6 k6 = {};
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	void *nv;
 
-	fluxvm_nat_key(pkt, v6, be, &k4, &k6);
-	nv = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &k6) : bpf_map_lookup_elem(&fluxvm_nat4, &k4);
+	if (!s)
+		return -1;
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	__builtin_memset(&s->k6, 0, sizeof(s->k6));
+	fluxvm_nat_key(pkt, v6, be, &s->k4, &s->k6);
+	nv = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &s->k6)
+		: bpf_map_lookup_elem(&fluxvm_nat4, &s->k4);
 	if (nv)
 		return 0;
 	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now, flags);

@@ -34,6 +34,10 @@ type Lab struct {
 	// External is the client outside the node, behind the north-south
 	// interface "uplink" (nil until AddExternal).
 	External *VM
+	// Remote is a host outside the node behind a second north-south
+	// interface, "uplink2" (nil until AddRemote): a backend that is not a
+	// VM of this node.
+	Remote *VM
 	suffix   string
 	nl       *netlink.Handle
 }
@@ -107,6 +111,10 @@ func (l *Lab) Close() error {
 		errs = append(errs, l.External.NS.Delete())
 		l.External = nil
 	}
+	if l.Remote != nil {
+		errs = append(errs, l.Remote.NS.Delete())
+		l.Remote = nil
+	}
 	for i := len(l.VMs) - 1; i >= 0; i-- {
 		errs = append(errs, l.VMs[i].NS.Delete())
 	}
@@ -145,6 +153,19 @@ func (l *Lab) AddExternal() (*VM, error) {
 		netip.MustParseAddr("fd00:250::2"), netip.MustParseAddr("fd00:250::1"))
 	if vm != nil {
 		l.External = vm
+	}
+	return vm, err
+}
+
+// AddRemote creates the host "far" behind the node's second north-south
+// interface "uplink2" (10.251.0.2 / fd00:251::2), for backends that are not
+// VMs of this node: their replies reach the node through uplink2.
+func (l *Lab) AddRemote() (*VM, error) {
+	vm, err := l.wire("far", "uplink2",
+		netip.MustParseAddr("10.251.0.2"), netip.MustParseAddr("10.251.0.1"),
+		netip.MustParseAddr("fd00:251::2"), netip.MustParseAddr("fd00:251::1"))
+	if vm != nil {
+		l.Remote = vm
 	}
 	return vm, err
 }
@@ -202,7 +223,7 @@ func (l *Lab) wire(name, nodeIf string, addr4, gw4, addr6, gw6 netip.Addr) (*VM,
 func (l *Lab) Describe() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "node     netns %-16s forwards between the interfaces below\n", l.Node.Name)
-	for _, vm := range append(slices.Clone(l.VMs), l.External) {
+	for _, vm := range append(slices.Clone(l.VMs), l.External, l.Remote) {
 		if vm == nil {
 			continue
 		}

@@ -222,3 +222,74 @@ func TestE2ENorthSouthHostRouting(t *testing.T) {
 		t.Errorf("host_routed_packets did not move (fallbacks +%d)", after["host_route_fallbacks"]-before["host_route_fallbacks"])
 	}
 }
+
+// TestE2ERemoteBackend: a backend that is not a VM of the node ("far",
+// behind a second north-south interface). Its replies reach the node
+// through that interface, so they are translated there: for the external
+// client's north-south NAT flows on fluxvm_ns_in (the SNAT reply path; the
+// backend sees the SNAT address), and for a client VM's east-west flows on
+// the VM edge's egress after the node routed them (the backend sees the
+// VM).
+func TestE2ERemoteBackend(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	e, err := NewEnvConfig(1, nil, func(c *fluxvm.Config) {
+		c.NorthSouthInterfaces = []string{"uplink"}
+		c.SNATAddress = nsSNAT4
+		c.SNATAddressV6 = nsSNAT6
+	})
+	if err != nil {
+		t.Fatalf("scenario env: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := e.Close(); err != nil {
+			t.Errorf("scenario env close: %v", err)
+		}
+	})
+	// The second uplink is created after the dataplane opened: attach it
+	// the way an embedder adds an interface at run time.
+	far, err := e.Lab.AddRemote()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.DP.AddNorthSouthInterface("uplink2"); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := far.Serve(BackendPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.servers = append(e.servers, srv)
+
+	svc := e.Service("web", nil)
+	svc.Exposure = fluxvm.ExposureBoth
+	svc.Backends = nil
+	for _, a := range []netip.Addr{far.Addr4, far.Addr6} {
+		svc.Backends = append(svc.Backends, fluxvm.Backend{Address: a, Port: BackendPort})
+	}
+	e2eApply(t, e, svc)
+
+	for _, fam := range e2eFamilies {
+		t.Run(fam.name, func(t *testing.T) {
+			snat, ext, client := nsSNAT4, e.Lab.External.Addr4, e.Client.Addr4
+			if fam.vip.Is6() {
+				snat, ext, client = nsSNAT6, e.Lab.External.Addr6, e.Client.Addr6
+			}
+			nsTraffic(t, e.Lab.External, fam.vip, []string{"far"})
+			nsTraffic(t, e.Client, fam.vip, []string{"far"})
+			var sawSNAT, sawClient bool
+			for _, p := range srv.Peers() {
+				switch p.Addr() {
+				case snat:
+					sawSNAT = true
+				case client:
+					sawClient = true
+				case ext:
+					t.Errorf("the remote backend saw the external client itself: %s", p)
+				}
+			}
+			if !sawSNAT || !sawClient {
+				t.Errorf("remote backend peers %v: want the SNAT address %s and the VM %s", srv.Peers(), snat, client)
+			}
+		})
+	}
+}

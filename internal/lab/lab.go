@@ -38,8 +38,8 @@ type Lab struct {
 	// interface, "uplink2" (nil until AddRemote): a backend that is not a
 	// VM of this node.
 	Remote *VM
-	suffix   string
-	nl       *netlink.Handle
+	suffix string
+	nl     *netlink.Handle
 }
 
 // VM is one guest namespace, connected to the node by a veth pair.

@@ -33,7 +33,7 @@
  * the rare paths' state (new conntrack entries, reverse-NAT keys and
  * values, FIB lookups) lives in per-CPU scratch (lib/maps.h). IPv6 stays a
  * call: inlined as well, fluxvm_from_vm's frame plus fluxvm_icmp6_snat's
- * would reach the limit exactly. fluxvm_from_vm calls the SNAT reply path
+ * would reach the limit exactly. Every program calls the SNAT reply path
  * only for packets to the SNAT address, so that pass-through traffic pays
  * for no extra call. ICMP goes to the ICMP error path instead (the TCP/UDP
  * paths have nothing for it).
@@ -67,10 +67,9 @@ SEC("tc")
 int fluxvm_from_vm(struct __sk_buff *skb)
 {
 	struct fluxvm_pkt pkt = {};
-	int ret = fluxvm_parse(skb, &pkt);
+	int ret;
 
-	fluxvm_count_parse(ret, &pkt);
-	if (ret != FLUXVM_PARSE_OK)
+	if (!fluxvm_parse_counted(skb, &pkt))
 		return FLUXVM_TC_NEXT;
 	/* ICMP is never service traffic; errors to the SNAT address are
 	 * translated back (fluxvm_icmp*_snat check the address). */
@@ -97,10 +96,8 @@ SEC("tc")
 int fluxvm_to_vm(struct __sk_buff *skb)
 {
 	struct fluxvm_pkt pkt = {};
-	int ret = fluxvm_parse(skb, &pkt);
 
-	fluxvm_count_parse(ret, &pkt);
-	if (ret != FLUXVM_PARSE_OK)
+	if (!fluxvm_parse_counted(skb, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
@@ -119,21 +116,24 @@ SEC("tc")
 int fluxvm_ns_in(struct __sk_buff *skb)
 {
 	struct fluxvm_pkt pkt = {};
-	int ret = fluxvm_parse(skb, &pkt);
+	int ret;
 
-	fluxvm_count_parse(ret, &pkt);
-	if (ret != FLUXVM_PARSE_OK)
+	if (!fluxvm_parse_counted(skb, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(skb, &pkt);
 		ret = fluxvm_forward4_ns(skb, &pkt);
-		return ret == FLUXVM_TC_NEXT ? fluxvm_reply4_snat_in(skb, &pkt) : ret;
+		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+			ret = fluxvm_reply4_snat_in(skb, &pkt);
+		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(skb, &pkt);
 	ret = fluxvm_forward6_ns(skb, &pkt);
-	return ret == FLUXVM_TC_NEXT ? fluxvm_reply6_snat_in(skb, &pkt) : ret;
+	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+		ret = fluxvm_reply6_snat_in(skb, &pkt);
+	return ret;
 }
 
 /* North-south egress: the reverse path for replies that meet none of our
@@ -143,18 +143,20 @@ SEC("tc")
 int fluxvm_ns_out(struct __sk_buff *skb)
 {
 	struct fluxvm_pkt pkt = {};
-	int ret = fluxvm_parse(skb, &pkt);
 
-	fluxvm_count_parse(ret, &pkt);
-	if (ret != FLUXVM_PARSE_OK)
+	if (!fluxvm_parse_counted(skb, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(skb, &pkt);
+		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
+			return FLUXVM_TC_NEXT;
 		return fluxvm_reply4_snat_out(skb, &pkt);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(skb, &pkt);
+	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
+		return FLUXVM_TC_NEXT;
 	return fluxvm_reply6_snat_out(skb, &pkt);
 }
 

@@ -333,4 +333,14 @@ static __always_inline void fluxvm_count_parse(int ret, struct fluxvm_pkt *pkt)
 		fluxvm_count(FLUXVM_CNT_L4_OTHER);
 }
 
+/* Parse and count: what every entry program does first. Returns 1 when
+ * @pkt holds a parsed IP packet. */
+static __always_inline int fluxvm_parse_counted(struct __sk_buff *skb, struct fluxvm_pkt *pkt)
+{
+	int ret = fluxvm_parse(skb, pkt);
+
+	fluxvm_count_parse(ret, pkt);
+	return ret == FLUXVM_PARSE_OK;
+}
+
 #endif /* FLUXVM_LIB_PARSE_H */

@@ -345,17 +345,12 @@ func (m *Map) Scan(f Filter, fn func([]Entry) error) error {
 
 func scanEntries[K any](s *mapscan.Scanner[K, bpf.CTValue], f Filter, fam Family, buf []Entry,
 	decode func(*K) Key, fn func([]Entry) error) error {
-	var ferr error // fn's own errors pass through unwrapped
-	err := mapscan.Each(s, buf, func(k *K, v *bpf.CTValue) (Entry, bool) {
+	return mapscan.Each(s, "conntrack: scan "+fam.String(), buf, func(k *K, v *bpf.CTValue) (Entry, bool) {
 		if !f.matches(fam, v) {
 			return Entry{}, false
 		}
 		return entry(decode(k), v), true
-	}, func(es []Entry) error { ferr = fn(es); return ferr })
-	if err != nil && err != ferr {
-		return fmt.Errorf("conntrack: scan %s: %w", fam, err)
-	}
-	return err
+	}, fn)
 }
 
 // List returns all entries that match f. It holds them all in memory; use

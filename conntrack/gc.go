@@ -260,11 +260,9 @@ func (g *gcRun) nextChunk() error {
 	return g.ctx.Err()
 }
 
-// sweep is pass 1 over one conntrack map: remove dead flows, both halves.
-func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
-	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
-	del := make([]K, 0, len(s.Keys))
-	why := make([]reason, 0, len(s.Keys))
+// eachChunk reads conntrack map s chunk by chunk, honouring g's context
+// between chunks, and hands fn the number of entries in s.Keys/s.Vals.
+func eachChunk[K any](g *gcRun, s *mapscan.Scanner[K, bpf.CTValue], fam Family, fn func(n int) error) error {
 	for {
 		if err := g.nextChunk(); err != nil {
 			return err
@@ -276,6 +274,18 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 		if n == 0 {
 			return nil
 		}
+		if err := fn(n); err != nil {
+			return err
+		}
+	}
+}
+
+// sweep is pass 1 over one conntrack map: remove dead flows, both halves.
+func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
+	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
+	del := make([]K, 0, len(s.Keys))
+	why := make([]reason, 0, len(s.Keys))
+	return eachChunk(g, s, fam, func(n int) error {
 		g.res.Scanned += n
 		del, why, g.natDel = del[:0], why[:0], g.natDel[:0]
 		for i := range n {
@@ -336,10 +346,8 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 		}
 		nd, err := g.m.nat.DeleteKeys(g.natDel)
 		g.res.PairedNATRemoved += nd
-		if err != nil {
-			return err
-		}
-	}
+		return err
+	})
 }
 
 // ctKeyOf is the conntrack key of the flow reverse-NAT entry e belongs to:
@@ -464,17 +472,7 @@ func (g *gcRun) sweepNAT() error {
 // still exists its reverse-NAT half.
 func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
 	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
-	for {
-		if err := g.nextChunk(); err != nil {
-			return err
-		}
-		n, err := s.Chunk()
-		if err != nil {
-			return fmt.Errorf("scan %s conntrack: %w", fam, err)
-		}
-		if n == 0 {
-			return nil
-		}
+	return eachChunk(g, s, fam, func(n int) error {
 		for i := range n {
 			v := &s.Vals[i]
 			b, err := g.backend(v.BackendId)
@@ -523,5 +521,6 @@ func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) err
 				return err
 			}
 		}
-	}
+		return nil
+	})
 }

@@ -365,17 +365,12 @@ func (t *Table) Scan(f Filter, fn func([]Entry) error) error {
 
 func scan[K any](s *mapscan.Scanner[K, bpf.NATValue], f Filter, fam Family, buf []Entry,
 	decode func(*K) Key, fn func([]Entry) error) error {
-	var ferr error // fn's own errors pass through unwrapped
-	err := mapscan.Each(s, buf, func(k *K, v *bpf.NATValue) (Entry, bool) {
+	return mapscan.Each(s, "nat: scan "+fam.String(), buf, func(k *K, v *bpf.NATValue) (Entry, bool) {
 		if !f.matches(fam, v.ServiceId, v.BackendId) {
 			return Entry{}, false
 		}
 		return entry(decode(k), v), true
-	}, func(es []Entry) error { ferr = fn(es); return ferr })
-	if err != nil && err != ferr {
-		return fmt.Errorf("nat: scan %s: %w", fam, err)
-	}
-	return err
+	}, fn)
 }
 
 // List returns all entries that match f. It holds them all in memory;

@@ -195,12 +195,16 @@ func DeleteKeys[K any](m *ebpf.Map, mode *Mode, keys []K, missing func(int)) (in
 
 // Each streams the scanner's map chunk by chunk: conv turns each entry into
 // an E (false skips it) and fn receives the converted entries of one chunk
-// in buf, reused between chunks.
-func Each[K, V, E any](s *Scanner[K, V], buf []E, conv func(k *K, v *V) (E, bool), fn func([]E) error) error {
+// in buf, reused between chunks. An error of the scan itself is wrapped as
+// "<what>: <err>"; fn's own errors are returned as they are.
+func Each[K, V, E any](s *Scanner[K, V], what string, buf []E, conv func(k *K, v *V) (E, bool), fn func([]E) error) error {
 	for {
 		n, err := s.Chunk()
-		if err != nil || n == 0 {
-			return err
+		if err != nil {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		if n == 0 {
+			return nil
 		}
 		buf = buf[:0]
 		for i := range n {

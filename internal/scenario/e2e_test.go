@@ -42,8 +42,15 @@ var e2eFamilies = []struct {
 
 func e2eNewEnv(t *testing.T, backends int) *Env {
 	t.Helper()
+	return e2eNewEnvConfig(t, backends, nil)
+}
+
+// e2eNewEnvConfig is e2eNewEnv with a hook on the node configuration (see
+// NewEnvConfig).
+func e2eNewEnvConfig(t *testing.T, backends int, configure func(*fluxvm.Config)) *Env {
+	t.Helper()
 	testenv.RequirePrivileged(t)
-	e, err := NewEnv(backends, nil)
+	e, err := NewEnvConfig(backends, nil, configure)
 	if err != nil {
 		t.Fatalf("scenario env: %v", err)
 	}

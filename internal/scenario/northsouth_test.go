@@ -13,7 +13,6 @@ import (
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/testenv"
 )
 
 // The lab's SNAT addresses. No interface holds them: the VM backends'
@@ -24,23 +23,15 @@ var (
 	nsSNAT6 = netip.MustParseAddr("fd00:254::1")
 )
 
+// nsNewEnv is an Env whose "uplink" is a north-south interface, with the
+// lab's SNAT addresses.
 func nsNewEnv(t *testing.T, backends int) *Env {
 	t.Helper()
-	testenv.RequirePrivileged(t)
-	e, err := NewEnvConfig(backends, nil, func(c *fluxvm.Config) {
+	return e2eNewEnvConfig(t, backends, func(c *fluxvm.Config) {
 		c.NorthSouthInterfaces = []string{"uplink"}
 		c.SNATAddress = nsSNAT4
 		c.SNATAddressV6 = nsSNAT6
 	})
-	if err != nil {
-		t.Fatalf("scenario env: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("scenario env close: %v", err)
-		}
-	})
-	return e
 }
 
 // nsTraffic sends TCP and UDP from vm to vip:80 until every backend in
@@ -231,20 +222,7 @@ func TestE2ENorthSouthHostRouting(t *testing.T) {
 // the VM edge's egress after the node routed them (the backend sees the
 // VM).
 func TestE2ERemoteBackend(t *testing.T) {
-	testenv.RequirePrivileged(t)
-	e, err := NewEnvConfig(1, nil, func(c *fluxvm.Config) {
-		c.NorthSouthInterfaces = []string{"uplink"}
-		c.SNATAddress = nsSNAT4
-		c.SNATAddressV6 = nsSNAT6
-	})
-	if err != nil {
-		t.Fatalf("scenario env: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("scenario env close: %v", err)
-		}
-	})
+	e := nsNewEnv(t, 1)
 	// The second uplink is created after the dataplane opened: attach it
 	// the way an embedder adds an interface at run time.
 	far, err := e.Lab.AddRemote()

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -12,7 +13,9 @@ import (
 // VethPair creates the veth pair a <-> b in the calling thread's network
 // namespace (call it inside InNetNS or NetNS.Do), with IPv6 disabled on
 // both ends so that the kernel sends nothing on its own, and brings both up.
-// The pair disappears with its namespace.
+// It returns once both ends are operationally up: until the kernel's link
+// watcher has run, a device still has its no-op qdisc, which silently
+// drops what is sent. The pair disappears with its namespace.
 func VethPair(a, b string) (netlink.Link, netlink.Link, error) {
 	la := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: a}, PeerName: b}
 	if err := netlink.LinkAdd(la); err != nil {
@@ -32,7 +35,31 @@ func VethPair(a, b string) (netlink.Link, netlink.Link, error) {
 		}
 		links[i] = l
 	}
+	for _, l := range links {
+		if err := waitOperUp(l.Attrs().Index); err != nil {
+			return nil, nil, err
+		}
+	}
 	return links[0], links[1], nil
+}
+
+// waitOperUp waits (at most 5 s) until the link with ifindex is
+// operationally up.
+func waitOperUp(ifindex int) error {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		l, err := netlink.LinkByIndex(ifindex)
+		if err != nil {
+			return fmt.Errorf("testenv: %w", err)
+		}
+		if l.Attrs().OperState == netlink.OperUp {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("testenv: %s not up after 5s (operstate %s)", l.Attrs().Name, l.Attrs().OperState)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // RawSocket is an AF_PACKET socket that sends whole Ethernet frames, as they

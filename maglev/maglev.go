@@ -112,11 +112,12 @@ type Table struct {
 
 	// The live table. backends and ids are parallel and in canonical
 	// identity order; counts[i] is the number of slots of backends[i].
+	// byID lists the backends by ID, each as ID<<32 | index into backends.
 	backends []Backend
 	ids      []identity
 	counts   []uint32
-	slots    []uint32 // len Size when not empty: index into backends
-	entries  []uint32 // len Size when not empty: backends[slots[s]].ID
+	byID     []uint64
+	entries  []uint32 // len Size when not empty: the ID of each slot's backend
 
 	// Scratch kept across Rebuilds so that a steady-state Rebuild allocates
 	// nothing. spareBackends and spareIDs receive the next backend set while
@@ -125,13 +126,16 @@ type Table struct {
 	spareBackends []Backend
 	spareIDs      []identity
 	sorted        []sortItem
-	idScratch     []uint32
+	keys          []uint64 // ID<<32 | index into the caller's slice, sorted
+	pos           []int32  // index into the caller's slice -> index into backends, or -1
+	idOf          []uint32 // backends[i].ID, for the fill
 	remainders    []remainder
 	cursors       []cursor
 	windows       []window
 	tails         []tailCursor
 	occ           []byte   // occupancy of the slots during a fill, 1 if taken, two copies (see window)
 	used          []uint64 // the same as a bitmap, for the tail
+	work          []uint32 // the order of turns, then the tail's rank bitmaps
 	quota, filled []uint32
 	members       []member
 	groups        []group
@@ -160,10 +164,10 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 	if sc == nil {
 		sc = new(scratch)
 	}
-	t.occ, t.used, t.windows = sc.occ, sc.used, sc.windows
+	t.occ, t.used, t.windows, t.work = sc.occ, sc.used, sc.windows, sc.work
 	err := t.Rebuild(backends)
-	sc.occ, sc.used, sc.windows = t.occ, t.used, t.windows
-	t.occ, t.used, t.windows = nil, nil, nil
+	sc.occ, sc.used, sc.windows, sc.work = t.occ, t.used, t.windows, t.work
+	t.occ, t.used, t.windows, t.work = nil, nil, nil, nil
 	scratchPool.Put(sc)
 	if err != nil {
 		return nil, err
@@ -172,12 +176,14 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 }
 
 // scratch is the part of a fill's scratch that New borrows from
-// scratchPool: the occupancy (2¼ bytes per slot) and the windows (about
-// 270 bytes per backend).
+// scratchPool: the occupancy (2⅛ bytes per slot), the order of turns and
+// rank bitmaps (4 bytes per slot) and the windows (about 270 bytes per
+// backend).
 type scratch struct {
 	occ     []byte
 	used    []uint64
 	windows []window
+	work    []uint32
 }
 
 var scratchPool sync.Pool
@@ -220,19 +226,19 @@ func (t *Table) validate(backends []Backend) (n int, err error) {
 		return 0, fmt.Errorf("maglev: %d backends: %w", len(backends), ErrTooManyBackends)
 	}
 	items := t.sorted[:0]
-	ids := t.idScratch[:0]
+	keys := t.keys[:0]
 	for i := range backends {
 		b := &backends[i]
 		if err := checkBackend(i, b); err != nil {
 			return 0, err
 		}
 		items = append(items, sortItem{id: identityOf(b.Addr, b.Port, b.Proto), in: int32(i)})
-		ids = append(ids, b.ID)
+		keys = append(keys, uint64(b.ID)<<32|uint64(i))
 		if b.Eligible() {
 			n++
 		}
 	}
-	t.sorted, t.idScratch = items, ids // keep grown capacity even on error
+	t.sorted, t.keys = items, keys // keep grown capacity even on error
 
 	if n > int(t.cfg.Size) {
 		return 0, fmt.Errorf("maglev: %d eligible backends for size %d: %w", n, t.cfg.Size, ErrTooManyBackends)
@@ -245,10 +251,10 @@ func (t *Table) validate(backends []Backend) (n int, err error) {
 				i, j, ErrDuplicateBackend, backends[i].identityString())
 		}
 	}
-	slices.Sort(ids)
-	for k := 1; k < len(ids); k++ {
-		if ids[k] == ids[k-1] {
-			return 0, fmt.Errorf("maglev: %w: ID %d used twice", ErrDuplicateBackend, ids[k])
+	slices.Sort(keys)
+	for k := 1; k < len(keys); k++ {
+		if keys[k]>>32 == keys[k-1]>>32 {
+			return 0, fmt.Errorf("maglev: %w: ID %d used twice", ErrDuplicateBackend, keys[k]>>32)
 		}
 	}
 	return n, nil
@@ -280,17 +286,28 @@ func (b *Backend) identityString() string {
 // commit installs the validated backend set; nothing in it can fail.
 func (t *Table) commit(backends []Backend, n int) {
 	nb, nk := t.spareBackends[:0], t.spareIDs[:0]
+	pos := grow(t.pos, len(backends))
 	for _, it := range t.sorted {
+		pos[it.in] = -1
 		if b := &backends[it.in]; b.Eligible() {
+			pos[it.in] = int32(len(nb))
 			nb = append(nb, *b)
 			nk = append(nk, it.id)
 		}
 	}
+	t.pos = pos
 	t.spareBackends, t.backends = t.backends, nb
 	t.spareIDs, t.ids = t.ids, nk
+	byID := t.byID[:0]
+	for _, k := range t.keys {
+		if p := pos[uint32(k)]; p >= 0 {
+			byID = append(byID, k&^(1<<32-1)|uint64(p))
+		}
+	}
+	t.byID = byID
 	t.counts = grow(t.counts, n)
 	if n == 0 {
-		t.slots, t.entries = t.slots[:0], t.entries[:0]
+		t.entries = t.entries[:0]
 		return
 	}
 	t.apportion()
@@ -307,11 +324,30 @@ func grow[T any](s []T, n int) []T {
 
 // Lookup returns the backend of the slot hash % Size, as the datapath would
 // pick it. ok is false when the table is empty.
+//
+// The table stores only the datapath's entries (backend IDs), so Lookup
+// finds the backend by its ID, in O(log N).
 func (t *Table) Lookup(hash uint32) (b Backend, ok bool) {
 	if len(t.backends) == 0 {
 		return Backend{}, false
 	}
-	return t.backends[t.slots[hash%t.cfg.Size]], true
+	return t.backends[t.indexOf(t.entries[hash%t.cfg.Size])], true
+}
+
+// indexOf returns the index into t.backends of the eligible backend with
+// the given ID, which must be one.
+func (t *Table) indexOf(id uint32) int {
+	k := uint64(id) << 32
+	lo, hi := 0, len(t.byID)
+	for lo < hi {
+		mid := int(uint(lo+hi) >> 1)
+		if t.byID[mid] < k {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	return int(uint32(t.byID[lo]))
 }
 
 // Entries returns the table as the datapath indexes it: Size backend IDs,

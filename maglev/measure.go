@@ -80,9 +80,9 @@ func Measure(before, after *Table) Disruption {
 		for ; j < len(after.ids); j++ {
 			d.MinMovedSlots += int(after.counts[j])
 		}
-		for s, oi := range before.slots {
-			ni := to[oi]
-			moved := ni != int32(after.slots[s])
+		for s, id := range before.entries {
+			ni := to[before.indexOf(id)]
+			moved := ni != int32(after.indexOf(after.entries[s]))
 			if moved {
 				d.MovedSlots++
 			}

@@ -81,11 +81,13 @@ func (t *Table) populate() {
 	clear(occ[:m])
 	for i, id := range t.ids {
 		t.cursors[i].p, t.cursors[i].s = offsetSkip(t.cfg.Seed, id, m)
+		t.idOf[i] = t.backends[i].ID
 	}
 	turns := t.turnOrder()
+	ids, entries := t.idOf[:n], t.entries[:m]
 
 	kA, kB := phases(m, n, turns != nil)
-	probe(turns, 0, kA, t.cursors, occ[:m], t.slots, m)
+	probe(turns, 0, kA, t.cursors, occ[:m], ids, entries, m)
 	if kA < int(m) {
 		for i, c := range t.cursors {
 			w := &t.windows[i]
@@ -102,7 +104,7 @@ func (t *Table) populate() {
 			w := &t.windows[i]
 			w.mask = gather(w.base, &w.ks, occ)
 		}
-		playWindows(turns, kA, kB-kA, t.windows, occ, t.slots, m)
+		playWindows(turns, kA, kB-kA, t.windows, occ, ids, entries, m)
 		// Back to cursors: every preference before the first one not
 		// marked in the window is taken.
 		for i := range t.cursors {
@@ -117,15 +119,6 @@ func (t *Table) populate() {
 	if kB < int(m) {
 		pack(t.used, occ[:m])
 		t.fillTail(turns, kB)
-	}
-
-	ids := t.idScratch[:n]
-	for i := range t.backends {
-		ids[i] = t.backends[i].ID
-	}
-	entries := t.entries[:len(t.slots)]
-	for s, i := range t.slots {
-		entries[s] = ids[i]
 	}
 }
 
@@ -156,7 +149,7 @@ func pack(used []uint64, occ []byte) {
 // phases returns where the fill changes method for M slots and n
 // backends: turns [0, kA) probe, turns [kA, kB) use windows, and the turns
 // from kB on are the tail. stored says whether the turns are stored in
-// t.entries, which the tail borrows.
+// t.work, which the tail borrows.
 func phases(m uint32, n int, stored bool) (kA, kB int) {
 	kA, kB = int(m), int(m)
 	if m < fastMinSize || int(m) < fastMinClaims*n {
@@ -194,8 +187,8 @@ const (
 // a backend set at least as large never allocates again.
 func (t *Table) reserve(n int) {
 	m := int(t.cfg.Size)
-	t.slots = grow(t.slots, m)
 	t.entries = grow(t.entries, m)
+	t.work = grow(t.work, m)
 	t.occ = grow(t.occ, 2*m) // two copies for the windows
 	t.used = grow(t.used, (m+63)/64)
 	t.cursors = grow(t.cursors, n)
@@ -203,7 +196,7 @@ func (t *Table) reserve(n int) {
 	t.tails = grow(t.tails, n)
 	t.quota = grow(t.quota, n)
 	t.filled = grow(t.filled, n)
-	t.idScratch = grow(t.idScratch, n)
+	t.idOf = grow(t.idOf, n)
 	t.members = withCap(t.members, n)
 	t.groups = withCap(t.groups, n)
 	t.heap = withCap(t.heap, n)
@@ -229,8 +222,8 @@ type cursor struct{ p, s uint32 }
 // with a period of W' = Σ w_i/g turns (g the gcd of the weights). Equal
 // weights give the period 0, 1, ..., N−1: round robin, and the counts are
 // ⌈M/N⌉ for the first M mod N backends and ⌊M/N⌋ for the others, so no
-// turn is ever skipped. Otherwise the turns are written to t.entries,
-// which is only written at the end of the fill: when W' < M one period is
+// turn is ever skipped. Otherwise the turns are written to t.work (of M
+// words, shared with the tail's bitmaps): when W' < M one period is
 // scheduled and replayed, skipping backends that hold their count (which
 // leaves the others' order as it was), else every turn is scheduled.
 func (t *Table) turnOrder() []uint32 {
@@ -246,7 +239,7 @@ func (t *Table) turnOrder() []uint32 {
 	if period == uint64(len(t.backends)) {
 		return nil
 	}
-	turns := t.entries[:m]
+	turns := t.work[:m]
 	if period >= uint64(m) {
 		copy(t.quota, t.counts)
 		return t.schedule(t.quota, turns[:0])
@@ -297,12 +290,12 @@ func gcd(a, b uint32) uint32 {
 // probe plays count turns from turn k (turns[k+c], or round robin if turns
 // is nil) the classic way: backend i claims the first empty slot of its
 // preference list, probing the slots one by one, and its cursor moves past
-// the slot.
+// the slot. A claimed slot's entry is set to the backend's ID, ids[i].
 //
 // Occupancy is probed in occ, a byte per slot (1 if taken), rather than in
-// the slots themselves: a byte is tested and set with one load or store,
-// and occ is a quarter of the size of the slots.
-func probe(turns []uint32, k, count int, cs []cursor, occ []byte, slots []uint32, m uint32) {
+// the entries themselves: a byte is tested and set with one load or store,
+// and occ is a quarter of the size of the entries.
+func probe(turns []uint32, k, count int, cs []cursor, occ []byte, ids, entries []uint32, m uint32) {
 	n := uint32(len(cs))
 	i := uint32(k % len(cs))
 	for c := range count {
@@ -315,7 +308,7 @@ func probe(turns []uint32, k, count int, cs []cursor, occ []byte, slots []uint32
 			p = wrapAdd(p, s, m)
 		}
 		occ[p] = 1
-		slots[p] = i
+		entries[p] = ids[i]
 		cu.p = wrapAdd(p, s, m)
 		if i++; i == n {
 			i = 0
@@ -373,7 +366,7 @@ func gather(base uint32, ks *[64]uint32, occ []byte) uint64 {
 }
 
 // playWindows plays count turns from turn k, as probe does, with windows.
-func playWindows(turns []uint32, k, count int, ws []window, occ []byte, slots []uint32, m uint32) {
+func playWindows(turns []uint32, k, count int, ws []window, occ []byte, ids, entries []uint32, m uint32) {
 	n := uint32(len(ws))
 	i := uint32(k % len(ws))
 	for c := range count {
@@ -402,7 +395,7 @@ func playWindows(turns []uint32, k, count int, ws []window, occ []byte, slots []
 		neg := uint32(int32(d) >> 31) // all ones if x < M
 		occ[x] = 1
 		occ[d+2*m&neg] = 1
-		slots[d+m&neg] = i
+		entries[d+m&neg] = ids[i]
 		if i++; i == n {
 			i = 0
 		}
@@ -434,13 +427,13 @@ func tailWords(m uint32) int { return (int(m) + 31) / 32 }
 // and each backend reads each bit at most once, where probing would cost
 // about M/E per claim near the end.
 //
-// The bitmaps, N·tailWords(M) words, borrow t.entries: its turns before
-// k0 are played, if the turns are there at all.
+// The bitmaps, N·tailWords(M) words, borrow t.work: its turns before k0
+// are played, if the turns are there at all.
 func (t *Table) fillTail(turns []uint32, k0 int) {
 	m := t.cfg.Size
 	n := len(t.backends)
 	words := tailWords(m)
-	ranks := t.entries[:n*words]
+	ranks := t.work[:n*words]
 	clear(ranks)
 	used := t.used[:(m+63)/64]
 	last := ^uint64(0)
@@ -472,12 +465,12 @@ func (t *Table) fillTail(turns []uint32, k0 int) {
 		}
 		t.tails[i] = tailCursor{q: uint32(i * words), sb: c.p, adv: t.windows[i].ks[32]}
 	}
-	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, used, t.slots, m)
+	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, used, t.idOf, t.entries, m)
 }
 
 // playTail plays count turns from turn k, as probe does, with the rank
 // bitmaps of fillTail. It uses ws[i].ks[b] = b·skip mod M for b < 32.
-func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws []window, used []uint64, slots []uint32, m uint32) {
+func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws []window, used []uint64, ids, entries []uint32, m uint32) {
 	n := uint32(len(tc))
 	i := uint32(k % len(tc))
 	for c := range count {
@@ -498,7 +491,7 @@ func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws 
 			e := wrapAdd(sb, ks[bits.TrailingZeros32(w)&31], m)
 			if u := used[e>>6]; u&(1<<(e&63)) == 0 {
 				used[e>>6] = u | 1<<(e&63)
-				slots[e] = i
+				entries[e] = ids[i]
 				break
 			}
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"math/bits"
 	"slices"
+	"unsafe"
 )
 
 type remainder struct {
@@ -355,12 +356,13 @@ type window struct {
 // the result is occ[base + ks[j]]. base + ks[j] < 2M indexes the two
 // copies of occ (see window).
 func gather(base uint32, ks *[64]uint32, occ []byte) uint64 {
+	// base + ks[j] < 2M = len(occ), so the loads need no bounds checks.
+	p := unsafe.Pointer(unsafe.SliceData(occ[base:]))
+	at := func(k uint32) uint64 { return uint64(*(*byte)(unsafe.Add(p, k))) }
 	var lo, hi uint64
 	for j := 28; j >= 0; j -= 4 {
-		lo = lo<<4 | uint64(occ[base+ks[j+3]])<<3 | uint64(occ[base+ks[j+2]])<<2 |
-			uint64(occ[base+ks[j+1]])<<1 | uint64(occ[base+ks[j]])
-		hi = hi<<4 | uint64(occ[base+ks[j+35]])<<3 | uint64(occ[base+ks[j+34]])<<2 |
-			uint64(occ[base+ks[j+33]])<<1 | uint64(occ[base+ks[j+32]])
+		lo = lo<<4 | at(ks[j+3])<<3 | at(ks[j+2])<<2 | at(ks[j+1])<<1 | at(ks[j])
+		hi = hi<<4 | at(ks[j+35])<<3 | at(ks[j+34])<<2 | at(ks[j+33])<<1 | at(ks[j+32])
 	}
 	return hi<<32 | lo
 }

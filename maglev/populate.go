@@ -82,13 +82,14 @@ func (t *Table) populate() {
 	clear(occ[:m])
 	for i, id := range t.ids {
 		t.cursors[i].p, t.cursors[i].s = offsetSkip(t.cfg.Seed, id, m)
+		t.cursors[i].id = t.backends[i].ID
 		t.idOf[i] = t.backends[i].ID
 	}
 	turns := t.turnOrder()
-	ids, entries := t.idOf[:n], t.entries[:m]
+	f := t.filler(turns)
 
 	kA, kB := phases(m, n, turns != nil)
-	probe(turns, 0, kA, t.cursors, occ[:m], ids, entries, m)
+	j := f.probe(0, kA)
 	if kA < int(m) {
 		for i, c := range t.cursors {
 			w := &t.windows[i]
@@ -96,7 +97,7 @@ func (t *Table) populate() {
 			for j := 1; j < 64; j++ {
 				w.ks[j] = wrapAdd(w.ks[j-1], c.s, m)
 			}
-			w.base, w.adv = c.p, wrapAdd(w.ks[63], c.s, m)
+			w.base, w.adv, w.id = c.p, wrapAdd(w.ks[63], c.s, m), c.id
 		}
 	}
 	if kA < kB {
@@ -105,7 +106,7 @@ func (t *Table) populate() {
 			w := &t.windows[i]
 			w.mask = gather(w.base, &w.ks, occ)
 		}
-		playWindows(turns, kA, kB-kA, t.windows, occ, ids, entries, m)
+		f.playWindows(j, kB-kA)
 		// Back to cursors: every preference before the first one not
 		// marked in the window is taken.
 		for i := range t.cursors {
@@ -198,6 +199,7 @@ func (t *Table) reserve(n int) {
 	t.quota = grow(t.quota, n)
 	t.filled = grow(t.filled, n)
 	t.idOf = grow(t.idOf, n)
+	t.rr = grow(t.rr, n)
 	t.members = withCap(t.members, n)
 	t.groups = withCap(t.groups, n)
 	t.heap = withCap(t.heap, n)
@@ -213,7 +215,7 @@ func withCap[T any](s []T, n int) []T {
 
 // cursor is a backend's place in its preference list: the next slot to
 // look at, p, and the step to the one after it, s (the skip).
-type cursor struct{ p, s uint32 }
+type cursor struct{ p, s, id uint32 }
 
 // turnOrder returns the backend of each of the M turns, or nil for round
 // robin: turn k is backend k mod N.
@@ -288,33 +290,80 @@ func gcd(a, b uint32) uint32 {
 	return a
 }
 
-// probe plays count turns from turn k (turns[k+c], or round robin if turns
-// is nil) the classic way: backend i claims the first empty slot of its
-// preference list, probing the slots one by one, and its cursor moves past
-// the slot. A claimed slot's entry is set to the backend's ID, ids[i].
+// filler is the state of a fill that its hot loops, probe and claim,
+// work on. They are the whole cost of a build, and with the table's
+// slices they would need more registers than there are: the compiler
+// would keep half their state on the stack. So they see the arrays
+// through bare pointers, each index bounded by construction:
+//
+//   - seq is the order of turns, nseq long: turn k is backend seq[j] with
+//     j = k mod nseq (round robin: seq = 0, 1, ..., N−1; weighted: the M
+//     turns of turnOrder, j = k). Every entry is below N.
+//   - cursors and windows hold N elements, indexed by a backend.
+//   - occ holds 2M bytes: slot s and its mirror s+M (see window).
+//   - entries holds M IDs, indexed by a slot below M.
+//
+// Slots are reduced mod M by wrapAdd, window indices are base+ks[b] with
+// base, ks[b] < M, and the loops index nothing else.
+type filler struct {
+	seq, cursors, windows, occ, entries unsafe.Pointer
+	nseq                                int
+	m                                   uint32
+}
+
+func (t *Table) filler(turns []uint32) filler {
+	n := len(t.backends)
+	seq := turns
+	if seq == nil {
+		seq = t.rr[:n]
+		for i := range seq {
+			seq[i] = uint32(i)
+		}
+	}
+	m := t.cfg.Size
+	// The lengths the loops rely on, checked once.
+	_, _, _, _ = t.cursors[n-1], t.windows[n-1], t.occ[2*m-1], t.entries[m-1]
+	return filler{
+		seq: unsafe.Pointer(&seq[0]), nseq: len(seq),
+		cursors: unsafe.Pointer(&t.cursors[0]), windows: unsafe.Pointer(&t.windows[0]),
+		occ: unsafe.Pointer(&t.occ[0]), entries: unsafe.Pointer(&t.entries[0]),
+		m: m,
+	}
+}
+
+// turn returns the backend of turn index j, and the index of the next turn.
+func (f *filler) turn(j int) (uint32, int) {
+	i := *(*uint32)(unsafe.Add(f.seq, 4*j))
+	if j++; j == f.nseq {
+		j = 0
+	}
+	return i, j
+}
+
+// probe plays count turns from turn index j and returns the index of the
+// next turn. It plays them the classic way: backend i claims the first
+// empty slot of its preference list, probing the slots one by one, and
+// its cursor moves past the slot. A claimed slot's entry is set to the
+// backend's ID.
 //
 // Occupancy is probed in occ, a byte per slot (1 if taken), rather than in
 // the entries themselves: a byte is tested and set with one load or store,
 // and occ is a quarter of the size of the entries.
-func probe(turns []uint32, k, count int, cs []cursor, occ []byte, ids, entries []uint32, m uint32) {
-	n := uint32(len(cs))
-	i := uint32(k % len(cs))
-	for c := range count {
-		if turns != nil {
-			i = turns[k+c]
-		}
-		cu := &cs[i]
+func (f *filler) probe(j, count int) int {
+	occ, entries, cursors, m := f.occ, f.entries, f.cursors, f.m
+	for range count {
+		var i uint32
+		i, j = f.turn(j)
+		cu := (*cursor)(unsafe.Add(cursors, uintptr(i)*unsafe.Sizeof(cursor{})))
 		p, s := cu.p, cu.s
-		for occ[p] != 0 {
+		for *(*byte)(unsafe.Add(occ, p)) != 0 {
 			p = wrapAdd(p, s, m)
 		}
-		occ[p] = 1
-		entries[p] = ids[i]
+		*(*byte)(unsafe.Add(occ, p)) = 1
+		*(*uint32)(unsafe.Add(entries, 4*uintptr(p))) = cu.id
 		cu.p = wrapAdd(p, s, m)
-		if i++; i == n {
-			i = 0
-		}
 	}
+	return j
 }
 
 // wrapAdd returns (p + s) mod m for p, s < m < 2^31 without a division or
@@ -349,6 +398,8 @@ type window struct {
 	mask uint64
 	base uint32
 	adv  uint32
+	id   uint32 // the backend's ID
+	_    uint32
 	ks   [64]uint32
 }
 
@@ -367,27 +418,40 @@ func gather(base uint32, ks *[64]uint32, occ []byte) uint64 {
 	return hi<<32 | lo
 }
 
-// playWindows plays count turns from turn k, as probe does, with windows.
-func playWindows(turns []uint32, k, count int, ws []window, occ []byte, ids, entries []uint32, m uint32) {
-	n := uint32(len(ws))
-	i := uint32(k % len(ws))
-	for c := range count {
-		if turns != nil {
-			i = turns[k+c]
+// playWindows plays count turns from turn index j with windows, as probe
+// does. Its loop, claim, leaves the turns to it whose window runs out.
+func (f *filler) playWindows(j, count int) {
+	for count > 0 {
+		var played int
+		j, played = f.claim(j, count)
+		if count -= played; count == 0 {
+			return
 		}
-		w := &ws[i]
+		i, _ := f.turn(j)
+		w := (*window)(unsafe.Add(f.windows, uintptr(i)*unsafe.Sizeof(window{})))
+		w.base = wrapAdd(w.base, w.adv, f.m)
+		w.mask = gather(w.base, &w.ks, unsafe.Slice((*byte)(f.occ), 2*f.m))
+	}
+}
+
+// claim plays turns from turn index j on, at most count, until one finds
+// its window used up. It returns the index of that turn (or of the turn
+// after the last) and the number of turns played.
+func (f *filler) claim(j, count int) (int, int) {
+	occ, entries, windows, seq, nseq, m := f.occ, f.entries, f.windows, f.seq, f.nseq, f.m
+	for left := count; left > 0; left-- {
+		i := *(*uint32)(unsafe.Add(seq, 4*j))
+		w := (*window)(unsafe.Add(windows, uintptr(i)*unsafe.Sizeof(window{})))
 		mask := w.mask
 		var x uint32
 		for {
 			if mask == ^uint64(0) {
-				w.base = wrapAdd(w.base, w.adv, m)
-				mask = gather(w.base, &w.ks, occ)
-				continue
+				return j, count - left
 			}
 			b := bits.TrailingZeros64(^mask)
-			mask |= 1 << b
+			mask |= mask + 1 // the lowest clear bit, b
 			x = w.base + w.ks[b&63]
-			if occ[x] == 0 {
+			if *(*byte)(unsafe.Add(occ, x)) == 0 {
 				break
 			}
 		}
@@ -395,13 +459,14 @@ func playWindows(turns []uint32, k, count int, ws []window, occ []byte, ids, ent
 		// The slot is x mod M; mark its other copy, x+M or x−M, too.
 		d := x - m
 		neg := uint32(int32(d) >> 31) // all ones if x < M
-		occ[x] = 1
-		occ[d+2*m&neg] = 1
-		entries[d+m&neg] = ids[i]
-		if i++; i == n {
-			i = 0
+		*(*byte)(unsafe.Add(occ, x)) = 1
+		*(*byte)(unsafe.Add(occ, d+2*m&neg)) = 1
+		*(*uint32)(unsafe.Add(entries, 4*uintptr(d+m&neg))) = w.id
+		if j++; j == nseq {
+			j = 0
 		}
 	}
+	return j, count
 }
 
 // tailCursor is a backend's place in its rank bitmap during the tail: the

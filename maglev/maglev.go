@@ -135,7 +135,6 @@ type Table struct {
 	windows       []window
 	tails         []tailCursor
 	occ           []byte   // occupancy of the slots during a fill, 1 if taken, two copies (see window)
-	used          []uint64 // the same as a bitmap, for the tail
 	work          []uint32 // the order of turns, then the tail's rank bitmaps
 	quota, filled []uint32
 	members       []member
@@ -165,10 +164,10 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 	if sc == nil {
 		sc = new(scratch)
 	}
-	t.occ, t.used, t.windows, t.work = sc.occ, sc.used, sc.windows, sc.work
+	t.occ, t.windows, t.work = sc.occ, sc.windows, sc.work
 	err := t.Rebuild(backends)
-	sc.occ, sc.used, sc.windows, sc.work = t.occ, t.used, t.windows, t.work
-	t.occ, t.used, t.windows, t.work = nil, nil, nil, nil
+	sc.occ, sc.windows, sc.work = t.occ, t.windows, t.work
+	t.occ, t.windows, t.work = nil, nil, nil
 	scratchPool.Put(sc)
 	if err != nil {
 		return nil, err
@@ -177,12 +176,11 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 }
 
 // scratch is the part of a fill's scratch that New borrows from
-// scratchPool: the occupancy (2⅛ bytes per slot), the order of turns and
+// scratchPool: the occupancy (2 bytes per slot), the order of turns and
 // rank bitmaps (4 bytes per slot) and the windows (about 270 bytes per
 // backend).
 type scratch struct {
 	occ     []byte
-	used    []uint64
 	windows []window
 	work    []uint32
 }

@@ -119,32 +119,7 @@ func (t *Table) populate() {
 		}
 	}
 	if kB < int(m) {
-		pack(t.used, occ[:m])
 		t.fillTail(turns, kB)
-	}
-}
-
-// pack sets bit s of used for every taken slot s, occ[s] = 1: the
-// occupancy as the tail reads it, 64 slots a word. Eight bytes of 0 or 1
-// are packed into eight bits by one multiplication: byte k times the
-// byte 2^(7−j) at position j lands in bit 56+k of the product when
-// j = 7−k, and the other products fall elsewhere without carries.
-func pack(used []uint64, occ []byte) {
-	full := len(occ) / 64
-	for w := range full {
-		o := occ[64*w : 64*w+64]
-		var u uint64
-		for k := 7; k >= 0; k-- {
-			u = u<<8 | binary.LittleEndian.Uint64(o[8*k:])*0x0102040810204080>>56
-		}
-		used[w] = u
-	}
-	if full < len(used) {
-		var u uint64
-		for b, o := range occ[64*full:] {
-			u |= uint64(o) << b
-		}
-		used[full] = u
 	}
 }
 
@@ -163,7 +138,7 @@ func phases(m uint32, n int, stored bool) (kA, kB int) {
 		if stored {
 			room = int(m) - e
 		}
-		if n*tailWords(m) <= room {
+		if n*tailWords(m)+e <= room {
 			kB = int(m) - e
 		}
 	}
@@ -192,7 +167,6 @@ func (t *Table) reserve(n int) {
 	t.entries = grow(t.entries, m)
 	t.work = grow(t.work, m)
 	t.occ = grow(t.occ, 2*m) // two copies for the windows
-	t.used = grow(t.used, (m+63)/64)
 	t.cursors = grow(t.cursors, n)
 	t.windows = grow(t.windows, n)
 	t.tails = grow(t.tails, n)
@@ -490,54 +464,63 @@ func tailWords(m uint32) int { return (int(m) + 31) / 32 }
 // So each backend gets a bitmap over ranks, with a bit set for every slot
 // still empty at k0. On its turn it takes the next set bit, maps the rank
 // back to its slot c_i + r·s_i mod M and claims it, unless another backend
-// has taken it since. Setting the bits costs O(N·E) for E empty slots,
-// and each backend reads each bit at most once, where probing would cost
-// about M/E per claim near the end.
+// has taken it since. Setting the bits costs O(N·E) for E empty slots
+// (listed once), and each backend reads each bit at most once, where
+// probing would cost about M/E per claim near the end.
 //
-// The bitmaps, N·tailWords(M) words, borrow t.work: its turns before k0
-// are played, if the turns are there at all.
+// The bitmaps, N·tailWords(M) words, and the list of empty slots borrow
+// t.work: its turns before k0 are played, if the turns are there at all.
 func (t *Table) fillTail(turns []uint32, k0 int) {
 	m := t.cfg.Size
 	n := len(t.backends)
 	words := tailWords(m)
 	ranks := t.work[:n*words]
 	clear(ranks)
-	used := t.used[:(m+63)/64]
-	last := ^uint64(0)
-	if m&63 != 0 {
-		last = 1<<(m&63) - 1
-	}
-	mu := ^uint64(0) / uint64(m)
+	occ := t.occ[:m]
+	empty := emptySlots(occ, t.work[n*words:n*words])
 	for i, c := range t.cursors {
-		// With e = 64w + b, ρ(e) = (e − c)·s⁻¹ = ρ(64w) + ti[b], and
-		// ρ(64(w+1)) = ρ(64w) + step.
+		// rank(e) = (e + M − c)·inv mod M by Shoup's method: with
+		// invq = ⌊inv·2³²/M⌋ and a < M, a·inv − ⌊a·invq/2³²⌋·M is in [0, 2M).
 		inv := invMod(c.s, m)
-		var ti [64]uint32
-		for b := 1; b < 64; b++ {
-			ti[b] = wrapAdd(ti[b-1], inv, m)
-		}
-		step := wrapAdd(ti[63], inv, m)
-		rho := mulMod(wrapAdd(0, m-c.p, m), inv, m, mu) // ρ(0)
+		invq := uint64(inv) << 32 / uint64(m)
 		r := ranks[i*words : i*words+words]
-		for w, u := range used {
-			free := ^u
-			if w == len(used)-1 {
-				free &= last
-			}
-			for ; free != 0; free &= free - 1 {
-				x := wrapAdd(rho, ti[bits.TrailingZeros64(free)&63], m)
-				r[x>>5] |= 1 << (x & 31)
-			}
-			rho = wrapAdd(rho, step, m)
+		for _, e := range empty {
+			a := uint64(wrapAdd(e, m-c.p, m))
+			x := wrapAdd(uint32(a*uint64(inv)-(a*invq>>32)*uint64(m)), 0, m)
+			r[x>>5] |= 1 << (x & 31)
 		}
 		t.tails[i] = tailCursor{q: uint32(i * words), sb: c.p, adv: t.windows[i].ks[32]}
 	}
-	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, used, t.idOf, t.entries, m)
+	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, occ, t.idOf, t.entries, m)
+}
+
+// emptySlots appends to list the slots s with occ[s] = 0, in order. It
+// reads occ eight bytes at a time: once the tail starts, most words are
+// all taken.
+func emptySlots(occ []byte, list []uint32) []uint32 {
+	const ones = 0x0101010101010101
+	full := len(occ) &^ 7
+	for s := 0; s < full; s += 8 {
+		if binary.LittleEndian.Uint64(occ[s:]) == ones {
+			continue
+		}
+		for k, o := range occ[s : s+8] {
+			if o == 0 {
+				list = append(list, uint32(s+k))
+			}
+		}
+	}
+	for s := full; s < len(occ); s++ {
+		if occ[s] == 0 {
+			list = append(list, uint32(s))
+		}
+	}
+	return list
 }
 
 // playTail plays count turns from turn k, as probe does, with the rank
 // bitmaps of fillTail. It uses ws[i].ks[b] = b·skip mod M for b < 32.
-func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws []window, used []uint64, ids, entries []uint32, m uint32) {
+func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws []window, occ []byte, ids, entries []uint32, m uint32) {
 	n := uint32(len(tc))
 	i := uint32(k % len(tc))
 	for c := range count {
@@ -556,8 +539,8 @@ func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws 
 			}
 			ranks[q] = w & (w - 1)
 			e := wrapAdd(sb, ks[bits.TrailingZeros32(w)&31], m)
-			if u := used[e>>6]; u&(1<<(e&63)) == 0 {
-				used[e>>6] = u | 1<<(e&63)
+			if occ[e] == 0 {
+				occ[e] = 1
 				entries[e] = ids[i]
 				break
 			}
@@ -567,15 +550,6 @@ func playTail(turns []uint32, k, count int, tc []tailCursor, ranks []uint32, ws 
 			i = 0
 		}
 	}
-}
-
-// mulMod returns a·b mod m for a, b < m < 2^24 by Barrett reduction with
-// mu = ⌊(2^64−1)/m⌋: the quotient estimate is at most one short, so one
-// conditional subtraction finishes it.
-func mulMod(a, b, m uint32, mu uint64) uint32 {
-	x := uint64(a) * uint64(b)
-	q, _ := bits.Mul64(x, mu)
-	return wrapAdd(uint32(x-q*uint64(m)), 0, m)
 }
 
 // invMod returns the inverse of a mod the prime m, 0 < a < m, by the

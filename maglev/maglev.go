@@ -129,7 +129,6 @@ type Table struct {
 	keys          []uint64 // ID<<32 | index into the caller's slice, sorted
 	pos           []int32  // index into the caller's slice -> index into backends, or -1
 	idOf          []uint32 // backends[i].ID, for the fill
-	rr            []uint32 // 0, 1, ..., N−1: the order of turns of round robin
 	remainders    []remainder
 	cursors       []cursor
 	windows       []window

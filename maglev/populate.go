@@ -173,7 +173,6 @@ func (t *Table) reserve(n int) {
 	t.quota = grow(t.quota, n)
 	t.filled = grow(t.filled, n)
 	t.idOf = grow(t.idOf, n)
-	t.rr = grow(t.rr, n)
 	t.members = withCap(t.members, n)
 	t.groups = withCap(t.groups, n)
 	t.heap = withCap(t.heap, n)
@@ -271,8 +270,9 @@ func gcd(a, b uint32) uint32 {
 // through bare pointers, each index bounded by construction:
 //
 //   - seq is the order of turns, nseq long: turn k is backend seq[j] with
-//     j = k mod nseq (round robin: seq = 0, 1, ..., N−1; weighted: the M
-//     turns of turnOrder, j = k). Every entry is below N.
+//     j = k mod nseq (weighted: the M turns of turnOrder, j = k). Every
+//     entry is below N. For round robin seq is nil, nseq = N and turn k is
+//     backend j = k mod N.
 //   - cursors and windows hold N elements, indexed by a backend.
 //   - occ holds 2M bytes: slot s and its mirror s+M (see window).
 //   - entries holds M IDs, indexed by a slot below M.
@@ -287,18 +287,16 @@ type filler struct {
 
 func (t *Table) filler(turns []uint32) filler {
 	n := len(t.backends)
-	seq := turns
-	if seq == nil {
-		seq = t.rr[:n]
-		for i := range seq {
-			seq[i] = uint32(i)
-		}
-	}
 	m := t.cfg.Size
 	// The lengths the loops rely on, checked once.
 	_, _, _, _ = t.cursors[n-1], t.windows[n-1], t.occ[2*m-1], t.entries[m-1]
+	var seq unsafe.Pointer
+	nseq := n
+	if turns != nil {
+		seq, nseq = unsafe.Pointer(&turns[0]), len(turns)
+	}
 	return filler{
-		seq: unsafe.Pointer(&seq[0]), nseq: len(seq),
+		seq: seq, nseq: nseq,
 		cursors: unsafe.Pointer(&t.cursors[0]), windows: unsafe.Pointer(&t.windows[0]),
 		occ: unsafe.Pointer(&t.occ[0]), entries: unsafe.Pointer(&t.entries[0]),
 		m: m,
@@ -307,7 +305,10 @@ func (t *Table) filler(turns []uint32) filler {
 
 // turn returns the backend of turn index j, and the index of the next turn.
 func (f *filler) turn(j int) (uint32, int) {
-	i := *(*uint32)(unsafe.Add(f.seq, 4*j))
+	i := uint32(j)
+	if f.seq != nil {
+		i = *(*uint32)(unsafe.Add(f.seq, 4*j))
+	}
 	if j++; j == f.nseq {
 		j = 0
 	}
@@ -414,7 +415,10 @@ func (f *filler) playWindows(j, count int) {
 func (f *filler) claim(j, count int) (int, int) {
 	occ, entries, windows, seq, nseq, m := f.occ, f.entries, f.windows, f.seq, f.nseq, f.m
 	for left := count; left > 0; left-- {
-		i := *(*uint32)(unsafe.Add(seq, 4*j))
+		i := uint32(j)
+		if seq != nil {
+			i = *(*uint32)(unsafe.Add(seq, 4*j))
+		}
 		w := (*window)(unsafe.Add(windows, uintptr(i)*unsafe.Sizeof(window{})))
 		mask := w.mask
 		var x uint32

@@ -483,19 +483,24 @@ func (t *Table) fillTail(turns []uint32, k0 int) {
 	occ := t.occ[:m]
 	empty := emptySlots(occ, t.work[n*words:n*words])
 	for i, c := range t.cursors {
-		// rank(e) = (e + M − c)·inv mod M by Shoup's method: with
-		// invq = ⌊inv·2³²/M⌋ and a < M, a·inv − ⌊a·invq/2³²⌋·M is in [0, 2M).
-		inv := invMod(c.s, m)
-		invq := uint64(inv) << 32 / uint64(m)
-		r := ranks[i*words : i*words+words]
-		for _, e := range empty {
-			a := uint64(wrapAdd(e, m-c.p, m))
-			x := wrapAdd(uint32(a*uint64(inv)-(a*invq>>32)*uint64(m)), 0, m)
-			r[x>>5] |= 1 << (x & 31)
-		}
+		setRanks(ranks[i*words:i*words+words], empty, c, m)
 		t.tails[i] = tailCursor{q: uint32(i * words), sb: c.p, adv: t.windows[i].ks[32]}
 	}
 	playTail(turns, k0, int(m)-k0, t.tails, ranks, t.windows, occ, t.idOf, t.entries, m)
+}
+
+// setRanks sets bit rank(e) of r for every slot e in empty, for the
+// backend at cursor c: rank(e) = (e − c.p)·inv mod M, inv the inverse of
+// c.s. It multiplies by Shoup's method: with invq = ⌊inv·2³²/M⌋ and
+// a < M, a·inv − ⌊a·invq/2³²⌋·M is in [0, 2M).
+func setRanks(r, empty []uint32, c cursor, m uint32) {
+	inv := uint64(invMod(c.s, m))
+	invq := inv << 32 / uint64(m)
+	for _, e := range empty {
+		a := uint64(wrapAdd(e, m-c.p, m))
+		x := wrapAdd(uint32(a*inv-(a*invq>>32)*uint64(m)), 0, m)
+		r[x>>5] |= 1 << (x & 31)
+	}
 }
 
 // emptySlots appends to list the slots s with occ[s] = 0, in order. It

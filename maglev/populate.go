@@ -504,19 +504,15 @@ func setRanks(r, empty []uint32, c cursor, m uint32) {
 }
 
 // emptySlots appends to list the slots s with occ[s] = 0, in order. It
-// reads occ eight bytes at a time: once the tail starts, most words are
-// all taken.
+// reads occ eight bytes at a time: as every byte is 0 or 1, the empty
+// slots of a word are the bytes whose low bit is clear.
 func emptySlots(occ []byte, list []uint32) []uint32 {
-	const ones = 0x0101010101010101
+	const lows = 0x0101010101010101
 	full := len(occ) &^ 7
 	for s := 0; s < full; s += 8 {
-		if binary.LittleEndian.Uint64(occ[s:]) == ones {
-			continue
-		}
-		for k, o := range occ[s : s+8] {
-			if o == 0 {
-				list = append(list, uint32(s+k))
-			}
+		free := ^binary.LittleEndian.Uint64(occ[s:]) & lows
+		for ; free != 0; free &= free - 1 {
+			list = append(list, uint32(s+bits.TrailingZeros64(free)>>3))
 		}
 	}
 	for s := full; s < len(occ); s++ {

@@ -53,8 +53,8 @@
 // which lets SizeS serve up to 163 backends, SizeM 655 and SizeL 1310. With
 // weights, the backend with the smallest weight w_min needs
 // M·w_min/W ≥ 100, W being the sum of the weights. A larger table costs
-// memory and build time linearly: about 8 bytes per slot here, 4 per slot in the
-// BPF map.
+// memory and build time linearly: 4 bytes per slot here (10 for a table
+// that is rebuilt, see Cost), 4 per slot in the BPF map.
 //
 // # Weights
 //
@@ -129,11 +129,13 @@
 //
 // A build keeps each backend's offset and skip, its position in its
 // preference list and a window of its next 64 preferences, never the N×M
-// permutation: memory is O(M + N). A table keeps 8 bytes per slot (its two
-// arrays of M entries); the fill's scratch is 2⅛ bytes per slot (two
-// copies of a byte of occupancy per slot, and an occupancy bitmap for the
-// last slots) plus about 300 bytes per backend. New borrows that scratch
-// from a pool and returns it; a table that is rebuilt keeps its own.
+// permutation: memory is O(M + N). A table keeps 4 bytes per slot, the
+// entries, and finds a slot's backend by its ID (Lookup is O(log N)). The
+// fill's scratch is 6 bytes per slot (two copies of a byte of occupancy
+// per slot; the order of turns of a weighted fill, whose space the last
+// slots' bitmaps reuse) plus about 300 bytes per backend. New borrows
+// that scratch from a pool and returns it; a table that is rebuilt keeps
+// its own, so that Rebuild allocates nothing.
 //
 // Searching preference by preference, a fill examines about M·ln M slots
 // in all, the last slots being the hardest to find. How the search is done
@@ -145,9 +147,13 @@
 // turns take the free ones in order: this spares the CPU the branch
 // misprediction that the one-by-one search costs almost every turn once
 // many slots are taken. For the last 10%/N of the slots, with up to about
-// 30 backends, each backend gets a bitmap of the empty slots in the order
-// of its preferences, built in O(N) per empty slot, and a turn jumps
-// straight to its next empty slot.
+// 30 backends, the empty slots are listed once and each backend gets a
+// bitmap of them in the order of its preferences, built with one
+// multiplication per backend and empty slot, and a turn jumps straight to
+// its next empty slot. The loops that play the turns index the fill's
+// arrays through bare pointers, each index bounded by construction (see
+// filler): with bounds-checked slices the compiler kept half their state
+// on the stack.
 //
 // The order of turns repeats every W' = Σ w/gcd(w) turns: with equal
 // weights it is round robin, otherwise one period (or all M turns if that

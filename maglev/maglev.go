@@ -223,8 +223,8 @@ func (t *Table) validate(backends []Backend) (n int, err error) {
 	if len(backends) > math.MaxInt32 {
 		return 0, fmt.Errorf("maglev: %d backends: %w", len(backends), ErrTooManyBackends)
 	}
-	items := t.sorted[:0]
-	keys := t.keys[:0]
+	items := withCap(t.sorted, len(backends))
+	keys := withCap(t.keys, len(backends))
 	for i := range backends {
 		b := &backends[i]
 		if err := checkBackend(i, b); err != nil {
@@ -283,7 +283,7 @@ func (b *Backend) identityString() string {
 
 // commit installs the validated backend set; nothing in it can fail.
 func (t *Table) commit(backends []Backend, n int) {
-	nb, nk := t.spareBackends[:0], t.spareIDs[:0]
+	nb, nk := withCap(t.spareBackends, n), withCap(t.spareIDs, n)
 	pos := grow(t.pos, len(backends))
 	for _, it := range t.sorted {
 		pos[it.in] = -1
@@ -296,7 +296,7 @@ func (t *Table) commit(backends []Backend, n int) {
 	t.pos = pos
 	t.spareBackends, t.backends = t.backends, nb
 	t.spareIDs, t.ids = t.ids, nk
-	byID := t.byID[:0]
+	byID := withCap(t.byID, n)
 	for _, k := range t.keys {
 		if p := pos[uint32(k)]; p >= 0 {
 			byID = append(byID, k&^(1<<32-1)|uint64(p))

@@ -27,7 +27,7 @@ func (t *Table) apportion() {
 	for i := range t.backends {
 		total += uint64(t.backends[i].Weight)
 	}
-	rem := t.remainders[:0]
+	rem := withCap(t.remainders, len(t.backends))
 	var assigned uint64
 	for i := range t.backends {
 		p := m * uint64(t.backends[i].Weight)

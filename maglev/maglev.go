@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -112,11 +113,12 @@ type Table struct {
 
 	// The live table. backends and ids are parallel and in canonical
 	// identity order; counts[i] is the number of slots of backends[i].
-	// byID lists the backends by ID, each as ID<<32 | index into backends.
+	// byID finds a backend by its ID (see indexOf).
 	backends []Backend
 	ids      []identity
 	counts   []uint32
 	byID     []uint64
+	idShift  uint8
 	entries  []uint32 // len Size when not empty: the ID of each slot's backend
 
 	// Scratch kept across Rebuilds so that a steady-state Rebuild allocates
@@ -126,8 +128,7 @@ type Table struct {
 	spareBackends []Backend
 	spareIDs      []identity
 	sorted        []sortItem
-	keys          []uint64 // ID<<32 | index into the caller's slice, sorted
-	pos           []int32  // index into the caller's slice -> index into backends, or -1
+	idSorted      []uint32 // the IDs of the caller's backends, sorted
 	idOf          []uint32 // backends[i].ID, for the fill
 	remainders    []remainder
 	cursors       []cursor
@@ -224,19 +225,19 @@ func (t *Table) validate(backends []Backend) (n int, err error) {
 		return 0, fmt.Errorf("maglev: %d backends: %w", len(backends), ErrTooManyBackends)
 	}
 	items := withCap(t.sorted, len(backends))
-	keys := withCap(t.keys, len(backends))
+	ids := withCap(t.idSorted, len(backends))
 	for i := range backends {
 		b := &backends[i]
 		if err := checkBackend(i, b); err != nil {
 			return 0, err
 		}
 		items = append(items, sortItem{id: identityOf(b.Addr, b.Port, b.Proto), in: int32(i)})
-		keys = append(keys, uint64(b.ID)<<32|uint64(i))
+		ids = append(ids, b.ID)
 		if b.Eligible() {
 			n++
 		}
 	}
-	t.sorted, t.keys = items, keys // keep grown capacity even on error
+	t.sorted, t.idSorted = items, ids // keep grown capacity even on error
 
 	if n > int(t.cfg.Size) {
 		return 0, fmt.Errorf("maglev: %d eligible backends for size %d: %w", n, t.cfg.Size, ErrTooManyBackends)
@@ -249,10 +250,10 @@ func (t *Table) validate(backends []Backend) (n int, err error) {
 				i, j, ErrDuplicateBackend, backends[i].identityString())
 		}
 	}
-	slices.Sort(keys)
-	for k := 1; k < len(keys); k++ {
-		if keys[k]>>32 == keys[k-1]>>32 {
-			return 0, fmt.Errorf("maglev: %w: ID %d used twice", ErrDuplicateBackend, keys[k]>>32)
+	slices.Sort(ids)
+	for k := 1; k < len(ids); k++ {
+		if ids[k] == ids[k-1] {
+			return 0, fmt.Errorf("maglev: %w: ID %d used twice", ErrDuplicateBackend, ids[k])
 		}
 	}
 	return n, nil
@@ -284,25 +285,15 @@ func (b *Backend) identityString() string {
 // commit installs the validated backend set; nothing in it can fail.
 func (t *Table) commit(backends []Backend, n int) {
 	nb, nk := withCap(t.spareBackends, n), withCap(t.spareIDs, n)
-	pos := grow(t.pos, len(backends))
 	for _, it := range t.sorted {
-		pos[it.in] = -1
 		if b := &backends[it.in]; b.Eligible() {
-			pos[it.in] = int32(len(nb))
 			nb = append(nb, *b)
 			nk = append(nk, it.id)
 		}
 	}
-	t.pos = pos
 	t.spareBackends, t.backends = t.backends, nb
 	t.spareIDs, t.ids = t.ids, nk
-	byID := withCap(t.byID, n)
-	for _, k := range t.keys {
-		if p := pos[uint32(k)]; p >= 0 {
-			byID = append(byID, k&^(1<<32-1)|uint64(p))
-		}
-	}
-	t.byID = byID
+	t.indexIDs()
 	t.counts = grow(t.counts, n)
 	if n == 0 {
 		t.entries = t.entries[:0]
@@ -332,20 +323,38 @@ func (t *Table) Lookup(hash uint32) (b Backend, ok bool) {
 	return t.backends[t.indexOf(t.entries[hash%t.cfg.Size])], true
 }
 
+// indexIDs indexes t.backends by ID for indexOf: byID is an open
+// addressing hash table of 2^k ≥ 2N entries ID<<32 | index, 0 for none (no
+// ID is 0), with linear probing from the top k bits of ID·φ.
+func (t *Table) indexIDs() {
+	if len(t.backends) == 0 {
+		t.byID = t.byID[:0]
+		return
+	}
+	k := bits.Len(uint(2*len(t.backends) - 1)) // 2^k ≥ 2N
+	t.byID = grow(t.byID, 1<<k)
+	clear(t.byID)
+	t.idShift = uint8(32 - k)
+	mask := uint32(len(t.byID) - 1)
+	for i := range t.backends {
+		id := t.backends[i].ID
+		h := id * 0x9e3779b1 >> t.idShift
+		for t.byID[h] != 0 {
+			h = (h + 1) & mask
+		}
+		t.byID[h] = uint64(id)<<32 | uint64(i)
+	}
+}
+
 // indexOf returns the index into t.backends of the eligible backend with
 // the given ID, which must be one.
 func (t *Table) indexOf(id uint32) int {
-	k := uint64(id) << 32
-	lo, hi := 0, len(t.byID)
-	for lo < hi {
-		mid := int(uint(lo+hi) >> 1)
-		if t.byID[mid] < k {
-			lo = mid + 1
-		} else {
-			hi = mid
-		}
+	mask := uint32(len(t.byID) - 1)
+	h := id * 0x9e3779b1 >> t.idShift
+	for t.byID[h]>>32 != uint64(id) {
+		h = (h + 1) & mask
 	}
-	return int(uint32(t.byID[lo]))
+	return int(uint32(t.byID[h]))
 }
 
 // Entries returns the table as the datapath indexes it: Size backend IDs,

@@ -130,7 +130,7 @@
 // A build keeps each backend's offset and skip, its position in its
 // preference list and a window of its next 64 preferences, never the N×M
 // permutation: memory is O(M + N). A table keeps 4 bytes per slot, the
-// entries, and finds a slot's backend by its ID (Lookup is O(log N)). The
+// entries, and finds a slot's backend by its ID in a small hash index. The
 // fill's scratch is 6 bytes per slot (two copies of a byte of occupancy
 // per slot; the order of turns of a weighted fill, whose space the last
 // slots' bitmaps reuse) plus about 300 bytes per backend. New borrows

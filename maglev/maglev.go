@@ -315,7 +315,7 @@ func grow[T any](s []T, n int) []T {
 // pick it. ok is false when the table is empty.
 //
 // The table stores only the datapath's entries (backend IDs), so Lookup
-// finds the backend by its ID, in O(log N).
+// finds the backend by its ID, in a hash index of the backends.
 func (t *Table) Lookup(hash uint32) (b Backend, ok bool) {
 	if len(t.backends) == 0 {
 		return Backend{}, false

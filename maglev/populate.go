@@ -434,12 +434,12 @@ func (f *filler) claim(j, count int) (int, int) {
 			}
 		}
 		w.mask = mask
-		// The slot is x mod M; mark its other copy, x+M or x−M, too.
-		d := x - m
-		neg := uint32(int32(d) >> 31) // all ones if x < M
+		// The slot is x mod M; mark both its copies.
+		x -= m
+		x += m & uint32(int32(x)>>31)
 		*(*byte)(unsafe.Add(occ, x)) = 1
-		*(*byte)(unsafe.Add(occ, d+2*m&neg)) = 1
-		*(*uint32)(unsafe.Add(entries, 4*uintptr(d+m&neg))) = w.id
+		*(*byte)(unsafe.Add(occ, x+m)) = 1
+		*(*uint32)(unsafe.Add(entries, 4*uintptr(x))) = w.id
 		if j++; j == nseq {
 			j = 0
 		}

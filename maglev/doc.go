@@ -53,8 +53,9 @@
 // which lets SizeS serve up to 163 backends, SizeM 655 and SizeL 1310. With
 // weights, the backend with the smallest weight w_min needs
 // M·w_min/W ≥ 100, W being the sum of the weights. A larger table costs
-// memory and build time linearly: 4 bytes per slot here (10 for a table
-// that is rebuilt, see Cost), 4 per slot in the BPF map.
+// memory linearly, 4 bytes per slot here (10 for a table that is
+// rebuilt, see Cost) and 4 per slot in the BPF map, and build time a
+// little more than linearly (see Cost).
 //
 // # Weights
 //
@@ -132,8 +133,8 @@
 // permutation: memory is O(M + N). A table keeps 4 bytes per slot, the
 // entries, and finds a slot's backend by its ID in a small hash index. The
 // fill's scratch is 6 bytes per slot (two copies of a byte of occupancy
-// per slot; the order of turns of a weighted fill, whose space the last
-// slots' bitmaps reuse) plus about 300 bytes per backend. New borrows
+// per slot; a word per slot for the order of turns of a weighted fill and
+// for the last slots' bitmaps) plus about 300 bytes per backend. New borrows
 // that scratch from a pool and returns it; a table that is rebuilt keeps
 // its own, so that Rebuild allocates nothing.
 //
@@ -148,12 +149,12 @@
 // misprediction that the one-by-one search costs almost every turn once
 // many slots are taken. For the last 10%/N of the slots, with up to about
 // 30 backends, the empty slots are listed once and each backend gets a
-// bitmap of them in the order of its preferences, built with one
-// multiplication per backend and empty slot, and a turn jumps straight to
-// its next empty slot. The loops that play the turns index the fill's
-// arrays through bare pointers, each index bounded by construction (see
-// filler): with bounds-checked slices the compiler kept half their state
-// on the stack.
+// bitmap of them in the order of its preferences, built with a few
+// multiplications (no division) per backend and empty slot, and a turn
+// jumps straight to its next empty slot. The loops that play the turns
+// index the fill's arrays through bare pointers, each index bounded by
+// construction (see filler): with bounds-checked slices the compiler kept
+// half their state on the stack.
 //
 // The order of turns repeats every W' = Σ w/gcd(w) turns: with equal
 // weights it is round robin, otherwise one period (or all M turns if that

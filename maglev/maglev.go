@@ -135,7 +135,7 @@ type Table struct {
 	windows       []window
 	tails         []tailCursor
 	occ           []byte   // occupancy of the slots during a fill, 1 if taken, two copies (see window)
-	work          []uint32 // the order of turns, then the tail's rank bitmaps
+	work          []uint32 // the order of turns; the tail's rank bitmaps and list of empty slots
 	quota, filled []uint32
 	members       []member
 	groups        []group
@@ -177,7 +177,7 @@ func New(cfg Config, backends []Backend) (*Table, error) {
 
 // scratch is the part of a fill's scratch that New borrows from
 // scratchPool: the occupancy (2 bytes per slot), the order of turns and
-// rank bitmaps (4 bytes per slot) and the windows (about 270 bytes per
+// the tail's bitmaps (4 bytes per slot) and the windows (280 bytes per
 // backend).
 type scratch struct {
 	occ     []byte
@@ -325,7 +325,7 @@ func (t *Table) Lookup(hash uint32) (b Backend, ok bool) {
 
 // indexIDs indexes t.backends by ID for indexOf: byID is an open
 // addressing hash table of 2^k ≥ 2N entries ID<<32 | index, 0 for none (no
-// ID is 0), with linear probing from the top k bits of ID·φ.
+// ID is 0), with linear probing from idHome.
 func (t *Table) indexIDs() {
 	if len(t.backends) == 0 {
 		t.byID = t.byID[:0]
@@ -338,7 +338,7 @@ func (t *Table) indexIDs() {
 	mask := uint32(len(t.byID) - 1)
 	for i := range t.backends {
 		id := t.backends[i].ID
-		h := id * 0x9e3779b1 >> t.idShift
+		h := idHome(id, t.idShift)
 		for t.byID[h] != 0 {
 			h = (h + 1) & mask
 		}
@@ -346,15 +346,29 @@ func (t *Table) indexIDs() {
 	}
 }
 
+// idHome is the first entry of byID to look at for id: the top bits of
+// a multiplicative hash, after folding the high half of id into the low
+// one so that IDs differing only in high bits spread too.
+func idHome(id uint32, shift uint8) uint32 {
+	return (id ^ id>>16) * 0x9e3779b1 >> shift
+}
+
 // indexOf returns the index into t.backends of the eligible backend with
-// the given ID, which must be one.
+// the given ID. Every entry of the table is such an ID; any other is a
+// broken invariant (say, Entries modified by a caller) and panics rather
+// than being searched for forever.
 func (t *Table) indexOf(id uint32) int {
 	mask := uint32(len(t.byID) - 1)
-	h := id * 0x9e3779b1 >> t.idShift
-	for t.byID[h]>>32 != uint64(id) {
+	h := idHome(id, t.idShift)
+	for {
+		switch v := t.byID[h]; {
+		case v>>32 == uint64(id):
+			return int(uint32(v))
+		case v == 0:
+			panic(fmt.Sprintf("maglev: ID %d is not a backend of the table", id))
+		}
 		h = (h + 1) & mask
 	}
-	return int(uint32(t.byID[h]))
 }
 
 // Entries returns the table as the datapath indexes it: Size backend IDs,

@@ -706,7 +706,7 @@ func TestMemoryLinear(t *testing.T) {
 	})
 	// 4 bytes per slot (entries), scratch per backend and, should the pool
 	// be empty, the fill's 6 bytes per slot, with room for append's growth.
-	limit := int64(11*SizeL + 1000*1024)
+	limit := int64(9*SizeL + 1000*1024)
 	t.Logf("New(N=1000, M=%d) allocates %d B in %d allocs", SizeL, res.AllocedBytesPerOp(), res.AllocsPerOp())
 	if res.AllocedBytesPerOp() > limit {
 		t.Fatalf("New allocates %d B, want at most %d (O(M+N))", res.AllocedBytesPerOp(), limit)
@@ -718,4 +718,44 @@ func TestBackendString(t *testing.T) {
 	if got, want := b.String(), "[2001:db8::1]:443/6#4"; got != want {
 		t.Errorf("String() = %q, want %q", got, want)
 	}
+}
+
+// TestPhasesLargeTables guards the fill's phase boundaries at the largest
+// sizes, where M·300 and N·M/32 overflow a 32-bit int: the boundaries stay
+// ordered within [0, M], and the tail's scratch (rank bitmaps and the list
+// of empty slots) fits before the turns it must not overwrite.
+func TestPhasesLargeTables(t *testing.T) {
+	for _, m := range []uint32{MaxSize, 10000019, SizeL, SizeS} {
+		for _, n := range []int{1, 10, 31, 1000, 8192} {
+			for _, stored := range []bool{false, true} {
+				kA, kB := phases(m, n, stored)
+				if kA < 0 || kA > kB || kB > int(m) {
+					t.Fatalf("M=%d N=%d stored=%v: phases %d, %d out of order", m, n, stored, kA, kB)
+				}
+				if e := int64(m) - int64(kB); e > 0 {
+					room := int64(m)
+					if stored {
+						room -= e
+					}
+					if need := int64(n)*int64(tailWords(m)) + e; need > room {
+						t.Fatalf("M=%d N=%d stored=%v: tail needs %d words, has %d", m, n, stored, need, room)
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestLookupUnknownIDPanics: an entry that is no backend's ID (Entries
+// modified by a caller) is a broken invariant that panics, not a search
+// that never ends.
+func TestLookupUnknownIDPanics(t *testing.T) {
+	tab := mustNew(t, SizeS, 0, testBackends(10, equalWeights))
+	defer func() {
+		if recover() == nil {
+			t.Fatal("Lookup of a modified entry did not panic")
+		}
+	}()
+	tab.Entries()[7] = 12345
+	tab.Lookup(7)
 }

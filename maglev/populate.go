@@ -127,19 +127,23 @@ func (t *Table) populate() {
 // backends: turns [0, kA) probe, turns [kA, kB) use windows, and the turns
 // from kB on are the tail. stored says whether the turns are stored in
 // t.work, which the tail borrows.
+//
+// The products are taken in 64 bits: M·300 and N·M/32 overflow a 32-bit
+// int for the largest tables.
 func phases(m uint32, n int, stored bool) (kA, kB int) {
 	kA, kB = int(m), int(m)
-	if m < fastMinSize || int(m) < fastMinClaims*n {
+	m64, n64 := uint64(m), uint64(n)
+	if m < fastMinSize || m64 < fastMinClaims*n64 {
 		return kA, kB
 	}
-	kA = int(m) * windowsFrom / 1000
-	if e := int(m) * tailEmpty / (1000 * n); e >= tailMinEmpty {
-		room := int(m)
+	kA = int(m64 * windowsFrom / 1000)
+	if e := m64 * tailEmpty / (1000 * n64); e >= tailMinEmpty {
+		room := m64
 		if stored {
-			room = int(m) - e
+			room = m64 - e
 		}
-		if n*tailWords(m)+e <= room {
-			kB = int(m) - e
+		if n64*uint64(tailWords(m))+e <= room {
+			kB = int(m64 - e)
 		}
 	}
 	return kA, kB
@@ -277,8 +281,10 @@ func gcd(a, b uint32) uint32 {
 //   - occ holds 2M bytes: slot s and its mirror s+M (see window).
 //   - entries holds M IDs, indexed by a slot below M.
 //
-// Slots are reduced mod M by wrapAdd, window indices are base+ks[b] with
-// base, ks[b] < M, and the loops index nothing else.
+// A cursor's slot is kept below M by wrapAdd; a window's candidate is
+// base+ks[b] < 2M with base, ks[b] < M, and a claim reduces it to its
+// slot s < M and writes occ[s], occ[s+M] and entries[s]; the loops index
+// nothing else.
 type filler struct {
 	seq, cursors, windows, occ, entries unsafe.Pointer
 	nseq                                int

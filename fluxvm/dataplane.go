@@ -95,6 +95,13 @@ type Dataplane struct {
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
+	// maglev is the one Maglev table that every frontend's table is built
+	// in, then copied into its inner map; slots are the inner maps' keys,
+	// 0..M−1. Keeping a table per frontend would keep its build scratch
+	// too, about 10 bytes per slot for every frontend.
+	maglev *maglev.Table
+	slots  []uint32
+
 	stop chan struct{}
 	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later change
@@ -127,7 +134,6 @@ type frontend struct {
 	sid      uint32
 	service  string
 	backends map[netip.AddrPort]uint32
-	table    *maglev.Table
 	eligible int
 	guard    bool
 	flags    uint32 // SvcValue flags (svcFlags)

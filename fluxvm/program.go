@@ -284,12 +284,11 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 			Weight: b.EffectiveWeight(), Ready: state == bpf.BackendReady})
 	}
 
-	cfg := maglev.Config{Size: d.caps.MaglevSize, Seed: d.opts.MaglevSeed}
 	var err error
-	if fe.table == nil {
-		fe.table, err = maglev.New(cfg, mb)
+	if d.maglev == nil {
+		d.maglev, err = maglev.New(maglev.Config{Size: d.caps.MaglevSize, Seed: d.opts.MaglevSeed}, mb)
 	} else {
-		err = fe.table.Rebuild(mb)
+		err = d.maglev.Rebuild(mb)
 	}
 	if err != nil {
 		return err
@@ -298,7 +297,7 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 		return err
 	}
 	fe.eligible = 0
-	for _, c := range fe.table.SlotCounts() {
+	for _, c := range d.maglev.SlotCounts() {
 		if c.Slots > 0 {
 			fe.eligible++
 		}
@@ -334,12 +333,13 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 	return nil
 }
 
-// swapTable programs fe's Maglev table: a complete new inner map replaces
-// the old one in a single update, or the slot is emptied when no backend
-// is eligible (new flows then drop as no_backend).
+// swapTable programs fe's Maglev table, just built in d.maglev: a
+// complete new inner map replaces the old one in a single update, or the
+// slot is emptied when no backend is eligible (new flows then drop as
+// no_backend).
 func (d *Dataplane) swapTable(fe *frontend) error {
 	outer := d.dp.Map("fluxvm_maglev")
-	entries := fe.table.Entries()
+	entries := d.maglev.Entries()
 	if len(entries) == 0 {
 		if err := outer.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
@@ -351,11 +351,13 @@ func (d *Dataplane) swapTable(fe *frontend) error {
 		return fmt.Errorf("maglev table: %w", err)
 	}
 	defer inner.Close()
-	keys := make([]uint32, len(entries))
-	for i := range keys {
-		keys[i] = uint32(i)
+	if len(d.slots) != len(entries) {
+		d.slots = make([]uint32, len(entries))
+		for i := range d.slots {
+			d.slots[i] = uint32(i)
+		}
 	}
-	if _, err := inner.BatchUpdate(keys, entries, nil); err != nil {
+	if _, err := inner.BatchUpdate(d.slots, entries, nil); err != nil {
 		return fmt.Errorf("maglev table: fill: %w", err)
 	}
 	if err := outer.Put(fe.sid, inner); err != nil {

@@ -129,7 +129,6 @@ type Table struct {
 	spareIDs      []identity
 	sorted        []sortItem
 	idSorted      []uint32 // the IDs of the caller's backends, sorted
-	idOf          []uint32 // backends[i].ID, for the fill
 	remainders    []remainder
 	cursors       []cursor
 	windows       []window

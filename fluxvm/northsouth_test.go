@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testenv"
 )
 
 // The north-south lab: the env's VMs plus the external client "ext"
@@ -52,23 +52,8 @@ func (e *env) tcxPrograms(t *testing.T, ifname string, at ebpf.AttachType) []str
 		if err != nil {
 			return err
 		}
-		res, err := link.QueryPrograms(link.QueryOptions{Target: l, Attach: at})
-		if err != nil {
-			return err
-		}
-		for _, p := range res.Programs {
-			prog, err := ebpf.NewProgramFromID(p.ID)
-			if err != nil {
-				return err
-			}
-			info, err := prog.Info()
-			prog.Close()
-			if err != nil {
-				return err
-			}
-			names = append(names, info.Name)
-		}
-		return nil
+		names, err = testenv.TCXProgramNames(l, at)
+		return err
 	})
 	if err != nil {
 		t.Fatalf("programs on %s %v: %v", ifname, at, err)

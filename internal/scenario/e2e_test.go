@@ -946,24 +946,9 @@ func TestE2EPolicyBehindServiceChain(t *testing.T) {
 
 	// The chain on the client's edge: ours first, the policy last.
 	var chain []string
-	err = e.Lab.Node.Do(func() error {
-		qr, err := link.QueryPrograms(link.QueryOptions{Target: e.Client.NodeIfIndex, Attach: ebpf.AttachTCXIngress})
-		if err != nil {
-			return err
-		}
-		for _, ap := range qr.Programs {
-			prog, err := ebpf.NewProgramFromID(ap.ID)
-			if err != nil {
-				return err
-			}
-			info, err := prog.Info()
-			prog.Close()
-			if err != nil {
-				return err
-			}
-			chain = append(chain, info.Name)
-		}
-		return nil
+	err = e.Lab.Node.Do(func() (err error) {
+		chain, err = testenv.TCXProgramNames(e.Client.NodeIfIndex, ebpf.AttachTCXIngress)
+		return err
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -34,7 +35,9 @@ type GCResult struct {
 	NATScanned int
 	// StaleNATRemoved: reverse-NAT entries without a conntrack half that
 	// could not be repaired: idle past the established (TCP) or UDP
-	// timeout, or their backend no longer keeps flows. The NAT halves of
+	// timeout, their backend no longer keeps flows, or their flow's
+	// conntrack entry was removed by this run (the entry is an earlier
+	// flow's on the same tuple, not a half the LRU evicted). The NAT halves of
 	// flows removed as BackendGone are counted here: without the backend
 	// slot their key cannot be named from the conntrack side, so this
 	// sweep is what finds them.
@@ -81,8 +84,12 @@ func (r GCResult) String() string {
 //     or port) is removed as superseded; an entry without a conntrack
 //     half gets it back (state established for TCP, UDP for UDP,
 //     deadline LastSeen + that timeout; kind SNAT with the mapping's
-//     address and port for an SNAT mapping) if it is fresh and its
-//     backend still keeps flows, and is removed otherwise. The conntrack
+//     address and port for an SNAT mapping) if it is fresh, its backend
+//     still keeps flows and sweep 1 did not just remove that conntrack
+//     entry, and is removed otherwise. A half that was evicted is
+//     repaired; a half whose flow ended is never revived: the tuple's
+//     next connection must get a fresh pick, not a phantom flow to a
+//     backend the table may no longer name. The conntrack
 //     half of an SNAT mapping is keyed by its origin: (Origin -> VIP);
 //  3. conntrack again: an east-west or SNAT entry without its
 //     reverse-NAT half whose backend still exists gets it back (created,
@@ -119,7 +126,8 @@ func (m *Map) GC(ctx context.Context, now time.Duration) (GCResult, error) {
 	}
 	m.gcMu.Lock()
 	defer m.gcMu.Unlock()
-	g := &gcRun{m: m, ctx: ctx, now: uint64(now), backends: make(map[uint32]cachedBackend)}
+	g := &gcRun{m: m, ctx: ctx, now: uint64(now), backends: make(map[uint32]cachedBackend),
+		removed: make(map[uint64]struct{}), seed: maphash.MakeSeed()}
 	err := g.do(
 		func() error { return sweep(g, m.ct4, IPv4, key4From) },
 		func() error { return sweep(g, m.ct6, IPv6, key6From) },
@@ -166,6 +174,13 @@ type gcRun struct {
 	// and SNAT) that sweep 1 kept, paired the NAT entries sweep 2 found
 	// with their conntrack half.
 	kept, paired int
+
+	// removed holds the keys (hashed) of the conntrack entries sweep 1
+	// removed. A reverse-NAT entry of such a flow is not repaired in
+	// sweep 2: its conntrack half did not vanish by eviction, it ended
+	// (or the entry was another, older flow's on the same tuple).
+	removed map[uint64]struct{}
+	seed    maphash.Seed
 
 	natDel, natStale, natSuperseded []nat.Key
 	// snatSuperseded are the SNAT mappings of natSuperseded's chunk,
@@ -303,13 +318,14 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			}
 			del = append(del, s.Keys[i])
 			why = append(why, r)
+			k := decode(&s.Keys[i])
+			g.removed[maphash.Comparable(g.seed, k)] = struct{}{}
 			if !owns(&b, v.ServiceId) {
 				// The NAT half cannot be named from here; sweep 2 finds
 				// it without its conntrack half and a backend that keeps
 				// no flows, and removes it.
 				continue
 			}
-			k := decode(&s.Keys[i])
 			nk, ok := natKey(k, v, &b)
 			if !ok {
 				continue // DSR: no NAT half
@@ -415,7 +431,8 @@ func (g *gcRun) sweepNAT() error {
 				}
 				last := uint64(e.LastSeen)
 				deadline := last + uint64(timeout)
-				if moved || !g.keeps(&b, e.ServiceID) || deadline < g.now {
+				_, ended := g.removed[maphash.Comparable(g.seed, ck)]
+				if ended || moved || !g.keeps(&b, e.ServiceID) || deadline < g.now {
 					g.natStale = append(g.natStale, e.Key)
 					continue
 				}

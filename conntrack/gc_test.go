@@ -210,7 +210,7 @@ func TestGCPairing(t *testing.T) {
 			return t0
 		}, nil, GCResult{NATScanned: 1, CTRepaired: 1}},
 
-		{"failover leaves a superseded NAT half, which goes", func(t *testing.T, d *dataplane, v variant, k Key) time.Duration {
+		{"failover takes the old backend's NAT half with it", func(t *testing.T, d *dataplane, v variant, k Key) time.Duration {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendUnhealthy, 0)
 			d.table(sid, v.ids[1])
 			if got := d.send(k, pkt.ACK); got != v.backends[1] {
@@ -223,6 +223,20 @@ func TestGCPairing(t *testing.T) {
 			}
 			if got := d.reply(v.backends[1], k); got != v.vip {
 				t.Error("new backend's replies are not translated")
+			}
+		}, GCResult{Scanned: 1, NATScanned: 1}},
+
+		{"a superseded NAT half goes", func(t *testing.T, d *dataplane, v variant, k Key) time.Duration {
+			// As left by a datapath that could not name it (the
+			// earlier flow's backend slot was gone when it re-picked).
+			d.must(d.nat.Create(nat.Entry{Key: v.natOf(k, 2), VIP: v.vip, ServiceID: sid, BackendID: v.ids[2], LastSeen: now(t)}))
+			return now(t)
+		}, func(t *testing.T, d *dataplane, v variant, k Key) {
+			if _, ok := d.natLookup(v.natOf(k, 2)); ok {
+				t.Error("the superseded NAT half survived")
+			}
+			if got := d.reply(v.backends[0], k); got != v.vip {
+				t.Error("the flow's replies are not translated")
 			}
 		}, GCResult{Scanned: 1, NATScanned: 2, SupersededNATRemoved: 1}},
 

@@ -165,7 +165,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	struct fluxvm_svc_value *svc;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_guard *guard;
-	struct fluxvm_backend *be;
+	struct fluxvm_backend *be, *old_be = NULL;
 	struct fluxvm_meta_value *meta;
 	__be32 nat_addr[4] = {};
 	__be16 nat_port = 0;
@@ -207,9 +207,14 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		bid = ct->backend_id;
 		be = fluxvm_backend_get(bid);
 		if (fluxvm_backend_keeps(be, sid, now)) {
-			/* A fresh SYN on a closed entry is a new connection
-			 * reusing the tuple: it gets a fresh pick. */
-			if (!(fluxvm_tcp_is_syn(pkt) && ct->state >= FLUXVM_CT_TCP_FIN)) {
+			/* A fresh SYN on an entry past its handshake (closed,
+			 * reset, or established as far as we know: its end was
+			 * not seen, or the entry was rebuilt from its reply
+			 * half) is a new connection reusing the tuple. It gets
+			 * a fresh pick and a fresh SYN state, whose SYN-ACK the
+			 * reply path accepts; a retransmitted SYN of a
+			 * handshake in progress keeps its backend. */
+			if (!fluxvm_tcp_is_syn(pkt) || ct->state == FLUXVM_CT_TCP_SYN) {
 				int wrote = fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 
 				if (snat) {
@@ -235,6 +240,11 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		} else {
 			failover = 1;
 		}
+		/* The reply half of the tuple's earlier flow, which the new
+		 * pick supersedes (east-west only: an SNAT mapping is keyed
+		 * by its own port and collected by the GC). */
+		if (!(ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) && be && be->service_id == sid)
+			old_be = be;
 	}
 
 pick:
@@ -278,9 +288,15 @@ pick:
 			fluxvm_snat_forget(pkt, v6, be, nct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
-	if (!snat && !dsr && fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
-		bpf_map_delete_elem(ct_map, ct_key);
-		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+	if (!snat && !dsr) {
+		if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
+			bpf_map_delete_elem(ct_map, ct_key);
+			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+		}
+		/* Left behind, the earlier flow's reply half would outlive its
+		 * conntrack half and could be taken for a live flow. */
+		if (old_be && old_be != be)
+			fluxvm_nat_forget(pkt, v6, old_be);
 	}
 	if (st) {
 		st->new_flows++;

@@ -236,6 +236,24 @@ static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const 
 	return bpf_map_update_elem(&fluxvm_nat4, &s->k4, nv, BPF_ANY);
 }
 
+/* Remove the reverse-NAT half of the flow of @pkt on backend @be. The key
+ * is built in per-CPU scratch, as in fluxvm_nat_learn. */
+static __always_inline void fluxvm_nat_forget(const struct fluxvm_pkt *pkt, const int v6,
+					      const struct fluxvm_backend *be)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+
+	if (!s)
+		return;
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	__builtin_memset(&s->k6, 0, sizeof(s->k6));
+	fluxvm_nat_key(pkt, v6, be, &s->k4, &s->k6);
+	if (v6)
+		bpf_map_delete_elem(&fluxvm_nat6, &s->k6);
+	else
+		bpf_map_delete_elem(&fluxvm_nat4, &s->k4);
+}
+
 /*
  * Recreate the reverse-NAT half of a flow if the LRU evicted it, so that a
  * conntrack entry never lives without it. Called on conntrack refresh only,

@@ -57,6 +57,14 @@ type Options struct {
 	// AttachMode forces TCX or cls_bpf; empty picks TCX where the kernel
 	// has it.
 	AttachMode AttachMode
+	// Staged leaves whatever runs now running until Activate: the pinned
+	// attachments keep their programs, and those programs keep the maps
+	// they were loaded with, while the caller writes its state into the
+	// new maps (a tier change or generation reload creates them empty).
+	// Without it Open activates at once, and after a reload or tier
+	// change the attached hooks run on empty service maps until the
+	// caller has written them: VIP packets pass untranslated meanwhile.
+	Staged bool
 }
 
 // Status says what Open found in the pin root and what it did.
@@ -76,12 +84,17 @@ type Status struct {
 	// maps were kept and every other map recreated.
 	Reloaded           bool
 	PreviousGeneration uint32
-	// TierChanged: the maps were recreated at the new tier's capacities;
-	// Migrated lifecycle entries were carried over, NotMigrated did not fit.
+	// TierChanged: the maps were recreated at the new tier's capacities,
+	// and the lifecycle maps' entries migrated into them.
 	TierChanged  bool
 	PreviousTier Tier
-	Migrated     int
-	NotMigrated  int
+	// Migrated and NotMigrated total Migrations: the entries now in the
+	// new lifecycle maps, and those that did not fit.
+	Migrated    int
+	NotMigrated int
+	// Migrations details each lifecycle map that was migrated (a tier
+	// change, or a generation whose layouts grew).
+	Migrations []Migration
 	// KeptMaps and NewMaps name the maps reused from the pins and the maps
 	// created by this Open.
 	KeptMaps, NewMaps []string
@@ -107,6 +120,17 @@ type Datapath struct {
 	spec   *ebpf.CollectionSpec
 	coll   *ebpf.Collection
 	status Status
+	// staged is what Activate still has to do; nil once active.
+	staged *staged
+}
+
+// staged is the part of an Open that Activate completes.
+type staged struct {
+	// old holds the replaced lifecycle maps by name, still written by the
+	// programs attached before Activate, for the catch-up.
+	old map[string]*ebpf.Map
+	// since is when the first migration pass began (datapath clock).
+	since uint64
 }
 
 // Open loads the datapath, adopting or rebuilding the state in the pin
@@ -142,13 +166,24 @@ func Open(opts Options) (*Datapath, error) {
 
 	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps, MountedBPFFS: mounted}
 	pinned, prev, err := adoptPins(root, spec, &st)
+	stg := &staged{old: map[string]*ebpf.Map{}}
 	defer func() {
-		for _, m := range pinned {
-			m.Close()
+		for name, m := range pinned {
+			if stg.old[name] != m {
+				m.Close()
+			}
 		}
 	}()
 	if err != nil {
 		return nil, err
+	}
+	closeOld := func() {
+		for _, m := range stg.old {
+			m.Close()
+		}
+	}
+	if stg.since, err = monotonicCoarse(); err != nil {
+		return nil, fmt.Errorf("bpf: open: %w", err)
 	}
 
 	// Build the full map set: reused pins, or new maps (not pinned until
@@ -159,6 +194,7 @@ func Open(opts Options) (*Datapath, error) {
 		for _, m := range fresh {
 			m.Close()
 		}
+		closeOld()
 	}
 	for name, ms := range spec.Maps {
 		if m, ok := pinned[name]; ok && compatible(m, ms) {
@@ -175,15 +211,18 @@ func Open(opts Options) (*Datapath, error) {
 		maps[name] = m
 		st.NewMaps = append(st.NewMaps, name)
 		if old, ok := pinned[name]; ok && slices.Contains(LifecycleMaps, name) {
-			moved, dropped, err := migrate(old, m)
+			stg.old[name] = old
+			mg, err := migrate(name, old, m)
 			if err != nil {
 				closeFresh()
 				return nil, fmt.Errorf("bpf: open: migrate %s: %w", name, err)
 			}
-			st.Migrated += moved
-			st.NotMigrated += dropped
+			st.Migrations = append(st.Migrations, mg)
+			st.Migrated += mg.Migrated
+			st.NotMigrated += mg.DidNotFit()
 		}
 	}
+	slices.SortFunc(st.Migrations, func(a, b Migration) int { return strings.Compare(a.Map, b.Map) })
 	slices.Sort(st.KeptMaps)
 	slices.Sort(st.NewMaps)
 
@@ -192,32 +231,75 @@ func Open(opts Options) (*Datapath, error) {
 		closeFresh()
 		return nil, fmt.Errorf("bpf: open: load programs: %w", err)
 	}
-	d := &Datapath{opts: opts, spec: spec, coll: coll, status: st}
-	closeFresh() // the collection holds its own references now
-
+	for _, m := range fresh {
+		m.Close() // the collection holds its own references now
+	}
+	d := &Datapath{opts: opts, spec: spec, coll: coll, status: st, staged: stg}
 	if err := d.writeMeta(prev); err != nil {
 		d.Close()
 		return nil, err
 	}
-	// Pin the new maps in place of whatever stood there.
-	for _, name := range st.NewMaps {
+	if !opts.Staged {
+		if err := d.Activate(); err != nil {
+			d.Close()
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// Activate completes a staged Open (Options.Staged): it pins the new maps
+// in place of the old ones, points every pinned attachment at the new
+// programs, and copies into the new lifecycle maps the flows that the old
+// programs learned or changed since Open migrated them (Migration.CaughtUp).
+// Until then the old programs ran on the old maps, so no packet met a
+// half-written map. Activating an active datapath does nothing.
+//
+// If Activate fails, the attachments it did not reach keep running the
+// old programs; Open again to retry.
+func (d *Datapath) Activate() error {
+	if d.coll == nil {
+		return ErrClosed
+	}
+	stg := d.staged
+	if stg == nil {
+		return nil
+	}
+	root := d.opts.PinRoot
+	// Pin the new maps in place of whatever stood there, so that the pins
+	// name what runs once the links below are switched.
+	for _, name := range d.status.NewMaps {
 		path := filepath.Join(mapDir(root), name)
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			d.Close()
-			return nil, fmt.Errorf("bpf: open: replace pin %s: %w", name, err)
+			return fmt.Errorf("bpf: activate: replace pin %s: %w", name, err)
 		}
 		if err := d.coll.Maps[name].Pin(path); err != nil {
-			d.Close()
-			return nil, fmt.Errorf("bpf: open: pin %s: %w", name, err)
+			return fmt.Errorf("bpf: activate: pin %s: %w", name, err)
 		}
+	}
+	if err := removeStalePins(root, d.spec); err != nil {
+		return err
 	}
 	// Programs attached by an earlier process run the old code until
 	// their links are pointed at the new programs.
+	var err error
 	if d.status.Links, d.status.SeveredLinks, err = d.updateLinks(); err != nil {
-		d.Close()
-		return nil, err
+		return err
 	}
-	return d, nil
+	for i := range d.status.Migrations {
+		mg := &d.status.Migrations[i]
+		n, err := catchUp(mg.Map, stg.old[mg.Map], d.coll.Maps[mg.Map], stg.since)
+		if err != nil {
+			return fmt.Errorf("bpf: activate: catch up %s: %w", mg.Map, err)
+		}
+		mg.CaughtUp = n
+		d.status.Migrated += n
+	}
+	for _, m := range stg.old {
+		m.Close()
+	}
+	d.staged = nil
+	return nil
 }
 
 // Status reports what Open found and did.
@@ -244,11 +326,18 @@ func (d *Datapath) Program(name string) *ebpf.Program {
 // fluxvm_maglev InnerMap is the template for new Maglev tables.
 func (d *Datapath) Spec() *ebpf.CollectionSpec { return d.spec }
 
-// Close releases this process's handles. Pins and attachments stay.
+// Close releases this process's handles. Pins and attachments stay; a
+// datapath closed before Activate leaves them as Open found them.
 func (d *Datapath) Close() error {
 	if d.coll != nil {
 		d.coll.Close()
 		d.coll = nil
+	}
+	if d.staged != nil {
+		for _, m := range d.staged.old {
+			m.Close()
+		}
+		d.staged = nil
 	}
 	return nil
 }
@@ -407,17 +496,14 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 	}
 	switch {
 	case !metaOK || prev.SchemaVersion != SchemaVersion:
-		// Another schema: nothing is reusable. Remove every pin of ours.
+		// Another schema: nothing is reusable. Every map is created anew
+		// and Activate replaces the pins (or removes those of names this
+		// schema no longer has).
 		st.SchemaRebuilt = true
 		if metaOK {
 			st.PreviousSchema = prev.SchemaVersion
 		}
 		closeAll()
-		for _, name := range ours {
-			if err := os.Remove(filepath.Join(mapDir(root), name)); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return nil, nil, fmt.Errorf("bpf: rebuild pin root: %w", err)
-			}
-		}
 		return nil, nil, nil
 	}
 
@@ -454,38 +540,6 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 func compatible(m *ebpf.Map, spec *ebpf.MapSpec) bool {
 	return m.Type() == spec.Type && m.KeySize() == spec.KeySize && m.ValueSize() == spec.ValueSize &&
 		m.MaxEntries() == spec.MaxEntries && m.Flags() == spec.Flags
-}
-
-// migrate copies the entries of old into new and returns how many arrived
-// and how many did not. The count is taken from new afterwards, because an
-// LRU map makes room by evicting rather than refusing an insert.
-//
-// Lifecycle values only ever grow at the end, with zero meaning what the
-// older layout meant (an east-west flow), so a value shorter than the new
-// layout is carried over zero-extended. Keys must match exactly.
-func migrate(old, new *ebpf.Map) (moved, dropped int, err error) {
-	total, err := countEntries(old)
-	if err != nil {
-		return 0, 0, err
-	}
-	if old.KeySize() == new.KeySize() && old.ValueSize() <= new.ValueSize() {
-		k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
-		nv := make([]byte, new.ValueSize())
-		it := old.Iterate()
-		for it.Next(&k, &v) {
-			copy(nv, v)
-			// A full hash map refuses; the entry is then counted as
-			// not migrated below.
-			_ = new.Update(k, nv, ebpf.UpdateNoExist)
-		}
-		if err := it.Err(); err != nil {
-			return 0, 0, err
-		}
-	}
-	if moved, err = countEntries(new); err != nil {
-		return 0, 0, err
-	}
-	return moved, total - moved, nil
 }
 
 func countEntries(m *ebpf.Map) (int, error) {

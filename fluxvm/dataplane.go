@@ -177,7 +177,13 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.Config.checkNorthSouth(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	dp, err := bpf.Open(opts.Loader)
+	// Staged: the programs attached by an earlier process keep running on
+	// their maps until the catalog is restored into the new ones (a tier
+	// change or reload creates them empty); a VIP packet never meets an
+	// empty frontend map and passes untranslated.
+	lo := opts.Loader
+	lo.Staged = true
+	dp, err := bpf.Open(lo)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -196,6 +202,14 @@ func Open(opts Options) (*Dataplane, error) {
 		d.health.cancel()
 		dp.Close()
 		return nil, err
+	}
+	if err := dp.Activate(); err != nil {
+		d.health.cancel()
+		dp.Close()
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
+		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
 	d.startAdvertiser()
 	d.startHealth()
@@ -559,7 +573,7 @@ func (d *Dataplane) Status() Status {
 		Load: LoadStatus{
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
-			Migrated: st.Migrated, NotMigrated: st.NotMigrated,
+			Migrated: st.Migrated, NotMigrated: st.NotMigrated, Migrations: slices.Clone(st.Migrations),
 		},
 		Services: len(d.services),
 		SNAT:     d.snatStatus(),

@@ -3,6 +3,8 @@ package fluxvm
 import (
 	"net/netip"
 	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
 )
 
 // ServiceStatus is a service as the node has it: the stored intent and
@@ -80,8 +82,16 @@ type LoadStatus struct {
 	PreviousGeneration uint32 `json:"previous_generation,omitempty"`
 	TierChanged        bool   `json:"tier_changed"`
 	PreviousTier       string `json:"previous_tier,omitempty"`
-	Migrated           int    `json:"migrated_entries,omitempty"`
-	NotMigrated        int    `json:"not_migrated_entries,omitempty"`
+	// Migrated and NotMigrated total Migrations: lifecycle entries carried
+	// into the new maps, and entries that did not fit (evicted or refused).
+	Migrated    int `json:"migrated_entries"`
+	NotMigrated int `json:"not_migrated_entries"`
+	// Migrations details each migrated lifecycle map: entries read,
+	// migrated, evicted (the new tier is smaller), refused (with the
+	// kernel's error), and caught up (learned by the old programs while
+	// the new maps were being written). Entries = Migrated + Evicted +
+	// Refused.
+	Migrations []bpf.Migration `json:"migrations,omitempty"`
 }
 
 // InterfaceStatus is one VM-edge or north-south interface and how its

@@ -1,0 +1,186 @@
+package bpf
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// Migration is what became of one lifecycle map's entries when Open had to
+// create the map anew (another tier's capacity, or a layout that grew) and
+// carried its flows over.
+//
+// Open copies every entry (Entries) into the new map while the programs
+// attached before it still run on the old one; Activate then switches the
+// attachments and copies once more what the old programs learned or
+// changed meanwhile (CaughtUp). Every entry either arrives (Migrated) or
+// is counted with its reason: Evicted when the new map is smaller than the
+// flows it was given (the LRU made room by evicting the least recently
+// used), Refused when the kernel refused the insert. The counts are exact
+// and never negative: Entries = Migrated + Evicted + Refused.
+type Migration struct {
+	// Map is the lifecycle map's name, for example "fluxvm_fct4".
+	Map string `json:"map"`
+	// Entries is the number of distinct entries read from the old map.
+	Entries int `json:"entries"`
+	// Migrated is the number of them in the new map after the copy.
+	Migrated int `json:"migrated"`
+	// Evicted did not fit: the new map is smaller.
+	Evicted int `json:"evicted"`
+	// Refused were refused by the kernel (RefusedError says why).
+	Refused      int    `json:"refused"`
+	RefusedError string `json:"refused_error,omitempty"`
+	// CaughtUp is the number of flows the old programs learned or changed
+	// between the copy and the switch, copied by Activate.
+	CaughtUp int `json:"caught_up"`
+}
+
+// DidNotFit is the number of entries lost: evicted or refused.
+func (m Migration) DidNotFit() int { return m.Evicted + m.Refused }
+
+// migrate copies the entries of old into new, which nothing else writes
+// yet (its programs are not attached), and counts what arrived.
+//
+// Lifecycle values only ever grow at the end, with zero meaning what the
+// older layout meant (an east-west flow), so a value shorter than the new
+// layout is carried over zero-extended. Keys must match exactly; entries
+// of another key layout cannot be carried and count as refused.
+func migrate(name string, old, new *ebpf.Map) (Migration, error) {
+	mg := Migration{Map: name}
+	if old.KeySize() != new.KeySize() || old.ValueSize() > new.ValueSize() {
+		n, err := countEntries(old)
+		mg.Entries, mg.Refused = n, n
+		mg.RefusedError = fmt.Sprintf("layout changed (key %d -> %d bytes, value %d -> %d bytes)",
+			old.KeySize(), new.KeySize(), old.ValueSize(), new.ValueSize())
+		return mg, err
+	}
+	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+	nv := make([]byte, new.ValueSize())
+	inserted := 0
+	it := old.Iterate()
+	for it.Next(&k, &v) {
+		copy(nv, v)
+		err := new.Update(k, nv, ebpf.UpdateNoExist)
+		switch {
+		case err == nil:
+			inserted++
+		case errors.Is(err, ebpf.ErrKeyExist):
+			// The old map changed under the iteration, which then
+			// returned a key twice: counted once.
+		default:
+			mg.Refused++
+			mg.RefusedError = err.Error()
+		}
+	}
+	if err := it.Err(); err != nil {
+		return mg, err
+	}
+	present, err := countEntries(new)
+	if err != nil {
+		return mg, err
+	}
+	if present > inserted {
+		return mg, fmt.Errorf("%s: %d entries after inserting %d: the new map was written meanwhile", name, present, inserted)
+	}
+	mg.Entries = inserted + mg.Refused
+	mg.Migrated = present
+	mg.Evicted = inserted - present
+	return mg, nil
+}
+
+// lastSeenOffset is where a lifecycle value keeps its last-seen time.
+func lastSeenOffset(name string) int {
+	if strings.HasPrefix(name, "fluxvm_nat") {
+		return int(unsafe.Offsetof(NATValue{}.LastSeenNs))
+	}
+	return int(unsafe.Offsetof(CTValue{}.LastSeenNs))
+}
+
+// catchUpSlack covers the coarse clock's granularity: an entry written in
+// the same tick as the migration began is caught up too.
+const catchUpSlack = uint64(20 * time.Millisecond)
+
+// catchUp copies into new the entries of old that were learned or changed
+// at or after since (the old programs ran until the switch), unless the
+// new programs have a more recent version already. It returns how many it
+// copied.
+func catchUp(name string, old, new *ebpf.Map, since uint64) (int, error) {
+	if old == nil || new == nil || old.KeySize() != new.KeySize() || old.ValueSize() > new.ValueSize() {
+		return 0, nil
+	}
+	off := lastSeenOffset(name)
+	if since > catchUpSlack {
+		since -= catchUpSlack
+	}
+	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+	nv, cur := make([]byte, new.ValueSize()), make([]byte, new.ValueSize())
+	n := 0
+	it := old.Iterate()
+	for it.Next(&k, &v) {
+		if len(v) < off+8 {
+			continue
+		}
+		seen := binary.LittleEndian.Uint64(v[off:])
+		if seen < since {
+			continue
+		}
+		copy(nv, v)
+		err := new.Lookup(k, &cur)
+		switch {
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			err = new.Update(k, nv, ebpf.UpdateNoExist)
+			if errors.Is(err, ebpf.ErrKeyExist) {
+				continue // the new programs were quicker
+			}
+		case err != nil:
+			return n, err
+		case binary.LittleEndian.Uint64(cur[off:]) >= seen:
+			continue // as recent in the new map already
+		default:
+			err = new.Update(k, nv, ebpf.UpdateExist)
+			if errors.Is(err, ebpf.ErrKeyNotExist) {
+				continue // removed meanwhile (evicted, or the GC)
+			}
+		}
+		if err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, it.Err()
+}
+
+// removeStalePins removes the map pins of ours (fluxvm_*) that spec has no
+// map for: what an older schema pinned.
+func removeStalePins(root string, spec *ebpf.CollectionSpec) error {
+	entries, err := os.ReadDir(mapDir(root))
+	if err != nil {
+		return fmt.Errorf("bpf: activate: %w", err)
+	}
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "fluxvm_") || spec.Maps[e.Name()] != nil {
+			continue
+		}
+		if err := os.Remove(filepath.Join(mapDir(root), e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("bpf: activate: remove stale pin %s: %w", e.Name(), err)
+		}
+	}
+	return nil
+}
+
+// monotonicCoarse is the datapath's clock (bpf_ktime_get_coarse_ns).
+func monotonicCoarse() (uint64, error) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
+		return 0, fmt.Errorf("clock_gettime(CLOCK_MONOTONIC_COARSE): %w", err)
+	}
+	return uint64(ts.Nano()), nil
+}

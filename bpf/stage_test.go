@@ -1,0 +1,163 @@
+package bpf
+
+import (
+	"path/filepath"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/testenv"
+)
+
+func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
+	t.Helper()
+	info, err := p.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+func pinnedMapID(t *testing.T, root, name string) ebpf.MapID {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(mapDir(root), name), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+func mapID(t *testing.T, m *ebpf.Map) ebpf.MapID {
+	t.Helper()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+// TestStagedTierChange: a tier change opened with Staged leaves the
+// attached programs, and the pinned maps they run on, exactly as they were
+// until Activate, so that no packet meets the new tier's maps before the
+// caller has written them (issue 14, point 3). Activate then switches the
+// attachments and catches up the flows the old programs learned meanwhile;
+// the migration counts are exact (point 4).
+func TestStagedTierChange(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		_, rx, err := testenv.VethPair("fvtx", "fvrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		idx := rx.Attrs().Index
+		d := openT(t, Options{PinRoot: root, Tier: TierS})
+		if _, err := d.Attach(Interface{Index: idx}, HookFromVM); err != nil {
+			t.Fatal(err)
+		}
+		putCT(t, d, 1000)
+		oldProg := progID(t, d.Program("fluxvm_from_vm"))
+		oldSvc := pinnedMapID(t, root, "fluxvm_svc4")
+		// The old maps stay reachable through this handle after Close,
+		// as they do through the attached program.
+		oldCT, err := d.Map("fluxvm_fct4").Clone()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer oldCT.Close()
+		d.Close()
+
+		d = openT(t, Options{PinRoot: root, Tier: TierM, Staged: true})
+		st := d.Status()
+		if !st.TierChanged || st.Migrated != 1000 || st.NotMigrated != 0 {
+			t.Errorf("status %+v, want a tier change with 1000 migrated", st)
+		}
+		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != oldProg {
+			t.Errorf("before Activate the hook runs %v, want the old program %d", got, oldProg)
+		}
+		if got := pinnedMapID(t, root, "fluxvm_svc4"); got != oldSvc {
+			t.Errorf("before Activate the fluxvm_svc4 pin is map %d, want the old map %d", got, oldSvc)
+		}
+
+		// Flows the old program learns or changes before the switch.
+		now, err := monotonicCoarse()
+		if err != nil {
+			t.Fatal(err)
+		}
+		learned := ctKey(5000)
+		if err := oldCT.Put(learned, CTValue{ServiceId: 1, BackendId: 2, LastSeenNs: now, State: uint8(CTTCPSyn)}); err != nil {
+			t.Fatal(err)
+		}
+		changed := ctKey(7)
+		if err := oldCT.Put(changed, CTValue{ServiceId: 1, BackendId: 2, LastSeenNs: now, State: uint8(CTTCPFin)}); err != nil {
+			t.Fatal(err)
+		}
+
+		if err := d.Activate(); err != nil {
+			t.Fatal(err)
+		}
+		st = d.Status()
+		newProg := progID(t, d.Program("fluxvm_from_vm"))
+		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != newProg {
+			t.Errorf("after Activate the hook runs %v, want the new program %d", got, newProg)
+		}
+		if got, want := pinnedMapID(t, root, "fluxvm_svc4"), mapID(t, d.Map("fluxvm_svc4")); got != want {
+			t.Errorf("after Activate the fluxvm_svc4 pin is map %d, want the new map %d", got, want)
+		}
+		var v CTValue
+		if err := d.Map("fluxvm_fct4").Lookup(learned, &v); err != nil {
+			t.Errorf("flow learned before the switch lost: %v", err)
+		}
+		if err := d.Map("fluxvm_fct4").Lookup(changed, &v); err != nil || CTState(v.State) != CTTCPFin {
+			t.Errorf("flow changed before the switch: %+v, %v; want its FIN state", v, err)
+		}
+		var ct Migration
+		for _, mg := range st.Migrations {
+			if mg.Map == "fluxvm_fct4" {
+				ct = mg
+			}
+		}
+		if ct.Entries != 1000 || ct.Migrated != 1000 || ct.Evicted != 0 || ct.Refused != 0 || ct.CaughtUp != 2 {
+			t.Errorf("fluxvm_fct4 migration %+v, want 1000 entries migrated and 2 caught up", ct)
+		}
+		if st.Migrated != 1002 || st.NotMigrated != 0 {
+			t.Errorf("totals: migrated %d, not migrated %d; want 1002 and 0", st.Migrated, st.NotMigrated)
+		}
+		if err := d.Activate(); err != nil {
+			t.Errorf("second Activate: %v", err)
+		}
+		if err := d.Remove(); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// TestMigrationCountsWhenTheTierShrinks: more flows than the smaller tier
+// holds; every entry is accounted for, none negative.
+func TestMigrationCountsWhenTheTierShrinks(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierM})
+	putCT(t, d, 70000)
+	d.Close()
+	d = openT(t, Options{PinRoot: root, Tier: TierS})
+	st := d.Status()
+	for _, mg := range st.Migrations {
+		if mg.Entries < 0 || mg.Migrated < 0 || mg.Evicted < 0 || mg.Refused < 0 || mg.CaughtUp < 0 ||
+			mg.Entries != mg.Migrated+mg.Evicted+mg.Refused {
+			t.Errorf("%s: %+v does not add up", mg.Map, mg)
+		}
+		if mg.Map == "fluxvm_fct4" {
+			if mg.Entries != 70000 || mg.Evicted == 0 || mg.Migrated != count(t, d.Map("fluxvm_fct4")) {
+				t.Errorf("fluxvm_fct4: %+v, want 70000 entries, some evicted, the rest present", mg)
+			}
+			t.Logf("M->S: %+v", mg)
+		}
+	}
+}

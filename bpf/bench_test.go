@@ -26,11 +26,51 @@ import (
 //	go test -run '^$' -bench BenchmarkDatapath -benchtime 1x ./bpf/
 //
 // FLUXVM_BENCH_CALLS sets the calls per case (default 200000).
+//
+// FLUXVM_BENCH_BASELINE names another build of the tier-M object (for
+// example the committed one of an earlier revision, from `git show
+// REV:bpf/fluxvm_service_bpfel.o`): its cases then run interleaved with
+// ours in the same run, and each case reports ours/baseline.
 func BenchmarkDatapath(b *testing.B) {
 	calls := benchCalls(b)
 
 	// Real tier capacities: a shrunken LRU would measure eviction instead.
 	h := newHarnessSized(b, 0)
+	cases := datapathCases(b, h, "", "")
+	if path := os.Getenv("FLUXVM_BENCH_BASELINE"); path != "" {
+		spec, err := ebpf.LoadCollectionSpec(path)
+		if err != nil {
+			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
+		}
+		base := datapathCases(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
+		mine := cases
+		cases = nil
+		for i := range mine {
+			cases = append(cases, mine[i], base[i])
+		}
+		measureInterleaved(b, h.th, calls, cases)
+		for i := 0; i < len(cases); i += 2 {
+			r := float64(cases[i].sum) / float64(cases[i].n) / (float64(cases[i+1].sum) / float64(cases[i+1].n))
+			b.Logf("%-34s ours/baseline %.3f (gross)", cases[i].name, r)
+		}
+	} else {
+		measureInterleaved(b, h.th, calls, cases)
+	}
+	for name, p := range map[string]*ebpf.Program{"from_vm": h.objs.FluxvmFromVm, "to_vm": h.objs.FluxvmToVm} {
+		info, err := p.Info()
+		if err != nil {
+			b.Fatal(err)
+		}
+		if n, ok := info.VerifiedInstructions(); ok {
+			b.Logf("verifier processed %d instructions for %s", n, name)
+			b.ReportMetric(float64(n), "verified-insns/"+name)
+		}
+	}
+}
+
+// datapathCases sets h up for BenchmarkDatapath and returns its cases,
+// named with prefix (metrics with mprefix).
+func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCase {
 	v4, v6 := variants()[0], variants()[2]
 	v4.setup(h)
 	v6.setup(h)
@@ -63,17 +103,10 @@ func BenchmarkDatapath(b *testing.B) {
 		{name: "ipv6 tcp conntrack hit", metric: "v6-ct-hit", prog: h.objs.FluxvmFromVm, frame: func(int) []byte { return v6.fwd(40000, pkt.ACK) }, want: tcOK},
 		{name: "ipv6 tcp new flow", metric: "v6-new-flow", prog: h.objs.FluxvmFromVm, frame: func(i int) []byte { return newFlow(v6, i) }, want: tcOK},
 	}
-	measureInterleaved(b, h.th, calls, cases)
-	for name, p := range map[string]*ebpf.Program{"from_vm": h.objs.FluxvmFromVm, "to_vm": h.objs.FluxvmToVm} {
-		info, err := p.Info()
-		if err != nil {
-			b.Fatal(err)
-		}
-		if n, ok := info.VerifiedInstructions(); ok {
-			b.Logf("verifier processed %d instructions for %s", n, name)
-			b.ReportMetric(float64(n), "verified-insns/"+name)
-		}
+	for _, c := range cases {
+		c.name, c.metric = prefix+c.name, mprefix+c.metric
 	}
+	return cases
 }
 
 // benchCalls is the number of calls per case: FLUXVM_BENCH_CALLS or 200000.

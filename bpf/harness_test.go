@@ -35,11 +35,18 @@ func newHarness(t testing.TB) *harness {
 // ctEntries (0 keeps the tier's real capacity).
 func newHarnessSized(t testing.TB, ctEntries uint32) *harness {
 	t.Helper()
-	h := &harness{t: t, th: testenv.NewThread(t)}
 	spec, err := loadService()
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newHarnessSpec(t, spec, ctEntries)
+}
+
+// newHarnessSpec is newHarnessSized for another build of the object (a
+// baseline to compare against), with the same map layouts.
+func newHarnessSpec(t testing.TB, spec *ebpf.CollectionSpec, ctEntries uint32) *harness {
+	t.Helper()
+	h := &harness{t: t, th: testenv.NewThread(t)}
 	// The lifecycle maps hold hundreds of thousands of preallocated
 	// entries at tier M; the behaviour under test does not depend on
 	// capacity, and small maps keep a load per test cheap.

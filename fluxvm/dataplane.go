@@ -29,7 +29,7 @@ type Options struct {
 	// attached.
 	Config Config
 	// Loader configures the BPF loader (pin root, tier, object dir,
-	// attach mode, hash seed).
+	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
 	Loader bpf.Options
 	// CatalogPath is where the node-local catalog is kept; empty keeps it
 	// in memory only.
@@ -50,8 +50,12 @@ type Options struct {
 	GCInterval time.Duration
 	// Timeouts are the conntrack timeouts; zero means the defaults.
 	Timeouts conntrack.Timeouts
-	// MaglevSeed seeds the Maglev tables. It must be the same on every
-	// node that should compute the same tables (an HA pair).
+	// MaglevSeed seeds the Maglev tables (maglev.Config.Seed). It must
+	// be the same on every node that should compute the same tables (an
+	// HA pair), as must Loader.HashSeed. Open rebuilds every table with
+	// it, so a change takes effect at Open and moves only new flows:
+	// established ones keep their backends through conntrack. Both
+	// seeds are in Status.Seeds.
 	MaglevSeed uint64
 	// Interfaces are the VM-edge interfaces attached when the dataplane
 	// opens (Config.NorthSouthInterfaces are attached too).
@@ -229,6 +233,11 @@ func (d *Dataplane) init() error {
 	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
 		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,
 		"tier_changed", st.TierChanged, "migrated", st.Migrated, "not_migrated", st.NotMigrated)
+	if st.HashSeedChanged {
+		d.log.Warn("fluxvm: flow-hash seed changed: new flows pick by the new seed, established flows keep their backends",
+			"hash_seed", st.HashSeed, "previous_hash_seed", st.PreviousHashSeed)
+	}
+	d.log.Info("fluxvm: seeds", "hash_seed", st.HashSeed, "maglev_seed", d.opts.MaglevSeed)
 	if len(st.SeveredLinks) > 0 {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
@@ -590,7 +599,9 @@ func (d *Dataplane) Status() Status {
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
 			Migrated: st.Migrated, NotMigrated: st.NotMigrated,
+			HashSeedChanged: st.HashSeedChanged,
 		},
+		Seeds:    SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
 		Services: len(d.services),
 		SNAT:     d.snatStatus(),
 		LastGC:   d.lastGC,
@@ -599,6 +610,10 @@ func (d *Dataplane) Status() Status {
 	}
 	if st.TierChanged {
 		out.Load.PreviousTier = st.PreviousTier.String()
+	}
+	if st.HashSeedChanged {
+		prev := st.PreviousHashSeed
+		out.Load.PreviousHashSeed = &prev
 	}
 	for _, ifc := range d.ifaces {
 		out.Interfaces = append(out.Interfaces, ifc.status())

@@ -1,7 +1,6 @@
 package bpf
 
 import (
-	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -50,9 +49,15 @@ type Options struct {
 	// ObjectDir, when set, loads the object from this directory
 	// (ObjectName(tier)) instead of the embedded one.
 	ObjectDir string
-	// HashSeed seeds the datapath's flow hash when the maps are created;
-	// 0 picks a random seed. An existing seed in the pins is kept, so
-	// restarts do not move flows.
+	// HashSeed seeds the datapath's flow hash, which picks the Maglev
+	// slot of a new flow. Open writes it to the meta map every time,
+	// also over a different seed found in the pins (Status reports
+	// that): a change moves only new flows, since established ones keep
+	// their backends through conntrack. 0, the default, is a seed like
+	// any other: nodes that must pick the same backends for the same
+	// flows (an HA pair) agree by default, or by configuring one value
+	// on all of them. The datapath folds it to 32 bits (low half XOR
+	// high half).
 	HashSeed uint64
 	// AttachMode forces TCX or cls_bpf; empty picks TCX where the kernel
 	// has it.
@@ -95,6 +100,13 @@ type Status struct {
 	// Migrations details each lifecycle map that was migrated (a tier
 	// change, or a generation whose layouts grew).
 	Migrations []Migration
+	// HashSeed is the flow-hash seed in the meta map (Options.HashSeed).
+	// HashSeedChanged: the adopted pins held another seed,
+	// PreviousHashSeed; new flows now pick by HashSeed, established ones
+	// keep their backends.
+	HashSeed         uint64
+	HashSeedChanged  bool
+	PreviousHashSeed uint64
 	// KeptMaps and NewMaps name the maps reused from the pins and the maps
 	// created by this Open.
 	KeptMaps, NewMaps []string
@@ -164,7 +176,8 @@ func Open(opts Options) (*Datapath, error) {
 		}
 	}
 
-	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps, MountedBPFFS: mounted}
+	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps,
+		HashSeed: opts.HashSeed, MountedBPFFS: mounted}
 	pinned, prev, err := adoptPins(root, spec, &st)
 	stg := &staged{old: map[string]*ebpf.Map{}}
 	defer func() {
@@ -372,8 +385,8 @@ func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	return nil
 }
 
-// writeMeta stamps schema, generation and tier, keeping the previous hash
-// seed and timeouts when the meta map was adopted.
+// writeMeta stamps schema, generation, tier and the configured hash
+// seed, keeping the previous timeouts when the meta map was adopted.
 func (d *Datapath) writeMeta(prev *Meta) error {
 	m := Meta{}
 	if prev != nil {
@@ -382,16 +395,7 @@ func (d *Datapath) writeMeta(prev *Meta) error {
 	m.SchemaVersion = SchemaVersion
 	m.ProgramGeneration = ProgramGeneration
 	m.Tier = uint32(d.opts.Tier)
-	if m.HashSeed == 0 {
-		m.HashSeed = d.opts.HashSeed
-	}
-	if m.HashSeed == 0 {
-		var b [8]byte
-		if _, err := rand.Read(b[:]); err != nil {
-			return fmt.Errorf("bpf: hash seed: %w", err)
-		}
-		m.HashSeed = binary.LittleEndian.Uint64(b[:]) | 1
-	}
+	m.HashSeed = d.opts.HashSeed
 	if err := d.coll.Maps["fluxvm_meta"].Put(uint32(0), m); err != nil {
 		return fmt.Errorf("bpf: write meta: %w", err)
 	}
@@ -516,6 +520,11 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 	if Tier(prev.Tier) != st.Tier {
 		st.TierChanged = true
 		st.PreviousTier = Tier(prev.Tier)
+	}
+	// The flows in the kept lifecycle maps were hashed with this seed.
+	if prev.HashSeed != st.HashSeed {
+		st.HashSeedChanged = true
+		st.PreviousHashSeed = prev.HashSeed
 	}
 	for name, m := range pinned {
 		if spec.Maps[name] == nil || !keep(name) {

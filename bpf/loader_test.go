@@ -57,7 +57,8 @@ func TestOpenFreshAndRestart(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	d := openT(t, Options{PinRoot: root, Tier: TierS, HashSeed: 0xfeed})
 	st := d.Status()
-	if !st.Created || st.SchemaRebuilt || st.Reloaded || st.TierChanged || len(st.KeptMaps) != 0 {
+	if !st.Created || st.SchemaRebuilt || st.Reloaded || st.TierChanged || len(st.KeptMaps) != 0 ||
+		st.HashSeed != 0xfeed || st.HashSeedChanged {
 		t.Errorf("fresh open status %+v", st)
 	}
 	meta, err := d.ReadMeta()
@@ -82,11 +83,17 @@ func TestOpenFreshAndRestart(t *testing.T) {
 	}
 	d.Close()
 
-	// A restart adopts every map: flows, services, seed and timeouts.
+	// A restart adopts every map: flows, services and timeouts. The
+	// configured seed replaces the one in the pins (new flows follow it;
+	// conntrack keeps the established ones), and Status says so.
 	d = openT(t, Options{PinRoot: root, Tier: TierS, HashSeed: 0xbad})
 	st = d.Status()
 	if st.Created || st.SchemaRebuilt || st.Reloaded || st.TierChanged || len(st.NewMaps) != 0 {
 		t.Errorf("restart status %+v", st)
+	}
+	if st.HashSeed != 0xbad || !st.HashSeedChanged || st.PreviousHashSeed != 0xfeed {
+		t.Errorf("restart with another seed: hash seed %#x, changed %t, previous %#x; want 0xbad, true, 0xfeed",
+			st.HashSeed, st.HashSeedChanged, st.PreviousHashSeed)
 	}
 	if n := count(t, d.Map("fluxvm_fct4")); n != 10 {
 		t.Errorf("conntrack entries after restart: %d, want 10", n)
@@ -96,8 +103,25 @@ func TestOpenFreshAndRestart(t *testing.T) {
 		t.Errorf("service lost across restart: %v", err)
 	}
 	meta, _ = d.ReadMeta()
-	if meta.HashSeed != 0xfeed || meta.TimeoutUdpS != 99 {
-		t.Errorf("meta after restart %+v (seed must be kept, UpdateMeta must not change it)", meta)
+	if meta.HashSeed != 0xbad || meta.TimeoutUdpS != 99 {
+		t.Errorf("meta after restart %+v (want the configured seed and the timeouts UpdateMeta set)", meta)
+	}
+	d.Close()
+
+	// The same seed again: nothing changed. Seed 0 is a seed like any
+	// other, not "pick one at random".
+	for _, o := range []struct {
+		seed, prev uint64
+		changed    bool
+	}{{0xbad, 0, false}, {0, 0xbad, true}, {0, 0, false}} {
+		d = openT(t, Options{PinRoot: root, Tier: TierS, HashSeed: o.seed})
+		st = d.Status()
+		meta, _ = d.ReadMeta()
+		if meta.HashSeed != o.seed || st.HashSeed != o.seed || st.HashSeedChanged != o.changed || st.PreviousHashSeed != o.prev {
+			t.Errorf("open with seed %#x: meta seed %#x, status %#x, changed %t, previous %#x; want changed %t, previous %#x",
+				o.seed, meta.HashSeed, st.HashSeed, st.HashSeedChanged, st.PreviousHashSeed, o.changed, o.prev)
+		}
+		d.Close()
 	}
 }
 

@@ -311,11 +311,18 @@ func (a *advertiser) logChanges(prev, next advert.Snapshot) {
 // yet written is published first, so the answer reflects every change
 // made before the call. When nothing could be published yet (the first
 // write failed; Status says why), it returns the computed entries with
-// generation 0, which no file ever has.
+// generation 0, which no file ever has. After Close it publishes nothing
+// and returns the last snapshot published (after Cleanup, the empty one
+// that withdraws every VIP).
 func (d *Dataplane) Advertisements() advert.Snapshot {
 	a := &d.adv
-	if err := a.flush(); err != nil {
-		a.signal() // the goroutine retries
+	a.mu.Lock()
+	stopped := a.stopped
+	a.mu.Unlock()
+	if !stopped {
+		if err := a.flush(); err != nil {
+			a.signal() // the goroutine retries
+		}
 	}
 	if s, ok := a.pub.Current(); ok {
 		return s

@@ -156,10 +156,19 @@ type Config struct {
 	// AttachMode forces how the TC programs are attached: "tcx" or
 	// "cls_bpf"; empty (the default) picks TCX where the kernel has it.
 	AttachMode bpf.AttachMode `toml:"attach_mode"`
-	// HashSeed seeds the datapath's flow hash when the maps are created.
-	// 0 (the default) picks a random seed; a seed already in the pins is
-	// kept either way. TOML integers are signed, so at most 2^63-1.
+	// HashSeed seeds the datapath's flow hash, which picks the Maglev
+	// slot of a new flow (bpf.Options.HashSeed). Every start writes it to
+	// the pins; a change moves only new flows (conntrack keeps the
+	// established ones on their backends). Default 0, a seed like any
+	// other. Nodes that must pick the same backend for the same flow (an
+	// HA pair) need the same hash_seed and maglev_seed; the status
+	// reports both. TOML integers are signed, so 0..2^63-1.
 	HashSeed uint64 `toml:"hash_seed"`
+	// MaglevSeed seeds the Maglev tables (Options.MaglevSeed,
+	// maglev.Config.Seed): which slots each backend holds. Every start
+	// rebuilds the tables with it; a change moves only new flows, like
+	// hash_seed. Default 0; 0..2^63-1.
+	MaglevSeed uint64 `toml:"maglev_seed"`
 	// CatalogPath is the node-local copy of the service catalog, restored
 	// after a restart. Absolute. Default DefaultCatalogPath.
 	CatalogPath string `toml:"catalog_path"`

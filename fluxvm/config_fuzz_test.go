@@ -19,7 +19,7 @@ func FuzzParseConfig(f *testing.F) {
 	}
 	for _, s := range []string{
 		"", "[sandbox.dataplane.service]\n",
-		"[sandbox.dataplane.service]\nmap_tier = \"l\"\nhash_seed = 9223372036854775807\n",
+		"[sandbox.dataplane.service]\nmap_tier = \"l\"\nhash_seed = 9223372036854775807\nmaglev_seed = 9223372036854775807\n",
 		"[sandbox.dataplane.service]\nnorth_south_interfaces = [\"eth1\"]\nsnat_address = \"203.0.113.10\"\nsnat_address_v6 = \"2001:db8::10\"\nsnat_port_min = 1024\nsnat_port_max = 1024\n",
 		"[sandbox.dataplane.service]\nvm_edge_interfaces = [{name = \"tap0\", vm_id = \"vm-1\"}]\nconntrack_gc_interval = \"1m30s\"\n",
 		"[sandbox.dataplane.service]\ntcp_syn_timeout = 60\n",

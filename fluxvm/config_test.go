@@ -59,6 +59,7 @@ pin_root = "/sys/fs/bpf/fluxvm/test"
 object_dir = "/usr/lib/fluxvm/bpf"
 attach_mode = "cls_bpf"
 hash_seed = 0x7fffffffffffffff
+maglev_seed = 42
 catalog_path = "/srv/fluxvm/catalog.json"
 advertisements_path = "/run/fluxvm-test/adverts.json"
 node_name = "node-a.example"
@@ -96,6 +97,7 @@ max_body_bytes = 2097152
 		ObjectDir:              "/usr/lib/fluxvm/bpf",
 		AttachMode:             bpf.AttachClsBPF,
 		HashSeed:               1<<63 - 1,
+		MaglevSeed:             42,
 		CatalogPath:            "/srv/fluxvm/catalog.json",
 		AdvertisementsPath:     "/run/fluxvm-test/adverts.json",
 		NodeName:               "node-a.example",
@@ -241,6 +243,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "map_tier not a string", doc: table + "map_tier = 3\n", field: k("map_tier"), kind: ErrMalformed, reason: "wrong type: a TOML integer where a string is wanted"},
 		{name: "hash_seed negative", doc: table + "hash_seed = -1\n", field: k("hash_seed"), kind: ErrMalformed},
 		{name: "hash_seed a string", doc: table + "hash_seed = \"7\"\n", field: k("hash_seed"), kind: ErrMalformed, reason: "integer"},
+		{name: "maglev_seed negative", doc: table + "maglev_seed = -1\n", field: k("maglev_seed"), kind: ErrMalformed},
+		{name: "maglev_seed a string", doc: table + "maglev_seed = \"7\"\n", field: k("maglev_seed"), kind: ErrMalformed, reason: "integer"},
 		{name: "edt_enabled a string", doc: table + "edt_enabled = \"no\"\n", field: k("edt_enabled"), kind: ErrMalformed, reason: "boolean"},
 		{name: "interfaces not a list", doc: table + "north_south_interfaces = \"eth0\"\n", field: k("north_south_interfaces"), kind: ErrMalformed},
 		{name: "snat_address malformed", doc: table + "snat_address = \"1.2.3\"\n", field: k("snat_address"), kind: ErrMalformed},

@@ -29,7 +29,7 @@ type Options struct {
 	// attached.
 	Config Config
 	// Loader configures the BPF loader (pin root, tier, object dir,
-	// attach mode, hash seed).
+	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
 	Loader bpf.Options
 	// CatalogPath is where the node-local catalog is kept; empty keeps it
 	// in memory only.
@@ -50,8 +50,12 @@ type Options struct {
 	GCInterval time.Duration
 	// Timeouts are the conntrack timeouts; zero means the defaults.
 	Timeouts conntrack.Timeouts
-	// MaglevSeed seeds the Maglev tables. It must be the same on every
-	// node that should compute the same tables (an HA pair).
+	// MaglevSeed seeds the Maglev tables (maglev.Config.Seed). It must
+	// be the same on every node that should compute the same tables (an
+	// HA pair), as must Loader.HashSeed. Open rebuilds every table with
+	// it, so a change takes effect at Open and moves only new flows:
+	// established ones keep their backends through conntrack. Both
+	// seeds are in Status.Seeds.
 	MaglevSeed uint64
 	// Interfaces are the VM-edge interfaces attached when the dataplane
 	// opens (Config.NorthSouthInterfaces are attached too).
@@ -104,11 +108,19 @@ type Dataplane struct {
 
 	stop chan struct{}
 	done chan struct{}
-	// closed is set (under mu) by Close and Cleanup: every later change
-	// fails with ErrClosed instead of writing to maps being released.
+	// closed is set (under mu) by Close and Cleanup: every later call
+	// that reads or writes a map fails with ErrClosed instead of using
+	// maps being released.
 	closed bool
+	// gcCtx ends when Close or Cleanup begins: it cancels a GC scan in
+	// progress. gcRuns counts the GCs past their open check (Add under
+	// mu while open); Close waits for them before releasing the maps.
+	gcCtx    context.Context
+	gcCancel context.CancelFunc
+	gcRuns   sync.WaitGroup
 
-	afterGCScan func() // tests: runs between GC's scan and its release of ids
+	beforeGCScan func() // tests: runs just before GC's scan
+	afterGCScan  func() // tests: runs after GC's scan (whatever its outcome), before its release of ids
 }
 
 type feKey struct {
@@ -192,6 +204,7 @@ func Open(opts Options) (*Dataplane, error) {
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
+	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	d.initHealth()
 	if err := d.initAdvertiser(); err != nil {
 		d.health.cancel()
@@ -234,6 +247,11 @@ func (d *Dataplane) init() error {
 	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
 		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,
 		"tier_changed", st.TierChanged, "migrated", st.Migrated, "not_migrated", st.NotMigrated)
+	if st.HashSeedChanged {
+		d.log.Warn("fluxvm: flow-hash seed changed: new flows pick by the new seed, established flows keep their backends",
+			"hash_seed", st.HashSeed, "previous_hash_seed", st.PreviousHashSeed)
+	}
+	d.log.Info("fluxvm: seeds", "hash_seed", st.HashSeed, "maglev_seed", d.opts.MaglevSeed)
 	if len(st.SeveredLinks) > 0 {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
@@ -332,13 +350,9 @@ func (d *Dataplane) restore() error {
 	return nil
 }
 
-// Close stops the health checks and the GC timer, publishes the last
-// advertisements not yet written and stops their publisher, and releases
-// this process's handles. The datapath keeps forwarding: pins and
-// attachments stay in place, and so does the advertisement file, as last
-// published.
 // markClosed sets closed and reports whether this call did (false: the
-// Dataplane was closed already).
+// Dataplane was closed already). It also cancels a GC scan in progress;
+// stopGC then waits for it.
 func (d *Dataplane) markClosed() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -346,10 +360,14 @@ func (d *Dataplane) markClosed() bool {
 		return false
 	}
 	d.closed = true
+	if d.gcCancel != nil {
+		d.gcCancel()
+	}
 	return true
 }
 
-// checkOpen is the first thing every change does, with mu held.
+// checkOpen is the first thing every call that uses a map does, with mu
+// held.
 func (d *Dataplane) checkOpen(op string) error {
 	if d.closed {
 		return fmt.Errorf("fluxvm: %s: %w", op, ErrClosed)
@@ -357,16 +375,36 @@ func (d *Dataplane) checkOpen(op string) error {
 	return nil
 }
 
-func (d *Dataplane) Close() error {
-	if !d.markClosed() {
-		return nil
-	}
-	d.stopHealth()
+// stopGC stops the GC timer and waits for every GC still running (the
+// timer's or a manual one; markClosed cancelled their scans), so that no
+// scan uses the maps Close releases. Call it after markClosed, without mu.
+func (d *Dataplane) stopGC() {
 	if d.stop != nil {
 		close(d.stop)
 		<-d.done
 		d.stop = nil
 	}
+	d.gcRuns.Wait()
+}
+
+// Close stops the health checks and the GC timer, cancels a GC in
+// progress and waits for it, publishes the last advertisements not yet
+// written and stops their publisher, and releases this process's handles.
+// The datapath keeps forwarding: pins and attachments stay in place, and
+// so does the advertisement file, as last published. A second Close does
+// nothing and returns nil.
+//
+// After Close (or Cleanup), every method that returns an error fails with
+// an error matching ErrClosed and touches no map. Status, Services, Health
+// and Advertisements, which read only the dataplane's memory, keep
+// answering: with the state as it was at Close, or after Cleanup that of
+// an empty dataplane (no services, no interfaces, every VIP withdrawn).
+func (d *Dataplane) Close() error {
+	if !d.markClosed() {
+		return nil
+	}
+	d.stopHealth()
+	d.stopGC()
 	d.stopAdvertiser()
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -384,11 +422,7 @@ func (d *Dataplane) Cleanup() error {
 		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
 	}
 	d.stopHealth()
-	if d.stop != nil {
-		close(d.stop)
-		<-d.done
-		d.stop = nil
-	}
+	d.stopGC()
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
 	var errs []error
@@ -410,6 +444,10 @@ func (d *Dataplane) Cleanup() error {
 		return d.dp.Remove()
 	})
 	errs = append(errs, err)
+	// What Status, Services and Health report from now on: nothing is
+	// left.
+	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
+	clear(d.health.observed)
 	if d.opts.CatalogPath != "" {
 		if err := removeIfExists(d.opts.CatalogPath); err != nil {
 			errs = append(errs, err)
@@ -562,7 +600,8 @@ func (i *iface) status() InterfaceStatus {
 	return InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
 }
 
-// Status describes the dataplane.
+// Status describes the dataplane. It reads no map, so it answers after
+// Close too (see Close).
 func (d *Dataplane) Status() Status {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -574,7 +613,9 @@ func (d *Dataplane) Status() Status {
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
 			Migrated: st.Migrated, NotMigrated: st.NotMigrated, Migrations: slices.Clone(st.Migrations),
+			HashSeedChanged: st.HashSeedChanged,
 		},
+		Seeds:    SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
 		Services: len(d.services),
 		SNAT:     d.snatStatus(),
 		LastGC:   d.lastGC,
@@ -583,6 +624,10 @@ func (d *Dataplane) Status() Status {
 	}
 	if st.TierChanged {
 		out.Load.PreviousTier = st.PreviousTier.String()
+	}
+	if st.HashSeedChanged {
+		prev := st.PreviousHashSeed
+		out.Load.PreviousHashSeed = &prev
 	}
 	for _, ifc := range d.ifaces {
 		out.Interfaces = append(out.Interfaces, ifc.status())
@@ -604,7 +649,10 @@ func (d *Dataplane) snatStatus() SNATStatus {
 }
 
 // GC removes dead flows now (the timer does the same periodically) and
-// then frees the ids that removed services and backends held.
+// then frees the ids that removed services and backends held. The scan
+// runs without the dataplane's lock, so other calls proceed meanwhile;
+// Close cancels it and waits for it to return, and a GC it interrupted,
+// or one called after Close, fails with an error matching ErrClosed.
 func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	now, err := conntrack.Now()
 	if err != nil {
@@ -617,15 +665,27 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 		d.mu.Unlock()
 		return GCResult{}, err
 	}
+	// Added under mu while open: Close's wait (stopGC) comes after.
+	d.gcRuns.Add(1)
+	defer d.gcRuns.Done()
 	smark, bmark := d.sids.quarantineMark(), d.bids.quarantineMark()
 	d.mu.Unlock()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(d.gcCtx, cancel)()
+	if d.beforeGCScan != nil {
+		d.beforeGCScan()
+	}
 	start := time.Now()
 	r, err := d.ct.GC(ctx, now)
-	if err != nil {
-		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
-	}
 	if d.afterGCScan != nil {
 		d.afterGCScan()
+	}
+	if err != nil {
+		if d.gcCtx.Err() != nil {
+			return GCResult{}, fmt.Errorf("fluxvm: gc: interrupted by Close: %w", ErrClosed)
+		}
+		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
 	}
 	res := GCResult{
 		At: start, Duration: time.Since(start), Scanned: r.Scanned,
@@ -652,7 +712,10 @@ func (d *Dataplane) gcLoop(every time.Duration) {
 			return
 		case <-t.C:
 			ctx, cancel := context.WithTimeout(context.Background(), every)
-			if r, err := d.GC(ctx); err != nil {
+			if r, err := d.GC(ctx); errors.Is(err, ErrClosed) {
+				cancel()
+				return
+			} else if err != nil {
 				d.log.Warn("fluxvm: conntrack gc failed", "err", err)
 			} else if r.Expired+r.Drained+r.BackendGone+r.Orphans+r.Repaired > 0 {
 				d.log.Debug("fluxvm: conntrack gc", "scanned", r.Scanned, "expired", r.Expired,

@@ -8,8 +8,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,7 +21,9 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/lab"
 	"github.com/fluxvm/servicefabric/internal/testenv"
 )
@@ -376,36 +381,122 @@ func TestAddInterfaceAllOrNothing(t *testing.T) {
 	}
 }
 
-// TestClosedDataplaneChangesNothing: after Close every change fails with
-// ErrClosed (instead of writing to maps being released), and a second
-// Close is harmless.
+// TestClosedDataplaneChangesNothing calls every exported method of
+// Dataplane after Close and after Cleanup: each one that returns an error
+// fails with ErrClosed (Stats and VMStats used to dereference a nil map
+// and panic), the others answer as documented (the state at Close; an
+// empty dataplane after Cleanup), nothing panics, and a second Close is
+// harmless. A method added to Dataplane without a row here fails the
+// test.
 func TestClosedDataplaneChangesNothing(t *testing.T) {
-	e := newEnv(t)
-	d := e.open(t)
 	ctx := context.Background()
-	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
-		t.Fatal(err)
+	type row struct {
+		// call invokes the method; err is nil for methods without one.
+		call func(e *env, d *Dataplane) (res any, err error)
+		// wantErr: the method returns an error, which must match
+		// ErrClosed. Otherwise check says what is wrong with res.
+		wantErr bool
+		check   func(res any, cleaned bool) string
 	}
-	if err := d.Close(); err != nil {
-		t.Fatal(err)
+	rows := map[string]row{
+		"ApplyService":  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ApplyService(ctx, e.service(2, 1, 1)) }},
+		"DeleteService": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.DeleteService(ctx, "web") }},
+		"AddInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			vm := e.backends[0]
+			return d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
+		}},
+		"AddNorthSouthInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AddNorthSouthInterface("uplink") }},
+		"RemoveInterface":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.RemoveInterface(e.backends[0].NodeIf) }},
+		"GC":                     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.GC(ctx) }},
+		"ReconcileHealth":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcileHealth(ctx) }},
+		"Cleanup":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.Cleanup() }},
+		"Stats":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Stats() }},
+		"VMStats":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.VMStats(e.backends[0].Name) }},
+		"Service":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
+		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
+			if res != nil {
+				return fmt.Sprintf("second Close: %v", res)
+			}
+			return ""
+		}},
+		"Status": {call: func(e *env, d *Dataplane) (any, error) { return d.Status(), nil }, check: func(res any, cleaned bool) string {
+			st := res.(Status)
+			want := 1
+			if cleaned {
+				want = 0
+			}
+			if st.Services != want || st.Tier != "S" || (cleaned != (len(st.Interfaces) == 0)) {
+				return fmt.Sprintf("%d services, tier %q, %d interfaces; want %d services, tier S, interfaces only after Close", st.Services, st.Tier, len(st.Interfaces), want)
+			}
+			return ""
+		}},
+		"Services": {call: func(e *env, d *Dataplane) (any, error) { return d.Services(), nil }, check: func(res any, cleaned bool) string {
+			ss := res.([]ServiceStatus)
+			if cleaned != (len(ss) == 0) || ss == nil {
+				return fmt.Sprintf("%d services (nil: %t)", len(ss), ss == nil)
+			}
+			return ""
+		}},
+		"Health": {call: func(e *env, d *Dataplane) (any, error) { return d.Health(), nil }, check: func(res any, cleaned bool) string {
+			h := res.(HealthReport)
+			if h.Services == nil || cleaned != (len(h.Services) == 0) {
+				return fmt.Sprintf("%+v", h)
+			}
+			return ""
+		}},
+		"Advertisements": {call: func(e *env, d *Dataplane) (any, error) { return d.Advertisements(), nil }, check: func(res any, cleaned bool) string {
+			s := res.(advert.Snapshot)
+			if s.Generation == 0 || len(s.Entries) != 0 {
+				return fmt.Sprintf("generation %d, %d entries; want a published snapshot without entries", s.Generation, len(s.Entries))
+			}
+			return ""
+		}},
 	}
-	if err := d.Close(); err != nil {
-		t.Errorf("second Close: %v", err)
-	}
-	vm := e.backends[0]
-	for name, err := range map[string]error{
-		"apply":         func() error { _, err := d.ApplyService(ctx, e.service(2, 1, 1)); return err }(),
-		"delete":        d.DeleteService(ctx, "web"),
-		"add interface": func() error { _, err := d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); return err }(),
-		"add uplink":    func() error { _, err := d.AddNorthSouthInterface("uplink"); return err }(),
-		"remove":        d.RemoveInterface(vm.NodeIf),
-		"gc":            func() error { _, err := d.GC(ctx); return err }(),
-		"reconcile":     func() error { _, err := d.ReconcileHealth(ctx); return err }(),
-		"cleanup":       d.Cleanup(),
-	} {
-		if !errors.Is(err, ErrClosed) {
-			t.Errorf("%s after Close: %v, want ErrClosed", name, err)
+	typ := reflect.TypeFor[*Dataplane]()
+	for i := range typ.NumMethod() {
+		if name := typ.Method(i).Name; rows[name].call == nil {
+			t.Errorf("Dataplane.%s is not in this test: add a row saying what it does after Close", name)
 		}
+	}
+
+	for _, how := range []string{"Close", "Cleanup"} {
+		t.Run("after "+how, func(t *testing.T) {
+			e := newEnv(t)
+			// The env's VM-edge interfaces plus a health-checked
+			// service: every method has something to report.
+			d := e.open(t)
+			svc := e.service(1, 1, 1)
+			svc.HealthCheck = &HealthCheck{Kind: "tcp", IntervalMs: 60_000}
+			if _, err := d.ApplyService(ctx, svc); err != nil {
+				t.Fatal(err)
+			}
+			var err error
+			if how == "Close" {
+				err = d.Close()
+			} else {
+				err = d.Cleanup()
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			for name, r := range rows {
+				res, err, panicked := func() (res any, err error, panicked any) {
+					defer func() { panicked = recover() }()
+					res, err = r.call(e, d)
+					return
+				}()
+				switch {
+				case panicked != nil:
+					t.Errorf("%s after %s panicked: %v", name, how, panicked)
+				case r.wantErr && !errors.Is(err, ErrClosed):
+					t.Errorf("%s after %s: %v, want ErrClosed", name, how, err)
+				case !r.wantErr:
+					if why := r.check(res, how == "Cleanup"); why != "" {
+						t.Errorf("%s after %s: %s", name, how, why)
+					}
+				}
+			}
+		})
 	}
 }
 
@@ -454,4 +545,116 @@ func TestMaglevMemoryPerFrontend(t *testing.T) {
 	if perFrontend > m {
 		t.Errorf("each frontend retains %d bytes, more than 1 per Maglev slot (M = %d)", perFrontend, m)
 	}
+}
+
+// TestGCDuringClose runs manual GCs in a loop (with and without the GC
+// timer running too) over a well-filled conntrack map while Close runs:
+// Close cancels the scans in progress and waits for them, so no scan is
+// left running when Close returns, every GC ends with a result or
+// ErrClosed (never an error of a map closed under it, never a panic), and
+// a GC after Close is ErrClosed. Run it with -race too. It failed when GC
+// scanned outside the lock and Close did not wait for it: the scan went
+// on over maps Close had released.
+func TestGCDuringClose(t *testing.T) {
+	for _, timer := range []bool{false, true} {
+		t.Run(fmt.Sprintf("timer=%t", timer), func(t *testing.T) { testGCDuringClose(t, timer) })
+	}
+}
+
+func testGCDuringClose(t *testing.T, timer bool) {
+	e := newEnv(t)
+	d := e.open(t) // without the timer: it starts below, once the hooks are set
+	ctx := context.Background()
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	d.mu.Lock()
+	fe := d.frontends[feKey{vip4, 80, 6}]
+	sid, bid := fe.sid, fe.backends[netip.AddrPortFrom(e.backends[0].Addr4, 8080)]
+	d.mu.Unlock()
+
+	// Fill fluxvm_fct4 with live flows of the service: every GC scans
+	// them all (and the first one repairs their reverse-NAT halves).
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct4 := d.dp.Map("fluxvm_fct4")
+	n := min(int(ct4.MaxEntries()), 16384)
+	keys := make([]bpf.Tuple4, n)
+	vals := make([]bpf.CTValue, n)
+	vip := bpf.AddrWords(vip4)[0]
+	for i := range keys {
+		client := netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)})
+		keys[i] = bpf.Tuple4{Saddr: bpf.AddrWords(client)[0], Daddr: vip, Sport: bpf.Port(40000), Dport: bpf.Port(80), Proto: 6}
+		vals[i] = bpf.CTValue{ServiceId: sid, BackendId: bid, CreatedNs: uint64(now), LastSeenNs: uint64(now),
+			DeadlineNs: uint64(now + time.Hour), State: uint8(bpf.CTTCPEstablished)}
+	}
+	if _, err := ct4.BatchUpdate(keys, vals, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.GC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := d.GC(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("a GC over the filled map: %+v", r)
+	if r.Scanned < n/2 {
+		t.Fatalf("GC scanned %d flows, want most of %d", r.Scanned, n)
+	}
+
+	var inScan atomic.Int32
+	scanning := make(chan struct{}, 1)
+	d.beforeGCScan = func() {
+		inScan.Add(1)
+		select {
+		case scanning <- struct{}{}:
+		default:
+		}
+	}
+	d.afterGCScan = func() { inScan.Add(-1) }
+	if timer {
+		// The GC timer, as Open starts it, ticking faster than a scan.
+		d.stop, d.done = make(chan struct{}), make(chan struct{})
+		go d.gcLoop(max(r.Duration/4, time.Millisecond))
+	}
+
+	const workers = 3
+	errs := make(chan error, workers)
+	var completed atomic.Int32
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for {
+				_, err := d.GC(ctx)
+				switch {
+				case errors.Is(err, ErrClosed):
+					return
+				case err != nil:
+					errs <- err
+					return
+				}
+				completed.Add(1)
+			}
+		})
+	}
+	<-scanning
+	time.Sleep(r.Duration / 4) // well into a scan
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if k := inScan.Load(); k != 0 {
+		t.Errorf("Close returned while %d GC scans were running", k)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("GC during Close: %v (want a result or ErrClosed)", err)
+	}
+	if _, err := d.GC(ctx); !errors.Is(err, ErrClosed) {
+		t.Errorf("GC after Close: %v, want ErrClosed", err)
+	}
+	t.Logf("%d GCs completed before Close", completed.Load())
 }

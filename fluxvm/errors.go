@@ -21,8 +21,8 @@ var (
 	ErrLimit = errors.New("limit exceeded")
 	// ErrNotFound: no such service or VM.
 	ErrNotFound = errors.New("not found")
-	// ErrClosed: the Dataplane was closed (Close or Cleanup); it changes
-	// nothing any more.
+	// ErrClosed: the Dataplane was closed (Close or Cleanup); it reads
+	// and changes no map any more (see Dataplane.Close).
 	ErrClosed = errors.New("dataplane closed")
 )
 

@@ -341,7 +341,8 @@ type BackendHealth struct {
 }
 
 // Health reports the observed health of every health-checked service's
-// backends.
+// backends. After Close it reports them as they were at Close; after
+// Cleanup the report is empty.
 func (d *Dataplane) Health() HealthReport {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -14,6 +14,7 @@ func OptionsFrom(cfg Config) Options {
 		HealthConcurrency:  cfg.HealthCheckConcurrency,
 		GCInterval:         cfg.ConntrackGCInterval.Duration,
 		Timeouts:           cfg.ConntrackTimeouts(),
+		MaglevSeed:         cfg.MaglevSeed,
 	}
 	opts.Interfaces = append(opts.Interfaces, cfg.VMEdgeInterfaces...)
 	return opts

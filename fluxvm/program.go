@@ -105,7 +105,8 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 	return nil
 }
 
-// Services lists every service, sorted by name.
+// Services lists every service, sorted by name. After Close it lists
+// them as they were at Close; after Cleanup the list is empty.
 func (d *Dataplane) Services() []ServiceStatus {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -117,10 +118,14 @@ func (d *Dataplane) Services() []ServiceStatus {
 	return out
 }
 
-// Service returns one service, or an error matching ErrNotFound.
+// Service returns one service, or an error matching ErrNotFound (or
+// ErrClosed after Close).
 func (d *Dataplane) Service(name string) (ServiceStatus, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("service " + name); err != nil {
+		return ServiceStatus{}, err
+	}
 	s, ok := d.services[name]
 	if !ok {
 		return ServiceStatus{}, fmt.Errorf("fluxvm: service %s: %w", name, ErrNotFound)

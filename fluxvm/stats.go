@@ -10,10 +10,14 @@ import (
 )
 
 // Stats reads the datapath counters: per service (summed over its
-// frontends and CPUs), drops by reason and parser counters.
+// frontends and CPUs), drops by reason and parser counters. After Close
+// it fails with ErrClosed.
 func (d *Dataplane) Stats() (Stats, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("stats"); err != nil {
+		return Stats{}, err
+	}
 	out := Stats{Services: map[string]Counters{}, Drops: map[string]uint64{}, Parser: map[string]uint64{}}
 	m := d.dp.Map("fluxvm_svc_stats")
 	for name, s := range d.services {
@@ -59,10 +63,14 @@ func IsEventCounter(name string) bool {
 }
 
 // VMStats sums the service counters of a VM's edge interfaces: what its
-// clients sent to VIPs, what came back, and what was dropped.
+// clients sent to VIPs, what came back, and what was dropped. An unknown
+// VM is ErrNotFound; after Close it fails with ErrClosed.
 func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.checkOpen("stats of VM " + vmID); err != nil {
+		return VMStats{}, err
+	}
 	out := VMStats{VMID: vmID}
 	found := false
 	for _, ifc := range d.ifaces {

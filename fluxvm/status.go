@@ -41,13 +41,27 @@ type Status struct {
 	Capacities    Capacities        `json:"capacities"`
 	Load          LoadStatus        `json:"load"`
 	Interfaces    []InterfaceStatus `json:"interfaces"`
-	Services      int               `json:"services"`
+	// Seeds are the flow-hash and Maglev seeds in use: nodes that must
+	// pick the same backend for the same flow (an HA pair) show the same.
+	Seeds    SeedStatus `json:"seeds"`
+	Services int        `json:"services"`
 	// SNAT is the north-south source NAT the datapath applies.
 	SNAT   SNATStatus `json:"snat"`
 	LastGC *GCResult  `json:"last_gc,omitempty"`
 	// Advertisements is the state of the VIP advertisement snapshot
 	// (path, generation, last publish error).
 	Advertisements AdvertisementStatus `json:"advertisements"`
+}
+
+// SeedStatus reports the two seeds that decide a new flow's backend,
+// both configuration (hash_seed, maglev_seed; default 0).
+type SeedStatus struct {
+	// FlowHash seeds the datapath's hash of a new flow's 5-tuple, which
+	// picks its Maglev slot (bpf.Options.HashSeed).
+	FlowHash uint64 `json:"hash_seed"`
+	// Maglev seeds the Maglev tables: which slots each backend holds
+	// (Options.MaglevSeed).
+	Maglev uint64 `json:"maglev_seed"`
 }
 
 // SNATStatus is the datapath's SNAT configuration (fluxvm_snat): the
@@ -92,6 +106,11 @@ type LoadStatus struct {
 	// the new maps were being written). Entries = Migrated + Evicted +
 	// Refused.
 	Migrations []bpf.Migration `json:"migrations,omitempty"`
+	// HashSeedChanged: the pins held another flow-hash seed,
+	// PreviousHashSeed; new flows pick by the configured one
+	// (Status.Seeds), established flows keep their backends.
+	HashSeedChanged  bool    `json:"hash_seed_changed"`
+	PreviousHashSeed *uint64 `json:"previous_hash_seed,omitempty"`
 }
 
 // InterfaceStatus is one VM-edge or north-south interface and how its

@@ -80,7 +80,8 @@ func run(ctx context.Context, args []string) error {
 }
 
 // describeConfig is what check-config prints about a valid configuration:
-// the settings that decide where the datapath attaches and how it SNATs.
+// the settings that decide where the datapath attaches, how it SNATs and
+// which backend a new flow gets.
 func describeConfig(cfg fluxvm.Config) string {
 	var b strings.Builder
 	b.WriteString("configuration is valid\n")
@@ -102,6 +103,7 @@ func describeConfig(cfg fluxvm.Config) string {
 		fmt.Fprintf(&b, "snat %s address: %s\n", f.name, a)
 	}
 	fmt.Fprintf(&b, "snat ports: %d..%d\n", cfg.SNATPortMin, cfg.SNATPortMax)
+	fmt.Fprintf(&b, "seeds: hash_seed %d, maglev_seed %d (nodes that must agree on flows need the same)\n", cfg.HashSeed, cfg.MaglevSeed)
 	fmt.Fprintf(&b, "catalog_path: %s\n", cfg.CatalogPath)
 	node := ""
 	if cfg.NodeName != "" {

@@ -147,6 +147,8 @@ snat_address = "10.250.0.100"
 snat_address_v6 = "fd00:250::100"
 snat_port_min = 62000
 snat_port_max = 62999
+hash_seed = 1234567
+maglev_seed = 99
 `, pinRoot, filepath.Join(t.TempDir(), "catalog.json"), advPath)
 	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
@@ -175,6 +177,10 @@ snat_port_max = 62999
 	}
 	if status.Advertisements.Path != advPath || status.Advertisements.Generation != 1 {
 		t.Errorf("status advertisements %+v", status.Advertisements)
+	}
+	// The configured seeds, as an HA peer would compare them.
+	if !strings.Contains(string(body), `"seeds":{"hash_seed":1234567,"maglev_seed":99}`) {
+		t.Errorf("status seeds: %s", body)
 	}
 	svc := fluxvm.Service{
 		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
@@ -314,7 +320,7 @@ snat_port_max = 49999
 	}
 	out := describeConfig(cfg)
 	for _, want := range []string{"configuration is valid", "north_south_interfaces: eth1", "snat IPv4 address: 203.0.113.10",
-		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999", "advertisements_path: /run/fluxvm/service-advertisements.json"} {
+		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999", "seeds: hash_seed 0, maglev_seed 0", "advertisements_path: /run/fluxvm/service-advertisements.json"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("check-config output lacks %q:\n%s", want, out)
 		}

@@ -162,6 +162,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"InterfaceStatus":        reflect.TypeFor[fluxvm.InterfaceStatus](),
 		"HookStatus":             reflect.TypeFor[fluxvm.HookStatus](),
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
+		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),
 		"Counters":               reflect.TypeFor[fluxvm.Counters](),
 		"Stats":                  reflect.TypeFor[fluxvm.Stats](),
 		"VMStats":                reflect.TypeFor[fluxvm.VMStats](),

@@ -191,3 +191,52 @@ func TestChecksumCompleteSeam(t *testing.T) {
 		t.Fatalf("%d bpf_csum_update calls, want 1", n)
 	}
 }
+
+// l4Residue is the sum of the L4 segment of an IPv6 frame without
+// extension headers together with its pseudo-header: zero (as a one's
+// complement number) when its checksum is right, and otherwise the error.
+func l4Residue(frame []byte) uint32 {
+	ip := frame[14:]
+	plen := int(binary.BigEndian.Uint16(ip[4:]))
+	pseudo := append(append([]byte{}, ip[8:40]...), 0, 0, byte(plen>>8), byte(plen), 0, 0, 0, ip[6])
+	return csumLE(append(pseudo, ip[40:40+plen]...))
+}
+
+// TestIPv6UDPZeroChecksumPatched: a UDP checksum of zero means "none" in
+// IPv4 only; in IPv6 it is a wrong checksum like any other (RFC 8200 8.1).
+// DNAT and reverse NAT patch it, so the receiver sees the error it would
+// have seen (the residue is the same), and not a zero over other addresses
+// and ports -- on CHECKSUM_COMPLETE packets too.
+func TestIPv6UDPZeroChecksumPatched(t *testing.T) {
+	h, s := newSeamHarness(t)
+	v := variants()[3] // ipv6 udp
+	v.setup(h)
+	c, b := v.clientAt(40000), v.backends[0]
+	for _, tc := range []struct {
+		name string
+		prog *ebpf.Program
+		in   []byte
+	}{
+		{"forward", h.objs.FluxvmFromVm, v.frame(c, v.vip, pkt.TCPFlags{})},
+		{"reply", h.objs.FluxvmToVm, v.frame(b, c, pkt.TCPFlags{})},
+	} {
+		for _, complete := range []bool{false, true} {
+			in := append([]byte(nil), tc.in...)
+			binary.BigEndian.PutUint16(in[14+40+6:], 0)
+			var ret uint32
+			var out []byte
+			if complete {
+				ret, out = runComplete(t, h, s, tc.prog, in, 0)
+			} else {
+				ret, out = h.run(tc.prog, in)
+			}
+			if ret != tcOK {
+				t.Fatalf("%s: verdict %d", tc.name, int32(ret))
+			}
+			if got, want := l4Residue(out), l4Residue(in); !csumEqual(got, want) {
+				t.Errorf("%s (complete %v): checksum %#04x, residue %#08x, want the input's %#08x",
+					tc.name, complete, binary.BigEndian.Uint16(out[14+40+6:]), got, want)
+			}
+		}
+	}
+}

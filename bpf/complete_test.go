@@ -25,6 +25,11 @@ type seams struct {
 	Summed  *ebpf.Variable `ebpf:"fluxvm_test_summed"`
 	Csum    *ebpf.Variable `ebpf:"fluxvm_test_csum"`
 	Updates *ebpf.Variable `ebpf:"fluxvm_test_csum_updates"`
+
+	Recycle     *ebpf.Variable `ebpf:"fluxvm_test_recycle"`
+	RecycleKey4 *ebpf.Variable `ebpf:"fluxvm_test_recycle_key4"`
+	RecycleKey6 *ebpf.Variable `ebpf:"fluxvm_test_recycle_key6"`
+	RecycleVal  *ebpf.Variable `ebpf:"fluxvm_test_recycle_val"`
 }
 
 // newSeamHarness is newHarness on the test object.
@@ -237,6 +242,117 @@ func TestIPv6UDPZeroChecksumPatched(t *testing.T) {
 				t.Errorf("%s (complete %v): checksum %#04x, residue %#08x, want the input's %#08x",
 					tc.name, complete, binary.BigEndian.Uint16(out[14+40+6:]), got, want)
 			}
+		}
+	}
+}
+
+// TestChecksumCompleteFIB: forwarding by FIB lookup (routed DSR, host
+// routing) decrements the TTL / hop limit. The IPv4 header checksum absorbs
+// the TTL, so skb->csum stays; the IPv6 hop limit is in no checksum but in
+// skb->csum, which must move with it under CHECKSUM_COMPLETE.
+func TestChecksumCompleteFIB(t *testing.T) {
+	h, s := newSeamHarness(t)
+	l := newFIBLab(t, h)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, SvcFlagDSR)
+			in := v.fwd(40000, pkt.SYN)
+			ret, out := runComplete(t, h, s, h.objs.FluxvmNsIn, in, l.in)
+			if ret != tcRedirect {
+				t.Fatalf("DSR: verdict %d, want TC_ACT_REDIRECT", int32(ret))
+			}
+			if want := l.forwarded(in, l.nbr); !bytes.Equal(out, want) {
+				t.Fatalf("DSR:\n got %x\nwant %x", out, want)
+			}
+
+			h.reset()
+			v.setup(h)
+			h.svcFlags(sid, v.vip, v.proto, SvcFlagHostRouting)
+			ret, out = runComplete(t, h, s, h.objs.FluxvmFromVm, v.fwd(40000, pkt.SYN), l.in)
+			if ret != tcRedirect {
+				t.Fatalf("host routing: verdict %d, want TC_ACT_REDIRECT", int32(ret))
+			}
+			if want := l.forwarded(v.frame(v.clientAt(40000), v.backends[0], pkt.SYN), l.nbr); !bytes.Equal(out, want) {
+				t.Fatalf("host routing:\n got %x\nwant %x", out, want)
+			}
+		})
+	}
+}
+
+// TestSNATFlagNotBitZero: the test object moves FLUXVM_NAT_F_SNAT and
+// FLUXVM_CT_F_SNAT off bit 0; north-south flows must still be translated
+// both ways (a flag compared as a bool held only at bit 0), and east-west
+// replies must not take the SNAT path.
+func TestSNATFlagNotBitZero(t *testing.T) {
+	h, _ := newSeamHarness(t)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			c, b := v.clientAt(snatMin+2), v.backends[0]
+			sn := netip.AddrPortFrom(v.snatAddr(), c.Port())
+			if ret, out := h.run(h.objs.FluxvmNsIn, v.frame(c, v.vip, pkt.SYN)); ret != tcOK || !bytes.Equal(out, v.frame(sn, b, pkt.SYN)) {
+				t.Fatalf("forward: verdict %d\n got %x\nwant %x", int32(ret), out, v.frame(sn, b, pkt.SYN))
+			}
+			for _, p := range []*ebpf.Program{h.objs.FluxvmNsIn, h.objs.FluxvmFromVm, h.objs.FluxvmNsOut} {
+				want := v.frame(v.vip, c, pkt.SYNACK)
+				if ret, out := h.run(p, v.frame(b, sn, pkt.SYNACK)); ret != tcOK || !bytes.Equal(out, want) {
+					t.Fatalf("%s reply: verdict %d\n got %x\nwant %x", p, int32(ret), out, want)
+				}
+			}
+			// The SNAT mapping is no east-west reply.
+			expectUntouched(t, h, "to_vm", v.frame(b, sn, pkt.ACK))
+
+			h.reset()
+			v.setup(h)
+			c = v.clientAt(40000)
+			expectForward(t, h, v, c.Port(), pkt.SYN, b)
+			if ret, out := h.run(h.objs.FluxvmToVm, v.frame(b, c, pkt.SYNACK)); ret != tcOK || !bytes.Equal(out, v.frame(v.vip, c, pkt.SYNACK)) {
+				t.Fatalf("east-west reply: verdict %d\n got %x", int32(ret), out)
+			}
+		})
+	}
+}
+
+// TestReplyCopiesReverseNAT: the reply path reads its reverse-NAT entry
+// before any other map operation. The test object recycles the entry for
+// another flow at the reply path's next map operation (as an LRU update on
+// another CPU may); the packet must still be translated with the values
+// the lookup found, on the established and on the refresh path.
+func TestReplyCopiesReverseNAT(t *testing.T) {
+	h, s := newSeamHarness(t)
+	for _, v := range variants() {
+		for _, tc := range []struct {
+			name string
+			f    pkt.TCPFlags
+		}{{"syn-ack (refresh path)", pkt.SYNACK}, {"ack", pkt.ACK}} {
+			f := tc.f
+			t.Run(v.name+"/"+tc.name, func(t *testing.T) {
+				h.reset()
+				v.setup(h)
+				c, b := v.clientAt(40000), v.backends[0]
+				expectForward(t, h, v, c.Port(), pkt.SYN, b)
+				key := v.natKey(b, c.Port()).key()
+				other := NATValue{Vip: AddrWords(v.other), Vport: Port(9999), ServiceId: sid + 1, BackendId: 3}
+				if v.client.Is4() {
+					h.must(s.RecycleKey4.Set(key))
+					h.must(s.Recycle.Set(uint32(4)))
+				} else {
+					h.must(s.RecycleKey6.Set(key))
+					h.must(s.Recycle.Set(uint32(6)))
+				}
+				h.must(s.RecycleVal.Set(other))
+				ret, out := h.run(h.objs.FluxvmToVm, v.frame(b, c, f))
+				var armed uint32
+				h.must(s.Recycle.Get(&armed))
+				if armed != 0 {
+					t.Fatal("the entry was not recycled: the seam did not run")
+				}
+				if want := v.frame(v.vip, c, f); ret != tcOK || !bytes.Equal(out, want) {
+					t.Fatalf("reply: verdict %d\n got %x\nwant %x", int32(ret), out, want)
+				}
+			})
 		}
 	}
 }

@@ -40,6 +40,10 @@ const (
 	serviceTestProgFluxvmToVm           = "fluxvm_to_vm"
 	serviceTestVarFluxvmTestCsum        = "fluxvm_test_csum"
 	serviceTestVarFluxvmTestCsumUpdates = "fluxvm_test_csum_updates"
+	serviceTestVarFluxvmTestRecycle     = "fluxvm_test_recycle"
+	serviceTestVarFluxvmTestRecycleKey4 = "fluxvm_test_recycle_key4"
+	serviceTestVarFluxvmTestRecycleKey6 = "fluxvm_test_recycle_key6"
+	serviceTestVarFluxvmTestRecycleVal  = "fluxvm_test_recycle_val"
 	serviceTestVarFluxvmTestSummed      = "fluxvm_test_summed"
 )
 
@@ -121,6 +125,10 @@ type serviceTestMapSpecs struct {
 type serviceTestVariableSpecs struct {
 	FluxvmTestCsum        *ebpf.VariableSpec `ebpf:"fluxvm_test_csum"`
 	FluxvmTestCsumUpdates *ebpf.VariableSpec `ebpf:"fluxvm_test_csum_updates"`
+	FluxvmTestRecycle     *ebpf.VariableSpec `ebpf:"fluxvm_test_recycle"`
+	FluxvmTestRecycleKey4 *ebpf.VariableSpec `ebpf:"fluxvm_test_recycle_key4"`
+	FluxvmTestRecycleKey6 *ebpf.VariableSpec `ebpf:"fluxvm_test_recycle_key6"`
+	FluxvmTestRecycleVal  *ebpf.VariableSpec `ebpf:"fluxvm_test_recycle_val"`
 	FluxvmTestSummed      *ebpf.VariableSpec `ebpf:"fluxvm_test_summed"`
 }
 
@@ -193,6 +201,10 @@ func (m *serviceTestMaps) Close() error {
 type serviceTestVariables struct {
 	FluxvmTestCsum        *ebpf.Variable `ebpf:"fluxvm_test_csum"`
 	FluxvmTestCsumUpdates *ebpf.Variable `ebpf:"fluxvm_test_csum_updates"`
+	FluxvmTestRecycle     *ebpf.Variable `ebpf:"fluxvm_test_recycle"`
+	FluxvmTestRecycleKey4 *ebpf.Variable `ebpf:"fluxvm_test_recycle_key4"`
+	FluxvmTestRecycleKey6 *ebpf.Variable `ebpf:"fluxvm_test_recycle_key6"`
+	FluxvmTestRecycleVal  *ebpf.Variable `ebpf:"fluxvm_test_recycle_val"`
 	FluxvmTestSummed      *ebpf.Variable `ebpf:"fluxvm_test_summed"`
 }
 

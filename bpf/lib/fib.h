@@ -15,6 +15,7 @@
 
 #include "maps.h"
 #include "parse.h"
+#include "csum.h"
 
 #define FLUXVM_AF_INET_KERNEL 2   /* AF_INET, as bpf_fib_lookup wants it */
 #define FLUXVM_AF_INET6_KERNEL 10 /* AF_INET6 */
@@ -23,7 +24,9 @@
 #define FLUXVM_FIB_MISS -1
 
 
-/* ip_decrease_ttl: one less TTL and the header checksum patched (RFC 1624). */
+/* ip_decrease_ttl: one less TTL and the header checksum patched (RFC 1624).
+ * skb->csum, which covers the header, does not move: the header sums to
+ * the same value before and after. */
 static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
 {
 	__u32 check = (__u32)iph->check;
@@ -31,6 +34,18 @@ static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
 	check += (__u32)bpf_htons(0x0100);
 	iph->check = (__sum16)(check + (check >= 0xFFFF));
 	iph->ttl--;
+}
+
+/* One less hop limit. No header checksum covers it, but skb->csum does
+ * under CHECKSUM_COMPLETE: returns what the word it shares with the next
+ * header field moved by, for fluxvm_csum_complete_move. */
+static __always_inline __u32 fluxvm_ipv6_dec_hoplimit(struct ipv6hdr *ip6)
+{
+	__u16 *w = (__u16 *)&ip6->nexthdr;
+	__u16 old = *w;
+
+	ip6->hop_limit--;
+	return fluxvm_csum_diff2(old, *w);
 }
 
 /*
@@ -41,12 +56,18 @@ static __always_inline void fluxvm_ipv4_dec_ttl(struct iphdr *iph)
  * the redirect, or FLUXVM_FIB_MISS when the FIB has no forwarding answer
  * (local destination, no route, forwarding disabled, MTU exceeded, or TTL
  * about to expire: the host stack handles all of these properly, with
- * ICMP errors where due). Nothing is written on a miss.
+ * ICMP errors where due). Nothing is written on a miss; once the packet is
+ * written, a failure is TC_ACT_SHOT.
  */
-static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int v6,
+static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
+					       const struct fluxvm_pkt *pkt, const int v6,
 					       const __be32 *dst)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	__u32 l3_off = pkt->l3_off, moved = 0;
+	/* Read before the lookup: the verifier forgets packet ranges
+	 * across calls. */
+	__u32 summed = fluxvm_ip_summed(skb);
 	struct bpf_fib_lookup *fib;
 	struct ethhdr *eth;
 	void *data, *end;
@@ -55,7 +76,7 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	/* The lookup and the neighbour live in per-CPU scratch (maps.h):
 	 * routing is a rare path and they would take ~90 bytes of every
 	 * frame that inlines it. */
-	if (!s)
+	if (!s || l3_off > FLUXVM_MAX_L4_OFF)
 		return FLUXVM_FIB_MISS;
 	fib = &s->fib;
 	__builtin_memset(fib, 0, sizeof(*fib));
@@ -67,7 +88,7 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	 * packet arrived on. */
 	fib->ifindex = skb->ifindex;
 	if (v6) {
-		struct ipv6hdr *ip6 = data + ETH_HLEN;
+		struct ipv6hdr *ip6 = data + l3_off;
 
 		if ((void *)(ip6 + 1) > end || ip6->hop_limit <= 1)
 			return FLUXVM_FIB_MISS;
@@ -79,7 +100,7 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 		else
 			__builtin_memcpy(fib->ipv6_dst, &ip6->daddr, 16);
 	} else {
-		struct iphdr *iph = data + ETH_HLEN;
+		struct iphdr *iph = data + l3_off;
 
 		if ((void *)(iph + 1) > end || iph->ttl <= 1)
 			return FLUXVM_FIB_MISS;
@@ -100,15 +121,15 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	end = fluxvm_data_end(skb);
 	eth = data;
 	if (v6) {
-		struct ipv6hdr *ip6 = data + ETH_HLEN;
+		struct ipv6hdr *ip6 = data + l3_off;
 
-		if ((void *)(ip6 + 1) > end)
+		if ((void *)(ip6 + 1) > end || (void *)(eth + 1) > end)
 			return FLUXVM_FIB_MISS;
-		ip6->hop_limit--;
+		moved = fluxvm_ipv6_dec_hoplimit(ip6);
 	} else {
-		struct iphdr *iph = data + ETH_HLEN;
+		struct iphdr *iph = data + l3_off;
 
-		if ((void *)(iph + 1) > end)
+		if ((void *)(iph + 1) > end || (void *)(eth + 1) > end)
 			return FLUXVM_FIB_MISS;
 		fluxvm_ipv4_dec_ttl(iph);
 	}
@@ -116,8 +137,12 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb, const int 
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
 		__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
 		__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
-		return bpf_redirect(fib->ifindex, 0);
 	}
+	/* Last: the helper call ends what the verifier knows of the packet. */
+	if (summed == FLUXVM_CHECKSUM_COMPLETE)
+		fluxvm_csum_complete_move(skb, moved);
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS)
+		return bpf_redirect(fib->ifindex, 0);
 	/* The next hop is known but its link-layer address is not (yet):
 	 * let the kernel resolve it and queue the packet meanwhile. The
 	 * lookup left the next hop (the gateway, or the destination itself

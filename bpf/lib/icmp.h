@@ -37,6 +37,7 @@
 #include "maps.h"
 #include "parse.h"
 #include "counters.h"
+#include "csum.h"
 #include "nat.h"
 #include "snat.h"
 
@@ -55,17 +56,6 @@
  * (IPv4 options) or 40 (IPv6) bytes after that. */
 #define FLUXVM_ICMP_MAX_INNER_L4 (FLUXVM_MAX_L4_OFF + 8 + 60)
 
-/* The one's complement change of a 16-bit field from @o to @n. */
-static __always_inline __u32 fluxvm_csum_diff2(__u16 o, __u16 n)
-{
-	return fluxvm_csum_add(~(__u32)o, n);
-}
-
-static __always_inline __u32 fluxvm_csum_diff4(__be32 o, __be32 n)
-{
-	return fluxvm_csum_add(~o, n);
-}
-
 /*
  * Translate the ICMP error @pkt (parsed, its l4_proto ICMP/ICMPv6) for
  * reply direction @kind. Returns TC_ACT_OK when translated, else
@@ -80,20 +70,23 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	struct fluxvm_nat_value *nat;
 	__be32 isrc[4] = {}, idst[4] = {}, client[4] = {}, vip[4] = {};
 	__be16 isport, idport, cport, vport;
-	__u32 off = pkt->l4_off, l3_end = pkt->l3_end;
+	__u32 l3_off = pkt->l3_off, off = pkt->l4_off, l3_end = pkt->l3_end;
 	__u32 in_off, il4, csum_off, need, summed;
 	__u32 sdiff = 0, ddiff, odiff = 0, d, moved;
 	__u16 old_icsum = 0, new_icsum = 0, old_l4 = 0, new_l4 = 0, old_ic, new_ic;
 	__u16 old_oc = 0, new_oc = 0;
 	int snat = kind == FLUXVM_REPLY_SNAT, has_l4csum, udp;
+	const __u32 iph_len = v6 ? sizeof(struct ipv6hdr) : sizeof(struct iphdr);
+	__sum16 *qcsum, *icsum;
+	__be16 *qports;
 	__u8 iproto, *h;
-	void *data, *end;
+	void *data, *end, *oip, *qip;
 
 	if (pkt->frag != FLUXVM_FRAG_NONE)
 		return FLUXVM_TC_NEXT;
 	if (pkt->l4_proto != (v6 ? IPPROTO_ICMPV6 : IPPROTO_ICMP))
 		return FLUXVM_TC_NEXT;
-	if (off > FLUXVM_MAX_L4_OFF)
+	if (off > FLUXVM_MAX_L4_OFF || l3_off > FLUXVM_MAX_L4_OFF)
 		return FLUXVM_TC_NEXT;
 	if (snat && !fluxvm_is_snat_addr(pkt->daddr, v6))
 		return FLUXVM_TC_NEXT;
@@ -184,36 +177,38 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 		cport = isport;
 	}
 
-	/* Everything written below lies in the linear area and in bounds,
-	 * checked before the first write. */
+	/* Everything written below lies in the linear area. */
 	csum_off = il4 + (udp ? 6 : 16);
 	has_l4csum = csum_off + 2 <= l3_end;
 	need = has_l4csum ? csum_off + 2 : il4 + 8;
 	if (!fluxvm_hdr(skb, 0, need))
 		return FLUXVM_TC_NEXT;
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
-	if (data + ETH_HLEN + (v6 ? sizeof(struct ipv6hdr) : sizeof(struct iphdr)) > end)
-		return FLUXVM_TC_NEXT;
-	if (data + off + 8 > end || data + il4 + 8 > end)
-		return FLUXVM_TC_NEXT;
-	if (data + in_off + (v6 ? sizeof(struct ipv6hdr) : sizeof(struct iphdr)) > end)
-		return FLUXVM_TC_NEXT;
-	if (has_l4csum && data + csum_off + 2 > end)
-		return FLUXVM_TC_NEXT;
 	summed = fluxvm_ip_summed(skb);
-	/* The helper call above does not move the packet, but the verifier
-	 * forgets packet ranges across calls: load and check again. */
+	/*
+	 * The point of no return. Every pointer written through is derived
+	 * and checked here, after the last call (the verifier forgets packet
+	 * ranges across calls): from the first write on nothing can fail,
+	 * so a packet is never passed on half translated.
+	 */
 	data = fluxvm_data(skb);
 	end = fluxvm_data_end(skb);
+	oip = data + l3_off;
+	qip = data + in_off;
+	qports = data + il4;
+	icsum = data + off + 2;
+	/* Without a quoted L4 checksum, a pointer never written through but
+	 * checked like the others: the verifier does not connect a later
+	 * test of has_l4csum with one made here. */
+	qcsum = data + (has_l4csum ? csum_off : off + 2);
+	if (oip + iph_len > end || qip + iph_len > end || (void *)(qports + 2) > end ||
+	    (void *)(icsum + 1) > end || (void *)(qcsum + 1) > end)
+		return FLUXVM_TC_NEXT;
 
 	/* The quote: addresses (and the IPv4 header checksum), ports. d sums
 	 * every change of a 16-bit word the ICMP checksum covers. */
 	if (v6) {
-		struct ipv6hdr *ip6 = data + in_off;
+		struct ipv6hdr *ip6 = qip;
 
-		if ((void *)(ip6 + 1) > end)
-			return FLUXVM_TC_NEXT;
 		ddiff = fluxvm_csum_diff16(idst, vip);
 		if (snat)
 			sdiff = fluxvm_csum_diff16(isrc, client);
@@ -222,10 +217,8 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 			__builtin_memcpy(&ip6->saddr, client, 16);
 		d = fluxvm_csum_add(ddiff, sdiff);
 	} else {
-		struct iphdr *iph = data + in_off;
+		struct iphdr *iph = qip;
 
-		if ((void *)(iph + 1) > end)
-			return FLUXVM_TC_NEXT;
 		ddiff = fluxvm_csum_diff4(idst[0], vip[0]);
 		if (snat)
 			sdiff = fluxvm_csum_diff4(isrc[0], client[0]);
@@ -238,15 +231,9 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 			iph->saddr = client[0];
 		d = fluxvm_csum_add(d, fluxvm_csum_diff2(old_icsum, new_icsum));
 	}
-	{
-		__be16 *p = data + il4;
-
-		if ((void *)(p + 2) > end)
-			return FLUXVM_TC_NEXT;
-		p[1] = vport;
-		if (snat)
-			p[0] = cport;
-	}
+	qports[1] = vport;
+	if (snat)
+		qports[0] = cport;
 	d = fluxvm_csum_add(d, fluxvm_csum_diff2(idport, vport));
 	if (snat)
 		d = fluxvm_csum_add(d, fluxvm_csum_diff2(isport, cport));
@@ -254,11 +241,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	/* The quoted L4 checksum, when the quote holds it: pseudo-header
 	 * addresses and ports. An IPv4 UDP checksum of zero stays so. */
 	if (has_l4csum) {
-		__sum16 *c = data + csum_off;
-
-		if ((void *)(c + 1) > end)
-			return FLUXVM_TC_NEXT;
-		old_l4 = *c;
+		old_l4 = *qcsum;
 		if (!(udp && !v6 && old_l4 == 0)) {
 			__u32 l = fluxvm_csum_add(fluxvm_csum_add(ddiff, sdiff),
 						  fluxvm_csum_diff2(idport, vport));
@@ -268,7 +251,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 			new_l4 = fluxvm_csum_fold(fluxvm_csum_add(l, (__u16)~old_l4));
 			if (udp && new_l4 == 0)
 				new_l4 = 0xffff;
-			*c = new_l4;
+			*qcsum = new_l4;
 			d = fluxvm_csum_add(d, fluxvm_csum_diff2(old_l4, new_l4));
 		}
 	}
@@ -277,17 +260,13 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	 * ICMPv6 the pseudo-header enters the ICMP checksum. */
 	if (snat) {
 		if (v6) {
-			struct ipv6hdr *ip6 = data + ETH_HLEN;
+			struct ipv6hdr *ip6 = oip;
 
-			if ((void *)(ip6 + 1) > end)
-				return FLUXVM_TC_NEXT;
 			odiff = fluxvm_csum_diff16(pkt->daddr, client);
 			__builtin_memcpy(&ip6->daddr, client, 16);
 		} else {
-			struct iphdr *iph = data + ETH_HLEN;
+			struct iphdr *iph = oip;
 
-			if ((void *)(iph + 1) > end)
-				return FLUXVM_TC_NEXT;
 			odiff = fluxvm_csum_diff4(pkt->daddr[0], client[0]);
 			old_oc = iph->check;
 			new_oc = fluxvm_csum_fold(fluxvm_csum_add(odiff, (__u16)~old_oc));
@@ -297,16 +276,10 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	}
 
 	/* The ICMP checksum. */
-	{
-		__sum16 *c = data + off + 2;
-
-		if ((void *)(c + 1) > end)
-			return FLUXVM_TC_NEXT;
-		old_ic = *c;
-		new_ic = fluxvm_csum_fold(fluxvm_csum_add(v6 ? fluxvm_csum_add(d, odiff) : d,
-							  (__u16)~old_ic));
-		*c = new_ic;
-	}
+	old_ic = *icsum;
+	new_ic = fluxvm_csum_fold(fluxvm_csum_add(v6 ? fluxvm_csum_add(d, odiff) : d,
+						  (__u16)~old_ic));
+	*icsum = new_ic;
 
 	if (summed == FLUXVM_CHECKSUM_COMPLETE) {
 		/* skb->csum covers everything from the IP header on. */
@@ -314,10 +287,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 		moved = fluxvm_csum_add(moved, odiff);
 		if (snat && !v6)
 			moved = fluxvm_csum_add(moved, fluxvm_csum_diff2(old_oc, new_oc));
-		moved = (moved & 0xffff) + (moved >> 16);
-		moved = (moved & 0xffff) + (moved >> 16);
-		if (moved != 0 && moved != 0xffff)
-			bpf_csum_update(skb, moved);
+		fluxvm_csum_complete_move(skb, moved);
 	}
 	fluxvm_count(FLUXVM_CNT_ICMP_ERRORS_TRANSLATED);
 	return TC_ACT_OK;

@@ -120,7 +120,8 @@ static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, c
  * client directly. Without a route to the backend the packet is dropped:
  * the host stack would route it by the VIP instead.
  */
-static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb, const int v6,
+static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb,
+					      const struct fluxvm_pkt *pkt, const int v6,
 					      const struct fluxvm_backend *be,
 					      struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
@@ -128,7 +129,7 @@ static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb, const int v
 	__u32 len = skb->len;
 	int ret;
 
-	ret = fluxvm_fib_redirect(skb, v6, be->addr);
+	ret = fluxvm_fib_redirect(skb, pkt, v6, be->addr);
 	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT)
 		return fluxvm_drop(FLUXVM_DROP_DSR_NO_ROUTE, st, es);
 	fluxvm_count(FLUXVM_CNT_DSR_FORWARDED);
@@ -137,15 +138,20 @@ static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb, const int v
 }
 
 /* host_routing: forward a translated packet ourselves; a FIB miss leaves it
- * to the host stack (TC_ACT_OK), never a drop. */
-static __always_inline int fluxvm_host_route(struct __sk_buff *skb, const int v6)
+ * to the host stack (TC_ACT_OK), never a drop. A failure after the
+ * lookup wrote to the packet (TTL, MACs) drops it: the host stack would
+ * forward it a second time. */
+static __always_inline int fluxvm_host_route(struct __sk_buff *skb,
+					     const struct fluxvm_pkt *pkt, const int v6)
 {
-	int ret = fluxvm_fib_redirect(skb, v6, NULL);
+	int ret = fluxvm_fib_redirect(skb, pkt, v6, NULL);
 
-	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT) {
+	if (ret == FLUXVM_FIB_MISS) {
 		fluxvm_count(FLUXVM_CNT_HOST_ROUTE_FALLBACKS);
 		return TC_ACT_OK;
 	}
+	if (ret == TC_ACT_SHOT)
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, NULL, NULL);
 	fluxvm_count(FLUXVM_CNT_HOST_ROUTED_PACKETS);
 	return ret;
 }
@@ -309,14 +315,14 @@ pick:
 
 out:
 	if (dsr)
-		return fluxvm_dsr_forward(skb, v6, be, st, es);
+		return fluxvm_dsr_forward(skb, pkt, v6, be, st, es);
 	if (fluxvm_rewrite(skb, pkt, v6, 1, be->addr, be->port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(skb, pkt, v6, 0, nat_addr, nat_port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, skb->len, 0);
 	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
-		return fluxvm_host_route(skb, v6);
+		return fluxvm_host_route(skb, pkt, v6);
 	/* TC_ACT_OK ends the chain: the VM policy program behind us never
 	 * sees the backend address and port. */
 	return TC_ACT_OK;
@@ -326,13 +332,12 @@ out:
 #define FLUXVM_REPLY_EW 0   /* VM-edge egress: replies to east-west clients */
 #define FLUXVM_REPLY_SNAT 1 /* ingress hooks, north-south egress: replies to the SNAT address */
 
-/* Is reverse-NAT entry @nat (the reply @pkt matched) the other half of
- * conntrack entry @ct? */
-static __always_inline int fluxvm_ct_owns_nat(const struct fluxvm_ct_value *ct,
-					      const struct fluxvm_nat_value *nat,
+/* Is the reverse-NAT entry of backend @bid (the reply @pkt matched) the
+ * other half of conntrack entry @ct? */
+static __always_inline int fluxvm_ct_owns_nat(const struct fluxvm_ct_value *ct, __u32 bid,
 					      const struct fluxvm_pkt *pkt, int snat)
 {
-	if (ct->backend_id != nat->backend_id)
+	if (ct->backend_id != bid)
 		return 0;
 	if (!snat)
 		return !(ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR));
@@ -359,9 +364,10 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	struct fluxvm_nat_value *nat;
 	struct fluxvm_scratch *scr;
 	struct fluxvm_ct_value *ct;
-	__be32 client[4] = {};
-	__be16 cport;
-	int synack, snat;
+	const __be32 *client, *vip;
+	__be16 cport, vport;
+	__u32 nat_sid, nat_bid;
+	int synack, snat, refresh;
 	__u8 nat_flags;
 	__u64 now;
 
@@ -376,41 +382,53 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	nat = bpf_map_lookup_elem(nat_map, key);
 	if (!nat)
 		return FLUXVM_TC_NEXT;
+	/*
+	 * Copy what is needed before any other map operation: an LRU entry
+	 * may be recycled for another flow by an update on another CPU, so
+	 * @nat is only read here, and its refresh stamp written right after.
+	 * The client's view of the flow (the conntrack key) holds the copies
+	 * of the addresses and ports, so they take no more stack.
+	 */
 	nat_flags = nat->flags;
-	snat = nat_flags & FLUXVM_NAT_F_SNAT;
+	snat = !!(nat_flags & FLUXVM_NAT_F_SNAT);
 	if (snat != (kind == FLUXVM_REPLY_SNAT))
 		return FLUXVM_TC_NEXT;
-	if (snat) {
-		__builtin_memcpy(client, nat->client, 16);
-		cport = nat->cport;
+	if (v6) {
+		__builtin_memcpy(c6.saddr, snat ? nat->client : pkt->daddr, 16);
+		__builtin_memcpy(c6.daddr, nat->vip, 16);
+		c6.sport = snat ? nat->cport : pkt->dport;
+		c6.dport = nat->vport;
+		c6.proto = pkt->l4_proto;
+		client = c6.saddr;
+		vip = c6.daddr;
+		cport = c6.sport;
+		vport = c6.dport;
 	} else {
-		__builtin_memcpy(client, pkt->daddr, 16);
-		cport = pkt->dport;
+		c4.saddr = snat ? nat->client[0] : pkt->daddr[0];
+		c4.daddr = nat->vip[0];
+		c4.sport = snat ? nat->cport : pkt->dport;
+		c4.dport = nat->vport;
+		c4.proto = pkt->l4_proto;
+		client = &c4.saddr;
+		vip = &c4.daddr;
+		cport = c4.sport;
+		vport = c4.dport;
 	}
-	st = fluxvm_stats(nat->service_id);
+	nat_sid = nat->service_id;
+	nat_bid = nat->backend_id;
+	now = bpf_ktime_get_coarse_ns();
+	synack = pkt->l4_proto == IPPROTO_TCP &&
+		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
+	refresh = synack || now - nat->last_seen_ns >= FLUXVM_CT_REFRESH_NS ||
+		  (pkt->l4_proto == IPPROTO_TCP && (pkt->tcp_flags & (FLUXVM_TCP_FIN | FLUXVM_TCP_RST)));
+	if (refresh && pkt->frag == FLUXVM_FRAG_NONE)
+		nat->last_seen_ns = now;
+	st = fluxvm_stats(nat_sid);
 	es = fluxvm_edge(skb);
 	if (pkt->frag != FLUXVM_FRAG_NONE)
 		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
 
-	now = bpf_ktime_get_coarse_ns();
-	synack = pkt->l4_proto == IPPROTO_TCP &&
-		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
-	if (synack || now - nat->last_seen_ns >= FLUXVM_CT_REFRESH_NS ||
-	    (pkt->l4_proto == IPPROTO_TCP && (pkt->tcp_flags & (FLUXVM_TCP_FIN | FLUXVM_TCP_RST)))) {
-		/* The client's view of the flow. */
-		if (v6) {
-			__builtin_memcpy(c6.saddr, client, 16);
-			__builtin_memcpy(c6.daddr, nat->vip, 16);
-			c6.sport = cport;
-			c6.dport = nat->vport;
-			c6.proto = pkt->l4_proto;
-		} else {
-			c4.saddr = client[0];
-			c4.daddr = nat->vip[0];
-			c4.sport = cport;
-			c4.dport = nat->vport;
-			c4.proto = pkt->l4_proto;
-		}
+	if (refresh) {
 		ct = bpf_map_lookup_elem(ct_map, ct_key);
 		/*
 		 * A SYN-ACK answers a handshake. If our flow is not in one, the
@@ -422,25 +440,24 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		 * conntrack half was evicted recovers: the client's SYN
 		 * retransmit learns both halves again.)
 		 */
-		if (synack && (!ct || !fluxvm_ct_owns_nat(ct, nat, pkt, snat) ||
+		if (synack && (!ct || !fluxvm_ct_owns_nat(ct, nat_bid, pkt, snat) ||
 			       ct->state != FLUXVM_CT_TCP_SYN)) {
 			bpf_map_delete_elem(nat_map, key);
 			fluxvm_count(FLUXVM_CNT_NAT_STALE);
 			return FLUXVM_TC_NEXT;
 		}
-		nat->last_seen_ns = now;
 		if (ct) {
 			/* After a failover the flow's conntrack names another
 			 * backend; this half is an orphan the GC removes. */
-			if (fluxvm_ct_owns_nat(ct, nat, pkt, snat))
+			if (fluxvm_ct_owns_nat(ct, nat_bid, pkt, snat))
 				fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
 		} else if ((scr = fluxvm_scratch_get())) {
 			/* Built in per-CPU scratch (maps.h), off the stack. */
 			struct fluxvm_ct_value *nct = &scr->nct;
 
 			__builtin_memset(nct, 0, sizeof(*nct));
-			nct->service_id = nat->service_id;
-			nct->backend_id = nat->backend_id;
+			nct->service_id = nat_sid;
+			nct->backend_id = nat_bid;
 			nct->created_ns = now;
 			nct->last_seen_ns = now;
 			nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
@@ -454,13 +471,13 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		}
 	}
 
-	if (fluxvm_rewrite(skb, pkt, v6, 0, nat->vip, nat->vport))
+	if (fluxvm_rewrite(skb, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(skb, pkt, v6, 1, client, cport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, skb->len, 1);
 	if (ingress && (nat_flags & FLUXVM_NAT_F_HOST_ROUTING))
-		return fluxvm_host_route(skb, v6);
+		return fluxvm_host_route(skb, pkt, v6);
 	return TC_ACT_OK;
 }
 

@@ -12,54 +12,7 @@
 
 #include "maps.h"
 #include "parse.h"
-
-static __always_inline __u32 fluxvm_csum_add(__u32 a, __u32 b)
-{
-	a += b;
-	return a + (a < b);
-}
-
-/* The partial sum that turns 16 bytes @from into @to, like bpf_csum_diff. */
-static __always_inline __u32 fluxvm_csum_diff16(const __be32 *from, const __be32 *to)
-{
-	__u32 s = 0;
-	int i;
-
-#pragma unroll
-	for (i = 0; i < 4; i++) {
-		s = fluxvm_csum_add(s, ~from[i]);
-		s = fluxvm_csum_add(s, to[i]);
-	}
-	return s;
-}
-
-static __always_inline __u16 fluxvm_csum_fold(__u32 s)
-{
-	s = (s & 0xffff) + (s >> 16);
-	s = (s & 0xffff) + (s >> 16);
-	return (__u16)~s;
-}
-
-/*
- * The skb's checksum state. __sk_buff does not expose ip_summed, so it is
- * read from the kernel's sk_buff through bpf_cast_to_kern_ctx (a no-op cast
- * the verifier resolves, Linux 6.3+) with a CO-RE relocated bitfield read.
- */
-extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
-
-struct sk_buff___fluxvm {
-	__u8 ip_summed : 2;
-} __attribute__((preserve_access_index));
-
-#define FLUXVM_CHECKSUM_COMPLETE 2
-#define FLUXVM_CHECKSUM_PARTIAL 3
-
-static __always_inline __u32 fluxvm_ip_summed(struct __sk_buff *skb)
-{
-	struct sk_buff___fluxvm *k = bpf_cast_to_kern_ctx(skb);
-
-	return BPF_CORE_READ_BITFIELD(k, ip_summed);
-}
+#include "csum.h"
 
 /*
  * Patch the L4 checksum at @csum in place for an address change of @adiff
@@ -69,12 +22,16 @@ static __always_inline __u32 fluxvm_ip_summed(struct __sk_buff *skb)
  * pseudo-header sum that the device completes, so ports do not enter it).
  */
 static __always_inline void fluxvm_l4_csum_patch(__sum16 *csum, __u32 summed, int udp,
-						 __u32 adiff, __be16 old_port, __be16 port)
+						 const int v6, __u32 adiff, __be16 old_port,
+						 __be16 port)
 {
 	__u16 old = *csum, new;
 
-	/* An IPv4 UDP checksum of zero means "none" and stays so. */
-	if (udp && old == 0)
+	/* An IPv4 UDP checksum of zero means "none" and stays so. IPv6 has
+	 * no such value (RFC 8200 8.1, the checksum is mandatory): a zero
+	 * there is wrong like any other wrong value and is patched as one,
+	 * so the receiver sees the same error it would have seen. */
+	if (udp && !v6 && old == 0)
 		return;
 	if (summed == FLUXVM_CHECKSUM_PARTIAL) {
 		new = (__u16)~fluxvm_csum_fold(fluxvm_csum_add(adiff, old));
@@ -108,21 +65,29 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 	__be16 old_port = dst ? pkt->dport : pkt->sport;
 	int udp = pkt->l4_proto == IPPROTO_UDP;
 	__u32 summed = fluxvm_ip_summed(skb);
-	__u32 l4_off = pkt->l4_off;
+	__u32 l3_off = pkt->l3_off, l4_off = pkt->l4_off;
 	__u32 csum_off, diff, moved;
 	void *data, *end;
 	__sum16 *c;
 	__u16 before;
 	__be16 *p;
 
-	if (l4_off > FLUXVM_MAX_L4_OFF)
+	/* The IP header precedes the L4 header, within the parser's bound;
+	 * the bound also tells the verifier the offsets are small. */
+	if (l3_off > FLUXVM_MAX_L4_OFF || l4_off > FLUXVM_MAX_L4_OFF)
 		return -1;
 	csum_off = l4_off + (udp ? 6 : 16);
 	data = fluxvm_data(skb);
 	end = fluxvm_data_end(skb);
+	/* Every bound is checked before the first write: a packet is never
+	 * left half rewritten. */
+	p = data + l4_off + (dst ? 2 : 0);
+	c = data + csum_off;
+	if ((void *)(p + 1) > end || (void *)(c + 1) > end)
+		return -1;
 
 	if (v6) {
-		struct ipv6hdr *ip6 = data + ETH_HLEN;
+		struct ipv6hdr *ip6 = data + l3_off;
 
 		if ((void *)(ip6 + 1) > end)
 			return -1;
@@ -132,7 +97,7 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 		else
 			__builtin_memcpy(&ip6->saddr, addr, 16);
 	} else {
-		struct iphdr *iph = data + ETH_HLEN;
+		struct iphdr *iph = data + l3_off;
 
 		if ((void *)(iph + 1) > end)
 			return -1;
@@ -143,17 +108,9 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 		else
 			iph->saddr = addr[0];
 	}
-
-	p = data + l4_off + (dst ? 2 : 0);
-	if ((void *)(p + 1) > end)
-		return -1;
 	*p = port;
-
-	c = data + csum_off;
-	if ((void *)(c + 1) > end)
-		return -1;
 	before = *c;
-	fluxvm_l4_csum_patch(c, summed, udp, diff, old_port, port);
+	fluxvm_l4_csum_patch(c, summed, udp, v6, diff, old_port, port);
 	if (summed != FLUXVM_CHECKSUM_COMPLETE)
 		return 0;
 
@@ -164,18 +121,15 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 	 * is absorbed by the header checksum). That is minus the address
 	 * change for IPv4 (what bpf_l4_csum_replace with BPF_F_PSEUDO_HDR
 	 * applies) and nothing for IPv6, where that helper is wrong without
-	 * BPF_F_IPV6 (Linux 6.16+) -- and the port alone for a UDP checksum
-	 * of zero, which the helper leaves out.
+	 * BPF_F_IPV6 (Linux 6.16+) -- and the port alone for an IPv4 UDP
+	 * checksum of zero, which the helper leaves out.
 	 */
 	moved = fluxvm_csum_add(~(__u32)old_port, port);
 	moved = fluxvm_csum_add(moved, ~(__u32)before);
 	moved = fluxvm_csum_add(moved, *c);
 	if (v6)
 		moved = fluxvm_csum_add(moved, diff);
-	moved = (moved & 0xffff) + (moved >> 16);
-	moved = (moved & 0xffff) + (moved >> 16);
-	if (moved != 0 && moved != 0xffff)
-		bpf_csum_update(skb, moved);
+	fluxvm_csum_complete_move(skb, moved);
 	return 0;
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
 	"slices"
 	"sort"
 	"sync"
@@ -16,7 +17,6 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
-	"github.com/fluxvm/servicefabric/maglev"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -95,13 +95,6 @@ type Dataplane struct {
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
-	// maglev is the one Maglev table that every frontend's table is built
-	// in, then copied into its inner map; slots are the inner maps' keys,
-	// 0..M−1. Keeping a table per frontend would keep its build scratch
-	// too, about 10 bytes per slot for every frontend.
-	maglev *maglev.Table
-	slots  []uint32
-
 	stop chan struct{}
 	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later change
@@ -109,6 +102,8 @@ type Dataplane struct {
 	closed bool
 
 	afterGCScan func() // tests: runs between GC's scan and its release of ids
+
+	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
 }
 
 type feKey struct {
@@ -127,6 +122,7 @@ type service struct {
 	revision  uint64
 	applied   time.Time
 	frontends []*frontend
+	fp        footprint // what it counts in d.index
 }
 
 type frontend struct {
@@ -194,6 +190,9 @@ func Open(opts Options) (*Dataplane, error) {
 	}
 	if err := d.init(); err != nil {
 		d.health.cancel()
+		if d.store != nil {
+			d.store.close()
+		}
 		dp.Close()
 		return nil, err
 	}
@@ -272,14 +271,18 @@ func (d *Dataplane) writeSNAT() error {
 	return nil
 }
 
-// restore re-applies the catalog with the ids it recorded. After a plain
-// restart every write repeats what the adopted maps already hold; after a
-// generation reload or tier change it reprograms the recreated maps.
+// restore re-applies the catalog (the snapshot and its journal,
+// journal.go) with the ids it recorded. After a plain restart every
+// write repeats what the adopted maps already hold; after a generation
+// reload or tier change it reprograms the recreated maps. A journal that
+// held changes is then compacted into the snapshot.
 func (d *Dataplane) restore() error {
+	d.index = newCatalogIndex()
+	d.busy = map[string]int{}
 	if d.opts.CatalogPath == "" {
 		return nil
 	}
-	cat, err := readCatalog(d.opts.CatalogPath)
+	cat, nextGen, dirty, err := loadCatalog(d.opts.CatalogPath, d.log)
 	if err != nil {
 		return err
 	}
@@ -291,6 +294,7 @@ func (d *Dataplane) restore() error {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {
+		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: footprintOf(&cs.Service)}
 		for _, cf := range cs.Frontends {
 			if !d.sids.reserve(cf.ServiceID) {
 				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
@@ -303,8 +307,10 @@ func (d *Dataplane) restore() error {
 				fe.backends[cb.Endpoint] = cb.BackendID
 			}
 			d.frontends[fe.key] = fe
+			s.frontends = append(s.frontends, fe)
 		}
-		d.services[cs.Service.Name] = &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt}
+		d.services[cs.Service.Name] = s
+		d.index.add(cs.Service.Name, &s.fp)
 		if cs.Revision > d.revision {
 			d.revision = cs.Revision
 		}
@@ -314,15 +320,25 @@ func (d *Dataplane) restore() error {
 			return fmt.Errorf("fluxvm: restore %s: %w", cs.Service.Name, err)
 		}
 	}
-	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services))
+	d.store = openStore(d.opts.CatalogPath, d.log, cat.Seq, nextGen)
+	if fi, err := os.Stat(d.opts.CatalogPath); err == nil {
+		d.store.snapSize = fi.Size()
+	}
+	if dirty {
+		if err := d.compactNow(); err != nil {
+			return fmt.Errorf("fluxvm: restore catalog: %w", err)
+		}
+	}
+	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services), "journal_seq", cat.Seq)
 	return nil
 }
 
-// Close stops the health checks and the GC timer, publishes the last
-// advertisements not yet written and stops their publisher, and releases
-// this process's handles. The datapath keeps forwarding: pins and
-// attachments stay in place, and so does the advertisement file, as last
-// published.
+// Close waits for the changes under way, stops the health checks and the
+// GC timer, publishes the last advertisements not yet written and stops
+// their publisher, compacts the catalog journal into the catalog file
+// (journal.go), and releases this process's handles. The datapath keeps
+// forwarding: pins and attachments stay in place, and so does the
+// advertisement file, as last published.
 // markClosed sets closed and reports whether this call did (false: the
 // Dataplane was closed already).
 func (d *Dataplane) markClosed() bool {
@@ -347,6 +363,8 @@ func (d *Dataplane) Close() error {
 	if !d.markClosed() {
 		return nil
 	}
+	// Changes under way finish (and are journaled) first.
+	d.inflight.Wait()
 	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
@@ -354,13 +372,14 @@ func (d *Dataplane) Close() error {
 		d.stop = nil
 	}
 	d.stopAdvertiser()
+	cerr := d.closeCatalog()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.dp.Close()
+	return errors.Join(cerr, d.dp.Close())
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// and north-south programs, deletes the pin root and the catalog file, and closes.
+// and north-south programs, deletes the pin root and the catalog (file and journal), and closes.
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
 // would leave them to guess); when that snapshot cannot be written,
@@ -369,6 +388,7 @@ func (d *Dataplane) Cleanup() error {
 	if !d.markClosed() {
 		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
 	}
+	d.inflight.Wait()
 	d.stopHealth()
 	if d.stop != nil {
 		close(d.stop)
@@ -378,6 +398,10 @@ func (d *Dataplane) Cleanup() error {
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
 	var errs []error
+	d.compacting.Wait()
+	if d.store != nil {
+		d.store.close()
+	}
 	// The goroutine's last publish only logs a failure; try once more
 	// here, so that Cleanup fails when adapters were not told to withdraw.
 	if err := d.adv.flush(); err != nil {
@@ -397,7 +421,7 @@ func (d *Dataplane) Cleanup() error {
 	})
 	errs = append(errs, err)
 	if d.opts.CatalogPath != "" {
-		if err := removeIfExists(d.opts.CatalogPath); err != nil {
+		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {
 			errs = append(errs, err)
 		}
 	}

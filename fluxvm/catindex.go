@@ -10,11 +10,14 @@ import (
 // that an apply validates its service against the catalog in time
 // independent of the catalog's size. It is kept under Dataplane.mu.
 //
-// While a change is in flight it holds both the old and the new
-// footprint of the service (reserve), and drops the one that lost when
-// the change ends (commit or abort). A concurrent change is then
-// validated against the union, which may refuse it near a limit where a
-// sequential order would not have, but never lets the catalog exceed one.
+// While a change is in flight it holds the larger of the old and the new
+// footprint of the service in every total, and the frontends and markers
+// of both (reserve), and drops what the change no longer needs when it
+// ends (commit or abort). A concurrent change is then validated against
+// that, which may refuse it near a limit where a sequential order would
+// not have (when another service grows there at the same time), but
+// never lets the catalog exceed one; an update that does not change a
+// service's size reserves nothing.
 type catalogIndex struct {
 	owner      map[catalogFE]string
 	markers    map[catalogMarker]int
@@ -133,43 +136,77 @@ func containsMarker(ms []catalogMarker, m catalogMarker) bool {
 	return false
 }
 
-// add counts fp, the footprint of service name.
-func (x *catalogIndex) add(name string, fp *footprint) {
+// add counts fp, the footprint of service name (a restored service).
+func (x *catalogIndex) add(name string, fp *footprint) { x.reserve(name, fp, nil) }
+
+// reserve counts a change of service name from old (nil: a new service)
+// to fp, for as long as it is in flight: the frontends and markers of
+// both, and the larger of the two in every total.
+func (x *catalogIndex) reserve(name string, fp, old *footprint) {
 	for _, k := range fp.frontends {
 		x.owner[k] = name
 	}
-	for _, m := range fp.markers {
-		if x.markers[m] == 0 {
-			x.feCount[addrFamily(m.vip)]++
-		}
-		x.markers[m]++
-	}
-	x.dpServices += fp.dpServices
-	x.backends += fp.backends
-	for f := range x.feCount {
-		x.feCount[f] += fp.feCount[f]
-	}
+	x.addMarkers(fp)
+	x.addTotals(fp, old, 1)
 }
 
-// remove uncounts fp, the footprint of service name; frontends that keep
-// belongs to stay owned by name.
-func (x *catalogIndex) remove(name string, fp, keep *footprint) {
-	for _, k := range fp.frontends {
-		if x.owner[k] == name && (keep == nil || !containsFE(keep.frontends, k)) {
+// commit ends a change reserved with reserve that succeeded: fp stays.
+// old nil with fp the footprint of a deleted service removes it.
+func (x *catalogIndex) commit(name string, fp, old *footprint) {
+	if old == nil {
+		return
+	}
+	x.drop(name, old, fp)
+}
+
+// abort ends a change reserved with reserve that failed: old stays.
+func (x *catalogIndex) abort(name string, fp, old *footprint) {
+	x.drop(name, fp, old)
+}
+
+// remove uncounts fp, the footprint of a deleted service.
+func (x *catalogIndex) remove(name string, fp *footprint) { x.drop(name, fp, nil) }
+
+// drop uncounts footprint gone of service name, which keeps footprint
+// stays (nil: none).
+func (x *catalogIndex) drop(name string, gone, stays *footprint) {
+	for _, k := range gone.frontends {
+		if x.owner[k] == name && (stays == nil || !containsFE(stays.frontends, k)) {
 			delete(x.owner, k)
 		}
 	}
-	for _, m := range fp.markers {
+	for _, m := range gone.markers {
 		x.markers[m]--
 		if x.markers[m] <= 0 {
 			delete(x.markers, m)
 			x.feCount[addrFamily(m.vip)]--
 		}
 	}
-	x.dpServices -= fp.dpServices
-	x.backends -= fp.backends
+	// The totals held max(gone, stays); they hold stays now.
+	x.addTotals(gone, stays, -1)
+}
+
+func (x *catalogIndex) addMarkers(fp *footprint) {
+	for _, m := range fp.markers {
+		if x.markers[m] == 0 {
+			x.feCount[addrFamily(m.vip)]++
+		}
+		x.markers[m]++
+	}
+}
+
+// addTotals adds (sign 1) or subtracts (sign −1) max(0, a − b) in every
+// total; b nil counts as zero.
+func (x *catalogIndex) addTotals(a, b *footprint, sign int) {
+	var z footprint
+	if b == nil {
+		b = &z
+	}
+	pos := func(v int) int { return max(0, v) * sign }
+	x.dpServices += pos(a.dpServices - b.dpServices)
+	x.backends += pos(a.backends - b.backends)
 	for f := range x.feCount {
-		x.feCount[f] -= fp.feCount[f]
+		x.feCount[f] += pos(a.feCount[f] - b.feCount[f])
 	}
 }
 

@@ -71,7 +71,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	}
 	d.revision++
 	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC(), fp: fp}
-	d.index.add(svc.Name, &fp)
+	d.index.reserve(svc.Name, &fp, oldFP)
 	d.inflight.Add(1)
 	defer d.inflight.Done()
 	d.busy[svc.Name]++ // health reprograms wait for this apply (recordHealth)
@@ -100,14 +100,12 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		if rerr != nil {
 			d.log.Error("fluxvm: rollback failed; guards of the service stay closed", "service", svc.Name, "err", rerr)
 		}
-		d.index.remove(svc.Name, &fp, oldFP)
+		d.index.abort(svc.Name, &fp, oldFP)
 		d.doneBusy(svc.Name)
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
-	if old != nil {
-		d.index.remove(svc.Name, oldFP, &fp)
-	}
+	d.index.commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
 	d.doneBusy(svc.Name)
 	d.syncHealth(svc.Name)
@@ -148,7 +146,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
-	d.index.remove(name, &s.fp, nil)
+	d.index.remove(name, &s.fp)
 	d.syncHealth(name)
 	d.advertise()
 	seq, jerr := d.journal(name, nil)

@@ -16,8 +16,12 @@ const catalogVersion = 1
 // catalogFile is the node-local copy of Fabric's intent, with the datapath
 // ids each frontend and backend was given, so that a restarted node keeps
 // the ids its conntrack entries name and established flows stay put.
+//
+// Seq is the sequence number of the last journal record the file
+// includes (journal.go); a file without it includes none.
 type catalogFile struct {
 	Version  int              `json:"version"`
+	Seq      uint64           `json:"journal_seq,omitempty"`
 	Services []catalogService `json:"services"`
 }
 

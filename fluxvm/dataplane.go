@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
 	"slices"
 	"sort"
 	"sync"
@@ -16,7 +17,6 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
-	"github.com/fluxvm/servicefabric/maglev"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -99,13 +99,6 @@ type Dataplane struct {
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
-	// maglev is the one Maglev table that every frontend's table is built
-	// in, then copied into its inner map; slots are the inner maps' keys,
-	// 0..M−1. Keeping a table per frontend would keep its build scratch
-	// too, about 10 bytes per slot for every frontend.
-	maglev *maglev.Table
-	slots  []uint32
-
 	stop chan struct{}
 	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later call
@@ -121,6 +114,8 @@ type Dataplane struct {
 
 	beforeGCScan func() // tests: runs just before GC's scan
 	afterGCScan  func() // tests: runs after GC's scan (whatever its outcome), before its release of ids
+
+	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
 }
 
 type feKey struct {
@@ -139,6 +134,7 @@ type service struct {
 	revision  uint64
 	applied   time.Time
 	frontends []*frontend
+	fp        footprint // what it counts in d.index
 }
 
 type frontend struct {
@@ -213,6 +209,9 @@ func Open(opts Options) (*Dataplane, error) {
 	}
 	if err := d.init(); err != nil {
 		d.health.cancel()
+		if d.store != nil {
+			d.store.close()
+		}
 		dp.Close()
 		return nil, err
 	}
@@ -304,14 +303,18 @@ func (d *Dataplane) writeSNAT() error {
 	return nil
 }
 
-// restore re-applies the catalog with the ids it recorded. After a plain
-// restart every write repeats what the adopted maps already hold; after a
-// generation reload or tier change it reprograms the recreated maps.
+// restore re-applies the catalog (the snapshot and its journal,
+// journal.go) with the ids it recorded. After a plain restart every
+// write repeats what the adopted maps already hold; after a generation
+// reload or tier change it reprograms the recreated maps. A journal that
+// held changes is then compacted into the snapshot.
 func (d *Dataplane) restore() error {
+	d.index = newCatalogIndex()
+	d.busy = map[string]int{}
 	if d.opts.CatalogPath == "" {
 		return nil
 	}
-	cat, err := readCatalog(d.opts.CatalogPath)
+	cat, nextGen, dirty, err := loadCatalog(d.opts.CatalogPath, d.log)
 	if err != nil {
 		return err
 	}
@@ -323,6 +326,7 @@ func (d *Dataplane) restore() error {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {
+		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: footprintOf(&cs.Service)}
 		for _, cf := range cs.Frontends {
 			if !d.sids.reserve(cf.ServiceID) {
 				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
@@ -335,8 +339,10 @@ func (d *Dataplane) restore() error {
 				fe.backends[cb.Endpoint] = cb.BackendID
 			}
 			d.frontends[fe.key] = fe
+			s.frontends = append(s.frontends, fe)
 		}
-		d.services[cs.Service.Name] = &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt}
+		d.services[cs.Service.Name] = s
+		d.index.add(cs.Service.Name, &s.fp)
 		if cs.Revision > d.revision {
 			d.revision = cs.Revision
 		}
@@ -346,7 +352,16 @@ func (d *Dataplane) restore() error {
 			return fmt.Errorf("fluxvm: restore %s: %w", cs.Service.Name, err)
 		}
 	}
-	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services))
+	d.store = openStore(d.opts.CatalogPath, d.log, cat.Seq, nextGen)
+	if fi, err := os.Stat(d.opts.CatalogPath); err == nil {
+		d.store.snapSize = fi.Size()
+	}
+	if dirty {
+		if err := d.compactNow(); err != nil {
+			return fmt.Errorf("fluxvm: restore catalog: %w", err)
+		}
+	}
+	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services), "journal_seq", cat.Seq)
 	return nil
 }
 
@@ -391,8 +406,9 @@ func (d *Dataplane) stopGC() {
 // progress and waits for it, publishes the last advertisements not yet
 // written and stops their publisher, and releases this process's handles.
 // The datapath keeps forwarding: pins and attachments stay in place, and
-// so does the advertisement file, as last published. A second Close does
-// nothing and returns nil.
+// so does the advertisement file, as last published. Changes under way
+// finish first, and the catalog journal is compacted into the catalog
+// file (journal.go). A second Close does nothing and returns nil.
 //
 // After Close (or Cleanup), every method that returns an error fails with
 // an error matching ErrClosed and touches no map. Status, Services, Health
@@ -403,16 +419,19 @@ func (d *Dataplane) Close() error {
 	if !d.markClosed() {
 		return nil
 	}
+	// Changes under way finish (and are journaled) first.
+	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
 	d.stopAdvertiser()
+	cerr := d.closeCatalog()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.dp.Close()
+	return errors.Join(cerr, d.dp.Close())
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// and north-south programs, deletes the pin root and the catalog file, and closes.
+// and north-south programs, deletes the pin root and the catalog (file and journal), and closes.
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
 // would leave them to guess); when that snapshot cannot be written,
@@ -421,11 +440,16 @@ func (d *Dataplane) Cleanup() error {
 	if !d.markClosed() {
 		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
 	}
+	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
 	var errs []error
+	d.compacting.Wait()
+	if d.store != nil {
+		d.store.close()
+	}
 	// The goroutine's last publish only logs a failure; try once more
 	// here, so that Cleanup fails when adapters were not told to withdraw.
 	if err := d.adv.flush(); err != nil {
@@ -449,7 +473,7 @@ func (d *Dataplane) Cleanup() error {
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
 	clear(d.health.observed)
 	if d.opts.CatalogPath != "" {
-		if err := removeIfExists(d.opts.CatalogPath); err != nil {
+		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {
 			errs = append(errs, err)
 		}
 	}

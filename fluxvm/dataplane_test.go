@@ -501,8 +501,8 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 }
 
 // TestMaglevMemoryPerFrontend: programming and then updating many
-// services keeps one Maglev build table for the dataplane, not one per
-// frontend. A table per frontend kept its build scratch after the first
+// services keeps a few Maglev build tables for the dataplane (a pool of at
+// most GOMAXPROCS, buildTable), not one per frontend. A table per frontend kept its build scratch after the first
 // update, about 10 bytes per slot each (160 KiB per frontend at tier S).
 func TestMaglevMemoryPerFrontend(t *testing.T) {
 	e := newEnv(t)
@@ -520,7 +520,7 @@ func TestMaglevMemoryPerFrontend(t *testing.T) {
 		}
 		return s
 	}
-	// The first apply builds the shared table; measure from there.
+	// The first apply builds a pooled table; measure from there.
 	if _, err := d.ApplyService(ctx, svc(0, 1)); err != nil {
 		t.Fatal(err)
 	}

@@ -263,6 +263,13 @@ func (d *Dataplane) recordHealth(c *checker, results []health.Result) {
 	if !reprogram && !c.unprogrammed {
 		return
 	}
+	if d.busy[c.service] > 0 {
+		// An apply of the service is building its tables: its commit
+		// sees the changed overlay and programs it (ApplyService).
+		// Until then the next round retries.
+		c.unprogrammed = true
+		return
+	}
 	if err := d.program(s.intent, s); err != nil {
 		c.unprogrammed = true
 		d.log.Error("fluxvm: reprogramming after a health change failed; the next round retries", "service", c.service, "err", err)

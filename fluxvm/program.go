@@ -2,14 +2,15 @@ package fluxvm
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"reflect"
+	"runtime"
 	"slices"
 	"sort"
+	"sync"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -24,82 +25,137 @@ import (
 // Applying the same intent again changes nothing either. An update never
 // touches conntrack or reverse-NAT state: established flows keep their
 // backends as the selection rules say.
+//
+// It returns once the change is programmed and durable in the catalog
+// (journal.go). Applies of different services run concurrently: the
+// dataplane's lock is held to validate and reserve ids and to put the
+// new tables in place, but not while the Maglev tables are built and
+// written, nor while the catalog journal is synced (concurrent changes
+// share one fsync). Applies and deletes of one service run one at a time.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatus, error) {
 	// The dataplane keeps the intent: it must not share the caller's
 	// slices and pointers, or a caller that edits its copy afterwards
 	// would change the stored intent behind our back.
 	svc = svc.Clone()
+	unlock := d.lockService(svc.Name)
+	defer unlock()
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if err := d.checkOpen("apply " + svc.Name); err != nil {
+		d.mu.Unlock()
 		return ServiceStatus{}, err
 	}
 	// The service alone first, so that its errors name its own fields
 	// (backends[0].port), then the catalog it would join.
 	if err := ValidateService(svc, d.opts.Config); err != nil {
-		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
-	}
-	next := make([]Service, 0, len(d.services)+1)
-	for name, s := range d.services {
-		if name != svc.Name {
-			next = append(next, s.intent)
-		}
-	}
-	next = append(next, svc)
-	if err := ValidateCatalog(next, d.opts.Config, d.limits); err != nil {
+		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	old := d.services[svc.Name]
 	if old != nil && reflect.DeepEqual(old.intent, svc) {
-		return d.statusOf(old), nil
+		st := d.statusOf(old)
+		d.mu.Unlock()
+		return st, nil
+	}
+	fp := footprintOf(&svc)
+	var oldFP *footprint
+	if old != nil {
+		oldFP = &old.fp
+	}
+	if err := d.index.check(&svc, &fp, oldFP, d.limits); err != nil {
+		d.mu.Unlock()
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	if err := d.checkIDs(svc); err != nil {
+		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	d.revision++
-	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC()}
-	if err := d.program(svc, s); err != nil {
+	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC(), fp: fp}
+	d.index.reserve(svc.Name, &fp, oldFP)
+	d.inflight.Add(1)
+	defer d.inflight.Done()
+	d.busy[svc.Name]++ // health reprograms wait for this apply (recordHealth)
+
+	p, err := d.prepare(svc, s, old)
+	if err == nil {
+		// The new tables are this service's own: build and fill them
+		// without the lock.
+		d.mu.Unlock()
+		var tables []builtTable
+		tables, err = d.buildTables(p)
+		d.mu.Lock()
+		if err == nil {
+			err = d.commit(svc, s, p, tables, old)
+			closeTables(tables)
+		}
+	}
+	if err != nil {
 		// Put back what was there, so that maps and catalog agree.
 		var rerr error
 		if old != nil {
-			rerr = d.program(old.intent, old)
+			rerr = d.program(old.intent, old, s)
 		} else {
-			rerr = d.unprogram(svc.Name)
+			rerr = d.unprogram(s)
 		}
 		if rerr != nil {
 			d.log.Error("fluxvm: rollback failed; guards of the service stay closed", "service", svc.Name, "err", rerr)
 		}
+		d.index.abort(svc.Name, &fp, oldFP)
+		d.doneBusy(svc.Name)
+		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
+	d.index.commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
+	d.doneBusy(svc.Name)
 	d.syncHealth(svc.Name)
 	d.advertise()
-	if err := d.saveCatalog(); err != nil {
-		return d.statusOf(s), fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
+	st := d.statusOf(s)
+	seq, jerr := d.journal(svc.Name, s)
+	d.mu.Unlock()
+	if jerr == nil {
+		jerr = d.persist(seq)
+	}
+	if jerr != nil {
+		return st, fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, jerr)
 	}
 	d.log.Info("fluxvm: service applied", "service", svc.Name, "revision", s.revision, "frontends", len(s.frontends))
-	return d.statusOf(s), nil
+	return st, nil
 }
 
 // DeleteService removes a service and its frontends. Its flows lose their
-// translation; their conntrack entries are collected by GC.
+// translation; their conntrack entries are collected by GC. It returns
+// once the removal is durable in the catalog.
 func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
+	unlock := d.lockService(name)
+	defer unlock()
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if err := d.checkOpen("delete " + name); err != nil {
+		d.mu.Unlock()
 		return err
 	}
-	if _, ok := d.services[name]; !ok {
+	s, ok := d.services[name]
+	if !ok {
+		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, ErrNotFound)
 	}
-	if err := d.unprogram(name); err != nil {
+	d.inflight.Add(1)
+	defer d.inflight.Done()
+	if err := d.unprogram(s); err != nil {
+		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	d.index.remove(name, &s.fp)
 	d.syncHealth(name)
 	d.advertise()
-	if err := d.saveCatalog(); err != nil {
-		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
+	seq, jerr := d.journal(name, nil)
+	d.mu.Unlock()
+	if jerr == nil {
+		jerr = d.persist(seq)
+	}
+	if jerr != nil {
+		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, jerr)
 	}
 	d.log.Info("fluxvm: service deleted", "service", name)
 	return nil
@@ -201,46 +257,147 @@ func (d *Dataplane) checkIDs(svc Service) error {
 	return nil
 }
 
-// program writes svc into the datapath as s. The order keeps the maps
+// program writes svc into the datapath as s, all with d.mu held (the
+// restore, rollbacks and health-driven reprograms; ApplyService runs the
+// same steps with the table builds outside the lock). others are services
+// whose frontends may belong to svc's name too (the service an apply
+// replaces, or the one a rollback undoes). The order keeps the maps
 // consistent for every packet: backends exist before a table names them,
 // a table is swapped in whole, a frontend appears only once its table is
 // in place, a new frontend's guard opens last, and backends leave only
 // after no table names them.
-func (d *Dataplane) program(svc Service, s *service) error {
-	monoNow, err := conntrack.Now()
+func (d *Dataplane) program(svc Service, s *service, others ...*service) error {
+	p, err := d.prepare(svc, s, others...)
 	if err != nil {
 		return err
 	}
+	tables, err := d.buildTables(p)
+	if err != nil {
+		return err
+	}
+	defer closeTables(tables)
+	return d.commit(svc, s, p, tables, others...)
+}
+
+// plan is a change of one service between prepare and commit.
+type plan struct {
+	frontends []planned
+	// remove are the service's frontends that the change drops.
+	remove []*frontend
+	// health is the effective state of every backend of the intent when
+	// prepare ran; commit starts over if a health check changed it since.
+	health []BackendState
+}
+
+// planned is one frontend of a change: its backends are in the datapath,
+// its table is to be built from mb.
+type planned struct {
+	fe     *frontend
+	mb     []maglev.Backend
+	listed map[netip.AddrPort]bool
+}
+
+// builtTable is a frontend's Maglev table, built and written into a new
+// inner map that is not in place yet.
+type builtTable struct {
+	inner    *ebpf.Map // nil: no eligible backend
+	eligible int
+}
+
+// frontendsOf lists the frontends of service name that ss know of and
+// the datapath still has.
+func (d *Dataplane) frontendsOf(name string, ss ...*service) []*frontend {
+	var out []*frontend
+	for _, s := range ss {
+		if s == nil {
+			continue
+		}
+		for _, fe := range s.frontends {
+			if fe.service == name && d.frontends[fe.key] == fe && !slices.Contains(out, fe) {
+				out = append(out, fe)
+			}
+		}
+	}
+	return out
+}
+
+// prepare is the first step of a change, with d.mu held: the frontends
+// svc needs get their ids (a new frontend's guard is closed), and the
+// backends of every frontend are written to fluxvm_backends, new ones
+// with new ids. s.frontends becomes svc's frontends.
+func (d *Dataplane) prepare(svc Service, s *service, others ...*service) (*plan, error) {
+	monoNow, err := conntrack.Now()
+	if err != nil {
+		return nil, err
+	}
 	wallNow := time.Now()
+	prev := d.frontendsOf(svc.Name, append([]*service{s}, others...)...)
+	p := &plan{health: d.healthOf(&svc)}
 	keep := map[feKey]bool{}
-	s.frontends = s.frontends[:0]
+	s.frontends = nil
 	for _, w := range wanted(svc) {
 		keep[w.key] = true
 		fe := d.frontends[w.key]
 		if fe != nil && fe.service != svc.Name {
-			return fmt.Errorf("frontend %s: %w", w.key, ErrConflict)
+			return p, fmt.Errorf("frontend %s: %w", w.key, ErrConflict)
 		}
 		if fe == nil {
 			fe = &frontend{key: w.key, service: svc.Name, backends: map[netip.AddrPort]uint32{}}
 			if fe.sid = d.sids.get(); fe.sid == 0 {
-				return fmt.Errorf("frontend %s: %w: no service id left", w.key, ErrLimit)
+				return p, fmt.Errorf("frontend %s: %w: no service id left", w.key, ErrLimit)
 			}
 			// A recycled id starts with zero counters and a closed guard.
 			if err := d.resetServiceSlot(fe.sid); err != nil {
-				return err
+				d.sids.release(fe.sid)
+				return p, fmt.Errorf("frontend %s: %w", w.key, err)
 			}
 			d.frontends[w.key] = fe
 		}
 		s.frontends = append(s.frontends, fe)
-		if err := d.programFrontend(svc, s, fe, w.backends, monoNow, wallNow); err != nil {
-			return fmt.Errorf("frontend %s: %w", w.key, err)
+		pl, err := d.prepareFrontend(svc, fe, w.backends, monoNow, wallNow)
+		if err != nil {
+			return p, fmt.Errorf("frontend %s: %w", w.key, err)
+		}
+		p.frontends = append(p.frontends, pl)
+	}
+	for _, fe := range prev {
+		if !keep[fe.key] {
+			p.remove = append(p.remove, fe)
 		}
 	}
-	for key, fe := range d.frontends {
-		if fe.service == svc.Name && !keep[key] {
-			if err := d.removeFrontend(fe); err != nil {
-				return err
-			}
+	return p, nil
+}
+
+// healthOf is the effective state of every backend of svc. d.mu must be
+// held.
+func (d *Dataplane) healthOf(svc *Service) []BackendState {
+	if svc.HealthCheck == nil {
+		return nil
+	}
+	out := make([]BackendState, len(svc.Backends))
+	for i := range svc.Backends {
+		out[i] = d.effectiveState(svc, &svc.Backends[i])
+	}
+	return out
+}
+
+// commit is the last step of a change, with d.mu held: the tables built
+// for p go in place, then the frontend entries, markers and guards, and
+// the backends and frontends the change drops go. If a health check
+// changed the effective state of a backend since prepare, it programs svc
+// again from the start (program) instead.
+func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable, others ...*service) error {
+	if !slices.Equal(p.health, d.healthOf(&svc)) {
+		return d.program(svc, s, others...)
+	}
+	for i, pl := range p.frontends {
+		if err := d.commitFrontend(svc, s, pl, tables[i]); err != nil {
+			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
+		}
+	}
+	for _, fe := range p.remove {
+		if err := d.removeFrontend(fe); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -250,16 +407,17 @@ func (k feKey) String() string {
 	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.vip, k.port), protocolOf(k.proto))
 }
 
-func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backends []Backend, monoNow time.Duration, wallNow time.Time) error {
-	listed := map[netip.AddrPort]bool{}
-	var mb []maglev.Backend
+// prepareFrontend writes the backends of fe (new ones get ids) and
+// returns what its table is built from.
+func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backend, monoNow time.Duration, wallNow time.Time) (planned, error) {
+	pl := planned{fe: fe, listed: map[netip.AddrPort]bool{}}
 	for _, b := range backends {
 		ep := b.Endpoint()
-		listed[ep] = true
+		pl.listed[ep] = true
 		id := fe.backends[ep]
 		if id == 0 {
 			if id = d.bids.get(); id == 0 {
-				return fmt.Errorf("%w: no backend id left", ErrLimit)
+				return pl, fmt.Errorf("%w: no backend id left", ErrLimit)
 			}
 			fe.backends[ep] = id
 		}
@@ -283,31 +441,22 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 		v := bpf.Backend{Addr: bpf.AddrWords(ep.Addr()), Port: bpf.Port(ep.Port()), Family: fam,
 			State: uint8(state), ServiceId: fe.sid, DrainUntilNs: drain}
 		if err := d.dp.Map("fluxvm_backends").Put(id, v); err != nil {
-			return fmt.Errorf("backend %s: %w", ep, err)
+			return pl, fmt.Errorf("backend %s: %w", ep, err)
 		}
-		mb = append(mb, maglev.Backend{ID: id, Addr: ep.Addr().Unmap(), Port: ep.Port(), Proto: fe.key.proto,
+		pl.mb = append(pl.mb, maglev.Backend{ID: id, Addr: ep.Addr().Unmap(), Port: ep.Port(), Proto: fe.key.proto,
 			Weight: b.EffectiveWeight(), Ready: state == bpf.BackendReady})
 	}
+	return pl, nil
+}
 
-	var err error
-	if d.maglev == nil {
-		d.maglev, err = maglev.New(maglev.Config{Size: d.caps.MaglevSize, Seed: d.opts.MaglevSeed}, mb)
-	} else {
-		err = d.maglev.Rebuild(mb)
-	}
-	if err != nil {
+// commitFrontend puts fe's table in place, then its frontend entry,
+// marker and guard, and removes the backends that left it.
+func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable) error {
+	fe := pl.fe
+	if err := d.swapTable(fe, t.inner); err != nil {
 		return err
 	}
-	if err := d.swapTable(fe); err != nil {
-		return err
-	}
-	fe.eligible = 0
-	for _, c := range d.maglev.SlotCounts() {
-		if c.Slots > 0 {
-			fe.eligible++
-		}
-	}
-
+	fe.eligible = t.eligible
 	fe.flags = svcFlags(&svc)
 	val := bpf.SvcValue{ServiceId: fe.sid, Flags: fe.flags, Revision: uint32(s.revision)}
 	if err := d.putFrontend(fe.key, val); err != nil {
@@ -327,7 +476,7 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 
 	// Backends that left the intent go only now that no table names them.
 	for ep, id := range fe.backends {
-		if !listed[ep] {
+		if !pl.listed[ep] {
 			if err := d.dp.Map("fluxvm_backends").Put(id, bpf.Backend{}); err != nil {
 				return fmt.Errorf("remove backend %s: %w", ep, err)
 			}
@@ -338,32 +487,110 @@ func (d *Dataplane) programFrontend(svc Service, s *service, fe *frontend, backe
 	return nil
 }
 
-// swapTable programs fe's Maglev table, just built in d.maglev: a
-// complete new inner map replaces the old one in a single update, or the
-// slot is emptied when no backend is eligible (new flows then drop as
-// no_backend).
-func (d *Dataplane) swapTable(fe *frontend) error {
-	outer := d.dp.Map("fluxvm_maglev")
-	entries := d.maglev.Entries()
+// buildTables builds the table of every frontend of p and writes each
+// into a new inner map. It needs no lock: the inner maps are new, and the
+// Maglev tables come from the dataplane's pool.
+func (d *Dataplane) buildTables(p *plan) ([]builtTable, error) {
+	out := make([]builtTable, 0, len(p.frontends))
+	for _, pl := range p.frontends {
+		t, err := d.buildTable(pl.mb)
+		if err != nil {
+			closeTables(out)
+			return nil, fmt.Errorf("frontend %s: %w", pl.fe.key, err)
+		}
+		out = append(out, t)
+	}
+	return out, nil
+}
+
+// buildTable builds the Maglev table of backends mb and writes it into a
+// new inner map with one batch update. At most GOMAXPROCS builds run at
+// once, each with a table of the pool: a table keeps its build scratch,
+// about 10 bytes per slot, so the dataplane keeps a few rather than one
+// per frontend.
+func (d *Dataplane) buildTable(mb []maglev.Backend) (builtTable, error) {
+	tp := &d.tables
+	tp.once.Do(func() {
+		tp.sem = make(chan struct{}, runtime.GOMAXPROCS(0))
+		tp.slots = make([]uint32, d.caps.MaglevSize)
+		for i := range tp.slots {
+			tp.slots[i] = uint32(i)
+		}
+	})
+	tp.sem <- struct{}{}
+	defer func() { <-tp.sem }()
+	tp.mu.Lock()
+	var t *maglev.Table
+	if n := len(tp.free); n > 0 {
+		t, tp.free = tp.free[n-1], tp.free[:n-1]
+	}
+	tp.mu.Unlock()
+	var err error
+	if t == nil {
+		t, err = maglev.New(maglev.Config{Size: d.caps.MaglevSize, Seed: d.opts.MaglevSeed}, mb)
+		if err != nil {
+			return builtTable{}, err
+		}
+	} else if err = t.Rebuild(mb); err != nil {
+		tp.put(t)
+		return builtTable{}, err
+	}
+	defer tp.put(t)
+	var bt builtTable
+	for _, c := range t.SlotCounts() {
+		if c.Slots > 0 {
+			bt.eligible++
+		}
+	}
+	entries := t.Entries()
 	if len(entries) == 0 {
+		return bt, nil
+	}
+	inner, err := ebpf.NewMap(d.inner)
+	if err != nil {
+		return builtTable{}, fmt.Errorf("maglev table: %w", err)
+	}
+	if _, err := inner.BatchUpdate(tp.slots[:len(entries)], entries, nil); err != nil {
+		inner.Close()
+		return builtTable{}, fmt.Errorf("maglev table: fill: %w", err)
+	}
+	bt.inner = inner
+	return bt, nil
+}
+
+// tablePool holds the Maglev tables that buildTable builds in.
+type tablePool struct {
+	once  sync.Once
+	sem   chan struct{} // one token per build under way
+	slots []uint32      // the inner maps' keys, 0..M−1
+	mu    sync.Mutex
+	free  []*maglev.Table
+}
+
+func (tp *tablePool) put(t *maglev.Table) {
+	tp.mu.Lock()
+	tp.free = append(tp.free, t)
+	tp.mu.Unlock()
+}
+
+func closeTables(ts []builtTable) {
+	for _, t := range ts {
+		if t.inner != nil {
+			t.inner.Close()
+		}
+	}
+}
+
+// swapTable puts fe's table in place: the complete new inner map
+// replaces the old one in a single update, or the slot is emptied when no
+// backend is eligible (inner nil; new flows then drop as no_backend).
+func (d *Dataplane) swapTable(fe *frontend, inner *ebpf.Map) error {
+	outer := d.dp.Map("fluxvm_maglev")
+	if inner == nil {
 		if err := outer.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
 		}
 		return nil
-	}
-	inner, err := ebpf.NewMap(d.inner)
-	if err != nil {
-		return fmt.Errorf("maglev table: %w", err)
-	}
-	defer inner.Close()
-	if len(d.slots) != len(entries) {
-		d.slots = make([]uint32, len(entries))
-		for i := range d.slots {
-			d.slots[i] = uint32(i)
-		}
-	}
-	if _, err := inner.BatchUpdate(d.slots, entries, nil); err != nil {
-		return fmt.Errorf("maglev table: fill: %w", err)
 	}
 	if err := outer.Put(fe.sid, inner); err != nil {
 		return fmt.Errorf("maglev table: swap: %w", err)
@@ -506,45 +733,17 @@ func (d *Dataplane) resetServiceSlot(sid uint32) error {
 	return nil
 }
 
-func (d *Dataplane) unprogram(name string) error {
-	for _, fe := range d.frontends {
-		if fe.service == name {
-			if err := d.removeFrontend(fe); err != nil {
-				return err
-			}
+// unprogram removes the frontends of the services ss (one name).
+func (d *Dataplane) unprogram(ss ...*service) error {
+	if len(ss) == 0 {
+		return nil
+	}
+	for _, fe := range d.frontendsOf(ss[0].intent.Name, ss...) {
+		if err := d.removeFrontend(fe); err != nil {
+			return err
 		}
 	}
 	return nil
-}
-
-func (d *Dataplane) saveCatalog() error {
-	if d.opts.CatalogPath == "" {
-		return nil
-	}
-	cat := catalogFile{Version: catalogVersion}
-	names := make([]string, 0, len(d.services))
-	for name := range d.services {
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	for _, name := range names {
-		s := d.services[name]
-		cs := catalogService{Service: s.intent, Revision: s.revision, AppliedAt: s.applied}
-		for _, fe := range s.frontends {
-			cf := catalogFrontend{VIP: fe.key.vip, Port: fe.key.port, Protocol: protocolOf(fe.key.proto), ServiceID: fe.sid}
-			for ep, id := range fe.backends {
-				cf.Backends = append(cf.Backends, catalogBackend{Endpoint: ep, BackendID: id})
-			}
-			sort.Slice(cf.Backends, func(i, j int) bool { return cf.Backends[i].BackendID < cf.Backends[j].BackendID })
-			cs.Frontends = append(cs.Frontends, cf)
-		}
-		cat.Services = append(cat.Services, cs)
-	}
-	data, err := json.MarshalIndent(cat, "", "  ")
-	if err != nil {
-		return err
-	}
-	return writeFileAtomic(d.opts.CatalogPath, data, 0o600)
 }
 
 func removeIfExists(path string) error {

@@ -120,8 +120,8 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	// Nothing is attached or restored first: removing the pin root
 	// detaches every program the datapath recorded, by ifindex, so a
 	// configured interface that is gone (or renamed) or a catalog that no
-	// longer validates does not stop the cleanup. The catalog file is
-	// removed below; with no services the first advertisement snapshot
+	// longer validates does not stop the cleanup. The catalog (file and
+	// journal) is removed below; with no services the first advertisement snapshot
 	// is already empty.
 	opts.Interfaces = nil
 	opts.Config.NorthSouthInterfaces = nil
@@ -133,8 +133,8 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	if err := d.Cleanup(); err != nil {
 		return err
 	}
-	if err := os.Remove(cfg.CatalogPath); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove the catalog: %w", err)
+	if err := fluxvm.RemoveCatalog(cfg.CatalogPath); err != nil {
+		return err
 	}
 	log.Info("fluxvmd: removed the datapath, its pins and the catalog; every VIP is withdrawn",
 		"pin_root", cfg.PinRoot, "advertisements_path", cfg.AdvertisementsPath)

@@ -1,0 +1,57 @@
+package fluxvm
+
+import "sync"
+
+// applyState is the state of the apply path that lets changes of
+// different services run concurrently (ApplyService).
+type applyState struct {
+	index    *catalogIndex  // catalog totals for incremental validation; under mu
+	store    *catalogStore  // the catalog's journal; nil without CatalogPath
+	busy     map[string]int // services with a change between prepare and commit; under mu
+	tables   tablePool      // Maglev tables to build in
+	inflight sync.WaitGroup // changes under way; Close waits for them
+	// compacting counts catalog compactions under way.
+	compacting sync.WaitGroup
+
+	namesMu sync.Mutex
+	names   map[string]*nameLock
+}
+
+// nameLock serialises the changes of one service.
+type nameLock struct {
+	mu   sync.Mutex
+	refs int
+}
+
+// lockService takes the lock of service name and returns its unlock. It
+// is taken before d.mu, never while holding it.
+func (d *Dataplane) lockService(name string) func() {
+	d.namesMu.Lock()
+	if d.names == nil {
+		d.names = map[string]*nameLock{}
+	}
+	l := d.names[name]
+	if l == nil {
+		l = &nameLock{}
+		d.names[name] = l
+	}
+	l.refs++
+	d.namesMu.Unlock()
+	l.mu.Lock()
+	return func() {
+		l.mu.Unlock()
+		d.namesMu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(d.names, name)
+		}
+		d.namesMu.Unlock()
+	}
+}
+
+// doneBusy ends what ApplyService's d.busy[name]++ began. d.mu must be
+// held.
+func (d *Dataplane) doneBusy(name string) {
+	if d.busy[name]--; d.busy[name] <= 0 {
+		delete(d.busy, name)
+	}
+}

@@ -301,8 +301,7 @@ func TestAttachTCX(t *testing.T) {
 			t.Errorf("links updated on reopen: %v", got)
 		}
 		after := tcxPrograms(t, idx, ebpf.AttachTCXIngress)
-		info, _ := d.Program("fluxvm_from_vm").Info()
-		id, _ := info.ID()
+		id := progID(t, d.Program("fluxvm_from_vm"))
 		if len(after) != 1 || after[0] != id {
 			t.Errorf("ingress runs %v, want the reopened program %d", after, id)
 		}

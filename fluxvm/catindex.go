@@ -48,17 +48,7 @@ func footprintOf(s *Service) footprint {
 	seen := map[catalogMarker]bool{}
 	for _, vip := range s.VIPs {
 		f := addrFamily(vip)
-		var perFrontend, eligible int
-		for k := range s.Backends {
-			b := &s.Backends[k]
-			if !b.IsEnabled() || addrFamily(b.Address) != f {
-				continue
-			}
-			perFrontend++
-			if b.EffectiveState() == BackendReady && b.EffectiveWeight() > 0 {
-				eligible++
-			}
-		}
+		perFrontend, eligible := backendsOf(s, f)
 		if eligible > fp.eligible {
 			fp.eligible, fp.eligibleFamily = eligible, f
 		}

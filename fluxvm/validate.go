@@ -605,17 +605,7 @@ func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
 		names[s.Name] = i
 		for _, vip := range s.VIPs {
 			f := addrFamily(vip)
-			var perFrontend, eligible int
-			for k := range s.Backends {
-				b := &s.Backends[k]
-				if !b.IsEnabled() || addrFamily(b.Address) != f {
-					continue
-				}
-				perFrontend++
-				if b.EffectiveState() == BackendReady && b.EffectiveWeight() > 0 {
-					eligible++
-				}
-			}
+			perFrontend, eligible := backendsOf(s, f)
 			if eligible > limits.MaglevSize {
 				return fail(verr(ErrLimit, "backends", "%d eligible %s backends; a Maglev table of this tier has %d slots", eligible, familyName[f], limits.MaglevSize))
 			}
@@ -647,4 +637,21 @@ func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
 		}
 	}
 	return nil
+}
+
+// backendsOf counts the enabled backends of s in family f (each frontend of
+// that family gets a backend slot for every one) and those eligible for new
+// flows (Ready with a weight).
+func backendsOf(s *Service, f int) (perFrontend, eligible int) {
+	for k := range s.Backends {
+		b := &s.Backends[k]
+		if !b.IsEnabled() || addrFamily(b.Address) != f {
+			continue
+		}
+		perFrontend++
+		if b.EffectiveState() == BackendReady && b.EffectiveWeight() > 0 {
+			eligible++
+		}
+	}
+	return perFrontend, eligible
 }

@@ -13,6 +13,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
@@ -178,6 +179,8 @@ func TestNewOptions(t *testing.T) {
 		{"token with newline", dp, api.Options{ReadTokens: []string{"a\n"}}, false},
 		{"admin and read", dp, api.Options{AdminTokens: []string{"x"}, ReadTokens: []string{"x"}}, false},
 		{"negative body limit", dp, api.Options{AdminTokens: []string{"a"}, MaxBodyBytes: -1}, false},
+		{"body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: time.Second}, true},
+		{"negative body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: -time.Second}, false},
 		{"nil dataplane", nil, api.Options{AdminTokens: []string{"a"}}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -45,6 +45,14 @@
 // one token; the reference daemon additionally refuses to start without an
 // admin token.
 //
+// The token is checked from the headers alone, before anything of the
+// body is read. A request refused before its body was read (401, 403,
+// 404, 405, 413 by Content-Length, 415) is answered at once, without
+// waiting for the body it announced, and its HTTP/1 connection is closed
+// after the answer. The body of an accepted request must arrive within
+// Options.BodyTimeout (408 otherwise), so a client that announces a body
+// and never sends it cannot hold a connection.
+//
 // # Errors
 //
 // Errors are JSON objects with a stable code (see [Code]):
@@ -57,6 +65,7 @@
 //	forbidden               403     read token on a mutation
 //	not_found               404     unknown route, service or VM (fluxvm.ErrNotFound)
 //	method_not_allowed      405     route exists with other methods (Allow lists them)
+//	request_timeout         408     the body did not arrive within Options.BodyTimeout
 //	conflict                409     fluxvm.ErrConflict
 //	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
 //	unsupported_media_type  415     POST body that is not application/json

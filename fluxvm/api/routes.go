@@ -8,6 +8,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 
@@ -74,6 +75,10 @@ func (h *handler) endpoint(rt route) http.Handler {
 			r.Body = http.MaxBytesReader(w, r.Body, h.maxBody)
 		}
 		if err := rt.handle(h, w, r); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				// Only the body has a read deadline (ServeHTTP).
+				err = newAPIError(CodeRequestTimeout, fmt.Sprintf("the request body did not arrive within %v", h.bodyTimeout))
+			}
 			h.writeError(w, r, toAPIError(err))
 		}
 	})

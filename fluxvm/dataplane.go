@@ -95,6 +95,11 @@ type Dataplane struct {
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
+	// legacyNames are the services restored from the catalog with a name
+	// that is now reserved (ReservedNames): they keep serving and can be
+	// deleted, but not applied again under that name.
+	legacyNames map[string]bool
+
 	// maglev is the one Maglev table that every frontend's table is built
 	// in, then copied into its inner map; slots are the inner maps' keys,
 	// 0..M−1. Keeping a table per frontend would keep its build scratch
@@ -275,6 +280,15 @@ func (d *Dataplane) writeSNAT() error {
 // restore re-applies the catalog with the ids it recorded. After a plain
 // restart every write repeats what the adopted maps already hold; after a
 // generation reload or tier change it reprograms the recreated maps.
+//
+// A service whose name has become reserved since it was applied (the
+// catalog of an older version, or edited by hand) is restored with a
+// warning rather than refused: refusing would stop the node from starting
+// while the datapath keeps forwarding for the service. It keeps serving,
+// is listed, and can be deleted (DeleteService; REST DELETE
+// /v1/network/services/{name}), but not read by name over REST nor
+// applied again under that name: delete it and apply it again under
+// another name.
 func (d *Dataplane) restore() error {
 	if d.opts.CatalogPath == "" {
 		return nil
@@ -286,8 +300,16 @@ func (d *Dataplane) restore() error {
 	var intents []Service
 	for _, cs := range cat.Services {
 		intents = append(intents, cs.Service)
+		if IsReservedName(cs.Service.Name) {
+			if d.legacyNames == nil {
+				d.legacyNames = map[string]bool{}
+			}
+			d.legacyNames[cs.Service.Name] = true
+			d.log.Warn("fluxvm: restored a service whose name is reserved for the REST API; it keeps serving but cannot be read by name over REST or applied again: delete it and apply it again under another name",
+				"service", cs.Service.Name, "catalog", d.opts.CatalogPath, "reserved", ReservedNames())
+		}
 	}
-	if err := ValidateCatalog(intents, d.opts.Config, d.limits); err != nil {
+	if err := validateCatalog(intents, d.opts.Config, d.limits, d.legacyNames); err != nil {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {

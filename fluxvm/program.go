@@ -46,7 +46,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		}
 	}
 	next = append(next, svc)
-	if err := ValidateCatalog(next, d.opts.Config, d.limits); err != nil {
+	if err := validateCatalog(next, d.opts.Config, d.limits, d.legacyNames); err != nil {
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	old := d.services[svc.Name]
@@ -96,6 +96,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	delete(d.legacyNames, name)
 	d.syncHealth(name)
 	d.advertise()
 	if err := d.saveCatalog(); err != nil {

@@ -65,8 +65,9 @@ func TestAPIServerLimits(t *testing.T) {
 // token the request fails with 408 at body_timeout and the connection
 // closes; many such connections are all closed.
 func TestAPIServerStalledBodies(t *testing.T) {
+	const bodyTimeout = 3 * time.Second
 	a := fluxvm.DefaultConfig().API
-	a.BodyTimeout = fluxvm.Duration{Duration: fluxvm.MinAPIBodyTimeout}
+	a.BodyTimeout = fluxvm.Duration{Duration: bodyTimeout}
 	_, addr := startAPIServer(t, a)
 
 	stalled := func(auth string) (net.Conn, error) {
@@ -85,7 +86,7 @@ func TestAPIServerStalledBodies(t *testing.T) {
 	// the connection; it returns the status and when the answer came.
 	answer := func(c net.Conn) (int, time.Time, error) {
 		defer c.Close()
-		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_ = c.SetReadDeadline(time.Now().Add(bodyTimeout + 10*time.Second))
 		br := bufio.NewReader(c)
 		resp, err := http.ReadResponse(br, nil)
 		if err != nil {
@@ -107,9 +108,9 @@ func TestAPIServerStalledBodies(t *testing.T) {
 		status   int
 		min, max time.Duration // when the answer may come
 	}{
-		{"no token", "", http.StatusUnauthorized, 0, 250 * time.Millisecond},
-		{"wrong token", "nope", http.StatusUnauthorized, 0, 250 * time.Millisecond},
-		{"admin token", token, http.StatusRequestTimeout, fluxvm.MinAPIBodyTimeout, fluxvm.MinAPIBodyTimeout + 2*time.Second},
+		{"no token", "", http.StatusUnauthorized, 0, bodyTimeout / 2},
+		{"wrong token", "nope", http.StatusUnauthorized, 0, bodyTimeout / 2},
+		{"admin token", token, http.StatusRequestTimeout, bodyTimeout, bodyTimeout + 2*time.Second},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			start := time.Now()

@@ -173,8 +173,10 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	rw := &responseWriter{ResponseWriter: w, rc: http.NewResponseController(w), http1: r.ProtoMajor == 1}
 	if hasBody(r) {
+		// Read through the copy of the request made below: the server
+		// must keep seeing its own body type in r (it decides from it how
+		// to close a connection whose body was not read).
 		rw.body = &trackedBody{ReadCloser: r.Body}
-		r.Body = rw.body
 	}
 	hdr := w.Header()
 	hdr.Set("Content-Type", "application/json")
@@ -201,10 +203,12 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.writeError(rw, r, errUnauthorized(r.Header.Get("Authorization") != ""))
 		return
 	}
+	r = r.WithContext(context.WithValue(r.Context(), levelKey{}, lvl))
 	if rw.body != nil {
 		rw.setReadDeadline(start.Add(h.bodyTimeout))
+		r.Body = rw.body
 	}
-	h.mux.ServeHTTP(rw, r.WithContext(context.WithValue(r.Context(), levelKey{}, lvl)))
+	h.mux.ServeHTTP(rw, r)
 }
 
 // trackedBody is a request body that remembers whether it was read to

@@ -152,10 +152,12 @@ func TestStalledBodyRefusedPromptly(t *testing.T) {
 			if resp.StatusCode != tt.status || !resp.Close {
 				t.Errorf("status %d, close %v; want %d, close", resp.StatusCode, resp.Close, tt.status)
 			}
-			if took := answered.Sub(start); took > 250*time.Millisecond {
+			// Far from the body deadline (a minute): nothing waited for
+			// the body.
+			if took := answered.Sub(start); took > time.Second {
 				t.Errorf("answered after %v", took)
 			}
-			if took := time.Since(start); took > 2*time.Second {
+			if took := time.Since(start); took > 3*time.Second {
 				t.Errorf("closed after %v", took)
 			}
 			s.waitClosed(t, 2*time.Second)

@@ -24,10 +24,15 @@
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
-// For GET, the literal segments "status", "stats", "health" and
-// "advertisements" take precedence over {name} (http.ServeMux prefers the
-// more specific pattern); validation reserves these names, so no service
-// can be named so.
+// The fixed segments under /v1/network/services/, those of these routes
+// and those planned, are reserved ([fluxvm.ReservedNames]: advertisements,
+// conntrack, flows, health, policies, pressure, stats, status, telemetry):
+// validation refuses them as service names, and the {name} routes never
+// answer one as a service. GET of a reserved word that is not a route of
+// this build (GET /v1/network/services/flows) is 404 "no such route", so a
+// later route never hides a service, nor a service a route. DELETE of a
+// reserved word removes only a service restored under it from an older
+// catalog (fluxvm keeps such a service serving, with a warning).
 // docs/openapi.yaml in the module describes every route and schema.
 //
 // Applying a service is an idempotent upsert: the same request twice leaves

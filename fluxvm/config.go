@@ -123,7 +123,8 @@ type APIConfig struct {
 	// per line, surrounding white space trimmed, empty lines and lines
 	// starting with '#' skipped; every token listed is accepted (so that
 	// a token can be rotated). When empty the daemon takes the token from
-	// the environment variable FLUXVM_ADMIN_TOKEN.
+	// the environment variable FLUXVM_ADMIN_TOKEN. The daemon refuses a
+	// token file whose mode grants any permission to group or others.
 	AdminTokenFile string `toml:"admin_token_file"`
 	// ReadTokenFile holds the bearer tokens for read-only requests, in
 	// the format of AdminTokenFile; when empty the daemon takes the token

@@ -34,6 +34,7 @@ const (
 	DefaultConntrackGCInterval = 30 * time.Second
 	DefaultAPIListen           = "127.0.0.1:7788"
 	DefaultAPIMaxBodyBytes     = MaxRequestBytes
+	DefaultAPIBodyTimeout      = 30 * time.Second
 	// DefaultSNATPortMin and DefaultSNATPortMax are the default SNAT port
 	// range: above Linux's default ephemeral range (32768..60999,
 	// net.ipv4.ip_local_port_range), so that north-south SNAT mappings
@@ -51,6 +52,9 @@ const (
 	// MinAPIMaxBodyBytes and MaxAPIMaxBodyBytes bound api.max_body_bytes.
 	MinAPIMaxBodyBytes = 1 << 10
 	MaxAPIMaxBodyBytes = 64 << 20
+	// MinAPIBodyTimeout and MaxAPIBodyTimeout bound api.body_timeout.
+	MinAPIBodyTimeout = time.Second
+	MaxAPIBodyTimeout = 10 * time.Minute
 	// MaxInterfaceNameLen is the kernel's limit on interface names
 	// (IFNAMSIZ less the terminating NUL).
 	MaxInterfaceNameLen = 15
@@ -119,7 +123,8 @@ type APIConfig struct {
 	// per line, surrounding white space trimmed, empty lines and lines
 	// starting with '#' skipped; every token listed is accepted (so that
 	// a token can be rotated). When empty the daemon takes the token from
-	// the environment variable FLUXVM_ADMIN_TOKEN.
+	// the environment variable FLUXVM_ADMIN_TOKEN. The daemon refuses a
+	// token file whose mode grants any permission to group or others.
 	AdminTokenFile string `toml:"admin_token_file"`
 	// ReadTokenFile holds the bearer tokens for read-only requests, in
 	// the format of AdminTokenFile; when empty the daemon takes the token
@@ -134,6 +139,12 @@ type APIConfig struct {
 	// MaxBodyBytes bounds a request body. Default DefaultAPIMaxBodyBytes
 	// (1 MiB), range MinAPIMaxBodyBytes..MaxAPIMaxBodyBytes.
 	MaxBodyBytes int64 `toml:"max_body_bytes"`
+	// BodyTimeout bounds the time an authenticated request may take to
+	// deliver its body, from the end of its headers; a body that has not
+	// arrived by then gets 408 and the connection is closed. Default
+	// DefaultAPIBodyTimeout (30 s), range
+	// MinAPIBodyTimeout..MaxAPIBodyTimeout.
+	BodyTimeout Duration `toml:"body_timeout"`
 }
 
 // Config is the node's Service Fabric configuration: the
@@ -256,6 +267,7 @@ func DefaultConfig() Config {
 		API: APIConfig{
 			Listen:       DefaultAPIListen,
 			MaxBodyBytes: DefaultAPIMaxBodyBytes,
+			BodyTimeout:  Duration{DefaultAPIBodyTimeout},
 		},
 	}
 }
@@ -370,20 +382,32 @@ func durationTypeError(data []byte) *ValidationError {
 		}
 		table = m[part]
 	}
+	return durationTypeErrorIn(table, reflect.TypeFor[Config](), "")
+}
+
+// durationTypeErrorIn is durationTypeError for the table t of the
+// document, laid out as the struct st, whose keys start with prefix
+// ("api.").
+func durationTypeErrorIn(table any, st reflect.Type, prefix string) *ValidationError {
 	m, ok := table.(map[string]any)
 	if !ok {
 		return nil
 	}
-	t := reflect.TypeFor[Config]()
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if f.Type != reflect.TypeFor[Duration]() {
+	for i := range st.NumField() {
+		f := st.Field(i)
+		k := f.Tag.Get("toml")
+		v, set := m[k]
+		if !set {
 			continue
 		}
-		k := f.Tag.Get("toml")
-		if v, set := m[k]; set {
+		switch {
+		case f.Type == reflect.TypeFor[Duration]():
 			if _, isString := v.(string); !isString {
-				return verr(ErrMalformed, configKey(k), "%v is not a duration; write a string such as \"30s\", \"6h\" or \"1m30s\" (a bare number does not say its unit)", v)
+				return verr(ErrMalformed, configKey(prefix+k), "%v is not a duration; write a string such as \"30s\", \"6h\" or \"1m30s\" (a bare number does not say its unit)", v)
+			}
+		case f.Type.Kind() == reflect.Struct:
+			if e := durationTypeErrorIn(v, f.Type, prefix+k+"."); e != nil {
+				return e
 			}
 		}
 	}
@@ -670,6 +694,9 @@ func (a *APIConfig) validate(bad func(category error, k, format string, args ...
 	}
 	if a.MaxBodyBytes < MinAPIMaxBodyBytes || a.MaxBodyBytes > MaxAPIMaxBodyBytes {
 		bad(ErrInvalid, "api.max_body_bytes", "%d is outside %d..%d", a.MaxBodyBytes, MinAPIMaxBodyBytes, MaxAPIMaxBodyBytes)
+	}
+	if d := a.BodyTimeout.Duration; d < MinAPIBodyTimeout || d > MaxAPIBodyTimeout {
+		bad(ErrInvalid, "api.body_timeout", "%v is outside %v..%v", d, MinAPIBodyTimeout, MaxAPIBodyTimeout)
 	}
 }
 

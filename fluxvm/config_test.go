@@ -86,6 +86,7 @@ tls_cert_file = "/etc/fluxvm/tls.crt"
 tls_key_file = "/etc/fluxvm/tls.key"
 allow_insecure_non_loopback = true
 max_body_bytes = 2097152
+body_timeout = "5s"
 `
 	c, err := ParseConfig([]byte(doc))
 	if err != nil {
@@ -122,6 +123,7 @@ max_body_bytes = 2097152
 			TLSKeyFile:               "/etc/fluxvm/tls.key",
 			AllowInsecureNonLoopback: true,
 			MaxBodyBytes:             2 << 20,
+			BodyTimeout:              Duration{5 * time.Second},
 		},
 	}
 	if !reflect.DeepEqual(c, want) {
@@ -334,6 +336,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "read token file relative", doc: api + "read_token_file = \"read.token\"\n", field: k("api.read_token_file"), kind: ErrInvalid},
 		{name: "max_body_bytes too small", doc: api + "max_body_bytes = 100\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
 		{name: "max_body_bytes too large", doc: api + "max_body_bytes = 134217728\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
+		{name: "body_timeout too short", doc: api + "body_timeout = \"500ms\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
+		{name: "body_timeout too long", doc: api + "body_timeout = \"1h\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
+		{name: "body_timeout a number", doc: api + "body_timeout = 30\n", field: k("api.body_timeout"), kind: ErrMalformed},
+		{name: "body_timeout garbage", doc: api + "body_timeout = \"soon\"\n", field: k("api.body_timeout"), kind: ErrMalformed},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -99,6 +99,11 @@ type Dataplane struct {
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
+	// legacyNames are the services restored from the catalog with a name
+	// that is now reserved (ReservedNames): they keep serving and can be
+	// deleted, but not applied again under that name.
+	legacyNames map[string]bool
+
 	stop chan struct{}
 	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later call
@@ -308,6 +313,15 @@ func (d *Dataplane) writeSNAT() error {
 // write repeats what the adopted maps already hold; after a generation
 // reload or tier change it reprograms the recreated maps. A journal that
 // held changes is then compacted into the snapshot.
+//
+// A service whose name has become reserved since it was applied (the
+// catalog of an older version, or edited by hand) is restored with a
+// warning rather than refused: refusing would stop the node from starting
+// while the datapath keeps forwarding for the service. It keeps serving,
+// is listed, and can be deleted (DeleteService; REST DELETE
+// /v1/network/services/{name}), but not read by name over REST nor
+// applied again under that name: delete it and apply it again under
+// another name.
 func (d *Dataplane) restore() error {
 	d.index = newCatalogIndex()
 	d.busy = map[string]int{}
@@ -321,8 +335,16 @@ func (d *Dataplane) restore() error {
 	var intents []Service
 	for _, cs := range cat.Services {
 		intents = append(intents, cs.Service)
+		if IsReservedName(cs.Service.Name) {
+			if d.legacyNames == nil {
+				d.legacyNames = map[string]bool{}
+			}
+			d.legacyNames[cs.Service.Name] = true
+			d.log.Warn("fluxvm: restored a service whose name is reserved for the REST API; it keeps serving but cannot be read by name over REST or applied again: delete it and apply it again under another name",
+				"service", cs.Service.Name, "catalog", d.opts.CatalogPath, "reserved", ReservedNames())
+		}
 	}
-	if err := ValidateCatalog(intents, d.opts.Config, d.limits); err != nil {
+	if err := validateCatalog(intents, d.opts.Config, d.limits, d.legacyNames); err != nil {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {

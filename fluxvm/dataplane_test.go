@@ -2,8 +2,10 @@ package fluxvm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net/netip"
 	"os"
@@ -657,4 +659,83 @@ func testGCDuringClose(t *testing.T, timer bool) {
 		t.Errorf("GC after Close: %v, want ErrClosed", err)
 	}
 	t.Logf("%d GCs completed before Close", completed.Load())
+}
+
+// TestDataplaneRestoresReservedName restarts on a catalog holding a
+// service whose name is now reserved (as an older version, or a hand
+// edit, could leave it): the node starts, warns, keeps the service's
+// flows and frontends, lets other services be applied, refuses to apply
+// the reserved name again and deletes it on request.
+func TestDataplaneRestoresReservedName(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	c := e.dial(t, vip4)
+	echo(t, c, "before")
+	d.Close()
+
+	// Rename the service in the catalog file to a reserved word.
+	raw, err := os.ReadFile(e.opts.CatalogPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc map[string]any
+	if err := json.Unmarshal(raw, &doc); err != nil {
+		t.Fatal(err)
+	}
+	doc["services"].([]any)[0].(map[string]any)["service"].(map[string]any)["name"] = "flows"
+	if raw, err = json.Marshal(doc); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(e.opts.CatalogPath, raw, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	var logs strings.Builder
+	e.opts.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	d = e.open(t)
+	if !strings.Contains(logs.String(), "level=WARN") || !strings.Contains(logs.String(), "service=flows") {
+		t.Errorf("no warning about the reserved name:\n%s", logs.String())
+	}
+	echo(t, c, "after restart")
+	st, err := d.Service("flows")
+	if err != nil || len(st.Frontends) != 4 {
+		t.Fatalf("restored service %+v, %v", st, err)
+	}
+	for _, fe := range st.Frontends {
+		if !fe.GuardOpen {
+			t.Errorf("frontend %s/%s closed", fe.VIP, fe.Protocol)
+		}
+	}
+	echo(t, e.dial(t, vip4), "new flow after restart")
+
+	// It cannot be applied again under its name.
+	before, _ := os.ReadFile(e.opts.CatalogPath)
+	again := e.service(1, 1, 2)
+	again.Name = "flows"
+	if _, err := d.ApplyService(ctx, again); !errors.Is(err, ErrReservedName) {
+		t.Errorf("apply flows: %v, want ErrReservedName", err)
+	}
+	if after, _ := os.ReadFile(e.opts.CatalogPath); string(after) != string(before) {
+		t.Error("a refused apply changed the catalog")
+	}
+	// Other services can be applied beside it.
+	other := Service{Name: "dns", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.53")},
+		Ports: []ServicePort{{Port: 53, Protocol: UDP}}, Backends: []Backend{{Address: e.backends[0].Addr4, Port: 8080}}}
+	if _, err := d.ApplyService(ctx, other); err != nil {
+		t.Errorf("apply beside a restored reserved name: %v", err)
+	}
+	// It can be deleted, and its frontends then serve a new name.
+	if err := d.DeleteService(ctx, "flows"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Errorf("apply web after deleting flows: %v", err)
+	}
+	if _, err := d.ApplyService(ctx, again); !errors.Is(err, ErrReservedName) {
+		t.Errorf("apply flows after its delete: %v, want ErrReservedName", err)
+	}
 }

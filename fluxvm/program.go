@@ -147,6 +147,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 	}
 	delete(d.services, name)
 	d.index.remove(name, &s.fp)
+	delete(d.legacyNames, name)
 	d.syncHealth(name)
 	d.advertise()
 	seq, jerr := d.journal(name, nil)

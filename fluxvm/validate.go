@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/fluxvm/servicefabric/bpf"
@@ -26,6 +27,10 @@ var (
 	// ErrTooLarge: the input exceeds its size limit (MaxRequestBytes). It
 	// wraps ErrLimit; an HTTP API answers it with 413.
 	ErrTooLarge = fmt.Errorf("input too large: %w", ErrLimit)
+	// ErrReservedName: a service is named with a word the REST API
+	// reserves as a path segment under /v1/network/services/ (see
+	// ReservedNames). It wraps ErrInvalid; the field is "name".
+	ErrReservedName = fmt.Errorf("reserved name: %w", ErrInvalid)
 )
 
 // Every error that decoding and validation return about the content of a
@@ -229,7 +234,8 @@ func northSouth(s *Service) bool {
 // Rules, each reported with the field it concerns:
 //
 //   - name: required, 1..MaxNameLen characters of a-z, 0-9 and '-',
-//     starting with a letter.
+//     starting with a letter; not one of ReservedNames (ErrReservedName,
+//     which wraps ErrInvalid).
 //   - exposure: "" (east-west), east-west, north-south or both.
 //   - mode: "" (nat), nat or dsr.
 //   - vips: 1 or 2, at most one per address family; each a valid address
@@ -263,7 +269,7 @@ func northSouth(s *Service) bool {
 //     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
 //   - features this build does not have (ErrUnsupported): max_egress_mbps.
 func ValidateService(s Service, cfg Config) error {
-	if e := validateService(&s, &cfg); e != nil {
+	if e := validateService(&s, &cfg, false); e != nil {
 		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)
 	}
 	return nil
@@ -278,9 +284,16 @@ func quoteName(name string) string {
 	return fmt.Sprintf("%q", name)
 }
 
-func validateService(s *Service, cfg *Config) *ValidationError {
+// validateService checks s. legacyName accepts a reserved name (a
+// service restored from a catalog written before its name was reserved,
+// see Dataplane.restore); every other rule holds.
+func validateService(s *Service, cfg *Config, legacyName bool) *ValidationError {
 	if e := checkName(s.Name); e != nil {
 		return e
+	}
+	if !legacyName && IsReservedName(s.Name) {
+		return verr(ErrReservedName, "name", "%q is reserved: the REST API uses (or will use) /v1/network/services/%s for another purpose, so a service of that name could not be read by name; reserved names are %s",
+			s.Name, s.Name, strings.Join(ReservedNames(), ", "))
 	}
 	switch s.Exposure {
 	case "", ExposureEastWest, ExposureNorthSouth, ExposureBoth:
@@ -344,19 +357,33 @@ func checkName(name string) *ValidationError {
 			return verr(ErrInvalid, "name", "%q has a character other than a-z, 0-9 and '-'; %s", name, rule)
 		}
 	}
-	if reservedNames[name] {
-		return verr(ErrInvalid, "name", "%q is reserved: it is a path segment of the REST API under /v1/network/services/", name)
-	}
 	return nil
 }
 
 // reservedNames are the literal segments under /v1/network/services/ that
 // the REST API uses now or will use; a service so named could not be read
-// by name.
+// by name, or a later route would hide it.
 var reservedNames = map[string]bool{
 	"status": true, "stats": true, "health": true, "conntrack": true, "pressure": true,
 	"advertisements": true, "flows": true, "telemetry": true, "policies": true,
 }
+
+// ReservedNames returns, sorted, the words that cannot be service names:
+// the fixed path segments under /v1/network/services/ of the REST API,
+// those it has (status, stats, health, conntrack, advertisements) and
+// those it will have (flows, policies, telemetry, pressure). Validation
+// rejects them with ErrReservedName.
+func ReservedNames() []string {
+	out := make([]string, 0, len(reservedNames))
+	for n := range reservedNames {
+		out = append(out, n)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// IsReservedName reports whether name is one of ReservedNames.
+func IsReservedName(name string) bool { return reservedNames[name] }
 
 var broadcast4 = netip.AddrFrom4([4]byte{255, 255, 255, 255})
 
@@ -585,6 +612,13 @@ type catalogMarker struct {
 // services count: they keep their frontends, closed. Disabled backends do
 // not: the datapath does not have them. Like ValidateService it is pure.
 func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
+	return validateCatalog(services, cfg, limits, nil)
+}
+
+// validateCatalog is ValidateCatalog accepting the reserved names in
+// legacy (services a catalog restored from disk had before their name
+// was reserved; see Dataplane.restore).
+func validateCatalog(services []Service, cfg Config, limits Limits, legacy map[string]bool) error {
 	names := make(map[string]int, len(services))
 	frontends := make(map[catalogFE]int)
 	markers := make(map[catalogMarker]bool)
@@ -596,7 +630,7 @@ func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
 		fail := func(e *ValidationError) error {
 			return fmt.Errorf("fluxvm: catalog: service %s: %w", quoteName(s.Name), withinField(e, at))
 		}
-		if e := validateService(s, &cfg); e != nil {
+		if e := validateService(s, &cfg, legacy[s.Name]); e != nil {
 			return fail(e)
 		}
 		if j, dup := names[s.Name]; dup {

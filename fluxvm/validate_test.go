@@ -555,3 +555,56 @@ func TestValidateCatalogTierM(t *testing.T) {
 	err = ValidateCatalog(mk(limits.Services+1), DefaultConfig(), limits)
 	checkValidation(t, err, fmt.Sprintf("services[%d]", limits.Services), ErrLimit, "")
 }
+
+// TestReservedNames checks that every fixed word of the REST surface
+// under /v1/network/services/ is refused as a service name, by
+// ValidateService and ValidateCatalog, with ErrReservedName (an
+// ErrInvalid) on the field "name", and that names merely close to one
+// are not.
+func TestReservedNames(t *testing.T) {
+	words := []string{"advertisements", "conntrack", "flows", "health", "policies", "pressure", "stats", "status", "telemetry"}
+	if got := ReservedNames(); !reflect.DeepEqual(got, words) {
+		t.Errorf("ReservedNames() = %v, want %v", got, words)
+	}
+	tierS, err := LimitsForTier(bpf.TierS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range words {
+		t.Run(w, func(t *testing.T) {
+			if !IsReservedName(w) {
+				t.Errorf("IsReservedName(%q) = false", w)
+			}
+			s := validService()
+			s.Name = w
+			err := ValidateService(s, DefaultConfig())
+			var ve *ValidationError
+			if !errors.Is(err, ErrReservedName) || !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "name" {
+				t.Fatalf("ValidateService: %v, want ErrReservedName on name", err)
+			}
+			if !strings.Contains(err.Error(), fmt.Sprintf("%q is reserved", w)) || !strings.Contains(err.Error(), "/v1/network/services/"+w) {
+				t.Errorf("message %q does not say why", err)
+			}
+			err = ValidateCatalog([]Service{s}, DefaultConfig(), tierS)
+			if !errors.Is(err, ErrReservedName) || !errors.As(err, &ve) || ve.Field != "services[0].name" {
+				t.Errorf("ValidateCatalog: %v, want ErrReservedName on services[0].name", err)
+			}
+			// A catalog restored from disk may hold it (see
+			// Dataplane.restore): the other rules still apply.
+			if err := validateCatalog([]Service{s}, DefaultConfig(), tierS, map[string]bool{w: true}); err != nil {
+				t.Errorf("legacy name refused: %v", err)
+			}
+			s.Ports[0].Port = 0
+			if err := validateCatalog([]Service{s}, DefaultConfig(), tierS, map[string]bool{w: true}); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrReservedName) {
+				t.Errorf("legacy name with a bad port: %v, want the port refused", err)
+			}
+		})
+	}
+	for _, name := range []string{"flow", "flows-v2", "statuses", "my-health", "policy", "stat"} {
+		s := validService()
+		s.Name = name
+		if err := ValidateService(s, DefaultConfig()); err != nil || IsReservedName(name) {
+			t.Errorf("%q: %v (reserved %v)", name, err, IsReservedName(name))
+		}
+	}
+}

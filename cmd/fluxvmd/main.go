@@ -15,7 +15,16 @@
 //
 // Tokens come from the files named in the [sandbox.dataplane.service.api]
 // table or from FLUXVM_ADMIN_TOKEN / FLUXVM_READ_TOKEN; an admin token is
-// required.
+// required. A token file whose mode grants any permission to group or
+// others is refused (run and check-config fail naming it), as ssh refuses
+// such a key.
+//
+// The REST server bounds what a client can hold: request headers must
+// arrive within 10 s (at most 64 KiB), a body within api.body_timeout
+// (default 30 s; a request refused before its body is read is answered
+// at once and its connection closed), the answer must be written within
+// body_timeout + 2 min of the headers, and an idle keep-alive connection
+// is closed after 2 min.
 package main
 
 import (
@@ -23,6 +32,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -69,6 +79,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	switch cmd {
 	case "check-config":
+		if err := checkTokenFiles(cfg.API); err != nil {
+			return err
+		}
 		fmt.Print(describeConfig(cfg))
 		return nil
 	case "cleanup":
@@ -153,7 +166,7 @@ func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
 		return err
 	}
 	defer d.Close()
-	handler, err := api.New(d, api.Options{AdminTokens: admin, ReadTokens: read, MaxBodyBytes: cfg.API.MaxBodyBytes, Logger: log})
+	srv, err := newAPIServer(d, cfg.API, admin, read, log)
 	if err != nil {
 		return err
 	}
@@ -161,7 +174,6 @@ func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	errc := make(chan error, 1)
@@ -188,21 +200,93 @@ func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
 	return nil
 }
 
+// Limits of the REST server (see the package comment). The body deadline
+// is api.body_timeout, enforced by the handler (api.Options.BodyTimeout).
+const (
+	apiReadHeaderTimeout = 10 * time.Second
+	apiMaxHeaderBytes    = 64 << 10
+	apiIdleTimeout       = 2 * time.Minute
+	// apiHandlerTime is what the longest request (a health round, a
+	// conntrack GC of a large table) may take after its body, answer
+	// written; WriteTimeout is the body timeout plus this.
+	apiHandlerTime = 2 * time.Minute
+)
+
+// newAPIServer returns the daemon's REST server for dp, not yet serving.
+func newAPIServer(dp api.Dataplane, a fluxvm.APIConfig, admin, read []string, log *slog.Logger) (*http.Server, error) {
+	bodyTimeout := a.BodyTimeout.Duration
+	if bodyTimeout == 0 {
+		bodyTimeout = fluxvm.DefaultAPIBodyTimeout
+	}
+	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
+		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	return &http.Server{
+		Handler:           handler,
+		ReadHeaderTimeout: apiReadHeaderTimeout,
+		// A backstop: the handler sets a sooner deadline for the body.
+		ReadTimeout:    apiReadHeaderTimeout + bodyTimeout,
+		WriteTimeout:   bodyTimeout + apiHandlerTime,
+		IdleTimeout:    apiIdleTimeout,
+		MaxHeaderBytes: apiMaxHeaderBytes,
+		ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}, nil
+}
+
+// errTokenFileMode is wrapped by the error about a token file that group
+// or others may access.
+var errTokenFileMode = errors.New("token file is accessible to group or others")
+
+// readTokenFile reads the tokens of a token file: one per line, white
+// space trimmed, empty lines and lines starting with '#' skipped. It
+// refuses a file whose mode grants any permission to group or others.
+func readTokenFile(path string) ([]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("token file: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("token file: %w", err)
+	}
+	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
+		return nil, fmt.Errorf("%w: %s has mode %04o; make it readable by its owner only (chmod 600 %s)",
+			errTokenFileMode, path, perm, path)
+	}
+	b, err := io.ReadAll(f)
+	if err != nil {
+		return nil, fmt.Errorf("token file %s: %w", path, err)
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if t := strings.TrimSpace(line); t != "" && !strings.HasPrefix(t, "#") {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
+// checkTokenFiles reads the configured token files, for check-config.
+func checkTokenFiles(a fluxvm.APIConfig) error {
+	for _, file := range []string{a.AdminTokenFile, a.ReadTokenFile} {
+		if file == "" {
+			continue
+		}
+		if _, err := readTokenFile(file); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // tokens reads the admin and read tokens from their files or environment.
 func tokens(a fluxvm.APIConfig) (admin, read []string, err error) {
 	get := func(file, env string) ([]string, error) {
 		if file != "" {
-			b, err := os.ReadFile(file)
-			if err != nil {
-				return nil, fmt.Errorf("token file: %w", err)
-			}
-			var out []string
-			for _, line := range strings.Split(string(b), "\n") {
-				if t := strings.TrimSpace(line); t != "" && !strings.HasPrefix(t, "#") {
-					out = append(out, t)
-				}
-			}
-			return out, nil
+			return readTokenFile(file)
 		}
 		if v := strings.TrimSpace(os.Getenv(env)); v != "" {
 			return []string{v}, nil

@@ -24,6 +24,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
@@ -101,7 +102,10 @@ func main() {
 	mux := http.NewServeMux()
 	mux.Handle("/v1/", h)
 	mux.Handle("/metrics", h)
-	srv := &http.Server{Addr: *listen, Handler: mux}
+	// The handler bounds request bodies itself (api.Options.BodyTimeout);
+	// the server bounds headers and idle connections.
+	srv := &http.Server{Addr: *listen, Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
 	go func() {
 		if err := srv.ListenAndServe(); err != nil && err != http.ErrServerClosed {
 			log.Fatal(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"time"
@@ -51,6 +52,17 @@ type Dataplane interface {
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.
 const DefaultMaxBodyBytes int64 = 1 << 20
 
+// DefaultBodyTimeout bounds the reading of a request body when
+// Options.BodyTimeout is 0.
+const DefaultBodyTimeout = 30 * time.Second
+
+// refusedBodyGrace is how long the connection of a request answered
+// before its announced body was read (401, 403, 404, 413, 415, ...) stays
+// open for the rest of that body, so that a client that is sending it
+// reads the answer rather than a reset; a client that never sends it
+// loses the connection after this (or the body deadline, when sooner).
+const refusedBodyGrace = 500 * time.Millisecond
+
 // Options configure the handler made by [New].
 type Options struct {
 	// AdminTokens may call every route, mutations included.
@@ -60,6 +72,22 @@ type Options struct {
 	// MaxBodyBytes bounds a request body; larger bodies get 413.
 	// 0 means DefaultMaxBodyBytes.
 	MaxBodyBytes int64
+	// BodyTimeout bounds the time an authenticated request may take to
+	// deliver its body, counted from the moment the handler receives the
+	// request (its headers read). A body that has not arrived by then
+	// fails with 408 and the connection is closed. 0 means
+	// DefaultBodyTimeout. The deadline is set with
+	// http.ResponseController.SetReadDeadline, which net/http's server
+	// supports (HTTP/1 and HTTP/2); it is ignored where the
+	// ResponseWriter does not support it.
+	//
+	// Whatever the timeout, a request answered before its body was read
+	// (no or an unknown token, a read token on a mutation, an unknown
+	// route, a body too large or of another media type) is answered at
+	// once, without waiting for the body, and its HTTP/1 connection is
+	// closed (after at most half a second for the rest of the body), so
+	// a client that never sends the body it announced cannot hold it.
+	BodyTimeout time.Duration
 	// Logger receives one record per request (method, path, status,
 	// duration; never a token) and the detail of internal errors.
 	// nil discards them.
@@ -73,7 +101,8 @@ type Options struct {
 
 // New returns the REST handler for dp. It fails when dp is nil, when no
 // token is configured, when a token is empty, malformed or configured both
-// as admin and read token, when MaxBodyBytes is negative, or when the
+// as admin and read token, when MaxBodyBytes or BodyTimeout is negative,
+// or when the
 // collector cannot be registered in opts.Registry (for example because it
 // already holds one).
 func New(dp Dataplane, opts Options) (http.Handler, error) {
@@ -91,6 +120,13 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	case maxBody == 0:
 		maxBody = DefaultMaxBodyBytes
 	}
+	bodyTimeout := opts.BodyTimeout
+	switch {
+	case bodyTimeout < 0:
+		return nil, fmt.Errorf("api: negative BodyTimeout %v", bodyTimeout)
+	case bodyTimeout == 0:
+		bodyTimeout = DefaultBodyTimeout
+	}
 	logger := opts.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
@@ -104,11 +140,12 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	}
 
 	h := &handler{
-		dp:      dp,
-		auth:    auth,
-		maxBody: maxBody,
-		log:     logger,
-		mux:     http.NewServeMux(),
+		dp:          dp,
+		auth:        auth,
+		maxBody:     maxBody,
+		bodyTimeout: bodyTimeout,
+		log:         logger,
+		mux:         http.NewServeMux(),
 	}
 	h.metrics = newMetricsHandler(reg, logger)
 	for _, rt := range routes {
@@ -119,18 +156,28 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 
 // handler is the http.Handler returned by New.
 type handler struct {
-	dp      Dataplane
-	auth    *authenticator
-	maxBody int64
-	log     *slog.Logger
-	mux     *http.ServeMux
-	metrics http.Handler
+	dp          Dataplane
+	auth        *authenticator
+	maxBody     int64
+	bodyTimeout time.Duration
+	log         *slog.Logger
+	mux         *http.ServeMux
+	metrics     http.Handler
 }
 
 // ServeHTTP authenticates the request, routes it and logs the outcome.
+// Authentication looks at the headers only: nothing of the body is read
+// before the caller is known, and a refused request is answered without
+// waiting for its body (see Options.BodyTimeout).
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
-	rw := &responseWriter{ResponseWriter: w}
+	rw := &responseWriter{ResponseWriter: w, rc: http.NewResponseController(w), http1: r.ProtoMajor == 1}
+	if hasBody(r) {
+		// Read through the copy of the request made below: the server
+		// must keep seeing its own body type in r (it decides from it how
+		// to close a connection whose body was not read).
+		rw.body = &trackedBody{ReadCloser: r.Body}
+	}
 	hdr := w.Header()
 	hdr.Set("Content-Type", "application/json")
 	hdr.Set("Cache-Control", "no-store")
@@ -156,7 +203,27 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.writeError(rw, r, errUnauthorized(r.Header.Get("Authorization") != ""))
 		return
 	}
-	h.mux.ServeHTTP(rw, r.WithContext(context.WithValue(r.Context(), levelKey{}, lvl)))
+	r = r.WithContext(context.WithValue(r.Context(), levelKey{}, lvl))
+	if rw.body != nil {
+		rw.setReadDeadline(start.Add(h.bodyTimeout))
+		r.Body = rw.body
+	}
+	h.mux.ServeHTTP(rw, r)
+}
+
+// trackedBody is a request body that remembers whether it was read to
+// its end.
+type trackedBody struct {
+	io.ReadCloser
+	eof bool
+}
+
+func (b *trackedBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if errors.Is(err, io.EOF) {
+		b.eof = true
+	}
+	return n, err
 }
 
 // logRequest writes the access log record of one request.
@@ -188,6 +255,10 @@ type levelKey struct{}
 // from the mux itself.
 type responseWriter struct {
 	http.ResponseWriter
+	rc          *http.ResponseController
+	http1       bool         // the request came over HTTP/1.x
+	body        *trackedBody // the request's body; nil when it has none
+	deadline    time.Time    // read deadline set on the connection
 	status      int
 	written     int64
 	wroteHeader bool
@@ -217,9 +288,39 @@ func (w *responseWriter) WriteHeader(code int) {
 		// A redirect to the cleaned path: it has no body.
 		w.Header().Del("Content-Type")
 	}
+	w.dropUnreadBody()
 	w.wroteHeader = true
 	w.status = code
 	w.ResponseWriter.WriteHeader(code)
+}
+
+// dropUnreadBody prepares the answer to a request whose body was not read
+// to its end (a refusal, or a body that did not arrive in time). Left
+// alone, net/http would read the rest of the body before sending the
+// answer, to keep the connection: a client that never sends it would get
+// no answer and hold the connection forever. Instead the HTTP/1
+// connection closes after the answer, and the server's attempt to drain
+// the body gives up after refusedBodyGrace.
+func (w *responseWriter) dropUnreadBody() {
+	if w.body == nil || w.body.eof {
+		return
+	}
+	if w.http1 {
+		w.Header().Set("Connection", "close")
+	}
+	w.setReadDeadline(time.Now().Add(refusedBodyGrace))
+}
+
+// setReadDeadline moves the read deadline of the request's connection
+// (or stream) to t if that is sooner than the one already set. Writers
+// that cannot (httptest.ResponseRecorder) are left as they are.
+func (w *responseWriter) setReadDeadline(t time.Time) {
+	if !w.deadline.IsZero() && !t.Before(w.deadline) {
+		return
+	}
+	if err := w.rc.SetReadDeadline(t); err == nil {
+		w.deadline = t
+	}
 }
 
 func (w *responseWriter) Write(b []byte) (int, error) {

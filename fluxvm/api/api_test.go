@@ -13,6 +13,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
@@ -178,6 +179,8 @@ func TestNewOptions(t *testing.T) {
 		{"token with newline", dp, api.Options{ReadTokens: []string{"a\n"}}, false},
 		{"admin and read", dp, api.Options{AdminTokens: []string{"x"}, ReadTokens: []string{"x"}}, false},
 		{"negative body limit", dp, api.Options{AdminTokens: []string{"a"}, MaxBodyBytes: -1}, false},
+		{"body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: time.Second}, true},
+		{"negative body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: -time.Second}, false},
 		{"nil dataplane", nil, api.Options{AdminTokens: []string{"a"}}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -475,7 +478,8 @@ func TestLiteralSegmentsWin(t *testing.T) {
 	}
 	// The literal routes are GET only: other methods still match {name}
 	// (ServeMux picks the most specific pattern among those that match the
-	// method), so DELETE removes a service that happens to be named so.
+	// method), so DELETE removes a service that happens to be named so
+	// (restored from an older catalog: validation refuses the name).
 	if w := e.do(req{method: "DELETE", path: "/v1/network/services/status", token: adminToken}); w.Code != http.StatusNoContent {
 		t.Errorf("DELETE status: %d %s", w.Code, w.Body)
 	}
@@ -484,6 +488,56 @@ func TestLiteralSegmentsWin(t *testing.T) {
 	}
 	// Other names still reach {name}.
 	wantError(t, e.do(req{method: "GET", path: "/v1/network/services/statuses", token: readToken}), 404, api.CodeNotFound, "")
+}
+
+// TestReservedWordsAreRoutes checks that no reserved word of the REST
+// surface (fluxvm.ReservedNames) is ever answered as a service by the
+// {name} routes: GET is the word's own route when this build has one,
+// else 404 "no such route", even when the dataplane holds a service of
+// that name (restored from an older catalog); DELETE removes such a
+// service and is otherwise 404 "no such route".
+func TestReservedWordsAreRoutes(t *testing.T) {
+	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true}
+	for _, w := range fluxvm.ReservedNames() {
+		t.Run(w, func(t *testing.T) {
+			e := newEnv(t)
+			path := "/v1/network/services/" + w
+			w0 := e.do(req{method: "GET", path: path, token: readToken})
+			if literal[w] {
+				if w0.Code != http.StatusOK || strings.Contains(w0.Body.String(), `"service"`) {
+					t.Errorf("GET %s: %d %s", path, w0.Code, w0.Body)
+				}
+			} else {
+				d := wantError(t, w0, 404, api.CodeNotFound, "")
+				if !strings.Contains(d.Message, "no such route") || !strings.Contains(d.Message, "reserved") {
+					t.Errorf("GET %s: message %q does not say the route does not exist", path, d.Message)
+				}
+			}
+			d := wantError(t, e.do(req{method: "DELETE", path: path, token: adminToken}), 404, api.CodeNotFound, "")
+			if !strings.Contains(d.Message, "no such route") {
+				t.Errorf("DELETE %s: message %q", path, d.Message)
+			}
+
+			// A service of that name restored from an older catalog.
+			e.mustApply(w)
+			w1 := e.do(req{method: "GET", path: path, token: readToken})
+			if w1.Code == http.StatusOK && strings.Contains(w1.Body.String(), `"revision"`) {
+				t.Errorf("GET %s answered the service: %s", path, w1.Body)
+			}
+			if !literal[w] {
+				wantError(t, w1, 404, api.CodeNotFound, "")
+			}
+			if list := decodeOK[[]fluxvm.ServiceStatus](t, e.do(req{method: "GET", path: "/v1/network/services", token: readToken}), 200); len(list) != 1 || list[0].Service.Name != w {
+				t.Errorf("list %+v", list)
+			}
+			if w2 := e.do(req{method: "DELETE", path: path, token: adminToken}); w2.Code != http.StatusNoContent {
+				t.Errorf("DELETE %s of a restored service: %d %s", path, w2.Code, w2.Body)
+			}
+			if !reflect.DeepEqual(e.dp.deleted, []string{w}) {
+				t.Errorf("deleted %v", e.dp.deleted)
+			}
+		})
+	}
 }
 
 func TestRoutingErrors(t *testing.T) {

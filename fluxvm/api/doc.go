@@ -24,10 +24,15 @@
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
-// For GET, the literal segments "status", "stats", "health" and
-// "advertisements" take precedence over {name} (http.ServeMux prefers the
-// more specific pattern); validation reserves these names, so no service
-// can be named so.
+// The fixed segments under /v1/network/services/, those of these routes
+// and those planned, are reserved ([fluxvm.ReservedNames]: advertisements,
+// conntrack, flows, health, policies, pressure, stats, status, telemetry):
+// validation refuses them as service names, and the {name} routes never
+// answer one as a service. GET of a reserved word that is not a route of
+// this build (GET /v1/network/services/flows) is 404 "no such route", so a
+// later route never hides a service, nor a service a route. DELETE of a
+// reserved word removes only a service restored under it from an older
+// catalog (fluxvm keeps such a service serving, with a warning).
 // docs/openapi.yaml in the module describes every route and schema.
 //
 // Applying a service is an idempotent upsert: the same request twice leaves
@@ -45,6 +50,14 @@
 // one token; the reference daemon additionally refuses to start without an
 // admin token.
 //
+// The token is checked from the headers alone, before anything of the
+// body is read. A request refused before its body was read (401, 403,
+// 404, 405, 413 by Content-Length, 415) is answered at once, without
+// waiting for the body it announced, and its HTTP/1 connection is closed
+// after the answer. The body of an accepted request must arrive within
+// Options.BodyTimeout (408 otherwise), so a client that announces a body
+// and never sends it cannot hold a connection.
+//
 // # Errors
 //
 // Errors are JSON objects with a stable code (see [Code]):
@@ -57,6 +70,7 @@
 //	forbidden               403     read token on a mutation
 //	not_found               404     unknown route, service or VM (fluxvm.ErrNotFound)
 //	method_not_allowed      405     route exists with other methods (Allow lists them)
+//	request_timeout         408     the body did not arrive within Options.BodyTimeout
 //	conflict                409     fluxvm.ErrConflict
 //	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
 //	unsupported_media_type  415     POST body that is not application/json

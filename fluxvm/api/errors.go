@@ -17,11 +17,14 @@ type Code string
 
 // Error codes and the HTTP status each is sent with.
 const (
-	CodeInvalidRequest       Code = "invalid_request"        // 400
-	CodeUnauthorized         Code = "unauthorized"           // 401
-	CodeForbidden            Code = "forbidden"              // 403
-	CodeNotFound             Code = "not_found"              // 404
-	CodeMethodNotAllowed     Code = "method_not_allowed"     // 405
+	CodeInvalidRequest   Code = "invalid_request"    // 400
+	CodeUnauthorized     Code = "unauthorized"       // 401
+	CodeForbidden        Code = "forbidden"          // 403
+	CodeNotFound         Code = "not_found"          // 404
+	CodeMethodNotAllowed Code = "method_not_allowed" // 405
+	// CodeRequestTimeout: the request's body did not arrive within the
+	// body deadline (Options.BodyTimeout); the connection is closed.
+	CodeRequestTimeout       Code = "request_timeout"        // 408
 	CodeConflict             Code = "conflict"               // 409
 	CodePayloadTooLarge      Code = "payload_too_large"      // 413
 	CodeUnsupportedMediaType Code = "unsupported_media_type" // 415
@@ -38,7 +41,7 @@ const (
 // allCodes lists every code, in the order of the documentation.
 var allCodes = []Code{
 	CodeInvalidRequest, CodeUnauthorized, CodeForbidden, CodeNotFound,
-	CodeMethodNotAllowed, CodeConflict, CodePayloadTooLarge,
+	CodeMethodNotAllowed, CodeRequestTimeout, CodeConflict, CodePayloadTooLarge,
 	CodeUnsupportedMediaType, CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded,
 	CodeInternal, CodeUnavailable,
 }
@@ -57,6 +60,8 @@ func (c Code) Status() int {
 		return http.StatusNotFound
 	case CodeMethodNotAllowed:
 		return http.StatusMethodNotAllowed
+	case CodeRequestTimeout:
+		return http.StatusRequestTimeout
 	case CodeConflict:
 		return http.StatusConflict
 	case CodePayloadTooLarge:

@@ -264,3 +264,32 @@ func TestRouteTable(t *testing.T) {
 		}
 	}
 }
+
+// TestOpenAPIReservedNames checks that the document's list of reserved
+// names is fluxvm.ReservedNames, and that every literal segment under
+// /v1/network/services/ of the route table is reserved.
+func TestOpenAPIReservedNames(t *testing.T) {
+	raw, err := os.ReadFile(openAPIPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "## Reserved names")
+	if !ok {
+		t.Fatal("no Reserved names section")
+	}
+	section, _, _ = strings.Cut(section, "\n    ## ")
+	var listed []string
+	for _, m := range regexp.MustCompile("`([a-z]+)`").FindAllStringSubmatch(section, -1) {
+		listed = append(listed, m[1])
+	}
+	if want := fluxvm.ReservedNames(); !slices.Equal(listed, want) {
+		t.Errorf("Reserved names section lists %v, want %v", listed, want)
+	}
+	const prefix = "/v1/network/services/"
+	for _, rt := range routes {
+		seg, _, _ := strings.Cut(strings.TrimPrefix(rt.path, prefix), "/")
+		if strings.HasPrefix(rt.path, prefix) && !strings.HasPrefix(seg, "{") && !fluxvm.IsReservedName(seg) {
+			t.Errorf("route %s: segment %q is not a reserved name", rt.pattern(), seg)
+		}
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 
@@ -74,6 +75,10 @@ func (h *handler) endpoint(rt route) http.Handler {
 			r.Body = http.MaxBytesReader(w, r.Body, h.maxBody)
 		}
 		if err := rt.handle(h, w, r); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				// Only the body has a read deadline (ServeHTTP).
+				err = newAPIError(CodeRequestTimeout, fmt.Sprintf("the request body did not arrive within %v", h.bodyTimeout))
+			}
 			h.writeError(w, r, toAPIError(err))
 		}
 	})
@@ -137,8 +142,20 @@ func (h *handler) applyService(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
+// errReservedRoute is the 404 of a reserved word of the REST surface
+// (fluxvm.ReservedNames) that reaches the {name} routes: the word names a
+// route this build does not have (yet), never a service.
+func errReservedRoute(r *http.Request, name string) *apiError {
+	return newAPIError(CodeNotFound, fmt.Sprintf("no such route: %s %s; %q is reserved for a route of the REST API, not a service name",
+		r.Method, r.URL.Path, name))
+}
+
 func (h *handler) getService(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.Service(r.PathValue("name"))
+	name := r.PathValue("name")
+	if fluxvm.IsReservedName(name) {
+		return errReservedRoute(r, name)
+	}
+	st, err := h.dp.Service(name)
 	if err != nil {
 		return err
 	}
@@ -146,8 +163,16 @@ func (h *handler) getService(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
+// deleteService removes a service. A reserved word removes only a
+// service restored under it from an older catalog (see fluxvm's
+// Dataplane.restore), the one way to get rid of it; otherwise it is a
+// route that does not exist.
 func (h *handler) deleteService(w http.ResponseWriter, r *http.Request) error {
-	if err := h.dp.DeleteService(r.Context(), r.PathValue("name")); err != nil {
+	name := r.PathValue("name")
+	if err := h.dp.DeleteService(r.Context(), name); err != nil {
+		if fluxvm.IsReservedName(name) && errors.Is(err, fluxvm.ErrNotFound) {
+			return errReservedRoute(r, name)
+		}
 		return err
 	}
 	w.Header().Del("Content-Type")

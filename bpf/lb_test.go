@@ -3,6 +3,7 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"net/netip"
 	"testing"
 	"time"
@@ -511,39 +512,49 @@ func TestUDPZeroChecksumStaysZero(t *testing.T) {
 
 // TestMaglevDistribution sends many new flows through a real weighted
 // Maglev table and checks that the shares follow the weights.
+// TestMaglevDistribution: new flows follow the weights through tables of
+// every size the control plane builds (the program reads each table's own
+// size), from the smallest rung of the ladder to the tier's largest.
 func TestMaglevDistribution(t *testing.T) {
-	for _, v := range []variant{variants()[0], variants()[3]} {
-		t.Run(v.name, func(t *testing.T) {
-			h := newHarness(t)
-			h.service(sid, v.vip, v.proto)
-			weights := []uint32{1, 1, 2}
-			var mb []maglev.Backend
-			for i, b := range v.backends {
-				h.backend(uint32(i+1), sid, b, BackendReady, 0)
-				mb = append(mb, maglev.Backend{ID: uint32(i + 1), Addr: b.Addr(), Port: b.Port(), Proto: v.proto, Weight: weights[i], Ready: true})
-			}
-			tbl, err := maglev.New(maglev.Config{Size: h.spec.Maps["fluxvm_maglev"].InnerMap.MaxEntries, Seed: 42}, mb)
-			if err != nil {
-				t.Fatal(err)
-			}
-			h.table(sid, tbl.Entries())
-			h.meta(Meta{SchemaVersion: SchemaVersion, HashSeed: 0x5eed})
-
-			const flows = 4000
-			got := map[netip.AddrPort]int{}
-			for i := range flows {
-				_, out := h.run(h.objs.FluxvmFromVm, v.fwd(uint16(10000+i), pkt.SYN))
-				got[dstOf(t, out)]++
-			}
-			for i, b := range v.backends {
-				want := float64(flows) * float64(weights[i]) / 4
-				if d := float64(got[b]) - want; d > 0.1*want || d < -0.1*want {
-					t.Errorf("backend %s got %d flows, want %.0f ±10%%", b, got[b], want)
-				}
-			}
-			t.Logf("distribution over weights %v: %v", weights, got)
-		})
+	h := newHarness(t)
+	for _, size := range []uint32{maglev.SizeFor(3, maglev.SizeM), 4093, h.spec.Maps["fluxvm_maglev"].InnerMap.MaxEntries} {
+		for _, v := range []variant{variants()[0], variants()[3]} {
+			t.Run(fmt.Sprintf("%s/M=%d", v.name, size), func(t *testing.T) {
+				h.reset()
+				testMaglevDistribution(t, h, v, size)
+			})
+		}
 	}
+}
+
+func testMaglevDistribution(t *testing.T, h *harness, v variant, size uint32) {
+	h.service(sid, v.vip, v.proto)
+	weights := []uint32{1, 1, 2}
+	var mb []maglev.Backend
+	for i, b := range v.backends {
+		h.backend(uint32(i+1), sid, b, BackendReady, 0)
+		mb = append(mb, maglev.Backend{ID: uint32(i + 1), Addr: b.Addr(), Port: b.Port(), Proto: v.proto, Weight: weights[i], Ready: true})
+	}
+	tbl, err := maglev.New(maglev.Config{Size: size, Seed: 42}, mb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.table(sid, tbl.Entries())
+	h.meta(Meta{SchemaVersion: SchemaVersion, HashSeed: 0x5eed})
+
+	const flows = 4000
+	got := map[netip.AddrPort]int{}
+	for i := range flows {
+		_, out := h.run(h.objs.FluxvmFromVm, v.fwd(uint16(10000+i), pkt.SYN))
+		got[dstOf(t, out)]++
+	}
+	for i, b := range v.backends {
+		want := float64(flows) * float64(weights[i]) / 4
+		if d := float64(got[b]) - want; d > 0.1*want || d < -0.1*want {
+			t.Errorf("backend %s got %d flows, want %.0f ±10%%", b, got[b], want)
+		}
+	}
+	t.Logf("distribution over weights %v: %v", weights, got)
 }
 
 func dstOf(t *testing.T, frame []byte) netip.AddrPort {

@@ -22,7 +22,13 @@ import (
 // Generation 2 added the north-south hooks (SNAT, DSR, host routing); its
 // conntrack and reverse-NAT values grew at the end, and the reload carries
 // generation-1 entries over zero-extended (see migrate).
-const ProgramGeneration = 2
+//
+// Generation 3 sizes each Maglev table by its backends: the inner-map
+// template of fluxvm_maglev became BPF_F_INNER_MAP, which a pinned outer
+// map of generation 2 does not have (its template is not visible through
+// the pin, so only the generation tells), and the program reads each
+// table's size from the table.
+const ProgramGeneration = 3
 
 // DefaultPinRoot is the pin root a node uses unless told otherwise.
 const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"

@@ -70,7 +70,7 @@ func TestTupleReuseAfterRepicksAndRemoval(t *testing.T) {
 
 			// B2 goes away; the table now sends the tuple to B1 again.
 			d.removeBackend(v.ids[1])
-			d.table(sid, v.ids[0], v.ids[2])
+			d.table(sid, v.ids[0])
 			res := d.gc(now(t))
 			t.Logf("GC: %v", res)
 			if res.CTRepaired != 0 {

@@ -148,6 +148,7 @@ type frontend struct {
 	service  string
 	backends map[netip.AddrPort]uint32
 	eligible int
+	size     uint32 // slots of its Maglev table in place; 0: none
 	guard    bool
 	flags    uint32 // SvcValue flags (svcFlags)
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/lab"
 	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/maglev"
 )
 
 // env is a lab (a client VM and three backend VMs running identity
@@ -738,4 +739,86 @@ func TestDataplaneRestoresReservedName(t *testing.T) {
 	if _, err := d.ApplyService(ctx, again); !errors.Is(err, ErrReservedName) {
 		t.Errorf("apply flows after its delete: %v, want ErrReservedName", err)
 	}
+}
+
+// TestMaglevTablesSizedByBackends: each frontend's table in the kernel has
+// maglev.SizeFor(its backends) slots, reported in the service status, not
+// the tier's largest; a drain does not change it, adding backends past a
+// rung does; traffic flows through tables of every size.
+func TestMaglevTablesSizedByBackends(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	// The inner map in the kernel behind fe's slot of fluxvm_maglev.
+	kernelSize := func(sid uint32) uint32 {
+		t.Helper()
+		var id ebpf.MapID
+		if err := d.dp.Map("fluxvm_maglev").Lookup(sid, &id); err != nil {
+			t.Fatalf("maglev slot %d: %v", sid, err)
+		}
+		m, err := ebpf.NewMapFromID(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		return m.MaxEntries()
+	}
+	check := func(phase string, want uint32) {
+		t.Helper()
+		st, err := d.Service("web")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, fe := range st.Frontends {
+			if fe.MaglevSize != want {
+				t.Errorf("%s: frontend %s/%s reports %d slots, want %d", phase, fe.VIP, fe.Protocol, fe.MaglevSize, want)
+			}
+			if got := kernelSize(fe.ServiceID); got != want {
+				t.Errorf("%s: frontend %s/%s has a kernel table of %d slots, want %d", phase, fe.VIP, fe.Protocol, got, want)
+			}
+		}
+	}
+	weights := make([]uint32, len(e.backends))
+	for i := range weights {
+		weights[i] = 1
+	}
+	svc := e.service(weights...)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	n := len(e.backends) // per family
+	want := maglev.SizeFor(n, d.caps.MaglevSize)
+	if want >= d.caps.MaglevSize {
+		t.Fatalf("%d backends need %d slots: the test needs fewer than the tier's %d", n, want, d.caps.MaglevSize)
+	}
+	check("applied", want)
+	c := e.dial(t, vip4)
+	echo(t, c, "through a small table")
+
+	// A drain leaves the size alone (the slot of every new flow stays).
+	svc.Backends[0].State, svc.Backends[0].DrainUntilUnixMs = BackendDraining, time.Now().Add(time.Hour).UnixMilli()
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	check("one draining", want)
+	echo(t, c, "after the drain")
+
+	// More backends than the rung holds: the next rung.
+	big := svc
+	big.Backends = append([]Backend(nil), svc.Backends...)
+	for i := len(big.Backends); uint64(len(big.Backends)/2)*maglev.SlotsPerBackend <= uint64(want); i++ {
+		big.Backends = append(big.Backends, Backend{Address: netip.AddrFrom4([4]byte{10, 123, byte(i >> 8), byte(i)}), Port: 8080, Weight: u32(0)})
+		big.Backends = append(big.Backends, Backend{Address: netip.AddrFrom16([16]byte{0xfd, 0, 0x12, 0x3, 14: byte(i >> 8), 15: byte(i)}), Port: 8080, Weight: u32(0)})
+	}
+	if _, err := d.ApplyService(ctx, big); err != nil {
+		t.Fatal(err)
+	}
+	next := maglev.SizeFor(len(big.Backends)/2, d.caps.MaglevSize)
+	if next <= want {
+		t.Fatalf("%d backends: size %d, want above %d", len(big.Backends)/2, next, want)
+	}
+	check("grown", next)
+	echo(t, c, "after the table grew")
+	c2 := e.dial(t, vip4)
+	echo(t, c2, "new flow through the grown table")
 }

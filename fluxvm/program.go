@@ -195,7 +195,7 @@ func (d *Dataplane) statusOf(s *service) ServiceStatus {
 	for _, fe := range s.frontends {
 		st.Frontends = append(st.Frontends, FrontendStatus{
 			VIP: netip.AddrPortFrom(fe.key.vip, fe.key.port), Protocol: protocolOf(fe.key.proto),
-			ServiceID: fe.sid, Eligible: fe.eligible, Backends: len(fe.backends), GuardOpen: fe.guard,
+			ServiceID: fe.sid, Eligible: fe.eligible, Backends: len(fe.backends), MaglevSize: fe.size, GuardOpen: fe.guard,
 		})
 	}
 	return st
@@ -302,6 +302,7 @@ type planned struct {
 // inner map that is not in place yet.
 type builtTable struct {
 	inner    *ebpf.Map // nil: no eligible backend
+	size     uint32    // its slots
 	eligible int
 }
 
@@ -458,6 +459,10 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 		return err
 	}
 	fe.eligible = t.eligible
+	fe.size = 0
+	if t.inner != nil {
+		fe.size = t.size
+	}
 	fe.flags = svcFlags(&svc)
 	val := bpf.SvcValue{ServiceId: fe.sid, Flags: fe.flags, Revision: uint32(s.revision)}
 	if err := d.putFrontend(fe.key, val); err != nil {
@@ -505,14 +510,21 @@ func (d *Dataplane) buildTables(p *plan) ([]builtTable, error) {
 }
 
 // buildTable builds the Maglev table of backends mb and writes it into a
-// new inner map with one batch update. At most GOMAXPROCS builds run at
-// once, each with a table of the pool: a table keeps its build scratch,
-// about 10 bytes per slot, so the dataplane keeps a few rather than one
-// per frontend.
+// new inner map with one batch update. The table has maglev.SizeFor(len(mb))
+// slots, up to the tier's size: what the frontend needs for an even spread,
+// not the tier's largest (a frontend of 3 backends takes 509 slots, 2 KiB,
+// instead of 65,537 at tier M); the datapath reads each table's size from
+// its inner map.
+//
+// At most GOMAXPROCS builds run at once, each with a table of the pool
+// (kept per size): a table keeps its build scratch, about 10 bytes per
+// slot, so the dataplane keeps a few rather than one per frontend.
 func (d *Dataplane) buildTable(mb []maglev.Backend) (builtTable, error) {
+	size := maglev.SizeFor(len(mb), d.caps.MaglevSize)
 	tp := &d.tables
 	tp.once.Do(func() {
 		tp.sem = make(chan struct{}, runtime.GOMAXPROCS(0))
+		tp.free = map[uint32][]*maglev.Table{}
 		tp.slots = make([]uint32, d.caps.MaglevSize)
 		for i := range tp.slots {
 			tp.slots[i] = uint32(i)
@@ -522,22 +534,22 @@ func (d *Dataplane) buildTable(mb []maglev.Backend) (builtTable, error) {
 	defer func() { <-tp.sem }()
 	tp.mu.Lock()
 	var t *maglev.Table
-	if n := len(tp.free); n > 0 {
-		t, tp.free = tp.free[n-1], tp.free[:n-1]
+	if free := tp.free[size]; len(free) > 0 {
+		t, tp.free[size] = free[len(free)-1], free[:len(free)-1]
 	}
 	tp.mu.Unlock()
 	var err error
 	if t == nil {
-		t, err = maglev.New(maglev.Config{Size: d.caps.MaglevSize, Seed: d.opts.MaglevSeed}, mb)
+		t, err = maglev.New(maglev.Config{Size: size, Seed: d.opts.MaglevSeed}, mb)
 		if err != nil {
 			return builtTable{}, err
 		}
 	} else if err = t.Rebuild(mb); err != nil {
-		tp.put(t)
+		tp.put(size, t)
 		return builtTable{}, err
 	}
-	defer tp.put(t)
-	var bt builtTable
+	defer tp.put(size, t)
+	bt := builtTable{size: size}
 	for _, c := range t.SlotCounts() {
 		if c.Slots > 0 {
 			bt.eligible++
@@ -547,7 +559,9 @@ func (d *Dataplane) buildTable(mb []maglev.Backend) (builtTable, error) {
 	if len(entries) == 0 {
 		return bt, nil
 	}
-	inner, err := ebpf.NewMap(d.inner)
+	ms := d.inner.Copy()
+	ms.MaxEntries = size
+	inner, err := ebpf.NewMap(ms)
 	if err != nil {
 		return builtTable{}, fmt.Errorf("maglev table: %w", err)
 	}
@@ -559,18 +573,18 @@ func (d *Dataplane) buildTable(mb []maglev.Backend) (builtTable, error) {
 	return bt, nil
 }
 
-// tablePool holds the Maglev tables that buildTable builds in.
+// tablePool holds the Maglev tables that buildTable builds in, by size.
 type tablePool struct {
 	once  sync.Once
 	sem   chan struct{} // one token per build under way
-	slots []uint32      // the inner maps' keys, 0..M−1
+	slots []uint32      // the inner maps' keys, 0..M−1 for the largest M
 	mu    sync.Mutex
-	free  []*maglev.Table
+	free  map[uint32][]*maglev.Table
 }
 
-func (tp *tablePool) put(t *maglev.Table) {
+func (tp *tablePool) put(size uint32, t *maglev.Table) {
 	tp.mu.Lock()
-	tp.free = append(tp.free, t)
+	tp.free[size] = append(tp.free[size], t)
 	tp.mu.Unlock()
 }
 

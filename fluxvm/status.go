@@ -27,6 +27,10 @@ type FrontendStatus struct {
 	// Backends counts all backends the datapath knows for this frontend,
 	// Draining and Unhealthy ones included.
 	Backends int `json:"backends"`
+	// MaglevSize is the number of slots of the frontend's Maglev table
+	// (maglev.SizeFor of its backends, up to the tier's maglev_size); 0
+	// while it has no table (no eligible backend).
+	MaglevSize uint32 `json:"maglev_size"`
 	// GuardOpen is false while the frontend is being reprogrammed or the
 	// service is disabled: its packets are dropped.
 	GuardOpen bool `json:"guard_open"`

@@ -90,15 +90,29 @@ static __always_inline int fluxvm_backend_keeps(const struct fluxvm_backend *be,
 	return be->state == FLUXVM_BE_DRAINING && now < be->drain_until_ns;
 }
 
-/* The backend id in slot hash % M of the service's table, or 0. */
+/* The kernel's struct bpf_map, for the size of an inner table (CO-RE). */
+struct bpf_map___fluxvm {
+	__u32 max_entries;
+} __attribute__((preserve_access_index));
+
+/*
+ * The backend id in the slot of @hash in the service's table, or 0.
+ *
+ * Tables are sized by what they serve (maps.h), and the size is read from
+ * the inner map itself: it is swapped in with its table in one update, so
+ * a packet never pairs one table with another's size. The hash is reduced
+ * to the table by multiply and shift (hash * size / 2^32), which needs no
+ * division by a size known only at run time; the hash is well mixed, so
+ * every slot gets an equal share of hashes (within one).
+ */
 static __always_inline __u32 fluxvm_maglev_pick(__u32 sid, __u32 hash)
 {
-	__u32 slot = hash % FLUXVM_MAGLEV_SIZE;
-	void *table = bpf_map_lookup_elem(&fluxvm_maglev, &sid);
-	__u32 *id;
+	struct bpf_map___fluxvm *table = bpf_map_lookup_elem(&fluxvm_maglev, &sid);
+	__u32 slot, *id;
 
 	if (!table)
 		return 0;
+	slot = (__u32)(((__u64)hash * table->max_entries) >> 32);
 	id = bpf_map_lookup_elem(table, &slot);
 	return id ? *id : 0;
 }

@@ -31,14 +31,22 @@ struct {
 } fluxvm_backends SEC(".maps");
 
 /*
- * One Maglev table per service: an array of FLUXVM_MAGLEV_SIZE backend ids
- * indexed by flow hash % size. Userspace builds a complete new inner table
- * and swaps it into the outer slot with one update, so a packet sees either
- * the old table or the new one, never a mix. An empty slot means the
- * service has no eligible backend.
+ * One Maglev table per service frontend: an array of backend ids indexed by
+ * the flow hash reduced to the table's size (fluxvm_maglev_pick).
+ * Userspace builds a complete new inner table and swaps it into the outer
+ * slot with one update, so a packet sees either the old table or the new
+ * one, never a mix. An empty slot means the service has no eligible backend.
+ *
+ * Tables are sized by what they serve (a prime of at least 100 slots per
+ * backend, up to the tier's FLUXVM_MAGLEV_SIZE; fluxvm_maglev_pick reads
+ * each table's own size): BPF_F_INNER_MAP lets inner arrays of any size
+ * stand in for this template. It costs the inlined array lookup (the
+ * verifier cannot know the bound): one helper call, on the new-flow path
+ * only.
  */
 struct fluxvm_maglev_inner {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_INNER_MAP);
 	__type(key, __u32);
 	__type(value, __u32);
 	__uint(max_entries, FLUXVM_MAGLEV_SIZE);

@@ -1,14 +1,10 @@
 package bpf
 
 import (
-	"bufio"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -17,27 +13,10 @@ import (
 )
 
 // fdinfoMemlock reads the memlock line of the kernel's fdinfo of m
-// directly, as `bpftool map show` does: a source independent of the
-// loader's reading through MapInfo.
+// directly: a source independent of the loader's reading through MapInfo.
 func fdinfoMemlock(t testing.TB, m *ebpf.Map) uint64 {
 	t.Helper()
-	f, err := os.Open(fmt.Sprintf("/proc/self/fdinfo/%d", m.FD()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "memlock:"); ok {
-			n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return n
-		}
-	}
-	t.Fatalf("fdinfo of %v has no memlock line (err %v)", m, sc.Err())
-	return 0
+	return testenv.FdinfoMemlock(t, m.FD())
 }
 
 // newInner creates a Maglev table from the object's template.

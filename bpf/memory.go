@@ -34,7 +34,8 @@ type MapMemory struct {
 
 // InnerMapMemory sums the inner maps of an array of maps.
 type InnerMapMemory struct {
-	// Count is the number of inner maps in the outer map's slots.
+	// Count is the number of inner maps in the outer map's slots; a map
+	// in several slots counts (and its bytes count) once.
 	Count int
 	// Bytes is their total, LargestBytes the largest of them.
 	Bytes        uint64
@@ -104,13 +105,16 @@ func (d *Datapath) innerMemory(outer *ebpf.Map) (InnerMapMemory, error) {
 		return InnerMapMemory{}, err
 	}
 	seen := make(map[ebpf.MapID]uint64, len(ids))
+	counted := make(map[ebpf.MapID]bool, len(ids))
 	var out InnerMapMemory
 	for i, slot := range slots {
-		b, ok, err := d.innerSlot(outer, slot, ebpf.MapID(ids[i]), seen)
+		id, b, ok, err := d.innerSlot(outer, slot, ebpf.MapID(ids[i]), seen)
 		if err != nil {
 			return InnerMapMemory{}, fmt.Errorf("slot %d: %w", slot, err)
 		}
-		if ok {
+		// A table in several slots (shared by frontends) is one map.
+		if ok && !counted[id] {
+			counted[id] = true
 			out.add(b)
 		}
 	}
@@ -163,10 +167,10 @@ func slotIDs(outer *ebpf.Map, batch bool) (slots, ids []uint32, err error) {
 	return slots, ids, nil
 }
 
-// innerSlot returns the memory of the inner map id read from slot of
-// outer, false when the slot is found empty. It records the figures that
-// are fixed in seen.
-func (d *Datapath) innerSlot(outer *ebpf.Map, slot uint32, id ebpf.MapID, seen map[ebpf.MapID]uint64) (uint64, bool, error) {
+// innerSlot returns the id and memory of the inner map in slot of outer
+// (id as read before, read again if that map is gone), false when the
+// slot is found empty. It records the figures that are fixed in seen.
+func (d *Datapath) innerSlot(outer *ebpf.Map, slot uint32, id ebpf.MapID, seen map[ebpf.MapID]uint64) (ebpf.MapID, uint64, bool, error) {
 	// A table replaced and released between the read of its id and its
 	// open is gone: read the slot again. Should that keep happening, the
 	// slot is left out of this call rather than failing it.
@@ -175,18 +179,18 @@ func (d *Datapath) innerSlot(outer *ebpf.Map, slot uint32, id ebpf.MapID, seen m
 			var v uint32
 			if err := outer.Lookup(slot, &v); err != nil {
 				if errors.Is(err, ebpf.ErrKeyNotExist) {
-					return 0, false, nil
+					return 0, 0, false, nil
 				}
-				return 0, false, err
+				return 0, 0, false, err
 			}
 			id = ebpf.MapID(v)
 		}
 		if b, ok := seen[id]; ok {
-			return b, true, nil
+			return id, b, true, nil
 		}
 		if b, ok := d.mem.inner[id]; ok {
 			seen[id] = b
-			return b, true, nil
+			return id, b, true, nil
 		}
 		if d.afterInnerLookup != nil {
 			d.afterInnerLookup(slot)
@@ -196,14 +200,14 @@ func (d *Datapath) innerSlot(outer *ebpf.Map, slot uint32, id ebpf.MapID, seen m
 			continue
 		}
 		if err != nil {
-			return 0, false, fmt.Errorf("inner map %d: %w", id, err)
+			return 0, 0, false, fmt.Errorf("inner map %d: %w", id, err)
 		}
 		if fixed {
 			seen[id] = b
 		}
-		return b, true, nil
+		return id, b, true, nil
 	}
-	return 0, false, nil
+	return 0, 0, false, nil
 }
 
 func (in *InnerMapMemory) add(b uint64) {

@@ -127,6 +127,14 @@ func TestMapMemory(t *testing.T) {
 		t.Errorf("the cache holds %d tables, the outer map 2", n)
 	}
 
+	// A table shared by two slots is one map: counted, and its bytes, once.
+	if err := outer.Put(uint32(9), tables[1]); err != nil {
+		t.Fatal(err)
+	}
+	if got := mapMemory(t, d).MaglevInner; got != want2 {
+		t.Errorf("a table in two slots: inner %+v, want %+v", got, want2)
+	}
+
 	d.Close()
 	if _, err := d.MapMemory(); !errors.Is(err, ErrClosed) {
 		t.Errorf("MapMemory after Close: %v, want ErrClosed", err)

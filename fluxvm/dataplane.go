@@ -648,7 +648,7 @@ func (i *iface) status() InterfaceStatus {
 
 // Status describes the dataplane. It answers after Close too (see
 // Close), without Memory: that is the one part read from the kernel (see
-// MemoryStatus). Memory costs about 1 ms at 4,000 Maglev tables; the
+// MemoryStatus). Memory costs 1–2 ms at 4,000 Maglev tables; the
 // first call after Open, which reads every table once, about 40 µs per
 // table (bpf.Datapath.MapMemory caches what cannot change).
 func (d *Dataplane) Status() Status {

@@ -141,6 +141,11 @@ type Datapath struct {
 	status Status
 	// staged is what Activate still has to do; nil once active.
 	staged *staged
+	// mem caches the Maglev tables' memory for MapMemory.
+	mem memoryCache
+	// afterInnerLookup, in tests, runs in MapMemory between reading a
+	// Maglev slot's table id and opening that table.
+	afterInnerLookup func(slot uint32)
 }
 
 // staged is the part of an Open that Activate completes.

@@ -647,8 +647,11 @@ func (i *iface) status() InterfaceStatus {
 	return InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
 }
 
-// Status describes the dataplane. It reads no map, so it answers after
-// Close too (see Close).
+// Status describes the dataplane. It answers after Close too (see
+// Close), without Memory: that is the one part read from the kernel (see
+// MemoryStatus). Memory costs 1–2 ms at 4,000 Maglev tables; the
+// first call after Open, which reads every table once, about 40 µs per
+// table (bpf.Datapath.MapMemory caches what cannot change).
 func (d *Dataplane) Status() Status {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -680,7 +683,26 @@ func (d *Dataplane) Status() Status {
 		out.Interfaces = append(out.Interfaces, ifc.status())
 	}
 	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
+	if !d.closed {
+		out.Memory = d.memoryStatus()
+	}
 	return out
+}
+
+// memoryStatus reads the kernel memory of the maps. d.mu must be held,
+// so that Close cannot release the maps meanwhile.
+func (d *Dataplane) memoryStatus() *MemoryStatus {
+	mm, err := d.dp.MapMemory()
+	if err != nil {
+		return &MemoryStatus{Error: err.Error()}
+	}
+	return &MemoryStatus{
+		Maps: mm.Maps,
+		MaglevInner: InnerMapsMemory{
+			Count: mm.MaglevInner.Count, Bytes: mm.MaglevInner.Bytes, LargestBytes: mm.MaglevInner.LargestBytes,
+		},
+		Total: mm.Total,
+	}
 }
 
 // snatStatus describes what writeSNAT put in fluxvm_snat.

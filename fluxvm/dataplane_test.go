@@ -431,6 +431,9 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 			if st.Services != want || st.Tier != "S" || (cleaned != (len(st.Interfaces) == 0)) {
 				return fmt.Sprintf("%d services, tier %q, %d interfaces; want %d services, tier S, interfaces only after Close", st.Services, st.Tier, len(st.Interfaces), want)
 			}
+			if st.Memory != nil {
+				return fmt.Sprintf("memory section %+v read from released maps", st.Memory)
+			}
 			return ""
 		}},
 		"Services": {call: func(e *env, d *Dataplane) (any, error) { return d.Services(), nil }, check: func(res any, cleaned bool) string {

@@ -55,6 +55,34 @@ type Status struct {
 	// Advertisements is the state of the VIP advertisement snapshot
 	// (path, generation, last publish error).
 	Advertisements AdvertisementStatus `json:"advertisements"`
+	// Memory is the kernel memory of the datapath's maps, the Maglev
+	// tables included; absent after Close.
+	Memory *MemoryStatus `json:"memory,omitempty"`
+}
+
+// MemoryStatus is the kernel memory of the datapath's maps, in bytes
+// (bpf.Datapath.MapMemory): for each map the kernel's own figure, the
+// memlock of its fdinfo (what `bpftool map show` prints, and what the map
+// charges to the memory cgroup of the process that created it), read at
+// the call, not an estimate.
+type MemoryStatus struct {
+	// Maps holds each map of the loaded object by name. fluxvm_maglev is
+	// the outer array alone; the tables it points to are MaglevInner.
+	Maps map[string]uint64 `json:"maps,omitempty"`
+	// MaglevInner sums the Maglev tables: one inner map per frontend
+	// that has an eligible backend.
+	MaglevInner InnerMapsMemory `json:"maglev_inner_maps"`
+	// Total is the sum of Maps and MaglevInner.Bytes.
+	Total uint64 `json:"total_bytes"`
+	// Error says why the figures could not be read; they are then zero.
+	Error string `json:"error,omitempty"`
+}
+
+// InnerMapsMemory sums the Maglev tables (inner maps of fluxvm_maglev).
+type InnerMapsMemory struct {
+	Count        int    `json:"count"`
+	Bytes        uint64 `json:"bytes"`
+	LargestBytes uint64 `json:"largest_bytes"`
 }
 
 // SeedStatus reports the two seeds that decide a new flow's backend,

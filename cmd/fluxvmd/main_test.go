@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/lab"
@@ -249,6 +251,32 @@ maglev_seed = 99
 	if err := json.Unmarshal(body, &st); err != nil || len(st.Frontends) != 1 || !st.Frontends[0].GuardOpen {
 		t.Errorf("restored service %s (%v)", body, err)
 	}
+	// The restarted daemon reports the memory of the two services'
+	// Maglev tables, as the kernel counts it for the pinned maps.
+	body, err = d.request("GET", "/v1/network/services/status", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	status = fluxvm.Status{}
+	if err := json.Unmarshal(body, &status); err != nil || status.Memory == nil {
+		t.Fatalf("status after restart: %s (%v)", body, err)
+	}
+	wantInner := pinnedMaglevMemory(t, pinRoot)
+	if status.Memory.MaglevInner != wantInner || wantInner.Count != 2 {
+		t.Errorf("status memory: Maglev tables %+v, the pinned fluxvm_maglev holds %+v (want 2 tables)", status.Memory.MaglevInner, wantInner)
+	}
+	metrics, err := d.request("GET", "/metrics", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"fluxvm_maglev_inner_maps 2\n",
+		fmt.Sprintf("fluxvm_map_memory_bytes{map=%q} %g\n", "fluxvm_maglev_inner", float64(wantInner.Bytes)),
+	} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
 	// The restarted daemon finds the same content: no rewrite.
 	body, err = d.request("GET", "/v1/network/services/advertisements", nil)
 	if s, derr := advert.Decode(body); err != nil || derr != nil || s.Generation != advGen {
@@ -273,6 +301,34 @@ maglev_seed = 99
 	if s, err := advert.Read(advPath); err != nil || len(s.Entries) != 0 || s.Generation != advGen+1 {
 		t.Errorf("after cleanup the snapshot is %+v (%v), want no entries", s, err)
 	}
+}
+
+// pinnedMaglevMemory sums the fdinfo memlock of the Maglev tables in the
+// pinned fluxvm_maglev of pinRoot, read by this process: the kernel's
+// figures, independent of the daemon's reading.
+func pinnedMaglevMemory(t *testing.T, pinRoot string) fluxvm.InnerMapsMemory {
+	t.Helper()
+	outer, err := ebpf.LoadPinnedMap(filepath.Join(pinRoot, "maps", "fluxvm_maglev"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer outer.Close()
+	var in fluxvm.InnerMapsMemory
+	for slot := range outer.MaxEntries() {
+		var inner *ebpf.Map
+		if err := outer.Lookup(slot, &inner); err != nil {
+			if errors.Is(err, ebpf.ErrKeyNotExist) {
+				continue
+			}
+			t.Fatal(err)
+		}
+		b := testenv.FdinfoMemlock(t, inner.FD())
+		inner.Close()
+		in.Count++
+		in.Bytes += b
+		in.LargestBytes = max(in.LargestBytes, b)
+	}
+	return in
 }
 
 // TestCheckConfig runs the check-config command on valid and invalid

@@ -48,7 +48,14 @@ var (
 	descAdvertVIPs  = desc("advertisement_entries", "Entries of the current VIP advertisement snapshot, by state (advertised, withdrawn).", "state")
 	descAdvertGen   = desc("advertisement_generation", "Generation of the current advertisement snapshot (0 before the first publish).")
 	descAdvertError = desc("advertisement_publish_failing", "1 while the last publish of the advertisement snapshot failed (the file keeps the previous one), else 0.")
+
+	descMapMemory   = desc("map_memory_bytes", "Kernel memory of each BPF map (its fdinfo memlock); the Maglev tables summed as fluxvm_maglev_inner.", "map")
+	descMaglevInner = desc("maglev_inner_maps", "Maglev tables (inner maps of fluxvm_maglev) in the datapath.")
 )
+
+// MaglevInnerMapLabel is the map label under which fluxvm_map_memory_bytes
+// sums the Maglev tables, the inner maps of fluxvm_maglev.
+const MaglevInnerMapLabel = "fluxvm_maglev_inner"
 
 // collector exports the dataplane's counters and status.
 type collector struct{ src MetricsSource }
@@ -77,9 +84,14 @@ type collector struct{ src MetricsSource }
 //	fluxvm_advertisement_entries                gauge {state: advertised, withdrawn}
 //	fluxvm_advertisement_generation             gauge
 //	fluxvm_advertisement_publish_failing        gauge: 1 while publishing fails
+//	fluxvm_map_memory_bytes                     gauge {map}: kernel memory of each BPF map (Status.Memory);
+//	                                            the Maglev tables summed under map="fluxvm_maglev_inner"
+//	fluxvm_maglev_inner_maps                    gauge: Maglev tables in the datapath
 //
 // The GC series appear once the dataplane has run a GC. When Stats fails,
 // the status series are still served, fluxvm_datapath_stats_up is 0 and
+// the error goes to the handler's log. When the map memory cannot be read
+// (Status.Memory.Error), its two series are missing from the scrape and
 // the error goes to the handler's log.
 func NewCollector(src MetricsSource) prometheus.Collector { return collector{src: src} }
 
@@ -89,6 +101,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
+		descMapMemory, descMaglevInner,
 	} {
 		ch <- d
 	}
@@ -131,6 +144,17 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		failing = 1
 	}
 	emit(descAdvertError, prometheus.GaugeValue, failing)
+	if mem := st.Memory; mem != nil {
+		if mem.Error != "" {
+			ch <- prometheus.NewInvalidMetric(descMapMemory, fmt.Errorf("fluxvm metrics: map memory: %s", mem.Error))
+		} else {
+			for name, b := range mem.Maps {
+				emit(descMapMemory, prometheus.GaugeValue, float64(b), name)
+			}
+			emit(descMapMemory, prometheus.GaugeValue, float64(mem.MaglevInner.Bytes), MaglevInnerMapLabel)
+			emit(descMaglevInner, prometheus.GaugeValue, float64(mem.MaglevInner.Count))
+		}
+	}
 	for _, sh := range c.src.Health().Services {
 		n := map[string]int{"unknown": 0, "healthy": 0, "unhealthy": 0}
 		for _, b := range sh.Backends {

@@ -33,6 +33,11 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		Scanned: 40, Expired: 7, Drained: 2, BackendGone: 3, Orphans: 1, Repaired: 0,
 	}
 	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
+	dp.status.Memory = &fluxvm.MemoryStatus{
+		Maps:        map[string]uint64{"fluxvm_fct4": 6_291_456, "fluxvm_maglev": 2_368},
+		MaglevInner: fluxvm.InnerMapsMemory{Count: 3, Bytes: 393_600, LargestBytes: 131_200},
+		Total:       6_291_456 + 2_368 + 393_600,
+	}
 	dp.health = fluxvm.HealthReport{Services: []fluxvm.ServiceHealth{{
 		Name: "web",
 		Backends: []fluxvm.BackendHealth{
@@ -129,6 +134,14 @@ fluxvm_advertisement_generation 12
 # HELP fluxvm_advertisement_publish_failing 1 while the last publish of the advertisement snapshot failed (the file keeps the previous one), else 0.
 # TYPE fluxvm_advertisement_publish_failing gauge
 fluxvm_advertisement_publish_failing 1
+# HELP fluxvm_map_memory_bytes Kernel memory of each BPF map (its fdinfo memlock); the Maglev tables summed as fluxvm_maglev_inner.
+# TYPE fluxvm_map_memory_bytes gauge
+fluxvm_map_memory_bytes{map="fluxvm_fct4"} 6.291456e+06
+fluxvm_map_memory_bytes{map="fluxvm_maglev"} 2368
+fluxvm_map_memory_bytes{map="fluxvm_maglev_inner"} 393600
+# HELP fluxvm_maglev_inner_maps Maglev tables (inner maps of fluxvm_maglev) in the datapath.
+# TYPE fluxvm_maglev_inner_maps gauge
+fluxvm_maglev_inner_maps 3
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)
@@ -143,6 +156,53 @@ func TestCollectorNoGCYet(t *testing.T) {
 	dp := newFake()
 	if n := testutil.CollectAndCount(api.NewCollector(dp), "fluxvm_conntrack_gc_last_entries"); n != 0 {
 		t.Errorf("%d GC series before any GC", n)
+	}
+}
+
+// TestCollectorMapMemory: the memory series sum to Status.Memory's total
+// (the Maglev tables under their own label, never twice), are absent
+// without a memory section (after Close), and a failed read is an error
+// of the scrape with the other series still served.
+func TestCollectorMapMemory(t *testing.T) {
+	dp := withMetricsData(newFake())
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(api.NewCollector(dp))
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, f := range families {
+		if f.GetName() == "fluxvm_map_memory_bytes" {
+			for _, m := range f.GetMetric() {
+				sum += m.GetGauge().GetValue()
+			}
+		}
+	}
+	if sum != float64(dp.status.Memory.Total) {
+		t.Errorf("fluxvm_map_memory_bytes sums to %v, the status total is %d", sum, dp.status.Memory.Total)
+	}
+
+	dp.status.Memory = nil
+	for _, name := range []string{"fluxvm_map_memory_bytes", "fluxvm_maglev_inner_maps"} {
+		if n := testutil.CollectAndCount(api.NewCollector(dp), name); n != 0 {
+			t.Errorf("%d %s series without a memory section", n, name)
+		}
+	}
+
+	dp.status.Memory = &fluxvm.MemoryStatus{Error: "bpf: map memory: fluxvm_fct4: EPERM"}
+	if _, err := reg.Gather(); err == nil || !strings.Contains(err.Error(), "fluxvm_fct4: EPERM") {
+		t.Errorf("Gather error = %v, want the memory error", err)
+	}
+	e := newEnv(t)
+	withMetricsData(e.dp).status.Memory = dp.status.Memory
+	w := e.do(req{method: "GET", path: "/metrics", token: readToken})
+	if body := w.Body.String(); w.Code != http.StatusOK || !strings.Contains(body, "fluxvm_services 2") ||
+		strings.Contains(body, "fluxvm_map_memory_bytes{") || strings.Contains(body, "fluxvm_maglev_inner_maps ") {
+		t.Errorf("/metrics with a memory error: %d\n%s", w.Code, body)
+	}
+	if !strings.Contains(e.log.String(), "fluxvm_fct4: EPERM") {
+		t.Errorf("memory error not logged:\n%s", e.log)
 	}
 }
 
@@ -182,6 +242,8 @@ func TestMetricsEndpoint(t *testing.T) {
 		`fluxvm_services 2`,
 		`fluxvm_conntrack_gc_last_entries{result="expired"} 7`,
 		`fluxvm_datapath_stats_up 1`,
+		`fluxvm_map_memory_bytes{map="fluxvm_maglev_inner"} 393600`,
+		`fluxvm_maglev_inner_maps 3`,
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("/metrics lacks %q", want)

@@ -163,6 +163,8 @@ func TestOpenAPISchemas(t *testing.T) {
 		"HookStatus":             reflect.TypeFor[fluxvm.HookStatus](),
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
 		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),
+		"MemoryStatus":           reflect.TypeFor[fluxvm.MemoryStatus](),
+		"InnerMapsMemory":        reflect.TypeFor[fluxvm.InnerMapsMemory](),
 		"Counters":               reflect.TypeFor[fluxvm.Counters](),
 		"Stats":                  reflect.TypeFor[fluxvm.Stats](),
 		"VMStats":                reflect.TypeFor[fluxvm.VMStats](),

@@ -795,6 +795,15 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 		t.Fatalf("%d backends need %d slots: the test needs fewer than the tier's %d", n, want, d.caps.MaglevSize)
 	}
 	check("applied", want)
+	// The kernel's own accounting: 4 tables (2 VIPs x TCP, UDP), each
+	// about 8 bytes a slot, far below a table of the tier's size.
+	mem := d.Status().Memory
+	if mem == nil || mem.MaglevInner.Count != 4 || mem.MaglevInner.LargestBytes > uint64(want)*8+4096 {
+		t.Errorf("memory status %+v: want 4 tables of about %d bytes", mem, want*8)
+	} else {
+		t.Logf("4 tables of %d slots: %d bytes of kernel memory (a table of the tier's %d slots: ~%d each)",
+			want, mem.MaglevInner.Bytes, d.caps.MaglevSize, d.caps.MaglevSize*8)
+	}
 	c := e.dial(t, vip4)
 	echo(t, c, "through a small table")
 

@@ -211,8 +211,8 @@ vm_edge_interfaces = [ %s ]
 	res := tr.finish()
 
 	untranslated := probe.count(t)
-	t.Logf("long-lived: %d, broken %d; short: %d connected (%d busy-port skips), %d connect timeouts, %d other failures; udp: %d answered, %d lost; VIP packets untranslated: %d",
-		res.longLived, res.broken, res.short, res.busy, res.timeouts, res.failed, res.udpOK, res.udpLost, untranslated)
+	t.Logf("long-lived: %d, broken %d, slowest echo %v; short: %d connected (%d busy-port skips), %d connect timeouts, %d other failures; udp: %d answered, %d lost; VIP packets untranslated: %d",
+		res.longLived, res.broken, res.slowest.Round(time.Millisecond), res.short, res.busy, res.timeouts, res.failed, res.udpOK, res.udpLost, untranslated)
 	for _, e := range res.errors {
 		t.Log(e)
 	}
@@ -250,6 +250,9 @@ type churnTraffic struct {
 	wg   sync.WaitGroup
 
 	broken, short, busy, timeouts, failed, udpOK, udpLost atomic.Int64
+	// slowest is the longest echo of a long-lived connection: a TCP
+	// retransmission (a packet lost on the way) shows as 200 ms or more.
+	slowest atomic.Int64
 
 	mu     sync.Mutex
 	errors []string
@@ -257,6 +260,7 @@ type churnTraffic struct {
 
 type churnResult struct {
 	longLived                                             int
+	slowest                                               time.Duration
 	broken, short, busy, timeouts, failed, udpOK, udpLost int64
 	errors                                                []string
 }
@@ -312,10 +316,15 @@ func (tr *churnTraffic) longLoop() {
 			if !alive[i] {
 				continue
 			}
+			began := time.Now()
 			if err := c.Echo([]byte(fmt.Sprintf("ping %d\n", n)), 3*time.Second); err != nil {
 				alive[i] = false
 				tr.broken.Add(1)
 				tr.fail("long-lived connection %d to %s broke: %v", i, c.Backend, err)
+				continue
+			}
+			if d := int64(time.Since(began)); d > tr.slowest.Load() {
+				tr.slowest.Store(d)
 			}
 		}
 		time.Sleep(200 * time.Millisecond)
@@ -441,7 +450,7 @@ func (tr *churnTraffic) finish() churnResult {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	return churnResult{
-		longLived: len(tr.long), broken: tr.broken.Load(), short: tr.short.Load(), busy: tr.busy.Load(),
+		longLived: len(tr.long), slowest: time.Duration(tr.slowest.Load()), broken: tr.broken.Load(), short: tr.short.Load(), busy: tr.busy.Load(),
 		timeouts: tr.timeouts.Load(), failed: tr.failed.Load(), udpOK: tr.udpOK.Load(), udpLost: tr.udpLost.Load(),
 		errors: tr.errors,
 	}

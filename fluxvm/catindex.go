@@ -104,15 +104,8 @@ func (x *catalogIndex) check(s *Service, fp, old *footprint, limits Limits) erro
 			}
 		}
 	}
-	switch {
-	case dps > limits.Services:
-		return fail(verr(ErrLimit, "", "the catalog with this service needs %d datapath services (one per VIP and port); the map tier has %d", dps, limits.Services))
-	case fes[0] > limits.Frontends:
-		return fail(verr(ErrLimit, "", "the catalog with this service needs %d IPv4 frontend entries (VIP markers included); the map tier has %d", fes[0], limits.Frontends))
-	case fes[1] > limits.Frontends:
-		return fail(verr(ErrLimit, "", "the catalog with this service needs %d IPv6 frontend entries (VIP markers included); the map tier has %d", fes[1], limits.Frontends))
-	case bes > limits.Backends:
-		return fail(verr(ErrLimit, "", "the catalog with this service needs %d datapath backend entries (one per frontend and backend of its family); the map tier has %d", bes, limits.Backends))
+	if err := limits.exceeded("the catalog with this service", dps, fes, bes); err != nil {
+		return fail(err)
 	}
 	return nil
 }

@@ -659,16 +659,26 @@ func validateCatalog(services []Service, cfg Config, limits Limits, legacy map[s
 				}
 			}
 		}
-		switch {
-		case dpServices > limits.Services:
-			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d datapath services (one per VIP and port); the map tier has %d", dpServices, limits.Services))
-		case feCount[0] > limits.Frontends:
-			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d IPv4 frontend entries (VIP markers included); the map tier has %d", feCount[0], limits.Frontends))
-		case feCount[1] > limits.Frontends:
-			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d IPv6 frontend entries (VIP markers included); the map tier has %d", feCount[1], limits.Frontends))
-		case backends > limits.Backends:
-			return fail(verr(ErrLimit, "", "the catalog up to this service needs %d datapath backend entries (one per frontend and backend of its family); the map tier has %d", backends, limits.Backends))
+		if err := limits.exceeded("the catalog up to this service", dpServices, feCount, backends); err != nil {
+			return fail(err)
 		}
+	}
+	return nil
+}
+
+// exceeded reports the first of the tier's capacities that a catalog
+// (what names it, for the message) needing dps datapath services, fes
+// IPv4 and IPv6 frontend entries and bes backend entries would exceed.
+func (limits Limits) exceeded(what string, dps int, fes [2]int, bes int) *ValidationError {
+	switch {
+	case dps > limits.Services:
+		return verr(ErrLimit, "", "%s needs %d datapath services (one per VIP and port); the map tier has %d", what, dps, limits.Services)
+	case fes[0] > limits.Frontends:
+		return verr(ErrLimit, "", "%s needs %d IPv4 frontend entries (VIP markers included); the map tier has %d", what, fes[0], limits.Frontends)
+	case fes[1] > limits.Frontends:
+		return verr(ErrLimit, "", "%s needs %d IPv6 frontend entries (VIP markers included); the map tier has %d", what, fes[1], limits.Frontends)
+	case bes > limits.Backends:
+		return verr(ErrLimit, "", "%s needs %d datapath backend entries (one per frontend and backend of its family); the map tier has %d", what, bes, limits.Backends)
 	}
 	return nil
 }

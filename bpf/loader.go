@@ -225,10 +225,19 @@ func Open(opts Options) (*Datapath, error) {
 	for name, ms := range spec.Maps {
 		if m, ok := pinned[name]; ok && compatible(m, ms) {
 			maps[name] = m
-			st.KeptMaps = append(st.KeptMaps, name)
 			continue
 		}
 		create = append(create, name)
+	}
+	// When anything is recreated, so is the meta map (its content carried
+	// over by writeMeta): the running programs keep reading the old one,
+	// with the old tier and seed, until Activate switches them.
+	if _, kept := maps["fluxvm_meta"]; kept && len(create) > 0 {
+		delete(maps, "fluxvm_meta")
+		create = append(create, "fluxvm_meta")
+	}
+	for name := range maps {
+		st.KeptMaps = append(st.KeptMaps, name)
 	}
 	// New maps are created, and lifecycle entries migrated into them, in
 	// parallel: preallocating a tier's LRU maps is most of a tier

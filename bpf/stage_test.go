@@ -85,6 +85,16 @@ func TestStagedTierChange(t *testing.T) {
 		if got := pinnedMapID(t, root, "fluxvm_svc4"); got != oldSvc {
 			t.Errorf("before Activate the fluxvm_svc4 pin is map %d, want the old map %d", got, oldSvc)
 		}
+		// The running programs' meta map still says what they are.
+		pm, err := ebpf.LoadPinnedMap(filepath.Join(mapDir(root), "fluxvm_meta"), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var meta Meta
+		if err := pm.Lookup(uint32(0), &meta); err != nil || Tier(meta.Tier) != TierS {
+			t.Errorf("before Activate the pinned meta is %+v (%v), want tier S", meta, err)
+		}
+		pm.Close()
 
 		// Flows the old program learns or changes before the switch.
 		now, err := monotonicCoarse()

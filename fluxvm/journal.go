@@ -268,9 +268,14 @@ type catalogStore struct {
 	failed   uint64   // seq of the last record of the write that failed
 	bytes    int64    // journal bytes since the last snapshot
 	rotated  int64    // bytes when the compaction under way rotated
-	snapSize int64    // size of the last snapshot
-	compact  bool     // a compaction is under way
-	closed   bool
+	// rotatedGen is the newest generation when the compaction under way
+	// rotated: every record in it and in older files is at or below the
+	// snapshot's seq. Newer files hold acknowledged records the snapshot
+	// does not have, even after a failed write closed the current one.
+	rotatedGen uint64
+	snapSize   int64 // size of the last snapshot
+	compact    bool  // a compaction is under way
+	closed     bool
 }
 
 // openStore starts the journal of a catalog whose state was loaded up to
@@ -399,6 +404,7 @@ func (s *catalogStore) rotate() (seq uint64, old *os.File) {
 	defer s.mu.Unlock()
 	old, s.f = s.f, nil
 	s.rotated = s.bytes
+	s.rotatedGen = s.gen
 	return s.last, old
 }
 
@@ -419,10 +425,7 @@ func (s *catalogStore) compacted(seq uint64, size int64, old *os.File) {
 	s.bytes -= s.rotated
 	s.snapSize = size
 	s.compact = false
-	keep := s.gen
-	if s.f == nil {
-		keep = s.gen + 1
-	}
+	keep := s.rotatedGen + 1
 	s.cond.Broadcast()
 	s.mu.Unlock()
 	if old != nil {

@@ -471,3 +471,35 @@ func sids(s ServiceStatus) []uint32 {
 	}
 	return out
 }
+
+// TestCatalogCompactionKeepsNewerJournal: changes acknowledged after a
+// compaction rotated the journal survive it even when a later write fails
+// before the snapshot is in place: the compaction removes only the files
+// its snapshot covers, never the newer generation that holds them.
+func TestCatalogCompactionKeepsNewerJournal(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "catalog.json")
+	st := openStore(path, slog.Default(), 0, 1)
+	m := model{}
+	journalTo(t, st, m, put(jsvc(0, 1)))
+	seq, old := st.rotate()
+	snap := m.services()
+	// Acknowledged into the next generation while the snapshot is written.
+	journalTo(t, st, m, put(jsvc(1, 1)))
+	journalTo(t, st, m, put(jsvc(2, 1)))
+	// Then a write fails: that change is not acknowledged.
+	st.f.Close()
+	failed := jsvc(3, 1)
+	fseq, _ := st.append(put(failed))
+	if err := st.wait(fseq); err == nil {
+		t.Fatal("a failed write was acknowledged")
+	}
+	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: snap}); err != nil {
+		t.Fatal(err)
+	}
+	st.compacted(seq, 100, old)
+	// A crash now: what is on disk must hold every acknowledged change.
+	cat, _ := mustLoad(t, path)
+	checkCatalog(t, "after the compaction", cat, m)
+	st.close()
+}

@@ -323,8 +323,11 @@ func Open(opts Options) (*Datapath, error) {
 // Until then the old programs ran on the old maps, so no packet met a
 // half-written map. Activating an active datapath does nothing.
 //
-// If Activate fails, the attachments it did not reach keep running the
-// old programs; Open again to retry.
+// If Activate fails, the attachments it did not switch keep running the
+// old programs on the old maps, while the pins may already name the new
+// ones; Open again to retry. That Open adopts the new pins and switches
+// the rest, but the flows those old programs learned since this Open are
+// not carried over: their next packets pick a backend afresh.
 func (d *Datapath) Activate() error {
 	if d.coll == nil {
 		return ErrClosed
@@ -356,12 +359,14 @@ func (d *Datapath) Activate() error {
 	}
 	for i := range d.status.Migrations {
 		mg := &d.status.Migrations[i]
-		n, err := catchUp(mg.Map, stg.old[mg.Map], d.coll.Maps[mg.Map], stg.since)
+		learned, changed, err := catchUp(mg.Map, stg.old[mg.Map], d.coll.Maps[mg.Map], stg.since)
 		if err != nil {
 			return fmt.Errorf("bpf: activate: catch up %s: %w", mg.Map, err)
 		}
-		mg.CaughtUp = n
-		d.status.Migrated += n
+		mg.CaughtUp = learned + changed
+		mg.Entries += learned
+		mg.Migrated += learned
+		d.status.Migrated += learned
 	}
 	for _, m := range stg.old {
 		m.Close()

@@ -39,7 +39,9 @@ type Migration struct {
 	Refused      int    `json:"refused"`
 	RefusedError string `json:"refused_error,omitempty"`
 	// CaughtUp is the number of flows the old programs learned or changed
-	// between the copy and the switch, copied by Activate.
+	// between the copy and the switch, copied by Activate. The learned
+	// ones count in Entries and Migrated too (a flow learned meanwhile
+	// that a full map evicts again is not counted as evicted).
 	CaughtUp int `json:"caught_up"`
 }
 
@@ -110,11 +112,16 @@ const catchUpSlack = uint64(20 * time.Millisecond)
 
 // catchUp copies into new the entries of old that were learned or changed
 // at or after since (the old programs ran until the switch), unless the
-// new programs have a more recent version already. It returns how many it
-// copied.
-func catchUp(name string, old, new *ebpf.Map, since uint64) (int, error) {
+// new programs have a more recent version already. It returns how many
+// entries it inserted (flows learned meanwhile) and how many it updated
+// (flows whose state changed meanwhile).
+//
+// Entries the old programs deleted meanwhile (a stale reverse-NAT half, a
+// re-pick's superseded half) stay in the new map as copied: the GC finds
+// them without their other half and removes them.
+func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated int, err error) {
 	if old == nil || new == nil || old.KeySize() != new.KeySize() || old.ValueSize() > new.ValueSize() {
-		return 0, nil
+		return 0, 0, nil
 	}
 	off := lastSeenOffset(name)
 	if since > catchUpSlack {
@@ -122,7 +129,6 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (int, error) {
 	}
 	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
 	nv, cur := make([]byte, new.ValueSize()), make([]byte, new.ValueSize())
-	n := 0
 	it := old.Iterate()
 	for it.Next(&k, &v) {
 		if len(v) < off+8 {
@@ -137,25 +143,29 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (int, error) {
 		switch {
 		case errors.Is(err, ebpf.ErrKeyNotExist):
 			err = new.Update(k, nv, ebpf.UpdateNoExist)
-			if errors.Is(err, ebpf.ErrKeyExist) {
-				continue // the new programs were quicker
+			switch {
+			case err == nil:
+				inserted++
+			case errors.Is(err, ebpf.ErrKeyExist):
+				err = nil // the new programs were quicker
 			}
 		case err != nil:
-			return n, err
 		case binary.LittleEndian.Uint64(cur[off:]) >= seen:
-			continue // as recent in the new map already
+			// As recent in the new map already.
 		default:
 			err = new.Update(k, nv, ebpf.UpdateExist)
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				continue // removed meanwhile (evicted, or the GC)
+			switch {
+			case err == nil:
+				updated++
+			case errors.Is(err, ebpf.ErrKeyNotExist):
+				err = nil // removed meanwhile (evicted, or the GC)
 			}
 		}
 		if err != nil {
-			return n, err
+			return inserted, updated, err
 		}
-		n++
 	}
-	return n, it.Err()
+	return inserted, updated, it.Err()
 }
 
 // removeStalePins removes the map pins of ours (fluxvm_*) that spec has no

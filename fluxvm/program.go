@@ -98,7 +98,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 			rerr = d.unprogram(s)
 		}
 		if rerr != nil {
-			d.log.Error("fluxvm: rollback failed; guards of the service stay closed", "service", svc.Name, "err", rerr)
+			d.log.Error("fluxvm: rollback failed; the service's frontends may serve a mix of the old and new intent until it is applied again", "service", svc.Name, "err", rerr)
 		}
 		d.index.abort(svc.Name, &fp, oldFP)
 		d.doneBusy(svc.Name)

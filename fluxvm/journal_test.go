@@ -503,3 +503,48 @@ func TestCatalogCompactionKeepsNewerJournal(t *testing.T) {
 	checkCatalog(t, "after the compaction", cat, m)
 	st.close()
 }
+
+// TestCatalogTornFileBeforeNewerOne: a write that failed half-way leaves
+// its journal file with a torn end; the compaction that repairs the
+// journal sends later changes to the next file and removes the torn one,
+// but a crash can come between the two. The start must accept it: the
+// torn record was never acknowledged, and the next file continues the
+// sequence.
+func TestCatalogTornFileBeforeNewerOne(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "catalog.json")
+	st := openStore(path, slog.Default(), 0, 1)
+	m := model{}
+	journalTo(t, st, m, put(jsvc(0, 1)))
+	torn := journalPath(path, 1)
+	st.f.Close() // the next write fails...
+	fseq, _ := st.append(put(jsvc(1, 1)))
+	if err := st.wait(fseq); err == nil {
+		t.Fatal("a failed write was acknowledged")
+	}
+	f, err := os.OpenFile(torn, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write([]byte{0x20, 0, 0, 0, 1, 2, 3}); err != nil { // ...half-way
+		t.Fatal(err)
+	}
+	f.Close()
+	saved, err := os.ReadFile(torn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seq, old := st.rotate()
+	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: m.services()}); err != nil {
+		t.Fatal(err)
+	}
+	st.compacted(seq, 100, old)
+	journalTo(t, st, m, put(jsvc(2, 1)))
+	// The crash came before the torn file was removed.
+	if err := os.WriteFile(torn, saved, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cat, _ := mustLoad(t, path)
+	checkCatalog(t, "with the torn file left", cat, m)
+	st.close()
+}

@@ -35,6 +35,7 @@ const (
 	DefaultAPIListen           = "127.0.0.1:7788"
 	DefaultAPIMaxBodyBytes     = MaxRequestBytes
 	DefaultAPIBodyTimeout      = 30 * time.Second
+	DefaultAPIMaxConnections   = 256
 	// DefaultSNATPortMin and DefaultSNATPortMax are the default SNAT port
 	// range: above Linux's default ephemeral range (32768..60999,
 	// net.ipv4.ip_local_port_range), so that north-south SNAT mappings
@@ -55,6 +56,10 @@ const (
 	// MinAPIBodyTimeout and MaxAPIBodyTimeout bound api.body_timeout.
 	MinAPIBodyTimeout = time.Second
 	MaxAPIBodyTimeout = 10 * time.Minute
+	// MinAPIMaxConnections and MaxAPIMaxConnections bound
+	// api.max_connections.
+	MinAPIMaxConnections = 4
+	MaxAPIMaxConnections = 65536
 	// MaxInterfaceNameLen is the kernel's limit on interface names
 	// (IFNAMSIZ less the terminating NUL).
 	MaxInterfaceNameLen = 15
@@ -145,6 +150,11 @@ type APIConfig struct {
 	// DefaultAPIBodyTimeout (30 s), range
 	// MinAPIBodyTimeout..MaxAPIBodyTimeout.
 	BodyTimeout Duration `toml:"body_timeout"`
+	// MaxConnections bounds the connections the daemon serves at once;
+	// further clients wait in the listen queue until one closes. Default
+	// DefaultAPIMaxConnections (256), range
+	// MinAPIMaxConnections..MaxAPIMaxConnections.
+	MaxConnections int `toml:"max_connections"`
 }
 
 // Config is the node's Service Fabric configuration: the
@@ -265,9 +275,10 @@ func DefaultConfig() Config {
 		SNATPortMin:           DefaultSNATPortMin,
 		SNATPortMax:           DefaultSNATPortMax,
 		API: APIConfig{
-			Listen:       DefaultAPIListen,
-			MaxBodyBytes: DefaultAPIMaxBodyBytes,
-			BodyTimeout:  Duration{DefaultAPIBodyTimeout},
+			Listen:         DefaultAPIListen,
+			MaxBodyBytes:   DefaultAPIMaxBodyBytes,
+			BodyTimeout:    Duration{DefaultAPIBodyTimeout},
+			MaxConnections: DefaultAPIMaxConnections,
 		},
 	}
 }
@@ -460,7 +471,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - api.listen host:port with a numeric port 1..65535; a non-loopback
 //     host needs TLS (tls_cert_file and tls_key_file) or
 //     allow_insecure_non_loopback; tls_cert_file and tls_key_file both or
-//     neither; file paths absolute; max_body_bytes 1 KiB..64 MiB.
+//     neither; file paths absolute; max_body_bytes 1 KiB..64 MiB;
+//     max_connections 4..65536.
 //
 // Validate reads no files: whether they exist is the daemon's concern.
 func (c *Config) Validate() error {
@@ -697,6 +709,9 @@ func (a *APIConfig) validate(bad func(category error, k, format string, args ...
 	}
 	if d := a.BodyTimeout.Duration; d < MinAPIBodyTimeout || d > MaxAPIBodyTimeout {
 		bad(ErrInvalid, "api.body_timeout", "%v is outside %v..%v", d, MinAPIBodyTimeout, MaxAPIBodyTimeout)
+	}
+	if n := a.MaxConnections; n < MinAPIMaxConnections || n > MaxAPIMaxConnections {
+		bad(ErrInvalid, "api.max_connections", "%d is outside %d..%d", n, MinAPIMaxConnections, MaxAPIMaxConnections)
 	}
 }
 

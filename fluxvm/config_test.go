@@ -87,6 +87,7 @@ tls_key_file = "/etc/fluxvm/tls.key"
 allow_insecure_non_loopback = true
 max_body_bytes = 2097152
 body_timeout = "5s"
+max_connections = 64
 `
 	c, err := ParseConfig([]byte(doc))
 	if err != nil {
@@ -124,6 +125,7 @@ body_timeout = "5s"
 			AllowInsecureNonLoopback: true,
 			MaxBodyBytes:             2 << 20,
 			BodyTimeout:              Duration{5 * time.Second},
+			MaxConnections:           64,
 		},
 	}
 	if !reflect.DeepEqual(c, want) {
@@ -336,6 +338,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "read token file relative", doc: api + "read_token_file = \"read.token\"\n", field: k("api.read_token_file"), kind: ErrInvalid},
 		{name: "max_body_bytes too small", doc: api + "max_body_bytes = 100\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
 		{name: "max_body_bytes too large", doc: api + "max_body_bytes = 134217728\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
+		{name: "max_connections too few", doc: api + "max_connections = 2\n", field: k("api.max_connections"), kind: ErrInvalid},
+		{name: "max_connections too many", doc: api + "max_connections = 100000\n", field: k("api.max_connections"), kind: ErrInvalid},
+		{name: "max_connections a string", doc: api + "max_connections = \"many\"\n", field: k("api.max_connections"), kind: ErrMalformed},
 		{name: "body_timeout too short", doc: api + "body_timeout = \"500ms\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
 		{name: "body_timeout too long", doc: api + "body_timeout = \"1h\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
 		{name: "body_timeout a number", doc: api + "body_timeout = 30\n", field: k("api.body_timeout"), kind: ErrMalformed},

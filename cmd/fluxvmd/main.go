@@ -170,10 +170,11 @@ func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", cfg.API.Listen)
+	tcp, err := net.Listen("tcp", cfg.API.Listen)
 	if err != nil {
 		return err
 	}
+	ln := newLimitListener(tcp, cfg.API.MaxConnections)
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	errc := make(chan error, 1)

@@ -66,6 +66,21 @@ func (h Hook) program() (string, error) {
 	return "", fmt.Errorf("bpf: %s: %w", h, ErrHook)
 }
 
+// hookProgram is the loaded program that runs on hook h (nil after Close).
+func (d *Datapath) hookProgram(h Hook) *ebpf.Program {
+	switch h {
+	case HookFromVM:
+		return d.progs.FluxvmFromVm
+	case HookToVM:
+		return d.progs.FluxvmToVm
+	case HookNSIn:
+		return d.progs.FluxvmNsIn
+	case HookNSOut:
+		return d.progs.FluxvmNsOut
+	}
+	return nil
+}
+
 func (h Hook) ingress() bool { return h == HookFromVM || h == HookNSIn }
 
 // AttachMode is how a program is attached to TC.
@@ -142,7 +157,7 @@ func (d *Datapath) Attach(ifc Interface, hook Hook) (Attachment, error) {
 	if err != nil {
 		return Attachment{}, err
 	}
-	prog := d.coll.Programs[progName]
+	prog := d.hookProgram(hook)
 	a := Attachment{Ifname: name, Ifindex: index, Hook: hook, Program: progName}
 
 	mode := d.opts.AttachMode
@@ -363,13 +378,13 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 		if !ok {
 			continue
 		}
-		progName, _ := hook.program()
+		prog := d.hookProgram(hook)
 		pin := filepath.Join(linkDir(d.opts.PinRoot), e.Name())
 		l, err := link.LoadPinnedLink(pin, nil)
 		if err != nil {
 			return updated, severed, fmt.Errorf("bpf: open: pinned link %s: %w", e.Name(), err)
 		}
-		err = l.Update(d.coll.Programs[progName])
+		err = l.Update(prog)
 		if errors.Is(err, unix.ENOLINK) {
 			// The interface went away (the kernel severs a TCX link
 			// when its device is deleted): nothing to update, and the

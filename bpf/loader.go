@@ -146,6 +146,10 @@ type Datapath struct {
 	// afterInnerLookup, in tests, runs in MapMemory between reading a
 	// Maglev slot's table id and opening that table.
 	afterInnerLookup func(slot uint32)
+	// maps and progs are the collection's objects, typed (Maps,
+	// Programs); the collection owns them.
+	maps  Maps
+	progs Programs
 }
 
 // staged is the part of an Open that Activate completes.
@@ -303,6 +307,10 @@ func Open(opts Options) (*Datapath, error) {
 		m.Close() // the collection holds its own references now
 	}
 	d := &Datapath{opts: opts, spec: spec, coll: coll, status: st, staged: stg}
+	if err := errors.Join(assignTyped(&d.maps, coll), assignTyped(&d.progs, coll)); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("bpf: open: %w", err)
+	}
 	if err := d.writeMeta(prev); err != nil {
 		d.Close()
 		return nil, err
@@ -378,21 +386,15 @@ func (d *Datapath) Activate() error {
 // Status reports what Open found and did.
 func (d *Datapath) Status() Status { return d.status }
 
-// Map returns the map called name (for example "fluxvm_fct4"), or nil.
-// Packages above this one wrap the maps they own in typed APIs.
+// Map returns the map called name (for example "fluxvm_fct4"), or nil:
+// for code that goes over every map by name (memory figures, listings).
+// Code that uses one particular map reaches it through Maps, typed, so
+// that a misspelt or vanished map is a compile error.
 func (d *Datapath) Map(name string) *ebpf.Map {
 	if d.coll == nil {
 		return nil
 	}
 	return d.coll.Maps[name]
-}
-
-// Program returns the program called name, or nil.
-func (d *Datapath) Program(name string) *ebpf.Program {
-	if d.coll == nil {
-		return nil
-	}
-	return d.coll.Programs[name]
 }
 
 // Spec returns the collection spec the datapath was loaded from. Its
@@ -405,6 +407,7 @@ func (d *Datapath) Close() error {
 	if d.coll != nil {
 		d.coll.Close()
 		d.coll = nil
+		d.maps, d.progs = Maps{}, Programs{}
 	}
 	if d.staged != nil {
 		for _, m := range d.staged.old {
@@ -418,7 +421,7 @@ func (d *Datapath) Close() error {
 // ReadMeta returns the meta map's entry.
 func (d *Datapath) ReadMeta() (Meta, error) {
 	var m Meta
-	mm := d.Map("fluxvm_meta")
+	mm := d.Maps().FluxvmMeta
 	if mm == nil {
 		return m, ErrClosed
 	}
@@ -439,7 +442,7 @@ func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	keep := m
 	f(&m)
 	m.SchemaVersion, m.ProgramGeneration, m.Tier, m.HashSeed = keep.SchemaVersion, keep.ProgramGeneration, keep.Tier, keep.HashSeed
-	if err := d.Map("fluxvm_meta").Put(uint32(0), m); err != nil {
+	if err := d.Maps().FluxvmMeta.Put(uint32(0), m); err != nil {
 		return fmt.Errorf("bpf: update meta: %w", err)
 	}
 	return nil
@@ -456,7 +459,7 @@ func (d *Datapath) writeMeta(prev *Meta) error {
 	m.ProgramGeneration = ProgramGeneration
 	m.Tier = uint32(d.opts.Tier)
 	m.HashSeed = d.opts.HashSeed
-	if err := d.coll.Maps["fluxvm_meta"].Put(uint32(0), m); err != nil {
+	if err := d.maps.FluxvmMeta.Put(uint32(0), m); err != nil {
 		return fmt.Errorf("bpf: write meta: %w", err)
 	}
 	return nil

@@ -32,7 +32,7 @@ func ctKey(i int) Tuple4 {
 
 func putCT(t *testing.T, d *Datapath, n int) {
 	t.Helper()
-	m := d.Map("fluxvm_fct4")
+	m := d.Maps().FluxvmFct4
 	keys := make([]Tuple4, n)
 	vals := make([]CTValue, n)
 	for i := range keys {
@@ -75,7 +75,7 @@ func TestOpenFreshAndRestart(t *testing.T) {
 	}
 	putCT(t, d, 10)
 	svc := SvcKey4{Vip: 0x0a60000a, Port: Port(80), Proto: ipTCP}
-	if err := d.Map("fluxvm_svc4").Put(svc, SvcValue{ServiceId: 1}); err != nil {
+	if err := d.Maps().FluxvmSvc4.Put(svc, SvcValue{ServiceId: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.UpdateMeta(func(m *Meta) { m.TimeoutUdpS = 99; m.HashSeed = 1 }); err != nil {
@@ -95,11 +95,11 @@ func TestOpenFreshAndRestart(t *testing.T) {
 		t.Errorf("restart with another seed: hash seed %#x, changed %t, previous %#x; want 0xbad, true, 0xfeed",
 			st.HashSeed, st.HashSeedChanged, st.PreviousHashSeed)
 	}
-	if n := count(t, d.Map("fluxvm_fct4")); n != 10 {
+	if n := count(t, d.Maps().FluxvmFct4); n != 10 {
 		t.Errorf("conntrack entries after restart: %d, want 10", n)
 	}
 	var v SvcValue
-	if err := d.Map("fluxvm_svc4").Lookup(svc, &v); err != nil {
+	if err := d.Maps().FluxvmSvc4.Lookup(svc, &v); err != nil {
 		t.Errorf("service lost across restart: %v", err)
 	}
 	meta, _ = d.ReadMeta()
@@ -130,7 +130,7 @@ func TestOpenSchemaMismatchRebuildsOnlyOurRoot(t *testing.T) {
 	root := filepath.Join(base, "service")
 	d := openT(t, Options{PinRoot: root, Tier: TierS})
 	putCT(t, d, 5)
-	if err := d.Map("fluxvm_meta").Put(uint32(0), Meta{SchemaVersion: 3, ProgramGeneration: ProgramGeneration, Tier: uint32(TierS)}); err != nil {
+	if err := d.Maps().FluxvmMeta.Put(uint32(0), Meta{SchemaVersion: 3, ProgramGeneration: ProgramGeneration, Tier: uint32(TierS)}); err != nil {
 		t.Fatal(err)
 	}
 	d.Close()
@@ -153,7 +153,7 @@ func TestOpenSchemaMismatchRebuildsOnlyOurRoot(t *testing.T) {
 	if !st.SchemaRebuilt || st.PreviousSchema != 3 || len(st.KeptMaps) != 0 {
 		t.Errorf("status %+v, want a rebuild from schema 3", st)
 	}
-	if n := count(t, d.Map("fluxvm_fct4")); n != 0 {
+	if n := count(t, d.Maps().FluxvmFct4); n != 0 {
 		t.Errorf("%d conntrack entries survived a schema change", n)
 	}
 	for _, p := range []string{filepath.Join(base, "someone_else"), filepath.Join(root, "theirs")} {
@@ -168,15 +168,15 @@ func TestOpenGenerationBumpKeepsLifecycleMaps(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	d := openT(t, Options{PinRoot: root, Tier: TierS})
 	putCT(t, d, 7)
-	if err := d.Map("fluxvm_nat4").Put(Tuple4{Saddr: 1, Proto: ipTCP}, NATValue{ServiceId: 1}); err != nil {
+	if err := d.Maps().FluxvmNat4.Put(Tuple4{Saddr: 1, Proto: ipTCP}, NATValue{ServiceId: 1}); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Map("fluxvm_sguard").Put(uint32(1), Guard{State: GuardOpen}); err != nil {
+	if err := d.Maps().FluxvmSguard.Put(uint32(1), Guard{State: GuardOpen}); err != nil {
 		t.Fatal(err)
 	}
 	meta, _ := d.ReadMeta()
 	meta.ProgramGeneration = ProgramGeneration - 1 + 100 // another generation
-	if err := d.Map("fluxvm_meta").Put(uint32(0), meta); err != nil {
+	if err := d.Maps().FluxvmMeta.Put(uint32(0), meta); err != nil {
 		t.Fatal(err)
 	}
 	d.Close()
@@ -191,14 +191,14 @@ func TestOpenGenerationBumpKeepsLifecycleMaps(t *testing.T) {
 			t.Errorf("lifecycle map %s not kept (kept %v)", name, st.KeptMaps)
 		}
 	}
-	if n := count(t, d.Map("fluxvm_fct4")); n != 7 {
+	if n := count(t, d.Maps().FluxvmFct4); n != 7 {
 		t.Errorf("conntrack entries: %d, want 7", n)
 	}
-	if n := count(t, d.Map("fluxvm_nat4")); n != 1 {
+	if n := count(t, d.Maps().FluxvmNat4); n != 1 {
 		t.Errorf("nat entries: %d, want 1", n)
 	}
 	var g Guard
-	if err := d.Map("fluxvm_sguard").Lookup(uint32(1), &g); err != nil || g.State == GuardOpen {
+	if err := d.Maps().FluxvmSguard.Lookup(uint32(1), &g); err != nil || g.State == GuardOpen {
 		t.Errorf("guard %+v (%v): a reload must leave guards closed until reprogrammed", g, err)
 	}
 	if meta, _ := d.ReadMeta(); meta.ProgramGeneration != ProgramGeneration {
@@ -217,10 +217,10 @@ func TestOpenTierChangeMigrates(t *testing.T) {
 	if !st.TierChanged || st.PreviousTier != TierS || st.Migrated != 1000 || st.NotMigrated != 0 {
 		t.Errorf("S->M status %+v, want 1000 migrated", st)
 	}
-	if n := count(t, d.Map("fluxvm_fct4")); n != 1000 {
+	if n := count(t, d.Maps().FluxvmFct4); n != 1000 {
 		t.Errorf("entries after S->M: %d", n)
 	}
-	if got := d.Map("fluxvm_fct4").MaxEntries(); got != 262144 {
+	if got := d.Maps().FluxvmFct4.MaxEntries(); got != 262144 {
 		t.Errorf("tier M conntrack capacity %d", got)
 	}
 	// Back down with more flows than tier S holds.
@@ -228,7 +228,7 @@ func TestOpenTierChangeMigrates(t *testing.T) {
 	d.Close()
 	d = openT(t, Options{PinRoot: root, Tier: TierS})
 	st = d.Status()
-	n := count(t, d.Map("fluxvm_fct4"))
+	n := count(t, d.Maps().FluxvmFct4)
 	if !st.TierChanged || st.Migrated != n || st.Migrated+st.NotMigrated != 70000 || st.NotMigrated == 0 {
 		t.Errorf("M->S status %+v with %d entries present", st, n)
 	}
@@ -301,7 +301,7 @@ func TestAttachTCX(t *testing.T) {
 			t.Errorf("links updated on reopen: %v", got)
 		}
 		after := tcxPrograms(t, idx, ebpf.AttachTCXIngress)
-		id := progID(t, d.Program("fluxvm_from_vm"))
+		id := progID(t, d.Programs().FluxvmFromVm)
 		if len(after) != 1 || after[0] != id {
 			t.Errorf("ingress runs %v, want the reopened program %d", after, id)
 		}
@@ -359,7 +359,7 @@ func TestAttachClsBPF(t *testing.T) {
 		foreign := &netlink.BpfFilter{
 			FilterAttrs: netlink.FilterAttrs{LinkIndex: rx.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS,
 				Handle: netlink.MakeHandle(0, 1), Protocol: unix.ETH_P_ALL, Priority: 1},
-			Fd: d.Program("fluxvm_to_vm").FD(), Name: "policy", DirectAction: true,
+			Fd: d.Programs().FluxvmToVm.FD(), Name: "policy", DirectAction: true,
 		}
 		if err := netlink.FilterAdd(foreign); err != nil {
 			t.Fatal(err)
@@ -424,7 +424,7 @@ func TestOpenAfterInterfaceDeleted(t *testing.T) {
 				t.Errorf("pin %s still there: %v", name, err)
 			}
 		}
-		info, _ := d.Program("fluxvm_from_vm").Info()
+		info, _ := d.Programs().FluxvmFromVm.Info()
 		id, _ := info.ID()
 		if got := tcxPrograms(t, stay.Attrs().Index, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != id {
 			t.Errorf("fvstay ingress runs %v, want the reopened program %d", got, id)

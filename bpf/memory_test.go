@@ -66,7 +66,7 @@ func TestMapMemory(t *testing.T) {
 	}
 	// A known size: the conntrack table of tier S holds 65,536 entries,
 	// so it cannot take less than that many keys and values.
-	ct := d.Map("fluxvm_fct4")
+	ct := d.Maps().FluxvmFct4
 	if min := uint64(ct.MaxEntries()) * uint64(ct.KeySize()+ct.ValueSize()); mm.Maps["fluxvm_fct4"] < min {
 		t.Errorf("fluxvm_fct4: %d bytes, less than its %d entries' keys and values (%d)", mm.Maps["fluxvm_fct4"], ct.MaxEntries(), min)
 	}

@@ -63,11 +63,11 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 		putCT(t, d, 1000)
-		oldProg := progID(t, d.Program("fluxvm_from_vm"))
+		oldProg := progID(t, d.Programs().FluxvmFromVm)
 		oldSvc := pinnedMapID(t, root, "fluxvm_svc4")
 		// The old maps stay reachable through this handle after Close,
 		// as they do through the attached program.
-		oldCT, err := d.Map("fluxvm_fct4").Clone()
+		oldCT, err := d.Maps().FluxvmFct4.Clone()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,18 +114,18 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 		st = d.Status()
-		newProg := progID(t, d.Program("fluxvm_from_vm"))
+		newProg := progID(t, d.Programs().FluxvmFromVm)
 		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != newProg {
 			t.Errorf("after Activate the hook runs %v, want the new program %d", got, newProg)
 		}
-		if got, want := pinnedMapID(t, root, "fluxvm_svc4"), mapID(t, d.Map("fluxvm_svc4")); got != want {
+		if got, want := pinnedMapID(t, root, "fluxvm_svc4"), mapID(t, d.Maps().FluxvmSvc4); got != want {
 			t.Errorf("after Activate the fluxvm_svc4 pin is map %d, want the new map %d", got, want)
 		}
 		var v CTValue
-		if err := d.Map("fluxvm_fct4").Lookup(learned, &v); err != nil {
+		if err := d.Maps().FluxvmFct4.Lookup(learned, &v); err != nil {
 			t.Errorf("flow learned before the switch lost: %v", err)
 		}
-		if err := d.Map("fluxvm_fct4").Lookup(changed, &v); err != nil || CTState(v.State) != CTTCPFin {
+		if err := d.Maps().FluxvmFct4.Lookup(changed, &v); err != nil || CTState(v.State) != CTTCPFin {
 			t.Errorf("flow changed before the switch: %+v, %v; want its FIN state", v, err)
 		}
 		var ct Migration
@@ -170,7 +170,7 @@ func TestMigrationCountsWhenTheTierShrinks(t *testing.T) {
 			t.Errorf("%s: %+v does not add up", mg.Map, mg)
 		}
 		if mg.Map == "fluxvm_fct4" {
-			if mg.Entries != 70000 || mg.Evicted == 0 || mg.Migrated != count(t, d.Map("fluxvm_fct4")) {
+			if mg.Entries != 70000 || mg.Evicted == 0 || mg.Migrated != count(t, d.Maps().FluxvmFct4) {
 				t.Errorf("fluxvm_fct4: %+v, want 70000 entries, some evicted, the rest present", mg)
 			}
 			t.Logf("M->S: %+v", mg)

@@ -264,13 +264,13 @@ func (d *Dataplane) init() error {
 	if err := d.dp.UpdateMeta(func(m *bpf.Meta) { _ = d.opts.Timeouts.ApplyTo(m) }); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
-	nt, err := nat.New(d.dp.Map("fluxvm_nat4"), d.dp.Map("fluxvm_nat6"))
+	nt, err := nat.New(d.dp.Maps().FluxvmNat4, d.dp.Maps().FluxvmNat6)
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d.ct, err = conntrack.New(conntrack.Config{
-		CT4: d.dp.Map("fluxvm_fct4"), CT6: d.dp.Map("fluxvm_fct6"),
-		Backends: d.dp.Map("fluxvm_backends"), NAT: nt, Timeouts: d.opts.Timeouts,
+		CT4: d.dp.Maps().FluxvmFct4, CT6: d.dp.Maps().FluxvmFct6,
+		Backends: d.dp.Maps().FluxvmBackends, NAT: nt, Timeouts: d.opts.Timeouts,
 	})
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
@@ -300,7 +300,7 @@ func (d *Dataplane) init() error {
 // would need one out.
 func (d *Dataplane) writeSNAT() error {
 	v := d.opts.Config.SNATConfig()
-	if err := d.dp.Map("fluxvm_snat").Put(uint32(0), v); err != nil {
+	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
 		return fmt.Errorf("snat config: %w", err)
 	}
 	d.snat = v

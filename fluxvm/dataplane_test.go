@@ -585,7 +585,7 @@ func testGCDuringClose(t *testing.T, timer bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ct4 := d.dp.Map("fluxvm_fct4")
+	ct4 := d.dp.Maps().FluxvmFct4
 	n := min(int(ct4.MaxEntries()), 16384)
 	keys := make([]bpf.Tuple4, n)
 	vals := make([]bpf.CTValue, n)
@@ -756,7 +756,7 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 	kernelSize := func(sid uint32) uint32 {
 		t.Helper()
 		var id ebpf.MapID
-		if err := d.dp.Map("fluxvm_maglev").Lookup(sid, &id); err != nil {
+		if err := d.dp.Maps().FluxvmMaglev.Lookup(sid, &id); err != nil {
 			t.Fatalf("maglev slot %d: %v", sid, err)
 		}
 		m, err := ebpf.NewMapFromID(id)

@@ -104,7 +104,7 @@ func datapathState(t *testing.T, d *Dataplane, ep netip.AddrPort) []uint8 {
 			continue
 		}
 		var v bpf.Backend
-		if err := d.dp.Map("fluxvm_backends").Lookup(id, &v); err != nil {
+		if err := d.dp.Maps().FluxvmBackends.Lookup(id, &v); err != nil {
 			t.Fatal(err)
 		}
 		out = append(out, v.State)
@@ -314,7 +314,7 @@ func TestDataplaneHealthProbesWithoutLock(t *testing.T) {
 func maglevIDs(t *testing.T, d *Dataplane, sid uint32) map[uint32]bool {
 	t.Helper()
 	var inner *ebpf.Map
-	if err := d.dp.Map("fluxvm_maglev").Lookup(sid, &inner); err != nil {
+	if err := d.dp.Maps().FluxvmMaglev.Lookup(sid, &inner); err != nil {
 		t.Fatalf("maglev table of service id %d: %v", sid, err)
 	}
 	defer inner.Close()

@@ -69,9 +69,9 @@ func svcEntry(t *testing.T, d *Dataplane, vip netip.Addr, port uint16, proto Pro
 		err error
 	)
 	if vip.Is4() {
-		err = d.dp.Map("fluxvm_svc4").Lookup(bpf.SvcKey4{Vip: bpf.AddrWords(vip)[0], Port: bpf.Port(port), Proto: proto.Number()}, &v)
+		err = d.dp.Maps().FluxvmSvc4.Lookup(bpf.SvcKey4{Vip: bpf.AddrWords(vip)[0], Port: bpf.Port(port), Proto: proto.Number()}, &v)
 	} else {
-		err = d.dp.Map("fluxvm_svc6").Lookup(bpf.SvcKey6{Vip: bpf.AddrWords(vip), Port: bpf.Port(port), Proto: proto.Number()}, &v)
+		err = d.dp.Maps().FluxvmSvc6.Lookup(bpf.SvcKey6{Vip: bpf.AddrWords(vip), Port: bpf.Port(port), Proto: proto.Number()}, &v)
 	}
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		return v, false
@@ -155,7 +155,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 
 	// fluxvm_snat holds the configuration.
 	var snat bpf.SNATConfig
-	if err := d.dp.Map("fluxvm_snat").Lookup(uint32(0), &snat); err != nil {
+	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &snat); err != nil {
 		t.Fatal(err)
 	}
 	if snat.Flags != bpf.SNATFlagV4|bpf.SNATFlagV6 || bpf.Addr([4]uint32{snat.Addr4}, bpf.FamilyIPv4) != nsSNAT4 ||
@@ -325,7 +325,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 	e.opts.Config.SNATAddress, e.opts.Config.SNATAddressV6 = netip.MustParseAddr("fd00:250::200"), netip.Addr{}
 	e.opts.Config.SNATPortMin, e.opts.Config.SNATPortMax = 1024, 1024
 	d = e.open(t)
-	if err := d.dp.Map("fluxvm_snat").Lookup(uint32(0), &snat); err != nil {
+	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &snat); err != nil {
 		t.Fatal(err)
 	}
 	if snat.Flags != bpf.SNATFlagV6 || snat.Addr4 != 0 || bpf.Addr(snat.Addr6, bpf.FamilyIPv6) != netip.MustParseAddr("fd00:250::200") ||
@@ -390,7 +390,7 @@ func TestDataplaneNorthSouthNAT(t *testing.T) {
 		v     bpf.NATValue
 		snats int
 	)
-	it := d.dp.Map("fluxvm_nat4").Iterate()
+	it := d.dp.Maps().FluxvmNat4.Iterate()
 	for it.Next(&k4, &v) {
 		if v.Flags&bpf.NATFlagSNAT == 0 {
 			continue

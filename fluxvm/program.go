@@ -442,7 +442,7 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 		}
 		v := bpf.Backend{Addr: bpf.AddrWords(ep.Addr()), Port: bpf.Port(ep.Port()), Family: fam,
 			State: uint8(state), ServiceId: fe.sid, DrainUntilNs: drain}
-		if err := d.dp.Map("fluxvm_backends").Put(id, v); err != nil {
+		if err := d.dp.Maps().FluxvmBackends.Put(id, v); err != nil {
 			return pl, fmt.Errorf("backend %s: %w", ep, err)
 		}
 		pl.mb = append(pl.mb, maglev.Backend{ID: id, Addr: ep.Addr().Unmap(), Port: ep.Port(), Proto: fe.key.proto,
@@ -476,14 +476,14 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 	if fe.guard {
 		g.State = bpf.GuardOpen
 	}
-	if err := d.dp.Map("fluxvm_sguard").Put(fe.sid, g); err != nil {
+	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, g); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
 
 	// Backends that left the intent go only now that no table names them.
 	for ep, id := range fe.backends {
 		if !pl.listed[ep] {
-			if err := d.dp.Map("fluxvm_backends").Put(id, bpf.Backend{}); err != nil {
+			if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 				return fmt.Errorf("remove backend %s: %w", ep, err)
 			}
 			delete(fe.backends, ep)
@@ -600,7 +600,7 @@ func closeTables(ts []builtTable) {
 // replaces the old one in a single update, or the slot is emptied when no
 // backend is eligible (inner nil; new flows then drop as no_backend).
 func (d *Dataplane) swapTable(fe *frontend, inner *ebpf.Map) error {
-	outer := d.dp.Map("fluxvm_maglev")
+	outer := d.dp.Maps().FluxvmMaglev
 	if inner == nil {
 		if err := outer.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
@@ -617,9 +617,9 @@ func (d *Dataplane) putFrontend(k feKey, v bpf.SvcValue) error {
 	var err error
 	if k.vip.Is4() {
 		w := bpf.AddrWords(k.vip)
-		err = d.dp.Map("fluxvm_svc4").Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto}, v)
+		err = d.dp.Maps().FluxvmSvc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto}, v)
 	} else {
-		err = d.dp.Map("fluxvm_svc6").Put(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto}, v)
+		err = d.dp.Maps().FluxvmSvc6.Put(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto}, v)
 	}
 	if err != nil {
 		return fmt.Errorf("frontend entry: %w", err)
@@ -631,9 +631,9 @@ func (d *Dataplane) deleteFrontend(k feKey) error {
 	var err error
 	if k.vip.Is4() {
 		w := bpf.AddrWords(k.vip)
-		err = d.dp.Map("fluxvm_svc4").Delete(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto})
+		err = d.dp.Maps().FluxvmSvc4.Delete(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto})
 	} else {
-		err = d.dp.Map("fluxvm_svc6").Delete(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto})
+		err = d.dp.Maps().FluxvmSvc6.Delete(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto})
 	}
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("frontend entry: %w", err)
@@ -716,11 +716,11 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 	if err := d.dropMarker(fe); err != nil {
 		return err
 	}
-	if err := d.dp.Map("fluxvm_maglev").Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	if err := d.dp.Maps().FluxvmMaglev.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("maglev table: %w", err)
 	}
 	for ep, id := range fe.backends {
-		if err := d.dp.Map("fluxvm_backends").Put(id, bpf.Backend{}); err != nil {
+		if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 			return fmt.Errorf("remove backend %s: %w", ep, err)
 		}
 		// Forget it as it goes, so that a retry after a failure further
@@ -728,7 +728,7 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 		delete(fe.backends, ep)
 		d.bids.release(id)
 	}
-	if err := d.dp.Map("fluxvm_sguard").Put(fe.sid, bpf.Guard{}); err != nil {
+	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{}); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
 	delete(d.frontends, fe.key)
@@ -738,11 +738,11 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 
 // resetServiceSlot zeroes the per-service slots of a newly allocated id.
 func (d *Dataplane) resetServiceSlot(sid uint32) error {
-	if err := d.dp.Map("fluxvm_sguard").Put(sid, bpf.Guard{}); err != nil {
+	if err := d.dp.Maps().FluxvmSguard.Put(sid, bpf.Guard{}); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
 	zero := make([]bpf.ServiceStats, ebpf.MustPossibleCPU())
-	if err := d.dp.Map("fluxvm_svc_stats").Put(sid, zero); err != nil {
+	if err := d.dp.Maps().FluxvmSvcStats.Put(sid, zero); err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
 	return nil

@@ -88,7 +88,7 @@ func (n *seedNode) send(t *testing.T, client netip.AddrPort, f pkt.TCPFlags) net
 	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Repeat: 1}
 	var ret uint32
 	var err error
-	n.th.Do(func() { ret, err = n.d.dp.Program("fluxvm_from_vm").Run(&opts) })
+	n.th.Do(func() { ret, err = n.d.dp.Programs().FluxvmFromVm.Run(&opts) })
 	if err != nil {
 		t.Fatal(err)
 	}

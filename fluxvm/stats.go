@@ -19,7 +19,7 @@ func (d *Dataplane) Stats() (Stats, error) {
 		return Stats{}, err
 	}
 	out := Stats{Services: map[string]Counters{}, Drops: map[string]uint64{}, Parser: map[string]uint64{}}
-	m := d.dp.Map("fluxvm_svc_stats")
+	m := d.dp.Maps().FluxvmSvcStats
 	for name, s := range d.services {
 		var c Counters
 		for _, fe := range s.frontends {
@@ -31,14 +31,14 @@ func (d *Dataplane) Stats() (Stats, error) {
 		}
 		out.Services[name] = c
 	}
-	drops, err := bpf.ReadDrops(d.dp.Map("fluxvm_drops"))
+	drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops)
 	if err != nil {
 		return Stats{}, fmt.Errorf("fluxvm: stats: %w", err)
 	}
 	for r := 1; r < bpf.NumDropReasons; r++ {
 		out.Drops[bpf.DropReason(r).String()] = drops[r]
 	}
-	parser, err := bpf.ReadCounters(d.dp.Map("fluxvm_counters"))
+	parser, err := bpf.ReadCounters(d.dp.Maps().FluxvmCounters)
 	if err != nil {
 		return Stats{}, fmt.Errorf("fluxvm: stats: %w", err)
 	}
@@ -82,7 +82,7 @@ func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
 		if ifc.slot == 0 {
 			continue
 		}
-		c, err := readStats(d.dp.Map("fluxvm_edge_stats"), ifc.slot)
+		c, err := readStats(d.dp.Maps().FluxvmEdgeStats, ifc.slot)
 		if err != nil {
 			return VMStats{}, fmt.Errorf("fluxvm: stats of VM %s: %w", vmID, err)
 		}
@@ -123,7 +123,7 @@ func readStats(m *ebpf.Map, slot uint32) (Counters, error) {
 func (d *Dataplane) registerEdge(ifc *iface) error {
 	key := uint32(ifc.index) & bpf.EdgeSlotMask
 	var cur bpf.EdgeSlot
-	if err := d.dp.Map("fluxvm_edge_slots").Lookup(key, &cur); err != nil {
+	if err := d.dp.Maps().FluxvmEdgeSlots.Lookup(key, &cur); err != nil {
 		return err
 	}
 	if cur.Slot != 0 && cur.Ifindex != uint32(ifc.index) {
@@ -140,10 +140,10 @@ func (d *Dataplane) registerEdge(ifc *iface) error {
 		return nil
 	}
 	zero := make([]bpf.ServiceStats, ebpf.MustPossibleCPU())
-	if err := d.dp.Map("fluxvm_edge_stats").Put(ifc.slot, zero); err != nil {
+	if err := d.dp.Maps().FluxvmEdgeStats.Put(ifc.slot, zero); err != nil {
 		return err
 	}
-	return d.dp.Map("fluxvm_edge_slots").Put(key, bpf.EdgeSlot{Ifindex: uint32(ifc.index), Slot: ifc.slot})
+	return d.dp.Maps().FluxvmEdgeSlots.Put(key, bpf.EdgeSlot{Ifindex: uint32(ifc.index), Slot: ifc.slot})
 }
 
 func (d *Dataplane) unregisterEdge(ifc *iface) error {
@@ -151,7 +151,7 @@ func (d *Dataplane) unregisterEdge(ifc *iface) error {
 		return nil
 	}
 	key := uint32(ifc.index) & bpf.EdgeSlotMask
-	if err := d.dp.Map("fluxvm_edge_slots").Put(key, bpf.EdgeSlot{}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	if err := d.dp.Maps().FluxvmEdgeSlots.Put(key, bpf.EdgeSlot{}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return err
 	}
 	d.edges.release(ifc.slot)

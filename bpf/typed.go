@@ -1,0 +1,59 @@
+package bpf
+
+import (
+	"fmt"
+	"reflect"
+
+	"github.com/cilium/ebpf"
+)
+
+// Maps are the datapath's maps, one field each, as bpf2go generates them
+// from the C sources (fluxvm_service_bpfel.go): FluxvmFct4 is the map
+// fluxvm_fct4, and so on. Reach a map through its field, never by a name
+// in a string: a map misspelt or gone from the object is then a compile
+// error, not a nil map at run time.
+type Maps = serviceMaps
+
+// Programs are the datapath's programs, one field each, as bpf2go
+// generates them (FluxvmFromVm is fluxvm_from_vm, and so on).
+type Programs = servicePrograms
+
+// Maps returns the loaded maps. After Close every field is nil.
+func (d *Datapath) Maps() *Maps { return &d.maps }
+
+// Programs returns the loaded programs. After Close every field is nil.
+func (d *Datapath) Programs() *Programs { return &d.progs }
+
+// assignTyped points each field of dst (a struct of *ebpf.Map or
+// *ebpf.Program fields tagged `ebpf:"name"`) at the collection's object of
+// that name, leaving the collection their owner. An object the collection
+// lacks is an error: the object file does not match this SDK.
+func assignTyped(dst any, coll *ebpf.Collection) error {
+	v := reflect.ValueOf(dst).Elem()
+	t := v.Type()
+	for i := range t.NumField() {
+		name := t.Field(i).Tag.Get("ebpf")
+		if name == "" {
+			continue
+		}
+		var obj any
+		switch t.Field(i).Type {
+		case reflect.TypeFor[*ebpf.Map]():
+			m, ok := coll.Maps[name]
+			if !ok {
+				return fmt.Errorf("map %s: %w", name, ErrObjectMismatch)
+			}
+			obj = m
+		case reflect.TypeFor[*ebpf.Program]():
+			p, ok := coll.Programs[name]
+			if !ok {
+				return fmt.Errorf("program %s: %w", name, ErrObjectMismatch)
+			}
+			obj = p
+		default:
+			continue
+		}
+		v.Field(i).Set(reflect.ValueOf(obj))
+	}
+	return nil
+}

@@ -69,6 +69,12 @@ type Options struct {
 	// AttachMode forces TCX or cls_bpf; empty picks TCX where the kernel
 	// has it.
 	AttachMode AttachMode
+	// MountBPFFS lets Open mount a BPF filesystem at /sys/fs/bpf when the
+	// machine has none there (a fresh VM, a minimal container). Without
+	// it, a pin root below an unmounted /sys/fs/bpf is an error
+	// (ErrPinRoot) that says so: mounting changes the machine, which a
+	// library does only when asked. The reference daemon asks.
+	MountBPFFS bool
 	// Staged leaves whatever runs now running until Activate: the pinned
 	// attachments keep their programs, and those programs keep the maps
 	// they were loaded with, while the caller writes its state into the
@@ -173,7 +179,7 @@ func Open(opts Options) (*Datapath, error) {
 	if opts.AttachMode != "" && opts.AttachMode != AttachTCX && opts.AttachMode != AttachClsBPF {
 		return nil, fmt.Errorf("bpf: open: attach mode %q: %w", opts.AttachMode, ErrAttachMode)
 	}
-	root, mounted, err := checkPinRoot(opts.PinRoot)
+	root, mounted, err := checkPinRoot(opts.PinRoot, opts.MountBPFFS)
 	if err != nil {
 		return nil, err
 	}
@@ -487,8 +493,9 @@ func loadSpec(opts Options) (*ebpf.CollectionSpec, error) {
 }
 
 // checkPinRoot makes sure root is an absolute directory strictly below a
-// bpffs mount, mounting bpffs at /sys/fs/bpf on a machine without one.
-func checkPinRoot(root string) (string, bool, error) {
+// bpffs mount, mounting bpffs at /sys/fs/bpf on a machine without one when
+// mount is set.
+func checkPinRoot(root string, mount bool) (string, bool, error) {
 	if !filepath.IsAbs(root) {
 		return "", false, fmt.Errorf("bpf: pin root %q: %w: not absolute", root, ErrPinRoot)
 	}
@@ -498,9 +505,14 @@ func checkPinRoot(root string) (string, bool, error) {
 		if root == bpffs.DefaultRoot {
 			return "", false, fmt.Errorf("bpf: pin root %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
 		}
-		var err error
-		if mounted, err = bpffs.Ensure(bpffs.DefaultRoot); err != nil {
-			return "", false, fmt.Errorf("bpf: pin root: %w", err)
+		if mount {
+			var err error
+			if mounted, err = bpffs.Ensure(bpffs.DefaultRoot); err != nil {
+				return "", false, fmt.Errorf("bpf: pin root: %w", err)
+			}
+		} else if ok, err := bpffs.IsBPFFS(bpffs.DefaultRoot); err == nil && !ok {
+			return "", false, fmt.Errorf("bpf: pin root %q: %w: no BPF filesystem is mounted at %s (mount one, or set Options.MountBPFFS)",
+				root, ErrPinRoot, bpffs.DefaultRoot)
 		}
 	}
 	parent := filepath.Dir(root)

@@ -780,6 +780,9 @@ func (c *Config) LoaderOptions() bpf.Options {
 		ObjectDir:  c.ObjectDir,
 		HashSeed:   c.HashSeed,
 		AttachMode: c.AttachMode,
+		// A node configured from a file is the machine's owner (the
+		// reference daemon): it mounts bpffs if the machine has none.
+		MountBPFFS: true,
 	}
 }
 

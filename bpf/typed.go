@@ -29,6 +29,11 @@ func (d *Datapath) Programs() *Programs { return &d.progs }
 // that name, leaving the collection their owner. An object the collection
 // lacks is an error: the object file does not match this SDK.
 func assignTyped(dst any, coll *ebpf.Collection) error {
+	return assignNamed(dst, coll.Maps, coll.Programs)
+}
+
+// assignNamed is assignTyped over maps and programs by name.
+func assignNamed(dst any, maps map[string]*ebpf.Map, progs map[string]*ebpf.Program) error {
 	v := reflect.ValueOf(dst).Elem()
 	t := v.Type()
 	for i := range t.NumField() {
@@ -39,13 +44,13 @@ func assignTyped(dst any, coll *ebpf.Collection) error {
 		var obj any
 		switch t.Field(i).Type {
 		case reflect.TypeFor[*ebpf.Map]():
-			m, ok := coll.Maps[name]
+			m, ok := maps[name]
 			if !ok {
 				return fmt.Errorf("map %s: %w", name, ErrObjectMismatch)
 			}
 			obj = m
 		case reflect.TypeFor[*ebpf.Program]():
-			p, ok := coll.Programs[name]
+			p, ok := progs[name]
 			if !ok {
 				return fmt.Errorf("program %s: %w", name, ErrObjectMismatch)
 			}

@@ -188,6 +188,10 @@ type Map struct {
 	gcMu               sync.Mutex
 }
 
+// NAT returns the reverse-NAT table the Map pairs its flows with
+// (Config.NAT).
+func (m *Map) NAT() *nat.Table { return m.nat }
+
 // New checks the configuration (map types, layouts and names, timeouts) and
 // returns the Map. It does not take ownership of the maps: closing them
 // is the caller's business.

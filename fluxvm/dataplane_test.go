@@ -416,6 +416,7 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"Stats":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Stats() }},
 		"VMStats":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.VMStats(e.backends[0].Name) }},
 		"Service":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
+		"Conntrack":              {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Conntrack() }},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("second Close: %v", res)
@@ -806,6 +807,15 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 	}
 	c := e.dial(t, vip4)
 	echo(t, c, "through a small table")
+	// The flow, through the typed view an embedder gets.
+	ct, err := d.Conntrack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	flows, err := ct.List(conntrack.Filter{})
+	if err != nil || len(flows) == 0 || flows[0].VIP != netip.AddrPortFrom(vip4, 80) {
+		t.Errorf("Conntrack().List() = %+v, %v; want the flow to %s:80", flows, err, vip4)
+	}
 
 	// A drain leaves the size alone (the slot of every new flow stays).
 	svc.Backends[0].State, svc.Backends[0].DrainUntilUnixMs = BackendDraining, time.Now().Add(time.Hour).UnixMilli()

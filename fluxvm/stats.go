@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"errors"
 	"fmt"
+	"github.com/fluxvm/servicefabric/conntrack"
 
 	"github.com/cilium/ebpf"
 
@@ -157,4 +158,17 @@ func (d *Dataplane) unregisterEdge(ifc *iface) error {
 	d.edges.release(ifc.slot)
 	d.edges.releaseQuarantined()
 	return nil
+}
+
+// Conntrack returns the typed view of the flow maps (fluxvm_fct4/6, with
+// their reverse-NAT halves through Conntrack().NAT()): to list, look up or
+// delete flows. It is valid until Close; the dataplane's own GC runs on the
+// same view (conntrack.Map.GC runs one at a time).
+func (d *Dataplane) Conntrack() (*conntrack.Map, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen("conntrack"); err != nil {
+		return nil, err
+	}
+	return d.ct, nil
 }

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/fluxvm/servicefabric/internal/atomicfile"
 )
 
 // FileMode is the permission of the snapshot file: readable by every
@@ -19,7 +21,7 @@ const FileMode fs.FileMode = 0o644
 
 // DirMode is the permission given to the snapshot's directory when the
 // Publisher has to create it (before the umask).
-const DirMode fs.FileMode = 0o755
+const DirMode = atomicfile.DirMode
 
 // Options configure a [Publisher].
 type Options struct {
@@ -155,25 +157,19 @@ func (p *Publisher) Publish(entries []Entry) (s Snapshot, changed bool, err erro
 	if err != nil {
 		return Snapshot{}, false, fmt.Errorf("advert: publish: %w", err)
 	}
-	renamed, err := writeFileAtomic(p.path, data)
-	if renamed {
-		// Readers may already see the new file: it is current even if
-		// syncing the directory failed, so the generation is never reused.
-		p.cur.Store(&next)
-	}
-	if err != nil {
-		if renamed {
-			return next.Clone(), true, fmt.Errorf("advert: publish %s: written, but syncing the directory failed: %w", p.path, err)
-		}
+	err = atomicfile.Write(p.path, data, FileMode)
+	var notSynced *atomicfile.DirSyncError
+	if err != nil && !errors.As(err, &notSynced) {
 		return Snapshot{}, false, fmt.Errorf("advert: publish %s: %w", p.path, err)
+	}
+	// Readers may already see the new file: it is current even if syncing
+	// the directory failed, so the generation is never reused.
+	p.cur.Store(&next)
+	if err != nil {
+		return next.Clone(), true, fmt.Errorf("advert: publish %s: %w", p.path, err)
 	}
 	return next.Clone(), true, nil
 }
-
-// tempPrefix starts the name of every temporary file next to the target;
-// the leading dot keeps it out of the way of adapters that list the
-// directory.
-func tempPrefix(path string) string { return "." + filepath.Base(path) + ".tmp-" }
 
 func (p *Publisher) removeStaleTemps() {
 	dir := filepath.Dir(p.path)
@@ -181,7 +177,7 @@ func (p *Publisher) removeStaleTemps() {
 	if err != nil {
 		return
 	}
-	prefix := tempPrefix(p.path)
+	prefix := atomicfile.TempPrefix(p.path)
 	for _, e := range ents {
 		if e.Type().IsRegular() && strings.HasPrefix(e.Name(), prefix) {
 			name := filepath.Join(dir, e.Name())
@@ -190,51 +186,4 @@ func (p *Publisher) removeStaleTemps() {
 			}
 		}
 	}
-}
-
-// writeFileAtomic replaces path with data so that a reader (or a crash)
-// sees the old file or the new one: temp file in the same directory,
-// write, chmod, fsync, close, rename, fsync of the directory.
-// renamed reports whether the new file has replaced the old one (it has
-// when only the directory sync failed).
-func writeFileAtomic(path string, data []byte) (renamed bool, err error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, DirMode); err != nil {
-		return false, err
-	}
-	f, err := os.CreateTemp(dir, tempPrefix(path)+"*")
-	if err != nil {
-		return false, err
-	}
-	tmp := f.Name()
-	defer func() {
-		if !renamed {
-			os.Remove(tmp)
-		}
-	}()
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return false, err
-	}
-	if err := f.Chmod(FileMode); err != nil {
-		f.Close()
-		return false, err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return false, err
-	}
-	if err := f.Close(); err != nil {
-		return false, err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return false, err
-	}
-	renamed = true
-	d, err := os.Open(dir)
-	if err != nil {
-		return true, err
-	}
-	defer d.Close()
-	return true, d.Sync()
 }

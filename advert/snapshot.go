@@ -211,20 +211,52 @@ func encode(s Snapshot) ([]byte, error) {
 	return append(data, '\n'), nil
 }
 
-// normalize validates entries and returns a canonical copy: derived fields
-// set, ports sorted and deduplicated, entries sorted. The caller's slices
-// are not modified.
+// Normalize returns entries in the canonical form a snapshot holds them:
+// prefix and family derived from the VIP (any input value is ignored),
+// ports sorted by protocol then port without duplicates and never nil,
+// entries sorted by VIP (IPv4 before IPv6, then numerically) then service
+// name. It does not validate them ([Publisher.Publish] does) and does not
+// modify the caller's slices.
+func Normalize(entries []Entry) []Entry {
+	out := make([]Entry, len(entries))
+	for i, e := range entries {
+		out[i] = canonicalEntry(e)
+	}
+	slices.SortFunc(out, compareEntries)
+	return out
+}
+
+// canonicalEntry returns e with its derived fields set and its ports in
+// canonical order, on a copy of the caller's slice.
+func canonicalEntry(e Entry) Entry {
+	e.Prefix = hostPrefix(e.VIP)
+	e.Family = familyOf(e.VIP)
+	e.Ports = slices.Clone(e.Ports)
+	slices.SortFunc(e.Ports, comparePorts)
+	e.Ports = slices.Compact(e.Ports)
+	if e.Ports == nil {
+		e.Ports = []Port{}
+	}
+	return e
+}
+
+// EqualEntries reports whether two lists in canonical form ([Normalize])
+// hold the same entries.
+func EqualEntries(a, b []Entry) bool {
+	return slices.EqualFunc(a, b, func(x, y Entry) bool {
+		return x.VIP == y.VIP && x.Prefix == y.Prefix && x.Family == y.Family &&
+			x.Service == y.Service && x.Exposure == y.Exposure &&
+			x.Advertised == y.Advertised && x.Reason == y.Reason &&
+			slices.Equal(x.Ports, y.Ports)
+	})
+}
+
+// normalize validates entries and returns them in canonical form
+// ([Normalize]).
 func normalize(entries []Entry) ([]Entry, error) {
 	out := make([]Entry, len(entries))
 	for i, e := range entries {
-		e.Prefix = hostPrefix(e.VIP)
-		e.Family = familyOf(e.VIP)
-		e.Ports = slices.Clone(e.Ports)
-		slices.SortFunc(e.Ports, comparePorts)
-		e.Ports = slices.Compact(e.Ports)
-		if e.Ports == nil {
-			e.Ports = []Port{}
-		}
+		e = canonicalEntry(e)
 		if err := checkEntry(e); err != nil {
 			return nil, fmt.Errorf("%w: entries[%d] (vip %s, service %q): %v", ErrInvalid, i, e.VIP, e.Service, err)
 		}
@@ -318,10 +350,5 @@ func sameContent(s *Snapshot, node string, entries []Entry) bool {
 	if s.SchemaVersion != SchemaVersion || s.Node != node {
 		return false
 	}
-	return slices.EqualFunc(s.Entries, entries, func(a, b Entry) bool {
-		return a.VIP == b.VIP && a.Prefix == b.Prefix && a.Family == b.Family &&
-			a.Service == b.Service && a.Exposure == b.Exposure &&
-			a.Advertised == b.Advertised && a.Reason == b.Reason &&
-			slices.Equal(a.Ports, b.Ports)
-	})
+	return EqualEntries(s.Entries, entries)
 }

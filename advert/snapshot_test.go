@@ -190,3 +190,59 @@ func TestReadMissing(t *testing.T) {
 		t.Fatalf("Read err = %v, want fs.ErrNotExist with advert: read: prefix", err)
 	}
 }
+
+// TestNormalize checks that Normalize gives exactly the canonical form a
+// published snapshot holds (testdata/snapshot.json has goldenEntries),
+// leaves its input alone and is idempotent, and that EqualEntries compares
+// lists in that form.
+func TestNormalize(t *testing.T) {
+	in := goldenEntries()
+	got := Normalize(in)
+	if !reflect.DeepEqual(in, goldenEntries()) {
+		t.Fatal("Normalize modified its input")
+	}
+	data, err := os.ReadFile("testdata/snapshot.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := Decode(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, s.Entries) {
+		t.Fatalf("Normalize:\n%+v\nwant the published entries:\n%+v", got, s.Entries)
+	}
+	if again := Normalize(got); !reflect.DeepEqual(again, got) {
+		t.Fatalf("Normalize is not idempotent:\n%+v\nthen\n%+v", got, again)
+	}
+
+	// Derived fields come from the VIP whatever the input says; no ports
+	// is an empty list, never nil.
+	one := Normalize([]Entry{{VIP: netip.MustParseAddr("192.0.2.1"), Service: "x",
+		Prefix: netip.MustParsePrefix("10.0.0.0/8"), Family: FamilyIPv6}})
+	if e := one[0]; e.Prefix != netip.MustParsePrefix("192.0.2.1/32") || e.Family != FamilyIPv4 || e.Ports == nil {
+		t.Fatalf("derived fields: %+v", e)
+	}
+	if out := Normalize(nil); out == nil || len(out) != 0 {
+		t.Fatalf("Normalize(nil) = %#v, want an empty list", out)
+	}
+
+	if !EqualEntries(got, s.Entries) {
+		t.Fatal("EqualEntries: equal lists reported different")
+	}
+	if EqualEntries(got, got[1:]) {
+		t.Fatal("EqualEntries: lists of different length reported equal")
+	}
+	for name, change := range map[string]func(*Entry){
+		"exposure":   func(e *Entry) { e.Exposure = ExposureEastWest },
+		"advertised": func(e *Entry) { e.Advertised, e.Reason = !e.Advertised, ReasonAdvertiseFalse },
+		"ports":      func(e *Entry) { e.Ports = append(e.Ports, Port{9, "udp"}) },
+		"service":    func(e *Entry) { e.Service += "-other" },
+	} {
+		other := Normalize(goldenEntries())
+		change(&other[1])
+		if EqualEntries(got, other) {
+			t.Errorf("EqualEntries: lists differing in %s reported equal", name)
+		}
+	}
+}

@@ -8,8 +8,8 @@ import (
 
 	"github.com/cilium/ebpf"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // The test object: fluxvm_service.bpf.c with the seams described in

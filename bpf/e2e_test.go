@@ -13,7 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
-	"github.com/fluxvm/servicefabric/internal/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // TestRealSocketsThroughVIP sends real TCP streams and UDP datagrams from a

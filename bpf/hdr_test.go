@@ -7,7 +7,7 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
 
 // headerKind wraps a plain frame of a variant's family in IPv4 options or

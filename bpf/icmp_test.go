@@ -11,7 +11,7 @@ import (
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
 
 // Routers on the path that send the ICMP errors of these tests.

@@ -9,7 +9,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // fdinfoMemlock reads the memlock line of the kernel's fdinfo of m

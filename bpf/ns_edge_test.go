@@ -5,7 +5,7 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
 
 // TestSNATRangeEdges: ranges at the edges of the port space. Every flow

@@ -13,7 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
 
 // TC_ACT_REDIRECT, as Program.Run reports a bpf_redirect* verdict. The

@@ -12,8 +12,8 @@ import (
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
 
-	"github.com/fluxvm/servicefabric/internal/pkt"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // tcNext is TC_ACT_UNSPEC (== TCX_NEXT) as Program.Run reports it.

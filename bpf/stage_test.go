@@ -6,7 +6,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {

@@ -12,8 +12,8 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/mapscan"
-	"github.com/fluxvm/servicefabric/internal/pkt"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/nat"
 )
 

@@ -14,7 +14,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/nat"
 )
 

@@ -13,8 +13,8 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/pkt"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/nat"
 )
 

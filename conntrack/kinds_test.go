@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 	"github.com/fluxvm/servicefabric/nat"
 )
 

@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 	"github.com/fluxvm/servicefabric/nat"
 )
 

@@ -1,12 +1,8 @@
 package fluxvm
 
 import (
-	"cmp"
 	"fmt"
 	"log/slog"
-	"net/netip"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -332,7 +328,7 @@ func (d *Dataplane) Advertisements() advert.Snapshot {
 	a.mu.Unlock()
 	return advert.Snapshot{
 		SchemaVersion: advert.SchemaVersion, Timestamp: time.Now().UTC(), Node: a.node,
-		Entries: canonicalEntries(entries),
+		Entries: advert.Normalize(entries),
 	}
 }
 
@@ -393,7 +389,10 @@ func (a *advertiser) status() AdvertisementStatus {
 }
 
 // memPublisher keeps the snapshot in memory, with advert.Publisher's
-// rules for generations: it grows by one with every change of content.
+// canonical form (advert.Normalize) and rules for generations: it grows by
+// one with every change of content. The entries advertEntries makes are
+// valid by construction (validated intent); only the file publisher checks
+// them again.
 type memPublisher struct {
 	node string
 	mu   sync.Mutex
@@ -401,10 +400,10 @@ type memPublisher struct {
 }
 
 func (m *memPublisher) Publish(entries []advert.Entry) (advert.Snapshot, bool, error) {
-	norm := canonicalEntries(entries)
+	norm := advert.Normalize(entries)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.cur != nil && slices.EqualFunc(m.cur.Entries, norm, sameEntry) {
+	if m.cur != nil && advert.EqualEntries(m.cur.Entries, norm) {
 		return m.cur.Clone(), false, nil
 	}
 	next := advert.Snapshot{
@@ -425,38 +424,4 @@ func (m *memPublisher) Current() (advert.Snapshot, bool) {
 		return advert.Snapshot{}, false
 	}
 	return m.cur.Clone(), true
-}
-
-// canonicalEntries returns entries as advert.Publisher writes them:
-// prefix and family derived from the VIP, ports sorted by protocol then
-// port without duplicates, entries sorted by VIP then service. The
-// entries advertEntries makes are valid by construction (validated
-// intent); the file publisher checks them again.
-func canonicalEntries(entries []advert.Entry) []advert.Entry {
-	out := make([]advert.Entry, len(entries))
-	for i, e := range entries {
-		e.Prefix = netip.PrefixFrom(e.VIP, e.VIP.BitLen())
-		e.Family = advert.FamilyIPv6
-		if e.VIP.Is4() {
-			e.Family = advert.FamilyIPv4
-		}
-		e.Ports = slices.Clone(e.Ports)
-		slices.SortFunc(e.Ports, func(x, y advert.Port) int {
-			return cmp.Or(strings.Compare(x.Protocol, y.Protocol), cmp.Compare(x.Port, y.Port))
-		})
-		e.Ports = slices.Compact(e.Ports)
-		if e.Ports == nil {
-			e.Ports = []advert.Port{}
-		}
-		out[i] = e
-	}
-	slices.SortFunc(out, func(x, y advert.Entry) int {
-		return cmp.Or(x.VIP.Compare(y.VIP), strings.Compare(x.Service, y.Service))
-	})
-	return out
-}
-
-func sameEntry(x, y advert.Entry) bool {
-	return x.VIP == y.VIP && x.Service == y.Service && x.Exposure == y.Exposure &&
-		x.Advertised == y.Advertised && x.Reason == y.Reason && slices.Equal(x.Ports, y.Ports)
 }

@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestApplyAtScale measures the latency of ApplyService (creates and

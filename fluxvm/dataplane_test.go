@@ -26,8 +26,8 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/maglev"
 )
 

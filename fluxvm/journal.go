@@ -15,12 +15,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/fluxvm/servicefabric/internal/atomicfile"
 )
 
 // The node-local catalog is kept as a snapshot and a journal.
 //
 // The snapshot is the catalog file (CatalogPath, format catalogFile,
-// written atomically by writeFileAtomic). Its journal_seq is the sequence
+// written atomically by atomicfile.Write). Its journal_seq is the sequence
 // number of the last change it includes (0, or absent, in a catalog
 // written before the journal existed).
 //
@@ -352,7 +354,7 @@ func (s *catalogStore) wait(seq uint64) error {
 			err = f.Sync()
 		}
 		if err == nil && dirSync {
-			err = syncDir(filepath.Dir(s.path))
+			err = atomicfile.SyncDir(filepath.Dir(s.path))
 		}
 		s.mu.Lock()
 		s.flushing = nil
@@ -474,7 +476,7 @@ func writeSnapshot(path string, cat catalogFile) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if err := writeFileAtomic(path, data, 0o600); err != nil {
+	if err := atomicfile.Write(path, data, 0o600); err != nil {
 		return 0, err
 	}
 	return int64(len(data)), nil
@@ -617,13 +619,4 @@ func (s *catalogStore) hasRecords() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.bytes > 0 || s.err != nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }

@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // jsvc is a catalog entry for journal tests: service i with weight w.

@@ -13,7 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // The north-south lab: the env's VMs plus the external client "ext"

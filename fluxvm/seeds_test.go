@@ -11,8 +11,8 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/pkt"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // seeds are the two seeds that decide a new flow's backend.

@@ -11,7 +11,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestStatusMemory checks Status.Memory against the kernel's fdinfo of

@@ -13,7 +13,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 var errDown = errors.New("connection refused")

@@ -12,4 +12,4 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 go run ./cmd/fluxvm-lab demo "$@"
-FLUXVM_REQUIRE_PRIVILEGED=1 go test -count=1 ./internal/scenario/ ./fluxvm/ ./cmd/fluxvmd/
+FLUXVM_REQUIRE_PRIVILEGED=1 go test -count=1 ./cmd/fluxvm-lab/internal/scenario/ ./fluxvm/ ./cmd/fluxvmd/

@@ -5,7 +5,7 @@ import (
 	"flag"
 	"os"
 
-	"github.com/fluxvm/servicefabric/internal/scenario"
+	"github.com/fluxvm/servicefabric/cmd/fluxvm-lab/internal/scenario"
 )
 
 func init() {

@@ -20,8 +20,8 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestChurn is the operator's day in one test (issue 14): real traffic

@@ -22,8 +22,8 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 const token = "test-admin-token-0123456789"

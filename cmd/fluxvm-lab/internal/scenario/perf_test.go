@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestPerfSmoke runs the whole of `fluxvm-lab perf` with tiny bounds: the

@@ -10,7 +10,7 @@ import (
 	"os/exec"
 	"strings"
 
-	"github.com/fluxvm/servicefabric/internal/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
 // The nftables load balancer of `fluxvm-lab perf` is built the way

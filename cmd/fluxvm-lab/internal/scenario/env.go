@@ -17,8 +17,8 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
 // BackendPort is where every backend VM's identity server listens.

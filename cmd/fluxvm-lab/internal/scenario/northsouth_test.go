@@ -12,7 +12,7 @@ import (
 	"testing"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // The lab's SNAT addresses. No interface holds them: the VM backends'

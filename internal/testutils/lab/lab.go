@@ -22,8 +22,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/fluxvm/servicefabric/internal/nsutil"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // Lab is one topology: a node namespace and the VMs wired to it. Close

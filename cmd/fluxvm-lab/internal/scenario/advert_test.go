@@ -22,7 +22,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // advReader reads the snapshot file in a loop until stopped, checking

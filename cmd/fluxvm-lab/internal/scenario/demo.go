@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // DemoOptions bound the demo's traffic.

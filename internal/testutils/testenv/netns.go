@@ -9,7 +9,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/fluxvm/servicefabric/internal/bpffs"
-	"github.com/fluxvm/servicefabric/internal/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
 // Suffix returns a short random hex string for names (see nsutil.Suffix).

@@ -28,8 +28,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
 // PerfPath is one way from the client VM to the backend in Perf. All

@@ -26,8 +26,8 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/lab"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 const (

@@ -9,7 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/internal/bpffs"
-	"github.com/fluxvm/servicefabric/internal/testenv"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestMountBPFFSIsExplicit: on a machine without a BPF filesystem at

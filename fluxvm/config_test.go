@@ -26,7 +26,7 @@ func TestDefaultConfig(t *testing.T) {
 	if c.Tier() != bpf.TierM {
 		t.Errorf("tier %v", c.Tier())
 	}
-	want := bpf.Options{PinRoot: bpf.DefaultPinRoot, Tier: bpf.TierM}
+	want := bpf.Options{PinRoot: bpf.DefaultPinRoot, Tier: bpf.TierM, MountBPFFS: true}
 	if got := c.LoaderOptions(); got != want {
 		t.Errorf("LoaderOptions = %+v, want %+v", got, want)
 	}
@@ -146,7 +146,7 @@ max_connections = 64
 	if c.Tier() != bpf.TierL {
 		t.Errorf("tier %v", c.Tier())
 	}
-	wantOpts := bpf.Options{PinRoot: "/sys/fs/bpf/fluxvm/test", Tier: bpf.TierL, ObjectDir: "/usr/lib/fluxvm/bpf", HashSeed: 1<<63 - 1, AttachMode: bpf.AttachClsBPF}
+	wantOpts := bpf.Options{PinRoot: "/sys/fs/bpf/fluxvm/test", Tier: bpf.TierL, ObjectDir: "/usr/lib/fluxvm/bpf", HashSeed: 1<<63 - 1, AttachMode: bpf.AttachClsBPF, MountBPFFS: true}
 	if got := c.LoaderOptions(); got != wantOpts {
 		t.Errorf("LoaderOptions = %+v, want %+v", got, wantOpts)
 	}

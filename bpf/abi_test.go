@@ -1,6 +1,8 @@
 package bpf
 
 import (
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -64,5 +66,147 @@ func TestCounterString(t *testing.T) {
 	}
 	if got := Counter(999).String(); got != "counter(999)" {
 		t.Errorf("unknown counter = %q", got)
+	}
+}
+
+// goEnums names the exported Go constant of every member of every C enum in
+// the object's BTF (the counter and drop-reason enums have TestCounterABI).
+// The Go constants are the bpf2go-generated ones under their API names, so
+// their values cannot drift; this table makes a C member that has no Go
+// name yet, or a new C enum, fail instead of going unnoticed.
+var goEnums = map[string]map[string]uint64{
+	"fluxvm_abi_const": {
+		"FLUXVM_SCHEMA_VERSION": uint64(SchemaVersion),
+		"FLUXVM_SNAT_TRIES":     uint64(SNATTries),
+		"FLUXVM_EDGE_SLOT_MASK": uint64(EdgeSlotMask),
+	},
+	"fluxvm_family": {"FLUXVM_AF_INET": uint64(FamilyIPv4), "FLUXVM_AF_INET6": uint64(FamilyIPv6)},
+	"fluxvm_svc_flags": {
+		"FLUXVM_SVC_F_VIP_MARKER":   uint64(SvcFlagVIPMarker),
+		"FLUXVM_SVC_F_NORTH_SOUTH":  uint64(SvcFlagNorthSouth),
+		"FLUXVM_SVC_F_NO_EAST_WEST": uint64(SvcFlagNoEastWest),
+		"FLUXVM_SVC_F_DSR":          uint64(SvcFlagDSR),
+		"FLUXVM_SVC_F_HOST_ROUTING": uint64(SvcFlagHostRouting),
+	},
+	"fluxvm_guard_state": {"FLUXVM_GUARD_CLOSED": uint64(GuardClosed), "FLUXVM_GUARD_OPEN": uint64(GuardOpen)},
+	"fluxvm_backend_state": {
+		"FLUXVM_BE_UNUSED":    uint64(BackendUnused),
+		"FLUXVM_BE_READY":     uint64(BackendReady),
+		"FLUXVM_BE_DRAINING":  uint64(BackendDraining),
+		"FLUXVM_BE_UNHEALTHY": uint64(BackendUnhealthy),
+	},
+	"fluxvm_ct_state": {
+		"FLUXVM_CT_NONE":            uint64(CTNone),
+		"FLUXVM_CT_TCP_SYN":         uint64(CTTCPSyn),
+		"FLUXVM_CT_TCP_ESTABLISHED": uint64(CTTCPEstablished),
+		"FLUXVM_CT_TCP_FIN":         uint64(CTTCPFin),
+		"FLUXVM_CT_TCP_RST":         uint64(CTTCPRst),
+		"FLUXVM_CT_UDP":             uint64(CTUDP),
+	},
+	"fluxvm_ct_flags":   {"FLUXVM_CT_F_SNAT": uint64(CTFlagSNAT), "FLUXVM_CT_F_DSR": uint64(CTFlagDSR)},
+	"fluxvm_nat_flags":  {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
+	"fluxvm_snat_flags": {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6)},
+	"fluxvm_timeout_default": {
+		"FLUXVM_TIMEOUT_TCP_SYN_S":         uint64(DefaultTimeoutTCPSyn),
+		"FLUXVM_TIMEOUT_TCP_ESTABLISHED_S": uint64(DefaultTimeoutTCPEstablished),
+		"FLUXVM_TIMEOUT_TCP_FIN_S":         uint64(DefaultTimeoutTCPFin),
+		"FLUXVM_TIMEOUT_TCP_RST_S":         uint64(DefaultTimeoutTCPRst),
+		"FLUXVM_TIMEOUT_UDP_S":             uint64(DefaultTimeoutUDP),
+	},
+	// The tier the object was built for; checked per tier object below,
+	// since Tier stays hand-written (FLUXVM_TIER_* serve #if in C).
+	"fluxvm_built_tier": {"FLUXVM_BUILT_TIER": uint64(TierM)},
+}
+
+// TestEnumsMatchBTF walks every fluxvm_ enum in the object's BTF and
+// requires, for each member, a Go constant of the same value in goEnums,
+// and for each enum a -type in gen.go (so bpf2go generates it), and no Go
+// constant without its C member.
+func TestEnumsMatchBTF(t *testing.T) {
+	spec, err := loadService()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gen, err := os.ReadFile("gen.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	typed := map[string]bool{}
+	for _, m := range regexp.MustCompile(`-type (\S+)`).FindAllStringSubmatch(string(gen), -1) {
+		typed[m[1]] = true
+	}
+	seen := map[string]bool{}
+	for typ, err := range spec.Types.All() {
+		if err != nil {
+			t.Fatal(err)
+		}
+		enum, ok := typ.(*btf.Enum)
+		if !ok || !strings.HasPrefix(enum.Name, "fluxvm_") {
+			continue
+		}
+		seen[enum.Name] = true
+		if !typed[enum.Name] {
+			t.Errorf("enum %s: not generated; add -type %s to the bpf2go line in gen.go", enum.Name, enum.Name)
+		}
+		if enum.Name == "fluxvm_counter" || enum.Name == "fluxvm_drop_reason" {
+			continue // TestCounterABI
+		}
+		want, ok := goEnums[enum.Name]
+		if !ok {
+			t.Errorf("enum %s has no Go constants: name each member in layout.go (from the generated constants) and add them to goEnums", enum.Name)
+			continue
+		}
+		members := map[string]bool{}
+		for _, v := range enum.Values {
+			members[v.Name] = true
+			got, ok := want[v.Name]
+			switch {
+			case !ok:
+				t.Errorf("%s.%s = %d has no Go constant: add one in layout.go (from the generated constant) and to goEnums", enum.Name, v.Name, v.Value)
+			case got != v.Value:
+				t.Errorf("%s.%s = %d in C, %d in Go", enum.Name, v.Name, v.Value, got)
+			}
+		}
+		for name := range want {
+			if !members[name] {
+				t.Errorf("goEnums has %s.%s, which the C enum does not", enum.Name, name)
+			}
+		}
+	}
+	for name := range goEnums {
+		if !seen[name] {
+			t.Errorf("goEnums has enum %s, which the object's BTF does not (is it in struct fluxvm_abi_enums?)", name)
+		}
+	}
+
+	// Every state has a name of its own.
+	for _, s := range []BackendState{BackendUnused, BackendReady, BackendDraining, BackendUnhealthy} {
+		if strings.Contains(s.String(), "(") {
+			t.Errorf("BackendState %d has no name", s)
+		}
+	}
+	for _, s := range []CTState{CTNone, CTTCPSyn, CTTCPEstablished, CTTCPFin, CTTCPRst, CTUDP} {
+		if strings.Contains(s.String(), "(") {
+			t.Errorf("CTState %d has no name", s)
+		}
+	}
+}
+
+// TestTierMatchesObject checks the hand-written Tier values (C keeps the
+// tiers as #defines, which #if needs) against FLUXVM_BUILT_TIER in the BTF
+// of each tier's object.
+func TestTierMatchesObject(t *testing.T) {
+	for _, tier := range []Tier{TierS, TierM, TierL} {
+		spec, err := Spec(tier)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var enum *btf.Enum
+		if err := spec.Types.TypeByName("fluxvm_built_tier", &enum); err != nil {
+			t.Fatalf("tier %s: %v", tier, err)
+		}
+		if len(enum.Values) != 1 || enum.Values[0].Value != uint64(tier) {
+			t.Errorf("tier %s (%d): the object says it was built for %v", tier, uint8(tier), enum.Values)
+		}
 	}
 }

@@ -13,6 +13,14 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type serviceFluxvmAbiConst uint32
+
+const (
+	serviceFluxvmAbiConstFLUXVM_SCHEMA_VERSION serviceFluxvmAbiConst = 4
+	serviceFluxvmAbiConstFLUXVM_SNAT_TRIES     serviceFluxvmAbiConst = 32
+	serviceFluxvmAbiConstFLUXVM_EDGE_SLOT_MASK serviceFluxvmAbiConst = 65535
+)
+
 type serviceFluxvmBackend struct {
 	_            structs.HostLayout
 	Addr         [4]uint32
@@ -22,6 +30,21 @@ type serviceFluxvmBackend struct {
 	ServiceId    uint32
 	DrainUntilNs uint64
 }
+
+type serviceFluxvmBackendState uint32
+
+const (
+	serviceFluxvmBackendStateFLUXVM_BE_UNUSED    serviceFluxvmBackendState = 0
+	serviceFluxvmBackendStateFLUXVM_BE_READY     serviceFluxvmBackendState = 1
+	serviceFluxvmBackendStateFLUXVM_BE_DRAINING  serviceFluxvmBackendState = 2
+	serviceFluxvmBackendStateFLUXVM_BE_UNHEALTHY serviceFluxvmBackendState = 3
+)
+
+type serviceFluxvmBuiltTier uint32
+
+const (
+	serviceFluxvmBuiltTierFLUXVM_BUILT_TIER serviceFluxvmBuiltTier = 2
+)
 
 type serviceFluxvmCounter uint32
 
@@ -45,6 +68,24 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS         serviceFluxvmCounter = 16
 	serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED serviceFluxvmCounter = 17
 	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 18
+)
+
+type serviceFluxvmCtFlags uint32
+
+const (
+	serviceFluxvmCtFlagsFLUXVM_CT_F_SNAT serviceFluxvmCtFlags = 1
+	serviceFluxvmCtFlagsFLUXVM_CT_F_DSR  serviceFluxvmCtFlags = 2
+)
+
+type serviceFluxvmCtState uint32
+
+const (
+	serviceFluxvmCtStateFLUXVM_CT_NONE            serviceFluxvmCtState = 0
+	serviceFluxvmCtStateFLUXVM_CT_TCP_SYN         serviceFluxvmCtState = 1
+	serviceFluxvmCtStateFLUXVM_CT_TCP_ESTABLISHED serviceFluxvmCtState = 2
+	serviceFluxvmCtStateFLUXVM_CT_TCP_FIN         serviceFluxvmCtState = 3
+	serviceFluxvmCtStateFLUXVM_CT_TCP_RST         serviceFluxvmCtState = 4
+	serviceFluxvmCtStateFLUXVM_CT_UDP             serviceFluxvmCtState = 5
 )
 
 type serviceFluxvmCtValue struct {
@@ -83,11 +124,25 @@ type serviceFluxvmEdgeSlot struct {
 	Slot    uint32
 }
 
+type serviceFluxvmFamily uint32
+
+const (
+	serviceFluxvmFamilyFLUXVM_AF_INET  serviceFluxvmFamily = 4
+	serviceFluxvmFamilyFLUXVM_AF_INET6 serviceFluxvmFamily = 6
+)
+
 type serviceFluxvmGuard struct {
 	_        structs.HostLayout
 	State    uint32
 	Revision uint32
 }
+
+type serviceFluxvmGuardState uint32
+
+const (
+	serviceFluxvmGuardStateFLUXVM_GUARD_CLOSED serviceFluxvmGuardState = 0
+	serviceFluxvmGuardStateFLUXVM_GUARD_OPEN   serviceFluxvmGuardState = 1
+)
 
 type serviceFluxvmMetaValue struct {
 	_                      structs.HostLayout
@@ -103,6 +158,13 @@ type serviceFluxvmMetaValue struct {
 	TimeoutUdpS            uint32
 	Pad                    uint32
 }
+
+type serviceFluxvmNatFlags uint32
+
+const (
+	serviceFluxvmNatFlagsFLUXVM_NAT_F_SNAT         serviceFluxvmNatFlags = 1
+	serviceFluxvmNatFlagsFLUXVM_NAT_F_HOST_ROUTING serviceFluxvmNatFlags = 2
+)
 
 type serviceFluxvmNatValue struct {
 	_          structs.HostLayout
@@ -129,6 +191,13 @@ type serviceFluxvmSnatCfg struct {
 	Flags   uint32
 	Pad     uint32
 }
+
+type serviceFluxvmSnatFlags uint32
+
+const (
+	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V4 serviceFluxvmSnatFlags = 1
+	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V6 serviceFluxvmSnatFlags = 2
+)
 
 type serviceFluxvmSnatTry struct {
 	_     structs.HostLayout
@@ -158,6 +227,16 @@ type serviceFluxvmSvc6Key struct {
 	Pad   uint8
 }
 
+type serviceFluxvmSvcFlags uint32
+
+const (
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_VIP_MARKER   serviceFluxvmSvcFlags = 1
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_NORTH_SOUTH  serviceFluxvmSvcFlags = 2
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_NO_EAST_WEST serviceFluxvmSvcFlags = 4
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_DSR          serviceFluxvmSvcFlags = 8
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_HOST_ROUTING serviceFluxvmSvcFlags = 16
+)
+
 type serviceFluxvmSvcStatsValue struct {
 	_            structs.HostLayout
 	Packets      uint64
@@ -178,6 +257,16 @@ type serviceFluxvmSvcValue struct {
 	Reserved0 uint32
 	Reserved1 uint64
 }
+
+type serviceFluxvmTimeoutDefault uint32
+
+const (
+	serviceFluxvmTimeoutDefaultFLUXVM_TIMEOUT_TCP_SYN_S         serviceFluxvmTimeoutDefault = 60
+	serviceFluxvmTimeoutDefaultFLUXVM_TIMEOUT_TCP_ESTABLISHED_S serviceFluxvmTimeoutDefault = 21600
+	serviceFluxvmTimeoutDefaultFLUXVM_TIMEOUT_TCP_FIN_S         serviceFluxvmTimeoutDefault = 30
+	serviceFluxvmTimeoutDefaultFLUXVM_TIMEOUT_TCP_RST_S         serviceFluxvmTimeoutDefault = 10
+	serviceFluxvmTimeoutDefaultFLUXVM_TIMEOUT_UDP_S             serviceFluxvmTimeoutDefault = 60
+)
 
 type serviceFluxvmTuple4 struct {
 	_     structs.HostLayout

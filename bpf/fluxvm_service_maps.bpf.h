@@ -7,8 +7,8 @@
  * tier change is a reload with new maps rather than a resize in place (BPF
  * maps cannot grow). Without the define the default tier M is built.
  *
- * The Go side mirrors these numbers (bpf.Tier) and a test reads them back
- * from every object's BTF, so the two cannot drift apart.
+ * The Go side reads the capacities back from every object (bpf.CapacitiesOf),
+ * and checks bpf.Tier against FLUXVM_BUILT_TIER in each object's BTF.
  */
 #ifndef FLUXVM_SERVICE_MAPS_BPF_H
 #define FLUXVM_SERVICE_MAPS_BPF_H
@@ -42,6 +42,12 @@
 #else
 #error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
 #endif
+
+/* The tier this object was built for, as an enum so that it reaches the
+ * object's BTF (the #defines above serve #if, which cannot read an enum). */
+enum fluxvm_built_tier {
+	FLUXVM_BUILT_TIER = FLUXVM_MAP_TIER,
+};
 
 /*
  * A service has one frontend per (VIP, port, protocol) plus one VIP marker

@@ -8,14 +8,24 @@
  * the object's BTF, and Go tests assert the same sizes and offsets.
  *
  * Enums are part of the ABI as well: values are never renumbered, only
- * appended, because userspace reads counters by index.
+ * appended, because userspace reads counters by index. Every constant the
+ * Go side needs (flags, states, families, defaults, limits) is an enum
+ * member, never a #define, so that bpf2go -type generates it from the
+ * object's BTF and nothing is mirrored by hand (see fluxvm_abi_enums at
+ * the end). Struct fields keep their fixed-width integer types; the
+ * comment beside each field names the enum it holds.
  */
 #ifndef FLUXVM_SERVICE_V6_BPF_H
 #define FLUXVM_SERVICE_V6_BPF_H
 
 #include <linux/types.h>
 
-#define FLUXVM_SCHEMA_VERSION 4
+/* Constants of the schema that are neither flags nor states. */
+enum fluxvm_abi_const {
+	FLUXVM_SCHEMA_VERSION = 4,  /* of the pinned maps (fluxvm_meta_value) */
+	FLUXVM_SNAT_TRIES = 32,     /* candidate ports for one new SNAT mapping */
+	FLUXVM_EDGE_SLOT_MASK = 0xffff, /* ifindex -> fluxvm_edge_slots key */
+};
 
 /*
  * Global packet counters (per-CPU array fluxvm_counters, one __u64 packet
@@ -60,8 +70,10 @@ enum fluxvm_drop_reason {
 };
 
 /* Address family tags used in map values. */
-#define FLUXVM_AF_INET 4
-#define FLUXVM_AF_INET6 6
+enum fluxvm_family {
+	FLUXVM_AF_INET = 4,
+	FLUXVM_AF_INET6 = 6,
+};
 
 /*
  * Frontends: fluxvm_svc4 / fluxvm_svc6, (VIP, port, protocol) -> service.
@@ -84,15 +96,17 @@ struct fluxvm_svc6_key {
 };
 _Static_assert(sizeof(struct fluxvm_svc6_key) == 20, "fluxvm_svc6_key size");
 
-#define FLUXVM_SVC_F_VIP_MARKER (1U << 0)  /* the (VIP, 0, proto) entry */
-#define FLUXVM_SVC_F_NORTH_SOUTH (1U << 1) /* served on north-south interfaces */
-#define FLUXVM_SVC_F_NO_EAST_WEST (1U << 2) /* not served on VM edges */
-#define FLUXVM_SVC_F_DSR (1U << 3)         /* routed DSR instead of NAT */
-#define FLUXVM_SVC_F_HOST_ROUTING (1U << 4) /* FIB lookup and redirect after NAT */
+enum fluxvm_svc_flags {
+	FLUXVM_SVC_F_VIP_MARKER = 1U << 0,   /* the (VIP, 0, proto) entry */
+	FLUXVM_SVC_F_NORTH_SOUTH = 1U << 1,  /* served on north-south interfaces */
+	FLUXVM_SVC_F_NO_EAST_WEST = 1U << 2, /* not served on VM edges */
+	FLUXVM_SVC_F_DSR = 1U << 3,          /* routed DSR instead of NAT */
+	FLUXVM_SVC_F_HOST_ROUTING = 1U << 4, /* FIB lookup and redirect after NAT */
+};
 
 struct fluxvm_svc_value {
 	__u32 service_id;  /* index into fluxvm_maglev, fluxvm_sguard, stats */
-	__u32 flags;       /* FLUXVM_SVC_F_* */
+	__u32 flags;       /* enum fluxvm_svc_flags */
 	__u32 revision;    /* bumped by userspace on every reprogramming */
 	__u32 reserved0;
 	__u64 reserved1;   /* kept for EDT rate without a layout change */
@@ -101,10 +115,13 @@ _Static_assert(sizeof(struct fluxvm_svc_value) == 24, "fluxvm_svc_value size");
 
 /* Service guard (fluxvm_sguard, array by service id). Zero is closed, so a
  * service whose guard was never written fails closed. */
-#define FLUXVM_GUARD_OPEN 1
+enum fluxvm_guard_state {
+	FLUXVM_GUARD_CLOSED = 0, /* and every value but OPEN */
+	FLUXVM_GUARD_OPEN = 1,
+};
 
 struct fluxvm_guard {
-	__u32 state;      /* FLUXVM_GUARD_OPEN, anything else drops */
+	__u32 state;      /* enum fluxvm_guard_state: OPEN, anything else drops */
 	__u32 revision;   /* the svc revision the guard was opened for */
 };
 _Static_assert(sizeof(struct fluxvm_guard) == 8, "fluxvm_guard size");
@@ -120,7 +137,7 @@ enum fluxvm_backend_state {
 struct fluxvm_backend {
 	__be32 addr[4];          /* IPv4 uses addr[0] */
 	__be16 port;
-	__u8 family;             /* FLUXVM_AF_INET or FLUXVM_AF_INET6 */
+	__u8 family;             /* enum fluxvm_family */
 	__u8 state;              /* enum fluxvm_backend_state */
 	__u32 service_id;        /* owner; a flow never follows an id to another service */
 	__u64 drain_until_ns;    /* CLOCK_MONOTONIC (coarse) deadline while Draining */
@@ -169,20 +186,22 @@ struct fluxvm_ct_value {
 	__u64 last_seen_ns;  /* refreshed at most once per FLUXVM_CT_REFRESH_NS */
 	__u64 deadline_ns;   /* expiry for userspace GC, from the state's timeout */
 	__u8 state;          /* enum fluxvm_ct_state */
-	__u8 flags;          /* FLUXVM_CT_F_* */
+	__u8 flags;          /* enum fluxvm_ct_flags */
 	__be16 nat_port;     /* SNAT: the source port the backend sees */
 	__u32 pad1;
 	__be32 nat_addr[4];  /* SNAT: the source address the backend sees */
 };
 _Static_assert(sizeof(struct fluxvm_ct_value) == 56, "fluxvm_ct_value size");
 
-#define FLUXVM_CT_F_SNAT (1U << 0) /* north-south NAT: source translated too */
-#define FLUXVM_CT_F_DSR (1U << 1)  /* routed DSR: nothing translated */
+enum fluxvm_ct_flags {
+	FLUXVM_CT_F_SNAT = 1U << 0, /* north-south NAT: source translated too */
+	FLUXVM_CT_F_DSR = 1U << 1,  /* routed DSR: nothing translated */
+};
 
 struct fluxvm_nat_value {
 	__be32 vip[4];       /* IPv4 uses vip[0] */
 	__be16 vport;
-	__u8 flags;          /* FLUXVM_NAT_F_* */
+	__u8 flags;          /* enum fluxvm_nat_flags */
 	__u8 pad0;
 	__u32 service_id;
 	__u32 backend_id;
@@ -195,8 +214,10 @@ struct fluxvm_nat_value {
 };
 _Static_assert(sizeof(struct fluxvm_nat_value) == 64, "fluxvm_nat_value size");
 
-#define FLUXVM_NAT_F_SNAT (1U << 0)         /* the key's destination is the SNAT address */
-#define FLUXVM_NAT_F_HOST_ROUTING (1U << 1) /* replies take the FIB fast path */
+enum fluxvm_nat_flags {
+	FLUXVM_NAT_F_SNAT = 1U << 0,         /* the key's destination is the SNAT address */
+	FLUXVM_NAT_F_HOST_ROUTING = 1U << 1, /* replies take the FIB fast path */
+};
 
 /*
  * North-south source NAT (fluxvm_snat, one entry at key 0): the addresses
@@ -204,21 +225,20 @@ _Static_assert(sizeof(struct fluxvm_nat_value) == 64, "fluxvm_nat_value size");
  * Ports are host order; a range with port_min > port_max or no address for
  * the family makes every new north-south NAT flow drop (SNAT_FAILED).
  */
-#define FLUXVM_SNAT_F_V4 (1U << 0)
-#define FLUXVM_SNAT_F_V6 (1U << 1)
+enum fluxvm_snat_flags {
+	FLUXVM_SNAT_F_V4 = 1U << 0, /* addr4 is set */
+	FLUXVM_SNAT_F_V6 = 1U << 1, /* addr6 is set */
+};
 
 struct fluxvm_snat_cfg {
 	__be32 addr4;
 	__be32 addr6[4];
 	__u16 port_min;
 	__u16 port_max;
-	__u32 flags;         /* FLUXVM_SNAT_F_* */
+	__u32 flags;         /* enum fluxvm_snat_flags */
 	__u32 pad;
 };
 _Static_assert(sizeof(struct fluxvm_snat_cfg) == 32, "fluxvm_snat_cfg size");
-
-/* Candidate ports tried for one new SNAT mapping before the flow drops. */
-#define FLUXVM_SNAT_TRIES 32
 
 /* Per-service counters (per-CPU array fluxvm_svc_stats by service id). */
 struct fluxvm_svc_stats_value {
@@ -233,9 +253,8 @@ struct fluxvm_svc_stats_value {
 };
 _Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
 
-/* Where a VM-edge interface's counters live (fluxvm_edge_slots). */
-#define FLUXVM_EDGE_SLOT_MASK 0xffff
-
+/* Where a VM-edge interface's counters live (fluxvm_edge_slots, keyed by
+ * ifindex & FLUXVM_EDGE_SLOT_MASK). */
 struct fluxvm_edge_slot {
 	__u32 ifindex;  /* the full ifindex, to tell apart those sharing a key */
 	__u32 slot;     /* index into fluxvm_edge_stats; 0 = not counted */
@@ -258,14 +277,49 @@ struct fluxvm_meta_value {
 };
 _Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
 
-#define FLUXVM_TIMEOUT_TCP_SYN_S 60
-#define FLUXVM_TIMEOUT_TCP_ESTABLISHED_S 21600
-#define FLUXVM_TIMEOUT_TCP_FIN_S 30
-#define FLUXVM_TIMEOUT_TCP_RST_S 10
-#define FLUXVM_TIMEOUT_UDP_S 60
+/* Conntrack timeouts in seconds where fluxvm_meta_value holds 0. */
+enum fluxvm_timeout_default {
+	FLUXVM_TIMEOUT_TCP_SYN_S = 60,
+	FLUXVM_TIMEOUT_TCP_ESTABLISHED_S = 21600,
+	FLUXVM_TIMEOUT_TCP_FIN_S = 30,
+	FLUXVM_TIMEOUT_TCP_RST_S = 10,
+	FLUXVM_TIMEOUT_UDP_S = 60,
+};
 
 /* Conntrack deadlines are refreshed at most this often per flow, so that a
  * busy flow does not write its entry on every packet. */
 #define FLUXVM_CT_REFRESH_NS 1000000000ULL
+
+#ifdef __bpf__
+#include "fluxvm_service_maps.bpf.h" /* enum fluxvm_built_tier */
+
+/*
+ * BTF anchor for the enums above. bpf2go generates Go types only from the
+ * object's BTF, and clang puts a type there only when something it emits
+ * uses the type: a map definition, a global, a function's parameters. The
+ * struct fields that hold these values are fixed-width integers, so
+ * nothing would. This function takes them all. It is never called: it sits
+ * in .text, and cilium/ebpf links into a program only the functions the
+ * program calls, so no program carries it and the verifier never sees it.
+ */
+struct fluxvm_abi_enums {
+	enum fluxvm_abi_const abi_const;
+	enum fluxvm_family family;
+	enum fluxvm_svc_flags svc_flags;
+	enum fluxvm_guard_state guard_state;
+	enum fluxvm_backend_state backend_state;
+	enum fluxvm_ct_state ct_state;
+	enum fluxvm_ct_flags ct_flags;
+	enum fluxvm_nat_flags nat_flags;
+	enum fluxvm_snat_flags snat_flags;
+	enum fluxvm_timeout_default timeout_default;
+	enum fluxvm_built_tier built_tier;
+};
+
+__attribute__((noinline)) int fluxvm_abi_enums(struct fluxvm_abi_enums *e)
+{
+	return e != 0;
+}
+#endif
 
 #endif /* FLUXVM_SERVICE_V6_BPF_H */

@@ -8,6 +8,10 @@ package bpf
 // Go mirrors of the shared layouts, and tiers S and L with the same code and
 // other compile-time capacities (-DFLUXVM_MAP_TIER).
 //
-//go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -output-stem fluxvm_service -type fluxvm_counter -type fluxvm_drop_reason -type fluxvm_svc4_key -type fluxvm_svc6_key -type fluxvm_svc_value -type fluxvm_guard -type fluxvm_backend -type fluxvm_tuple4 -type fluxvm_tuple6 -type fluxvm_ct_value -type fluxvm_nat_value -type fluxvm_svc_stats_value -type fluxvm_meta_value -type fluxvm_edge_slot -type fluxvm_snat_cfg service fluxvm_service.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
+// Every C enum the Go side reads is passed with -type, so Go never mirrors
+// a C constant by hand: layout.go and counters.go name the generated
+// constants (abi_test.go requires a Go name for every enum member).
+//
+//go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -output-stem fluxvm_service -type fluxvm_counter -type fluxvm_drop_reason -type fluxvm_svc4_key -type fluxvm_svc6_key -type fluxvm_svc_value -type fluxvm_guard -type fluxvm_backend -type fluxvm_tuple4 -type fluxvm_tuple6 -type fluxvm_ct_value -type fluxvm_nat_value -type fluxvm_svc_stats_value -type fluxvm_meta_value -type fluxvm_edge_slot -type fluxvm_snat_cfg -type fluxvm_abi_const -type fluxvm_family -type fluxvm_svc_flags -type fluxvm_guard_state -type fluxvm_backend_state -type fluxvm_ct_state -type fluxvm_ct_flags -type fluxvm_nat_flags -type fluxvm_snat_flags -type fluxvm_timeout_default -type fluxvm_built_tier service fluxvm_service.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_tier_s serviceTierS fluxvm_service.bpf.c -- -DFLUXVM_MAP_TIER=1 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_tier_l serviceTierL fluxvm_service.bpf.c -- -DFLUXVM_MAP_TIER=3 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu

@@ -167,7 +167,7 @@ func TestForwardingMatrix(t *testing.T) {
 			}
 			timeout := uint64(DefaultTimeoutTCPSyn)
 			if v.proto == ipUDP {
-				timeout = DefaultTimeoutUDP
+				timeout = uint64(DefaultTimeoutUDP)
 			}
 			if got := ct.DeadlineNs - ct.LastSeenNs; got != timeout*1e9 {
 				t.Errorf("deadline is last_seen + %v, want %ds", time.Duration(got), timeout)

@@ -49,7 +49,7 @@ func TestSNATRangeEdges(t *testing.T) {
 				ct4, nat4 := entryCount(h.ctMap(v.flow(0))), entryCount(h.natMap(v.flow(0)))
 				before := h.counters()
 				expectDropOn(t, h, h.objs.FluxvmNsIn, v.frame(v.clientAt(2000), v.vip, pkt.SYN), DropSNATFailed)
-				if got := h.counters()[CounterSNATRetry] - before[CounterSNATRetry]; got != SNATTries {
+				if got := h.counters()[CounterSNATRetry] - before[CounterSNATRetry]; got != uint64(SNATTries) {
 					t.Errorf("retries +%d, want %d", got, SNATTries)
 				}
 				if c, n := entryCount(h.ctMap(v.flow(0))), entryCount(h.natMap(v.flow(0))); c != ct4 || n != nat4 {

@@ -282,7 +282,7 @@ func TestSNATCollisions(t *testing.T) {
 			before = h.counters()
 			nat4, nat6 := entryCount(h.objs.FluxvmNat4), entryCount(h.objs.FluxvmNat6)
 			expectDropOn(t, h, h.objs.FluxvmNsIn, v.frame(full, v.vip, pkt.SYN), DropSNATFailed)
-			if got := h.counters()[CounterSNATRetry] - before[CounterSNATRetry]; got != SNATTries {
+			if got := h.counters()[CounterSNATRetry] - before[CounterSNATRetry]; got != uint64(SNATTries) {
 				t.Errorf("exhausted range: retries +%d, want %d", got, SNATTries)
 			}
 			if _, ok := h.ct(tuple{full, v.vip, v.proto}); ok {

@@ -39,8 +39,8 @@ type Family uint8
 
 // Families; the zero Family in a Filter selects both.
 const (
-	IPv4 Family = bpf.FamilyIPv4
-	IPv6 Family = bpf.FamilyIPv6
+	IPv4 = Family(bpf.FamilyIPv4)
+	IPv6 = Family(bpf.FamilyIPv6)
 )
 
 func (f Family) String() string { return nat.Family(f).String() }
@@ -95,10 +95,10 @@ const (
 	// to Entry.SNAT. The reverse-NAT half is keyed by the SNAT address
 	// and port (backend -> Entry.SNAT) and carries the client as its
 	// origin.
-	SNAT Kind = bpf.CTFlagSNAT
+	SNAT = Kind(bpf.CTFlagSNAT)
 	// DSR: routed direct server return; nothing is translated and the
 	// flow has no reverse-NAT half.
-	DSR Kind = bpf.CTFlagDSR
+	DSR = Kind(bpf.CTFlagDSR)
 )
 
 // kindMask selects the kind bits of a conntrack value's flags. A value

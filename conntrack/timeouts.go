@@ -42,11 +42,11 @@ type Timeouts struct {
 // (bpf.DefaultTimeout*), which it also uses wherever the meta map holds 0.
 func DefaultTimeouts() Timeouts {
 	return Timeouts{
-		TCPSyn:         bpf.DefaultTimeoutTCPSyn * time.Second,
-		TCPEstablished: bpf.DefaultTimeoutTCPEstablished * time.Second,
-		TCPFin:         bpf.DefaultTimeoutTCPFin * time.Second,
-		TCPRst:         bpf.DefaultTimeoutTCPRst * time.Second,
-		UDP:            bpf.DefaultTimeoutUDP * time.Second,
+		TCPSyn:         time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second,
+		TCPEstablished: time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second,
+		TCPFin:         time.Duration(bpf.DefaultTimeoutTCPFin) * time.Second,
+		TCPRst:         time.Duration(bpf.DefaultTimeoutTCPRst) * time.Second,
+		UDP:            time.Duration(bpf.DefaultTimeoutUDP) * time.Second,
 	}
 }
 

@@ -40,8 +40,8 @@ type Family uint8
 
 // Families; the zero Family in a Filter selects both.
 const (
-	IPv4 Family = bpf.FamilyIPv4
-	IPv6 Family = bpf.FamilyIPv6
+	IPv4 = Family(bpf.FamilyIPv4)
+	IPv6 = Family(bpf.FamilyIPv6)
 )
 
 func (f Family) String() string {

@@ -35,6 +35,8 @@
 #include "../lib/maps.h"
 #include "../lib/counters.h"
 
+/* Both are enum members (fluxvm_service_v6.bpf.h, already included): these
+ * macros shadow them in all the code below, and the #undefs are no-ops. */
 #undef FLUXVM_NAT_F_SNAT
 #define FLUXVM_NAT_F_SNAT (1U << 5)
 #undef FLUXVM_CT_F_SNAT

@@ -486,8 +486,8 @@ func TestMapOverReopenedPins(t *testing.T) {
 	root := testenv.PinRoot(t)
 	d := sharedDataplane(t)
 	maps := map[string]*ebpf.Map{
-		"fluxvm_fct4": d.objs.Fct4, "fluxvm_fct6": d.objs.Fct6,
-		"fluxvm_nat4": d.objs.Nat4, "fluxvm_nat6": d.objs.Nat6, "fluxvm_backends": d.objs.Backends,
+		"fluxvm_fct4": d.o.Maps.FluxvmFct4, "fluxvm_fct6": d.o.Maps.FluxvmFct6,
+		"fluxvm_nat4": d.o.Maps.FluxvmNat4, "fluxvm_nat6": d.o.Maps.FluxvmNat6, "fluxvm_backends": d.o.Maps.FluxvmBackends,
 	}
 	for name, m := range maps {
 		if err := m.Pin(filepath.Join(root, name)); err != nil {

@@ -3,7 +3,6 @@ package conntrack
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/netip"
 	"os"
 	"sync"
@@ -13,37 +12,21 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/bpftest"
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
-// dataplane is the real TC object of tier S with its lifecycle maps shrunk,
-// the Map and nat.Table over it, and the control-plane writes a test needs
-// to make the program learn flows.
+// dataplane is the real TC object of tier S with its lifecycle maps shrunk
+// (bpftest), the Map and nat.Table over it, and the control-plane writes a
+// test needs to make the program learn flows.
 type dataplane struct {
-	t    testing.TB
-	th   *testenv.Thread
-	spec *ebpf.CollectionSpec
-	objs struct {
-		FromVM   *ebpf.Program `ebpf:"fluxvm_from_vm"`
-		ToVM     *ebpf.Program `ebpf:"fluxvm_to_vm"`
-		NSIn     *ebpf.Program `ebpf:"fluxvm_ns_in"`
-		Svc4     *ebpf.Map     `ebpf:"fluxvm_svc4"`
-		Svc6     *ebpf.Map     `ebpf:"fluxvm_svc6"`
-		Sguard   *ebpf.Map     `ebpf:"fluxvm_sguard"`
-		Backends *ebpf.Map     `ebpf:"fluxvm_backends"`
-		Maglev   *ebpf.Map     `ebpf:"fluxvm_maglev"`
-		Meta     *ebpf.Map     `ebpf:"fluxvm_meta"`
-		Fct4     *ebpf.Map     `ebpf:"fluxvm_fct4"`
-		Fct6     *ebpf.Map     `ebpf:"fluxvm_fct6"`
-		Nat4     *ebpf.Map     `ebpf:"fluxvm_nat4"`
-		Nat6     *ebpf.Map     `ebpf:"fluxvm_nat6"`
-		SNAT     *ebpf.Map     `ebpf:"fluxvm_snat"`
-	}
-	nat    *nat.Table
-	ct     *Map
-	tables map[string]*ebpf.Map // Maglev tables by backend list
+	t   testing.TB
+	th  *testenv.Thread
+	o   *bpftest.Object
+	nat *nat.Table
+	ct  *Map
 }
 
 type sizes struct{ ct, nat uint32 }
@@ -97,27 +80,18 @@ func TestMain(m *testing.M) {
 }
 
 func load(sz sizes, to Timeouts) (*dataplane, error) {
-	d := &dataplane{}
-	spec, err := bpf.Spec(bpf.TierS)
+	o, err := bpftest.Load(bpf.TierS, bpftest.Sizes{CT: sz.ct, NAT: sz.nat})
 	if err != nil {
 		return nil, err
 	}
-	spec.Maps["fluxvm_fct4"].MaxEntries = sz.ct
-	spec.Maps["fluxvm_fct6"].MaxEntries = sz.ct
-	spec.Maps["fluxvm_nat4"].MaxEntries = sz.nat
-	spec.Maps["fluxvm_nat6"].MaxEntries = sz.nat
-	d.spec = spec
-	if err := spec.LoadAndAssign(&d.objs, nil); err != nil {
-		return nil, fmt.Errorf("load: %w", err)
-	}
-	o := &d.objs
-	if d.nat, err = nat.New(o.Nat4, o.Nat6); err == nil {
-		d.ct, err = New(Config{CT4: o.Fct4, CT6: o.Fct6, Backends: o.Backends, NAT: d.nat, Timeouts: to})
+	d := &dataplane{o: o}
+	if d.nat, err = nat.New(o.Maps.FluxvmNat4, o.Maps.FluxvmNat6); err == nil {
+		d.ct, err = New(Config{CT4: o.Maps.FluxvmFct4, CT6: o.Maps.FluxvmFct6, Backends: o.Maps.FluxvmBackends, NAT: d.nat, Timeouts: to})
 	}
 	if err == nil && to != (Timeouts{}) {
 		var m bpf.Meta
 		if err = to.ApplyTo(&m); err == nil {
-			err = o.Meta.Put(uint32(0), m)
+			err = o.Maps.FluxvmMeta.Put(uint32(0), m)
 		}
 	}
 	if err != nil {
@@ -127,16 +101,7 @@ func load(sz sizes, to Timeouts) (*dataplane, error) {
 	return d, nil
 }
 
-func (d *dataplane) close() {
-	o := &d.objs
-	for _, c := range []interface{ Close() error }{o.FromVM, o.ToVM, o.NSIn, o.Svc4, o.Svc6, o.Sguard,
-		o.Backends, o.Maglev, o.Meta, o.Fct4, o.Fct6, o.Nat4, o.Nat6, o.SNAT} {
-		c.Close()
-	}
-	for _, m := range d.tables {
-		m.Close()
-	}
-}
+func (d *dataplane) close() { d.o.Close() }
 
 func (d *dataplane) must(err error) {
 	d.t.Helper()
@@ -149,7 +114,7 @@ func (d *dataplane) must(err error) {
 // that one loaded object serves many cases.
 func (d *dataplane) reset() {
 	d.t.Helper()
-	for _, m := range []*ebpf.Map{d.objs.Fct4, d.objs.Fct6, d.objs.Nat4, d.objs.Nat6} {
+	for _, m := range []*ebpf.Map{d.o.Maps.FluxvmFct4, d.o.Maps.FluxvmFct6, d.o.Maps.FluxvmNat4, d.o.Maps.FluxvmNat6} {
 		var keys [][]byte
 		k := make([]byte, m.KeySize())
 		var v []byte
@@ -163,7 +128,7 @@ func (d *dataplane) reset() {
 		}
 	}
 	for id := uint32(0); id < 16; id++ {
-		d.must(d.objs.Backends.Put(id, bpf.Backend{}))
+		d.must(d.o.Maps.FluxvmBackends.Put(id, bpf.Backend{}))
 	}
 }
 
@@ -177,15 +142,7 @@ func (d *dataplane) service(sid uint32, vip netip.AddrPort, proto uint8, bids ..
 // serviceFlags is service with frontend flags (bpf.SvcFlag*).
 func (d *dataplane) serviceFlags(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bids ...uint32) {
 	d.t.Helper()
-	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
-	w := bpf.AddrWords(vip.Addr())
-	if vip.Addr().Is4() {
-		d.must(d.objs.Svc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val))
-	} else {
-		d.must(d.objs.Svc6.Put(bpf.SvcKey6{Vip: w, Port: bpf.Port(vip.Port()), Proto: proto}, val))
-	}
-	d.must(d.objs.Sguard.Put(sid, bpf.Guard{State: bpf.GuardOpen, Revision: 1}))
-	d.table(sid, bids...)
+	d.must(d.o.Service(sid, vip, proto, flags, bids...))
 }
 
 // table swaps in a Maglev table for sid, as the control plane does. Tables
@@ -193,42 +150,17 @@ func (d *dataplane) serviceFlags(sid uint32, vip netip.AddrPort, proto uint8, fl
 // slowest control-plane write a test makes.
 func (d *dataplane) table(sid uint32, bids ...uint32) {
 	d.t.Helper()
-	name := fmt.Sprint(bids)
-	inner := d.tables[name]
-	if inner == nil {
-		var err error
-		inner, err = ebpf.NewMap(d.spec.Maps["fluxvm_maglev"].InnerMap)
-		d.must(err)
-		n := inner.MaxEntries()
-		keys, ids := make([]uint32, n), make([]uint32, n)
-		for i := range keys {
-			keys[i], ids[i] = uint32(i), bids[i%len(bids)]
-		}
-		_, err = inner.BatchUpdate(keys, ids, nil)
-		d.must(err)
-		if d.tables == nil {
-			d.tables = map[string]*ebpf.Map{}
-		}
-		d.tables[name] = inner
-	}
-	d.must(d.objs.Maglev.Put(sid, inner))
+	d.must(d.o.Table(sid, bids...))
 }
 
 func (d *dataplane) backend(id, sid uint32, ap netip.AddrPort, state bpf.BackendState, drainUntil time.Duration) {
 	d.t.Helper()
-	fam := uint8(bpf.FamilyIPv6)
-	if ap.Addr().Is4() {
-		fam = bpf.FamilyIPv4
-	}
-	d.must(d.objs.Backends.Put(id, bpf.Backend{
-		Addr: bpf.AddrWords(ap.Addr()), Port: bpf.Port(ap.Port()), Family: fam,
-		State: uint8(state), ServiceId: sid, DrainUntilNs: uint64(drainUntil),
-	}))
+	d.must(d.o.Backend(id, sid, ap, state, uint64(drainUntil)))
 }
 
 func (d *dataplane) removeBackend(id uint32) {
 	d.t.Helper()
-	d.must(d.objs.Backends.Put(id, bpf.Backend{}))
+	d.must(d.o.RemoveBackend(id))
 }
 
 // The node's SNAT addresses and port range in north-south tests.
@@ -242,29 +174,23 @@ const snatPortMin, snatPortMax = 20000, 20999
 // snatConfig writes the north-south SNAT configuration (both families).
 func (d *dataplane) snatConfig() {
 	d.t.Helper()
-	d.must(d.objs.SNAT.Put(uint32(0), bpf.SNATConfig{
-		Addr4: bpf.AddrWords(snat4)[0], Addr6: bpf.AddrWords(snat6),
-		PortMin: snatPortMin, PortMax: snatPortMax, Flags: bpf.SNATFlagV4 | bpf.SNATFlagV6,
-	}))
+	d.must(d.o.SNAT(snat4, snat6, snatPortMin, snatPortMax))
 }
 
 func frame(src, dst netip.AddrPort, proto uint8, f pkt.TCPFlags) []byte {
-	if proto == ProtoTCP {
-		return pkt.TCP(src, dst, f, []byte("fluxvm"))
-	}
-	return pkt.UDP(src, dst, []byte("fluxvm"))
+	return bpftest.Frame(src, dst, proto, f)
 }
 
-const tcOK = 0 // TC_ACT_OK: translated
+const tcOK = bpftest.TCOK
 
 func (d *dataplane) run(prog *ebpf.Program, in []byte) (uint32, []byte) {
 	d.t.Helper()
-	opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+256), Repeat: 1}
 	var ret uint32
+	var out []byte
 	var err error
-	d.th.Do(func() { ret, err = prog.Run(&opts) })
+	d.th.Do(func() { ret, out, err = bpftest.Run(prog, in) })
 	d.must(err)
-	return ret, opts.DataOut
+	return ret, out
 }
 
 // send passes client -> vip packets with the given TCP flags, in order,
@@ -278,7 +204,7 @@ func (d *dataplane) send(k Key, flags ...pkt.TCPFlags) netip.AddrPort {
 	var out []byte
 	for _, f := range flags {
 		var ret uint32
-		ret, out = d.run(d.objs.FromVM, frame(k.Client, k.VIP, k.Proto, f))
+		ret, out = d.run(d.o.Programs.FluxvmFromVm, frame(k.Client, k.VIP, k.Proto, f))
 		if ret != tcOK {
 			d.t.Fatalf("%s: verdict %d, want TC_ACT_OK", k, int32(ret))
 		}
@@ -288,19 +214,7 @@ func (d *dataplane) send(k Key, flags ...pkt.TCPFlags) netip.AddrPort {
 }
 
 // endpoints decodes the source and destination of a frame.
-func endpoints(frame []byte) (src, dst netip.AddrPort) {
-	p := pkt.Decode(frame)
-	nl, tl := p.NetworkLayer(), p.TransportLayer()
-	if nl == nil || tl == nil {
-		return src, dst
-	}
-	ap := func(addr, port []byte) netip.AddrPort {
-		a, _ := netip.AddrFromSlice(addr)
-		return netip.AddrPortFrom(a.Unmap(), uint16(port[0])<<8|uint16(port[1]))
-	}
-	return ap(nl.NetworkFlow().Src().Raw(), tl.TransportFlow().Src().Raw()),
-		ap(nl.NetworkFlow().Dst().Raw(), tl.TransportFlow().Dst().Raw())
-}
+func endpoints(frame []byte) (src, dst netip.AddrPort) { return bpftest.Endpoints(frame) }
 
 // sendNS passes client -> vip packets with the given TCP flags, in order,
 // through the north-south ingress program and returns the last verdict
@@ -312,7 +226,7 @@ func (d *dataplane) sendNS(k Key, flags ...pkt.TCPFlags) (verdict uint32, src, d
 	}
 	var out []byte
 	for _, f := range flags {
-		verdict, out = d.run(d.objs.NSIn, frame(k.Client, k.VIP, k.Proto, f))
+		verdict, out = d.run(d.o.Programs.FluxvmNsIn, frame(k.Client, k.VIP, k.Proto, f))
 	}
 	src, dst = endpoints(out)
 	return verdict, src, dst
@@ -323,7 +237,7 @@ func (d *dataplane) sendNS(k Key, flags ...pkt.TCPFlags) (verdict uint32, src, d
 // to exactly the packet from the VIP to the client.
 func (d *dataplane) replyNS(backend, snat netip.AddrPort, k Key) bool {
 	d.t.Helper()
-	ret, out := d.run(d.objs.NSIn, frame(backend, snat, k.Proto, pkt.ACK))
+	ret, out := d.run(d.o.Programs.FluxvmNsIn, frame(backend, snat, k.Proto, pkt.ACK))
 	if ret != tcOK {
 		return false
 	}
@@ -336,7 +250,7 @@ func (d *dataplane) replyNS(backend, snat netip.AddrPort, k Key) bool {
 // reply was not translated.
 func (d *dataplane) reply(backend netip.AddrPort, k Key) netip.AddrPort {
 	d.t.Helper()
-	ret, out := d.run(d.objs.ToVM, frame(backend, k.Client, k.Proto, pkt.ACK))
+	ret, out := d.run(d.o.Programs.FluxvmToVm, frame(backend, k.Client, k.Proto, pkt.ACK))
 	if ret != tcOK {
 		return netip.AddrPort{}
 	}
@@ -379,7 +293,7 @@ func (d *dataplane) natLookup(k nat.Key) (nat.Entry, bool) {
 func (d *dataplane) backendOf(id uint32) bpf.Backend {
 	d.t.Helper()
 	var b bpf.Backend
-	d.must(d.objs.Backends.Lookup(id, &b))
+	d.must(d.o.Maps.FluxvmBackends.Lookup(id, &b))
 	return b
 }
 

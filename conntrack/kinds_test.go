@@ -482,9 +482,9 @@ func TestEntriesOfEveryKindRaw(t *testing.T) {
 				DeadlineNs: uint64(t0 + time.Minute), State: uint8(establishedState(v))}
 			put := func(ct bpf.CTValue) {
 				if k.Family() == IPv4 {
-					d.must(d.objs.Fct4.Put(key4(k), ct))
+					d.must(d.o.Maps.FluxvmFct4.Put(key4(k), ct))
 				} else {
-					d.must(d.objs.Fct6.Put(key6(k), ct))
+					d.must(d.o.Maps.FluxvmFct6.Put(key6(k), ct))
 				}
 			}
 			ew := nat.Entry{Key: v.natOf(k, 0), VIP: v.vip, ServiceID: sid, BackendID: v.ids[0], LastSeen: t0}

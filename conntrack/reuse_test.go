@@ -13,7 +13,7 @@ import (
 // program toward the VM and reports whether it left translated to the VIP.
 func (d *dataplane) synAck(backend netip.AddrPort, k Key) bool {
 	d.t.Helper()
-	ret, out := d.run(d.objs.ToVM, frame(backend, k.Client, k.Proto, pkt.SYNACK))
+	ret, out := d.run(d.o.Programs.FluxvmToVm, frame(backend, k.Client, k.Proto, pkt.SYNACK))
 	if ret != tcOK {
 		return false
 	}

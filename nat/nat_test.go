@@ -129,7 +129,7 @@ func TestDatapathAgrees(t *testing.T) {
 			other := netip.AddrPortFrom(tc.vip.Addr().Next(), 8443)
 			e.VIP = other
 			d.must(d.table.Put(e))
-			ret, out := d.run(d.objs.ToVM, frame(tc.backend, tc.client, tc.proto, pkt.ACK))
+			ret, out := d.run(d.o.Programs.FluxvmToVm, frame(tc.backend, tc.client, tc.proto, pkt.ACK))
 			if ret != tcOK {
 				t.Fatalf("reply verdict %d", int32(ret))
 			}

@@ -150,7 +150,7 @@ func TestDatapathAgreesSNAT(t *testing.T) {
 			d.serviceFlags(sid, tc.vip, tc.proto, bpf.SvcFlagNorthSouth, bid)
 			d.backend(bid, sid, tc.backend)
 			d.snatConfig(snat4.Addr(), snat6.Addr(), 30000, 30099)
-			ret, out := d.run(d.objs.NSIn, frame(tc.client, tc.vip, tc.proto, pkt.SYN))
+			ret, out := d.run(d.o.Programs.FluxvmNsIn, frame(tc.client, tc.vip, tc.proto, pkt.SYN))
 			if ret != tcOK {
 				t.Fatalf("forward verdict %d", int32(ret))
 			}
@@ -173,7 +173,7 @@ func TestDatapathAgreesSNAT(t *testing.T) {
 			e.VIP = netip.AddrPortFrom(tc.vip.Addr().Next(), 8443)
 			e.Origin = netip.AddrPortFrom(tc.client.Addr().Next(), 40001)
 			d.must(d.table.Put(e))
-			ret, out = d.run(d.objs.NSIn, frame(tc.backend, sn, tc.proto, pkt.ACK))
+			ret, out = d.run(d.o.Programs.FluxvmNsIn, frame(tc.backend, sn, tc.proto, pkt.ACK))
 			if ret != tcOK {
 				t.Fatalf("reply verdict %d", int32(ret))
 			}

@@ -1,0 +1,177 @@
+// Package bpftest loads the real TC object for tests of the packages above
+// bpf (conntrack, nat, ...) and makes the map writes a control plane would,
+// so that a test drives the real programs with BPF_PROG_TEST_RUN: one
+// harness instead of a copy per package. (The bpf package's own tests are
+// internal to it and cannot import this package, which imports bpf; they
+// keep theirs, built on the same generated types.)
+//
+// Nothing is pinned or attached: the object lives as long as its handles.
+package bpftest
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+)
+
+// TCOK is TC_ACT_OK: the program translated the packet and ended the chain.
+const TCOK = 0
+
+// Sizes shrinks the lifecycle maps (preallocated LRU hashes of 64k entries
+// and more are pointless for a test; small ones let a test fill them). Zero
+// keeps the tier's size.
+type Sizes struct{ CT, NAT uint32 }
+
+// Object is a loaded TC object with typed maps and programs.
+type Object struct {
+	Spec     *ebpf.CollectionSpec
+	Maps     bpf.Maps
+	Programs bpf.Programs
+	tables   map[string]*ebpf.Map // Maglev tables by backend list
+}
+
+// Load loads the object of tier with its lifecycle maps shrunk to sz.
+func Load(tier bpf.Tier, sz Sizes) (*Object, error) {
+	spec, err := bpf.Spec(tier)
+	if err != nil {
+		return nil, err
+	}
+	for name, n := range map[string]uint32{"fluxvm_fct4": sz.CT, "fluxvm_fct6": sz.CT, "fluxvm_nat4": sz.NAT, "fluxvm_nat6": sz.NAT} {
+		if n != 0 {
+			spec.Maps[name].MaxEntries = n
+		}
+	}
+	o := &Object{Spec: spec, tables: map[string]*ebpf.Map{}}
+	var objs struct {
+		bpf.Maps
+		bpf.Programs
+	}
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		return nil, fmt.Errorf("bpftest: load: %w", err)
+	}
+	o.Maps, o.Programs = objs.Maps, objs.Programs
+	return o, nil
+}
+
+// Close releases the object's maps, programs and Maglev tables.
+func (o *Object) Close() error {
+	errs := []error{o.Maps.Close(), o.Programs.Close()}
+	for _, m := range o.tables {
+		errs = append(errs, m.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// Service installs frontend vip/proto -> sid with flags (bpf.SvcFlag*),
+// opens its guard and fills its Maglev table from bids (Table).
+func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bids ...uint32) error {
+	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
+	w := bpf.AddrWords(vip.Addr())
+	var err error
+	if vip.Addr().Is4() {
+		err = o.Maps.FluxvmSvc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val)
+	} else {
+		err = o.Maps.FluxvmSvc6.Put(bpf.SvcKey6{Vip: w, Port: bpf.Port(vip.Port()), Proto: proto}, val)
+	}
+	if err != nil {
+		return fmt.Errorf("bpftest: frontend: %w", err)
+	}
+	if err := o.Maps.FluxvmSguard.Put(sid, bpf.Guard{State: bpf.GuardOpen, Revision: 1}); err != nil {
+		return fmt.Errorf("bpftest: guard: %w", err)
+	}
+	return o.Table(sid, bids...)
+}
+
+// Table swaps in a Maglev table for sid, as the control plane does (a
+// complete inner map, then one update of the outer slot): the tier's
+// largest size, slot i naming bids[i%len(bids)]. Tables are built once per
+// backend list and reused: filling thousands of slots is the slowest write
+// a test makes.
+func (o *Object) Table(sid uint32, bids ...uint32) error {
+	if len(bids) == 0 {
+		return errors.New("bpftest: a table needs a backend")
+	}
+	name := fmt.Sprint(bids)
+	inner := o.tables[name]
+	if inner == nil {
+		var err error
+		if inner, err = ebpf.NewMap(o.Spec.Maps["fluxvm_maglev"].InnerMap); err != nil {
+			return fmt.Errorf("bpftest: table: %w", err)
+		}
+		n := inner.MaxEntries()
+		keys, ids := make([]uint32, n), make([]uint32, n)
+		for i := range keys {
+			keys[i], ids[i] = uint32(i), bids[i%len(bids)]
+		}
+		if _, err := inner.BatchUpdate(keys, ids, nil); err != nil {
+			inner.Close()
+			return fmt.Errorf("bpftest: table: %w", err)
+		}
+		o.tables[name] = inner
+	}
+	return o.Maps.FluxvmMaglev.Put(sid, inner)
+}
+
+// Backend writes backend slot id: ap of service sid in state, with its
+// drain deadline (CLOCK_MONOTONIC ns) for a Draining backend.
+func (o *Object) Backend(id, sid uint32, ap netip.AddrPort, state bpf.BackendState, drainUntil uint64) error {
+	fam := bpf.FamilyIPv6
+	if ap.Addr().Is4() {
+		fam = bpf.FamilyIPv4
+	}
+	return o.Maps.FluxvmBackends.Put(id, bpf.Backend{
+		Addr: bpf.AddrWords(ap.Addr()), Port: bpf.Port(ap.Port()), Family: fam,
+		State: uint8(state), ServiceId: sid, DrainUntilNs: drainUntil,
+	})
+}
+
+// RemoveBackend empties backend slot id, as a removal does.
+func (o *Object) RemoveBackend(id uint32) error {
+	return o.Maps.FluxvmBackends.Put(id, bpf.Backend{})
+}
+
+// SNAT writes the north-south SNAT configuration: addresses a4 and a6,
+// ports [min, max].
+func (o *Object) SNAT(a4, a6 netip.Addr, min, max uint16) error {
+	return o.Maps.FluxvmSnat.Put(uint32(0), bpf.SNATConfig{
+		Addr4: bpf.AddrWords(a4)[0], Addr6: bpf.AddrWords(a6),
+		PortMin: min, PortMax: max, Flags: bpf.SNATFlagV4 | bpf.SNATFlagV6,
+	})
+}
+
+// Frame is a TCP (with flags f) or UDP packet from src to dst.
+func Frame(src, dst netip.AddrPort, proto uint8, f pkt.TCPFlags) []byte {
+	if proto == 6 {
+		return pkt.TCP(src, dst, f, []byte("fluxvm"))
+	}
+	return pkt.UDP(src, dst, []byte("fluxvm"))
+}
+
+// Run passes frame in through prog once; call it in the test's network
+// namespace (testenv.Thread.Do).
+func Run(prog *ebpf.Program, in []byte) (uint32, []byte, error) {
+	opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+256), Repeat: 1}
+	ret, err := prog.Run(&opts)
+	return ret, opts.DataOut, err
+}
+
+// Endpoints decodes the source and destination of a frame (invalid
+// AddrPorts when it has no IP or transport layer).
+func Endpoints(frame []byte) (src, dst netip.AddrPort) {
+	p := pkt.Decode(frame)
+	nl, tl := p.NetworkLayer(), p.TransportLayer()
+	if nl == nil || tl == nil {
+		return src, dst
+	}
+	ap := func(addr, port []byte) netip.AddrPort {
+		a, _ := netip.AddrFromSlice(addr)
+		return netip.AddrPortFrom(a.Unmap(), uint16(port[0])<<8|uint16(port[1]))
+	}
+	return ap(nl.NetworkFlow().Src().Raw(), tl.TransportFlow().Src().Raw()),
+		ap(nl.NetworkFlow().Dst().Raw(), tl.TransportFlow().Dst().Raw())
+}

@@ -39,100 +39,100 @@
  * paths have nothing for it).
  */
 #define FLUXVM_PATH(name, call)                                                 \
-	__attribute__((noinline)) int name(struct __sk_buff *skb, struct fluxvm_pkt *pkt) \
+	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt) \
 	{                                                                       \
 		if (!pkt)                                                       \
 			return FLUXVM_TC_NEXT;                                  \
 		return call;                                                    \
 	}
 
-FLUXVM_PATH(fluxvm_forward6_vm, fluxvm_lb_forward(skb, pkt, 1, FLUXVM_EDGE_VM))
-FLUXVM_PATH(fluxvm_forward4_ns, fluxvm_lb_forward(skb, pkt, 0, FLUXVM_EDGE_NS))
-FLUXVM_PATH(fluxvm_forward6_ns, fluxvm_lb_forward(skb, pkt, 1, FLUXVM_EDGE_NS))
-FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNAT, 1))
-FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_SNAT, 1))
-FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(skb, pkt, 0, FLUXVM_REPLY_SNAT, 0))
-FLUXVM_PATH(fluxvm_reply6_snat_out, fluxvm_lb_reply(skb, pkt, 1, FLUXVM_REPLY_SNAT, 0))
+FLUXVM_PATH(fluxvm_forward6_vm, fluxvm_lb_forward(ctx, pkt, 1, FLUXVM_EDGE_VM))
+FLUXVM_PATH(fluxvm_forward4_ns, fluxvm_lb_forward(ctx, pkt, 0, FLUXVM_EDGE_NS))
+FLUXVM_PATH(fluxvm_forward6_ns, fluxvm_lb_forward(ctx, pkt, 1, FLUXVM_EDGE_NS))
+FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 1))
+FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 1))
+FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 0))
+FLUXVM_PATH(fluxvm_reply6_snat_out, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 0))
 /* ICMP errors about translated flows (lib/icmp.h), for the two reply
  * directions: to an east-west client, and to the SNAT address. */
-FLUXVM_PATH(fluxvm_icmp4_ew, fluxvm_icmp_error(skb, pkt, 0, FLUXVM_REPLY_EW))
-FLUXVM_PATH(fluxvm_icmp6_ew, fluxvm_icmp_error(skb, pkt, 1, FLUXVM_REPLY_EW))
-FLUXVM_PATH(fluxvm_icmp4_snat, fluxvm_icmp_error(skb, pkt, 0, FLUXVM_REPLY_SNAT))
-FLUXVM_PATH(fluxvm_icmp6_snat, fluxvm_icmp_error(skb, pkt, 1, FLUXVM_REPLY_SNAT))
+FLUXVM_PATH(fluxvm_icmp4_ew, fluxvm_icmp_error(ctx, pkt, 0, FLUXVM_REPLY_EW))
+FLUXVM_PATH(fluxvm_icmp6_ew, fluxvm_icmp_error(ctx, pkt, 1, FLUXVM_REPLY_EW))
+FLUXVM_PATH(fluxvm_icmp4_snat, fluxvm_icmp_error(ctx, pkt, 0, FLUXVM_REPLY_SNAT))
+FLUXVM_PATH(fluxvm_icmp6_snat, fluxvm_icmp_error(ctx, pkt, 1, FLUXVM_REPLY_SNAT))
 
 /* VM-edge ingress: packets a VM sends. East-west VIPs are DNATed (or
  * forwarded by DSR) here; a VM backend's replies to the SNAT address of a
  * north-south flow get the VIP and the client back. */
 SEC("tc")
-int fluxvm_from_vm(struct __sk_buff *skb)
+int fluxvm_from_vm(struct __ctx_buff *ctx)
 {
 	struct fluxvm_pkt pkt = {};
 	int ret;
 
-	if (!fluxvm_parse_counted(skb, &pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return FLUXVM_TC_NEXT;
 	/* ICMP is never service traffic; errors to the SNAT address are
 	 * translated back (fluxvm_icmp*_snat check the address). */
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(skb, &pkt);
+			return fluxvm_icmp4_snat(ctx, &pkt);
 		/* Inline: the conntrack-hit path (see above). */
-		ret = fluxvm_lb_forward(skb, &pkt, 0, FLUXVM_EDGE_VM);
+		ret = fluxvm_lb_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
 		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
-			ret = fluxvm_reply4_snat_in(skb, &pkt);
+			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(skb, &pkt);
-	ret = fluxvm_forward6_vm(skb, &pkt);
+		return fluxvm_icmp6_snat(ctx, &pkt);
+	ret = fluxvm_forward6_vm(ctx, &pkt);
 	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
-		ret = fluxvm_reply6_snat_in(skb, &pkt);
+		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
 
 /* VM-edge egress: packets delivered to a VM. Replies from a backend get the
  * VIP back as their source. */
 SEC("tc")
-int fluxvm_to_vm(struct __sk_buff *skb)
+int fluxvm_to_vm(struct __ctx_buff *ctx)
 {
 	struct fluxvm_pkt pkt = {};
 
-	if (!fluxvm_parse_counted(skb, &pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_ew(skb, &pkt);
-		return fluxvm_lb_reply(skb, &pkt, 0, FLUXVM_REPLY_EW, 0);
+			return fluxvm_icmp4_ew(ctx, &pkt);
+		return fluxvm_lb_reply(ctx, &pkt, 0, FLUXVM_REPLY_EW, 0);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_ew(skb, &pkt);
-	return fluxvm_lb_reply(skb, &pkt, 1, FLUXVM_REPLY_EW, 0);
+		return fluxvm_icmp6_ew(ctx, &pkt);
+	return fluxvm_lb_reply(ctx, &pkt, 1, FLUXVM_REPLY_EW, 0);
 }
 
 /* North-south ingress: clients outside the node reach north-south VIPs
  * (DNAT + SNAT, or routed DSR); remote backends' replies to the SNAT
  * address are translated back. */
 SEC("tc")
-int fluxvm_ns_in(struct __sk_buff *skb)
+int fluxvm_ns_in(struct __ctx_buff *ctx)
 {
 	struct fluxvm_pkt pkt = {};
 	int ret;
 
-	if (!fluxvm_parse_counted(skb, &pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(skb, &pkt);
-		ret = fluxvm_forward4_ns(skb, &pkt);
+			return fluxvm_icmp4_snat(ctx, &pkt);
+		ret = fluxvm_forward4_ns(ctx, &pkt);
 		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
-			ret = fluxvm_reply4_snat_in(skb, &pkt);
+			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(skb, &pkt);
-	ret = fluxvm_forward6_ns(skb, &pkt);
+		return fluxvm_icmp6_snat(ctx, &pkt);
+	ret = fluxvm_forward6_ns(ctx, &pkt);
 	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
-		ret = fluxvm_reply6_snat_in(skb, &pkt);
+		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
 
@@ -140,24 +140,24 @@ int fluxvm_ns_in(struct __sk_buff *skb)
  * ingress hooks first, such as those of a backend on the node itself when
  * the SNAT address is routed to the node rather than assigned to it. */
 SEC("tc")
-int fluxvm_ns_out(struct __sk_buff *skb)
+int fluxvm_ns_out(struct __ctx_buff *ctx)
 {
 	struct fluxvm_pkt pkt = {};
 
-	if (!fluxvm_parse_counted(skb, &pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(skb, &pkt);
+			return fluxvm_icmp4_snat(ctx, &pkt);
 		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
 			return FLUXVM_TC_NEXT;
-		return fluxvm_reply4_snat_out(skb, &pkt);
+		return fluxvm_reply4_snat_out(ctx, &pkt);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(skb, &pkt);
+		return fluxvm_icmp6_snat(ctx, &pkt);
 	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
 		return FLUXVM_TC_NEXT;
-	return fluxvm_reply6_snat_out(skb, &pkt);
+	return fluxvm_reply6_snat_out(ctx, &pkt);
 }
 
 char _license[] SEC("license") = "Dual BSD/GPL";

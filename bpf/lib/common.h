@@ -33,32 +33,7 @@
  */
 #define FLUXVM_TC_NEXT TC_ACT_UNSPEC
 
-/*
- * skb->data and skb->data_end, loaded by an instruction clang cannot fold
- * into an earlier address computation. The verifier only accepts ctx loads
- * at a constant offset from the unmodified ctx pointer; left to itself,
- * clang may keep "skb + 80" in a register across a helper call and load
- * through it, which the verifier refuses ("dereference of modified ctx
- * ptr"), or reuse a stale load after a helper that moved the packet.
- */
-static __always_inline void *fluxvm_data(const struct __sk_buff *skb)
-{
-	void *p;
-
-	asm volatile("%0 = *(u32 *)(%1 + %2)"
-		     : "=r"(p)
-		     : "r"(skb), "i"(__builtin_offsetof(struct __sk_buff, data)));
-	return p;
-}
-
-static __always_inline void *fluxvm_data_end(const struct __sk_buff *skb)
-{
-	void *p;
-
-	asm volatile("%0 = *(u32 *)(%1 + %2)"
-		     : "=r"(p)
-		     : "r"(skb), "i"(__builtin_offsetof(struct __sk_buff, data_end)));
-	return p;
-}
+/* The packet context: TC (skb) today; an XDP object will bring its own. */
+#include "ctx/skb.h"
 
 #endif /* FLUXVM_LIB_COMMON_H */

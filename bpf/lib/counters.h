@@ -24,9 +24,9 @@ static __always_inline struct fluxvm_svc_stats_value *fluxvm_stats(__u32 service
 }
 
 static __always_inline struct fluxvm_svc_stats_value *
-fluxvm_edge(struct __sk_buff *skb)
+fluxvm_edge(struct __ctx_buff *ctx)
 {
-	__u32 ifindex = skb->ifindex;
+	__u32 ifindex = ctx_ifindex(ctx);
 	__u32 key = ifindex & FLUXVM_EDGE_SLOT_MASK;
 	struct fluxvm_edge_slot *s = bpf_map_lookup_elem(&fluxvm_edge_slots, &key);
 

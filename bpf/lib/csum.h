@@ -52,39 +52,18 @@ static __always_inline __u16 fluxvm_csum_fold(__u32 s)
 }
 
 /*
- * The skb's checksum state. __sk_buff does not expose ip_summed, so it is
- * read from the kernel's sk_buff through bpf_cast_to_kern_ctx (a no-op cast
- * the verifier resolves, Linux 6.3+) with a CO-RE relocated bitfield read.
- */
-extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
-
-struct sk_buff___fluxvm {
-	__u8 ip_summed : 2;
-} __attribute__((preserve_access_index));
-
-#define FLUXVM_CHECKSUM_COMPLETE 2
-#define FLUXVM_CHECKSUM_PARTIAL 3
-
-static __always_inline __u32 fluxvm_ip_summed(struct __sk_buff *skb)
-{
-	struct sk_buff___fluxvm *k = bpf_cast_to_kern_ctx(skb);
-
-	return BPF_CORE_READ_BITFIELD(k, ip_summed);
-}
-
-/*
  * CHECKSUM_COMPLETE: skb->csum sums the packet from the IP header on, so
  * every write there moves it by what the written words moved by (@moved,
  * a partial sum of the changes). Callers call this only under
  * CHECKSUM_COMPLETE, after the packet is written: bpf_csum_update costs a
  * helper call, and a change that folds to zero needs none.
  */
-static __always_inline void fluxvm_csum_complete_move(struct __sk_buff *skb, __u32 moved)
+static __always_inline void fluxvm_csum_complete_move(struct __ctx_buff *ctx, __u32 moved)
 {
 	moved = (moved & 0xffff) + (moved >> 16);
 	moved = (moved & 0xffff) + (moved >> 16);
 	if (moved != 0 && moved != 0xffff)
-		bpf_csum_update(skb, moved);
+		ctx_csum_update(ctx, moved);
 }
 
 #endif /* FLUXVM_LIB_CSUM_H */

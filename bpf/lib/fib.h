@@ -59,7 +59,7 @@ static __always_inline __u32 fluxvm_ipv6_dec_hoplimit(struct ipv6hdr *ip6)
  * ICMP errors where due). Nothing is written on a miss; once the packet is
  * written, a failure is TC_ACT_SHOT.
  */
-static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
+static __always_inline int fluxvm_fib_redirect(struct __ctx_buff *ctx,
 					       const struct fluxvm_pkt *pkt, const int v6,
 					       const __be32 *dst)
 {
@@ -67,7 +67,7 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
 	__u32 l3_off = pkt->l3_off, moved = 0;
 	/* Read before the lookup: the verifier forgets packet ranges
 	 * across calls. */
-	__u32 summed = fluxvm_ip_summed(skb);
+	__u32 summed = ctx_ip_summed(ctx);
 	struct bpf_fib_lookup *fib;
 	struct ethhdr *eth;
 	void *data, *end;
@@ -81,12 +81,12 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
 	fib = &s->fib;
 	__builtin_memset(fib, 0, sizeof(*fib));
 	__builtin_memset(&s->nh, 0, sizeof(s->nh));
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 
 	/* On the ingress hooks that call this, the device is the one the
 	 * packet arrived on. */
-	fib->ifindex = skb->ifindex;
+	fib->ifindex = ctx_ifindex(ctx);
 	if (v6) {
 		struct ipv6hdr *ip6 = data + l3_off;
 
@@ -111,14 +111,14 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
 		fib->ipv4_dst = dst ? dst[0] : iph->daddr;
 	}
 
-	rc = bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+	rc = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return FLUXVM_FIB_MISS;
 
 	/* The helper does not move the packet, but re-derive the pointers
 	 * the verifier wants checked again after a call. */
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 	eth = data;
 	if (v6) {
 		struct ipv6hdr *ip6 = data + l3_off;
@@ -140,7 +140,7 @@ static __always_inline int fluxvm_fib_redirect(struct __sk_buff *skb,
 	}
 	/* Last: the helper call ends what the verifier knows of the packet. */
 	if (summed == FLUXVM_CHECKSUM_COMPLETE)
-		fluxvm_csum_complete_move(skb, moved);
+		fluxvm_csum_complete_move(ctx, moved);
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS)
 		return bpf_redirect(fib->ifindex, 0);
 	/* The next hop is known but its link-layer address is not (yet):

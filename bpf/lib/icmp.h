@@ -61,7 +61,7 @@
  * reply direction @kind. Returns TC_ACT_OK when translated, else
  * FLUXVM_TC_NEXT with the packet untouched.
  */
-static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
+static __always_inline int fluxvm_icmp_error(struct __ctx_buff *ctx,
 					     const struct fluxvm_pkt *pkt, const int v6,
 					     const int kind)
 {
@@ -94,7 +94,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	/* The ICMP header: an error type. */
 	if (off + 8 > l3_end)
 		return FLUXVM_TC_NEXT;
-	h = fluxvm_hdr(skb, off, 8);
+	h = fluxvm_hdr(ctx, off, 8);
 	if (!h)
 		return FLUXVM_TC_NEXT;
 	if (v6) {
@@ -112,7 +112,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 
 		if (in_off + sizeof(*ip6) > l3_end)
 			return FLUXVM_TC_NEXT;
-		ip6 = fluxvm_hdr(skb, in_off, sizeof(*ip6));
+		ip6 = fluxvm_hdr(ctx, in_off, sizeof(*ip6));
 		if (!ip6 || ip6->version != 6)
 			return FLUXVM_TC_NEXT;
 		iproto = ip6->nexthdr;
@@ -124,7 +124,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 
 		if (in_off + sizeof(*iph) > l3_end)
 			return FLUXVM_TC_NEXT;
-		iph = fluxvm_hdr(skb, in_off, sizeof(*iph));
+		iph = fluxvm_hdr(ctx, in_off, sizeof(*iph));
 		if (!iph || iph->version != 4 || iph->ihl < 5)
 			return FLUXVM_TC_NEXT;
 		if (iph->frag_off & bpf_htons(0x3fff))
@@ -144,7 +144,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 		return FLUXVM_TC_NEXT;
 	if (il4 > FLUXVM_ICMP_MAX_INNER_L4 || il4 + 8 > l3_end)
 		return FLUXVM_TC_NEXT;
-	h = fluxvm_hdr(skb, il4, 8);
+	h = fluxvm_hdr(ctx, il4, 8);
 	if (!h)
 		return FLUXVM_TC_NEXT;
 	isport = *(__be16 *)h;
@@ -181,17 +181,17 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 	csum_off = il4 + (udp ? 6 : 16);
 	has_l4csum = csum_off + 2 <= l3_end;
 	need = has_l4csum ? csum_off + 2 : il4 + 8;
-	if (!fluxvm_hdr(skb, 0, need))
+	if (!fluxvm_hdr(ctx, 0, need))
 		return FLUXVM_TC_NEXT;
-	summed = fluxvm_ip_summed(skb);
+	summed = ctx_ip_summed(ctx);
 	/*
 	 * The point of no return. Every pointer written through is derived
 	 * and checked here, after the last call (the verifier forgets packet
 	 * ranges across calls): from the first write on nothing can fail,
 	 * so a packet is never passed on half translated.
 	 */
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 	oip = data + l3_off;
 	qip = data + in_off;
 	qports = data + il4;
@@ -287,7 +287,7 @@ static __always_inline int fluxvm_icmp_error(struct __sk_buff *skb,
 		moved = fluxvm_csum_add(moved, odiff);
 		if (snat && !v6)
 			moved = fluxvm_csum_add(moved, fluxvm_csum_diff2(old_oc, new_oc));
-		fluxvm_csum_complete_move(skb, moved);
+		fluxvm_csum_complete_move(ctx, moved);
 	}
 	fluxvm_count(FLUXVM_CNT_ICMP_ERRORS_TRANSLATED);
 	return TC_ACT_OK;

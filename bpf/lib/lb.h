@@ -134,16 +134,16 @@ static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, c
  * client directly. Without a route to the backend the packet is dropped:
  * the host stack would route it by the VIP instead.
  */
-static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb,
+static __always_inline int fluxvm_dsr_forward(struct __ctx_buff *ctx,
 					      const struct fluxvm_pkt *pkt, const int v6,
 					      const struct fluxvm_backend *be,
 					      struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
-	__u32 len = skb->len;
+	__u32 len = ctx_full_len(ctx);
 	int ret;
 
-	ret = fluxvm_fib_redirect(skb, pkt, v6, be->addr);
+	ret = fluxvm_fib_redirect(ctx, pkt, v6, be->addr);
 	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT)
 		return fluxvm_drop(FLUXVM_DROP_DSR_NO_ROUTE, st, es);
 	fluxvm_count(FLUXVM_CNT_DSR_FORWARDED);
@@ -155,10 +155,10 @@ static __always_inline int fluxvm_dsr_forward(struct __sk_buff *skb,
  * to the host stack (TC_ACT_OK), never a drop. A failure after the
  * lookup wrote to the packet (TTL, MACs) drops it: the host stack would
  * forward it a second time. */
-static __always_inline int fluxvm_host_route(struct __sk_buff *skb,
+static __always_inline int fluxvm_host_route(struct __ctx_buff *ctx,
 					     const struct fluxvm_pkt *pkt, const int v6)
 {
-	int ret = fluxvm_fib_redirect(skb, pkt, v6, NULL);
+	int ret = fluxvm_fib_redirect(ctx, pkt, v6, NULL);
 
 	if (ret == FLUXVM_FIB_MISS) {
 		fluxvm_count(FLUXVM_CNT_HOST_ROUTE_FALLBACKS);
@@ -172,7 +172,7 @@ static __always_inline int fluxvm_host_route(struct __sk_buff *skb,
 
 /* Client -> VIP: pick or keep a backend, then DNAT (and SNAT at the
  * north-south edge) or forward it by DSR. */
-static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
+static __always_inline int fluxvm_lb_forward(struct __ctx_buff *ctx,
 					     struct fluxvm_pkt *pkt, const int v6,
 					     const int edge)
 {
@@ -200,7 +200,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 		svc = fluxvm_frontend(pkt, v6, 0);
 		if (!svc || !fluxvm_svc_here(svc, edge))
 			return FLUXVM_TC_NEXT;
-		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id), fluxvm_edge(skb));
+		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id), fluxvm_edge(ctx));
 	}
 	svc = fluxvm_frontend(pkt, v6, pkt->dport);
 	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, edge))
@@ -213,7 +213,7 @@ static __always_inline int fluxvm_lb_forward(struct __sk_buff *skb,
 	kind = dsr ? FLUXVM_CT_F_DSR : snat ? FLUXVM_CT_F_SNAT : 0;
 	nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
 	st = fluxvm_stats(sid);
-	es = fluxvm_edge(skb);
+	es = fluxvm_edge(ctx);
 	guard = bpf_map_lookup_elem(&fluxvm_sguard, &sid);
 	if (!guard || guard->state != FLUXVM_GUARD_OPEN)
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
@@ -329,14 +329,14 @@ pick:
 
 out:
 	if (dsr)
-		return fluxvm_dsr_forward(skb, pkt, v6, be, st, es);
-	if (fluxvm_rewrite(skb, pkt, v6, 1, be->addr, be->port))
+		return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
+	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (snat && fluxvm_rewrite(skb, pkt, v6, 0, nat_addr, nat_port))
+	if (snat && fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	fluxvm_count_translated(st, es, skb->len, 0);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
 	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
-		return fluxvm_host_route(skb, pkt, v6);
+		return fluxvm_host_route(ctx, pkt, v6);
 	/* TC_ACT_OK ends the chain: the VM policy program behind us never
 	 * sees the backend address and port. */
 	return TC_ACT_OK;
@@ -364,7 +364,7 @@ static __always_inline int fluxvm_ct_owns_nat(const struct fluxvm_ct_value *ct, 
  * keep the conntrack half current (state changes, idle deadline, and
  * recreation if the LRU evicted it). @ingress allows host routing.
  */
-static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
+static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 					   struct fluxvm_pkt *pkt, const int v6,
 					   const int kind, const int ingress)
 {
@@ -438,7 +438,7 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 	if (refresh && pkt->frag == FLUXVM_FRAG_NONE)
 		nat->last_seen_ns = now;
 	st = fluxvm_stats(nat_sid);
-	es = fluxvm_edge(skb);
+	es = fluxvm_edge(ctx);
 	if (pkt->frag != FLUXVM_FRAG_NONE)
 		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
 
@@ -485,13 +485,13 @@ static __always_inline int fluxvm_lb_reply(struct __sk_buff *skb,
 		}
 	}
 
-	if (fluxvm_rewrite(skb, pkt, v6, 0, vip, vport))
+	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (snat && fluxvm_rewrite(skb, pkt, v6, 1, client, cport))
+	if (snat && fluxvm_rewrite(ctx, pkt, v6, 1, client, cport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	fluxvm_count_translated(st, es, skb->len, 1);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
 	if (ingress && (nat_flags & FLUXVM_NAT_F_HOST_ROUTING))
-		return fluxvm_host_route(skb, pkt, v6);
+		return fluxvm_host_route(ctx, pkt, v6);
 	return TC_ACT_OK;
 }
 

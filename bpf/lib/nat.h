@@ -57,14 +57,14 @@ static __always_inline void fluxvm_l4_csum_patch(__sum16 *csum, __u32 summed, in
  * helper, bpf_csum_update. A helper call costs tens of nanoseconds, a large
  * share of a conntrack-hit packet.
  */
-static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
+static __always_inline int fluxvm_rewrite(struct __ctx_buff *ctx,
 					  const struct fluxvm_pkt *pkt, const int v6,
 					  const int dst, const __be32 *addr, __be16 port)
 {
 	const __be32 *old = dst ? pkt->daddr : pkt->saddr;
 	__be16 old_port = dst ? pkt->dport : pkt->sport;
 	int udp = pkt->l4_proto == IPPROTO_UDP;
-	__u32 summed = fluxvm_ip_summed(skb);
+	__u32 summed = ctx_ip_summed(ctx);
 	__u32 l3_off = pkt->l3_off, l4_off = pkt->l4_off;
 	__u32 csum_off, diff, moved;
 	void *data, *end;
@@ -77,8 +77,8 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 	if (l3_off > FLUXVM_MAX_L4_OFF || l4_off > FLUXVM_MAX_L4_OFF)
 		return -1;
 	csum_off = l4_off + (udp ? 6 : 16);
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 	/* Every bound is checked before the first write: a packet is never
 	 * left half rewritten. */
 	p = data + l4_off + (dst ? 2 : 0);
@@ -129,7 +129,7 @@ static __always_inline int fluxvm_rewrite(struct __sk_buff *skb,
 	moved = fluxvm_csum_add(moved, *c);
 	if (v6)
 		moved = fluxvm_csum_add(moved, diff);
-	fluxvm_csum_complete_move(skb, moved);
+	fluxvm_csum_complete_move(ctx, moved);
 	return 0;
 }
 

@@ -53,8 +53,8 @@ enum fluxvm_frag {
 };
 
 struct fluxvm_pkt {
-	__u16 l3_off;     /* IP header, from skb->data */
-	__u16 l4_off;     /* upper-layer header, from skb->data */
+	__u16 l3_off;     /* IP header, from the packet's start (ctx_data) */
+	__u16 l4_off;     /* upper-layer header, from the packet's start */
 	__u16 l3_end;     /* end of the IP payload (trailing L2 padding excluded) */
 	__u16 l3_proto;   /* ETH_P_IP or ETH_P_IPV6, host order */
 	__u8 l4_proto;    /* upper-layer protocol after all extension headers */
@@ -77,30 +77,30 @@ struct fluxvm_pkt {
  * reusing an older load can make it emit a 32-bit move on the pointer,
  * which the verifier turns into a scalar and then refuses to dereference.
  */
-static __always_inline void *fluxvm_hdr(struct __sk_buff *skb, __u32 off,
+static __always_inline void *fluxvm_hdr(struct __ctx_buff *ctx, __u32 off,
 					__u32 len)
 {
 	void *data, *end;
 
 	asm volatile("" ::: "memory");
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 	if (data + off + len <= end)
 		return data + off;
-	if (off + len > skb->len || bpf_skb_pull_data(skb, off + len))
+	if (off + len > ctx_full_len(ctx) || ctx_pull_data(ctx, off + len))
 		return NULL;
-	data = fluxvm_data(skb);
-	end = fluxvm_data_end(skb);
+	data = ctx_data(ctx);
+	end = ctx_data_end(ctx);
 	if (data + off + len > end)
 		return NULL;
 	return data + off;
 }
 
-static __always_inline int fluxvm_parse_ipv4(struct __sk_buff *skb,
+static __always_inline int fluxvm_parse_ipv4(struct __ctx_buff *ctx,
 					     struct fluxvm_pkt *pkt)
 {
 	__u32 off = pkt->l3_off;
-	struct iphdr *iph = fluxvm_hdr(skb, off, sizeof(*iph));
+	struct iphdr *iph = fluxvm_hdr(ctx, off, sizeof(*iph));
 	__u32 hlen, tot;
 	__u16 frag;
 
@@ -113,7 +113,7 @@ static __always_inline int fluxvm_parse_ipv4(struct __sk_buff *skb,
 	frag = bpf_ntohs(iph->frag_off);
 	if (tot < hlen)
 		return FLUXVM_PARSE_MALFORMED;
-	if (off + tot > skb->len)
+	if (off + tot > ctx_full_len(ctx))
 		return FLUXVM_PARSE_TRUNCATED;
 
 	pkt->l4_proto = iph->protocol;
@@ -130,11 +130,11 @@ static __always_inline int fluxvm_parse_ipv4(struct __sk_buff *skb,
 	return FLUXVM_PARSE_OK;
 }
 
-static __always_inline int fluxvm_parse_ipv6(struct __sk_buff *skb,
+static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 					     struct fluxvm_pkt *pkt)
 {
 	__u32 off = pkt->l3_off;
-	struct ipv6hdr *ip6 = fluxvm_hdr(skb, off, sizeof(*ip6));
+	struct ipv6hdr *ip6 = fluxvm_hdr(ctx, off, sizeof(*ip6));
 	__u32 end;
 	__u8 nh;
 	int i;
@@ -144,7 +144,7 @@ static __always_inline int fluxvm_parse_ipv6(struct __sk_buff *skb,
 	if (ip6->version != 6)
 		return FLUXVM_PARSE_MALFORMED;
 	end = off + sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
-	if (end > skb->len)
+	if (end > ctx_full_len(ctx))
 		return FLUXVM_PARSE_TRUNCATED;
 	__builtin_memcpy(pkt->saddr, &ip6->saddr, 16);
 	__builtin_memcpy(pkt->daddr, &ip6->daddr, 16);
@@ -171,7 +171,7 @@ static __always_inline int fluxvm_parse_ipv6(struct __sk_buff *skb,
 			return FLUXVM_PARSE_TRUNCATED;
 		if (off > FLUXVM_MAX_L4_OFF)
 			return FLUXVM_PARSE_LIMIT;
-		h = fluxvm_hdr(skb, off, 8);
+		h = fluxvm_hdr(ctx, off, 8);
 		if (!h)
 			return FLUXVM_PARSE_TRUNCATED;
 		/* A routing header with segments left makes this node a
@@ -222,7 +222,7 @@ upper:
 	return FLUXVM_PARSE_OK;
 }
 
-static __always_inline int fluxvm_parse_l4(struct __sk_buff *skb,
+static __always_inline int fluxvm_parse_l4(struct __ctx_buff *ctx,
 					   struct fluxvm_pkt *pkt)
 {
 	__u32 off = pkt->l4_off;
@@ -238,7 +238,7 @@ static __always_inline int fluxvm_parse_l4(struct __sk_buff *skb,
 
 		if (off + sizeof(*th) > pkt->l3_end)
 			return FLUXVM_PARSE_TRUNCATED;
-		th = fluxvm_hdr(skb, off, sizeof(*th));
+		th = fluxvm_hdr(ctx, off, sizeof(*th));
 		if (!th)
 			return FLUXVM_PARSE_TRUNCATED;
 		doff = th->doff * 4;
@@ -255,7 +255,7 @@ static __always_inline int fluxvm_parse_l4(struct __sk_buff *skb,
 
 		if (off + sizeof(*uh) > pkt->l3_end)
 			return FLUXVM_PARSE_TRUNCATED;
-		uh = fluxvm_hdr(skb, off, sizeof(*uh));
+		uh = fluxvm_hdr(ctx, off, sizeof(*uh));
 		if (!uh)
 			return FLUXVM_PARSE_TRUNCATED;
 		ulen = bpf_ntohs(uh->len);
@@ -271,28 +271,28 @@ static __always_inline int fluxvm_parse_l4(struct __sk_buff *skb,
 }
 
 /* Parse the frame in @skb into @pkt; returns enum fluxvm_parse_result. */
-static __always_inline int fluxvm_parse(struct __sk_buff *skb,
+static __always_inline int fluxvm_parse(struct __ctx_buff *ctx,
 					struct fluxvm_pkt *pkt)
 {
-	struct ethhdr *eth = fluxvm_hdr(skb, 0, sizeof(*eth));
+	struct ethhdr *eth = fluxvm_hdr(ctx, 0, sizeof(*eth));
 	int ret;
 
 	if (!eth)
 		return FLUXVM_PARSE_TRUNCATED;
-	if (skb->vlan_present)
+	if (ctx_vlan_present(ctx))
 		return FLUXVM_PARSE_NON_IP;
 	pkt->l3_proto = bpf_ntohs(eth->h_proto);
 	pkt->l3_off = sizeof(*eth);
 
 	if (pkt->l3_proto == ETH_P_IP)
-		ret = fluxvm_parse_ipv4(skb, pkt);
+		ret = fluxvm_parse_ipv4(ctx, pkt);
 	else if (pkt->l3_proto == ETH_P_IPV6)
-		ret = fluxvm_parse_ipv6(skb, pkt);
+		ret = fluxvm_parse_ipv6(ctx, pkt);
 	else
 		return FLUXVM_PARSE_NON_IP;
 	if (ret != FLUXVM_PARSE_OK)
 		return ret;
-	return fluxvm_parse_l4(skb, pkt);
+	return fluxvm_parse_l4(ctx, pkt);
 }
 
 /*
@@ -335,9 +335,9 @@ static __always_inline void fluxvm_count_parse(int ret, struct fluxvm_pkt *pkt)
 
 /* Parse and count: what every entry program does first. Returns 1 when
  * @pkt holds a parsed IP packet. */
-static __always_inline int fluxvm_parse_counted(struct __sk_buff *skb, struct fluxvm_pkt *pkt)
+static __always_inline int fluxvm_parse_counted(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt)
 {
-	int ret = fluxvm_parse(skb, pkt);
+	int ret = fluxvm_parse(ctx, pkt);
 
 	fluxvm_count_parse(ret, pkt);
 	return ret == FLUXVM_PARSE_OK;

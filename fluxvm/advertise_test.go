@@ -10,11 +10,12 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/health"
@@ -224,7 +225,7 @@ func TestMemPublisher(t *testing.T) {
 // unchanged set does not rewrite it, Close publishes what is pending and
 // stops the goroutine, and a new dataplane continues the generation.
 func TestAdvertiserFile(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "run", "service-advertisements.json")
 	d := advertDataplane(t, path)
 	d.startAdvertiser()
@@ -287,7 +288,7 @@ func TestAdvertiserFile(t *testing.T) {
 	if gen < 3 {
 		t.Errorf("generation %d after a change", gen)
 	}
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 
 	// A new dataplane on the same file: same content, no rewrite, the
 	// generation continues.
@@ -313,7 +314,7 @@ func TestAdvertiserFile(t *testing.T) {
 	if s, err := advert.Read(path); err != nil || len(s.Entries) != 0 || s.Generation != gen+2 {
 		t.Errorf("after the empty publish: %+v, %v", s, err)
 	}
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestAdvertiserPublishError: a path that cannot be written does not stop
@@ -321,7 +322,7 @@ func TestAdvertiserFile(t *testing.T) {
 // generation 0, Status the error, and the goroutine retries until the
 // path becomes writable.
 func TestAdvertiserPublishError(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leaks := goleak.IgnoreCurrent()
 	dir := t.TempDir()
 	block := filepath.Join(dir, "blocked")
 	if err := os.WriteFile(block, []byte("a file where a directory should be"), 0o644); err != nil {
@@ -335,6 +336,9 @@ func TestAdvertiserPublishError(t *testing.T) {
 		t.Fatal(err)
 	}
 	block = filepath.Dir(path)
+	retry := make(chan time.Time)
+	flushed := make(chan error) // unbuffered: an outcome received is the last attempt made
+	d.adv.testRetry, d.adv.testFlushed = retry, flushed
 	d.startAdvertiser()
 	s := d.Advertisements()
 	if s.Generation != 0 || len(s.AdvertisedPrefixes()) != 2 || s.SchemaVersion != advert.SchemaVersion {
@@ -344,30 +348,43 @@ func TestAdvertiserPublishError(t *testing.T) {
 	if st.LastError == "" || st.LastErrorAt == nil || st.Generation != 0 {
 		t.Errorf("status %+v, want the error", st)
 	}
-	// Make the path writable: the retry (1 s) publishes.
+	// The failures of Start and Advertisements kick the goroutine, whose
+	// publishes fail too and arm the retry. Once no kick is left, only
+	// the retry wakes it.
+	for {
+		if err := awaitFlush(t, flushed); err == nil {
+			t.Fatal("the goroutine published while the path was blocked")
+		}
+		if len(d.adv.kick) == 0 {
+			break
+		}
+	}
+	// Make the path writable: the retry publishes.
 	if err := os.Remove(block); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if s, err := advert.Read(path); err == nil && s.Generation == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not published after the path became writable: %+v", d.adv.status())
-		}
-		time.Sleep(20 * time.Millisecond)
+	select {
+	case retry <- time.Now():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the goroutine does not wait for a retry after a failed publish")
+	}
+	if err := awaitFlush(t, flushed); err != nil {
+		t.Fatalf("the retry after the path became writable: %v", err)
+	}
+	if s, err := advert.Read(path); err != nil || s.Generation != 1 {
+		t.Errorf("file after the retry: %+v, %v", s, err)
 	}
 	if st := d.adv.status(); st.LastError != "" || st.Generation != 1 {
 		t.Errorf("status after the retry %+v", st)
 	}
 	d.stopAdvertiser()
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestAdvertiserConcurrent submits, reads and reports from several
 // goroutines at once (run with -race); the file ends with the last set.
 func TestAdvertiserConcurrent(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "service-advertisements.json")
 	d := advertDataplane(t, path)
 	d.startAdvertiser()
@@ -394,6 +411,7 @@ func TestAdvertiserConcurrent(t *testing.T) {
 	if err != nil || len(s.AdvertisedPrefixes()) != 2 {
 		t.Errorf("final file %+v, %v", s, err)
 	}
+	goleak.VerifyNone(t, leaks)
 }
 
 func snapshotsEqual(a, b advert.Snapshot) bool {
@@ -402,15 +420,16 @@ func snapshotsEqual(a, b advert.Snapshot) bool {
 	return bytes.Equal(x, y)
 }
 
-func waitGoroutines(t *testing.T, before int) {
+// awaitFlush returns the outcome of the advertiser goroutine's next
+// publish (advertiser.testFlushed).
+func awaitFlush(t *testing.T, flushed <-chan error) error {
 	t.Helper()
-	deadline := time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines, %d before:\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	select {
+	case err := <-flushed:
+		return err
+	case <-time.After(5 * time.Second):
+		t.Fatal("the advertiser goroutine published nothing within 5s")
+		return nil
 	}
 }
 
@@ -422,6 +441,7 @@ func waitGoroutines(t *testing.T, before int) {
 // a restart continues it; Cleanup withdraws everything.
 func TestDataplaneAdvertisements(t *testing.T) {
 	e := newNSEnv(t)
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "service-advertisements.json")
 	e.opts.AdvertisementsPath = path
 	e.opts.NodeName = "lab-node"
@@ -561,6 +581,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	}
 	closed = true
 	advertiserStopped(t, d)
+	goleak.VerifyNone(t, append(labServers(), leaks)...)
 	if s := read("closed"); s.Generation != gen || !mapsEqual(decisions(s.Entries), want) {
 		t.Errorf("after Close: gen %d %v", s.Generation, decisions(s.Entries))
 	}
@@ -597,6 +618,19 @@ func TestDataplaneAdvertisements(t *testing.T) {
 		t.Errorf("after Cleanup: %+v, %v", s, err)
 	}
 	advertiserStopped(t, d)
+	goleak.VerifyNone(t, append(labServers(), leaks)...)
+}
+
+// labServers ignores the goroutines of the lab servers a test starts
+// (they end at its cleanup): a leak check after Close looks at the
+// dataplane's.
+func labServers() []goleak.Option {
+	const lab = "github.com/fluxvm/servicefabric/internal/lab.(*Server)."
+	return []goleak.Option{
+		goleak.IgnoreAnyFunction(lab + "acceptLoop"),
+		goleak.IgnoreAnyFunction(lab + "acceptLoop.func1"),
+		goleak.IgnoreAnyFunction(lab + "udpLoop"),
+	}
 }
 
 func advertiserStopped(t *testing.T, d *Dataplane) {

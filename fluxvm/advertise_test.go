@@ -337,7 +337,7 @@ func TestAdvertiserPublishError(t *testing.T) {
 	}
 	block = filepath.Dir(path)
 	retry := make(chan time.Time)
-	flushed := make(chan error) // unbuffered: an outcome received is the last attempt made
+	flushed := make(chan error)
 	d.adv.testRetry, d.adv.testFlushed = retry, flushed
 	d.startAdvertiser()
 	s := d.Advertisements()
@@ -348,28 +348,35 @@ func TestAdvertiserPublishError(t *testing.T) {
 	if st.LastError == "" || st.LastErrorAt == nil || st.Generation != 0 {
 		t.Errorf("status %+v, want the error", st)
 	}
-	// The failures of Start and Advertisements kick the goroutine, whose
-	// publishes fail too and arm the retry. Once no kick is left, only
-	// the retry wakes it.
-	for {
-		if err := awaitFlush(t, flushed); err == nil {
-			t.Fatal("the goroutine published while the path was blocked")
-		}
-		if len(d.adv.kick) == 0 {
-			break
+	// Every attempt fails while the path is blocked (those that the
+	// failures of start and Advertisements kicked, too), and after one
+	// the goroutine waits for its retry.
+	timeout := time.After(5 * time.Second)
+	for retried := false; !retried; {
+		select {
+		case err := <-flushed:
+			if err == nil {
+				t.Fatal("the goroutine published while the path was blocked")
+			}
+		case retry <- time.Now():
+			retried = true
+		case <-timeout:
+			t.Fatal("the goroutine does not wait for a retry after a failed publish")
 		}
 	}
-	// Make the path writable: the retry publishes.
+	// Make the path writable: the goroutine retries until it publishes.
 	if err := os.Remove(block); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case retry <- time.Now():
-	case <-time.After(5 * time.Second):
-		t.Fatal("the goroutine does not wait for a retry after a failed publish")
-	}
-	if err := awaitFlush(t, flushed); err != nil {
-		t.Fatalf("the retry after the path became writable: %v", err)
+	timeout = time.After(5 * time.Second)
+	for published := false; !published; {
+		select {
+		case err := <-flushed:
+			published = err == nil
+		case retry <- time.Now():
+		case <-timeout:
+			t.Fatalf("not published after the path became writable: %+v", d.adv.status())
+		}
 	}
 	if s, err := advert.Read(path); err != nil || s.Generation != 1 {
 		t.Errorf("file after the retry: %+v, %v", s, err)
@@ -418,19 +425,6 @@ func snapshotsEqual(a, b advert.Snapshot) bool {
 	x, _ := json.Marshal(a)
 	y, _ := json.Marshal(b)
 	return bytes.Equal(x, y)
-}
-
-// awaitFlush returns the outcome of the advertiser goroutine's next
-// publish (advertiser.testFlushed).
-func awaitFlush(t *testing.T, flushed <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-flushed:
-		return err
-	case <-time.After(5 * time.Second):
-		t.Fatal("the advertiser goroutine published nothing within 5s")
-		return nil
-	}
 }
 
 // TestDataplaneAdvertisements runs the integration on the lab: a

@@ -66,6 +66,13 @@ type advertiser struct {
 	kick        chan struct{} // capacity 1: "a set is pending"
 	stop, done  chan struct{}
 	startedLoop bool
+
+	// Tests only, set before the goroutine starts: testRetry replaces
+	// the retry timer (a retry happens when it delivers), and
+	// testFlushed receives the outcome of every publish the goroutine
+	// attempts before Close.
+	testRetry   <-chan time.Time
+	testFlushed chan<- error
 }
 
 // initAdvertiser prepares the publisher; Open calls it before anything
@@ -211,20 +218,28 @@ func (a *advertiser) run() {
 		case <-a.kick:
 		case <-retryC:
 		}
-		if err := a.flush(); err != nil {
-			if retry != nil {
-				retry.Stop()
+		err := a.flush()
+		if a.testFlushed != nil {
+			select {
+			case a.testFlushed <- err:
+			case <-a.stop:
 			}
-			retry = time.NewTimer(backoff)
-			retryC = retry.C
-			backoff = min(2*backoff, advertRetryMax)
-			continue
 		}
 		if retry != nil {
 			retry.Stop()
-			retry, retryC = nil, nil
-			backoff = advertRetryMin
 		}
+		retry, retryC = nil, nil
+		if err != nil {
+			if a.testRetry != nil {
+				retryC = a.testRetry
+			} else {
+				retry = time.NewTimer(backoff)
+				retryC = retry.C
+			}
+			backoff = min(2*backoff, advertRetryMax)
+			continue
+		}
+		backoff = advertRetryMin
 	}
 }
 

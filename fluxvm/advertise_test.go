@@ -10,11 +10,12 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/health"
@@ -224,7 +225,7 @@ func TestMemPublisher(t *testing.T) {
 // unchanged set does not rewrite it, Close publishes what is pending and
 // stops the goroutine, and a new dataplane continues the generation.
 func TestAdvertiserFile(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "run", "service-advertisements.json")
 	d := advertDataplane(t, path)
 	d.startAdvertiser()
@@ -287,7 +288,7 @@ func TestAdvertiserFile(t *testing.T) {
 	if gen < 3 {
 		t.Errorf("generation %d after a change", gen)
 	}
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 
 	// A new dataplane on the same file: same content, no rewrite, the
 	// generation continues.
@@ -313,7 +314,7 @@ func TestAdvertiserFile(t *testing.T) {
 	if s, err := advert.Read(path); err != nil || len(s.Entries) != 0 || s.Generation != gen+2 {
 		t.Errorf("after the empty publish: %+v, %v", s, err)
 	}
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestAdvertiserPublishError: a path that cannot be written does not stop
@@ -321,7 +322,7 @@ func TestAdvertiserFile(t *testing.T) {
 // generation 0, Status the error, and the goroutine retries until the
 // path becomes writable.
 func TestAdvertiserPublishError(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leaks := goleak.IgnoreCurrent()
 	dir := t.TempDir()
 	block := filepath.Join(dir, "blocked")
 	if err := os.WriteFile(block, []byte("a file where a directory should be"), 0o644); err != nil {
@@ -335,6 +336,9 @@ func TestAdvertiserPublishError(t *testing.T) {
 		t.Fatal(err)
 	}
 	block = filepath.Dir(path)
+	retry := make(chan time.Time)
+	flushed := make(chan error)
+	d.adv.testRetry, d.adv.testFlushed = retry, flushed
 	d.startAdvertiser()
 	s := d.Advertisements()
 	if s.Generation != 0 || len(s.AdvertisedPrefixes()) != 2 || s.SchemaVersion != advert.SchemaVersion {
@@ -344,30 +348,50 @@ func TestAdvertiserPublishError(t *testing.T) {
 	if st.LastError == "" || st.LastErrorAt == nil || st.Generation != 0 {
 		t.Errorf("status %+v, want the error", st)
 	}
-	// Make the path writable: the retry (1 s) publishes.
+	// Every attempt fails while the path is blocked (those that the
+	// failures of start and Advertisements kicked, too), and after one
+	// the goroutine waits for its retry.
+	timeout := time.After(5 * time.Second)
+	for retried := false; !retried; {
+		select {
+		case err := <-flushed:
+			if err == nil {
+				t.Fatal("the goroutine published while the path was blocked")
+			}
+		case retry <- time.Now():
+			retried = true
+		case <-timeout:
+			t.Fatal("the goroutine does not wait for a retry after a failed publish")
+		}
+	}
+	// Make the path writable: the goroutine retries until it publishes.
 	if err := os.Remove(block); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if s, err := advert.Read(path); err == nil && s.Generation == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
+	timeout = time.After(5 * time.Second)
+	for published := false; !published; {
+		select {
+		case err := <-flushed:
+			published = err == nil
+		case retry <- time.Now():
+		case <-timeout:
 			t.Fatalf("not published after the path became writable: %+v", d.adv.status())
 		}
-		time.Sleep(20 * time.Millisecond)
+	}
+	if s, err := advert.Read(path); err != nil || s.Generation != 1 {
+		t.Errorf("file after the retry: %+v, %v", s, err)
 	}
 	if st := d.adv.status(); st.LastError != "" || st.Generation != 1 {
 		t.Errorf("status after the retry %+v", st)
 	}
 	d.stopAdvertiser()
-	waitGoroutines(t, before)
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestAdvertiserConcurrent submits, reads and reports from several
 // goroutines at once (run with -race); the file ends with the last set.
 func TestAdvertiserConcurrent(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "service-advertisements.json")
 	d := advertDataplane(t, path)
 	d.startAdvertiser()
@@ -394,24 +418,13 @@ func TestAdvertiserConcurrent(t *testing.T) {
 	if err != nil || len(s.AdvertisedPrefixes()) != 2 {
 		t.Errorf("final file %+v, %v", s, err)
 	}
+	goleak.VerifyNone(t, leaks)
 }
 
 func snapshotsEqual(a, b advert.Snapshot) bool {
 	x, _ := json.Marshal(a)
 	y, _ := json.Marshal(b)
 	return bytes.Equal(x, y)
-}
-
-func waitGoroutines(t *testing.T, before int) {
-	t.Helper()
-	deadline := time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines, %d before:\n%s", n, before, buf[:runtime.Stack(buf, true)])
-	}
 }
 
 // TestDataplaneAdvertisements runs the integration on the lab: a
@@ -422,6 +435,7 @@ func waitGoroutines(t *testing.T, before int) {
 // a restart continues it; Cleanup withdraws everything.
 func TestDataplaneAdvertisements(t *testing.T) {
 	e := newNSEnv(t)
+	leaks := goleak.IgnoreCurrent()
 	path := filepath.Join(t.TempDir(), "service-advertisements.json")
 	e.opts.AdvertisementsPath = path
 	e.opts.NodeName = "lab-node"
@@ -561,6 +575,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	}
 	closed = true
 	advertiserStopped(t, d)
+	goleak.VerifyNone(t, append(labServers(), leaks)...)
 	if s := read("closed"); s.Generation != gen || !mapsEqual(decisions(s.Entries), want) {
 		t.Errorf("after Close: gen %d %v", s.Generation, decisions(s.Entries))
 	}
@@ -597,6 +612,19 @@ func TestDataplaneAdvertisements(t *testing.T) {
 		t.Errorf("after Cleanup: %+v, %v", s, err)
 	}
 	advertiserStopped(t, d)
+	goleak.VerifyNone(t, append(labServers(), leaks)...)
+}
+
+// labServers ignores the goroutines of the lab servers a test starts
+// (they end at its cleanup): a leak check after Close looks at the
+// dataplane's.
+func labServers() []goleak.Option {
+	const lab = "github.com/fluxvm/servicefabric/internal/lab.(*Server)."
+	return []goleak.Option{
+		goleak.IgnoreAnyFunction(lab + "acceptLoop"),
+		goleak.IgnoreAnyFunction(lab + "acceptLoop.func1"),
+		goleak.IgnoreAnyFunction(lab + "udpLoop"),
+	}
 }
 
 func advertiserStopped(t *testing.T, d *Dataplane) {

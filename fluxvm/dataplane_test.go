@@ -21,6 +21,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/vishvananda/netlink"
+	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/advert"
@@ -570,6 +571,7 @@ func TestGCDuringClose(t *testing.T) {
 
 func testGCDuringClose(t *testing.T, timer bool) {
 	e := newEnv(t)
+	leaks := goleak.IgnoreCurrent()
 	d := e.open(t) // without the timer: it starts below, once the hooks are set
 	ctx := context.Background()
 	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
@@ -664,6 +666,7 @@ func testGCDuringClose(t *testing.T, timer bool) {
 		t.Errorf("GC after Close: %v, want ErrClosed", err)
 	}
 	t.Logf("%d GCs completed before Close", completed.Load())
+	goleak.VerifyNone(t, leaks) // the timer and every GC have ended
 }
 
 // TestDataplaneRestoresReservedName restarts on a catalog holding a

@@ -3,13 +3,14 @@ package fluxvm
 import (
 	"context"
 	"errors"
+	"net"
 	"net/netip"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
+	"go.uber.org/goleak"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/health"
@@ -64,6 +65,37 @@ func (e *env) healthService(hc *HealthCheck) Service {
 		s.Backends = append(s.Backends, Backend{Address: a, Port: 8081})
 	}
 	return s
+}
+
+// signalDials gives d a prober that dials as Open's does and sends on the
+// returned channel (without blocking) whenever a check of ep starts. Call
+// it before applying a service with a health check: rounds read the
+// prober without d.mu.
+func signalDials(d *Dataplane, ep netip.AddrPort) <-chan struct{} {
+	ch := make(chan struct{}, 1)
+	dial := func(ctx context.Context, network, address string) (net.Conn, error) {
+		if address == ep.String() {
+			select {
+			case ch <- struct{}{}:
+			default:
+			}
+		}
+		return d.dialNode(ctx, network, address)
+	}
+	d.mu.Lock()
+	d.health.prober = health.NewProber(dial, d.opts.HealthConcurrency)
+	d.mu.Unlock()
+	return ch
+}
+
+// await fails t unless ch delivers within the time given.
+func await(t *testing.T, ch <-chan struct{}, within time.Duration, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(within):
+		t.Fatalf("%s: not within %v", what, within)
+	}
 }
 
 func reconcile(t *testing.T, d *Dataplane, n int) HealthReport {
@@ -138,7 +170,7 @@ func eligible(t *testing.T, d *Dataplane, want int) {
 // goroutine outlives Close.
 func TestDataplaneHealthOverlay(t *testing.T) {
 	e := newEnv(t)
-	before := runtime.NumGoroutine()
+	leaks := goleak.IgnoreCurrent()
 	d := e.open(t)
 	ctx := context.Background()
 	// A long interval: the timer runs the first round only; the test
@@ -253,14 +285,9 @@ func TestDataplaneHealthOverlay(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines after Close, %d before Open:\n%s", n, before, buf[:runtime.Stack(buf, true)])
-	}
+	// Every goroutine started since Open (checkers, rounds, the
+	// advertiser) has ended.
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestDataplaneHealthProbesWithoutLock checks that a round whose checks
@@ -276,6 +303,7 @@ func TestDataplaneHealthProbesWithoutLock(t *testing.T) {
 	// unanswered.
 	silent := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 3, 99}), 8080)
 	svc.Backends = append(svc.Backends, Backend{Address: silent.Addr(), Port: silent.Port()})
+	probing := signalDials(d, silent)
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
@@ -288,7 +316,9 @@ func TestDataplaneHealthProbesWithoutLock(t *testing.T) {
 		}
 		done <- rep
 	}()
-	time.Sleep(100 * time.Millisecond)
+	// A round (the timer's first, or the reconcile's) waits on the
+	// silent backend for 800ms from now.
+	await(t, probing, 5*time.Second, "a check of the silent backend")
 	t0 := time.Now()
 	_ = d.Services()
 	_ = d.Health()
@@ -391,6 +421,7 @@ func TestReconcileHealthHonoursItsContext(t *testing.T) {
 	svc := e.healthService(hc)
 	silent := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 3, 99}), 8080)
 	svc.Backends = append(svc.Backends, Backend{Address: silent.Addr(), Port: silent.Port()})
+	probing := signalDials(d, silent)
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
@@ -399,7 +430,8 @@ func TestReconcileHealthHonoursItsContext(t *testing.T) {
 		_, err := d.ReconcileHealth(ctx)
 		first <- err
 	}()
-	time.Sleep(100 * time.Millisecond) // the first round is waiting on the silent backend
+	// A round holds the service's round token for 1500ms from now.
+	await(t, probing, 5*time.Second, "a check of the silent backend")
 
 	short, cancel := context.WithTimeout(ctx, 150*time.Millisecond)
 	defer cancel()

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"go.uber.org/goleak"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -123,15 +124,23 @@ func TestStatusCountsSaturate(t *testing.T) {
 }
 
 // blockingDial never connects: it waits for its context and counts how
-// many calls are in it at once.
+// many calls are in it at once. When entered is set, every call sends on
+// it (without blocking) once it is counted.
 type blockingDial struct {
 	mu        sync.Mutex
 	now, peak int
 	calls     atomic.Int32
+	entered   chan struct{}
 }
 
 func (b *blockingDial) dial(ctx context.Context, network, addr string) (net.Conn, error) {
 	b.calls.Add(1)
+	if b.entered != nil {
+		select {
+		case b.entered <- struct{}{}:
+		default:
+		}
+	}
 	b.mu.Lock()
 	b.now++
 	b.peak = max(b.peak, b.now)
@@ -144,6 +153,7 @@ func (b *blockingDial) dial(ctx context.Context, network, addr string) (net.Conn
 }
 
 func TestProberTimeoutAndConcurrency(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
 	b := &blockingDial{}
 	p := NewProber(b.dial, 4)
 	if p.Concurrency() != 4 {
@@ -174,15 +184,26 @@ func TestProberTimeoutAndConcurrency(t *testing.T) {
 			t.Errorf("result %d: %v, want a timeout", i, r.Err)
 		}
 	}
+	// CheckAll's workers end before it returns.
+	goleak.VerifyNone(t, leaks)
 }
 
 func TestProberCanceled(t *testing.T) {
-	b := &blockingDial{}
+	leaks := goleak.IgnoreCurrent()
+	b := &blockingDial{entered: make(chan struct{}, 1)}
 	p := NewProber(b.dial, 1)
 	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Cancel once the first check is in its dial; the second waits for
+	// the only slot meanwhile.
 	go func() {
-		time.Sleep(20 * time.Millisecond)
-		cancel()
+		select {
+		case <-b.entered:
+			cancel()
+		case <-time.After(10 * time.Second):
+			t.Error("the first check never dialed")
+			cancel()
+		}
 	}()
 	target := Target{Addr: netip.MustParseAddrPort("192.0.2.1:80"), Timeout: time.Minute}
 	res := p.CheckAll(ctx, []Target{target, target})
@@ -197,6 +218,7 @@ func TestProberCanceled(t *testing.T) {
 	if got := p.CheckAll(context.Background(), nil); len(got) != 0 {
 		t.Errorf("no targets: %v", got)
 	}
+	goleak.VerifyNone(t, leaks)
 }
 
 // TestProberRealSockets checks against real sockets in a namespace of the

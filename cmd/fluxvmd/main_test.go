@@ -42,7 +42,9 @@ func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 	d := &daemon{t: t, out: &bytes.Buffer{}, node: l}
 	d.cmd = exec.Command(bin, "-config", cfg)
 	d.cmd.Env = append(os.Environ(), "FLUXVM_ADMIN_TOKEN="+token)
-	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
+	serving := make(chan struct{})
+	w := &serveWatch{out: d.out, serving: serving}
+	d.cmd.Stdout, d.cmd.Stderr = w, w
 	// Started from a thread inside the node namespace, the daemon lives
 	// there but shares our mount namespace and so the host's bpffs.
 	// (`ip netns exec` would remount /sys and hide it.)
@@ -60,15 +62,33 @@ func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 			return c, err
 		},
 	}}
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		if _, err := d.request("GET", "/v1/network/services/status", nil); err == nil {
-			return d
-		}
-		if time.Now().After(deadline) || d.cmd.ProcessState != nil {
-			t.Fatalf("daemon did not come up:\n%s", d.out)
-		}
-		time.Sleep(100 * time.Millisecond)
+	select {
+	case <-serving:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("daemon did not come up within 20s:\n%s", d.out)
 	}
+	if _, err := d.request("GET", "/v1/network/services/status", nil); err != nil {
+		t.Fatalf("daemon logged that it serves, but: %v\n%s", err, d.out)
+	}
+	return d
+}
+
+// serveWatch passes the daemon's output on to out and closes serving when
+// the daemon logs that it serves: its API socket is listening by then.
+// The command's one copying goroutine is its only writer.
+type serveWatch struct {
+	out     *bytes.Buffer
+	serving chan struct{}
+	seen    bool
+}
+
+func (w *serveWatch) Write(p []byte) (int, error) {
+	n, err := w.out.Write(p)
+	if !w.seen && bytes.Contains(w.out.Bytes(), []byte("fluxvmd: serving")) {
+		w.seen = true
+		close(w.serving)
+	}
+	return n, err
 }
 
 func (d *daemon) request(method, path string, body any) ([]byte, error) {

@@ -31,12 +31,14 @@ type connServer struct {
 	*httptest.Server
 	env  *testEnv
 	open atomic.Int64
+	// changed gets a token (capacity 1) whenever open changes.
+	changed chan struct{}
 }
 
 func newConnServer(t *testing.T, opts ...func(*api.Options)) *connServer {
 	t.Helper()
 	env := newEnv(t, append([]func(*api.Options){func(o *api.Options) { o.BodyTimeout = testBodyTimeout }}, opts...)...)
-	s := &connServer{env: env}
+	s := &connServer{env: env, changed: make(chan struct{}, 1)}
 	s.Server = httptest.NewUnstartedServer(env.h)
 	s.Config.ConnState = func(_ net.Conn, st http.ConnState) {
 		switch st {
@@ -44,6 +46,12 @@ func newConnServer(t *testing.T, opts ...func(*api.Options)) *connServer {
 			s.open.Add(1)
 		case http.StateClosed, http.StateHijacked:
 			s.open.Add(-1)
+		default:
+			return
+		}
+		select {
+		case s.changed <- struct{}{}:
+		default:
 		}
 	}
 	s.Start()
@@ -54,12 +62,13 @@ func newConnServer(t *testing.T, opts ...func(*api.Options)) *connServer {
 // waitClosed waits until the server has closed every connection.
 func (s *connServer) waitClosed(t *testing.T, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
+	timeout := time.After(within)
 	for s.open.Load() != 0 {
-		if time.Now().After(deadline) {
+		select {
+		case <-s.changed:
+		case <-timeout:
 			t.Fatalf("%d connections still open after %v", s.open.Load(), within)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

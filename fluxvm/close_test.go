@@ -22,9 +22,10 @@ func TestCloseEndsGoroutines(t *testing.T) {
 	e.opts.AdvertisementsPath = filepath.Join(t.TempDir(), "service-advertisements.json")
 	leaks := goleak.IgnoreCurrent()
 	d := e.open(t)
-	// A threshold of 2: the first round changes no effective state, so
-	// nothing is reprogrammed while ApplyService returns.
-	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 3_600_000, UnhealthyThreshold: 2, HealthyThreshold: 1}
+	// A threshold of 1: the first round reprograms the service, possibly
+	// while ApplyService returns (under -race this once caught
+	// ApplyService reading the service after releasing the lock).
+	hc := &HealthCheck{Kind: "tcp", TimeoutMs: 500, IntervalMs: 3_600_000, UnhealthyThreshold: 1, HealthyThreshold: 1}
 	svc := e.healthService(hc)
 	probing := signalDials(d, netip.AddrPortFrom(e.backends[0].Addr4, 8080))
 	if _, err := d.ApplyService(context.Background(), svc); err != nil {

@@ -119,7 +119,8 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	if jerr != nil {
 		return st, fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, jerr)
 	}
-	d.log.Info("fluxvm: service applied", "service", svc.Name, "revision", s.revision, "frontends", len(s.frontends))
+	// From st, taken under the lock: a health round may reprogram s now.
+	d.log.Info("fluxvm: service applied", "service", svc.Name, "revision", st.Revision, "frontends", len(st.Frontends))
 	return st, nil
 }
 

@@ -10,6 +10,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -19,6 +21,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/health"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // advertDataplane is a Dataplane without a datapath: enough for the
@@ -619,11 +622,14 @@ func TestDataplaneAdvertisements(t *testing.T) {
 // (they end at its cleanup): a leak check after Close looks at the
 // dataplane's.
 func labServers() []goleak.Option {
-	const lab = "github.com/fluxvm/servicefabric/internal/lab.(*Server)."
+	// The method's full name, from the code itself: a string would go
+	// stale when the package moves.
+	closeFn := runtime.FuncForPC(reflect.ValueOf((*lab.Server).Close).Pointer()).Name()
+	server := strings.TrimSuffix(closeFn, "Close")
 	return []goleak.Option{
-		goleak.IgnoreAnyFunction(lab + "acceptLoop"),
-		goleak.IgnoreAnyFunction(lab + "acceptLoop.func1"),
-		goleak.IgnoreAnyFunction(lab + "udpLoop"),
+		goleak.IgnoreAnyFunction(server + "acceptLoop"),
+		goleak.IgnoreAnyFunction(server + "acceptLoop.func1"),
+		goleak.IgnoreAnyFunction(server + "udpLoop"),
 	}
 }
 

@@ -170,6 +170,37 @@ static __always_inline int fluxvm_host_route(struct __ctx_buff *ctx,
 	return ret;
 }
 
+/*
+ * The last stage of the forward path, by mode, once the flow's backend is
+ * chosen and both halves are learned:
+ *   - routed DSR: the packet keeps the VIP and is routed to the backend;
+ *   - NAT: the destination becomes the backend (DNAT), and at the
+ *     north-south edge the source becomes the SNAT address and port;
+ *   - host routing (a NAT service's option): the translated packet is
+ *     forwarded by FIB lookup, a miss left to the host stack.
+ * From the first write on, a failure drops: nothing half-translated leaves.
+ */
+static __always_inline int fluxvm_forward_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+						  const int v6, int dsr, int snat, __u8 nat_flags,
+						  const struct fluxvm_backend *be,
+						  const __be32 *nat_addr, __be16 nat_port,
+						  struct fluxvm_svc_stats_value *st,
+						  struct fluxvm_svc_stats_value *es)
+{
+	if (dsr)
+		return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
+	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	if (snat && fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
+	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
+		return fluxvm_host_route(ctx, pkt, v6);
+	/* TC_ACT_OK ends the chain: the VM policy program behind us never
+	 * sees the backend address and port. */
+	return TC_ACT_OK;
+}
+
 /* Client -> VIP: pick or keep a backend, then DNAT (and SNAT at the
  * north-south edge) or forward it by DSR. */
 static __always_inline int fluxvm_lb_forward(struct __ctx_buff *ctx,
@@ -328,18 +359,7 @@ pick:
 	}
 
 out:
-	if (dsr)
-		return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
-	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (snat && fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
-	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
-		return fluxvm_host_route(ctx, pkt, v6);
-	/* TC_ACT_OK ends the chain: the VM policy program behind us never
-	 * sees the backend address and port. */
-	return TC_ACT_OK;
+	return fluxvm_forward_deliver(ctx, pkt, v6, dsr, snat, nat_flags, be, nat_addr, nat_port, st, es);
 }
 
 /* Which replies a reply path translates. */

@@ -21,6 +21,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/health"
+	"github.com/fluxvm/servicefabric/intent"
 )
 
 // ConfigTable is the TOML table that holds the node's Service Fabric
@@ -567,10 +568,8 @@ func (c *Config) validate() error {
 	}
 	c.validateSNAT(bad)
 	c.API.validate(bad)
-	for _, f := range unsupported {
-		if f.config != nil && f.config(c) {
-			bad(ErrUnsupported, f.field, "%s", f.reason)
-		}
+	for _, e := range intent.CheckNode(c.Node()) {
+		bad(e.Kind, e.Field, "%s", e.Reason)
 	}
 	return errors.Join(errs...)
 }
@@ -628,7 +627,7 @@ func snatAddrProblem(a netip.Addr) string {
 	if a.Is4In6() {
 		return fmt.Sprintf("%s is an IPv4-mapped IPv6 address; write the IPv4 address %s in snat_address", a, a.Unmap())
 	}
-	return addrProblem(a, true)
+	return intent.AddrProblem(a, true)
 }
 
 // SNATAddressFor returns the SNAT address of a family (v6 false: IPv4),

@@ -36,7 +36,7 @@ var (
 // (errors.go) whose Field is the path of the field as the input spells it:
 // "name", "backends[2].weight", "health_check.kind" for a service,
 // "services[3].ports[0]" within a catalog,
-// "sandbox.dataplane.service.api.listen" for the configuration; empty
+// "sandbox.dataplane.service.snat_address" for the configuration; empty
 // when the error concerns the input as a whole. Its Kind is the category.
 // verr makes one.
 func verr(kind error, field, format string, args ...any) *ValidationError {

@@ -141,7 +141,7 @@ func (d *Dataplane) advertEntries() []advert.Entry {
 	out := []advert.Entry{}
 	for name, s := range d.services {
 		svc := &s.intent
-		if !northSouth(svc) && !svc.Advertise {
+		if !svc.IsNorthSouth() && !svc.Advertise {
 			continue
 		}
 		exposure := string(svc.Exposure)

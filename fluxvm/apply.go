@@ -1,15 +1,19 @@
 package fluxvm
 
-import "sync"
+import (
+	"sync"
+
+	"github.com/fluxvm/servicefabric/intent"
+)
 
 // applyState is the state of the apply path that lets changes of
 // different services run concurrently (ApplyService).
 type applyState struct {
-	index    *catalogIndex  // catalog totals for incremental validation; under mu
-	store    *catalogStore  // the catalog's journal; nil without CatalogPath
-	busy     map[string]int // services with a change between prepare and commit; under mu
-	tables   tablePool      // Maglev tables to build in
-	inflight sync.WaitGroup // changes under way; Close waits for them
+	index    *intent.CatalogIndex // catalog totals for incremental validation; under mu
+	store    *catalogStore        // the catalog's journal; nil without CatalogPath
+	busy     map[string]int       // services with a change between prepare and commit; under mu
+	tables   tablePool            // Maglev tables to build in
+	inflight sync.WaitGroup       // changes under way; Close waits for them
 	// compacting counts catalog compactions under way.
 	compacting sync.WaitGroup
 

@@ -5,13 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"reflect"
 	"regexp"
-	"strconv"
 	"strings"
 	"time"
 
@@ -21,21 +19,20 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/health"
+	"github.com/fluxvm/servicefabric/intent"
 )
 
 // ConfigTable is the TOML table that holds the node's Service Fabric
 // configuration. Keys in errors are spelled in full below it
-// ("sandbox.dataplane.service.api.listen").
+// ("sandbox.dataplane.service.snat_address"). The reference daemon adds
+// its own sub-table to it (api: listen address, TLS, tokens), which it
+// decodes and validates itself (see DecodeConfigTable).
 const ConfigTable = "sandbox.dataplane.service"
 
 // Defaults of the configuration (see DefaultConfig).
 const (
 	DefaultCatalogPath         = "/var/lib/fluxvm/service-catalog.json"
 	DefaultConntrackGCInterval = 30 * time.Second
-	DefaultAPIListen           = "127.0.0.1:7788"
-	DefaultAPIMaxBodyBytes     = MaxRequestBytes
-	DefaultAPIBodyTimeout      = 30 * time.Second
-	DefaultAPIMaxConnections   = 256
 	// DefaultSNATPortMin and DefaultSNATPortMax are the default SNAT port
 	// range: above Linux's default ephemeral range (32768..60999,
 	// net.ipv4.ip_local_port_range), so that north-south SNAT mappings
@@ -50,16 +47,6 @@ const (
 	// conntrack_gc_interval.
 	MinConntrackGCInterval = time.Second
 	MaxConntrackGCInterval = time.Hour
-	// MinAPIMaxBodyBytes and MaxAPIMaxBodyBytes bound api.max_body_bytes.
-	MinAPIMaxBodyBytes = 1 << 10
-	MaxAPIMaxBodyBytes = 64 << 20
-	// MinAPIBodyTimeout and MaxAPIBodyTimeout bound api.body_timeout.
-	MinAPIBodyTimeout = time.Second
-	MaxAPIBodyTimeout = 10 * time.Minute
-	// MinAPIMaxConnections and MaxAPIMaxConnections bound
-	// api.max_connections.
-	MinAPIMaxConnections = 4
-	MaxAPIMaxConnections = 65536
 	// MaxInterfaceNameLen is the kernel's limit on interface names
 	// (IFNAMSIZ less the terminating NUL).
 	MaxInterfaceNameLen = 15
@@ -76,14 +63,6 @@ const (
 	MaxNodeNameLen = 253
 	// MaxHealthCheckConcurrency bounds health_check_concurrency.
 	MaxHealthCheckConcurrency = 1024
-)
-
-// Environment variables the reference daemon reads for its bearer tokens
-// when api.admin_token_file or api.read_token_file is not set. The daemon,
-// not this package, reads them.
-const (
-	EnvAdminToken = "FLUXVM_ADMIN_TOKEN"
-	EnvReadToken  = "FLUXVM_READ_TOKEN"
 )
 
 // Duration is a time.Duration written in TOML as a Go duration string
@@ -114,47 +93,6 @@ type VMEdgeInterface struct {
 	// VMID is the VM's id: 1..128 printable ASCII characters without '/'
 	// or white space. Several interfaces may belong to one VM.
 	VMID string `toml:"vm_id" json:"vm_id"`
-}
-
-// APIConfig is the [sandbox.dataplane.service.api] table, read by the
-// reference daemon's REST API.
-type APIConfig struct {
-	// Listen is the host:port the REST API listens on. Default
-	// DefaultAPIListen (127.0.0.1:7788). A host that is not a loopback
-	// address (including an empty host, meaning every address) needs TLS
-	// or AllowInsecureNonLoopback.
-	Listen string `toml:"listen"`
-	// AdminTokenFile holds the bearer tokens for mutating requests: one
-	// per line, surrounding white space trimmed, empty lines and lines
-	// starting with '#' skipped; every token listed is accepted (so that
-	// a token can be rotated). When empty the daemon takes the token from
-	// the environment variable FLUXVM_ADMIN_TOKEN. The daemon refuses a
-	// token file whose mode grants any permission to group or others.
-	AdminTokenFile string `toml:"admin_token_file"`
-	// ReadTokenFile holds the bearer tokens for read-only requests, in
-	// the format of AdminTokenFile; when empty the daemon takes the token
-	// from FLUXVM_READ_TOKEN. Admin tokens are accepted for reads too.
-	ReadTokenFile string `toml:"read_token_file"`
-	// TLSCertFile and TLSKeyFile (PEM) enable HTTPS; both or neither.
-	TLSCertFile string `toml:"tls_cert_file"`
-	TLSKeyFile  string `toml:"tls_key_file"`
-	// AllowInsecureNonLoopback allows plain HTTP on a non-loopback
-	// address. Default false.
-	AllowInsecureNonLoopback bool `toml:"allow_insecure_non_loopback"`
-	// MaxBodyBytes bounds a request body. Default DefaultAPIMaxBodyBytes
-	// (1 MiB), range MinAPIMaxBodyBytes..MaxAPIMaxBodyBytes.
-	MaxBodyBytes int64 `toml:"max_body_bytes"`
-	// BodyTimeout bounds the time an authenticated request may take to
-	// deliver its body, from the end of its headers; a body that has not
-	// arrived by then gets 408 and the connection is closed. Default
-	// DefaultAPIBodyTimeout (30 s), range
-	// MinAPIBodyTimeout..MaxAPIBodyTimeout.
-	BodyTimeout Duration `toml:"body_timeout"`
-	// MaxConnections bounds the connections the daemon serves at once;
-	// further clients wait in the listen queue until one closes. Default
-	// DefaultAPIMaxConnections (256), range
-	// MinAPIMaxConnections..MaxAPIMaxConnections.
-	MaxConnections int `toml:"max_connections"`
 }
 
 // Config is the node's Service Fabric configuration: the
@@ -253,8 +191,6 @@ type Config struct {
 	// build has no EDT pacing and this machine's kernel lacks sch_fq:
 	// true is rejected (ErrUnsupported). Default false.
 	EDTEnabled bool `toml:"edt_enabled"`
-	// API configures the reference daemon's REST API.
-	API APIConfig `toml:"api"`
 }
 
 // DefaultConfig returns the configuration with every default applied. It
@@ -274,37 +210,14 @@ func DefaultConfig() Config {
 		UDPTimeout:            Duration{time.Duration(bpf.DefaultTimeoutUDP) * time.Second},
 		SNATPortMin:           DefaultSNATPortMin,
 		SNATPortMax:           DefaultSNATPortMax,
-		API: APIConfig{
-			Listen:         DefaultAPIListen,
-			MaxBodyBytes:   DefaultAPIMaxBodyBytes,
-			BodyTimeout:    Duration{DefaultAPIBodyTimeout},
-			MaxConnections: DefaultAPIMaxConnections,
-		},
 	}
-}
-
-// configFile is the layout of the whole TOML document.
-type configFile struct {
-	Sandbox struct {
-		Dataplane struct {
-			Service Config `toml:"service"`
-		} `toml:"dataplane"`
-	} `toml:"sandbox"`
 }
 
 // LoadConfig reads and parses the TOML file at path (see ParseConfig).
 func LoadConfig(path string) (Config, error) {
-	f, err := os.Open(path)
+	data, err := ReadConfigFile(path)
 	if err != nil {
-		return Config{}, fmt.Errorf("fluxvm: config: %w", err)
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, MaxConfigBytes+1))
-	if err != nil {
-		return Config{}, fmt.Errorf("fluxvm: config %s: %w", path, err)
-	}
-	if len(data) > MaxConfigBytes {
-		return Config{}, fmt.Errorf("fluxvm: config %s: %w", path, verr(ErrTooLarge, "", "larger than %d bytes", MaxConfigBytes))
+		return Config{}, err
 	}
 	cfg, err := parseConfig(data)
 	if err != nil {
@@ -313,12 +226,33 @@ func LoadConfig(path string) (Config, error) {
 	return cfg, nil
 }
 
+// ReadConfigFile reads the configuration file at path, refusing one
+// larger than MaxConfigBytes (ErrTooLarge).
+func ReadConfigFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: config: %w", err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxConfigBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: config %s: %w", path, err)
+	}
+	if len(data) > MaxConfigBytes {
+		return nil, fmt.Errorf("fluxvm: config %s: %w", path, verr(ErrTooLarge, "", "larger than %d bytes", MaxConfigBytes))
+	}
+	return data, nil
+}
+
 // ParseConfig parses a TOML document: DefaultConfig overlaid with the keys
-// of its [sandbox.dataplane.service] table (and the .api sub-table), then
-// validated. The document may hold nothing else: every unknown key or
-// table is an error naming it, as is a value of the wrong type. Errors are
-// *ValidationError values (joined when there are several) whose Field is
-// the full dotted key.
+// of its [sandbox.dataplane.service] table, then validated. The document
+// may hold nothing else: every unknown key or table is an error naming
+// it, as is a value of the wrong type. Errors are *ValidationError values
+// (joined when there are several) whose Field is the full dotted key.
+//
+// A file written for the reference daemon also holds its api sub-table,
+// which is not the library's: read such a file with DecodeConfigTable and
+// a table type of the daemon's.
 func ParseConfig(data []byte) (Config, error) {
 	cfg, err := parseConfig(data)
 	if err != nil {
@@ -328,24 +262,53 @@ func ParseConfig(data []byte) (Config, error) {
 }
 
 func parseConfig(data []byte) (Config, error) {
-	var f configFile
-	f.Sandbox.Dataplane.Service = DefaultConfig()
-	err := toml.NewDecoder(bytes.NewReader(data)).DisallowUnknownFields().Decode(&f)
-	if err != nil {
-		return Config{}, tomlError(err, data)
+	cfg := DefaultConfig()
+	if err := DecodeConfigTable(data, &cfg); err != nil {
+		return Config{}, err
 	}
-	cfg := f.Sandbox.Dataplane.Service
 	if err := cfg.validate(); err != nil {
 		return Config{}, err
 	}
 	return cfg, nil
 }
 
+// DecodeConfigTable decodes the [sandbox.dataplane.service] table of a
+// TOML document into table, strictly and with the errors of ParseConfig,
+// without validating. table points to Config or to a struct of a program
+// that adds keys of its own to the table: such a struct embeds Config
+// without a toml tag (so that its keys stay at the table's top level) and
+// tags its own fields, as the reference daemon does with its api
+// sub-table. Keys the document leaves out keep the values *table has, so
+// fill it with the defaults (DefaultConfig) first.
+func DecodeConfigTable(data []byte, table any) error {
+	t := reflect.TypeOf(table)
+	if t == nil || t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct {
+		return fmt.Errorf("fluxvm: DecodeConfigTable: table is %T, want a pointer to a struct", table)
+	}
+	// The document is laid out as sandbox.dataplane.service = *table.
+	doc := reflect.New(reflect.StructOf([]reflect.StructField{{
+		Name: "Sandbox", Tag: `toml:"sandbox"`,
+		Type: reflect.StructOf([]reflect.StructField{{
+			Name: "Dataplane", Tag: `toml:"dataplane"`,
+			Type: reflect.StructOf([]reflect.StructField{{
+				Name: "Service", Tag: `toml:"service"`, Type: t.Elem(),
+			}}),
+		}}),
+	}}))
+	svc := doc.Elem().Field(0).Field(0).Field(0)
+	svc.Set(reflect.ValueOf(table).Elem())
+	if err := toml.NewDecoder(bytes.NewReader(data)).DisallowUnknownFields().Decode(doc.Interface()); err != nil {
+		return tomlError(err, data, t.Elem())
+	}
+	reflect.ValueOf(table).Elem().Set(svc)
+	return nil
+}
+
 var tomlTypeMismatch = regexp.MustCompile(`^cannot decode TOML (\S+) into .* of type (\S+)$`)
 
 // tomlError turns the TOML library's errors into ValidationErrors naming
 // the key, with the line and column.
-func tomlError(err error, data []byte) error {
+func tomlError(err error, data []byte, table reflect.Type) error {
 	var strict *toml.StrictMissingError
 	if errors.As(err, &strict) {
 		errs := make([]error, 0, len(strict.Errors))
@@ -370,7 +333,7 @@ func tomlError(err error, data []byte) error {
 		}
 		return verr(ErrMalformed, strings.Join(de.Key(), "."), "%s (line %d, column %d)", msg, line, col)
 	}
-	if e := durationTypeError(data); e != nil {
+	if e := durationTypeError(data, table); e != nil {
 		return e
 	}
 	return verr(ErrMalformed, "", "%s", strings.TrimPrefix(err.Error(), "toml: "))
@@ -380,7 +343,7 @@ func tomlError(err error, data []byte) error {
 // TOML library hands a number to Duration.UnmarshalText without saying
 // which key it came from, so the key is found by looking at the document
 // again.
-func durationTypeError(data []byte) *ValidationError {
+func durationTypeError(data []byte, st reflect.Type) *ValidationError {
 	var doc map[string]any
 	if toml.Unmarshal(data, &doc) != nil {
 		return nil
@@ -393,7 +356,7 @@ func durationTypeError(data []byte) *ValidationError {
 		}
 		table = m[part]
 	}
-	return durationTypeErrorIn(table, reflect.TypeFor[Config](), "")
+	return durationTypeErrorIn(table, st, "")
 }
 
 // durationTypeErrorIn is durationTypeError for the table t of the
@@ -407,6 +370,13 @@ func durationTypeErrorIn(table any, st reflect.Type, prefix string) *ValidationE
 	for i := range st.NumField() {
 		f := st.Field(i)
 		k := f.Tag.Get("toml")
+		if f.Anonymous && k == "" && f.Type.Kind() == reflect.Struct {
+			// An embedded table type (Config in a program's table).
+			if e := durationTypeErrorIn(table, f.Type, prefix); e != nil {
+				return e
+			}
+			continue
+		}
 		v, set := m[k]
 		if !set {
 			continue
@@ -467,14 +437,10 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //     loopback or link-local); snat_address_v6: unset or such an IPv6
 //     address, and then snat_address, if set, is IPv4;
 //   - snat_port_min and snat_port_max: 1024..65535 each, min <= max;
-//   - edt_enabled false (this build);
-//   - api.listen host:port with a numeric port 1..65535; a non-loopback
-//     host needs TLS (tls_cert_file and tls_key_file) or
-//     allow_insecure_non_loopback; tls_cert_file and tls_key_file both or
-//     neither; file paths absolute; max_body_bytes 1 KiB..64 MiB;
-//     max_connections 4..65536.
+//   - edt_enabled false (this build).
 //
-// Validate reads no files: whether they exist is the daemon's concern.
+// Validate reads no files: whether they exist is the program's concern.
+// The reference daemon's api sub-table is validated by the daemon.
 func (c *Config) Validate() error {
 	if err := c.validate(); err != nil {
 		return fmt.Errorf("fluxvm: config: %w", err)
@@ -566,11 +532,8 @@ func (c *Config) validate() error {
 		}
 	}
 	c.validateSNAT(bad)
-	c.API.validate(bad)
-	for _, f := range unsupported {
-		if f.config != nil && f.config(c) {
-			bad(ErrUnsupported, f.field, "%s", f.reason)
-		}
+	for _, e := range intent.CheckNode(c.Node()) {
+		bad(e.Kind, e.Field, "%s", e.Reason)
 	}
 	return errors.Join(errs...)
 }
@@ -628,7 +591,7 @@ func snatAddrProblem(a netip.Addr) string {
 	if a.Is4In6() {
 		return fmt.Sprintf("%s is an IPv4-mapped IPv6 address; write the IPv4 address %s in snat_address", a, a.Unmap())
 	}
-	return addrProblem(a, true)
+	return intent.AddrProblem(a, true)
 }
 
 // SNATAddressFor returns the SNAT address of a family (v6 false: IPv4),
@@ -667,52 +630,6 @@ func (c *Config) SNATConfig() bpf.SNATConfig {
 	}
 	v.PortMin, v.PortMax = uint16(min(max(lo, 0), MaxSNATPort)), uint16(min(max(hi, 0), MaxSNATPort))
 	return v
-}
-
-func (a *APIConfig) validate(bad func(category error, k, format string, args ...any)) {
-	loopback := true
-	host, port, err := net.SplitHostPort(a.Listen)
-	if err != nil {
-		bad(ErrInvalid, "api.listen", "%q is not host:port", a.Listen)
-	} else {
-		if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
-			bad(ErrInvalid, "api.listen", "port %q is not a number in 1..65535", port)
-		}
-		if host == "localhost" {
-			host = "127.0.0.1"
-		}
-		ip, err := netip.ParseAddr(host)
-		loopback = err == nil && ip.IsLoopback()
-	}
-	tls := a.TLSCertFile != "" || a.TLSKeyFile != ""
-	switch {
-	case a.TLSCertFile != "" && a.TLSKeyFile == "":
-		bad(ErrInvalid, "api.tls_key_file", "required with tls_cert_file")
-	case a.TLSKeyFile != "" && a.TLSCertFile == "":
-		bad(ErrInvalid, "api.tls_cert_file", "required with tls_key_file")
-	}
-	if !loopback && !tls && !a.AllowInsecureNonLoopback {
-		bad(ErrInvalid, "api.listen", "%q is not a loopback address: set tls_cert_file and tls_key_file, or allow_insecure_non_loopback = true to serve bearer tokens over plain HTTP", a.Listen)
-	}
-	for _, p := range []struct{ k, v string }{
-		{"api.admin_token_file", a.AdminTokenFile},
-		{"api.read_token_file", a.ReadTokenFile},
-		{"api.tls_cert_file", a.TLSCertFile},
-		{"api.tls_key_file", a.TLSKeyFile},
-	} {
-		if p.v != "" && !filepath.IsAbs(p.v) {
-			bad(ErrInvalid, p.k, "%q is not an absolute path", p.v)
-		}
-	}
-	if a.MaxBodyBytes < MinAPIMaxBodyBytes || a.MaxBodyBytes > MaxAPIMaxBodyBytes {
-		bad(ErrInvalid, "api.max_body_bytes", "%d is outside %d..%d", a.MaxBodyBytes, MinAPIMaxBodyBytes, MaxAPIMaxBodyBytes)
-	}
-	if d := a.BodyTimeout.Duration; d < MinAPIBodyTimeout || d > MaxAPIBodyTimeout {
-		bad(ErrInvalid, "api.body_timeout", "%v is outside %v..%v", d, MinAPIBodyTimeout, MaxAPIBodyTimeout)
-	}
-	if n := a.MaxConnections; n < MinAPIMaxConnections || n > MaxAPIMaxConnections {
-		bad(ErrInvalid, "api.max_connections", "%d is outside %d..%d", n, MinAPIMaxConnections, MaxAPIMaxConnections)
-	}
 }
 
 // ifnameProblem applies the kernel's rules for interface names

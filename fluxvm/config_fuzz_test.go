@@ -38,7 +38,13 @@ func FuzzParseConfig(f *testing.F) {
 		if err := cfg.Validate(); err != nil {
 			t.Fatalf("ParseConfig accepted a configuration that does not validate: %v", err)
 		}
-		var doc configFile
+		var doc struct {
+			Sandbox struct {
+				Dataplane struct {
+					Service Config `toml:"service"`
+				} `toml:"dataplane"`
+			} `toml:"sandbox"`
+		}
 		doc.Sandbox.Dataplane.Service = cfg
 		enc, err := toml.Marshal(doc)
 		if err != nil {

@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -34,11 +33,11 @@ func TestDefaultConfig(t *testing.T) {
 		t.Errorf("timeouts %+v, want the datapath's defaults %+v", got, conntrack.DefaultTimeouts())
 	}
 	if c.CatalogPath != "/var/lib/fluxvm/service-catalog.json" || c.ConntrackGCInterval.Duration != 30*time.Second ||
-		c.API.Listen != "127.0.0.1:7788" || c.API.MaxBodyBytes != 1<<20 || c.API.AllowInsecureNonLoopback || c.EDTEnabled {
+		c.EDTEnabled {
 		t.Errorf("defaults: %+v", c)
 	}
 	// An empty document, or an empty table, is the defaults.
-	for _, doc := range []string{"", "# nothing\n", "[sandbox.dataplane.service]\n", "[sandbox.dataplane.service.api]\n"} {
+	for _, doc := range []string{"", "# nothing\n", "[sandbox.dataplane.service]\n"} {
 		got, err := ParseConfig([]byte(doc))
 		if err != nil {
 			t.Fatalf("%q: %v", doc, err)
@@ -77,17 +76,6 @@ snat_address_v6 = "2001:db8:10::10"
 snat_port_min = 20000
 snat_port_max = 29999
 edt_enabled = false
-
-[sandbox.dataplane.service.api]
-listen = "[2001:db8::7]:8443"
-admin_token_file = "/etc/fluxvm/admin.token"
-read_token_file = "/etc/fluxvm/read.token"
-tls_cert_file = "/etc/fluxvm/tls.crt"
-tls_key_file = "/etc/fluxvm/tls.key"
-allow_insecure_non_loopback = true
-max_body_bytes = 2097152
-body_timeout = "5s"
-max_connections = 64
 `
 	c, err := ParseConfig([]byte(doc))
 	if err != nil {
@@ -116,17 +104,6 @@ max_connections = 64
 		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
 		SNATPortMin:            20000,
 		SNATPortMax:            29999,
-		API: APIConfig{
-			Listen:                   "[2001:db8::7]:8443",
-			AdminTokenFile:           "/etc/fluxvm/admin.token",
-			ReadTokenFile:            "/etc/fluxvm/read.token",
-			TLSCertFile:              "/etc/fluxvm/tls.crt",
-			TLSKeyFile:               "/etc/fluxvm/tls.key",
-			AllowInsecureNonLoopback: true,
-			MaxBodyBytes:             2 << 20,
-			BodyTimeout:              Duration{5 * time.Second},
-			MaxConnections:           64,
-		},
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got  %+v\nwant %+v", c, want)
@@ -163,72 +140,8 @@ max_connections = 64
 	}
 }
 
-// TestExampleConfig parses examples/fluxvmd.toml and checks that it shows
-// every key the parser knows.
-func TestExampleConfig(t *testing.T) {
-	data, err := os.ReadFile(exampleConfigPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := ParseConfig(data)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	if len(c.VMEdgeInterfaces) != 2 || c.VMEdgeInterfaces[0] != (VMEdgeInterface{"tap-vm1", "vm-1"}) {
-		t.Errorf("vm_edge_interfaces %+v", c.VMEdgeInterfaces)
-	}
-	c2, err := LoadConfig(exampleConfigPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !reflect.DeepEqual(c, c2) {
-		t.Error("LoadConfig and ParseConfig disagree")
-	}
-	for _, k := range tomlKeys(reflect.TypeFor[Config]()) {
-		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(k) + ` = `).Match(data) {
-			t.Errorf("%s does not set %s", exampleConfigPath, k)
-		}
-	}
-	// The example keeps the defaults except where it shows a value.
-	def := DefaultConfig()
-	c.VMEdgeInterfaces, c.NorthSouthInterfaces = nil, nil
-	c.API.AdminTokenFile, c.API.ReadTokenFile = "", ""
-	if !reflect.DeepEqual(c, def) {
-		t.Errorf("example differs from the defaults:\n got %+v\nwant %+v", c, def)
-	}
-}
-
-// tomlKeys lists the toml tags of t's fields, recursing into struct and
-// slice-of-struct fields (whose keys appear in their own tables).
-func tomlKeys(t reflect.Type) []string {
-	var out []string
-	for i := range t.NumField() {
-		f := t.Field(i)
-		tag := f.Tag.Get("toml")
-		if tag == "" || f.Type == reflect.TypeFor[Duration]() || f.Type == reflect.TypeFor[netip.Addr]() {
-			if tag != "" {
-				out = append(out, tag)
-			}
-			continue
-		}
-		switch {
-		case f.Type.Kind() == reflect.Struct:
-			out = append(out, tomlKeys(f.Type)...)
-		case f.Type.Kind() == reflect.Slice && f.Type.Elem().Kind() == reflect.Struct:
-			out = append(out, tomlKeys(f.Type.Elem())...)
-		default:
-			out = append(out, tag)
-		}
-	}
-	return out
-}
-
 func TestParseConfigErrors(t *testing.T) {
 	const table = "[sandbox.dataplane.service]\n"
-	const api = "[sandbox.dataplane.service.api]\n"
 	k := func(s string) string { return "sandbox.dataplane.service." + s }
 	tests := []struct {
 		name   string
@@ -240,8 +153,8 @@ func TestParseConfigErrors(t *testing.T) {
 		// Syntax, unknown keys, types.
 		{name: "syntax", doc: "[sandbox.dataplane.service\n", kind: ErrMalformed, reason: "line 1"},
 		{name: "unknown key", doc: table + "map_teir = \"S\"\n", field: k("map_teir"), kind: ErrMalformed, reason: "unknown key (line 2)"},
-		{name: "unknown api key", doc: api + "lissen = \"127.0.0.1:1\"\n", field: k("api.lissen"), kind: ErrMalformed},
 		{name: "unknown interface key", doc: table + "vm_edge_interfaces = [{ name = \"t\", vm = \"v\" }]\n", field: k("vm"), kind: ErrMalformed},
+		{name: "the daemon's api table", doc: "[sandbox.dataplane.service.api]\nlisten = \"127.0.0.1:1\"\n", field: k("api"), kind: ErrMalformed},
 		{name: "unknown table", doc: "[sandbox.dataplane.network]\nx = 1\n", field: "sandbox.dataplane.network", kind: ErrMalformed, reason: "only the [sandbox.dataplane.service] table"},
 		{name: "unknown top-level key", doc: "debug = true\n", field: "debug", kind: ErrMalformed},
 		{name: "map_tier not a string", doc: table + "map_tier = 3\n", field: k("map_tier"), kind: ErrMalformed, reason: "wrong type: a TOML integer where a string is wanted"},
@@ -252,7 +165,6 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "edt_enabled a string", doc: table + "edt_enabled = \"no\"\n", field: k("edt_enabled"), kind: ErrMalformed, reason: "boolean"},
 		{name: "interfaces not a list", doc: table + "north_south_interfaces = \"eth0\"\n", field: k("north_south_interfaces"), kind: ErrMalformed},
 		{name: "snat_address malformed", doc: table + "snat_address = \"1.2.3\"\n", field: k("snat_address"), kind: ErrMalformed},
-		{name: "max_body_bytes a float", doc: api + "max_body_bytes = 1.5\n", field: k("api.max_body_bytes"), kind: ErrMalformed},
 
 		// Durations.
 		{name: "duration without unit", doc: table + "udp_timeout = \"60\"\n", field: k("udp_timeout"), kind: ErrMalformed, reason: "not a duration"},
@@ -322,29 +234,6 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "snat_port_min below the default max", doc: table + "snat_port_max = 2000\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max (2000)"},
 		{name: "snat_port_min a string", doc: table + "snat_port_min = \"61000\"\n", field: k("snat_port_min"), kind: ErrMalformed, reason: "integer"},
 		{name: "edt_enabled not built", doc: table + "edt_enabled = true\n", field: k("edt_enabled"), kind: ErrUnsupported, reason: "sch_fq"},
-
-		// API.
-		{name: "listen without port", doc: api + "listen = \"127.0.0.1\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "listen port 0", doc: api + "listen = \"127.0.0.1:0\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "listen port by name", doc: api + "listen = \"127.0.0.1:http\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "listen port too large", doc: api + "listen = \"127.0.0.1:65536\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "listen non-loopback without TLS", doc: api + "listen = \"10.0.0.1:7788\"\n", field: k("api.listen"), kind: ErrInvalid, reason: "allow_insecure_non_loopback"},
-		{name: "listen every address without TLS", doc: api + "listen = \":7788\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "listen host name without TLS", doc: api + "listen = \"node1.example:7788\"\n", field: k("api.listen"), kind: ErrInvalid},
-		{name: "tls cert without key", doc: api + "tls_cert_file = \"/etc/fluxvm/tls.crt\"\n", field: k("api.tls_key_file"), kind: ErrInvalid},
-		{name: "tls key without cert", doc: api + "tls_key_file = \"/etc/fluxvm/tls.key\"\n", field: k("api.tls_cert_file"), kind: ErrInvalid},
-		{name: "tls cert relative", doc: api + "tls_cert_file = \"tls.crt\"\ntls_key_file = \"/etc/fluxvm/tls.key\"\n", field: k("api.tls_cert_file"), kind: ErrInvalid},
-		{name: "admin token file relative", doc: api + "admin_token_file = \"admin.token\"\n", field: k("api.admin_token_file"), kind: ErrInvalid},
-		{name: "read token file relative", doc: api + "read_token_file = \"read.token\"\n", field: k("api.read_token_file"), kind: ErrInvalid},
-		{name: "max_body_bytes too small", doc: api + "max_body_bytes = 100\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
-		{name: "max_body_bytes too large", doc: api + "max_body_bytes = 134217728\n", field: k("api.max_body_bytes"), kind: ErrInvalid},
-		{name: "max_connections too few", doc: api + "max_connections = 2\n", field: k("api.max_connections"), kind: ErrInvalid},
-		{name: "max_connections too many", doc: api + "max_connections = 100000\n", field: k("api.max_connections"), kind: ErrInvalid},
-		{name: "max_connections a string", doc: api + "max_connections = \"many\"\n", field: k("api.max_connections"), kind: ErrMalformed},
-		{name: "body_timeout too short", doc: api + "body_timeout = \"500ms\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
-		{name: "body_timeout too long", doc: api + "body_timeout = \"1h\"\n", field: k("api.body_timeout"), kind: ErrInvalid},
-		{name: "body_timeout a number", doc: api + "body_timeout = 30\n", field: k("api.body_timeout"), kind: ErrMalformed},
-		{name: "body_timeout garbage", doc: api + "body_timeout = \"soon\"\n", field: k("api.body_timeout"), kind: ErrMalformed},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -373,47 +262,19 @@ func TestParseConfigErrors(t *testing.T) {
 }
 
 func TestParseConfigReportsEveryProblem(t *testing.T) {
-	doc := "[sandbox.dataplane.service]\nmap_teir = \"S\"\nfoo = 1\n[sandbox.dataplane.service.api]\nlissen = \"x\"\n"
+	doc := "[sandbox.dataplane.service]\nmap_teir = \"S\"\nfoo = 1\n"
 	_, err := ParseConfig([]byte(doc))
-	for _, key := range []string{"map_teir", "foo", "api.lissen"} {
+	for _, key := range []string{"map_teir", "foo"} {
 		if !strings.Contains(fmt.Sprint(err), "sandbox.dataplane.service."+key+": unknown key") {
 			t.Errorf("error %v does not name %s", err, key)
 		}
 	}
 	c := DefaultConfig()
-	c.MapTier, c.PinRoot, c.API.Listen = "Q", "x", "0.0.0.0:1"
+	c.MapTier, c.PinRoot, c.SNATPortMin = "Q", "x", 1
 	err = c.Validate()
-	for _, key := range []string{"map_tier", "pin_root", "api.listen"} {
+	for _, key := range []string{"map_tier", "pin_root", "snat_port_min"} {
 		if !strings.Contains(fmt.Sprint(err), "sandbox.dataplane.service."+key+":") {
 			t.Errorf("error %v does not name %s", err, key)
-		}
-	}
-}
-
-func TestConfigListen(t *testing.T) {
-	for _, c := range []struct {
-		listen, cert, key string
-		insecure          bool
-		ok                bool
-	}{
-		{listen: "127.0.0.1:7788", ok: true},
-		{listen: "127.1.2.3:7788", ok: true},
-		{listen: "[::1]:7788", ok: true},
-		{listen: "localhost:7788", ok: true},
-		{listen: "10.0.0.1:7788", ok: false},
-		{listen: "10.0.0.1:7788", insecure: true, ok: true},
-		{listen: "10.0.0.1:7788", cert: "/c", key: "/k", ok: true},
-		{listen: "0.0.0.0:7788", cert: "/c", key: "/k", ok: true},
-		{listen: "[::]:7788", ok: false},
-		{listen: ":7788", insecure: true, ok: true},
-		{listen: "127.0.0.1:7788", cert: "/c", ok: false},
-		{listen: "10.0.0.1:7788", key: "/k", insecure: true, ok: false},
-	} {
-		cfg := DefaultConfig()
-		cfg.API.Listen, cfg.API.TLSCertFile, cfg.API.TLSKeyFile, cfg.API.AllowInsecureNonLoopback = c.listen, c.cert, c.key, c.insecure
-		err := cfg.Validate()
-		if (err == nil) != c.ok {
-			t.Errorf("%+v: error %v, want ok=%v", c, err, c.ok)
 		}
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -139,7 +140,7 @@ type service struct {
 	revision  uint64
 	applied   time.Time
 	frontends []*frontend
-	fp        footprint // what it counts in d.index
+	fp        intent.Footprint // what it counts in d.index
 }
 
 type frontend struct {
@@ -324,7 +325,7 @@ func (d *Dataplane) writeSNAT() error {
 // applied again under that name: delete it and apply it again under
 // another name.
 func (d *Dataplane) restore() error {
-	d.index = newCatalogIndex()
+	d.index = intent.NewCatalogIndex()
 	d.busy = map[string]int{}
 	if d.opts.CatalogPath == "" {
 		return nil
@@ -345,11 +346,11 @@ func (d *Dataplane) restore() error {
 				"service", cs.Service.Name, "catalog", d.opts.CatalogPath, "reserved", ReservedNames())
 		}
 	}
-	if err := validateCatalog(intents, d.opts.Config, d.limits, d.legacyNames); err != nil {
+	if err := intent.ValidateRestoredCatalog(intents, d.opts.Config.Node(), d.limits, d.legacyNames); err != nil {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {
-		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: footprintOf(&cs.Service)}
+		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: intent.FootprintOf(&cs.Service)}
 		for _, cf := range cs.Frontends {
 			if !d.sids.reserve(cf.ServiceID) {
 				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
@@ -365,7 +366,7 @@ func (d *Dataplane) restore() error {
 			s.frontends = append(s.frontends, fe)
 		}
 		d.services[cs.Service.Name] = s
-		d.index.add(cs.Service.Name, &s.fp)
+		d.index.Add(cs.Service.Name, &s.fp)
 		if cs.Revision > d.revision {
 			d.revision = cs.Revision
 		}

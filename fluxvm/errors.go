@@ -2,49 +2,31 @@ package fluxvm
 
 import (
 	"errors"
-	"fmt"
+
+	"github.com/fluxvm/servicefabric/intent"
 )
 
 // Error categories, checkable with errors.Is. The REST API maps each to a
 // stable error code and HTTP status.
+//
+// ErrInvalid, ErrUnsupported, ErrConflict and ErrLimit are those of
+// package intent (the same values, so errors.Is holds with either name);
+// ErrNotFound and ErrClosed are a running dataplane's.
 var (
-	// ErrInvalid: the request is malformed or out of range.
-	ErrInvalid = errors.New("invalid")
+	// ErrInvalid: the request is malformed or out of range (intent.ErrInvalid).
+	ErrInvalid = intent.ErrInvalid
 	// ErrUnsupported: the request asks for a feature this build or this
-	// kernel does not have.
-	ErrUnsupported = errors.New("unsupported")
+	// kernel does not have (intent.ErrUnsupported).
+	ErrUnsupported = intent.ErrUnsupported
 	// ErrConflict: the request clashes with other state (for example a
-	// frontend another service already uses).
-	ErrConflict = errors.New("conflict")
+	// frontend another service already uses) (intent.ErrConflict).
+	ErrConflict = intent.ErrConflict
 	// ErrLimit: the request would exceed a documented bound or a map
-	// capacity of the loaded tier.
-	ErrLimit = errors.New("limit exceeded")
+	// capacity of the loaded tier (intent.ErrLimit).
+	ErrLimit = intent.ErrLimit
 	// ErrNotFound: no such service or VM.
 	ErrNotFound = errors.New("not found")
 	// ErrClosed: the Dataplane was closed (Close or Cleanup); it reads
 	// and changes no map any more (see Dataplane.Close).
 	ErrClosed = errors.New("dataplane closed")
 )
-
-// ValidationError says which field of a request is wrong and why. Its
-// Kind is one of the categories above (ErrInvalid when unset).
-type ValidationError struct {
-	Field  string
-	Reason string
-	Kind   error
-}
-
-func (e *ValidationError) Error() string {
-	if e.Field == "" {
-		return e.Reason
-	}
-	return fmt.Sprintf("%s: %s", e.Field, e.Reason)
-}
-
-// Unwrap makes errors.Is(err, ErrUnsupported) and friends work.
-func (e *ValidationError) Unwrap() error {
-	if e.Kind == nil {
-		return ErrInvalid
-	}
-	return e.Kind
-}

@@ -100,7 +100,7 @@ func (e *env) nsService(name string, vip4, vip6 netip.Addr, exp Exposure, mode M
 		port = 8080
 	}
 	s := Service{Name: name, Exposure: exp, Mode: mode, HostRouting: hostRouting,
-		VIPs: []netip.Addr{vip4, vip6}, Ports: []ServicePort{{port, TCP}}}
+		VIPs: []netip.Addr{vip4, vip6}, Ports: []ServicePort{{Port: port, Protocol: TCP}}}
 	for _, vm := range e.backends {
 		s.Backends = append(s.Backends, Backend{Address: vm.Addr4, Port: 8080}, Backend{Address: vm.Addr6, Port: 8080})
 	}
@@ -210,7 +210,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 	shared6 := netip.MustParseAddr("fd00:96:2::1")
 	a := e.nsService("a", shared, shared6, ExposureEastWest, ModeNAT, false)
 	b := e.nsService("b", shared, shared6, ExposureNorthSouth, ModeNAT, false)
-	b.Ports = []ServicePort{{8080, TCP}}
+	b.Ports = []ServicePort{{Port: 8080, Protocol: TCP}}
 	if _, err := d.ApplyService(ctx, a); err != nil {
 		t.Fatal(err)
 	}
@@ -265,7 +265,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 	// A rejected request changes nothing: DSR with a rewritten port.
 	bad := b
 	bad.Mode, bad.HostRouting = ModeDSR, false
-	bad.Ports = []ServicePort{{80, TCP}}
+	bad.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
 	if _, err := d.ApplyService(ctx, bad); !errors.Is(err, ErrInvalid) || !containsField(err, "backends[0].port") {
 		t.Errorf("DSR with another backend port: %v", err)
 	}
@@ -361,7 +361,7 @@ func TestDataplaneNorthSouthNAT(t *testing.T) {
 	ext := e.lab.External
 	vip4n, vip6n := netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
 	svc := e.nsService("edge", vip4n, vip6n, ExposureNorthSouth, ModeNAT, false)
-	svc.Ports = append(svc.Ports, ServicePort{80, UDP})
+	svc.Ports = append(svc.Ports, ServicePort{Port: 80, Protocol: UDP})
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}

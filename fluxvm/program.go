@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/maglev"
 )
 
@@ -56,12 +57,12 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		d.mu.Unlock()
 		return st, nil
 	}
-	fp := footprintOf(&svc)
-	var oldFP *footprint
+	fp := intent.FootprintOf(&svc)
+	var oldFP *intent.Footprint
 	if old != nil {
 		oldFP = &old.fp
 	}
-	if err := d.index.check(&svc, &fp, oldFP, d.limits); err != nil {
+	if err := d.index.Check(&svc, &fp, oldFP, d.limits); err != nil {
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
@@ -71,7 +72,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	}
 	d.revision++
 	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC(), fp: fp}
-	d.index.reserve(svc.Name, &fp, oldFP)
+	d.index.Reserve(svc.Name, &fp, oldFP)
 	d.inflight.Add(1)
 	defer d.inflight.Done()
 	d.busy[svc.Name]++ // health reprograms wait for this apply (recordHealth)
@@ -100,12 +101,12 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		if rerr != nil {
 			d.log.Error("fluxvm: rollback failed; the service's frontends may serve a mix of the old and new intent until it is applied again", "service", svc.Name, "err", rerr)
 		}
-		d.index.abort(svc.Name, &fp, oldFP)
+		d.index.Abort(svc.Name, &fp, oldFP)
 		d.doneBusy(svc.Name)
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
-	d.index.commit(svc.Name, &fp, oldFP)
+	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
 	d.doneBusy(svc.Name)
 	d.syncHealth(svc.Name)
@@ -147,7 +148,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
-	d.index.remove(name, &s.fp)
+	d.index.Remove(name, &s.fp)
 	delete(d.legacyNames, name)
 	d.syncHealth(name)
 	d.advertise()

@@ -73,7 +73,7 @@ func run(ctx context.Context, args []string) error {
 	}
 	log := slog.New(h)
 
-	cfg, err := fluxvm.LoadConfig(*cfgPath)
+	cfg, err := loadConfig(*cfgPath)
 	if err != nil {
 		return err
 	}
@@ -82,10 +82,10 @@ func run(ctx context.Context, args []string) error {
 		if err := checkTokenFiles(cfg.API); err != nil {
 			return err
 		}
-		fmt.Print(describeConfig(cfg))
+		fmt.Print(describeConfig(cfg.Config))
 		return nil
 	case "cleanup":
-		return cleanup(cfg, log)
+		return cleanup(cfg.Config, log)
 	case "run":
 		return serve(ctx, cfg, log)
 	}
@@ -154,12 +154,12 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	return nil
 }
 
-func serve(ctx context.Context, cfg fluxvm.Config, log *slog.Logger) error {
+func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	admin, read, err := tokens(cfg.API)
 	if err != nil {
 		return err
 	}
-	opts := fluxvm.OptionsFrom(cfg)
+	opts := fluxvm.OptionsFrom(cfg.Config)
 	opts.Logger = log
 	d, err := fluxvm.Open(opts)
 	if err != nil {
@@ -214,10 +214,10 @@ const (
 )
 
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
-func newAPIServer(dp api.Dataplane, a fluxvm.APIConfig, admin, read []string, log *slog.Logger) (*http.Server, error) {
+func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
-		bodyTimeout = fluxvm.DefaultAPIBodyTimeout
+		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
 		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log})
@@ -271,7 +271,7 @@ func readTokenFile(path string) ([]string, error) {
 }
 
 // checkTokenFiles reads the configured token files, for check-config.
-func checkTokenFiles(a fluxvm.APIConfig) error {
+func checkTokenFiles(a APIConfig) error {
 	for _, file := range []string{a.AdminTokenFile, a.ReadTokenFile} {
 		if file == "" {
 			continue
@@ -284,7 +284,7 @@ func checkTokenFiles(a fluxvm.APIConfig) error {
 }
 
 // tokens reads the admin and read tokens from their files or environment.
-func tokens(a fluxvm.APIConfig) (admin, read []string, err error) {
+func tokens(a APIConfig) (admin, read []string, err error) {
 	get := func(file, env string) ([]string, error) {
 		if file != "" {
 			return readTokenFile(file)
@@ -294,10 +294,10 @@ func tokens(a fluxvm.APIConfig) (admin, read []string, err error) {
 		}
 		return nil, nil
 	}
-	if admin, err = get(a.AdminTokenFile, "FLUXVM_ADMIN_TOKEN"); err != nil {
+	if admin, err = get(a.AdminTokenFile, EnvAdminToken); err != nil {
 		return nil, nil, err
 	}
-	if read, err = get(a.ReadTokenFile, "FLUXVM_READ_TOKEN"); err != nil {
+	if read, err = get(a.ReadTokenFile, EnvReadToken); err != nil {
 		return nil, nil, err
 	}
 	if len(admin) == 0 {

@@ -390,11 +390,11 @@ snat_port_max = 49999
 			}
 		})
 	}
-	cfg, err := fluxvm.ParseConfig([]byte(tests[1].doc))
+	cfg, err := parseConfig([]byte(tests[1].doc))
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := describeConfig(cfg)
+	out := describeConfig(cfg.Config)
 	for _, want := range []string{"configuration is valid", "north_south_interfaces: eth1", "snat IPv4 address: 203.0.113.10",
 		"snat IPv6 address: 2001:db8:10::10", "snat ports: 40000..49999", "seeds: hash_seed 0, maglev_seed 0", "advertisements_path: /run/fluxvm/service-advertisements.json"} {
 		if !strings.Contains(out, want) {

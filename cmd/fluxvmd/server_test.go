@@ -26,7 +26,7 @@ type noDataplane struct{ api.Dataplane }
 
 // startAPIServer serves the daemon's REST server, as newAPIServer builds
 // it from a with the test's token, on a loopback port.
-func startAPIServer(t *testing.T, a fluxvm.APIConfig) (*http.Server, string) {
+func startAPIServer(t *testing.T, a APIConfig) (*http.Server, string) {
 	t.Helper()
 	srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -45,8 +45,8 @@ func startAPIServer(t *testing.T, a fluxvm.APIConfig) (*http.Server, string) {
 // TestAPIServerLimits checks the limits newAPIServer sets, from the
 // defaults and from a configured body_timeout.
 func TestAPIServerLimits(t *testing.T) {
-	for _, body := range []time.Duration{fluxvm.DefaultAPIBodyTimeout, 5 * time.Second} {
-		a := fluxvm.DefaultConfig().API
+	for _, body := range []time.Duration{DefaultAPIBodyTimeout, 5 * time.Second} {
+		a := defaultAPIConfig()
 		a.BodyTimeout = fluxvm.Duration{Duration: body}
 		srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler))
 		if err != nil {
@@ -66,7 +66,7 @@ func TestAPIServerLimits(t *testing.T) {
 // closes; many such connections are all closed.
 func TestAPIServerStalledBodies(t *testing.T) {
 	const bodyTimeout = 3 * time.Second
-	a := fluxvm.DefaultConfig().API
+	a := defaultAPIConfig()
 	a.BodyTimeout = fluxvm.Duration{Duration: bodyTimeout}
 	_, addr := startAPIServer(t, a)
 
@@ -182,7 +182,7 @@ func TestTokenFileMode(t *testing.T) {
 			if err := os.Chmod(file, tt.mode); err != nil {
 				t.Fatal(err)
 			}
-			a := fluxvm.DefaultConfig().API
+			a := defaultAPIConfig()
 			a.AdminTokenFile = file
 			admin, _, err := tokens(a)
 			if tt.ok {

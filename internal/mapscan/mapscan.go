@@ -8,9 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"syscall"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
 // DefaultChunk is how many entries one chunk holds. It bounds the memory of
@@ -101,7 +101,7 @@ func (s *Scanner[K, V]) batchChunk() (int, error) {
 		s.mode.Disable()
 		s.batch = false
 		return 0, nil
-	case errors.Is(err, unix.ENOSPC) && n == 0 && len(s.Keys) < 1<<20:
+	case errors.Is(err, syscall.ENOSPC) && n == 0 && len(s.Keys) < 1<<20:
 		// A bucket larger than the chunk: the cursor did not move, so
 		// retry the same bucket with room for it.
 		s.Keys = make([]K, 2*len(s.Keys))

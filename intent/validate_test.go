@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"errors"
@@ -7,11 +7,13 @@ import (
 	"reflect"
 	"strings"
 	"testing"
-
-	"github.com/fluxvm/servicefabric/bpf"
 )
 
 func ptr[T any](v T) *T { return &v }
+
+// tierS are the limits of the map tier S (fluxvm.LimitsForTier(bpf.TierS);
+// fluxvm's tests check that the tier still has them).
+var tierS = Limits{Services: 255, Frontends: 1024, Backends: 4095, MaglevSize: 16381}
 
 // validService is a dual-stack east-west service that passes validation;
 // every row of the tables below is one mutation of it.
@@ -30,28 +32,34 @@ func validService() Service {
 	}
 }
 
-// nsConfig is a configuration with the north-south prerequisites met for
-// both families: a north-south interface and an SNAT address of each.
-func nsConfig() Config {
-	c := DefaultConfig()
-	c.NorthSouthInterfaces = []string{"eth0"}
-	c.SNATAddress = netip.MustParseAddr("203.0.113.10")
-	c.SNATAddressV6 = netip.MustParseAddr("2001:db8:10::10")
-	return c
+// nsNode is a node with the north-south prerequisites met for both
+// families: a north-south interface and an SNAT address of each.
+func nsNode() Node {
+	return Node{
+		NorthSouth: true,
+		SNAT4:      netip.MustParseAddr("203.0.113.10"),
+		SNAT6:      netip.MustParseAddr("2001:db8:10::10"),
+	}
 }
 
-// nsConfigWith is nsConfig with other SNAT addresses (zero: unset).
-func nsConfigWith(snat, snat6 string) func() Config {
-	return func() Config {
-		c := nsConfig()
-		c.SNATAddress, c.SNATAddressV6 = netip.Addr{}, netip.Addr{}
-		if snat != "" {
-			c.SNATAddress = netip.MustParseAddr(snat)
+// nsNodeWith is nsNode with other SNAT addresses (zero: unset), each put
+// in the field of its family, as fluxvm's Config.Node does with
+// snat_address and snat_address_v6.
+func nsNodeWith(snat, snat6 string) func() Node {
+	return func() Node {
+		n := nsNode()
+		n.SNAT4, n.SNAT6 = netip.Addr{}, netip.Addr{}
+		for _, a := range []string{snat, snat6} {
+			if a == "" {
+				continue
+			}
+			if addr := netip.MustParseAddr(a); addr.Is4() {
+				n.SNAT4 = addr
+			} else {
+				n.SNAT6 = addr
+			}
 		}
-		if snat6 != "" {
-			c.SNATAddressV6 = netip.MustParseAddr(snat6)
-		}
-		return c
+		return n
 	}
 }
 
@@ -67,8 +75,8 @@ func TestValidateService(t *testing.T) {
 	tests := []struct {
 		name   string
 		mutate func(*Service)
-		cfg    func() Config // default DefaultConfig
-		field  string        // "" = valid
+		node   func() Node // default Node{}
+		field  string      // "" = valid
 		kind   error
 		reason string // substring of the reason, optional
 	}{
@@ -187,48 +195,48 @@ func TestValidateService(t *testing.T) {
 		// Prerequisites come before the unsupported table.
 		{name: "max_egress without edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 }, field: "max_egress_mbps", kind: ErrPrerequisite, reason: "edt_enabled"},
 		{name: "max_egress with edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 },
-			cfg: func() Config { c := DefaultConfig(); c.EDTEnabled = true; return c }, field: "max_egress_mbps", kind: ErrUnsupported, reason: "sch_fq"},
+			node: func() Node { return Node{EDTEnabled: true} }, field: "max_egress_mbps", kind: ErrUnsupported, reason: "sch_fq"},
 		{name: "advertise east-west", mutate: func(s *Service) { s.Advertise = true }, field: "advertise", kind: ErrPrerequisite, reason: "north-south or both"},
 		{name: "advertise default exposure", mutate: func(s *Service) { s.Advertise = true; s.Exposure = ExposureEastWest }, field: "advertise", kind: ErrPrerequisite},
 		{name: "north-south without interfaces", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
 		{name: "both DSR without interfaces", mutate: func(s *Service) { s.Exposure = ExposureBoth; dsr(s) }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
 		{name: "both NAT without snat_address", mutate: func(s *Service) { s.Exposure = ExposureBoth },
-			cfg: nsConfigWith("", ""), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
+			node: nsNodeWith("", ""), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
 		{name: "north-south NAT of IPv6 VIP with IPv4 snat only", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth },
-			cfg: nsConfigWith("203.0.113.10", ""), field: "vips[1]", kind: ErrPrerequisite, reason: "snat_address_v6 (or an IPv6 snat_address)"},
+			node: nsNodeWith("203.0.113.10", ""), field: "vips[1]", kind: ErrPrerequisite, reason: "snat_address_v6 (or an IPv6 snat_address)"},
 		{name: "north-south NAT of IPv4 VIP with IPv6 snat only", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth },
-			cfg: nsConfigWith("", "2001:db8:10::10"), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
+			node: nsNodeWith("", "2001:db8:10::10"), field: "vips[0]", kind: ErrPrerequisite, reason: "IPv4 snat_address"},
 		{name: "north-south NAT IPv6 VIP, IPv6 snat_address", mutate: func(s *Service) {
 			s.Exposure = ExposureNorthSouth
 			s.VIPs = s.VIPs[1:]
 			s.Backends = s.Backends[3:]
-		}, cfg: nsConfigWith("2001:db8:20::20", "")},
+		}, node: nsNodeWith("2001:db8:20::20", "")},
 		{name: "north-south NAT IPv6 VIP, snat_address_v6", mutate: func(s *Service) {
 			s.Exposure = ExposureNorthSouth
 			s.VIPs = s.VIPs[1:]
 			s.Backends = s.Backends[3:]
-		}, cfg: nsConfigWith("", "2001:db8:10::10")},
+		}, node: nsNodeWith("", "2001:db8:10::10")},
 		{name: "north-south NAT IPv4 VIP, IPv4 snat_address", mutate: func(s *Service) {
 			s.Exposure = ExposureNorthSouth
 			s.VIPs = s.VIPs[:1]
 			s.Backends = s.Backends[:3]
-		}, cfg: nsConfigWith("203.0.113.10", "")},
-		{name: "north-south NAT dual-stack", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, cfg: nsConfig},
-		{name: "both NAT dual-stack host_routing", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.HostRouting = true }, cfg: nsConfig},
-		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; dsr(s) }, cfg: nsConfigWith("", "")},
-		{name: "advertise both", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, cfg: nsConfig},
-		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true }, cfg: nsConfig},
-		{name: "advertise north-south DSR", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true; dsr(s) }, cfg: nsConfig},
-		{name: "advertise east-west with interfaces", mutate: func(s *Service) { s.Exposure = ExposureEastWest; s.Advertise = true }, cfg: nsConfig,
+		}, node: nsNodeWith("203.0.113.10", "")},
+		{name: "north-south NAT dual-stack", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, node: nsNode},
+		{name: "both NAT dual-stack host_routing", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.HostRouting = true }, node: nsNode},
+		{name: "north-south DSR needs no snat_address", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; dsr(s) }, node: nsNodeWith("", "")},
+		{name: "advertise both", mutate: func(s *Service) { s.Exposure = ExposureBoth; s.Advertise = true }, node: nsNode},
+		{name: "advertise north-south", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true }, node: nsNode},
+		{name: "advertise north-south DSR", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth; s.Advertise = true; dsr(s) }, node: nsNode},
+		{name: "advertise east-west with interfaces", mutate: func(s *Service) { s.Exposure = ExposureEastWest; s.Advertise = true }, node: nsNode,
 			field: "advertise", kind: ErrPrerequisite, reason: "requires exposure north-south or both"},
-		{name: "advertise before missing interfaces", mutate: func(s *Service) { s.Advertise = true }, cfg: nsConfigWith("", ""), field: "advertise", kind: ErrPrerequisite},
+		{name: "advertise before missing interfaces", mutate: func(s *Service) { s.Advertise = true }, node: nsNodeWith("", ""), field: "advertise", kind: ErrPrerequisite},
 
 		// host_routing and DSR.
 		{name: "host_routing east-west nat", mutate: func(s *Service) { s.HostRouting = true }},
 		{name: "host_routing explicit nat", mutate: func(s *Service) { s.HostRouting = true; s.Mode = ModeNAT }},
 		{name: "host_routing dsr", mutate: func(s *Service) { s.HostRouting = true; dsr(s) }, field: "host_routing", kind: ErrPrerequisite, reason: "mode nat"},
 		{name: "dsr east-west", mutate: dsr},
-		{name: "dsr both", mutate: func(s *Service) { dsr(s); s.Exposure = ExposureBoth }, cfg: nsConfig},
+		{name: "dsr both", mutate: func(s *Service) { dsr(s); s.Exposure = ExposureBoth }, node: nsNode},
 		{name: "dsr backend port differs", mutate: func(s *Service) { s.Mode = ModeDSR }, field: "backends[0].port", kind: ErrInvalid, reason: "DSR does not rewrite ports"},
 		{name: "dsr two frontend ports", mutate: func(s *Service) { dsr(s); s.Ports = append(s.Ports, ServicePort{8443, TCP}) },
 			field: "backends[0].port", kind: ErrInvalid, reason: "ports[2]"},
@@ -241,11 +249,11 @@ func TestValidateService(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := validService()
 			tt.mutate(&s)
-			cfg := DefaultConfig()
-			if tt.cfg != nil {
-				cfg = tt.cfg()
+			var node Node
+			if tt.node != nil {
+				node = tt.node()
 			}
-			err := ValidateService(s, cfg)
+			err := ValidateService(s, node)
 			checkValidation(t, err, tt.field, tt.kind, tt.reason)
 		})
 	}
@@ -324,14 +332,14 @@ func TestValidateIsPure(t *testing.T) {
 		s, want := validService(), validService()
 		mutate(&s)
 		mutate(&want)
-		cfg, wantCfg := nsConfig(), nsConfig()
-		_ = ValidateService(s, cfg)
-		_ = ValidateCatalog([]Service{s, s}, cfg, Limits{})
+		node, wantNode := nsNode(), nsNode()
+		_ = ValidateService(s, node)
+		_ = ValidateCatalog([]Service{s, s}, node, Limits{})
 		if !reflect.DeepEqual(s, want) {
 			t.Errorf("validation changed the service:\n got %+v\nwant %+v", s, want)
 		}
-		if !reflect.DeepEqual(cfg, wantCfg) {
-			t.Errorf("validation changed the config")
+		if !reflect.DeepEqual(node, wantNode) {
+			t.Errorf("validation changed the node")
 		}
 	}
 }
@@ -339,8 +347,8 @@ func TestValidateIsPure(t *testing.T) {
 func TestUnsupportedTable(t *testing.T) {
 	seen := map[string]bool{}
 	for _, f := range unsupported {
-		if (f.service == nil) == (f.config == nil) {
-			t.Errorf("row %s: exactly one of service and config must be set", f.field)
+		if (f.service == nil) == (f.node == nil) {
+			t.Errorf("row %s: exactly one of service and node must be set", f.field)
 		}
 		if f.reason == "" {
 			t.Errorf("row %s: no reason", f.field)
@@ -350,12 +358,18 @@ func TestUnsupportedTable(t *testing.T) {
 		}
 		seen[f.field] = true
 	}
-	// Nothing in the valid service or the default config hits a row.
-	s, c := validService(), DefaultConfig()
+	// Nothing in the valid service or the zero node hits a row.
+	s, n := validService(), Node{}
 	for _, f := range unsupported {
-		if (f.service != nil && f.service(&s)) || (f.config != nil && f.config(&c)) {
+		if (f.service != nil && f.service(&s)) || (f.node != nil && f.node(&n)) {
 			t.Errorf("row %s rejects the valid defaults", f.field)
 		}
+	}
+	if errs := CheckNode(Node{EDTEnabled: true}); len(errs) != 1 || errs[0].Field != "edt_enabled" || errs[0].Kind != ErrUnsupported {
+		t.Errorf("CheckNode(edt) = %v, want edt_enabled unsupported", errs)
+	}
+	if errs := CheckNode(Node{}); errs != nil {
+		t.Errorf("CheckNode(zero) = %v", errs)
 	}
 }
 
@@ -368,37 +382,6 @@ func TestHealthCheckDefaults(t *testing.T) {
 	set := HealthCheck{Kind: "tcp", TimeoutMs: 7, IntervalMs: 8, UnhealthyThreshold: 9, HealthyThreshold: 10}
 	if set.WithDefaults() != set {
 		t.Errorf("WithDefaults changed set fields")
-	}
-}
-
-func TestLimitsFor(t *testing.T) {
-	got := LimitsFor(bpf.Capacities{Services: 256, Frontends: 1024, Backends: 4096, MaglevSize: 16381, Conntrack: 1, NAT: 1})
-	want := Limits{Services: 255, Frontends: 1024, Backends: 4095, MaglevSize: 16381}
-	if got != want {
-		t.Errorf("LimitsFor = %+v, want %+v", got, want)
-	}
-	if got := LimitsFor(bpf.Capacities{}); got != (Limits{}) {
-		t.Errorf("LimitsFor(zero) = %+v", got)
-	}
-	for _, tier := range []bpf.Tier{bpf.TierS, bpf.TierM, bpf.TierL} {
-		l, err := LimitsForTier(tier)
-		if err != nil {
-			t.Fatal(err)
-		}
-		spec, err := bpf.Spec(tier)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := bpf.CapacitiesOf(spec)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if l != LimitsFor(c) || l.Services <= 0 || l.Backends <= 0 || l.Frontends <= 0 || l.MaglevSize <= 0 {
-			t.Errorf("tier %s: limits %+v from capacities %+v", tier, l, c)
-		}
-	}
-	if _, err := LimitsForTier(0); err == nil {
-		t.Error("LimitsForTier(0) succeeded")
 	}
 }
 
@@ -521,39 +504,13 @@ func TestValidateCatalog(t *testing.T) {
 			if limits == (Limits{}) && tt.name != "empty with zero limits" {
 				limits = big
 			}
-			err := ValidateCatalog(tt.services(), DefaultConfig(), limits)
+			err := ValidateCatalog(tt.services(), Node{}, limits)
 			checkValidation(t, err, tt.field, tt.kind, tt.reason)
 			if err != nil && tt.field != "" && !strings.Contains(err.Error(), "service \"") {
 				t.Errorf("error %q does not name the service", err)
 			}
 		})
 	}
-}
-
-// TestValidateCatalogTierM fills tier M with services of one VIP and one
-// port each, up to its datapath service limit, and one more.
-func TestValidateCatalogTierM(t *testing.T) {
-	limits, err := LimitsForTier(bpf.TierM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mk := func(n int) []Service {
-		out := make([]Service, n)
-		for i := range out {
-			out[i] = Service{
-				Name:     fmt.Sprintf("svc-%d", i),
-				VIPs:     []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})},
-				Ports:    []ServicePort{{80, TCP}},
-				Backends: []Backend{{Address: netip.MustParseAddr("10.200.1.2"), Port: 8080}},
-			}
-		}
-		return out
-	}
-	if err := ValidateCatalog(mk(limits.Services), DefaultConfig(), limits); err != nil {
-		t.Fatalf("%d services: %v", limits.Services, err)
-	}
-	err = ValidateCatalog(mk(limits.Services+1), DefaultConfig(), limits)
-	checkValidation(t, err, fmt.Sprintf("services[%d]", limits.Services), ErrLimit, "")
 }
 
 // TestReservedNames checks that every fixed word of the REST surface
@@ -566,10 +523,6 @@ func TestReservedNames(t *testing.T) {
 	if got := ReservedNames(); !reflect.DeepEqual(got, words) {
 		t.Errorf("ReservedNames() = %v, want %v", got, words)
 	}
-	tierS, err := LimitsForTier(bpf.TierS)
-	if err != nil {
-		t.Fatal(err)
-	}
 	for _, w := range words {
 		t.Run(w, func(t *testing.T) {
 			if !IsReservedName(w) {
@@ -577,7 +530,7 @@ func TestReservedNames(t *testing.T) {
 			}
 			s := validService()
 			s.Name = w
-			err := ValidateService(s, DefaultConfig())
+			err := ValidateService(s, Node{})
 			var ve *ValidationError
 			if !errors.Is(err, ErrReservedName) || !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "name" {
 				t.Fatalf("ValidateService: %v, want ErrReservedName on name", err)
@@ -585,17 +538,17 @@ func TestReservedNames(t *testing.T) {
 			if !strings.Contains(err.Error(), fmt.Sprintf("%q is reserved", w)) || !strings.Contains(err.Error(), "/v1/network/services/"+w) {
 				t.Errorf("message %q does not say why", err)
 			}
-			err = ValidateCatalog([]Service{s}, DefaultConfig(), tierS)
+			err = ValidateCatalog([]Service{s}, Node{}, tierS)
 			if !errors.Is(err, ErrReservedName) || !errors.As(err, &ve) || ve.Field != "services[0].name" {
 				t.Errorf("ValidateCatalog: %v, want ErrReservedName on services[0].name", err)
 			}
 			// A catalog restored from disk may hold it (see
-			// Dataplane.restore): the other rules still apply.
-			if err := validateCatalog([]Service{s}, DefaultConfig(), tierS, map[string]bool{w: true}); err != nil {
+			// ValidateRestoredCatalog): the other rules still apply.
+			if err := ValidateRestoredCatalog([]Service{s}, Node{}, tierS, map[string]bool{w: true}); err != nil {
 				t.Errorf("legacy name refused: %v", err)
 			}
 			s.Ports[0].Port = 0
-			if err := validateCatalog([]Service{s}, DefaultConfig(), tierS, map[string]bool{w: true}); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrReservedName) {
+			if err := ValidateRestoredCatalog([]Service{s}, Node{}, tierS, map[string]bool{w: true}); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrReservedName) {
 				t.Errorf("legacy name with a bad port: %v, want the port refused", err)
 			}
 		})
@@ -603,7 +556,7 @@ func TestReservedNames(t *testing.T) {
 	for _, name := range []string{"flow", "flows-v2", "statuses", "my-health", "policy", "stat"} {
 		s := validService()
 		s.Name = name
-		if err := ValidateService(s, DefaultConfig()); err != nil || IsReservedName(name) {
+		if err := ValidateService(s, Node{}); err != nil || IsReservedName(name) {
 			t.Errorf("%q: %v (reserved %v)", name, err, IsReservedName(name))
 		}
 	}

@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"bytes"
@@ -48,7 +48,7 @@ func DecodeServiceLimit(r io.Reader, maxBytes int64) (Service, error) {
 		return decodeService("", raw, &s)
 	})
 	if err != nil {
-		return Service{}, fmt.Errorf("fluxvm: decode service: %w", err)
+		return Service{}, fmt.Errorf("intent: decode service: %w", err)
 	}
 	return s, nil
 }
@@ -70,7 +70,7 @@ func DecodeServices(r io.Reader, maxBytes int64) ([]Service, error) {
 		})
 	})
 	if err != nil {
-		return nil, fmt.Errorf("fluxvm: decode services: %w", err)
+		return nil, fmt.Errorf("intent: decode services: %w", err)
 	}
 	if out == nil {
 		out = []Service{}

@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"net/netip"

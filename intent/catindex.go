@@ -1,24 +1,26 @@
-package fluxvm
+package intent
 
 import (
 	"fmt"
 	"net/netip"
 )
 
-// catalogIndex keeps what ValidateCatalog adds up over the whole catalog
+// CatalogIndex keeps what ValidateCatalog adds up over the whole catalog
 // (frontend owners, VIP markers, the totals compared with Limits), so
 // that an apply validates its service against the catalog in time
-// independent of the catalog's size. It is kept under Dataplane.mu.
+// independent of the catalog's size. It is not safe for concurrent use:
+// fluxvm.Dataplane keeps it under its mutex. Start with NewCatalogIndex
+// and Add every service of a restored catalog.
 //
 // While a change is in flight it holds the larger of the old and the new
 // footprint of the service in every total, and the frontends and markers
-// of both (reserve), and drops what the change no longer needs when it
-// ends (commit or abort). A concurrent change is then validated against
+// of both (Reserve), and drops what the change no longer needs when it
+// ends (Commit or Abort). A concurrent change is then validated against
 // that, which may refuse it near a limit where a sequential order would
 // not have (when another service grows there at the same time), but
 // never lets the catalog exceed one; an update that does not change a
 // service's size reserves nothing.
-type catalogIndex struct {
+type CatalogIndex struct {
 	owner      map[catalogFE]string
 	markers    map[catalogMarker]int
 	dpServices int
@@ -26,8 +28,8 @@ type catalogIndex struct {
 	feCount    [2]int
 }
 
-// footprint is what one service adds to the catalogIndex.
-type footprint struct {
+// Footprint is what one service adds to a CatalogIndex (FootprintOf).
+type Footprint struct {
 	frontends  []catalogFE
 	markers    []catalogMarker // distinct
 	dpServices int
@@ -38,13 +40,14 @@ type footprint struct {
 	eligible, eligibleFamily int
 }
 
-func newCatalogIndex() *catalogIndex {
-	return &catalogIndex{owner: map[catalogFE]string{}, markers: map[catalogMarker]int{}}
+// NewCatalogIndex returns the index of an empty catalog.
+func NewCatalogIndex() *CatalogIndex {
+	return &CatalogIndex{owner: map[catalogFE]string{}, markers: map[catalogMarker]int{}}
 }
 
-// footprintOf counts s as ValidateCatalog does.
-func footprintOf(s *Service) footprint {
-	var fp footprint
+// FootprintOf counts s as ValidateCatalog does.
+func FootprintOf(s *Service) Footprint {
+	var fp Footprint
 	seen := map[catalogMarker]bool{}
 	for _, vip := range s.VIPs {
 		f := addrFamily(vip)
@@ -66,13 +69,13 @@ func footprintOf(s *Service) footprint {
 	return fp
 }
 
-// check validates s (already valid on its own) joining the catalog in
+// Check validates s (already valid on its own) joining the catalog in
 // place of the service of the same name, whose footprint is old (nil for
 // a new service): the checks of ValidateCatalog, with the same errors
 // except that they name the service rather than its index.
-func (x *catalogIndex) check(s *Service, fp, old *footprint, limits Limits) error {
+func (x *CatalogIndex) Check(s *Service, fp, old *Footprint, limits Limits) error {
 	fail := func(e *ValidationError) error {
-		return fmt.Errorf("fluxvm: catalog: service %s: %w", quoteName(s.Name), e)
+		return fmt.Errorf("intent: catalog: service %s: %w", quoteName(s.Name), e)
 	}
 	if fp.eligible > limits.MaglevSize {
 		return fail(verr(ErrLimit, "backends", "%d eligible %s backends; a Maglev table of this tier has %d slots", fp.eligible, familyName[fp.eligibleFamily], limits.MaglevSize))
@@ -119,13 +122,13 @@ func containsMarker(ms []catalogMarker, m catalogMarker) bool {
 	return false
 }
 
-// add counts fp, the footprint of service name (a restored service).
-func (x *catalogIndex) add(name string, fp *footprint) { x.reserve(name, fp, nil) }
+// Add counts fp, the footprint of service name (a restored service).
+func (x *CatalogIndex) Add(name string, fp *Footprint) { x.Reserve(name, fp, nil) }
 
-// reserve counts a change of service name from old (nil: a new service)
+// Reserve counts a change of service name from old (nil: a new service)
 // to fp, for as long as it is in flight: the frontends and markers of
 // both, and the larger of the two in every total.
-func (x *catalogIndex) reserve(name string, fp, old *footprint) {
+func (x *CatalogIndex) Reserve(name string, fp, old *Footprint) {
 	for _, k := range fp.frontends {
 		x.owner[k] = name
 	}
@@ -133,26 +136,26 @@ func (x *catalogIndex) reserve(name string, fp, old *footprint) {
 	x.addTotals(fp, old, 1)
 }
 
-// commit ends a change reserved with reserve that succeeded: fp stays.
+// Commit ends a change reserved with Reserve that succeeded: fp stays.
 // old nil with fp the footprint of a deleted service removes it.
-func (x *catalogIndex) commit(name string, fp, old *footprint) {
+func (x *CatalogIndex) Commit(name string, fp, old *Footprint) {
 	if old == nil {
 		return
 	}
 	x.drop(name, old, fp)
 }
 
-// abort ends a change reserved with reserve that failed: old stays.
-func (x *catalogIndex) abort(name string, fp, old *footprint) {
+// Abort ends a change reserved with Reserve that failed: old stays.
+func (x *CatalogIndex) Abort(name string, fp, old *Footprint) {
 	x.drop(name, fp, old)
 }
 
-// remove uncounts fp, the footprint of a deleted service.
-func (x *catalogIndex) remove(name string, fp *footprint) { x.drop(name, fp, nil) }
+// Remove uncounts fp, the footprint of a deleted service.
+func (x *CatalogIndex) Remove(name string, fp *Footprint) { x.drop(name, fp, nil) }
 
 // drop uncounts footprint gone of service name, which keeps footprint
 // stays (nil: none).
-func (x *catalogIndex) drop(name string, gone, stays *footprint) {
+func (x *CatalogIndex) drop(name string, gone, stays *Footprint) {
 	for _, k := range gone.frontends {
 		if x.owner[k] == name && (stays == nil || !containsFE(stays.frontends, k)) {
 			delete(x.owner, k)
@@ -169,7 +172,7 @@ func (x *catalogIndex) drop(name string, gone, stays *footprint) {
 	x.addTotals(gone, stays, -1)
 }
 
-func (x *catalogIndex) addMarkers(fp *footprint) {
+func (x *CatalogIndex) addMarkers(fp *Footprint) {
 	for _, m := range fp.markers {
 		if x.markers[m] == 0 {
 			x.feCount[addrFamily(m.vip)]++
@@ -180,8 +183,8 @@ func (x *catalogIndex) addMarkers(fp *footprint) {
 
 // addTotals adds (sign 1) or subtracts (sign −1) max(0, a − b) in every
 // total; b nil counts as zero.
-func (x *catalogIndex) addTotals(a, b *footprint, sign int) {
-	var z footprint
+func (x *CatalogIndex) addTotals(a, b *Footprint, sign int) {
+	var z Footprint
 	if b == nil {
 		b = &z
 	}

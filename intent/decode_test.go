@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"bytes"
@@ -11,8 +11,6 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
-
-	"github.com/fluxvm/servicefabric/bpf"
 )
 
 const exampleServicePath = "../examples/service-fabric-v4-east-west.json"
@@ -170,7 +168,7 @@ func checkDecodeError(t *testing.T, err error, field string, kind error, reason 
 	if reason != "" && !strings.Contains(ve.Reason, reason) {
 		t.Errorf("reason %q does not mention %q", ve.Reason, reason)
 	}
-	if !strings.HasPrefix(err.Error(), "fluxvm: decode service") {
+	if !strings.HasPrefix(err.Error(), "intent: decode service") {
 		t.Errorf("error %q lacks context", err)
 	}
 }
@@ -276,14 +274,10 @@ func TestExampleService(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ValidateService(s, DefaultConfig()); err != nil {
+	if err := ValidateService(s, Node{}); err != nil {
 		t.Fatal(err)
 	}
-	limits, err := LimitsForTier(bpf.TierS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ValidateCatalog([]Service{s}, DefaultConfig(), limits); err != nil {
+	if err := ValidateCatalog([]Service{s}, Node{}, tierS); err != nil {
 		t.Fatal(err)
 	}
 	ip := netip.MustParseAddr
@@ -326,7 +320,7 @@ func roundTrip(t *testing.T, s Service) {
 	if !reflect.DeepEqual(s, s2) {
 		t.Fatalf("round trip changed the service:\n was %+v\n now %+v\njson %s", s, s2, b)
 	}
-	if err := ValidateService(s2, DefaultConfig()); err != nil {
+	if err := ValidateService(s2, Node{}); err != nil {
 		t.Fatalf("re-decoded service no longer valid: %v", err)
 	}
 }
@@ -350,7 +344,7 @@ func FuzzDecodeService(f *testing.F) {
 	} {
 		f.Add([]byte(s))
 	}
-	cfg := DefaultConfig()
+	var node Node
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s, err := DecodeService(bytes.NewReader(data))
 		if err != nil {
@@ -360,7 +354,7 @@ func FuzzDecodeService(f *testing.F) {
 			}
 			return
 		}
-		err = ValidateService(s, cfg)
+		err = ValidateService(s, node)
 		if err != nil {
 			var ve *ValidationError
 			if !errors.As(err, &ve) || ve.Kind == nil {
@@ -369,7 +363,7 @@ func FuzzDecodeService(f *testing.F) {
 			return
 		}
 		roundTrip(t, s)
-		if err := ValidateCatalog([]Service{s}, cfg, Limits{Services: 1 << 20, Frontends: 1 << 20, Backends: 1 << 20, MaglevSize: 1 << 20}); err != nil {
+		if err := ValidateCatalog([]Service{s}, node, Limits{Services: 1 << 20, Frontends: 1 << 20, Backends: 1 << 20, MaglevSize: 1 << 20}); err != nil {
 			t.Fatalf("a valid service is not a valid catalog: %v", err)
 		}
 	})
@@ -396,10 +390,10 @@ func ExampleValidateService() {
 	if err != nil {
 		panic(err)
 	}
-	err = ValidateService(s, DefaultConfig())
+	err = ValidateService(s, Node{})
 	fmt.Println(err)
 	// Output:
-	// fluxvm: service "web": backends[0].address: IPv6 backend fd00:200:1::2, but the service has no IPv6 VIP
+	// intent: service "web": backends[0].address: IPv6 backend fd00:200:1::2, but the service has no IPv6 VIP
 }
 
 // TestExampleNorthSouthService loads examples/service-fabric-north-south.json:
@@ -418,14 +412,10 @@ func TestExampleNorthSouthService(t *testing.T) {
 		t.Fatal(err)
 	}
 	var ve *ValidationError
-	if err := ValidateService(s, DefaultConfig()); !errors.As(err, &ve) || !errors.Is(err, ErrPrerequisite) {
+	if err := ValidateService(s, Node{}); !errors.As(err, &ve) || !errors.Is(err, ErrPrerequisite) {
 		t.Fatalf("without north-south interfaces: %v, want a prerequisite error", err)
 	}
-	cfg := DefaultConfig()
-	cfg.NorthSouthInterfaces = []string{"uplink0"}
-	cfg.SNATAddress = netip.MustParseAddr("203.0.113.10")
-	cfg.SNATAddressV6 = netip.MustParseAddr("2001:db8:10::10")
-	if err := ValidateService(s, cfg); err != nil {
+	if err := ValidateService(s, nsNode()); err != nil {
 		t.Fatal(err)
 	}
 	if s.Exposure != ExposureBoth || !s.Advertise || s.HealthCheck == nil || s.HealthCheck.Kind != "tcp" || len(s.VIPs) != 2 {

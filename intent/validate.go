@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"fmt"
@@ -6,8 +6,6 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
-
-	"github.com/fluxvm/servicefabric/bpf"
 )
 
 // Categories that this file adds to those of errors.go. Each is a
@@ -38,7 +36,7 @@ var (
 // (errors.go) whose Field is the path of the field as the input spells it:
 // "name", "backends[2].weight", "health_check.kind" for a service,
 // "services[3].ports[0]" within a catalog,
-// "sandbox.dataplane.service.api.listen" for the configuration; empty
+// "sandbox.dataplane.service.snat_address" for the configuration; empty
 // when the error concerns the input as a whole. Its Kind is the category.
 // verr makes one.
 func verr(kind error, field, format string, args ...any) *ValidationError {
@@ -123,13 +121,46 @@ func (h HealthCheck) WithDefaults() HealthCheck {
 	return h
 }
 
+// Node is what validation needs to know of the node that is to serve a
+// service: the settings a service's features depend on. Package fluxvm
+// fills it from its Config (Config.Node); a control plane validating
+// intent for a node elsewhere fills it from what it knows of that node.
+// The zero Node is a node with no north-south interface, no SNAT address
+// and no EDT: east-west services only.
+type Node struct {
+	// NorthSouth: the node has north-south interfaces (north_south_interfaces
+	// in [sandbox.dataplane.service]), which exposure north-south and both
+	// need.
+	NorthSouth bool
+	// SNAT4 and SNAT6 are the node's SNAT addresses (snat_address,
+	// snat_address_v6): north-south NAT of a VIP needs one of the VIP's
+	// family. The zero Addr is none.
+	SNAT4, SNAT6 netip.Addr
+	// EDTEnabled: the node has EDT pacing enabled (edt_enabled), which
+	// max_egress_mbps needs.
+	EDTEnabled bool
+}
+
+// SNATAddressFor returns the node's SNAT address of a family (v6 false:
+// IPv4), or the zero Addr.
+func (n *Node) SNATAddressFor(v6 bool) netip.Addr {
+	a := n.SNAT4
+	if v6 {
+		a = n.SNAT6
+	}
+	if !a.IsValid() || a.Is4() == v6 || a.Is4In6() {
+		return netip.Addr{}
+	}
+	return a
+}
+
 // feature is one row of the unsupported table: a feature of the product
 // description that this build does not have. Exactly one of service and
-// config is set; it reports whether the input asks for the feature.
+// node is set; it reports whether the input asks for the feature.
 type feature struct {
 	field   string // JSON field of a service, or TOML key of the service table
 	service func(*Service) bool
-	config  func(*Config) bool
+	node    func(*Node) bool
 	reason  string
 }
 
@@ -140,14 +171,27 @@ var unsupported = []feature{
 	{field: "max_egress_mbps", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
 		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
 	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
-		config: func(c *Config) bool { return c.EDTEnabled }},
+		node: func(n *Node) bool { return n.EDTEnabled }},
+}
+
+// CheckNode reports the node settings this build does not have
+// (ErrUnsupported), each a *ValidationError whose Field is the key of the
+// setting in [sandbox.dataplane.service] ("edt_enabled"), or nil.
+func CheckNode(n Node) []*ValidationError {
+	var out []*ValidationError
+	for _, f := range unsupported {
+		if f.node != nil && f.node(&n) {
+			out = append(out, verr(ErrUnsupported, f.field, "%s", f.reason))
+		}
+	}
+	return out
 }
 
 // prerequisite is a service feature that needs something else, in the
 // service or in the node configuration. missing returns why, or "".
 type prerequisite struct {
 	field   string
-	missing func(*Service, *Config) string
+	missing func(*Service, *Node) string
 }
 
 // prerequisites are checked before the unsupported table, so that a
@@ -155,25 +199,25 @@ type prerequisite struct {
 // feature is not built. (HA export/import will add: HA requires
 // north_south_interfaces.)
 var prerequisites = []prerequisite{
-	{"max_egress_mbps", func(s *Service, c *Config) string {
-		if s.MaxEgressMbps != 0 && !c.EDTEnabled {
+	{"max_egress_mbps", func(s *Service, n *Node) string {
+		if s.MaxEgressMbps != 0 && !n.EDTEnabled {
 			return "requires edt_enabled = true in [sandbox.dataplane.service]"
 		}
 		return ""
 	}},
-	{"advertise", func(s *Service, c *Config) string {
-		if s.Advertise && !northSouth(s) {
+	{"advertise", func(s *Service, n *Node) string {
+		if s.Advertise && !s.IsNorthSouth() {
 			return "requires exposure north-south or both (an east-west VIP is never advertised)"
 		}
 		return ""
 	}},
-	{"exposure", func(s *Service, c *Config) string {
-		if northSouth(s) && len(c.NorthSouthInterfaces) == 0 {
+	{"exposure", func(s *Service, n *Node) string {
+		if s.IsNorthSouth() && !n.NorthSouth {
 			return fmt.Sprintf("%s requires north_south_interfaces in [sandbox.dataplane.service]", s.Exposure)
 		}
 		return ""
 	}},
-	{"host_routing", func(s *Service, c *Config) string {
+	{"host_routing", func(s *Service, n *Node) string {
 		if s.HostRouting && s.Mode == ModeDSR {
 			return "requires mode nat: the FIB fast path forwards translated packets, and DSR forwards by FIB lookup already"
 		}
@@ -183,13 +227,13 @@ var prerequisites = []prerequisite{
 
 // snatPrerequisite checks that north-south NAT has an SNAT address of
 // each VIP's family, naming the VIP.
-func snatPrerequisite(s *Service, c *Config) *ValidationError {
-	if !northSouth(s) || s.Mode == ModeDSR {
+func snatPrerequisite(s *Service, n *Node) *ValidationError {
+	if !s.IsNorthSouth() || s.Mode == ModeDSR {
 		return nil
 	}
 	for i, vip := range s.VIPs {
 		v6 := !vip.Unmap().Is4()
-		if c.SNATAddressFor(v6).IsValid() {
+		if n.SNATAddressFor(v6).IsValid() {
 			continue
 		}
 		key := "an IPv4 snat_address"
@@ -221,13 +265,8 @@ func checkDSRPorts(s *Service) *ValidationError {
 	return nil
 }
 
-func northSouth(s *Service) bool {
-	return s.Exposure == ExposureNorthSouth || s.Exposure == ExposureBoth
-}
-
 // ValidateService checks one service against the rules below and against
-// the prerequisites in cfg (which should itself have passed
-// Config.Validate). It returns nil or the first problem found, as a
+// the prerequisites in node. It returns nil or the first problem found, as a
 // *ValidationError wrapped with the service's name. It has no side
 // effects: a rejected service changes nothing anywhere.
 //
@@ -268,9 +307,9 @@ func northSouth(s *Service) bool {
 //     of each VIP's family (field vips[i]): an IPv4 VIP an IPv4
 //     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
 //   - features this build does not have (ErrUnsupported): max_egress_mbps.
-func ValidateService(s Service, cfg Config) error {
-	if e := validateService(&s, &cfg, false); e != nil {
-		return fmt.Errorf("fluxvm: service %s: %w", quoteName(s.Name), e)
+func ValidateService(s Service, node Node) error {
+	if e := validateService(&s, &node, false); e != nil {
+		return fmt.Errorf("intent: service %s: %w", quoteName(s.Name), e)
 	}
 	return nil
 }
@@ -286,8 +325,8 @@ func quoteName(name string) string {
 
 // validateService checks s. legacyName accepts a reserved name (a
 // service restored from a catalog written before its name was reserved,
-// see Dataplane.restore); every other rule holds.
-func validateService(s *Service, cfg *Config, legacyName bool) *ValidationError {
+// see ValidateRestoredCatalog); every other rule holds.
+func validateService(s *Service, node *Node, legacyName bool) *ValidationError {
 	if e := checkName(s.Name); e != nil {
 		return e
 	}
@@ -324,11 +363,11 @@ func validateService(s *Service, cfg *Config, legacyName bool) *ValidationError 
 		return e
 	}
 	for _, p := range prerequisites {
-		if why := p.missing(s, cfg); why != "" {
+		if why := p.missing(s, node); why != "" {
 			return verr(ErrPrerequisite, p.field, "%s", why)
 		}
 	}
-	if e := snatPrerequisite(s, cfg); e != nil {
+	if e := snatPrerequisite(s, node); e != nil {
 		return e
 	}
 	for _, f := range unsupported {
@@ -387,8 +426,11 @@ func IsReservedName(name string) bool { return reservedNames[name] }
 
 var broadcast4 = netip.AddrFrom4([4]byte{255, 255, 255, 255})
 
-// addrProblem says what is wrong with a as a VIP (vip) or a backend
-// address, or "".
+// AddrProblem says what is wrong with a as a VIP (vip true) or as a
+// backend address, or returns "". The node's SNAT addresses follow the
+// rules of a VIP: backends route replies to them across the network.
+func AddrProblem(a netip.Addr, vip bool) string { return addrProblem(a, vip) }
+
 func addrProblem(a netip.Addr, vip bool) string {
 	switch {
 	case !a.IsValid():
@@ -541,8 +583,8 @@ func checkHealth(h *HealthCheck) *ValidationError {
 
 // Limits bound a whole catalog by the capacities of the datapath's maps.
 // Each service becomes one datapath service per (VIP, port, protocol); see
-// the fields for what each one uses. Derive them from the loaded object
-// with LimitsFor, or from a tier with LimitsForTier.
+// the fields for what each one uses. Package fluxvm derives them from the
+// loaded object (fluxvm.LimitsFor) or from a tier (fluxvm.LimitsForTier).
 type Limits struct {
 	// Services is the number of datapath services: one per VIP and port of
 	// every service. Each takes a service id, a Maglev table and a guard.
@@ -559,38 +601,6 @@ type Limits struct {
 	MaglevSize int
 }
 
-// LimitsFor returns the limits of an object with capacities c. Service
-// and backend id 0 mean "none" in the maps and are never allocated, so one
-// of each is subtracted.
-func LimitsFor(c bpf.Capacities) Limits {
-	dec := func(n uint32) int {
-		if n == 0 {
-			return 0
-		}
-		return int(n) - 1
-	}
-	return Limits{
-		Services:   dec(c.Services),
-		Frontends:  int(c.Frontends),
-		Backends:   dec(c.Backends),
-		MaglevSize: int(c.MaglevSize),
-	}
-}
-
-// LimitsForTier returns the limits of the embedded object of tier t,
-// without loading anything into the kernel.
-func LimitsForTier(t bpf.Tier) (Limits, error) {
-	spec, err := bpf.Spec(t)
-	if err != nil {
-		return Limits{}, fmt.Errorf("fluxvm: limits of tier %s: %w", t, err)
-	}
-	c, err := bpf.CapacitiesOf(spec)
-	if err != nil {
-		return Limits{}, fmt.Errorf("fluxvm: limits of tier %s: %w", t, err)
-	}
-	return LimitsFor(c), nil
-}
-
 type catalogFE struct {
 	vip   netip.Addr
 	port  uint16
@@ -603,7 +613,7 @@ type catalogMarker struct {
 }
 
 // ValidateCatalog checks a whole catalog, the set of services a node is
-// to serve at once: every service passes ValidateService with cfg
+// to serve at once: every service passes ValidateService with node
 // (errors name it as services[i]); names are unique; no frontend (VIP,
 // port, protocol) belongs to two services (ErrConflict); and the catalog
 // fits limits (ErrLimit, naming the first service that does not fit):
@@ -611,14 +621,15 @@ type catalogMarker struct {
 // backend entries, and eligible backends per Maglev table. Disabled
 // services count: they keep their frontends, closed. Disabled backends do
 // not: the datapath does not have them. Like ValidateService it is pure.
-func ValidateCatalog(services []Service, cfg Config, limits Limits) error {
-	return validateCatalog(services, cfg, limits, nil)
+func ValidateCatalog(services []Service, node Node, limits Limits) error {
+	return ValidateRestoredCatalog(services, node, limits, nil)
 }
 
-// validateCatalog is ValidateCatalog accepting the reserved names in
-// legacy (services a catalog restored from disk had before their name
-// was reserved; see Dataplane.restore).
-func validateCatalog(services []Service, cfg Config, limits Limits, legacy map[string]bool) error {
+// ValidateRestoredCatalog is ValidateCatalog accepting the reserved names
+// in legacy: services that a catalog restored from disk had before their
+// name was reserved (see fluxvm.Dataplane's restore). Every other rule
+// holds for them.
+func ValidateRestoredCatalog(services []Service, node Node, limits Limits, legacy map[string]bool) error {
 	names := make(map[string]int, len(services))
 	frontends := make(map[catalogFE]int)
 	markers := make(map[catalogMarker]bool)
@@ -628,9 +639,9 @@ func validateCatalog(services []Service, cfg Config, limits Limits, legacy map[s
 		s := &services[i]
 		at := fmt.Sprintf("services[%d]", i)
 		fail := func(e *ValidationError) error {
-			return fmt.Errorf("fluxvm: catalog: service %s: %w", quoteName(s.Name), withinField(e, at))
+			return fmt.Errorf("intent: catalog: service %s: %w", quoteName(s.Name), withinField(e, at))
 		}
-		if e := validateService(s, &cfg, legacy[s.Name]); e != nil {
+		if e := validateService(s, &node, legacy[s.Name]); e != nil {
 			return fail(e)
 		}
 		if j, dup := names[s.Name]; dup {

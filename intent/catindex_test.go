@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"errors"
@@ -14,7 +14,7 @@ import (
 // fresh index of the resulting catalog.
 func TestCatalogIndexMatchesValidateCatalog(t *testing.T) {
 	limits := Limits{Services: 12, Frontends: 10, Backends: 40, MaglevSize: 5}
-	cfg := DefaultConfig()
+	var node Node
 	rng := rand.New(rand.NewPCG(1, 2))
 	random := func(name string) Service {
 		s := Service{Name: name}
@@ -38,22 +38,22 @@ func TestCatalogIndexMatchesValidateCatalog(t *testing.T) {
 		}
 		return s
 	}
-	x := newCatalogIndex()
+	x := NewCatalogIndex()
 	cat := map[string]Service{}
-	fps := map[string]footprint{}
+	fps := map[string]Footprint{}
 	names := []string{"a", "b", "c", "d", "e", "f"}
 	accepted := 0
 	for i := range 3000 {
 		name := names[rng.IntN(len(names))]
 		if _, ok := cat[name]; ok && rng.IntN(4) == 0 {
 			fp := fps[name]
-			x.remove(name, &fp)
+			x.Remove(name, &fp)
 			delete(cat, name)
 			delete(fps, name)
 			continue
 		}
 		svc := random(name)
-		if ValidateService(svc, cfg) != nil {
+		if ValidateService(svc, node) != nil {
 			continue
 		}
 		var next []Service
@@ -63,13 +63,13 @@ func TestCatalogIndexMatchesValidateCatalog(t *testing.T) {
 			}
 		}
 		next = append(next, svc)
-		want := ValidateCatalog(next, cfg, limits)
-		fp := footprintOf(&svc)
-		var old *footprint
+		want := ValidateCatalog(next, node, limits)
+		fp := FootprintOf(&svc)
+		var old *Footprint
 		if o, ok := fps[name]; ok {
 			old = &o
 		}
-		got := x.check(&svc, &fp, old, limits)
+		got := x.Check(&svc, &fp, old, limits)
 		if (got == nil) != (want == nil) || (want != nil && (errors.Is(got, ErrLimit) != errors.Is(want, ErrLimit) || errors.Is(got, ErrConflict) != errors.Is(want, ErrConflict))) {
 			t.Fatalf("step %d: %s: incremental %v, whole catalog %v", i, name, got, want)
 		}
@@ -77,18 +77,18 @@ func TestCatalogIndexMatchesValidateCatalog(t *testing.T) {
 			continue
 		}
 		accepted++
-		x.reserve(name, &fp, old)
+		x.Reserve(name, &fp, old)
 		if rng.IntN(3) == 0 {
-			x.abort(name, &fp, old)
+			x.Abort(name, &fp, old)
 			continue
 		}
-		x.commit(name, &fp, old)
+		x.Commit(name, &fp, old)
 		cat[name], fps[name] = svc, fp
 	}
-	fresh := newCatalogIndex()
+	fresh := NewCatalogIndex()
 	for n := range cat {
 		fp := fps[n]
-		fresh.add(n, &fp)
+		fresh.Add(n, &fp)
 	}
 	if x.dpServices != fresh.dpServices || x.backends != fresh.backends || x.feCount != fresh.feCount || len(x.owner) != len(fresh.owner) || len(x.markers) != len(fresh.markers) {
 		t.Errorf("index after the changes %+v, a fresh one %+v", *x, *fresh)

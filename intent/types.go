@@ -1,4 +1,4 @@
-package fluxvm
+package intent
 
 import (
 	"fmt"
@@ -49,6 +49,12 @@ type Service struct {
 
 // IsEnabled reports Enabled with its default.
 func (s *Service) IsEnabled() bool { return s.Enabled == nil || *s.Enabled }
+
+// IsNorthSouth reports whether the service has clients outside the node:
+// exposure north-south or both.
+func (s *Service) IsNorthSouth() bool {
+	return s.Exposure == ExposureNorthSouth || s.Exposure == ExposureBoth
+}
 
 // Clone returns a deep copy of s: it shares no slice or pointer with s.
 func (s Service) Clone() Service {

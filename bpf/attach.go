@@ -11,7 +11,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -211,67 +210,6 @@ func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
 	return nil
 }
 
-func clsParent(hook Hook) uint32 {
-	if hook.ingress() {
-		return netlink.HANDLE_MIN_INGRESS
-	}
-	return netlink.HANDLE_MIN_EGRESS
-}
-
-func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) error {
-	l, err := netlink.LinkByIndex(index)
-	if err != nil {
-		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
-	}
-	q := &netlink.GenericQdisc{
-		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
-		QdiscType:  "clsact",
-	}
-	if err := netlink.QdiscAdd(q); err != nil && !errors.Is(err, unix.EEXIST) {
-		return fmt.Errorf("bpf: attach %s on %d: clsact: %w", hook, index, err)
-	}
-	f, err := ourFilter(l, hook)
-	if err != nil {
-		return err
-	}
-	nf := &netlink.BpfFilter{
-		FilterAttrs: netlink.FilterAttrs{
-			LinkIndex: index, Parent: clsParent(hook), Handle: netlink.MakeHandle(0, 1),
-			Protocol: unix.ETH_P_ALL, Priority: 1,
-		},
-		Fd: prog.FD(), Name: clsPrefix + progName, DirectAction: true,
-	}
-	if f != nil {
-		err = netlink.FilterReplace(nf)
-	} else {
-		err = netlink.FilterAdd(nf)
-	}
-	if err != nil {
-		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
-	}
-	return nil
-}
-
-// ourFilter returns our filter at priority 1 on the hook, nil when the
-// slot is free, and ErrForeignProgram when someone else holds it.
-func ourFilter(l netlink.Link, hook Hook) (*netlink.BpfFilter, error) {
-	fs, err := netlink.FilterList(l, clsParent(hook))
-	if err != nil {
-		return nil, fmt.Errorf("bpf: list filters on %s: %w", l.Attrs().Name, err)
-	}
-	for _, f := range fs {
-		if f.Attrs().Priority != 1 {
-			continue
-		}
-		bf, ok := f.(*netlink.BpfFilter)
-		if !ok || !strings.HasPrefix(bf.Name, clsPrefix) {
-			return nil, fmt.Errorf("bpf: %s %s priority 1: %w", l.Attrs().Name, hook, ErrForeignProgram)
-		}
-		return bf, nil
-	}
-	return nil, nil
-}
-
 // Detach removes our program from the hook of the interface. A program
 // that is not ours is never removed; detaching what is not attached is
 // ErrNotAttached.
@@ -292,21 +230,7 @@ func (d *Datapath) Detach(ifc Interface, hook Hook) error {
 		// Closing the last reference to an unpinned link detaches it.
 		return nil
 	}
-	l, err := netlink.LinkByIndex(index)
-	if err != nil {
-		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, err)
-	}
-	f, err := ourFilter(l, hook)
-	if err != nil {
-		return err
-	}
-	if f == nil {
-		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, ErrNotAttached)
-	}
-	if err := netlink.FilterDel(f); err != nil {
-		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, err)
-	}
-	return nil
+	return detachClsBPF(index, hook, name)
 }
 
 // Attachments lists our attachments visible in the calling thread's
@@ -329,20 +253,11 @@ func (d *Datapath) Attachments() ([]Attachment, error) {
 		}
 		out = append(out, a)
 	}
-	links, err := netlink.LinkList()
+	cls, err := clsBPFAttachments()
 	if err != nil {
 		return nil, fmt.Errorf("bpf: attachments: %w", err)
 	}
-	for _, l := range links {
-		for _, hook := range Hooks {
-			f, err := ourFilter(l, hook)
-			if err != nil || f == nil {
-				continue
-			}
-			out = append(out, Attachment{Ifname: l.Attrs().Name, Ifindex: l.Attrs().Index, Hook: hook, Mode: AttachClsBPF, Program: strings.TrimPrefix(f.Name, clsPrefix)})
-		}
-	}
-	return out, nil
+	return append(out, cls...), nil
 }
 
 func parseLinkPin(name string) (int, Hook, bool) {

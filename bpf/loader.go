@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -170,6 +171,9 @@ type staged struct {
 // Open loads the datapath, adopting or rebuilding the state in the pin
 // root as Status describes. It never touches anything outside the root.
 func Open(opts Options) (*Datapath, error) {
+	if runtime.GOOS != "linux" {
+		return nil, fmt.Errorf("bpf: open: the datapath needs Linux (eBPF, TC), not %s: %w", runtime.GOOS, errors.ErrUnsupported)
+	}
 	if opts.PinRoot == "" {
 		opts.PinRoot = DefaultPinRoot
 	}

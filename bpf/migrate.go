@@ -11,7 +11,6 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
 // Migration is what became of one lifecycle map's entries when Open had to
@@ -184,13 +183,4 @@ func removeStalePins(root string, spec *ebpf.CollectionSpec) error {
 		}
 	}
 	return nil
-}
-
-// monotonicCoarse is the datapath's clock (bpf_ktime_get_coarse_ns).
-func monotonicCoarse() (uint64, error) {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
-		return 0, fmt.Errorf("clock_gettime(CLOCK_MONOTONIC_COARSE): %w", err)
-	}
-	return uint64(ts.Nano()), nil
 }

@@ -10,7 +10,6 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/mapscan"
@@ -374,11 +373,11 @@ func (m *Map) List(f Filter) ([]Entry, error) {
 // Wall-clock time (time.Now) is a different clock and cannot be compared
 // with entry times.
 func Now() (time.Duration, error) {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
-		return 0, fmt.Errorf("conntrack: clock_gettime(CLOCK_MONOTONIC_COARSE): %w", err)
+	now, err := bpf.Now()
+	if err != nil {
+		return 0, fmt.Errorf("conntrack: %w", err)
 	}
-	return time.Duration(ts.Nano()), nil
+	return now, nil
 }
 
 func notFound(op string, k Key, err error) error {

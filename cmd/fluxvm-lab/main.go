@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command fluxvm-lab builds a throwaway topology of network namespaces and
 // veth pairs (a node running the datapath, a client VM, backend VMs and an
 // external client) and runs scenarios through the real datapath:

@@ -1,3 +1,5 @@
+//go:build linux
+
 package scenario
 
 // End-to-end test of the VIP advertisements: a north-south service with

@@ -1,3 +1,5 @@
+//go:build linux
+
 package scenario
 
 // End-to-end tests of the VM-edge service datapath with real sockets: a

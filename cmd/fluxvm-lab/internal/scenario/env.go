@@ -1,8 +1,5 @@
-// Package scenario runs end-to-end scenarios on a lab topology: the demo
-// behind `fluxvm-lab demo`, the side-by-side performance runs behind
-// `fluxvm-lab perf`, and the end-to-end tests. Everything happens in
-// namespaces the lab creates; Close removes them, the pin root and every
-// attachment, also after a failure.
+//go:build linux
+
 package scenario
 
 import (

@@ -1,3 +1,5 @@
+//go:build linux
+
 package scenario
 
 // End-to-end test of active health checks: the node probes the backend

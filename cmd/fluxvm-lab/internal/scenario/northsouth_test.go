@@ -1,3 +1,5 @@
+//go:build linux
+
 package scenario
 
 // End-to-end tests of the north-south edge: the external client "ext"

@@ -231,7 +231,6 @@ func benchDataplane(t *testing.T, n int, fill *time.Duration) (*Dataplane, strin
 	}
 	start := time.Now()
 	d, err := Open(Options{
-		Config:      DefaultConfig(),
 		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierL},
 		CatalogPath: path,
 		GCInterval:  -1,

@@ -569,9 +569,10 @@ func (c *Config) validateSNAT(bad func(category error, k, format string, args ..
 	}
 }
 
-// checkNorthSouth checks the SNAT keys of a configuration that Open
-// applies (Options.Config need not have passed Validate as a whole; a
-// port range left 0..0 takes the defaults, as SNATConfig does).
+// checkNorthSouth checks the SNAT keys of the settings Open applies
+// (Options.NorthSouth, through Options.settings: it need not have passed
+// Validate as a whole; a port range left 0..0 takes the defaults, as
+// SNATConfig does).
 func (c *Config) checkNorthSouth() error {
 	cc := *c
 	if cc.SNATPortMin == 0 && cc.SNATPortMax == 0 {

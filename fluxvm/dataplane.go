@@ -23,12 +23,13 @@ import (
 
 // Options configure a Dataplane.
 type Options struct {
-	// Config supplies the node settings that validation depends on
-	// (edt_enabled, snat_address, north-south interfaces) and the
-	// north-south settings Open applies: the SNAT addresses and port range
-	// are written to the datapath, and north_south_interfaces are
-	// attached.
-	Config Config
+	// NorthSouth is the node's north-south edge: its uplinks, attached at
+	// Open, and the SNAT addresses and port range written to the
+	// datapath. Validation of north-south services depends on it.
+	NorthSouth NorthSouth
+	// EDTEnabled allows services to ask for egress pacing
+	// (Service.MaxEgressMbps); validation refuses them otherwise.
+	EDTEnabled bool
 	// Loader configures the BPF loader (pin root, tier, object dir,
 	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
 	Loader bpf.Options
@@ -189,7 +190,7 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.Timeouts.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	if err := opts.Config.checkNorthSouth(); err != nil {
+	if err := opts.NorthSouth.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	// Staged: the programs attached by an earlier process keep running on
@@ -287,7 +288,7 @@ func (d *Dataplane) init() error {
 			return err
 		}
 	}
-	for _, name := range d.opts.Config.NorthSouthInterfaces {
+	for _, name := range d.opts.NorthSouth.Interfaces {
 		if _, err := d.AddNorthSouthInterface(name); err != nil {
 			return err
 		}
@@ -300,12 +301,13 @@ func (d *Dataplane) init() error {
 // flows of that family drop (snat_failed); validation keeps services that
 // would need one out.
 func (d *Dataplane) writeSNAT() error {
-	v := d.opts.Config.SNATConfig()
+	cfg := d.opts.settings()
+	v := cfg.SNATConfig()
 	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
 		return fmt.Errorf("snat config: %w", err)
 	}
 	d.snat = v
-	d.log.Info("fluxvm: SNAT configured", "address_v4", d.opts.Config.SNATAddressFor(false), "address_v6", d.opts.Config.SNATAddressFor(true),
+	d.log.Info("fluxvm: SNAT configured", "address_v4", cfg.SNATAddressFor(false), "address_v6", cfg.SNATAddressFor(true),
 		"port_min", v.PortMin, "port_max", v.PortMax)
 	return nil
 }
@@ -346,7 +348,7 @@ func (d *Dataplane) restore() error {
 				"service", cs.Service.Name, "catalog", d.opts.CatalogPath, "reserved", ReservedNames())
 		}
 	}
-	if err := intent.ValidateRestoredCatalog(intents, d.opts.Config.Node(), d.limits, d.legacyNames); err != nil {
+	if err := intent.ValidateRestoredCatalog(intents, d.opts.settings().Node(), d.limits, d.legacyNames); err != nil {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {
@@ -580,8 +582,8 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
 	}
 	d.ifaces[name] = ifc
-	if !slices.Contains(d.opts.Config.NorthSouthInterfaces, name) {
-		d.opts.Config.NorthSouthInterfaces = append(slices.Clip(d.opts.Config.NorthSouthInterfaces), name)
+	if !slices.Contains(d.opts.NorthSouth.Interfaces, name) {
+		d.opts.NorthSouth.Interfaces = append(slices.Clip(d.opts.NorthSouth.Interfaces), name)
 	}
 	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode)
 	return ifc.status(), nil

@@ -59,7 +59,6 @@ func newEnv(t *testing.T) *env {
 		ifs = append(ifs, VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 	}
 	e.opts = Options{
-		Config:      DefaultConfig(),
 		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 		CatalogPath: filepath.Join(t.TempDir(), "catalog.json"),
 		GCInterval:  -1,
@@ -325,7 +324,6 @@ func TestDataplaneDeleteAndCleanup(t *testing.T) {
 func TestAddInterfaceAllOrNothing(t *testing.T) {
 	e := newEnv(t)
 	e.opts.Interfaces = nil
-	e.opts.Config.AttachMode = bpf.AttachClsBPF
 	e.opts.Loader.AttachMode = bpf.AttachClsBPF
 	d := e.open(t)
 	vm := e.backends[0]

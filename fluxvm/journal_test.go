@@ -351,7 +351,6 @@ func TestDataplaneCatalogSurvivesCrash(t *testing.T) {
 	open := func(catalog string) *Dataplane {
 		t.Helper()
 		d, err := Open(Options{
-			Config:      DefaultConfig(),
 			Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 			CatalogPath: catalog,
 			GCInterval:  -1,

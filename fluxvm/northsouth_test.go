@@ -32,11 +32,11 @@ func newNSEnv(t *testing.T) *env {
 	if _, err := e.lab.AddExternal(); err != nil {
 		t.Fatal(err)
 	}
-	e.opts.Config.NorthSouthInterfaces = []string{nsUplink}
-	e.opts.Config.SNATAddress = nsSNAT4
-	e.opts.Config.SNATAddressV6 = nsSNAT6
-	e.opts.Config.SNATPortMin, e.opts.Config.SNATPortMax = 62000, 62999
-	if err := e.opts.Config.Validate(); err != nil {
+	e.opts.NorthSouth.Interfaces = []string{nsUplink}
+	e.opts.NorthSouth.SNATAddress = nsSNAT4
+	e.opts.NorthSouth.SNATAddressV6 = nsSNAT6
+	e.opts.NorthSouth.SNATPortMin, e.opts.NorthSouth.SNATPortMax = 62000, 62999
+	if err := e.opts.NorthSouth.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	return e
@@ -322,8 +322,8 @@ func TestDataplaneNorthSouth(t *testing.T) {
 
 	// Opened again with another configuration, fluxvm_snat follows it.
 	d.Close()
-	e.opts.Config.SNATAddress, e.opts.Config.SNATAddressV6 = netip.MustParseAddr("fd00:250::200"), netip.Addr{}
-	e.opts.Config.SNATPortMin, e.opts.Config.SNATPortMax = 1024, 1024
+	e.opts.NorthSouth.SNATAddress, e.opts.NorthSouth.SNATAddressV6 = netip.MustParseAddr("fd00:250::200"), netip.Addr{}
+	e.opts.NorthSouth.SNATPortMin, e.opts.NorthSouth.SNATPortMax = 1024, 1024
 	d = e.open(t)
 	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &snat); err != nil {
 		t.Fatal(err)

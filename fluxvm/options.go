@@ -1,10 +1,49 @@
 package fluxvm
 
+import "net/netip"
+
+// NorthSouth is the node's north-south edge, as Options gives it: the
+// uplinks (ns_in and ns_out are attached to each at Open) and the SNAT
+// settings north-south NAT needs. The fields mean what the configuration
+// keys of the same names mean (north_south_interfaces, snat_address,
+// snat_address_v6, snat_port_min, snat_port_max); a port range left 0..0
+// takes the defaults (DefaultSNATPortMin..DefaultSNATPortMax).
+type NorthSouth struct {
+	Interfaces                 []string
+	SNATAddress, SNATAddressV6 netip.Addr
+	SNATPortMin, SNATPortMax   int
+}
+
+// Validate checks the SNAT settings with the configuration's rules.
+func (ns NorthSouth) Validate() error {
+	c := Options{NorthSouth: ns}.settings()
+	return c.checkNorthSouth()
+}
+
+// settings is o's node settings as a Config, so that the rules written
+// once for the configuration (SNAT addresses, the node for validation)
+// serve Options too. Only the north-south and EDT fields are set.
+func (o Options) settings() *Config {
+	return &Config{
+		NorthSouthInterfaces: o.NorthSouth.Interfaces,
+		SNATAddress:          o.NorthSouth.SNATAddress,
+		SNATAddressV6:        o.NorthSouth.SNATAddressV6,
+		SNATPortMin:          o.NorthSouth.SNATPortMin,
+		SNATPortMax:          o.NorthSouth.SNATPortMax,
+		EDTEnabled:           o.EDTEnabled,
+	}
+}
+
 // OptionsFrom turns a validated configuration into dataplane options. The
 // caller may still set InNamespace and Logger.
 func OptionsFrom(cfg Config) Options {
 	opts := Options{
-		Config:      cfg,
+		NorthSouth: NorthSouth{
+			Interfaces:  append([]string(nil), cfg.NorthSouthInterfaces...),
+			SNATAddress: cfg.SNATAddress, SNATAddressV6: cfg.SNATAddressV6,
+			SNATPortMin: cfg.SNATPortMin, SNATPortMax: cfg.SNATPortMax,
+		},
+		EDTEnabled:  cfg.EDTEnabled,
 		Loader:      cfg.LoaderOptions(),
 		CatalogPath: cfg.CatalogPath,
 		// Always set by a validated configuration: the daemon publishes

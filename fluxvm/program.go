@@ -47,7 +47,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	}
 	// The service alone first, so that its errors name its own fields
 	// (backends[0].port), then the catalog it would join.
-	if err := ValidateService(svc, d.opts.Config); err != nil {
+	if err := ValidateService(svc, *d.opts.settings()); err != nil {
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}

@@ -61,7 +61,6 @@ func newSeedNode(t *testing.T, s seeds) *seedNode {
 func (n *seedNode) open(t *testing.T, s seeds) {
 	t.Helper()
 	d, err := Open(Options{
-		Config:      DefaultConfig(),
 		Loader:      bpf.Options{PinRoot: n.root, Tier: bpf.TierS, HashSeed: s.hash},
 		MaglevSeed:  s.maglev,
 		CatalogPath: n.catalog,

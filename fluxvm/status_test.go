@@ -19,7 +19,6 @@ import (
 // frontends report, as services come and go.
 func TestStatusMemory(t *testing.T) {
 	d, err := Open(Options{
-		Config:     DefaultConfig(),
 		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 		GCInterval: -1,
 		Logger:     slog.New(slog.DiscardHandler),

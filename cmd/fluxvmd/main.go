@@ -137,7 +137,7 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	// journal) is removed below; with no services the first advertisement snapshot
 	// is already empty.
 	opts.Interfaces = nil
-	opts.Config.NorthSouthInterfaces = nil
+	opts.NorthSouth.Interfaces = nil
 	opts.CatalogPath = ""
 	d, err := fluxvm.Open(opts)
 	if err != nil {

@@ -15,9 +15,14 @@
 // Imports point down only:
 //
 //   - [github.com/fluxvm/servicefabric/fluxvm]: the node Service Fabric:
-//     intent types, configuration, validation and the Dataplane that an
-//     embedder opens; [github.com/fluxvm/servicefabric/fluxvm/api] serves
+//     the Dataplane that an embedder opens, its Options and the TOML
+//     configuration; [github.com/fluxvm/servicefabric/fluxvm/api] serves
 //     it over REST.
+//   - [github.com/fluxvm/servicefabric/intent]: the service intent (types,
+//     decoding, validation) in pure Go, for a control plane on any OS.
+//   - [github.com/fluxvm/servicefabric/advert] and
+//     [github.com/fluxvm/servicefabric/health]: VIP advertisement
+//     snapshots and TCP health checks, pure Go.
 //   - [github.com/fluxvm/servicefabric/conntrack] and
 //     [github.com/fluxvm/servicefabric/nat]: typed views of the flow maps
 //     and their garbage collector.
@@ -26,7 +31,9 @@
 //   - [github.com/fluxvm/servicefabric/bpf]: the eBPF C sources, the
 //     objects compiled from them (embedded, so users need no clang), the Go
 //     mirrors of their layouts, the loader and attach/detach.
-//   - internal/: test support, namespaces, the lab topology and scenarios.
+//   - internal/: runtime helpers of the library packages; test helpers
+//     in internal/testutils. The lab application lives with its command,
+//     cmd/fluxvm-lab.
 //
 // # Using it
 //

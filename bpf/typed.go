@@ -18,7 +18,9 @@ type Maps = serviceMaps
 // generates them (FluxvmFromVm is fluxvm_from_vm, and so on).
 type Programs = servicePrograms
 
-// Maps returns the loaded maps. After Close every field is nil.
+// Maps returns the loaded maps. They belong to the Datapath: never Close
+// or Unpin one of them (Close the Datapath). After Close every field is
+// nil.
 func (d *Datapath) Maps() *Maps { return &d.maps }
 
 // Programs returns the loaded programs. After Close every field is nil.

@@ -49,6 +49,30 @@ func TestOpenView(t *testing.T) {
 		if err := v.Maps().FluxvmFct4.Put(ctKey(5000), CTValue{ServiceId: 1}); err == nil {
 			t.Error("a write through the view succeeded")
 		}
+		// Maglev tables: a copy, never a handle (inner maps open
+		// writable).
+		if v.Maps().FluxvmMaglev != nil {
+			t.Error("the view hands out the Maglev outer map")
+		}
+		if tbl, err := v.MaglevTable(3); err != nil || tbl != nil {
+			t.Errorf("table of a service without one: %v, %v", tbl, err)
+		}
+		ms := d.Spec().Maps["fluxvm_maglev"].InnerMap.Copy()
+		ms.MaxEntries = 251
+		inner, err := ebpf.NewMap(ms)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer inner.Close()
+		if err := inner.Put(uint32(250), uint32(9)); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Maps().FluxvmMaglev.Put(uint32(3), inner); err != nil {
+			t.Fatal(err)
+		}
+		if tbl, err := v.MaglevTable(3); err != nil || len(tbl) != 251 || tbl[250] != 9 || tbl[0] != 0 {
+			t.Errorf("the view's copy of the table: %d slots, %v", len(tbl), err)
+		}
 		if got := tcxPrograms(t, rx.Attrs().Index, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != prog {
 			t.Errorf("the hook runs %v after the view opened, want %d", got, prog)
 		}

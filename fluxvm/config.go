@@ -250,9 +250,11 @@ func ReadConfigFile(path string) ([]byte, error) {
 // it, as is a value of the wrong type. Errors are *ValidationError values
 // (joined when there are several) whose Field is the full dotted key.
 //
-// A file written for the reference daemon also holds its api sub-table,
-// which is not the library's: read such a file with DecodeConfigTable and
-// a table type of the daemon's.
+// A file written for the reference daemon may also hold its api
+// sub-table ([sandbox.dataplane.service.api]: listen address, tokens,
+// TLS): those settings are the daemon's, so the library reads past them
+// without checking them (the daemon does). A program with keys of its own
+// reads the table with DecodeConfigTable and a table type of its own.
 func ParseConfig(data []byte) (Config, error) {
 	cfg, err := parseConfig(data)
 	if err != nil {
@@ -262,10 +264,14 @@ func ParseConfig(data []byte) (Config, error) {
 }
 
 func parseConfig(data []byte) (Config, error) {
-	cfg := DefaultConfig()
-	if err := DecodeConfigTable(data, &cfg); err != nil {
+	table := struct {
+		Config
+		API map[string]any `toml:"api"` // the daemon's (see ParseConfig)
+	}{Config: DefaultConfig()}
+	if err := DecodeConfigTable(data, &table); err != nil {
 		return Config{}, err
 	}
+	cfg := table.Config
 	if err := cfg.validate(); err != nil {
 		return Config{}, err
 	}

@@ -154,7 +154,6 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "syntax", doc: "[sandbox.dataplane.service\n", kind: ErrMalformed, reason: "line 1"},
 		{name: "unknown key", doc: table + "map_teir = \"S\"\n", field: k("map_teir"), kind: ErrMalformed, reason: "unknown key (line 2)"},
 		{name: "unknown interface key", doc: table + "vm_edge_interfaces = [{ name = \"t\", vm = \"v\" }]\n", field: k("vm"), kind: ErrMalformed},
-		{name: "the daemon's api table", doc: "[sandbox.dataplane.service.api]\nlisten = \"127.0.0.1:1\"\n", field: k("api"), kind: ErrMalformed},
 		{name: "unknown table", doc: "[sandbox.dataplane.network]\nx = 1\n", field: "sandbox.dataplane.network", kind: ErrMalformed, reason: "only the [sandbox.dataplane.service] table"},
 		{name: "unknown top-level key", doc: "debug = true\n", field: "debug", kind: ErrMalformed},
 		{name: "map_tier not a string", doc: table + "map_tier = 3\n", field: k("map_tier"), kind: ErrMalformed, reason: "wrong type: a TOML integer where a string is wanted"},
@@ -421,5 +420,23 @@ func TestSNATConfig(t *testing.T) {
 	zero = Config{SNATPortMin: 70000, SNATPortMax: 1}
 	if err := zero.checkNorthSouth(); !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.snat_port_min" {
 		t.Errorf("bad ports: %v", err)
+	}
+}
+
+// TestLibraryReadsTheDaemonsFile: the example file (which holds the
+// daemon's api sub-table) is the library's configuration too, as its
+// header says: ParseConfig reads past the daemon's keys, and still refuses
+// an unknown key of its own.
+func TestLibraryReadsTheDaemonsFile(t *testing.T) {
+	c, err := LoadConfig(exampleConfigPath)
+	if err != nil {
+		t.Fatalf("LoadConfig(%s): %v", exampleConfigPath, err)
+	}
+	if c.Tier() == 0 {
+		t.Errorf("tier of the example: %v", c.Tier())
+	}
+	doc := "[sandbox.dataplane.service]\nmap_teir = \"S\"\n[sandbox.dataplane.service.api]\nlisten = \"127.0.0.1:1\"\n"
+	if _, err := ParseConfig([]byte(doc)); !strings.Contains(fmt.Sprint(err), "map_teir: unknown key") {
+		t.Errorf("an unknown key beside the api table: %v", err)
 	}
 }

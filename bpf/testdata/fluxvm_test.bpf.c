@@ -33,7 +33,8 @@
  */
 /* The checksum-state seams of the context layer (lib/ctx/skb.h): defined
  * before the headers, so that theirs step aside. */
-#define ctx_ip_summed(ctx) ((void)(ctx), fluxvm_test_summed)
+volatile unsigned int fluxvm_test_summed; /* ip_summed as the datapath sees it */
+#define ctx_ip_summed_read(k) ((void)(k), fluxvm_test_summed)
 #define ctx_csum_update(ctx, diff) fluxvm_test_csum_update(ctx, diff)
 
 #include "../lib/common.h"
@@ -47,7 +48,6 @@
 #undef FLUXVM_CT_F_SNAT
 #define FLUXVM_CT_F_SNAT (1U << 5)
 
-volatile __u32 fluxvm_test_summed;       /* ip_summed as the datapath sees it */
 volatile __u32 fluxvm_test_csum;         /* skb->csum under CHECKSUM_COMPLETE */
 volatile __u32 fluxvm_test_csum_updates; /* bpf_csum_update calls */
 

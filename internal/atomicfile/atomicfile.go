@@ -14,6 +14,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 )
 
 // DirMode is the permission of directories Write creates (before the
@@ -86,6 +87,11 @@ func Write(path string, data []byte, perm fs.FileMode) error {
 // SyncDir fsyncs the directory dir, so that the entries created, renamed
 // or removed in it survive a crash.
 func SyncDir(dir string) error {
+	if runtime.GOOS == "windows" {
+		// Windows has no fsync of a directory (opening one for it is
+		// refused); NTFS journals the rename itself.
+		return nil
+	}
 	d, err := os.Open(dir)
 	if err != nil {
 		return err

@@ -84,17 +84,20 @@ struct sk_buff___fluxvm {
 
 /*
  * A test object may stand in for the checksum state (bpf/testdata): it
- * defines ctx_ip_summed and ctx_csum_update as macros before including the
- * headers, and these definitions step aside.
+ * defines ctx_ip_summed_read (the bitfield read alone, so that the kfunc
+ * call stays and the verifier sees the same calls) and ctx_csum_update as
+ * macros before including the headers, and these definitions step aside.
  */
-#ifndef ctx_ip_summed
+#ifndef ctx_ip_summed_read
+#define ctx_ip_summed_read(k) BPF_CORE_READ_BITFIELD(k, ip_summed)
+#endif
+
 static __always_inline __u32 ctx_ip_summed(struct __ctx_buff *ctx)
 {
 	struct sk_buff___fluxvm *k = bpf_cast_to_kern_ctx(ctx);
 
-	return BPF_CORE_READ_BITFIELD(k, ip_summed);
+	return ctx_ip_summed_read(k);
 }
-#endif
 
 #ifndef ctx_csum_update
 /* Move skb->csum (CHECKSUM_COMPLETE) by the folded partial sum @diff. */

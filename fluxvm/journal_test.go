@@ -318,13 +318,9 @@ func TestCatalogJournalWriteError(t *testing.T) {
 	st := openStore(path, slog.Default(), 0, 1)
 	m := model{}
 	journalTo(t, st, m, put(jsvc(0, 1)))
-	st.f.Close() // the next write fails
 	cs := jsvc(1, 1)
-	seq, _ := st.append(put(cs))
+	failWrite(t, st, cs)
 	m[cs.Service.Name] = cs
-	if err := st.wait(seq); err == nil {
-		t.Fatal("a failed write was acknowledged")
-	}
 	if !st.wantCompaction() {
 		t.Fatal("a broken journal asks for no compaction")
 	}
@@ -487,12 +483,7 @@ func TestCatalogCompactionKeepsNewerJournal(t *testing.T) {
 	journalTo(t, st, m, put(jsvc(1, 1)))
 	journalTo(t, st, m, put(jsvc(2, 1)))
 	// Then a write fails: that change is not acknowledged.
-	st.f.Close()
-	failed := jsvc(3, 1)
-	fseq, _ := st.append(put(failed))
-	if err := st.wait(fseq); err == nil {
-		t.Fatal("a failed write was acknowledged")
-	}
+	failWrite(t, st, jsvc(3, 1))
 	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: snap}); err != nil {
 		t.Fatal(err)
 	}
@@ -516,11 +507,7 @@ func TestCatalogTornFileBeforeNewerOne(t *testing.T) {
 	m := model{}
 	journalTo(t, st, m, put(jsvc(0, 1)))
 	torn := journalPath(path, 1)
-	st.f.Close() // the next write fails...
-	fseq, _ := st.append(put(jsvc(1, 1)))
-	if err := st.wait(fseq); err == nil {
-		t.Fatal("a failed write was acknowledged")
-	}
+	failWrite(t, st, jsvc(1, 1)) // the write fails...
 	f, err := os.OpenFile(torn, os.O_WRONLY|os.O_APPEND, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -546,4 +533,15 @@ func TestCatalogTornFileBeforeNewerOne(t *testing.T) {
 	cat, _ := mustLoad(t, path)
 	checkCatalog(t, "with the torn file left", cat, m)
 	st.close()
+}
+
+// failWrite journals cs through a write that fails (the journal file is
+// closed under the store) and checks it is not acknowledged.
+func failWrite(t *testing.T, st *catalogStore, cs catalogService) {
+	t.Helper()
+	st.f.Close()
+	seq, _ := st.append(put(cs))
+	if err := st.wait(seq); err == nil {
+		t.Fatal("a failed write was acknowledged")
+	}
 }

@@ -325,10 +325,7 @@ func TestCatalogJournalWriteError(t *testing.T) {
 		t.Fatal("a broken journal asks for no compaction")
 	}
 	seq, old := st.rotate()
-	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: m.services()}); err != nil {
-		t.Fatal(err)
-	}
-	st.compacted(seq, 100, old)
+	compactTo(t, st, path, seq, old, m.services())
 	journalTo(t, st, m, put(jsvc(2, 1)))
 	cat, _ := mustLoad(t, path)
 	checkCatalog(t, "after the repair", cat, m)
@@ -484,10 +481,7 @@ func TestCatalogCompactionKeepsNewerJournal(t *testing.T) {
 	journalTo(t, st, m, put(jsvc(2, 1)))
 	// Then a write fails: that change is not acknowledged.
 	failWrite(t, st, jsvc(3, 1))
-	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: snap}); err != nil {
-		t.Fatal(err)
-	}
-	st.compacted(seq, 100, old)
+	compactTo(t, st, path, seq, old, snap)
 	// A crash now: what is on disk must hold every acknowledged change.
 	cat, _ := mustLoad(t, path)
 	checkCatalog(t, "after the compaction", cat, m)
@@ -521,10 +515,7 @@ func TestCatalogTornFileBeforeNewerOne(t *testing.T) {
 		t.Fatal(err)
 	}
 	seq, old := st.rotate()
-	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: m.services()}); err != nil {
-		t.Fatal(err)
-	}
-	st.compacted(seq, 100, old)
+	compactTo(t, st, path, seq, old, m.services())
 	journalTo(t, st, m, put(jsvc(2, 1)))
 	// The crash came before the torn file was removed.
 	if err := os.WriteFile(torn, saved, 0o600); err != nil {
@@ -544,4 +535,14 @@ func failWrite(t *testing.T, st *catalogStore, cs catalogService) {
 	if err := st.wait(seq); err == nil {
 		t.Fatal("a failed write was acknowledged")
 	}
+}
+
+// compactTo completes a compaction that rotated the journal at seq (old
+// its file): the snapshot of services written, then the store told.
+func compactTo(t *testing.T, st *catalogStore, path string, seq uint64, old *os.File, services []catalogService) {
+	t.Helper()
+	if _, err := writeSnapshot(path, catalogFile{Version: catalogVersion, Seq: seq, Services: services}); err != nil {
+		t.Fatal(err)
+	}
+	st.compacted(seq, 100, old)
 }

@@ -26,7 +26,7 @@
  * result; the verifier cannot know it is never NULL.
  *
  * The hot paths stay inline in their programs: the VM-edge reply path in
- * fluxvm_to_vm, its only user, and the IPv4 VM-edge forward path in
+ * fluxvm_to_vm, its only user, and the IPv4 east-west NAT path in
  * fluxvm_from_vm, so that an IPv4 conntrack hit or pass-through packet pays
  * for no BPF-to-BPF call (which cost it 4-12 ns). That fits in the 512-byte
  * stack a program shares with the global functions it calls only because
@@ -37,6 +37,11 @@
  * only for packets to the SNAT address, so that pass-through traffic pays
  * for no extra call. ICMP goes to the ICMP error path instead (the TCP/UDP
  * paths have nothing for it).
+ *
+ * The forward paths are one per mode (lib/lb.h), called from the program
+ * once the frontend stage found the service and its mode: DSR, the rare
+ * mode, costs the programs one verification per family instead of one per
+ * edge, and no call chain holds two forward paths' frames.
  */
 #define FLUXVM_PATH(name, call)                                                 \
 	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt) \
@@ -45,10 +50,31 @@
 			return FLUXVM_TC_NEXT;                                  \
 		return call;                                                    \
 	}
+/* A forward path takes the frontend's service id and flags. The verifier
+ * requires every argument of a global function to be set, and clang sets
+ * none it sees unused: DSR, which needs no flags, takes none. */
+#define FLUXVM_LB_PATH(name, call)                                              \
+	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
+					   __u32 sid, __u32 flags)              \
+	{                                                                       \
+		if (!pkt)                                                       \
+			return FLUXVM_TC_NEXT;                                  \
+		return call;                                                    \
+	}
+#define FLUXVM_DSR_PATH(name, call)                                             \
+	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
+					   __u32 sid)                           \
+	{                                                                       \
+		if (!pkt)                                                       \
+			return FLUXVM_TC_NEXT;                                  \
+		return call;                                                    \
+	}
 
-FLUXVM_PATH(fluxvm_forward6_vm, fluxvm_lb_forward(ctx, pkt, 1, FLUXVM_EDGE_VM))
-FLUXVM_PATH(fluxvm_forward4_ns, fluxvm_lb_forward(ctx, pkt, 0, FLUXVM_EDGE_NS))
-FLUXVM_PATH(fluxvm_forward6_ns, fluxvm_lb_forward(ctx, pkt, 1, FLUXVM_EDGE_NS))
+FLUXVM_LB_PATH(fluxvm_forward6_nat, fluxvm_lb_nat(ctx, pkt, 1, sid, flags))
+FLUXVM_LB_PATH(fluxvm_forward4_snat, fluxvm_lb_snat(ctx, pkt, 0, sid, flags))
+FLUXVM_LB_PATH(fluxvm_forward6_snat, fluxvm_lb_snat(ctx, pkt, 1, sid, flags))
+FLUXVM_DSR_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid))
+FLUXVM_DSR_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid))
 FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 0))
@@ -59,6 +85,30 @@ FLUXVM_PATH(fluxvm_icmp4_ew, fluxvm_icmp_error(ctx, pkt, 0, FLUXVM_REPLY_EW))
 FLUXVM_PATH(fluxvm_icmp6_ew, fluxvm_icmp_error(ctx, pkt, 1, FLUXVM_REPLY_EW))
 FLUXVM_PATH(fluxvm_icmp4_snat, fluxvm_icmp_error(ctx, pkt, 0, FLUXVM_REPLY_SNAT))
 FLUXVM_PATH(fluxvm_icmp6_snat, fluxvm_icmp_error(ctx, pkt, 1, FLUXVM_REPLY_SNAT))
+
+/*
+ * Client -> VIP at @edge: the frontend stage, then the path of the
+ * service's mode. FLUXVM_TC_NEXT when the packet is not for a service
+ * served here.
+ */
+static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					  const int v6, const int edge)
+{
+	__u32 sid = 0, flags = 0;
+	int verdict;
+
+	switch (fluxvm_lb_frontend(ctx, pkt, v6, edge, &sid, &flags, &verdict)) {
+	case FLUXVM_LB_NAT:
+		/* Inline for IPv4: the conntrack-hit path (see above). */
+		return v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
+	case FLUXVM_LB_SNAT:
+		return v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
+	case FLUXVM_LB_DSR:
+		return v6 ? fluxvm_forward6_dsr(ctx, pkt, sid) : fluxvm_forward4_dsr(ctx, pkt, sid);
+	default:
+		return verdict;
+	}
+}
 
 /* VM-edge ingress: packets a VM sends. East-west VIPs are DNATed (or
  * forwarded by DSR) here; a VM backend's replies to the SNAT address of a
@@ -76,15 +126,14 @@ int fluxvm_from_vm(struct __ctx_buff *ctx)
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
-		/* Inline: the conntrack-hit path (see above). */
-		ret = fluxvm_lb_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
+		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
 		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
 			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
-	ret = fluxvm_forward6_vm(ctx, &pkt);
+	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_VM);
 	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
 		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
@@ -123,14 +172,14 @@ int fluxvm_ns_in(struct __ctx_buff *ctx)
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
-		ret = fluxvm_forward4_ns(ctx, &pkt);
+		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_NS);
 		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
 			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
-	ret = fluxvm_forward6_ns(ctx, &pkt);
+	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_NS);
 	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
 		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;

@@ -11,11 +11,15 @@
  *     a new Maglev pick, never a blackhole;
  *   - no eligible backend, or the service guard closed: drop with a reason.
  *
- * The same forward path serves two kinds of edge (a compile-time argument):
- *   - the VM edge (east-west): DNAT only, or routed DSR;
- *   - the north-south edge: DNAT plus SNAT to the node's SNAT address
- *     (snat.h), or routed DSR.
- * A service says where it is served with FLUXVM_SVC_F_NORTH_SOUTH and
+ * A packet to a VIP goes through the frontend stage (fluxvm_lb_frontend),
+ * which finds its service and the mode of its path, one per mode:
+ *   - fluxvm_lb_nat: the VM edge (east-west), DNAT;
+ *   - fluxvm_lb_snat: the north-south edge, DNAT plus SNAT to the node's
+ *     SNAT address (snat.h);
+ *   - fluxvm_lb_dsr: either edge, routed DSR;
+ * host routing is an option of the NAT modes. The entry object composes
+ * the stage and the paths (which it inlines, which it calls). A service
+ * says where it is served with FLUXVM_SVC_F_NORTH_SOUTH and
  * FLUXVM_SVC_F_NO_EAST_WEST; elsewhere its packets pass untouched.
  *
  * Fragments addressed to a VIP are dropped (FLUXVM_DROP_FRAGMENT): later
@@ -128,6 +132,13 @@ static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, c
 	return !(svc->flags & FLUXVM_SVC_F_NO_EAST_WEST);
 }
 
+static __always_inline int fluxvm_guard_open(__u32 sid)
+{
+	struct fluxvm_guard *guard = bpf_map_lookup_elem(&fluxvm_sguard, &sid);
+
+	return guard && guard->state == FLUXVM_GUARD_OPEN;
+}
+
 /*
  * Routed DSR: the packet keeps the VIP as its destination and is forwarded
  * toward the backend's address, which holds the VIP locally and answers the
@@ -170,28 +181,174 @@ static __always_inline int fluxvm_host_route(struct __ctx_buff *ctx,
 	return ret;
 }
 
+/* What the conntrack stage decided for a flow's packet. */
+enum fluxvm_ct_verdict {
+	FLUXVM_CT_NEW,      /* no entry of this service and mode: a new flow */
+	FLUXVM_CT_KEEP,     /* the entry's backend keeps the flow */
+	FLUXVM_CT_REPICK,   /* a bare SYN reuses the tuple: a new connection */
+	FLUXVM_CT_FAILOVER, /* the entry's backend may no longer serve it */
+};
+
 /*
- * The last stage of the forward path, by mode, once the flow's backend is
- * chosen and both halves are learned:
- *   - routed DSR: the packet keeps the VIP and is routed to the backend;
- *   - NAT: the destination becomes the backend (DNAT), and at the
- *     north-south edge the source becomes the SNAT address and port;
- *   - host routing (a NAT service's option): the translated packet is
- *     forwarded by FIB lookup, a miss left to the host stack.
- * From the first write on, a failure drops: nothing half-translated leaves.
+ * The conntrack stage: may the flow's entry @ct (or NULL) keep its backend
+ * *@be for service @sid in mode @kind (its FLUXVM_CT_F_SNAT/DSR bits)? An
+ * entry of another service or mode (the service changed mode) is relearned
+ * as a new flow.
+ *
+ * A fresh SYN on an entry past its handshake (closed, reset, or established
+ * as far as we know: its end was not seen, or the entry was rebuilt from its
+ * reply half) is a new connection reusing the tuple: it gets a fresh pick and
+ * a fresh SYN state, whose SYN-ACK the reply path accepts. A retransmitted
+ * SYN of a handshake in progress keeps its backend.
  */
-static __always_inline int fluxvm_forward_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
-						  const int v6, int dsr, int snat, __u8 nat_flags,
-						  const struct fluxvm_backend *be,
-						  const __be32 *nat_addr, __be16 nat_port,
-						  struct fluxvm_svc_stats_value *st,
-						  struct fluxvm_svc_stats_value *es)
+static __always_inline enum fluxvm_ct_verdict
+fluxvm_ct_stage(const struct fluxvm_ct_value *ct, const struct fluxvm_pkt *pkt, __u32 sid,
+		__u8 kind, __u64 now, struct fluxvm_backend **be)
 {
-	if (dsr)
-		return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
+	if (!ct || ct->service_id != sid || (ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) != kind)
+		return FLUXVM_CT_NEW;
+	*be = fluxvm_backend_get(ct->backend_id);
+	if (!fluxvm_backend_keeps(*be, sid, now))
+		return FLUXVM_CT_FAILOVER;
+	if (fluxvm_tcp_is_syn(pkt) && ct->state != FLUXVM_CT_TCP_SYN)
+		return FLUXVM_CT_REPICK;
+	return FLUXVM_CT_KEEP;
+}
+
+/* The selection stage's check of a Maglev pick: the table holds Ready
+ * backends of its service only; anything else is a table being replaced
+ * under us. */
+static __always_inline struct fluxvm_backend *fluxvm_backend_ready(__u32 bid, __u32 sid)
+{
+	struct fluxvm_backend *be = fluxvm_backend_get(bid);
+
+	if (!be || be->service_id != sid || be->state != FLUXVM_BE_READY)
+		return NULL;
+	return be;
+}
+
+/*
+ * The conntrack entry of a new flow to backend @bid, built in per-CPU
+ * scratch (maps.h), off the stack of the conntrack-hit path; NULL when the
+ * scratch cannot be had.
+ */
+static __always_inline struct fluxvm_ct_value *
+fluxvm_ct_build(const struct fluxvm_pkt *pkt, const struct fluxvm_meta_value *meta, __u32 sid,
+		__u32 bid, __u64 now, __u8 flags)
+{
+	struct fluxvm_scratch *scr = fluxvm_scratch_get();
+	struct fluxvm_ct_value *nct;
+
+	if (!scr)
+		return NULL;
+	nct = &scr->nct;
+	__builtin_memset(nct, 0, sizeof(*nct));
+	nct->service_id = sid;
+	nct->backend_id = bid;
+	nct->created_ns = now;
+	nct->last_seen_ns = now;
+	nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
+	nct->deadline_ns = now + fluxvm_timeout_ns(meta, nct->state);
+	nct->flags = flags;
+	return nct;
+}
+
+static __always_inline void fluxvm_count_new_flow(struct fluxvm_svc_stats_value *st,
+						  struct fluxvm_svc_stats_value *es, int failover)
+{
+	if (st) {
+		st->new_flows++;
+		st->failovers += failover;
+	}
+	if (es) {
+		es->new_flows++;
+		es->failovers += failover;
+	}
+}
+
+/*
+ * The forward paths, one per mode, each in the same stages:
+ *
+ *   conntrack (fluxvm_ct_stage) -> select (the Maglev pick, checked by
+ *   fluxvm_backend_ready) -> learn -> deliver
+ *
+ * A packet whose flow keeps its backend skips selection and learning. The
+ * learn stage writes every piece of state the flow's replies need before
+ * the deliver stage, whose helpers invalidate packet pointers; a piece
+ * that cannot be written takes the others with it. From the first write
+ * to the packet on, a failure drops: nothing half-translated leaves.
+ *
+ * They take the frontend's service id and flags as scalars: the frontend
+ * entry may be replaced while the packet is in flight.
+ */
+
+/*
+ * East-west NAT: the destination becomes the backend (DNAT); a reverse-NAT
+ * entry keyed by the reply translates the backend's replies back. With
+ * host routing the translated packet is forwarded by FIB lookup, a miss
+ * left to the host stack.
+ */
+static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					 const int v6, __u32 sid, __u32 flags)
+{
+	struct fluxvm_tuple4 t4 = {};
+	struct fluxvm_tuple6 t6 = {};
+	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
+	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
+	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
+	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
+	struct fluxvm_backend *be = NULL, *old_be = NULL;
+	enum fluxvm_ct_verdict verdict;
+	struct fluxvm_meta_value *meta;
+	struct fluxvm_ct_value *ct;
+	__u32 bid;
+	__u64 now;
+
+	if (!fluxvm_guard_open(sid))
+		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
+	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
+	now = bpf_ktime_get_coarse_ns();
+
+	ct = bpf_map_lookup_elem(ct_map, ct_key);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be);
+	if (verdict == FLUXVM_CT_KEEP) {
+		/* A refresh also recreates a reverse half the LRU evicted. */
+		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
+		    fluxvm_nat_ensure(pkt, v6, be, sid, ct->backend_id, now, nat_flags))
+			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+		goto deliver;
+	}
+	/* The reply half of the tuple's earlier flow (re-picked or failed
+	 * over), which the new pick supersedes. */
+	if (be && be->service_id == sid)
+		old_be = be;
+
+	/* Select: the Maglev pick. */
+	meta = fluxvm_meta_get();
+	bid = fluxvm_maglev_pick(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+					 : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0));
+	if (!bid)
+		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
+	be = fluxvm_backend_ready(bid, sid);
+	if (!be)
+		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+
+	/* Learn: conntrack, then the reverse half. */
+	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
+	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
+		bpf_map_delete_elem(ct_map, ct_key);
+		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+	}
+	/* Left behind, the earlier flow's reply half would outlive its
+	 * conntrack half and could be taken for a live flow. */
+	if (old_be && old_be != be)
+		fluxvm_nat_forget(pkt, v6, old_be);
+	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
+
+deliver:
 	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	if (snat && fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
 	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
@@ -201,165 +358,187 @@ static __always_inline int fluxvm_forward_deliver(struct __ctx_buff *ctx, struct
 	return TC_ACT_OK;
 }
 
-/* Client -> VIP: pick or keep a backend, then DNAT (and SNAT at the
- * north-south edge) or forward it by DSR. */
-static __always_inline int fluxvm_lb_forward(struct __ctx_buff *ctx,
-					     struct fluxvm_pkt *pkt, const int v6,
-					     const int edge)
+/*
+ * North-south SNAT: the destination becomes the backend, and the source the
+ * node's SNAT address and a port allocated for the flow (snat.h), so that
+ * the replies come back through the node wherever the backend is; the
+ * mapping keyed by that port translates them back.
+ */
+static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					  const int v6, __u32 sid, __u32 flags)
 {
 	struct fluxvm_tuple4 t4 = {};
 	struct fluxvm_tuple6 t6 = {};
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
-	struct fluxvm_ct_value *ct, *nct;
-	struct fluxvm_scratch *scr;
-	struct fluxvm_svc_value *svc;
-	struct fluxvm_svc_stats_value *st, *es;
-	struct fluxvm_guard *guard;
-	struct fluxvm_backend *be, *old_be = NULL;
+	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
+	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
+	struct fluxvm_backend *be = NULL;
+	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
+	struct fluxvm_ct_value *ct;
 	__be32 nat_addr[4] = {};
-	__be16 nat_port = 0;
-	__u32 sid, bid, hash, flags;
-	__u8 kind, nat_flags;
-	int failover = 0, dsr, snat, ret;
+	__be16 nat_port;
+	__u32 bid, hash;
 	__u64 now;
+	int ret;
 
-	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
-		return FLUXVM_TC_NEXT;
-	if (pkt->frag != FLUXVM_FRAG_NONE) {
-		svc = fluxvm_frontend(pkt, v6, 0);
-		if (!svc || !fluxvm_svc_here(svc, edge))
-			return FLUXVM_TC_NEXT;
-		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id), fluxvm_edge(ctx));
-	}
-	svc = fluxvm_frontend(pkt, v6, pkt->dport);
-	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, edge))
-		return FLUXVM_TC_NEXT;
-
-	sid = svc->service_id;
-	flags = svc->flags;
-	dsr = flags & FLUXVM_SVC_F_DSR;
-	snat = edge == FLUXVM_EDGE_NS && !dsr;
-	kind = dsr ? FLUXVM_CT_F_DSR : snat ? FLUXVM_CT_F_SNAT : 0;
-	nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
-	st = fluxvm_stats(sid);
-	es = fluxvm_edge(ctx);
-	guard = bpf_map_lookup_elem(&fluxvm_sguard, &sid);
-	if (!guard || guard->state != FLUXVM_GUARD_OPEN)
+	if (!fluxvm_guard_open(sid))
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
-
 	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
-
 	now = bpf_ktime_get_coarse_ns();
-	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	/* An entry of another kind (the service changed mode) is relearned. */
-	if (ct && ct->service_id == sid && (ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) == kind) {
-		bid = ct->backend_id;
-		be = fluxvm_backend_get(bid);
-		if (fluxvm_backend_keeps(be, sid, now)) {
-			/* A fresh SYN on an entry past its handshake (closed,
-			 * reset, or established as far as we know: its end was
-			 * not seen, or the entry was rebuilt from its reply
-			 * half) is a new connection reusing the tuple. It gets
-			 * a fresh pick and a fresh SYN state, whose SYN-ACK the
-			 * reply path accepts; a retransmitted SYN of a
-			 * handshake in progress keeps its backend. */
-			if (!fluxvm_tcp_is_syn(pkt) || ct->state == FLUXVM_CT_TCP_SYN) {
-				int wrote = fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 
-				if (snat) {
-					ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
-					/* Our mapping was evicted and another flow
-					 * took the port: map this flow afresh rather
-					 * than mix two flows' replies (the backend
-					 * sees a new source, as after a failover). */
-					if (ret == FLUXVM_SNAT_CONFLICT) {
-						fluxvm_count(FLUXVM_CNT_SNAT_CONFLICTS);
-						goto pick;
-					}
-					if (ret)
-						return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-					__builtin_memcpy(nat_addr, ct->nat_addr, 16);
-					nat_port = ct->nat_port;
-				} else if (!dsr && wrote &&
-					   fluxvm_nat_ensure(pkt, v6, be, sid, bid, now, nat_flags)) {
-					return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-				}
-				goto out;
-			}
-		} else {
-			failover = 1;
+	ct = bpf_map_lookup_elem(ct_map, ct_key);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be);
+	if (verdict == FLUXVM_CT_KEEP) {
+		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, ct->backend_id, now, nat_flags);
+		if (!ret) {
+			__builtin_memcpy(nat_addr, ct->nat_addr, 16);
+			nat_port = ct->nat_port;
+			goto deliver;
 		}
-		/* The reply half of the tuple's earlier flow, which the new
-		 * pick supersedes (east-west only: an SNAT mapping is keyed
-		 * by its own port and collected by the GC). */
-		if (!(ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) && be && be->service_id == sid)
-			old_be = be;
+		if (ret != FLUXVM_SNAT_CONFLICT)
+			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+		/* Our mapping was evicted and another flow took the port: map
+		 * this flow afresh rather than mix two flows' replies (the
+		 * backend sees a new source, as after a failover). */
+		fluxvm_count(FLUXVM_CNT_SNAT_CONFLICTS);
 	}
 
-pick:
+	/* Select: the Maglev pick. */
 	meta = fluxvm_meta_get();
 	hash = v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
 	bid = fluxvm_maglev_pick(sid, hash);
 	if (!bid)
 		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
-	be = fluxvm_backend_get(bid);
-	if (!be || be->service_id != sid || be->state != FLUXVM_BE_READY)
+	be = fluxvm_backend_ready(bid, sid);
+	if (!be)
 		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
 
-	/* Learn both halves before the rewrite or redirect, whose helpers
-	 * invalidate packet pointers; a half that cannot be written takes
-	 * the other with it. The new entry is built in per-CPU scratch
-	 * (maps.h), off the stack of the conntrack-hit path. */
-	scr = fluxvm_scratch_get();
-	if (!scr)
+	/* Learn: the mapping (a port of its own), then conntrack. */
+	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
+	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	nct = &scr->nct;
-	__builtin_memset(nct, 0, sizeof(*nct));
-	nct->service_id = sid;
-	nct->backend_id = bid;
-	nct->created_ns = now;
-	nct->last_seen_ns = now;
-	nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
-	nct->deadline_ns = now + fluxvm_timeout_ns(meta, nct->state);
-	nct->flags = dsr ? FLUXVM_CT_F_DSR : 0;
-	if (snat) {
-		ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, nct);
-		if (ret == FLUXVM_SNAT_FAILED)
-			return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
-		if (ret)
-			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-		__builtin_memcpy(nat_addr, nct->nat_addr, 16);
-		nat_port = nct->nat_port;
-	}
-	if (bpf_map_update_elem(ct_map, ct_key, nct, BPF_ANY)) {
-		if (snat)
-			fluxvm_snat_forget(pkt, v6, be, nct);
+	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
+	if (ret == FLUXVM_SNAT_FAILED)
+		return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
+	if (ret)
+		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
+	__builtin_memcpy(nat_addr, ct->nat_addr, 16);
+	nat_port = ct->nat_port;
+	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY)) {
+		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
-	if (!snat && !dsr) {
-		if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
-			bpf_map_delete_elem(ct_map, ct_key);
-			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
-		}
-		/* Left behind, the earlier flow's reply half would outlive its
-		 * conntrack half and could be taken for a live flow. */
-		if (old_be && old_be != be)
-			fluxvm_nat_forget(pkt, v6, old_be);
-	}
-	if (st) {
-		st->new_flows++;
-		st->failovers += failover;
-	}
-	if (es) {
-		es->new_flows++;
-		es->failovers += failover;
+	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
+
+deliver:
+	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
+	    fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
+	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
+		return fluxvm_host_route(ctx, pkt, v6);
+	return TC_ACT_OK;
+}
+
+/*
+ * Routed DSR, at either edge: the packet keeps the VIP as its destination
+ * and is routed toward the backend, which holds the VIP and answers the
+ * client directly. Conntrack alone keeps the flow on its backend; there is
+ * no reply to translate.
+ */
+static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					 const int v6, __u32 sid)
+{
+	struct fluxvm_tuple4 t4 = {};
+	struct fluxvm_tuple6 t6 = {};
+	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
+	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
+	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
+	struct fluxvm_backend *be = NULL;
+	enum fluxvm_ct_verdict verdict;
+	struct fluxvm_meta_value *meta;
+	struct fluxvm_ct_value *ct;
+	__u32 bid;
+	__u64 now;
+
+	if (!fluxvm_guard_open(sid))
+		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
+	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
+	now = bpf_ktime_get_coarse_ns();
+
+	ct = bpf_map_lookup_elem(ct_map, ct_key);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be);
+	if (verdict == FLUXVM_CT_KEEP) {
+		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+		goto deliver;
 	}
 
-out:
-	return fluxvm_forward_deliver(ctx, pkt, v6, dsr, snat, nat_flags, be, nat_addr, nat_port, st, es);
+	/* Select: the Maglev pick. */
+	meta = fluxvm_meta_get();
+	bid = fluxvm_maglev_pick(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+					 : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0));
+	if (!bid)
+		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
+	be = fluxvm_backend_ready(bid, sid);
+	if (!be)
+		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+
+	/* Learn: conntrack only. */
+	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
+	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
+
+deliver:
+	return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
+}
+
+/* The mode of a frontend's path, as the frontend stage finds it. */
+enum fluxvm_lb_mode {
+	FLUXVM_LB_NONE, /* not a service served here, or dropped: see the verdict */
+	FLUXVM_LB_NAT,  /* east-west NAT: fluxvm_lb_nat */
+	FLUXVM_LB_SNAT, /* north-south NAT with SNAT: fluxvm_lb_snat */
+	FLUXVM_LB_DSR,  /* routed DSR, either edge: fluxvm_lb_dsr */
+};
+
+/*
+ * The frontend stage of a client -> VIP packet at @edge: the service its
+ * VIP and port name, if it is served here, with its id and flags copied out
+ * (the frontend entry may be replaced while the packet is in flight), and
+ * the mode whose path takes the packet on. FLUXVM_LB_NONE leaves the
+ * verdict in *@verdict: the packet passes, or it is a fragment addressed
+ * to a VIP served here and is dropped (see the top of this file).
+ */
+static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff *ctx,
+							      const struct fluxvm_pkt *pkt,
+							      const int v6, const int edge,
+							      __u32 *sid, __u32 *flags,
+							      int *verdict)
+{
+	struct fluxvm_svc_value *svc;
+
+	*verdict = FLUXVM_TC_NEXT;
+	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
+		return FLUXVM_LB_NONE;
+	if (pkt->frag != FLUXVM_FRAG_NONE) {
+		svc = fluxvm_frontend(pkt, v6, 0);
+		if (svc && fluxvm_svc_here(svc, edge))
+			*verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id),
+					       fluxvm_edge(ctx));
+		return FLUXVM_LB_NONE;
+	}
+	svc = fluxvm_frontend(pkt, v6, pkt->dport);
+	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, edge))
+		return FLUXVM_LB_NONE;
+	*sid = svc->service_id;
+	*flags = svc->flags;
+	if (*flags & FLUXVM_SVC_F_DSR)
+		return FLUXVM_LB_DSR;
+	return edge == FLUXVM_EDGE_NS ? FLUXVM_LB_SNAT : FLUXVM_LB_NAT;
 }
 
 /* Which replies a reply path translates. */

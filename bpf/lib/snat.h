@@ -198,48 +198,57 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 }
 
 /* Remove the mapping @nct names (both halves go together when the
- * conntrack half could not be written). */
+ * conntrack half could not be written). The key is built in per-CPU
+ * scratch (maps.h). */
 static __always_inline void fluxvm_snat_forget(const struct fluxvm_pkt *pkt, const int v6,
 					       const struct fluxvm_backend *be,
 					       const struct fluxvm_ct_value *nct)
 {
-	struct fluxvm_tuple4 k4 = {};
-	struct fluxvm_tuple6 k6 = {};
-	struct fluxvm_nat_value nv = {};
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
 
-	fluxvm_snat_entry(pkt, v6, be, nct->nat_addr, &k4, &k6, &nv);
-	k4.dport = nct->nat_port;
-	k6.dport = nct->nat_port;
+	if (!s)
+		return;
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	__builtin_memset(&s->k6, 0, sizeof(s->k6));
+	fluxvm_snat_entry(pkt, v6, be, nct->nat_addr, &s->k4, &s->k6, &s->nv);
+	s->k4.dport = nct->nat_port;
+	s->k6.dport = nct->nat_port;
 	if (v6)
-		bpf_map_delete_elem(&fluxvm_nat6, &k6);
+		bpf_map_delete_elem(&fluxvm_nat6, &s->k6);
 	else
-		bpf_map_delete_elem(&fluxvm_nat4, &k4);
+		bpf_map_delete_elem(&fluxvm_nat4, &s->k4);
 }
 
 /*
  * An established flow with SNAT: is its mapping (@ct's address and port,
- * backend @be) still its own? An evicted mapping is recreated.
+ * backend @be) still its own? An evicted mapping is recreated. The key and
+ * value are built in per-CPU scratch (maps.h): ~120 bytes the SNAT forward
+ * path's frame would otherwise hold, in a call chain that shares 512.
  */
 static __always_inline int fluxvm_snat_check(const struct fluxvm_pkt *pkt, const int v6,
 					     const struct fluxvm_backend *be,
 					     const struct fluxvm_ct_value *ct, __u32 sid, __u32 bid,
 					     __u64 now, __u8 nat_flags)
 {
-	struct fluxvm_tuple4 k4 = {};
-	struct fluxvm_tuple6 k6 = {};
-	struct fluxvm_nat_value nv = {
-		.flags = FLUXVM_NAT_F_SNAT | nat_flags,
-		.service_id = sid,
-		.backend_id = bid,
-		.last_seen_ns = now,
-	};
-	struct fluxvm_nat_value *cur;
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_nat_value *cur, *nv;
 	long err;
 
-	fluxvm_snat_entry(pkt, v6, be, ct->nat_addr, &k4, &k6, &nv);
-	k4.dport = ct->nat_port;
-	k6.dport = ct->nat_port;
-	cur = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &k6) : bpf_map_lookup_elem(&fluxvm_nat4, &k4);
+	if (!s)
+		return FLUXVM_SNAT_ERROR;
+	nv = &s->nv;
+	/* Keys are hashed with their padding: zero it. */
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	__builtin_memset(&s->k6, 0, sizeof(s->k6));
+	__builtin_memset(nv, 0, sizeof(*nv));
+	nv->flags = FLUXVM_NAT_F_SNAT | nat_flags;
+	nv->service_id = sid;
+	nv->backend_id = bid;
+	nv->last_seen_ns = now;
+	fluxvm_snat_entry(pkt, v6, be, ct->nat_addr, &s->k4, &s->k6, nv);
+	s->k4.dport = ct->nat_port;
+	s->k6.dport = ct->nat_port;
+	cur = v6 ? bpf_map_lookup_elem(&fluxvm_nat6, &s->k6) : bpf_map_lookup_elem(&fluxvm_nat4, &s->k4);
 	if (cur) {
 		if (!(cur->flags & FLUXVM_NAT_F_SNAT) || cur->backend_id != bid ||
 		    cur->cport != pkt->sport || cur->vport != pkt->dport ||
@@ -251,8 +260,8 @@ static __always_inline int fluxvm_snat_check(const struct fluxvm_pkt *pkt, const
 			return FLUXVM_SNAT_CONFLICT;
 		return 0;
 	}
-	err = v6 ? bpf_map_update_elem(&fluxvm_nat6, &k6, &nv, BPF_NOEXIST)
-		 : bpf_map_update_elem(&fluxvm_nat4, &k4, &nv, BPF_NOEXIST);
+	err = v6 ? bpf_map_update_elem(&fluxvm_nat6, &s->k6, nv, BPF_NOEXIST)
+		 : bpf_map_update_elem(&fluxvm_nat4, &s->k4, nv, BPF_NOEXIST);
 	if (!err)
 		return 0;
 	return err == -EEXIST ? FLUXVM_SNAT_CONFLICT : FLUXVM_SNAT_ERROR;

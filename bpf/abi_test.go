@@ -79,6 +79,7 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_SCHEMA_VERSION": uint64(SchemaVersion),
 		"FLUXVM_SNAT_TRIES":     uint64(SNATTries),
 		"FLUXVM_EDGE_SLOT_MASK": uint64(EdgeSlotMask),
+		"FLUXVM_BE2FE_SLOTS":    uint64(Be2feSlots),
 	},
 	"fluxvm_family": {"FLUXVM_AF_INET": uint64(FamilyIPv4), "FLUXVM_AF_INET6": uint64(FamilyIPv6)},
 	"fluxvm_svc_flags": {
@@ -87,6 +88,7 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_SVC_F_NO_EAST_WEST": uint64(SvcFlagNoEastWest),
 		"FLUXVM_SVC_F_DSR":          uint64(SvcFlagDSR),
 		"FLUXVM_SVC_F_HOST_ROUTING": uint64(SvcFlagHostRouting),
+		"FLUXVM_SVC_F_REV_STORED":   uint64(SvcFlagRevStored),
 	},
 	"fluxvm_guard_state": {"FLUXVM_GUARD_CLOSED": uint64(GuardClosed), "FLUXVM_GUARD_OPEN": uint64(GuardOpen)},
 	"fluxvm_backend_state": {
@@ -103,9 +105,11 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_CT_TCP_RST":         uint64(CTTCPRst),
 		"FLUXVM_CT_UDP":             uint64(CTUDP),
 	},
-	"fluxvm_ct_flags":   {"FLUXVM_CT_F_SNAT": uint64(CTFlagSNAT), "FLUXVM_CT_F_DSR": uint64(CTFlagDSR)},
-	"fluxvm_nat_flags":  {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
-	"fluxvm_snat_flags": {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6)},
+	"fluxvm_ct_flags": {"FLUXVM_CT_F_SNAT": uint64(CTFlagSNAT), "FLUXVM_CT_F_DSR": uint64(CTFlagDSR),
+		"FLUXVM_CT_F_REV_DERIVED": uint64(CTFlagRevDerived)},
+	"fluxvm_be2fe_flags": {"FLUXVM_BE2FE_F_OVERFLOW": uint64(Be2feFlagOverflow)},
+	"fluxvm_nat_flags":   {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
+	"fluxvm_snat_flags":  {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6)},
 	"fluxvm_timeout_default": {
 		"FLUXVM_TIMEOUT_TCP_SYN_S":         uint64(DefaultTimeoutTCPSyn),
 		"FLUXVM_TIMEOUT_TCP_ESTABLISHED_S": uint64(DefaultTimeoutTCPEstablished),

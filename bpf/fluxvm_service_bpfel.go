@@ -19,6 +19,7 @@ const (
 	serviceFluxvmAbiConstFLUXVM_SCHEMA_VERSION serviceFluxvmAbiConst = 4
 	serviceFluxvmAbiConstFLUXVM_SNAT_TRIES     serviceFluxvmAbiConst = 32
 	serviceFluxvmAbiConstFLUXVM_EDGE_SLOT_MASK serviceFluxvmAbiConst = 65535
+	serviceFluxvmAbiConstFLUXVM_BE2FE_SLOTS    serviceFluxvmAbiConst = 4
 )
 
 type serviceFluxvmBackend struct {
@@ -39,6 +40,37 @@ const (
 	serviceFluxvmBackendStateFLUXVM_BE_DRAINING  serviceFluxvmBackendState = 2
 	serviceFluxvmBackendStateFLUXVM_BE_UNHEALTHY serviceFluxvmBackendState = 3
 )
+
+type serviceFluxvmBe2feFlags uint32
+
+const (
+	serviceFluxvmBe2feFlagsFLUXVM_BE2FE_F_OVERFLOW serviceFluxvmBe2feFlags = 1
+)
+
+type serviceFluxvmBe2feKey struct {
+	_      structs.HostLayout
+	Addr   [4]uint32
+	Port   uint16
+	Proto  uint8
+	Family uint8
+}
+
+type serviceFluxvmBe2feSlot struct {
+	_         structs.HostLayout
+	Vip       [4]uint32
+	Vport     uint16
+	Pad       uint16
+	ServiceId uint32
+	BackendId uint32
+}
+
+type serviceFluxvmBe2feValue struct {
+	_     structs.HostLayout
+	Count uint8
+	Flags uint8
+	Pad   uint16
+	Slots [4]serviceFluxvmBe2feSlot
+}
 
 type serviceFluxvmBuiltTier uint32
 
@@ -73,8 +105,9 @@ const (
 type serviceFluxvmCtFlags uint32
 
 const (
-	serviceFluxvmCtFlagsFLUXVM_CT_F_SNAT serviceFluxvmCtFlags = 1
-	serviceFluxvmCtFlagsFLUXVM_CT_F_DSR  serviceFluxvmCtFlags = 2
+	serviceFluxvmCtFlagsFLUXVM_CT_F_SNAT        serviceFluxvmCtFlags = 1
+	serviceFluxvmCtFlagsFLUXVM_CT_F_DSR         serviceFluxvmCtFlags = 2
+	serviceFluxvmCtFlagsFLUXVM_CT_F_REV_DERIVED serviceFluxvmCtFlags = 4
 )
 
 type serviceFluxvmCtState uint32
@@ -235,6 +268,7 @@ const (
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_NO_EAST_WEST serviceFluxvmSvcFlags = 4
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_DSR          serviceFluxvmSvcFlags = 8
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_HOST_ROUTING serviceFluxvmSvcFlags = 16
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED   serviceFluxvmSvcFlags = 32
 )
 
 type serviceFluxvmSvcStatsValue struct {
@@ -293,6 +327,7 @@ type serviceFluxvmTuple6 struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	serviceMapFluxvmBackends    = "fluxvm_backends"
+	serviceMapFluxvmBe2fe       = "fluxvm_be2fe"
 	serviceMapFluxvmCounters    = "fluxvm_counters"
 	serviceMapFluxvmDrops       = "fluxvm_drops"
 	serviceMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
@@ -369,6 +404,7 @@ type serviceProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceMapSpecs struct {
 	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
@@ -415,6 +451,7 @@ func (o *serviceObjects) Close() error {
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceMaps struct {
 	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.Map `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
@@ -437,6 +474,7 @@ type serviceMaps struct {
 func (m *serviceMaps) Close() error {
 	return _ServiceClose(
 		m.FluxvmBackends,
+		m.FluxvmBe2fe,
 		m.FluxvmCounters,
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,

@@ -17,6 +17,7 @@ import (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	serviceTierLMapFluxvmBackends    = "fluxvm_backends"
+	serviceTierLMapFluxvmBe2fe       = "fluxvm_be2fe"
 	serviceTierLMapFluxvmCounters    = "fluxvm_counters"
 	serviceTierLMapFluxvmDrops       = "fluxvm_drops"
 	serviceTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
@@ -93,6 +94,7 @@ type serviceTierLProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierLMapSpecs struct {
 	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
@@ -139,6 +141,7 @@ func (o *serviceTierLObjects) Close() error {
 // It can be passed to loadServiceTierLObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierLMaps struct {
 	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.Map `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
@@ -161,6 +164,7 @@ type serviceTierLMaps struct {
 func (m *serviceTierLMaps) Close() error {
 	return _ServiceTierLClose(
 		m.FluxvmBackends,
+		m.FluxvmBe2fe,
 		m.FluxvmCounters,
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,

@@ -17,6 +17,7 @@ import (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	serviceTierSMapFluxvmBackends    = "fluxvm_backends"
+	serviceTierSMapFluxvmBe2fe       = "fluxvm_be2fe"
 	serviceTierSMapFluxvmCounters    = "fluxvm_counters"
 	serviceTierSMapFluxvmDrops       = "fluxvm_drops"
 	serviceTierSMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
@@ -93,6 +94,7 @@ type serviceTierSProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierSMapSpecs struct {
 	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
@@ -139,6 +141,7 @@ func (o *serviceTierSObjects) Close() error {
 // It can be passed to loadServiceTierSObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierSMaps struct {
 	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.Map `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
@@ -161,6 +164,7 @@ type serviceTierSMaps struct {
 func (m *serviceTierSMaps) Close() error {
 	return _ServiceTierSClose(
 		m.FluxvmBackends,
+		m.FluxvmBe2fe,
 		m.FluxvmCounters,
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,

@@ -25,6 +25,7 @@ enum fluxvm_abi_const {
 	FLUXVM_SCHEMA_VERSION = 4,  /* of the pinned maps (fluxvm_meta_value) */
 	FLUXVM_SNAT_TRIES = 32,     /* candidate ports for one new SNAT mapping */
 	FLUXVM_EDGE_SLOT_MASK = 0xffff, /* ifindex -> fluxvm_edge_slots key */
+	FLUXVM_BE2FE_SLOTS = 4,     /* frontends per fluxvm_be2fe entry */
 };
 
 /*
@@ -102,6 +103,7 @@ enum fluxvm_svc_flags {
 	FLUXVM_SVC_F_NO_EAST_WEST = 1U << 2, /* not served on VM edges */
 	FLUXVM_SVC_F_DSR = 1U << 3,          /* routed DSR instead of NAT */
 	FLUXVM_SVC_F_HOST_ROUTING = 1U << 4, /* FIB lookup and redirect after NAT */
+	FLUXVM_SVC_F_REV_STORED = 1U << 5,   /* east-west: new flows store a reverse-NAT half too */
 };
 
 struct fluxvm_svc_value {
@@ -196,6 +198,10 @@ _Static_assert(sizeof(struct fluxvm_ct_value) == 56, "fluxvm_ct_value size");
 enum fluxvm_ct_flags {
 	FLUXVM_CT_F_SNAT = 1U << 0, /* north-south NAT: source translated too */
 	FLUXVM_CT_F_DSR = 1U << 1,  /* routed DSR: nothing translated */
+	/* East-west: replies are translated from this entry, found through
+	 * fluxvm_be2fe; the flow has no reverse-NAT half. Not a kind: an
+	 * east-west entry with or without it is the same flow. */
+	FLUXVM_CT_F_REV_DERIVED = 1U << 2,
 };
 
 struct fluxvm_nat_value {
@@ -218,6 +224,50 @@ enum fluxvm_nat_flags {
 	FLUXVM_NAT_F_SNAT = 1U << 0,         /* the key's destination is the SNAT address */
 	FLUXVM_NAT_F_HOST_ROUTING = 1U << 1, /* replies take the FIB fast path */
 };
+
+/*
+ * Reverse translation of east-west flows (fluxvm_be2fe, hash, written by
+ * the control plane only): a backend endpoint -> the frontends whose tables
+ * may name it. A reply backend:port -> client:cport carries no VIP; its
+ * flow is the conntrack entry client:cport -> VIP:vport of one of these
+ * frontends that names this backend. So a new east-west flow learns one
+ * entry, not two, and a reply half can never be orphaned: there is none.
+ *
+ * An entry lists a frontend before any table of it can name the backend,
+ * and keeps the slots of the frontends it lists in place (a flow is found
+ * only through its frontend's slot). A backend listed by more frontends
+ * than there are slots is marked OVERFLOW: the frontends past the slots
+ * have FLUXVM_SVC_F_REV_STORED and learn reverse-NAT halves, which the
+ * reply path looks up when no slot finds the flow.
+ */
+struct fluxvm_be2fe_key {
+	__be32 addr[4];  /* the backend's; IPv4 uses addr[0] */
+	__be16 port;
+	__u8 proto;
+	__u8 family;     /* enum fluxvm_family */
+};
+_Static_assert(sizeof(struct fluxvm_be2fe_key) == 20, "fluxvm_be2fe_key size");
+
+struct fluxvm_be2fe_slot {
+	__be32 vip[4];      /* IPv4 uses vip[0] */
+	__be16 vport;
+	__u16 pad;
+	__u32 service_id;   /* the frontend's */
+	__u32 backend_id;   /* the backend's id in that frontend */
+};
+_Static_assert(sizeof(struct fluxvm_be2fe_slot) == 28, "fluxvm_be2fe_slot size");
+
+enum fluxvm_be2fe_flags {
+	FLUXVM_BE2FE_F_OVERFLOW = 1U << 0, /* more frontends than slots list the backend */
+};
+
+struct fluxvm_be2fe_value {
+	__u8 count;      /* slots in use, at most FLUXVM_BE2FE_SLOTS */
+	__u8 flags;      /* enum fluxvm_be2fe_flags */
+	__u16 pad;
+	struct fluxvm_be2fe_slot slots[FLUXVM_BE2FE_SLOTS];
+};
+_Static_assert(sizeof(struct fluxvm_be2fe_value) == 116, "fluxvm_be2fe_value size");
 
 /*
  * North-south source NAT (fluxvm_snat, one entry at key 0): the addresses
@@ -311,6 +361,7 @@ struct fluxvm_abi_enums {
 	enum fluxvm_ct_state ct_state;
 	enum fluxvm_ct_flags ct_flags;
 	enum fluxvm_nat_flags nat_flags;
+	enum fluxvm_be2fe_flags be2fe_flags;
 	enum fluxvm_snat_flags snat_flags;
 	enum fluxvm_timeout_default timeout_default;
 	enum fluxvm_built_tier built_tier;

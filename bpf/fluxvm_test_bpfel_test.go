@@ -17,6 +17,7 @@ import (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	serviceTestMapFluxvmBackends        = "fluxvm_backends"
+	serviceTestMapFluxvmBe2fe           = "fluxvm_be2fe"
 	serviceTestMapFluxvmCounters        = "fluxvm_counters"
 	serviceTestMapFluxvmDrops           = "fluxvm_drops"
 	serviceTestMapFluxvmEdgeSlots       = "fluxvm_edge_slots"
@@ -100,6 +101,7 @@ type serviceTestProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTestMapSpecs struct {
 	FluxvmBackends    *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.MapSpec `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
@@ -153,6 +155,7 @@ func (o *serviceTestObjects) Close() error {
 // It can be passed to loadServiceTestObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTestMaps struct {
 	FluxvmBackends    *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe       *ebpf.Map `ebpf:"fluxvm_be2fe"`
 	FluxvmCounters    *ebpf.Map `ebpf:"fluxvm_counters"`
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
@@ -175,6 +178,7 @@ type serviceTestMaps struct {
 func (m *serviceTestMaps) Close() error {
 	return _ServiceTestClose(
 		m.FluxvmBackends,
+		m.FluxvmBe2fe,
 		m.FluxvmCounters,
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,

@@ -28,6 +28,9 @@ type (
 	Meta         = serviceFluxvmMetaValue
 	EdgeSlot     = serviceFluxvmEdgeSlot
 	SNATConfig   = serviceFluxvmSnatCfg
+	Be2feKey     = serviceFluxvmBe2feKey
+	Be2feSlot    = serviceFluxvmBe2feSlot
+	Be2feValue   = serviceFluxvmBe2feValue
 )
 
 // The constants below are the C enums of fluxvm_service_v6.bpf.h, which
@@ -38,6 +41,18 @@ type (
 
 // EdgeSlotMask selects the fluxvm_edge_slots entry of an ifindex.
 const EdgeSlotMask = uint32(serviceFluxvmAbiConstFLUXVM_EDGE_SLOT_MASK)
+
+// Be2feSlots is how many frontends one fluxvm_be2fe entry lists; a
+// backend endpoint listed by more is marked Be2feFlagOverflow.
+const Be2feSlots = int(serviceFluxvmAbiConstFLUXVM_BE2FE_SLOTS)
+
+// Be2feValue.Flags (C enum fluxvm_be2fe_flags).
+const (
+	// Be2feFlagOverflow marks a backend endpoint listed by more frontends
+	// than Be2feSlots: the frontends past the slots have SvcFlagRevStored,
+	// and the reply path looks their flows' reverse-NAT halves up.
+	Be2feFlagOverflow = uint8(serviceFluxvmBe2feFlagsFLUXVM_BE2FE_F_OVERFLOW)
+)
 
 // SvcValue.Flags (C enum fluxvm_svc_flags).
 const (
@@ -54,6 +69,11 @@ const (
 	// SvcFlagHostRouting forwards translated packets by FIB lookup and
 	// redirect (a miss falls through to the host stack).
 	SvcFlagHostRouting = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_HOST_ROUTING)
+	// SvcFlagRevStored makes new east-west flows of the frontend store a
+	// reverse-NAT half as well: the frontend is past the Be2feSlots of a
+	// backend endpoint, so replies cannot find its flows through the
+	// fluxvm_be2fe index.
+	SvcFlagRevStored = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED)
 )
 
 // CTValue.Flags (C enum fluxvm_ct_flags).
@@ -64,6 +84,10 @@ const (
 	// CTFlagDSR marks a routed DSR flow: nothing is translated and there
 	// is no reverse-NAT half.
 	CTFlagDSR = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_DSR)
+	// CTFlagRevDerived marks an east-west flow whose replies are
+	// translated from this entry (found through fluxvm_be2fe): it has no
+	// reverse-NAT half, and GC never gives it one. Not a kind.
+	CTFlagRevDerived = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_REV_DERIVED)
 )
 
 // NATValue.Flags (C enum fluxvm_nat_flags).
@@ -214,6 +238,16 @@ func MakeTuple4(src, dst netip.AddrPort, proto uint8) Tuple4 {
 // MakeTuple6 builds the IPv6 tuple key of a packet from src to dst.
 func MakeTuple6(src, dst netip.AddrPort, proto uint8) Tuple6 {
 	return Tuple6{Saddr: AddrWords(src.Addr()), Daddr: AddrWords(dst.Addr()), Sport: Port(src.Port()), Dport: Port(dst.Port()), Proto: proto}
+}
+
+// MakeBe2feKey builds the fluxvm_be2fe key of backend endpoint ep for
+// protocol proto (an IPv4-mapped address is stored as IPv4).
+func MakeBe2feKey(ep netip.AddrPort, proto uint8) Be2feKey {
+	fam := FamilyIPv6
+	if ep.Addr().Unmap().Is4() {
+		fam = FamilyIPv4
+	}
+	return Be2feKey{Addr: AddrWords(ep.Addr()), Port: Port(ep.Port()), Proto: proto, Family: fam}
 }
 
 // Endpoints returns the source and destination of the tuple.

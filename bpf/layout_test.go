@@ -36,6 +36,9 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_meta_value", 48, Meta{}},
 		{"fluxvm_edge_slot", 8, EdgeSlot{}},
 		{"fluxvm_snat_cfg", 32, SNATConfig{}},
+		{"fluxvm_be2fe_key", 20, Be2feKey{}},
+		{"fluxvm_be2fe_slot", 28, Be2feSlot{}},
+		{"fluxvm_be2fe_value", 116, Be2feValue{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

@@ -30,7 +30,12 @@ import (
 // map of generation 2 does not have (its template is not visible through
 // the pin, so only the generation tells), and the program reads each
 // table's size from the table.
-const ProgramGeneration = 3
+//
+// Generation 4 derives the reverse translation of east-west flows from
+// their conntrack entry, found through the new fluxvm_be2fe index: new
+// east-west flows learn no reverse-NAT half (CTFlagRevDerived). Halves
+// learned by generation 3 stay valid and are collected with their flows.
+const ProgramGeneration = 4
 
 // DefaultPinRoot is the pin root a node uses unless told otherwise.
 const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"

@@ -87,6 +87,15 @@ struct {
 	__uint(max_entries, FLUXVM_NAT_ENTRIES);
 } fluxvm_nat6 SEC(".maps");
 
+/* Backend endpoint -> the frontends that list it (see the layout). One
+ * entry per backend endpoint at most, and endpoints are at most backends. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct fluxvm_be2fe_key);
+	__type(value, struct fluxvm_be2fe_value);
+	__uint(max_entries, FLUXVM_MAX_BACKENDS);
+} fluxvm_be2fe SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__type(key, __u32);

@@ -75,6 +75,10 @@ FLUXVM_LB_PATH(fluxvm_forward4_snat, fluxvm_lb_snat(ctx, pkt, 0, sid, flags))
 FLUXVM_LB_PATH(fluxvm_forward6_snat, fluxvm_lb_snat(ctx, pkt, 1, sid, flags))
 FLUXVM_DSR_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid))
 FLUXVM_DSR_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid))
+/* East-west replies of flows that stored a reverse-NAT half (a backend
+ * listed by more frontends than fluxvm_be2fe has slots). */
+FLUXVM_PATH(fluxvm_reply4_stored, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_EW, 0))
+FLUXVM_PATH(fluxvm_reply6_stored, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_EW, 0))
 FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 0))
@@ -145,17 +149,20 @@ SEC("tc")
 int fluxvm_to_vm(struct __ctx_buff *ctx)
 {
 	struct fluxvm_pkt pkt = {};
+	int ret;
 
 	if (!fluxvm_parse_counted(ctx, &pkt))
 		return FLUXVM_TC_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_ew(ctx, &pkt);
-		return fluxvm_lb_reply(ctx, &pkt, 0, FLUXVM_REPLY_EW, 0);
+		ret = fluxvm_lb_reply_ew(ctx, &pkt, 0);
+		return ret == FLUXVM_REPLY_STORED ? fluxvm_reply4_stored(ctx, &pkt) : ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_ew(ctx, &pkt);
-	return fluxvm_lb_reply(ctx, &pkt, 1, FLUXVM_REPLY_EW, 0);
+	ret = fluxvm_lb_reply_ew(ctx, &pkt, 1);
+	return ret == FLUXVM_REPLY_STORED ? fluxvm_reply6_stored(ctx, &pkt) : ret;
 }
 
 /* North-south ingress: clients outside the node reach north-south VIPs

@@ -2,7 +2,9 @@ package bpf
 
 import (
 	"errors"
+	"maps"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -24,6 +26,20 @@ type harness struct {
 	th   *testenv.Thread
 	spec *ebpf.CollectionSpec
 	objs serviceObjects
+	// What fluxvm_be2fe is written from, as the control plane keeps it:
+	// frontends by service id, backends by id.
+	fes map[uint32]harnessFrontend
+	bes map[uint32]harnessBackend
+}
+
+type harnessFrontend struct {
+	vip   netip.AddrPort
+	proto uint8
+}
+
+type harnessBackend struct {
+	sid uint32
+	ap  netip.AddrPort
 }
 
 func newHarness(t testing.TB) *harness {
@@ -46,7 +62,7 @@ func newHarnessSized(t testing.TB, ctEntries uint32) *harness {
 // baseline to compare against), with the same map layouts.
 func newHarnessSpec(t testing.TB, spec *ebpf.CollectionSpec, ctEntries uint32) *harness {
 	t.Helper()
-	h := &harness{t: t, th: testenv.NewThread(t)}
+	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32]harnessFrontend{}, bes: map[uint32]harnessBackend{}}
 	// The lifecycle maps hold hundreds of thousands of preallocated
 	// entries at tier M; the behaviour under test does not depend on
 	// capacity, and small maps keep a load per test cheap.
@@ -71,7 +87,7 @@ func (h *harness) reset() {
 		"fluxvm_svc4": h.objs.FluxvmSvc4, "fluxvm_svc6": h.objs.FluxvmSvc6,
 		"fluxvm_fct4": h.objs.FluxvmFct4, "fluxvm_fct6": h.objs.FluxvmFct6,
 		"fluxvm_nat4": h.objs.FluxvmNat4, "fluxvm_nat6": h.objs.FluxvmNat6,
-		"fluxvm_maglev": h.objs.FluxvmMaglev,
+		"fluxvm_maglev": h.objs.FluxvmMaglev, "fluxvm_be2fe": h.objs.FluxvmBe2fe,
 	} {
 		var keys []any
 		it := m.Iterate()
@@ -93,6 +109,8 @@ func (h *harness) reset() {
 			}
 		}
 	}
+	clear(h.fes)
+	clear(h.bes)
 	ncpu := ebpf.MustPossibleCPU()
 	for _, z := range []struct {
 		m    *ebpf.Map
@@ -140,6 +158,37 @@ func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
 		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Proto: proto}, marker))
 	}
 	h.guard(sid, GuardOpen)
+	h.fes[sid] = harnessFrontend{vip, proto}
+	for _, b := range h.bes {
+		if b.sid == sid {
+			h.index(b.ap, proto)
+		}
+	}
+}
+
+// revStored gives the frontend of sid SvcFlagRevStored and marks the index
+// entries of its backends Be2feFlagOverflow, as the control plane does for
+// a frontend past the slots: its new flows store reverse-NAT halves, and
+// replies that no slot finds look them up.
+func (h *harness) revStored(sid uint32) {
+	h.t.Helper()
+	fe := h.fes[sid]
+	val := SvcValue{ServiceId: sid, Flags: SvcFlagRevStored, Revision: 1}
+	if fe.vip.Addr().Is4() {
+		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
+	} else {
+		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: AddrWords(fe.vip.Addr()), Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
+	}
+	for _, b := range h.bes {
+		if b.sid != sid {
+			continue
+		}
+		k := MakeBe2feKey(b.ap, fe.proto)
+		var v Be2feValue
+		h.must(h.objs.FluxvmBe2fe.Lookup(k, &v))
+		v.Flags |= Be2feFlagOverflow
+		h.must(h.objs.FluxvmBe2fe.Put(k, v))
+	}
 }
 
 func (h *harness) guard(sid, state uint32) {
@@ -157,6 +206,46 @@ func (h *harness) backend(id, sid uint32, ap netip.AddrPort, state BackendState,
 		Addr: AddrWords(ap.Addr()), Port: Port(ap.Port()), Family: fam,
 		State: uint8(state), ServiceId: sid, DrainUntilNs: drainUntil,
 	}))
+	old, had := h.bes[id]
+	h.bes[id] = harnessBackend{sid, ap}
+	if fe, ok := h.fes[sid]; ok {
+		h.index(ap, fe.proto)
+	}
+	if fe, ok := h.fes[old.sid]; had && old.ap != ap && ok {
+		h.index(old.ap, fe.proto)
+	}
+}
+
+// index writes the fluxvm_be2fe entry of backend endpoint ap for proto
+// from the frontends and backends written so far, in backend-id order (the
+// control plane keeps its own order; tests of more than Be2feSlots
+// frontends set the entry themselves).
+func (h *harness) index(ap netip.AddrPort, proto uint8) {
+	h.t.Helper()
+	var v Be2feValue
+	n := 0
+	for _, id := range slices.Sorted(maps.Keys(h.bes)) {
+		b := h.bes[id]
+		fe, ok := h.fes[b.sid]
+		if !ok || b.ap != ap || fe.proto != proto {
+			continue
+		}
+		if n < Be2feSlots {
+			v.Slots[n] = Be2feSlot{Vip: AddrWords(fe.vip.Addr()), Vport: Port(fe.vip.Port()), ServiceId: b.sid, BackendId: id}
+		} else {
+			v.Flags |= Be2feFlagOverflow
+		}
+		n++
+	}
+	k := MakeBe2feKey(ap, proto)
+	if n == 0 {
+		if err := h.objs.FluxvmBe2fe.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			h.t.Fatal(err)
+		}
+		return
+	}
+	v.Count = uint8(min(n, Be2feSlots))
+	h.must(h.objs.FluxvmBe2fe.Put(k, v))
 }
 
 // table swaps in a complete Maglev table for sid, as the control plane

@@ -99,6 +99,23 @@ func (v variant) setup(h *harness) {
 	h.table(sid, h.fill(1))
 }
 
+// expectReply runs a reply of backend b to the client's port through the
+// VM-edge egress and requires its source translated back to the VIP, byte
+// for byte.
+func expectReply(t *testing.T, h *harness, v variant, b netip.AddrPort, port uint16) {
+	t.Helper()
+	ret, out := h.run(h.objs.FluxvmToVm, v.reply(b, port, pkt.ACK))
+	if ret != tcOK {
+		t.Fatalf("reply verdict %d, want TC_ACT_OK", int32(ret))
+	}
+	if want := v.frame(v.vip, v.clientAt(port), pkt.ACK); !bytes.Equal(out, want) {
+		t.Fatalf("reply:\n got %x\nwant %x", out, want)
+	}
+	if err := pkt.VerifyChecksums(out); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // expectForward runs a client packet and requires it DNATed to backend b
 // byte for byte (addresses, ports and both checksums as a full computation
 // would give them).
@@ -175,12 +192,12 @@ func TestForwardingMatrix(t *testing.T) {
 			if now := monoNow(t); ct.CreatedNs > now || now-ct.CreatedNs > uint64(5*time.Second) {
 				t.Errorf("created %d, now %d", ct.CreatedNs, now)
 			}
-			nat, ok := h.nat(v.natKey(v.backends[0], 40000))
-			if !ok {
-				t.Fatal("no reverse-NAT entry")
+			// One entry: the replies find the flow through fluxvm_be2fe.
+			if ct.Flags != CTFlagRevDerived {
+				t.Errorf("conntrack flags %#x, want CTFlagRevDerived", ct.Flags)
 			}
-			if Addr(nat.Vip, family(v.vip.Addr())) != v.vip.Addr() || Port(nat.Vport) != v.vip.Port() || nat.BackendId != 1 || nat.ServiceId != sid {
-				t.Errorf("reverse NAT %+v, want VIP %s", nat, v.vip)
+			if nat, ok := h.nat(v.natKey(v.backends[0], 40000)); ok {
+				t.Errorf("a reverse-NAT half was learned: %+v", nat)
 			}
 			st := h.stats(sid)
 			if st.NewFlows != 1 || st.Packets != 1 || st.Bytes != uint64(len(v.fwd(40000, pkt.SYN))) {
@@ -240,9 +257,10 @@ func TestForwardingMatrix(t *testing.T) {
 			if ct, _ := h.ct(v.flow(40000)); ct.BackendId != 3 {
 				t.Errorf("conntrack still names backend %d", ct.BackendId)
 			}
-			if _, ok := h.nat(v.natKey(v.backends[2], 40000)); !ok {
-				t.Error("no reverse-NAT entry for the new backend")
-			}
+			// Replies follow the conntrack entry: the new backend's are
+			// translated, the old backend's no longer are.
+			expectReply(t, h, v, v.backends[2], 40000)
+			expectUntouched(t, h, "to_vm", v.reply(v.backends[0], 40000, pkt.ACK))
 			if st := h.stats(sid); st.Failovers != 1 || st.NewFlows != 2 {
 				t.Errorf("stats %+v, want 1 failover, 2 new flows", st)
 			}
@@ -357,8 +375,9 @@ func TestForwardingMatrix(t *testing.T) {
 			expectDrop(t, h, first, DropFragment)
 			expectDrop(t, h, later, DropFragment)
 		}},
-		{"lost reverse-NAT half is recreated on refresh", func(t *testing.T, h *harness, v variant) {
+		{"stored: lost reverse-NAT half is recreated on refresh", func(t *testing.T, h *harness, v variant) {
 			v.setup(h)
+			h.revStored(sid)
 			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
 			nk := v.natKey(v.backends[0], 40000)
 			h.must(h.natMap(nk).Delete(nk.key()))
@@ -371,8 +390,9 @@ func TestForwardingMatrix(t *testing.T) {
 				t.Fatal("reverse-NAT half not recreated")
 			}
 		}},
-		{"lost conntrack half is recreated from a reply", func(t *testing.T, h *harness, v variant) {
+		{"stored: lost conntrack half is recreated from a reply", func(t *testing.T, h *harness, v variant) {
 			v.setup(h)
+			h.revStored(sid)
 			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
 			h.must(h.ctMap(v.flow(40000)).Delete(v.flow(40000).key()))
 			nk := v.natKey(v.backends[0], 40000)
@@ -390,6 +410,48 @@ func TestForwardingMatrix(t *testing.T) {
 			// And the flow keeps its backend although the table moved.
 			h.table(sid, h.fill(2))
 			expectForward(t, h, v, 40000, pkt.ACK, v.backends[0])
+		}},
+		{"derived: a lost conntrack entry leaves replies untouched, the next packet relearns it", func(t *testing.T, h *harness, v variant) {
+			v.setup(h)
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			h.must(h.ctMap(v.flow(40000)).Delete(v.flow(40000).key()))
+			expectUntouched(t, h, "to_vm", v.reply(v.backends[0], 40000, pkt.ACK))
+			expectForward(t, h, v, 40000, pkt.ACK, v.backends[0])
+			expectReply(t, h, v, v.backends[0], 40000)
+		}},
+		{"stored: a new flow learns both halves, its replies are translated", func(t *testing.T, h *harness, v variant) {
+			v.setup(h)
+			h.revStored(sid)
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			if ct, _ := h.ct(v.flow(40000)); ct.Flags != 0 {
+				t.Errorf("conntrack flags %#x, want none", ct.Flags)
+			}
+			nat, ok := h.nat(v.natKey(v.backends[0], 40000))
+			if !ok {
+				t.Fatal("no reverse-NAT entry")
+			}
+			if Addr(nat.Vip, family(v.vip.Addr())) != v.vip.Addr() || Port(nat.Vport) != v.vip.Port() || nat.BackendId != 1 || nat.ServiceId != sid {
+				t.Errorf("reverse NAT %+v, want VIP %s", nat, v.vip)
+			}
+			expectReply(t, h, v, v.backends[0], 40000)
+		}},
+		{"a re-pick of a stored flow removes its reverse half", func(t *testing.T, h *harness, v variant) {
+			// A flow learned with a half (stored, or by generation 3)
+			// that fails over to a derived pick leaves no half behind.
+			v.setup(h)
+			h.revStored(sid)
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			v.setup(h) // the frontend loses SvcFlagRevStored
+			h.backend(1, sid, v.backends[0], BackendUnhealthy, 0)
+			h.table(sid, h.fill(2))
+			expectForward(t, h, v, 40000, pkt.ACK, v.backends[1])
+			if _, ok := h.nat(v.natKey(v.backends[0], 40000)); ok {
+				t.Error("the superseded reverse half is still there")
+			}
+			if ct, _ := h.ct(v.flow(40000)); ct.Flags != CTFlagRevDerived || ct.BackendId != 2 {
+				t.Errorf("conntrack %+v, want derived, backend 2", ct)
+			}
+			expectReply(t, h, v, v.backends[1], 40000)
 		}},
 	}
 	h := newHarness(t)

@@ -15,9 +15,10 @@
  *     backend:port becomes VIP:vport; the outer header is unchanged;
  *   - FLUXVM_REPLY_SNAT (to the SNAT address): the outer destination
  *     becomes the client, the quote becomes client:cport -> VIP:vport.
- * The quoted packet's reverse-NAT entry (the reply view: backend:port ->
- * quoted source:port) decides, and must be of the hook's kind. Nothing is
- * learned or refreshed from an ICMP error.
+ * The quoted flow decides, and must be of the hook's kind: an east-west
+ * flow found as its replies find it (rev.h) or by a stored reverse-NAT half,
+ * an SNAT flow by its mapping (both in the reply view: backend:port ->
+ * quoted source:port). Nothing is learned or refreshed from an ICMP error.
  *
  * Everything else passes untouched: other ICMP types, an outer fragment,
  * a quote that is no IPv4/IPv6 TCP or UDP packet of a tracked flow, a
@@ -40,6 +41,7 @@
 #include "csum.h"
 #include "nat.h"
 #include "snat.h"
+#include "rev.h"
 
 #ifndef IPPROTO_ICMPV6
 #define IPPROTO_ICMPV6 58
@@ -155,9 +157,12 @@ static __always_inline int fluxvm_icmp_quote(struct __ctx_buff *ctx, const struc
 }
 
 /*
- * The flow stage: the quoted flow's reverse-NAT entry, in the reply view
- * (backend:port -> quoted source:port), of the hook's kind. Fills @x;
- * returns 0, or -1 when the quote is of no flow we translate.
+ * The flow stage: the quoted flow, of the hook's kind. An east-west flow is
+ * found as its replies find it (rev.h: the quote's destination is the
+ * backend, its source the client), or by its stored reverse-NAT half; an
+ * SNAT flow by its mapping, in the reply view (backend:port -> SNAT
+ * address:port). Fills @x; returns 0, or -1 when the quote is of no flow
+ * we translate.
  */
 static __always_inline int fluxvm_icmp_flow(const struct fluxvm_icmp_quote *q, const int v6,
 					    const int snat, struct fluxvm_icmp_xlate *x)
@@ -166,6 +171,18 @@ static __always_inline int fluxvm_icmp_flow(const struct fluxvm_icmp_quote *q, c
 	struct fluxvm_tuple6 k6 = {};
 	struct fluxvm_nat_value *nat;
 
+	if (!snat) {
+		struct fluxvm_rev r = {};
+
+		if (fluxvm_rev_find(q->dst, q->dport, q->src, q->sport, q->proto, v6, &k4, &k6, &r)) {
+			__builtin_memcpy(x->vip, r.vip, 16);
+			x->vport = r.vport;
+			x->cport = q->sport;
+			return 0;
+		}
+		__builtin_memset(&k4, 0, sizeof(k4));
+		__builtin_memset(&k6, 0, sizeof(k6));
+	}
 	if (v6) {
 		__builtin_memcpy(k6.saddr, q->dst, 16);
 		__builtin_memcpy(k6.daddr, q->src, 16);

@@ -38,6 +38,7 @@
 #include "nat.h"
 #include "snat.h"
 #include "fib.h"
+#include "rev.h"
 
 static __always_inline struct fluxvm_svc_value *
 fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
@@ -283,10 +284,13 @@ static __always_inline void fluxvm_count_new_flow(struct fluxvm_svc_stats_value 
  */
 
 /*
- * East-west NAT: the destination becomes the backend (DNAT); a reverse-NAT
- * entry keyed by the reply translates the backend's replies back. With
- * host routing the translated packet is forwarded by FIB lookup, a miss
- * left to the host stack.
+ * East-west NAT: the destination becomes the backend (DNAT). The replies
+ * are translated back from the conntrack entry itself, which they find
+ * through fluxvm_be2fe (rev.h): the entry is all a new flow learns. A
+ * frontend the index cannot list (FLUXVM_SVC_F_REV_STORED) stores a
+ * reverse-NAT half as well, keyed by the reply. With host routing the
+ * translated packet is forwarded by FIB lookup, a miss left to the host
+ * stack.
  */
 static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
 					 const int v6, __u32 sid, __u32 flags)
@@ -312,15 +316,18 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be);
 	if (verdict == FLUXVM_CT_KEEP) {
-		/* A refresh also recreates a reverse half the LRU evicted. */
+		/* A refresh also recreates a stored reverse half the LRU
+		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
+		    !(ct->flags & FLUXVM_CT_F_REV_DERIVED) &&
 		    fluxvm_nat_ensure(pkt, v6, be, sid, ct->backend_id, now, nat_flags))
 			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 		goto deliver;
 	}
-	/* The reply half of the tuple's earlier flow (re-picked or failed
-	 * over), which the new pick supersedes. */
-	if (be && be->service_id == sid)
+	/* The stored reply half of the tuple's earlier flow (re-picked or
+	 * failed over), which the new pick supersedes. A derived flow has
+	 * none: overwriting its conntrack entry is all it takes. */
+	if (ct && be && be->service_id == sid && !(ct->flags & FLUXVM_CT_F_REV_DERIVED))
 		old_be = be;
 
 	/* Select: the Maglev pick. */
@@ -333,17 +340,20 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	if (!be)
 		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
 
-	/* Learn: conntrack, then the reverse half. */
-	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
+	/* Learn: the conntrack entry; the reverse half only where the index
+	 * cannot find the flow. */
+	ct = fluxvm_ct_build(pkt, meta, sid, bid, now,
+			     (flags & FLUXVM_SVC_F_REV_STORED) ? 0 : FLUXVM_CT_F_REV_DERIVED);
 	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	if (fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
+	if ((flags & FLUXVM_SVC_F_REV_STORED) &&
+	    fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
 		bpf_map_delete_elem(ct_map, ct_key);
 		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 	}
 	/* Left behind, the earlier flow's reply half would outlive its
 	 * conntrack half and could be taken for a live flow. */
-	if (old_be && old_be != be)
+	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
@@ -691,6 +701,78 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
 	if (ingress && (nat_flags & FLUXVM_NAT_F_HOST_ROUTING))
 		return fluxvm_host_route(ctx, pkt, v6);
+	return TC_ACT_OK;
+}
+
+/* fluxvm_lb_reply_ew found no flow, but the backend has frontends whose
+ * flows store reverse-NAT halves: look the reply's up (the stored path,
+ * fluxvm_lb_reply with FLUXVM_REPLY_EW). Never a TC verdict. */
+#define FLUXVM_REPLY_STORED 0x100
+
+/*
+ * Backend -> east-west client (VM-edge egress): translate the source back
+ * to the VIP and port the client used, found from the flow's conntrack
+ * entry (rev.h), and keep that entry current.
+ *
+ * A SYN-ACK answers a handshake: on an entry whose flow ended (FIN, RST)
+ * or expired, the backend is answering a connection that did not come
+ * through the VIP (the client reused its port for a direct connection to
+ * the backend): the entry is removed, with any reverse-NAT half, and the
+ * packet passes untouched. On an established entry it is a retransmission
+ * (the client's ACK was lost on the way) and is translated, so that the
+ * client's stack answers it.
+ */
+static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					      const int v6)
+{
+	struct fluxvm_tuple4 c4 = {};
+	struct fluxvm_tuple6 c6 = {};
+	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
+	void *ct_key = v6 ? (void *)&c6 : (void *)&c4;
+	struct fluxvm_svc_stats_value *st, *es;
+	struct fluxvm_ct_value *ct;
+	struct fluxvm_rev r;
+	__u64 now;
+	int synack;
+
+	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
+		return FLUXVM_TC_NEXT;
+	if (pkt->frag == FLUXVM_FRAG_LATER)
+		return FLUXVM_TC_NEXT;
+	r.overflow = 0;
+	ct = fluxvm_rev_find(pkt->saddr, pkt->sport, pkt->daddr, pkt->dport, pkt->l4_proto, v6,
+			     &c4, &c6, &r);
+	if (!ct)
+		return r.overflow ? FLUXVM_REPLY_STORED : FLUXVM_TC_NEXT;
+	st = fluxvm_stats(r.service_id);
+	es = fluxvm_edge(ctx);
+	if (pkt->frag != FLUXVM_FRAG_NONE)
+		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
+
+	now = bpf_ktime_get_coarse_ns();
+	synack = pkt->l4_proto == IPPROTO_TCP &&
+		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
+	if (synack && ct->state != FLUXVM_CT_TCP_SYN &&
+	    (ct->state != FLUXVM_CT_TCP_ESTABLISHED || ct->deadline_ns < now)) {
+		if (!(ct->flags & FLUXVM_CT_F_REV_DERIVED)) {
+			struct fluxvm_tuple4 t4 = {};
+			struct fluxvm_tuple6 t6 = {};
+
+			fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
+			if (v6)
+				bpf_map_delete_elem(&fluxvm_nat6, &t6);
+			else
+				bpf_map_delete_elem(&fluxvm_nat4, &t4);
+		}
+		bpf_map_delete_elem(ct_map, ct_key);
+		fluxvm_count(FLUXVM_CNT_NAT_STALE);
+		return FLUXVM_TC_NEXT;
+	}
+	fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
+
+	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
 	return TC_ACT_OK;
 }
 

@@ -11,7 +11,9 @@ package bpftest
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 
 	"github.com/cilium/ebpf"
 
@@ -33,6 +35,19 @@ type Object struct {
 	Maps     bpf.Maps
 	Programs bpf.Programs
 	tables   map[string]*ebpf.Map // Maglev tables by backend list
+	// What fluxvm_be2fe is written from, as the control plane keeps it.
+	fes map[uint32]frontend // by service id
+	bes map[uint32]backend  // by backend id
+}
+
+type frontend struct {
+	vip   netip.AddrPort
+	proto uint8
+}
+
+type backend struct {
+	sid uint32
+	ap  netip.AddrPort
 }
 
 // Load loads the object of tier with its lifecycle maps shrunk to sz.
@@ -46,7 +61,7 @@ func Load(tier bpf.Tier, sz Sizes) (*Object, error) {
 			spec.Maps[name].MaxEntries = n
 		}
 	}
-	o := &Object{Spec: spec, tables: map[string]*ebpf.Map{}}
+	o := &Object{Spec: spec, tables: map[string]*ebpf.Map{}, fes: map[uint32]frontend{}, bes: map[uint32]backend{}}
 	var objs struct {
 		bpf.Maps
 		bpf.Programs
@@ -68,7 +83,8 @@ func (o *Object) Close() error {
 }
 
 // Service installs frontend vip/proto -> sid with flags (bpf.SvcFlag*),
-// opens its guard and fills its Maglev table from bids (Table).
+// opens its guard and fills its Maglev table from bids (Table). The
+// backends the service has (Backend) are listed in fluxvm_be2fe for it.
 func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bids ...uint32) error {
 	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
 	w := bpf.AddrWords(vip.Addr())
@@ -83,6 +99,14 @@ func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint
 	}
 	if err := o.Maps.FluxvmSguard.Put(sid, bpf.Guard{State: bpf.GuardOpen, Revision: 1}); err != nil {
 		return fmt.Errorf("bpftest: guard: %w", err)
+	}
+	o.fes[sid] = frontend{vip, proto}
+	for _, b := range o.bes {
+		if b.sid == sid {
+			if err := o.index(b.ap, proto); err != nil {
+				return err
+			}
+		}
 	}
 	return o.Table(sid, bids...)
 }
@@ -124,15 +148,74 @@ func (o *Object) Backend(id, sid uint32, ap netip.AddrPort, state bpf.BackendSta
 	if ap.Addr().Is4() {
 		fam = bpf.FamilyIPv4
 	}
-	return o.Maps.FluxvmBackends.Put(id, bpf.Backend{
+	if err := o.Maps.FluxvmBackends.Put(id, bpf.Backend{
 		Addr: bpf.AddrWords(ap.Addr()), Port: bpf.Port(ap.Port()), Family: fam,
 		State: uint8(state), ServiceId: sid, DrainUntilNs: drainUntil,
-	})
+	}); err != nil {
+		return err
+	}
+	old, had := o.bes[id]
+	o.bes[id] = backend{sid, ap}
+	if had && (old.ap != ap || old.sid != sid) {
+		if err := o.reindex(old); err != nil {
+			return err
+		}
+	}
+	return o.reindex(o.bes[id])
 }
 
-// RemoveBackend empties backend slot id, as a removal does.
+// RemoveBackend empties backend slot id, as a removal does, and takes it
+// out of fluxvm_be2fe.
 func (o *Object) RemoveBackend(id uint32) error {
-	return o.Maps.FluxvmBackends.Put(id, bpf.Backend{})
+	if err := o.Maps.FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
+		return err
+	}
+	old, had := o.bes[id]
+	delete(o.bes, id)
+	if had {
+		return o.reindex(old)
+	}
+	return nil
+}
+
+func (o *Object) reindex(b backend) error {
+	if fe, ok := o.fes[b.sid]; ok {
+		return o.index(b.ap, fe.proto)
+	}
+	return nil
+}
+
+// index writes the fluxvm_be2fe entry of backend endpoint ap for proto,
+// listing its frontends in backend-id order (past bpf.Be2feSlots the entry
+// is only marked overflowing: tests of that set the frontends' flags).
+func (o *Object) index(ap netip.AddrPort, proto uint8) error {
+	var v bpf.Be2feValue
+	n := 0
+	for _, id := range slices.Sorted(maps.Keys(o.bes)) {
+		b := o.bes[id]
+		fe, ok := o.fes[b.sid]
+		if !ok || b.ap != ap || fe.proto != proto {
+			continue
+		}
+		if n < bpf.Be2feSlots {
+			v.Slots[n] = bpf.Be2feSlot{Vip: bpf.AddrWords(fe.vip.Addr()), Vport: bpf.Port(fe.vip.Port()), ServiceId: b.sid, BackendId: id}
+		} else {
+			v.Flags |= bpf.Be2feFlagOverflow
+		}
+		n++
+	}
+	k := bpf.MakeBe2feKey(ap, proto)
+	if n == 0 {
+		if err := o.Maps.FluxvmBe2fe.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("bpftest: index: %w", err)
+		}
+		return nil
+	}
+	v.Count = uint8(min(n, bpf.Be2feSlots))
+	if err := o.Maps.FluxvmBe2fe.Put(k, v); err != nil {
+		return fmt.Errorf("bpftest: index: %w", err)
+	}
+	return nil
 }
 
 // SNAT writes the north-south SNAT configuration: addresses a4 and a6,

@@ -90,7 +90,7 @@ func BenchmarkDatapath(b *testing.B) {
 func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCase {
 	v4, v6 := variants()[0], variants()[2]
 	v4.setup(h)
-	v6.setup(h)
+	v6.setupAt(h, sid+1, 11) // a service and backends of its own
 	h.edge() // per-interface statistics on, as on a configured VM edge
 	// Two flows that already exist: the conntrack-hit case.
 	if ret, _ := h.run(h.objs.FluxvmFromVm, v4.fwd(40000, pkt.SYN)); ret != tcOK {
@@ -112,6 +112,7 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 		return f
 	}
 	other := v4.frame(v4.clientAt(40000), netip.AddrPortFrom(v4.other, 80), pkt.ACK)
+	otherReply := v4.frame(netip.AddrPortFrom(v4.other, 80), v4.clientAt(40000), pkt.ACK)
 
 	cases := []*benchCase{
 		{name: "pass-through (not a service)", metric: "pass", prog: h.objs.FluxvmFromVm, frame: func(int) []byte { return other }, want: tcNext},
@@ -119,6 +120,11 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 		{name: "ipv4 tcp new flow", metric: "v4-new-flow", prog: h.objs.FluxvmFromVm, frame: func(i int) []byte { return newFlow(v4, i) }, want: tcOK},
 		{name: "ipv6 tcp conntrack hit", metric: "v6-ct-hit", prog: h.objs.FluxvmFromVm, frame: func(int) []byte { return v6.fwd(40000, pkt.ACK) }, want: tcOK},
 		{name: "ipv6 tcp new flow", metric: "v6-new-flow", prog: h.objs.FluxvmFromVm, frame: func(i int) []byte { return newFlow(v6, i) }, want: tcOK},
+		// The VM-edge egress: a reply of the established flow, and a
+		// packet to a VM that is no reply of a flow.
+		{name: "ipv4 tcp reply", metric: "v4-reply", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return v4.reply(v4.backends[0], 40000, pkt.ACK) }, want: tcOK},
+		{name: "ipv6 tcp reply", metric: "v6-reply", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return v6.reply(v6.backends[0], 40000, pkt.ACK) }, want: tcOK},
+		{name: "reply pass-through (not a flow)", metric: "reply-pass", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return otherReply }, want: tcNext},
 	}
 	for _, c := range cases {
 		c.name, c.metric = prefix+c.name, mprefix+c.metric

@@ -28,7 +28,7 @@ type harness struct {
 	objs serviceObjects
 	// What fluxvm_be2fe is written from, as the control plane keeps it:
 	// frontends by service id, backends by id.
-	fes map[uint32]harnessFrontend
+	fes map[uint32][]harnessFrontend
 	bes map[uint32]harnessBackend
 }
 
@@ -62,13 +62,22 @@ func newHarnessSized(t testing.TB, ctEntries uint32) *harness {
 // baseline to compare against), with the same map layouts.
 func newHarnessSpec(t testing.TB, spec *ebpf.CollectionSpec, ctEntries uint32) *harness {
 	t.Helper()
-	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32]harnessFrontend{}, bes: map[uint32]harnessBackend{}}
+	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}}
 	// The lifecycle maps hold hundreds of thousands of preallocated
 	// entries at tier M; the behaviour under test does not depend on
 	// capacity, and small maps keep a load per test cheap.
 	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
 		if ctEntries != 0 {
 			spec.Maps[name].MaxEntries = ctEntries
+		}
+	}
+	// An object of an earlier generation may lack maps of this one; the
+	// harness writes them anyway, and its programs ignore them.
+	if cur, err := loadService(); err == nil {
+		for name, m := range cur.Maps {
+			if spec.Maps[name] == nil {
+				spec.Maps[name] = m.Copy()
+			}
 		}
 	}
 	h.spec = spec
@@ -158,7 +167,11 @@ func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
 		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Proto: proto}, marker))
 	}
 	h.guard(sid, GuardOpen)
-	h.fes[sid] = harnessFrontend{vip, proto}
+	// One service id may serve a frontend per family (the benchmark's).
+	fe := harnessFrontend{vip, proto}
+	if !slices.Contains(h.fes[sid], fe) {
+		h.fes[sid] = append(h.fes[sid], fe)
+	}
 	for _, b := range h.bes {
 		if b.sid == sid {
 			h.index(b.ap, proto)
@@ -172,7 +185,7 @@ func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
 // replies that no slot finds look them up.
 func (h *harness) revStored(sid uint32) {
 	h.t.Helper()
-	fe := h.fes[sid]
+	fe := h.fes[sid][0]
 	val := SvcValue{ServiceId: sid, Flags: SvcFlagRevStored, Revision: 1}
 	if fe.vip.Addr().Is4() {
 		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
@@ -208,11 +221,13 @@ func (h *harness) backend(id, sid uint32, ap netip.AddrPort, state BackendState,
 	}))
 	old, had := h.bes[id]
 	h.bes[id] = harnessBackend{sid, ap}
-	if fe, ok := h.fes[sid]; ok {
+	for _, fe := range h.fes[sid] {
 		h.index(ap, fe.proto)
 	}
-	if fe, ok := h.fes[old.sid]; had && old.ap != ap && ok {
-		h.index(old.ap, fe.proto)
+	if had && old.ap != ap {
+		for _, fe := range h.fes[old.sid] {
+			h.index(old.ap, fe.proto)
+		}
 	}
 }
 
@@ -226,16 +241,20 @@ func (h *harness) index(ap netip.AddrPort, proto uint8) {
 	n := 0
 	for _, id := range slices.Sorted(maps.Keys(h.bes)) {
 		b := h.bes[id]
-		fe, ok := h.fes[b.sid]
-		if !ok || b.ap != ap || fe.proto != proto {
+		if b.ap != ap {
 			continue
 		}
-		if n < Be2feSlots {
-			v.Slots[n] = Be2feSlot{Vip: AddrWords(fe.vip.Addr()), Vport: Port(fe.vip.Port()), ServiceId: b.sid, BackendId: id}
-		} else {
-			v.Flags |= Be2feFlagOverflow
+		for _, fe := range h.fes[b.sid] {
+			if fe.proto != proto || fe.vip.Addr().Is4() != ap.Addr().Is4() {
+				continue
+			}
+			if n < Be2feSlots {
+				v.Slots[n] = Be2feSlot{Vip: AddrWords(fe.vip.Addr()), Vport: Port(fe.vip.Port()), ServiceId: b.sid, BackendId: id}
+			} else {
+				v.Flags |= Be2feFlagOverflow
+			}
+			n++
 		}
-		n++
 	}
 	k := MakeBe2feKey(ap, proto)
 	if n == 0 {

@@ -91,12 +91,16 @@ func (v variant) natKey(b netip.AddrPort, port uint16) tuple {
 
 // setup installs the service with backends 1..3 (all Ready) and a table
 // that sends every new flow to backend 1.
-func (v variant) setup(h *harness) {
-	h.service(sid, v.vip, v.proto)
+func (v variant) setup(h *harness) { v.setupAt(h, sid, 1) }
+
+// setupAt is setup with service id s and backend ids first, first+1, ...
+// (the table sends every new flow to first).
+func (v variant) setupAt(h *harness, s, first uint32) {
+	h.service(s, v.vip, v.proto)
 	for i, b := range v.backends {
-		h.backend(uint32(i+1), sid, b, BackendReady, 0)
+		h.backend(first+uint32(i), s, b, BackendReady, 0)
 	}
-	h.table(sid, h.fill(1))
+	h.table(s, h.fill(first))
 }
 
 // expectReply runs a reply of backend b to the client's port through the

@@ -91,7 +91,7 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 	v4, v6 := variants()[0], variants()[2]
 	v4.setup(h)
 	v6.setupAt(h, sid+1, 11) // a service and backends of its own
-	h.edge() // per-interface statistics on, as on a configured VM edge
+	h.edge()                 // per-interface statistics on, as on a configured VM edge
 	// Two flows that already exist: the conntrack-hit case.
 	if ret, _ := h.run(h.objs.FluxvmFromVm, v4.fwd(40000, pkt.SYN)); ret != tcOK {
 		b.Fatal("v4 flow not set up")

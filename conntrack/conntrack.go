@@ -87,8 +87,11 @@ type Kind uint8
 // Flow kinds. Entries written by program generation 1 have no flags and
 // are east-west flows, which is what they are.
 const (
-	// EastWest: DNAT to the backend; the reverse-NAT half is keyed by
-	// the client itself (backend -> client).
+	// EastWest: DNAT to the backend. Replies are translated from the
+	// conntrack entry itself (Entry.ReverseDerived), or, for a frontend
+	// with bpf.SvcFlagRevStored and for flows learned before program
+	// generation 4, by a reverse-NAT half keyed by the client itself
+	// (backend -> client).
 	EastWest Kind = 0
 	// SNAT: north-south NAT; DNAT to the backend and SNAT of the source
 	// to Entry.SNAT. The reverse-NAT half is keyed by the SNAT address
@@ -118,8 +121,19 @@ func (k Kind) String() string {
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
 
-// hasNAT reports whether flows of kind k have a reverse-NAT half.
-func (k Kind) hasNAT() bool { return k == EastWest || k == SNAT }
+// needsNAT reports whether the flow of conntrack value v has a
+// reverse-NAT half: an SNAT flow (its mapping), an east-west flow unless
+// its replies are derived from v (bpf.CTFlagRevDerived). DSR flows and
+// values of no kind have none.
+func needsNAT(v *bpf.CTValue) bool {
+	switch kindOf(v) {
+	case SNAT:
+		return true
+	case EastWest:
+		return !revDerived(v)
+	}
+	return false
+}
 
 // Entry is one conntrack entry: which backend a flow is pinned to, in which
 // protocol state, and until when. Times are on CLOCK_MONOTONIC_COARSE (time
@@ -138,6 +152,21 @@ type Entry struct {
 	// is translated to (the source the backend sees); the zero AddrPort
 	// for every other kind.
 	SNAT netip.AddrPort
+	// ReverseDerived marks an east-west flow whose replies the datapath
+	// translates from this entry, found through the fluxvm_be2fe index
+	// (bpf.CTFlagRevDerived): the flow has no reverse-NAT half and GC
+	// never gives it one. It is not a kind: a new east-west flow has it
+	// unless its frontend has bpf.SvcFlagRevStored; east-west flows
+	// learned before program generation 4, and entries GC recreated from
+	// a reverse-NAT half, do not. Always false for other kinds.
+	ReverseDerived bool
+}
+
+// HasNATHalf reports whether the flow has a reverse-NAT half: an SNAT
+// flow its mapping, an east-west flow unless ReverseDerived. DSR flows
+// have none.
+func (e Entry) HasNATHalf() bool {
+	return e.Kind == SNAT || (e.Kind == EastWest && !e.ReverseDerived)
 }
 
 // Expired reports whether GC at now removes the entry for its deadline.
@@ -284,6 +313,13 @@ func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
 // has none. It returns an error matching ErrNotFound when k has no entry.
 // A flow that is still sending is learned again by the datapath on its
 // next packet.
+//
+// A flow with derived replies (Entry.ReverseDerived) has no half either.
+// An east-west entry at its NAT key that names its VIP and backend is a
+// leftover of an earlier, stored flow on the tuple (GC removes it as
+// superseded while the entry lives) and is removed too: once the entry is
+// gone, GC could not tell it from a stored flow whose conntrack half was
+// evicted, and would bring the deleted flow back.
 func (m *Map) Delete(k Key) error {
 	k, err := k.normal()
 	if err != nil {
@@ -308,12 +344,16 @@ func (m *Map) Delete(k Key) error {
 		return nil
 	}
 	nk, ok := natKey(k, &v, &b)
+	if revDerived(&v) {
+		// No half; where one would be, maybe an earlier flow's leftover.
+		nk, ok = ewNATKey(k, &b), true
+	}
 	if !ok {
 		return nil // DSR: no NAT half
 	}
-	// Delete the NAT half only if it is this flow's: a failover, a
-	// reused tuple or a reallocated SNAT port may have given the key to
-	// another flow.
+	// Delete the NAT entry only if it is this flow's (or its tuple's
+	// leftover): a failover, a reused tuple or a reallocated SNAT port
+	// may have given the key to another flow.
 	if e, err := m.nat.Lookup(nk); err == nil && natOwnedBy(&e, k, &v) {
 		if err := m.nat.Delete(nk); err != nil && !errors.Is(err, nat.ErrNotFound) {
 			return fmt.Errorf("conntrack: delete %s: %w", k, err)
@@ -395,6 +435,13 @@ func owns(b *bpf.Backend, sid uint32) bool {
 // kindOf is the kind of conntrack value v.
 func kindOf(v *bpf.CTValue) Kind { return Kind(v.Flags & kindMask) }
 
+// revDerived reports whether conntrack value v is an east-west flow whose
+// replies are derived from it (bpf.CTFlagRevDerived). The datapath sets
+// the flag on east-west entries only; on any other kind it means nothing.
+func revDerived(v *bpf.CTValue) bool {
+	return kindOf(v) == EastWest && v.Flags&bpf.CTFlagRevDerived != 0
+}
+
 // snatOf is the SNAT address and port of conntrack value v of flow k, read
 // in the flow's family as the datapath writes them.
 func snatOf(k Key, v *bpf.CTValue) netip.AddrPort {
@@ -410,9 +457,13 @@ func backendAddr(fam Family, b *bpf.Backend) netip.AddrPort {
 // natKey names the reverse-NAT half of flow k (conntrack value v) pinned
 // to backend b: the reply from the backend to the client, or for an SNAT
 // flow to the SNAT address and port. It reports false for flows without a
-// NAT half (DSR, or kind bits the datapath never writes).
+// NAT half (DSR, east-west with derived replies, or kind bits the
+// datapath never writes).
 func natKey(k Key, v *bpf.CTValue, b *bpf.Backend) (nat.Key, bool) {
-	nk := nat.Key{Backend: backendAddr(k.Family(), b), Client: k.Client, Proto: k.Proto}
+	if !needsNAT(v) {
+		return nat.Key{}, false
+	}
+	nk := ewNATKey(k, b)
 	switch kindOf(v) {
 	case EastWest:
 		return nk, true
@@ -421,6 +472,12 @@ func natKey(k Key, v *bpf.CTValue, b *bpf.Backend) (nat.Key, bool) {
 		return nk, true
 	}
 	return nat.Key{}, false
+}
+
+// ewNATKey is the east-west reverse-NAT key of flow k on backend b: the
+// reply from the backend to the client.
+func ewNATKey(k Key, b *bpf.Backend) nat.Key {
+	return nat.Key{Backend: backendAddr(k.Family(), b), Client: k.Client, Proto: k.Proto}
 }
 
 // natOwnedBy reports whether reverse-NAT entry e, found at the NAT key of
@@ -454,7 +511,8 @@ func key6From(t *bpf.Tuple6) Key {
 
 // entry decodes a raw entry. The SNAT words are read only for the SNAT
 // kind: generation-1 entries were zero-extended, and only the flag says
-// the words mean something.
+// the words mean something. bpf.CTFlagRevDerived is read only on
+// east-west entries.
 func entry(k Key, v *bpf.CTValue) Entry {
 	e := Entry{
 		Key:       k,
@@ -465,6 +523,8 @@ func entry(k Key, v *bpf.CTValue) Entry {
 		LastSeen:  time.Duration(v.LastSeenNs),
 		Deadline:  time.Duration(v.DeadlineNs),
 		Kind:      kindOf(v),
+		// Not read from the flags alone: see revDerived.
+		ReverseDerived: revDerived(v),
 	}
 	if e.Kind == SNAT {
 		e.SNAT = snatOf(k, v)

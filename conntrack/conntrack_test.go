@@ -17,7 +17,10 @@ import (
 	"github.com/fluxvm/servicefabric/nat"
 )
 
-// variant is one address family × protocol combination.
+// variant is one address family × protocol combination, on a frontend
+// whose east-west flows have derived replies (the datapath's default) or,
+// stored, on one with bpf.SvcFlagRevStored, whose flows store reverse-NAT
+// halves.
 type variant struct {
 	name     string
 	proto    uint8
@@ -25,6 +28,7 @@ type variant struct {
 	vip      netip.AddrPort
 	backends [3]netip.AddrPort
 	ids      [3]uint32 // backend ids; distinct per family so variants can share a map
+	stored   bool      // the frontend has bpf.SvcFlagRevStored
 }
 
 func variants() []variant {
@@ -50,6 +54,31 @@ func variants() []variant {
 	return out
 }
 
+// storedVariants are the variants on a frontend with bpf.SvcFlagRevStored
+// (a VIP of its own, so that its flows never share a key with the derived
+// variant's): every new flow stores a reverse-NAT half, as every east-west
+// flow of program generation 3 did. The frontend is past the slots of its
+// backends' fluxvm_be2fe entries (bpftest), so replies are translated by
+// the stored halves only.
+func storedVariants() []variant {
+	out := variants()
+	for i := range out {
+		out[i].name += "_stored"
+		out[i].stored = true
+		out[i].vip = netip.AddrPortFrom(out[i].vip.Addr().Next(), out[i].vip.Port())
+	}
+	return out
+}
+
+// halves is the number of reverse-NAT halves one east-west flow of the
+// variant has: 1 stored, 0 with derived replies.
+func (v variant) halves() int {
+	if v.stored {
+		return 1
+	}
+	return 0
+}
+
 const sid = 7 // the service under test
 
 func (v variant) flow(port uint16) Key {
@@ -62,12 +91,17 @@ func (v variant) natOf(k Key, i int) nat.Key {
 }
 
 // setup installs the service with its three backends Ready and a table
-// that sends every new flow to the first.
+// that sends every new flow to the first; a stored variant's frontend has
+// bpf.SvcFlagRevStored.
 func (v variant) setup(d *dataplane) {
 	for i, b := range v.backends {
 		d.backend(v.ids[i], sid, b, bpf.BackendReady, 0)
 	}
-	d.service(sid, v.vip, v.proto, v.ids[0])
+	var flags uint32
+	if v.stored {
+		flags = bpf.SvcFlagRevStored
+	}
+	d.serviceFlags(sid, v.vip, v.proto, flags, v.ids[0])
 }
 
 // established is the packet sequence that leaves a flow established (TCP)
@@ -290,7 +324,10 @@ func TestLookupListDelete(t *testing.T) {
 			if f.k.Proto == ProtoUDP {
 				state = bpf.CTUDP
 			}
-			if e.Key != f.k || e.ServiceID != f.sid || e.BackendID != f.bid || e.State != state {
+			// Every frontend here lets the index find its flows: their
+			// replies are derived, and they have no reverse-NAT half.
+			if e.Key != f.k || e.ServiceID != f.sid || e.BackendID != f.bid || e.State != state ||
+				e.Kind != EastWest || !e.ReverseDerived || e.HasNATHalf() {
 				t.Errorf("%s: %+v", f.k, e)
 			}
 			if e.Created < before-time.Second || e.Created > now(t)+time.Second || e.LastSeen != e.Created ||
@@ -306,6 +343,9 @@ func TestLookupListDelete(t *testing.T) {
 		mapped.VIP = netip.AddrPortFrom(netip.AddrFrom16(mapped.VIP.Addr().As16()), mapped.VIP.Port())
 		if e, err := d.ct.Lookup(mapped); err != nil || e.Key != flows[0].k {
 			t.Errorf("IPv4-mapped lookup: %+v, %v", e, err)
+		}
+		if all, err := d.nat.List(nat.Filter{}); err != nil || len(all) != 0 {
+			t.Errorf("the datapath learned reverse-NAT entries for derived flows: %+v, %v", all, err)
 		}
 	})
 
@@ -353,16 +393,13 @@ func TestLookupListDelete(t *testing.T) {
 		}
 	}
 
-	t.Run("delete removes both halves", func(t *testing.T) {
+	t.Run("delete removes a derived flow, which has no half", func(t *testing.T) {
 		for _, f := range flows[:4] {
 			if err := d.ct.Delete(f.k); err != nil {
 				t.Fatal(err)
 			}
 			if _, ok := d.lookup(f.k); ok {
 				t.Errorf("%s: conntrack entry survived", f.k)
-			}
-			if _, ok := d.natLookup(f.v.natOf(f.k, 0)); ok {
-				t.Errorf("%s: NAT half survived", f.k)
 			}
 			if err := d.ct.Delete(f.k); !errors.Is(err, ErrNotFound) || !errors.Is(err, ebpf.ErrKeyNotExist) {
 				t.Errorf("second delete: %v", err)
@@ -373,15 +410,72 @@ func TestLookupListDelete(t *testing.T) {
 		}
 	})
 
-	t.Run("delete leaves a NAT half that belongs to another flow", func(t *testing.T) {
-		// After a failover the old backend's NAT key may hold another
-		// flow's half; Delete checks the value before removing it.
+	t.Run("delete of a derived flow leaves a NAT entry that belongs to another flow", func(t *testing.T) {
+		// Another backend id's half at the key: another flow's (a
+		// failover's, a reused tuple's), not this one's leftover.
 		f := flows[4]
 		nk := f.v.natOf(f.k, 0)
+		d.must(d.nat.Put(nat.Entry{Key: nk, VIP: f.k.VIP, ServiceID: f.sid, BackendID: 3, LastSeen: now(t)}))
+		d.must(d.ct.Delete(f.k))
+		if _, ok := d.natLookup(nk); !ok {
+			t.Error("the other flow's NAT half was deleted")
+		}
+		d.must(d.nat.Delete(nk))
+	})
+
+	t.Run("delete of a derived flow removes its tuple's leftover half", func(t *testing.T) {
+		// A half naming this flow's VIP and backend is an earlier, stored
+		// flow's on the tuple. Left alone without the entry, GC would take
+		// it for a stored flow whose conntrack half the LRU evicted and
+		// bring the deleted flow back.
+		f := flows[5]
+		nk := f.v.natOf(f.k, 0)
+		t0 := now(t)
+		d.must(d.nat.Put(nat.Entry{Key: nk, VIP: f.k.VIP, ServiceID: f.sid, BackendID: f.bid, LastSeen: t0}))
+		d.must(d.ct.Delete(f.k))
+		if _, ok := d.natLookup(nk); ok {
+			t.Error("the leftover half survived")
+		}
+		if res := d.gc(t0); res.CTRepaired != 0 {
+			t.Errorf("GC revived the deleted flow: %v", res)
+		}
+		if _, ok := d.lookup(f.k); ok {
+			t.Error("the deleted flow is back")
+		}
+	})
+
+	t.Run("delete removes both halves of a stored flow", func(t *testing.T) {
+		sv := storedVariants()[0]
+		sv.setup(d)
+		k := sv.flow(43100)
+		d.send(k)
+		e, _ := d.lookup(k)
+		if e.ReverseDerived || !e.HasNATHalf() {
+			t.Fatalf("stored flow reads as %+v", e)
+		}
+		if _, ok := d.natLookup(sv.natOf(k, 0)); !ok {
+			t.Fatal("the stored flow has no NAT half")
+		}
+		d.must(d.ct.Delete(k))
+		if _, ok := d.lookup(k); ok {
+			t.Error("conntrack entry survived")
+		}
+		if _, ok := d.natLookup(sv.natOf(k, 0)); ok {
+			t.Error("NAT half survived")
+		}
+	})
+
+	t.Run("delete of a stored flow leaves a NAT half that belongs to another flow", func(t *testing.T) {
+		// After a failover the old backend's NAT key may hold another
+		// flow's half; Delete checks the value before removing it.
+		sv := storedVariants()[0]
+		k := sv.flow(43101)
+		d.send(k)
+		nk := sv.natOf(k, 0)
 		e, _ := d.natLookup(nk)
 		e.BackendID = 3
 		d.must(d.nat.Put(e))
-		d.must(d.ct.Delete(f.k))
+		d.must(d.ct.Delete(k))
 		if _, ok := d.natLookup(nk); !ok {
 			t.Error("the other flow's NAT half was deleted")
 		}

@@ -26,9 +26,11 @@ type GCResult struct {
 	Drained     int // (b) its backend is Draining and the drain deadline passed
 	BackendGone int // (c) its backend slot is unused or owned by another service
 	// PairedNATRemoved is the number of reverse-NAT halves removed
-	// together with the conntrack entries above. DSR flows have none, and
-	// an SNAT mapping is removed only while it still maps back to the
-	// removed flow (the port may have been given to another flow since).
+	// together with the conntrack entries above. DSR flows and east-west
+	// flows with derived replies (Entry.ReverseDerived) have none, and
+	// nothing is looked up or counted for them; an SNAT mapping is
+	// removed only while it still maps back to the removed flow (the
+	// port may have been given to another flow since).
 	PairedNATRemoved int
 
 	// NATScanned is the number of reverse-NAT entries examined for orphans.
@@ -37,23 +39,29 @@ type GCResult struct {
 	// could not be repaired: idle past the established (TCP) or UDP
 	// timeout, their backend no longer keeps flows, or their flow's
 	// conntrack entry was removed by this run (the entry is an earlier
-	// flow's on the same tuple, not a half the LRU evicted). The NAT halves of
-	// flows removed as BackendGone are counted here: without the backend
-	// slot their key cannot be named from the conntrack side, so this
-	// sweep is what finds them.
+	// flow's on the same tuple, not a half the LRU evicted; this is how a
+	// leftover at the key of a removed flow with derived replies goes).
+	// The NAT halves of flows removed as BackendGone are counted here:
+	// without the backend slot their key cannot be named from the
+	// conntrack side, so this sweep is what finds them.
 	StaleNATRemoved int
 	// SupersededNATRemoved: reverse-NAT entries whose conntrack half names
 	// another backend (the flow failed over), is of another kind (an
 	// east-west entry whose flow is now SNAT or DSR, or the reverse), or
 	// for an SNAT mapping translates to another SNAT address or port; or
-	// whose backend id now has another address.
+	// whose backend id now has another address; or east-west entries
+	// whose conntrack entry has derived replies (Entry.ReverseDerived):
+	// that flow has no half, so the entry is a leftover of an earlier,
+	// stored flow on the tuple.
 	SupersededNATRemoved int
 	// CTRepaired: conntrack halves recreated from a fresh reverse-NAT
 	// entry (of kind SNAT, with the mapping's address and port, when the
-	// entry is an SNAT mapping).
+	// entry is an SNAT mapping). A recreated east-west entry is a stored
+	// flow's: it never has derived replies.
 	CTRepaired int
 	// NATRepaired: reverse-NAT halves recreated for a conntrack entry
-	// whose backend still exists. DSR flows never get one.
+	// whose backend still exists. DSR flows and east-west flows with
+	// derived replies never get one.
 	NATRepaired int
 }
 
@@ -76,42 +84,55 @@ func (r GCResult) String() string {
 //     whose backend is Draining with its drain deadline passed
 //     (DrainUntilNs <= now, the datapath's own test), or whose backend
 //     slot is unused or owned by another service, together with its
-//     reverse-NAT half: (backend -> client) for an east-west flow,
+//     reverse-NAT half: (backend -> client) for a stored east-west flow,
 //     (backend -> SNAT address:port) for an SNAT flow if that mapping
-//     still maps back to the flow, none for a DSR flow;
+//     still maps back to the flow, none for a DSR flow and none for an
+//     east-west flow with derived replies (bpf.CTFlagRevDerived; nothing
+//     is looked up for it: an entry at its key is a leftover, which
+//     sweep 2 removes as stale because this sweep removed the flow);
 //  2. reverse NAT: an entry whose conntrack half is not its flow (another
-//     backend, another kind, or for an SNAT mapping another SNAT address
-//     or port) is removed as superseded; an entry without a conntrack
-//     half gets it back (state established for TCP, UDP for UDP,
-//     deadline LastSeen + that timeout; kind SNAT with the mapping's
-//     address and port for an SNAT mapping) if it is fresh, its backend
-//     still keeps flows and sweep 1 did not just remove that conntrack
-//     entry, and is removed otherwise. A half that was evicted is
-//     repaired; a half whose flow ended is never revived: the tuple's
-//     next connection must get a fresh pick, not a phantom flow to a
-//     backend the table may no longer name. The conntrack
-//     half of an SNAT mapping is keyed by its origin: (Origin -> VIP);
-//  3. conntrack again: an east-west or SNAT entry without its
-//     reverse-NAT half whose backend still exists gets it back (created,
-//     never overwritten: an SNAT port another flow took meanwhile stays
-//     that flow's, and the datapath drops this flow's packets as an SNAT
-//     conflict). DSR entries have no half to repair.
+//     backend, another kind, for an SNAT mapping another SNAT address
+//     or port, or for an east-west entry a flow with derived replies,
+//     which has no half: the entry is a leftover of an earlier, stored
+//     flow on the tuple) is removed as superseded; an entry without a
+//     conntrack half gets it back (state established for TCP, UDP for
+//     UDP, deadline LastSeen + that timeout; kind SNAT with the mapping's
+//     address and port for an SNAT mapping; never with derived replies:
+//     the flow is a stored one) if it is fresh, its backend still keeps
+//     flows and sweep 1 did not just remove that conntrack entry, and is
+//     removed otherwise. A half that was evicted is repaired; a half
+//     whose flow ended is never revived: the tuple's next connection must
+//     get a fresh pick, not a phantom flow to a backend the table may no
+//     longer name. The conntrack half of an SNAT mapping is keyed by its
+//     origin: (Origin -> VIP);
+//  3. conntrack again: an SNAT entry or a stored east-west entry (one
+//     without derived replies) without its reverse-NAT half whose backend
+//     still exists gets it back (created, never overwritten: an SNAT port
+//     another flow took meanwhile stays that flow's, and the datapath
+//     drops this flow's packets as an SNAT conflict). DSR entries and
+//     east-west entries with derived replies have no half to repair, and
+//     never get one.
 //
 // A reverse-NAT entry names exactly one conntrack entry, so when sweep 2
-// proves as many pairs as sweep 1 kept east-west and SNAT conntrack
-// entries, every one of them has its half and sweep 3 is skipped: it is
-// the price of repairs, paid only when something is broken. (Were the maps
-// changing meanwhile, a NAT half evicted while a new flow was learned
-// could balance the count; that repair then waits for the next run, or for
-// the datapath, which restores a missing NAT half when it next refreshes
-// the flow.)
+// proves as many pairs as sweep 1 kept entries that need a half (SNAT,
+// and east-west without derived replies), every one of them has its half
+// and sweep 3 is skipped: it is the price of repairs, paid only when
+// something is broken. Entries with derived replies are not counted, so a
+// node whose east-west flows are all derived skips it whenever its stored
+// halves are complete. (Were the maps changing meanwhile, a NAT half
+// evicted while a new flow was learned could balance the count; that
+// repair then waits for the next run, or for the datapath, which restores
+// a missing NAT half when it next refreshes the flow.)
 //
 // A repaired reverse-NAT half does not know the service's host_routing
 // setting (conntrack does not record it): its replies take the host stack,
 // which is host routing's own fallback.
 //
 // Entries written by program generation 1 have no kind flags and are
-// collected as the east-west flows they are.
+// collected as the east-west flows they are; east-west entries written by
+// generations 1 to 3, and by generation 4 for a frontend with
+// bpf.SvcFlagRevStored, have no bpf.CTFlagRevDerived and are collected
+// with their reverse-NAT halves, as stored flows.
 //
 // Removing before repairing matters when the LRU maps are full: the
 // repairs then take the room the removals freed instead of evicting live
@@ -134,6 +155,9 @@ func (m *Map) GC(ctx context.Context, now time.Duration) (GCResult, error) {
 		g.sweepNAT,
 	)
 	if err == nil && g.kept != g.paired {
+		if testHookRepairSweep != nil {
+			testHookRepairSweep()
+		}
 		err = g.do(
 			func() error { return repair(g, m.ct4, IPv4, key4From) },
 			func() error { return repair(g, m.ct6, IPv6, key6From) },
@@ -144,6 +168,10 @@ func (m *Map) GC(ctx context.Context, now time.Duration) (GCResult, error) {
 	}
 	return g.res, nil
 }
+
+// testHookRepairSweep, when set (by tests), is called each time GC runs
+// sweep 3: the shortcut that skips it leaves no other trace.
+var testHookRepairSweep func()
 
 func (g *gcRun) do(steps ...func() error) error {
 	for _, step := range steps {
@@ -170,9 +198,9 @@ type gcRun struct {
 	backends map[uint32]cachedBackend
 	gen      uint64
 
-	// kept counts the conntrack entries with a reverse-NAT half (east-west
-	// and SNAT) that sweep 1 kept, paired the NAT entries sweep 2 found
-	// with their conntrack half.
+	// kept counts the conntrack entries that need a reverse-NAT half
+	// (SNAT, and east-west without derived replies: needsNAT) that sweep 1
+	// kept, paired the NAT entries sweep 2 found with their conntrack half.
 	kept, paired int
 
 	// removed holds the keys (hashed) of the conntrack entries sweep 1
@@ -311,7 +339,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			}
 			r := g.classify(v, &b)
 			if r == keep {
-				if kindOf(v).hasNAT() {
+				if needsNAT(v) {
 					g.kept++
 				}
 				continue
@@ -328,7 +356,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			}
 			nk, ok := natKey(k, v, &b)
 			if !ok {
-				continue // DSR: no NAT half
+				continue // DSR or derived replies: no NAT half
 			}
 			if kindOf(v) == SNAT {
 				// The port may have been given to another flow since
@@ -377,9 +405,11 @@ func ctKeyOf(e *nat.Entry) Key {
 
 // pairs reports whether conntrack value ct (at ctKeyOf(e)) is the other
 // half of reverse-NAT entry e: the same service and backend, and the
-// matching kind: an east-west entry pairs only with an east-west flow, an
-// SNAT mapping only with an SNAT flow translated to the mapping's own
-// address and port (the key's destination). DSR flows pair with nothing.
+// matching kind: an east-west entry pairs only with a stored east-west
+// flow (one without derived replies), an SNAT mapping only with an SNAT
+// flow translated to the mapping's own address and port (the key's
+// destination). DSR flows and flows with derived replies pair with
+// nothing.
 func pairs(e *nat.Entry, ck Key, ct *bpf.CTValue) bool {
 	if ct.BackendId != e.BackendID || ct.ServiceId != e.ServiceID {
 		return false
@@ -387,7 +417,7 @@ func pairs(e *nat.Entry, ck Key, ct *bpf.CTValue) bool {
 	if e.SNAT {
 		return kindOf(ct) == SNAT && snatOf(ck, ct) == e.Client
 	}
-	return kindOf(ct) == EastWest
+	return kindOf(ct) == EastWest && !revDerived(ct)
 }
 
 // sweepNAT is pass 2: every reverse-NAT entry must have its conntrack half.
@@ -436,6 +466,7 @@ func (g *gcRun) sweepNAT() error {
 					g.natStale = append(g.natStale, e.Key)
 					continue
 				}
+				// A stored flow's entry: no derived replies.
 				ct := bpf.CTValue{
 					ServiceId: e.ServiceID, BackendId: e.BackendID,
 					CreatedNs: last, LastSeenNs: last, DeadlineNs: deadline,
@@ -485,13 +516,17 @@ func (g *gcRun) sweepNAT() error {
 	})
 }
 
-// repair is pass 3 over one conntrack map: give every flow whose backend
-// still exists its reverse-NAT half.
+// repair is pass 3 over one conntrack map: give every flow that needs a
+// reverse-NAT half (not DSR, not derived replies) and whose backend still
+// exists its half.
 func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
 	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
 	return eachChunk(g, s, fam, func(n int) error {
 		for i := range n {
 			v := &s.Vals[i]
+			if !needsNAT(v) {
+				continue // DSR or derived replies: never a NAT half
+			}
 			b, err := g.backend(v.BackendId)
 			if err != nil {
 				return err
@@ -500,10 +535,7 @@ func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) err
 				continue // learned since sweep 1 and already dead: next run
 			}
 			k := decode(&s.Keys[i])
-			nk, ok := natKey(k, v, &b)
-			if !ok {
-				continue // DSR: never a NAT half
-			}
+			nk, _ := natKey(k, v, &b)
 			_, err = g.m.nat.Lookup(nk)
 			if err == nil {
 				// Present. If it belongs to another flow (two services

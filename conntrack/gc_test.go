@@ -3,6 +3,7 @@ package conntrack
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -21,10 +22,11 @@ import (
 // TestGCExpiresEachStateOnItsTimeout learns one flow in every protocol
 // state with real packets, then moves GC's clock past one deadline after
 // the other: each flow goes exactly when its own state's timeout passed,
-// with its NAT half, and not a nanosecond before.
+// with its NAT half if it is stored (none is looked for if its replies are
+// derived), and not a nanosecond before.
 func TestGCExpiresEachStateOnItsTimeout(t *testing.T) {
 	d := sharedDataplane(t)
-	for _, v := range []variant{variants()[0], variants()[2]} {
+	for _, v := range []variant{variants()[0], variants()[2], storedVariants()[0], storedVariants()[2]} {
 		t.Run(strings.TrimSuffix(v.name, "_tcp"), func(t *testing.T) {
 			d.t = t
 			d.reset()
@@ -51,14 +53,14 @@ func TestGCExpiresEachStateOnItsTimeout(t *testing.T) {
 					t.Fatalf("GC at the %s deadline removed %d entries: %v", f.state, res.Removed(), res)
 				}
 				res := d.gc(e.Deadline + 1)
-				want := GCResult{Scanned: len(flows) - i, Expired: 1, PairedNATRemoved: 1, NATScanned: len(flows) - i - 1}
+				want := GCResult{Scanned: len(flows) - i, Expired: 1, PairedNATRemoved: v.halves(), NATScanned: (len(flows) - i - 1) * v.halves()}
 				if res != want {
 					t.Errorf("GC just past the %s deadline: %v\nwant %v", f.state, res, want)
 				}
 				for j, g := range flows {
 					_, ok := d.lookup(g.k)
 					_, nok := d.natLookup(v.natOf(g.k, 0))
-					if gone := j <= i; ok == gone || nok == gone {
+					if gone := j <= i; ok == gone || nok != (v.stored && !gone) {
 						t.Errorf("after the %s deadline: %s (%s) conntrack %v, NAT %v", f.state, g.k, g.state, ok, nok)
 					}
 				}
@@ -68,42 +70,55 @@ func TestGCExpiresEachStateOnItsTimeout(t *testing.T) {
 }
 
 // TestGCBackendReasons: the backend's state decides, as the datapath would.
+// A stored flow goes with its NAT half (named from the conntrack side, or
+// found without its conntrack half when the backend slot is gone); a flow
+// with derived replies has none, and GC neither removes nor finds one.
 func TestGCBackendReasons(t *testing.T) {
 	d := sharedDataplane(t)
 	tests := []struct {
 		name string
 		// change alters the flow's backend (index 0 of the variant) at
 		// time t0; GC then runs at t0.
-		change   func(d *dataplane, v variant, t0 time.Duration)
-		want     GCResult
-		removed  bool
-		deadline bool // run GC past the flow's own deadline instead
+		change func(d *dataplane, v variant, t0 time.Duration)
+		// want is the result for a stored flow, derived for a flow with
+		// derived replies.
+		want, derived GCResult
+		removed       bool
+		deadline      bool // run GC past the flow's own deadline instead
 	}{
 		{"ready keeps", func(*dataplane, variant, time.Duration) {},
-			GCResult{Scanned: 1, NATScanned: 1}, false, false},
+			GCResult{Scanned: 1, NATScanned: 1},
+			GCResult{Scanned: 1}, false, false},
 		{"unhealthy keeps: the datapath moves the flow on its next packet", func(d *dataplane, v variant, _ time.Duration) {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendUnhealthy, 0)
-		}, GCResult{Scanned: 1, NATScanned: 1}, false, false},
+		}, GCResult{Scanned: 1, NATScanned: 1},
+			GCResult{Scanned: 1}, false, false},
 		{"draining before its deadline keeps", func(d *dataplane, v variant, t0 time.Duration) {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendDraining, t0+1)
-		}, GCResult{Scanned: 1, NATScanned: 1}, false, false},
+		}, GCResult{Scanned: 1, NATScanned: 1},
+			GCResult{Scanned: 1}, false, false},
 		{"draining at its deadline removes (the datapath's now < drain_until)", func(d *dataplane, v variant, t0 time.Duration) {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendDraining, t0)
-		}, GCResult{Scanned: 1, Drained: 1, PairedNATRemoved: 1}, true, false},
+		}, GCResult{Scanned: 1, Drained: 1, PairedNATRemoved: 1},
+			GCResult{Scanned: 1, Drained: 1}, true, false},
 		{"draining past its deadline removes", func(d *dataplane, v variant, t0 time.Duration) {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendDraining, t0-time.Second)
-		}, GCResult{Scanned: 1, Drained: 1, PairedNATRemoved: 1}, true, false},
+		}, GCResult{Scanned: 1, Drained: 1, PairedNATRemoved: 1},
+			GCResult{Scanned: 1, Drained: 1}, true, false},
 		{"backend removed", func(d *dataplane, v variant, _ time.Duration) {
 			d.removeBackend(v.ids[0])
-		}, GCResult{Scanned: 1, BackendGone: 1, NATScanned: 1, StaleNATRemoved: 1}, true, false},
+		}, GCResult{Scanned: 1, BackendGone: 1, NATScanned: 1, StaleNATRemoved: 1},
+			GCResult{Scanned: 1, BackendGone: 1}, true, false},
 		{"backend slot given to another service", func(d *dataplane, v variant, _ time.Duration) {
 			d.backend(v.ids[0], sid+1, v.backends[2], bpf.BackendReady, 0)
-		}, GCResult{Scanned: 1, BackendGone: 1, NATScanned: 1, StaleNATRemoved: 1}, true, false},
+		}, GCResult{Scanned: 1, BackendGone: 1, NATScanned: 1, StaleNATRemoved: 1},
+			GCResult{Scanned: 1, BackendGone: 1}, true, false},
 		{"expired and drained counts as expired", func(d *dataplane, v variant, t0 time.Duration) {
 			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendDraining, t0)
-		}, GCResult{Scanned: 1, Expired: 1, PairedNATRemoved: 1}, true, true},
+		}, GCResult{Scanned: 1, Expired: 1, PairedNATRemoved: 1},
+			GCResult{Scanned: 1, Expired: 1}, true, true},
 	}
-	for _, v := range variants() {
+	for _, v := range append(variants(), storedVariants()...) {
 		t.Run(v.name, func(t *testing.T) {
 			for _, tt := range tests {
 				t.Run(tt.name, func(t *testing.T) {
@@ -117,13 +132,20 @@ func TestGCBackendReasons(t *testing.T) {
 					if tt.deadline {
 						t0 = e.Deadline + time.Second
 					}
+					if e.ReverseDerived == v.stored {
+						t.Fatalf("flow of a frontend with stored=%v: %+v", v.stored, e)
+					}
 					tt.change(d, v, t0)
-					if res := d.gc(t0); res != tt.want {
-						t.Errorf("GC: %v\nwant %v", res, tt.want)
+					want := tt.want
+					if !v.stored {
+						want = tt.derived
+					}
+					if res := d.gc(t0); res != want {
+						t.Errorf("GC: %v\nwant %v", res, want)
 					}
 					_, ok := d.lookup(k)
 					_, nok := d.natLookup(v.natOf(k, 0))
-					if ok == tt.removed || nok == tt.removed {
+					if ok == tt.removed || nok != (v.stored && !tt.removed) {
 						t.Errorf("conntrack present %v, NAT present %v; want removed=%v", ok, nok, tt.removed)
 					}
 					if _, broken := d.pairing(); broken != 0 {
@@ -136,7 +158,9 @@ func TestGCBackendReasons(t *testing.T) {
 }
 
 // TestGCPairing: orphans are repaired or removed, and the repaired flows
-// work in the real program afterwards.
+// work in the real program afterwards. These are stored flows (a frontend
+// with bpf.SvcFlagRevStored): flows with derived replies have no half to
+// lose (TestGCDerived).
 func TestGCPairing(t *testing.T) {
 	d := sharedDataplane(t)
 	timeout := func(v variant) time.Duration {
@@ -252,7 +276,7 @@ func TestGCPairing(t *testing.T) {
 			}
 		}, GCResult{Scanned: 1, NATScanned: 1, SupersededNATRemoved: 1, NATRepaired: 1}},
 	}
-	for _, v := range variants() {
+	for _, v := range storedVariants() {
 		t.Run(v.name, func(t *testing.T) {
 			for _, tt := range tests {
 				t.Run(tt.name, func(t *testing.T) {
@@ -270,6 +294,182 @@ func TestGCPairing(t *testing.T) {
 					}
 					if tt.check != nil {
 						tt.check(t, d, v, k)
+					}
+				})
+			}
+		})
+	}
+}
+
+// TestGCDerived: a flow with derived replies (the datapath's default for
+// east-west flows) has no reverse-NAT half and never gets one; an
+// east-west entry at its key is a leftover of an earlier, stored flow on
+// the tuple and goes; sweep 3 runs only for entries that need a half.
+func TestGCDerived(t *testing.T) {
+	d := sharedDataplane(t)
+	// other learns a flow of another service (sid+1, VIP port 81, on
+	// backends[1] as id ids[0]+10), stored when stored is set, and
+	// returns it with its NAT key.
+	other := func(t *testing.T, d *dataplane, v variant, stored bool) (Key, nat.Key) {
+		t.Helper()
+		var flags uint32
+		if stored {
+			flags = bpf.SvcFlagRevStored
+		}
+		vip := netip.AddrPortFrom(v.vip.Addr(), 81)
+		bid := v.ids[0] + 10
+		d.backend(bid, sid+1, v.backends[1], bpf.BackendReady, 0)
+		d.serviceFlags(sid+1, vip, v.proto, flags, bid)
+		k := Key{Client: netip.AddrPortFrom(v.client, 46601), VIP: vip, Proto: v.proto}
+		d.send(k, established...)
+		return k, nat.Key{Backend: v.backends[1], Client: k.Client, Proto: k.Proto}
+	}
+	leftover := func(v variant, k Key, i int, at time.Duration) nat.Entry {
+		return nat.Entry{Key: v.natOf(k, i), VIP: v.vip, ServiceID: sid, BackendID: v.ids[i], LastSeen: at}
+	}
+	tests := []struct {
+		name string
+		// run changes the maps around flow k (learned as c on the
+		// variant's backend 0) and returns when GC should run.
+		run   func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration
+		check func(t *testing.T, d *dataplane, v variant, k Key, c Entry)
+		want  GCResult
+		nats  int  // reverse-NAT entries left
+		kept  bool // the flow's entry is kept, unchanged
+		sweep bool // GC runs sweep 3
+	}{
+		{"kept without a half: GC makes none and skips repairs", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			return now(t)
+		}, nil, GCResult{Scanned: 1}, 0, true, false},
+
+		{"kept beside a complete stored flow: repairs are still skipped", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			other(t, d, v, true)
+			return now(t)
+		}, nil, GCResult{Scanned: 2, NATScanned: 1}, 1, true, false},
+
+		{"when repairs run for a stored flow, the derived one gets no half", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			_, nk := other(t, d, v, true)
+			d.must(d.nat.Delete(nk))
+			return now(t)
+		}, func(t *testing.T, d *dataplane, v variant, k Key, c Entry) {
+			nk := nat.Key{Backend: v.backends[1], Client: netip.AddrPortFrom(v.client, 46601), Proto: v.proto}
+			if _, ok := d.natLookup(nk); !ok {
+				t.Error("the stored flow's half was not repaired")
+			}
+		}, GCResult{Scanned: 2, NATRepaired: 1}, 1, true, true},
+
+		{"expired: removed alone, no half looked for", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			return c.Deadline + 1
+		}, nil, GCResult{Scanned: 1, Expired: 1}, 0, false, false},
+
+		{"expired beside a leftover half: the leftover goes as stale, not as its half", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			d.must(d.nat.Put(leftover(v, k, 0, c.LastSeen)))
+			return c.Deadline + 1
+		}, nil, GCResult{Scanned: 1, Expired: 1, NATScanned: 1, StaleNATRemoved: 1}, 0, false, false},
+
+		{"drained beside a leftover half: the leftover goes as stale", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			t0 := now(t)
+			d.must(d.nat.Put(leftover(v, k, 0, t0)))
+			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendDraining, t0)
+			return t0
+		}, nil, GCResult{Scanned: 1, Drained: 1, NATScanned: 1, StaleNATRemoved: 1}, 0, false, false},
+
+		{"a leftover half on its backend is superseded, not its pair", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			// What an earlier, stored flow on the tuple (generation 3, or
+			// a frontend that had bpf.SvcFlagRevStored then) left behind
+			// when the datapath could not name it.
+			d.must(d.nat.Put(leftover(v, k, 0, now(t))))
+			return now(t)
+		}, nil, GCResult{Scanned: 1, NATScanned: 1, SupersededNATRemoved: 1}, 0, true, false},
+
+		{"a leftover half on another backend is superseded", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			d.must(d.nat.Put(leftover(v, k, 2, now(t))))
+			return now(t)
+		}, nil, GCResult{Scanned: 1, NATScanned: 1, SupersededNATRemoved: 1}, 0, true, false},
+
+		{"a half without its conntrack entry is repaired as a stored flow", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			// A flow of generation 3 on this frontend whose conntrack
+			// half the LRU evicted.
+			old := v.flow(46602)
+			d.must(d.nat.Put(leftover(v, old, 0, now(t))))
+			return now(t)
+		}, func(t *testing.T, d *dataplane, v variant, k Key, c Entry) {
+			old := v.flow(46602)
+			e, ok := d.lookup(old)
+			if !ok || e.ReverseDerived || !e.HasNATHalf() || e.BackendID != v.ids[0] {
+				t.Errorf("repaired entry %+v (present %v), want a stored flow's on backend 0", e, ok)
+			}
+			if got := d.reply(v.backends[0], old); got != v.vip {
+				t.Error("the repaired flow's replies are not translated")
+			}
+		}, GCResult{Scanned: 1, NATScanned: 1, CTRepaired: 1}, 1, true, false},
+
+		{"failover leaves nothing behind", func(t *testing.T, d *dataplane, v variant, k Key, c Entry) time.Duration {
+			d.backend(v.ids[0], sid, v.backends[0], bpf.BackendUnhealthy, 0)
+			d.table(sid, v.ids[1])
+			if got := d.send(k, pkt.ACK); got != v.backends[1] {
+				t.Fatalf("failover went to %s", got)
+			}
+			return now(t)
+		}, func(t *testing.T, d *dataplane, v variant, k Key, c Entry) {
+			if e, _ := d.lookup(k); e.BackendID != v.ids[1] || !e.ReverseDerived {
+				t.Errorf("entry after the failover %+v", e)
+			}
+			if got := d.reply(v.backends[1], k); got != v.vip {
+				t.Error("the new backend's replies are not translated")
+			}
+		}, GCResult{Scanned: 1}, 0, false, false},
+	}
+	sweeps := 0
+	testHookRepairSweep = func() { sweeps++ }
+	t.Cleanup(func() { testHookRepairSweep = nil })
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			for _, tt := range tests {
+				t.Run(tt.name, func(t *testing.T) {
+					d.t = t
+					d.reset()
+					v.setup(d)
+					k := v.flow(46600)
+					d.send(k, established...)
+					c, ok := d.lookup(k)
+					if !ok || c.Kind != EastWest || !c.ReverseDerived || c.HasNATHalf() {
+						t.Fatalf("east-west flow %+v (present %v), want derived replies", c, ok)
+					}
+					if all, _ := d.nat.List(nat.Filter{}); len(all) != 0 {
+						t.Fatalf("the datapath stored NAT entries for a derived flow: %+v", all)
+					}
+					at := tt.run(t, d, v, k, c)
+					sweeps = 0
+					if res := d.gc(at); res != tt.want {
+						t.Errorf("GC: %v\nwant %v", res, tt.want)
+					}
+					if ran := sweeps > 0; ran != tt.sweep {
+						t.Errorf("sweep 3 ran: %v, want %v", ran, tt.sweep)
+					}
+					all, err := d.nat.List(nat.Filter{})
+					d.must(err)
+					if len(all) != tt.nats {
+						t.Errorf("%d NAT entries after GC, want %d: %+v", len(all), tt.nats, all)
+					}
+					if _, ok := d.natLookup(v.natOf(k, 0)); ok {
+						t.Error("the derived flow has a NAT half")
+					}
+					if _, broken := d.pairing(); broken != 0 {
+						t.Errorf("%d broken halves after GC", broken)
+					}
+					if tt.kept {
+						if e, ok := d.lookup(k); !ok || e != c {
+							t.Errorf("entry %+v (present %v), want it kept as %+v", e, ok, c)
+						}
+						if got := d.reply(v.backends[0], k); got != v.vip {
+							t.Error("the flow's replies are not translated")
+						}
+					} else if e, ok := d.lookup(k); ok && e.BackendID == c.BackendID {
+						t.Errorf("entry %+v survived", e)
+					}
+					if tt.check != nil {
+						tt.check(t, d, v, k, c)
 					}
 				})
 			}
@@ -296,7 +496,8 @@ func rawKey(k Key) any {
 // TestGCRepairsLRUEviction fills one map of a small-capacity object with
 // real flows until its LRU evicts halves of live flows, then shows that GC
 // leaves every conntrack entry with its NAT half and vice versa, and that
-// the live flows work.
+// the live flows work. The flows are stored ones (bpf.SvcFlagRevStored):
+// only they have two halves the LRU can part.
 //
 // 400 TCP flows are established first; 3000 UDP flows follow and push the
 // TCP flows' halves out of the small map. GC then runs just after the UDP
@@ -315,7 +516,7 @@ func TestGCRepairsLRUEviction(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := newDataplane(t, tc.sz, Timeouts{}) // the datapath's built-in timeouts
-			v := variants()[0]
+			v := storedVariants()[0]
 			v.setup(d)
 			var tcp []Key
 			for i := range tcpFlows {
@@ -373,9 +574,10 @@ func TestGCRepairsLRUEviction(t *testing.T) {
 	}
 }
 
-// TestGCModesAgree runs the same mixed GC (every reason, every repair)
-// with batch map commands and with the key-by-key fallback, in chunks
-// small enough to take several, and requires the same outcome.
+// TestGCModesAgree runs the same mixed GC (every reason, every repair,
+// flows with derived replies and stored ones) with batch map commands and
+// with the key-by-key fallback, in chunks small enough to take several,
+// and requires the same outcome.
 func TestGCModesAgree(t *testing.T) {
 	d := sharedDataplane(t)
 	var results []GCResult
@@ -388,7 +590,7 @@ func TestGCModesAgree(t *testing.T) {
 			t.Cleanup(func() { d.ct.mode.SetBatch(!(false)); d.ct.chunk = mapscan.DefaultChunk })
 			d.reset()
 			var all []Key
-			for _, v := range variants() {
+			for _, v := range append(variants(), storedVariants()...) {
 				v.setup(d)
 				d.table(sid, v.ids[:]...) // spread new flows over all three
 				for i := range 150 {
@@ -408,8 +610,8 @@ func TestGCModesAgree(t *testing.T) {
 					continue
 				}
 				c, _ := d.lookup(k)
-				if c.BackendID != 1 && c.BackendID != 4 {
-					continue
+				if (c.BackendID != 1 && c.BackendID != 4) || !c.HasNATHalf() {
+					continue // derived replies: no pair to break
 				}
 				switch i % 3 {
 				case 1:
@@ -495,11 +697,15 @@ func TestMapOverReopenedPins(t *testing.T) {
 		}
 		t.Cleanup(func() { m.Unpin() })
 	}
-	v := variants()[0]
+	v, sv := variants()[0], storedVariants()[0]
+	sv.setup(d)
+	sk := sv.flow(49000)
+	d.send(sk, established...)
 	v.setup(d)
 	k := v.flow(49000)
 	d.send(k, established...)
 	before, _ := d.lookup(k)
+	stored, _ := d.lookup(sk)
 
 	open := map[string]*ebpf.Map{}
 	for name := range maps {
@@ -518,18 +724,23 @@ func TestMapOverReopenedPins(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if e, err := m.Lookup(k); err != nil || e != before {
+	if e, err := m.Lookup(k); err != nil || e != before || !e.ReverseDerived {
 		t.Fatalf("reopened Lookup = %+v, %v; want %+v", e, err, before)
 	}
-	res, err := m.GC(context.Background(), before.Deadline+1)
-	if err != nil || res.Expired != 1 || res.PairedNATRemoved != 1 {
-		t.Fatalf("reopened GC = %v, %v", res, err)
+	if e, err := m.Lookup(sk); err != nil || e != stored || e.ReverseDerived {
+		t.Fatalf("reopened Lookup = %+v, %v; want %+v", e, err, stored)
+	}
+	// Both flows expire: the stored one with its NAT half, the derived
+	// one alone.
+	res, err := m.GC(context.Background(), max(before.Deadline, stored.Deadline)+1)
+	if want := (GCResult{Scanned: 2, Expired: 2, PairedNATRemoved: 1}); err != nil || res != want {
+		t.Fatalf("reopened GC = %v, %v; want %v", res, err, want)
 	}
 	// The loaded object's own handles see the same maps.
 	if _, ok := d.lookup(k); ok {
 		t.Error("entry still visible to the loader's handle")
 	}
-	if _, ok := d.natLookup(v.natOf(k, 0)); ok {
+	if _, ok := d.natLookup(sv.natOf(sk, 0)); ok {
 		t.Error("NAT half still visible to the loader's handle")
 	}
 }

@@ -111,10 +111,15 @@ func (d *dataplane) must(err error) {
 }
 
 // reset empties the lifecycle maps and the backend slots a test uses, so
-// that one loaded object serves many cases.
+// that one loaded object serves many cases. Backends are removed through
+// bpftest, which takes them out of fluxvm_be2fe too: a backend of an
+// earlier case must not stay listed for the next one's endpoints.
 func (d *dataplane) reset() {
 	d.t.Helper()
-	for _, m := range []*ebpf.Map{d.o.Maps.FluxvmFct4, d.o.Maps.FluxvmFct6, d.o.Maps.FluxvmNat4, d.o.Maps.FluxvmNat6} {
+	for id := uint32(0); id < 32; id++ {
+		d.must(d.o.RemoveBackend(id))
+	}
+	for _, m := range []*ebpf.Map{d.o.Maps.FluxvmFct4, d.o.Maps.FluxvmFct6, d.o.Maps.FluxvmNat4, d.o.Maps.FluxvmNat6, d.o.Maps.FluxvmBe2fe} {
 		var keys [][]byte
 		k := make([]byte, m.KeySize())
 		var v []byte
@@ -126,9 +131,6 @@ func (d *dataplane) reset() {
 		for _, k := range keys {
 			d.must(m.Delete(k))
 		}
-	}
-	for id := uint32(0); id < 16; id++ {
-		d.must(d.o.Maps.FluxvmBackends.Put(id, bpf.Backend{}))
 	}
 }
 
@@ -298,25 +300,25 @@ func (d *dataplane) backendOf(id uint32) bpf.Backend {
 }
 
 // natHalf is the reverse-NAT key of flow c on backend b, as GC names it,
-// or false for a flow without one (DSR).
+// or false for a flow without one (DSR, derived replies).
 func (d *dataplane) natHalf(c Entry, b bpf.Backend) (nat.Key, bool) {
 	d.t.Helper()
-	k := nat.Key{Backend: backendAddr(c.Family(), &b), Client: c.Client, Proto: c.Proto}
-	switch c.Kind {
-	case EastWest:
-		return k, true
-	case SNAT:
-		k.Client = c.SNAT
-		return k, true
+	if !c.HasNATHalf() {
+		return nat.Key{}, false
 	}
-	return nat.Key{}, false
+	k := nat.Key{Backend: backendAddr(c.Family(), &b), Client: c.Client, Proto: c.Proto}
+	if c.Kind == SNAT {
+		k.Client = c.SNAT
+	}
+	return k, true
 }
 
 // pairing checks the pairing rule over the whole maps and returns the
 // number of complete flows and the number of broken halves (a conntrack
 // entry without its NAT half, or a NAT entry without its conntrack half).
-// DSR flows are complete without a NAT half; a NAT entry whose conntrack
-// half is DSR is broken.
+// DSR flows and flows with derived replies are complete without a NAT
+// half; a NAT entry whose conntrack half is DSR or has derived replies is
+// broken (those flows have none).
 func (d *dataplane) pairing() (flows, broken int) {
 	d.t.Helper()
 	cts, err := d.ct.List(Filter{})
@@ -343,7 +345,7 @@ func (d *dataplane) pairing() (flows, broken int) {
 			client, kind, snat = e.Origin, SNAT, e.Client
 		}
 		c, ok := d.lookup(Key{Client: client, VIP: e.VIP, Proto: e.Proto})
-		if !ok || c.BackendID != e.BackendID || c.Kind != kind || c.SNAT != snat {
+		if !ok || c.BackendID != e.BackendID || c.Kind != kind || c.SNAT != snat || !c.HasNATHalf() {
 			broken++
 		}
 	}

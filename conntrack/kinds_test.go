@@ -388,12 +388,12 @@ func TestGCDSR(t *testing.T) {
 		}, nil, GCResult{Scanned: 1}, 0},
 
 		{"no NAT half is made when repairs run", func(t *testing.T, d *dataplane, v variant, k Key, e Entry) time.Duration {
-			// An east-west flow of another service with its NAT half
-			// lost makes sweep 3 run.
+			// A stored east-west flow of another service with its NAT
+			// half lost makes sweep 3 run.
 			vip := netip.AddrPortFrom(v.vip.Addr(), 81)
 			bid := v.ids[0] + 10
 			d.backend(bid, sid+1, v.backends[1], bpf.BackendReady, 0)
-			d.service(sid+1, vip, v.proto, bid)
+			d.serviceFlags(sid+1, vip, v.proto, bpf.SvcFlagRevStored, bid)
 			ew := Key{Client: netip.AddrPortFrom(v.client, 46401), VIP: vip, Proto: v.proto}
 			d.send(ew, established...)
 			d.must(d.nat.Delete(nat.Key{Backend: v.backends[1], Client: ew.Client, Proto: ew.Proto}))
@@ -466,9 +466,10 @@ func TestGCDSR(t *testing.T) {
 }
 
 // TestEntriesOfEveryKindRaw writes conntrack values the way program
-// generation 1 left them (migrated zero-extended: no flags) and of kinds
-// the datapath never writes, and checks how they read and how GC treats
-// them.
+// generation 1 left them (migrated zero-extended: no flags), the way
+// generation 4 writes east-west flows (bpf.CTFlagRevDerived), and of kinds
+// and flags the datapath never writes, and checks how they read and how GC
+// treats them.
 func TestEntriesOfEveryKindRaw(t *testing.T) {
 	d := sharedDataplane(t)
 	for _, v := range variants() {
@@ -489,16 +490,55 @@ func TestEntriesOfEveryKindRaw(t *testing.T) {
 			}
 			ew := nat.Entry{Key: v.natOf(k, 0), VIP: v.vip, ServiceID: sid, BackendID: v.ids[0], LastSeen: t0}
 
-			// Generation 1: no flags, zero tail. An east-west flow.
+			// Generation 1: no flags, zero tail. An east-west flow, and a
+			// stored one (as are generations 2 and 3's).
 			put(base)
 			d.must(d.nat.Put(ew))
 			e, _ := d.lookup(k)
-			if e.Kind != EastWest || e.SNAT.IsValid() {
-				t.Errorf("generation-1 entry reads as %s, SNAT %s", e.Kind, e.SNAT)
+			if e.Kind != EastWest || e.SNAT.IsValid() || e.ReverseDerived || !e.HasNATHalf() {
+				t.Errorf("generation-1 entry reads as %+v", e)
 			}
 			if res := d.gc(t0); res != (GCResult{Scanned: 1, NATScanned: 1}) {
 				t.Errorf("GC of a generation-1 flow: %v", res)
 			}
+
+			// Derived replies: an east-west flow without a half. The NAT
+			// entry at its key is a leftover and goes; GC makes none.
+			derived := base
+			derived.Flags = bpf.CTFlagRevDerived
+			put(derived)
+			if e, _ := d.lookup(k); e.Kind != EastWest || !e.ReverseDerived || e.HasNATHalf() {
+				t.Errorf("derived entry reads as %+v", e)
+			}
+			if res := d.gc(t0); res != (GCResult{Scanned: 1, NATScanned: 1, SupersededNATRemoved: 1}) {
+				t.Errorf("GC of a derived flow with a leftover half: %v", res)
+			}
+			if res := d.gc(t0); res != (GCResult{Scanned: 1}) {
+				t.Errorf("GC of a derived flow: %v", res)
+			}
+			if all, _ := d.nat.List(nat.Filter{}); len(all) != 0 {
+				t.Errorf("NAT entries left: %+v", all)
+			}
+
+			// The flag on an SNAT flow means nothing: its mapping is its
+			// half, looked for and repaired as any SNAT flow's.
+			snatDerived := base
+			snatDerived.Flags = bpf.CTFlagSNAT | bpf.CTFlagRevDerived
+			snatDerived.NatPort, snatDerived.NatAddr = bpf.Port(20002), bpf.AddrWords(snatAddr(v))
+			put(snatDerived)
+			if e, _ := d.lookup(k); e.Kind != SNAT || e.ReverseDerived || !e.HasNATHalf() {
+				t.Errorf("SNAT entry with the derived flag reads as %+v", e)
+			}
+			if res := d.gc(t0); res != (GCResult{Scanned: 1, NATRepaired: 1}) {
+				t.Errorf("GC of an SNAT flow with the derived flag: %v", res)
+			}
+			mk := nat.Key{Backend: v.backends[0], Client: netip.AddrPortFrom(snatAddr(v), 20002), Proto: k.Proto}
+			if n, ok := d.natLookup(mk); !ok || !n.SNAT || n.Origin != k.Client {
+				t.Errorf("SNAT mapping %+v (present %v)", n, ok)
+			}
+			d.must(d.nat.Delete(mk))
+			put(base)
+			d.must(d.nat.Put(ew))
 
 			// SNAT words without the flag mean nothing.
 			junk := base

@@ -29,7 +29,7 @@ func (d *dataplane) synAck(backend netip.AddrPort, k Key) bool {
 // left behind.
 func TestTupleReuseAfterRepicksAndRemoval(t *testing.T) {
 	d := sharedDataplane(t)
-	for _, v := range variants() {
+	for _, v := range append(variants(), storedVariants()...) {
 		if v.proto != ProtoTCP {
 			continue
 		}
@@ -62,8 +62,9 @@ func TestTupleReuseAfterRepicksAndRemoval(t *testing.T) {
 			d.table(sid, v.ids[1])
 			connect(1)
 			closeFlow()
-			// The earlier connection's reverse half must not outlive the
-			// re-pick: nothing but the live flow's halves remain.
+			// The earlier connection's reverse half (stored) must not
+			// outlive the re-pick, nor a derived flow get one: nothing but
+			// the live flow remains.
 			if flows, broken := d.pairing(); flows != 1 || broken != 0 {
 				t.Errorf("after the re-pick: %d flows, %d broken halves; want 1 and 0", flows, broken)
 			}
@@ -87,7 +88,7 @@ func TestTupleReuseAfterRepicksAndRemoval(t *testing.T) {
 // connection: its SYN-ACK must be translated, not dropped as stale.
 func TestFreshSYNOnEstablishedEntry(t *testing.T) {
 	d := sharedDataplane(t)
-	for _, v := range variants() {
+	for _, v := range append(variants(), storedVariants()...) {
 		if v.proto != ProtoTCP {
 			continue
 		}
@@ -120,9 +121,11 @@ func TestFreshSYNOnEstablishedEntry(t *testing.T) {
 // not name it would leave it) is removed with the tuple's conntrack entry,
 // not repaired into a conntrack entry of its own: that phantom flow would
 // pin the tuple's next connection to a backend the table no longer names.
+// The tuple's own flow goes with its NAT half if it is stored (found as
+// stale: the backend slot is gone), alone if its replies are derived.
 func TestGCDoesNotReviveFinishedFlows(t *testing.T) {
 	d := sharedDataplane(t)
-	for _, v := range variants() {
+	for _, v := range append(variants(), storedVariants()...) {
 		t.Run(v.name, func(t *testing.T) {
 			d.reset()
 			v.setup(d)
@@ -143,8 +146,8 @@ func TestGCDoesNotReviveFinishedFlows(t *testing.T) {
 			if _, ok := d.natLookup(old); ok {
 				t.Errorf("the earlier flow's reverse-NAT entry is still there")
 			}
-			if res.BackendGone != 1 || res.StaleNATRemoved != 2 {
-				t.Errorf("GC removed %d flows (backend gone) and %d stale NAT entries, want 1 and 2", res.BackendGone, res.StaleNATRemoved)
+			if res.BackendGone != 1 || res.StaleNATRemoved != 1+v.halves() {
+				t.Errorf("GC removed %d flows (backend gone) and %d stale NAT entries, want 1 and %d", res.BackendGone, res.StaleNATRemoved, 1+v.halves())
 			}
 		})
 	}

@@ -5,18 +5,27 @@
 //
 // When the TC program at the VM edge sends a new flow from a client to a
 // service VIP, it rewrites the destination to the backend it picked (DNAT)
-// and writes two entries: a conntrack entry, keyed by the client's view of
-// the flow (client -> VIP, package conntrack), and a reverse-NAT entry,
-// keyed by the reply as it will leave the backend:
+// and learns a conntrack entry, keyed by the client's view of the flow
+// (client -> VIP, package conntrack). Since program generation 4 that is
+// all a new east-west flow learns: its replies are translated from the
+// conntrack entry, which they find through the control plane's index of
+// backend endpoints (fluxvm_be2fe), and the flow has no reverse-NAT entry
+// (conntrack.Entry.ReverseDerived). A frontend the index has no room for
+// (bpf.SvcFlagRevStored) still stores one per flow, as every east-west
+// flow of earlier generations did, keyed by the reply as it will leave the
+// backend:
 //
 //	key   (Key)    backend addr:port -> client addr:port, protocol
 //	value (Entry)  VIP addr:port, service id, backend id, last seen
 //
-// A reply from the backend finds its entry by its own addresses and has its
-// source rewritten back to the VIP and port the client addressed, so the
-// client never sees the backend. Without the entry the reply leaves
-// untranslated and the client drops it: a reverse-NAT entry is as important
-// as the conntrack entry it belongs to.
+// A reply from the backend that the index does not find the flow of
+// finds this entry by its own addresses and has its source rewritten back
+// to the VIP and port the client addressed, so the client never sees the
+// backend. Without the entry the reply of such a flow leaves untranslated
+// and the client drops it: a reverse-NAT entry is as important as the
+// conntrack entry it belongs to. The maps therefore hold fewer entries
+// than there are flows: SNAT mappings (below) and the stored east-west
+// halves only.
 //
 // # SNAT mappings
 //
@@ -51,7 +60,9 @@
 // This package is the only code that reads or writes the bytes of these
 // maps; everything else goes through Table. A reverse-NAT entry is one half
 // of a flow whose other half is the conntrack entry, and a half must never
-// outlive or lack the other. Keeping that true is the job of conntrack's
+// outlive or lack the other; a flow with derived replies has no half and
+// must never get one (an east-west entry at its key is a leftover of an
+// earlier flow on the tuple). Keeping that true is the job of conntrack's
 // garbage collector (conntrack.Map.GC), which removes and repairs halves
 // through this package; Table itself enforces nothing across the two maps.
 //

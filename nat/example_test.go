@@ -31,7 +31,9 @@ func open() (*nat.Table, *ebpf.Collection) {
 	return tab, coll
 }
 
-// How will a reply from this backend to this client be translated?
+// How will a reply from this backend to this client be translated, if
+// its flow stored a reverse-NAT half? (A flow whose replies are derived
+// from its conntrack entry has none: see conntrack.Entry.ReverseDerived.)
 func ExampleTable_Lookup() {
 	tab, coll := open()
 	defer coll.Close()
@@ -43,7 +45,7 @@ func ExampleTable_Lookup() {
 	})
 	switch {
 	case errors.Is(err, nat.ErrNotFound):
-		fmt.Println("not translated: the reply leaves with the backend's address")
+		fmt.Println("no stored half: translated from conntrack if the flow has derived replies, else not at all")
 	case err != nil:
 		log.Fatal(err)
 	default:
@@ -51,8 +53,10 @@ func ExampleTable_Lookup() {
 	}
 }
 
-// Count the flows of each backend of a service, however large the map:
-// Scan holds one chunk at a time.
+// Count the stored halves of each backend of a service (SNAT mappings and
+// stored east-west halves; flows with derived replies have none, so count
+// flows with conntrack.Map.Scan), however large the map: Scan holds one
+// chunk at a time.
 func ExampleTable_Scan() {
 	tab, coll := open()
 	defer coll.Close()

@@ -105,7 +105,8 @@ func (d *dataplane) run(prog *ebpf.Program, in []byte) (uint32, []byte) {
 const tcOK = bpftest.TCOK
 
 // forward sends client -> vip through the VM-edge program and requires it
-// translated, which makes the program learn both halves of the flow.
+// translated, which makes the program learn the flow: its conntrack entry,
+// and its reverse-NAT entry if the frontend has bpf.SvcFlagRevStored.
 func (d *dataplane) forward(client, vip netip.AddrPort, proto uint8) {
 	d.t.Helper()
 	if ret, _ := d.run(d.o.Programs.FluxvmFromVm, frame(client, vip, proto, pkt.SYN)); ret != tcOK {

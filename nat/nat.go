@@ -70,7 +70,10 @@ type Key struct {
 //
 // An east-west entry (SNAT false) keys the reply by the client itself:
 // Key.Client is the client's address and port, and only the reply's source
-// is translated (back to VIP). A north-south entry with source NAT (SNAT
+// is translated (back to VIP). Only stored east-west flows have one (a
+// frontend with bpf.SvcFlagRevStored, or a flow learned before program
+// generation 4): the replies of the others are derived from their
+// conntrack entry. A north-south entry with source NAT (SNAT
 // true) is an SNAT mapping: Key.Client is the SNAT address and port the
 // backend saw as the flow's source, and Origin is the client's own address
 // and port, which the reply's destination is translated back to.

@@ -91,6 +91,10 @@ func TestNewRejectsForeignMaps(t *testing.T) {
 // TestDatapathAgrees proves the conversions against the real program both
 // ways: an entry the program learned reads back as the flow it translated,
 // and an entry written with Put is what the program translates replies by.
+// The frontend has bpf.SvcFlagRevStored: only such a frontend's east-west
+// flows store an entry (bpftest places it past the fluxvm_be2fe slots, so
+// its replies are translated by the entry alone). A frontend without the
+// flag stores none: its replies are translated from the conntrack entry.
 func TestDatapathAgrees(t *testing.T) {
 	d := newDataplane(t, 1024)
 	for _, tc := range []struct {
@@ -106,7 +110,7 @@ func TestDatapathAgrees(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			const sid, bid = 3, 9
 			d.t = t
-			d.service(sid, tc.vip, tc.proto, bid)
+			d.serviceFlags(sid, tc.vip, tc.proto, bpf.SvcFlagRevStored, bid)
 			d.backend(bid, sid, tc.backend)
 			before := monoNow(t)
 			d.forward(tc.client, tc.vip, tc.proto)
@@ -137,6 +141,20 @@ func TestDatapathAgrees(t *testing.T) {
 				t.Errorf("reply\n got %x\nwant %x", out, wantOut)
 			}
 			d.must(d.table.Delete(key))
+
+			// Without the flag a new flow stores no entry, and its replies
+			// are still translated (from its conntrack entry).
+			d.service(sid, tc.vip, tc.proto, bid)
+			client := netip.AddrPortFrom(tc.client.Addr(), tc.client.Port()+1)
+			d.forward(client, tc.vip, tc.proto)
+			dkey := Key{Backend: tc.backend, Client: client, Proto: tc.proto}
+			if e, err := d.table.Lookup(dkey); !errors.Is(err, ErrNotFound) {
+				t.Errorf("a flow with derived replies stored %+v, %v", e, err)
+			}
+			ret, out = d.run(d.o.Programs.FluxvmToVm, frame(tc.backend, client, tc.proto, pkt.ACK))
+			if wantOut := frame(tc.vip, client, tc.proto, pkt.ACK); ret != tcOK || !bytes.Equal(out, wantOut) {
+				t.Errorf("derived reply: verdict %d\n got %x\nwant %x", int32(ret), out, wantOut)
+			}
 		})
 	}
 }

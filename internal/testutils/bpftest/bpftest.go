@@ -41,8 +41,9 @@ type Object struct {
 }
 
 type frontend struct {
-	vip   netip.AddrPort
-	proto uint8
+	vip    netip.AddrPort
+	proto  uint8
+	stored bool // bpf.SvcFlagRevStored: past the slots of its backends
 }
 
 type backend struct {
@@ -84,7 +85,9 @@ func (o *Object) Close() error {
 
 // Service installs frontend vip/proto -> sid with flags (bpf.SvcFlag*),
 // opens its guard and fills its Maglev table from bids (Table). The
-// backends the service has (Backend) are listed in fluxvm_be2fe for it.
+// backends the service has (Backend) are listed in fluxvm_be2fe for it;
+// a frontend with bpf.SvcFlagRevStored is past the slots of every one of
+// them (see index).
 func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint32, bids ...uint32) error {
 	val := bpf.SvcValue{ServiceId: sid, Flags: flags, Revision: 1}
 	w := bpf.AddrWords(vip.Addr())
@@ -100,7 +103,7 @@ func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint
 	if err := o.Maps.FluxvmSguard.Put(sid, bpf.Guard{State: bpf.GuardOpen, Revision: 1}); err != nil {
 		return fmt.Errorf("bpftest: guard: %w", err)
 	}
-	o.fes[sid] = frontend{vip, proto}
+	o.fes[sid] = frontend{vip, proto, flags&bpf.SvcFlagRevStored != 0}
 	for _, b := range o.bes {
 		if b.sid == sid {
 			if err := o.index(b.ap, proto); err != nil {
@@ -187,14 +190,23 @@ func (o *Object) reindex(b backend) error {
 
 // index writes the fluxvm_be2fe entry of backend endpoint ap for proto,
 // listing its frontends in backend-id order (past bpf.Be2feSlots the entry
-// is only marked overflowing: tests of that set the frontends' flags).
+// is only marked overflowing: tests of that set the frontends' flags). A
+// frontend with bpf.SvcFlagRevStored takes no slot and marks the entry
+// overflowing, as the control plane places the frontends it gives that
+// flag: its flows store reverse-NAT halves, which the replies then look
+// up.
 func (o *Object) index(ap netip.AddrPort, proto uint8) error {
 	var v bpf.Be2feValue
-	n := 0
+	n, stored := 0, false
 	for _, id := range slices.Sorted(maps.Keys(o.bes)) {
 		b := o.bes[id]
 		fe, ok := o.fes[b.sid]
 		if !ok || b.ap != ap || fe.proto != proto {
+			continue
+		}
+		if fe.stored {
+			v.Flags |= bpf.Be2feFlagOverflow
+			stored = true
 			continue
 		}
 		if n < bpf.Be2feSlots {
@@ -205,7 +217,7 @@ func (o *Object) index(ap netip.AddrPort, proto uint8) error {
 		n++
 	}
 	k := bpf.MakeBe2feKey(ap, proto)
-	if n == 0 {
+	if n == 0 && !stored {
 		if err := o.Maps.FluxvmBe2fe.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("bpftest: index: %w", err)
 		}

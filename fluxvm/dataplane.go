@@ -120,8 +120,9 @@ type Dataplane struct {
 	gcCancel context.CancelFunc
 	gcRuns   sync.WaitGroup
 
-	beforeGCScan func() // tests: runs just before GC's scan
-	afterGCScan  func() // tests: runs after GC's scan (whatever its outcome), before its release of ids
+	beforeGCScan func()                           // tests: runs just before GC's scan
+	afterGCScan  func()                           // tests: runs after GC's scan (whatever its outcome), before its release of ids
+	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitFrontend, d.mu held, just before fe's new table goes in (flags: its new ones)
 
 	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
 }

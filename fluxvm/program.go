@@ -472,6 +472,9 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 			return err
 		}
 	}
+	if d.beforeSwap != nil {
+		d.beforeSwap(fe, flags)
+	}
 	if err := d.swapTable(fe, t.inner); err != nil {
 		return err
 	}

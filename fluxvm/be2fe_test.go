@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -457,4 +458,71 @@ func TestReverseIndexFull(t *testing.T) {
 	checkIndex(t, d, "after the retries", map[string][]string{
 		ixEndpointKey(ixB1, 6): {x7}, ixEndpointKey(ixB2, 6): {x7, y8}, ixEndpointKey(ixB3, 6): {x7, y8}, ixEndpointKey(ixB6, 6): {x9},
 	})
+}
+
+// TestReverseIndexTraffic: connections from a VM through five services
+// that list the same backends. The first four frontends of each backend
+// endpoint have slots, the fifth has SvcFlagRevStored; every connection
+// gets its replies from its VIP. Deleting the 2nd moves the 5th into the
+// slots: its established connections keep working and so do new ones,
+// also across a restart.
+func TestReverseIndexTraffic(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	vip := func(i int) []netip.Addr { return []netip.Addr{ixVIP(byte(20 + i)), ixVIP6(byte(20 + i))} }
+	for i := range 5 {
+		s := e.service(1, 1, 1)
+		s.Name, s.VIPs = fmt.Sprintf("s%d", i), vip(i)
+		if _, err := d.ApplyService(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flagged := func(what string, want ...int) {
+		t.Helper()
+		for i := range 5 {
+			for _, a := range vip(i) {
+				for _, p := range []Protocol{TCP, UDP} {
+					v, ok := svcEntry(t, d, a, 80, p)
+					if has := v.Flags&bpf.SvcFlagRevStored != 0; !ok && i != 1 || ok && has != slices.Contains(want, i) {
+						t.Errorf("%s: s%d %s/%s: entry %v, SvcFlagRevStored %v, want it on %v", what, i, a, p, ok, has, want)
+					}
+				}
+			}
+		}
+	}
+	flagged("five services", 4)
+
+	conns := map[int][]*lab.Conn{}
+	talk := func(what string, skip int) {
+		t.Helper()
+		for i := range 5 {
+			if i == skip {
+				continue
+			}
+			for _, a := range vip(i) {
+				c := e.dial(t, a)
+				echo(t, c, fmt.Sprintf("%s: new connection to s%d %s", what, i, a))
+				conns[i] = append(conns[i], c)
+				if name, err := e.cli.AskUDP(netip.AddrPortFrom(a, 80), 2*time.Second); err != nil || name == "" {
+					t.Errorf("%s: udp to s%d %s: %q %v", what, i, a, name, err)
+				}
+			}
+			for _, c := range conns[i] {
+				echo(t, c, fmt.Sprintf("%s: connection to s%d via %s", what, i, c.Backend))
+			}
+		}
+	}
+	talk("five services", -1)
+
+	if err := d.DeleteService(ctx, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	flagged("s1 deleted")
+	talk("s1 deleted", 1)
+
+	d.Close()
+	d = e.open(t)
+	flagged("restarted")
+	talk("restarted", 1)
 }

@@ -91,6 +91,7 @@ type Dataplane struct {
 	services  map[string]*service
 	frontends map[feKey]*frontend
 	markers   map[markerKey][]*frontend
+	be2fe     map[bpf.Be2feKey][]be2feSlot // the reverse translation index (be2fe.go)
 	sids      *idPool
 	bids      *idPool
 	edges     *idPool
@@ -119,8 +120,9 @@ type Dataplane struct {
 	gcCancel context.CancelFunc
 	gcRuns   sync.WaitGroup
 
-	beforeGCScan func() // tests: runs just before GC's scan
-	afterGCScan  func() // tests: runs after GC's scan (whatever its outcome), before its release of ids
+	beforeGCScan func()                           // tests: runs just before GC's scan
+	afterGCScan  func()                           // tests: runs after GC's scan (whatever its outcome), before its release of ids
+	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitFrontend, d.mu held, just before fe's new table goes in (flags: its new ones)
 
 	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
 }
@@ -152,7 +154,11 @@ type frontend struct {
 	eligible int
 	size     uint32 // slots of its Maglev table in place; 0: none
 	guard    bool
-	flags    uint32 // SvcValue flags (svcFlags)
+	flags    uint32 // SvcValue flags (svcFlags, revStoredOf)
+	// live: its frontend entry is written, with flags and revision rev;
+	// false until its first commit and once removeFrontend deleted it.
+	live bool
+	rev  uint32
 }
 
 // Interface kinds, as InterfaceStatus.Kind reports them.
@@ -280,8 +286,16 @@ func (d *Dataplane) init() error {
 	if err := d.writeSNAT(); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	// The reverse translation index keeps its slot order across the
+	// restore (be2fe.go).
+	if err := d.seedBe2fe(); err != nil {
+		return err
+	}
 	if err := d.restore(); err != nil {
 		return err
+	}
+	if err := d.settleBe2fe(); err != nil {
+		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
 	for _, vi := range d.opts.Interfaces {
 		if _, err := d.AddInterface(vi); err != nil {
@@ -497,6 +511,7 @@ func (d *Dataplane) Cleanup() error {
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
+	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
 	clear(d.health.observed)
 	if d.opts.CatalogPath != "" {
 		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {

@@ -180,7 +180,16 @@ func TestDataplaneNorthSouth(t *testing.T) {
 			combo{x.exp, ModeDSR, false, x.fe | fDSR, fMark | x.mk},
 			combo{x.exp, "", true, x.fe | fHR, fMark | x.mk})
 	}
+	// Every combo lists the same backends; the east-west NAT frontends
+	// among them take the slots of the reverse translation index in
+	// order, and those past its slots store reverse-NAT halves (be2fe.go).
+	listed := 0
 	for i, c := range combos {
+		if c.fe&(fNoEW|fDSR) == 0 {
+			if listed++; listed > bpf.Be2feSlots {
+				c.fe |= bpf.SvcFlagRevStored
+			}
+		}
 		v4 := netip.AddrFrom4([4]byte{10, 96, 1, byte(i + 1)})
 		v6 := netip.MustParseAddr(fmt.Sprintf("fd00:96:1::%x", i+1))
 		name := fmt.Sprintf("m%d", i)

@@ -411,10 +411,12 @@ func (k feKey) String() string {
 	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.vip, k.port), protocolOf(k.proto))
 }
 
-// prepareFrontend writes the backends of fe (new ones get ids) and
-// returns what its table is built from.
+// prepareFrontend writes the backends of fe (new ones get ids), lists fe
+// for each in the reverse translation index, and returns what its table
+// is built from.
 func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backend, monoNow time.Duration, wallNow time.Time) (planned, error) {
 	pl := planned{fe: fe, listed: map[netip.AddrPort]bool{}}
+	idx := indexed(&svc)
 	for _, b := range backends {
 		ep := b.Endpoint()
 		pl.listed[ep] = true
@@ -447,6 +449,11 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 		if err := d.dp.Maps().FluxvmBackends.Put(id, v); err != nil {
 			return pl, fmt.Errorf("backend %s: %w", ep, err)
 		}
+		// Listed in the reverse translation index before any table of fe
+		// can name it (be2fe.go).
+		if err := d.addSlot(fe, ep, id, idx); err != nil {
+			return pl, err
+		}
 		pl.mb = append(pl.mb, maglev.Backend{ID: id, Addr: ep.Addr().Unmap(), Port: ep.Port(), Proto: fe.key.proto,
 			Weight: b.EffectiveWeight(), Ready: state == bpf.BackendReady})
 	}
@@ -454,9 +461,20 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 }
 
 // commitFrontend puts fe's table in place, then its frontend entry,
-// marker and guard, and removes the backends that left it.
+// marker and guard, and removes the backends that left it. A frontend
+// past the index slots of one of its backends (revStoredOf) has
+// SvcFlagRevStored in its live entry before the table goes in.
 func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable) error {
 	fe := pl.fe
+	flags := svcFlags(&svc) | d.revStoredOf(fe)
+	if flags&bpf.SvcFlagRevStored != 0 {
+		if err := d.markRevStored(fe); err != nil {
+			return err
+		}
+	}
+	if d.beforeSwap != nil {
+		d.beforeSwap(fe, flags)
+	}
 	if err := d.swapTable(fe, t.inner); err != nil {
 		return err
 	}
@@ -465,11 +483,11 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 	if t.inner != nil {
 		fe.size = t.size
 	}
-	fe.flags = svcFlags(&svc)
-	val := bpf.SvcValue{ServiceId: fe.sid, Flags: fe.flags, Revision: uint32(s.revision)}
+	val := bpf.SvcValue{ServiceId: fe.sid, Flags: flags, Revision: uint32(s.revision)}
 	if err := d.putFrontend(fe.key, val); err != nil {
 		return err
 	}
+	fe.flags, fe.rev, fe.live = flags, val.Revision, true
 	if err := d.addMarker(fe); err != nil {
 		return err
 	}
@@ -482,11 +500,15 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 		return fmt.Errorf("guard: %w", err)
 	}
 
-	// Backends that left the intent go only now that no table names them.
+	// Backends that left the intent go only now that no table names them,
+	// and so do their slots in the reverse translation index.
 	for ep, id := range fe.backends {
 		if !pl.listed[ep] {
 			if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 				return fmt.Errorf("remove backend %s: %w", ep, err)
+			}
+			if err := d.removeSlot(fe, ep); err != nil {
+				return err
 			}
 			delete(fe.backends, ep)
 			d.bids.release(id)
@@ -629,6 +651,24 @@ func (d *Dataplane) putFrontend(k feKey, v bpf.SvcValue) error {
 	return nil
 }
 
+// lookupFrontend reads the frontend entry of k; ok is false when there is
+// none.
+func (d *Dataplane) lookupFrontend(k feKey) (v bpf.SvcValue, ok bool, err error) {
+	if k.vip.Is4() {
+		w := bpf.AddrWords(k.vip)
+		err = d.dp.Maps().FluxvmSvc4.Lookup(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto}, &v)
+	} else {
+		err = d.dp.Maps().FluxvmSvc6.Lookup(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto}, &v)
+	}
+	switch {
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+		return v, false, nil
+	case err != nil:
+		return v, false, fmt.Errorf("frontend entry: %w", err)
+	}
+	return v, true, nil
+}
+
 func (d *Dataplane) deleteFrontend(k feKey) error {
 	var err error
 	if k.vip.Is4() {
@@ -644,7 +684,8 @@ func (d *Dataplane) deleteFrontend(k feKey) error {
 }
 
 // svcFlags are the SvcValue flags of every frontend of svc: where it is
-// served and how it forwards.
+// served and how it forwards. A frontend adds SvcFlagRevStored where the
+// reverse translation index says so (revStoredOf, be2fe.go).
 func svcFlags(svc *Service) uint32 {
 	var f uint32
 	switch svc.Exposure {
@@ -715,6 +756,7 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 	if err := d.deleteFrontend(fe.key); err != nil {
 		return err
 	}
+	fe.live = false
 	if err := d.dropMarker(fe); err != nil {
 		return err
 	}
@@ -724,6 +766,9 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 	for ep, id := range fe.backends {
 		if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 			return fmt.Errorf("remove backend %s: %w", ep, err)
+		}
+		if err := d.removeSlot(fe, ep); err != nil {
+			return err
 		}
 		// Forget it as it goes, so that a retry after a failure further
 		// on never releases an id twice.

@@ -229,10 +229,10 @@ enum fluxvm_nat_flags {
  * Reverse translation of east-west flows (fluxvm_be2fe, hash, written by
  * the control plane only): a backend endpoint -> the east-west NAT
  * frontends whose tables may name it. A reply backend:port -> client:cport
- * carries no VIP; its
- * flow is the conntrack entry client:cport -> VIP:vport of one of these
- * frontends that names this backend. So a new east-west flow learns one
- * entry, not two, and a reply half can never be orphaned: there is none.
+ * carries no VIP; its flow is the conntrack entry client:cport -> VIP:vport
+ * of one of these frontends that names this backend. So a new east-west
+ * flow learns one entry, not two, and a reply half can never be orphaned:
+ * there is none.
  *
  * An entry lists a frontend before any table of it can name the backend,
  * and keeps the slots of the frontends it lists in place (a flow is found

@@ -235,12 +235,15 @@ func measureInterleaved(b *testing.B, th *testenv.Thread, calls int, cases []*be
 // BenchmarkMapFloor measures, the same way as BenchmarkDatapath, the map
 // operations a new flow cannot avoid, in minimal programs on maps shaped
 // like the tier's conntrack and reverse-NAT maps (LRU hash, same key and
-// value sizes, same capacity): a lookup that misses, one insert, and the
-// sequence a new IPv4 flow needs (conntrack lookup miss, conntrack insert,
-// reverse-NAT insert). Keys are random, as the hash of a new tuple is. The
-// last case is the floor under BenchmarkDatapath's new-flow cost on this
-// machine: it is dominated by cache and TLB misses on the maps' buckets and
-// elements, which no program change removes.
+// value sizes, same capacity): a lookup that misses, one insert, the
+// sequence a new IPv4 east-west flow needs (conntrack lookup miss,
+// conntrack insert: the floor under BenchmarkDatapath's new-flow cost on
+// this machine), and the one it needed before replies were derived (a
+// reverse-NAT insert as well). Keys are random, as the hash of a new tuple
+// is. The costs are dominated by cache and TLB misses on the maps' buckets
+// and elements, which no program change removes. The maps are far from
+// full, as in BenchmarkDatapath: an insert into a full LRU also evicts,
+// and costs more.
 //
 //	go test -run '^$' -bench BenchmarkMapFloor -benchtime 1x ./bpf/
 func BenchmarkMapFloor(b *testing.B) {
@@ -268,7 +271,8 @@ func BenchmarkMapFloor(b *testing.B) {
 		return m
 	}
 	k4 := uint32(binary.Size(Tuple4{}))
-	ct4, nat4, miss4, ins4 := newLRU(k4), newLRU(k4), newLRU(k4), newLRU(k4)
+	ct4, miss4, ins4 := newLRU(k4), newLRU(k4), newLRU(k4)
+	sct4, snat4 := newLRU(k4), newLRU(k4) // the stored-half sequence's own
 	prog := func(ops ...mapOp) *ebpf.Program {
 		p, err := ebpf.NewProgram(&ebpf.ProgramSpec{
 			Type:         ebpf.SchedCLS,
@@ -287,7 +291,12 @@ func BenchmarkMapFloor(b *testing.B) {
 	measureInterleaved(b, th, calls, []*benchCase{
 		{name: "lru lookup miss", metric: "lookup-miss", prog: prog(mapOp{miss4, false}), frame: same, want: tcNext},
 		{name: "lru insert", metric: "insert", prog: prog(mapOp{ins4, true}), frame: same, want: tcNext},
-		{name: "new flow: miss + ct insert + nat insert", metric: "new-flow-floor", prog: prog(mapOp{ct4, false}, mapOp{ct4, true}, mapOp{nat4, true}), frame: same, want: tcNext},
+		// An east-west new flow since generation 4 (derived replies):
+		// the floor under BenchmarkDatapath's new flow.
+		{name: "new flow: miss + ct insert", metric: "new-flow-floor", prog: prog(mapOp{ct4, false}, mapOp{ct4, true}), frame: same, want: tcNext},
+		// What a new flow paid before (and a frontend with
+		// SvcFlagRevStored still pays): a reverse-NAT insert as well.
+		{name: "new flow, stored reply half: miss + ct insert + nat insert", metric: "new-flow-stored-floor", prog: prog(mapOp{sct4, false}, mapOp{sct4, true}, mapOp{snat4, true}), frame: same, want: tcNext},
 	}, false)
 }
 

@@ -35,7 +35,7 @@ type seams struct {
 // newSeamHarness is newHarness on the test object.
 func newSeamHarness(t *testing.T) (*harness, *seams) {
 	t.Helper()
-	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}}
+	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}, stored: map[uint32]bool{}}
 	spec, err := loadServiceTest()
 	if err != nil {
 		t.Fatal(err)

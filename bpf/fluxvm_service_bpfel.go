@@ -177,6 +177,28 @@ const (
 	serviceFluxvmGuardStateFLUXVM_GUARD_OPEN   serviceFluxvmGuardState = 1
 )
 
+type serviceFluxvmIcmpState struct {
+	_ structs.HostLayout
+	Q struct {
+		_     structs.HostLayout
+		Src   [4]uint32
+		Dst   [4]uint32
+		IpOff uint32
+		L4Off uint32
+		Sport uint16
+		Dport uint16
+		Proto uint8
+		_     [3]byte
+	}
+	X struct {
+		_      structs.HostLayout
+		Client [4]uint32
+		Vip    [4]uint32
+		Cport  uint16
+		Vport  uint16
+	}
+}
+
 type serviceFluxvmMetaValue struct {
 	_                      structs.HostLayout
 	SchemaVersion          uint32
@@ -334,6 +356,7 @@ const (
 	serviceMapFluxvmEdgeStats   = "fluxvm_edge_stats"
 	serviceMapFluxvmFct4        = "fluxvm_fct4"
 	serviceMapFluxvmFct6        = "fluxvm_fct6"
+	serviceMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceMapFluxvmMeta        = "fluxvm_meta"
 	serviceMapFluxvmNat4        = "fluxvm_nat4"
@@ -411,6 +434,7 @@ type serviceMapSpecs struct {
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -458,6 +482,7 @@ type serviceMaps struct {
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -481,6 +506,7 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmEdgeStats,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

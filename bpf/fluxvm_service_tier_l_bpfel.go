@@ -24,6 +24,7 @@ const (
 	serviceTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
 	serviceTierLMapFluxvmFct4        = "fluxvm_fct4"
 	serviceTierLMapFluxvmFct6        = "fluxvm_fct6"
+	serviceTierLMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceTierLMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceTierLMapFluxvmMeta        = "fluxvm_meta"
 	serviceTierLMapFluxvmNat4        = "fluxvm_nat4"
@@ -101,6 +102,7 @@ type serviceTierLMapSpecs struct {
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -148,6 +150,7 @@ type serviceTierLMaps struct {
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -171,6 +174,7 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmEdgeStats,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

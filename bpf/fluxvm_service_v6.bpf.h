@@ -45,7 +45,7 @@ enum fluxvm_counter {
 	FLUXVM_CNT_TRUNCATED = 8,   /* a header or the IP payload is cut short */
 	FLUXVM_CNT_MALFORMED = 9,   /* a header field is invalid */
 	FLUXVM_CNT_PARSE_LIMIT = 10, /* beyond the parser's bounds (see lib/parse.h) */
-	FLUXVM_CNT_NAT_STALE = 11,  /* stale reverse-NAT entry dropped on a foreign SYN-ACK */
+	FLUXVM_CNT_NAT_STALE = 11,  /* a foreign SYN-ACK removed a stale reverse-NAT half or derived conntrack entry */
 	FLUXVM_CNT_HOST_ROUTED_PACKETS = 12,/* host_routing: redirected after a FIB hit */
 	FLUXVM_CNT_HOST_ROUTE_FALLBACKS = 13, /* host_routing: FIB miss, left to the host stack */
 	FLUXVM_CNT_SNAT_RETRIES = 14, /* an SNAT port candidate was taken; another was tried */

@@ -24,6 +24,7 @@ const (
 	serviceTestMapFluxvmEdgeStats       = "fluxvm_edge_stats"
 	serviceTestMapFluxvmFct4            = "fluxvm_fct4"
 	serviceTestMapFluxvmFct6            = "fluxvm_fct6"
+	serviceTestMapFluxvmIcmpScratch     = "fluxvm_icmp_scratch"
 	serviceTestMapFluxvmMaglev          = "fluxvm_maglev"
 	serviceTestMapFluxvmMeta            = "fluxvm_meta"
 	serviceTestMapFluxvmNat4            = "fluxvm_nat4"
@@ -108,6 +109,7 @@ type serviceTestMapSpecs struct {
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -162,6 +164,7 @@ type serviceTestMaps struct {
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -185,6 +188,7 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmEdgeStats,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

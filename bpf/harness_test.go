@@ -30,6 +30,8 @@ type harness struct {
 	// frontends by service id, backends by id.
 	fes map[uint32][]harnessFrontend
 	bes map[uint32]harnessBackend
+	// Frontends placed past the index's slots (revStored).
+	stored map[uint32]bool
 }
 
 type harnessFrontend struct {
@@ -62,7 +64,7 @@ func newHarnessSized(t testing.TB, ctEntries uint32) *harness {
 // baseline to compare against), with the same map layouts.
 func newHarnessSpec(t testing.TB, spec *ebpf.CollectionSpec, ctEntries uint32) *harness {
 	t.Helper()
-	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}}
+	h := &harness{t: t, th: testenv.NewThread(t), fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}, stored: map[uint32]bool{}}
 	// The lifecycle maps hold hundreds of thousands of preallocated
 	// entries at tier M; the behaviour under test does not depend on
 	// capacity, and small maps keep a load per test cheap.
@@ -120,6 +122,7 @@ func (h *harness) reset() {
 	}
 	clear(h.fes)
 	clear(h.bes)
+	clear(h.stored)
 	ncpu := ebpf.MustPossibleCPU()
 	for _, z := range []struct {
 		m    *ebpf.Map
@@ -179,28 +182,26 @@ func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
 	}
 }
 
-// revStored gives the frontend of sid SvcFlagRevStored and marks the index
-// entries of its backends Be2feFlagOverflow, as the control plane does for
-// a frontend past the slots: its new flows store reverse-NAT halves, and
-// replies that no slot finds look them up.
+// revStored places the frontend of sid past the index's slots, as the
+// control plane does for a frontend after the first Be2feSlots of a backend
+// endpoint: it gets SvcFlagRevStored (its new flows store reverse-NAT
+// halves), no slot, and its backends' entries are marked overflowing, so
+// that its replies are found by their halves only.
 func (h *harness) revStored(sid uint32) {
 	h.t.Helper()
-	fe := h.fes[sid][0]
-	val := SvcValue{ServiceId: sid, Flags: SvcFlagRevStored, Revision: 1}
-	if fe.vip.Addr().Is4() {
-		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
-	} else {
-		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: AddrWords(fe.vip.Addr()), Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
-	}
-	for _, b := range h.bes {
-		if b.sid != sid {
-			continue
+	h.stored[sid] = true
+	for _, fe := range h.fes[sid] {
+		val := SvcValue{ServiceId: sid, Flags: SvcFlagRevStored, Revision: 1}
+		if fe.vip.Addr().Is4() {
+			h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
+		} else {
+			h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: AddrWords(fe.vip.Addr()), Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
 		}
-		k := MakeBe2feKey(b.ap, fe.proto)
-		var v Be2feValue
-		h.must(h.objs.FluxvmBe2fe.Lookup(k, &v))
-		v.Flags |= Be2feFlagOverflow
-		h.must(h.objs.FluxvmBe2fe.Put(k, v))
+		for _, b := range h.bes {
+			if b.sid == sid {
+				h.index(b.ap, fe.proto)
+			}
+		}
 	}
 }
 
@@ -248,6 +249,10 @@ func (h *harness) index(ap netip.AddrPort, proto uint8) {
 			if fe.proto != proto || fe.vip.Addr().Is4() != ap.Addr().Is4() {
 				continue
 			}
+			if h.stored[b.sid] {
+				v.Flags |= Be2feFlagOverflow
+				continue
+			}
 			if n < Be2feSlots {
 				v.Slots[n] = Be2feSlot{Vip: AddrWords(fe.vip.Addr()), Vport: Port(fe.vip.Port()), ServiceId: b.sid, BackendId: id}
 			} else {
@@ -257,7 +262,7 @@ func (h *harness) index(ap netip.AddrPort, proto uint8) {
 		}
 	}
 	k := MakeBe2feKey(ap, proto)
-	if n == 0 {
+	if n == 0 && v.Flags == 0 {
 		if err := h.objs.FluxvmBe2fe.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			h.t.Fatal(err)
 		}

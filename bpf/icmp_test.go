@@ -196,47 +196,54 @@ func expectICMPUntouched(t *testing.T, h *harness, prog *ebpf.Program, frame []b
 
 // TestICMPErrorEastWest: an error about an east-west flow, on its way to
 // the client, quotes client -> backend; the client must see client -> VIP.
+// The flow is found as its replies find it: derived (through its slot and
+// conntrack entry), or by its stored half (a frontend past the slots).
 func TestICMPErrorEastWest(t *testing.T) {
 	h := newHarness(t)
-	for _, v := range variants() {
-		t.Run(v.name, func(t *testing.T) {
-			h.reset()
-			v.setup(h)
-			c, b := v.clientAt(40000), v.backends[0]
-			expectForward(t, h, v, c.Port(), pkt.SYN, b)
-			nat, _ := h.nat(v.natKey(b, c.Port()))
-			ct, _ := h.ct(v.flow(c.Port()))
-			sent := v.frame(c, b, pkt.SYN)     // as it left us
-			orig := v.frame(c, v.vip, pkt.SYN) // as the client sent it
-			for _, k := range v.icmpErrors() {
-				for _, q := range quoteLens {
-					t.Run(k.name+"/"+q.name, func(t *testing.T) {
-						in := icmpMsg(k, v.router(), c.Addr(), quote(sent, q.l4))
-						want := icmpMsg(k, v.router(), c.Addr(), quote(orig, q.l4))
-						expectICMP(t, h, h.objs.FluxvmToVm, in, want, q.l4 < 0)
-						// Not for the north-south hooks: the destination
-						// is no SNAT address.
-						for _, p := range []*ebpf.Program{h.objs.FluxvmFromVm, h.objs.FluxvmNsIn, h.objs.FluxvmNsOut} {
-							expectICMPUntouched(t, h, p, in)
-						}
-					})
+	for _, mode := range []string{"derived", "stored"} {
+		for _, v := range variants() {
+			t.Run(mode+"/"+v.name, func(t *testing.T) {
+				h.reset()
+				v.setup(h)
+				if mode == "stored" {
+					h.revStored(sid)
 				}
-			}
-			// A quoted IPv4 header with options.
-			if v.client.Is4() {
-				opts := []byte{1, 1, 1, 1, 1, 1, 1, 0}
-				in := icmpMsg(v.icmpErrors()[0], v.router(), c.Addr(), quote(pkt.IPv4Options(sent, opts), -1))
-				want := icmpMsg(v.icmpErrors()[0], v.router(), c.Addr(), quote(pkt.IPv4Options(orig, opts), -1))
-				expectICMP(t, h, h.objs.FluxvmToVm, in, want, true)
-			}
-			// Nothing learned or refreshed from an ICMP error.
-			if nat2, _ := h.nat(v.natKey(b, c.Port())); nat2 != nat {
-				t.Errorf("reverse NAT changed: %+v -> %+v", nat, nat2)
-			}
-			if ct2, _ := h.ct(v.flow(c.Port())); ct2 != ct {
-				t.Errorf("conntrack changed: %+v -> %+v", ct, ct2)
-			}
-		})
+				c, b := v.clientAt(40000), v.backends[0]
+				expectForward(t, h, v, c.Port(), pkt.SYN, b)
+				nat, _ := h.nat(v.natKey(b, c.Port()))
+				ct, _ := h.ct(v.flow(c.Port()))
+				sent := v.frame(c, b, pkt.SYN)     // as it left us
+				orig := v.frame(c, v.vip, pkt.SYN) // as the client sent it
+				for _, k := range v.icmpErrors() {
+					for _, q := range quoteLens {
+						t.Run(k.name+"/"+q.name, func(t *testing.T) {
+							in := icmpMsg(k, v.router(), c.Addr(), quote(sent, q.l4))
+							want := icmpMsg(k, v.router(), c.Addr(), quote(orig, q.l4))
+							expectICMP(t, h, h.objs.FluxvmToVm, in, want, q.l4 < 0)
+							// Not for the north-south hooks: the destination
+							// is no SNAT address.
+							for _, p := range []*ebpf.Program{h.objs.FluxvmFromVm, h.objs.FluxvmNsIn, h.objs.FluxvmNsOut} {
+								expectICMPUntouched(t, h, p, in)
+							}
+						})
+					}
+				}
+				// A quoted IPv4 header with options.
+				if v.client.Is4() {
+					opts := []byte{1, 1, 1, 1, 1, 1, 1, 0}
+					in := icmpMsg(v.icmpErrors()[0], v.router(), c.Addr(), quote(pkt.IPv4Options(sent, opts), -1))
+					want := icmpMsg(v.icmpErrors()[0], v.router(), c.Addr(), quote(pkt.IPv4Options(orig, opts), -1))
+					expectICMP(t, h, h.objs.FluxvmToVm, in, want, true)
+				}
+				// Nothing learned or refreshed from an ICMP error.
+				if nat2, _ := h.nat(v.natKey(b, c.Port())); nat2 != nat {
+					t.Errorf("reverse NAT changed: %+v -> %+v", nat, nat2)
+				}
+				if ct2, _ := h.ct(v.flow(c.Port())); ct2 != ct {
+					t.Errorf("conntrack changed: %+v -> %+v", ct, ct2)
+				}
+			})
+		}
 	}
 }
 

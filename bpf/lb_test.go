@@ -445,7 +445,8 @@ func TestForwardingMatrix(t *testing.T) {
 			v.setup(h)
 			h.revStored(sid)
 			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
-			v.setup(h) // the frontend loses SvcFlagRevStored
+			delete(h.stored, sid) // the frontend moves into a slot
+			v.setup(h)            // and loses SvcFlagRevStored
 			h.backend(1, sid, v.backends[0], BackendUnhealthy, 0)
 			h.table(sid, h.fill(2))
 			expectForward(t, h, v, 40000, pkt.ACK, v.backends[1])

@@ -33,8 +33,10 @@ import (
 //
 // Generation 4 derives the reverse translation of east-west flows from
 // their conntrack entry, found through the new fluxvm_be2fe index: new
-// east-west flows learn no reverse-NAT half (CTFlagRevDerived). Halves
-// learned by generation 3 stay valid and are collected with their flows.
+// east-west flows learn no reverse-NAT half (CTFlagRevDerived). Flows
+// learned by generation 3 keep their halves: their replies are found
+// through the index, or by the half when the conntrack entry was evicted,
+// and the GC collects the halves with the flows.
 const ProgramGeneration = 4
 
 // DefaultPinRoot is the pin root a node uses unless told otherwise.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
@@ -107,5 +108,118 @@ func TestDerivedSynAck(t *testing.T) {
 				t.Error("the ended flow's entry is still there")
 			}
 		})
+	}
+}
+
+// TestReverseTwoVIPsOneTuple: the client uses one port toward two VIPs that
+// share a backend, so the backend sees one tuple for both flows. The
+// replies belong to the newer flow (as the newer stored half did), and a
+// SYN-ACK to a new handshake, not to an ended flow on the other VIP.
+func TestReverseTwoVIPsOneTuple(t *testing.T) {
+	vip1, vip2 := netip.MustParseAddrPort("10.96.0.1:53"), netip.MustParseAddrPort("10.96.0.2:53")
+	client := netip.MustParseAddrPort("10.0.0.1:40000")
+	backend := netip.MustParseAddrPort("10.1.0.1:5353")
+	for _, tt := range []struct {
+		name  string
+		proto uint8
+		// first runs the flow to vip1; the flow to vip2 then starts
+		// with a SYN (TCP) or a datagram.
+		first []pkt.TCPFlags
+		reply pkt.TCPFlags
+	}{
+		{"udp: the newer flow's replies", ipUDP, []pkt.TCPFlags{{}}, pkt.TCPFlags{}},
+		{"tcp: a SYN-ACK after the other VIP's flow ended", ipTCP, []pkt.TCPFlags{pkt.SYN, pkt.ACK, pkt.FIN}, pkt.SYNACK},
+		{"tcp: a SYN-ACK while the other VIP's flow is established", ipTCP, []pkt.TCPFlags{pkt.SYN, pkt.ACK}, pkt.SYNACK},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.reset()
+			frame := func(src, dst netip.AddrPort, f pkt.TCPFlags) []byte {
+				if tt.proto == ipUDP {
+					return pkt.UDP(src, dst, payload)
+				}
+				return pkt.TCP(src, dst, f, payload)
+			}
+			for i, vip := range []netip.AddrPort{vip1, vip2} {
+				s := uint32(i + 1)
+				h.service(s, vip, tt.proto)
+				h.backend(10*s, s, backend, BackendReady, 0)
+				h.table(s, h.fill(10*s))
+			}
+			run := func(vip netip.AddrPort, f pkt.TCPFlags) {
+				t.Helper()
+				if ret, out := h.run(h.objs.FluxvmFromVm, frame(client, vip, f)); ret != tcOK || !bytes.Equal(out, frame(client, backend, f)) {
+					t.Fatalf("to %s: verdict %d", vip, int32(ret))
+				}
+			}
+			for _, f := range tt.first {
+				run(vip1, f)
+			}
+			// The flow to vip1 is the older one (the coarse clock
+			// would give both the same creation time).
+			older := tuple{client, vip1, tt.proto}
+			ct, _ := h.ct(older)
+			ct.CreatedNs -= uint64(time.Second)
+			h.must(h.ctMap(older).Put(older.key(), ct))
+			run(vip2, pkt.SYN)
+			for range 2 {
+				ret, out := h.run(h.objs.FluxvmToVm, frame(backend, client, tt.reply))
+				if want := frame(vip2, client, tt.reply); ret != tcOK || !bytes.Equal(out, want) {
+					t.Fatalf("reply: verdict %d\n got %x\nwant %x", int32(ret), out, want)
+				}
+			}
+			if _, ok := h.ct(tuple{client, vip2, tt.proto}); !ok {
+				t.Error("the flow to vip2 lost its entry")
+			}
+		})
+	}
+}
+
+// TestStoredHalfBehindASlot: a flow with a stored half whose frontend has a
+// slot (a flow of generation 3 after the upgrade, or of a frontend that
+// moved into the slots) and whose conntrack entry the LRU evicted: its
+// reply finds no entry through the slot, and the stored path rebuilds the
+// entry from the half and translates it.
+func TestStoredHalfBehindASlot(t *testing.T) {
+	h := newHarness(t)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.setup(h)
+			h.revStored(sid)
+			expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+			delete(h.stored, sid) // the frontend moves into a slot
+			v.setup(h)
+			h.must(h.ctMap(v.flow(40000)).Delete(v.flow(40000).key()))
+			// Past the refresh interval, when a reply rebuilds.
+			nk := v.natKey(v.backends[0], 40000)
+			nat, _ := h.nat(nk)
+			nat.LastSeenNs = 0
+			h.must(h.natMap(nk).Put(nk.key(), nat))
+			expectReply(t, h, v, v.backends[0], 40000)
+			if ct, ok := h.ct(v.flow(40000)); !ok || ct.BackendId != 1 || ct.Flags != 0 {
+				t.Errorf("conntrack %+v (present %v): want it rebuilt from the half", ct, ok)
+			}
+		})
+	}
+}
+
+// TestStoredSynAckRetransmission: the stored path applies the east-west
+// SYN-ACK rule too: a retransmitted SYN-ACK on an established flow is
+// translated and the half stays.
+func TestStoredSynAckRetransmission(t *testing.T) {
+	h := newHarness(t)
+	h.reset()
+	v := variants()[0] // ipv4_tcp
+	v.setup(h)
+	h.revStored(sid)
+	expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
+	expectForward(t, h, v, 40000, pkt.ACK, v.backends[0])
+	ret, out := h.run(h.objs.FluxvmToVm, v.reply(v.backends[0], 40000, pkt.SYNACK))
+	if want := v.frame(v.vip, v.clientAt(40000), pkt.SYNACK); ret != tcOK || !bytes.Equal(out, want) {
+		t.Fatalf("verdict %d, packet %x, want %x", int32(ret), out, want)
+	}
+	if _, ok := h.nat(v.natKey(v.backends[0], 40000)); !ok {
+		t.Error("the half was taken for stale")
 	}
 }

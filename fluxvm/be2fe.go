@@ -279,8 +279,16 @@ func (d *Dataplane) seedBe2fe() error {
 // the model (after a reload or tier change it is new, and restore wrote
 // only the entries it changed), and then the frontends that moved into
 // the slots lose SvcFlagRevStored.
+//
+// Without a catalog nothing was restored, and the frontends the adopted
+// maps still serve are unknown here: their slots stay until the embedder
+// applies those frontends again (which confirms each slot in place) or
+// Cleanup, so that their flows' replies keep being translated meanwhile.
 func (d *Dataplane) settleBe2fe() error {
 	for k, list := range d.be2fe {
+		if d.opts.CatalogPath == "" {
+			break
+		}
 		if !slices.ContainsFunc(list, func(s be2feSlot) bool { return s.seeded }) {
 			continue
 		}

@@ -261,10 +261,16 @@ func TestReverseIndex(t *testing.T) {
 	svcG.Mode = ModeDSR
 	svcGNAT := svcG.Clone()
 	svcGNAT.Mode = ModeNAT
+	// g as DSR again, with B3 added in the same apply: its frontend is
+	// still east-west NAT until the commit, so B3 is listed for it.
+	svcGDSR3 := ixService("g", []netip.Addr{ixVIP(6)}, []ServicePort{{Port: 8080, Protocol: TCP}}, ixB1, ixB3)
+	svcGDSR3.Mode = ModeDSR
 	g := ixFrontend(ixVIP(6), 8080, TCP)
 	afterE := map[string][]string{b1t: {fe(3), fe(2), fe(1), fe(4)}, b1u: {d53}, b2t: {fe(1)}, b3t: {fe(4)}, b3u: {d53}}
 	afterEG := maps.Clone(afterE)
 	afterEG[b1t] = []string{fe(3), fe(2), fe(1), fe(4), g}
+	afterEG3 := maps.Clone(afterEG)
+	afterEG3[b3t] = []string{fe(4), g}
 
 	full := map[string][]string{
 		b1t: {fe(5), fe(4), fe(3), fe(2), fe(1)}, b1u: {d53},
@@ -312,6 +318,10 @@ func TestReverseIndex(t *testing.T) {
 			want: afterEG, revStored: []string{g}},
 		{name: "NAT to DSR keeps the slot", do: apply(svcG),
 			want: afterEG, revStored: []string{g}},
+		{name: "DSR to NAT again", do: apply(svcGNAT),
+			want: afterEG, revStored: []string{g}},
+		{name: "NAT to DSR with a backend added lists it", do: apply(svcGDSR3),
+			want: afterEG3, revStored: []string{g}},
 		{name: "deleting every service empties the index", do: remove("a", "b", "c", "d", "g")},
 	} {
 		t.Run(st.name, func(t *testing.T) {
@@ -525,4 +535,42 @@ func TestReverseIndexTraffic(t *testing.T) {
 	d = e.open(t)
 	flagged("restarted")
 	talk("restarted", 1)
+}
+
+// TestReverseIndexWithoutCatalog: a node without a catalog restores
+// nothing, while the adopted maps keep serving its frontends; their slots
+// stay (replies keep being translated) until the embedder applies the
+// frontends again, which confirms each slot in place.
+func TestReverseIndexWithoutCatalog(t *testing.T) {
+	ctx := context.Background()
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	svc := ixService("a", []netip.Addr{ixVIP(1)}, tcp80, ixB1)
+	want := map[string][]string{ixEndpointKey(ixB1, 6): {ixFrontend(ixVIP(1), 80, TCP)}}
+	d := ixOpen(t, root, "", bpf.TierS)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	checkIndex(t, d, "applied", want)
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d = ixOpen(t, root, "", bpf.TierS)
+	var (
+		k bpf.Be2feKey
+		v bpf.Be2feValue
+		n int
+	)
+	for it := d.dp.Maps().FluxvmBe2fe.Iterate(); it.Next(&k, &v); {
+		n++
+		if v.Count != 1 || bpf.Addr(v.Slots[0].Vip, k.Family) != ixVIP(1) {
+			t.Errorf("after the restart: entry %+v", v)
+		}
+	}
+	if n != 1 {
+		t.Fatalf("after the restart: %d entries, want the 1 the adopted maps serve", n)
+	}
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	checkIndex(t, d, "applied again", want)
 }

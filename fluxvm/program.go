@@ -416,7 +416,10 @@ func (k feKey) String() string {
 // is built from.
 func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backend, monoNow time.Duration, wallNow time.Time) (planned, error) {
 	pl := planned{fe: fe, listed: map[netip.AddrPort]bool{}}
-	idx := indexed(&svc)
+	// A frontend still served east-west with NAT lists new backends too
+	// while it changes to DSR or north-south only: until the commit writes
+	// its new flags, its flows are learned as east-west flows.
+	idx := indexed(&svc) || fe.live && fe.flags&(bpf.SvcFlagNoEastWest|bpf.SvcFlagDSR) == 0
 	for _, b := range backends {
 		ep := b.Endpoint()
 		pl.listed[ep] = true

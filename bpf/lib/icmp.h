@@ -78,6 +78,22 @@ struct fluxvm_icmp_xlate {
 	__be16 vport;
 };
 
+/* The stages' state, in a per-CPU scratch slot rather than on the stack:
+ * the ICMP paths are global functions called from every program, and
+ * their frames count toward each program's 512 bytes. A program runs to
+ * completion on its CPU, so one slot per CPU is enough. */
+struct fluxvm_icmp_state {
+	struct fluxvm_icmp_quote q;
+	struct fluxvm_icmp_xlate x;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_icmp_state);
+	__uint(max_entries, 1);
+} fluxvm_icmp_scratch SEC(".maps");
+
 /*
  * The quote stage: is @pkt an ICMP error (of a type we translate) quoting a
  * whole TCP or UDP packet, no fragment, sent by the error's destination?
@@ -174,7 +190,8 @@ static __always_inline int fluxvm_icmp_flow(const struct fluxvm_icmp_quote *q, c
 	if (!snat) {
 		struct fluxvm_rev r = {};
 
-		if (fluxvm_rev_find(q->dst, q->dport, q->src, q->sport, q->proto, v6, &k4, &k6, &r)) {
+		if (fluxvm_rev_find(q->dst, q->dport, q->src, q->sport, q->proto, v6, 0,
+				    bpf_ktime_get_coarse_ns(), &k4, &k6, &r)) {
 			__builtin_memcpy(x->vip, r.vip, 16);
 			x->vport = r.vport;
 			x->cport = q->sport;
@@ -364,14 +381,18 @@ static __always_inline int fluxvm_icmp_error(struct __ctx_buff *ctx,
 					     const struct fluxvm_pkt *pkt, const int v6,
 					     const int kind)
 {
-	struct fluxvm_icmp_quote q = {};
-	struct fluxvm_icmp_xlate x = {};
 	const int snat = kind == FLUXVM_REPLY_SNAT;
+	struct fluxvm_icmp_state *s;
+	__u32 zero = 0;
 
 	if (snat && !fluxvm_is_snat_addr(pkt->daddr, v6))
 		return FLUXVM_TC_NEXT;
-	if (fluxvm_icmp_quote(ctx, pkt, v6, &q) || fluxvm_icmp_flow(&q, v6, snat, &x) ||
-	    fluxvm_icmp_rewrite(ctx, pkt, v6, snat, &q, &x))
+	s = bpf_map_lookup_elem(&fluxvm_icmp_scratch, &zero);
+	if (!s)
+		return FLUXVM_TC_NEXT;
+	__builtin_memset(s, 0, sizeof(*s));
+	if (fluxvm_icmp_quote(ctx, pkt, v6, &s->q) || fluxvm_icmp_flow(&s->q, v6, snat, &s->x) ||
+	    fluxvm_icmp_rewrite(ctx, pkt, v6, snat, &s->q, &s->x))
 		return FLUXVM_TC_NEXT;
 	fluxvm_count(FLUXVM_CNT_ICMP_ERRORS_TRANSLATED);
 	return TC_ACT_OK;

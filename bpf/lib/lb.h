@@ -551,6 +551,20 @@ static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff 
 	return edge == FLUXVM_EDGE_NS ? FLUXVM_LB_SNAT : FLUXVM_LB_NAT;
 }
 
+/* Is a SYN-ACK on conntrack entry @ct stale, i.e. does it answer a
+ * connection that did not come through the VIP? Not while the flow is in
+ * its handshake, nor on an established, unexpired flow (a retransmission:
+ * the client's ACK was lost on its way to the backend, and the client's
+ * stack must see the SYN-ACK to answer it). After the flow's FIN or RST,
+ * or past its deadline, the client may have reused its port for a direct
+ * connection to the backend. */
+static __always_inline int fluxvm_synack_stale(const struct fluxvm_ct_value *ct, __u64 now)
+{
+	if (ct->state == FLUXVM_CT_TCP_SYN)
+		return 0;
+	return ct->state != FLUXVM_CT_TCP_ESTABLISHED || ct->deadline_ns < now;
+}
+
 /* Which replies a reply path translates. */
 #define FLUXVM_REPLY_EW 0   /* VM-edge egress: replies to east-west clients */
 #define FLUXVM_REPLY_SNAT 1 /* ingress hooks, north-south egress: replies to the SNAT address */
@@ -654,17 +668,20 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	if (refresh) {
 		ct = bpf_map_lookup_elem(ct_map, ct_key);
 		/*
-		 * A SYN-ACK answers a handshake. If our flow is not in one, the
-		 * backend is answering a connection that did not come through
-		 * the VIP (the client reused its port for a direct connection
-		 * to the backend after our flow ended): this reverse-NAT entry
-		 * is stale and would hijack that connection. Drop the entry and
+		 * A SYN-ACK answers a handshake. If our flow is not in one (for
+		 * an east-west flow: nor established and unexpired, where it is
+		 * a retransmission, fluxvm_synack_stale), the backend is
+		 * answering a connection that did not come through the VIP
+		 * (the client reused its port for a direct connection to the
+		 * backend after our flow ended): this reverse-NAT entry is
+		 * stale and would hijack that connection. Drop the entry and
 		 * let the packet through untouched. (A handshake whose
 		 * conntrack half was evicted recovers: the client's SYN
 		 * retransmit learns both halves again.)
 		 */
 		if (synack && (!ct || !fluxvm_ct_owns_nat(ct, nat_bid, pkt, snat) ||
-			       ct->state != FLUXVM_CT_TCP_SYN)) {
+			       (snat ? ct->state != FLUXVM_CT_TCP_SYN
+				     : fluxvm_synack_stale(ct, now)))) {
 			bpf_map_delete_elem(nat_map, key);
 			fluxvm_count(FLUXVM_CNT_NAT_STALE);
 			return FLUXVM_TC_NEXT;
@@ -704,9 +721,11 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	return TC_ACT_OK;
 }
 
-/* fluxvm_lb_reply_ew found no flow, but the backend has frontends whose
- * flows store reverse-NAT halves: look the reply's up (the stored path,
- * fluxvm_lb_reply with FLUXVM_REPLY_EW). Never a TC verdict. */
+/* fluxvm_lb_reply_ew found no flow through the slots of the backend's
+ * fluxvm_be2fe entry: the flow may have a stored reverse-NAT half (a
+ * frontend past the slots, a flow of generation 3, or one whose conntrack
+ * entry the LRU evicted and the half rebuilds): the stored path,
+ * fluxvm_lb_reply with FLUXVM_REPLY_EW. Never a TC verdict. */
 #define FLUXVM_REPLY_STORED 0x100
 
 /*
@@ -714,13 +733,10 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
  * to the VIP and port the client used, found from the flow's conntrack
  * entry (rev.h), and keep that entry current.
  *
- * A SYN-ACK answers a handshake: on an entry whose flow ended (FIN, RST)
- * or expired, the backend is answering a connection that did not come
- * through the VIP (the client reused its port for a direct connection to
- * the backend): the entry is removed, with any reverse-NAT half, and the
- * packet passes untouched. On an established entry it is a retransmission
- * (the client's ACK was lost on the way) and is translated, so that the
- * client's stack answers it.
+ * A stale SYN-ACK (fluxvm_synack_stale) removes the entry; the packet then
+ * goes to the stored path, which removes a reverse-NAT half left without
+ * its flow and passes the packet untouched (or translates it for the
+ * tuple's flow of a frontend past the slots, if there is one).
  */
 static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
 					      const int v6)
@@ -739,34 +755,23 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 		return FLUXVM_TC_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
 		return FLUXVM_TC_NEXT;
-	r.overflow = 0;
+	now = bpf_ktime_get_coarse_ns();
+	synack = pkt->l4_proto == IPPROTO_TCP &&
+		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
+	r.indexed = 0;
 	ct = fluxvm_rev_find(pkt->saddr, pkt->sport, pkt->daddr, pkt->dport, pkt->l4_proto, v6,
-			     &c4, &c6, &r);
+			     synack, now, &c4, &c6, &r);
 	if (!ct)
-		return r.overflow ? FLUXVM_REPLY_STORED : FLUXVM_TC_NEXT;
+		return r.indexed ? FLUXVM_REPLY_STORED : FLUXVM_TC_NEXT;
 	st = fluxvm_stats(r.service_id);
 	es = fluxvm_edge(ctx);
 	if (pkt->frag != FLUXVM_FRAG_NONE)
 		return fluxvm_drop(FLUXVM_DROP_FRAGMENT, st, es);
 
-	now = bpf_ktime_get_coarse_ns();
-	synack = pkt->l4_proto == IPPROTO_TCP &&
-		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
-	if (synack && ct->state != FLUXVM_CT_TCP_SYN &&
-	    (ct->state != FLUXVM_CT_TCP_ESTABLISHED || ct->deadline_ns < now)) {
-		if (!(ct->flags & FLUXVM_CT_F_REV_DERIVED)) {
-			struct fluxvm_tuple4 t4 = {};
-			struct fluxvm_tuple6 t6 = {};
-
-			fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
-			if (v6)
-				bpf_map_delete_elem(&fluxvm_nat6, &t6);
-			else
-				bpf_map_delete_elem(&fluxvm_nat4, &t4);
-		}
+	if (synack && fluxvm_synack_stale(ct, now)) {
 		bpf_map_delete_elem(ct_map, ct_key);
 		fluxvm_count(FLUXVM_CNT_NAT_STALE);
-		return FLUXVM_TC_NEXT;
+		return FLUXVM_REPLY_STORED;
 	}
 	fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
 

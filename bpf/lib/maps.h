@@ -88,9 +88,14 @@ struct {
 } fluxvm_nat6 SEC(".maps");
 
 /* Backend endpoint -> the frontends that list it (see the layout). One
- * entry per backend endpoint at most, and endpoints are at most backends. */
+ * entry per backend endpoint at most, and endpoints are at most backends.
+ * Not preallocated: an update then replaces the element and frees the old
+ * one only after every program reading it is done (RCU), where a
+ * preallocated map hands it straight to the next update, under a reader
+ * still walking its slots. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct fluxvm_be2fe_key);
 	__type(value, struct fluxvm_be2fe_value);
 	__uint(max_entries, FLUXVM_MAX_BACKENDS);

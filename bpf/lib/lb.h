@@ -229,6 +229,50 @@ static __always_inline struct fluxvm_backend *fluxvm_backend_ready(__u32 bid, __
 }
 
 /*
+ * The select stage: the Maglev pick for a new flow of service @sid whose
+ * tuple hashes to @hash, with its id in *@bid; or NULL, the drop counted
+ * (no table or an empty slot; a slot naming a backend that is not Ready).
+ */
+static __always_inline struct fluxvm_backend *
+fluxvm_select(__u32 sid, __u32 hash, __u32 *bid, struct fluxvm_svc_stats_value *st,
+	      struct fluxvm_svc_stats_value *es)
+{
+	struct fluxvm_backend *be;
+
+	*bid = fluxvm_maglev_pick(sid, hash);
+	if (!*bid) {
+		fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
+		return NULL;
+	}
+	be = fluxvm_backend_ready(*bid, sid);
+	if (!be)
+		fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+	return be;
+}
+
+/*
+ * The deliver stage of the NAT modes: the destination becomes the backend
+ * (DNAT) and, with @snat_addr, the source the SNAT address and port; then
+ * with host routing the packet is forwarded by FIB lookup, a miss left to
+ * the host stack. TC_ACT_OK otherwise ends the chain: the VM policy
+ * program behind us never sees the backend address and port.
+ */
+static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					      const int v6, const struct fluxvm_backend *be,
+					      const __be32 *snat_addr, __be16 snat_port,
+					      __u8 nat_flags, struct fluxvm_svc_stats_value *st,
+					      struct fluxvm_svc_stats_value *es)
+{
+	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
+	    (snat_addr && fluxvm_rewrite(ctx, pkt, v6, 0, snat_addr, snat_port)))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
+	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
+		return fluxvm_host_route(ctx, pkt, v6);
+	return TC_ACT_OK;
+}
+
+/*
  * The conntrack entry of a new flow to backend @bid, built in per-CPU
  * scratch (maps.h), off the stack of the conntrack-hit path; NULL when the
  * scratch cannot be had.
@@ -270,8 +314,8 @@ static __always_inline void fluxvm_count_new_flow(struct fluxvm_svc_stats_value 
 /*
  * The forward paths, one per mode, each in the same stages:
  *
- *   conntrack (fluxvm_ct_stage) -> select (the Maglev pick, checked by
- *   fluxvm_backend_ready) -> learn -> deliver
+ *   conntrack (fluxvm_ct_stage) -> select (fluxvm_select) -> learn
+ *   -> deliver (fluxvm_nat_deliver for the NAT modes)
  *
  * A packet whose flow keeps its backend skips selection and learning. The
  * learn stage writes every piece of state the flow's replies need before
@@ -330,15 +374,12 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	if (ct && be && be->service_id == sid && !(ct->flags & FLUXVM_CT_F_REV_DERIVED))
 		old_be = be;
 
-	/* Select: the Maglev pick. */
 	meta = fluxvm_meta_get();
-	bid = fluxvm_maglev_pick(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
-					 : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0));
-	if (!bid)
-		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
-	be = fluxvm_backend_ready(bid, sid);
+	be = fluxvm_select(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
+			   &bid, st, es);
 	if (!be)
-		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+		return TC_ACT_SHOT;
 
 	/* Learn: the conntrack entry; the reverse half only where the index
 	 * cannot find the flow. */
@@ -358,14 +399,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
-	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
-		return fluxvm_host_route(ctx, pkt, v6);
-	/* TC_ACT_OK ends the chain: the VM policy program behind us never
-	 * sees the backend address and port. */
-	return TC_ACT_OK;
+	return fluxvm_nat_deliver(ctx, pkt, v6, be, NULL, 0, nat_flags, st, es);
 }
 
 /*
@@ -416,16 +450,12 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		fluxvm_count(FLUXVM_CNT_SNAT_CONFLICTS);
 	}
 
-	/* Select: the Maglev pick. */
 	meta = fluxvm_meta_get();
 	hash = v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
-	bid = fluxvm_maglev_pick(sid, hash);
-	if (!bid)
-		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
-	be = fluxvm_backend_ready(bid, sid);
+	be = fluxvm_select(sid, hash, &bid, st, es);
 	if (!be)
-		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+		return TC_ACT_SHOT;
 
 	/* Learn: the mapping (a port of its own), then conntrack. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
@@ -445,13 +475,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
-	    fluxvm_rewrite(ctx, pkt, v6, 0, nat_addr, nat_port))
-		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
-	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
-	if (nat_flags & FLUXVM_NAT_F_HOST_ROUTING)
-		return fluxvm_host_route(ctx, pkt, v6);
-	return TC_ACT_OK;
+	return fluxvm_nat_deliver(ctx, pkt, v6, be, nat_addr, nat_port, nat_flags, st, es);
 }
 
 /*
@@ -487,15 +511,12 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 		goto deliver;
 	}
 
-	/* Select: the Maglev pick. */
 	meta = fluxvm_meta_get();
-	bid = fluxvm_maglev_pick(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
-					 : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0));
-	if (!bid)
-		return fluxvm_drop(FLUXVM_DROP_NO_BACKEND, st, es);
-	be = fluxvm_backend_ready(bid, sid);
+	be = fluxvm_select(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
+			   &bid, st, es);
 	if (!be)
-		return fluxvm_drop(FLUXVM_DROP_BACKEND_INVALID, st, es);
+		return TC_ACT_SHOT;
 
 	/* Learn: conntrack only. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);

@@ -33,7 +33,12 @@
  */
 #define FLUXVM_TC_NEXT TC_ACT_UNSPEC
 
-/* The packet context: TC (skb) today; an XDP object will bring its own. */
+/* The packet context: TC (skb), or XDP for an entry file that defines
+ * FLUXVM_CTX_XDP first. */
+#ifdef FLUXVM_CTX_XDP
+#include "ctx/xdp.h"
+#else
 #include "ctx/skb.h"
+#endif
 
 #endif /* FLUXVM_LIB_COMMON_H */

@@ -47,7 +47,7 @@
 	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt) \
 	{                                                                       \
 		if (!pkt)                                                       \
-			return FLUXVM_TC_NEXT;                                  \
+			return CTX_ACT_NEXT;                                    \
 		return call;                                                    \
 	}
 /* A forward path takes the frontend's service id and flags. The verifier
@@ -58,7 +58,7 @@
 					   __u32 sid, __u32 flags)              \
 	{                                                                       \
 		if (!pkt)                                                       \
-			return FLUXVM_TC_NEXT;                                  \
+			return CTX_ACT_NEXT;                                    \
 		return call;                                                    \
 	}
 #define FLUXVM_DSR_PATH(name, call)                                             \
@@ -66,7 +66,7 @@
 					   __u32 sid)                           \
 	{                                                                       \
 		if (!pkt)                                                       \
-			return FLUXVM_TC_NEXT;                                  \
+			return CTX_ACT_NEXT;                                    \
 		return call;                                                    \
 	}
 
@@ -92,7 +92,7 @@ FLUXVM_PATH(fluxvm_icmp6_snat, fluxvm_icmp_error(ctx, pkt, 1, FLUXVM_REPLY_SNAT)
 
 /*
  * Client -> VIP at @edge: the frontend stage, then the path of the
- * service's mode. FLUXVM_TC_NEXT when the packet is not for a service
+ * service's mode. CTX_ACT_NEXT when the packet is not for a service
  * served here.
  */
 static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
@@ -124,21 +124,21 @@ int fluxvm_from_vm(struct __ctx_buff *ctx)
 	int ret;
 
 	if (!fluxvm_parse_counted(ctx, &pkt))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	/* ICMP is never service traffic; errors to the SNAT address are
 	 * translated back (fluxvm_icmp*_snat check the address). */
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
 		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
-		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
 			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
 	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_VM);
-	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
 		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
@@ -152,7 +152,7 @@ int fluxvm_to_vm(struct __ctx_buff *ctx)
 	int ret;
 
 	if (!fluxvm_parse_counted(ctx, &pkt))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_ew(ctx, &pkt);
@@ -175,19 +175,19 @@ int fluxvm_ns_in(struct __ctx_buff *ctx)
 	int ret;
 
 	if (!fluxvm_parse_counted(ctx, &pkt))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
 		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_NS);
-		if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
 			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
 	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_NS);
-	if (ret == FLUXVM_TC_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
 		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
@@ -201,18 +201,18 @@ int fluxvm_ns_out(struct __ctx_buff *ctx)
 	struct fluxvm_pkt pkt = {};
 
 	if (!fluxvm_parse_counted(ctx, &pkt))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (pkt.l3_proto == ETH_P_IP) {
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
 		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
-			return FLUXVM_TC_NEXT;
+			return CTX_ACT_NEXT;
 		return fluxvm_reply4_snat_out(ctx, &pkt);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
 	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	return fluxvm_reply6_snat_out(ctx, &pkt);
 }
 

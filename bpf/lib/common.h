@@ -26,15 +26,11 @@
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #endif
 
-/*
- * TC_ACT_UNSPEC is also TCX_NEXT: with TCX links and with cls_bpf chains
- * alike it hands the packet to the next program, so traffic that is not
- * ours is still seen by the policy program behind us.
- */
-#define FLUXVM_TC_NEXT TC_ACT_UNSPEC
 
 /* The packet context: TC (skb), or XDP for an entry file that defines
- * FLUXVM_CTX_XDP first. */
+ * FLUXVM_CTX_XDP first. Each also names the verdicts the shared paths
+ * return: CTX_ACT_NEXT (not ours, or not ours to finish: the packet goes
+ * on untouched) and CTX_ACT_DROP. */
 #ifdef FLUXVM_CTX_XDP
 #include "ctx/xdp.h"
 #else

@@ -51,7 +51,7 @@ static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
 		st->drops++;
 	if (es)
 		es->drops++;
-	return TC_ACT_SHOT;
+	return CTX_ACT_DROP;
 }
 
 /* Count a translated packet of @len bytes against the service and the VM

@@ -374,7 +374,7 @@ static __always_inline int fluxvm_icmp_rewrite(struct __ctx_buff *ctx,
 /*
  * Translate the ICMP error @pkt (parsed, its l4_proto ICMP/ICMPv6) for
  * reply direction @kind, in three stages: the quote, its flow, the rewrite.
- * Returns TC_ACT_OK when translated, else FLUXVM_TC_NEXT with the packet
+ * Returns TC_ACT_OK when translated, else CTX_ACT_NEXT with the packet
  * untouched.
  */
 static __always_inline int fluxvm_icmp_error(struct __ctx_buff *ctx,
@@ -386,14 +386,14 @@ static __always_inline int fluxvm_icmp_error(struct __ctx_buff *ctx,
 	__u32 zero = 0;
 
 	if (snat && !fluxvm_is_snat_addr(pkt->daddr, v6))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	s = bpf_map_lookup_elem(&fluxvm_icmp_scratch, &zero);
 	if (!s)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	__builtin_memset(s, 0, sizeof(*s));
 	if (fluxvm_icmp_quote(ctx, pkt, v6, &s->q) || fluxvm_icmp_flow(&s->q, v6, snat, &s->x) ||
 	    fluxvm_icmp_rewrite(ctx, pkt, v6, snat, &s->q, &s->x))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	fluxvm_count(FLUXVM_CNT_ICMP_ERRORS_TRANSLATED);
 	return TC_ACT_OK;
 }

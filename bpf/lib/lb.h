@@ -379,7 +379,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
 			   &bid, st, es);
 	if (!be)
-		return TC_ACT_SHOT;
+		return CTX_ACT_DROP;
 
 	/* Learn: the conntrack entry; the reverse half only where the index
 	 * cannot find the flow. */
@@ -455,7 +455,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
 	be = fluxvm_select(sid, hash, &bid, st, es);
 	if (!be)
-		return TC_ACT_SHOT;
+		return CTX_ACT_DROP;
 
 	/* Learn: the mapping (a port of its own), then conntrack. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
@@ -516,7 +516,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
 			   &bid, st, es);
 	if (!be)
-		return TC_ACT_SHOT;
+		return CTX_ACT_DROP;
 
 	/* Learn: conntrack only. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
@@ -552,7 +552,7 @@ static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff 
 {
 	struct fluxvm_svc_value *svc;
 
-	*verdict = FLUXVM_TC_NEXT;
+	*verdict = CTX_ACT_NEXT;
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return FLUXVM_LB_NONE;
 	if (pkt->frag != FLUXVM_FRAG_NONE) {
@@ -630,16 +630,16 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	__u64 now;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (kind == FLUXVM_REPLY_SNAT && !fluxvm_is_snat_addr(pkt->daddr, v6))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 
 	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
 	nat = bpf_map_lookup_elem(nat_map, key);
 	if (!nat)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	/*
 	 * Copy what is needed before any other map operation: an LRU entry
 	 * may be recycled for another flow by an update on another CPU, so
@@ -650,7 +650,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	nat_flags = nat->flags;
 	snat = !!(nat_flags & FLUXVM_NAT_F_SNAT);
 	if (snat != (kind == FLUXVM_REPLY_SNAT))
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (v6) {
 		__builtin_memcpy(c6.saddr, snat ? nat->client : pkt->daddr, 16);
 		__builtin_memcpy(c6.daddr, nat->vip, 16);
@@ -705,7 +705,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 				     : fluxvm_synack_stale(ct, now)))) {
 			bpf_map_delete_elem(nat_map, key);
 			fluxvm_count(FLUXVM_CNT_NAT_STALE);
-			return FLUXVM_TC_NEXT;
+			return CTX_ACT_NEXT;
 		}
 		if (ct) {
 			/* After a failover the flow's conntrack names another
@@ -773,9 +773,9 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	int synack;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
-		return FLUXVM_TC_NEXT;
+		return CTX_ACT_NEXT;
 	now = bpf_ktime_get_coarse_ns();
 	synack = pkt->l4_proto == IPPROTO_TCP &&
 		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
@@ -783,7 +783,7 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	ct = fluxvm_rev_find(pkt->saddr, pkt->sport, pkt->daddr, pkt->dport, pkt->l4_proto, v6,
 			     synack, now, &c4, &c6, &r);
 	if (!ct)
-		return r.indexed ? FLUXVM_REPLY_STORED : FLUXVM_TC_NEXT;
+		return r.indexed ? FLUXVM_REPLY_STORED : CTX_ACT_NEXT;
 	st = fluxvm_stats(r.service_id);
 	es = fluxvm_edge(ctx);
 	if (pkt->frag != FLUXVM_FRAG_NONE)

@@ -16,6 +16,14 @@
 #define FLUXVM_CTX_SKB 1
 
 /*
+ * Verdicts. TC_ACT_UNSPEC is also TCX_NEXT: with TCX links and with cls_bpf
+ * chains alike it hands the packet to the next program, so traffic that is
+ * not ours is still seen by the policy program behind us.
+ */
+#define CTX_ACT_NEXT TC_ACT_UNSPEC
+#define CTX_ACT_DROP TC_ACT_SHOT
+
+/*
  * ctx->data and ctx->data_end, loaded by an instruction clang cannot fold
  * into an earlier address computation. The verifier only accepts ctx loads
  * at a constant offset from the unmodified ctx pointer; left to itself,

@@ -24,6 +24,11 @@
 #define FLUXVM_CTX_XDP 1
 #endif
 
+/* Verdicts: what XDP does not finish goes on to the stack, where the TC
+ * programs see it as if XDP were not there. */
+#define CTX_ACT_NEXT XDP_PASS
+#define CTX_ACT_DROP XDP_DROP
+
 /* ctx->data and ctx->data_end, loaded as lib/ctx/skb.h explains. */
 static __always_inline void *ctx_data(const struct __ctx_buff *ctx)
 {

@@ -41,6 +41,13 @@ const (
 	// flows whose quoted packet (and, for SNAT, outer destination) was
 	// translated back to the client's view.
 	CounterICMPErrorsTranslated = Counter(serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED)
+	// CounterXDPTranslated counts VIP packets the XDP object translated
+	// (or routed, for DSR) and sent; CounterXDPPassNoRoute those it left
+	// to the stack untouched for want of a FIB answer or a resolved
+	// neighbour; CounterXDPPassFragment fragments to a VIP it left to TC.
+	CounterXDPTranslated   = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED)
+	CounterXDPPassNoRoute  = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE)
+	CounterXDPPassFragment = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -65,6 +72,9 @@ var counterNames = [NumCounters]string{
 	CounterDSRForwarded:         "dsr_forwarded",
 	CounterSNATConflicts:        "snat_conflicts",
 	CounterICMPErrorsTranslated: "icmp_errors_translated",
+	CounterXDPTranslated:        "xdp_translated",
+	CounterXDPPassNoRoute:       "xdp_pass_no_route",
+	CounterXDPPassFragment:      "xdp_pass_fragment",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

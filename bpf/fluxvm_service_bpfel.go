@@ -99,7 +99,10 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED          serviceFluxvmCounter = 15
 	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS         serviceFluxvmCounter = 16
 	serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED serviceFluxvmCounter = 17
-	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 18
+	serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED         serviceFluxvmCounter = 18
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE      serviceFluxvmCounter = 19
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT      serviceFluxvmCounter = 20
+	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 21
 )
 
 type serviceFluxvmCtFlags uint32

@@ -52,7 +52,10 @@ enum fluxvm_counter {
 	FLUXVM_CNT_DSR_FORWARDED = 15, /* DSR packet redirected toward its backend */
 	FLUXVM_CNT_SNAT_CONFLICTS = 16, /* an SNAT flow's port was held by another flow: remapped */
 	FLUXVM_CNT_ICMP_ERRORS_TRANSLATED = 17, /* ICMP error about a translated flow, translated (lib/icmp.h) */
-	FLUXVM_CNT_MAX = 18,
+	FLUXVM_CNT_XDP_TRANSLATED = 18, /* XDP: a VIP packet translated (or DSR-routed) and sent */
+	FLUXVM_CNT_XDP_PASS_NO_ROUTE = 19, /* XDP: a VIP packet left to the stack: no FIB answer or neighbour */
+	FLUXVM_CNT_XDP_PASS_FRAGMENT = 20, /* XDP: a fragment to a VIP left to the stack */
+	FLUXVM_CNT_MAX = 21,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */

@@ -140,6 +140,7 @@ static __always_inline int fluxvm_guard_open(__u32 sid)
 	return guard && guard->state == FLUXVM_GUARD_OPEN;
 }
 
+#ifdef FLUXVM_CTX_SKB
 /*
  * Routed DSR: the packet keeps the VIP as its destination and is forwarded
  * toward the backend's address, which holds the VIP locally and answers the
@@ -181,6 +182,62 @@ static __always_inline int fluxvm_host_route(struct __ctx_buff *ctx,
 	fluxvm_count(FLUXVM_CNT_HOST_ROUTED_PACKETS);
 	return ret;
 }
+
+#else /* XDP */
+/*
+ * XDP: the FIB's answer for the packet as it will leave (from @src, to
+ * @dst), looked up before the first write. Without a full one (a miss, or
+ * a next hop whose link-layer address is not known yet: XDP cannot
+ * resolve it) the packet goes on to the stack untouched, where TC serves
+ * it by the same flow state, and this returns -1.
+ */
+static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					    const int v6, const __be32 *src, const __be32 *dst)
+{
+	if (fluxvm_fib_lookup(ctx, pkt, v6, src, dst) != BPF_FIB_LKUP_RET_SUCCESS) {
+		fluxvm_count(FLUXVM_CNT_XDP_PASS_NO_ROUTE);
+		return -1;
+	}
+	return 0;
+}
+
+/* XDP: after fluxvm_xdp_route and the L3/L4 rewrite, the frame's MACs and
+ * TTL, then out: back through the interface it came in on (XDP_TX) or to
+ * another one. Negative when the frame could not be written. */
+static __always_inline int fluxvm_xdp_send(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					   const int v6)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+
+	if (!s || fluxvm_fib_rewrite_l2(ctx, pkt, v6, BPF_FIB_LKUP_RET_SUCCESS, 0))
+		return -1;
+	fluxvm_count(FLUXVM_CNT_XDP_TRANSLATED);
+	if (s->fib.ifindex == ctx_ifindex(ctx))
+		return XDP_TX;
+	return bpf_redirect(s->fib.ifindex, 0);
+}
+
+/* Routed DSR in XDP: routed toward the backend as it is (it keeps the
+ * VIP). */
+static __always_inline int fluxvm_dsr_forward(struct __ctx_buff *ctx,
+					      const struct fluxvm_pkt *pkt, const int v6,
+					      const struct fluxvm_backend *be,
+					      struct fluxvm_svc_stats_value *st,
+					      struct fluxvm_svc_stats_value *es)
+{
+	__u32 len = ctx_full_len(ctx);
+	int ret;
+
+	if (fluxvm_xdp_route(ctx, pkt, v6, NULL, be->addr))
+		return CTX_ACT_NEXT;
+	ret = fluxvm_xdp_send(ctx, pkt, v6);
+	if (ret < 0)
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count(FLUXVM_CNT_DSR_FORWARDED);
+	fluxvm_count_translated(st, es, len, 0);
+	return ret;
+}
+#endif /* FLUXVM_CTX_SKB */
 
 /* What the conntrack stage decided for a flow's packet. */
 enum fluxvm_ct_verdict {
@@ -250,6 +307,7 @@ fluxvm_select(__u32 sid, __u32 hash, __u32 *bid, struct fluxvm_svc_stats_value *
 	return be;
 }
 
+#ifdef FLUXVM_CTX_SKB
 /*
  * The deliver stage of the NAT modes: the destination becomes the backend
  * (DNAT) and, with @snat_addr, the source the SNAT address and port; then
@@ -271,6 +329,36 @@ static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct flu
 		return fluxvm_host_route(ctx, pkt, v6);
 	return TC_ACT_OK;
 }
+
+#else /* XDP */
+/*
+ * The deliver stage of the NAT modes in XDP: the route of the translated
+ * packet (to the backend, from the SNAT address) is looked up first; then
+ * DNAT and SNAT, the frame's MACs and TTL, and out (fluxvm_xdp_send). A
+ * packet without a route goes on to the stack untouched. Host routing is
+ * what XDP always does.
+ */
+static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
+					      const int v6, const struct fluxvm_backend *be,
+					      const __be32 *snat_addr, __be16 snat_port,
+					      __u8 nat_flags, struct fluxvm_svc_stats_value *st,
+					      struct fluxvm_svc_stats_value *es)
+{
+	int ret;
+
+	(void)nat_flags;
+	if (fluxvm_xdp_route(ctx, pkt, v6, snat_addr, be->addr))
+		return CTX_ACT_NEXT;
+	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
+	    (snat_addr && fluxvm_rewrite(ctx, pkt, v6, 0, snat_addr, snat_port)))
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	fluxvm_count_translated(st, es, ctx_full_len(ctx), 0);
+	ret = fluxvm_xdp_send(ctx, pkt, v6);
+	if (ret < 0)
+		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	return ret;
+}
+#endif /* FLUXVM_CTX_SKB */
 
 /*
  * The conntrack entry of a new flow to backend @bid, built in per-CPU
@@ -602,6 +690,7 @@ static __always_inline int fluxvm_ct_owns_nat(const struct fluxvm_ct_value *ct, 
 	return (ct->flags & FLUXVM_CT_F_SNAT) && ct->nat_port == pkt->dport;
 }
 
+#ifdef FLUXVM_CTX_SKB
 /*
  * Backend -> client: translate the source back to the VIP and port the
  * client used (and, for SNAT, the destination back to the client), and
@@ -741,6 +830,8 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 		return fluxvm_host_route(ctx, pkt, v6);
 	return TC_ACT_OK;
 }
+
+#endif /* FLUXVM_CTX_SKB */
 
 /* fluxvm_lb_reply_ew found no flow through the slots of the backend's
  * fluxvm_be2fe entry: the flow may have a stored reverse-NAT half (a

@@ -1,0 +1,89 @@
+//go:build ignore
+
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * fluxvm_service_xdp: the north-south XDP object of the FluxVM Service
+ * Fabric, on the same maps as the TC object (fluxvm_service.bpf.c) and the
+ * same feature headers, over the XDP context layer (lib/ctx/xdp.h).
+ *
+ * It takes the forward path of north-south VIPs off the stack: parse ->
+ * frontend -> guard -> conntrack affinity or Maglev -> learn (conntrack
+ * and the SNAT mapping, exactly as TC learns them) -> FIB lookup of the
+ * translated packet -> DNAT and SNAT (or routed DSR), checksums, MACs and
+ * TTL -> XDP_TX or a redirect. What it does not finish goes on to the
+ * stack byte for byte untouched, and the TC programs serve it by the same
+ * flow state:
+ *   - no FIB answer or no neighbour yet (xdp_pass_no_route): XDP cannot
+ *     resolve a neighbour; Cilium drops here, we pass;
+ *   - fragments to a VIP (xdp_pass_fragment): TC drops them, with the
+ *     reason counted;
+ *   - everything that is no TCP or UDP packet of a north-south VIP: ICMP
+ *     errors (TC translates them), replies to the SNAT address (TC's
+ *     reply path), packets of no service.
+ * A packet XDP translated leaves by XDP_TX or a redirect and never reaches
+ * the TC hooks of this interface, so it is never translated twice; one it
+ * passed is untouched, so TC translates it once. XDP never paces (EDT is a
+ * TC egress feature).
+ */
+#define FLUXVM_CTX_XDP 1
+
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/counters.h"
+#include "lib/parse.h"
+#include "lib/lb.h"
+
+/* The IPv6 and DSR paths as global functions, as in the TC object:
+ * verified once each; the IPv4 SNAT path stays inline (the hot one). */
+__attribute__((noinline)) int fluxvm_xdp_snat6(struct xdp_md *ctx, struct fluxvm_pkt *pkt,
+					       __u32 sid, __u32 flags)
+{
+	if (!pkt)
+		return XDP_PASS;
+	return fluxvm_lb_snat(ctx, pkt, 1, sid, flags);
+}
+
+__attribute__((noinline)) int fluxvm_xdp_dsr4(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid)
+{
+	if (!pkt)
+		return XDP_PASS;
+	return fluxvm_lb_dsr(ctx, pkt, 0, sid);
+}
+
+__attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid)
+{
+	if (!pkt)
+		return XDP_PASS;
+	return fluxvm_lb_dsr(ctx, pkt, 1, sid);
+}
+
+SEC("xdp")
+int fluxvm_xdp_ns(struct xdp_md *ctx)
+{
+	struct fluxvm_pkt pkt = {};
+	struct fluxvm_svc_value *svc;
+	__u32 sid = 0, flags = 0;
+	int verdict, v6;
+
+	if (!fluxvm_parse_counted(ctx, &pkt))
+		return XDP_PASS;
+	if (pkt.l4_proto != IPPROTO_TCP && pkt.l4_proto != IPPROTO_UDP)
+		return XDP_PASS;
+	v6 = pkt.l3_proto != ETH_P_IP;
+	if (pkt.frag != FLUXVM_FRAG_NONE) {
+		svc = fluxvm_frontend(&pkt, v6, 0);
+		if (svc && fluxvm_svc_here(svc, FLUXVM_EDGE_NS))
+			fluxvm_count(FLUXVM_CNT_XDP_PASS_FRAGMENT);
+		return XDP_PASS;
+	}
+	switch (fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict)) {
+	case FLUXVM_LB_SNAT:
+		return v6 ? fluxvm_xdp_snat6(ctx, &pkt, sid, flags) : fluxvm_lb_snat(ctx, &pkt, 0, sid, flags);
+	case FLUXVM_LB_DSR:
+		return v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid) : fluxvm_xdp_dsr4(ctx, &pkt, sid);
+	default:
+		return XDP_PASS;
+	}
+}
+
+char _license[] SEC("license") = "Dual BSD/GPL";

@@ -1,0 +1,258 @@
+package bpf
+
+import (
+	"bytes"
+	"net/netip"
+	"reflect"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+)
+
+// XDP verdicts as Program.Run reports them.
+const (
+	xdpDrop     = 1
+	xdpPass     = 2
+	xdpTX       = 3
+	xdpRedirect = 4
+)
+
+// newXDP loads the north-south XDP object on the harness's maps, as the
+// loader shares the TC object's maps with it.
+func newXDP(t *testing.T, h *harness) *ebpf.Program {
+	t.Helper()
+	spec, err := loadServiceXdp()
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps := map[string]*ebpf.Map{}
+	mv := reflect.ValueOf(h.objs.serviceMaps)
+	for i := range mv.NumField() {
+		if m, ok := mv.Field(i).Interface().(*ebpf.Map); ok && m != nil {
+			maps[mv.Type().Field(i).Tag.Get("ebpf")] = m
+		}
+	}
+	repl := map[string]*ebpf.Map{}
+	for name, ms := range spec.Maps {
+		if m := maps[name]; m != nil {
+			ms.MaxEntries = m.MaxEntries()
+			repl[name] = m
+		}
+	}
+	var objs serviceXdpObjects
+	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: repl}); err != nil {
+		t.Fatalf("load the XDP object: %v", err)
+	}
+	t.Cleanup(func() { objs.Close() })
+	return objs.FluxvmXdpNs
+}
+
+// runXDP runs the XDP program on frame as if it arrived on ifindex.
+func (h *harness) runXDP(prog *ebpf.Program, frame []byte, ifindex int) (uint32, []byte) {
+	h.t.Helper()
+	type xdpMD struct{ Data, DataEnd, DataMeta, IngressIfindex, RxQueueIndex, EgressIfindex uint32 }
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Context: xdpMD{DataEnd: uint32(len(frame)), IngressIfindex: uint32(ifindex)}, Repeat: 1}
+	var ret uint32
+	var err error
+	h.th.Do(func() { ret, err = prog.Run(&opts) })
+	if err != nil {
+		h.t.Fatalf("run: %v", err)
+	}
+	return ret, opts.DataOut
+}
+
+// TestXDPNorthSouth: the XDP object on the TC object's maps, packets
+// arriving on the FIB lab's "in" interface. A new flow and then its
+// established packets are translated exactly as TC translates them (DNAT
+// and SNAT, the SNAT port the client's own), get the next hop's MACs and
+// one less TTL, and leave by a redirect to "out"; the flow's conntrack
+// entry and SNAT mapping are TC's. What XDP cannot finish passes byte for
+// byte untouched and TC finishes it by the same flow state: a backend
+// without a route or without a known neighbour, a fragment. A closed guard
+// and a service without an eligible backend drop with their reasons, and
+// traffic of no service passes.
+func TestXDPNorthSouth(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	xdp := newXDP(t, h)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			client := v.clientAt(snatMin) // in the SNAT range: the mapping keeps it
+			snatted := netip.AddrPortFrom(v.snatAddr(), snatMin)
+			before := h.counters()
+			for i, f := range []pkt.TCPFlags{pkt.SYN, pkt.ACK, pkt.ACK} {
+				in := v.frame(client, v.vip, f)
+				ret, out := h.runXDP(xdp, in, l.in)
+				want := l.forwarded(v.frame(snatted, v.backends[0], f), l.nbr)
+				if ret != xdpRedirect || !bytes.Equal(out, want) {
+					t.Fatalf("packet %d: verdict %d\n got %x\nwant %x", i, ret, out, want)
+				}
+				if err := pkt.VerifyChecksums(out); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ct, ok := h.ct(tuple{client, v.vip, v.proto})
+			if !ok || ct.Flags != CTFlagSNAT || ct.BackendId != 1 || Port(ct.NatPort) != snatMin {
+				t.Fatalf("conntrack %+v (present %v), want SNAT on backend 1, port %d", ct, ok, snatMin)
+			}
+			if _, ok := h.nat(v.snatKey(v.backends[0], snatMin)); !ok {
+				t.Fatal("no SNAT mapping")
+			}
+			if got := h.counters()[CounterXDPTranslated] - before[CounterXDPTranslated]; got != 3 {
+				t.Errorf("xdp_translated +%d, want +3", got)
+			}
+			if st := h.stats(sid); st.NewFlows != 1 || st.Packets != 3 {
+				t.Errorf("stats %+v, want 1 new flow, 3 packets", st)
+			}
+
+			// A backend with a route but no known neighbour (2), and one
+			// without a route (3): passed untouched, the flow learned;
+			// TC then translates the same packet by that state.
+			for _, b := range []uint32{2, 3} {
+				h.table(sid, h.fill(b))
+				c := v.clientAt(snatMin + uint16(b))
+				in := v.frame(c, v.vip, pkt.SYN)
+				before := h.counters()
+				ret, out := h.runXDP(xdp, in, l.in)
+				if ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
+					t.Fatalf("backend %d: verdict %d, packet %x: want XDP_PASS, untouched", b, ret, out)
+				}
+				if got := h.counters()[CounterXDPPassNoRoute] - before[CounterXDPPassNoRoute]; got != 1 {
+					t.Errorf("backend %d: xdp_pass_no_route +%d, want +1", b, got)
+				}
+				ret, out = h.run(h.objs.FluxvmNsIn, in)
+				want := v.frame(netip.AddrPortFrom(v.snatAddr(), c.Port()), v.backends[b-1], pkt.SYN)
+				if ret != tcOK || !bytes.Equal(out[:len(want)], want) {
+					t.Fatalf("backend %d: TC after XDP: verdict %d\n got %x\nwant %x", b, int32(ret), out, want)
+				}
+			}
+
+			// Fragments go to TC, which drops them with the reason.
+			h.table(sid, h.fill(1))
+			frag := v.fwd(41000, pkt.SYN)
+			if v.vip.Addr().Is4() {
+				frag = pkt.SetIPv4Frag(frag, 0, true)
+			} else {
+				frag = pkt.IPv6Ext(frag, pkt.Fragment(0, true))
+			}
+			before = h.counters()
+			if ret, out := h.runXDP(xdp, frag, l.in); ret != xdpPass || !bytes.Equal(out[:len(frag)], frag) {
+				t.Fatalf("fragment: verdict %d, want XDP_PASS untouched", ret)
+			}
+			if got := h.counters()[CounterXDPPassFragment] - before[CounterXDPPassFragment]; got != 1 {
+				t.Errorf("xdp_pass_fragment +%d, want +1", got)
+			}
+
+			// Traffic of no service passes; the guard and an empty
+			// table drop with their reasons.
+			other := v.frame(client, netip.AddrPortFrom(v.other, 80), pkt.SYN)
+			if ret, out := h.runXDP(xdp, other, l.in); ret != xdpPass || !bytes.Equal(out[:len(other)], other) {
+				t.Fatalf("no service: verdict %d, want XDP_PASS untouched", ret)
+			}
+			for _, tc := range []struct {
+				name   string
+				set    func()
+				reason DropReason
+			}{
+				{"guard closed", func() { h.guard(sid, 0) }, DropGuardClosed},
+				{"no eligible backend", func() { h.guard(sid, GuardOpen); h.noTable(sid) }, DropNoBackend},
+			} {
+				tc.set()
+				d := h.drops()
+				if ret, _ := h.runXDP(xdp, v.fwd(42000, pkt.SYN), l.in); ret != xdpDrop || h.drops()[tc.reason]-d[tc.reason] != 1 {
+					t.Errorf("%s: verdict %d, %s +%d; want XDP_DROP, +1", tc.name, ret, tc.reason, h.drops()[tc.reason]-d[tc.reason])
+				}
+			}
+		})
+	}
+}
+
+// TestXDPMatchesTC: the same packet sequence through XDP and through TC's
+// fluxvm_ns_in, each on a fresh datapath, leaves the same L3 and L4 bytes
+// and the same flow state (conntrack entry, SNAT mapping), timestamps
+// aside. XDP adds only the L2 header and TTL of the route it sends on.
+func TestXDPMatchesTC(t *testing.T) {
+	hx, ht := newHarness(t), newHarness(t)
+	l := newFIBLab(t, hx)
+	xdp := newXDP(t, hx)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			hx.reset()
+			ht.reset()
+			for _, h := range []*harness{hx, ht} {
+				v.nsSetup(h, 0)
+			}
+			// Client ports in the SNAT range keep their port: the mapping is
+			// deterministic (a taken candidate would be retried at random).
+			clients := []netip.AddrPort{v.clientAt(snatMin), v.clientAt(snatMin + 1), v.clientAt(snatMin + 2)}
+			for _, c := range clients {
+				for _, f := range []pkt.TCPFlags{pkt.SYN, pkt.ACK} {
+					in := v.frame(c, v.vip, f)
+					rx, ox := hx.runXDP(xdp, in, l.in)
+					rt, ot := ht.run(ht.objs.FluxvmNsIn, in)
+					if rx != xdpRedirect || rt != tcOK {
+						t.Fatalf("%s: verdicts XDP %d, TC %d", c, rx, int32(rt))
+					}
+					// XDP's frame is TC's with the route's MACs and
+					// one less TTL.
+					if want := l.forwarded(ot[:len(in)], l.nbr); !bytes.Equal(ox[:len(in)], want) {
+						t.Fatalf("%s: XDP\n got %x\nwant %x (TC's, routed)", c, ox[:len(in)], want)
+					}
+				}
+				cx, okx := hx.ct(tuple{c, v.vip, v.proto})
+				ct, okt := ht.ct(tuple{c, v.vip, v.proto})
+				if !okx || !okt {
+					t.Fatalf("%s: conntrack present: XDP %v, TC %v", c, okx, okt)
+				}
+				cx.CreatedNs, cx.LastSeenNs, cx.DeadlineNs = 0, 0, 0
+				ct.CreatedNs, ct.LastSeenNs, ct.DeadlineNs = 0, 0, 0
+				if cx != ct {
+					t.Errorf("%s: conntrack XDP %+v, TC %+v", c, cx, ct)
+				}
+				k := v.snatKey(v.backends[0], Port(cx.NatPort))
+				nx, okx := hx.nat(k)
+				nt, okt := ht.nat(k)
+				nx.LastSeenNs, nt.LastSeenNs = 0, 0
+				if !okx || !okt || nx != nt {
+					t.Errorf("%s: SNAT mapping XDP %+v (%v), TC %+v (%v)", c, nx, okx, nt, okt)
+				}
+			}
+		})
+	}
+}
+
+// TestXDPDSR: routed DSR in XDP: the packet keeps the VIP, gets the next
+// hop's MACs and one less TTL and is redirected toward the backend; a
+// backend whose neighbour is not known yet is left to TC untouched.
+func TestXDPDSR(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	xdp := newXDP(t, h)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, SvcFlagDSR)
+			in := v.fwd(40000, pkt.SYN)
+			before := h.counters()
+			ret, out := h.runXDP(xdp, in, l.in)
+			if want := l.forwarded(in, l.nbr); ret != xdpRedirect || !bytes.Equal(out[:len(in)], want) {
+				t.Fatalf("verdict %d\n got %x\nwant %x", ret, out, want)
+			}
+			if got := h.counters()[CounterDSRForwarded] - before[CounterDSRForwarded]; got != 1 {
+				t.Errorf("dsr_forwarded +%d, want +1", got)
+			}
+			if ct, ok := h.ct(v.flow(40000)); !ok || ct.Flags != CTFlagDSR || ct.BackendId != 1 {
+				t.Fatalf("conntrack %+v (present %v), want DSR on backend 1", ct, ok)
+			}
+			h.table(sid, h.fill(2))
+			in = v.fwd(40001, pkt.SYN)
+			if ret, out := h.runXDP(xdp, in, l.in); ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
+				t.Fatalf("no neighbour: verdict %d, want XDP_PASS untouched", ret)
+			}
+		})
+	}
+}

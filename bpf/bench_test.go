@@ -152,6 +152,7 @@ type benchCase struct {
 	metric string
 	prog   *ebpf.Program
 	frame  func(i int) []byte
+	ctx    []byte // the program's context (BPF_PROG_TEST_RUN ctx_in), or nil
 	want   uint32
 	sum    time.Duration
 	n      int
@@ -168,19 +169,30 @@ type benchCase struct {
 // object against itself came out 7-8% slower when always run first).
 func measureInterleaved(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool) {
 	b.Helper()
+	measureInterleavedOn(b, th, calls, cases, pairs, ebpf.SchedCLS)
+}
+
+// measureInterleavedOn is measureInterleaved with a floor of program type
+// floorType (an empty XDP program for XDP cases).
+func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool, floorType ebpf.ProgramType) {
+	b.Helper()
 	const blocks = 20
 	per := calls / blocks
+	floorRet, floorName := int32(-1), "floor (empty TC program)"
+	if floorType == ebpf.XDP {
+		floorRet, floorName = xdpPass, "floor (empty XDP program)"
+	}
 	empty, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Type:         ebpf.SchedCLS,
+		Type:         floorType,
 		License:      "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, floorRet), asm.Return()},
 	})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer empty.Close()
 	floorFrame := make([]byte, 64)
-	cases = append([]*benchCase{{name: "floor (empty TC program)", prog: empty, frame: func(int) []byte { return floorFrame }, want: tcNext}}, cases...)
+	cases = append([]*benchCase{{name: floorName, prog: empty, frame: func(int) []byte { return floorFrame }, want: uint32(floorRet)}}, cases...)
 
 	// Prebuild inputs so that building them is not measured.
 	inputs := make([][][]byte, len(cases))
@@ -208,7 +220,11 @@ func measureInterleaved(b *testing.B, th *testenv.Thread, calls int, cases []*be
 			th.Do(func() {
 				for i := blk * per; i < (blk+1)*per; i++ {
 					var d time.Duration
-					ret, d, err = c.prog.Benchmark(inputs[ci][i], 1, nil)
+					if c.ctx != nil {
+						ret, d, err = progTestRun(c.prog, inputs[ci][i], c.ctx)
+					} else {
+						ret, d, err = c.prog.Benchmark(inputs[ci][i], 1, nil)
+					}
 					if err != nil || ret != c.want {
 						return
 					}

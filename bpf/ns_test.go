@@ -411,7 +411,7 @@ type fibLab struct {
 	outMAC, nbr net.HardwareAddr
 }
 
-func newFIBLab(t *testing.T, h *harness) fibLab {
+func newFIBLab(t testing.TB, h *harness) fibLab {
 	t.Helper()
 	l := fibLab{nbr: net.HardwareAddr{0x02, 0xfb, 0, 0, 0, 0x01}}
 	h.th.Do(func() {

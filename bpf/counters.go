@@ -48,6 +48,9 @@ const (
 	CounterXDPTranslated   = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED)
 	CounterXDPPassNoRoute  = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE)
 	CounterXDPPassFragment = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT)
+	// CounterXDPPassEgress counts VIP packets XDP left to the stack
+	// because their route leaves by an interface not in fluxvm_xdp_tx.
+	CounterXDPPassEgress = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_EGRESS)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -75,6 +78,7 @@ var counterNames = [NumCounters]string{
 	CounterXDPTranslated:        "xdp_translated",
 	CounterXDPPassNoRoute:       "xdp_pass_no_route",
 	CounterXDPPassFragment:      "xdp_pass_fragment",
+	CounterXDPPassEgress:        "xdp_pass_egress",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

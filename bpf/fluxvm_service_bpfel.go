@@ -102,7 +102,8 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED         serviceFluxvmCounter = 18
 	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE      serviceFluxvmCounter = 19
 	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT      serviceFluxvmCounter = 20
-	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 21
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_EGRESS        serviceFluxvmCounter = 21
+	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 22
 )
 
 type serviceFluxvmCtFlags uint32

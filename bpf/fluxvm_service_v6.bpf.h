@@ -55,7 +55,8 @@ enum fluxvm_counter {
 	FLUXVM_CNT_XDP_TRANSLATED = 18, /* XDP: a VIP packet translated (or DSR-routed) and sent */
 	FLUXVM_CNT_XDP_PASS_NO_ROUTE = 19, /* XDP: a VIP packet left to the stack: no FIB answer or neighbour */
 	FLUXVM_CNT_XDP_PASS_FRAGMENT = 20, /* XDP: a fragment to a VIP left to the stack */
-	FLUXVM_CNT_MAX = 21,
+	FLUXVM_CNT_XDP_PASS_EGRESS = 21, /* XDP: a VIP packet left to the stack: its route leaves by an interface XDP may not send on */
+	FLUXVM_CNT_MAX = 22,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */

@@ -17,9 +17,20 @@
  *     resolve a neighbour; Cilium drops here, we pass;
  *   - fragments to a VIP (xdp_pass_fragment): TC drops them, with the
  *     reason counted;
+ *   - a route out of an interface XDP may not send on (xdp_pass_egress):
+ *     the loader lists in fluxvm_xdp_tx the devices that take XDP frames;
  *   - everything that is no TCP or UDP packet of a north-south VIP: ICMP
  *     errors (TC translates them), replies to the SNAT address (TC's
  *     reply path), packets of no service.
+ * The parser's counters count a packet once: here if XDP finishes it,
+ * else in TC.
+ *
+ * Known limits of this first part (issue 17): every packet takes a FIB
+ * lookup (a next-hop cache is next); XDP forwards by the FIB as TC's
+ * host_routing does, so the stack's forwarding path (netfilter FORWARD,
+ * egress qdiscs) is bypassed for what XDP sends; a frame whose VLAN tag
+ * the driver moved to metadata, or a veth frame still CHECKSUM_PARTIAL,
+ * is not told apart here (the loader must keep XDP off such interfaces).
  * A packet XDP translated leaves by XDP_TX or a redirect and never reaches
  * the TC hooks of this interface, so it is never translated twice; one it
  * passed is untouched, so TC translates it once. XDP never paces (EDT is a
@@ -65,7 +76,10 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 	__u32 sid = 0, flags = 0;
 	int verdict, v6;
 
-	if (!fluxvm_parse_counted(ctx, &pkt))
+	/* Parsed without counting: a packet XDP passes is parsed and counted
+	 * again by TC; the parser's counters count it once, where it is
+	 * finished. */
+	if (fluxvm_parse(ctx, &pkt) != FLUXVM_PARSE_OK)
 		return XDP_PASS;
 	if (pkt.l4_proto != IPPROTO_TCP && pkt.l4_proto != IPPROTO_UDP)
 		return XDP_PASS;
@@ -78,12 +92,17 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 	}
 	switch (fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict)) {
 	case FLUXVM_LB_SNAT:
-		return v6 ? fluxvm_xdp_snat6(ctx, &pkt, sid, flags) : fluxvm_lb_snat(ctx, &pkt, 0, sid, flags);
+		verdict = v6 ? fluxvm_xdp_snat6(ctx, &pkt, sid, flags) : fluxvm_lb_snat(ctx, &pkt, 0, sid, flags);
+		break;
 	case FLUXVM_LB_DSR:
-		return v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid) : fluxvm_xdp_dsr4(ctx, &pkt, sid);
+		verdict = v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid) : fluxvm_xdp_dsr4(ctx, &pkt, sid);
+		break;
 	default:
 		return XDP_PASS;
 	}
+	if (verdict != XDP_PASS)
+		fluxvm_count_parse(FLUXVM_PARSE_OK, &pkt);
+	return verdict;
 }
 
 char _license[] SEC("license") = "Dual BSD/GPL";

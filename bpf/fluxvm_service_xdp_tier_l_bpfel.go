@@ -35,6 +35,7 @@ const (
 	serviceXdpTierLMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceXdpTierLMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceXdpTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
+	serviceXdpTierLMapFluxvmXdpTx       = "fluxvm_xdp_tx"
 	serviceXdpTierLProgFluxvmXdpNs      = "fluxvm_xdp_ns"
 )
 
@@ -106,6 +107,7 @@ type serviceXdpTierLMapSpecs struct {
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmXdpTx       *ebpf.MapSpec `ebpf:"fluxvm_xdp_tx"`
 }
 
 // serviceXdpTierLVariableSpecs contains global variables before they are loaded into the kernel.
@@ -153,6 +155,7 @@ type serviceXdpTierLMaps struct {
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmXdpTx       *ebpf.Map `ebpf:"fluxvm_xdp_tx"`
 }
 
 func (m *serviceXdpTierLMaps) Close() error {
@@ -176,6 +179,7 @@ func (m *serviceXdpTierLMaps) Close() error {
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,
+		m.FluxvmXdpTx,
 	)
 }
 

@@ -35,6 +35,7 @@ const (
 	serviceXdpTierSMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceXdpTierSMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceXdpTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
+	serviceXdpTierSMapFluxvmXdpTx       = "fluxvm_xdp_tx"
 	serviceXdpTierSProgFluxvmXdpNs      = "fluxvm_xdp_ns"
 )
 
@@ -106,6 +107,7 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmXdpTx       *ebpf.MapSpec `ebpf:"fluxvm_xdp_tx"`
 }
 
 // serviceXdpTierSVariableSpecs contains global variables before they are loaded into the kernel.
@@ -153,6 +155,7 @@ type serviceXdpTierSMaps struct {
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmXdpTx       *ebpf.Map `ebpf:"fluxvm_xdp_tx"`
 }
 
 func (m *serviceXdpTierSMaps) Close() error {
@@ -176,6 +179,7 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,
+		m.FluxvmXdpTx,
 	)
 }
 

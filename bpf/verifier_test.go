@@ -63,7 +63,7 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 	// The north-south XDP object (issue 17): its one program, with the
 	// IPv6 SNAT and the DSR paths as global functions.
 	"fluxvm_service_xdp": {
-		"fluxvm_xdp_ns": {insns: 43_000, stack: 496}, // 35929 insns; 448 bytes (xdp_snat6 chain)
+		"fluxvm_xdp_ns": {insns: 46_000, stack: 496}, // 38106 insns; 448 bytes (xdp_snat6 chain)
 	},
 }
 

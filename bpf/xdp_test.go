@@ -26,8 +26,13 @@ const (
 )
 
 // newXDP loads the north-south XDP object on the harness's maps, as the
-// loader shares the TC object's maps with it.
-func newXDP(t testing.TB, h *harness) *ebpf.Program {
+// loader shares the TC object's maps with it, and lets it send on the
+// interfaces allow names (its fluxvm_xdp_tx, which the loader fills).
+func newXDP(t testing.TB, h *harness, allow ...int) *ebpf.Program {
+	return newXDPObjects(t, h, allow...).FluxvmXdpNs
+}
+
+func newXDPObjects(t testing.TB, h *harness, allow ...int) *serviceXdpObjects {
 	t.Helper()
 	spec, err := loadServiceXdp()
 	if err != nil {
@@ -52,7 +57,15 @@ func newXDP(t testing.TB, h *harness) *ebpf.Program {
 		t.Fatalf("load the XDP object: %v", err)
 	}
 	t.Cleanup(func() { objs.Close() })
-	return objs.FluxvmXdpNs
+	// A devmap names devices of the writer's namespace: the harness's.
+	for _, ifindex := range allow {
+		var err error
+		h.th.Do(func() { err = objs.FluxvmXdpTx.Put(uint32(ifindex), uint32(ifindex)) })
+		if err != nil {
+			t.Fatalf("fluxvm_xdp_tx: %v", err)
+		}
+	}
+	return &objs
 }
 
 // runXDP runs the XDP program on frame as if it arrived on ifindex.
@@ -82,7 +95,8 @@ func (h *harness) runXDP(prog *ebpf.Program, frame []byte, ifindex int) (uint32,
 func TestXDPNorthSouth(t *testing.T) {
 	h := newHarness(t)
 	l := newFIBLab(t, h)
-	xdp := newXDP(t, h)
+	objs := newXDPObjects(t, h, l.out)
+	xdp := objs.FluxvmXdpNs
 	for _, v := range variants() {
 		t.Run(v.name, func(t *testing.T) {
 			h.reset()
@@ -159,6 +173,22 @@ func TestXDPNorthSouth(t *testing.T) {
 			if ret, out := h.runXDP(xdp, other, l.in); ret != xdpPass || !bytes.Equal(out[:len(other)], other) {
 				t.Fatalf("no service: verdict %d, want XDP_PASS untouched", ret)
 			}
+			// A route out of an interface XDP may not send on: passed.
+			h.th.Do(func() { h.must(objs.FluxvmXdpTx.Delete(uint32(l.out))) })
+			before = h.counters()
+			if in := v.fwd(43000, pkt.SYN); true {
+				if ret, out := h.runXDP(xdp, in, l.in); ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
+					t.Fatalf("egress not allowed: verdict %d, want XDP_PASS untouched", ret)
+				}
+			}
+			if got := h.counters()[CounterXDPPassEgress] - before[CounterXDPPassEgress]; got != 1 {
+				t.Errorf("xdp_pass_egress +%d, want +1", got)
+			}
+			h.th.Do(func() { h.must(objs.FluxvmXdpTx.Put(uint32(l.out), uint32(l.out))) })
+			// The parser's counters count a packet once: XDP counted
+			// the ones it finished (here, 3 and the drops below), not
+			// those it passed.
+
 			for _, tc := range []struct {
 				name   string
 				set    func()
@@ -184,7 +214,7 @@ func TestXDPNorthSouth(t *testing.T) {
 func TestXDPMatchesTC(t *testing.T) {
 	hx, ht := newHarness(t), newHarness(t)
 	l := newFIBLab(t, hx)
-	xdp := newXDP(t, hx)
+	xdp := newXDP(t, hx, l.out)
 	for _, v := range variants() {
 		t.Run(v.name, func(t *testing.T) {
 			hx.reset()
@@ -237,7 +267,7 @@ func TestXDPMatchesTC(t *testing.T) {
 func TestXDPDSR(t *testing.T) {
 	h := newHarness(t)
 	l := newFIBLab(t, h)
-	xdp := newXDP(t, h)
+	xdp := newXDP(t, h, l.out)
 	for _, v := range variants() {
 		t.Run(v.name, func(t *testing.T) {
 			h.reset()
@@ -276,7 +306,7 @@ func BenchmarkXDP(b *testing.B) {
 	calls := benchCalls(b)
 	h := newHarnessSized(b, 0)
 	l := newFIBLab(b, h)
-	xdp := newXDP(b, h)
+	xdp := newXDP(b, h, l.out)
 	v4 := variants()[0]
 	v4.setup(h)
 	h.svcFlags(sid, v4.vip, v4.proto, SvcFlagNorthSouth|SvcFlagNoEastWest)

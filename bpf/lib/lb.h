@@ -191,11 +191,34 @@ static __always_inline int fluxvm_host_route(struct __ctx_buff *ctx,
  * resolve it) the packet goes on to the stack untouched, where TC serves
  * it by the same flow state, and this returns -1.
  */
+/*
+ * The interfaces XDP may send on (by ifindex), written by the loader: only
+ * devices that take XDP frames (a redirect goes through the target's
+ * ndo_xdp_xmit, and a device that refuses, such as a veth whose peer runs
+ * no XDP program, drops the frame silently after we learned and counted
+ * it). A route out of any other interface, or back out of an uplink that
+ * is not listed, leaves the packet to the stack. Empty: XDP sends nothing
+ * and passes every packet to TC.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_DEVMAP_HASH);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(max_entries, FLUXVM_MAX_EDGES);
+} fluxvm_xdp_tx SEC(".maps");
+
 static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
 					    const int v6, const __be32 *src, const __be32 *dst)
 {
+	struct fluxvm_scratch *s;
+
 	if (fluxvm_fib_lookup(ctx, pkt, v6, src, dst) != BPF_FIB_LKUP_RET_SUCCESS) {
 		fluxvm_count(FLUXVM_CNT_XDP_PASS_NO_ROUTE);
+		return -1;
+	}
+	s = fluxvm_scratch_get();
+	if (!s || !bpf_map_lookup_elem(&fluxvm_xdp_tx, &s->fib.ifindex)) {
+		fluxvm_count(FLUXVM_CNT_XDP_PASS_EGRESS);
 		return -1;
 	}
 	return 0;
@@ -203,7 +226,8 @@ static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct
 
 /* XDP: after fluxvm_xdp_route and the L3/L4 rewrite, the frame's MACs and
  * TTL, then out: back through the interface it came in on (XDP_TX) or to
- * another one. Negative when the frame could not be written. */
+ * another one, both listed in fluxvm_xdp_tx. Negative when the frame could
+ * not be written. */
 static __always_inline int fluxvm_xdp_send(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
 					   const int v6)
 {
@@ -214,7 +238,9 @@ static __always_inline int fluxvm_xdp_send(struct __ctx_buff *ctx, const struct 
 	fluxvm_count(FLUXVM_CNT_XDP_TRANSLATED);
 	if (s->fib.ifindex == ctx_ifindex(ctx))
 		return XDP_TX;
-	return bpf_redirect(s->fib.ifindex, 0);
+	/* The entry was there a moment ago; if the loader removed it since,
+	 * the translated packet goes to the stack, which forwards it. */
+	return bpf_redirect_map(&fluxvm_xdp_tx, s->fib.ifindex, XDP_PASS);
 }
 
 /* Routed DSR in XDP: routed toward the backend as it is (it keeps the
@@ -833,6 +859,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 
 #endif /* FLUXVM_CTX_SKB */
 
+#ifdef FLUXVM_CTX_SKB
 /* fluxvm_lb_reply_ew found no flow through the slots of the backend's
  * fluxvm_be2fe entry: the flow may have a stored reverse-NAT half (a
  * frontend past the slots, a flow of generation 3, or one whose conntrack
@@ -892,5 +919,6 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
 	return TC_ACT_OK;
 }
+#endif /* FLUXVM_CTX_SKB */
 
 #endif /* FLUXVM_LIB_LB_H */

@@ -3,6 +3,7 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"net"
 	"net/netip"
 	"reflect"
 	"runtime"
@@ -13,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
@@ -387,4 +389,53 @@ func progTestRun(prog *ebpf.Program, data, ctx []byte) (uint32, time.Duration, e
 		return 0, 0, errno
 	}
 	return attr.Retval, time.Duration(attr.Duration), nil
+}
+
+// TestXDPTx: a backend routed back out of the interface the packet came in
+// on (a remote backend behind the uplink) gets XDP_TX, with that
+// interface's MAC as the source.
+func TestXDPTx(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	xdp := newXDP(t, h, l.in)
+	var inMAC net.HardwareAddr
+	h.th.Do(func() {
+		in, err := netlink.LinkByIndex(l.in)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		inMAC = in.Attrs().HardwareAddr
+		for _, v := range []variant{variants()[0], variants()[2]} {
+			b := v.backends[2] // no route in the lab: routed via "in" here
+			bits := 32
+			if !b.Addr().Is4() {
+				bits = 128
+			}
+			if err := netlink.RouteAdd(&netlink.Route{LinkIndex: l.in, Dst: &net.IPNet{IP: b.Addr().AsSlice(), Mask: net.CIDRMask(bits, bits)}}); err != nil {
+				t.Error(err)
+			}
+			if err := netlink.NeighAdd(&netlink.Neigh{LinkIndex: l.in, State: netlink.NUD_PERMANENT, IP: b.Addr().AsSlice(), HardwareAddr: l.nbr}); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	if t.Failed() {
+		t.FailNow()
+	}
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			h.table(sid, h.fill(3))
+			c := v.clientAt(snatMin)
+			in := v.frame(c, v.vip, pkt.SYN)
+			ret, out := h.runXDP(xdp, in, l.in)
+			want := l.forwarded(v.frame(netip.AddrPortFrom(v.snatAddr(), snatMin), v.backends[2], pkt.SYN), l.nbr)
+			copy(want[6:12], inMAC)
+			if ret != xdpTX || !bytes.Equal(out[:len(want)], want) {
+				t.Fatalf("verdict %d\n got %x\nwant %x", ret, out, want)
+			}
+		})
+	}
 }

@@ -263,6 +263,26 @@ func (d *Datapath) pinnedXDP(l link.Link, index int) (bool, XDPMode) {
 	return true, mode
 }
 
+// CheckXDP fails with ErrForeignProgram, naming the program, when the
+// interface runs an XDP program that is not ours, which AttachXDP would
+// refuse; nil when it runs none or ours. A caller attaching several
+// programs to an interface checks first, so that it attaches none of
+// them where XDP will be refused.
+func (d *Datapath) CheckXDP(ifc Interface) error {
+	name, index, err := ifc.resolve()
+	if err != nil {
+		return err
+	}
+	if l, err := link.LoadPinnedLink(d.xdpPin(index), nil); err == nil {
+		ours, _ := d.pinnedXDP(l, index)
+		l.Close()
+		if ours {
+			return nil
+		}
+	}
+	return foreignXDP(name, index)
+}
+
 // XDPMode reports the mode our XDP link runs in on the interface:
 // XDPNative, XDPGeneric, or XDPOff when none of ours is attached there
 // (a foreign program does not count).

@@ -282,18 +282,22 @@ func parseLinkPin(name string) (int, Hook, bool) {
 }
 
 // updateLinks points every pinned link at the freshly loaded program of
-// its hook and returns the names of the links it updated.
+// its hook (a TC hook, or the north-south XDP program for an xdp_<ifindex>
+// link) and returns the names of the links it updated.
 func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 	entries, err := os.ReadDir(linkDir(d.opts.PinRoot))
 	if err != nil {
 		return nil, nil, fmt.Errorf("bpf: open: %w", err)
 	}
 	for _, e := range entries {
-		_, hook, ok := parseLinkPin(e.Name())
-		if !ok {
+		var prog *ebpf.Program
+		if _, hook, ok := parseLinkPin(e.Name()); ok {
+			prog = d.hookProgram(hook)
+		} else if _, ok := parseXDPPin(e.Name()); ok {
+			prog = d.xprogs.FluxvmXdpNs
+		} else {
 			continue
 		}
-		prog := d.hookProgram(hook)
 		pin := filepath.Join(linkDir(d.opts.PinRoot), e.Name())
 		l, err := link.LoadPinnedLink(pin, nil)
 		if err != nil {
@@ -301,8 +305,8 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 		}
 		err = l.Update(prog)
 		if errors.Is(err, unix.ENOLINK) {
-			// The interface went away (the kernel severs a TCX link
-			// when its device is deleted): nothing to update, and the
+			// The interface went away (the kernel severs a TCX or
+			// XDP link when its device is deleted): nothing to update, and the
 			// pin only keeps a dead link alive.
 			err = l.Unpin()
 			l.Close()
@@ -326,6 +330,7 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 // the datapath. Nothing outside the pin root is touched.
 func (d *Datapath) Remove() error {
 	var errs []error
+	errs = append(errs, d.removeXDPLinks())
 	if as, err := d.Attachments(); err == nil {
 		for _, a := range as {
 			if a.Mode == AttachClsBPF {

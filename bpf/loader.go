@@ -164,6 +164,10 @@ type Datapath struct {
 	// Programs); the collection owns them.
 	maps  Maps
 	progs Programs
+	// xcoll is the north-south XDP object, loaded on coll's maps, and
+	// xprogs its programs, typed (XDPPrograms).
+	xcoll  *ebpf.Collection
+	xprogs XDPPrograms
 }
 
 // staged is the part of an Open that Activate completes.
@@ -328,6 +332,17 @@ func Open(opts Options) (*Datapath, error) {
 		d.Close()
 		return nil, fmt.Errorf("bpf: open: %w", err)
 	}
+	// The XDP program runs on the same maps: loaded with every program
+	// load (a restart, a reload, a tier change), and switched into its
+	// pinned links by Activate with the TC programs.
+	if d.xcoll, err = loadXDP(opts, coll); err != nil {
+		d.Close()
+		return nil, err
+	}
+	if err := assignTyped(&d.xprogs, d.xcoll); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("bpf: open: XDP object: %w", err)
+	}
 	if err := d.writeMeta(prev); err != nil {
 		d.Close()
 		return nil, err
@@ -425,6 +440,11 @@ func (d *Datapath) Close() error {
 		d.coll.Close()
 		d.coll = nil
 		d.maps, d.progs = Maps{}, Programs{}
+	}
+	if d.xcoll != nil {
+		d.xcoll.Close()
+		d.xcoll = nil
+		d.xprogs = XDPPrograms{}
 	}
 	if d.staged != nil {
 		for _, m := range d.staged.old {

@@ -166,6 +166,15 @@ type Config struct {
 	// Valid, unique interface names, none also a VM edge. Services with
 	// exposure north-south or both need at least one. Default none.
 	NorthSouthInterfaces []string `toml:"north_south_interfaces"`
+	// XDPMode puts the north-south XDP program on every north-south
+	// interface in front of the TC hooks: "off" (the default), "native"
+	// (in the driver), "generic" (any driver, after the skb is built) or
+	// "auto" (native, and generic where the driver refuses native).
+	// Packets XDP cannot finish pass to TC untouched (see
+	// docs/operations.md). An XDP program of another product on an
+	// interface is never replaced: attaching fails, naming it. "off"
+	// removes FluxVM's own XDP program where an earlier start attached it.
+	XDPMode bpf.XDPMode `toml:"xdp_mode"`
 	// SNATAddress is the source address of north-south NAT, so that
 	// backend replies return through this node: IPv4 or IPv6. With
 	// SNATAddressV6 set it must be the IPv4 one. Optional (north-south
@@ -199,6 +208,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		MapTier:               bpf.DefaultTier.String(),
+		XDPMode:               bpf.XDPOff,
 		PinRoot:               bpf.DefaultPinRoot,
 		CatalogPath:           DefaultCatalogPath,
 		AdvertisementsPath:    advert.DefaultPath,
@@ -405,7 +415,7 @@ func durationTypeErrorIn(table any, st reflect.Type, prefix string) *ValidationE
 // wants.
 func goTypeName(t string) string {
 	switch {
-	case t == "string" || t == "bpf.AttachMode":
+	case t == "string" || t == "bpf.AttachMode" || t == "bpf.XDPMode":
 		return "a string"
 	case t == "bool":
 		return "a boolean"
@@ -438,7 +448,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //     of seconds in 2s..168h;
 //   - vm_edge_interfaces: valid, unique interface names (1..15 characters),
 //     non-empty VM ids; north_south_interfaces: valid names, unique, none
-//     also a VM edge;
+//     also a VM edge; xdp_mode "off" (or empty), "native", "generic" or
+//     "auto";
 //   - snat_address: unset or a unicast IPv4 or IPv6 address (no zone, not
 //     loopback or link-local); snat_address_v6: unset or such an IPv6
 //     address, and then snat_address, if set, is IPv4;
@@ -537,6 +548,7 @@ func (c *Config) validate() error {
 			names[n] = at
 		}
 	}
+	c.validateXDP(bad)
 	c.validateSNAT(bad)
 	for _, e := range intent.CheckNode(c.Node()) {
 		bad(e.Kind, e.Field, "%s", e.Reason)
@@ -585,10 +597,20 @@ func (c *Config) checkNorthSouth() error {
 		cc.SNATPortMin, cc.SNATPortMax = DefaultSNATPortMin, DefaultSNATPortMax
 	}
 	var errs []error
-	cc.validateSNAT(func(category error, k, format string, args ...any) {
+	bad := func(category error, k, format string, args ...any) {
 		errs = append(errs, verr(category, configKey(k), format, args...))
-	})
+	}
+	cc.validateXDP(bad)
+	cc.validateSNAT(bad)
 	return errors.Join(errs...)
+}
+
+func (c *Config) validateXDP(bad func(category error, k, format string, args ...any)) {
+	switch c.XDPMode {
+	case "", bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto:
+	default:
+		bad(ErrInvalid, "xdp_mode", "%q is not an XDP mode (want %q, %q, %q or %q)", c.XDPMode, bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto)
+	}
 }
 
 // snatAddrProblem says what is wrong with a as an SNAT address, or "".

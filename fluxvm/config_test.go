@@ -71,6 +71,7 @@ tcp_rst_timeout = "5s"
 udp_timeout = "2m"
 vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }, { name = "tap-vm1b", vm_id = "vm-1" }]
 north_south_interfaces = ["uplink0", "uplink1"]
+xdp_mode = "auto"
 snat_address = "203.0.113.10"
 snat_address_v6 = "2001:db8:10::10"
 snat_port_min = 20000
@@ -100,6 +101,7 @@ edt_enabled = false
 		UDPTimeout:             Duration{2 * time.Minute},
 		VMEdgeInterfaces:       []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
 		NorthSouthInterfaces:   []string{"uplink0", "uplink1"},
+		XDPMode:                bpf.XDPAuto,
 		SNATAddress:            netip.MustParseAddr("203.0.113.10"),
 		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
 		SNATPortMin:            20000,
@@ -184,6 +186,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "pin_root the mount", doc: table + "pin_root = \"/sys/fs/bpf/\"\n", field: k("pin_root"), kind: ErrInvalid},
 		{name: "object_dir relative", doc: table + "object_dir = \"bpf\"\n", field: k("object_dir"), kind: ErrInvalid},
 		{name: "attach_mode unknown", doc: table + "attach_mode = \"xdp\"\n", field: k("attach_mode"), kind: ErrInvalid},
+		{name: "xdp_mode unknown", doc: table + "xdp_mode = \"driver\"\n", field: k("xdp_mode"), kind: ErrInvalid, reason: "\"driver\" is not an XDP mode (want \"off\", \"native\", \"generic\" or \"auto\")"},
+		{name: "xdp_mode upper case", doc: table + "xdp_mode = \"Native\"\n", field: k("xdp_mode"), kind: ErrInvalid},
+		{name: "xdp_mode a boolean", doc: table + "xdp_mode = true\n", field: k("xdp_mode"), kind: ErrMalformed, reason: "string"},
 		{name: "catalog_path relative", doc: table + "catalog_path = \"catalog.json\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "catalog_path empty", doc: table + "catalog_path = \"\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "advertisements_path relative", doc: table + "advertisements_path = \"adverts.json\"\n", field: k("advertisements_path"), kind: ErrInvalid, reason: "absolute"},
@@ -438,5 +443,27 @@ func TestLibraryReadsTheDaemonsFile(t *testing.T) {
 	doc := "[sandbox.dataplane.service]\nmap_teir = \"S\"\n[sandbox.dataplane.service.api]\nlisten = \"127.0.0.1:1\"\n"
 	if _, err := ParseConfig([]byte(doc)); !strings.Contains(fmt.Sprint(err), "map_teir: unknown key") {
 		t.Errorf("an unknown key beside the api table: %v", err)
+	}
+}
+
+// TestXDPModeOptions: xdp_mode reaches the dataplane options, and
+// NorthSouth.Validate refuses an unknown mode as the configuration does.
+func TestXDPModeOptions(t *testing.T) {
+	for _, m := range []bpf.XDPMode{bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto} {
+		c, err := ParseConfig([]byte("[sandbox.dataplane.service]\nxdp_mode = \"" + string(m) + "\"\n"))
+		if err != nil {
+			t.Fatalf("%s: %v", m, err)
+		}
+		if got := OptionsFrom(c).NorthSouth.XDPMode; got != m {
+			t.Errorf("OptionsFrom: xdp mode %q, want %q", got, m)
+		}
+	}
+	if err := (NorthSouth{}).Validate(); err != nil {
+		t.Errorf("empty mode: %v", err)
+	}
+	err := NorthSouth{XDPMode: "fast"}.Validate()
+	var ve *ValidationError
+	if !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.xdp_mode" {
+		t.Errorf("NorthSouth{XDPMode: fast}.Validate() = %v, want ErrInvalid on xdp_mode", err)
 	}
 }

@@ -173,6 +173,7 @@ type iface struct {
 	index           int
 	slot            uint32
 	hooks           []HookStatus
+	xdp             bpf.XDPMode // north-south: the XDP mode in force (XDPOff: none)
 	problem         string
 }
 
@@ -576,6 +577,16 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // that met no ingress hook of ours). It is idempotent. An interface that
 // is attached as a VM edge is a conflict (ErrConflict).
 //
+// With NorthSouth.XDPMode (xdp_mode) other than off, the north-south XDP
+// program is attached too, after the TC hooks, in that mode (auto: native,
+// else generic); InterfaceStatus.XDP says which mode is in force. An XDP
+// program of another product on the interface fails the call with an
+// error naming it (bpf.ErrForeignProgram) before anything is attached,
+// and stays attached. Should the XDP attach fail otherwise, the TC hooks
+// of an interface new to this Dataplane are detached again. With
+// xdp_mode off, an XDP program of ours left by an earlier start is
+// detached.
+//
 // The name then counts as configured in north_south_interfaces for the
 // validation of services (exposure north-south or both) for the rest of
 // the dataplane's life, also after RemoveInterface.
@@ -593,15 +604,79 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: it is the VM-edge interface of VM %s: %w", name, other.VMID, ErrConflict)
 	}
 	ifc := &iface{VMEdgeInterface: VMEdgeInterface{Name: name}, kind: InterfaceNorthSouth}
+	// A foreign XDP program is refused before anything is attached.
+	if d.xdpMode() != bpf.XDPOff {
+		if err := d.opts.InNamespace(func() error { return d.dp.CheckXDP(bpf.Interface{Name: name}) }); err != nil {
+			return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+		}
+	}
 	if err := d.attach(ifc); err != nil {
+		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+	}
+	if err := d.attachXDP(ifc); err != nil {
+		if _, known := d.ifaces[name]; !known {
+			// A new uplink is attached whole or not at all.
+			if uerr := d.detachHooks(ifc); uerr != nil {
+				err = errors.Join(err, fmt.Errorf("undo the TC hooks: %w", uerr))
+			}
+		}
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
 	}
 	d.ifaces[name] = ifc
 	if !slices.Contains(d.opts.NorthSouth.Interfaces, name) {
 		d.opts.NorthSouth.Interfaces = append(slices.Clip(d.opts.NorthSouth.Interfaces), name)
 	}
-	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode)
+	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode, "xdp", string(ifc.xdp))
 	return ifc.status(), nil
+}
+
+// xdpMode is the configured xdp_mode (empty: off).
+func (d *Dataplane) xdpMode() bpf.XDPMode {
+	if d.opts.NorthSouth.XDPMode == "" {
+		return bpf.XDPOff
+	}
+	return d.opts.NorthSouth.XDPMode
+}
+
+// attachXDP puts the north-south XDP program on ifc in the configured
+// mode and records the mode in force; with xdp_mode off it removes ours,
+// if an earlier start left it there.
+func (d *Dataplane) attachXDP(ifc *iface) error {
+	return d.opts.InNamespace(func() error {
+		mode := d.xdpMode()
+		if mode == bpf.XDPOff {
+			ifc.xdp = bpf.XDPOff
+			if err := d.dp.DetachXDP(bpf.Interface{Index: ifc.index}); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+				return err
+			}
+			return nil
+		}
+		a, err := d.dp.AttachXDP(bpf.Interface{Index: ifc.index}, mode)
+		if err != nil {
+			return err
+		}
+		ifc.xdp = a.Mode
+		return nil
+	})
+}
+
+// detachHooks removes the TC programs of ifc's kind (and the XDP program
+// of a north-south interface).
+func (d *Dataplane) detachHooks(ifc *iface) error {
+	return d.opts.InNamespace(func() error {
+		var errs []error
+		for _, h := range hooksOf(ifc.kind) {
+			if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+				errs = append(errs, err)
+			}
+		}
+		if ifc.kind == InterfaceNorthSouth {
+			if err := d.dp.DetachXDP(bpf.Interface{Index: ifc.index}); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+				errs = append(errs, err)
+			}
+		}
+		return errors.Join(errs...)
+	})
 }
 
 // attach puts the programs of ifc's kind on its hooks and records them.
@@ -631,7 +706,7 @@ func (d *Dataplane) attach(ifc *iface) error {
 }
 
 // RemoveInterface detaches the programs from a VM-edge or north-south
-// interface.
+// interface (on a north-south one, the TC hooks and our XDP program).
 func (d *Dataplane) RemoveInterface(name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -642,16 +717,7 @@ func (d *Dataplane) RemoveInterface(name string) error {
 	if !ok {
 		return fmt.Errorf("fluxvm: remove interface %s: %w", name, ErrNotFound)
 	}
-	err := d.opts.InNamespace(func() error {
-		var errs []error
-		for _, h := range hooksOf(ifc.kind) {
-			if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
-				errs = append(errs, err)
-			}
-		}
-		return errors.Join(errs...)
-	})
-	if err != nil {
+	if err := d.detachHooks(ifc); err != nil {
 		return fmt.Errorf("fluxvm: remove interface %s: %w", name, err)
 	}
 	if err := d.unregisterEdge(ifc); err != nil {
@@ -662,7 +728,14 @@ func (d *Dataplane) RemoveInterface(name string) error {
 }
 
 func (i *iface) status() InterfaceStatus {
-	return InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
+	st := InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
+	if i.kind == InterfaceNorthSouth {
+		st.XDP = string(i.xdp)
+		if st.XDP == "" {
+			st.XDP = string(bpf.XDPOff)
+		}
+	}
+	return st
 }
 
 // Status describes the dataplane. It answers after Close too (see

@@ -1,20 +1,27 @@
 package fluxvm
 
-import "net/netip"
+import (
+	"net/netip"
+
+	"github.com/fluxvm/servicefabric/bpf"
+)
 
 // NorthSouth is the node's north-south edge, as Options gives it: the
 // uplinks (ns_in and ns_out are attached to each at Open) and the SNAT
 // settings north-south NAT needs. The fields mean what the configuration
 // keys of the same names mean (north_south_interfaces, snat_address,
 // snat_address_v6, snat_port_min, snat_port_max); a port range left 0..0
-// takes the defaults (DefaultSNATPortMin..DefaultSNATPortMax).
+// takes the defaults (DefaultSNATPortMin..DefaultSNATPortMax). XDPMode
+// is xdp_mode: empty means off.
 type NorthSouth struct {
 	Interfaces                 []string
 	SNATAddress, SNATAddressV6 netip.Addr
 	SNATPortMin, SNATPortMax   int
+	XDPMode                    bpf.XDPMode
 }
 
-// Validate checks the SNAT settings with the configuration's rules.
+// Validate checks the SNAT settings and the XDP mode with the
+// configuration's rules.
 func (ns NorthSouth) Validate() error {
 	c := Options{NorthSouth: ns}.settings()
 	return c.checkNorthSouth()
@@ -30,6 +37,7 @@ func (o Options) settings() *Config {
 		SNATAddressV6:        o.NorthSouth.SNATAddressV6,
 		SNATPortMin:          o.NorthSouth.SNATPortMin,
 		SNATPortMax:          o.NorthSouth.SNATPortMax,
+		XDPMode:              o.NorthSouth.XDPMode,
 		EDTEnabled:           o.EDTEnabled,
 	}
 }
@@ -42,6 +50,7 @@ func OptionsFrom(cfg Config) Options {
 			Interfaces:  append([]string(nil), cfg.NorthSouthInterfaces...),
 			SNATAddress: cfg.SNATAddress, SNATAddressV6: cfg.SNATAddressV6,
 			SNATPortMin: cfg.SNATPortMin, SNATPortMax: cfg.SNATPortMax,
+			XDPMode: cfg.XDPMode,
 		},
 		EDTEnabled:  cfg.EDTEnabled,
 		Loader:      cfg.LoaderOptions(),

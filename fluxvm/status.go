@@ -154,9 +154,13 @@ type InterfaceStatus struct {
 	Kind  string `json:"kind"`
 	Index int    `json:"ifindex"`
 	// VMID is the VM of a VM-edge interface; absent on a north-south one.
-	VMID    string       `json:"vm_id,omitempty"`
-	Hooks   []HookStatus `json:"hooks"`
-	Problem string       `json:"problem,omitempty"`
+	VMID  string       `json:"vm_id,omitempty"`
+	Hooks []HookStatus `json:"hooks"`
+	// XDP is the mode the north-south XDP program actually runs in on a
+	// north-south interface: "native", "generic" or "off" (xdp_mode off,
+	// or not attached); absent on a VM-edge one.
+	XDP     string `json:"xdp,omitempty"`
+	Problem string `json:"problem,omitempty"`
 }
 
 // HookStatus is one attached hook.

@@ -51,5 +51,8 @@ fluxvm_service_bpfel.o fluxvm_service.bpf.o
 fluxvm_service_tier_s_bpfel.o fluxvm_service_tier_S.bpf.o
 fluxvm_service_bpfel.o fluxvm_service_tier_M.bpf.o
 fluxvm_service_tier_l_bpfel.o fluxvm_service_tier_L.bpf.o
+fluxvm_service_xdp_tier_s_bpfel.o fluxvm_service_xdp_tier_S.bpf.o
+fluxvm_service_xdp_bpfel.o fluxvm_service_xdp_tier_M.bpf.o
+fluxvm_service_xdp_tier_l_bpfel.o fluxvm_service_xdp_tier_L.bpf.o
 LIST
 fi

@@ -1,0 +1,310 @@
+//go:build linux
+
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/vishvananda/netlink"
+
+	"github.com/fluxvm/servicefabric/bpf"
+)
+
+// xdpOnUplink returns the id and mode ("native", "generic") of the XDP
+// program on the interface of the node namespace (0, "" when none).
+func (e *env) xdpOnUplink(t *testing.T, ifname string) (ebpf.ProgramID, string) {
+	t.Helper()
+	var (
+		id   ebpf.ProgramID
+		mode string
+	)
+	err := e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(ifname)
+		if err != nil {
+			return err
+		}
+		if x := l.Attrs().Xdp; x != nil && x.Attached && x.ProgId != 0 {
+			id = ebpf.ProgramID(x.ProgId)
+			mode = map[uint32]string{1: "native", 2: "generic"}[x.AttachMode]
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id, mode
+}
+
+func xdpProgID(t *testing.T, d *Dataplane) ebpf.ProgramID {
+	t.Helper()
+	info, err := d.dp.XDPPrograms().FluxvmXdpNs.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+// ifaceStatus is the status of the named interface, or fails.
+func ifaceStatus(t *testing.T, d *Dataplane, name string) InterfaceStatus {
+	t.Helper()
+	for _, st := range d.Status().Interfaces {
+		if st.Name == name {
+			return st
+		}
+	}
+	t.Fatalf("no interface %s in the status", name)
+	return InterfaceStatus{}
+}
+
+// TestDataplaneXDP: xdp_mode puts the XDP program on the uplink (a veth,
+// which has native XDP) in the mode asked; the status reports it; a
+// restart keeps it, running the new program; RemoveInterface and
+// xdp_mode off leave no XDP program; VM edges never get one.
+func TestDataplaneXDP(t *testing.T) {
+	e := newNSEnv(t)
+
+	// off (the default): nothing.
+	d := e.open(t)
+	if st := ifaceStatus(t, d, nsUplink); st.XDP != "off" {
+		t.Errorf("xdp_mode off: status xdp %q, want off", st.XDP)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
+		t.Fatalf("xdp_mode off: program %d on the uplink", id)
+	}
+	d.Close()
+
+	for _, tc := range []struct{ mode, want bpf.XDPMode }{
+		{bpf.XDPNative, bpf.XDPNative}, {bpf.XDPGeneric, bpf.XDPGeneric}, {bpf.XDPOff, bpf.XDPOff}, {bpf.XDPAuto, bpf.XDPNative},
+	} {
+		e.opts.NorthSouth.XDPMode = tc.mode
+		d = e.open(t)
+		st := ifaceStatus(t, d, nsUplink)
+		id, mode := e.xdpOnUplink(t, nsUplink)
+		if st.XDP != string(tc.want) {
+			t.Errorf("xdp_mode %s: status xdp %q, want %s", tc.mode, st.XDP, tc.want)
+		}
+		if tc.want == bpf.XDPOff {
+			if id != 0 {
+				t.Errorf("xdp_mode off after %s: program %d still on the uplink", bpf.XDPGeneric, id)
+			}
+		} else if id != xdpProgID(t, d) || mode != string(tc.want) {
+			t.Errorf("xdp_mode %s: the uplink runs %d in %q, want %d in %s", tc.mode, id, mode, xdpProgID(t, d), tc.want)
+		}
+		// TC hooks as before.
+		if len(st.Hooks) != 2 {
+			t.Errorf("xdp_mode %s: hooks %+v", tc.mode, st.Hooks)
+		}
+		for _, vi := range d.Status().Interfaces {
+			if vi.Kind == InterfaceVMEdge && vi.XDP != "" {
+				t.Errorf("VM edge %s reports xdp %q", vi.Name, vi.XDP)
+			}
+		}
+		d.Close()
+	}
+
+	// A restart with auto keeps the mode in force and runs the new program.
+	id, _ := e.xdpOnUplink(t, nsUplink)
+	d = e.open(t)
+	nid, mode := e.xdpOnUplink(t, nsUplink)
+	if nid == id || nid != xdpProgID(t, d) || mode != "native" || ifaceStatus(t, d, nsUplink).XDP != "native" {
+		t.Errorf("restart: the uplink runs %d in %q (was %d), want the new program %d native", nid, mode, id, xdpProgID(t, d))
+	}
+
+	// RemoveInterface takes XDP and TC away; adding it again attaches
+	// both.
+	if err := d.RemoveInterface(nsUplink); err != nil {
+		t.Fatal(err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
+		t.Errorf("program %d on the uplink after RemoveInterface", id)
+	}
+	if n := len(e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress)); n != 0 {
+		t.Errorf("%d TC ingress programs after RemoveInterface", n)
+	}
+	st, err := d.AddNorthSouthInterface(nsUplink)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); st.XDP != "native" || id != xdpProgID(t, d) {
+		t.Errorf("added again: status %+v, uplink runs %d", st, id)
+	}
+
+	// Cleanup removes it with the rest.
+	if err := d.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
+		t.Errorf("program %d on the uplink after Cleanup", id)
+	}
+}
+
+// TestDataplaneXDPRefusesForeign: an XDP program of another product on
+// the uplink fails Open and AddNorthSouthInterface with an error naming
+// it, before anything is attached; it stays attached. xdp_mode off
+// leaves it alone.
+func TestDataplaneXDPRefusesForeign(t *testing.T) {
+	e := newNSEnv(t)
+	foreign, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: "not_fluxvm", Type: ebpf.XDP, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 2), asm.Return()}, // XDP_PASS
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer foreign.Close()
+	info, _ := foreign.Info()
+	fid, _ := info.ID()
+	err = e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(nsUplink)
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetXdpFdWithFlags(l, foreign.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, bpf.ErrForeignProgram) || !strings.Contains(err.Error(), "not_fluxvm") || !strings.Contains(err.Error(), nsUplink) {
+			t.Errorf("%s: %v; want ErrForeignProgram naming not_fluxvm on %s", what, err, nsUplink)
+		}
+		if id, _ := e.xdpOnUplink(t, nsUplink); id != fid {
+			t.Errorf("%s: the uplink runs %d, want the foreign program %d", what, id, fid)
+		}
+		if n := len(e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress)); n != 0 {
+			t.Errorf("%s: %d TC ingress programs attached to a refused uplink", what, n)
+		}
+	}
+
+	e.opts.NorthSouth.XDPMode = bpf.XDPAuto
+	d, err := Open(e.opts)
+	if err == nil {
+		d.Close()
+	}
+	refused("Open", err)
+
+	e.opts.NorthSouth.Interfaces = nil
+	d = e.open(t)
+	_, err = d.AddNorthSouthInterface(nsUplink)
+	refused("AddNorthSouthInterface", err)
+	for _, st := range d.Status().Interfaces {
+		if st.Name == nsUplink {
+			t.Errorf("a refused uplink is in the status: %+v", st)
+		}
+	}
+	d.Close()
+
+	e.opts.NorthSouth.XDPMode = bpf.XDPOff
+	d = e.open(t)
+	st, err := d.AddNorthSouthInterface(nsUplink)
+	if err != nil || st.XDP != "off" {
+		t.Fatalf("xdp_mode off: %+v, %v", st, err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != fid {
+		t.Errorf("xdp_mode off: the uplink runs %d, want the foreign program %d left alone", id, fid)
+	}
+	if err := d.RemoveInterface(nsUplink); err != nil {
+		t.Fatal(err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != fid {
+		t.Errorf("RemoveInterface: the uplink runs %d, want the foreign program %d left alone", id, fid)
+	}
+}
+
+// TestDataplaneXDPTraffic: with native XDP on the uplink, an external
+// client's real TCP and UDP sockets reach the VM backends through an IPv4
+// and an IPv6 VIP, and the datapath counts packets XDP translated.
+func TestDataplaneXDPTraffic(t *testing.T) {
+	e := newNSEnv(t)
+	e.opts.NorthSouth.XDPMode = bpf.XDPNative
+	d := e.open(t)
+	ext := e.lab.External
+	// A veth sends redirected XDP frames on only when its peer can take
+	// them (an XDP program there, or GRO, which needs ethtool); otherwise
+	// the kernel drops them (xdp_devmap_xmit reports the drops). Each
+	// backend VM's side of its veth gets an XDP_PASS program.
+	pass := passXDPProgram(t)
+	for _, vm := range e.backends {
+		vm.NS.Do(func() error {
+			return forVeths(t, func(l netlink.Link) error {
+				return netlink.LinkSetXdpFdWithFlags(l, pass.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
+			})
+		})
+	}
+	// The external client's veth leaves the TCP/UDP checksums of its
+	// packets to the receiver (CHECKSUM_PARTIAL: only the pseudo-header
+	// sum is in the packet); XDP sees the bytes, not that state, so its
+	// translated frames would carry bad checksums. A real NIC delivers
+	// complete ones: the client computes them here too.
+	ext.NS.Do(func() error {
+		return forVeths(t, func(l netlink.Link) error { return setTxChecksum(l.Attrs().Name, false) })
+	})
+	vip4n, vip6n := netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
+	svc := e.nsService("edge", vip4n, vip6n, ExposureNorthSouth, ModeNAT, false)
+	svc.Ports = append(svc.Ports, ServicePort{Port: 80, Protocol: UDP})
+	if _, err := d.ApplyService(context.Background(), svc); err != nil {
+		t.Fatal(err)
+	}
+	for _, vip := range []netip.Addr{vip4n, vip6n} {
+		c, err := ext.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+		if err != nil {
+			st, _ := d.Stats()
+			t.Fatalf("external client to %s:80: %v\nparser %v\ndrops %v", vip, err, st.Parser, st.Drops)
+		}
+		if err := c.Echo([]byte("north-south over XDP"), 3*time.Second); err != nil {
+			t.Errorf("%s: echo: %v", vip, err)
+		}
+		c.Close()
+		if name, err := ext.AskUDP(netip.AddrPortFrom(vip, 80), 2*time.Second); err != nil || name == "" {
+			t.Errorf("%s udp from outside: %q %v", vip, name, err)
+		}
+	}
+	stats, err := d.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stats.Parser["xdp_translated"] == 0 {
+		t.Errorf("xdp_translated is 0: XDP translated nothing (counters %v)", stats.Parser)
+	}
+}
+
+// passXDPProgram is a trivial XDP program that passes every packet.
+func passXDPProgram(t *testing.T) *ebpf.Program {
+	t.Helper()
+	p, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: "xdp_pass", Type: ebpf.XDP, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 2), asm.Return()}, // XDP_PASS
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// forVeths calls f for every veth of the calling thread's namespace and
+// fails the test on an error.
+func forVeths(t *testing.T, f func(netlink.Link) error) error {
+	t.Helper()
+	links, err := netlink.LinkList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range links {
+		if l.Type() == "veth" {
+			if err := f(l); err != nil {
+				t.Fatalf("%s: %v", l.Attrs().Name, err)
+			}
+		}
+	}
+	return nil
+}

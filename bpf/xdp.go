@@ -194,7 +194,7 @@ func (d *Datapath) AttachXDP(ifc Interface, mode XDPMode) (XDPAttachment, error)
 				return a, fmt.Errorf("bpf: attach xdp on %s: update link: %w", name, err)
 			}
 			a.Mode, a.Reused = inForce, true
-			return a, nil
+			return a, d.allowXDPTx(name, index)
 		case ours:
 			// Another explicit mode: the kernel changes a link's mode
 			// only by a new attachment.
@@ -238,7 +238,41 @@ func (d *Datapath) AttachXDP(ifc Interface, mode XDPMode) (XDPAttachment, error)
 		// Closing the unpinned link detaches it again.
 		return a, fmt.Errorf("bpf: attach xdp on %s: pin link: %w", name, err)
 	}
-	return a, nil
+	return a, d.allowXDPTx(name, index)
+}
+
+// AllowXDPEgress lets the XDP program send translated packets to ifc as
+// well (fluxvm_xdp_tx): a device that takes XDP frames, besides the ones
+// the program is attached to (AttachXDP lists those itself). A device
+// that refuses them drops redirected frames silently, so list only
+// physical NICs whose driver implements XDP transmit, or veths whose peer
+// runs an XDP program. The entry goes with the XDP object's maps: call it
+// again after a reload, as for AttachXDP.
+func (d *Datapath) AllowXDPEgress(ifc Interface) error {
+	if d.coll == nil {
+		return ErrClosed
+	}
+	name, index, err := ifc.resolve()
+	if err != nil {
+		return err
+	}
+	return d.allowXDPTx(name, index)
+}
+
+// allowXDPTx lists the interface in the XDP object's fluxvm_xdp_tx, the
+// devices the program may send on: an uplink with our XDP program takes
+// XDP frames (XDP_TX back out of it, a redirect from another uplink).
+// Routes out of any other interface leave the packet to the stack (the
+// device may refuse XDP frames, and would drop them silently).
+func (d *Datapath) allowXDPTx(name string, index int) error {
+	m := d.xcoll.Maps["fluxvm_xdp_tx"]
+	if m == nil {
+		return nil
+	}
+	if err := m.Put(uint32(index), uint32(index)); err != nil {
+		return fmt.Errorf("bpf: attach xdp on %s: fluxvm_xdp_tx: %w", name, err)
+	}
+	return nil
 }
 
 func attachXDPLink(prog *ebpf.Program, index int, mode XDPMode) (link.Link, error) {
@@ -319,6 +353,11 @@ func (d *Datapath) DetachXDP(ifc Interface) error {
 	// Close returns.
 	if err := errors.Join(l.Unpin(), l.Close()); err != nil {
 		return fmt.Errorf("bpf: detach xdp from %s: %w", name, err)
+	}
+	if m := d.xcoll.Maps["fluxvm_xdp_tx"]; m != nil {
+		if err := m.Delete(uint32(index)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("bpf: detach xdp from %s: fluxvm_xdp_tx: %w", name, err)
+		}
 	}
 	return nil
 }

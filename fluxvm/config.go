@@ -175,6 +175,15 @@ type Config struct {
 	// interface is never replaced: attaching fails, naming it. "off"
 	// removes FluxVM's own XDP program where an earlier start attached it.
 	XDPMode bpf.XDPMode `toml:"xdp_mode"`
+	// XDPEgressInterfaces are interfaces, besides the north-south ones
+	// (which take XDP frames once the XDP program is on them), that the
+	// XDP program may send translated packets to: each must take XDP
+	// frames (a physical NIC whose driver implements XDP transmit, or a
+	// veth whose peer runs an XDP program). A route out of any other
+	// interface leaves the packet to TC (xdp_pass_egress), since a device
+	// that refuses XDP frames drops them silently. Valid, unique interface
+	// names; only with xdp_mode other than off. Default none.
+	XDPEgressInterfaces []string `toml:"xdp_egress_interfaces"`
 	// SNATAddress is the source address of north-south NAT, so that
 	// backend replies return through this node: IPv4 or IPv6. With
 	// SNATAddressV6 set it must be the IPv4 one. Optional (north-south
@@ -610,6 +619,18 @@ func (c *Config) validateXDP(bad func(category error, k, format string, args ...
 	case "", bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto:
 	default:
 		bad(ErrInvalid, "xdp_mode", "%q is not an XDP mode (want %q, %q, %q or %q)", c.XDPMode, bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto)
+	}
+	seen := map[string]bool{}
+	for _, n := range c.XDPEgressInterfaces {
+		if why := ifnameProblem(n); why != "" {
+			bad(ErrInvalid, "xdp_egress_interfaces", "%q: %s", n, why)
+		} else if seen[n] {
+			bad(ErrInvalid, "xdp_egress_interfaces", "%q is listed twice", n)
+		}
+		seen[n] = true
+	}
+	if len(c.XDPEgressInterfaces) > 0 && (c.XDPMode == "" || c.XDPMode == bpf.XDPOff) {
+		bad(ErrInvalid, "xdp_egress_interfaces", "set, but xdp_mode is off: set xdp_mode too, or leave this empty")
 	}
 }
 

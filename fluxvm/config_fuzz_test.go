@@ -69,6 +69,9 @@ func nilEmpty(c Config) Config {
 	if len(c.NorthSouthInterfaces) == 0 {
 		c.NorthSouthInterfaces = nil
 	}
+	if len(c.XDPEgressInterfaces) == 0 {
+		c.XDPEgressInterfaces = nil
+	}
 	return c
 }
 

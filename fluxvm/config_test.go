@@ -72,6 +72,7 @@ udp_timeout = "2m"
 vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }, { name = "tap-vm1b", vm_id = "vm-1" }]
 north_south_interfaces = ["uplink0", "uplink1"]
 xdp_mode = "auto"
+xdp_egress_interfaces = ["eth2"]
 snat_address = "203.0.113.10"
 snat_address_v6 = "2001:db8:10::10"
 snat_port_min = 20000
@@ -102,6 +103,7 @@ edt_enabled = false
 		VMEdgeInterfaces:       []VMEdgeInterface{{"tap-vm1", "vm-1"}, {"tap-vm1b", "vm-1"}},
 		NorthSouthInterfaces:   []string{"uplink0", "uplink1"},
 		XDPMode:                bpf.XDPAuto,
+		XDPEgressInterfaces:    []string{"eth2"},
 		SNATAddress:            netip.MustParseAddr("203.0.113.10"),
 		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
 		SNATPortMin:            20000,
@@ -188,6 +190,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "attach_mode unknown", doc: table + "attach_mode = \"xdp\"\n", field: k("attach_mode"), kind: ErrInvalid},
 		{name: "xdp_mode unknown", doc: table + "xdp_mode = \"driver\"\n", field: k("xdp_mode"), kind: ErrInvalid, reason: "\"driver\" is not an XDP mode (want \"off\", \"native\", \"generic\" or \"auto\")"},
 		{name: "xdp_mode upper case", doc: table + "xdp_mode = \"Native\"\n", field: k("xdp_mode"), kind: ErrInvalid},
+		{name: "xdp_egress_interfaces without xdp_mode", doc: table + "xdp_egress_interfaces = [\"eth2\"]\n", field: k("xdp_egress_interfaces"), kind: ErrInvalid},
+		{name: "xdp_egress_interfaces bad name", doc: table + "xdp_mode = \"native\"\nxdp_egress_interfaces = [\"a/b\"]\n", field: k("xdp_egress_interfaces"), kind: ErrInvalid},
+		{name: "xdp_egress_interfaces twice", doc: table + "xdp_mode = \"native\"\nxdp_egress_interfaces = [\"eth2\", \"eth2\"]\n", field: k("xdp_egress_interfaces"), kind: ErrInvalid},
 		{name: "xdp_mode a boolean", doc: table + "xdp_mode = true\n", field: k("xdp_mode"), kind: ErrMalformed, reason: "string"},
 		{name: "catalog_path relative", doc: table + "catalog_path = \"catalog.json\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "catalog_path empty", doc: table + "catalog_path = \"\"\n", field: k("catalog_path"), kind: ErrInvalid},

@@ -308,6 +308,7 @@ func (d *Dataplane) init() error {
 			return err
 		}
 	}
+	d.allowXDPEgress("")
 	return nil
 }
 
@@ -566,6 +567,7 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: statistics: %w", vi.Name, err)
 	}
 	d.ifaces[vi.Name] = ifc
+	d.allowXDPEgress(vi.Name)
 	d.log.Info("fluxvm: VM interface attached", "interface", vi.Name, "vm", vi.VMID, "mode", ifc.hooks[0].Mode)
 	return ifc.status(), nil
 }
@@ -628,6 +630,23 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 	}
 	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode, "xdp", string(ifc.xdp))
 	return ifc.status(), nil
+}
+
+// allowXDPEgress lists the configured xdp_egress_interfaces that exist
+// now as devices the XDP program may send to; one that does not exist yet
+// (a VM edge that comes later) is listed when it is added. d.mu held.
+func (d *Dataplane) allowXDPEgress(only string) {
+	if d.xdpMode() == bpf.XDPOff {
+		return
+	}
+	for _, n := range d.opts.NorthSouth.XDPEgress {
+		if only != "" && n != only {
+			continue
+		}
+		if err := d.opts.InNamespace(func() error { return d.dp.AllowXDPEgress(bpf.Interface{Name: n}) }); err != nil {
+			d.log.Warn("fluxvm: XDP egress interface not listed (yet)", "interface", n, "err", err)
+		}
+	}
 }
 
 // xdpMode is the configured xdp_mode (empty: off).

@@ -12,12 +12,13 @@ import (
 // keys of the same names mean (north_south_interfaces, snat_address,
 // snat_address_v6, snat_port_min, snat_port_max); a port range left 0..0
 // takes the defaults (DefaultSNATPortMin..DefaultSNATPortMax). XDPMode
-// is xdp_mode: empty means off.
+// is xdp_mode (empty means off), XDPEgress xdp_egress_interfaces.
 type NorthSouth struct {
 	Interfaces                 []string
 	SNATAddress, SNATAddressV6 netip.Addr
 	SNATPortMin, SNATPortMax   int
 	XDPMode                    bpf.XDPMode
+	XDPEgress                  []string
 }
 
 // Validate checks the SNAT settings and the XDP mode with the
@@ -38,6 +39,7 @@ func (o Options) settings() *Config {
 		SNATPortMin:          o.NorthSouth.SNATPortMin,
 		SNATPortMax:          o.NorthSouth.SNATPortMax,
 		XDPMode:              o.NorthSouth.XDPMode,
+		XDPEgressInterfaces:  o.NorthSouth.XDPEgress,
 		EDTEnabled:           o.EDTEnabled,
 	}
 }
@@ -50,7 +52,8 @@ func OptionsFrom(cfg Config) Options {
 			Interfaces:  append([]string(nil), cfg.NorthSouthInterfaces...),
 			SNATAddress: cfg.SNATAddress, SNATAddressV6: cfg.SNATAddressV6,
 			SNATPortMin: cfg.SNATPortMin, SNATPortMax: cfg.SNATPortMax,
-			XDPMode: cfg.XDPMode,
+			XDPMode:   cfg.XDPMode,
+			XDPEgress: append([]string(nil), cfg.XDPEgressInterfaces...),
 		},
 		EDTEnabled:  cfg.EDTEnabled,
 		Loader:      cfg.LoaderOptions(),

@@ -226,6 +226,12 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 func TestDataplaneXDPTraffic(t *testing.T) {
 	e := newNSEnv(t)
 	e.opts.NorthSouth.XDPMode = bpf.XDPNative
+	// The backend VMs' edges take XDP frames (see below): XDP may send
+	// to them (xdp_egress_interfaces); to any other interface it leaves
+	// the packet to TC.
+	for _, vm := range e.backends {
+		e.opts.NorthSouth.XDPEgress = append(e.opts.NorthSouth.XDPEgress, vm.NodeIf)
+	}
 	d := e.open(t)
 	ext := e.lab.External
 	// A veth sends redirected XDP frames on only when its peer can take
@@ -274,6 +280,9 @@ func TestDataplaneXDPTraffic(t *testing.T) {
 	}
 	if stats.Parser["xdp_translated"] == 0 {
 		t.Errorf("xdp_translated is 0: XDP translated nothing (counters %v)", stats.Parser)
+	}
+	if stats.Parser["xdp_pass_egress"] != 0 {
+		t.Errorf("xdp_pass_egress is %d: a backend edge was not listed", stats.Parser["xdp_pass_egress"])
 	}
 }
 

@@ -35,7 +35,7 @@ var (
 	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
 	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
 	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
-	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated.", "event")
+	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress.", "event")
 	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
 	descServices     = desc("services", "Services in the node's catalog.")
 	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
@@ -51,6 +51,7 @@ var (
 
 	descMapMemory   = desc("map_memory_bytes", "Kernel memory of each BPF map (its fdinfo memlock); the Maglev tables summed as fluxvm_maglev_inner.", "map")
 	descMaglevInner = desc("maglev_inner_maps", "Maglev tables (inner maps of fluxvm_maglev) in the datapath.")
+	descXDPMode     = desc("xdp_mode", "North-south interfaces by the XDP mode in force (native, generic, off): value 1.", "interface", "mode")
 )
 
 // MaglevInnerMapLabel is the map label under which fluxvm_map_memory_bytes
@@ -73,7 +74,9 @@ type collector struct{ src MetricsSource }
 //	fluxvm_datapath_parser_packets_total        counter {kind}
 //	fluxvm_datapath_events_total                counter {event: nat_stale, host_routed_packets,
 //	                                            host_route_fallbacks, snat_retries, dsr_forwarded,
-//	                                            snat_conflicts, icmp_errors_translated}
+//	                                            snat_conflicts, icmp_errors_translated, xdp_translated,
+//	                                            xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress}
+//	fluxvm_xdp_mode                             gauge 1 {interface, mode}: north-south XDP mode in force
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}
@@ -101,7 +104,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
-		descMapMemory, descMaglevInner,
+		descMapMemory, descMaglevInner, descXDPMode,
 	} {
 		ch <- d
 	}
@@ -119,6 +122,11 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 
 	st := c.src.Status()
 	emit(descServices, prometheus.GaugeValue, float64(st.Services))
+	for _, i := range st.Interfaces {
+		if i.Kind == fluxvm.InterfaceNorthSouth && i.XDP != "" {
+			emit(descXDPMode, prometheus.GaugeValue, 1, i.Name, i.XDP)
+		}
+	}
 	emit(descInfo, prometheus.GaugeValue, 1,
 		strconv.FormatUint(uint64(st.SchemaVersion), 10), strconv.FormatUint(uint64(st.Generation), 10), st.Tier)
 	if gc := st.LastGC; gc != nil {

@@ -32,6 +32,10 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
 		Scanned: 40, Expired: 7, Drained: 2, BackendGone: 3, Orphans: 1, Repaired: 0,
 	}
+	dp.status.Interfaces = []fluxvm.InterfaceStatus{
+		{Name: "eth1", Kind: fluxvm.InterfaceNorthSouth, XDP: "native"},
+		{Name: "tap-vm1", Kind: fluxvm.InterfaceVMEdge},
+	}
 	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
 	dp.status.Memory = &fluxvm.MemoryStatus{
 		Maps:        map[string]uint64{"fluxvm_fct4": 6_291_456, "fluxvm_maglev": 2_368},
@@ -88,7 +92,7 @@ fluxvm_datapath_drops_total{reason="snat_failed"} 4
 # TYPE fluxvm_datapath_parser_packets_total counter
 fluxvm_datapath_parser_packets_total{kind="ipv4"} 100
 fluxvm_datapath_parser_packets_total{kind="truncated"} 1
-# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated.
+# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress.
 # TYPE fluxvm_datapath_events_total counter
 fluxvm_datapath_events_total{event="dsr_forwarded"} 11
 fluxvm_datapath_events_total{event="host_route_fallbacks"} 2
@@ -142,6 +146,9 @@ fluxvm_map_memory_bytes{map="fluxvm_maglev_inner"} 393600
 # HELP fluxvm_maglev_inner_maps Maglev tables (inner maps of fluxvm_maglev) in the datapath.
 # TYPE fluxvm_maglev_inner_maps gauge
 fluxvm_maglev_inner_maps 3
+# HELP fluxvm_xdp_mode North-south interfaces by the XDP mode in force (native, generic, off): value 1.
+# TYPE fluxvm_xdp_mode gauge
+fluxvm_xdp_mode{interface="eth1",mode="native"} 1
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)

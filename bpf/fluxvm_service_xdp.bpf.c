@@ -25,8 +25,8 @@
  * The parser's counters count a packet once: here if XDP finishes it,
  * else in TC.
  *
- * Known limits of this first part (issue 17): every packet takes a FIB
- * lookup (a next-hop cache is next); XDP forwards by the FIB as TC's
+ * Known limits of this first part (issue 17): its speed (a conntrack hit
+ * costs 2-3 times the target; docs/benchmarks.md); XDP forwards by the FIB as TC's
  * host_routing does, so the stack's forwarding path (netfilter FORWARD,
  * egress qdiscs) is bypassed for what XDP sends; a frame whose VLAN tag
  * the driver moved to metadata, or a veth frame still CHECKSUM_PARTIAL,

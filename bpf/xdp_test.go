@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/vishvananda/netlink"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
@@ -345,7 +346,16 @@ func BenchmarkXDP(b *testing.B) {
 		return f
 	}
 	other := v4.frame(v4.clientAt(40000), netip.AddrPortFrom(v4.other, 80), pkt.ACK)
+	// The floor runs without a context; an empty program run with one
+	// shows what the context itself costs the test run.
+	empty, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.XDP, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, xdpPass), asm.Return()}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer empty.Close()
 	measureInterleavedOn(b, h.th, calls, []*benchCase{
+		{name: "xdp empty program, with the context", metric: "xdp-empty-ctx", prog: empty, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
 		{name: "xdp pass-through (not a service)", metric: "xdp-pass", prog: xdp, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
 		{name: "xdp ipv4 tcp conntrack hit (SNAT)", metric: "xdp-v4-ct-hit", prog: xdp, frame: func(int) []byte { return v4.fwd(40000, pkt.ACK) }, ctx: xdpCtx(60), want: xdpRedirect},
 		{name: "xdp ipv4 tcp new flow (DSR)", metric: "xdp-v4-new-flow", prog: xdp, frame: newFlow, ctx: xdpCtx(60), want: xdpRedirect},

@@ -15,6 +15,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // xdpOnUplink returns the id and mode ("native", "generic") of the XDP
@@ -223,8 +224,12 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 // TestDataplaneXDPTraffic: with native XDP on the uplink, an external
 // client's real TCP and UDP sockets reach the VM backends through an IPv4
 // and an IPv6 VIP, and the datapath counts packets XDP translated.
-func TestDataplaneXDPTraffic(t *testing.T) {
-	e := newNSEnv(t)
+// xdpLab is the north-south lab with native XDP on the uplink, the
+// backend edges listed in xdp_egress_interfaces, and a north-south NAT
+// service "edge" (TCP and UDP on port 80) at vip4 and vip6.
+func xdpLab(t *testing.T) (e *env, d *Dataplane, vip4, vip6 netip.Addr) {
+	t.Helper()
+	e = newNSEnv(t)
 	e.opts.NorthSouth.XDPMode = bpf.XDPNative
 	// The backend VMs' edges take XDP frames (see below): XDP may send
 	// to them (xdp_egress_interfaces); to any other interface it leaves
@@ -232,7 +237,7 @@ func TestDataplaneXDPTraffic(t *testing.T) {
 	for _, vm := range e.backends {
 		e.opts.NorthSouth.XDPEgress = append(e.opts.NorthSouth.XDPEgress, vm.NodeIf)
 	}
-	d := e.open(t)
+	d = e.open(t)
 	ext := e.lab.External
 	// A veth sends redirected XDP frames on only when its peer can take
 	// them (an XDP program there, or GRO, which needs ethtool); otherwise
@@ -254,12 +259,18 @@ func TestDataplaneXDPTraffic(t *testing.T) {
 	ext.NS.Do(func() error {
 		return forVeths(t, func(l netlink.Link) error { return setTxChecksum(l.Attrs().Name, false) })
 	})
-	vip4n, vip6n := netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
-	svc := e.nsService("edge", vip4n, vip6n, ExposureNorthSouth, ModeNAT, false)
+	vip4, vip6 = netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
+	svc := e.nsService("edge", vip4, vip6, ExposureNorthSouth, ModeNAT, false)
 	svc.Ports = append(svc.Ports, ServicePort{Port: 80, Protocol: UDP})
 	if _, err := d.ApplyService(context.Background(), svc); err != nil {
 		t.Fatal(err)
 	}
+	return e, d, vip4, vip6
+}
+
+func TestDataplaneXDPTraffic(t *testing.T) {
+	e, d, vip4n, vip6n := xdpLab(t)
+	ext := e.lab.External
 	for _, vip := range []netip.Addr{vip4n, vip6n} {
 		c, err := ext.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
 		if err != nil {
@@ -316,4 +327,54 @@ func forVeths(t *testing.T, f func(netlink.Link) error) error {
 		}
 	}
 	return nil
+}
+
+// TestDataplaneXDPRestartKeepsConnections: established connections through
+// XDP survive a restart of the dataplane: while no dataplane runs the
+// pinned XDP link keeps forwarding, and the next Open replaces its program
+// in place (same mode), with no gap and on the same flow state.
+func TestDataplaneXDPRestartKeepsConnections(t *testing.T) {
+	e, d, vip4, vip6 := xdpLab(t)
+	ext := e.lab.External
+	var conns []*lab.Conn
+	for _, vip := range []netip.Addr{vip4, vip6} {
+		c, err := ext.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+		if err != nil {
+			t.Fatalf("external client to %s:80: %v", vip, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		conns = append(conns, c)
+	}
+	echo := func(when string) {
+		t.Helper()
+		for i, c := range conns {
+			if err := c.Echo([]byte("through XDP "+when), 3*time.Second); err != nil {
+				t.Fatalf("connection %d %s: %v", i, when, err)
+			}
+		}
+	}
+	echo("before the restart")
+	before, err := d.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	echo("while no dataplane runs")
+	d = e.open(t)
+	echo("after the restart")
+	after, err := d.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Parser["xdp_translated"] <= before.Parser["xdp_translated"] {
+		t.Errorf("xdp_translated %d -> %d: XDP did not carry the connections after the restart",
+			before.Parser["xdp_translated"], after.Parser["xdp_translated"])
+	}
+	for _, ifc := range d.Status().Interfaces {
+		if ifc.Kind == InterfaceNorthSouth && ifc.XDP != string(bpf.XDPNative) {
+			t.Errorf("%s: XDP mode %q after the restart, want native", ifc.Name, ifc.XDP)
+		}
+	}
 }

@@ -89,8 +89,13 @@ func (h *harness) runOn(prog *ebpf.Program, frame []byte, ifindex int) (uint32, 
 	type skbCtx struct {
 		Len, PktType, Mark, QueueMapping, Protocol, VlanPresent, VlanTCI, VlanProto, Priority, IngressIfindex, Ifindex uint32
 	}
-	in := skbCtx{IngressIfindex: uint32(ifindex), Ifindex: uint32(ifindex)}
-	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Context: in, Repeat: 1}
+	return h.runCtx(prog, frame, skbCtx{IngressIfindex: uint32(ifindex), Ifindex: uint32(ifindex)})
+}
+
+// runCtx runs prog once on frame with context ctx, on the harness's thread.
+func (h *harness) runCtx(prog *ebpf.Program, frame []byte, ctx any) (uint32, []byte) {
+	h.t.Helper()
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Context: ctx, Repeat: 1}
 	var ret uint32
 	var err error
 	h.th.Do(func() { ret, err = prog.Run(&opts) })

@@ -75,14 +75,7 @@ func newXDPObjects(t testing.TB, h *harness, allow ...int) *serviceXdpObjects {
 func (h *harness) runXDP(prog *ebpf.Program, frame []byte, ifindex int) (uint32, []byte) {
 	h.t.Helper()
 	type xdpMD struct{ Data, DataEnd, DataMeta, IngressIfindex, RxQueueIndex, EgressIfindex uint32 }
-	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Context: xdpMD{DataEnd: uint32(len(frame)), IngressIfindex: uint32(ifindex)}, Repeat: 1}
-	var ret uint32
-	var err error
-	h.th.Do(func() { ret, err = prog.Run(&opts) })
-	if err != nil {
-		h.t.Fatalf("run: %v", err)
-	}
-	return ret, opts.DataOut
+	return h.runCtx(prog, frame, xdpMD{DataEnd: uint32(len(frame)), IngressIfindex: uint32(ifindex)})
 }
 
 // TestXDPNorthSouth: the XDP object on the TC object's maps, packets

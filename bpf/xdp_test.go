@@ -6,7 +6,9 @@ import (
 	"net"
 	"net/netip"
 	"reflect"
+	"os"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 	"unsafe"
@@ -41,6 +43,12 @@ func newXDPObjects(t testing.TB, h *harness, allow ...int) *serviceXdpObjects {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newXDPObjectsSpec(t, h, spec, allow...)
+}
+
+// newXDPObjectsSpec loads the XDP object of spec on the harness's maps.
+func newXDPObjectsSpec(t testing.TB, h *harness, spec *ebpf.CollectionSpec, allow ...int) *serviceXdpObjects {
+	t.Helper()
 	maps := map[string]*ebpf.Map{}
 	mv := reflect.ValueOf(h.objs.serviceMaps)
 	for i := range mv.NumField() {
@@ -347,13 +355,38 @@ func BenchmarkXDP(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer empty.Close()
-	measureInterleavedOn(b, h.th, calls, []*benchCase{
+	cases := []*benchCase{
 		{name: "xdp empty program, with the context", metric: "xdp-empty-ctx", prog: empty, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
 		{name: "xdp pass-through (not a service)", metric: "xdp-pass", prog: xdp, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
 		{name: "xdp ipv4 tcp conntrack hit (SNAT)", metric: "xdp-v4-ct-hit", prog: xdp, frame: func(int) []byte { return v4.fwd(40000, pkt.ACK) }, ctx: xdpCtx(60), want: xdpRedirect},
 		{name: "xdp ipv4 tcp new flow (DSR)", metric: "xdp-v4-new-flow", prog: xdp, frame: newFlow, ctx: xdpCtx(60), want: xdpRedirect},
 		{name: "xdp ipv4 tcp conntrack hit (DSR)", metric: "xdp-v4-dsr-hit", prog: xdp, frame: func(int) []byte { return pkt.TCP(v4.clientAt(40000), dsr, pkt.ACK, payload) }, ctx: xdpCtx(60), want: xdpRedirect},
-	}, false, ebpf.XDP)
+	}
+	// FLUXVM_BENCH_XDP_VARIANTS=name=obj,...: other builds of the XDP
+	// object, loaded on the same maps, their cases interleaved with ours
+	// (an A/B in one run on identical flow state).
+	if vs := os.Getenv("FLUXVM_BENCH_XDP_VARIANTS"); vs != "" {
+		n := len(cases)
+		for k, v := range strings.Split(vs, ",") {
+			name, path, _ := strings.Cut(v, "=")
+			spec, err := ebpf.LoadCollectionSpec(path)
+			if err != nil {
+				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS: %v", err)
+			}
+			p := newXDPObjectsSpec(b, h, spec, l.out).FluxvmXdpNs
+			for _, c := range cases[1:n] {
+				vc := *c
+				vc.name, vc.metric, vc.prog = name+" "+c.name, name+"-"+c.metric, p
+				if c.metric == "xdp-v4-new-flow" {
+					// Flows of their own: ours would be hits.
+					off := (k + 1) * calls
+					vc.frame = func(i int) []byte { return newFlow(i + off) }
+				}
+				cases = append(cases, &vc)
+			}
+		}
+	}
+	measureInterleavedOn(b, h.th, calls, cases, false, ebpf.XDP)
 }
 
 // progTestRun is BPF_PROG_TEST_RUN with a context (cilium/ebpf's

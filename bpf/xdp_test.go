@@ -377,6 +377,7 @@ func BenchmarkXDP(b *testing.B) {
 			for _, c := range cases[1:n] {
 				vc := *c
 				vc.name, vc.metric, vc.prog = name+" "+c.name, name+"-"+c.metric, p
+				vc.any = os.Getenv("FLUXVM_BENCH_XDP_ANY") == "1"
 				if c.metric == "xdp-v4-new-flow" {
 					// Flows of their own: ours would be hits.
 					off := (k + 1) * calls

@@ -28,6 +28,8 @@ const (
 	serviceXdpTierSMapFluxvmMeta        = "fluxvm_meta"
 	serviceXdpTierSMapFluxvmNat4        = "fluxvm_nat4"
 	serviceXdpTierSMapFluxvmNat6        = "fluxvm_nat6"
+	serviceXdpTierSMapFluxvmNh          = "fluxvm_nh"
+	serviceXdpTierSMapFluxvmNhCtl       = "fluxvm_nh_ctl"
 	serviceXdpTierSMapFluxvmScratch     = "fluxvm_scratch"
 	serviceXdpTierSMapFluxvmSguard      = "fluxvm_sguard"
 	serviceXdpTierSMapFluxvmSnat        = "fluxvm_snat"
@@ -100,6 +102,8 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmNh          *ebpf.MapSpec `ebpf:"fluxvm_nh"`
+	FluxvmNhCtl       *ebpf.MapSpec `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
@@ -148,6 +152,8 @@ type serviceXdpTierSMaps struct {
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmNh          *ebpf.Map `ebpf:"fluxvm_nh"`
+	FluxvmNhCtl       *ebpf.Map `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
@@ -172,6 +178,8 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
+		m.FluxvmNh,
+		m.FluxvmNhCtl,
 		m.FluxvmScratch,
 		m.FluxvmSguard,
 		m.FluxvmSnat,

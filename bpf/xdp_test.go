@@ -3,6 +3,7 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -43,11 +44,15 @@ func newXDPObjects(t testing.TB, h *harness, allow ...int) *serviceXdpObjects {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return newXDPObjectsSpec(t, h, spec, allow...)
+	var objs serviceXdpObjects
+	h.loadXDP(t, spec, &objs, allow...)
+	return &objs
 }
 
-// newXDPObjectsSpec loads the XDP object of spec on the harness's maps.
-func newXDPObjectsSpec(t testing.TB, h *harness, spec *ebpf.CollectionSpec, allow ...int) *serviceXdpObjects {
+// loadXDP loads the XDP object of spec on the harness's maps into objs (a
+// struct of `ebpf`-tagged fields with at least fluxvm_xdp_tx), and lets it
+// send on the interfaces allow names.
+func (h *harness) loadXDP(t testing.TB, spec *ebpf.CollectionSpec, objs any, allow ...int) {
 	t.Helper()
 	maps := map[string]*ebpf.Map{}
 	mv := reflect.ValueOf(h.objs.serviceMaps)
@@ -63,20 +68,31 @@ func newXDPObjectsSpec(t testing.TB, h *harness, spec *ebpf.CollectionSpec, allo
 			repl[name] = m
 		}
 	}
-	var objs serviceXdpObjects
-	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: repl}); err != nil {
+	if err := spec.LoadAndAssign(objs, &ebpf.CollectionOptions{MapReplacements: repl}); err != nil {
 		t.Fatalf("load the XDP object: %v", err)
 	}
-	t.Cleanup(func() { objs.Close() })
+	t.Cleanup(func() { objs.(io.Closer).Close() })
+	tx := reflect.ValueOf(objs).Elem().FieldByName("FluxvmXdpTx").Interface().(*ebpf.Map)
 	// A devmap names devices of the writer's namespace: the harness's.
 	for _, ifindex := range allow {
 		var err error
-		h.th.Do(func() { err = objs.FluxvmXdpTx.Put(uint32(ifindex), uint32(ifindex)) })
+		h.th.Do(func() { err = tx.Put(uint32(ifindex), uint32(ifindex)) })
 		if err != nil {
 			t.Fatalf("fluxvm_xdp_tx: %v", err)
 		}
 	}
-	return &objs
+}
+
+// xdpVariant is another build of the XDP object (BenchmarkXDP's A/B): its
+// program and devmap, whatever else it has.
+type xdpVariant struct {
+	FluxvmXdpNs *ebpf.Program `ebpf:"fluxvm_xdp_ns"`
+	FluxvmXdpTx *ebpf.Map     `ebpf:"fluxvm_xdp_tx"`
+}
+
+func (v *xdpVariant) Close() error {
+	v.FluxvmXdpNs.Close()
+	return v.FluxvmXdpTx.Close()
 }
 
 // runXDP runs the XDP program on frame as if it arrived on ifindex.
@@ -310,7 +326,12 @@ func BenchmarkXDP(b *testing.B) {
 	calls := benchCalls(b)
 	h := newHarnessSized(b, 0)
 	l := newFIBLab(b, h)
-	xdp := newXDP(b, h, l.out)
+	xo := newXDPObjects(b, h, l.out)
+	xdp := xo.FluxvmXdpNs
+	// The next-hop cache on, as the control plane runs it.
+	if err := xo.FluxvmNhCtl.Put(uint32(0), [2]uint32{1, 1}); err != nil {
+		b.Fatal(err)
+	}
 	v4 := variants()[0]
 	v4.setup(h)
 	h.svcFlags(sid, v4.vip, v4.proto, SvcFlagNorthSouth|SvcFlagNoEastWest)
@@ -373,7 +394,9 @@ func BenchmarkXDP(b *testing.B) {
 			if err != nil {
 				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS: %v", err)
 			}
-			p := newXDPObjectsSpec(b, h, spec, l.out).FluxvmXdpNs
+			var v xdpVariant
+			h.loadXDP(b, spec, &v, l.out)
+			p := v.FluxvmXdpNs
 			for _, c := range cases[1:n] {
 				vc := *c
 				vc.name, vc.metric, vc.prog = name+" "+c.name, name+"-"+c.metric, p

@@ -39,6 +39,9 @@
 #include "snat.h"
 #include "fib.h"
 #include "rev.h"
+#ifdef FLUXVM_CTX_XDP
+#include "nh.h"
+#endif
 
 static __always_inline struct fluxvm_svc_value *
 fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
@@ -149,13 +152,15 @@ static __always_inline int fluxvm_guard_open(__u32 sid)
  */
 static __always_inline int fluxvm_dsr_forward(struct __ctx_buff *ctx,
 					      const struct fluxvm_pkt *pkt, const int v6,
-					      const struct fluxvm_backend *be,
+					      const struct fluxvm_backend *be, __u32 bid, __u64 now,
 					      struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
 	__u32 len = ctx_full_len(ctx);
 	int ret;
 
+	(void)bid; /* XDP's next-hop cache only */
+	(void)now;
 	ret = fluxvm_fib_redirect(ctx, pkt, v6, be->addr);
 	if (ret == FLUXVM_FIB_MISS || ret == TC_ACT_SHOT)
 		return fluxvm_drop(FLUXVM_DROP_DSR_NO_ROUTE, st, es);
@@ -207,19 +212,74 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_EDGES);
 } fluxvm_xdp_tx SEC(".maps");
 
-static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
-					    const int v6, const __be32 *src, const __be32 *dst)
+/* The L3 length of the packet to forward, or 0 when it may not be
+ * forwarded from here (its TTL/hop limit would expire, or the header is
+ * not where the parser found it). */
+static __always_inline __u32 fluxvm_xdp_fwd_len(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+						const int v6)
 {
-	struct fluxvm_scratch *s;
+	void *data = ctx_data(ctx), *end = ctx_data_end(ctx);
+	__u32 l3_off = pkt->l3_off;
 
+	if (l3_off > FLUXVM_MAX_L4_OFF)
+		return 0;
+	if (v6) {
+		struct ipv6hdr *ip6 = data + l3_off;
+
+		if ((void *)(ip6 + 1) > end || ip6->hop_limit <= 1)
+			return 0;
+		return bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
+	} else {
+		struct iphdr *iph = data + l3_off;
+
+		if ((void *)(iph + 1) > end || iph->ttl <= 1)
+			return 0;
+		return bpf_ntohs(iph->tot_len);
+	}
+}
+
+/*
+ * The route toward backend @bid (at @dst, the packet to leave from @src),
+ * left in the per-CPU scratch's fib (egress ifindex and MACs): from the
+ * next-hop cache (lib/nh.h) when it holds a fresh answer, else from the
+ * FIB, whose full answers it then keeps. Returns 0, or -1 with the reason
+ * counted when XDP cannot send the packet (the caller passes it on,
+ * untouched). Nothing is written to the packet.
+ */
+static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					    const int v6, const __be32 *src, const __be32 *dst,
+					    __u32 bid, __u64 now)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	__u32 gen = 0, iif = ctx_ifindex(ctx);
+	struct fluxvm_nh_entry *e;
+
+	if (!s)
+		return -1;
+	e = fluxvm_nh_slot(bid, &gen);
+	if (e && fluxvm_nh_fresh(e, bid, gen, iif, fluxvm_xdp_fwd_len(ctx, pkt, v6), now)) {
+		s->fib.ifindex = e->oif;
+		__builtin_memcpy(s->fib.dmac, e->dmac, ETH_ALEN);
+		__builtin_memcpy(s->fib.smac, e->smac, ETH_ALEN);
+		return 0;
+	}
 	if (fluxvm_fib_lookup(ctx, pkt, v6, src, dst) != BPF_FIB_LKUP_RET_SUCCESS) {
 		fluxvm_count(FLUXVM_CNT_XDP_PASS_NO_ROUTE);
 		return -1;
 	}
-	s = fluxvm_scratch_get();
-	if (!s || !bpf_map_lookup_elem(&fluxvm_xdp_tx, &s->fib.ifindex)) {
+	if (!bpf_map_lookup_elem(&fluxvm_xdp_tx, &s->fib.ifindex)) {
 		fluxvm_count(FLUXVM_CNT_XDP_PASS_EGRESS);
 		return -1;
+	}
+	if (e) {
+		e->backend_id_1 = bid + 1;
+		e->iif = iif;
+		e->oif = s->fib.ifindex;
+		e->gen = gen;
+		e->born = (__u32)(now >> 20);
+		e->mtu = s->fib.mtu_result;
+		__builtin_memcpy(e->dmac, s->fib.dmac, ETH_ALEN);
+		__builtin_memcpy(e->smac, s->fib.smac, ETH_ALEN);
 	}
 	return 0;
 }
@@ -247,14 +307,14 @@ static __always_inline int fluxvm_xdp_send(struct __ctx_buff *ctx, const struct 
  * VIP). */
 static __always_inline int fluxvm_dsr_forward(struct __ctx_buff *ctx,
 					      const struct fluxvm_pkt *pkt, const int v6,
-					      const struct fluxvm_backend *be,
+					      const struct fluxvm_backend *be, __u32 bid, __u64 now,
 					      struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
 	__u32 len = ctx_full_len(ctx);
 	int ret;
 
-	if (fluxvm_xdp_route(ctx, pkt, v6, NULL, be->addr))
+	if (fluxvm_xdp_route(ctx, pkt, v6, NULL, be->addr, bid, now))
 		return CTX_ACT_NEXT;
 	ret = fluxvm_xdp_send(ctx, pkt, v6);
 	if (ret < 0)
@@ -343,10 +403,12 @@ fluxvm_select(__u32 sid, __u32 hash, __u32 *bid, struct fluxvm_svc_stats_value *
  */
 static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
 					      const int v6, const struct fluxvm_backend *be,
-					      const __be32 *snat_addr, __be16 snat_port,
+					      __u32 bid, __u64 now, const __be32 *snat_addr, __be16 snat_port,
 					      __u8 nat_flags, struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
+	(void)bid; /* XDP's next-hop cache only */
+	(void)now;
 	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
 	    (snat_addr && fluxvm_rewrite(ctx, pkt, v6, 0, snat_addr, snat_port)))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
@@ -366,14 +428,14 @@ static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct flu
  */
 static __always_inline int fluxvm_nat_deliver(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
 					      const int v6, const struct fluxvm_backend *be,
-					      const __be32 *snat_addr, __be16 snat_port,
+					      __u32 bid, __u64 now, const __be32 *snat_addr, __be16 snat_port,
 					      __u8 nat_flags, struct fluxvm_svc_stats_value *st,
 					      struct fluxvm_svc_stats_value *es)
 {
 	int ret;
 
 	(void)nat_flags;
-	if (fluxvm_xdp_route(ctx, pkt, v6, snat_addr, be->addr))
+	if (fluxvm_xdp_route(ctx, pkt, v6, snat_addr, be->addr, bid, now))
 		return CTX_ACT_NEXT;
 	if (fluxvm_rewrite(ctx, pkt, v6, 1, be->addr, be->port) ||
 	    (snat_addr && fluxvm_rewrite(ctx, pkt, v6, 0, snat_addr, snat_port)))
@@ -474,6 +536,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be);
 	if (verdict == FLUXVM_CT_KEEP) {
+		bid = ct->backend_id;
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
@@ -513,7 +576,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_nat_deliver(ctx, pkt, v6, be, NULL, 0, nat_flags, st, es);
+	return fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, NULL, 0, nat_flags, st, es);
 }
 
 /*
@@ -549,8 +612,9 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be);
 	if (verdict == FLUXVM_CT_KEEP) {
+		bid = ct->backend_id;
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
-		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, ct->backend_id, now, nat_flags);
+		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
 			__builtin_memcpy(nat_addr, ct->nat_addr, 16);
 			nat_port = ct->nat_port;
@@ -589,7 +653,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_nat_deliver(ctx, pkt, v6, be, nat_addr, nat_port, nat_flags, st, es);
+	return fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, nat_addr, nat_port, nat_flags, st, es);
 }
 
 /*
@@ -621,6 +685,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be);
 	if (verdict == FLUXVM_CT_KEEP) {
+		bid = ct->backend_id;
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}
@@ -639,7 +704,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_dsr_forward(ctx, pkt, v6, be, st, es);
+	return fluxvm_dsr_forward(ctx, pkt, v6, be, bid, now, st, es);
 }
 
 /* The mode of a frontend's path, as the frontend stage finds it. */

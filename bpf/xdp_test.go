@@ -54,21 +54,7 @@ func newXDPObjects(t testing.TB, h *harness, allow ...int) *serviceXdpObjects {
 // send on the interfaces allow names.
 func (h *harness) loadXDP(t testing.TB, spec *ebpf.CollectionSpec, objs any, allow ...int) {
 	t.Helper()
-	maps := map[string]*ebpf.Map{}
-	mv := reflect.ValueOf(h.objs.serviceMaps)
-	for i := range mv.NumField() {
-		if m, ok := mv.Field(i).Interface().(*ebpf.Map); ok && m != nil {
-			maps[mv.Type().Field(i).Tag.Get("ebpf")] = m
-		}
-	}
-	repl := map[string]*ebpf.Map{}
-	for name, ms := range spec.Maps {
-		if m := maps[name]; m != nil {
-			ms.MaxEntries = m.MaxEntries()
-			repl[name] = m
-		}
-	}
-	if err := spec.LoadAndAssign(objs, &ebpf.CollectionOptions{MapReplacements: repl}); err != nil {
+	if err := spec.LoadAndAssign(objs, &ebpf.CollectionOptions{MapReplacements: h.xdpReplacements(spec)}); err != nil {
 		t.Fatalf("load the XDP object: %v", err)
 	}
 	t.Cleanup(func() { objs.(io.Closer).Close() })
@@ -83,16 +69,24 @@ func (h *harness) loadXDP(t testing.TB, spec *ebpf.CollectionSpec, objs any, all
 	}
 }
 
-// xdpVariant is another build of the XDP object (BenchmarkXDP's A/B): its
-// program and devmap, whatever else it has.
-type xdpVariant struct {
-	FluxvmXdpNs *ebpf.Program `ebpf:"fluxvm_xdp_ns"`
-	FluxvmXdpTx *ebpf.Map     `ebpf:"fluxvm_xdp_tx"`
-}
-
-func (v *xdpVariant) Close() error {
-	v.FluxvmXdpNs.Close()
-	return v.FluxvmXdpTx.Close()
+// xdpReplacements: the harness's maps that spec (an XDP object) shares
+// with the TC object, sized as the harness made them.
+func (h *harness) xdpReplacements(spec *ebpf.CollectionSpec) map[string]*ebpf.Map {
+	maps := map[string]*ebpf.Map{}
+	mv := reflect.ValueOf(h.objs.serviceMaps)
+	for i := range mv.NumField() {
+		if m, ok := mv.Field(i).Interface().(*ebpf.Map); ok && m != nil {
+			maps[mv.Type().Field(i).Tag.Get("ebpf")] = m
+		}
+	}
+	repl := map[string]*ebpf.Map{}
+	for name, ms := range spec.Maps {
+		if m := maps[name]; m != nil {
+			ms.MaxEntries = m.MaxEntries()
+			repl[name] = m
+		}
+	}
+	return repl
 }
 
 // runXDP runs the XDP program on frame as if it arrived on ifindex.
@@ -394,9 +388,23 @@ func BenchmarkXDP(b *testing.B) {
 			if err != nil {
 				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS: %v", err)
 			}
-			var v xdpVariant
-			h.loadXDP(b, spec, &v, l.out)
-			p := v.FluxvmXdpNs
+			// Whatever maps the build has beyond the program and the
+			// devmap; its next-hop cache, if it has one, on as ours.
+			coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: h.xdpReplacements(spec)})
+			if err != nil {
+				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS %s: %v", name, err)
+			}
+			defer coll.Close()
+			h.th.Do(func() { err = coll.Maps["fluxvm_xdp_tx"].Put(uint32(l.out), uint32(l.out)) })
+			if err != nil {
+				b.Fatal(err)
+			}
+			if m := coll.Maps["fluxvm_nh_ctl"]; m != nil && os.Getenv("FLUXVM_BENCH_XDP_NOCACHE") != name {
+				if err := m.Put(uint32(0), [2]uint32{1, 1}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			p := coll.Programs["fluxvm_xdp_ns"]
 			for _, c := range cases[1:n] {
 				vc := *c
 				vc.name, vc.metric, vc.prog = name+" "+c.name, name+"-"+c.metric, p

@@ -35,8 +35,20 @@ import (
 // same object on both sides), so an A/B is two runs: one as is and one
 // with FLUXVM_BENCH_BASELINE_FIRST=1, which creates the baseline's first;
 // take the mean of the two ratios.
+//
+// FLUXVM_BENCH_HOOK=xdp measures the north-south XDP object instead, under
+// the same case names (see benchmarkDatapathXDP): the XDP-against-XDP
+// side of ../shared/tools/katrancmp, which runs this benchmark.
 func BenchmarkDatapath(b *testing.B) {
 	calls := benchCalls(b)
+	switch hook := os.Getenv("FLUXVM_BENCH_HOOK"); hook {
+	case "", "tc":
+	case "xdp":
+		benchmarkDatapathXDP(b, calls)
+		return
+	default:
+		b.Fatalf("FLUXVM_BENCH_HOOK=%q: tc or xdp", hook)
+	}
 
 	// Real tier capacities: a shrunken LRU would measure eviction instead.
 	var h *harness

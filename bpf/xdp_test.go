@@ -316,8 +316,21 @@ func TestXDPDSR(t *testing.T) {
 // interface.
 //
 //	go test -run '^$' -bench BenchmarkXDP -benchtime 1x ./bpf/
+//
+// FLUXVM_BENCH_XDP_VARIANTS=name=obj,... adds other builds of the XDP
+// object, loaded on the same maps (identical flow state), their cases
+// interleaved with ours; FLUXVM_BENCH_XDP_NOCACHE=name leaves that
+// variant's next-hop cache off; FLUXVM_BENCH_XDP_ANY=1 accepts any verdict
+// from the variants (builds cut short to see where the time goes).
 func BenchmarkXDP(b *testing.B) {
 	calls := benchCalls(b)
+	h, cases := xdpBenchCases(b, calls)
+	measureInterleavedOn(b, h.th, calls, cases, false, ebpf.XDP)
+}
+
+// xdpBenchCases sets up BenchmarkXDP's lab and cases (the empty program
+// with the context first).
+func xdpBenchCases(b *testing.B, calls int) (*harness, []*benchCase) {
 	h := newHarnessSized(b, 0)
 	l := newFIBLab(b, h)
 	xo := newXDPObjects(b, h, l.out)
@@ -369,7 +382,7 @@ func BenchmarkXDP(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer empty.Close()
+	b.Cleanup(func() { empty.Close() })
 	cases := []*benchCase{
 		{name: "xdp empty program, with the context", metric: "xdp-empty-ctx", prog: empty, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
 		{name: "xdp pass-through (not a service)", metric: "xdp-pass", prog: xdp, frame: func(int) []byte { return other }, ctx: xdpCtx(len(other)), want: xdpPass},
@@ -394,7 +407,7 @@ func BenchmarkXDP(b *testing.B) {
 			if err != nil {
 				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS %s: %v", name, err)
 			}
-			defer coll.Close()
+			b.Cleanup(coll.Close)
 			h.th.Do(func() { err = coll.Maps["fluxvm_xdp_tx"].Put(uint32(l.out), uint32(l.out)) })
 			if err != nil {
 				b.Fatal(err)
@@ -417,6 +430,33 @@ func BenchmarkXDP(b *testing.B) {
 				cases = append(cases, &vc)
 			}
 		}
+	}
+	return h, cases
+}
+
+// benchmarkDatapathXDP is BenchmarkDatapath with FLUXVM_BENCH_HOOK=xdp:
+// BenchmarkXDP's routed-DSR cases under BenchmarkDatapath's names, so that
+// a tool comparing those names (katrancmp: Katran's XDP forward path, which
+// encapsulates toward the real and sends, a direct-return design too)
+// measures XDP against XDP. "ipv4 tcp conntrack hit" is an established DSR
+// flow, "ipv4 tcp new flow" a new one (conntrack learned, Maglev, FIB,
+// redirect); the floor is an empty XDP program.
+func benchmarkDatapathXDP(b *testing.B, calls int) {
+	h, all := xdpBenchCases(b, calls)
+	as := map[string]string{
+		"xdp-pass":        "pass-through (not a service)",
+		"xdp-v4-dsr-hit":  "ipv4 tcp conntrack hit",
+		"xdp-v4-new-flow": "ipv4 tcp new flow",
+	}
+	var cases []*benchCase
+	for _, c := range all {
+		if name, ok := as[c.metric]; ok {
+			c.name = name
+			cases = append(cases, c)
+		}
+	}
+	if len(cases) != len(as) {
+		b.Fatalf("BenchmarkXDP has %d of the %d cases", len(cases), len(as))
 	}
 	measureInterleavedOn(b, h.th, calls, cases, false, ebpf.XDP)
 }

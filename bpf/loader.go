@@ -168,6 +168,8 @@ type Datapath struct {
 	// xprogs its programs, typed (XDPPrograms).
 	xcoll  *ebpf.Collection
 	xprogs XDPPrograms
+	// nh is the control word of the XDP next-hop cache (xdp_routes.go).
+	nh nhControl
 }
 
 // staged is the part of an Open that Activate completes.

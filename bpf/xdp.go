@@ -358,6 +358,10 @@ func (d *Datapath) DetachXDP(ifc Interface) error {
 		if err := m.Delete(uint32(index)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("bpf: detach xdp from %s: fluxvm_xdp_tx: %w", name, err)
 		}
+		// Cached routes out of it must not outlive the entry.
+		if err := d.InvalidateXDPRoutes(); err != nil {
+			return fmt.Errorf("bpf: detach xdp from %s: %w", name, err)
+		}
 	}
 	return nil
 }

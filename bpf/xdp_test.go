@@ -547,3 +547,145 @@ func TestXDPTx(t *testing.T) {
 		})
 	}
 }
+
+// nhEntry is struct fluxvm_nh_entry (lib/nh.h).
+type nhEntry struct {
+	BackendID1, Iif, Oif, Gen, Born uint32
+	MTU                             uint16
+	Dmac, Smac                      [6]byte
+	_                               [6]byte
+}
+
+// TestXDPRouteCache: with the next-hop cache on, a flow's packets reuse
+// the FIB's answer toward their backend (a neighbour that changed is not
+// seen) until the control plane moves the generation on, or the answer
+// is a second old; off, every packet asks the FIB. A packet the cached
+// route cannot take (TTL expiring, larger than the route's MTU) asks the
+// FIB, which leaves it to the stack untouched.
+func TestXDPRouteCache(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	xo := newXDPObjects(t, h, l.out)
+	if n := xo.FluxvmNh.ValueSize(); n != uint32(unsafe.Sizeof(nhEntry{})) {
+		t.Fatalf("fluxvm_nh value %d bytes, Go %d", n, unsafe.Sizeof(nhEntry{}))
+	}
+	if n := xo.FluxvmNhCtl.ValueSize(); n != uint32(unsafe.Sizeof(NHControl{})) {
+		t.Fatalf("fluxvm_nh_ctl value %d bytes, Go %d", n, unsafe.Sizeof(NHControl{}))
+	}
+	gen := uint32(0)
+	ctl := func(on uint32) {
+		t.Helper()
+		gen++
+		if err := xo.FluxvmNhCtl.Put(uint32(0), NHControl{Gen: gen, Enabled: on}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	other := net.HardwareAddr{0x02, 0xfb, 0, 0, 0, 0x02}
+	for _, v := range []variant{variants()[0], variants()[2]} {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, SvcFlagDSR)
+			be := v.backends[0].Addr()
+			nbr := func(mac net.HardwareAddr) {
+				t.Helper()
+				var err error
+				h.th.Do(func() {
+					err = netlink.NeighSet(&netlink.Neigh{LinkIndex: l.out, State: netlink.NUD_PERMANENT, IP: be.AsSlice(), HardwareAddr: mac})
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			send := func(what string, in []byte, mac net.HardwareAddr) {
+				t.Helper()
+				ret, out := h.runXDP(xo.FluxvmXdpNs, in, l.in)
+				if mac == nil {
+					if ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
+						t.Fatalf("%s: verdict %d, want XDP_PASS untouched\n got %x\nwant %x", what, ret, out, in)
+					}
+					return
+				}
+				if want := l.forwarded(in, mac); ret != xdpRedirect || !bytes.Equal(out[:len(in)], want) {
+					t.Fatalf("%s: verdict %d\n got %x\nwant %x", what, ret, out, want)
+				}
+			}
+			ack := v.fwd(40000, pkt.ACK)
+			nbr(l.nbr)
+			ctl(1)
+			send("first packet", v.fwd(40000, pkt.SYN), l.nbr)
+			// The answer learned, on the CPU that ran the packet.
+			var per []nhEntry
+			if err := xo.FluxvmNh.Lookup(uint32(1), &per); err != nil {
+				t.Fatal(err)
+			}
+			learned := false
+			for _, e := range per {
+				if e.BackendID1 == 2 && e.Iif == uint32(l.in) && e.Oif == uint32(l.out) && e.Gen == gen &&
+					e.MTU == 1500 && bytes.Equal(e.Dmac[:], l.nbr) && bytes.Equal(e.Smac[:], l.outMAC) {
+					learned = true
+				}
+			}
+			if !learned {
+				t.Fatalf("fluxvm_nh[1] per CPU %+v: no answer for backend 1 (id+1 = 2) from %d out of %d", per, l.in, l.out)
+			}
+			nbr(other)
+			send("cached", ack, l.nbr)
+			ctl(1)
+			send("after invalidation", ack, other)
+
+			// Off: every packet asks the FIB.
+			ctl(0)
+			nbr(l.nbr)
+			send("cache off", ack, l.nbr)
+			nbr(other)
+			send("cache off, neighbour changed", ack, other)
+
+			// A cached answer expires.
+			ctl(1)
+			send("learn", ack, other)
+			nbr(l.nbr)
+			send("cached", ack, other)
+			time.Sleep(1100 * time.Millisecond)
+			send("a second later", ack, l.nbr)
+
+			// TTL/hop limit about to expire: the stack's, even cached.
+			last := append([]byte(nil), ack...)
+			if v.vip.Addr().Is4() {
+				last[14+8] = 1
+				pkt.FixIPv4Checksum(last)
+			} else {
+				last[14+7] = 1
+			}
+			before := h.counters()[CounterXDPPassNoRoute]
+			send("ttl 1", last, nil)
+			if got := h.counters()[CounterXDPPassNoRoute] - before; got != 1 {
+				t.Errorf("ttl 1: xdp_pass_no_route +%d, want +1", got)
+			}
+
+			// Larger than the route's MTU: the stack's (it sends the
+			// ICMP error), though the route is cached.
+			mtu := func(n int) {
+				t.Helper()
+				var err error
+				h.th.Do(func() {
+					var ln netlink.Link
+					if ln, err = netlink.LinkByIndex(l.out); err == nil {
+						err = netlink.LinkSetMTU(ln, n)
+					}
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			mtu(1280)
+			defer mtu(1500)
+			ctl(1)
+			send("small packet", ack, l.nbr)
+			big := pkt.TCP(v.clientAt(40000), v.vip, pkt.ACK, make([]byte, 1300))
+			send("packet over the route's MTU", big, nil)
+			mtu(1500)
+			ctl(1)
+			send("packet within the MTU again", big, l.nbr)
+		})
+	}
+}

@@ -86,11 +86,12 @@ static __always_inline struct fluxvm_nh_entry *fluxvm_nh_slot(__u32 bid, __u32 *
 }
 
 /* Is @e a usable answer toward backend @bid from interface @iif for an L3
- * packet of @len bytes at @now? */
+ * packet of @len bytes at @now? @len 0: a packet that may not be forwarded
+ * from here, which only the FIB lookup's checks may pass on. */
 static __always_inline int fluxvm_nh_fresh(const struct fluxvm_nh_entry *e, __u32 bid, __u32 gen,
 					   __u32 iif, __u32 len, __u64 now)
 {
-	return e->backend_id_1 == bid + 1 && e->iif == iif && e->gen == gen &&
+	return len && e->backend_id_1 == bid + 1 && e->iif == iif && e->gen == gen &&
 	       (__u32)(now >> 20) - e->born < FLUXVM_NH_TTL && len <= e->mtu;
 }
 

@@ -79,10 +79,12 @@ type Options struct {
 // interfaces, the SNAT settings and the conntrack GC. It is safe for
 // concurrent use.
 type Dataplane struct {
-	mu     sync.Mutex
-	opts   Options
-	log    *slog.Logger
-	dp     *bpf.Datapath
+	mu   sync.Mutex
+	opts Options
+	log  *slog.Logger
+	dp   *bpf.Datapath
+	// routes keeps the XDP next-hop cache true (xdproutes.go).
+	routes *routeWatch
 	ct     *conntrack.Map
 	caps   bpf.Capacities
 	limits Limits
@@ -238,6 +240,9 @@ func Open(opts Options) (*Dataplane, error) {
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
+	d.mu.Lock()
+	d.startRouteWatch()
+	d.mu.Unlock()
 	d.startAdvertiser()
 	d.startHealth()
 	if opts.GCInterval > 0 {
@@ -465,6 +470,7 @@ func (d *Dataplane) Close() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopRouteWatch()
 	d.stopAdvertiser()
 	cerr := d.closeCatalog()
 	d.mu.Lock()
@@ -485,6 +491,7 @@ func (d *Dataplane) Cleanup() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopRouteWatch()
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
 	var errs []error
@@ -775,10 +782,11 @@ func (d *Dataplane) Status() Status {
 			Migrated: st.Migrated, NotMigrated: st.NotMigrated, Migrations: slices.Clone(st.Migrations),
 			HashSeedChanged: st.HashSeedChanged,
 		},
-		Seeds:    SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
-		Services: len(d.services),
-		SNAT:     d.snatStatus(),
-		LastGC:   d.lastGC,
+		Seeds:         SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
+		Services:      len(d.services),
+		SNAT:          d.snatStatus(),
+		XDPRouteCache: d.routes.routeCache(),
+		LastGC:        d.lastGC,
 		// advertiser.status takes only the advertiser's own lock.
 		Advertisements: d.adv.status(),
 	}

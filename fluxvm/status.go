@@ -50,8 +50,11 @@ type Status struct {
 	Seeds    SeedStatus `json:"seeds"`
 	Services int        `json:"services"`
 	// SNAT is the north-south source NAT the datapath applies.
-	SNAT   SNATStatus `json:"snat"`
-	LastGC *GCResult  `json:"last_gc,omitempty"`
+	SNAT SNATStatus `json:"snat"`
+	// XDPRouteCache is the north-south XDP program's route cache: on or
+	// off and why, and how often the node's routing changes emptied it.
+	XDPRouteCache XDPRouteCacheStatus `json:"xdp_route_cache"`
+	LastGC        *GCResult           `json:"last_gc,omitempty"`
 	// Advertisements is the state of the VIP advertisement snapshot
 	// (path, generation, last publish error).
 	Advertisements AdvertisementStatus `json:"advertisements"`

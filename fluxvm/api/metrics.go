@@ -52,6 +52,8 @@ var (
 	descMapMemory   = desc("map_memory_bytes", "Kernel memory of each BPF map (its fdinfo memlock); the Maglev tables summed as fluxvm_maglev_inner.", "map")
 	descMaglevInner = desc("maglev_inner_maps", "Maglev tables (inner maps of fluxvm_maglev) in the datapath.")
 	descXDPMode     = desc("xdp_mode", "North-south interfaces by the XDP mode in force (native, generic, off): value 1.", "interface", "mode")
+	descXDPRoutes   = desc("xdp_route_cache_enabled", "1 while the XDP program reuses its route lookups toward backends (status xdp_route_cache says why not).")
+	descXDPRouteInv = desc("xdp_route_cache_invalidations_total", "Generations of the XDP route cache since the dataplane opened: changes of the node's routing heard.")
 )
 
 // MaglevInnerMapLabel is the map label under which fluxvm_map_memory_bytes
@@ -77,6 +79,8 @@ type collector struct{ src MetricsSource }
 //	                                            snat_conflicts, icmp_errors_translated, xdp_translated,
 //	                                            xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress}
 //	fluxvm_xdp_mode                             gauge 1 {interface, mode}: north-south XDP mode in force
+//	fluxvm_xdp_route_cache_enabled              gauge: 1 while XDP reuses its route lookups
+//	fluxvm_xdp_route_cache_invalidations_total  counter: route cache generations (routing changes heard)
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}
@@ -104,7 +108,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
-		descMapMemory, descMaglevInner, descXDPMode,
+		descMapMemory, descMaglevInner, descXDPMode, descXDPRoutes, descXDPRouteInv,
 	} {
 		ch <- d
 	}
@@ -127,6 +131,13 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			emit(descXDPMode, prometheus.GaugeValue, 1, i.Name, i.XDP)
 		}
 	}
+	rc := st.XDPRouteCache
+	enabled := 0.0
+	if rc.Enabled {
+		enabled = 1
+	}
+	emit(descXDPRoutes, prometheus.GaugeValue, enabled)
+	emit(descXDPRouteInv, prometheus.CounterValue, float64(rc.Invalidations))
 	emit(descInfo, prometheus.GaugeValue, 1,
 		strconv.FormatUint(uint64(st.SchemaVersion), 10), strconv.FormatUint(uint64(st.Generation), 10), st.Tier)
 	if gc := st.LastGC; gc != nil {

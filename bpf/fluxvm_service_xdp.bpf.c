@@ -25,8 +25,11 @@
  * The parser's counters count a packet once: here if XDP finishes it,
  * else in TC.
  *
- * Known limits of this first part (issue 17): its speed (a conntrack hit
- * costs 2-3 times the target; docs/benchmarks.md); XDP forwards by the FIB as TC's
+ * The route toward a flow's backend comes from the next-hop cache
+ * (lib/nh.h) when the control plane keeps it on, else from the FIB.
+ *
+ * Known limits (issue 17): an established flow costs about 1.6 times
+ * Katran's (docs/benchmarks.md); XDP forwards by the FIB as TC's
  * host_routing does, so the stack's forwarding path (netfilter FORWARD,
  * egress qdiscs) is bypassed for what XDP sends; a frame whose VLAN tag
  * the driver moved to metadata, or a veth frame still CHECKSUM_PARTIAL,

@@ -36,6 +36,7 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		{Name: "eth1", Kind: fluxvm.InterfaceNorthSouth, XDP: "native"},
 		{Name: "tap-vm1", Kind: fluxvm.InterfaceVMEdge},
 	}
+	dp.status.XDPRouteCache = fluxvm.XDPRouteCacheStatus{Enabled: true, Invalidations: 5}
 	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
 	dp.status.Memory = &fluxvm.MemoryStatus{
 		Maps:        map[string]uint64{"fluxvm_fct4": 6_291_456, "fluxvm_maglev": 2_368},
@@ -149,6 +150,12 @@ fluxvm_maglev_inner_maps 3
 # HELP fluxvm_xdp_mode North-south interfaces by the XDP mode in force (native, generic, off): value 1.
 # TYPE fluxvm_xdp_mode gauge
 fluxvm_xdp_mode{interface="eth1",mode="native"} 1
+# HELP fluxvm_xdp_route_cache_enabled 1 while the XDP program reuses its route lookups toward backends (status xdp_route_cache says why not).
+# TYPE fluxvm_xdp_route_cache_enabled gauge
+fluxvm_xdp_route_cache_enabled 1
+# HELP fluxvm_xdp_route_cache_invalidations_total Generations of the XDP route cache since the dataplane opened: changes of the node's routing heard.
+# TYPE fluxvm_xdp_route_cache_invalidations_total counter
+fluxvm_xdp_route_cache_invalidations_total 5
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)

@@ -162,6 +162,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"InterfaceStatus":        reflect.TypeFor[fluxvm.InterfaceStatus](),
 		"HookStatus":             reflect.TypeFor[fluxvm.HookStatus](),
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
+		"XDPRouteCacheStatus":    reflect.TypeFor[fluxvm.XDPRouteCacheStatus](),
 		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),
 		"MemoryStatus":           reflect.TypeFor[fluxvm.MemoryStatus](),
 		"InnerMapsMemory":        reflect.TypeFor[fluxvm.InnerMapsMemory](),

@@ -5,8 +5,10 @@ package fluxvm
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -376,5 +378,256 @@ func TestDataplaneXDPRestartKeepsConnections(t *testing.T) {
 		if ifc.Kind == InterfaceNorthSouth && ifc.XDP != string(bpf.XDPNative) {
 			t.Errorf("%s: XDP mode %q after the restart, want native", ifc.Name, ifc.XDP)
 		}
+	}
+}
+
+// countingXDPProgram is another product's XDP program: it passes every
+// packet and counts the packets it sees in slot 0 of the array map it
+// returns (read with foreignCount).
+func countingXDPProgram(t *testing.T) (*ebpf.Program, *ebpf.Map) {
+	t.Helper()
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Name: "foreign_count", Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	p, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: "foreign_count", Type: ebpf.XDP, License: "GPL",
+		Instructions: asm.Instructions{
+			// key = 0 on the stack; r0 = lookup(map, &key)
+			asm.StoreImm(asm.RFP, -4, 0, asm.Word),
+			asm.Mov.Reg(asm.R2, asm.RFP),
+			asm.Add.Imm(asm.R2, -4),
+			asm.LoadMapPtr(asm.R1, m.FD()),
+			asm.FnMapLookupElem.Call(),
+			asm.JEq.Imm(asm.R0, 0, "pass"),
+			// __sync_fetch_and_add(value, 1)
+			asm.Mov.Imm(asm.R1, 1),
+			asm.StoreXAdd(asm.R0, asm.R1, asm.DWord),
+			asm.Mov.Imm(asm.R0, 2).WithSymbol("pass"), // XDP_PASS
+			asm.Return(),
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p, m
+}
+
+func foreignCount(t *testing.T, m *ebpf.Map) uint64 {
+	t.Helper()
+	var n uint64
+	if err := m.Lookup(uint32(0), &n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// echoLoop echoes on c until stop is closed, every few milliseconds, and
+// counts the round trips that succeeded and those that failed (a failure
+// ends the loop: the connection is then broken).
+type echoLoop struct {
+	ok, failed atomic.Int64
+	firstErr   atomic.Pointer[error]
+	stop       chan struct{}
+	done       chan struct{}
+}
+
+func startEchoLoop(c *lab.Conn) *echoLoop {
+	l := &echoLoop{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		for n := 0; ; n++ {
+			select {
+			case <-l.stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			if err := c.Echo([]byte(fmt.Sprintf("across the uplink %d\n", n)), 3*time.Second); err != nil {
+				l.failed.Add(1)
+				l.firstErr.CompareAndSwap(nil, &err)
+				return
+			}
+			l.ok.Add(1)
+		}
+	}()
+	return l
+}
+
+// finish stops the loop and returns its successes and failures.
+func (l *echoLoop) finish() (ok, failed int64, err error) {
+	close(l.stop)
+	<-l.done
+	if p := l.firstErr.Load(); p != nil {
+		err = *p
+	}
+	return l.ok.Load(), l.failed.Load(), err
+}
+
+// waitFor polls cond every 10 ms until it holds or the timeout passes.
+func waitFor(timeout time.Duration, cond func() bool) bool {
+	for end := time.Now().Add(timeout); ; time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+		if time.Now().After(end) {
+			return false
+		}
+	}
+}
+
+// TestDataplaneXDPForeignKeepsTraffic: another product's XDP program on
+// the uplink, which passes every packet and counts them, with traffic
+// across the uplink (an external client's TCP connection to a backend VM's
+// own address, through the node, echoing all along): FluxVM asked to take
+// the interface with xdp_mode native or auto (Open, AddNorthSouthInterface)
+// is refused with an error naming the program and the interface; the
+// program stays attached (same id, native) and keeps counting the
+// traffic, which is not disturbed (not one echo fails). With xdp_mode off
+// FluxVM takes the uplink with TC only, in front of which the foreign
+// program keeps running, and a north-south VIP works through TC:
+// xdp_translated stays 0 while the service's counters show TC translated.
+func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
+	e := newNSEnv(t)
+	ext := e.lab.External
+	foreign, counts := countingXDPProgram(t)
+	info, err := foreign.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fid, _ := info.ID()
+	err = e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(nsUplink)
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetXdpFdWithFlags(l, foreign.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	foreignStays := func(when string) {
+		t.Helper()
+		if id, mode := e.xdpOnUplink(t, nsUplink); id != fid || mode != "native" {
+			t.Errorf("%s: the uplink runs %d (%q), want the foreign program %d native", when, id, mode, fid)
+		}
+	}
+
+	// Traffic across the uplink that is no service's: the external
+	// client to a backend VM's own address.
+	direct := netip.AddrPortFrom(e.backends[0].Addr4, 8080)
+	c, err := ext.DialTCP(direct, 3*time.Second)
+	if err != nil {
+		t.Fatalf("external client to %s: %v", direct, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	loop := startEchoLoop(c)
+	t.Cleanup(func() {
+		select {
+		case <-loop.stop:
+		default:
+			loop.finish()
+		}
+	})
+	// rising waits until the echo loop and the foreign counter both moved
+	// on from now.
+	rising := func(when string) {
+		t.Helper()
+		ok0, n0 := loop.ok.Load(), foreignCount(t, counts)
+		if !waitFor(10*time.Second, func() bool {
+			return loop.ok.Load() >= ok0+20 && foreignCount(t, counts) >= n0+20 || loop.failed.Load() > 0
+		}) ||
+			loop.failed.Load() > 0 {
+			t.Fatalf("%s: echoes %d -> %d (%d failed), foreign program counted %d -> %d",
+				when, ok0, loop.ok.Load(), loop.failed.Load(), n0, foreignCount(t, counts))
+		}
+	}
+	rising("before FluxVM")
+
+	for _, mode := range []bpf.XDPMode{bpf.XDPNative, bpf.XDPAuto} {
+		refused := func(what string, err error) {
+			t.Helper()
+			if !errors.Is(err, bpf.ErrForeignProgram) || !strings.Contains(err.Error(), `"foreign_count"`) ||
+				!strings.Contains(err.Error(), fmt.Sprintf("id %d", fid)) || !strings.Contains(err.Error(), nsUplink) {
+				t.Errorf("%s with xdp_mode %s: %v; want ErrForeignProgram naming foreign_count (id %d) on %s", what, mode, err, fid, nsUplink)
+			}
+			foreignStays(what + " with xdp_mode " + string(mode))
+			if n := len(e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress)); n != 0 {
+				t.Errorf("%s with xdp_mode %s: %d TC ingress programs attached to a refused uplink", what, mode, n)
+			}
+		}
+		e.opts.NorthSouth.XDPMode = mode
+		e.opts.NorthSouth.Interfaces = []string{nsUplink}
+		d, err := Open(e.opts)
+		if err == nil {
+			d.Close()
+		}
+		refused("Open", err)
+
+		e.opts.NorthSouth.Interfaces = nil
+		d = e.open(t)
+		_, err = d.AddNorthSouthInterface(nsUplink)
+		refused("AddNorthSouthInterface", err)
+		d.Close()
+		rising("after the refusals with xdp_mode " + string(mode))
+	}
+
+	// xdp_mode off: TC only, behind the foreign program.
+	e.opts.NorthSouth.XDPMode = bpf.XDPOff
+	e.opts.NorthSouth.Interfaces = []string{nsUplink}
+	d := e.open(t)
+	if st := ifaceStatus(t, d, nsUplink); st.XDP != "off" || len(st.Hooks) != 2 {
+		t.Errorf("xdp_mode off: uplink status %+v, want xdp off and both TC hooks", st)
+	}
+	foreignStays("xdp_mode off")
+	if got := e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != "fluxvm_ns_in" {
+		t.Errorf("xdp_mode off: uplink TC ingress %v, want fluxvm_ns_in", got)
+	}
+	vip4, vip6 := netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
+	svc := e.nsService("edge", vip4, vip6, ExposureNorthSouth, ModeNAT, false)
+	svc.Ports = append(svc.Ports, ServicePort{Port: 80, Protocol: UDP})
+	if _, err := d.ApplyService(context.Background(), svc); err != nil {
+		t.Fatal(err)
+	}
+	seen := foreignCount(t, counts)
+	for _, vip := range []netip.Addr{vip4, vip6} {
+		vc, err := ext.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+		if err != nil {
+			st, _ := d.Stats()
+			t.Fatalf("external client to %s:80 through TC: %v\nparser %v\ndrops %v", vip, err, st.Parser, st.Drops)
+		}
+		for i := range 5 {
+			if err := vc.Echo([]byte(fmt.Sprintf("north-south over TC %d", i)), 3*time.Second); err != nil {
+				t.Errorf("%s: echo: %v", vip, err)
+			}
+		}
+		vc.Close()
+		if name, err := ext.AskUDP(netip.AddrPortFrom(vip, 80), 2*time.Second); err != nil || name == "" {
+			t.Errorf("%s udp from outside through TC: %q %v", vip, name, err)
+		}
+	}
+	stats, err := d.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Two TCP flows with a handshake and five echoes each, and two UDP
+	// requests: at least 16 packets from the client that only TC can have
+	// translated.
+	if got := stats.Services["edge"]; got.Packets < 16 || got.NewFlows < 4 || got.ReplyPackets < 12 {
+		t.Errorf("xdp_mode off: service counters %+v, want the TC path's translations", got)
+	}
+	if n := stats.Parser["xdp_translated"]; n != 0 {
+		t.Errorf("xdp_mode off: xdp_translated %d, want 0", n)
+	}
+	if n := foreignCount(t, counts); n < seen+16 {
+		t.Errorf("the foreign program counted %d -> %d during the VIP traffic: it did not see it", seen, n)
+	}
+	foreignStays("after the VIP traffic")
+	rising("with FluxVM on TC")
+	if ok, failed, err := loop.finish(); failed != 0 || err != nil {
+		t.Errorf("the connection across the uplink: %d echoes, %d failed: %v", ok, failed, err)
+	} else {
+		t.Logf("the connection across the uplink: %d echoes, none failed; the foreign program counted %d packets", ok, foreignCount(t, counts))
 	}
 }

@@ -186,6 +186,11 @@ func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
 	if l, err := link.LoadPinnedLink(pin, nil); err == nil {
 		defer l.Close()
 		if info, err := l.Info(); err == nil && info.TCX() != nil && int(info.TCX().Ifindex) == index {
+			// Staged: the link keeps the old program until Activate
+			// points every pinned link at the new ones.
+			if d.staged != nil {
+				return nil
+			}
 			if err := l.Update(prog); err != nil {
 				return fmt.Errorf("bpf: attach %s on %d: update link: %w", hook, index, err)
 			}

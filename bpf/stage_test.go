@@ -82,6 +82,14 @@ func TestStagedTierChange(t *testing.T) {
 		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != oldProg {
 			t.Errorf("before Activate the hook runs %v, want the old program %d", got, oldProg)
 		}
+		// Attaching again before Activate, as a caller restoring its
+		// interfaces does, leaves the pinned link to Activate.
+		if _, err := d.Attach(Interface{Index: idx}, HookFromVM); err != nil {
+			t.Fatal(err)
+		}
+		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != oldProg {
+			t.Errorf("Attach before Activate: the hook runs %v, want the old program %d until Activate", got, oldProg)
+		}
 		if got := pinnedMapID(t, root, "fluxvm_svc4"); got != oldSvc {
 			t.Errorf("before Activate the fluxvm_svc4 pin is map %d, want the old map %d", got, oldSvc)
 		}

@@ -188,7 +188,12 @@ func (d *Datapath) AttachXDP(ifc Interface, mode XDPMode) (XDPAttachment, error)
 		ours, inForce := d.pinnedXDP(l, index)
 		switch {
 		case ours && (mode == XDPAuto || mode == inForce):
-			err := l.Update(prog)
+			// Staged: the link keeps the old program until Activate
+			// points every pinned link at the new ones.
+			var err error
+			if d.staged == nil {
+				err = l.Update(prog)
+			}
 			l.Close()
 			if err != nil {
 				return a, fmt.Errorf("bpf: attach xdp on %s: update link: %w", name, err)

@@ -272,6 +272,13 @@ func TestStagedTierChangeXDP(t *testing.T) {
 		if id, _ := xdpOn(t, idx); id != old {
 			t.Fatalf("before Activate the interface runs %d, want the old program %d", id, old)
 		}
+		// Attaching again before Activate leaves the pinned link to it.
+		if a, err := d.AttachXDP(Interface{Index: idx}, XDPNative); err != nil || a.Mode != XDPNative {
+			t.Fatalf("AttachXDP before Activate: %+v, %v", a, err)
+		}
+		if id, _ := xdpOn(t, idx); id != old {
+			t.Fatalf("AttachXDP before Activate: the interface runs %d, want the old program %d until Activate", id, old)
+		}
 		if err := d.Activate(); err != nil {
 			t.Fatal(err)
 		}

@@ -117,7 +117,7 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 		default:
 			p := PerfPath(f)
 			if !slices.Contains(EastWestPaths, p) && !slices.Contains(NorthSouthPaths, p) {
-				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, all)", f, strings.Join(pathNamesOf(append(slices.Clone(EastWestPaths), NorthSouthPaths...)), ", "))
+				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, all)", f, strings.Join(pathNames(append(slices.Clone(EastWestPaths), NorthSouthPaths...)), ", "))
 			}
 			want[p] = true
 		}
@@ -131,7 +131,7 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 	return out, nil
 }
 
-func pathNamesOf(ps []PerfPath) []string {
+func pathNames(ps []PerfPath) []string {
 	var s []string
 	for _, p := range ps {
 		s = append(s, string(p))

@@ -74,7 +74,10 @@ xdp_translated (at least once per connection, and once per 64 KiB in
 bulk) and every other one must leave it alone, or the run fails; the
 report prints the counts. ext computes its own TX checksums and vm3's
 eth0 runs an XDP_PASS program on all three north-south paths, as XDP on
-veths needs. With the north-south paths (-paths all) a run takes about twice as long
+veths needs. Every north-south connection takes an SNAT port: the lab
+uses the widest SNAT range and tcp_fin_timeout/tcp_rst_timeout 2s, and
+runs the GC before each north-south measurement, so that the range does
+not run dry (datapath drops, snat_failed among them, are printed). With the north-south paths (-paths all) a run takes about twice as long
 as the default.
 
 Flags:

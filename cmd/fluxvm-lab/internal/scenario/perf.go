@@ -226,6 +226,10 @@ type PerfSample struct {
 	// (VIP packets it left to TC), XDPPassEgress the xdp_pass_egress
 	// part of that.
 	XDPTranslated, XDPPassed, XDPPassEgress uint64
+	// Drops is how many packets the datapath dropped during the
+	// measurement (all reasons), SNATFailed the snat_failed part: new
+	// north-south NAT flows that found no free SNAT port.
+	Drops, SNATFailed uint64
 	// CPU is the CPU time the measurement cost: the machine's busy time
 	// (all CPUs) less what other processes and the hypervisor (steal)
 	// took. It covers client, servers, kernel threads and the softirqs
@@ -677,6 +681,7 @@ func (p *perfRun) nftConns(ctx context.Context) (uint64, error) {
 type perfCounts struct {
 	flows                     uint64 // new flows of all of Perf's services
 	xdp, xdpPassed, xdpEgress uint64
+	drops, snatFailed         uint64
 }
 
 // datapathCounts reads them through the SDK (fluxvm.Dataplane.Stats).
@@ -694,6 +699,10 @@ func (p *perfRun) datapathCounts() (perfCounts, error) {
 		c.xdpPassed += st.Parser[n]
 	}
 	c.xdpEgress = st.Parser[cntXDPPassEgress]
+	for _, n := range st.Drops {
+		c.drops += n
+	}
+	c.snatFailed = st.Drops["snat_failed"]
 	return c, nil
 }
 
@@ -948,6 +957,9 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 		if err := p.setXDP(on); err != nil {
 			return s, err
 		}
+		if err := p.nsGC(ctx); err != nil {
+			return s, err
+		}
 	}
 	c0, err := p.datapathCounts()
 	if err != nil {
@@ -987,6 +999,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	}
 	s.DatapathFlows, s.NFTConns = c1.flows-c0.flows, nft1-nft0
 	s.XDPTranslated, s.XDPPassed, s.XDPPassEgress = c1.xdp-c0.xdp, c1.xdpPassed-c0.xdpPassed, c1.xdpEgress-c0.xdpEgress
+	s.Drops, s.SNATFailed = c1.drops-c0.drops, c1.snatFailed-c0.snatFailed
 	return s, nil
 }
 
@@ -1033,6 +1046,9 @@ func (p *perfRun) printSample(s PerfSample) {
 		if s.XDPPassed > 0 {
 			via += fmt.Sprintf(" (xdp_pass_* +%d)", s.XDPPassed)
 		}
+	}
+	if s.Drops > 0 {
+		via += fmt.Sprintf("; datapath drops +%d (snat_failed +%d)", s.Drops, s.SNATFailed)
 	}
 	if p.o.BPFStats {
 		unit := "µs/conn"

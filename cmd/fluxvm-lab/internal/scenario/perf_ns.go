@@ -347,7 +347,7 @@ func (p *perfRun) checkXDPMode() error {
 	return nil
 }
 
-// nsCheck proves, with a short burst of both workloads per north-south
+// nsChecks proves, with a short burst of both workloads per north-south
 // path, that ns-direct is translated by nothing, ns-tc by the TC programs
 // alone (XDP off, xdp_translated does not move) and ns-xdp by the XDP
 // program (xdp_translated at least once per connection, nothing left to

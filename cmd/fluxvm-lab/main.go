@@ -6,7 +6,10 @@
 //
 //	fluxvm-lab demo   VIP traffic, weighted distribution, a live drain
 //	fluxvm-lab perf   the same workload direct, through our VIP and
-//	                  through an nftables DNAT load balancer, side by side
+//	                  through an nftables DNAT load balancer, side by side;
+//	                  with -paths north-south (or all) also from the
+//	                  external client: direct, through a north-south VIP
+//	                  with TC only and with XDP native on the uplink
 //
 // It needs root. Everything it creates lives in namespaces whose names end
 // in a per-run suffix, and is removed on exit, on Ctrl-C and on failure.

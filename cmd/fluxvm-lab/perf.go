@@ -4,7 +4,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
+	"fmt"
 	"os"
 
 	"github.com/fluxvm/servicefabric/cmd/fluxvm-lab/internal/scenario"
@@ -12,23 +14,71 @@ import (
 
 func init() {
 	commands["perf"] = command{
-		summary: "the same workload direct, through our VIP and through nftables DNAT, side by side",
+		summary: "the same workload direct, through our VIP and through nftables DNAT, side by side (-paths north-south: XDP vs TC-only vs direct from outside)",
 		run: func(ctx context.Context, args []string) error {
 			fs := flag.NewFlagSet("perf", flag.ContinueOnError)
+			fs.Usage = func() {
+				fmt.Fprint(fs.Output(), perfUsage)
+				fs.PrintDefaults()
+			}
 			o := scenario.DefaultPerfOptions()
 			fs.IntVar(&o.Rounds, "rounds", o.Rounds, "measurement rounds; each rotates the order of the paths (1..50)")
 			fs.DurationVar(&o.Duration, "duration", o.Duration, "duration of one measurement: one workload on one path (50ms..60s)")
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
 			fs.IntVar(&o.MaxConns, "max-conns", o.MaxConns, "connections per measurement at most (1..10000000)")
-			fs.BoolVar(&o.Bare, "bare", o.Bare, "also measure the direct path with the datapath programs detached")
+			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, north-south, all")
+			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
-			if err := fs.Parse(args); err != nil {
+			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+				return nil
+			} else if err != nil {
 				return err
 			}
-			_, err := scenario.Perf(ctx, os.Stdout, o)
+			if fs.NArg() > 0 {
+				return fmt.Errorf("perf: unexpected arguments %q", fs.Args())
+			}
+			var err error
+			if o.Paths, err = scenario.ParsePerfPaths(*paths); err != nil {
+				return err
+			}
+			_, err = scenario.Perf(ctx, os.Stdout, o)
 			return err
 		},
 	}
 }
+
+const perfUsage = `usage: fluxvm-lab perf [flags]
+
+Measures short TCP connections per second and bulk throughput on several
+paths in one lab, in interleaved rounds (each round rotates the order of
+the paths; ratios are paired within rounds), after checking that every
+path is translated by what it claims and by nothing else. Needs root (and
+nft for the east-west paths).
+
+East-west paths (client VM vm1 to backend VM vm2), the default:
+  bare       the backend's address, datapath programs detached
+  direct     the backend's address, programs attached (the baseline)
+  vip        our VIP, translated by the TC programs
+  nft        a kube-proxy style nftables DNAT VIP
+North-south paths (external client ext through the node's uplink to
+backend VM vm3; -paths north-south, or all):
+  ns-direct  the backend's address, TC programs on the uplink, xdp_mode off
+  ns-tc      a north-south VIP (DNAT+SNAT) in the TC programs, xdp_mode off
+  ns-xdp     the same VIP with xdp_mode native: the XDP program translates
+One dataplane has one xdp_mode: perf switches it between measurements by
+reopening the dataplane (Close, Open with the other mode), and prints each
+switch. Every ns-xdp measurement must raise the datapath counter
+xdp_translated (at least once per connection, and once per 64 KiB in
+bulk) and every other one must leave it alone, or the run fails; the
+report prints the counts. ext computes its own TX checksums and vm3's
+eth0 runs an XDP_PASS program on all three north-south paths, as XDP on
+veths needs. Every north-south connection takes an SNAT port: the lab
+uses the widest SNAT range and tcp_fin_timeout/tcp_rst_timeout 2s, and
+runs the GC before each north-south measurement, so that the range does
+not run dry (datapath drops, snat_failed among them, are printed). With the north-south paths (-paths all) a run takes about twice as long
+as the default.
+
+Flags:
+`

@@ -34,11 +34,13 @@ import (
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
-// PerfPath is one way from the client VM to the backend in Perf. All
-// paths end at the same server in the same backend VM.
+// PerfPath is one way from a client to a backend in Perf. The east-west
+// paths go from the client VM vm1 to the backend VM vm2, the north-south
+// ones (perf_ns.go) from the external client ext to the backend VM vm3;
+// all paths of a group end at the same servers in the same VM.
 type PerfPath string
 
-// The paths Perf compares.
+// The east-west paths Perf compares.
 const (
 	// PathBare is the backend's own address with the datapath programs
 	// detached from the VM edges: plain forwarding by the node.
@@ -109,8 +111,13 @@ type PerfOptions struct {
 	Streams int
 	// MaxConns bounds the connections of one measurement. 1..10000000.
 	MaxConns int
-	// Bare adds PathBare: each such measurement detaches the datapath
-	// programs from the VM edges and attaches them again after it.
+	// Paths are the paths to measure (EastWestPaths, NorthSouthPaths;
+	// ParsePerfPaths reads a list); empty means EastWestPaths. The
+	// north-south ones add a second table.
+	Paths []PerfPath
+	// Bare keeps PathBare among the paths: each such measurement
+	// detaches the datapath programs from the VM edges and attaches them
+	// again after it. False drops it from Paths.
 	Bare bool
 	// MaxOthers makes Perf robust on a shared machine: a round during
 	// one of whose measurements other processes used more than this
@@ -148,9 +155,44 @@ func (o PerfOptions) Validate() error {
 		return fmt.Errorf("scenario: perf: max connections %d not in 1..10000000", o.MaxConns)
 	case !(o.MaxOthers >= 0 && o.MaxOthers <= 1):
 		return fmt.Errorf("scenario: perf: max others %v not in 0..1", o.MaxOthers)
+	case len(o.paths()) == 0:
+		return fmt.Errorf("scenario: perf: no path to measure (bare alone, with bare off)")
+	}
+	seen := map[PerfPath]bool{}
+	for _, p := range o.Paths {
+		if !slices.Contains(EastWestPaths, p) && !slices.Contains(NorthSouthPaths, p) {
+			return fmt.Errorf("scenario: perf: unknown path %q", p)
+		}
+		if seen[p] {
+			return fmt.Errorf("scenario: perf: path %q twice", p)
+		}
+		seen[p] = true
 	}
 	return nil
 }
+
+// paths are the paths to measure, in table order.
+func (o PerfOptions) paths() []PerfPath {
+	ps := o.Paths
+	if len(ps) == 0 {
+		ps = EastWestPaths
+	}
+	var out []PerfPath
+	for _, p := range append(slices.Clone(EastWestPaths), NorthSouthPaths...) {
+		if slices.Contains(ps, p) && (p != PathBare || o.Bare) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// eastWest and northSouth report whether the paths include any of the
+// group.
+func (o PerfOptions) eastWest() bool {
+	return slices.ContainsFunc(o.paths(), func(p PerfPath) bool { return !p.northSouth() })
+}
+
+func (o PerfOptions) northSouth() bool { return slices.ContainsFunc(o.paths(), PerfPath.northSouth) }
 
 // PerfSample is one measurement: one workload on one path in one round.
 type PerfSample struct {
@@ -178,6 +220,16 @@ type PerfSample struct {
 	// NFTConns is the number of new connections the nftables service
 	// chains counted (the table exists only while PathNFT is measured).
 	NFTConns uint64
+	// XDPTranslated is how much the datapath counter xdp_translated
+	// rose during the measurement (packets the XDP program translated
+	// and sent itself), XDPPassed how much the xdp_pass_* counters rose
+	// (VIP packets it left to TC), XDPPassEgress the xdp_pass_egress
+	// part of that.
+	XDPTranslated, XDPPassed, XDPPassEgress uint64
+	// Drops is how many packets the datapath dropped during the
+	// measurement (all reasons), SNATFailed the snat_failed part: new
+	// north-south NAT flows that found no free SNAT port.
+	Drops, SNATFailed uint64
 	// CPU is the CPU time the measurement cost: the machine's busy time
 	// (all CPUs) less what other processes and the hypervisor (steal)
 	// took. It covers client, servers, kernel threads and the softirqs
@@ -379,25 +431,34 @@ func (r *PerfReport) Median(p PerfPath, w PerfWorkload, f func(PerfSample) float
 	return med, v[0], v[len(v)-1], true
 }
 
-// Perf measures the same workloads through PathDirect, PathVIP and
-// PathNFT (and PathBare with o.Bare) in one lab: client VM vm1, one
-// backend VM vm2 running the identity server and a sink. It verifies
-// first that each path is translated by what it claims to measure and by
-// nothing else, then runs o.Rounds rounds of every workload on every
-// path, rotating the path order per round because a shared machine's
-// speed drifts (and repeating rounds that other processes disturbed, see
-// PerfOptions.MaxOthers), prints progress and a table of medians and
-// ratios to w, and removes everything it created, also on error and when
-// ctx is cancelled.
+// Perf measures the same workloads through the paths of o.Paths in one
+// lab. East-west (PathDirect, PathVIP, PathNFT, and PathBare with
+// o.Bare): client VM vm1, one backend VM vm2 running the identity server
+// and a sink. North-south (PathNSDirect, PathNSTC, PathNSXDP): the
+// external client ext behind the node's uplink, a backend VM vm3 of its
+// own with the same servers. It verifies first that each path is
+// translated by what it claims to measure and by nothing else, then runs
+// o.Rounds rounds of every workload on every path, rotating the path
+// order per round because a shared machine's speed drifts (and repeating
+// rounds that other processes disturbed, see PerfOptions.MaxOthers),
+// prints progress and tables of medians and ratios to w, and removes
+// everything it created, also on error and when ctx is cancelled.
 func Perf(ctx context.Context, w io.Writer, o PerfOptions) (rep *PerfReport, err error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
-	nftPath, err := NFTPath()
-	if err != nil {
-		return nil, err
+	var nftPath string
+	if o.eastWest() { // the east-west checks use nftables
+		if nftPath, err = NFTPath(); err != nil {
+			return nil, err
+		}
 	}
-	env, err := NewEnv(1, o.Logger)
+	var env *Env
+	if o.northSouth() {
+		env, err = NewEnvConfig(2, o.Logger, perfNSConfig)
+	} else {
+		env, err = NewEnv(1, o.Logger)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("scenario: perf: %w", err)
 	}
@@ -431,6 +492,7 @@ type perfRun struct {
 	nft      *nftRunner
 	sink     *perfSink
 	dialer   *perfDialer
+	ns       *perfNS // nil without north-south paths
 	rep      *PerfReport
 }
 
@@ -450,6 +512,9 @@ func (p *perfRun) close() {
 	if p.dialer != nil {
 		p.dialer.close()
 	}
+	if p.ns != nil {
+		p.ns.close()
+	}
 }
 
 // source is the client address a path's connections come from. Each
@@ -465,8 +530,31 @@ func (p *perfRun) source(path PerfPath) netip.Addr {
 		return perfSourceVIP
 	case PathNFT:
 		return perfSourceNFT
+	case PathNSDirect:
+		return perfSourceNSDirect
+	case PathNSTC:
+		return perfSourceNSTC
+	case PathNSXDP:
+		return perfSourceNSXDP
 	}
 	return p.env.Client.Addr4
+}
+
+// dialerFor is the dialer of a path's client: vm1, or ext for the
+// north-south paths.
+func (p *perfRun) dialerFor(path PerfPath) *perfDialer {
+	if path.northSouth() {
+		return p.ns.dialer
+	}
+	return p.dialer
+}
+
+// backendFor is the backend VM a path ends at.
+func (p *perfRun) backendFor(path PerfPath) *lab.VM {
+	if path.northSouth() {
+		return p.ns.backend
+	}
+	return p.backend
 }
 
 // Extra client addresses, on vm1's eth0 next to 10.200.1.2 (direct).
@@ -491,8 +579,10 @@ func (p *perfRun) target(path PerfPath, wl PerfWorkload) string {
 		ap = netip.AddrPortFrom(VIP4, pick(PerfEchoPort, PerfSinkPort))
 	case PathNFT:
 		ap = netip.AddrPortFrom(NFTVIP4, pick(PerfEchoPort, PerfSinkPort))
+	case PathNSTC, PathNSXDP:
+		ap = netip.AddrPortFrom(NSVIP4, pick(PerfEchoPort, PerfSinkPort))
 	default:
-		ap = netip.AddrPortFrom(p.backend.Addr4, pick(BackendPort, SinkPort))
+		ap = netip.AddrPortFrom(p.backendFor(path).Addr4, pick(BackendPort, SinkPort))
 	}
 	return ap.String()
 }
@@ -520,6 +610,10 @@ func (p *perfRun) setup(ctx context.Context) error {
 	}
 	one := uint32(1)
 	echo := p.env.Service("perf", []uint32{1})
+	// vm2 only: in a lab with north-south paths vm3 is theirs.
+	echo.Backends = slices.DeleteFunc(echo.Backends, func(b fluxvm.Backend) bool {
+		return b.Address != p.backend.Addr4 && b.Address != p.backend.Addr6
+	})
 	sinkSvc := fluxvm.Service{
 		Name:     "perf-sink",
 		VIPs:     []netip.Addr{VIP4},
@@ -531,15 +625,17 @@ func (p *perfRun) setup(ctx context.Context) error {
 			return err
 		}
 	}
+	if p.o.northSouth() {
+		if err := p.setupNS(ctx); err != nil {
+			return err
+		}
+	}
 	if p.o.BPFStats {
 		if err := p.openBPFStats(); err != nil {
 			return err
 		}
 	}
-	p.rep.Paths = []PerfPath{PathDirect, PathVIP, PathNFT}
-	if p.o.Bare {
-		p.rep.Paths = append([]PerfPath{PathBare}, p.rep.Paths...)
-	}
+	p.rep.Paths = p.o.paths()
 	return nil
 }
 
@@ -564,8 +660,12 @@ func (p *perfRun) unloadNFT() error {
 	return errors.Join(p.nft.deleteTable(ctx, nftTable), p.nft.deleteTable(ctx, nftProbeTable))
 }
 
-// nftConns sums the service chains' counters; 0 without the table.
+// nftConns sums the service chains' counters; 0 without the table (or
+// without nftables, in a run of north-south paths only).
 func (p *perfRun) nftConns(ctx context.Context) (uint64, error) {
+	if p.nft.path == "" {
+		return 0, nil
+	}
 	m, err := p.nft.counters(ctx)
 	if err != nil {
 		return 0, err
@@ -577,13 +677,33 @@ func (p *perfRun) nftConns(ctx context.Context) (uint64, error) {
 	return sum, nil
 }
 
-// datapathFlows sums the new flows of Perf's services.
-func (p *perfRun) datapathFlows() (uint64, error) {
+// perfCounts is a reading of the datapath counters Perf checks.
+type perfCounts struct {
+	flows                     uint64 // new flows of all of Perf's services
+	xdp, xdpPassed, xdpEgress uint64
+	drops, snatFailed         uint64
+}
+
+// datapathCounts reads them through the SDK (fluxvm.Dataplane.Stats).
+func (p *perfRun) datapathCounts() (perfCounts, error) {
 	st, err := p.env.DP.Stats()
 	if err != nil {
-		return 0, err
+		return perfCounts{}, err
 	}
-	return st.Services["perf"].NewFlows + st.Services["perf-sink"].NewFlows, nil
+	var c perfCounts
+	for _, svc := range []string{"perf", "perf-sink", "perf-ns", "perf-ns-sink"} {
+		c.flows += st.Services[svc].NewFlows
+	}
+	c.xdp = st.Parser[cntXDPTranslated]
+	for _, n := range cntXDPPassed {
+		c.xdpPassed += st.Parser[n]
+	}
+	c.xdpEgress = st.Parser[cntXDPPassEgress]
+	for _, n := range st.Drops {
+		c.drops += n
+	}
+	c.snatFailed = st.Drops["snat_failed"]
+	return c, nil
 }
 
 // conntrackCount is the node's netfilter conntrack entry count (0 when
@@ -605,30 +725,71 @@ func (p *perfRun) conntrackCount() (int, error) {
 }
 
 // openBPFStats turns the kernel's BPF run-time statistics on and opens
-// the programs attached to the client's VM edge (each program is one
-// object on every edge, so its statistics cover all of them).
+// the datapath programs (openBPFProgs).
 func (p *perfRun) openBPFStats() error {
 	var err error
 	if p.bpfStats, err = ebpf.EnableStats(unix.BPF_STATS_RUN_TIME); err != nil {
 		return fmt.Errorf("BPF run-time statistics: %w", err)
 	}
+	return p.openBPFProgs()
+}
+
+// openBPFProgs opens the programs attached to the client's VM edge (each
+// program is one object on every edge, so its statistics cover all of
+// them) and, with north-south paths, those on the uplink: its TC
+// programs and the XDP program while one runs. A reopened dataplane
+// runs new objects: setXDP calls it again.
+func (p *perfRun) openBPFProgs() error {
+	for _, pr := range p.progs {
+		pr.Close()
+	}
+	p.progs = nil
 	return p.env.Lab.Node.Do(func() error {
-		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
-			q, err := link.QueryPrograms(link.QueryOptions{Target: p.env.Client.NodeIfIndex, Attach: at})
-			if err != nil {
-				return fmt.Errorf("BPF statistics need TCX attachment: query %s: %w", p.env.Client.NodeIf, err)
-			}
-			for _, ap := range q.Programs {
-				pr, err := ebpf.NewProgramFromID(ap.ID)
+		targets := []struct {
+			name  string
+			index int
+		}{{p.env.Client.NodeIf, p.env.Client.NodeIfIndex}}
+		if p.ns != nil {
+			targets = append(targets, struct {
+				name  string
+				index int
+			}{p.ns.ext.NodeIf, p.ns.ext.NodeIfIndex})
+		}
+		for _, t := range targets {
+			n := len(p.progs)
+			for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+				q, err := link.QueryPrograms(link.QueryOptions{Target: t.index, Attach: at})
 				if err != nil {
-					return err
+					return fmt.Errorf("BPF statistics need TCX attachment: query %s: %w", t.name, err)
 				}
-				p.progs = append(p.progs, pr)
+				for _, ap := range q.Programs {
+					pr, err := ebpf.NewProgramFromID(ap.ID)
+					if err != nil {
+						return err
+					}
+					p.progs = append(p.progs, pr)
+				}
+			}
+			if len(p.progs) == n {
+				return fmt.Errorf("BPF statistics: no program on %s", t.name)
 			}
 		}
-		if len(p.progs) == 0 {
-			return fmt.Errorf("BPF statistics: no program on %s", p.env.Client.NodeIf)
+		if p.ns == nil || !p.ns.xdp {
+			return nil
 		}
+		l, err := netlink.LinkByName(perfUplink)
+		if err != nil {
+			return err
+		}
+		x := l.Attrs().Xdp
+		if x == nil || x.ProgId == 0 {
+			return fmt.Errorf("BPF statistics: no XDP program on %s", perfUplink)
+		}
+		pr, err := ebpf.NewProgramFromID(ebpf.ProgramID(x.ProgId))
+		if err != nil {
+			return err
+		}
+		p.progs = append(p.progs, pr)
 		return nil
 	})
 }
@@ -682,9 +843,24 @@ func (p *perfRun) header() {
 		p.o.Rounds, p.o.Duration, p.o.Workers, p.o.Streams)
 	p.printf("host: %d CPUs, GOMAXPROCS %d, kernel %s; datapath tier %s, attach %s; node netns %s\n",
 		runtime.NumCPU(), runtime.GOMAXPROCS(0), perfUTS(uts.Release[:]), st.Tier, mode, p.env.Lab.Node.Name)
-	p.printf("paths (client vm1, one backend %s in vm2; conns / bulk destination):\n", p.backend.Addr4)
-	for _, path := range p.rep.Paths {
-		p.printf("  %-7s from %s to %s\n", path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
+	if p.o.eastWest() {
+		p.printf("east-west paths (client vm1, one backend %s in vm2; conns / bulk destination):\n", p.backend.Addr4)
+		for _, path := range p.rep.Paths {
+			if !path.northSouth() {
+				p.printf("  %-9s from %s to %s\n", path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
+			}
+		}
+	}
+	if p.ns != nil {
+		p.printf("north-south paths (external client ext behind the node's %s, one backend %s in vm3; SNAT %s; conns / bulk destination):\n",
+			perfUplink, p.ns.backend.Addr4, perfNSSNAT4)
+		for _, path := range p.rep.Paths {
+			if path.northSouth() {
+				p.printf("  %-9s from %s to %s\n", path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
+			}
+		}
+		p.printf("  ext computes its TX checksums (offload off) and vm3's eth0 runs an XDP_PASS program, for all three (XDP needs both)\n")
+		p.printf("  one dataplane has one xdp_mode: it is switched between measurements by reopening the dataplane (SDK Close + Open), never during one\n")
 	}
 	if p.o.BPFStats {
 		p.printf("BPF run-time statistics are on for this run: every BPF program on the machine, ours included, does two more clock reads per run\n")
@@ -703,6 +879,12 @@ func perfDescribe(path PerfPath, echo, sink string) string {
 		return fmt.Sprintf("%s / %s, our VIP: Maglev in the TC programs, one backend", echo, sink)
 	case PathNFT:
 		return fmt.Sprintf("%s / %s, kube-proxy style nftables DNAT (table loaded for these measurements only)", echo, sink)
+	case PathNSDirect:
+		return fmt.Sprintf("%s / %s, routed by the node, TC programs on the uplink, xdp_mode off (baseline)", echo, sink)
+	case PathNSTC:
+		return fmt.Sprintf("%s / %s, north-south VIP: DNAT+SNAT in the TC programs, xdp_mode off", echo, sink)
+	case PathNSXDP:
+		return fmt.Sprintf("%s / %s, the same VIP with xdp_mode native: the XDP program translates and redirects", echo, sink)
 	}
 	return string(path)
 }
@@ -770,7 +952,16 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 		}
 		defer func() { err = errors.Join(err, p.unloadNFT()) }()
 	}
-	flows0, err := p.datapathFlows()
+	// The uplink's XDP mode is the path's, in the checks too.
+	if on, ok := path.xdpWanted(); ok {
+		if err := p.setXDP(on); err != nil {
+			return s, err
+		}
+		if err := p.nsGC(ctx); err != nil {
+			return s, err
+		}
+	}
+	c0, err := p.datapathCounts()
 	if err != nil {
 		return s, err
 	}
@@ -784,9 +975,9 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	}
 	cpu0, t0 := readCPU(), time.Now()
 	if wl == WorkloadConns {
-		s, err = perfRunConns(ctx, p.dialer, p.source(path), p.target(path, wl), p.backend.Name, p.o.Workers, d, maxConns)
+		s, err = perfRunConns(ctx, p.dialerFor(path), p.source(path), p.target(path, wl), p.backendFor(path).Name, p.o.Workers, d, maxConns)
 	} else {
-		s, err = perfRunBulk(ctx, p.dialer, p.source(path), p.target(path, wl), p.o.Streams, d)
+		s, err = perfRunBulk(ctx, p.dialerFor(path), p.source(path), p.target(path, wl), p.o.Streams, d)
 	}
 	if err != nil {
 		return s, err
@@ -798,7 +989,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	}
 	s.BPF, s.BPFRuns = bpf1-bpf0, runs1-runs0
 	s.Round, s.Path, s.Workload = round, path, wl
-	flows1, err := p.datapathFlows()
+	c1, err := p.datapathCounts()
 	if err != nil {
 		return s, err
 	}
@@ -806,7 +997,9 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	s.DatapathFlows, s.NFTConns = flows1-flows0, nft1-nft0
+	s.DatapathFlows, s.NFTConns = c1.flows-c0.flows, nft1-nft0
+	s.XDPTranslated, s.XDPPassed, s.XDPPassEgress = c1.xdp-c0.xdp, c1.xdpPassed-c0.xdpPassed, c1.xdpEgress-c0.xdpEgress
+	s.Drops, s.SNATFailed = c1.drops-c0.drops, c1.snatFailed-c0.snatFailed
 	return s, nil
 }
 
@@ -822,10 +1015,10 @@ func (p *perfRun) checkSample(s PerfSample) error {
 		return fmt.Errorf("%s on %s: %d connections, but the datapath counted %d new flows and nftables %d", s.Workload, s.Path, s.OK, s.DatapathFlows, s.NFTConns)
 	case s.Path == PathNFT && (s.NFTConns < ok || s.DatapathFlows != 0):
 		return fmt.Errorf("%s on %s: %d connections, but nftables counted %d and the datapath %d new flows", s.Workload, s.Path, s.OK, s.NFTConns, s.DatapathFlows)
-	case (s.Path == PathDirect || s.Path == PathBare) && (s.DatapathFlows != 0 || s.NFTConns != 0):
+	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect) && (s.DatapathFlows != 0 || s.NFTConns != 0):
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
 	}
-	return nil
+	return checkNSSample(s)
 }
 
 func (p *perfRun) printSample(s PerfSample) {
@@ -845,6 +1038,17 @@ func (p *perfRun) printSample(s PerfSample) {
 		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
 	case PathNFT:
 		via = fmt.Sprintf("; nftables new conns %d", s.NFTConns)
+	case PathNSTC, PathNSXDP:
+		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
+	}
+	if s.Path.northSouth() {
+		via += fmt.Sprintf("; xdp_translated +%d", s.XDPTranslated)
+		if s.XDPPassed > 0 {
+			via += fmt.Sprintf(" (xdp_pass_* +%d)", s.XDPPassed)
+		}
+	}
+	if s.Drops > 0 {
+		via += fmt.Sprintf("; datapath drops +%d (snat_failed +%d)", s.Drops, s.SNATFailed)
 	}
 	if p.o.BPFStats {
 		unit := "µs/conn"
@@ -858,7 +1062,11 @@ func (p *perfRun) printSample(s PerfSample) {
 	if s.Failed > 0 {
 		failed += fmt.Sprintf("; %d FAILED (%s)", s.Failed, s.FirstError)
 	}
-	p.printf("%-11s %-5s %-6s %s%s%s\n", tag, s.Workload, s.Path, fig, via, failed)
+	width := 6
+	if p.ns != nil {
+		width = 9
+	}
+	p.printf("%-11s %-5s %-*s %s%s%s\n", tag, s.Workload, width, s.Path, fig, via, failed)
 }
 
 func perfMicros(d time.Duration) string {
@@ -871,9 +1079,41 @@ func perfMicros(d time.Duration) string {
 // that PathNFT is translated by nftables and not by our datapath, that
 // PathDirect is translated by neither, and that netfilter conntrack does
 // nothing in the node while the nftables table is not loaded. The bursts
-// also warm every path up.
-func (p *perfRun) verify(ctx context.Context) (err error) {
-	p.printf("checks (nftables table and a prerouting probe loaded for all three paths):\n")
+// also warm every path up. With north-south paths it proves what
+// nsChecks says of them.
+func (p *perfRun) verify(ctx context.Context) error {
+	burst := min(p.o.Duration, 500*time.Millisecond)
+	const burstConns = 200
+	if p.o.eastWest() {
+		p.printf("checks (nftables table and a prerouting probe loaded for all three paths):\n")
+		if err := p.verifyEastWest(ctx, burst, burstConns); err != nil {
+			return err
+		}
+	}
+	if p.ns != nil {
+		p.printf("checks of the north-south paths (xdp_mode switched as each path needs):\n")
+		if err := p.nsChecks(ctx, burst, burstConns); err != nil {
+			return err
+		}
+	}
+	var failed []string
+	for _, c := range p.rep.Checks {
+		mark := "ok  "
+		if !c.OK {
+			mark = "FAIL"
+			failed = append(failed, c.Name)
+		}
+		p.printf("  %s %s: %s\n", mark, c.Name, c.Detail)
+	}
+	p.printf("\n")
+	if len(failed) > 0 {
+		return fmt.Errorf("checks failed: %s", strings.Join(failed, "; "))
+	}
+	return nil
+}
+
+// verifyEastWest makes the checks of the east-west paths.
+func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burstConns int) (err error) {
 	if err := p.loadNFT(ctx); err != nil {
 		return err
 	}
@@ -886,8 +1126,6 @@ func (p *perfRun) verify(ctx context.Context) (err error) {
 	if err := p.nft.apply(ctx, probe); err != nil {
 		return err
 	}
-	burst := min(p.o.Duration, 500*time.Millisecond)
-	const burstConns = 200
 	for _, path := range []PerfPath{PathDirect, PathVIP, PathNFT} {
 		m0, err := p.nft.counters(ctx)
 		if err != nil {
@@ -969,23 +1207,18 @@ func (p *perfRun) verify(ctx context.Context) (err error) {
 		OK:     ct1 <= ct0 && conns > 0,
 		Detail: fmt.Sprintf("%d direct and vip connections; node conntrack entries %d before, %d after", conns, ct0, ct1),
 	})
-	var failed []string
-	for _, c := range p.rep.Checks {
-		mark := "ok  "
-		if !c.OK {
-			mark = "FAIL"
-			failed = append(failed, c.Name)
-		}
-		p.printf("  %s %s: %s\n", mark, c.Name, c.Detail)
-	}
-	p.printf("\n")
-	if len(failed) > 0 {
-		return fmt.Errorf("checks failed: %s", strings.Join(failed, "; "))
-	}
 	return nil
 }
 
-// table formats medians over the rounds with spreads and ratios.
+// perfRatio is a ratio column of a results table: a over b.
+type perfRatio struct {
+	name string
+	a, b PerfPath
+}
+
+// table formats medians over the rounds with spreads and ratios: one
+// table of the east-west paths, one of the north-south paths, each with
+// its targets or comparisons below.
 func (p *perfRun) table() string {
 	r := p.rep
 	var b strings.Builder
@@ -1001,13 +1234,49 @@ func (p *perfRun) table() string {
 	default:
 		fmt.Fprintf(&b, "results: median of %d round(s); spread = (max-min)/median\n", rounds)
 	}
-	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-	head := []string{"", ""}
+	var ew, ns []PerfPath
 	for _, path := range r.Paths {
+		if path.northSouth() {
+			ns = append(ns, path)
+		} else {
+			ew = append(ew, path)
+		}
+	}
+	if len(ew) > 0 {
+		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}})
+	}
+	if r.Clean() < p.o.Rounds {
+		fmt.Fprintf(&b, "note: only %d of the %d rounds asked for ran undisturbed by other processes; expect noise\n", r.Clean(), p.o.Rounds)
+	}
+	if len(ew) > 0 {
+		p.targets(&b)
+	}
+	if len(ns) > 0 {
+		if len(ew) > 0 {
+			fmt.Fprintf(&b, "\n")
+		}
+		fmt.Fprintf(&b, "north-south (external client ext -> vm3 through the uplink):\n")
+		p.tableOf(&b, ns, []perfRatio{{"xdp/tc", PathNSXDP, PathNSTC}, {"xdp/direct", PathNSXDP, PathNSDirect}, {"tc/direct", PathNSTC, PathNSDirect}})
+		p.nsComparisons(&b)
+		b.WriteString(p.nsSummary())
+	}
+	return b.String()
+}
+
+// tableOf writes the table of some paths with ratio columns.
+func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRatio) {
+	r := p.rep
+	tw := tabwriter.NewWriter(b, 0, 0, 2, ' ', tabwriter.AlignRight)
+	head := []string{"", ""}
+	for _, path := range paths {
 		head = append(head, string(path))
 	}
-	head = append(head, "vip/direct", "vip/nft", "")
+	for _, rt := range ratios {
+		head = append(head, rt.name)
+	}
+	head = append(head, "")
 	fmt.Fprintln(tw, strings.Join(head, "\t"))
+	blank := make([]string, len(ratios)+1)
 	type row struct {
 		name   string
 		wl     PerfWorkload
@@ -1032,7 +1301,7 @@ func (p *perfRun) table() string {
 		cells := []string{rw.name, ""}
 		spread := []string{"  spread", ""}
 		med := map[PerfPath]float64{}
-		for _, path := range r.Paths {
+		for _, path := range paths {
 			m, lo, hi, ok := r.Median(path, rw.wl, rw.f)
 			if !ok {
 				cells = append(cells, "-")
@@ -1047,32 +1316,35 @@ func (p *perfRun) table() string {
 				spread = append(spread, "")
 			}
 		}
-		ratio := func(a, b PerfPath) string {
-			if med[b] == 0 {
-				return "-"
-			}
-			return fmt.Sprintf("%.3f", med[a]/med[b])
-		}
 		if rw.wl == "" {
-			cells = append(cells, "", "", "")
+			cells = append(cells, blank...)
 		} else {
-			cells = append(cells, ratio(PathVIP, PathDirect), ratio(PathVIP, PathNFT), "")
+			for _, rt := range ratios {
+				if med[rt.b] == 0 {
+					cells = append(cells, "-")
+				} else {
+					cells = append(cells, fmt.Sprintf("%.3f", med[rt.a]/med[rt.b]))
+				}
+			}
+			cells = append(cells, "")
 		}
 		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 		if strings.Contains(rw.name, "latency") || rw.wl == "" {
 			continue
 		}
-		fmt.Fprintln(tw, strings.Join(append(spread, "", "", ""), "\t"))
+		fmt.Fprintln(tw, strings.Join(append(spread, blank...), "\t"))
 	}
 	tw.Flush()
-	if r.Clean() < p.o.Rounds {
-		fmt.Fprintf(&b, "note: only %d of the %d rounds asked for ran undisturbed by other processes; expect noise\n", r.Clean(), p.o.Rounds)
-	}
-	// The targets: within 5% of direct, ahead of nftables. They are
-	// judged on the paired figure, the median of the per-round ratios:
-	// the two measurements of a pair are seconds apart, so drift of the
-	// machine's speed between rounds cancels out of it, which it does not
-	// from the ratio of the medians (printed first, and in the table).
+}
+
+// targets writes the east-west targets: within 5% of direct, ahead of
+// nftables. They are judged on the paired figure, the median of the
+// per-round ratios: the two measurements of a pair are seconds apart, so
+// drift of the machine's speed between rounds cancels out of it, which
+// it does not from the ratio of the medians (printed first, and in the
+// table).
+func (p *perfRun) targets(b *strings.Builder) {
+	r := p.rep
 	verdict := func(ok bool) string {
 		if ok {
 			return "met"
@@ -1091,7 +1363,7 @@ func (p *perfRun) table() string {
 		}
 		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.Rate)
 		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.Rate)
-		fmt.Fprintf(&b, "target %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): ahead %s\n",
+		fmt.Fprintf(b, "target %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): ahead %s\n",
 			t.name+":", (pd-1)*100, (v/d-1)*100, verdict(pd >= 0.95), (pn-1)*100, (v/n-1)*100, verdict(pn > 1))
 	}
 	// The same targets on the CPU cost.
@@ -1107,10 +1379,41 @@ func (p *perfRun) table() string {
 		}
 		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.CPUPerUnit)
 		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.CPUPerUnit)
-		fmt.Fprintf(&b, "cost   %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): cheaper %s\n",
+		fmt.Fprintf(b, "cost   %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): cheaper %s\n",
 			t.name, (pd-1)*100, (v/d-1)*100, verdict(pd <= 1.05), (pn-1)*100, (v/n-1)*100, verdict(pn < 1))
 	}
-	return b.String()
+}
+
+// nsComparisons writes the north-south paired ratios (no targets yet):
+// XDP against TC, XDP against direct, TC against direct, on the rates and
+// on the CPU cost.
+func (p *perfRun) nsComparisons(b *strings.Builder) {
+	r := p.rep
+	pairs := []perfRatio{{"xdp vs tc", PathNSXDP, PathNSTC}, {"xdp vs direct", PathNSXDP, PathNSDirect}, {"tc vs direct", PathNSTC, PathNSDirect}}
+	for _, t := range []struct {
+		name string
+		wl   PerfWorkload
+		f    func(PerfSample) float64
+	}{
+		{"connections/s:", WorkloadConns, PerfSample.Rate},
+		{"bulk throughput:", WorkloadBulk, PerfSample.Rate},
+		{"CPU/connection:", WorkloadConns, PerfSample.CPUPerUnit},
+		{"CPU/GB:", WorkloadBulk, PerfSample.CPUPerUnit},
+	} {
+		var parts []string
+		for _, pr := range pairs {
+			pd, ok1 := r.PairedRatio(pr.a, pr.b, t.wl, t.f)
+			a, _, _, ok2 := r.Median(pr.a, t.wl, t.f)
+			c, _, _, ok3 := r.Median(pr.b, t.wl, t.f)
+			if !ok1 || !ok2 || !ok3 || c == 0 {
+				continue
+			}
+			parts = append(parts, fmt.Sprintf("%s %+6.1f%% paired (%+6.1f%% medians)", pr.name, (pd-1)*100, (a/c-1)*100))
+		}
+		if len(parts) > 0 {
+			fmt.Fprintf(b, "ns %-17s %s\n", t.name, strings.Join(parts, "  "))
+		}
+	}
 }
 
 // PairedRatio is the median over the rounds of f(a)/f(b), each ratio

@@ -93,12 +93,154 @@ func TestPerfSmoke(t *testing.T) {
 	}
 }
 
-func pathNames(ps []PerfPath) []string {
-	var s []string
-	for _, p := range ps {
-		s = append(s, string(p))
+// TestPerfNorthSouth runs the north-south paths of `fluxvm-lab perf`
+// alone with tiny bounds: the checks must pass, every path must move
+// traffic in both workloads, xdp_translated must rise on ns-xdp (at
+// least once per connection) and stay put on ns-tc and ns-direct, and
+// the north-south table must have its rows and ratios. It says nothing
+// about speed.
+func TestPerfNorthSouth(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	o := DefaultPerfOptions()
+	o.Paths = NorthSouthPaths
+	o.Rounds = 1
+	o.Duration = 200 * time.Millisecond
+	o.Workers = 2
+	o.MaxConns = 2000
+	o.MaxOthers = 0
+	var out bytes.Buffer
+	rep, err := Perf(ctx, &out, o)
+	t.Logf("output:\n%s", out.String())
+	if err != nil {
+		t.Fatal(err)
 	}
-	return s
+	if strings.Join(pathNames(rep.Paths), ",") != "ns-direct,ns-tc,ns-xdp" {
+		t.Errorf("paths %v, want the north-south ones", rep.Paths)
+	}
+	if len(rep.Checks) != 3 {
+		t.Errorf("%d checks, want 3", len(rep.Checks))
+	}
+	for _, c := range rep.Checks {
+		if !c.OK {
+			t.Errorf("check failed: %s: %s", c.Name, c.Detail)
+		}
+	}
+	for _, p := range NorthSouthPaths {
+		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+			ss := rep.samples(p, wl)
+			if len(ss) != 1 {
+				t.Errorf("%s on %s: %d samples, want 1", wl, p, len(ss))
+				continue
+			}
+			s := ss[0]
+			if s.OK == 0 || s.Rate() <= 0 || s.Failed != 0 {
+				t.Errorf("%s on %s: %d ok, %d failed (%s), rate %v", wl, p, s.OK, s.Failed, s.FirstError, s.Rate())
+			}
+			if wl == WorkloadBulk && s.Bytes == 0 {
+				t.Errorf("bulk on %s: no bytes", p)
+			}
+			if s.NFTConns != 0 || s.SNATFailed != 0 {
+				t.Errorf("%s on %s: nftables counted %d, snat_failed +%d", wl, p, s.NFTConns, s.SNATFailed)
+			}
+			switch p {
+			case PathNSXDP:
+				if s.XDPTranslated < uint64(s.OK) || s.DatapathFlows < uint64(s.OK) {
+					t.Errorf("%s on ns-xdp: %d ok, xdp_translated +%d, datapath flows %d", wl, s.OK, s.XDPTranslated, s.DatapathFlows)
+				}
+				if s.XDPPassEgress != 0 {
+					t.Errorf("%s on ns-xdp: xdp_pass_egress +%d: vm3's edge was not an XDP egress", wl, s.XDPPassEgress)
+				}
+			case PathNSTC:
+				if s.XDPTranslated != 0 || s.XDPPassed != 0 || s.DatapathFlows < uint64(s.OK) {
+					t.Errorf("%s on ns-tc: %d ok, xdp_translated +%d, xdp_pass_* +%d, datapath flows %d", wl, s.OK, s.XDPTranslated, s.XDPPassed, s.DatapathFlows)
+				}
+			case PathNSDirect:
+				if s.XDPTranslated != 0 || s.DatapathFlows != 0 {
+					t.Errorf("%s on ns-direct was translated: xdp_translated +%d, datapath flows %d", wl, s.XDPTranslated, s.DatapathFlows)
+				}
+			}
+		}
+	}
+	for _, row := range []string{"north-south (", "ns-direct", "xdp/tc", "xdp/direct", "tc/direct", "connections/s", "bulk Gbit/s",
+		"ns connections/s:", "ns bulk throughput:", "xdp_translated per measurement", "xdp_mode switched", "GC run before each north-south measurement"} {
+		if !strings.Contains(rep.Table, row) {
+			t.Errorf("table has no %q:\n%s", row, rep.Table)
+		}
+	}
+	if strings.Contains(rep.Table, "vip/nft") {
+		t.Errorf("the east-west table was printed without east-west paths:\n%s", rep.Table)
+	}
+	if !strings.Contains(out.String(), "xdp_mode native: dataplane reopened") || !strings.Contains(out.String(), "xdp_mode off: dataplane reopened") {
+		t.Errorf("the output does not say that xdp_mode was switched both ways")
+	}
+}
+
+// TestCheckNSSample: the per-measurement check fails a run whose XDP
+// counter contradicts the path.
+func TestCheckNSSample(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		s    PerfSample
+		ok   bool
+	}{
+		{"xdp conns", PerfSample{Path: PathNSXDP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100, XDPTranslated: 600}, true},
+		{"xdp conns, XDP idle", PerfSample{Path: PathNSXDP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100}, false},
+		{"xdp conns, XDP for some", PerfSample{Path: PathNSXDP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100, XDPTranslated: 99}, false},
+		{"xdp conns, untranslated", PerfSample{Path: PathNSXDP, Workload: WorkloadConns, OK: 100, XDPTranslated: 600}, false},
+		{"xdp bulk", PerfSample{Path: PathNSXDP, Workload: WorkloadBulk, OK: 2, DatapathFlows: 2, Bytes: 100 << 20, XDPTranslated: 70000}, true},
+		{"xdp bulk, XDP for the start only", PerfSample{Path: PathNSXDP, Workload: WorkloadBulk, OK: 2, DatapathFlows: 2, Bytes: 100 << 20, XDPTranslated: 10}, false},
+		{"tc", PerfSample{Path: PathNSTC, Workload: WorkloadConns, OK: 100, DatapathFlows: 100}, true},
+		{"tc, XDP moved", PerfSample{Path: PathNSTC, Workload: WorkloadBulk, OK: 2, DatapathFlows: 2, Bytes: 1 << 20, XDPTranslated: 1}, false},
+		{"tc, untranslated", PerfSample{Path: PathNSTC, Workload: WorkloadConns, OK: 100, DatapathFlows: 10}, false},
+		{"ns direct, XDP moved", PerfSample{Path: PathNSDirect, Workload: WorkloadConns, OK: 100, XDPTranslated: 5}, false},
+		{"east-west vip, XDP moved", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100, XDPTranslated: 5}, false},
+		{"east-west vip", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100}, true},
+	} {
+		err := checkNSSample(c.s)
+		if (err == nil) != c.ok {
+			t.Errorf("%s: error %v, want ok %v", c.name, err, c.ok)
+		}
+	}
+}
+
+func TestParsePerfPaths(t *testing.T) {
+	for in, want := range map[string]string{
+		"east-west":         "bare,direct,vip,nft",
+		"ew":                "bare,direct,vip,nft",
+		"ns":                "ns-direct,ns-tc,ns-xdp",
+		"north-south":       "ns-direct,ns-tc,ns-xdp",
+		"all":               "bare,direct,vip,nft,ns-direct,ns-tc,ns-xdp",
+		"ns-xdp, direct,ns": "direct,ns-direct,ns-tc,ns-xdp",
+		"vip,vip":           "vip",
+	} {
+		got, err := ParsePerfPaths(in)
+		if err != nil || strings.Join(pathNames(got), ",") != want {
+			t.Errorf("ParsePerfPaths(%q) = %v, %v; want %s", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "xdp", "ns,", "direct;vip"} {
+		if got, err := ParsePerfPaths(in); err == nil {
+			t.Errorf("ParsePerfPaths(%q) = %v, want an error", in, got)
+		}
+	}
+	o := DefaultPerfOptions()
+	o.Paths, _ = ParsePerfPaths("all")
+	o.Bare = false
+	if got := strings.Join(pathNames(o.paths()), ","); got != "direct,vip,nft,ns-direct,ns-tc,ns-xdp" {
+		t.Errorf("all without bare: %s", got)
+	}
+	if !o.northSouth() || !o.eastWest() {
+		t.Errorf("all: north-south %v, east-west %v", o.northSouth(), o.eastWest())
+	}
+	o.Paths = NorthSouthPaths
+	if o.eastWest() {
+		t.Errorf("north-south paths count as east-west")
+	}
+	if got := strings.Join(pathNames(DefaultPerfOptions().paths()), ","); got != "bare,direct,vip,nft" {
+		t.Errorf("default paths %s, want the east-west ones", got)
+	}
 }
 
 func TestPerfOptionsValidate(t *testing.T) {
@@ -112,6 +254,9 @@ func TestPerfOptionsValidate(t *testing.T) {
 		"streams":    func(o *PerfOptions) { o.Streams = 0 },
 		"max conns":  func(o *PerfOptions) { o.MaxConns = 0 },
 		"max others": func(o *PerfOptions) { o.MaxOthers = 1.5 },
+		"path":       func(o *PerfOptions) { o.Paths = []PerfPath{"xdp"} },
+		"path twice": func(o *PerfOptions) { o.Paths = []PerfPath{PathNSTC, PathNSTC} },
+		"no path":    func(o *PerfOptions) { o.Paths, o.Bare = []PerfPath{PathBare}, false },
 	} {
 		o := DefaultPerfOptions()
 		mut(&o)

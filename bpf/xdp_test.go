@@ -336,7 +336,7 @@ func xdpBenchCases(b *testing.B, calls int) (*harness, []*benchCase) {
 	xo := newXDPObjects(b, h, l.out)
 	xdp := xo.FluxvmXdpNs
 	// The next-hop cache on, as the control plane runs it.
-	if err := xo.FluxvmNhCtl.Put(uint32(0), [2]uint32{1, 1}); err != nil {
+	if err := xo.FluxvmNhCtl.Put(uint32(0), nhLease(b, 1, time.Hour)); err != nil {
 		b.Fatal(err)
 	}
 	v4 := variants()[0]
@@ -413,7 +413,7 @@ func xdpBenchCases(b *testing.B, calls int) (*harness, []*benchCase) {
 				b.Fatal(err)
 			}
 			if m := coll.Maps["fluxvm_nh_ctl"]; m != nil && os.Getenv("FLUXVM_BENCH_XDP_NOCACHE") != name {
-				if err := m.Put(uint32(0), [2]uint32{1, 1}); err != nil {
+				if err := m.Put(uint32(0), nhLease(b, 1, time.Hour)); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -548,6 +548,17 @@ func TestXDPTx(t *testing.T) {
 	}
 }
 
+// nhLease is a control word of generation gen whose lease ends lease from
+// now.
+func nhLease(t testing.TB, gen uint32, lease time.Duration) NHControl {
+	t.Helper()
+	now, err := monotonicCoarse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return NHControl{Gen: gen, Until: uint32((now + uint64(lease)) >> 20)}
+}
+
 // nhEntry is struct fluxvm_nh_entry (lib/nh.h).
 type nhEntry struct {
 	BackendID1, Iif, Oif, Gen, Born uint32
@@ -572,11 +583,25 @@ func TestXDPRouteCache(t *testing.T) {
 	if n := xo.FluxvmNhCtl.ValueSize(); n != uint32(unsafe.Sizeof(NHControl{})) {
 		t.Fatalf("fluxvm_nh_ctl value %d bytes, Go %d", n, unsafe.Sizeof(NHControl{}))
 	}
+	// The cache is per CPU: the packets of one test run on one.
+	var err error
+	h.th.Do(func() {
+		var set unix.CPUSet
+		set.Set(0)
+		err = unix.SchedSetaffinity(0, &set)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	gen := uint32(0)
 	ctl := func(on uint32) {
 		t.Helper()
 		gen++
-		if err := xo.FluxvmNhCtl.Put(uint32(0), NHControl{Gen: gen, Enabled: on}); err != nil {
+		v := nhLease(t, gen, time.Hour)
+		if on == 0 {
+			v.Until = 0
+		}
+		if err := xo.FluxvmNhCtl.Put(uint32(0), v); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -647,6 +672,17 @@ func TestXDPRouteCache(t *testing.T) {
 			send("cached", ack, other)
 			time.Sleep(1100 * time.Millisecond)
 			send("a second later", ack, l.nbr)
+
+			// A lease that ended: the cache is off.
+			ctl(1)
+			send("learn", ack, l.nbr)
+			nbr(other)
+			gen++
+			if err := xo.FluxvmNhCtl.Put(uint32(0), nhLease(t, gen-1, -time.Millisecond)); err != nil {
+				t.Fatal(err)
+			}
+			send("lease ended", ack, other)
+			nbr(l.nbr)
 
 			// TTL/hop limit about to expire: the stack's, even cached.
 			last := append([]byte(nil), ack...)

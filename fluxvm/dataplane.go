@@ -884,7 +884,11 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	d.lastGC = &res
 	// Flows naming the ids quarantined before the scan are gone now.
 	d.sids.releaseQuarantinedBefore(smark)
-	d.bids.releaseQuarantinedBefore(bmark)
+	if d.bids.releaseQuarantinedBefore(bmark) > 0 {
+		// A backend id may name another backend from now on: XDP must
+		// not reuse a route it cached under it.
+		d.invalidateXDPRoutes()
+	}
 	d.mu.Unlock()
 	return res, nil
 }

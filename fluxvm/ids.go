@@ -77,9 +77,10 @@ func (p *idPool) release(id uint32) {
 func (p *idPool) quarantineMark() uint64 { return p.released }
 
 // releaseQuarantinedBefore makes available again the ids that were in
-// quarantine at mark. Ids released since (while the GC scanned, so that
-// flows it already passed may still name them) wait for the next GC.
-func (p *idPool) releaseQuarantinedBefore(mark uint64) {
+// quarantine at mark, and says how many. Ids released since (while the GC
+// scanned, so that flows it already passed may still name them) wait for
+// the next GC.
+func (p *idPool) releaseQuarantinedBefore(mark uint64) int {
 	n := 0
 	for n < len(p.quarantine) && p.quarantine[n].seq < mark {
 		q := p.quarantine[n]
@@ -89,6 +90,7 @@ func (p *idPool) releaseQuarantinedBefore(mark uint64) {
 		n++
 	}
 	p.quarantine = append(p.quarantine[:0], p.quarantine[n:]...)
+	return n
 }
 
 // releaseQuarantined makes quarantined ids available again.

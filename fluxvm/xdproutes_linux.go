@@ -1,15 +1,14 @@
 package fluxvm
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
+	"os"
+	"strings"
 	"syscall"
 	"time"
 	"unsafe"
 
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -23,21 +22,32 @@ var routeWatchGroups = []int{
 	unix.RTNLGRP_NEXTHOP,
 }
 
-// rtaNHID is RTA_NH_ID (linux/rtnetlink.h): a route through a nexthop
-// object, which may be a group.
-const rtaNHID = 30
+const (
+	// rtaNHID is RTA_NH_ID (linux/rtnetlink.h): a route through a
+	// nexthop object, which may be a group.
+	rtaNHID = 30
+	// nlmFDumpIntr is NLM_F_DUMP_INTR: the dump met a change and may be
+	// inconsistent.
+	nlmFDumpIntr = 0x10
+	// routeRescanEvery bounds how often a full read of the node's rules
+	// and routes runs while routing churns (the cache stays off until
+	// one has run).
+	routeRescanEvery = time.Second
+)
 
 // startRouteWatch subscribes to the node's rtnetlink notifications (in
-// the node's namespace), reads its rules and multipath routes once, sets
-// the XDP next-hop cache and keeps it true until stopRouteWatch. With
-// xdp_mode off it only records why the cache is off. d.mu held.
+// the node's namespace), reads its rules and routes once, takes the
+// lease on the XDP route cache where they allow it, and keeps the cache
+// true until stopRouteWatch. With xdp_mode off it only records why the
+// cache is off. d.mu held.
 func (d *Dataplane) startRouteWatch() {
-	w := &routeWatch{fd: -1, multipath: map[string]bool{}}
+	w := &routeWatch{fd: -1}
 	d.routes = w
 	if d.xdpMode() == "off" {
-		w.off, w.status.Reason = "xdp_mode is off", "xdp_mode is off"
+		w.status.Reason = "xdp_mode is off"
 		return
 	}
+	var reason string
 	err := d.opts.InNamespace(func() error {
 		fd, err := routeSocket()
 		if err != nil {
@@ -45,19 +55,19 @@ func (d *Dataplane) startRouteWatch() {
 		}
 		w.fd = fd
 		// Subscribed first, read second: a change in between is heard.
-		return w.scan()
+		reason, w.compat, err = scanRouting()
+		return err
 	})
 	if err != nil {
 		if w.fd >= 0 {
 			unix.Close(w.fd)
 			w.fd = -1
 		}
-		w.off = "the node's routes cannot be watched: " + err.Error()
 		d.log.Warn("fluxvm: XDP route cache off", "err", err)
-		d.applyRouteCache(w)
+		d.setRouteCache(w, "the node's routing cannot be watched: "+err.Error())
 		return
 	}
-	d.applyRouteCache(w)
+	d.setRouteCache(w, reason)
 	w.stop, w.done = make(chan struct{}), make(chan struct{})
 	go d.routeWatchLoop(w)
 }
@@ -69,25 +79,33 @@ func routeSocket() (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("rtnetlink socket: %w", err)
 	}
-	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+	fail := func(what string, err error) (int, error) {
 		unix.Close(fd)
-		return -1, fmt.Errorf("rtnetlink bind: %w", err)
+		return -1, fmt.Errorf("rtnetlink %s: %w", what, err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fail("bind", err)
 	}
 	for _, g := range routeWatchGroups {
 		if err := unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_ADD_MEMBERSHIP, g); err != nil {
-			unix.Close(fd)
-			return -1, fmt.Errorf("join rtnetlink group %d: %w", g, err)
+			return fail(fmt.Sprintf("join group %d", g), err)
 		}
+	}
+	// Room for a burst of notifications (a routing daemon converging);
+	// an overrun is heard (ENOBUFS) and handled, but costs a full read.
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 4<<20); err != nil {
+		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4<<20)
 	}
 	tv := unix.NsecToTimeval((200 * time.Millisecond).Nanoseconds())
 	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("rtnetlink timeout: %w", err)
+		return fail("timeout", err)
 	}
 	return fd, nil
 }
 
-// stopRouteWatch ends the watch and waits for it. Without d.mu.
+// stopRouteWatch ends the watch, waits for it and turns the cache off:
+// nothing keeps it true any more. Without d.mu, before the datapath is
+// closed.
 func (d *Dataplane) stopRouteWatch() {
 	d.mu.Lock()
 	w := d.routes
@@ -98,187 +116,249 @@ func (d *Dataplane) stopRouteWatch() {
 	close(w.stop)
 	<-w.done
 	unix.Close(w.fd)
+	d.setRouteCache(w, "the dataplane is closed")
 }
 
-// routeWatchLoop reads notifications until stopped: each batch moves the
-// cache's generation on (and may turn it on or off).
+// routeWatchLoop reads notifications until stopped. Any routing change
+// empties the cache at once (without d.mu: the watch stops before the
+// datapath closes); one that may make a route depend on more than the
+// backend (a rule, a multipath, TOS or source route, lost notifications)
+// turns it off at once, until a full read of the rules and routes, at
+// most one a second, finds it may be on. The lease is renewed every
+// second while on.
 func (d *Dataplane) routeWatchLoop(w *routeWatch) {
 	defer close(w.done)
 	buf := make([]byte, 1<<16)
+	var lastScan, lastRenew time.Time
+	rescan := false
 	for {
 		select {
 		case <-w.stop:
 			return
 		default:
 		}
+		var c routeChange
 		n, _, err := unix.Recvfrom(w.fd, buf, 0)
-		failed := false
-		switch {
-		case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.EINTR):
-			continue
-		case errors.Is(err, unix.ENOBUFS):
-			// Notifications were lost: read the state again; the
-			// generation moves on below, whatever they said.
-			if err := d.opts.InNamespace(w.scan); err != nil {
-				d.log.Warn("fluxvm: XDP route cache: rescan after lost notifications", "err", err)
-			}
-		case err != nil:
-			d.log.Warn("fluxvm: XDP route cache off: the route watch failed", "err", err)
-			w.mu.Lock()
-			w.off = "the route watch failed: " + err.Error()
-			w.mu.Unlock()
-			failed = true
-		default:
-			rules, routes := w.note(buf[:n])
-			var err error
-			switch {
-			case routes:
-				err = d.opts.InNamespace(w.scan)
-			case rules:
-				err = d.opts.InNamespace(w.scanRules)
-			}
+		for err == nil || errors.Is(err, unix.ENOBUFS) {
 			if err != nil {
-				d.log.Warn("fluxvm: XDP route cache: read the node's routing again", "err", err)
+				// Notifications were lost: whatever they said.
+				c.heard, c.off = true, true
+			} else {
+				c.add(classifyRouting(buf[:n], w.routeReason(), w.compat))
 			}
+			// What else is queued, in one batch.
+			n, _, err = unix.Recvfrom(w.fd, buf, unix.MSG_DONTWAIT)
 		}
-		d.mu.Lock()
-		if !d.closed {
-			d.applyRouteCache(w)
-		}
-		d.mu.Unlock()
-		if failed {
+		if !errors.Is(err, unix.EAGAIN) && !errors.Is(err, unix.EINTR) {
+			d.log.Warn("fluxvm: XDP route cache off: the route watch failed", "err", err)
+			d.setRouteCache(w, "the route watch failed: "+err.Error())
 			return
 		}
-	}
-}
-
-// scan reads the node's rules and multipath routes (in its namespace).
-func (w *routeWatch) scan() error {
-	mp := map[string]bool{}
-	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		rs, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return fmt.Errorf("list routes: %w", err)
+		switch {
+		case c.off:
+			if w.routeCache().Enabled {
+				d.setRouteCache(w, "reading the node's rules and routes again after a change")
+			}
+			rescan = true
+		case c.heard:
+			d.invalidateXDPRoutes()
 		}
-		for _, r := range rs {
-			// A route through a nexthop group is dumped with its
-			// nexthops as RTA_MULTIPATH (net.ipv4.nexthop_compat_mode,
-			// on by default).
-			if len(r.MultiPath) > 0 {
-				mp[routeKey(fam, r.Table, r.Dst, r.Tos, r.Priority)] = true
+		if c.rescan {
+			rescan = true
+		}
+		now := time.Now()
+		if rescan && now.Sub(lastScan) >= routeRescanEvery {
+			lastScan = now
+			var reason string
+			var compat bool
+			err := d.opts.InNamespace(func() (err error) {
+				reason, compat, err = scanRouting()
+				return err
+			})
+			if err == nil {
+				w.compat = compat
+			}
+			if err != nil {
+				reason = "reading the node's rules and routes failed: " + err.Error()
+			} else {
+				rescan = false
+			}
+			d.setRouteCache(w, reason)
+			lastRenew = now
+			continue
+		}
+		if w.routeCache().Enabled && now.Sub(lastRenew) >= routeCacheRenew {
+			lastRenew = now
+			if err := d.dp.SetXDPRouteCache(routeCacheLease); err != nil {
+				d.log.Warn("fluxvm: XDP route cache: renew the lease", "err", err)
 			}
 		}
 	}
-	w.mu.Lock()
-	w.multipath = mp
-	w.mu.Unlock()
-	return w.scanRules()
 }
 
-// scanRules reads whether rules beyond the kernel's defaults exist (in
-// the node's namespace): rule changes are rare, and a list is exact
-// where counting notifications is not.
-func (w *routeWatch) scanRules() error {
-	rules := false
-	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		rs, err := netlink.RuleList(fam)
-		if err != nil {
-			w.mu.Lock()
-			w.rules = true // unknown: keep the cache off
-			w.mu.Unlock()
-			return fmt.Errorf("list rules: %w", err)
-		}
-		for _, r := range rs {
-			if !defaultRule(r.Priority, r.Table) {
-				rules = true
-			}
-		}
-	}
-	w.mu.Lock()
-	w.rules = rules
-	w.mu.Unlock()
-	return nil
-}
-
-// defaultRule: the rules every namespace starts with (local, main,
-// default), which send every lookup to the main table.
-func defaultRule(prio, table int) bool {
-	return (prio == 0 && table == unix.RT_TABLE_LOCAL) ||
-		(prio == 32766 && table == unix.RT_TABLE_MAIN) ||
-		(prio == 32767 && table == unix.RT_TABLE_DEFAULT)
-}
-
-func dstMask(dst *net.IPNet) (int, int) {
-	if dst == nil {
-		return 0, 0
-	}
-	return dst.Mask.Size()
-}
-
-func routeKey(fam, table int, dst *net.IPNet, tos, prio int) string {
-	d := "default"
-	if ones, _ := dstMask(dst); dst != nil && (ones > 0 || !dst.IP.IsUnspecified()) {
-		d = dst.String()
-	}
-	return fmt.Sprintf("%d/%d/%s/%d/%d", fam, table, d, tos, prio)
-}
-
-// note reads one batch of notifications: what must be read again, the
-// rules (one changed) or the routes (a multipath one changed: an IPv6
-// multipath route comes and goes a nexthop at a time, so the set is read
-// again rather than edited).
-func (w *routeWatch) note(b []byte) (rules, routes bool) {
-	msgs, err := syscall.ParseNetlinkMessage(b)
-	if err != nil {
-		return true, true
-	}
-	for i := range msgs {
-		switch msgs[i].Header.Type {
-		case unix.RTM_NEWRULE, unix.RTM_DELRULE:
-			rules = true
-		case unix.RTM_NEWROUTE, unix.RTM_DELROUTE:
-			if w.multipathChange(&msgs[i]) {
-				routes = true
-			}
-		}
-	}
-	return rules, routes
-}
-
-// multipathChange: the route notification m is of a multipath route, or
-// of one the set holds.
-func (w *routeWatch) multipathChange(m *syscall.NetlinkMessage) bool {
-	if len(m.Data) < unix.SizeofRtMsg {
-		return true
-	}
-	rtm := (*unix.RtMsg)(unsafe.Pointer(&m.Data[0]))
-	attrs, err := syscall.ParseNetlinkRouteAttr(m)
-	if err != nil {
-		return true
-	}
-	table, prio := int(rtm.Table), 0
-	var dst *net.IPNet
-	for _, a := range attrs {
-		switch a.Attr.Type {
-		case unix.RTA_TABLE:
-			if len(a.Value) >= 4 {
-				table = int(binary.NativeEndian.Uint32(a.Value))
-			}
-		case unix.RTA_PRIORITY:
-			if len(a.Value) >= 4 {
-				prio = int(binary.NativeEndian.Uint32(a.Value))
-			}
-		case unix.RTA_DST:
-			dst = &net.IPNet{IP: net.IP(a.Value), Mask: net.CIDRMask(int(rtm.Dst_len), len(a.Value)*8)}
-		case unix.RTA_MULTIPATH, rtaNHID:
-			return true
-		}
-	}
-	fam := netlink.FAMILY_V4
-	if rtm.Family == unix.AF_INET6 {
-		fam = netlink.FAMILY_V6
-	}
+// routeReason is why the cache is off because of the node's routing, or
+// "" (on, or off for another reason).
+func (w *routeWatch) routeReason() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.multipath[routeKey(fam, table, dst, int(rtm.Tos), prio)]
+	if strings.HasPrefix(w.status.Reason, routeReasonPrefix) {
+		return w.status.Reason
+	}
+	return ""
+}
+
+// routeReasonPrefix starts every reason scanRouting gives.
+const routeReasonPrefix = "routing that depends on more than the backend: "
+
+// routeChange is what a batch of notifications asks of the watch.
+type routeChange struct {
+	heard  bool // a routing change: empty the cache
+	off    bool // it may make a route depend on more than the backend
+	rescan bool // read the rules and routes again (to turn the cache on)
+}
+
+func (c *routeChange) add(o routeChange) {
+	c.heard, c.off, c.rescan = c.heard || o.heard, c.off || o.off, c.rescan || o.rescan
+}
+
+// classifyRouting reads one datagram of notifications; offBy is why the
+// cache is off because of the routing now, or ""; compat is the node's
+// nexthop_compat_mode.
+func classifyRouting(b []byte, offBy string, compat bool) routeChange {
+	var c routeChange
+	msgs, err := syscall.ParseNetlinkMessage(b)
+	if err != nil {
+		return routeChange{heard: true, off: true}
+	}
+	for i := range msgs {
+		m := &msgs[i]
+		switch m.Header.Type {
+		case unix.RTM_NEWNEIGH, unix.RTM_DELNEIGH:
+			// A bridge's forwarding database is no neighbour of the FIB.
+			if len(m.Data) > 0 && m.Data[0] == unix.AF_BRIDGE {
+				continue
+			}
+			c.heard = true
+		case unix.RTM_NEWRULE, unix.RTM_DELRULE:
+			c.heard, c.off = true, true
+		case unix.RTM_NEWROUTE, unix.RTM_DELROUTE:
+			c.heard = true
+			if routeDepends(m, compat) != "" {
+				c.off = true
+			} else if offBy != "" && m.Header.Type == unix.RTM_DELROUTE {
+				// Maybe the route that kept the cache off.
+				c.rescan = true
+			}
+		default:
+			c.heard = true
+		}
+	}
+	return c
+}
+
+// routeDepends says why the route in m makes the answer toward a
+// destination depend on more than the destination and the ingress
+// interface, or "".
+func routeDepends(m *syscall.NetlinkMessage, compat bool) string {
+	if len(m.Data) < unix.SizeofRtMsg {
+		return "a route notification that cannot be read"
+	}
+	rtm := (*unix.RtMsg)(unsafe.Pointer(&m.Data[0]))
+	if rtm.Tos != 0 {
+		return "a route that selects by TOS"
+	}
+	if rtm.Src_len != 0 {
+		return "a route that selects by source (from)"
+	}
+	attrs, err := syscall.ParseNetlinkRouteAttr(m)
+	if err != nil {
+		return "a route notification that cannot be read"
+	}
+	for _, a := range attrs {
+		switch a.Attr.Type {
+		case unix.RTA_MULTIPATH:
+			return "a multipath route"
+		case rtaNHID:
+			// With nexthop_compat_mode (the default) a route through a
+			// group is also shown with RTA_MULTIPATH; without it, any
+			// nexthop object may be a group.
+			if !compat {
+				return "a route through a nexthop object (net.ipv4.nexthop_compat_mode is 0)"
+			}
+		}
+	}
+	return ""
+}
+
+// nexthopCompat reads net.ipv4.nexthop_compat_mode of the calling thread's
+// namespace (a kernel without nexthop objects has none: compatible).
+func nexthopCompat() bool {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/nexthop_compat_mode")
+	return err != nil || strings.TrimSpace(string(b)) != "0"
+}
+
+// scanRouting reads the node's rules and routes (in its namespace) and
+// says why a route toward a backend may depend on more than its address
+// and the ingress interface, or "". The FIB lookup XDP makes leaves the
+// mark, the ports, the protocol and the output interface unset, so rules
+// that select on those give every packet the same answer; rules that
+// select by source or TOS do not.
+func scanRouting() (reason string, compat bool, err error) {
+	compat = nexthopCompat()
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		if _, err := os.Stat("/proc/sys/net/ipv6"); fam == unix.AF_INET6 && err != nil {
+			continue // IPv6 disabled (ipv6.disable=1): no rules, no routes
+		}
+		rules, err := dumpRouting(unix.RTM_GETRULE, fam)
+		if err != nil {
+			return "", compat, fmt.Errorf("rules: %w", err)
+		}
+		for i := range rules {
+			// A rule's header has rtmsg's layout (struct fib_rule_hdr).
+			if len(rules[i].Data) < unix.SizeofRtMsg {
+				continue
+			}
+			h := (*unix.RtMsg)(unsafe.Pointer(&rules[i].Data[0]))
+			if h.Src_len != 0 || h.Tos != 0 {
+				return routeReasonPrefix + "a policy rule that selects by source or TOS (ip rule)", compat, nil
+			}
+		}
+		routes, err := dumpRouting(unix.RTM_GETROUTE, fam)
+		if err != nil {
+			return "", compat, fmt.Errorf("routes: %w", err)
+		}
+		for i := range routes {
+			if why := routeDepends(&routes[i], compat); why != "" {
+				return routeReasonPrefix + why, compat, nil
+			}
+		}
+	}
+	return "", compat, nil
+}
+
+// dumpRouting dumps rules or routes of a family, again when the kernel
+// says a change interrupted the dump.
+func dumpRouting(typ, fam int) ([]syscall.NetlinkMessage, error) {
+	for range 5 {
+		b, err := syscall.NetlinkRIB(typ, fam)
+		if err != nil {
+			return nil, err
+		}
+		msgs, err := syscall.ParseNetlinkMessage(b)
+		if err != nil {
+			return nil, err
+		}
+		intr := false
+		out := msgs[:0]
+		for _, m := range msgs {
+			intr = intr || m.Header.Flags&nlmFDumpIntr != 0
+			if int(m.Header.Type) == typ-2 { // RTM_NEW* of the RTM_GET* asked
+				out = append(out, m)
+			}
+		}
+		if !intr {
+			return out, nil
+		}
+	}
+	return nil, errors.New("the dump was interrupted by changes five times")
 }

@@ -252,7 +252,7 @@ static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct
 
 	if (!s)
 		return -1;
-	e = fluxvm_nh_slot(bid, &gen);
+	e = fluxvm_nh_slot(bid, now, &gen);
 	if (e && fluxvm_nh_fresh(e, bid, gen, iif, fluxvm_xdp_fwd_len(ctx, pkt, v6), now)) {
 		s->fib.ifindex = e->oif;
 		__builtin_memcpy(s->fib.dmac, e->dmac, ETH_ALEN);
@@ -267,16 +267,8 @@ static __always_inline int fluxvm_xdp_route(struct __ctx_buff *ctx, const struct
 		fluxvm_count(FLUXVM_CNT_XDP_PASS_EGRESS);
 		return -1;
 	}
-	if (e) {
-		e->backend_id_1 = bid + 1;
-		e->iif = iif;
-		e->oif = s->fib.ifindex;
-		e->gen = gen;
-		e->born = (__u32)(now >> 20);
-		e->mtu = s->fib.mtu_result;
-		__builtin_memcpy(e->dmac, s->fib.dmac, ETH_ALEN);
-		__builtin_memcpy(e->smac, s->fib.smac, ETH_ALEN);
-	}
+	if (e)
+		fluxvm_nh_learn(e, bid, gen, iif, now, &s->fib);
 	return 0;
 }
 
@@ -347,11 +339,14 @@ enum fluxvm_ct_verdict {
  */
 static __always_inline enum fluxvm_ct_verdict
 fluxvm_ct_stage(const struct fluxvm_ct_value *ct, const struct fluxvm_pkt *pkt, __u32 sid,
-		__u8 kind, __u64 now, struct fluxvm_backend **be)
+		__u8 kind, __u64 now, struct fluxvm_backend **be, __u32 *bid)
 {
 	if (!ct || ct->service_id != sid || (ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)) != kind)
 		return FLUXVM_CT_NEW;
-	*be = fluxvm_backend_get(ct->backend_id);
+	/* Read once: another CPU may re-pick the flow meanwhile, and the
+	 * backend, its id and what is learned under it must agree. */
+	*bid = *(volatile __u32 *)&ct->backend_id;
+	*be = fluxvm_backend_get(*bid);
 	if (!fluxvm_backend_keeps(*be, sid, now))
 		return FLUXVM_CT_FAILOVER;
 	if (fluxvm_tcp_is_syn(pkt) && ct->state != FLUXVM_CT_TCP_SYN)
@@ -534,9 +529,8 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	now = bpf_ktime_get_coarse_ns();
 
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		bid = ct->backend_id;
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
@@ -610,9 +604,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	now = bpf_ktime_get_coarse_ns();
 
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		bid = ct->backend_id;
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
@@ -683,9 +676,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	now = bpf_ktime_get_coarse_ns();
 
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be);
+	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		bid = ct->backend_id;
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}

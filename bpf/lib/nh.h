@@ -7,19 +7,24 @@
  * flow's XDP path, and every packet of a flow asks the same question: the
  * route from the ingress interface to the flow's backend. The answer
  * (egress interface, MACs, MTU) is kept per backend and ingress interface.
+ * Written by fluxvm_xdp_route (lib/lb.h).
  *
  * When an answer may be used, which is where a cache of routes goes wrong:
- *   - only while the control plane says so (fluxvm_nh_ctl.enabled): it
- *     enables the cache only where the answer depends on the destination
- *     alone (no policy routing rules, no multipath routes; see
- *     fluxvm/nhcache.go), so every flow to a backend gets the same answer
- *     it would get from the FIB;
+ *   - only while the control plane holds a lease on the cache
+ *     (fluxvm_nh_ctl.until, renewed every second or so): it holds one only
+ *     where the answer depends on the destination and the ingress
+ *     interface alone (no policy rules or routes that select by source
+ *     or TOS, no multipath routes; fluxvm/xdproutes*.go), so every flow
+ *     to a backend gets the answer the FIB would give it. A control plane
+ *     that stops (closed, killed) stops renewing, and the cache turns
+ *     itself off within seconds;
  *   - only in the FIB generation it was learned in: the control plane
- *     bumps fluxvm_nh_ctl.gen on every route, rule, neighbour, link,
- *     nexthop or netconf change it hears of, and when it edits the
- *     interfaces XDP may send on;
- *   - for at most FLUXVM_NH_TTL, in case a change was not heard (a
- *     netlink overflow also bumps the generation);
+ *     moves fluxvm_nh_ctl.gen on at every route, rule, neighbour, link,
+ *     address, nexthop or netconf change it hears of, at a lost
+ *     notification, when it edits the interfaces XDP may send on, and
+ *     when it gives a backend id to another backend;
+ *   - for at most FLUXVM_NH_TTL, for what no notification announces (a
+ *     path MTU learned from ICMP);
  *   - for packets that fit the route's MTU, and with a TTL left to
  *     forward: everything else asks the FIB, which answers as it would
  *     without the cache (a miss passes the packet to the stack).
@@ -57,11 +62,13 @@ struct {
 	__uint(max_entries, FLUXVM_NH_SLOTS);
 } fluxvm_nh SEC(".maps");
 
-/* Written by the control plane only (bpf.Datapath): key 0. A new program
- * starts with the cache off. */
+/* Written by the control plane only (bpf.Datapath), as one 64-bit word
+ * at key 0: the generation (low half) and the lease (high half: the
+ * cache may be used while the coarse clock >> 20 is before it; 0: off). A
+ * new program starts with the cache off. */
 struct fluxvm_nh_ctl {
 	__u32 gen;
-	__u32 enabled;
+	__u32 until;
 };
 _Static_assert(sizeof(struct fluxvm_nh_ctl) == 8, "fluxvm_nh_ctl size");
 
@@ -73,16 +80,40 @@ struct {
 } fluxvm_nh_ctl SEC(".maps");
 
 /* The slot of backend @bid, and the generation its answer must be of in
- * *@gen; NULL when the cache is off. */
-static __always_inline struct fluxvm_nh_entry *fluxvm_nh_slot(__u32 bid, __u32 *gen)
+ * *@gen; NULL while the control plane holds no lease at @now. */
+static __always_inline struct fluxvm_nh_entry *fluxvm_nh_slot(__u32 bid, __u64 now, __u32 *gen)
 {
 	__u32 zero = 0, slot = bid & (FLUXVM_NH_SLOTS - 1);
 	struct fluxvm_nh_ctl *ctl = bpf_map_lookup_elem(&fluxvm_nh_ctl, &zero);
+	__u64 w;
 
-	if (!ctl || !ctl->enabled)
+	if (!ctl)
 		return NULL;
-	*gen = ctl->gen;
+	/* One load: the generation and the lease as written together. */
+	w = *(volatile __u64 *)ctl;
+	if ((__s32)((__u32)(w >> 32) - (__u32)(now >> 20)) <= 0)
+		return NULL;
+	*gen = (__u32)w;
 	return bpf_map_lookup_elem(&fluxvm_nh, &slot);
+}
+
+/* Learn @e for backend @bid: the owner field cleared first and set last,
+ * so that a program preempted on this CPU (PREEMPT_RT) never meets an
+ * entry half of one answer and half of another. */
+static __always_inline void fluxvm_nh_learn(struct fluxvm_nh_entry *e, __u32 bid, __u32 gen,
+					    __u32 iif, __u64 now, const struct bpf_fib_lookup *fib)
+{
+	e->backend_id_1 = 0;
+	asm volatile("" ::: "memory");
+	e->iif = iif;
+	e->oif = fib->ifindex;
+	e->gen = gen;
+	e->born = (__u32)(now >> 20);
+	e->mtu = fib->mtu_result;
+	__builtin_memcpy(e->dmac, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(e->smac, fib->smac, ETH_ALEN);
+	asm volatile("" ::: "memory");
+	e->backend_id_1 = bid + 1;
 }
 
 /* Is @e a usable answer toward backend @bid from interface @iif for an L3

@@ -53,7 +53,7 @@ var (
 	descMaglevInner = desc("maglev_inner_maps", "Maglev tables (inner maps of fluxvm_maglev) in the datapath.")
 	descXDPMode     = desc("xdp_mode", "North-south interfaces by the XDP mode in force (native, generic, off): value 1.", "interface", "mode")
 	descXDPRoutes   = desc("xdp_route_cache_enabled", "1 while the XDP program reuses its route lookups toward backends (status xdp_route_cache says why not).")
-	descXDPRouteInv = desc("xdp_route_cache_invalidations_total", "Generations of the XDP route cache since the dataplane opened: changes of the node's routing heard.")
+	descXDPRouteInv = desc("xdp_route_cache_invalidations_total", "Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.")
 )
 
 // MaglevInnerMapLabel is the map label under which fluxvm_map_memory_bytes
@@ -80,7 +80,7 @@ type collector struct{ src MetricsSource }
 //	                                            xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress}
 //	fluxvm_xdp_mode                             gauge 1 {interface, mode}: north-south XDP mode in force
 //	fluxvm_xdp_route_cache_enabled              gauge: 1 while XDP reuses its route lookups
-//	fluxvm_xdp_route_cache_invalidations_total  counter: route cache generations (routing changes heard)
+//	fluxvm_xdp_route_cache_invalidations_total  counter: times the route cache was emptied
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}

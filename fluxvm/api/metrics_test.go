@@ -153,7 +153,7 @@ fluxvm_xdp_mode{interface="eth1",mode="native"} 1
 # HELP fluxvm_xdp_route_cache_enabled 1 while the XDP program reuses its route lookups toward backends (status xdp_route_cache says why not).
 # TYPE fluxvm_xdp_route_cache_enabled gauge
 fluxvm_xdp_route_cache_enabled 1
-# HELP fluxvm_xdp_route_cache_invalidations_total Generations of the XDP route cache since the dataplane opened: changes of the node's routing heard.
+# HELP fluxvm_xdp_route_cache_invalidations_total Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.
 # TYPE fluxvm_xdp_route_cache_invalidations_total counter
 fluxvm_xdp_route_cache_invalidations_total 5
 `

@@ -45,6 +45,22 @@ func (e *env) xdpOnUplink(t *testing.T, ifname string) (ebpf.ProgramID, string) 
 	return id, mode
 }
 
+// attachForeignXDP puts prog, another product's XDP program, on the
+// uplink in native mode, as that product would.
+func (e *env) attachForeignXDP(t *testing.T, prog *ebpf.Program) {
+	t.Helper()
+	err := e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(nsUplink)
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetXdpFdWithFlags(l, prog.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 func xdpProgID(t *testing.T, d *Dataplane) ebpf.ProgramID {
 	t.Helper()
 	info, err := d.dp.XDPPrograms().FluxvmXdpNs.Info()
@@ -165,16 +181,7 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 	defer foreign.Close()
 	info, _ := foreign.Info()
 	fid, _ := info.ID()
-	err = e.lab.Node.Do(func() error {
-		l, err := netlink.LinkByName(nsUplink)
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetXdpFdWithFlags(l, foreign.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	e.attachForeignXDP(t, foreign)
 	refused := func(what string, err error) {
 		t.Helper()
 		if !errors.Is(err, bpf.ErrForeignProgram) || !strings.Contains(err.Error(), "not_fluxvm") || !strings.Contains(err.Error(), nsUplink) {
@@ -550,16 +557,7 @@ func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
 		t.Fatal(err)
 	}
 	fid, _ := info.ID()
-	err = e.lab.Node.Do(func() error {
-		l, err := netlink.LinkByName(nsUplink)
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetXdpFdWithFlags(l, foreign.FD(), 1<<2 /* XDP_FLAGS_DRV_MODE */)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	e.attachForeignXDP(t, foreign)
 	foreignStays := func(when string) {
 		t.Helper()
 		if id, mode := e.xdpOnUplink(t, nsUplink); id != fid || mode != "native" {

@@ -1131,19 +1131,11 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 		if err != nil {
 			return err
 		}
-		var flows, okConns uint64
-		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
-			s, err := p.measure(ctx, 0, path, wl, burst, burstConns, false)
-			if err != nil {
-				return err
-			}
-			p.printSample(s)
-			if s.OK == 0 {
-				return fmt.Errorf("check: %s on %s moved no traffic (%s)", wl, path, s.FirstError)
-			}
-			flows += s.DatapathFlows
-			okConns += uint64(s.OK)
+		b, err := p.checkBurst(ctx, path, burst, burstConns)
+		if err != nil {
+			return err
 		}
+		flows, okConns := b.flows, b.ok
 		m1, err := p.nft.counters(ctx)
 		if err != nil {
 			return err
@@ -1810,4 +1802,30 @@ func (d *perfDialer) dial(ctx context.Context, src netip.Addr, addr string) (net
 		return nil, fmt.Errorf("%w: %v", errStrayThread, lerr)
 	}
 	return c, err
+}
+
+// checkSums are the counts of a check burst on one path, both workloads.
+type checkSums struct {
+	flows, ok, xdp, passEgress uint64
+}
+
+// checkBurst runs a short burst of both workloads on path, prints them
+// and sums what the checks read; a workload that moved nothing fails.
+func (p *perfRun) checkBurst(ctx context.Context, path PerfPath, burst time.Duration, burstConns int) (checkSums, error) {
+	var b checkSums
+	for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+		s, err := p.measure(ctx, 0, path, wl, burst, burstConns, false)
+		if err != nil {
+			return b, err
+		}
+		p.printSample(s)
+		if s.OK == 0 {
+			return b, fmt.Errorf("check: %s on %s moved no traffic (%s)", wl, path, s.FirstError)
+		}
+		b.flows += s.DatapathFlows
+		b.ok += uint64(s.OK)
+		b.xdp += s.XDPTranslated
+		b.passEgress += s.XDPPassEgress
+	}
+	return b, nil
 }

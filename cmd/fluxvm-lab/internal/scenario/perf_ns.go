@@ -354,21 +354,11 @@ func (p *perfRun) checkXDPMode() error {
 // TC for want of an egress).
 func (p *perfRun) nsChecks(ctx context.Context, burst time.Duration, burstConns int) error {
 	for _, path := range NorthSouthPaths {
-		var flows, okConns, xdp, passEgress uint64
-		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
-			s, err := p.measure(ctx, 0, path, wl, burst, burstConns, false)
-			if err != nil {
-				return err
-			}
-			p.printSample(s)
-			if s.OK == 0 {
-				return fmt.Errorf("check: %s on %s moved no traffic (%s)", wl, path, s.FirstError)
-			}
-			flows += s.DatapathFlows
-			okConns += uint64(s.OK)
-			xdp += s.XDPTranslated
-			passEgress += s.XDPPassEgress
+		b, err := p.checkBurst(ctx, path, burst, burstConns)
+		if err != nil {
+			return err
 		}
+		flows, okConns, xdp, passEgress := b.flows, b.ok, b.xdp, b.passEgress
 		mode := "off"
 		if p.ns.xdp {
 			mode = "native"

@@ -300,6 +300,8 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 			prog = d.hookProgram(hook)
 		} else if _, ok := parseXDPPin(e.Name()); ok {
 			prog = d.xprogs.FluxvmXdpNs
+		} else if _, h, ok := parseCgroupPin(e.Name()); ok {
+			prog = d.cgroupProgram(h)
 		} else {
 			continue
 		}
@@ -335,7 +337,7 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 // the datapath. Nothing outside the pin root is touched.
 func (d *Datapath) Remove() error {
 	var errs []error
-	errs = append(errs, d.removeXDPLinks())
+	errs = append(errs, d.removeXDPLinks(), d.removeCgroupLinks())
 	if as, err := d.Attachments(); err == nil {
 		for _, a := range as {
 			if a.Mode == AttachClsBPF {

@@ -51,6 +51,22 @@ const (
 	// CounterXDPPassEgress counts VIP packets XDP left to the stack
 	// because their route leaves by an interface not in fluxvm_xdp_tx.
 	CounterXDPPassEgress = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_EGRESS)
+	// CounterSockRewritten counts connects and sends to a VIP that the
+	// socket hooks addressed to a backend instead; CounterSockReversed
+	// receives and getpeername calls shown the VIP instead of the
+	// backend; CounterSockRepicked sockets whose backend could no longer
+	// serve them (Unhealthy, removed, drained) and got a new pick.
+	CounterSockRewritten = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_REWRITTEN)
+	CounterSockReversed  = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_REVERSED)
+	CounterSockRepicked  = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_REPICKED)
+	// The socket hooks' fail-open reasons: the address is left as the
+	// application gave it, and TC serves the VIP (and drops, when the
+	// guard is closed). CounterSockOpenNoBackend: no Ready backend of the
+	// socket's family; CounterSockOpenMap: the socket maps could not be
+	// written.
+	CounterSockOpenGuard     = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_GUARD)
+	CounterSockOpenNoBackend = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND)
+	CounterSockOpenMap       = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -79,6 +95,12 @@ var counterNames = [NumCounters]string{
 	CounterXDPPassNoRoute:       "xdp_pass_no_route",
 	CounterXDPPassFragment:      "xdp_pass_fragment",
 	CounterXDPPassEgress:        "xdp_pass_egress",
+	CounterSockRewritten:        "sock_rewritten",
+	CounterSockReversed:         "sock_reversed",
+	CounterSockRepicked:         "sock_repicked",
+	CounterSockOpenGuard:        "sock_fail_open_guard",
+	CounterSockOpenNoBackend:    "sock_fail_open_no_backend",
+	CounterSockOpenMap:          "sock_fail_open_map",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

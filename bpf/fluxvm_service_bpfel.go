@@ -81,29 +81,35 @@ const (
 type serviceFluxvmCounter uint32
 
 const (
-	serviceFluxvmCounterFLUXVM_CNT_IPV4                   serviceFluxvmCounter = 0
-	serviceFluxvmCounterFLUXVM_CNT_IPV6                   serviceFluxvmCounter = 1
-	serviceFluxvmCounterFLUXVM_CNT_TCP                    serviceFluxvmCounter = 2
-	serviceFluxvmCounterFLUXVM_CNT_UDP                    serviceFluxvmCounter = 3
-	serviceFluxvmCounterFLUXVM_CNT_L4OTHER                serviceFluxvmCounter = 4
-	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR             serviceFluxvmCounter = 5
-	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT               serviceFluxvmCounter = 6
-	serviceFluxvmCounterFLUXVM_CNT_NON_IP                 serviceFluxvmCounter = 7
-	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED              serviceFluxvmCounter = 8
-	serviceFluxvmCounterFLUXVM_CNT_MALFORMED              serviceFluxvmCounter = 9
-	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT            serviceFluxvmCounter = 10
-	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE              serviceFluxvmCounter = 11
-	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS    serviceFluxvmCounter = 12
-	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS   serviceFluxvmCounter = 13
-	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES           serviceFluxvmCounter = 14
-	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED          serviceFluxvmCounter = 15
-	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS         serviceFluxvmCounter = 16
-	serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED serviceFluxvmCounter = 17
-	serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED         serviceFluxvmCounter = 18
-	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE      serviceFluxvmCounter = 19
-	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT      serviceFluxvmCounter = 20
-	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_EGRESS        serviceFluxvmCounter = 21
-	serviceFluxvmCounterFLUXVM_CNT_MAX                    serviceFluxvmCounter = 22
+	serviceFluxvmCounterFLUXVM_CNT_IPV4                      serviceFluxvmCounter = 0
+	serviceFluxvmCounterFLUXVM_CNT_IPV6                      serviceFluxvmCounter = 1
+	serviceFluxvmCounterFLUXVM_CNT_TCP                       serviceFluxvmCounter = 2
+	serviceFluxvmCounterFLUXVM_CNT_UDP                       serviceFluxvmCounter = 3
+	serviceFluxvmCounterFLUXVM_CNT_L4OTHER                   serviceFluxvmCounter = 4
+	serviceFluxvmCounterFLUXVM_CNT_IPV6EXTHDR                serviceFluxvmCounter = 5
+	serviceFluxvmCounterFLUXVM_CNT_FRAGMENT                  serviceFluxvmCounter = 6
+	serviceFluxvmCounterFLUXVM_CNT_NON_IP                    serviceFluxvmCounter = 7
+	serviceFluxvmCounterFLUXVM_CNT_TRUNCATED                 serviceFluxvmCounter = 8
+	serviceFluxvmCounterFLUXVM_CNT_MALFORMED                 serviceFluxvmCounter = 9
+	serviceFluxvmCounterFLUXVM_CNT_PARSE_LIMIT               serviceFluxvmCounter = 10
+	serviceFluxvmCounterFLUXVM_CNT_NAT_STALE                 serviceFluxvmCounter = 11
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTED_PACKETS       serviceFluxvmCounter = 12
+	serviceFluxvmCounterFLUXVM_CNT_HOST_ROUTE_FALLBACKS      serviceFluxvmCounter = 13
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_RETRIES              serviceFluxvmCounter = 14
+	serviceFluxvmCounterFLUXVM_CNT_DSR_FORWARDED             serviceFluxvmCounter = 15
+	serviceFluxvmCounterFLUXVM_CNT_SNAT_CONFLICTS            serviceFluxvmCounter = 16
+	serviceFluxvmCounterFLUXVM_CNT_ICMP_ERRORS_TRANSLATED    serviceFluxvmCounter = 17
+	serviceFluxvmCounterFLUXVM_CNT_XDP_TRANSLATED            serviceFluxvmCounter = 18
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_NO_ROUTE         serviceFluxvmCounter = 19
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_FRAGMENT         serviceFluxvmCounter = 20
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_EGRESS           serviceFluxvmCounter = 21
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_REWRITTEN            serviceFluxvmCounter = 22
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_REVERSED             serviceFluxvmCounter = 23
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_REPICKED             serviceFluxvmCounter = 24
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_GUARD      serviceFluxvmCounter = 25
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND serviceFluxvmCounter = 26
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP        serviceFluxvmCounter = 27
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 28
 )
 
 type serviceFluxvmCtFlags uint32
@@ -270,6 +276,41 @@ type serviceFluxvmSnatTry struct {
 	Err   int64
 }
 
+type serviceFluxvmSockKey struct {
+	_      structs.HostLayout
+	Cookie uint64
+	Vip    [4]uint32
+	Vport  uint16
+	Proto  uint8
+	Family uint8
+	Pad    uint32
+}
+
+type serviceFluxvmSockRkey struct {
+	_      structs.HostLayout
+	Cookie uint64
+	Addr   [4]uint32
+	Port   uint16
+	Proto  uint8
+	Family uint8
+	Pad    uint32
+}
+
+type serviceFluxvmSockRvalue struct {
+	_         structs.HostLayout
+	Vip       [4]uint32
+	Vport     uint16
+	Family    uint8
+	Pad       uint8
+	ServiceId uint32
+}
+
+type serviceFluxvmSockValue struct {
+	_         structs.HostLayout
+	BackendId uint32
+	ServiceId uint32
+}
+
 type serviceFluxvmSvc4Key struct {
 	_     structs.HostLayout
 	Vip   uint32
@@ -369,6 +410,8 @@ const (
 	serviceMapFluxvmSguard      = "fluxvm_sguard"
 	serviceMapFluxvmSnat        = "fluxvm_snat"
 	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceMapFluxvmSockFwd     = "fluxvm_sock_fwd"
+	serviceMapFluxvmSockRev     = "fluxvm_sock_rev"
 	serviceMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -447,6 +490,8 @@ type serviceMapSpecs struct {
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -495,6 +540,8 @@ type serviceMaps struct {
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -519,6 +566,8 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -33,6 +33,8 @@ const (
 	serviceTierLMapFluxvmSguard      = "fluxvm_sguard"
 	serviceTierLMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceTierLMapFluxvmSockFwd     = "fluxvm_sock_fwd"
+	serviceTierLMapFluxvmSockRev     = "fluxvm_sock_rev"
 	serviceTierLMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceTierLMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -111,6 +113,8 @@ type serviceTierLMapSpecs struct {
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -159,6 +163,8 @@ type serviceTierLMaps struct {
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -183,6 +189,8 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

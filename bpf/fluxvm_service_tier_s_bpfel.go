@@ -33,6 +33,8 @@ const (
 	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
 	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceTierSMapFluxvmSockFwd     = "fluxvm_sock_fwd"
+	serviceTierSMapFluxvmSockRev     = "fluxvm_sock_rev"
 	serviceTierSMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceTierSMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -111,6 +113,8 @@ type serviceTierSMapSpecs struct {
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -159,6 +163,8 @@ type serviceTierSMaps struct {
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -183,6 +189,8 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

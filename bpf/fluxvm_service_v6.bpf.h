@@ -56,7 +56,13 @@ enum fluxvm_counter {
 	FLUXVM_CNT_XDP_PASS_NO_ROUTE = 19, /* XDP: a VIP packet left to the stack: no FIB answer or neighbour */
 	FLUXVM_CNT_XDP_PASS_FRAGMENT = 20, /* XDP: a fragment to a VIP left to the stack */
 	FLUXVM_CNT_XDP_PASS_EGRESS = 21, /* XDP: a VIP packet left to the stack: its route leaves by an interface XDP may not send on */
-	FLUXVM_CNT_MAX = 22,
+	FLUXVM_CNT_SOCK_REWRITTEN = 22, /* socket LB: a connect or send to a VIP addressed to its backend instead */
+	FLUXVM_CNT_SOCK_REVERSED = 23,  /* socket LB: a receive or getpeername shown the VIP instead of the backend */
+	FLUXVM_CNT_SOCK_REPICKED = 24,  /* socket LB: a socket's backend may no longer serve it: picked afresh */
+	FLUXVM_CNT_SOCK_FAIL_OPEN_GUARD = 25, /* socket LB fail-open: the service's guard is closed (TC drops) */
+	FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND = 26, /* socket LB fail-open: no Ready backend of the socket's family */
+	FLUXVM_CNT_SOCK_FAIL_OPEN_MAP = 27,  /* socket LB fail-open: the socket maps could not be written */
+	FLUXVM_CNT_MAX = 28,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -315,6 +321,51 @@ struct fluxvm_edge_slot {
 	__u32 slot;     /* index into fluxvm_edge_stats; 0 = not counted */
 };
 _Static_assert(sizeof(struct fluxvm_edge_slot) == 8, "fluxvm_edge_slot size");
+
+/*
+ * Socket load balancing (fluxvm_service_connect.bpf.c, lib/sock.h). A
+ * socket that connects or sends to a VIP is addressed to a backend
+ * instead; fluxvm_sock_fwd remembers which, per socket and VIP, so that
+ * its later sends keep the backend by the rules of a conntrack entry, and
+ * fluxvm_sock_rev maps the backend back to the VIP for what the socket
+ * receives and for getpeername. Addresses as in fluxvm_backend: IPv4 in
+ * addr[0], the rest zero. Both keyed by the socket's cookie (unique while
+ * the kernel runs).
+ */
+struct fluxvm_sock_key {
+	__u64 cookie;
+	__be32 vip[4];
+	__be16 vport;
+	__u8 proto;
+	__u8 family;  /* enum fluxvm_family of the VIP */
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_sock_key) == 32, "fluxvm_sock_key size");
+
+struct fluxvm_sock_value {
+	__u32 backend_id;
+	__u32 service_id;
+};
+_Static_assert(sizeof(struct fluxvm_sock_value) == 8, "fluxvm_sock_value size");
+
+struct fluxvm_sock_rkey {
+	__u64 cookie;
+	__be32 addr[4];    /* the backend's */
+	__be16 port;
+	__u8 proto;
+	__u8 family;
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_sock_rkey) == 32, "fluxvm_sock_rkey size");
+
+struct fluxvm_sock_rvalue {
+	__be32 vip[4];
+	__be16 vport;
+	__u8 family;
+	__u8 pad;
+	__u32 service_id;
+};
+_Static_assert(sizeof(struct fluxvm_sock_rvalue) == 24, "fluxvm_sock_rvalue size");
 
 /* Node-wide settings and identity (fluxvm_meta, one entry at key 0). */
 struct fluxvm_meta_value {

@@ -34,6 +34,8 @@ const (
 	serviceXdpTierLMapFluxvmSguard      = "fluxvm_sguard"
 	serviceXdpTierLMapFluxvmSnat        = "fluxvm_snat"
 	serviceXdpTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
+	serviceXdpTierLMapFluxvmSockFwd     = "fluxvm_sock_fwd"
+	serviceXdpTierLMapFluxvmSockRev     = "fluxvm_sock_rev"
 	serviceXdpTierLMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceXdpTierLMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceXdpTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -108,6 +110,8 @@ type serviceXdpTierLMapSpecs struct {
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -158,6 +162,8 @@ type serviceXdpTierLMaps struct {
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -184,6 +190,8 @@ func (m *serviceXdpTierLMaps) Close() error {
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

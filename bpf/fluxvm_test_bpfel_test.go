@@ -33,6 +33,8 @@ const (
 	serviceTestMapFluxvmSguard          = "fluxvm_sguard"
 	serviceTestMapFluxvmSnat            = "fluxvm_snat"
 	serviceTestMapFluxvmSnatScratch     = "fluxvm_snat_scratch"
+	serviceTestMapFluxvmSockFwd         = "fluxvm_sock_fwd"
+	serviceTestMapFluxvmSockRev         = "fluxvm_sock_rev"
 	serviceTestMapFluxvmSvc4            = "fluxvm_svc4"
 	serviceTestMapFluxvmSvc6            = "fluxvm_svc6"
 	serviceTestMapFluxvmSvcStats        = "fluxvm_svc_stats"
@@ -118,6 +120,8 @@ type serviceTestMapSpecs struct {
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -173,6 +177,8 @@ type serviceTestMaps struct {
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
+	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -197,6 +203,8 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -31,6 +31,8 @@ const (
 	xdpTestMapFluxvmScratch     = "fluxvm_scratch"
 	xdpTestMapFluxvmSguard      = "fluxvm_sguard"
 	xdpTestMapFluxvmSnat        = "fluxvm_snat"
+	xdpTestMapFluxvmSockFwd     = "fluxvm_sock_fwd"
+	xdpTestMapFluxvmSockRev     = "fluxvm_sock_rev"
 	xdpTestMapFluxvmSvc4        = "fluxvm_svc4"
 	xdpTestMapFluxvmSvc6        = "fluxvm_svc6"
 	xdpTestMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -103,6 +105,8 @@ type xdpTestMapSpecs struct {
 	FluxvmScratch   *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat      *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd   *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev   *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -151,6 +155,8 @@ type xdpTestMaps struct {
 	FluxvmScratch   *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat      *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd   *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev   *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -173,6 +179,8 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
+		m.FluxvmSockFwd,
+		m.FluxvmSockRev,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

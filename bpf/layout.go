@@ -31,6 +31,10 @@ type (
 	Be2feKey     = serviceFluxvmBe2feKey
 	Be2feSlot    = serviceFluxvmBe2feSlot
 	Be2feValue   = serviceFluxvmBe2feValue
+	SockKey      = serviceFluxvmSockKey
+	SockValue    = serviceFluxvmSockValue
+	SockRevKey   = serviceFluxvmSockRkey
+	SockRevValue = serviceFluxvmSockRvalue
 )
 
 // The constants below are the C enums of fluxvm_service_v6.bpf.h, which

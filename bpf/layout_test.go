@@ -39,6 +39,10 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_be2fe_key", 20, Be2feKey{}},
 		{"fluxvm_be2fe_slot", 28, Be2feSlot{}},
 		{"fluxvm_be2fe_value", 116, Be2feValue{}},
+		{"fluxvm_sock_key", 32, SockKey{}},
+		{"fluxvm_sock_value", 8, SockValue{}},
+		{"fluxvm_sock_rkey", 32, SockRevKey{}},
+		{"fluxvm_sock_rvalue", 24, SockRevValue{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

@@ -168,6 +168,10 @@ type Datapath struct {
 	// xprogs its programs, typed (XDPPrograms).
 	xcoll  *ebpf.Collection
 	xprogs XDPPrograms
+	// ccoll is the socket load-balancing object, loaded on coll's maps,
+	// and cprogs its programs, typed (ConnectPrograms).
+	ccoll  *ebpf.Collection
+	cprogs ConnectPrograms
 	// nh is the control word of the XDP next-hop cache (xdp_routes.go).
 	nh nhControl
 }
@@ -345,6 +349,14 @@ func Open(opts Options) (*Datapath, error) {
 		d.Close()
 		return nil, fmt.Errorf("bpf: open: XDP object: %w", err)
 	}
+	if d.ccoll, err = loadConnect(opts, coll); err != nil {
+		d.Close()
+		return nil, err
+	}
+	if err := assignTyped(&d.cprogs, d.ccoll); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("bpf: open: socket LB object: %w", err)
+	}
 	if err := d.writeMeta(prev); err != nil {
 		d.Close()
 		return nil, err
@@ -447,6 +459,11 @@ func (d *Datapath) Close() error {
 		d.xcoll.Close()
 		d.xcoll = nil
 		d.xprogs = XDPPrograms{}
+	}
+	if d.ccoll != nil {
+		d.ccoll.Close()
+		d.ccoll = nil
+		d.cprogs = ConnectPrograms{}
 	}
 	if d.staged != nil {
 		for _, m := range d.staged.old {

@@ -63,70 +63,14 @@ func XDPObjectName(t Tier) string {
 // object of tier t. It declares the TC object's maps, which the loader
 // replaces with the datapath's own. Each call returns a fresh copy.
 func SpecXDP(t Tier) (*ebpf.CollectionSpec, error) {
-	var (
-		spec *ebpf.CollectionSpec
-		err  error
-	)
-	switch t {
-	case TierS:
-		spec, err = loadServiceXdpTierS()
-	case TierM:
-		spec, err = loadServiceXdp()
-	case TierL:
-		spec, err = loadServiceXdpTierL()
-	default:
-		return nil, fmt.Errorf("bpf: xdp spec: %w", ErrUnknownTier)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("bpf: embedded XDP object of tier %s: %w", t, err)
-	}
-	return spec, nil
+	return embeddedSpec(t, "XDP", loadServiceXdpTierS, loadServiceXdp, loadServiceXdpTierL)
 }
 
-// loadXDPSpec is the XDP object for opts: XDPObjectName(tier) from
-// ObjectDir when that directory has it, else the embedded one (an object
-// directory installed before the XDP object existed keeps working).
-func loadXDPSpec(opts Options) (*ebpf.CollectionSpec, error) {
-	embedded, err := SpecXDP(opts.Tier)
-	if err != nil || opts.ObjectDir == "" {
-		return embedded, err
-	}
-	path := filepath.Join(opts.ObjectDir, XDPObjectName(opts.Tier))
-	f, err := os.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return embedded, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("bpf: XDP object for tier %s: %w", opts.Tier, err)
-	}
-	defer f.Close()
-	spec, err := ebpf.LoadCollectionSpecFromReader(f)
-	if err != nil {
-		return nil, fmt.Errorf("bpf: %s: %w", path, err)
-	}
-	return spec, nil
-}
-
-// loadXDP loads the XDP object on the maps of coll, the loaded TC object:
-// every map the XDP object declares under a name of the TC object is the
-// TC object's instance, so a flow learned by either is the other's.
+// loadXDP loads the XDP object (XDPObjectName of the tier from ObjectDir
+// when that directory has it, else the embedded one) on the maps of coll,
+// the loaded TC object.
 func loadXDP(opts Options, coll *ebpf.Collection) (*ebpf.Collection, error) {
-	spec, err := loadXDPSpec(opts)
-	if err != nil {
-		return nil, err
-	}
-	repl := map[string]*ebpf.Map{}
-	for name, ms := range spec.Maps {
-		if m := coll.Maps[name]; m != nil {
-			ms.MaxEntries = m.MaxEntries()
-			repl[name] = m
-		}
-	}
-	xcoll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
-	if err != nil {
-		return nil, fmt.Errorf("bpf: open: load the XDP program: %w", err)
-	}
-	return xcoll, nil
+	return loadSide(opts, coll, "XDP", SpecXDP, XDPObjectName)
 }
 
 // XDPAttachment is the north-south XDP program on one interface.

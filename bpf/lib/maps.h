@@ -194,6 +194,23 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_scratch SEC(".maps");
 
+/* Socket load balancing: per socket and VIP, its backend; per socket and
+ * backend, the VIP (fluxvm_service_v6.bpf.h). LRU: a closed socket's
+ * entries age out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_sock_key);
+	__type(value, struct fluxvm_sock_value);
+	__uint(max_entries, FLUXVM_SOCK_ENTRIES);
+} fluxvm_sock_fwd SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct fluxvm_sock_rkey);
+	__type(value, struct fluxvm_sock_rvalue);
+	__uint(max_entries, FLUXVM_SOCK_ENTRIES);
+} fluxvm_sock_rev SEC(".maps");
+
 /* Nothing clears the slot between packets: each user zeroes or sets the
  * fields it reads before reading them. */
 static __always_inline struct fluxvm_scratch *fluxvm_scratch_get(void)

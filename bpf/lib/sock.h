@@ -1,0 +1,225 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Socket load balancing: the cgroup sock_addr hooks of processes on the
+ * node itself. A connect or a send to a VIP is addressed to a backend
+ * before the socket sends anything, so its packets carry the backend's
+ * address from the start and no hook translates them; what the socket
+ * receives from the backend, and getpeername, show the VIP.
+ *
+ * Selection follows the packet hooks (svc.h): a socket keeps the backend
+ * it has for a VIP while that backend is Ready, or Draining with its
+ * deadline ahead; otherwise (a new socket, or its backend Unhealthy,
+ * removed or past its drain) it takes the Maglev pick, which holds Ready
+ * backends only. The pick hashes the socket's cookie, so the sockets of a
+ * service spread over its backends by their weights.
+ *
+ * Fail-open: whatever this cannot do leaves the address as the
+ * application gave it, and the packet hooks serve the VIP as for any
+ * client (TC and XDP stay canonical): no service here, the guard closed
+ * (TC then drops, with the reason), no Ready backend of the socket's
+ * family, a map that cannot be written. Each is counted.
+ *
+ * IPv4-mapped IPv6 addresses (::ffff:a.b.c.d, an IPv6 socket talking
+ * IPv4) are served as IPv4, and written back mapped.
+ */
+#ifndef FLUXVM_LIB_SOCK_H
+#define FLUXVM_LIB_SOCK_H
+
+#include "maps.h"
+#include "counters.h"
+#include "hash.h"
+#include "ct.h"
+#include "svc.h"
+
+/* An address as a sock_addr hook has it: family of the lookup (an
+ * IPv4-mapped IPv6 address is IPv4), the address in fluxvm_backend's
+ * layout, and whether it must be written back mapped. */
+struct fluxvm_sock_addr {
+	__be32 addr[4];
+	__be16 port;
+	__u8 v6;     /* an IPv6 address (not IPv4-mapped) */
+	__u8 mapped; /* an IPv4-mapped IPv6 address */
+};
+
+static __always_inline void fluxvm_sock_read(const struct bpf_sock_addr *ctx, const int v6,
+					     struct fluxvm_sock_addr *a)
+{
+	__builtin_memset(a, 0, sizeof(*a));
+	/* The port is in network order in the low 16 bits. */
+	a->port = (__be16)ctx->user_port;
+	if (!v6) {
+		a->addr[0] = ctx->user_ip4;
+		return;
+	}
+	a->addr[0] = ctx->user_ip6[0];
+	a->addr[1] = ctx->user_ip6[1];
+	a->addr[2] = ctx->user_ip6[2];
+	a->addr[3] = ctx->user_ip6[3];
+	if (a->addr[0] == 0 && a->addr[1] == 0 && a->addr[2] == bpf_htonl(0xffff)) {
+		a->addr[0] = a->addr[3];
+		a->addr[2] = 0;
+		a->addr[3] = 0;
+		a->mapped = 1;
+		return;
+	}
+	a->v6 = 1;
+}
+
+/* Write @addr (fluxvm_backend's layout, of the family @a was read as) and
+ * @port into the hook's address. */
+static __always_inline void fluxvm_sock_write(struct bpf_sock_addr *ctx, const int v6,
+					      const struct fluxvm_sock_addr *a,
+					      const __be32 *addr, __be16 port)
+{
+	ctx->user_port = (__u32)port;
+	if (!v6) {
+		ctx->user_ip4 = addr[0];
+		return;
+	}
+	if (a->mapped) {
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = bpf_htonl(0xffff);
+		ctx->user_ip6[3] = addr[0];
+		return;
+	}
+	ctx->user_ip6[0] = addr[0];
+	ctx->user_ip6[1] = addr[1];
+	ctx->user_ip6[2] = addr[2];
+	ctx->user_ip6[3] = addr[3];
+}
+
+static __always_inline struct fluxvm_svc_value *fluxvm_sock_frontend(const struct fluxvm_sock_addr *a,
+								      __u8 proto)
+{
+	if (a->v6) {
+		struct fluxvm_svc6_key k = { .port = a->port, .proto = proto };
+
+		__builtin_memcpy(k.vip, a->addr, 16);
+		return bpf_map_lookup_elem(&fluxvm_svc6, &k);
+	}
+	struct fluxvm_svc4_key k = { .vip = a->addr[0], .port = a->port, .proto = proto };
+
+	return bpf_map_lookup_elem(&fluxvm_svc4, &k);
+}
+
+/* The Maglev hash of a socket: its cookie, mixed with the node's seed. */
+static __always_inline __u32 fluxvm_sock_hash(__u64 cookie, const struct fluxvm_meta_value *meta)
+{
+	__u32 h = fluxvm_seed32(meta ? meta->hash_seed : 0);
+
+	h = fluxvm_hash_word(h, (__u32)cookie);
+	h = fluxvm_hash_word(h, (__u32)(cookie >> 32));
+	return fluxvm_hash_final(h, 8);
+}
+
+/*
+ * connect and sendmsg: a socket of protocol @proto addressing a VIP is
+ * addressed to its backend instead (see the top of this file). @v6 is the
+ * hook's family.
+ */
+static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const int v6)
+{
+	struct fluxvm_sock_rvalue rv = {};
+	struct fluxvm_sock_rkey rk = {};
+	struct fluxvm_sock_key k = {};
+	struct fluxvm_sock_value *sv, nv;
+	struct fluxvm_sock_addr a;
+	struct fluxvm_svc_value *svc;
+	struct fluxvm_backend *be = NULL;
+	__u8 proto = ctx->protocol, family;
+	__u32 sid, bid = 0;
+	__u64 cookie, now;
+
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return;
+	fluxvm_sock_read(ctx, v6, &a);
+	svc = fluxvm_sock_frontend(&a, proto);
+	/* Served where VM-edge clients are: east-west. */
+	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, FLUXVM_EDGE_VM))
+		return;
+	sid = svc->service_id;
+	if (!fluxvm_guard_open(sid)) {
+		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_GUARD);
+		return;
+	}
+	family = a.v6 ? FLUXVM_AF_INET6 : FLUXVM_AF_INET;
+	cookie = bpf_get_socket_cookie(ctx);
+	now = bpf_ktime_get_coarse_ns();
+
+	k.cookie = cookie;
+	__builtin_memcpy(k.vip, a.addr, 16);
+	k.vport = a.port;
+	k.proto = proto;
+	k.family = family;
+	sv = bpf_map_lookup_elem(&fluxvm_sock_fwd, &k);
+	if (sv && sv->service_id == sid) {
+		bid = sv->backend_id;
+		be = fluxvm_backend_get(bid);
+		if (fluxvm_backend_keeps(be, sid, now) && be->family == family)
+			goto write;
+		fluxvm_count(FLUXVM_CNT_SOCK_REPICKED);
+	}
+	be = fluxvm_backend_ready(bid = fluxvm_maglev_pick(sid, fluxvm_sock_hash(cookie, fluxvm_meta_get())),
+				  sid);
+	if (!be || be->family != family) {
+		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND);
+		return;
+	}
+	nv.backend_id = bid;
+	nv.service_id = sid;
+	if (bpf_map_update_elem(&fluxvm_sock_fwd, &k, &nv, BPF_ANY)) {
+		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_MAP);
+		return;
+	}
+
+write:
+	/* The way back, before the address changes: without it the socket
+	 * would see the backend as its peer. Written only when missing
+	 * (a send of a UDP socket comes here every datagram). */
+	rk.cookie = cookie;
+	__builtin_memcpy(rk.addr, be->addr, 16);
+	rk.port = be->port;
+	rk.proto = proto;
+	rk.family = family;
+	if (!bpf_map_lookup_elem(&fluxvm_sock_rev, &rk)) {
+		__builtin_memcpy(rv.vip, a.addr, 16);
+		rv.vport = a.port;
+		rv.family = family;
+		rv.service_id = sid;
+		if (bpf_map_update_elem(&fluxvm_sock_rev, &rk, &rv, BPF_ANY)) {
+			fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_MAP);
+			return;
+		}
+	}
+	fluxvm_sock_write(ctx, v6, &a, be->addr, be->port);
+	fluxvm_count(FLUXVM_CNT_SOCK_REWRITTEN);
+}
+
+/*
+ * recvmsg and getpeername: an address that is a backend this socket was
+ * addressed to instead of a VIP is shown as that VIP.
+ */
+static __always_inline void fluxvm_sock_reverse(struct bpf_sock_addr *ctx, const int v6)
+{
+	struct fluxvm_sock_rvalue *rv;
+	struct fluxvm_sock_rkey rk = {};
+	struct fluxvm_sock_addr a;
+	__u8 proto = ctx->protocol;
+
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return;
+	fluxvm_sock_read(ctx, v6, &a);
+	rk.cookie = bpf_get_socket_cookie(ctx);
+	__builtin_memcpy(rk.addr, a.addr, 16);
+	rk.port = a.port;
+	rk.proto = proto;
+	rk.family = a.v6 ? FLUXVM_AF_INET6 : FLUXVM_AF_INET;
+	rv = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
+	if (!rv)
+		return;
+	fluxvm_sock_write(ctx, v6, &a, rv->vip, rv->vport);
+	fluxvm_count(FLUXVM_CNT_SOCK_REVERSED);
+}
+
+#endif /* FLUXVM_LIB_SOCK_H */

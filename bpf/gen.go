@@ -19,7 +19,8 @@ package bpf
 // The north-south XDP object (fluxvm_service_xdp.bpf.c) and the socket
 // load-balancing object (fluxvm_service_connect.bpf.c) are built per tier
 // the same way; they declare the same maps, which the loader shares with
-// the TC object's.
+// the TC object's. The socket iterator (fluxvm_sock_destroy.bpf.c) is
+// built once: the loader gives it the datapath's maps, of any tier.
 //
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_xdp serviceXdp fluxvm_service_xdp.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_xdp_tier_s serviceXdpTierS fluxvm_service_xdp.bpf.c -- -DFLUXVM_MAP_TIER=1 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
@@ -27,3 +28,4 @@ package bpf
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_connect serviceConnect fluxvm_service_connect.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_connect_tier_s serviceConnectTierS fluxvm_service_connect.bpf.c -- -DFLUXVM_MAP_TIER=1 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_connect_tier_l serviceConnectTierL fluxvm_service_connect.bpf.c -- -DFLUXVM_MAP_TIER=3 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
+//go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_sock_destroy sockDestroy fluxvm_sock_destroy.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu

@@ -172,6 +172,8 @@ type Datapath struct {
 	// and cprogs its programs, typed (ConnectPrograms).
 	ccoll  *ebpf.Collection
 	cprogs ConnectPrograms
+	// sd is the socket iterator of DestroyStaleUDPSockets (sockdestroy.go).
+	sd sockDestroy
 	// nh is the control word of the XDP next-hop cache (xdp_routes.go).
 	nh nhControl
 }
@@ -465,6 +467,7 @@ func (d *Datapath) Close() error {
 		d.ccoll = nil
 		d.cprogs = ConnectPrograms{}
 	}
+	d.sd.close()
 	if d.staged != nil {
 		for _, m := range d.staged.old {
 			m.Close()

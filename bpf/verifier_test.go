@@ -65,6 +65,23 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 	"fluxvm_service_xdp": {
 		"fluxvm_xdp_ns": {insns: 46_000, stack: 496}, // 38106 insns; 448 bytes (xdp_snat6 chain)
 	},
+	// Socket load balancing (issue 18): one program per cgroup hook, each
+	// small (no packet to parse); the IPv6 ones read and write the
+	// address a word at a time. And the iterator that terminates
+	// connected UDP sockets of a backend gone.
+	"fluxvm_service_connect": {
+		"fluxvm_sock_connect4":     {insns: 500, stack: 192},   // 398 insns; 160 bytes
+		"fluxvm_sock_connect6":     {insns: 1_050, stack: 224}, // 870 insns; 192 bytes
+		"fluxvm_sock_sendmsg4":     {insns: 500, stack: 192},   // 398 insns; 160 bytes
+		"fluxvm_sock_sendmsg6":     {insns: 1_050, stack: 224}, // 870 insns; 192 bytes
+		"fluxvm_sock_recvmsg4":     {insns: 100, stack: 96},    // 47 insns; 64 bytes
+		"fluxvm_sock_recvmsg6":     {insns: 250, stack: 128},   // 188 insns; 96 bytes
+		"fluxvm_sock_getpeername4": {insns: 100, stack: 96},    // 47 insns; 64 bytes
+		"fluxvm_sock_getpeername6": {insns: 250, stack: 128},   // 188 insns; 96 bytes
+	},
+	"fluxvm_sock_destroy": {
+		"fluxvm_sock_destroy_udp": {insns: 400, stack: 128}, // 324 insns; 96 bytes
+	},
 }
 
 // verifierObjects are the objects whose programs the budget covers: every
@@ -81,6 +98,10 @@ var verifierObjects = []struct {
 	{"fluxvm_service_xdp", TierS, loadServiceXdpTierS},
 	{"fluxvm_service_xdp", TierM, loadServiceXdp},
 	{"fluxvm_service_xdp", TierL, loadServiceXdpTierL},
+	{"fluxvm_service_connect", TierS, loadServiceConnectTierS},
+	{"fluxvm_service_connect", TierM, loadServiceConnect},
+	{"fluxvm_service_connect", TierL, loadServiceConnectTierL},
+	{"fluxvm_sock_destroy", TierM, loadSockDestroy},
 }
 
 // verifierCost is what the verifier reported for one program.

@@ -12,6 +12,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/internal/cgroup2"
 )
 
 // ConnectPrograms are the programs of the socket load-balancing object
@@ -96,24 +98,17 @@ type CgroupAttachment struct {
 
 // ErrNotCgroupV2 reports a cgroup path that is not a directory of a
 // cgroup v2 filesystem: the socket hooks attach to cgroup v2 only.
-var ErrNotCgroupV2 = errors.New("not a cgroup v2 directory")
+var ErrNotCgroupV2 = cgroup2.ErrNotCgroupV2
 
 // cgroupID is the id of the cgroup at path (its inode on cgroup2), after
 // checking that path is a cgroup v2 directory.
 func cgroupID(path string) (uint64, error) {
-	var fs unix.Statfs_t
-	if err := unix.Statfs(path, &fs); err != nil {
-		return 0, fmt.Errorf("cgroup %s: %w", path, err)
-	}
-	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
-		return 0, fmt.Errorf("cgroup %s: %w (filesystem magic %#x)", path, ErrNotCgroupV2, fs.Type)
+	if err := cgroup2.Check(path); err != nil {
+		return 0, err
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
 		return 0, fmt.Errorf("cgroup %s: %w", path, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return 0, fmt.Errorf("cgroup %s: %w (not a directory)", path, ErrNotCgroupV2)
 	}
 	return st.Ino, nil
 }

@@ -1,5 +1,6 @@
 // Package testenv is the test support every privileged FluxVM test uses:
-// privilege gating, throwaway network namespaces and per-test pin roots.
+// privilege gating, throwaway network namespaces, per-test pin roots and
+// the cgroup v2 root (throwaway cgroups and processes in them: cgtest).
 //
 // Privileged tests call RequirePrivileged first. Without the capabilities
 // they skip with the reason; with FLUXVM_REQUIRE_PRIVILEGED=1 in the

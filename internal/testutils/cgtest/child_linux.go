@@ -109,7 +109,8 @@ func (c *Child) Info() Result { return c.info }
 
 // Do sends req and returns the child's answer. Socket errors come back in
 // the Result; Do fails the test (call it from the test goroutine) only
-// when the child does not answer.
+// when the child does not answer. One request at a time: a Child is not
+// for concurrent use.
 func (c *Child) Do(req Request) Result {
 	c.tb.Helper()
 	b, err := json.Marshal(req)

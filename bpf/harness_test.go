@@ -292,6 +292,28 @@ func (h *harness) table(sid uint32, entries []uint32) {
 }
 
 // fill returns a table whose every slot names id.
+// weighted is a table whose slots go to the backends in proportion to
+// their weights (slot i to the i-th of a repeating pattern), as a Maglev
+// table does; weight 0 leaves a backend out.
+func (h *harness) weighted(w map[uint32]int) []uint32 {
+	var ids []uint32
+	for id := range w {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	var pattern []uint32
+	for _, id := range ids {
+		for range w[id] {
+			pattern = append(pattern, id)
+		}
+	}
+	e := make([]uint32, h.spec.Maps["fluxvm_maglev"].InnerMap.MaxEntries)
+	for i := range e {
+		e[i] = pattern[i%len(pattern)]
+	}
+	return e
+}
+
 func (h *harness) fill(id uint32) []uint32 {
 	e := make([]uint32, h.spec.Maps["fluxvm_maglev"].InnerMap.MaxEntries)
 	for i := range e {

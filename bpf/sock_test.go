@@ -71,6 +71,26 @@ func newSockLab(t *testing.T) *sockLab {
 	}
 	s.h.table(1, s.h.weighted(map[uint32]int{1: 1, 2: 1, 3: 1}))
 	s.h.table(2, s.h.weighted(map[uint32]int{11: 1, 12: 1, 13: 1}))
+	// The VM-edge TC programs on the VMs' node-side interfaces, as on a
+	// node: the socket hooks' packets must pass them untouched.
+	err = l.Node.Do(func() error {
+		for _, vm := range s.vms {
+			for _, at := range []struct {
+				prog *ebpf.Program
+				at   ebpf.AttachType
+			}{{s.h.objs.FluxvmFromVm, ebpf.AttachTCXIngress}, {s.h.objs.FluxvmToVm, ebpf.AttachTCXEgress}} {
+				tl, err := link.AttachTCX(link.TCXOptions{Interface: vm.NodeIfIndex, Program: at.prog, Attach: at.at})
+				if err != nil {
+					return err
+				}
+				t.Cleanup(func() { tl.Close() })
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	s.child = cgtest.Start(t, s.cg, l.Node.Handle())
 	return s
 }
@@ -142,6 +162,22 @@ func TestSocketLB(t *testing.T) {
 			c := s.h.counters()
 			if n := c[CounterSockRewritten] - before[CounterSockRewritten]; n < 1 {
 				t.Errorf("sock_rewritten +%d, want at least 1", n)
+			}
+			// The TC programs on the way saw packets to and from a
+			// backend (their parser counted them), no VIP: nothing
+			// translated, no flow learned.
+			if n := c[CounterTCP] + c[CounterUDP] - before[CounterTCP] - before[CounterUDP]; n < 2 {
+				t.Errorf("the TC programs parsed %d TCP/UDP packets: not on the path", n)
+			}
+			for _, sid := range []uint32{1, 2} {
+				if st := s.h.stats(sid); st != (ServiceStats{}) {
+					t.Errorf("service %d stats %+v: TC translated socket-LB traffic", sid, st)
+				}
+			}
+			for _, m := range []*ebpf.Map{s.h.objs.FluxvmFct4, s.h.objs.FluxvmFct6} {
+				if n, err := countEntries(m); err != nil || n != 0 {
+					t.Errorf("conntrack holds %d entries (%v): TC learned socket-LB traffic", n, err)
+				}
 			}
 			if n := c[CounterSockReversed] - before[CounterSockReversed]; n < 1 {
 				t.Errorf("sock_reversed +%d, want at least 1", n)

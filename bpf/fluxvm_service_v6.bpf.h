@@ -325,8 +325,9 @@ _Static_assert(sizeof(struct fluxvm_edge_slot) == 8, "fluxvm_edge_slot size");
 /*
  * Socket load balancing (fluxvm_service_connect.bpf.c, lib/sock.h). A
  * socket that connects or sends to a VIP is addressed to a backend
- * instead; fluxvm_sock_fwd remembers which, per socket and VIP, so that
- * its later sends keep the backend by the rules of a conntrack entry, and
+ * instead; fluxvm_sock_fwd remembers which, per UDP socket and VIP, so
+ * that its later sends keep the backend by the rules of a conntrack entry
+ * (a TCP socket connects once), and
  * fluxvm_sock_rev maps the backend back to the VIP for what the socket
  * receives and for getpeername. Addresses as in fluxvm_backend: IPv4 in
  * addr[0], the rest zero. Both keyed by the socket's cookie (unique while

@@ -68,7 +68,8 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 	// Socket load balancing (issue 18): one program per cgroup hook, each
 	// small (no packet to parse); the IPv6 ones read and write the
 	// address a word at a time. And the iterator that terminates
-	// connected UDP sockets of a backend gone.
+	// connected UDP sockets of a backend gone. (The forward path has two
+	// ways, TCP and UDP: a TCP socket keeps no association.)
 	"fluxvm_service_connect": {
 		"fluxvm_sock_connect4":     {insns: 500, stack: 192},   // 398 insns; 160 bytes
 		"fluxvm_sock_connect6":     {insns: 1_050, stack: 224}, // 870 insns; 192 bytes

@@ -166,11 +166,15 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND);
 		return;
 	}
-	nv.backend_id = bid;
-	nv.service_id = sid;
-	if (bpf_map_update_elem(&fluxvm_sock_fwd, &k, &nv, BPF_ANY)) {
-		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_MAP);
-		return;
+	/* A TCP socket connects once and sends no address after: nothing
+	 * to keep for it but the way back. */
+	if (proto == IPPROTO_UDP) {
+		nv.backend_id = bid;
+		nv.service_id = sid;
+		if (bpf_map_update_elem(&fluxvm_sock_fwd, &k, &nv, BPF_ANY)) {
+			fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_MAP);
+			return;
+		}
 	}
 
 write:

@@ -43,8 +43,13 @@ const ProgramGeneration = 4
 const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"
 
 // LifecycleMaps hold flow state that must survive program reloads,
-// upgrades and daemon restarts.
-var LifecycleMaps = []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"}
+// upgrades and daemon restarts: conntrack, reverse NAT, and socket load
+// balancing's associations (a UDP socket's backend, and the way back to
+// the VIP that its receives and getpeername show). The socket maps' values
+// carry no last-seen time: entries the old programs write between a
+// staged Open and Activate are not caught up (a socket that connects in
+// that moment is addressed again at its next send).
+var LifecycleMaps = []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6", "fluxvm_sock_fwd", "fluxvm_sock_rev"}
 
 // Errors of the loader, checkable with errors.Is.
 var (

@@ -63,6 +63,12 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 		putCT(t, d, 1000)
+		// A socket LB association (a lifecycle map too).
+		sockKey := SockRevKey{Cookie: 77, Addr: [4]uint32{0x0a000001}, Port: Port(8080), Proto: 17, Family: FamilyIPv4}
+		sockVal := SockRevValue{Vip: [4]uint32{0x0a60000a}, Vport: Port(53), Family: FamilyIPv4, ServiceId: 1}
+		if err := d.Maps().FluxvmSockRev.Put(sockKey, sockVal); err != nil {
+			t.Fatal(err)
+		}
 		oldProg := progID(t, d.Programs().FluxvmFromVm)
 		oldSvc := pinnedMapID(t, root, "fluxvm_svc4")
 		// The old maps stay reachable through this handle after Close,
@@ -76,8 +82,9 @@ func TestStagedTierChange(t *testing.T) {
 
 		d = openT(t, Options{PinRoot: root, Tier: TierM, Staged: true})
 		st := d.Status()
-		if !st.TierChanged || st.Migrated != 1000 || st.NotMigrated != 0 {
-			t.Errorf("status %+v, want a tier change with 1000 migrated", st)
+		// 1000 flows and the socket association.
+		if !st.TierChanged || st.Migrated != 1001 || st.NotMigrated != 0 {
+			t.Errorf("status %+v, want a tier change with 1001 migrated", st)
 		}
 		if got := tcxPrograms(t, idx, ebpf.AttachTCXIngress); len(got) != 1 || got[0] != oldProg {
 			t.Errorf("before Activate the hook runs %v, want the old program %d", got, oldProg)
@@ -136,6 +143,10 @@ func TestStagedTierChange(t *testing.T) {
 		if err := d.Maps().FluxvmFct4.Lookup(changed, &v); err != nil || CTState(v.State) != CTTCPFin {
 			t.Errorf("flow changed before the switch: %+v, %v; want its FIN state", v, err)
 		}
+		var sv SockRevValue
+		if err := d.Maps().FluxvmSockRev.Lookup(sockKey, &sv); err != nil || sv != sockVal {
+			t.Errorf("socket association after the tier change: %+v, %v; want %+v", sv, err, sockVal)
+		}
 		var ct Migration
 		for _, mg := range st.Migrations {
 			if mg.Map == "fluxvm_fct4" {
@@ -151,8 +162,8 @@ func TestStagedTierChange(t *testing.T) {
 		for _, mg := range st.Migrations {
 			sum += mg.Migrated
 		}
-		if st.Migrated != 1001 || st.Migrated != sum || st.NotMigrated != 0 {
-			t.Errorf("totals: migrated %d (maps sum to %d), not migrated %d; want 1001 and 0", st.Migrated, sum, st.NotMigrated)
+		if st.Migrated != 1002 || st.Migrated != sum || st.NotMigrated != 0 {
+			t.Errorf("totals: migrated %d (maps sum to %d), not migrated %d; want 1002 and 0", st.Migrated, sum, st.NotMigrated)
 		}
 		if err := d.Activate(); err != nil {
 			t.Errorf("second Activate: %v", err)

@@ -55,12 +55,13 @@ const (
 	HookRecvmsg6     CgroupHook = "recvmsg6"     //
 	HookGetpeername4 CgroupHook = "getpeername4" // the VIP as the peer
 	HookGetpeername6 CgroupHook = "getpeername6" //
+	HookSockRelease  CgroupHook = "sock_release" // a connected socket's association forgotten at close
 )
 
 // CgroupHooks lists every socket hook, in attach order.
 var CgroupHooks = []CgroupHook{
 	HookConnect4, HookConnect6, HookSendmsg4, HookSendmsg6,
-	HookRecvmsg4, HookRecvmsg6, HookGetpeername4, HookGetpeername6,
+	HookRecvmsg4, HookRecvmsg6, HookGetpeername4, HookGetpeername6, HookSockRelease,
 }
 
 func (h CgroupHook) attachType() ebpf.AttachType {
@@ -69,10 +70,19 @@ func (h CgroupHook) attachType() ebpf.AttachType {
 		HookSendmsg4: ebpf.AttachCGroupUDP4Sendmsg, HookSendmsg6: ebpf.AttachCGroupUDP6Sendmsg,
 		HookRecvmsg4: ebpf.AttachCGroupUDP4Recvmsg, HookRecvmsg6: ebpf.AttachCGroupUDP6Recvmsg,
 		HookGetpeername4: ebpf.AttachCgroupInet4GetPeername, HookGetpeername6: ebpf.AttachCgroupInet6GetPeername,
+		HookSockRelease: ebpf.AttachCgroupInetSockRelease,
 	}[h]
 }
 
-// program is the hook's program in d's socket object.
+// program is the name of the hook's program in the socket object.
+func (h CgroupHook) program() string {
+	if h == HookSockRelease {
+		return "fluxvm_sock_release"
+	}
+	return "fluxvm_sock_" + string(h)
+}
+
+// cgroupProgram is the hook's program in d's socket object.
 func (d *Datapath) cgroupProgram(h CgroupHook) *ebpf.Program {
 	p := d.cprogs
 	return map[CgroupHook]*ebpf.Program{
@@ -80,6 +90,7 @@ func (d *Datapath) cgroupProgram(h CgroupHook) *ebpf.Program {
 		HookSendmsg4: p.FluxvmSockSendmsg4, HookSendmsg6: p.FluxvmSockSendmsg6,
 		HookRecvmsg4: p.FluxvmSockRecvmsg4, HookRecvmsg6: p.FluxvmSockRecvmsg6,
 		HookGetpeername4: p.FluxvmSockGetpeername4, HookGetpeername6: p.FluxvmSockGetpeername6,
+		HookSockRelease: p.FluxvmSockRelease,
 	}[h]
 }
 

@@ -136,3 +136,29 @@ func TestAttachCgroup(t *testing.T) {
 func connectAllow() asm.Instructions {
 	return asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}
 }
+
+// TestCgroupHookPrograms: every hook names a program of the socket object,
+// and every program of it is a hook's (or the iterator's, elsewhere).
+func TestCgroupHookPrograms(t *testing.T) {
+	spec, err := loadServiceConnect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, h := range CgroupHooks {
+		ps := spec.Programs[h.program()]
+		if ps == nil {
+			t.Errorf("hook %s: no program %s", h, h.program())
+			continue
+		}
+		if ps.AttachType != h.attachType() {
+			t.Errorf("hook %s: program %s attaches as %v, want %v", h, h.program(), ps.AttachType, h.attachType())
+		}
+		seen[h.program()] = true
+	}
+	for name := range spec.Programs {
+		if !seen[name] {
+			t.Errorf("program %s is no hook's", name)
+		}
+	}
+}

@@ -9,7 +9,8 @@
  *   - connect4/6: TCP, and UDP sockets that connect;
  *   - sendmsg4/6: UDP datagrams sent with an address;
  *   - recvmsg4/6: UDP datagrams received, shown from the VIP;
- *   - getpeername4/6: the peer shown as the VIP.
+ *   - getpeername4/6: the peer shown as the VIP;
+ *   - sock_release: a connected socket's association forgotten.
  * Every hook lets the call go on (returns 1): a socket hook that fails
  * leaves the address as it was (fail-open) and the packet hooks serve it.
  */
@@ -70,6 +71,13 @@ SEC("cgroup/getpeername6")
 int fluxvm_sock_getpeername6(struct bpf_sock_addr *ctx)
 {
 	fluxvm_sock_reverse(ctx, 1);
+	return 1;
+}
+
+SEC("cgroup/sock_release")
+int fluxvm_sock_release(struct bpf_sock *ctx)
+{
+	fluxvm_sock_forget(ctx);
 	return 1;
 }
 

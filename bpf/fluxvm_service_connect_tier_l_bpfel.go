@@ -42,6 +42,7 @@ const (
 	serviceConnectTierLProgFluxvmSockGetpeername6 = "fluxvm_sock_getpeername6"
 	serviceConnectTierLProgFluxvmSockRecvmsg4     = "fluxvm_sock_recvmsg4"
 	serviceConnectTierLProgFluxvmSockRecvmsg6     = "fluxvm_sock_recvmsg6"
+	serviceConnectTierLProgFluxvmSockRelease      = "fluxvm_sock_release"
 	serviceConnectTierLProgFluxvmSockSendmsg4     = "fluxvm_sock_sendmsg4"
 	serviceConnectTierLProgFluxvmSockSendmsg6     = "fluxvm_sock_sendmsg6"
 )
@@ -94,6 +95,7 @@ type serviceConnectTierLProgramSpecs struct {
 	FluxvmSockGetpeername6 *ebpf.ProgramSpec `ebpf:"fluxvm_sock_getpeername6"`
 	FluxvmSockRecvmsg4     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_recvmsg4"`
 	FluxvmSockRecvmsg6     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_recvmsg6"`
+	FluxvmSockRelease      *ebpf.ProgramSpec `ebpf:"fluxvm_sock_release"`
 	FluxvmSockSendmsg4     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_sendmsg4"`
 	FluxvmSockSendmsg6     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_sendmsg6"`
 }
@@ -213,6 +215,7 @@ type serviceConnectTierLPrograms struct {
 	FluxvmSockGetpeername6 *ebpf.Program `ebpf:"fluxvm_sock_getpeername6"`
 	FluxvmSockRecvmsg4     *ebpf.Program `ebpf:"fluxvm_sock_recvmsg4"`
 	FluxvmSockRecvmsg6     *ebpf.Program `ebpf:"fluxvm_sock_recvmsg6"`
+	FluxvmSockRelease      *ebpf.Program `ebpf:"fluxvm_sock_release"`
 	FluxvmSockSendmsg4     *ebpf.Program `ebpf:"fluxvm_sock_sendmsg4"`
 	FluxvmSockSendmsg6     *ebpf.Program `ebpf:"fluxvm_sock_sendmsg6"`
 }
@@ -225,6 +228,7 @@ func (p *serviceConnectTierLPrograms) Close() error {
 		p.FluxvmSockGetpeername6,
 		p.FluxvmSockRecvmsg4,
 		p.FluxvmSockRecvmsg6,
+		p.FluxvmSockRelease,
 		p.FluxvmSockSendmsg4,
 		p.FluxvmSockSendmsg6,
 	)

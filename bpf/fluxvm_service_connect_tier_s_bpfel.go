@@ -42,6 +42,7 @@ const (
 	serviceConnectTierSProgFluxvmSockGetpeername6 = "fluxvm_sock_getpeername6"
 	serviceConnectTierSProgFluxvmSockRecvmsg4     = "fluxvm_sock_recvmsg4"
 	serviceConnectTierSProgFluxvmSockRecvmsg6     = "fluxvm_sock_recvmsg6"
+	serviceConnectTierSProgFluxvmSockRelease      = "fluxvm_sock_release"
 	serviceConnectTierSProgFluxvmSockSendmsg4     = "fluxvm_sock_sendmsg4"
 	serviceConnectTierSProgFluxvmSockSendmsg6     = "fluxvm_sock_sendmsg6"
 )
@@ -94,6 +95,7 @@ type serviceConnectTierSProgramSpecs struct {
 	FluxvmSockGetpeername6 *ebpf.ProgramSpec `ebpf:"fluxvm_sock_getpeername6"`
 	FluxvmSockRecvmsg4     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_recvmsg4"`
 	FluxvmSockRecvmsg6     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_recvmsg6"`
+	FluxvmSockRelease      *ebpf.ProgramSpec `ebpf:"fluxvm_sock_release"`
 	FluxvmSockSendmsg4     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_sendmsg4"`
 	FluxvmSockSendmsg6     *ebpf.ProgramSpec `ebpf:"fluxvm_sock_sendmsg6"`
 }
@@ -213,6 +215,7 @@ type serviceConnectTierSPrograms struct {
 	FluxvmSockGetpeername6 *ebpf.Program `ebpf:"fluxvm_sock_getpeername6"`
 	FluxvmSockRecvmsg4     *ebpf.Program `ebpf:"fluxvm_sock_recvmsg4"`
 	FluxvmSockRecvmsg6     *ebpf.Program `ebpf:"fluxvm_sock_recvmsg6"`
+	FluxvmSockRelease      *ebpf.Program `ebpf:"fluxvm_sock_release"`
 	FluxvmSockSendmsg4     *ebpf.Program `ebpf:"fluxvm_sock_sendmsg4"`
 	FluxvmSockSendmsg6     *ebpf.Program `ebpf:"fluxvm_sock_sendmsg6"`
 }
@@ -225,6 +228,7 @@ func (p *serviceConnectTierSPrograms) Close() error {
 		p.FluxvmSockGetpeername6,
 		p.FluxvmSockRecvmsg4,
 		p.FluxvmSockRecvmsg6,
+		p.FluxvmSockRelease,
 		p.FluxvmSockSendmsg4,
 		p.FluxvmSockSendmsg6,
 	)

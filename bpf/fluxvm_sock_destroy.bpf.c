@@ -122,8 +122,13 @@ int fluxvm_sock_destroy_udp(struct bpf_iter__udp___fluxvm *ctx)
 	    be->addr[0] == rk.addr[0] && be->addr[1] == rk.addr[1] && be->addr[2] == rk.addr[2] &&
 	    be->addr[3] == rk.addr[3])
 		return 0;
-	if (bpf_sock_destroy((struct sock_common___fluxvm *)sk) == 0)
-		bpf_seq_write(ctx->meta->seq, &one, 1);
+	if (bpf_sock_destroy((struct sock_common___fluxvm *)sk))
+		return 0;
+	/* Disconnected, its close will not find them (sock_release keys
+	 * them by the peer it no longer has). */
+	bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
+	bpf_map_delete_elem(&fluxvm_sock_rev, &rk);
+	bpf_seq_write(ctx->meta->seq, &one, 1);
 	return 0;
 }
 

@@ -98,8 +98,7 @@ func newSockLab(t *testing.T) *sockLab {
 func (s *sockLab) attach(t *testing.T) {
 	t.Helper()
 	for _, h := range CgroupHooks {
-		name := "fluxvm_sock_" + string(h)
-		l, err := link.AttachCgroup(link.CgroupOptions{Path: s.cg.Path, Attach: h.attachType(), Program: s.coll.Programs[name]})
+		l, err := link.AttachCgroup(link.CgroupOptions{Path: s.cg.Path, Attach: h.attachType(), Program: s.coll.Programs[h.program()]})
 		if err != nil {
 			t.Fatalf("attach %s: %v", h, err)
 		}
@@ -363,5 +362,46 @@ func TestSocketLBDestroysStaleConnectedUDP(t *testing.T) {
 	s.ok(t, "reconnect", r)
 	if vmOf(r) == gone.Name {
 		t.Errorf("a new connect went to the Unhealthy %s", gone.Name)
+	}
+}
+
+// TestSocketLBForgetsClosedSockets: a connected socket's association (its
+// way back to the VIP, and a UDP socket's backend) goes when the socket
+// closes (sock_release), so the LRU maps hold live sockets only.
+func TestSocketLBForgetsClosedSockets(t *testing.T) {
+	s := newSockLab(t)
+	entries := func() (fwd, rev int) {
+		t.Helper()
+		var err error
+		if fwd, err = countEntries(s.h.objs.FluxvmSockFwd); err != nil {
+			t.Fatal(err)
+		}
+		if rev, err = countEntries(s.h.objs.FluxvmSockRev); err != nil {
+			t.Fatal(err)
+		}
+		return fwd, rev
+	}
+	for _, tc := range []struct {
+		name, op, addr string
+		fwd            int // entries of fluxvm_sock_fwd the socket holds
+	}{
+		{"tcp ipv4", cgtest.OpTCP, sockVIP4.String(), 0},
+		{"tcp ipv6", cgtest.OpTCP, sockVIP6.String(), 0},
+		{"connected udp ipv4", cgtest.OpUDPConnected, sockVIP4.String(), 1},
+		{"connected udp ipv4-mapped", cgtest.OpUDPConnected, "[::ffff:10.96.0.10]:80", 1},
+		{"connected udp ipv6", cgtest.OpUDPConnected, sockVIP6.String(), 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f0, r0 := entries()
+			r := s.child.Do(cgtest.Request{Op: tc.op, Addr: tc.addr, Send: "hi", Keep: true})
+			s.ok(t, "open", r)
+			if f, rv := entries(); f != f0+tc.fwd || rv != r0+1 {
+				t.Fatalf("open: fwd %d -> %d, rev %d -> %d; want +%d, +1", f0, f, r0, rv, tc.fwd)
+			}
+			s.ok(t, "close", s.child.Close(r.Sock))
+			if f, rv := entries(); f != f0 || rv != r0 {
+				t.Errorf("closed: fwd %d, rev %d; want %d, %d", f, rv, f0, r0)
+			}
+		})
 	}
 }

@@ -226,4 +226,57 @@ static __always_inline void fluxvm_sock_reverse(struct bpf_sock_addr *ctx, const
 	fluxvm_count(FLUXVM_CNT_SOCK_REVERSED);
 }
 
+/*
+ * sock_release: a connected socket (TCP, or connected UDP) that closes
+ * takes its association with it, so that the LRU maps hold live sockets:
+ * short connections would otherwise evict the entries of long-lived ones.
+ * (An unconnected UDP socket's entries, one per VIP it sent to, age out of
+ * the LRU.)
+ */
+static __always_inline void fluxvm_sock_forget(struct bpf_sock *ctx)
+{
+	struct fluxvm_sock_rvalue *rv;
+	struct fluxvm_sock_rkey rk = {};
+	struct fluxvm_sock_key k = {};
+	__u32 proto = ctx->protocol;
+
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return;
+	rk.port = ctx->dst_port;
+	if (!rk.port)
+		return; /* never connected */
+	if (ctx->family == 2 /* AF_INET */) {
+		rk.addr[0] = ctx->dst_ip4;
+		rk.family = FLUXVM_AF_INET;
+	} else if (ctx->family == 10 /* AF_INET6 */) {
+		rk.addr[0] = ctx->dst_ip6[0];
+		rk.addr[1] = ctx->dst_ip6[1];
+		rk.addr[2] = ctx->dst_ip6[2];
+		rk.addr[3] = ctx->dst_ip6[3];
+		rk.family = FLUXVM_AF_INET6;
+		if (rk.addr[0] == 0 && rk.addr[1] == 0 && rk.addr[2] == bpf_htonl(0xffff)) {
+			rk.addr[0] = rk.addr[3];
+			rk.addr[2] = 0;
+			rk.addr[3] = 0;
+			rk.family = FLUXVM_AF_INET;
+		}
+	} else {
+		return;
+	}
+	rk.cookie = bpf_get_socket_cookie(ctx);
+	rk.proto = proto;
+	rv = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
+	if (!rv)
+		return;
+	if (proto == IPPROTO_UDP) {
+		k.cookie = rk.cookie;
+		__builtin_memcpy(k.vip, rv->vip, 16);
+		k.vport = rv->vport;
+		k.proto = IPPROTO_UDP;
+		k.family = rv->family;
+		bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
+	}
+	bpf_map_delete_elem(&fluxvm_sock_rev, &rk);
+}
+
 #endif /* FLUXVM_LIB_SOCK_H */

@@ -39,7 +39,18 @@ var (
 
 func newSockLab(t *testing.T) *sockLab {
 	t.Helper()
+	return newSockLabIn(t, false)
+}
+
+// newSockLabIn is newSockLab with the child in a client VM (vm1, its edge
+// with the TC programs too) instead of on the node, when inVM.
+func newSockLabIn(t *testing.T, inVM bool) *sockLab {
+	t.Helper()
 	l := lab.NewForTest(t)
+	var client *lab.VM
+	if inVM {
+		client = l.AddVMForTest(t, 1)
+	}
 	s := &sockLab{h: newHarness(t), node: l}
 	for i := 2; i <= 4; i++ {
 		vm := l.AddVMForTest(t, i)
@@ -73,8 +84,12 @@ func newSockLab(t *testing.T) *sockLab {
 	s.h.table(2, s.h.weighted(map[uint32]int{11: 1, 12: 1, 13: 1}))
 	// The VM-edge TC programs on the VMs' node-side interfaces, as on a
 	// node: the socket hooks' packets must pass them untouched.
+	edges := s.vms
+	if client != nil {
+		edges = append([]*lab.VM{client}, edges...)
+	}
 	err = l.Node.Do(func() error {
-		for _, vm := range s.vms {
+		for _, vm := range edges {
 			for _, at := range []struct {
 				prog *ebpf.Program
 				at   ebpf.AttachType
@@ -91,7 +106,11 @@ func newSockLab(t *testing.T) *sockLab {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.child = cgtest.Start(t, s.cg, l.Node.Handle())
+	ns := l.Node.Handle()
+	if client != nil {
+		ns = client.NS.Handle()
+	}
+	s.child = cgtest.Start(t, s.cg, ns)
 	return s
 }
 
@@ -403,5 +422,33 @@ func TestSocketLBForgetsClosedSockets(t *testing.T) {
 				t.Errorf("closed: fwd %d, rev %d; want %d, %d", f, rv, f0, r0)
 			}
 		})
+	}
+}
+
+// TestSocketLBFallsBackToTC: a client in a VM (a process in a cgroup with
+// the hooks, in the VM's network namespace) is served by the socket hooks,
+// the VM-edge TC programs passing its packets untouched; with the hooks
+// detached, the same connect to the VIP is served by TC, per packet.
+func TestSocketLBFallsBackToTC(t *testing.T) {
+	s := newSockLabIn(t, true)
+	connect := func(what string) (rewritten uint64, st ServiceStats) {
+		t.Helper()
+		before, st0 := s.h.counters(), s.h.stats(1)
+		r := s.child.Do(cgtest.Request{Op: cgtest.OpTCP, Addr: sockVIP4.String(), Send: "hi"})
+		s.ok(t, what, r)
+		if r.Peer != sockVIP4.String() || !strings.HasPrefix(vmOf(r), "vm") {
+			t.Errorf("%s: peer %s, reply %q; want the VIP, a backend", what, r.Peer, r.Data)
+		}
+		st = s.h.stats(1)
+		st.NewFlows -= st0.NewFlows
+		st.Packets -= st0.Packets
+		return s.h.counters()[CounterSockRewritten] - before[CounterSockRewritten], st
+	}
+	if n, st := connect("socket hooks"); n != 1 || st.NewFlows != 0 || st.Packets != 0 {
+		t.Errorf("socket hooks: sock_rewritten +%d, TC new flows +%d, packets +%d; want 1, 0, 0", n, st.NewFlows, st.Packets)
+	}
+	s.detach()
+	if n, st := connect("TC"); n != 0 || st.NewFlows != 1 || st.Packets == 0 {
+		t.Errorf("hooks detached: sock_rewritten +%d, TC new flows +%d, packets +%d; want 0, 1, some", n, st.NewFlows, st.Packets)
 	}
 }

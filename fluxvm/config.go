@@ -205,6 +205,24 @@ type Config struct {
 	// (snat_failed) when all are held by other mappings to its backend.
 	SNATPortMin int `toml:"snat_port_min"`
 	SNATPortMax int `toml:"snat_port_max"`
+	// CgroupConnect is the master switch of socket load balancing: the
+	// cgroup socket hooks (connect4/6, sendmsg4/6, recvmsg4/6,
+	// getpeername4/6) on the cgroup v2 directory CgroupPath, so that
+	// processes of the node in that cgroup (and below it) reach VIPs with
+	// their sockets connected straight to a backend, with no per-packet
+	// NAT (see docs/operations.md, "Socket load balancing"). Default
+	// false. True needs cgroup v2: a host with cgroup v1 only is refused
+	// at start. False removes FluxVM's own socket hooks where an earlier
+	// start attached them.
+	CgroupConnect bool `toml:"cgroup_connect"`
+	// CgroupPath is the cgroup v2 directory the socket hooks attach to,
+	// which serves every process in it and below it. Empty (the default)
+	// means the root of the node's cgroup v2 hierarchy, found from the
+	// mount table (e.g. /sys/fs/cgroup, or /sys/fs/cgroup/unified on a
+	// hybrid host): every process of the node. Absolute; only with
+	// cgroup_connect. A path that is not a cgroup v2 directory is refused
+	// at start.
+	CgroupPath string `toml:"cgroup_path"`
 	// EDTEnabled enables per-service EDT pacing (max_egress_mbps). This
 	// build has no EDT pacing and this machine's kernel lacks sch_fq:
 	// true is rejected (ErrUnsupported). Default false.
@@ -463,6 +481,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //     loopback or link-local); snat_address_v6: unset or such an IPv6
 //     address, and then snat_address, if set, is IPv4;
 //   - snat_port_min and snat_port_max: 1024..65535 each, min <= max;
+//   - cgroup_path: empty, or an absolute path and then cgroup_connect
+//     true;
 //   - edt_enabled false (this build).
 //
 // Validate reads no files: whether they exist is the program's concern.
@@ -559,6 +579,7 @@ func (c *Config) validate() error {
 	}
 	c.validateXDP(bad)
 	c.validateSNAT(bad)
+	c.validateSocketLB(bad)
 	for _, e := range intent.CheckNode(c.Node()) {
 		bad(e.Kind, e.Field, "%s", e.Reason)
 	}
@@ -596,7 +617,7 @@ func (c *Config) validateSNAT(bad func(category error, k, format string, args ..
 	}
 }
 
-// checkNorthSouth checks the SNAT keys of the settings Open applies
+// checkNorthSouth checks the SNAT, XDP and socket LB keys of the settings Open applies
 // (Options.NorthSouth, through Options.settings: it need not have passed
 // Validate as a whole; a port range left 0..0 takes the defaults, as
 // SNATConfig does).
@@ -611,7 +632,20 @@ func (c *Config) checkNorthSouth() error {
 	}
 	cc.validateXDP(bad)
 	cc.validateSNAT(bad)
+	cc.validateSocketLB(bad)
 	return errors.Join(errs...)
+}
+
+func (c *Config) validateSocketLB(bad func(category error, k, format string, args ...any)) {
+	if c.CgroupPath == "" {
+		return
+	}
+	if !filepath.IsAbs(c.CgroupPath) {
+		bad(ErrInvalid, "cgroup_path", "%q is not an absolute path", c.CgroupPath)
+	}
+	if !c.CgroupConnect {
+		bad(ErrInvalid, "cgroup_path", "set, but cgroup_connect is false: set cgroup_connect = true too, or leave this empty")
+	}
 }
 
 func (c *Config) validateXDP(bad func(category error, k, format string, args ...any)) {

@@ -72,6 +72,22 @@ type Options struct {
 	// Service.HealthCheck) run at once across all services; 0 means
 	// health.DefaultConcurrency (32).
 	HealthConcurrency int
+	// CgroupConnect turns socket load balancing on (cgroup_connect): Open
+	// attaches the socket hooks to the cgroup v2 directory CgroupPath
+	// (empty: the root of the cgroup v2 hierarchy, every process of the
+	// node) with links pinned under the pin root, and a background worker
+	// terminates connected UDP sockets whose backend can no longer serve
+	// them (socklb.go). False removes our socket hooks left by an earlier
+	// start. Status.SocketLB reports both.
+	CgroupConnect bool
+	// CgroupPath is cgroup_path: absolute, only with CgroupConnect.
+	CgroupPath string
+
+	// Tests: sockDestroy replaces the datapath's DestroyStaleUDPSockets
+	// in the destroy worker, and sockDestroyEvery its period (0:
+	// DefaultSocketDestroyInterval; negative: no timer).
+	sockDestroy      func() (int, error)
+	sockDestroyEvery time.Duration
 }
 
 // Dataplane is the node's Service Fabric: the datapath with its pinned
@@ -101,6 +117,7 @@ type Dataplane struct {
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
+	sock      socketLB     // socket load balancing (socklb.go)
 	health    healthChecks // active health checks (health.go)
 	adv       advertiser   // VIP advertisements (advertise.go)
 
@@ -202,6 +219,13 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.NorthSouth.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	// Socket load balancing is refused before anything is loaded or
+	// attached: on a host without cgroup v2, or a cgroup_path that is not
+	// a cgroup v2 directory.
+	cgroupPath, err := opts.socketLBCgroup()
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	// Staged: the programs attached by an earlier process keep running on
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
@@ -237,6 +261,16 @@ func Open(opts Options) (*Dataplane, error) {
 		dp.Close()
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	// After Activate, so that hooks pinned by an earlier start already
+	// run the new programs: AttachCgroup finds them and keeps them.
+	if err := d.initSocketLB(cgroupPath); err != nil {
+		d.health.cancel()
+		if d.store != nil {
+			d.store.close()
+		}
+		dp.Close()
+		return nil, err
+	}
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
@@ -245,6 +279,7 @@ func Open(opts Options) (*Dataplane, error) {
 	d.mu.Unlock()
 	d.startAdvertiser()
 	d.startHealth()
+	d.startSocketDestroy()
 	if opts.GCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
 		go d.gcLoop(opts.GCInterval)
@@ -470,6 +505,7 @@ func (d *Dataplane) Close() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopSocketDestroy()
 	d.stopRouteWatch()
 	d.stopAdvertiser()
 	cerr := d.closeCatalog()
@@ -479,7 +515,7 @@ func (d *Dataplane) Close() error {
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// and north-south programs, deletes the pin root and the catalog (file and journal), and closes.
+// and north-south programs and the socket hooks, deletes the pin root and the catalog (file and journal), and closes.
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
 // would leave them to guess); when that snapshot cannot be written,
@@ -491,6 +527,7 @@ func (d *Dataplane) Cleanup() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopSocketDestroy()
 	d.stopRouteWatch()
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
@@ -521,6 +558,7 @@ func (d *Dataplane) Cleanup() error {
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
 	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
+	d.sock.removed()
 	clear(d.health.observed)
 	if d.opts.CatalogPath != "" {
 		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {
@@ -775,7 +813,7 @@ func (d *Dataplane) Status() Status {
 	st := d.dp.Status()
 	out := Status{
 		SchemaVersion: st.SchemaVersion, Generation: st.Generation, Tier: st.Tier.String(), PinRoot: st.PinRoot,
-		Capacities: Capacities(st.Capacities),
+		Capacities: capacitiesOf(st.Capacities, d.dp.Spec()),
 		Load: LoadStatus{
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
@@ -787,6 +825,7 @@ func (d *Dataplane) Status() Status {
 		SNAT:          d.snatStatus(),
 		XDPRouteCache: d.routes.routeCache(),
 		LastGC:        d.lastGC,
+		SocketLB:      d.sock.status(),
 		// advertiser.status takes only the advertiser's own lock.
 		Advertisements: d.adv.status(),
 	}

@@ -30,7 +30,8 @@ func (ns NorthSouth) Validate() error {
 
 // settings is o's node settings as a Config, so that the rules written
 // once for the configuration (SNAT addresses, the node for validation)
-// serve Options too. Only the north-south and EDT fields are set.
+// serve Options too. Only the north-south, EDT and socket LB fields are
+// set.
 func (o Options) settings() *Config {
 	return &Config{
 		NorthSouthInterfaces: o.NorthSouth.Interfaces,
@@ -41,6 +42,8 @@ func (o Options) settings() *Config {
 		XDPMode:              o.NorthSouth.XDPMode,
 		XDPEgressInterfaces:  o.NorthSouth.XDPEgress,
 		EDTEnabled:           o.EDTEnabled,
+		CgroupConnect:        o.CgroupConnect,
+		CgroupPath:           o.CgroupPath,
 	}
 }
 
@@ -55,9 +58,11 @@ func OptionsFrom(cfg Config) Options {
 			XDPMode:   cfg.XDPMode,
 			XDPEgress: append([]string(nil), cfg.XDPEgressInterfaces...),
 		},
-		EDTEnabled:  cfg.EDTEnabled,
-		Loader:      cfg.LoaderOptions(),
-		CatalogPath: cfg.CatalogPath,
+		EDTEnabled:    cfg.EDTEnabled,
+		CgroupConnect: cfg.CgroupConnect,
+		CgroupPath:    cfg.CgroupPath,
+		Loader:        cfg.LoaderOptions(),
+		CatalogPath:   cfg.CatalogPath,
 		// Always set by a validated configuration: the daemon publishes
 		// the advertisement file.
 		AdvertisementsPath: cfg.AdvertisementsPath,

@@ -438,10 +438,14 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 			left := b.DrainUntil().Sub(wallNow)
 			if left < 0 {
 				left = -time.Nanosecond // already passed
+				d.staleSockets()
 			}
 			drain = uint64(monoNow + left)
 		case BackendUnhealthy:
 			state = bpf.BackendUnhealthy
+			// Connected UDP sockets of socket LB cannot leave it by
+			// themselves (socklb.go).
+			d.staleSockets()
 		}
 		fam := uint8(bpf.FamilyIPv6)
 		if ep.Addr().Unmap().Is4() {
@@ -515,6 +519,7 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 			}
 			delete(fe.backends, ep)
 			d.bids.release(id)
+			d.staleSockets()
 		}
 	}
 	return nil
@@ -777,6 +782,7 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 		// on never releases an id twice.
 		delete(fe.backends, ep)
 		d.bids.release(id)
+		d.staleSockets()
 	}
 	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{}); err != nil {
 		return fmt.Errorf("guard: %w", err)

@@ -55,6 +55,10 @@ type Status struct {
 	// off and why, and how often the node's routing changes emptied it.
 	XDPRouteCache XDPRouteCacheStatus `json:"xdp_route_cache"`
 	LastGC        *GCResult           `json:"last_gc,omitempty"`
+	// SocketLB is socket load balancing (cgroup_connect): the cgroup and
+	// hooks attached, and the worker that terminates connected UDP
+	// sockets of gone backends.
+	SocketLB SocketLBStatus `json:"socket_lb"`
 	// Advertisements is the state of the VIP advertisement snapshot
 	// (path, generation, last publish error).
 	Advertisements AdvertisementStatus `json:"advertisements"`
@@ -120,6 +124,9 @@ type Capacities struct {
 	Conntrack  uint32 `json:"conntrack"`
 	NAT        uint32 `json:"nat"`
 	Edges      uint32 `json:"vm_edge_interfaces"`
+	// Sockets is the entries of each socket LB map (fluxvm_sock_fwd,
+	// fluxvm_sock_rev): sockets whose backend the socket hooks remember.
+	Sockets uint32 `json:"sockets"`
 }
 
 // LoadStatus says what opening the pin root found and did.

@@ -217,6 +217,14 @@ func (d *Datapath) DetachCgroup(path string) error {
 	return d.detachCgroupID(id, path)
 }
 
+// DetachCgroupID removes our socket hooks from the cgroup with id (as
+// CgroupAttachments lists them), also when that cgroup no longer exists:
+// its pins are then all that is left. Detaching what is not attached is
+// ErrNotAttached.
+func (d *Datapath) DetachCgroupID(id uint64) error {
+	return d.detachCgroupID(id, strconv.FormatUint(id, 10))
+}
+
 func (d *Datapath) detachCgroupID(id uint64, what string) error {
 	var errs []error
 	found := false

@@ -61,6 +61,7 @@ type Capacities struct {
 	Conntrack  uint32 // conntrack entries per address family
 	NAT        uint32 // reverse-NAT entries per address family
 	Edges      uint32 // VM-edge interfaces with statistics (slot 0 unused)
+	Sockets    uint32 // socket LB associations (fluxvm_sock_fwd, and as many ways back)
 }
 
 // CapacitiesOf reads the capacities from a collection spec of the TC
@@ -81,6 +82,7 @@ func CapacitiesOf(spec *ebpf.CollectionSpec) (Capacities, error) {
 	}{
 		{&c.Services, "fluxvm_sguard"}, {&c.Frontends, "fluxvm_svc4"}, {&c.Backends, "fluxvm_backends"},
 		{&c.Conntrack, "fluxvm_fct4"}, {&c.NAT, "fluxvm_nat4"}, {&c.Edges, "fluxvm_edge_stats"},
+		{&c.Sockets, "fluxvm_sock_fwd"},
 	} {
 		if *f.dst, err = get(f.name); err != nil {
 			return c, err

@@ -7,9 +7,9 @@ import (
 
 func TestTierCapacities(t *testing.T) {
 	want := map[Tier]Capacities{
-		TierS: {Services: 256, Frontends: 1024, Backends: 4096, MaglevSize: 16381, Conntrack: 65536, NAT: 65536, Edges: 256},
-		TierM: {Services: 1024, Frontends: 4096, Backends: 16384, MaglevSize: 65537, Conntrack: 262144, NAT: 262144, Edges: 1024},
-		TierL: {Services: 4096, Frontends: 16384, Backends: 65536, MaglevSize: 131071, Conntrack: 1048576, NAT: 1048576, Edges: 4096},
+		TierS: {Services: 256, Frontends: 1024, Backends: 4096, MaglevSize: 16381, Conntrack: 65536, NAT: 65536, Edges: 256, Sockets: 16384},
+		TierM: {Services: 1024, Frontends: 4096, Backends: 16384, MaglevSize: 65537, Conntrack: 262144, NAT: 262144, Edges: 1024, Sockets: 65536},
+		TierL: {Services: 4096, Frontends: 16384, Backends: 65536, MaglevSize: 131071, Conntrack: 1048576, NAT: 1048576, Edges: 4096, Sockets: 262144},
 	}
 	for tier, w := range want {
 		spec, err := Spec(tier)

@@ -813,7 +813,7 @@ func (d *Dataplane) Status() Status {
 	st := d.dp.Status()
 	out := Status{
 		SchemaVersion: st.SchemaVersion, Generation: st.Generation, Tier: st.Tier.String(), PinRoot: st.PinRoot,
-		Capacities: capacitiesOf(st.Capacities, d.dp.Spec()),
+		Capacities: Capacities(st.Capacities),
 		Load: LoadStatus{
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,

@@ -8,8 +8,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/cilium/ebpf"
-
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/cgroup2"
 )
@@ -59,10 +57,8 @@ type SocketLBStatus struct {
 	// this start's programs.
 	Reused bool `json:"reused"`
 	// StaleCgroups are the ids of other cgroups that still hold socket
-	// hooks of ours which this start could not remove: mostly because no
-	// directory of the cgroup v2 hierarchy has that id any more (the
-	// cgroup was removed: the kernel no longer runs them); the log says
-	// why. Cleanup removes them.
+	// hooks of ours which this start could not remove (the log says why).
+	// Cleanup removes them.
 	StaleCgroups []uint64 `json:"stale_cgroup_ids,omitempty"`
 	// Destroy is the worker that terminates connected UDP sockets whose
 	// backend can no longer serve them.
@@ -200,52 +196,18 @@ func (d *Dataplane) detachOtherCgroups(keep uint64) {
 		d.log.Warn("fluxvm: cannot list the socket hooks of an earlier start", "err", err)
 		return
 	}
-	root := ""
 	for _, a := range as {
 		if a.ID == keep {
 			continue
 		}
-		stale := func(msg string, args ...any) {
-			d.log.Warn("fluxvm: socket hooks of an earlier start left in place: "+msg, append([]any{"cgroup_id", a.ID}, args...)...)
+		// By id: also the pins of a cgroup that no longer exists.
+		if err := d.dp.DetachCgroupID(a.ID); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+			d.log.Warn("fluxvm: socket hooks of an earlier start left in place; cleanup removes them", "cgroup_id", a.ID, "err", err)
 			d.sock.stale = append(d.sock.stale, a.ID)
+			continue
 		}
-		if root == "" {
-			if root, err = cgroup2.Root(); err != nil {
-				root = ""
-				stale("no cgroup v2 hierarchy to find their cgroup in; cleanup removes them", "err", err)
-				continue
-			}
-		}
-		path, found, err := cgroupPathByID(root, a.ID)
-		switch {
-		case err != nil:
-			stale("cleanup removes them", "err", err)
-		case !found:
-			stale("their cgroup no longer exists (the kernel no longer runs them); cleanup removes the pins")
-		default:
-			if err := d.dp.DetachCgroup(path); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
-				stale("cleanup removes them", "cgroup", path, "err", err)
-				continue
-			}
-			d.log.Info("fluxvm: socket hooks of an earlier start removed", "cgroup", path, "cgroup_id", a.ID)
-		}
+		d.log.Info("fluxvm: socket hooks of an earlier start removed", "cgroup_id", a.ID)
 	}
-}
-
-// capacitiesOf is the status's Capacities: the loader's, and the socket
-// maps' from the object (fluxvm_sock_fwd; fluxvm_sock_rev has the same
-// size).
-func capacitiesOf(c bpf.Capacities, spec *ebpf.CollectionSpec) Capacities {
-	out := Capacities{
-		Services: c.Services, Frontends: c.Frontends, Backends: c.Backends, MaglevSize: c.MaglevSize,
-		Conntrack: c.Conntrack, NAT: c.NAT, Edges: c.Edges,
-	}
-	if spec != nil {
-		if m := spec.Maps["fluxvm_sock_fwd"]; m != nil {
-			out.Sockets = m.MaxEntries
-		}
-	}
-	return out
 }
 
 // startSocketDestroy starts the destroy worker when socket LB is on.

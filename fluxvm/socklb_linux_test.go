@@ -56,6 +56,7 @@ var cgroupAttachTypes = map[bpf.CgroupHook]ebpf.AttachType{
 	bpf.HookSendmsg4: ebpf.AttachCGroupUDP4Sendmsg, bpf.HookSendmsg6: ebpf.AttachCGroupUDP6Sendmsg,
 	bpf.HookRecvmsg4: ebpf.AttachCGroupUDP4Recvmsg, bpf.HookRecvmsg6: ebpf.AttachCGroupUDP6Recvmsg,
 	bpf.HookGetpeername4: ebpf.AttachCgroupInet4GetPeername, bpf.HookGetpeername6: ebpf.AttachCgroupInet6GetPeername,
+	bpf.HookSockRelease: ebpf.AttachCgroupInetSockRelease,
 }
 
 // cgroupPrograms asks the kernel which programs run on each socket hook of

@@ -103,7 +103,8 @@ type CgroupAttachment struct {
 	// Hooks are the hooks attached, in CgroupHooks order.
 	Hooks []CgroupHook
 	// Reused: our pinned links were already there and now run this
-	// datapath's programs (link.Update, no gap).
+	// datapath's programs (link.Update, no gap), or will at Activate when
+	// the datapath was opened staged.
 	Reused bool
 }
 
@@ -176,17 +177,26 @@ func (d *Datapath) AttachCgroup(path string) (CgroupAttachment, error) {
 		pin := d.cgroupPin(id, h)
 		prog := d.cgroupProgram(h)
 		if l, err := link.LoadPinnedLink(pin, nil); err == nil {
-			// Staged: the link keeps the old program until Activate
-			// points every pinned link at the new ones.
-			if d.staged == nil {
-				err = l.Update(prog)
+			if !cgroupLinkServes(l, id, h) {
+				// Detached from outside, or its cgroup gone: the pin
+				// is all that is left of it.
+				err = errors.Join(l.Unpin(), l.Close())
+				if err != nil {
+					return undo(fmt.Errorf("bpf: attach %s on cgroup %s: drop a dead link: %w", h, path, err))
+				}
+			} else {
+				// Staged: the link keeps the old program until Activate
+				// points every pinned link at the new ones.
+				if d.staged == nil {
+					err = l.Update(prog)
+				}
+				l.Close()
+				if err != nil {
+					return undo(fmt.Errorf("bpf: attach %s on cgroup %s: update link: %w", h, path, err))
+				}
+				a.Hooks = append(a.Hooks, h)
+				continue
 			}
-			l.Close()
-			if err != nil {
-				return undo(fmt.Errorf("bpf: attach %s on cgroup %s: update link: %w", h, path, err))
-			}
-			a.Hooks = append(a.Hooks, h)
-			continue
 		}
 		a.Reused = false
 		l, err := link.AttachCgroup(link.CgroupOptions{Path: path, Attach: h.attachType(), Program: prog})
@@ -204,6 +214,17 @@ func (d *Datapath) AttachCgroup(path string) (CgroupAttachment, error) {
 		a.Hooks = append(a.Hooks, h)
 	}
 	return a, nil
+}
+
+// cgroupLinkServes: the pinned link l is still attached to cgroup id at
+// hook h.
+func cgroupLinkServes(l link.Link, id uint64, h CgroupHook) bool {
+	info, err := l.Info()
+	if err != nil {
+		return false
+	}
+	c := info.Cgroup()
+	return c != nil && c.CgroupId == id && ebpf.AttachType(c.AttachType) == h.attachType()
 }
 
 // DetachCgroup removes our socket hooks from the cgroup at path (only our

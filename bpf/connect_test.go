@@ -162,3 +162,57 @@ func TestCgroupHookPrograms(t *testing.T) {
 		}
 	}
 }
+
+// TestAttachCgroupDeadLink: a pinned link detached from outside (bpftool
+// link detach) is dropped and attached afresh, not trusted by its name.
+func TestAttachCgroupDeadLink(t *testing.T) {
+	cg := cgtest.New(t)
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS})
+	a, err := d.AttachCgroup(cg.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := link.LoadPinnedLink(d.cgroupPin(a.ID, HookConnect4), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	l.Close()
+	if ids := cgroupPrograms(t, cg.Path, HookConnect4); len(ids) != 0 {
+		t.Fatalf("detached from outside, connect4 still runs %v", ids)
+	}
+	a, err = d.AttachCgroup(cg.Path)
+	if err != nil || a.Reused {
+		t.Fatalf("attach again: %+v, %v; want a fresh attachment", a, err)
+	}
+	if ids := cgroupPrograms(t, cg.Path, HookConnect4); !slices.Contains(ids, progID(t, d.cgroupProgram(HookConnect4))) {
+		t.Errorf("connect4 runs %v after attaching again, not ours", ids)
+	}
+}
+
+// TestSocketMapsSizedByNeed: without Options.SocketLB the socket maps get
+// a token size (an LRU map is preallocated); with it, the tier's; turning
+// it on carries what they held over.
+func TestSocketMapsSizedByNeed(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS})
+	if n := d.Maps().FluxvmSockRev.MaxEntries(); n != socketMapsOff || d.Status().Capacities.Sockets != socketMapsOff {
+		t.Errorf("socket LB off: fluxvm_sock_rev %d entries, capacity %d; want %d", n, d.Status().Capacities.Sockets, socketMapsOff)
+	}
+	k := SockRevKey{Cookie: 9, Addr: [4]uint32{0x0a000001}, Port: Port(53), Proto: 17, Family: FamilyIPv4}
+	if err := d.Maps().FluxvmSockRev.Put(k, SockRevValue{ServiceId: 1}); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	d = openT(t, Options{PinRoot: root, Tier: TierS, SocketLB: true})
+	if n := d.Maps().FluxvmSockRev.MaxEntries(); n != 16384 {
+		t.Errorf("socket LB on: fluxvm_sock_rev %d entries, want the tier's 16384", n)
+	}
+	var v SockRevValue
+	if err := d.Maps().FluxvmSockRev.Lookup(k, &v); err != nil {
+		t.Errorf("the entry held before: %v", err)
+	}
+}

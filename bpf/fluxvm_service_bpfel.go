@@ -303,6 +303,8 @@ type serviceFluxvmSockRvalue struct {
 	Family    uint8
 	Pad       uint8
 	ServiceId uint32
+	BackendId uint32
+	Pad2      uint32
 }
 
 type serviceFluxvmSockValue struct {

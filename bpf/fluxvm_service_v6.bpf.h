@@ -365,8 +365,10 @@ struct fluxvm_sock_rvalue {
 	__u8 family;
 	__u8 pad;
 	__u32 service_id;
+	__u32 backend_id;  /* the backend the socket was addressed to */
+	__u32 pad2;
 };
-_Static_assert(sizeof(struct fluxvm_sock_rvalue) == 24, "fluxvm_sock_rvalue size");
+_Static_assert(sizeof(struct fluxvm_sock_rvalue) == 32, "fluxvm_sock_rvalue size");
 
 /* Node-wide settings and identity (fluxvm_meta, one entry at key 0). */
 struct fluxvm_meta_value {

@@ -66,7 +66,6 @@ int fluxvm_sock_destroy_udp(struct bpf_iter__udp___fluxvm *ctx)
 {
 	struct sock___fluxvm *sk = (struct sock___fluxvm *)ctx->udp_sk;
 	struct fluxvm_sock_rvalue *rv;
-	struct fluxvm_sock_value *sv;
 	struct fluxvm_sock_rkey rk = {};
 	struct fluxvm_sock_key k = {};
 	struct fluxvm_backend *be;
@@ -111,14 +110,11 @@ int fluxvm_sock_destroy_udp(struct bpf_iter__udp___fluxvm *ctx)
 	k.vport = rv->vport;
 	k.proto = IPPROTO_UDP;
 	k.family = rv->family;
-	sv = bpf_map_lookup_elem(&fluxvm_sock_fwd, &k);
-	if (!sv)
-		return 0;
-	be = fluxvm_backend_get(sv->backend_id);
+	be = fluxvm_backend_get(rv->backend_id);
 	/* The address must still be that backend's: an id given to another
 	 * backend means this one was removed. (The fine clock: iterators may
 	 * not read the coarse one, and the two differ by less than a tick.) */
-	if (fluxvm_backend_keeps(be, sv->service_id, bpf_ktime_get_ns()) && be->port == rk.port &&
+	if (fluxvm_backend_keeps(be, rv->service_id, bpf_ktime_get_ns()) && be->port == rk.port &&
 	    be->addr[0] == rk.addr[0] && be->addr[1] == rk.addr[1] && be->addr[2] == rk.addr[2] &&
 	    be->addr[3] == rk.addr[3])
 		return 0;

@@ -42,7 +42,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_sock_key", 32, SockKey{}},
 		{"fluxvm_sock_value", 8, SockValue{}},
 		{"fluxvm_sock_rkey", 32, SockRevKey{}},
-		{"fluxvm_sock_rvalue", 24, SockRevValue{}},
+		{"fluxvm_sock_rvalue", 32, SockRevValue{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

@@ -39,6 +39,9 @@ import (
 // and the GC collects the halves with the flows.
 const ProgramGeneration = 4
 
+// socketMapsOff is the size of the socket LB maps while socket LB is off.
+const socketMapsOff = 64
+
 // DefaultPinRoot is the pin root a node uses unless told otherwise.
 const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"
 
@@ -46,9 +49,8 @@ const DefaultPinRoot = "/sys/fs/bpf/fluxvm/service"
 // upgrades and daemon restarts: conntrack, reverse NAT, and socket load
 // balancing's associations (a UDP socket's backend, and the way back to
 // the VIP that its receives and getpeername show). The socket maps' values
-// carry no last-seen time: entries the old programs write between a
-// staged Open and Activate are not caught up (a socket that connects in
-// that moment is addressed again at its next send).
+// carry no last-seen time: Activate catches up every entry the new maps
+// lack (catchUpAbsent).
 var LifecycleMaps = []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6", "fluxvm_sock_fwd", "fluxvm_sock_rev"}
 
 // Errors of the loader, checkable with errors.Is.
@@ -88,6 +90,13 @@ type Options struct {
 	// (ErrPinRoot) that says so: mounting changes the machine, which a
 	// library does only when asked. The reference daemon asks.
 	MountBPFFS bool
+	// SocketLB sizes the socket load-balancing maps (fluxvm_sock_fwd,
+	// fluxvm_sock_rev) for the tier. Without it they get a token size
+	// (socketMapsOff entries): an LRU map is preallocated, and at tier L
+	// the two would hold ~50 MB that nothing uses. Turning it on later
+	// resizes them at that Open (they are lifecycle maps: what they held
+	// is carried over).
+	SocketLB bool
 	// Staged leaves whatever runs now running until Activate: the pinned
 	// attachments keep their programs, and those programs keep the maps
 	// they were loaded with, while the caller writes its state into the
@@ -215,6 +224,13 @@ func Open(opts Options) (*Datapath, error) {
 	spec, err := loadSpec(opts)
 	if err != nil {
 		return nil, err
+	}
+	if !opts.SocketLB {
+		for _, name := range []string{"fluxvm_sock_fwd", "fluxvm_sock_rev"} {
+			if m := spec.Maps[name]; m != nil {
+				m.MaxEntries = socketMapsOff
+			}
+		}
 	}
 	caps, err := CapacitiesOf(spec)
 	if err != nil {

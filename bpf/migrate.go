@@ -97,12 +97,16 @@ func migrate(name string, old, new *ebpf.Map) (Migration, error) {
 	return mg, nil
 }
 
-// lastSeenOffset is where a lifecycle value keeps its last-seen time.
+// lastSeenOffset is where a lifecycle value keeps its last-seen time, or
+// -1 when it keeps none (the socket LB maps).
 func lastSeenOffset(name string) int {
-	if strings.HasPrefix(name, "fluxvm_nat") {
+	switch {
+	case strings.HasPrefix(name, "fluxvm_nat"):
 		return int(unsafe.Offsetof(NATValue{}.LastSeenNs))
+	case strings.HasPrefix(name, "fluxvm_fct"):
+		return int(unsafe.Offsetof(CTValue{}.LastSeenNs))
 	}
-	return int(unsafe.Offsetof(CTValue{}.LastSeenNs))
+	return -1
 }
 
 // catchUpSlack covers the coarse clock's granularity: an entry written in
@@ -123,6 +127,9 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 		return 0, 0, nil
 	}
 	off := lastSeenOffset(name)
+	if off < 0 {
+		return catchUpAbsent(old, new)
+	}
 	if since > catchUpSlack {
 		since -= catchUpSlack
 	}
@@ -165,6 +172,28 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 		}
 	}
 	return inserted, updated, it.Err()
+}
+
+// catchUpAbsent is catchUp for values without a last-seen time: every
+// entry of old that new lacks is copied (their keys are socket cookies,
+// unique: an entry in both is the same socket's, and new's is the newer).
+// Entries the old programs changed meanwhile keep the value migrate
+// copied.
+func catchUpAbsent(old, new *ebpf.Map) (inserted, updated int, err error) {
+	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+	nv := make([]byte, new.ValueSize())
+	it := old.Iterate()
+	for it.Next(&k, &v) {
+		copy(nv, v)
+		switch err := new.Update(k, nv, ebpf.UpdateNoExist); {
+		case err == nil:
+			inserted++
+		case errors.Is(err, ebpf.ErrKeyExist):
+		default:
+			return inserted, 0, err
+		}
+	}
+	return inserted, 0, it.Err()
 }
 
 // removeStalePins removes the map pins of ours (fluxvm_*) that spec has no

@@ -452,3 +452,70 @@ func TestSocketLBFallsBackToTC(t *testing.T) {
 		t.Errorf("hooks detached: sock_rewritten +%d, TC new flows +%d, packets +%d; want 0, 1, some", n, st.NewFlows, st.Packets)
 	}
 }
+
+// TestSocketLBAssociations: one socket reaching one backend through two
+// VIPs sees each reply from the VIP it sent to last; a service deleted
+// leaves the socket seeing the backend it talks to, not a VIP that no
+// longer leads there; a DSR service is left alone (its backends serve the
+// VIP itself); a backend past its drain deadline moves the socket.
+func TestSocketLBAssociations(t *testing.T) {
+	s := newSockLab(t)
+	vm := s.vms[0]
+	be := netip.AddrPortFrom(vm.Addr4, 8080)
+	vipB := netip.MustParseAddrPort("10.96.0.11:80")
+	s.h.table(1, s.h.weighted(map[uint32]int{1: 1}))
+	s.h.service(3, vipB, 17)
+	s.h.backend(21, 3, be, BackendReady, 0)
+	s.h.table(3, s.h.weighted(map[uint32]int{21: 1}))
+
+	open := s.child.Do(cgtest.Request{Op: cgtest.OpUDP, Addr: sockVIP4.String(), Send: "a", Keep: true})
+	s.ok(t, "to A", open)
+	send := func(what string, to netip.AddrPort, wantFrom string) {
+		t.Helper()
+		r := s.child.Do(cgtest.Request{Op: cgtest.OpSend, Sock: open.Sock, Addr: to.String(), Send: what})
+		s.ok(t, what, r)
+		if r.From != wantFrom || vmOf(r) != vm.Name {
+			t.Errorf("%s: reply from %s (%s), want %s (%s)", what, r.From, vmOf(r), wantFrom, vm.Name)
+		}
+	}
+	send("to B", vipB, vipB.String())
+	send("to A again", sockVIP4, sockVIP4.String())
+
+	// Service A deleted: the socket talks to the backend's address.
+	w := AddrWords(sockVIP4.Addr())
+	s.h.must(s.h.objs.FluxvmSvc4.Delete(SvcKey4{Vip: w[0], Port: Port(sockVIP4.Port()), Proto: 17}))
+	send("to the backend itself", be, be.String())
+	s.h.service(1, sockVIP4, 17)
+
+	// DSR: left as the application gave it.
+	before := s.h.counters()[CounterSockRewritten]
+	s.h.svcFlags(1, sockVIP4, 6, SvcFlagDSR)
+	r := s.child.Do(cgtest.Request{Op: cgtest.OpTCP, Addr: sockVIP4.String(), TimeoutMS: 300})
+	if n := s.h.counters()[CounterSockRewritten] - before; n != 0 {
+		t.Errorf("DSR service: sock_rewritten +%d (%+v), want 0", n, r)
+	}
+	s.h.svcFlags(1, sockVIP4, 6, 0)
+
+	// Draining past its deadline: moved at the next send.
+	s.h.table(1, s.h.weighted(map[uint32]int{1: 1, 2: 1, 3: 1}))
+	kept := s.child.Do(cgtest.Request{Op: cgtest.OpUDP, Addr: sockVIP4.String(), Send: "x", Keep: true})
+	s.ok(t, "kept", kept)
+	bid := uint32(0)
+	for i, v := range s.vms {
+		if v.Name == vmOf(kept) {
+			bid = uint32(1 + i)
+		}
+	}
+	now, err := monotonicCoarse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Draining, as the control plane writes it: out of the table.
+	s.h.backend(bid, 1, netip.AddrPortFrom(s.vms[bid-1].Addr4, 8080), BackendDraining, now-1)
+	s.h.table(1, s.h.weighted(map[uint32]int{1: 1, 2: 1, 3: 1, bid: 0}))
+	r = s.child.Do(cgtest.Request{Op: cgtest.OpSend, Sock: kept.Sock, Addr: sockVIP4.String(), Send: "y"})
+	s.ok(t, "past the drain", r)
+	if vmOf(r) == vmOf(kept) {
+		t.Errorf("past its drain deadline %s still serves the socket", vmOf(r))
+	}
+}

@@ -58,14 +58,14 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 		idx := rx.Attrs().Index
-		d := openT(t, Options{PinRoot: root, Tier: TierS})
+		d := openT(t, Options{PinRoot: root, Tier: TierS, SocketLB: true})
 		if _, err := d.Attach(Interface{Index: idx}, HookFromVM); err != nil {
 			t.Fatal(err)
 		}
 		putCT(t, d, 1000)
 		// A socket LB association (a lifecycle map too).
 		sockKey := SockRevKey{Cookie: 77, Addr: [4]uint32{0x0a000001}, Port: Port(8080), Proto: 17, Family: FamilyIPv4}
-		sockVal := SockRevValue{Vip: [4]uint32{0x0a60000a}, Vport: Port(53), Family: FamilyIPv4, ServiceId: 1}
+		sockVal := SockRevValue{Vip: [4]uint32{0x0a60000a}, Vport: Port(53), Family: FamilyIPv4, ServiceId: 1, BackendId: 2}
 		if err := d.Maps().FluxvmSockRev.Put(sockKey, sockVal); err != nil {
 			t.Fatal(err)
 		}
@@ -78,9 +78,14 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer oldCT.Close()
+		oldSock, err := d.Maps().FluxvmSockRev.Clone()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer oldSock.Close()
 		d.Close()
 
-		d = openT(t, Options{PinRoot: root, Tier: TierM, Staged: true})
+		d = openT(t, Options{PinRoot: root, Tier: TierM, Staged: true, SocketLB: true})
 		st := d.Status()
 		// 1000 flows and the socket association.
 		if !st.TierChanged || st.Migrated != 1001 || st.NotMigrated != 0 {
@@ -125,6 +130,14 @@ func TestStagedTierChange(t *testing.T) {
 			t.Fatal(err)
 		}
 
+		// A socket that connects before the switch, through the old
+		// programs.
+		lateKey := sockKey
+		lateKey.Cookie = 78
+		if err := oldSock.Put(lateKey, sockVal); err != nil {
+			t.Fatal(err)
+		}
+
 		if err := d.Activate(); err != nil {
 			t.Fatal(err)
 		}
@@ -143,9 +156,11 @@ func TestStagedTierChange(t *testing.T) {
 		if err := d.Maps().FluxvmFct4.Lookup(changed, &v); err != nil || CTState(v.State) != CTTCPFin {
 			t.Errorf("flow changed before the switch: %+v, %v; want its FIN state", v, err)
 		}
-		var sv SockRevValue
-		if err := d.Maps().FluxvmSockRev.Lookup(sockKey, &sv); err != nil || sv != sockVal {
-			t.Errorf("socket association after the tier change: %+v, %v; want %+v", sv, err, sockVal)
+		for _, k := range []SockRevKey{sockKey, lateKey} {
+			var sv SockRevValue
+			if err := d.Maps().FluxvmSockRev.Lookup(k, &sv); err != nil || sv != sockVal {
+				t.Errorf("socket %d's association after the tier change: %+v, %v; want %+v", k.Cookie, sv, err, sockVal)
+			}
 		}
 		var ct Migration
 		for _, mg := range st.Migrations {
@@ -162,8 +177,9 @@ func TestStagedTierChange(t *testing.T) {
 		for _, mg := range st.Migrations {
 			sum += mg.Migrated
 		}
-		if st.Migrated != 1002 || st.Migrated != sum || st.NotMigrated != 0 {
-			t.Errorf("totals: migrated %d (maps sum to %d), not migrated %d; want 1002 and 0", st.Migrated, sum, st.NotMigrated)
+		// 1001 flows, the socket migrated at Open and the one caught up.
+		if st.Migrated != 1003 || st.Migrated != sum || st.NotMigrated != 0 {
+			t.Errorf("totals: migrated %d (maps sum to %d), not migrated %d; want 1003 and 0", st.Migrated, sum, st.NotMigrated)
 		}
 		if err := d.Activate(); err != nil {
 			t.Errorf("second Activate: %v", err)

@@ -232,6 +232,7 @@ func Open(opts Options) (*Dataplane, error) {
 	// empty frontend map and passes untranslated.
 	lo := opts.Loader
 	lo.Staged = true
+	lo.SocketLB = opts.CgroupConnect
 	dp, err := bpf.Open(lo)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)

@@ -120,7 +120,7 @@ static __always_inline __u32 fluxvm_sock_hash(__u64 cookie, const struct fluxvm_
  */
 static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const int v6)
 {
-	struct fluxvm_sock_rvalue rv = {};
+	struct fluxvm_sock_rvalue rv = {}, *old;
 	struct fluxvm_sock_rkey rk = {};
 	struct fluxvm_sock_key k = {};
 	struct fluxvm_sock_value *sv, nv;
@@ -135,8 +135,10 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 		return;
 	fluxvm_sock_read(ctx, v6, &a);
 	svc = fluxvm_sock_frontend(&a, proto);
-	/* Served where VM-edge clients are: east-west. */
-	if (!svc || (svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, FLUXVM_EDGE_VM))
+	/* Served where VM-edge clients are: east-west. Not a DSR service:
+	 * its backends serve the VIP itself, which the packet must keep. */
+	if (!svc || (svc->flags & (FLUXVM_SVC_F_VIP_MARKER | FLUXVM_SVC_F_DSR)) ||
+	    !fluxvm_svc_here(svc, FLUXVM_EDGE_VM))
 		return;
 	sid = svc->service_id;
 	if (!fluxvm_guard_open(sid)) {
@@ -163,6 +165,10 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 	be = fluxvm_backend_ready(bid = fluxvm_maglev_pick(sid, fluxvm_sock_hash(cookie, fluxvm_meta_get())),
 				  sid);
 	if (!be || be->family != family) {
+		/* The association that could no longer serve goes, or every
+		 * later send would count it again. */
+		if (sv)
+			bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
 		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND);
 		return;
 	}
@@ -186,11 +192,18 @@ write:
 	rk.port = be->port;
 	rk.proto = proto;
 	rk.family = family;
-	if (!bpf_map_lookup_elem(&fluxvm_sock_rev, &rk)) {
+	old = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
+	if (!old || old->service_id != sid || old->backend_id != bid || old->vport != a.port ||
+	    old->vip[0] != a.addr[0] || old->vip[1] != a.addr[1] || old->vip[2] != a.addr[2] ||
+	    old->vip[3] != a.addr[3]) {
+		/* New, or the socket reached this backend through another VIP
+		 * before: replies show the VIP it sent to last (one socket,
+		 * one backend, two VIPs cannot be told apart on receive). */
 		__builtin_memcpy(rv.vip, a.addr, 16);
 		rv.vport = a.port;
 		rv.family = family;
 		rv.service_id = sid;
+		rv.backend_id = bid;
 		if (bpf_map_update_elem(&fluxvm_sock_rev, &rk, &rv, BPF_ANY)) {
 			fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_MAP);
 			return;
@@ -208,7 +221,8 @@ static __always_inline void fluxvm_sock_reverse(struct bpf_sock_addr *ctx, const
 {
 	struct fluxvm_sock_rvalue *rv;
 	struct fluxvm_sock_rkey rk = {};
-	struct fluxvm_sock_addr a;
+	struct fluxvm_sock_addr a, vip = {};
+	struct fluxvm_svc_value *svc;
 	__u8 proto = ctx->protocol;
 
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
@@ -222,6 +236,17 @@ static __always_inline void fluxvm_sock_reverse(struct bpf_sock_addr *ctx, const
 	rv = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
 	if (!rv)
 		return;
+	/* Only while the VIP is still that service's: a service deleted (or
+	 * its VIP given to another) leaves the socket talking to a backend
+	 * address, which is what it then sees. */
+	vip.port = rv->vport;
+	__builtin_memcpy(vip.addr, rv->vip, 16);
+	vip.v6 = rv->family == FLUXVM_AF_INET6;
+	svc = fluxvm_sock_frontend(&vip, proto);
+	if (!svc || svc->service_id != rv->service_id) {
+		bpf_map_delete_elem(&fluxvm_sock_rev, &rk);
+		return;
+	}
 	fluxvm_sock_write(ctx, v6, &a, rv->vip, rv->vport);
 	fluxvm_count(FLUXVM_CNT_SOCK_REVERSED);
 }

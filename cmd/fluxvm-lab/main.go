@@ -44,7 +44,10 @@ func main() {
 		usage()
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// SIGPIPE too: output piped into a reader that quits (| head) would
+	// otherwise end the process on the spot and leave the lab behind; with
+	// it the write fails and the lab is torn down. SIGHUP: a closed terminal.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGPIPE)
 	err := commands[os.Args[1]].run(ctx, os.Args[2:])
 	stop()
 	if errors.Is(err, context.Canceled) {

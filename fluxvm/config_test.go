@@ -13,6 +13,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/internal/cgroup2"
 )
 
 const exampleConfigPath = "../examples/fluxvmd.toml"
@@ -77,6 +78,8 @@ snat_address = "203.0.113.10"
 snat_address_v6 = "2001:db8:10::10"
 snat_port_min = 20000
 snat_port_max = 29999
+cgroup_connect = true
+cgroup_path = "/sys/fs/cgroup/unified/fluxvm"
 edt_enabled = false
 `
 	c, err := ParseConfig([]byte(doc))
@@ -108,6 +111,8 @@ edt_enabled = false
 		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
 		SNATPortMin:            20000,
 		SNATPortMax:            29999,
+		CgroupConnect:          true,
+		CgroupPath:             "/sys/fs/cgroup/unified/fluxvm",
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got  %+v\nwant %+v", c, want)
@@ -194,6 +199,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "xdp_egress_interfaces bad name", doc: table + "xdp_mode = \"native\"\nxdp_egress_interfaces = [\"a/b\"]\n", field: k("xdp_egress_interfaces"), kind: ErrInvalid},
 		{name: "xdp_egress_interfaces twice", doc: table + "xdp_mode = \"native\"\nxdp_egress_interfaces = [\"eth2\", \"eth2\"]\n", field: k("xdp_egress_interfaces"), kind: ErrInvalid},
 		{name: "xdp_mode a boolean", doc: table + "xdp_mode = true\n", field: k("xdp_mode"), kind: ErrMalformed, reason: "string"},
+		{name: "cgroup_path without cgroup_connect", doc: table + "cgroup_path = \"/sys/fs/cgroup/unified/agents\"\n", field: k("cgroup_path"), kind: ErrInvalid, reason: "set, but cgroup_connect is false: set cgroup_connect = true too, or leave this empty"},
+		{name: "cgroup_path relative", doc: table + "cgroup_connect = true\ncgroup_path = \"agents\"\n", field: k("cgroup_path"), kind: ErrInvalid, reason: "\"agents\" is not an absolute path"},
+		{name: "cgroup_connect a string", doc: table + "cgroup_connect = \"yes\"\n", field: k("cgroup_connect"), kind: ErrMalformed, reason: "boolean"},
+		{name: "cgroup_path an integer", doc: table + "cgroup_connect = true\ncgroup_path = 1\n", field: k("cgroup_path"), kind: ErrMalformed, reason: "string"},
 		{name: "catalog_path relative", doc: table + "catalog_path = \"catalog.json\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "catalog_path empty", doc: table + "catalog_path = \"\"\n", field: k("catalog_path"), kind: ErrInvalid},
 		{name: "advertisements_path relative", doc: table + "advertisements_path = \"adverts.json\"\n", field: k("advertisements_path"), kind: ErrInvalid, reason: "absolute"},
@@ -279,11 +288,17 @@ func TestParseConfigReportsEveryProblem(t *testing.T) {
 		}
 	}
 	c := DefaultConfig()
-	c.MapTier, c.PinRoot, c.SNATPortMin = "Q", "x", 1
+	c.MapTier, c.PinRoot, c.SNATPortMin, c.CgroupPath = "Q", "x", 1, "agents"
 	err = c.Validate()
-	for _, key := range []string{"map_tier", "pin_root", "snat_port_min"} {
+	for _, key := range []string{"map_tier", "pin_root", "snat_port_min", "cgroup_path"} {
 		if !strings.Contains(fmt.Sprint(err), "sandbox.dataplane.service."+key+":") {
 			t.Errorf("error %v does not name %s", err, key)
+		}
+	}
+	// Both problems of cgroup_path: relative, and without cgroup_connect.
+	for _, why := range []string{"not an absolute path", "cgroup_connect is false"} {
+		if !strings.Contains(fmt.Sprint(err), why) {
+			t.Errorf("error %v does not say %q", err, why)
 		}
 	}
 }
@@ -470,5 +485,45 @@ func TestXDPModeOptions(t *testing.T) {
 	var ve *ValidationError
 	if !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.xdp_mode" {
 		t.Errorf("NorthSouth{XDPMode: fast}.Validate() = %v, want ErrInvalid on xdp_mode", err)
+	}
+}
+
+// TestSocketLBOptions: cgroup_connect and cgroup_path reach the dataplane
+// options, and Open refuses bad socket LB settings before it loads or
+// attaches anything (these cases need no privileges: nothing is loaded).
+func TestSocketLBOptions(t *testing.T) {
+	c, err := ParseConfig([]byte("[sandbox.dataplane.service]\ncgroup_connect = true\ncgroup_path = \"/sys/fs/cgroup/unified/agents\"\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o := OptionsFrom(c); !o.CgroupConnect || o.CgroupPath != "/sys/fs/cgroup/unified/agents" {
+		t.Errorf("OptionsFrom: cgroup_connect %v, cgroup_path %q", o.CgroupConnect, o.CgroupPath)
+	}
+	if o := OptionsFrom(DefaultConfig()); o.CgroupConnect || o.CgroupPath != "" {
+		t.Errorf("defaults: cgroup_connect %v, cgroup_path %q; want off", o.CgroupConnect, o.CgroupPath)
+	}
+	pins := filepath.Join(t.TempDir(), "never-created")
+	for _, tc := range []struct {
+		name string
+		opts Options
+		want error
+	}{
+		{"cgroup_path without cgroup_connect", Options{CgroupPath: "/sys/fs/cgroup/unified"}, ErrInvalid},
+		{"cgroup_path relative", Options{CgroupConnect: true, CgroupPath: "unified"}, ErrInvalid},
+		{"not a cgroup v2 directory", Options{CgroupConnect: true, CgroupPath: t.TempDir()}, cgroup2.ErrNotCgroupV2},
+	} {
+		tc.opts.Loader.PinRoot = pins
+		d, err := Open(tc.opts)
+		if err == nil {
+			d.Cleanup()
+			t.Errorf("%s: Open succeeded", tc.name)
+			continue
+		}
+		if !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+		if _, serr := os.Stat(pins); !errors.Is(serr, os.ErrNotExist) {
+			t.Errorf("%s: Open created the pin root before refusing (%v)", tc.name, serr)
+		}
 	}
 }

@@ -61,8 +61,8 @@ func OptionsFrom(cfg Config) Options {
 		EDTEnabled:    cfg.EDTEnabled,
 		CgroupConnect: cfg.CgroupConnect,
 		CgroupPath:    cfg.CgroupPath,
-		Loader:      cfg.LoaderOptions(),
-		CatalogPath: cfg.CatalogPath,
+		Loader:        cfg.LoaderOptions(),
+		CatalogPath:   cfg.CatalogPath,
 		// Always set by a validated configuration: the daemon publishes
 		// the advertisement file.
 		AdvertisementsPath: cfg.AdvertisementsPath,

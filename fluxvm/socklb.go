@@ -59,10 +59,10 @@ type SocketLBStatus struct {
 	// this start's programs.
 	Reused bool `json:"reused"`
 	// StaleCgroups are the ids of other cgroups that still hold socket
-	// hooks of ours which this start could not remove, because no
+	// hooks of ours which this start could not remove: mostly because no
 	// directory of the cgroup v2 hierarchy has that id any more (the
-	// cgroup was removed: the kernel no longer runs them). Cleanup
-	// removes their pins.
+	// cgroup was removed: the kernel no longer runs them); the log says
+	// why. Cleanup removes them.
 	StaleCgroups []uint64 `json:"stale_cgroup_ids,omitempty"`
 	// Destroy is the worker that terminates connected UDP sockets whose
 	// backend can no longer serve them.
@@ -115,6 +115,21 @@ func (s *socketLB) removed() {
 	s.path, s.id, s.hooks, s.reused, s.stale = "", 0, nil, false, nil
 }
 
+// SocketLBCgroup returns the cgroup v2 directory socket load balancing
+// attaches to on this host, as Open resolves it: cgroup_path, or the root
+// of the cgroup v2 hierarchy found from the mount table; "" when
+// cgroup_connect is false. Like Open, it fails with an error wrapping
+// cgroup2.ErrNoCgroupV2 on a host without cgroup v2, and one wrapping
+// cgroup2.ErrNotCgroupV2 (bpf.ErrNotCgroupV2) when the directory is not a
+// cgroup v2 one. It changes nothing (fluxvmd check-config uses it).
+func (c *Config) SocketLBCgroup() (string, error) {
+	path, err := Options{CgroupConnect: c.CgroupConnect, CgroupPath: c.CgroupPath}.socketLBCgroup()
+	if err != nil {
+		return "", fmt.Errorf("fluxvm: config: %w", err)
+	}
+	return path, nil
+}
+
 // socketLBCgroup checks the socket LB settings of o and, with
 // CgroupConnect, returns the cgroup v2 directory to attach to: CgroupPath,
 // or the root of the hierarchy. A host without cgroup v2 fails with an
@@ -148,29 +163,20 @@ func (o Options) socketLBCgroup() (string, error) {
 
 // initSocketLB attaches the socket hooks to path (CgroupConnect) and
 // removes ours from any other cgroup, or, without CgroupConnect, removes
-// every one an earlier start left. On failure, hooks this call attached
-// are detached again.
+// every one an earlier start left. Hooks on other cgroups that cannot be
+// removed are logged and reported (SocketLBStatus.StaleCgroups), not an
+// error: they must not stop the node from starting, nor a cleanup.
 func (d *Dataplane) initSocketLB(path string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.sock.enabled = d.opts.CgroupConnect
 	if !d.opts.CgroupConnect {
-		if err := d.detachOtherCgroups(0); err != nil {
-			return fmt.Errorf("fluxvm: open: cgroup_connect false: remove the socket hooks of an earlier start: %w", err)
-		}
+		d.detachOtherCgroups(0)
 		return nil
 	}
 	a, err := d.dp.AttachCgroup(path)
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: cgroup_connect: %w", err)
-	}
-	if err := d.detachOtherCgroups(a.ID); err != nil {
-		if !a.Reused {
-			if derr := d.dp.DetachCgroup(path); derr != nil {
-				err = errors.Join(err, fmt.Errorf("undo: %w", derr))
-			}
-		}
-		return fmt.Errorf("fluxvm: open: cgroup_connect: remove the socket hooks of an earlier start: %w", err)
 	}
 	d.sock.path, d.sock.id, d.sock.reused = path, a.ID, a.Reused
 	d.sock.hooks = d.sock.hooks[:0]
@@ -179,51 +185,51 @@ func (d *Dataplane) initSocketLB(path string) error {
 	}
 	d.log.Info("fluxvm: socket load balancing attached", "cgroup", path, "cgroup_id", a.ID,
 		"hooks", d.sock.hooks, "kept_from_earlier_start", a.Reused)
+	d.detachOtherCgroups(a.ID)
 	return nil
 }
 
 // detachOtherCgroups removes our socket hooks from every cgroup but the one
-// with id keep (0: from every cgroup). A cgroup that no longer exists is
-// recorded in sock.stale with a warning. d.mu held.
-func (d *Dataplane) detachOtherCgroups(keep uint64) error {
+// with id keep (0: from every cgroup). The ids of those it cannot remove
+// (the cgroup is gone, or the detach failed) go to sock.stale, with a
+// warning. d.mu held.
+func (d *Dataplane) detachOtherCgroups(keep uint64) {
 	d.sock.stale = nil
 	as, err := d.dp.CgroupAttachments()
 	if err != nil {
-		return err
+		d.log.Warn("fluxvm: cannot list the socket hooks of an earlier start", "err", err)
+		return
 	}
-	var errs []error
 	root := ""
 	for _, a := range as {
 		if a.ID == keep {
 			continue
 		}
+		stale := func(msg string, args ...any) {
+			d.log.Warn("fluxvm: socket hooks of an earlier start left in place: "+msg, append([]any{"cgroup_id", a.ID}, args...)...)
+			d.sock.stale = append(d.sock.stale, a.ID)
+		}
 		if root == "" {
 			if root, err = cgroup2.Root(); err != nil {
-				d.log.Warn("fluxvm: socket hooks of an earlier start are pinned, but there is no cgroup v2 hierarchy to find their cgroup in; cleanup removes them",
-					"cgroup_id", a.ID, "err", err)
-				d.sock.stale = append(d.sock.stale, a.ID)
 				root = ""
+				stale("no cgroup v2 hierarchy to find their cgroup in; cleanup removes them", "err", err)
 				continue
 			}
 		}
 		path, found, err := cgroupPathByID(root, a.ID)
-		if err != nil {
-			errs = append(errs, err)
-			continue
+		switch {
+		case err != nil:
+			stale("cleanup removes them", "err", err)
+		case !found:
+			stale("their cgroup no longer exists (the kernel no longer runs them); cleanup removes the pins")
+		default:
+			if err := d.dp.DetachCgroup(path); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
+				stale("cleanup removes them", "cgroup", path, "err", err)
+				continue
+			}
+			d.log.Info("fluxvm: socket hooks of an earlier start removed", "cgroup", path, "cgroup_id", a.ID)
 		}
-		if !found {
-			d.log.Warn("fluxvm: socket hooks of an earlier start are pinned for a cgroup that no longer exists (the kernel no longer runs them); cleanup removes their pins",
-				"cgroup_id", a.ID)
-			d.sock.stale = append(d.sock.stale, a.ID)
-			continue
-		}
-		if err := d.dp.DetachCgroup(path); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
-			errs = append(errs, err)
-			continue
-		}
-		d.log.Info("fluxvm: socket hooks of an earlier start removed", "cgroup", path, "cgroup_id", a.ID)
 	}
-	return errors.Join(errs...)
 }
 
 // capacitiesOf is the status's Capacities: the loader's, and the socket

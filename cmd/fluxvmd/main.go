@@ -3,7 +3,8 @@
 // and serves the REST API.
 //
 //	fluxvmd [-config /etc/fluxvm/fluxvmd.toml] [run]   serve (default)
-//	fluxvmd [-config ...] check-config                 validate the config and exit
+//	fluxvmd [-config ...] check-config                 validate the config (and the cgroup of
+//	                                                   cgroup_connect on this host) and exit
 //	fluxvmd [-config ...] cleanup                      remove everything FluxVM owns
 //
 // Stopping the daemon leaves the datapath forwarding: pins, attachments and
@@ -82,6 +83,13 @@ func run(ctx context.Context, args []string) error {
 		if err := checkTokenFiles(cfg.API); err != nil {
 			return err
 		}
+		// The cgroup of socket load balancing must exist on this host,
+		// on cgroup v2, as the start will require.
+		cgroup, err := cfg.SocketLBCgroup()
+		if err != nil {
+			return err
+		}
+		cfg.CgroupPath = cgroup
 		fmt.Print(describeConfig(cfg.Config))
 		return nil
 	case "cleanup":
@@ -117,6 +125,14 @@ func describeConfig(cfg fluxvm.Config) string {
 	}
 	fmt.Fprintf(&b, "snat ports: %d..%d\n", cfg.SNATPortMin, cfg.SNATPortMax)
 	fmt.Fprintf(&b, "seeds: hash_seed %d, maglev_seed %d (nodes that must agree on flows need the same)\n", cfg.HashSeed, cfg.MaglevSeed)
+	switch {
+	case !cfg.CgroupConnect:
+		b.WriteString("socket load balancing: off (cgroup_connect false)\n")
+	case cfg.CgroupPath == "":
+		b.WriteString("socket load balancing: on, on the root of the cgroup v2 hierarchy (every process of the node)\n")
+	default:
+		fmt.Fprintf(&b, "socket load balancing: on, on cgroup %s (its processes and those of the cgroups below it)\n", cfg.CgroupPath)
+	}
 	fmt.Fprintf(&b, "catalog_path: %s\n", cfg.CatalogPath)
 	node := ""
 	if cfg.NodeName != "" {
@@ -138,6 +154,10 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	// is already empty.
 	opts.Interfaces = nil
 	opts.NorthSouth.Interfaces = nil
+	// Nor are the socket hooks: removing the pin root detaches them from
+	// whichever cgroup they are on, also on a host whose cgroup v2 mount
+	// has gone.
+	opts.CgroupConnect, opts.CgroupPath = false, ""
 	opts.CatalogPath = ""
 	d, err := fluxvm.Open(opts)
 	if err != nil {

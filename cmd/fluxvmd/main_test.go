@@ -374,6 +374,8 @@ snat_port_max = 49999
 		{name: "ports reversed", doc: head + "snat_port_min = 65000\nsnat_port_max = 64000\n", want: "sandbox.dataplane.service.snat_port_min"},
 		{name: "north-south also a VM edge", doc: head + "north_south_interfaces = [\"tap1\"]\nvm_edge_interfaces = [{ name = \"tap1\", vm_id = \"a\" }]\n",
 			want: "sandbox.dataplane.service.north_south_interfaces[0]"},
+		{name: "cgroup_path without cgroup_connect", doc: head + "cgroup_path = \"/sys/fs/cgroup\"\n", want: "sandbox.dataplane.service.cgroup_path"},
+		{name: "cgroup_path not on cgroup v2", doc: head + "cgroup_connect = true\ncgroup_path = \"" + t.TempDir() + "\"\n", want: "not on a cgroup v2 filesystem"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -400,5 +402,12 @@ snat_port_max = 49999
 		if !strings.Contains(out, want) {
 			t.Errorf("check-config output lacks %q:\n%s", want, out)
 		}
+	}
+	if out := describeConfig(cfg.Config); !strings.Contains(out, "socket load balancing: off") {
+		t.Errorf("check-config output lacks socket load balancing off:\n%s", out)
+	}
+	cfg.CgroupConnect, cfg.CgroupPath = true, "/sys/fs/cgroup/unified/agents"
+	if out := describeConfig(cfg.Config); !strings.Contains(out, "socket load balancing: on, on cgroup /sys/fs/cgroup/unified/agents") {
+		t.Errorf("check-config output lacks the cgroup:\n%s", out)
 	}
 }

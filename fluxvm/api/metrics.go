@@ -35,7 +35,7 @@ var (
 	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
 	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
 	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
-	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress.", "event")
+	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress, sock_rewritten, sock_reversed, sock_repicked, sock_fail_open_guard, sock_fail_open_no_backend, sock_fail_open_map.", "event")
 	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
 	descServices     = desc("services", "Services in the node's catalog.")
 	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
@@ -54,6 +54,12 @@ var (
 	descXDPMode     = desc("xdp_mode", "North-south interfaces by the XDP mode in force (native, generic, off): value 1.", "interface", "mode")
 	descXDPRoutes   = desc("xdp_route_cache_enabled", "1 while the XDP program reuses its route lookups toward backends (status xdp_route_cache says why not).")
 	descXDPRouteInv = desc("xdp_route_cache_invalidations_total", "Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.")
+
+	descSockEnabled   = desc("socket_lb_enabled", "1 when socket load balancing (cgroup_connect) is on, else 0.")
+	descSockHooks     = desc("socket_lb_hooks", "Socket hooks attached to the cgroup of socket load balancing (value 1).", "hook")
+	descSockDestroyed = desc("socket_lb_destroyed_sockets_total", "Connected UDP sockets terminated because their backend was removed, Unhealthy or past its drain deadline, since the dataplane opened.")
+	descSockRuns      = desc("socket_lb_destroy_runs_total", "Runs of the socket iterator that terminates connected UDP sockets of gone backends, since the dataplane opened.")
+	descSockSupported = desc("socket_lb_destroy_supported", "1 when the kernel can terminate sockets from BPF (Linux 6.5+), 0 when it refused; absent before the first run.")
 )
 
 // MaglevInnerMapLabel is the map label under which fluxvm_map_memory_bytes
@@ -77,10 +83,18 @@ type collector struct{ src MetricsSource }
 //	fluxvm_datapath_events_total                counter {event: nat_stale, host_routed_packets,
 //	                                            host_route_fallbacks, snat_retries, dsr_forwarded,
 //	                                            snat_conflicts, icmp_errors_translated, xdp_translated,
-//	                                            xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress}
+//	                                            xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress,
+//	                                            sock_rewritten, sock_reversed, sock_repicked,
+//	                                            sock_fail_open_guard, sock_fail_open_no_backend,
+//	                                            sock_fail_open_map}
 //	fluxvm_xdp_mode                             gauge 1 {interface, mode}: north-south XDP mode in force
 //	fluxvm_xdp_route_cache_enabled              gauge: 1 while XDP reuses its route lookups
 //	fluxvm_xdp_route_cache_invalidations_total  counter: times the route cache was emptied
+//	fluxvm_socket_lb_enabled                    gauge: 1 when cgroup_connect is on
+//	fluxvm_socket_lb_hooks                      gauge 1 {hook}: socket hooks attached
+//	fluxvm_socket_lb_destroyed_sockets_total    counter: connected UDP sockets of gone backends terminated
+//	fluxvm_socket_lb_destroy_runs_total         counter: runs of the socket iterator
+//	fluxvm_socket_lb_destroy_supported          gauge: 1 when the kernel can terminate sockets, 0 if not
 //	fluxvm_datapath_stats_up                    gauge: 1 when the counters could be read
 //	fluxvm_services                             gauge: services in the catalog
 //	fluxvm_dataplane_info                       gauge 1 {schema_version, program_generation, map_tier}
@@ -109,6 +123,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
 		descMapMemory, descMaglevInner, descXDPMode, descXDPRoutes, descXDPRouteInv,
+		descSockEnabled, descSockHooks, descSockDestroyed, descSockRuns, descSockSupported,
 	} {
 		ch <- d
 	}
@@ -138,6 +153,18 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	emit(descXDPRoutes, prometheus.GaugeValue, enabled)
 	emit(descXDPRouteInv, prometheus.CounterValue, float64(rc.Invalidations))
+	sock := st.SocketLB
+	emit(descSockEnabled, prometheus.GaugeValue, b2f(sock.Enabled))
+	for _, h := range sock.Hooks {
+		emit(descSockHooks, prometheus.GaugeValue, 1, h)
+	}
+	if sock.Enabled {
+		emit(descSockDestroyed, prometheus.CounterValue, float64(sock.Destroy.Destroyed))
+		emit(descSockRuns, prometheus.CounterValue, float64(sock.Destroy.Runs))
+		if s := sock.Destroy.Supported; s != nil {
+			emit(descSockSupported, prometheus.GaugeValue, b2f(*s))
+		}
+	}
 	emit(descInfo, prometheus.GaugeValue, 1,
 		strconv.FormatUint(uint64(st.SchemaVersion), 10), strconv.FormatUint(uint64(st.Generation), 10), st.Tier)
 	if gc := st.LastGC; gc != nil {
@@ -213,6 +240,13 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			emit(descParser, prometheus.CounterValue, float64(n), kind)
 		}
 	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // newMetricsHandler serves reg in the Prometheus exposition formats. A

@@ -26,7 +26,9 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		},
 		Drops: map[string]uint64{"no_backend": 2, "guard_closed": 5, "snat_failed": 4, "dsr_no_route": 1},
 		Parser: map[string]uint64{"ipv4": 100, "truncated": 1, "nat_stale": 0,
-			"host_routed_packets": 9, "host_route_fallbacks": 2, "snat_retries": 6, "dsr_forwarded": 11, "snat_conflicts": 3},
+			"host_routed_packets": 9, "host_route_fallbacks": 2, "snat_retries": 6, "dsr_forwarded": 11, "snat_conflicts": 3,
+			"sock_rewritten": 21, "sock_reversed": 17, "sock_repicked": 2,
+			"sock_fail_open_guard": 1, "sock_fail_open_no_backend": 4, "sock_fail_open_map": 0},
 	}
 	dp.status.LastGC = &fluxvm.GCResult{
 		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
@@ -37,6 +39,12 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		{Name: "tap-vm1", Kind: fluxvm.InterfaceVMEdge},
 	}
 	dp.status.XDPRouteCache = fluxvm.XDPRouteCacheStatus{Enabled: true, Invalidations: 5}
+	yes := true
+	dp.status.SocketLB = fluxvm.SocketLBStatus{
+		Enabled: true, CgroupPath: "/sys/fs/cgroup/unified", CgroupID: 1,
+		Hooks:   []string{"connect4", "connect6"},
+		Destroy: fluxvm.SocketDestroyStatus{Supported: &yes, Runs: 9, LastDestroyed: 1, Destroyed: 3},
+	}
 	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
 	dp.status.Memory = &fluxvm.MemoryStatus{
 		Maps:        map[string]uint64{"fluxvm_fct4": 6_291_456, "fluxvm_maglev": 2_368},
@@ -93,7 +101,7 @@ fluxvm_datapath_drops_total{reason="snat_failed"} 4
 # TYPE fluxvm_datapath_parser_packets_total counter
 fluxvm_datapath_parser_packets_total{kind="ipv4"} 100
 fluxvm_datapath_parser_packets_total{kind="truncated"} 1
-# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress.
+# HELP fluxvm_datapath_events_total Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress, sock_rewritten, sock_reversed, sock_repicked, sock_fail_open_guard, sock_fail_open_no_backend, sock_fail_open_map.
 # TYPE fluxvm_datapath_events_total counter
 fluxvm_datapath_events_total{event="dsr_forwarded"} 11
 fluxvm_datapath_events_total{event="host_route_fallbacks"} 2
@@ -101,12 +109,34 @@ fluxvm_datapath_events_total{event="host_routed_packets"} 9
 fluxvm_datapath_events_total{event="nat_stale"} 0
 fluxvm_datapath_events_total{event="snat_conflicts"} 3
 fluxvm_datapath_events_total{event="snat_retries"} 6
+fluxvm_datapath_events_total{event="sock_fail_open_guard"} 1
+fluxvm_datapath_events_total{event="sock_fail_open_map"} 0
+fluxvm_datapath_events_total{event="sock_fail_open_no_backend"} 4
+fluxvm_datapath_events_total{event="sock_repicked"} 2
+fluxvm_datapath_events_total{event="sock_reversed"} 17
+fluxvm_datapath_events_total{event="sock_rewritten"} 21
 # HELP fluxvm_datapath_stats_up 1 when the datapath counters could be read in this scrape, else 0.
 # TYPE fluxvm_datapath_stats_up gauge
 fluxvm_datapath_stats_up 1
 # HELP fluxvm_services Services in the node's catalog.
 # TYPE fluxvm_services gauge
 fluxvm_services 2
+# HELP fluxvm_socket_lb_enabled 1 when socket load balancing (cgroup_connect) is on, else 0.
+# TYPE fluxvm_socket_lb_enabled gauge
+fluxvm_socket_lb_enabled 1
+# HELP fluxvm_socket_lb_hooks Socket hooks attached to the cgroup of socket load balancing (value 1).
+# TYPE fluxvm_socket_lb_hooks gauge
+fluxvm_socket_lb_hooks{hook="connect4"} 1
+fluxvm_socket_lb_hooks{hook="connect6"} 1
+# HELP fluxvm_socket_lb_destroyed_sockets_total Connected UDP sockets terminated because their backend was removed, Unhealthy or past its drain deadline, since the dataplane opened.
+# TYPE fluxvm_socket_lb_destroyed_sockets_total counter
+fluxvm_socket_lb_destroyed_sockets_total 3
+# HELP fluxvm_socket_lb_destroy_runs_total Runs of the socket iterator that terminates connected UDP sockets of gone backends, since the dataplane opened.
+# TYPE fluxvm_socket_lb_destroy_runs_total counter
+fluxvm_socket_lb_destroy_runs_total 9
+# HELP fluxvm_socket_lb_destroy_supported 1 when the kernel can terminate sockets from BPF (Linux 6.5+), 0 when it refused; absent before the first run.
+# TYPE fluxvm_socket_lb_destroy_supported gauge
+fluxvm_socket_lb_destroy_supported 1
 # HELP fluxvm_dataplane_info Loaded datapath: BPF schema version, program generation and map tier (value 1).
 # TYPE fluxvm_dataplane_info gauge
 fluxvm_dataplane_info{map_tier="M",program_generation="8",schema_version="4"} 1
@@ -163,6 +193,37 @@ fluxvm_xdp_route_cache_invalidations_total 5
 	// The collector is consistent with its descriptions.
 	if problems, err := testutil.CollectAndLint(api.NewCollector(dp)); err != nil || len(problems) != 0 {
 		t.Errorf("lint: %v %+v", err, problems)
+	}
+}
+
+// TestCollectorSocketLB: without cgroup_connect only the enabled gauge
+// (0) is served; a kernel that refused to destroy sockets shows 0 in
+// fluxvm_socket_lb_destroy_supported.
+func TestCollectorSocketLB(t *testing.T) {
+	dp := newFake()
+	c := api.NewCollector(dp)
+	const off = `
+# HELP fluxvm_socket_lb_enabled 1 when socket load balancing (cgroup_connect) is on, else 0.
+# TYPE fluxvm_socket_lb_enabled gauge
+fluxvm_socket_lb_enabled 0
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(off), "fluxvm_socket_lb_enabled"); err != nil {
+		t.Error(err)
+	}
+	for _, name := range []string{"fluxvm_socket_lb_hooks", "fluxvm_socket_lb_destroyed_sockets_total", "fluxvm_socket_lb_destroy_runs_total", "fluxvm_socket_lb_destroy_supported"} {
+		if n := testutil.CollectAndCount(c, name); n != 0 {
+			t.Errorf("%s: %d series without cgroup_connect", name, n)
+		}
+	}
+	no := false
+	dp.status.SocketLB = fluxvm.SocketLBStatus{Enabled: true, Hooks: []string{"connect4"}, Destroy: fluxvm.SocketDestroyStatus{Supported: &no, Runs: 1}}
+	const want = `
+# HELP fluxvm_socket_lb_destroy_supported 1 when the kernel can terminate sockets from BPF (Linux 6.5+), 0 when it refused; absent before the first run.
+# TYPE fluxvm_socket_lb_destroy_supported gauge
+fluxvm_socket_lb_destroy_supported 0
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), "fluxvm_socket_lb_destroy_supported"); err != nil {
+		t.Error(err)
 	}
 }
 

@@ -163,6 +163,8 @@ func TestOpenAPISchemas(t *testing.T) {
 		"HookStatus":             reflect.TypeFor[fluxvm.HookStatus](),
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
 		"XDPRouteCacheStatus":    reflect.TypeFor[fluxvm.XDPRouteCacheStatus](),
+		"SocketLBStatus":         reflect.TypeFor[fluxvm.SocketLBStatus](),
+		"SocketDestroyStatus":    reflect.TypeFor[fluxvm.SocketDestroyStatus](),
 		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),
 		"MemoryStatus":           reflect.TypeFor[fluxvm.MemoryStatus](),
 		"InnerMapsMemory":        reflect.TypeFor[fluxvm.InnerMapsMemory](),

@@ -799,6 +799,13 @@ func (p *perfRun) openBPFProgs() error {
 		pr.Close()
 	}
 	p.progs = nil
+	if p.sock != nil {
+		sp, err := p.sock.sockProgs()
+		p.progs = append(p.progs, sp...)
+		if err != nil {
+			return err
+		}
+	}
 	return p.env.Lab.Node.Do(func() error {
 		targets := []struct {
 			name  string

@@ -42,6 +42,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/cgroup2"
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
@@ -482,6 +485,9 @@ func (p *perfRun) sockHeader() {
 	p.printf("  sock-lb from pid %d, born into %s (CLONE_INTO_CGROUP) and alone in it; the other paths from pid %d, alone in the sibling %s without hooks\n",
 		s.sock.hello.PID, s.hooked, s.other.hello.PID, s.plain)
 	p.printf("  the lab process keeps the servers and reads counters and CPU around each request; the workers' CPU counts as the measurement's\n")
+	if p.o.BPFStats {
+		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb runs connect4 and getpeername4 per connection)\n", s.hooked)
+	}
 }
 
 // checkSockSample fails a measurement that the socket hooks translated
@@ -542,7 +548,7 @@ func (p *perfRun) sockTargets(b *strings.Builder) {
 	} {
 		if c := get(t.wl, t.f); c.ok {
 			fmt.Fprintf(b, "%s vs direct %+6.1f%% paired (%+6.1f%% medians)               vs vip %+6.1f%% paired (%+6.1f%% medians)\n",
-				strings.TrimPrefix(t.name, ""), (c.pd-1)*100, (c.d-1)*100, (c.pv-1)*100, (c.v-1)*100)
+				t.name, (c.pd-1)*100, (c.d-1)*100, (c.pv-1)*100, (c.v-1)*100)
 		}
 	}
 	// What the hooks did, over the rounds.
@@ -555,4 +561,39 @@ func (p *perfRun) sockTargets(b *strings.Builder) {
 		}
 	}
 	fmt.Fprintf(b, "sock-lb over all rounds: %d connections, sock_rewritten +%d, sock_fail_open_* +%d, datapath new flows 0 (checked per measurement)\n", conns, rew, failOpen)
+}
+
+// sockProgs opens the socket hooks attached to the hooked cgroup, for the
+// BPF run-time statistics: with them, a path's BPF time covers the hooks
+// its connections ran (sock-lb: connect4 and getpeername4, which Go's
+// dial calls; the others: none) besides the TC programs.
+func (s *perfSock) sockProgs() ([]*ebpf.Program, error) {
+	f, err := os.Open(s.hooked)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var progs []*ebpf.Program
+	for _, at := range []ebpf.AttachType{
+		ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect,
+		ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
+		ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
+		ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
+	} {
+		q, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: at})
+		if err != nil {
+			return progs, fmt.Errorf("BPF statistics: query %s on %s: %w", at, s.hooked, err)
+		}
+		for _, ap := range q.Programs {
+			pr, err := ebpf.NewProgramFromID(ap.ID)
+			if err != nil {
+				return progs, err
+			}
+			progs = append(progs, pr)
+		}
+	}
+	if len(progs) == 0 {
+		return nil, fmt.Errorf("BPF statistics: no socket hook on %s", s.hooked)
+	}
+	return progs, nil
 }

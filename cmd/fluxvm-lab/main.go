@@ -9,7 +9,9 @@
 //	                  through an nftables DNAT load balancer, side by side;
 //	                  with -paths north-south (or all) also from the
 //	                  external client: direct, through a north-south VIP
-//	                  with TC only and with XDP native on the uplink
+//	                  with TC only and with XDP native on the uplink;
+//	                  with -paths socket (or all) a node-local client in a
+//	                  cgroup with the socket-LB hooks against vip and direct
 //
 // It needs root. Everything it creates lives in namespaces whose names end
 // in a per-run suffix, and is removed on exit, on Ctrl-C and on failure.
@@ -23,6 +25,8 @@ import (
 	"os/signal"
 	"sort"
 	"syscall"
+
+	"github.com/fluxvm/servicefabric/cmd/fluxvm-lab/internal/scenario"
 )
 
 // command is one subcommand; files register theirs in init.
@@ -34,11 +38,16 @@ type command struct {
 var commands = map[string]command{}
 
 func main() {
+	// A perf worker (sock-lb's client in its cgroup) is this binary too.
+	scenario.RunPerfWorkerIfAsked()
 	if len(os.Args) < 2 || commands[os.Args[1]].run == nil {
 		usage()
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// SIGPIPE too: output piped into a reader that quits (| head) would
+	// otherwise end the process on the spot and leave the lab behind; with
+	// it the write fails and the lab is torn down. SIGHUP: a closed terminal.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGPIPE)
 	err := commands[os.Args[1]].run(ctx, os.Args[2:])
 	stop()
 	if errors.Is(err, context.Canceled) {

@@ -14,7 +14,7 @@ import (
 
 func init() {
 	commands["perf"] = command{
-		summary: "the same workload direct, through our VIP and through nftables DNAT, side by side (-paths north-south: XDP vs TC-only vs direct from outside)",
+		summary: "the same workload direct, through our VIP and through nftables DNAT, side by side (-paths north-south: XDP vs TC-only vs direct from outside; -paths socket: socket LB vs TC vs direct)",
 		run: func(ctx context.Context, args []string) error {
 			fs := flag.NewFlagSet("perf", flag.ContinueOnError)
 			fs.Usage = func() {
@@ -27,7 +27,7 @@ func init() {
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
 			fs.IntVar(&o.MaxConns, "max-conns", o.MaxConns, "connections per measurement at most (1..10000000)")
-			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, north-south, all")
+			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), sock-lb (the VIP from a client in a cgroup with the socket-LB hooks), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, socket (direct, vip, sock-lb), north-south, all")
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
@@ -62,6 +62,21 @@ East-west paths (client VM vm1 to backend VM vm2), the default:
   direct     the backend's address, programs attached (the baseline)
   vip        our VIP, translated by the TC programs
   nft        a kube-proxy style nftables DNAT VIP
+Socket LB (-paths socket = direct,vip,sock-lb, or all):
+  sock-lb    our VIP from a client process in a cgroup with the socket-LB
+             hooks (cgroup connect4/6, sendmsg, recvmsg, getpeername): the
+             connect hook addresses the socket to the backend, so no packet
+             is translated
+The lab creates a cgroup under the cgroup v2 root (fluxvm-lab-perf-<suffix>)
+with two children: sock-lb, the dataplane's cgroup_path, and plain, without
+hooks. With sock-lb in the run, every east-west client is a worker process
+(this binary re-executed) in vm1's network namespace, alone in its cgroup:
+sock-lb's in sock-lb, the other paths' in plain, so the paths differ only in
+who translates. Every sock-lb measurement must raise the datapath counter
+sock_rewritten at least once per connection and leave the TC services' new
+flows and nftables alone; every other one must leave sock_rewritten alone.
+Target: sock-lb within 2% of direct on connections/s and ahead of vip
+(paired). The cgroups and the workers are removed on exit and on Ctrl-C.
 North-south paths (external client ext through the node's uplink to
 backend VM vm3; -paths north-south, or all):
   ns-direct  the backend's address, TC programs on the uplink, xdp_mode off

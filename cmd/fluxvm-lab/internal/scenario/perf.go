@@ -111,9 +111,11 @@ type PerfOptions struct {
 	Streams int
 	// MaxConns bounds the connections of one measurement. 1..10000000.
 	MaxConns int
-	// Paths are the paths to measure (EastWestPaths, NorthSouthPaths;
-	// ParsePerfPaths reads a list); empty means EastWestPaths. The
-	// north-south ones add a second table.
+	// Paths are the paths to measure (EastWestPaths, PathSockLB,
+	// NorthSouthPaths; ParsePerfPaths reads a list); empty means
+	// EastWestPaths. The north-south ones add a table, and so does
+	// PathSockLB (with PathDirect and PathVIP; it makes every east-west
+	// client a worker process, see perf_sock.go).
 	Paths []PerfPath
 	// Bare keeps PathBare among the paths: each such measurement
 	// detaches the datapath programs from the VM edges and attaches them
@@ -160,7 +162,7 @@ func (o PerfOptions) Validate() error {
 	}
 	seen := map[PerfPath]bool{}
 	for _, p := range o.Paths {
-		if !slices.Contains(EastWestPaths, p) && !slices.Contains(NorthSouthPaths, p) {
+		if !slices.Contains(allPerfPaths(), p) {
 			return fmt.Errorf("scenario: perf: unknown path %q", p)
 		}
 		if seen[p] {
@@ -178,7 +180,7 @@ func (o PerfOptions) paths() []PerfPath {
 		ps = EastWestPaths
 	}
 	var out []PerfPath
-	for _, p := range append(slices.Clone(EastWestPaths), NorthSouthPaths...) {
+	for _, p := range allPerfPaths() {
 		if slices.Contains(ps, p) && (p != PathBare || o.Bare) {
 			out = append(out, p)
 		}
@@ -193,6 +195,9 @@ func (o PerfOptions) eastWest() bool {
 }
 
 func (o PerfOptions) northSouth() bool { return slices.ContainsFunc(o.paths(), PerfPath.northSouth) }
+
+// sockLB reports whether the paths include PathSockLB.
+func (o PerfOptions) sockLB() bool { return slices.Contains(o.paths(), PathSockLB) }
 
 // PerfSample is one measurement: one workload on one path in one round.
 type PerfSample struct {
@@ -230,6 +235,11 @@ type PerfSample struct {
 	// measurement (all reasons), SNATFailed the snat_failed part: new
 	// north-south NAT flows that found no free SNAT port.
 	Drops, SNATFailed uint64
+	// SockRewritten is how much the datapath counter sock_rewritten rose
+	// during the measurement (connects and sends to a VIP that the
+	// socket hooks addressed to a backend), SockFailOpen how much the
+	// sock_fail_open_* counters rose (left to TC).
+	SockRewritten, SockFailOpen uint64
 	// CPU is the CPU time the measurement cost: the machine's busy time
 	// (all CPUs) less what other processes and the hypervisor (steal)
 	// took. It covers client, servers, kernel threads and the softirqs
@@ -270,13 +280,15 @@ type cpuSnap struct {
 	ok     bool
 }
 
-// readCPU reads /proc/stat and every other process's /proc/<pid>/stat.
+// readCPU reads /proc/stat and every other process's /proc/<pid>/stat
+// (other than ours and than skip: the perf workers, whose CPU time is the
+// measurement's).
 // A process that ends is reaped by a parent whose children time then
 // grows by all of it, so the sum over the processes alive at each
 // reading grows by exactly what ran in between. Kernel threads are left
 // out of it: their work here is mostly the workload's own (ksoftirqd,
 // RCU, kworkers).
-func readCPU() cpuSnap {
+func readCPU(skip ...int) cpuSnap {
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil {
 		return cpuSnap{}
@@ -304,7 +316,7 @@ func readCPU() cpuSnap {
 	self := os.Getpid()
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == self || pid == 2 {
+		if err != nil || pid == self || pid == 2 || slices.Contains(skip, pid) {
 			continue
 		}
 		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
@@ -378,6 +390,11 @@ type PerfReport struct {
 	Paths   []PerfPath
 	Checks  []PerfCheck
 	Samples []PerfSample
+	// SockCgroup is the cgroup the socket hooks were attached to, and
+	// WorkerPIDs the worker processes (with PathSockLB; both are gone
+	// when Perf returns).
+	SockCgroup string
+	WorkerPIDs []int
 	// Table is the printed results table.
 	Table string
 }
@@ -453,12 +470,32 @@ func Perf(ctx context.Context, w io.Writer, o PerfOptions) (rep *PerfReport, err
 			return nil, err
 		}
 	}
-	var env *Env
-	if o.northSouth() {
-		env, err = NewEnvConfig(2, o.Logger, perfNSConfig)
-	} else {
-		env, err = NewEnv(1, o.Logger)
+	// Socket LB: the cgroups exist before the dataplane opens with its
+	// hooks on one of them, and go after it (and the workers) closed.
+	var sock *perfSock
+	if o.sockLB() {
+		if sock, err = newPerfSock(); err != nil {
+			return nil, fmt.Errorf("scenario: perf: %w", err)
+		}
+		defer func() {
+			if cerr := sock.remove(); cerr != nil {
+				err = errors.Join(err, fmt.Errorf("scenario: perf: teardown: %w", cerr))
+			}
+		}()
 	}
+	configure := func(c *fluxvm.Config) {
+		if o.northSouth() {
+			perfNSConfig(c)
+		}
+		if sock != nil {
+			sock.configure(c)
+		}
+	}
+	backends := 1
+	if o.northSouth() {
+		backends = 2
+	}
+	env, err := NewEnvConfig(backends, o.Logger, configure)
 	if err != nil {
 		return nil, fmt.Errorf("scenario: perf: %w", err)
 	}
@@ -467,7 +504,7 @@ func Perf(ctx context.Context, w io.Writer, o PerfOptions) (rep *PerfReport, err
 			err = errors.Join(err, fmt.Errorf("scenario: perf: teardown: %w", cerr))
 		}
 	}()
-	p := &perfRun{o: o, w: w, env: env, backend: env.Backends[0], nft: &nftRunner{path: nftPath, ns: env.Lab.Node}}
+	p := &perfRun{o: o, w: w, env: env, backend: env.Backends[0], nft: &nftRunner{path: nftPath, ns: env.Lab.Node}, sock: sock}
 	p.rep = &PerfReport{Options: o}
 	defer p.close()
 	if err := p.setup(ctx); err != nil {
@@ -492,7 +529,8 @@ type perfRun struct {
 	nft      *nftRunner
 	sink     *perfSink
 	dialer   *perfDialer
-	ns       *perfNS // nil without north-south paths
+	ns       *perfNS   // nil without north-south paths
+	sock     *perfSock // nil without PathSockLB
 	rep      *PerfReport
 }
 
@@ -515,6 +553,9 @@ func (p *perfRun) close() {
 	if p.ns != nil {
 		p.ns.close()
 	}
+	if p.sock != nil {
+		p.sock.stopWorkers()
+	}
 }
 
 // source is the client address a path's connections come from. Each
@@ -530,6 +571,8 @@ func (p *perfRun) source(path PerfPath) netip.Addr {
 		return perfSourceVIP
 	case PathNFT:
 		return perfSourceNFT
+	case PathSockLB:
+		return perfSourceSock
 	case PathNSDirect:
 		return perfSourceNSDirect
 	case PathNSTC:
@@ -575,7 +618,7 @@ func (p *perfRun) target(path PerfPath, wl PerfWorkload) string {
 	}
 	var ap netip.AddrPort
 	switch path {
-	case PathVIP:
+	case PathVIP, PathSockLB:
 		ap = netip.AddrPortFrom(VIP4, pick(PerfEchoPort, PerfSinkPort))
 	case PathNFT:
 		ap = netip.AddrPortFrom(NFTVIP4, pick(PerfEchoPort, PerfSinkPort))
@@ -599,7 +642,7 @@ func (p *perfRun) setup(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("client sysctls: %w", err)
 	}
-	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare); err != nil {
+	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare, perfSourceSock); err != nil {
 		return err
 	}
 	if p.sink, err = startPerfSink(p.backend, SinkPort); err != nil {
@@ -627,6 +670,11 @@ func (p *perfRun) setup(ctx context.Context) error {
 	}
 	if p.o.northSouth() {
 		if err := p.setupNS(ctx); err != nil {
+			return err
+		}
+	}
+	if p.sock != nil {
+		if err := p.setupSock(); err != nil {
 			return err
 		}
 	}
@@ -682,6 +730,7 @@ type perfCounts struct {
 	flows                     uint64 // new flows of all of Perf's services
 	xdp, xdpPassed, xdpEgress uint64
 	drops, snatFailed         uint64
+	sockRewritten, sockOpen   uint64
 }
 
 // datapathCounts reads them through the SDK (fluxvm.Dataplane.Stats).
@@ -703,6 +752,12 @@ func (p *perfRun) datapathCounts() (perfCounts, error) {
 		c.drops += n
 	}
 	c.snatFailed = st.Drops["snat_failed"]
+	c.sockRewritten = st.Parser[cntSockRewritten]
+	for n, v := range st.Parser {
+		if strings.HasPrefix(n, cntSockFailOpen) {
+			c.sockOpen += v
+		}
+	}
 	return c, nil
 }
 
@@ -744,6 +799,13 @@ func (p *perfRun) openBPFProgs() error {
 		pr.Close()
 	}
 	p.progs = nil
+	if p.sock != nil {
+		sp, err := p.sock.sockProgs()
+		p.progs = append(p.progs, sp...)
+		if err != nil {
+			return err
+		}
+	}
 	return p.env.Lab.Node.Do(func() error {
 		targets := []struct {
 			name  string
@@ -851,6 +913,9 @@ func (p *perfRun) header() {
 			}
 		}
 	}
+	if p.sock != nil {
+		p.sockHeader()
+	}
 	if p.ns != nil {
 		p.printf("north-south paths (external client ext behind the node's %s, one backend %s in vm3; SNAT %s; conns / bulk destination):\n",
 			perfUplink, p.ns.backend.Addr4, perfNSSNAT4)
@@ -879,6 +944,8 @@ func perfDescribe(path PerfPath, echo, sink string) string {
 		return fmt.Sprintf("%s / %s, our VIP: Maglev in the TC programs, one backend", echo, sink)
 	case PathNFT:
 		return fmt.Sprintf("%s / %s, kube-proxy style nftables DNAT (table loaded for these measurements only)", echo, sink)
+	case PathSockLB:
+		return fmt.Sprintf("%s / %s, our VIP addressed to the backend at connect by the socket hooks (client in the hooked cgroup), no per-packet NAT", echo, sink)
 	case PathNSDirect:
 		return fmt.Sprintf("%s / %s, routed by the node, TC programs on the uplink, xdp_mode off (baseline)", echo, sink)
 	case PathNSTC:
@@ -973,16 +1040,21 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	cpu0, t0 := readCPU(), time.Now()
-	if wl == WorkloadConns {
+	skip := p.workerPIDs()
+	cpu0, t0 := readCPU(skip...), time.Now()
+	switch wk := p.workerFor(path); {
+	case wk != nil:
+		s, err = wk.run(ctx, perfWorkerRequest{Workload: wl, Source: p.source(path), Target: p.target(path, wl), Want: p.backendFor(path).Name,
+			Workers: p.o.Workers, Streams: p.o.Streams, Duration: d, MaxConns: maxConns})
+	case wl == WorkloadConns:
 		s, err = perfRunConns(ctx, p.dialerFor(path), p.source(path), p.target(path, wl), p.backendFor(path).Name, p.o.Workers, d, maxConns)
-	} else {
+	default:
 		s, err = perfRunBulk(ctx, p.dialerFor(path), p.source(path), p.target(path, wl), p.o.Streams, d)
 	}
 	if err != nil {
 		return s, err
 	}
-	s.account(cpu0, readCPU(), time.Since(t0))
+	s.account(cpu0, readCPU(skip...), time.Since(t0))
 	bpf1, runs1, err := p.bpfTime()
 	if err != nil {
 		return s, err
@@ -1000,6 +1072,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	s.DatapathFlows, s.NFTConns = c1.flows-c0.flows, nft1-nft0
 	s.XDPTranslated, s.XDPPassed, s.XDPPassEgress = c1.xdp-c0.xdp, c1.xdpPassed-c0.xdpPassed, c1.xdpEgress-c0.xdpEgress
 	s.Drops, s.SNATFailed = c1.drops-c0.drops, c1.snatFailed-c0.snatFailed
+	s.SockRewritten, s.SockFailOpen = c1.sockRewritten-c0.sockRewritten, c1.sockOpen-c0.sockOpen
 	return s, nil
 }
 
@@ -1018,7 +1091,7 @@ func (p *perfRun) checkSample(s PerfSample) error {
 	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect) && (s.DatapathFlows != 0 || s.NFTConns != 0):
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
 	}
-	return checkNSSample(s)
+	return errors.Join(checkSockSample(s), checkNSSample(s))
 }
 
 func (p *perfRun) printSample(s PerfSample) {
@@ -1040,6 +1113,11 @@ func (p *perfRun) printSample(s PerfSample) {
 		via = fmt.Sprintf("; nftables new conns %d", s.NFTConns)
 	case PathNSTC, PathNSXDP:
 		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
+	case PathSockLB:
+		via = fmt.Sprintf("; sock_rewritten +%d; datapath new flows %d", s.SockRewritten, s.DatapathFlows)
+	}
+	if s.SockFailOpen > 0 || (s.SockRewritten > 0 && s.Path != PathSockLB) {
+		via += fmt.Sprintf("; sock_rewritten +%d, sock_fail_open_* +%d", s.SockRewritten, s.SockFailOpen)
 	}
 	if s.Path.northSouth() {
 		via += fmt.Sprintf("; xdp_translated +%d", s.XDPTranslated)
@@ -1063,7 +1141,7 @@ func (p *perfRun) printSample(s PerfSample) {
 		failed += fmt.Sprintf("; %d FAILED (%s)", s.Failed, s.FirstError)
 	}
 	width := 6
-	if p.ns != nil {
+	if p.ns != nil || p.sock != nil {
 		width = 9
 	}
 	p.printf("%-11s %-5s %-*s %s%s%s\n", tag, s.Workload, width, s.Path, fig, via, failed)
@@ -1085,7 +1163,11 @@ func (p *perfRun) verify(ctx context.Context) error {
 	burst := min(p.o.Duration, 500*time.Millisecond)
 	const burstConns = 200
 	if p.o.eastWest() {
-		p.printf("checks (nftables table and a prerouting probe loaded for all three paths):\n")
+		n := "three"
+		if p.sock != nil {
+			n = "four"
+		}
+		p.printf("checks (nftables table and a prerouting probe loaded for all %s paths):\n", n)
 		if err := p.verifyEastWest(ctx, burst, burstConns); err != nil {
 			return err
 		}
@@ -1126,7 +1208,15 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 	if err := p.nft.apply(ctx, probe); err != nil {
 		return err
 	}
-	for _, path := range []PerfPath{PathDirect, PathVIP, PathNFT} {
+	checked := []PerfPath{PathDirect, PathVIP, PathNFT}
+	if p.sock != nil {
+		checked = append(checked, PathSockLB)
+	}
+	for _, path := range checked {
+		c0, err := p.datapathCounts()
+		if err != nil {
+			return err
+		}
 		m0, err := p.nft.counters(ctx)
 		if err != nil {
 			return err
@@ -1136,6 +1226,11 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 			return err
 		}
 		flows, okConns := b.flows, b.ok
+		c1, err := p.datapathCounts()
+		if err != nil {
+			return err
+		}
+		rew := c1.sockRewritten - c0.sockRewritten
 		m1, err := p.nft.counters(ctx)
 		if err != nil {
 			return err
@@ -1161,16 +1256,22 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 		switch path {
 		case PathDirect:
 			c = PerfCheck{Name: "direct is translated by neither",
-				OK: flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
+				OK: flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0 && rew == 0}
 		case PathVIP:
 			c = PerfCheck{Name: "vip is translated by our datapath before netfilter sees it",
-				OK: flows >= okConns && nftSvc == 0 && toOurs == 0}
+				OK: flows >= okConns && nftSvc == 0 && toOurs == 0 && rew == 0}
 		case PathNFT:
 			c = PerfCheck{Name: "nft is translated by nftables, passed on untouched by our datapath",
-				OK: flows == 0 && nftSvc >= okConns && toNFT > 0}
+				OK: flows == 0 && nftSvc >= okConns && toNFT > 0 && rew == 0}
+		case PathSockLB:
+			c = PerfCheck{Name: "sock-lb is addressed to the backend at connect by the socket hooks; TC and netfilter translate nothing",
+				OK: rew >= okConns && flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
 		}
 		c.Detail = fmt.Sprintf("%d connections; datapath new flows %d; nftables service chains %d; prerouting packets to %s %d, to %s %d",
 			okConns, flows, nftSvc, VIP4, toOurs, NFTVIP4, toNFT)
+		if p.sock != nil {
+			c.Detail += fmt.Sprintf("; sock_rewritten +%d", rew)
+		}
 		p.rep.Checks = append(p.rep.Checks, c)
 	}
 	if err := p.unloadNFT(); err != nil {
@@ -1226,13 +1327,23 @@ func (p *perfRun) table() string {
 	default:
 		fmt.Fprintf(&b, "results: median of %d round(s); spread = (max-min)/median\n", rounds)
 	}
-	var ew, ns []PerfPath
+	var ew, ns, sock []PerfPath
 	for _, path := range r.Paths {
-		if path.northSouth() {
+		switch {
+		case path.northSouth():
 			ns = append(ns, path)
-		} else {
+		case path == PathSockLB:
+		default:
 			ew = append(ew, path)
 		}
+		if slices.Contains(SocketPaths, path) && slices.Contains(r.Paths, PathSockLB) {
+			sock = append(sock, path)
+		}
+	}
+	// With sock-lb, the east-west table is printed when it has more
+	// than the socket table shows.
+	if len(sock) > 0 && !slices.ContainsFunc(ew, func(p PerfPath) bool { return !slices.Contains(SocketPaths, p) }) {
+		ew = nil
 	}
 	if len(ew) > 0 {
 		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}})
@@ -1242,6 +1353,14 @@ func (p *perfRun) table() string {
 	}
 	if len(ew) > 0 {
 		p.targets(&b)
+	}
+	if len(sock) > 0 {
+		if len(ew) > 0 {
+			fmt.Fprintf(&b, "\n")
+		}
+		fmt.Fprintf(&b, "socket LB (vm1 -> vm2; every client a worker process, sock-lb's in the hooked cgroup):\n")
+		p.tableOf(&b, sock, []perfRatio{{"sock-lb/direct", PathSockLB, PathDirect}, {"sock-lb/vip", PathSockLB, PathVIP}})
+		p.sockTargets(&b)
 	}
 	if len(ns) > 0 {
 		if len(ew) > 0 {
@@ -1756,13 +1875,22 @@ func newPerfDialer(ns *nsutil.NS) (*perfDialer, error) {
 	return &perfDialer{ns: ns, home: home}, nil
 }
 
-func (d *perfDialer) close() { d.home.Close() }
+func (d *perfDialer) close() {
+	if d.ns != nil {
+		d.home.Close()
+	}
+}
 
 // dial connects from src to addr (IPv4 "a.b.c.d:port") in the namespace.
 // The port is chosen at connect(2) (IP_BIND_ADDRESS_NO_PORT), as without
 // a bind, so ports are shared between destinations. On errStrayThread the
-// calling goroutine stays locked to its thread and must end.
+// calling goroutine stays locked to its thread and must end. A dialer
+// without ns (a perf worker's, which runs in the client's namespace)
+// dials with the same options and switches nothing.
 func (d *perfDialer) dial(ctx context.Context, src netip.Addr, addr string) (net.Conn, error) {
+	if d.ns == nil {
+		return d.dialerFrom(src, func() error { return nil }).DialContext(ctx, "tcp4", addr)
+	}
 	runtime.LockOSThread()
 	if err := netns.Set(d.ns.Handle()); err != nil {
 		runtime.UnlockOSThread()
@@ -1779,11 +1907,24 @@ func (d *perfDialer) dial(ctx context.Context, src netip.Addr, addr string) (net
 		}
 		return leaveErr
 	}
-	nd := net.Dialer{
+	nd := d.dialerFrom(src, leave)
+	c, err := nd.DialContext(ctx, "tcp4", addr)
+	if lerr := leave(); lerr != nil {
+		if c != nil {
+			c.Close()
+		}
+		return nil, fmt.Errorf("%w: %v", errStrayThread, lerr)
+	}
+	return c, err
+}
+
+// dialerFrom is the net.Dialer of dial: from src, its port chosen at
+// connect(2), leave called after socket(2), before bind(2) and connect(2).
+func (d *perfDialer) dialerFrom(src netip.Addr, leave func() error) *net.Dialer {
+	return &net.Dialer{
 		Timeout:   perfOpTimeout,
 		KeepAlive: -1,
 		LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0)),
-		// Called after socket(2), before bind(2) and connect(2).
 		ControlContext: func(_ context.Context, _, _ string, rc syscall.RawConn) error {
 			var serr error
 			if err := rc.Control(func(fd uintptr) {
@@ -1794,14 +1935,6 @@ func (d *perfDialer) dial(ctx context.Context, src netip.Addr, addr string) (net
 			return errors.Join(leave(), serr)
 		},
 	}
-	c, err := nd.DialContext(ctx, "tcp4", addr)
-	if lerr := leave(); lerr != nil {
-		if c != nil {
-			c.Close()
-		}
-		return nil, fmt.Errorf("%w: %v", errStrayThread, lerr)
-	}
-	return c, err
 }
 
 // checkSums are the counts of a check burst on one path, both workloads.

@@ -96,15 +96,19 @@ func (p PerfPath) xdpWanted() (on, ok bool) {
 }
 
 // ParsePerfPaths parses a comma-separated list of paths and groups
-// ("east-west" or "ew", "north-south" or "ns", "all") into paths in
-// table order, without repeats.
+// ("east-west" or "ew", "north-south" or "ns", "socket" or "sock": the
+// SocketPaths, "all") into paths in table order, without repeats.
 func ParsePerfPaths(s string) ([]PerfPath, error) {
 	want := map[PerfPath]bool{}
 	for _, f := range strings.Split(s, ",") {
 		f = strings.TrimSpace(f)
 		switch f {
 		case "all":
-			for _, p := range append(slices.Clone(EastWestPaths), NorthSouthPaths...) {
+			for _, p := range allPerfPaths() {
+				want[p] = true
+			}
+		case "socket", "sock":
+			for _, p := range SocketPaths {
 				want[p] = true
 			}
 		case "east-west", "ew":
@@ -117,14 +121,14 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 			}
 		default:
 			p := PerfPath(f)
-			if !slices.Contains(EastWestPaths, p) && !slices.Contains(NorthSouthPaths, p) {
-				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, all)", f, strings.Join(pathNames(append(slices.Clone(EastWestPaths), NorthSouthPaths...)), ", "))
+			if !slices.Contains(allPerfPaths(), p) {
+				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, socket, all)", f, strings.Join(pathNames(allPerfPaths()), ", "))
 			}
 			want[p] = true
 		}
 	}
 	var out []PerfPath
-	for _, p := range append(slices.Clone(EastWestPaths), NorthSouthPaths...) {
+	for _, p := range allPerfPaths() {
 		if want[p] {
 			out = append(out, p)
 		}

@@ -5,13 +5,25 @@ package scenario
 import (
 	"bytes"
 	"context"
+	"errors"
+	"io/fs"
 	"net/netip"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/fluxvm/servicefabric/internal/cgroup2"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
+
+// TestMain lets this test binary serve as Perf's worker process (the
+// sock-lb client runs in a cgroup of its own, as a re-executed binary).
+func TestMain(m *testing.M) {
+	RunPerfWorkerIfAsked()
+	os.Exit(m.Run())
+}
 
 // TestPerfSmoke runs the whole of `fluxvm-lab perf` with tiny bounds: the
 // checks must pass, every path must move traffic in both workloads through
@@ -211,7 +223,10 @@ func TestParsePerfPaths(t *testing.T) {
 		"ew":                "bare,direct,vip,nft",
 		"ns":                "ns-direct,ns-tc,ns-xdp",
 		"north-south":       "ns-direct,ns-tc,ns-xdp",
-		"all":               "bare,direct,vip,nft,ns-direct,ns-tc,ns-xdp",
+		"all":               "bare,direct,vip,nft,sock-lb,ns-direct,ns-tc,ns-xdp",
+		"socket":            "direct,vip,sock-lb",
+		"sock,nft":          "direct,vip,nft,sock-lb",
+		"sock-lb":           "sock-lb",
 		"ns-xdp, direct,ns": "direct,ns-direct,ns-tc,ns-xdp",
 		"vip,vip":           "vip",
 	} {
@@ -228,10 +243,10 @@ func TestParsePerfPaths(t *testing.T) {
 	o := DefaultPerfOptions()
 	o.Paths, _ = ParsePerfPaths("all")
 	o.Bare = false
-	if got := strings.Join(pathNames(o.paths()), ","); got != "direct,vip,nft,ns-direct,ns-tc,ns-xdp" {
+	if got := strings.Join(pathNames(o.paths()), ","); got != "direct,vip,nft,sock-lb,ns-direct,ns-tc,ns-xdp" {
 		t.Errorf("all without bare: %s", got)
 	}
-	if !o.northSouth() || !o.eastWest() {
+	if !o.northSouth() || !o.eastWest() || !o.sockLB() {
 		t.Errorf("all: north-south %v, east-west %v", o.northSouth(), o.eastWest())
 	}
 	o.Paths = NorthSouthPaths
@@ -240,6 +255,9 @@ func TestParsePerfPaths(t *testing.T) {
 	}
 	if got := strings.Join(pathNames(DefaultPerfOptions().paths()), ","); got != "bare,direct,vip,nft" {
 		t.Errorf("default paths %s, want the east-west ones", got)
+	}
+	if DefaultPerfOptions().sockLB() {
+		t.Errorf("the default run has sock-lb")
 	}
 }
 
@@ -281,6 +299,135 @@ func TestKubeProxyRuleset(t *testing.T) {
 	} {
 		if !strings.Contains(s, want+"\n") {
 			t.Errorf("ruleset lacks %q:\n%s", want, s)
+		}
+	}
+}
+
+// TestPerfSocketLB runs the socket group of `fluxvm-lab perf` (direct,
+// vip, sock-lb) with tiny bounds: the checks must pass; every sock-lb
+// measurement must raise sock_rewritten at least once per connection and
+// leave the TC services' new flows and nftables alone, every direct and
+// vip one must leave sock_rewritten alone; the socket table and its
+// target line must be there; and the cgroups and the worker processes
+// must be gone afterwards. It says nothing about speed.
+func TestPerfSocketLB(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	for _, need := range []func() error{
+		func() error { _, err := NFTPath(); return err },
+		func() error { _, err := cgroup2.Root(); return err },
+	} {
+		if err := need(); err != nil {
+			if testenv.Required() {
+				t.Fatalf("%v (%s=1 is set, so this fails instead of skipping)", err, testenv.RequireEnv)
+			}
+			t.Skipf("skipping: %v", err)
+		}
+	}
+	root, _ := cgroup2.Root()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	o := DefaultPerfOptions()
+	o.Paths = SocketPaths
+	o.Rounds = 1
+	o.Duration = 200 * time.Millisecond
+	o.Workers = 2
+	o.MaxConns = 2000
+	o.MaxOthers = 0
+	var out bytes.Buffer
+	rep, err := Perf(ctx, &out, o)
+	t.Logf("output:\n%s", out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(pathNames(rep.Paths), ","); got != "direct,vip,sock-lb" {
+		t.Errorf("paths %s, want direct,vip,sock-lb", got)
+	}
+	if len(rep.Checks) != 5 {
+		t.Errorf("%d checks, want 5", len(rep.Checks))
+	}
+	for _, c := range rep.Checks {
+		if !c.OK {
+			t.Errorf("check failed: %s: %s", c.Name, c.Detail)
+		}
+	}
+	for _, p := range SocketPaths {
+		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+			ss := rep.samples(p, wl)
+			if len(ss) != 1 {
+				t.Errorf("%s on %s: %d samples, want 1", wl, p, len(ss))
+				continue
+			}
+			s := ss[0]
+			if s.OK == 0 || s.Rate() <= 0 || s.Failed != 0 {
+				t.Errorf("%s on %s: %d ok, %d failed (%s), rate %v", wl, p, s.OK, s.Failed, s.FirstError, s.Rate())
+			}
+			if s.NFTConns != 0 || s.SockFailOpen != 0 {
+				t.Errorf("%s on %s: nftables %d, sock_fail_open_* +%d", wl, p, s.NFTConns, s.SockFailOpen)
+			}
+			switch p {
+			case PathSockLB:
+				if s.SockRewritten < uint64(s.OK) || s.DatapathFlows != 0 {
+					t.Errorf("%s on sock-lb: %d ok, sock_rewritten +%d, datapath new flows %d", wl, s.OK, s.SockRewritten, s.DatapathFlows)
+				}
+			case PathVIP:
+				if s.SockRewritten != 0 || s.DatapathFlows < uint64(s.OK) {
+					t.Errorf("%s on vip: %d ok, sock_rewritten +%d, datapath new flows %d", wl, s.OK, s.SockRewritten, s.DatapathFlows)
+				}
+			case PathDirect:
+				if s.SockRewritten != 0 || s.DatapathFlows != 0 {
+					t.Errorf("%s on direct: sock_rewritten +%d, datapath new flows %d", wl, s.SockRewritten, s.DatapathFlows)
+				}
+			}
+		}
+	}
+	for _, row := range []string{"socket LB (", "sock-lb/direct", "sock-lb/vip", "connections/s", "bulk Gbit/s",
+		"target sock-lb connections/s:", "within 2%", "compare sock-lb bulk throughput:", "sock-lb over all rounds:"} {
+		if !strings.Contains(rep.Table, row) {
+			t.Errorf("table has no %q:\n%s", row, rep.Table)
+		}
+	}
+	if strings.Contains(rep.Table, "vip/nft") {
+		t.Errorf("the east-west table was printed for the socket group alone:\n%s", rep.Table)
+	}
+	for _, want := range []string{"socket LB: hooks connect4,", "CLONE_INTO_CGROUP"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the output does not say how sock-lb ran (%q)", want)
+		}
+	}
+	// Nothing left: no cgroup of ours, no worker.
+	if rep.SockCgroup == "" || !strings.HasPrefix(rep.SockCgroup, root+"/fluxvm-lab-perf-") {
+		t.Errorf("sock cgroup %q, want one of ours under %s", rep.SockCgroup, root)
+	}
+	if _, err := os.Stat(rep.SockCgroup); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("cgroup %s left behind: %v", rep.SockCgroup, err)
+	}
+	for _, pid := range rep.WorkerPIDs {
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			t.Errorf("worker %d still there: %v", pid, err)
+		}
+	}
+}
+
+// TestCheckSockSample: the per-measurement check fails a run whose socket
+// counters contradict the path.
+func TestCheckSockSample(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		s    PerfSample
+		ok   bool
+	}{
+		{"sock-lb", PerfSample{Path: PathSockLB, Workload: WorkloadConns, OK: 100, SockRewritten: 100}, true},
+		{"sock-lb, some left to TC", PerfSample{Path: PathSockLB, Workload: WorkloadConns, OK: 100, SockRewritten: 99, DatapathFlows: 1}, false},
+		{"sock-lb, hooks idle", PerfSample{Path: PathSockLB, Workload: WorkloadBulk, OK: 2}, false},
+		{"sock-lb, TC translated too", PerfSample{Path: PathSockLB, Workload: WorkloadConns, OK: 100, SockRewritten: 100, DatapathFlows: 100}, false},
+		{"sock-lb, nftables", PerfSample{Path: PathSockLB, Workload: WorkloadConns, OK: 100, SockRewritten: 100, NFTConns: 1}, false},
+		{"vip", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100}, true},
+		{"vip, hooked", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100, SockRewritten: 3}, false},
+		{"direct, hooked", PerfSample{Path: PathDirect, Workload: WorkloadBulk, OK: 2, SockRewritten: 1}, false},
+	} {
+		err := checkSockSample(c.s)
+		if (err == nil) != c.ok {
+			t.Errorf("%s: error %v, want ok %v", c.name, err, c.ok)
 		}
 	}
 }

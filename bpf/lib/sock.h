@@ -129,7 +129,7 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 	struct fluxvm_backend *be = NULL;
 	__u8 proto = ctx->protocol, family;
 	__u32 sid, bid = 0;
-	__u64 cookie, now;
+	__u64 cookie, now = 0;
 
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return;
@@ -147,15 +147,19 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 	}
 	family = a.v6 ? FLUXVM_AF_INET6 : FLUXVM_AF_INET;
 	cookie = bpf_get_socket_cookie(ctx);
-	now = bpf_ktime_get_coarse_ns();
 
 	k.cookie = cookie;
 	__builtin_memcpy(k.vip, a.addr, 16);
 	k.vport = a.port;
 	k.proto = proto;
 	k.family = family;
-	sv = bpf_map_lookup_elem(&fluxvm_sock_fwd, &k);
+	/* Only a UDP socket has an association to keep (a TCP socket
+	 * connects once): a TCP connect pays no lookup and no clock. */
+	sv = NULL;
+	if (proto == IPPROTO_UDP)
+		sv = bpf_map_lookup_elem(&fluxvm_sock_fwd, &k);
 	if (sv && sv->service_id == sid) {
+		now = bpf_ktime_get_coarse_ns();
 		bid = sv->backend_id;
 		be = fluxvm_backend_get(bid);
 		if (fluxvm_backend_keeps(be, sid, now) && be->family == family)
@@ -192,7 +196,8 @@ write:
 	rk.port = be->port;
 	rk.proto = proto;
 	rk.family = family;
-	old = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
+	/* A new TCP socket has no way back yet: written without a look. */
+	old = proto == IPPROTO_UDP ? bpf_map_lookup_elem(&fluxvm_sock_rev, &rk) : NULL;
 	if (!old || old->service_id != sid || old->backend_id != bid || old->vport != a.port ||
 	    old->vip[0] != a.addr[0] || old->vip[1] != a.addr[1] || old->vip[2] != a.addr[2] ||
 	    old->vip[3] != a.addr[3]) {
@@ -290,17 +295,20 @@ static __always_inline void fluxvm_sock_forget(struct bpf_sock *ctx)
 	}
 	rk.cookie = bpf_get_socket_cookie(ctx);
 	rk.proto = proto;
+	if (proto == IPPROTO_TCP) {
+		/* A TCP socket has nothing but its way back. */
+		bpf_map_delete_elem(&fluxvm_sock_rev, &rk);
+		return;
+	}
 	rv = bpf_map_lookup_elem(&fluxvm_sock_rev, &rk);
 	if (!rv)
 		return;
-	if (proto == IPPROTO_UDP) {
-		k.cookie = rk.cookie;
-		__builtin_memcpy(k.vip, rv->vip, 16);
-		k.vport = rv->vport;
-		k.proto = IPPROTO_UDP;
-		k.family = rv->family;
-		bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
-	}
+	k.cookie = rk.cookie;
+	__builtin_memcpy(k.vip, rv->vip, 16);
+	k.vport = rv->vport;
+	k.proto = IPPROTO_UDP;
+	k.family = rv->family;
+	bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
 	bpf_map_delete_elem(&fluxvm_sock_rev, &rk);
 }
 

@@ -27,7 +27,7 @@ func init() {
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
 			fs.IntVar(&o.MaxConns, "max-conns", o.MaxConns, "connections per measurement at most (1..10000000)")
-			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), sock-lb (the VIP from a client in a cgroup with the socket-LB hooks), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, socket (direct, vip, sock-lb), north-south, all")
+			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), sock-lb (the VIP from a client in a cgroup with the socket-LB hooks), sock-direct (diagnostic: the backend's address from that client), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, socket (direct, vip, sock-lb), socket-diag (socket and sock-direct), north-south, all (without sock-direct)")
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
@@ -67,6 +67,12 @@ Socket LB (-paths socket = direct,vip,sock-lb, or all):
              hooks (cgroup connect4/6, sendmsg, recvmsg, getpeername): the
              connect hook addresses the socket to the backend, so no packet
              is translated
+  sock-direct (diagnostic; -paths socket-diag = socket and sock-direct)
+             the backend's address from sock-lb's client: the hooks run and
+             rewrite nothing. sock-direct/direct is the cost of the hooks,
+             sock-lb/sock-direct that of the rewrite; every sock-direct
+             measurement must leave sock_rewritten and the datapath's new
+             flows alone
 The lab creates a cgroup under the cgroup v2 root (fluxvm-lab-perf-<suffix>)
 with two children: sock-lb, the dataplane's cgroup_path, and plain, without
 hooks. With sock-lb in the run, every east-west client is a worker process

@@ -112,10 +112,10 @@ type PerfOptions struct {
 	// MaxConns bounds the connections of one measurement. 1..10000000.
 	MaxConns int
 	// Paths are the paths to measure (EastWestPaths, PathSockLB,
-	// NorthSouthPaths; ParsePerfPaths reads a list); empty means
-	// EastWestPaths. The north-south ones add a table, and so does
-	// PathSockLB (with PathDirect and PathVIP; it makes every east-west
-	// client a worker process, see perf_sock.go).
+	// PathSockDirect, NorthSouthPaths; ParsePerfPaths reads a list);
+	// empty means EastWestPaths. The north-south ones add a table, and so
+	// do PathSockLB and PathSockDirect (with PathDirect and PathVIP; they
+	// make every east-west client a worker process, see perf_sock.go).
 	Paths []PerfPath
 	// Bare keeps PathBare among the paths: each such measurement
 	// detaches the datapath programs from the VM edges and attaches them
@@ -196,8 +196,9 @@ func (o PerfOptions) eastWest() bool {
 
 func (o PerfOptions) northSouth() bool { return slices.ContainsFunc(o.paths(), PerfPath.northSouth) }
 
-// sockLB reports whether the paths include PathSockLB.
-func (o PerfOptions) sockLB() bool { return slices.Contains(o.paths(), PathSockLB) }
+// sockLB reports whether the paths include PathSockLB or PathSockDirect:
+// the hooked cgroup and the workers.
+func (o PerfOptions) sockLB() bool { return slices.ContainsFunc(o.paths(), PerfPath.sockPath) }
 
 // PerfSample is one measurement: one workload on one path in one round.
 type PerfSample struct {
@@ -573,6 +574,8 @@ func (p *perfRun) source(path PerfPath) netip.Addr {
 		return perfSourceNFT
 	case PathSockLB:
 		return perfSourceSock
+	case PathSockDirect:
+		return perfSourceSockDirect
 	case PathNSDirect:
 		return perfSourceNSDirect
 	case PathNSTC:
@@ -642,7 +645,7 @@ func (p *perfRun) setup(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("client sysctls: %w", err)
 	}
-	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare, perfSourceSock); err != nil {
+	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare, perfSourceSock, perfSourceSockDirect); err != nil {
 		return err
 	}
 	if p.sink, err = startPerfSink(p.backend, SinkPort); err != nil {
@@ -909,7 +912,7 @@ func (p *perfRun) header() {
 		p.printf("east-west paths (client vm1, one backend %s in vm2; conns / bulk destination):\n", p.backend.Addr4)
 		for _, path := range p.rep.Paths {
 			if !path.northSouth() {
-				p.printf("  %-9s from %s to %s\n", path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
+				p.printf("  %-*s from %s to %s\n", p.pathWidth(), path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
 			}
 		}
 	}
@@ -921,7 +924,7 @@ func (p *perfRun) header() {
 			perfUplink, p.ns.backend.Addr4, perfNSSNAT4)
 		for _, path := range p.rep.Paths {
 			if path.northSouth() {
-				p.printf("  %-9s from %s to %s\n", path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
+				p.printf("  %-*s from %s to %s\n", p.pathWidth(), path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
 			}
 		}
 		p.printf("  ext computes its TX checksums (offload off) and vm3's eth0 runs an XDP_PASS program, for all three (XDP needs both)\n")
@@ -932,6 +935,16 @@ func (p *perfRun) header() {
 	}
 	p.printf("workloads: conns = connect, read identity, 4-byte echo, close (%d workers, at most %d per measurement); bulk = %d stream(s) into a sink\n\n",
 		p.o.Workers, p.o.MaxConns, p.o.Streams)
+}
+
+// pathWidth is the width of the path names in the header: 9, or the
+// longest path's.
+func (p *perfRun) pathWidth() int {
+	w := 9
+	for _, path := range p.rep.Paths {
+		w = max(w, len(path))
+	}
+	return w
 }
 
 func perfDescribe(path PerfPath, echo, sink string) string {
@@ -946,6 +959,8 @@ func perfDescribe(path PerfPath, echo, sink string) string {
 		return fmt.Sprintf("%s / %s, kube-proxy style nftables DNAT (table loaded for these measurements only)", echo, sink)
 	case PathSockLB:
 		return fmt.Sprintf("%s / %s, our VIP addressed to the backend at connect by the socket hooks (client in the hooked cgroup), no per-packet NAT", echo, sink)
+	case PathSockDirect:
+		return fmt.Sprintf("%s / %s, the backend's address from sock-lb's worker in the hooked cgroup: the hooks run, rewrite nothing (diagnostic)", echo, sink)
 	case PathNSDirect:
 		return fmt.Sprintf("%s / %s, routed by the node, TC programs on the uplink, xdp_mode off (baseline)", echo, sink)
 	case PathNSTC:
@@ -1088,7 +1103,7 @@ func (p *perfRun) checkSample(s PerfSample) error {
 		return fmt.Errorf("%s on %s: %d connections, but the datapath counted %d new flows and nftables %d", s.Workload, s.Path, s.OK, s.DatapathFlows, s.NFTConns)
 	case s.Path == PathNFT && (s.NFTConns < ok || s.DatapathFlows != 0):
 		return fmt.Errorf("%s on %s: %d connections, but nftables counted %d and the datapath %d new flows", s.Workload, s.Path, s.OK, s.NFTConns, s.DatapathFlows)
-	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect) && (s.DatapathFlows != 0 || s.NFTConns != 0):
+	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect || s.Path == PathSockDirect) && (s.DatapathFlows != 0 || s.NFTConns != 0):
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
 	}
 	return errors.Join(checkSockSample(s), checkNSSample(s))
@@ -1113,10 +1128,10 @@ func (p *perfRun) printSample(s PerfSample) {
 		via = fmt.Sprintf("; nftables new conns %d", s.NFTConns)
 	case PathNSTC, PathNSXDP:
 		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
-	case PathSockLB:
+	case PathSockLB, PathSockDirect:
 		via = fmt.Sprintf("; sock_rewritten +%d; datapath new flows %d", s.SockRewritten, s.DatapathFlows)
 	}
-	if s.SockFailOpen > 0 || (s.SockRewritten > 0 && s.Path != PathSockLB) {
+	if s.SockFailOpen > 0 || (s.SockRewritten > 0 && !s.Path.sockPath()) {
 		via += fmt.Sprintf("; sock_rewritten +%d, sock_fail_open_* +%d", s.SockRewritten, s.SockFailOpen)
 	}
 	if s.Path.northSouth() {
@@ -1144,6 +1159,9 @@ func (p *perfRun) printSample(s PerfSample) {
 	if p.ns != nil || p.sock != nil {
 		width = 9
 	}
+	for _, path := range p.rep.Paths {
+		width = max(width, len(path))
+	}
 	p.printf("%-11s %-5s %-*s %s%s%s\n", tag, s.Workload, width, s.Path, fig, via, failed)
 }
 
@@ -1166,6 +1184,9 @@ func (p *perfRun) verify(ctx context.Context) error {
 		n := "three"
 		if p.sock != nil {
 			n = "four"
+			if slices.Contains(p.rep.Paths, PathSockDirect) {
+				n = "five"
+			}
 		}
 		p.printf("checks (nftables table and a prerouting probe loaded for all %s paths):\n", n)
 		if err := p.verifyEastWest(ctx, burst, burstConns); err != nil {
@@ -1211,6 +1232,9 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 	checked := []PerfPath{PathDirect, PathVIP, PathNFT}
 	if p.sock != nil {
 		checked = append(checked, PathSockLB)
+		if slices.Contains(p.rep.Paths, PathSockDirect) {
+			checked = append(checked, PathSockDirect)
+		}
 	}
 	for _, path := range checked {
 		c0, err := p.datapathCounts()
@@ -1266,6 +1290,9 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 		case PathSockLB:
 			c = PerfCheck{Name: "sock-lb is addressed to the backend at connect by the socket hooks; TC and netfilter translate nothing",
 				OK: rew >= okConns && flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
+		case PathSockDirect:
+			c = PerfCheck{Name: "sock-direct passes the socket hooks untouched; translated by nothing",
+				OK: rew == 0 && flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
 		}
 		c.Detail = fmt.Sprintf("%d connections; datapath new flows %d; nftables service chains %d; prerouting packets to %s %d, to %s %d",
 			okConns, flows, nftSvc, VIP4, toOurs, NFTVIP4, toNFT)
@@ -1332,17 +1359,17 @@ func (p *perfRun) table() string {
 		switch {
 		case path.northSouth():
 			ns = append(ns, path)
-		case path == PathSockLB:
+		case path.sockPath():
 		default:
 			ew = append(ew, path)
 		}
-		if slices.Contains(SocketPaths, path) && slices.Contains(r.Paths, PathSockLB) {
+		if slices.Contains(SocketDiagPaths, path) && slices.ContainsFunc(r.Paths, PerfPath.sockPath) {
 			sock = append(sock, path)
 		}
 	}
 	// With sock-lb, the east-west table is printed when it has more
 	// than the socket table shows.
-	if len(sock) > 0 && !slices.ContainsFunc(ew, func(p PerfPath) bool { return !slices.Contains(SocketPaths, p) }) {
+	if len(sock) > 0 && !slices.ContainsFunc(ew, func(p PerfPath) bool { return !slices.Contains(SocketDiagPaths, p) }) {
 		ew = nil
 	}
 	if len(ew) > 0 {
@@ -1358,8 +1385,16 @@ func (p *perfRun) table() string {
 		if len(ew) > 0 {
 			fmt.Fprintf(&b, "\n")
 		}
-		fmt.Fprintf(&b, "socket LB (vm1 -> vm2; every client a worker process, sock-lb's in the hooked cgroup):\n")
-		p.tableOf(&b, sock, []perfRatio{{"sock-lb/direct", PathSockLB, PathDirect}, {"sock-lb/vip", PathSockLB, PathVIP}})
+		hooked := "sock-lb's"
+		if slices.Contains(r.Paths, PathSockDirect) {
+			hooked = "sock-lb's and sock-direct's"
+		}
+		fmt.Fprintf(&b, "socket LB (vm1 -> vm2; every client a worker process, %s in the hooked cgroup):\n", hooked)
+		ratios := []perfRatio{{"sock-lb/direct", PathSockLB, PathDirect}, {"sock-lb/vip", PathSockLB, PathVIP}}
+		if slices.Contains(r.Paths, PathSockDirect) {
+			ratios = append(ratios, perfRatio{"sock-direct/direct", PathSockDirect, PathDirect}, perfRatio{"sock-lb/sock-direct", PathSockLB, PathSockDirect})
+		}
+		p.tableOf(&b, sock, ratios)
 		p.sockTargets(&b)
 	}
 	if len(ns) > 0 {

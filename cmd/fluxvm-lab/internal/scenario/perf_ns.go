@@ -97,7 +97,8 @@ func (p PerfPath) xdpWanted() (on, ok bool) {
 
 // ParsePerfPaths parses a comma-separated list of paths and groups
 // ("east-west" or "ew", "north-south" or "ns", "socket" or "sock": the
-// SocketPaths, "all") into paths in table order, without repeats.
+// SocketPaths, "socket-diag": the SocketDiagPaths, "all": every path but
+// the diagnostic ones) into paths in table order, without repeats.
 func ParsePerfPaths(s string) ([]PerfPath, error) {
 	want := map[PerfPath]bool{}
 	for _, f := range strings.Split(s, ",") {
@@ -105,10 +106,16 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 		switch f {
 		case "all":
 			for _, p := range allPerfPaths() {
-				want[p] = true
+				if !p.diagnostic() {
+					want[p] = true
+				}
 			}
 		case "socket", "sock":
 			for _, p := range SocketPaths {
+				want[p] = true
+			}
+		case "socket-diag":
+			for _, p := range SocketDiagPaths {
 				want[p] = true
 			}
 		case "east-west", "ew":
@@ -122,7 +129,7 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 		default:
 			p := PerfPath(f)
 			if !slices.Contains(allPerfPaths(), p) {
-				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, socket, all)", f, strings.Join(pathNames(allPerfPaths()), ", "))
+				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, socket, socket-diag, all)", f, strings.Join(pathNames(allPerfPaths()), ", "))
 			}
 			want[p] = true
 		}

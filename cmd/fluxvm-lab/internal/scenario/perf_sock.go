@@ -56,17 +56,42 @@ import (
 // packets pass the TC programs and the node untranslated.
 const PathSockLB PerfPath = "sock-lb"
 
+// PathSockDirect is a diagnostic path: the backend's own address, as
+// PathDirect, from sock-lb's worker in the hooked cgroup. The hooks run
+// (connect4 finds no service and returns, getpeername4 no reverse entry,
+// the release nothing) but rewrite nothing: against PathDirect it costs
+// having the hooks (and the hooked worker), and PathSockLB against it
+// costs the rewrite.
+const PathSockDirect PerfPath = "sock-direct"
+
 // SocketPaths is the group "socket": socket LB against the TC path and
 // direct, side by side.
 var SocketPaths = []PerfPath{PathDirect, PathVIP, PathSockLB}
 
+// SocketDiagPaths is the group "socket-diag": the socket group and
+// PathSockDirect, which splits sock-lb's cost against direct into that of
+// the hooks and that of the rewrite.
+var SocketDiagPaths = []PerfPath{PathDirect, PathVIP, PathSockDirect, PathSockLB}
+
 // allPerfPaths are all paths in table order.
 func allPerfPaths() []PerfPath {
-	return slices.Concat(EastWestPaths, []PerfPath{PathSockLB}, NorthSouthPaths)
+	return slices.Concat(EastWestPaths, []PerfPath{PathSockDirect, PathSockLB}, NorthSouthPaths)
 }
 
-// perfSourceSock is sock-lb's client address on vm1's eth0.
-var perfSourceSock = netip.MustParseAddr("10.200.1.6")
+// sockPath reports whether a path's client is the worker in the hooked
+// cgroup.
+func (p PerfPath) sockPath() bool { return p == PathSockLB || p == PathSockDirect }
+
+// diagnostic reports whether a path is only measured when named (or by
+// its group), not by "all".
+func (p PerfPath) diagnostic() bool { return p == PathSockDirect }
+
+// perfSourceSock is sock-lb's client address on vm1's eth0, and
+// perfSourceSockDirect sock-direct's.
+var (
+	perfSourceSock       = netip.MustParseAddr("10.200.1.6")
+	perfSourceSockDirect = netip.MustParseAddr("10.200.1.7")
+)
 
 // The datapath counters of socket LB.
 const (
@@ -447,14 +472,14 @@ func (p *perfRun) setupSock() error {
 	return nil
 }
 
-// workerFor is the worker that runs a path's client: sock-lb's for it,
-// the plain one for the other east-west paths; nil (in the lab process)
-// without sock-lb, and for the north-south paths.
+// workerFor is the worker that runs a path's client: the hooked one for
+// sock-lb and sock-direct, the plain one for the other east-west paths;
+// nil (in the lab process) without them, and for the north-south paths.
 func (p *perfRun) workerFor(path PerfPath) *perfWorkerProc {
 	switch {
 	case p.sock == nil || path.northSouth():
 		return nil
-	case path == PathSockLB:
+	case path.sockPath():
 		return p.sock.sock
 	}
 	return p.sock.other
@@ -482,11 +507,15 @@ func (p *perfRun) sockHeader() {
 	p.printf("socket LB: hooks %s attached (cgroup_connect, pinned links) to cgroup %s (id %d), created by the lab under the cgroup v2 root\n",
 		strings.Join(st.Hooks, ","), s.hooked, st.CgroupID)
 	p.printf("  every east-west client of this run is a worker process (fluxvm-lab re-executed, %s=1) in vm1's network namespace, running the same workload code on the lab's requests:\n", PerfWorkerEnv)
-	p.printf("  sock-lb from pid %d, born into %s (CLONE_INTO_CGROUP) and alone in it; the other paths from pid %d, alone in the sibling %s without hooks\n",
-		s.sock.hello.PID, s.hooked, s.other.hello.PID, s.plain)
+	hooked := "sock-lb"
+	if slices.Contains(p.rep.Paths, PathSockDirect) {
+		hooked = "sock-lb and sock-direct"
+	}
+	p.printf("  %s from pid %d, born into %s (CLONE_INTO_CGROUP) and alone in it; the other paths from pid %d, alone in the sibling %s without hooks\n",
+		hooked, s.sock.hello.PID, s.hooked, s.other.hello.PID, s.plain)
 	p.printf("  the lab process keeps the servers and reads counters and CPU around each request; the workers' CPU counts as the measurement's\n")
 	if p.o.BPFStats {
-		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb runs connect4 and getpeername4 per connection)\n", s.hooked)
+		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb and sock-direct run connect4 and getpeername4 per connection)\n", s.hooked)
 	}
 }
 
@@ -498,6 +527,13 @@ func checkSockSample(s PerfSample) error {
 		if s.SockRewritten < ok || s.DatapathFlows != 0 || s.NFTConns != 0 {
 			return fmt.Errorf("%s on %s: %d connections, but sock_rewritten +%d (want at least one per connection), datapath new flows %d and nftables %d (want 0: the packets carry the backend's address)",
 				s.Workload, s.Path, s.OK, s.SockRewritten, s.DatapathFlows, s.NFTConns)
+		}
+		return nil
+	}
+	if s.Path == PathSockDirect {
+		if s.SockRewritten != 0 || s.DatapathFlows != 0 || s.NFTConns != 0 {
+			return fmt.Errorf("%s on %s: sock_rewritten +%d, datapath new flows %d, nftables %d; want 0 each: the backend's own address is no service, the hooks run but rewrite nothing",
+				s.Workload, s.Path, s.SockRewritten, s.DatapathFlows, s.NFTConns)
 		}
 		return nil
 	}
@@ -551,6 +587,12 @@ func (p *perfRun) sockTargets(b *strings.Builder) {
 				t.name, (c.pd-1)*100, (c.d-1)*100, (c.pv-1)*100, (c.v-1)*100)
 		}
 	}
+	if slices.Contains(r.Paths, PathSockDirect) {
+		defer p.sockDiag(b)
+	}
+	if !slices.Contains(r.Paths, PathSockLB) {
+		return
+	}
 	// What the hooks did, over the rounds.
 	var rew, conns, failOpen uint64
 	for _, s := range r.Samples {
@@ -561,6 +603,49 @@ func (p *perfRun) sockTargets(b *strings.Builder) {
 		}
 	}
 	fmt.Fprintf(b, "sock-lb over all rounds: %d connections, sock_rewritten +%d, sock_fail_open_* +%d, datapath new flows 0 (checked per measurement)\n", conns, rew, failOpen)
+}
+
+// sockDiag writes the split of sock-lb's cost against direct: sock-direct
+// against direct is the cost of the hooks (and of the hooked worker),
+// sock-lb against sock-direct that of the rewrite. No targets.
+func (p *perfRun) sockDiag(b *strings.Builder) {
+	r := p.rep
+	for _, pr := range []perfRatio{
+		{"hooks   (sock-direct vs direct):", PathSockDirect, PathDirect},
+		{"rewrite (sock-lb vs sock-direct):", PathSockLB, PathSockDirect},
+	} {
+		var cells []string
+		for _, t := range []struct {
+			name string
+			wl   PerfWorkload
+			f    func(PerfSample) float64
+		}{
+			{"conn/s", WorkloadConns, PerfSample.Rate},
+			{"CPU/conn", WorkloadConns, PerfSample.CPUPerUnit},
+			{"bulk", WorkloadBulk, PerfSample.Rate},
+			{"CPU/GB", WorkloadBulk, PerfSample.CPUPerUnit},
+		} {
+			a, _, _, ok1 := r.Median(pr.a, t.wl, t.f)
+			c, _, _, ok2 := r.Median(pr.b, t.wl, t.f)
+			pd, ok3 := r.PairedRatio(pr.a, pr.b, t.wl, t.f)
+			if !ok1 || !ok2 || !ok3 || c == 0 {
+				continue
+			}
+			cells = append(cells, fmt.Sprintf("%s %+5.1f%% paired (%+5.1f%% medians)", t.name, (pd-1)*100, (a/c-1)*100))
+		}
+		if len(cells) > 0 {
+			fmt.Fprintf(b, "diag %s %s\n", pr.name, strings.Join(cells, "  "))
+		}
+	}
+	var rew, conns, failOpen uint64
+	for _, s := range r.Samples {
+		if s.Round > 0 && s.Path == PathSockDirect {
+			rew += s.SockRewritten
+			conns += uint64(s.OK)
+			failOpen += s.SockFailOpen
+		}
+	}
+	fmt.Fprintf(b, "sock-direct over all rounds: %d connections, sock_rewritten +%d, sock_fail_open_* +%d, datapath new flows 0 (checked per measurement)\n", conns, rew, failOpen)
 }
 
 // sockProgs opens the socket hooks attached to the hooked cgroup, for the

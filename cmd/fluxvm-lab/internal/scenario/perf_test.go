@@ -225,6 +225,9 @@ func TestParsePerfPaths(t *testing.T) {
 		"north-south":       "ns-direct,ns-tc,ns-xdp",
 		"all":               "bare,direct,vip,nft,sock-lb,ns-direct,ns-tc,ns-xdp",
 		"socket":            "direct,vip,sock-lb",
+		"socket-diag":       "direct,vip,sock-direct,sock-lb",
+		"sock-direct,all":   "bare,direct,vip,nft,sock-direct,sock-lb,ns-direct,ns-tc,ns-xdp",
+		"sock-direct":       "sock-direct",
 		"sock,nft":          "direct,vip,nft,sock-lb",
 		"sock-lb":           "sock-lb",
 		"ns-xdp, direct,ns": "direct,ns-direct,ns-tc,ns-xdp",
@@ -424,10 +427,96 @@ func TestCheckSockSample(t *testing.T) {
 		{"vip", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100}, true},
 		{"vip, hooked", PerfSample{Path: PathVIP, Workload: WorkloadConns, OK: 100, DatapathFlows: 100, SockRewritten: 3}, false},
 		{"direct, hooked", PerfSample{Path: PathDirect, Workload: WorkloadBulk, OK: 2, SockRewritten: 1}, false},
+		{"sock-direct", PerfSample{Path: PathSockDirect, Workload: WorkloadConns, OK: 100}, true},
+		{"sock-direct, rewritten", PerfSample{Path: PathSockDirect, Workload: WorkloadConns, OK: 100, SockRewritten: 1}, false},
+		{"sock-direct, TC translated", PerfSample{Path: PathSockDirect, Workload: WorkloadBulk, OK: 2, DatapathFlows: 2}, false},
 	} {
 		err := checkSockSample(c.s)
 		if (err == nil) != c.ok {
 			t.Errorf("%s: error %v, want ok %v", c.name, err, c.ok)
+		}
+	}
+}
+
+// TestPerfSocketDiag runs the socket-diag group (direct, vip, sock-direct,
+// sock-lb) with tiny bounds: the checks must pass; every sock-direct
+// measurement, from the hooked worker to the backend's own address, must
+// leave sock_rewritten, the datapath's new flows and nftables alone, and
+// sock-lb must still be rewritten; the table must have the diagnostic
+// ratios and lines besides sock-lb's; and the cgroups and the workers must
+// be gone afterwards. It says nothing about speed.
+func TestPerfSocketDiag(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	for _, need := range []func() error{
+		func() error { _, err := NFTPath(); return err },
+		func() error { _, err := cgroup2.Root(); return err },
+	} {
+		if err := need(); err != nil {
+			if testenv.Required() {
+				t.Fatalf("%v (%s=1 is set, so this fails instead of skipping)", err, testenv.RequireEnv)
+			}
+			t.Skipf("skipping: %v", err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	o := DefaultPerfOptions()
+	o.Paths, _ = ParsePerfPaths("socket-diag")
+	o.Rounds = 1
+	o.Duration = 100 * time.Millisecond
+	o.Workers = 2
+	o.MaxConns = 1000
+	o.MaxOthers = 0
+	var out bytes.Buffer
+	rep, err := Perf(ctx, &out, o)
+	t.Logf("output:\n%s", out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(pathNames(rep.Paths), ","); got != "direct,vip,sock-direct,sock-lb" {
+		t.Errorf("paths %s, want direct,vip,sock-direct,sock-lb", got)
+	}
+	if len(rep.Checks) != 6 {
+		t.Errorf("%d checks, want 6", len(rep.Checks))
+	}
+	for _, c := range rep.Checks {
+		if !c.OK {
+			t.Errorf("check failed: %s: %s", c.Name, c.Detail)
+		}
+	}
+	for _, p := range []PerfPath{PathSockDirect, PathSockLB} {
+		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+			ss := rep.samples(p, wl)
+			if len(ss) != 1 {
+				t.Errorf("%s on %s: %d samples, want 1", wl, p, len(ss))
+				continue
+			}
+			s := ss[0]
+			if s.OK == 0 || s.Failed != 0 || s.NFTConns != 0 || s.SockFailOpen != 0 || s.DatapathFlows != 0 {
+				t.Errorf("%s on %s: %d ok, %d failed (%s), nftables %d, sock_fail_open_* +%d, datapath new flows %d",
+					wl, p, s.OK, s.Failed, s.FirstError, s.NFTConns, s.SockFailOpen, s.DatapathFlows)
+			}
+			if rewritten := s.SockRewritten >= uint64(s.OK); (p == PathSockLB) != rewritten || (p == PathSockDirect && s.SockRewritten != 0) {
+				t.Errorf("%s on %s: %d ok, sock_rewritten +%d", wl, p, s.OK, s.SockRewritten)
+			}
+		}
+	}
+	for _, row := range []string{"sock-lb/direct", "sock-lb/vip", "sock-direct/direct", "sock-lb/sock-direct",
+		"target sock-lb connections/s:", "diag hooks   (sock-direct vs direct):", "diag rewrite (sock-lb vs sock-direct):",
+		"sock-lb over all rounds:", "sock-direct over all rounds:"} {
+		if !strings.Contains(rep.Table, row) {
+			t.Errorf("table has no %q:\n%s", row, rep.Table)
+		}
+	}
+	if !strings.Contains(out.String(), "sock-lb and sock-direct from pid") {
+		t.Errorf("the output does not say sock-direct runs from the hooked worker")
+	}
+	if _, err := os.Stat(rep.SockCgroup); rep.SockCgroup == "" || !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("cgroup %q left behind: %v", rep.SockCgroup, err)
+	}
+	for _, pid := range rep.WorkerPIDs {
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			t.Errorf("worker %d still there: %v", pid, err)
 		}
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +30,8 @@ type sockLab struct {
 	coll  *ebpf.Collection
 	links []link.Link
 	node  *lab.Lab
+	// client is vm1 when the child runs in a client VM, else nil.
+	client *lab.VM
 }
 
 // The services: sid 1 at sockVIP4 (TCP and UDP), sid 2 at sockVIP6, each
@@ -44,14 +48,14 @@ func newSockLab(t *testing.T) *sockLab {
 
 // newSockLabIn is newSockLab with the child in a client VM (vm1, its edge
 // with the TC programs too) instead of on the node, when inVM.
-func newSockLabIn(t *testing.T, inVM bool) *sockLab {
+func newSockLabIn(t testing.TB, inVM bool) *sockLab {
 	t.Helper()
 	l := lab.NewForTest(t)
 	var client *lab.VM
 	if inVM {
 		client = l.AddVMForTest(t, 1)
 	}
-	s := &sockLab{h: newHarness(t), node: l}
+	s := &sockLab{h: newHarness(t), node: l, client: client}
 	for i := 2; i <= 4; i++ {
 		vm := l.AddVMForTest(t, i)
 		srv, err := vm.Serve(8080)
@@ -62,6 +66,9 @@ func newSockLabIn(t *testing.T, inVM bool) *sockLab {
 		s.vms = append(s.vms, vm)
 	}
 	spec, err := loadServiceConnect()
+	if obj := os.Getenv("FLUXVM_BENCH_SOCK_OBJECT"); obj != "" {
+		spec, err = ebpf.LoadCollectionSpec(obj) // BenchmarkSocketConnect's ablations
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,9 +121,12 @@ func newSockLabIn(t *testing.T, inVM bool) *sockLab {
 	return s
 }
 
-func (s *sockLab) attach(t *testing.T) {
+func (s *sockLab) attach(t testing.TB) {
 	t.Helper()
 	for _, h := range CgroupHooks {
+		if slices.Contains(strings.Split(os.Getenv("FLUXVM_BENCH_SOCK_SKIP"), ","), string(h)) {
+			continue // BenchmarkSocketConnect's ablations
+		}
 		l, err := link.AttachCgroup(link.CgroupOptions{Path: s.cg.Path, Attach: h.attachType(), Program: s.coll.Programs[h.program()]})
 		if err != nil {
 			t.Fatalf("attach %s: %v", h, err)

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"net/netip"
 	"os"
+	"reflect"
 	"slices"
 	"strings"
 	"syscall"
@@ -61,7 +62,7 @@ func TestCgroupLifecycle(t *testing.T) {
 		if info.NetNS != st.Ino {
 			t.Errorf("child is in netns inode %d; want the VM's %d", info.NetNS, st.Ino)
 		}
-		if again := child.Do(cgtest.Request{Op: cgtest.OpInfo}); again != info {
+		if again := child.Do(cgtest.Request{Op: cgtest.OpInfo}); !reflect.DeepEqual(again, info) {
 			t.Errorf("info = %+v; at start %+v", again, info)
 		}
 		// The test process itself stays where it was.
@@ -211,6 +212,35 @@ func TestSockets(t *testing.T) {
 		pn := child.Do(cgtest.Request{Op: cgtest.OpGetpeername, Sock: r.Sock})
 		if pn.Stage != "getpeername" || pn.Errno != "ENOTCONN" {
 			t.Errorf("getpeername on an unconnected socket: %+v; want ENOTCONN", pn)
+		}
+	})
+	t.Run("connect loop", func(t *testing.T) {
+		v4, v6 := netip.AddrPortFrom(server.Addr4, port), netip.AddrPortFrom(server.Addr6, port)
+		before := len(srv.Peers())
+		r := child.Do(cgtest.Request{Op: cgtest.OpConnectLoop, Addrs: []string{v4.String(), v6.String()}, Count: 10})
+		if err := r.Error(); err != nil {
+			t.Fatal(err)
+		}
+		if len(r.ElapsedNS) != 2 || len(r.MedianNS) != 2 || r.MedianNS[0] <= 0 || r.MedianNS[1] <= 0 ||
+			r.ElapsedNS[0] < 5*r.MedianNS[0]/2 || r.ElapsedNS[1] < 5*r.MedianNS[1]/2 {
+			t.Errorf("%+v; want the time of 5 connections to each address", r)
+		}
+		// The server accepts in the background: wait for all ten.
+		deadline := time.Now().Add(5 * time.Second)
+		for len(srv.Peers()) < before+10 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if n := len(srv.Peers()) - before; n != 10 {
+			t.Errorf("server saw %d connections; want 10", n)
+		}
+		for _, bad := range []cgtest.Request{
+			{Op: cgtest.OpConnectLoop, Addrs: []string{v4.String()}},
+			{Op: cgtest.OpConnectLoop, Count: 1},
+			{Op: cgtest.OpConnectLoop, Addrs: []string{netip.AddrPortFrom(server.Addr4, port+1).String()}, Count: 1},
+		} {
+			if r := child.Do(bad); r.Error() == nil {
+				t.Errorf("%+v: no error", bad)
+			}
 		}
 	})
 	t.Run("errors", func(t *testing.T) {

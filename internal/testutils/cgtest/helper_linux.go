@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -142,6 +143,8 @@ func (c *child) do(req Request) Result {
 		return exchange(r, s, to, req)
 	case OpInfo:
 		return c.info()
+	case OpConnectLoop:
+		return connectLoop(req)
 	}
 	return Result{Stage: "op", Err: fmt.Sprintf("unknown op %q", req.Op)}
 }
@@ -201,6 +204,61 @@ func (c *child) open(req Request, timeout time.Duration) (r Result) {
 	}
 	r.Peer = format(p)
 	return exchange(r, s, nil, req)
+}
+
+// connectLoop runs OpConnectLoop.
+func connectLoop(req Request) (r Result) {
+	if req.Count < 1 || req.Count > 1_000_000 {
+		return fail(r, "op", fmt.Errorf("count %d out of 1..1000000", req.Count))
+	}
+	if len(req.Addrs) < 1 || len(req.Addrs) > 16 {
+		return fail(r, "op", fmt.Errorf("%d addresses: 1..16", len(req.Addrs)))
+	}
+	type dest struct {
+		sa     unix.Sockaddr
+		family int
+	}
+	dests := make([]dest, len(req.Addrs))
+	for i, a := range req.Addrs {
+		sa, family, err := parse(a)
+		if err != nil {
+			return fail(r, "addr", err)
+		}
+		dests[i] = dest{sa, family}
+	}
+	reset := &unix.Linger{Onoff: 1, Linger: 0}
+	r.ElapsedNS = make([]int64, len(dests))
+	each := make([][]int64, len(dests))
+	for i := range each {
+		each[i] = make([]int64, 0, req.Count/len(dests)+1)
+	}
+	for n := range req.Count {
+		i := n % len(dests)
+		start := time.Now()
+		fd, err := unix.Socket(dests[i].family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return fail(r, "socket", err)
+		}
+		err = unix.Connect(fd, dests[i].sa)
+		if err == nil {
+			_, err = unix.Getpeername(fd)
+		}
+		if err == nil {
+			err = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, reset)
+		}
+		unix.Close(fd)
+		if err != nil {
+			return fail(r, "connect", fmt.Errorf("%s: %w", req.Addrs[i], err))
+		}
+		took := time.Since(start).Nanoseconds()
+		r.ElapsedNS[i] += took
+		each[i] = append(each[i], took)
+	}
+	for _, e := range each {
+		slices.Sort(e)
+		r.MedianNS = append(r.MedianNS, e[len(e)/2])
+	}
+	return r
 }
 
 // exchange sends req.Send (to dst, or on the connected socket) and reads

@@ -39,6 +39,14 @@ const (
 	OpClose = "close"
 	// OpInfo reports the child's pid, cgroup and network namespace.
 	OpInfo = "info"
+	// OpConnectLoop times Count TCP connections, one after the other,
+	// taking the addresses of Addrs in turn: socket, blocking connect,
+	// getpeername (as Go's dial does), close with SO_LINGER 0 (a reset,
+	// so no TIME_WAIT fills the port space). ElapsedNS[i] sums the time
+	// of the connections to Addrs[i]. A benchmark's tool: alternating
+	// connection by connection, the ways compared share every drift of
+	// the machine's speed.
+	OpConnectLoop = "connect-loop"
 )
 
 // Request is one command to the child, one JSON object per line.
@@ -61,6 +69,10 @@ type Request struct {
 	Sock int `json:"sock,omitempty"`
 	// TimeoutMS bounds connect, send and each receive (default 2000).
 	TimeoutMS int `json:"timeout_ms,omitempty"`
+	// Addrs are OpConnectLoop's destinations (1..16), taken in turn.
+	Addrs []string `json:"addrs,omitempty"`
+	// Count is how many connections OpConnectLoop makes (1..1,000,000).
+	Count int `json:"count,omitempty"`
 }
 
 // Result is the child's answer to one Request.
@@ -90,6 +102,14 @@ type Result struct {
 	Pid    int    `json:"pid,omitempty"`
 	Cgroup string `json:"cgroup,omitempty"`
 	NetNS  uint64 `json:"netns,omitempty"`
+
+	// ElapsedNS sums OpConnectLoop's time per destination, in the order
+	// of Request.Addrs.
+	ElapsedNS []int64 `json:"elapsed_ns,omitempty"`
+	// MedianNS is the median time of one OpConnectLoop connection per
+	// destination, robust against the rare connection that waits for
+	// the scheduler.
+	MedianNS []int64 `json:"median_ns,omitempty"`
 }
 
 // Error returns nil for a successful Result, else an error naming the

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -1255,7 +1256,21 @@ func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burst
 			return err
 		}
 		rew := c1.sockRewritten - c0.sockRewritten
+		// The burst's last packets (a FIN, a reset) may reach the
+		// prerouting probe after its connections returned: wait until
+		// the counters hold still, so that they count to this path and
+		// not to the next one.
 		m1, err := p.nft.counters(ctx)
+		for settle := 0; err == nil && settle < 20; settle++ {
+			time.Sleep(100 * time.Millisecond)
+			var again map[string]uint64
+			if again, err = p.nft.counters(ctx); err == nil {
+				if maps.Equal(again, m1) {
+					break
+				}
+				m1 = again
+			}
+		}
 		if err != nil {
 			return err
 		}

@@ -89,6 +89,7 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_SVC_F_DSR":          uint64(SvcFlagDSR),
 		"FLUXVM_SVC_F_HOST_ROUTING": uint64(SvcFlagHostRouting),
 		"FLUXVM_SVC_F_REV_STORED":   uint64(SvcFlagRevStored),
+		"FLUXVM_SVC_F_PACED":        uint64(SvcFlagPaced),
 	},
 	"fluxvm_guard_state": {"FLUXVM_GUARD_CLOSED": uint64(GuardClosed), "FLUXVM_GUARD_OPEN": uint64(GuardOpen)},
 	"fluxvm_backend_state": {

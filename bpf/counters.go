@@ -148,6 +148,9 @@ const (
 	DropSNATFailed = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED)
 	// DropDSRNoRoute: DSR found no route, neighbour or TTL to the backend.
 	DropDSRNoRoute = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE)
+	// DropEDTHorizon: a paced service's packet whose departure lay beyond
+	// the service's horizon while an earlier one was still scheduled.
+	DropEDTHorizon = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_EDT_HORIZON)
 
 	// NumDropReasons is the size of the drop counter map; index 0 is unused.
 	NumDropReasons = int(serviceFluxvmDropReasonFLUXVM_DROP_MAX)
@@ -164,6 +167,7 @@ var dropNames = [NumDropReasons]string{
 	DropRewrite:        "rewrite",
 	DropSNATFailed:     "snat_failed",
 	DropDSRNoRoute:     "dsr_no_route",
+	DropEDTHorizon:     "edt_horizon",
 }
 
 // String returns the reason's metric-style name, e.g. "no_backend".

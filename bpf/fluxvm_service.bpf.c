@@ -194,7 +194,8 @@ int fluxvm_ns_in(struct __ctx_buff *ctx)
 
 /* North-south egress: the reverse path for replies that meet none of our
  * ingress hooks first, such as those of a backend on the node itself when
- * the SNAT address is routed to the node rather than assigned to it. */
+ * the SNAT address is routed to the node rather than assigned to it; and
+ * the pacing of north-south replies already translated (lib/edt.h). */
 SEC("tc")
 int fluxvm_ns_out(struct __ctx_buff *ctx)
 {
@@ -206,13 +207,13 @@ int fluxvm_ns_out(struct __ctx_buff *ctx)
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
 		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
-			return CTX_ACT_NEXT;
+			return fluxvm_edt_ns_out(ctx, &pkt, 0);
 		return fluxvm_reply4_snat_out(ctx, &pkt);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
 	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
-		return CTX_ACT_NEXT;
+		return fluxvm_edt_ns_out(ctx, &pkt, 1);
 	return fluxvm_reply6_snat_out(ctx, &pkt);
 }
 

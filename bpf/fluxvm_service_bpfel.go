@@ -158,13 +158,22 @@ const (
 	serviceFluxvmDropReasonFLUXVM_DROP_REWRITE         serviceFluxvmDropReason = 7
 	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED     serviceFluxvmDropReason = 8
 	serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE    serviceFluxvmDropReason = 9
-	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 10
+	serviceFluxvmDropReasonFLUXVM_DROP_EDT_HORIZON     serviceFluxvmDropReason = 10
+	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 11
 )
 
 type serviceFluxvmEdgeSlot struct {
 	_       structs.HostLayout
 	Ifindex uint32
 	Slot    uint32
+}
+
+type serviceFluxvmEdtValue struct {
+	_         structs.HostLayout
+	Rate      uint64
+	NsPerByte uint64
+	HorizonNs uint64
+	T_last    uint64
 }
 
 type serviceFluxvmFamily uint32
@@ -338,6 +347,7 @@ const (
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_DSR          serviceFluxvmSvcFlags = 8
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_HOST_ROUTING serviceFluxvmSvcFlags = 16
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED   serviceFluxvmSvcFlags = 32
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_PACED        serviceFluxvmSvcFlags = 64
 )
 
 type serviceFluxvmSvcStatsValue struct {
@@ -349,7 +359,7 @@ type serviceFluxvmSvcStatsValue struct {
 	NewFlows     uint64
 	Failovers    uint64
 	Drops        uint64
-	Reserved     uint64
+	EdtDrops     uint64
 }
 
 type serviceFluxvmSvcValue struct {
@@ -401,6 +411,7 @@ const (
 	serviceMapFluxvmDrops       = "fluxvm_drops"
 	serviceMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	serviceMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceMapFluxvmEdt         = "fluxvm_edt"
 	serviceMapFluxvmFct4        = "fluxvm_fct4"
 	serviceMapFluxvmFct6        = "fluxvm_fct6"
 	serviceMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
@@ -481,6 +492,7 @@ type serviceMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
@@ -531,6 +543,7 @@ type serviceMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
@@ -557,6 +570,7 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmIcmpScratch,

@@ -22,6 +22,7 @@ const (
 	serviceConnectMapFluxvmDrops             = "fluxvm_drops"
 	serviceConnectMapFluxvmEdgeSlots         = "fluxvm_edge_slots"
 	serviceConnectMapFluxvmEdgeStats         = "fluxvm_edge_stats"
+	serviceConnectMapFluxvmEdt               = "fluxvm_edt"
 	serviceConnectMapFluxvmFct4              = "fluxvm_fct4"
 	serviceConnectMapFluxvmFct6              = "fluxvm_fct6"
 	serviceConnectMapFluxvmMaglev            = "fluxvm_maglev"
@@ -110,6 +111,7 @@ type serviceConnectMapSpecs struct {
 	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -158,6 +160,7 @@ type serviceConnectMaps struct {
 	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -182,6 +185,7 @@ func (m *serviceConnectMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -22,6 +22,7 @@ const (
 	serviceConnectTierLMapFluxvmDrops             = "fluxvm_drops"
 	serviceConnectTierLMapFluxvmEdgeSlots         = "fluxvm_edge_slots"
 	serviceConnectTierLMapFluxvmEdgeStats         = "fluxvm_edge_stats"
+	serviceConnectTierLMapFluxvmEdt               = "fluxvm_edt"
 	serviceConnectTierLMapFluxvmFct4              = "fluxvm_fct4"
 	serviceConnectTierLMapFluxvmFct6              = "fluxvm_fct6"
 	serviceConnectTierLMapFluxvmMaglev            = "fluxvm_maglev"
@@ -110,6 +111,7 @@ type serviceConnectTierLMapSpecs struct {
 	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -158,6 +160,7 @@ type serviceConnectTierLMaps struct {
 	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -182,6 +185,7 @@ func (m *serviceConnectTierLMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -22,6 +22,7 @@ const (
 	serviceTierLMapFluxvmDrops       = "fluxvm_drops"
 	serviceTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	serviceTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceTierLMapFluxvmEdt         = "fluxvm_edt"
 	serviceTierLMapFluxvmFct4        = "fluxvm_fct4"
 	serviceTierLMapFluxvmFct6        = "fluxvm_fct6"
 	serviceTierLMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
@@ -102,6 +103,7 @@ type serviceTierLMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
@@ -152,6 +154,7 @@ type serviceTierLMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
@@ -178,6 +181,7 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmIcmpScratch,

@@ -77,7 +77,8 @@ enum fluxvm_drop_reason {
 	FLUXVM_DROP_REWRITE = 7,         /* a packet rewrite helper failed */
 	FLUXVM_DROP_SNAT_FAILED = 8,     /* no free SNAT port after the bounded retries, or no SNAT address */
 	FLUXVM_DROP_DSR_NO_ROUTE = 9,    /* DSR: no route, neighbour or TTL toward the backend */
-	FLUXVM_DROP_MAX = 10,
+	FLUXVM_DROP_EDT_HORIZON = 10,    /* EDT: departure beyond the service's horizon (lib/edt.h) */
+	FLUXVM_DROP_MAX = 11,
 };
 
 /* Address family tags used in map values. */
@@ -114,6 +115,7 @@ enum fluxvm_svc_flags {
 	FLUXVM_SVC_F_DSR = 1U << 3,          /* routed DSR instead of NAT */
 	FLUXVM_SVC_F_HOST_ROUTING = 1U << 4, /* FIB lookup and redirect after NAT */
 	FLUXVM_SVC_F_REV_STORED = 1U << 5,   /* east-west: new flows store a reverse-NAT half too */
+	FLUXVM_SVC_F_PACED = 1U << 6,        /* egress paced: fluxvm_edt holds its rate (lib/edt.h) */
 };
 
 struct fluxvm_svc_value {
@@ -310,9 +312,25 @@ struct fluxvm_svc_stats_value {
 	__u64 new_flows;      /* conntrack entries created */
 	__u64 failovers;      /* flows moved off an Unhealthy/removed backend */
 	__u64 drops;
-	__u64 reserved;
+	__u64 edt_drops;      /* of drops: beyond the EDT horizon (lib/edt.h) */
 };
 _Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
+
+/*
+ * EDT pacing (fluxvm_edt, array by service id; lib/edt.h). Written by the
+ * control plane (rate, ns_per_byte, horizon_ns) and by the datapath
+ * (t_last, with compare-and-swap: several CPUs pace one service). A rate
+ * of 0 is an unpaced service. Index 0, never a service id, is the node's:
+ * its rate counts the paced services that are north-south, so that
+ * fluxvm_ns_out looks for them only while there are any.
+ */
+struct fluxvm_edt_value {
+	__u64 rate;         /* bytes per second; 0: not paced */
+	__u64 ns_per_byte;  /* 1e9 / rate in Q32 fixed point: delay = len * ns_per_byte >> 32 */
+	__u64 horizon_ns;   /* the furthest a departure may lie ahead (drop beyond) */
+	__u64 t_last;       /* departure of the last packet admitted, coarse monotonic ns */
+};
+_Static_assert(sizeof(struct fluxvm_edt_value) == 32, "fluxvm_edt_value size");
 
 /* Where a VM-edge interface's counters live (fluxvm_edge_slots, keyed by
  * ifindex & FLUXVM_EDGE_SLOT_MASK). */

@@ -22,6 +22,7 @@ const (
 	serviceXdpMapFluxvmDrops       = "fluxvm_drops"
 	serviceXdpMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	serviceXdpMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceXdpMapFluxvmEdt         = "fluxvm_edt"
 	serviceXdpMapFluxvmFct4        = "fluxvm_fct4"
 	serviceXdpMapFluxvmFct6        = "fluxvm_fct6"
 	serviceXdpMapFluxvmMaglev      = "fluxvm_maglev"
@@ -98,6 +99,7 @@ type serviceXdpMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -150,6 +152,7 @@ type serviceXdpMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -178,6 +181,7 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -22,6 +22,7 @@ const (
 	serviceXdpTierLMapFluxvmDrops       = "fluxvm_drops"
 	serviceXdpTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	serviceXdpTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceXdpTierLMapFluxvmEdt         = "fluxvm_edt"
 	serviceXdpTierLMapFluxvmFct4        = "fluxvm_fct4"
 	serviceXdpTierLMapFluxvmFct6        = "fluxvm_fct6"
 	serviceXdpTierLMapFluxvmMaglev      = "fluxvm_maglev"
@@ -98,6 +99,7 @@ type serviceXdpTierLMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -150,6 +152,7 @@ type serviceXdpTierLMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -178,6 +181,7 @@ func (m *serviceXdpTierLMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -22,6 +22,7 @@ const (
 	serviceXdpTierSMapFluxvmDrops       = "fluxvm_drops"
 	serviceXdpTierSMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	serviceXdpTierSMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	serviceXdpTierSMapFluxvmEdt         = "fluxvm_edt"
 	serviceXdpTierSMapFluxvmFct4        = "fluxvm_fct4"
 	serviceXdpTierSMapFluxvmFct6        = "fluxvm_fct6"
 	serviceXdpTierSMapFluxvmMaglev      = "fluxvm_maglev"
@@ -98,6 +99,7 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -150,6 +152,7 @@ type serviceXdpTierSMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -178,6 +181,7 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -22,6 +22,7 @@ const (
 	sockDestroyMapFluxvmDrops           = "fluxvm_drops"
 	sockDestroyMapFluxvmEdgeSlots       = "fluxvm_edge_slots"
 	sockDestroyMapFluxvmEdgeStats       = "fluxvm_edge_stats"
+	sockDestroyMapFluxvmEdt             = "fluxvm_edt"
 	sockDestroyMapFluxvmFct4            = "fluxvm_fct4"
 	sockDestroyMapFluxvmFct6            = "fluxvm_fct6"
 	sockDestroyMapFluxvmMaglev          = "fluxvm_maglev"
@@ -94,6 +95,7 @@ type sockDestroyMapSpecs struct {
 	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -142,6 +144,7 @@ type sockDestroyMaps struct {
 	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -166,6 +169,7 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

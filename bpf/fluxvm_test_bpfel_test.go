@@ -22,6 +22,7 @@ const (
 	serviceTestMapFluxvmDrops           = "fluxvm_drops"
 	serviceTestMapFluxvmEdgeSlots       = "fluxvm_edge_slots"
 	serviceTestMapFluxvmEdgeStats       = "fluxvm_edge_stats"
+	serviceTestMapFluxvmEdt             = "fluxvm_edt"
 	serviceTestMapFluxvmFct4            = "fluxvm_fct4"
 	serviceTestMapFluxvmFct6            = "fluxvm_fct6"
 	serviceTestMapFluxvmIcmpScratch     = "fluxvm_icmp_scratch"
@@ -109,6 +110,7 @@ type serviceTestMapSpecs struct {
 	FluxvmDrops       *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
@@ -166,6 +168,7 @@ type serviceTestMaps struct {
 	FluxvmDrops       *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots   *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats   *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
@@ -192,6 +195,7 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmIcmpScratch,

@@ -22,6 +22,7 @@ const (
 	xdpTestMapFluxvmDrops       = "fluxvm_drops"
 	xdpTestMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
 	xdpTestMapFluxvmEdgeStats   = "fluxvm_edge_stats"
+	xdpTestMapFluxvmEdt         = "fluxvm_edt"
 	xdpTestMapFluxvmFct4        = "fluxvm_fct4"
 	xdpTestMapFluxvmFct6        = "fluxvm_fct6"
 	xdpTestMapFluxvmMaglev      = "fluxvm_maglev"
@@ -96,6 +97,7 @@ type xdpTestMapSpecs struct {
 	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
@@ -146,6 +148,7 @@ type xdpTestMaps struct {
 	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
 	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
 	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
@@ -170,6 +173,7 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmDrops,
 		m.FluxvmEdgeSlots,
 		m.FluxvmEdgeStats,
+		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
 		m.FluxvmMaglev,

@@ -35,6 +35,7 @@ type (
 	SockValue    = serviceFluxvmSockValue
 	SockRevKey   = serviceFluxvmSockRkey
 	SockRevValue = serviceFluxvmSockRvalue
+	EDTValue     = serviceFluxvmEdtValue
 )
 
 // The constants below are the C enums of fluxvm_service_v6.bpf.h, which
@@ -78,6 +79,9 @@ const (
 	// backend endpoint, so replies cannot find its flows through the
 	// fluxvm_be2fe index.
 	SvcFlagRevStored = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED)
+	// SvcFlagPaced marks a frontend of a service with EDT pacing (its
+	// fluxvm_edt entry has a rate): fluxvm_ns_out looks for its replies.
+	SvcFlagPaced = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_PACED)
 )
 
 // CTValue.Flags (C enum fluxvm_ct_flags).

@@ -40,6 +40,9 @@
 #include "fib.h"
 #include "rev.h"
 #include "svc.h"
+#ifdef FLUXVM_CTX_SKB
+#include "edt.h"
+#endif
 #ifdef FLUXVM_CTX_XDP
 #include "nh.h"
 #endif
@@ -726,7 +729,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	const __be32 *client, *vip;
 	__be16 cport, vport;
 	__u32 nat_sid, nat_bid;
-	int synack, snat, refresh;
+	int synack, snat, refresh, ret;
 	__u8 nat_flags;
 	__u64 now;
 
@@ -833,6 +836,9 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 		}
 	}
 
+	/* Leaving toward the client here (an egress hook): paced. */
+	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, st, es)))
+		return ret;
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(ctx, pkt, v6, 1, client, cport))
@@ -874,7 +880,7 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_rev r;
 	__u64 now;
-	int synack;
+	int synack, ret;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return CTX_ACT_NEXT;
@@ -900,6 +906,8 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	}
 	fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
 
+	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, st, es)))
+		return ret;
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);

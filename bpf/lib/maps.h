@@ -108,6 +108,14 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_SERVICES);
 } fluxvm_sguard SEC(".maps");
 
+/* EDT pacing per service (fluxvm_service_v6.bpf.h, lib/edt.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_edt_value);
+	__uint(max_entries, FLUXVM_MAX_SERVICES);
+} fluxvm_edt SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__type(key, __u32);

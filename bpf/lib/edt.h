@@ -1,0 +1,112 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * EDT pacing: a service's egress toward its clients at no more than its
+ * rate (fluxvm_edt, fluxvm_service_v6.bpf.h).
+ *
+ * Which packets count: those our TC egress hooks send toward the client of
+ * a paced service, after translation, both families: east-west replies
+ * (fluxvm_to_vm, found through conntrack or a reverse-NAT half), replies
+ * to the SNAT address translated at fluxvm_ns_out, and north-south replies
+ * an ingress hook translated (fluxvm_from_vm for a backend on the node,
+ * fluxvm_ns_in for a remote one) as they leave through fluxvm_ns_out,
+ * found there by their source (the VIP and port). Never paced: client ->
+ * backend packets, DSR replies that do not leave through fluxvm_ns_out,
+ * and whatever XDP sends (it bypasses the qdisc that would hold it).
+ *
+ * A packet's departure is max(now, t_last) + len / rate, len being the
+ * skb's length (a GSO packet counts whole); it goes to skb->tstamp, where
+ * an fq qdisc on the interface holds the packet until then. Without fq
+ * nothing holds it, and the horizon polices instead: a packet whose
+ * departure would lie more than horizon_ns ahead while an earlier one is
+ * still scheduled is dropped, so a service sends at most its rate plus a
+ * burst of horizon_ns worth of bytes. A packet of an idle service always
+ * goes: a 64 KB GSO packet at 1 Mbit/s takes half a second, and no horizon
+ * may starve it.
+ *
+ * The clock is the coarse one the reply paths read anyway (a tick is 4 ms
+ * at HZ=250): while a service is backlogged its departures chain on
+ * t_last, so its rate holds exactly over time; the clock only decides
+ * when a service has gone idle and where the horizon lies, each within a
+ * tick. The fine clock would cost more than the rest of the pacing.
+ */
+#ifndef FLUXVM_LIB_EDT_H
+#define FLUXVM_LIB_EDT_H
+
+#include "maps.h"
+#include "counters.h"
+
+/* Longer packets are paced as this long, so that len * ns_per_byte fits
+ * in 64 bits at the lowest rate (1 Mbit/s: 8000 ns a byte, Q32). */
+#define FLUXVM_EDT_MAX_LEN (1U << 19)
+
+/*
+ * Schedule a packet of service @sid (or let it go unpaced): 0 to send it,
+ * or the drop verdict (counted) when it lies beyond the horizon. @now is
+ * the coarse clock.
+ */
+static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __u64 now,
+					   struct fluxvm_svc_stats_value *st,
+					   struct fluxvm_svc_stats_value *es)
+{
+	struct fluxvm_edt_value *e = bpf_map_lookup_elem(&fluxvm_edt, &sid);
+	__u64 len, delay, t, next;
+
+	if (!e || !e->rate)
+		return 0;
+	len = ctx->len;
+	if (len > FLUXVM_EDT_MAX_LEN)
+		len = FLUXVM_EDT_MAX_LEN;
+	delay = (len * e->ns_per_byte) >> 32;
+	t = *(volatile __u64 *)&e->t_last;
+	next = (t > now ? t : now) + delay;
+	if (t > now && next - now > e->horizon_ns) {
+		if (st)
+			st->edt_drops++;
+		return fluxvm_drop(FLUXVM_DROP_EDT_HORIZON, st, es);
+	}
+	/* Another CPU may have scheduled a packet of this service since the
+	 * read: then this one queues behind whatever is last by now. */
+	if (__sync_val_compare_and_swap(&e->t_last, t, next) != t)
+		next = __sync_fetch_and_add(&e->t_last, delay) + delay;
+	ctx->tstamp = next;
+	return 0;
+}
+
+/*
+ * fluxvm_ns_out, a packet not to the SNAT address: a north-south reply an
+ * ingress hook translated leaves with its VIP and port as the source, and
+ * is paced here if its service is. Only while any north-south service is
+ * paced (the node's entry, index 0) does a packet pay for the lookup.
+ */
+static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					     const int v6)
+{
+	struct fluxvm_edt_value *node;
+	struct fluxvm_svc_value *svc;
+	__u32 zero = 0;
+	int ret;
+
+	node = bpf_map_lookup_elem(&fluxvm_edt, &zero);
+	if (!node || !node->rate)
+		return CTX_ACT_NEXT;
+	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
+		return CTX_ACT_NEXT;
+	if (v6) {
+		struct fluxvm_svc6_key k = { .port = pkt->sport, .proto = pkt->l4_proto };
+
+		__builtin_memcpy(k.vip, pkt->saddr, 16);
+		svc = bpf_map_lookup_elem(&fluxvm_svc6, &k);
+	} else {
+		struct fluxvm_svc4_key k = { .vip = pkt->saddr[0], .port = pkt->sport, .proto = pkt->l4_proto };
+
+		svc = bpf_map_lookup_elem(&fluxvm_svc4, &k);
+	}
+	if (!svc || (svc->flags & (FLUXVM_SVC_F_VIP_MARKER | FLUXVM_SVC_F_PACED)) != FLUXVM_SVC_F_PACED ||
+	    !(svc->flags & FLUXVM_SVC_F_NORTH_SOUTH))
+		return CTX_ACT_NEXT;
+	ret = fluxvm_edt_pace(ctx, svc->service_id, bpf_ktime_get_coarse_ns(), fluxvm_stats(svc->service_id),
+			      NULL);
+	return ret ? ret : CTX_ACT_NEXT;
+}
+
+#endif /* FLUXVM_LIB_EDT_H */

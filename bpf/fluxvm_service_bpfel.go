@@ -169,11 +169,11 @@ type serviceFluxvmEdgeSlot struct {
 }
 
 type serviceFluxvmEdtValue struct {
-	_         structs.HostLayout
-	Rate      uint64
-	NsPerByte uint64
-	HorizonNs uint64
-	T_last    uint64
+	_             structs.HostLayout
+	Rate          uint64
+	NsPerByte     uint64
+	HorizonNs     uint64
+	LastDeparture uint64
 }
 
 type serviceFluxvmFamily uint32

@@ -319,7 +319,7 @@ _Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats si
 /*
  * EDT pacing (fluxvm_edt, array by service id; lib/edt.h). Written by the
  * control plane (rate, ns_per_byte, horizon_ns) and by the datapath
- * (t_last, with compare-and-swap: several CPUs pace one service). A rate
+ * (last_departure, with compare-and-swap: several CPUs pace one service). A rate
  * of 0 is an unpaced service. Index 0, never a service id, is the node's:
  * its rate counts the paced services that are north-south, so that
  * fluxvm_ns_out looks for them only while there are any.
@@ -328,7 +328,7 @@ struct fluxvm_edt_value {
 	__u64 rate;         /* bytes per second; 0: not paced */
 	__u64 ns_per_byte;  /* 1e9 / rate in Q32 fixed point: delay = len * ns_per_byte >> 32 */
 	__u64 horizon_ns;   /* the furthest a departure may lie ahead (drop beyond) */
-	__u64 t_last;       /* departure of the last packet admitted, coarse monotonic ns */
+	__u64 last_departure; /* of the last packet admitted, coarse monotonic ns */
 };
 _Static_assert(sizeof(struct fluxvm_edt_value) == 32, "fluxvm_edt_value size");
 

@@ -403,6 +403,7 @@ func (h *harness) stats(sid uint32) ServiceStats {
 		s.NewFlows += p.NewFlows
 		s.Failovers += p.Failovers
 		s.Drops += p.Drops
+		s.EdtDrops += p.EdtDrops
 	}
 	return s
 }

@@ -13,7 +13,7 @@
  * backend packets, DSR replies that do not leave through fluxvm_ns_out,
  * and whatever XDP sends (it bypasses the qdisc that would hold it).
  *
- * A packet's departure is max(now, t_last) + len / rate, len being the
+ * A packet's departure is max(now, last_departure) + len / rate, len being the
  * skb's length (a GSO packet counts whole); it goes to skb->tstamp, where
  * an fq qdisc on the interface holds the packet until then. Without fq
  * nothing holds it, and the horizon polices instead: a packet whose
@@ -25,7 +25,7 @@
  *
  * The clock is the coarse one the reply paths read anyway (a tick is 4 ms
  * at HZ=250): while a service is backlogged its departures chain on
- * t_last, so its rate holds exactly over time; the clock only decides
+ * last_departure, so its rate holds exactly over time; the clock only decides
  * when a service has gone idle and where the horizon lies, each within a
  * tick. The fine clock would cost more than the rest of the pacing.
  */
@@ -57,7 +57,7 @@ static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __
 	if (len > FLUXVM_EDT_MAX_LEN)
 		len = FLUXVM_EDT_MAX_LEN;
 	delay = (len * e->ns_per_byte) >> 32;
-	t = *(volatile __u64 *)&e->t_last;
+	t = *(volatile __u64 *)&e->last_departure;
 	next = (t > now ? t : now) + delay;
 	if (t > now && next - now > e->horizon_ns) {
 		if (st)
@@ -66,8 +66,8 @@ static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __
 	}
 	/* Another CPU may have scheduled a packet of this service since the
 	 * read: then this one queues behind whatever is last by now. */
-	if (__sync_val_compare_and_swap(&e->t_last, t, next) != t)
-		next = __sync_fetch_and_add(&e->t_last, delay) + delay;
+	if (__sync_val_compare_and_swap(&e->last_departure, t, next) != t)
+		next = __sync_fetch_and_add(&e->last_departure, delay) + delay;
 	ctx->tstamp = next;
 	return 0;
 }

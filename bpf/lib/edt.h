@@ -9,9 +9,10 @@
  * to the SNAT address translated at fluxvm_ns_out, and north-south replies
  * an ingress hook translated (fluxvm_from_vm for a backend on the node,
  * fluxvm_ns_in for a remote one) as they leave through fluxvm_ns_out,
- * found there by their source (the VIP and port). Never paced: client ->
- * backend packets, DSR replies that do not leave through fluxvm_ns_out,
- * and whatever XDP sends (it bypasses the qdisc that would hold it).
+ * found there by their source (the VIP and port), as are the DSR replies
+ * of a backend on the node. Never paced: client -> backend packets, DSR
+ * replies of remote backends, and whatever XDP sends (it bypasses the
+ * qdisc that would hold it).
  *
  * A packet's departure is max(now, last_departure) + len / rate, len being the
  * skb's length (a GSO packet counts whole); it goes to skb->tstamp, where

@@ -1,9 +1,7 @@
 package bpf
 
 import (
-	"net"
 	"net/netip"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -45,7 +43,11 @@ func TestEDTTraffic(t *testing.T) {
 		h.service(id, s.vip, ipTCP)
 		h.backend(id, id, netip.AddrPortFrom(s.vm.Addr4, 9000), BackendReady, 0)
 		h.table(id, h.fill(id))
-		bulkSource(t, s.vm, 9000)
+		stop, err := s.vm.ServeBulk(9000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(stop)
 	}
 	err := l.Node.Do(func() error {
 		for _, vm := range []*lab.VM{client, vmA, vmB} {
@@ -68,43 +70,18 @@ func TestEDTTraffic(t *testing.T) {
 	const capMbps = 50
 	h.edt(1, MbpsToEDTRate(capMbps), edtHorizonE2E)
 
-	var got [2]atomic.Int64
-	var dlErr [2]error
-	done := make(chan int, 2)
-	conns := make([]net.Conn, 2)
+	var dl [2]*lab.Download
 	for i, vip := range []netip.AddrPort{capped, free} {
-		err := client.NS.Do(func() (err error) {
-			conns[i], err = net.DialTimeout("tcp", vip.String(), 2*time.Second)
-			return err
-		})
-		if err != nil {
-			t.Fatalf("dial %v: %v", vip, err)
+		var err error
+		if dl[i], err = client.StartDownload(vip, 2*time.Second); err != nil {
+			t.Fatalf("download from %v: %v", vip, err)
 		}
-		defer conns[i].Close()
-		go func() {
-			buf := make([]byte, 256<<10)
-			for {
-				n, err := conns[i].Read(buf)
-				got[i].Add(int64(n))
-				if err != nil {
-					dlErr[i] = err
-					done <- i
-					return
-				}
-			}
-		}()
-	}
-	mbps := func(i int, d time.Duration) float64 {
-		start := got[i].Load()
-		time.Sleep(d)
-		return float64(got[i].Load()-start) * 8 / d.Seconds() / 1e6
+		defer dl[i].Close()
 	}
 	time.Sleep(time.Second) // slow start, then the policer's steady state
-	var rates [2]float64
-	startA, startB := got[0].Load(), got[1].Load()
+	startA, startB := dl[0].Bytes(), dl[1].Bytes()
 	time.Sleep(10 * time.Second)
-	rates[0] = float64(got[0].Load()-startA) * 8 / 10 / 1e6
-	rates[1] = float64(got[1].Load()-startB) * 8 / 10 / 1e6
+	rates := [2]float64{float64(dl[0].Bytes()-startA) * 8 / 10 / 1e6, float64(dl[1].Bytes()-startB) * 8 / 10 / 1e6}
 	st := h.stats(1)
 	t.Logf("capped at %d Mbit/s (horizon %v, no fq): %.1f Mbit/s; uncapped at the same time: %.0f Mbit/s; horizon drops %d", capMbps, edtHorizonE2E, rates[0], rates[1], st.EdtDrops)
 	if rates[0] < 0.9*capMbps || rates[0] > 1.1*capMbps {
@@ -120,46 +97,14 @@ func TestEDTTraffic(t *testing.T) {
 	// The cap goes: the same connection speeds up.
 	h.must(h.objs.FluxvmEdt.Put(uint32(1), EDTValue{}))
 	time.Sleep(time.Second)
-	if after := mbps(0, 2*time.Second); after < 20*capMbps {
+	if after := dl[0].Mbps(2 * time.Second); after < 20*capMbps {
 		t.Errorf("after removing the cap: %.0f Mbit/s on the same connection; want full speed", after)
 	} else {
 		t.Logf("after removing the cap: %.0f Mbit/s on the same connection", after)
 	}
-	select {
-	case i := <-done:
-		t.Fatalf("download %d ended: %v", i, dlErr[i])
-	default:
-	}
-}
-
-// bulkSource serves, on vm's port, a stream of bytes to every client until
-// it goes away.
-func bulkSource(t *testing.T, vm *lab.VM, port uint16) {
-	t.Helper()
-	var ln net.Listener
-	err := vm.NS.Do(func() (err error) {
-		ln, err = net.Listen("tcp", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String())
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		buf := make([]byte, 256<<10)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				for {
-					if _, err := c.Write(buf); err != nil {
-						return // the client went away, or the test ended
-					}
-				}
-			}()
+	for i, d := range dl {
+		if err := d.Err(); err != nil {
+			t.Errorf("download %d ended: %v", i, err)
 		}
-	}()
+	}
 }

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -212,4 +213,116 @@ func (vm *VM) AskUDP(addr netip.AddrPort, timeout time.Duration) (string, error)
 	}
 	name, _, _ := strings.Cut(string(buf[:n]), "\n")
 	return name, nil
+}
+
+// ServeBulk starts, on port (TCP, both families), a source that sends a
+// stream of bytes to every client until the client goes away: the far end
+// of a download. The source stops when the returned function is called
+// (or the VM goes away).
+func (vm *VM) ServeBulk(port uint16) (stop func(), err error) {
+	var ln net.Listener
+	err = vm.NS.Do(func() (err error) {
+		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lab: bulk source on %s port %d: %w", vm.Name, port, err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	wg.Go(func() {
+		buf := make([]byte, 256<<10)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns[c] = true
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				for {
+					if _, err := c.Write(buf); err != nil {
+						return // the client went away, or the source stopped
+					}
+				}
+			})
+		}
+	})
+	return func() {
+		ln.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	}, nil
+}
+
+// Download reads from a TCP connection of vm to addr in the background,
+// counting the bytes, until Close.
+type Download struct {
+	c    net.Conn
+	n    atomic.Int64
+	done chan struct{}
+	err  error
+}
+
+// StartDownload connects from vm to addr and reads whatever comes.
+func (vm *VM) StartDownload(addr netip.AddrPort, timeout time.Duration) (*Download, error) {
+	var c net.Conn
+	err := vm.NS.Do(func() (err error) {
+		c, err = net.DialTimeout("tcp", addr.String(), timeout)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	d := &Download{c: c, done: make(chan struct{})}
+	go func() {
+		defer close(d.done)
+		buf := make([]byte, 256<<10)
+		for {
+			n, err := c.Read(buf)
+			d.n.Add(int64(n))
+			if err != nil {
+				d.err = err
+				return
+			}
+		}
+	}()
+	return d, nil
+}
+
+// Bytes is how many bytes have arrived so far.
+func (d *Download) Bytes() int64 { return d.n.Load() }
+
+// Mbps measures the download's rate over the next interval, in Mbit/s.
+func (d *Download) Mbps(interval time.Duration) float64 {
+	start := d.Bytes()
+	time.Sleep(interval)
+	return float64(d.Bytes()-start) * 8 / interval.Seconds() / 1e6
+}
+
+// Err is why the download ended, or nil while it runs.
+func (d *Download) Err() error {
+	select {
+	case <-d.done:
+		if d.err == nil {
+			return io.EOF
+		}
+		return d.err
+	default:
+		return nil
+	}
+}
+
+// Close ends the download.
+func (d *Download) Close() error {
+	err := d.c.Close()
+	<-d.done
+	return err
 }

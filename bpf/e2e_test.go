@@ -10,9 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
-
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
@@ -35,19 +32,7 @@ func TestRealSocketsThroughVIP(t *testing.T) {
 			for _, vm := range []*lab.VM{cli, srv} {
 				h.must(lab.SetChecksumOffload(node.Node, vm.NodeIf, false, false))
 				h.must(lab.SetChecksumOffload(vm.NS, "eth0", offload, false))
-				h.must(node.Node.Do(func() error {
-					for _, a := range []struct {
-						prog *ebpf.Program
-						at   ebpf.AttachType
-					}{{h.objs.FluxvmFromVm, ebpf.AttachTCXIngress}, {h.objs.FluxvmToVm, ebpf.AttachTCXEgress}} {
-						l, err := link.AttachTCX(link.TCXOptions{Interface: vm.NodeIfIndex, Program: a.prog, Attach: a.at})
-						if err != nil {
-							return err
-						}
-						t.Cleanup(func() { l.Close() })
-					}
-					return nil
-				}))
+				h.attachEdges(t, node, vm)
 			}
 
 			vip4 := netip.MustParseAddrPort("10.96.0.10:80")

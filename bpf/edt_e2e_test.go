@@ -5,9 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
-
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
@@ -49,24 +46,7 @@ func TestEDTTraffic(t *testing.T) {
 		}
 		t.Cleanup(stop)
 	}
-	err := l.Node.Do(func() error {
-		for _, vm := range []*lab.VM{client, vmA, vmB} {
-			for _, at := range []struct {
-				prog *ebpf.Program
-				at   ebpf.AttachType
-			}{{h.objs.FluxvmFromVm, ebpf.AttachTCXIngress}, {h.objs.FluxvmToVm, ebpf.AttachTCXEgress}} {
-				tl, err := link.AttachTCX(link.TCXOptions{Interface: vm.NodeIfIndex, Program: at.prog, Attach: at.at})
-				if err != nil {
-					return err
-				}
-				t.Cleanup(func() { tl.Close() })
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	h.attachEdges(t, l, client, vmA, vmB)
 	const capMbps = 50
 	h.edt(1, MbpsToEDTRate(capMbps), edtHorizonE2E)
 

@@ -2,14 +2,17 @@ package bpf
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -444,4 +447,26 @@ func monoNow(tb testing.TB) uint64 {
 		tb.Fatal(err)
 	}
 	return uint64(ts.Nano())
+}
+
+// attachEdges attaches fluxvm_from_vm (TCX ingress) and fluxvm_to_vm (TCX
+// egress) to the node-side interfaces of vms in lab l, as a node does on
+// its VM edges, until the test ends.
+func (h *harness) attachEdges(t testing.TB, l *lab.Lab, vms ...*lab.VM) {
+	t.Helper()
+	h.must(l.Node.Do(func() error {
+		for _, vm := range vms {
+			for _, a := range []struct {
+				prog *ebpf.Program
+				at   ebpf.AttachType
+			}{{h.objs.FluxvmFromVm, ebpf.AttachTCXIngress}, {h.objs.FluxvmToVm, ebpf.AttachTCXEgress}} {
+				tl, err := link.AttachTCX(link.TCXOptions{Interface: vm.NodeIfIndex, Program: a.prog, Attach: a.at})
+				if err != nil {
+					return fmt.Errorf("attach %s to %s: %w", a.prog, vm.NodeIf, err)
+				}
+				t.Cleanup(func() { tl.Close() })
+			}
+		}
+		return nil
+	}))
 }

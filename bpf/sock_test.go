@@ -95,24 +95,7 @@ func newSockLabIn(t testing.TB, inVM bool) *sockLab {
 	if client != nil {
 		edges = append([]*lab.VM{client}, edges...)
 	}
-	err = l.Node.Do(func() error {
-		for _, vm := range edges {
-			for _, at := range []struct {
-				prog *ebpf.Program
-				at   ebpf.AttachType
-			}{{s.h.objs.FluxvmFromVm, ebpf.AttachTCXIngress}, {s.h.objs.FluxvmToVm, ebpf.AttachTCXEgress}} {
-				tl, err := link.AttachTCX(link.TCXOptions{Interface: vm.NodeIfIndex, Program: at.prog, Attach: at.at})
-				if err != nil {
-					return err
-				}
-				t.Cleanup(func() { tl.Close() })
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s.h.attachEdges(t, l, edges...)
 	ns := l.Node.Handle()
 	if client != nil {
 		ns = client.NS.Handle()

@@ -154,11 +154,7 @@ type Conn struct {
 
 // DialTCP connects from vm to addr and reads the server's identity line.
 func (vm *VM) DialTCP(addr netip.AddrPort, timeout time.Duration) (*Conn, error) {
-	var c net.Conn
-	err := vm.NS.Do(func() (err error) {
-		c, err = net.DialTimeout("tcp", addr.String(), timeout)
-		return err
-	})
+	c, err := vm.dialTCP(addr, timeout)
 	if err != nil {
 		return nil, err
 	}
@@ -273,11 +269,7 @@ type Download struct {
 
 // StartDownload connects from vm to addr and reads whatever comes.
 func (vm *VM) StartDownload(addr netip.AddrPort, timeout time.Duration) (*Download, error) {
-	var c net.Conn
-	err := vm.NS.Do(func() (err error) {
-		c, err = net.DialTimeout("tcp", addr.String(), timeout)
-		return err
-	})
+	c, err := vm.dialTCP(addr, timeout)
 	if err != nil {
 		return nil, err
 	}
@@ -325,4 +317,13 @@ func (d *Download) Close() error {
 	err := d.c.Close()
 	<-d.done
 	return err
+}
+
+// dialTCP connects from inside vm's network namespace.
+func (vm *VM) dialTCP(addr netip.AddrPort, timeout time.Duration) (c net.Conn, err error) {
+	err = vm.NS.Do(func() (err error) {
+		c, err = net.DialTimeout("tcp", addr.String(), timeout)
+		return err
+	})
+	return c, err
 }

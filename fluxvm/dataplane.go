@@ -30,6 +30,16 @@ type Options struct {
 	// EDTEnabled allows services to ask for egress pacing
 	// (Service.MaxEgressMbps); validation refuses them otherwise.
 	EDTEnabled bool
+	// EDTHorizon is edt_horizon: 0 means DefaultEDTHorizon, otherwise
+	// bpf.MinEDTHorizon..bpf.MaxEDTHorizon.
+	EDTHorizon time.Duration
+	// EDTManageFQ, EDTInterfaces and EDTHorizonFallback are
+	// edt_manage_fq, edt_interfaces and edt_horizon_fallback: Open
+	// installs fq as the root qdisc of each of EDTInterfaces whose root
+	// is the kernel's default, and Close deletes it (edtfq.go).
+	EDTManageFQ        bool
+	EDTInterfaces      []string
+	EDTHorizonFallback bool
 	// Loader configures the BPF loader (pin root, tier, object dir,
 	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
 	Loader bpf.Options
@@ -217,6 +227,9 @@ func Open(opts Options) (*Dataplane, error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	if err := opts.NorthSouth.Validate(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	if err := opts.checkEDT(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	// Socket load balancing is refused before anything is loaded or

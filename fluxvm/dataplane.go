@@ -127,9 +127,13 @@ type Dataplane struct {
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
-	sock      socketLB     // socket load balancing (socklb.go)
-	health    healthChecks // active health checks (health.go)
-	adv       advertiser   // VIP advertisements (advertise.go)
+	// edtNode is the Rate of the node's fluxvm_edt entry as written, once
+	// edtNodeKnown: the paced north-south services (edt.go).
+	edtNode      uint64
+	edtNodeKnown bool
+	sock         socketLB     // socket load balancing (socklb.go)
+	health       healthChecks // active health checks (health.go)
+	adv          advertiser   // VIP advertisements (advertise.go)
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -188,6 +192,10 @@ type frontend struct {
 	// false until its first commit and once removeFrontend deleted it.
 	live bool
 	rev  uint32
+	// edt is its fluxvm_edt entry as written (the departure clock aside),
+	// once edtKnown (edt.go).
+	edt      bpf.EDTValue
+	edtKnown bool
 }
 
 // Interface kinds, as InterfaceStatus.Kind reports them.
@@ -348,6 +356,9 @@ func (d *Dataplane) init() error {
 	}
 	if err := d.restore(); err != nil {
 		return err
+	}
+	if err := d.writeEDTNode(); err != nil {
+		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
 	if err := d.settleBe2fe(); err != nil {
 		return fmt.Errorf("fluxvm: restore: %w", err)

@@ -124,6 +124,7 @@ type Dataplane struct {
 	bids      *idPool
 	edges     *idPool
 	ifaces    map[string]*iface
+	fq        []managedFQ // edt_interfaces as Open left them (edtfq.go)
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
@@ -247,6 +248,18 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	// fq goes on edt_interfaces first, all or nothing: a failure of
+	// Open from here on removes it again.
+	fq, err := openFQ(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	opened := false
+	defer func() {
+		if !opened {
+			closeFQ(opts, fq)
+		}
+	}()
 	// Staged: the programs attached by an earlier process keep running on
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
@@ -259,7 +272,7 @@ func Open(opts Options) (*Dataplane, error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, dp: dp,
+		opts: opts, log: opts.Logger, dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
@@ -306,6 +319,7 @@ func Open(opts Options) (*Dataplane, error) {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
 		go d.gcLoop(opts.GCInterval)
 	}
+	opened = true
 	return d, nil
 }
 
@@ -536,7 +550,7 @@ func (d *Dataplane) Close() error {
 	cerr := d.closeCatalog()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return errors.Join(cerr, d.dp.Close())
+	return errors.Join(cerr, d.dp.Close(), closeFQ(d.opts, d.fq))
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
@@ -578,7 +592,7 @@ func (d *Dataplane) Cleanup() error {
 		}
 		return d.dp.Remove()
 	})
-	errs = append(errs, err)
+	errs = append(errs, err, closeFQ(d.opts, d.fq))
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
@@ -868,6 +882,7 @@ func (d *Dataplane) Status() Status {
 	if !d.closed {
 		out.Memory = d.memoryStatus()
 	}
+	out.EDT = d.edtStatus()
 	return out
 }
 

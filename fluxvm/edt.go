@@ -2,6 +2,7 @@ package fluxvm
 
 import (
 	"fmt"
+	"sort"
 
 	"github.com/fluxvm/servicefabric/bpf"
 )
@@ -86,4 +87,75 @@ func (d *Dataplane) syncEDTNode() {
 	if err := d.writeEDTNode(); err != nil {
 		d.log.Error("fluxvm: EDT: the node entry was not updated; north-south replies of paced services may go unpaced (or be looked up in vain) until the next change", "err", err)
 	}
+}
+
+// serviceEDT is s's pacing with its counters, or nil when it is not
+// paced. A counter that cannot be read is left 0 (Stats reports the
+// error). d.mu must be held.
+func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
+	m := s.intent.MaxEgressMbps
+	if m == 0 {
+		return nil
+	}
+	out := &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
+	if d.closed {
+		return out
+	}
+	for _, fe := range s.frontends {
+		var per []bpf.ServiceStats
+		if err := d.dp.Maps().FluxvmSvcStats.Lookup(fe.sid, &per); err != nil {
+			continue
+		}
+		for _, p := range per {
+			out.Bytes += p.ReplyBytes
+			out.HorizonDrops += p.EdtDrops
+		}
+	}
+	return out
+}
+
+// edtStatus is the node's EDT status. d.mu must be held.
+func (d *Dataplane) edtStatus() EDTStatus {
+	out := EDTStatus{Enabled: d.opts.EDTEnabled, Horizon: Duration{d.opts.edtHorizon()}}
+	if !d.opts.EDTEnabled || d.closed {
+		return out
+	}
+	managed := map[string]managedFQ{}
+	names := map[string]bool{}
+	for _, m := range d.fq {
+		managed[m.name] = m
+		names[m.name] = true
+	}
+	for _, ifc := range d.ifaces {
+		names[ifc.Name] = true
+	}
+	for _, n := range d.opts.EDTInterfaces {
+		names[n] = true
+	}
+	_ = d.opts.InNamespace(func() error {
+		for n := range names {
+			st := EDTInterfaceStatus{Name: n, Mode: EDTModeHorizonPolicing}
+			m, isManaged := managed[n]
+			st.Managed = isManaged && m.installed
+			st.PreviousQdisc = m.previous
+			kind, err := rootQdiscKind(n)
+			st.Qdisc = kind
+			switch {
+			case err != nil:
+				st.Reason = fmt.Sprintf("root qdisc unknown: %v", err)
+			case kind == fqKind:
+				st.Mode = EDTModeFQ
+			case m.problem != "":
+				st.Reason = m.problem
+			case kind == "":
+				st.Reason = "no root qdisc: paced packets leave at once, and the horizon polices the rate"
+			default:
+				st.Reason = fmt.Sprintf("root qdisc is %s, not fq: paced packets leave at once, and the horizon polices the rate", kind)
+			}
+			out.Interfaces = append(out.Interfaces, st)
+		}
+		return nil
+	})
+	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
+	return out
 }

@@ -199,7 +199,7 @@ func (d *Dataplane) Service(name string) (ServiceStatus, error) {
 }
 
 func (d *Dataplane) statusOf(s *service) ServiceStatus {
-	st := ServiceStatus{Service: s.intent, Revision: s.revision, AppliedAt: s.applied}
+	st := ServiceStatus{Service: s.intent, Revision: s.revision, AppliedAt: s.applied, EDT: d.serviceEDT(s)}
 	for _, fe := range s.frontends {
 		st.Frontends = append(st.Frontends, FrontendStatus{
 			VIP: netip.AddrPortFrom(fe.key.vip, fe.key.port), Protocol: protocolOf(fe.key.proto),

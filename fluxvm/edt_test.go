@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/fluxvm/servicefabric/bpf"
 )
 
@@ -152,6 +154,36 @@ func TestEDTApply(t *testing.T) {
 		if got := edtEntries(t, d); len(got) != n {
 			t.Errorf("%s: %d non-zero fluxvm_edt entries %v, want %d", s.name, len(got), got, n)
 		}
+	}
+
+	// Status: the cap, the rate and horizon, and the counters summed
+	// over frontends and CPUs.
+	st, err := d.Service("edge")
+	if err != nil {
+		t.Fatal(err)
+	}
+	per := make([]bpf.ServiceStats, ebpf.MustPossibleCPU())
+	per[0].ReplyBytes, per[0].EdtDrops = 1000, 2
+	per[len(per)-1].ReplyBytes += 500
+	per[len(per)-1].EdtDrops += 1
+	for _, fe := range st.Frontends {
+		if err := d.dp.Maps().FluxvmSvcStats.Put(fe.ServiceID, per); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := ServiceEDTStatus{MaxEgressMbps: 5, RateBytesPerSec: 625_000, Horizon: Duration{50 * time.Millisecond}, Bytes: 3000, HorizonDrops: 6}
+	if st, err = d.Service("edge"); err != nil || st.EDT == nil || *st.EDT != want {
+		t.Errorf("edge EDT status %+v (%v), want %+v", st.EDT, err, want)
+	}
+	stats, err := d.Stats()
+	if err != nil || stats.EDT["edge"] != want || len(stats.EDT) != 1 {
+		t.Errorf("Stats().EDT %+v (%v), want edge %+v alone", stats.EDT, err, want)
+	}
+	if st, _ := d.Service("web"); st.EDT != nil {
+		t.Errorf("unpaced web EDT status %+v", st.EDT)
+	}
+	if ns := d.Status().EDT; !ns.Enabled || ns.Horizon.Duration != 50*time.Millisecond || len(ns.Interfaces) != 5 {
+		t.Errorf("node EDT status %+v, want enabled, 50ms, 5 interfaces (4 VM edges, the uplink)", ns)
 	}
 
 	// Refused before anything is written: out of bounds.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -219,6 +220,17 @@ func TestEDTApply(t *testing.T) {
 	wantEDTNode(t, d, "restored", 1)
 	if got := edtEntries(t, d); len(got) != 7 {
 		t.Errorf("restored: fluxvm_edt %v, want 7 entries", got)
+	}
+
+	// edt_enabled turned off under a catalog with paced services: the
+	// restore refuses it, naming the prerequisite.
+	d.Close()
+	e.opts.EDTEnabled = false
+	if d2, err := Open(e.opts); !errors.Is(err, ErrPrerequisite) || !strings.Contains(err.Error(), "max_egress_mbps") {
+		if d2 != nil {
+			d2.Close()
+		}
+		t.Errorf("Open without edt_enabled over paced services: %v, want ErrPrerequisite on max_egress_mbps", err)
 	}
 }
 

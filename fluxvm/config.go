@@ -39,6 +39,9 @@ const (
 	// and the node's own outgoing connections do not compete for ports.
 	DefaultSNATPortMin = 61000
 	DefaultSNATPortMax = 65535
+	// DefaultEDTHorizon is the default edt_horizon: how far ahead of now
+	// a paced service may schedule its packets (see Config.EDTHorizon).
+	DefaultEDTHorizon = 20 * time.Millisecond
 )
 
 // Bounds of the configuration.
@@ -223,10 +226,37 @@ type Config struct {
 	// cgroup_connect. A path that is not a cgroup v2 directory is refused
 	// at start.
 	CgroupPath string `toml:"cgroup_path"`
-	// EDTEnabled enables per-service EDT pacing (max_egress_mbps). This
-	// build has no EDT pacing and this machine's kernel lacks sch_fq:
-	// true is rejected (ErrUnsupported). Default false.
+	// EDTEnabled enables per-service EDT pacing: a service's
+	// max_egress_mbps is refused without it (ErrPrerequisite). The
+	// datapath stamps each paced reply with its departure time
+	// (skb->tstamp, fluxvm_edt); an fq qdisc on the interface it leaves
+	// by holds it until then, and without fq the horizon polices the
+	// rate instead (see docs/operations.md, "EDT pacing"). Default false.
 	EDTEnabled bool `toml:"edt_enabled"`
+	// EDTHorizon is how far ahead of now a paced service's departures
+	// may lie: with fq, the longest a packet waits in the qdisc; without
+	// it, the burst a service may send above its rate. A packet beyond it
+	// is dropped (drop reason edt_horizon). Default DefaultEDTHorizon
+	// (20ms), range bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s).
+	EDTHorizon Duration `toml:"edt_horizon"`
+	// EDTManageFQ makes FluxVM install the fq qdisc as the root qdisc of
+	// each of EDTInterfaces at start, where the root is the kernel's
+	// default, and delete it again at stop, so that the kernel restores
+	// its default. A root qdisc an operator configured is never replaced
+	// (start fails, naming it). Needs edt_enabled and edt_interfaces.
+	// Default false.
+	EDTManageFQ bool `toml:"edt_manage_fq"`
+	// EDTInterfaces are the interfaces whose root qdisc edt_manage_fq
+	// manages: valid, unique interface names, usually the north-south
+	// uplinks and VM edges paced replies leave by. Only with
+	// edt_manage_fq. Default none.
+	EDTInterfaces []string `toml:"edt_interfaces"`
+	// EDTHorizonFallback keeps the node starting when fq cannot be
+	// installed because the kernel has no sch_fq (CONFIG_NET_SCH_FQ):
+	// the interface runs in horizon-policing mode, and the status says
+	// why. Without it such a start fails (ErrNoFQ). Only with
+	// edt_manage_fq. Default false.
+	EDTHorizonFallback bool `toml:"edt_horizon_fallback"`
 }
 
 // DefaultConfig returns the configuration with every default applied. It
@@ -247,6 +277,7 @@ func DefaultConfig() Config {
 		UDPTimeout:            Duration{time.Duration(bpf.DefaultTimeoutUDP) * time.Second},
 		SNATPortMin:           DefaultSNATPortMin,
 		SNATPortMax:           DefaultSNATPortMax,
+		EDTHorizon:            Duration{DefaultEDTHorizon},
 	}
 }
 
@@ -483,7 +514,10 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - snat_port_min and snat_port_max: 1024..65535 each, min <= max;
 //   - cgroup_path: empty, or an absolute path and then cgroup_connect
 //     true;
-//   - edt_enabled false (this build).
+//   - edt_horizon bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s);
+//     edt_interfaces: valid, unique interface names; edt_manage_fq needs
+//     edt_enabled and edt_interfaces, edt_interfaces and
+//     edt_horizon_fallback need edt_manage_fq (ErrPrerequisite).
 //
 // Validate reads no files: whether they exist is the program's concern.
 // The reference daemon's api sub-table is validated by the daemon.
@@ -580,6 +614,7 @@ func (c *Config) validate() error {
 	c.validateXDP(bad)
 	c.validateSNAT(bad)
 	c.validateSocketLB(bad)
+	c.validateEDT(bad)
 	for _, e := range intent.CheckNode(c.Node()) {
 		bad(e.Kind, e.Field, "%s", e.Reason)
 	}
@@ -634,6 +669,38 @@ func (c *Config) checkNorthSouth() error {
 	cc.validateSNAT(bad)
 	cc.validateSocketLB(bad)
 	return errors.Join(errs...)
+}
+
+func (c *Config) validateEDT(bad func(category error, k, format string, args ...any)) {
+	if h := c.EDTHorizon.Duration; h < bpf.MinEDTHorizon || h > bpf.MaxEDTHorizon {
+		bad(ErrInvalid, "edt_horizon", "%v is outside %v..%v", h, bpf.MinEDTHorizon, bpf.MaxEDTHorizon)
+	}
+	seen := map[string]int{}
+	for i, n := range c.EDTInterfaces {
+		at := fmt.Sprintf("edt_interfaces[%d]", i)
+		if why := ifnameProblem(n); why != "" {
+			bad(ErrInvalid, at, "%s", why)
+		} else if prev, dup := seen[n]; dup {
+			bad(ErrConflict, at, "%q is already edt_interfaces[%d]", n, prev)
+		} else {
+			seen[n] = i
+		}
+	}
+	if c.EDTManageFQ {
+		if !c.EDTEnabled {
+			bad(ErrPrerequisite, "edt_manage_fq", "requires edt_enabled = true")
+		}
+		if len(c.EDTInterfaces) == 0 {
+			bad(ErrPrerequisite, "edt_manage_fq", "requires edt_interfaces: the interfaces whose root qdisc FluxVM may manage")
+		}
+	} else {
+		if len(c.EDTInterfaces) > 0 {
+			bad(ErrPrerequisite, "edt_interfaces", "set, but edt_manage_fq is false: set edt_manage_fq = true too, or leave this empty")
+		}
+		if c.EDTHorizonFallback {
+			bad(ErrPrerequisite, "edt_horizon_fallback", "set, but edt_manage_fq is false: it only says what to do when fq cannot be installed")
+		}
+	}
 }
 
 func (c *Config) validateSocketLB(bad func(category error, k, format string, args ...any)) {

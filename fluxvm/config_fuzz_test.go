@@ -66,6 +66,9 @@ func nilEmpty(c Config) Config {
 	if len(c.VMEdgeInterfaces) == 0 {
 		c.VMEdgeInterfaces = nil
 	}
+	if len(c.EDTInterfaces) == 0 {
+		c.EDTInterfaces = nil
+	}
 	if len(c.NorthSouthInterfaces) == 0 {
 		c.NorthSouthInterfaces = nil
 	}

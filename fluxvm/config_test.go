@@ -34,7 +34,7 @@ func TestDefaultConfig(t *testing.T) {
 		t.Errorf("timeouts %+v, want the datapath's defaults %+v", got, conntrack.DefaultTimeouts())
 	}
 	if c.CatalogPath != "/var/lib/fluxvm/service-catalog.json" || c.ConntrackGCInterval.Duration != 30*time.Second ||
-		c.EDTEnabled {
+		c.EDTEnabled || c.EDTHorizon.Duration != 20*time.Millisecond || c.EDTManageFQ || c.EDTInterfaces != nil || c.EDTHorizonFallback {
 		t.Errorf("defaults: %+v", c)
 	}
 	// An empty document, or an empty table, is the defaults.
@@ -80,7 +80,11 @@ snat_port_min = 20000
 snat_port_max = 29999
 cgroup_connect = true
 cgroup_path = "/sys/fs/cgroup/unified/fluxvm"
-edt_enabled = false
+edt_enabled = true
+edt_horizon = "50ms"
+edt_manage_fq = true
+edt_interfaces = ["uplink0", "tap-vm1"]
+edt_horizon_fallback = true
 `
 	c, err := ParseConfig([]byte(doc))
 	if err != nil {
@@ -113,6 +117,11 @@ edt_enabled = false
 		SNATPortMax:            29999,
 		CgroupConnect:          true,
 		CgroupPath:             "/sys/fs/cgroup/unified/fluxvm",
+		EDTEnabled:             true,
+		EDTHorizon:             Duration{50 * time.Millisecond},
+		EDTManageFQ:            true,
+		EDTInterfaces:          []string{"uplink0", "tap-vm1"},
+		EDTHorizonFallback:     true,
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got  %+v\nwant %+v", c, want)
@@ -122,9 +131,6 @@ edt_enabled = false
 	got := reflect.ValueOf(c)
 	for i := range got.NumField() {
 		name := got.Type().Field(i).Name
-		if name == "EDTEnabled" { // must stay false in this build
-			continue
-		}
 		if reflect.DeepEqual(got.Field(i).Interface(), def.Field(i).Interface()) {
 			t.Errorf("%s kept its default", name)
 		}
@@ -251,7 +257,17 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "snat ports reversed", doc: table + "snat_port_min = 62000\nsnat_port_max = 61999\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max"},
 		{name: "snat_port_min below the default max", doc: table + "snat_port_max = 2000\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max (2000)"},
 		{name: "snat_port_min a string", doc: table + "snat_port_min = \"61000\"\n", field: k("snat_port_min"), kind: ErrMalformed, reason: "integer"},
-		{name: "edt_enabled not built", doc: table + "edt_enabled = true\n", field: k("edt_enabled"), kind: ErrUnsupported, reason: "sch_fq"},
+		{name: "edt_horizon below 1ms", doc: table + "edt_horizon = \"999us\"\n", field: k("edt_horizon"), kind: ErrInvalid, reason: "1ms..10s"},
+		{name: "edt_horizon zero", doc: table + "edt_horizon = \"0s\"\n", field: k("edt_horizon"), kind: ErrInvalid},
+		{name: "edt_horizon above 10s", doc: table + "edt_horizon = \"10.001s\"\n", field: k("edt_horizon"), kind: ErrInvalid},
+		{name: "edt_horizon a number", doc: table + "edt_horizon = 20\n", field: k("edt_horizon"), kind: ErrMalformed, reason: "duration"},
+		{name: "edt_manage_fq without edt_enabled", doc: table + "edt_manage_fq = true\nedt_interfaces = [\"eth0\"]\n", field: k("edt_manage_fq"), kind: ErrPrerequisite, reason: "edt_enabled"},
+		{name: "edt_manage_fq without interfaces", doc: table + "edt_enabled = true\nedt_manage_fq = true\n", field: k("edt_manage_fq"), kind: ErrPrerequisite, reason: "edt_interfaces"},
+		{name: "edt_interfaces without edt_manage_fq", doc: table + "edt_enabled = true\nedt_interfaces = [\"eth0\"]\n", field: k("edt_interfaces"), kind: ErrPrerequisite, reason: "edt_manage_fq"},
+		{name: "edt_horizon_fallback without edt_manage_fq", doc: table + "edt_enabled = true\nedt_horizon_fallback = true\n", field: k("edt_horizon_fallback"), kind: ErrPrerequisite, reason: "edt_manage_fq"},
+		{name: "edt_interfaces name invalid", doc: table + "edt_enabled = true\nedt_manage_fq = true\nedt_interfaces = [\"eth0\", \"a/b\"]\n", field: k("edt_interfaces[1]"), kind: ErrInvalid},
+		{name: "edt_interfaces name too long", doc: table + "edt_enabled = true\nedt_manage_fq = true\nedt_interfaces = [\"uplink-0123456789\"]\n", field: k("edt_interfaces[0]"), kind: ErrInvalid, reason: "15"},
+		{name: "edt_interfaces duplicate", doc: table + "edt_enabled = true\nedt_manage_fq = true\nedt_interfaces = [\"eth0\", \"eth0\"]\n", field: k("edt_interfaces[1]"), kind: ErrConflict, reason: "edt_interfaces[0]"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -374,11 +390,11 @@ vm_edge_interfaces = [{ name = "tap-vm1", vm_id = "vm-1" }]
 	}
 	fmt.Println(cfg.Tier(), cfg.LoaderOptions().PinRoot, cfg.ConntrackTimeouts().TCPEstablished)
 
-	_, err = ParseConfig([]byte("[sandbox.dataplane.service]\nedt_enabled = true\n"))
+	_, err = ParseConfig([]byte("[sandbox.dataplane.service]\nedt_enabled = true\nedt_horizon = \"20s\"\n"))
 	fmt.Println(err)
 	// Output:
 	// S /sys/fs/bpf/fluxvm/service 6h0m0s
-	// fluxvm: config: sandbox.dataplane.service.edt_enabled: EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)
+	// fluxvm: config: sandbox.dataplane.service.edt_horizon: 20s is outside 1ms..10s
 }
 
 // TestSNATConfig checks which SNAT address serves each family and the

@@ -30,6 +30,16 @@ type Options struct {
 	// EDTEnabled allows services to ask for egress pacing
 	// (Service.MaxEgressMbps); validation refuses them otherwise.
 	EDTEnabled bool
+	// EDTHorizon is edt_horizon: 0 means DefaultEDTHorizon, otherwise
+	// bpf.MinEDTHorizon..bpf.MaxEDTHorizon.
+	EDTHorizon time.Duration
+	// EDTManageFQ, EDTInterfaces and EDTHorizonFallback are
+	// edt_manage_fq, edt_interfaces and edt_horizon_fallback: Open
+	// installs fq as the root qdisc of each of EDTInterfaces whose root
+	// is the kernel's default, and Close deletes it (edtfq.go).
+	EDTManageFQ        bool
+	EDTInterfaces      []string
+	EDTHorizonFallback bool
 	// Loader configures the BPF loader (pin root, tier, object dir,
 	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
 	Loader bpf.Options
@@ -114,12 +124,17 @@ type Dataplane struct {
 	bids      *idPool
 	edges     *idPool
 	ifaces    map[string]*iface
+	fq        []managedFQ // edt_interfaces as Open left them (edtfq.go)
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
-	sock      socketLB     // socket load balancing (socklb.go)
-	health    healthChecks // active health checks (health.go)
-	adv       advertiser   // VIP advertisements (advertise.go)
+	// edtNode is the Rate of the node's fluxvm_edt entry as written, once
+	// edtNodeKnown: the paced north-south services (edt.go).
+	edtNode      uint64
+	edtNodeKnown bool
+	sock         socketLB     // socket load balancing (socklb.go)
+	health       healthChecks // active health checks (health.go)
+	adv          advertiser   // VIP advertisements (advertise.go)
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -178,6 +193,10 @@ type frontend struct {
 	// false until its first commit and once removeFrontend deleted it.
 	live bool
 	rev  uint32
+	// edt is its fluxvm_edt entry as written (the departure clock aside),
+	// once edtKnown (edt.go).
+	edt      bpf.EDTValue
+	edtKnown bool
 }
 
 // Interface kinds, as InterfaceStatus.Kind reports them.
@@ -219,6 +238,9 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.NorthSouth.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	if err := opts.checkEDT(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	// Socket load balancing is refused before anything is loaded or
 	// attached: on a host without cgroup v2, or a cgroup_path that is not
 	// a cgroup v2 directory.
@@ -226,6 +248,18 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	// fq goes on edt_interfaces first, all or nothing: a failure of
+	// Open from here on removes it again.
+	fq, err := openFQ(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	opened := false
+	defer func() {
+		if !opened {
+			closeFQ(opts, fq)
+		}
+	}()
 	// Staged: the programs attached by an earlier process keep running on
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
@@ -238,7 +272,7 @@ func Open(opts Options) (*Dataplane, error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, dp: dp,
+		opts: opts, log: opts.Logger, dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
@@ -285,6 +319,7 @@ func Open(opts Options) (*Dataplane, error) {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
 		go d.gcLoop(opts.GCInterval)
 	}
+	opened = true
 	return d, nil
 }
 
@@ -335,6 +370,9 @@ func (d *Dataplane) init() error {
 	}
 	if err := d.restore(); err != nil {
 		return err
+	}
+	if err := d.writeEDTNode(); err != nil {
+		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
 	if err := d.settleBe2fe(); err != nil {
 		return fmt.Errorf("fluxvm: restore: %w", err)
@@ -512,7 +550,7 @@ func (d *Dataplane) Close() error {
 	cerr := d.closeCatalog()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return errors.Join(cerr, d.dp.Close())
+	return errors.Join(cerr, d.dp.Close(), closeFQ(d.opts, d.fq))
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
@@ -554,7 +592,7 @@ func (d *Dataplane) Cleanup() error {
 		}
 		return d.dp.Remove()
 	})
-	errs = append(errs, err)
+	errs = append(errs, err, closeFQ(d.opts, d.fq))
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
@@ -844,6 +882,7 @@ func (d *Dataplane) Status() Status {
 	if !d.closed {
 		out.Memory = d.memoryStatus()
 	}
+	out.EDT = d.edtStatus()
 	return out
 }
 

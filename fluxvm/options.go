@@ -1,7 +1,9 @@
 package fluxvm
 
 import (
+	"errors"
 	"net/netip"
+	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
 )
@@ -42,9 +44,31 @@ func (o Options) settings() *Config {
 		XDPMode:              o.NorthSouth.XDPMode,
 		XDPEgressInterfaces:  o.NorthSouth.XDPEgress,
 		EDTEnabled:           o.EDTEnabled,
+		EDTHorizon:           Duration{o.edtHorizon()},
+		EDTManageFQ:          o.EDTManageFQ,
+		EDTInterfaces:        o.EDTInterfaces,
+		EDTHorizonFallback:   o.EDTHorizonFallback,
 		CgroupConnect:        o.CgroupConnect,
 		CgroupPath:           o.CgroupPath,
 	}
+}
+
+// checkEDT checks the EDT settings with the configuration's rules
+// (edt_horizon, edt_interfaces, edt_manage_fq, edt_horizon_fallback).
+func (o Options) checkEDT() error {
+	var errs []error
+	o.settings().validateEDT(func(category error, k, format string, args ...any) {
+		errs = append(errs, verr(category, configKey(k), format, args...))
+	})
+	return errors.Join(errs...)
+}
+
+// edtHorizon is EDTHorizon, or DefaultEDTHorizon when it is 0.
+func (o Options) edtHorizon() time.Duration {
+	if o.EDTHorizon == 0 {
+		return DefaultEDTHorizon
+	}
+	return o.EDTHorizon
 }
 
 // OptionsFrom turns a validated configuration into dataplane options. The
@@ -58,11 +82,15 @@ func OptionsFrom(cfg Config) Options {
 			XDPMode:   cfg.XDPMode,
 			XDPEgress: append([]string(nil), cfg.XDPEgressInterfaces...),
 		},
-		EDTEnabled:    cfg.EDTEnabled,
-		CgroupConnect: cfg.CgroupConnect,
-		CgroupPath:    cfg.CgroupPath,
-		Loader:        cfg.LoaderOptions(),
-		CatalogPath:   cfg.CatalogPath,
+		EDTEnabled:         cfg.EDTEnabled,
+		EDTHorizon:         cfg.EDTHorizon.Duration,
+		EDTManageFQ:        cfg.EDTManageFQ,
+		EDTInterfaces:      append([]string(nil), cfg.EDTInterfaces...),
+		EDTHorizonFallback: cfg.EDTHorizonFallback,
+		CgroupConnect:      cfg.CgroupConnect,
+		CgroupPath:         cfg.CgroupPath,
+		Loader:             cfg.LoaderOptions(),
+		CatalogPath:        cfg.CatalogPath,
 		// Always set by a validated configuration: the daemon publishes
 		// the advertisement file.
 		AdvertisementsPath: cfg.AdvertisementsPath,

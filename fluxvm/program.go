@@ -51,6 +51,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
+	if _, err := d.edtValueOf(&svc); err != nil {
+		d.mu.Unlock()
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
+	}
 	old := d.services[svc.Name]
 	if old != nil && reflect.DeepEqual(old.intent, svc) {
 		st := d.statusOf(old)
@@ -108,6 +112,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	}
 	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
+	d.syncEDTNode()
 	d.doneBusy(svc.Name)
 	d.syncHealth(svc.Name)
 	d.advertise()
@@ -148,6 +153,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	d.syncEDTNode()
 	d.index.Remove(name, &s.fp)
 	delete(d.legacyNames, name)
 	d.syncHealth(name)
@@ -193,7 +199,7 @@ func (d *Dataplane) Service(name string) (ServiceStatus, error) {
 }
 
 func (d *Dataplane) statusOf(s *service) ServiceStatus {
-	st := ServiceStatus{Service: s.intent, Revision: s.revision, AppliedAt: s.applied}
+	st := ServiceStatus{Service: s.intent, Revision: s.revision, AppliedAt: s.applied, EDT: d.serviceEDT(s)}
 	for _, fe := range s.frontends {
 		st.Frontends = append(st.Frontends, FrontendStatus{
 			VIP: netip.AddrPortFrom(fe.key.vip, fe.key.port), Protocol: protocolOf(fe.key.proto),
@@ -355,6 +361,7 @@ func (d *Dataplane) prepare(svc Service, s *service, others ...*service) (*plan,
 				d.sids.release(fe.sid)
 				return p, fmt.Errorf("frontend %s: %w", w.key, err)
 			}
+			fe.edtKnown = true // resetServiceSlot zeroed it
 			d.frontends[w.key] = fe
 		}
 		s.frontends = append(s.frontends, fe)
@@ -473,6 +480,16 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 // SvcFlagRevStored in its live entry before the table goes in.
 func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable) error {
 	fe := pl.fe
+	edt, err := d.edtValueOf(&svc)
+	if err != nil {
+		return err
+	}
+	// A paced frontend's rate is in place before its flag (edt.go).
+	if edt.Rate != 0 {
+		if err := d.putEDT(fe, edt); err != nil {
+			return err
+		}
+	}
 	flags := svcFlags(&svc) | d.revStoredOf(fe)
 	if flags&bpf.SvcFlagRevStored != 0 {
 		if err := d.markRevStored(fe); err != nil {
@@ -495,6 +512,12 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 		return err
 	}
 	fe.flags, fe.rev, fe.live = flags, val.Revision, true
+	// An unpaced one loses its rate only once its flag is gone.
+	if edt.Rate == 0 {
+		if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
+			return err
+		}
+	}
 	if err := d.addMarker(fe); err != nil {
 		return err
 	}
@@ -708,6 +731,9 @@ func svcFlags(svc *Service) uint32 {
 	if svc.HostRouting {
 		f |= bpf.SvcFlagHostRouting
 	}
+	if svc.MaxEgressMbps != 0 {
+		f |= bpf.SvcFlagPaced
+	}
 	return f
 }
 
@@ -765,6 +791,9 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 		return err
 	}
 	fe.live = false
+	if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
+		return err
+	}
 	if err := d.dropMarker(fe); err != nil {
 		return err
 	}
@@ -800,6 +829,10 @@ func (d *Dataplane) resetServiceSlot(sid uint32) error {
 	zero := make([]bpf.ServiceStats, ebpf.MustPossibleCPU())
 	if err := d.dp.Maps().FluxvmSvcStats.Put(sid, zero); err != nil {
 		return fmt.Errorf("stats: %w", err)
+	}
+	// And unpaced: nothing of a frontend that had the id before remains.
+	if err := d.dp.Maps().FluxvmEdt.Put(sid, bpf.EDTValue{}); err != nil {
+		return fmt.Errorf("edt entry: %w", err)
 	}
 	return nil
 }

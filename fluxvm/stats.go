@@ -31,6 +31,12 @@ func (d *Dataplane) Stats() (Stats, error) {
 			c.add(fc)
 		}
 		out.Services[name] = c
+		if e := d.serviceEDT(s); e != nil {
+			if out.EDT == nil {
+				out.EDT = map[string]ServiceEDTStatus{}
+			}
+			out.EDT[name] = *e
+		}
 	}
 	drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops)
 	if err != nil {

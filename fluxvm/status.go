@@ -14,6 +14,58 @@ type ServiceStatus struct {
 	Revision  uint64           `json:"revision"`
 	AppliedAt time.Time        `json:"applied_at"`
 	Frontends []FrontendStatus `json:"frontends"`
+	// EDT is the service's pacing, present when it has max_egress_mbps.
+	EDT *ServiceEDTStatus `json:"edt,omitempty"`
+}
+
+// ServiceEDTStatus is a paced service's EDT pacing: its cap, as the
+// datapath's rate and horizon, and what its frontends sent under it.
+type ServiceEDTStatus struct {
+	// MaxEgressMbps is the intent's cap, in megabits per second.
+	MaxEgressMbps uint32 `json:"max_egress_mbps"`
+	// RateBytesPerSec is the rate in the fluxvm_edt entry of each of its
+	// frontends (bpf.MbpsToEDTRate): the cap holds per frontend (VIP,
+	// port, protocol).
+	RateBytesPerSec uint64 `json:"rate_bytes_per_sec"`
+	// Horizon is the node's edt_horizon, e.g. "20ms".
+	Horizon Duration `json:"horizon"`
+	// Bytes counts the bytes sent toward the service's clients (its
+	// reply_bytes, summed over frontends and CPUs): the packets pacing
+	// applies to.
+	Bytes uint64 `json:"bytes"`
+	// HorizonDrops counts the packets dropped because their departure
+	// lay beyond the horizon (drop reason edt_horizon).
+	HorizonDrops uint64 `json:"horizon_drops"`
+}
+
+// EDTStatus is the node's EDT pacing (edt_enabled and its keys).
+type EDTStatus struct {
+	Enabled bool `json:"enabled"`
+	// Horizon is edt_horizon, e.g. "20ms".
+	Horizon Duration `json:"horizon"`
+	// Interfaces are those paced packets may leave by: the VM-edge and
+	// north-south interfaces, and edt_interfaces; sorted by name. Listed
+	// while edt_enabled, and not after Close.
+	Interfaces []EDTInterfaceStatus `json:"interfaces,omitempty"`
+}
+
+// EDTInterfaceStatus is how paced packets leave one interface.
+type EDTInterfaceStatus struct {
+	Name string `json:"name"`
+	// Mode is "fq" (EDTModeFQ) when the interface's root qdisc is fq,
+	// which holds each paced packet until its departure time, else
+	// "horizon-policing" (EDTModeHorizonPolicing).
+	Mode string `json:"mode"`
+	// Reason says why the mode is horizon-policing.
+	Reason string `json:"reason,omitempty"`
+	// Qdisc is the kind of the interface's root qdisc, read now.
+	Qdisc string `json:"qdisc,omitempty"`
+	// Managed: the interface is in edt_interfaces, and FluxVM installed
+	// (or adopted) its fq root and deletes it at Close.
+	Managed bool `json:"managed"`
+	// PreviousQdisc is the kernel's default root qdisc that the managed
+	// fq replaced, and which the kernel restores when it goes.
+	PreviousQdisc string `json:"previous_qdisc,omitempty"`
 }
 
 // FrontendStatus is one datapath service: one VIP, port and protocol.
@@ -65,6 +117,9 @@ type Status struct {
 	// Memory is the kernel memory of the datapath's maps, the Maglev
 	// tables included; absent after Close.
 	Memory *MemoryStatus `json:"memory,omitempty"`
+	// EDT is EDT pacing: enabled, the horizon, and per interface whether
+	// fq holds paced packets or the horizon polices them.
+	EDT EDTStatus `json:"edt"`
 }
 
 // MemoryStatus is the kernel memory of the datapath's maps, in bytes
@@ -206,6 +261,9 @@ type Stats struct {
 	// afresh);
 	// dsr_forwarded (packets DSR redirected toward a backend).
 	Parser map[string]uint64 `json:"parser"`
+	// EDT holds the paced services by name (those with
+	// max_egress_mbps), as ServiceStatus.EDT.
+	EDT map[string]ServiceEDTStatus `json:"edt,omitempty"`
 }
 
 // VMStats are the service statistics of one VM's edge interfaces.

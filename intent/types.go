@@ -37,7 +37,10 @@ type Service struct {
 	Backends []Backend `json:"backends"`
 	// HealthCheck asks the node to probe backends (TCP connect).
 	HealthCheck *HealthCheck `json:"health_check,omitempty"`
-	// MaxEgressMbps paces the service's egress (EDT); needs edt_enabled.
+	// MaxEgressMbps paces the service's egress toward its clients (EDT),
+	// in megabits per second: 0 leaves it unpaced, otherwise
+	// MinEgressMbps..MaxEgressMbpsLimit. Needs edt_enabled. The cap holds
+	// per frontend (VIP, port, protocol).
 	MaxEgressMbps uint32 `json:"max_egress_mbps,omitempty"`
 	// HostRouting enables the FIB fast path after NAT (a FIB miss falls
 	// back to the host stack); needs mode nat.

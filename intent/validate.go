@@ -81,6 +81,12 @@ const (
 	// MaxDrainUntilUnixMs is the latest drain deadline: the datapath keeps
 	// deadlines in nanoseconds in 64 bits, which end in April 2262.
 	MaxDrainUntilUnixMs = math.MaxInt64 / 1_000_000
+	// MinEgressMbps and MaxEgressMbpsLimit bound max_egress_mbps when it
+	// is set (0 leaves the service unpaced): 1 Mbit/s to 100 Gbit/s, the
+	// rates the datapath's EDT arithmetic holds (bpf.MinEDTRate,
+	// bpf.MaxEDTRate).
+	MinEgressMbps      = 1
+	MaxEgressMbpsLimit = 100_000
 )
 
 // Health-check defaults and bounds (milliseconds and check counts). A
@@ -167,12 +173,10 @@ type feature struct {
 // unsupported lists every feature that is rejected with ErrUnsupported
 // because this build does not implement it. The issue that builds a
 // feature removes its row (and adds the tests that prove it works).
-var unsupported = []feature{
-	{field: "max_egress_mbps", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
-		service: func(s *Service) bool { return s.MaxEgressMbps != 0 }},
-	{field: "edt_enabled", reason: "EDT pacing is not in this build (it also needs the sch_fq qdisc, which this machine's kernel lacks)",
-		node: func(n *Node) bool { return n.EDTEnabled }},
-}
+// The table is empty: every feature of the product description that a
+// service or the node configuration can ask for is built (EDT pacing,
+// max_egress_mbps and edt_enabled, was the last row).
+var unsupported = []feature{}
 
 // CheckNode reports the node settings this build does not have
 // (ErrUnsupported), each a *ValidationError whose Field is the key of the
@@ -306,7 +310,8 @@ func checkDSRPorts(s *Service) *ValidationError {
 //     host_routing needs mode nat; north-south NAT needs an SNAT address
 //     of each VIP's family (field vips[i]): an IPv4 VIP an IPv4
 //     snat_address, an IPv6 VIP snat_address_v6 or an IPv6 snat_address.
-//   - features this build does not have (ErrUnsupported): max_egress_mbps.
+//   - max_egress_mbps: 0 (unpaced) or MinEgressMbps..MaxEgressMbpsLimit
+//     (1..100000 Mbit/s).
 func ValidateService(s Service, node Node) error {
 	if e := validateService(&s, &node, false); e != nil {
 		return fmt.Errorf("intent: service %s: %w", quoteName(s.Name), e)
@@ -361,6 +366,9 @@ func validateService(s *Service, node *Node, legacyName bool) *ValidationError {
 	}
 	if e := checkDSRPorts(s); e != nil {
 		return e
+	}
+	if m := s.MaxEgressMbps; m != 0 && (m < MinEgressMbps || m > MaxEgressMbpsLimit) {
+		return verr(ErrInvalid, "max_egress_mbps", "%d is outside %d..%d (megabits per second; 0 leaves the service unpaced)", m, MinEgressMbps, MaxEgressMbpsLimit)
 	}
 	for _, p := range prerequisites {
 		if why := p.missing(s, node); why != "" {

@@ -195,7 +195,14 @@ func TestValidateService(t *testing.T) {
 		// Prerequisites come before the unsupported table.
 		{name: "max_egress without edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 }, field: "max_egress_mbps", kind: ErrPrerequisite, reason: "edt_enabled"},
 		{name: "max_egress with edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 100 },
-			node: func() Node { return Node{EDTEnabled: true} }, field: "max_egress_mbps", kind: ErrUnsupported, reason: "sch_fq"},
+			node: func() Node { return Node{EDTEnabled: true} }},
+		{name: "max_egress lowest", mutate: func(s *Service) { s.MaxEgressMbps = 1 },
+			node: func() Node { return Node{EDTEnabled: true} }},
+		{name: "max_egress highest", mutate: func(s *Service) { s.MaxEgressMbps = 100000 },
+			node: func() Node { return Node{EDTEnabled: true} }},
+		{name: "max_egress too high", mutate: func(s *Service) { s.MaxEgressMbps = 100001 },
+			node: func() Node { return Node{EDTEnabled: true} }, field: "max_egress_mbps", kind: ErrInvalid, reason: "1..100000"},
+		{name: "max_egress too high without edt_enabled", mutate: func(s *Service) { s.MaxEgressMbps = 1 << 31 }, field: "max_egress_mbps", kind: ErrInvalid, reason: "1..100000"},
 		{name: "advertise east-west", mutate: func(s *Service) { s.Advertise = true }, field: "advertise", kind: ErrPrerequisite, reason: "north-south or both"},
 		{name: "advertise default exposure", mutate: func(s *Service) { s.Advertise = true; s.Exposure = ExposureEastWest }, field: "advertise", kind: ErrPrerequisite},
 		{name: "north-south without interfaces", mutate: func(s *Service) { s.Exposure = ExposureNorthSouth }, field: "exposure", kind: ErrPrerequisite, reason: "north_south_interfaces"},
@@ -365,8 +372,8 @@ func TestUnsupportedTable(t *testing.T) {
 			t.Errorf("row %s rejects the valid defaults", f.field)
 		}
 	}
-	if errs := CheckNode(Node{EDTEnabled: true}); len(errs) != 1 || errs[0].Field != "edt_enabled" || errs[0].Kind != ErrUnsupported {
-		t.Errorf("CheckNode(edt) = %v, want edt_enabled unsupported", errs)
+	if errs := CheckNode(Node{EDTEnabled: true}); errs != nil {
+		t.Errorf("CheckNode(edt) = %v, want nil (EDT pacing is built)", errs)
 	}
 	if errs := CheckNode(Node{}); errs != nil {
 		t.Errorf("CheckNode(zero) = %v", errs)

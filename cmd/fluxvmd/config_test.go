@@ -130,7 +130,7 @@ func TestExampleConfig(t *testing.T) {
 	}
 	// The example keeps the defaults except where it shows a value.
 	def := defaultConfig()
-	c.VMEdgeInterfaces, c.NorthSouthInterfaces, c.XDPEgressInterfaces = nil, nil, nil
+	c.VMEdgeInterfaces, c.NorthSouthInterfaces, c.XDPEgressInterfaces, c.EDTInterfaces = nil, nil, nil, nil
 	c.API.AdminTokenFile, c.API.ReadTokenFile = "", ""
 	if !reflect.DeepEqual(c, def) {
 		t.Errorf("example differs from the defaults:\n got %+v\nwant %+v", c, def)

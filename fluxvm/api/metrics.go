@@ -33,7 +33,7 @@ var (
 	descNewFlows     = desc("service_new_flows_total", "Flows that got a backend from Maglev.", "service")
 	descFailovers    = desc("service_failovers_total", "Established flows moved to another backend.", "service")
 	descServiceDrops = desc("service_drops_total", "Packets to the service that were dropped.", "service")
-	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason.", "reason")
+	descDrops        = desc("datapath_drops_total", "Packets dropped by the datapath, by reason: no_backend, guard_closed, fragment, ..., edt_horizon (a paced service's packet whose departure lay beyond the EDT horizon).", "reason")
 	descParser       = desc("datapath_parser_packets_total", "Packets seen by the datapath parser, by kind.", "kind")
 	descEvents       = desc("datapath_events_total", "Datapath events, by name: nat_stale, host_routed_packets, host_route_fallbacks, snat_retries, dsr_forwarded, snat_conflicts, icmp_errors_translated, xdp_translated, xdp_pass_no_route, xdp_pass_fragment, xdp_pass_egress, sock_rewritten, sock_reversed, sock_repicked, sock_fail_open_guard, sock_fail_open_no_backend, sock_fail_open_map.", "event")
 	descStatsUp      = desc("datapath_stats_up", "1 when the datapath counters could be read in this scrape, else 0.")
@@ -59,6 +59,11 @@ var (
 	descSockHooks     = desc("socket_lb_hooks", "Socket hooks attached to the cgroup of socket load balancing (value 1).", "hook")
 	descSockDestroyed = desc("socket_lb_destroyed_sockets_total", "Connected UDP sockets terminated because their backend was removed, Unhealthy or past its drain deadline, since the dataplane opened.")
 	descSockRuns      = desc("socket_lb_destroy_runs_total", "Runs of the socket iterator that terminates connected UDP sockets of gone backends, since the dataplane opened.")
+	descEDTRate       = desc("service_edt_rate_bytes", "EDT pacing rate of a paced service's frontends (max_egress_mbps), in bytes per second; each frontend (VIP, port, protocol) is held to it.", "service")
+	descEDTDrops      = desc("service_edt_horizon_drops_total", "Packets of a paced service dropped because their departure lay beyond the EDT horizon.", "service")
+	descEDTEnabled    = desc("edt_enabled", "1 when EDT pacing (edt_enabled) is on, else 0.")
+	descEDTHorizon    = desc("edt_horizon_seconds", "The EDT horizon (edt_horizon): how far ahead a paced packet's departure may lie.")
+	descEDTMode       = desc("edt_interface_mode", "Interfaces paced packets leave by, by EDT mode (fq: the root qdisc holds packets until their departure; horizon-policing: no fq, the horizon polices the rate): value 1.", "interface", "mode")
 	descSockSupported = desc("socket_lb_destroy_supported", "1 when the kernel can terminate sockets from BPF (Linux 6.5+), 0 when it refused; absent before the first run.")
 )
 
@@ -78,7 +83,12 @@ type collector struct{ src MetricsSource }
 //	fluxvm_service_reply_packets_total, fluxvm_service_reply_bytes_total,
 //	fluxvm_service_new_flows_total, fluxvm_service_failovers_total,
 //	fluxvm_service_drops_total                  counters {service}
-//	fluxvm_datapath_drops_total                 counter {reason}
+//	fluxvm_datapath_drops_total                 counter {reason: no_backend, ..., edt_horizon}
+//	fluxvm_service_edt_rate_bytes               gauge {service}: pacing rate of a paced service, bytes/s
+//	fluxvm_service_edt_horizon_drops_total      counter {service}: packets dropped beyond the EDT horizon
+//	fluxvm_edt_enabled                          gauge: 1 when edt_enabled is on
+//	fluxvm_edt_horizon_seconds                  gauge: edt_horizon
+//	fluxvm_edt_interface_mode                   gauge 1 {interface, mode: fq, horizon-policing}
 //	fluxvm_datapath_parser_packets_total        counter {kind}
 //	fluxvm_datapath_events_total                counter {event: nat_stale, host_routed_packets,
 //	                                            host_route_fallbacks, snat_retries, dsr_forwarded,
@@ -124,6 +134,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
 		descMapMemory, descMaglevInner, descXDPMode, descXDPRoutes, descXDPRouteInv,
 		descSockEnabled, descSockHooks, descSockDestroyed, descSockRuns, descSockSupported,
+		descEDTRate, descEDTDrops, descEDTEnabled, descEDTHorizon, descEDTMode,
 	} {
 		ch <- d
 	}
@@ -163,6 +174,13 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		emit(descSockRuns, prometheus.CounterValue, float64(sock.Destroy.Runs))
 		if s := sock.Destroy.Supported; s != nil {
 			emit(descSockSupported, prometheus.GaugeValue, b2f(*s))
+		}
+	}
+	emit(descEDTEnabled, prometheus.GaugeValue, b2f(st.EDT.Enabled))
+	if st.EDT.Enabled {
+		emit(descEDTHorizon, prometheus.GaugeValue, st.EDT.Horizon.Seconds())
+		for _, i := range st.EDT.Interfaces {
+			emit(descEDTMode, prometheus.GaugeValue, 1, i.Name, i.Mode)
 		}
 	}
 	emit(descInfo, prometheus.GaugeValue, 1,
@@ -229,6 +247,10 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		} {
 			emit(e.d, prometheus.CounterValue, float64(e.v), name)
 		}
+	}
+	for name, e := range stats.EDT {
+		emit(descEDTRate, prometheus.GaugeValue, float64(e.RateBytesPerSec), name)
+		emit(descEDTDrops, prometheus.CounterValue, float64(e.HorizonDrops), name)
 	}
 	for reason, n := range stats.Drops {
 		emit(descDrops, prometheus.CounterValue, float64(n), reason)

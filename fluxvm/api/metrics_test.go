@@ -24,12 +24,20 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 			"web": {Packets: 10, Bytes: 1000, ReplyPackets: 8, ReplyBytes: 4000, NewFlows: 3, Failovers: 1, Drops: 2},
 			"dns": {Packets: 4, Bytes: 256},
 		},
-		Drops: map[string]uint64{"no_backend": 2, "guard_closed": 5, "snat_failed": 4, "dsr_no_route": 1},
+		Drops: map[string]uint64{"no_backend": 2, "guard_closed": 5, "snat_failed": 4, "dsr_no_route": 1, "edt_horizon": 7},
 		Parser: map[string]uint64{"ipv4": 100, "truncated": 1, "nat_stale": 0,
 			"host_routed_packets": 9, "host_route_fallbacks": 2, "snat_retries": 6, "dsr_forwarded": 11, "snat_conflicts": 3,
 			"sock_rewritten": 21, "sock_reversed": 17, "sock_repicked": 2,
 			"sock_fail_open_guard": 1, "sock_fail_open_no_backend": 4, "sock_fail_open_map": 0},
+		EDT: map[string]fluxvm.ServiceEDTStatus{
+			"web": {MaxEgressMbps: 100, RateBytesPerSec: 12_500_000, Horizon: fluxvm.Duration{Duration: 20 * time.Millisecond}, Bytes: 4000, HorizonDrops: 7},
+		},
 	}
+	dp.status.EDT = fluxvm.EDTStatus{Enabled: true, Horizon: fluxvm.Duration{Duration: 20 * time.Millisecond},
+		Interfaces: []fluxvm.EDTInterfaceStatus{
+			{Name: "eth1", Mode: fluxvm.EDTModeFQ, Qdisc: "fq", Managed: true, PreviousQdisc: "mq"},
+			{Name: "tap-vm1", Mode: fluxvm.EDTModeHorizonPolicing, Qdisc: "noqueue", Reason: "root qdisc is noqueue, not fq"},
+		}}
 	dp.status.LastGC = &fluxvm.GCResult{
 		At: time.Unix(1767225600, 500_000_000), Duration: 2500 * time.Microsecond,
 		Scanned: 40, Expired: 7, Drained: 2, BackendGone: 3, Orphans: 1, Repaired: 0,
@@ -91,9 +99,10 @@ fluxvm_service_failovers_total{service="web"} 1
 # TYPE fluxvm_service_drops_total counter
 fluxvm_service_drops_total{service="dns"} 0
 fluxvm_service_drops_total{service="web"} 2
-# HELP fluxvm_datapath_drops_total Packets dropped by the datapath, by reason.
+# HELP fluxvm_datapath_drops_total Packets dropped by the datapath, by reason: no_backend, guard_closed, fragment, ..., edt_horizon (a paced service's packet whose departure lay beyond the EDT horizon).
 # TYPE fluxvm_datapath_drops_total counter
 fluxvm_datapath_drops_total{reason="dsr_no_route"} 1
+fluxvm_datapath_drops_total{reason="edt_horizon"} 7
 fluxvm_datapath_drops_total{reason="guard_closed"} 5
 fluxvm_datapath_drops_total{reason="no_backend"} 2
 fluxvm_datapath_drops_total{reason="snat_failed"} 4
@@ -186,6 +195,22 @@ fluxvm_xdp_route_cache_enabled 1
 # HELP fluxvm_xdp_route_cache_invalidations_total Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.
 # TYPE fluxvm_xdp_route_cache_invalidations_total counter
 fluxvm_xdp_route_cache_invalidations_total 5
+# HELP fluxvm_service_edt_rate_bytes EDT pacing rate of a paced service's frontends (max_egress_mbps), in bytes per second; each frontend (VIP, port, protocol) is held to it.
+# TYPE fluxvm_service_edt_rate_bytes gauge
+fluxvm_service_edt_rate_bytes{service="web"} 1.25e+07
+# HELP fluxvm_service_edt_horizon_drops_total Packets of a paced service dropped because their departure lay beyond the EDT horizon.
+# TYPE fluxvm_service_edt_horizon_drops_total counter
+fluxvm_service_edt_horizon_drops_total{service="web"} 7
+# HELP fluxvm_edt_enabled 1 when EDT pacing (edt_enabled) is on, else 0.
+# TYPE fluxvm_edt_enabled gauge
+fluxvm_edt_enabled 1
+# HELP fluxvm_edt_horizon_seconds The EDT horizon (edt_horizon): how far ahead a paced packet's departure may lie.
+# TYPE fluxvm_edt_horizon_seconds gauge
+fluxvm_edt_horizon_seconds 0.02
+# HELP fluxvm_edt_interface_mode Interfaces paced packets leave by, by EDT mode (fq: the root qdisc holds packets until their departure; horizon-policing: no fq, the horizon polices the rate): value 1.
+# TYPE fluxvm_edt_interface_mode gauge
+fluxvm_edt_interface_mode{interface="eth1",mode="fq"} 1
+fluxvm_edt_interface_mode{interface="tap-vm1",mode="horizon-policing"} 1
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)

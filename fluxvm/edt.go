@@ -1,0 +1,161 @@
+package fluxvm
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/fluxvm/servicefabric/bpf"
+)
+
+// EDT pacing, the control plane's side (the datapath's is bpf/lib/edt.h).
+//
+// A service with max_egress_mbps has, for each of its frontends (each has
+// a service id of its own, and fluxvm_edt is indexed by service id), a
+// fluxvm_edt entry with its rate in bytes per second and the node's
+// horizon, and SvcFlagPaced in the frontend entry, which fluxvm_ns_out
+// needs to find north-south replies by their source. The entry is written
+// before the flag is set, and the flag cleared before the entry is
+// zeroed, so that a packet that finds the flag always finds the rate. The
+// node's entry (bpf.EDTNodeKey) counts the paced north-south services:
+// fluxvm_ns_out looks sources up only while it is not zero.
+//
+// The cap holds per frontend (VIP, port, protocol): the datapath counts a
+// reply against the service id its flow was learned with, which is the
+// frontend's.
+
+// edtValueOf is the fluxvm_edt entry of each frontend of svc: the zero
+// value when svc is not paced. Validation keeps max_egress_mbps within
+// the bounds bpf.NewEDTValue accepts and the horizon within its own, so an
+// error here means a Service that skipped validation.
+func (d *Dataplane) edtValueOf(svc *Service) (bpf.EDTValue, error) {
+	if svc.MaxEgressMbps == 0 {
+		return bpf.EDTValue{}, nil
+	}
+	v, err := bpf.NewEDTValue(bpf.MbpsToEDTRate(svc.MaxEgressMbps), d.opts.edtHorizon())
+	if err != nil {
+		return bpf.EDTValue{}, fmt.Errorf("max_egress_mbps %d: %w", svc.MaxEgressMbps, err)
+	}
+	return v, nil
+}
+
+// putEDT writes fe's fluxvm_edt entry, unless it holds v already (a
+// rewrite would reset the departure clock). The departure clock of a
+// written entry starts empty: after a rate change the next packet goes
+// at once.
+func (d *Dataplane) putEDT(fe *frontend, v bpf.EDTValue) error {
+	if fe.edtKnown && fe.edt == v {
+		return nil
+	}
+	if err := d.dp.Maps().FluxvmEdt.Put(fe.sid, v); err != nil {
+		return fmt.Errorf("edt entry: %w", err)
+	}
+	fe.edt, fe.edtKnown = v, true
+	return nil
+}
+
+// pacedNorthSouth counts the paced services served on north-south
+// interfaces: the node entry's Rate. d.mu must be held.
+func (d *Dataplane) pacedNorthSouth() uint64 {
+	var n uint64
+	for _, s := range d.services {
+		if s.intent.MaxEgressMbps != 0 && s.intent.IsNorthSouth() {
+			n++
+		}
+	}
+	return n
+}
+
+// writeEDTNode writes the node's fluxvm_edt entry (bpf.EDTNodeKey) from
+// the catalog, after every change of it and at every Open (the maps may
+// be new). d.mu must be held.
+func (d *Dataplane) writeEDTNode() error {
+	n := d.pacedNorthSouth()
+	if d.edtNodeKnown && d.edtNode == n {
+		return nil
+	}
+	if err := d.dp.Maps().FluxvmEdt.Put(bpf.EDTNodeKey, bpf.EDTValue{Rate: n}); err != nil {
+		return fmt.Errorf("edt node entry: %w", err)
+	}
+	d.edtNode, d.edtNodeKnown = n, true
+	return nil
+}
+
+// syncEDTNode is writeEDTNode after a service changed: the change is
+// programmed, so a failure is logged, and the next change or Open writes
+// the entry again.
+func (d *Dataplane) syncEDTNode() {
+	if err := d.writeEDTNode(); err != nil {
+		d.log.Error("fluxvm: EDT: the node entry was not updated; north-south replies of paced services may go unpaced (or be looked up in vain) until the next change", "err", err)
+	}
+}
+
+// serviceEDT is s's pacing with its counters, or nil when it is not
+// paced. A counter that cannot be read is left 0 (Stats reports the
+// error). d.mu must be held.
+func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
+	m := s.intent.MaxEgressMbps
+	if m == 0 {
+		return nil
+	}
+	out := &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
+	if d.closed {
+		return out
+	}
+	for _, fe := range s.frontends {
+		var per []bpf.ServiceStats
+		if err := d.dp.Maps().FluxvmSvcStats.Lookup(fe.sid, &per); err != nil {
+			continue
+		}
+		for _, p := range per {
+			out.Bytes += p.ReplyBytes
+			out.HorizonDrops += p.EdtDrops
+		}
+	}
+	return out
+}
+
+// edtStatus is the node's EDT status. d.mu must be held.
+func (d *Dataplane) edtStatus() EDTStatus {
+	out := EDTStatus{Enabled: d.opts.EDTEnabled, Horizon: Duration{d.opts.edtHorizon()}}
+	if !d.opts.EDTEnabled || d.closed {
+		return out
+	}
+	managed := map[string]managedFQ{}
+	names := map[string]bool{}
+	for _, m := range d.fq {
+		managed[m.name] = m
+		names[m.name] = true
+	}
+	for _, ifc := range d.ifaces {
+		names[ifc.Name] = true
+	}
+	for _, n := range d.opts.EDTInterfaces {
+		names[n] = true
+	}
+	_ = d.opts.InNamespace(func() error {
+		for n := range names {
+			st := EDTInterfaceStatus{Name: n, Mode: EDTModeHorizonPolicing}
+			m, isManaged := managed[n]
+			st.Managed = isManaged && m.installed
+			st.PreviousQdisc = m.previous
+			kind, err := rootQdiscKind(n)
+			st.Qdisc = kind
+			switch {
+			case err != nil:
+				st.Reason = fmt.Sprintf("root qdisc unknown: %v", err)
+			case kind == fqKind:
+				st.Mode = EDTModeFQ
+			case m.problem != "":
+				st.Reason = m.problem
+			case kind == "":
+				st.Reason = "no root qdisc: paced packets leave at once, and the horizon polices the rate"
+			default:
+				st.Reason = fmt.Sprintf("root qdisc is %s, not fq: paced packets leave at once, and the horizon polices the rate", kind)
+			}
+			out.Interfaces = append(out.Interfaces, st)
+		}
+		return nil
+	})
+	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
+	return out
+}

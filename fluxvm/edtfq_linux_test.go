@@ -1,0 +1,294 @@
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+)
+
+// withFQKind sets the qdisc kind edt_manage_fq installs for one test.
+func withFQKind(t *testing.T, kind string) {
+	t.Helper()
+	prev := fqKind
+	fqKind = kind
+	t.Cleanup(func() { fqKind = prev })
+}
+
+// rootOf returns the kind and handle of the interface's root qdisc.
+func rootOf(t *testing.T, name string) (string, uint32) {
+	t.Helper()
+	link, err := netlink.LinkByName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := rootQdisc(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q == nil {
+		return "", 0
+	}
+	return q.Type(), q.Attrs().Handle
+}
+
+// configureRoot installs a root qdisc as an operator would
+// (tc qdisc add dev name root handle 1: pfifo).
+func configureRoot(t *testing.T, name string) {
+	t.Helper()
+	link, err := netlink.LinkByName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: link.Attrs().Index, Parent: netlink.HANDLE_ROOT, Handle: netlink.MakeHandle(1, 0)}, QdiscType: "pfifo"}
+	if err := netlink.QdiscAdd(q); err != nil {
+		t.Fatalf("configure root of %s: %v", name, err)
+	}
+}
+
+// TestInstallFQ checks the qdisc mechanics of edt_manage_fq in a network
+// namespace of the test's own: a default root is replaced and restored,
+// a configured root is refused, and on a kernel without sch_fq the real
+// attempt fails with ErrNoFQ. pfifo, which every kernel has, stands in
+// for fq where the mechanics are tested.
+func TestInstallFQ(t *testing.T) {
+	ns := testenv.NewNetNS(t, "fluxvm-edtfq")
+	// in runs f on a thread in the test's namespace (subtests run on
+	// goroutines of their own).
+	in := func(t *testing.T, f func()) {
+		t.Helper()
+		if err := ns.Do(func() error { f(); return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var defKind string
+	in(t, func() {
+		if _, _, err := testenv.VethPair("edt-a", "edt-b"); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := testenv.VethPair("edt-c", "edt-d"); err != nil {
+			t.Fatal(err)
+		}
+		var defHandle uint32
+		defKind, defHandle = rootOf(t, "edt-a")
+		if defHandle != 0 {
+			t.Fatalf("veth default root %s handle %#x, want the kernel's default (0:)", defKind, defHandle)
+		}
+	})
+
+	t.Run("default root replaced and restored", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		in(t, func() {
+			m, err := installFQ("edt-a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !m.installed || m.previous != defKind {
+				t.Errorf("installed %+v, want installed over %s", m, defKind)
+			}
+			if kind, h := rootOf(t, "edt-a"); kind != "pfifo" || h != netlink.MakeHandle(fqHandleMajor, 0) {
+				t.Errorf("root %s %#x, want pfifo f1d0:", kind, h)
+			}
+			// A second start adopts it.
+			again, err := installFQ("edt-a")
+			if err != nil || !again.installed || again.previous != "" {
+				t.Errorf("second install %+v, %v: want adopted", again, err)
+			}
+			if err := removeFQ(m); err != nil {
+				t.Fatal(err)
+			}
+			if kind, h := rootOf(t, "edt-a"); kind != defKind || h != 0 {
+				t.Errorf("after remove: root %s %#x, want the default %s 0:", kind, h, defKind)
+			}
+			// Removing again, or from a root no longer ours, does nothing.
+			if err := removeFQ(m); err != nil {
+				t.Error(err)
+			}
+		})
+	})
+
+	t.Run("configured root refused", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		in(t, func() {
+			configureRoot(t, "edt-c")
+			m, err := installFQ("edt-c")
+			if !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), "pfifo, handle 1:") {
+				t.Errorf("install over a configured root: %v, want ErrConflict naming pfifo 1:", err)
+			}
+			if kind, h := rootOf(t, "edt-c"); kind != "pfifo" || h != netlink.MakeHandle(1, 0) {
+				t.Errorf("configured root changed to %s %#x", kind, h)
+			}
+			if err := removeFQ(m); err != nil {
+				t.Error(err)
+			}
+			if _, h := rootOf(t, "edt-c"); h != netlink.MakeHandle(1, 0) {
+				t.Errorf("remove took the configured root away")
+			}
+		})
+	})
+
+	t.Run("no sch_fq", func(t *testing.T) {
+		skip := false
+		in(t, func() {
+			m, err := installFQ("edt-b")
+			if err == nil {
+				removeFQ(m)
+				skip = true
+				return
+			}
+			if !errors.Is(err, ErrNoFQ) || !strings.Contains(err.Error(), "CONFIG_NET_SCH_FQ") {
+				t.Errorf("install fq: %v, want ErrNoFQ naming CONFIG_NET_SCH_FQ", err)
+			}
+			if kind, h := rootOf(t, "edt-b"); kind != defKind || h != 0 {
+				t.Errorf("after the failure: root %s %#x", kind, h)
+			}
+		})
+		if skip {
+			t.Skip("this kernel has sch_fq: the ErrNoFQ path cannot be observed here")
+		}
+	})
+}
+
+// kernelHasFQ reports whether fq can be installed (in a namespace of the
+// test's own).
+func kernelHasFQ(t *testing.T) bool {
+	has := false
+	testenv.InNetNS(t, func() {
+		if _, _, err := testenv.VethPair("fqp-a", "fqp-b"); err != nil {
+			t.Fatal(err)
+		}
+		m, err := installFQ("fqp-a")
+		has = err == nil
+		removeFQ(m)
+	})
+	return has
+}
+
+// TestOpenManagesFQ checks edt_manage_fq through Open and Close: fq goes
+// on every listed interface and comes off at Close; an interface that
+// refuses it fails Open with nothing left behind; a kernel without
+// sch_fq fails Open too (ErrNoFQ), unless edt_horizon_fallback, which
+// then reports horizon-policing in the status.
+func TestOpenManagesFQ(t *testing.T) {
+	e := newEnv(t)
+	e.opts.EDTEnabled = true
+	e.opts.EDTManageFQ = true
+	a, b := e.backends[0].NodeIf, e.backends[1].NodeIf
+	e.opts.EDTInterfaces = []string{a, b}
+	inNode := func(f func()) {
+		t.Helper()
+		if err := e.lab.Node.Do(func() error { f(); return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var defKind string
+	inNode(func() { defKind, _ = rootOf(t, a) })
+
+	t.Run("installed and restored", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		d, err := Open(e.opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		inNode(func() {
+			for _, n := range []string{a, b} {
+				if kind, h := rootOf(t, n); kind != "pfifo" || h != netlink.MakeHandle(fqHandleMajor, 0) {
+					t.Errorf("%s root %s %#x after Open", n, kind, h)
+				}
+			}
+		})
+		st := d.Status().EDT
+		if !st.Enabled || st.Horizon.Duration != DefaultEDTHorizon {
+			t.Errorf("status %+v", st)
+		}
+		byName := map[string]EDTInterfaceStatus{}
+		for _, i := range st.Interfaces {
+			byName[i.Name] = i
+		}
+		// Every VM edge is listed; pfifo stands for fq here.
+		if len(byName) != len(e.lab.VMs) {
+			t.Errorf("interfaces %+v, want the %d VM edges", st.Interfaces, len(e.lab.VMs))
+		}
+		for _, n := range []string{a, b} {
+			if i := byName[n]; i.Mode != EDTModeFQ || !i.Managed || i.PreviousQdisc != defKind || i.Qdisc != "pfifo" {
+				t.Errorf("%s status %+v", n, i)
+			}
+		}
+		if i := byName[e.cli.NodeIf]; i.Mode != EDTModeHorizonPolicing || i.Managed || !strings.Contains(i.Reason, "not fq") {
+			t.Errorf("unmanaged %s status %+v", e.cli.NodeIf, i)
+		}
+		if err := d.Close(); err != nil {
+			t.Fatal(err)
+		}
+		inNode(func() {
+			for _, n := range []string{a, b} {
+				if kind, h := rootOf(t, n); kind != defKind || h != 0 {
+					t.Errorf("%s root %s %#x after Close, want the default %s", n, kind, h, defKind)
+				}
+			}
+		})
+	})
+
+	t.Run("configured root fails Open, nothing left", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		inNode(func() { configureRoot(t, b) })
+		t.Cleanup(func() {
+			inNode(func() {
+				link, _ := netlink.LinkByName(b)
+				q, _ := rootQdisc(link)
+				if q != nil {
+					netlink.QdiscDel(q)
+				}
+			})
+		})
+		d, err := Open(e.opts)
+		if err == nil {
+			d.Close()
+			t.Fatal("Open succeeded over a configured root qdisc")
+		}
+		if !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), b) {
+			t.Errorf("Open: %v, want ErrConflict naming %s", err, b)
+		}
+		inNode(func() {
+			if kind, h := rootOf(t, a); kind != defKind || h != 0 {
+				t.Errorf("%s root %s %#x after the failed Open, want the default", a, kind, h)
+			}
+		})
+	})
+
+	if kernelHasFQ(t) {
+		t.Log("this kernel has sch_fq: the ErrNoFQ and fallback paths are not observable here")
+		return
+	}
+	t.Run("no sch_fq fails Open", func(t *testing.T) {
+		_, err := Open(e.opts)
+		if !errors.Is(err, ErrNoFQ) {
+			t.Fatalf("Open: %v, want ErrNoFQ", err)
+		}
+	})
+	t.Run("no sch_fq with fallback", func(t *testing.T) {
+		opts := e.opts
+		opts.EDTHorizonFallback = true
+		d, err := Open(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		for _, i := range d.Status().EDT.Interfaces {
+			if (i.Name == a || i.Name == b) && (i.Mode != EDTModeHorizonPolicing || i.Managed || !strings.Contains(i.Reason, "CONFIG_NET_SCH_FQ")) {
+				t.Errorf("%s status %+v, want horizon-policing naming CONFIG_NET_SCH_FQ", i.Name, i)
+			}
+		}
+		// Paced services apply as usual.
+		svc := e.service(1, 1, 1)
+		svc.MaxEgressMbps = 10
+		if _, err := d.ApplyService(context.Background(), svc); err != nil {
+			t.Fatal(err)
+		}
+	})
+}

@@ -170,6 +170,53 @@ func TestEDTPacing(t *testing.T) {
 	}
 }
 
+// TestEDTSharedClock: the frontends of one service (two VIPs, each its own
+// service id) pace on one clock, the pacer's: a reply through the second
+// frontend leaves len/rate after one through the first, and the second's
+// own clock stays untouched.
+func TestEDTSharedClock(t *testing.T) {
+	h := newHarness(t)
+	h.reset()
+	vips := []netip.AddrPort{netip.MustParseAddrPort("10.96.0.10:80"), netip.MustParseAddrPort("10.96.0.11:80")}
+	backend := netip.MustParseAddrPort("10.1.0.1:8080")
+	client := netip.MustParseAddrPort("10.0.0.1:40000")
+	big := bytes.Repeat([]byte("p"), 1200)
+	for i, vip := range vips {
+		id := uint32(i + 1)
+		h.service(id, vip, ipTCP)
+		h.backend(id, id, backend, BackendReady, 0)
+		h.table(id, h.fill(id))
+		// One client port per frontend: the backend sees two flows.
+		c := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
+		if ret, _ := h.run(h.objs.FluxvmFromVm, pkt.TCP(c, vip, pkt.SYN, nil)); ret != tcOK {
+			t.Fatalf("SYN to %v: verdict %d", vip, int32(ret))
+		}
+		v := h.edt(id, MinEDTRate, time.Second)
+		v.Pacer = 1
+		h.must(h.objs.FluxvmEdt.Put(id, v))
+	}
+	var stamps []uint64
+	for i := range vips {
+		c := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
+		reply := pkt.TCP(backend, c, pkt.ACK, big)
+		ret, out, ts := h.runTstamp(h.objs.FluxvmToVm, reply, 0)
+		if want := pkt.TCP(vips[i], c, pkt.ACK, big); ret != tcOK || !bytes.Equal(out, want) {
+			t.Fatalf("reply through frontend %d: verdict %d, translated %v", i+1, int32(ret), bytes.Equal(out, want))
+		}
+		stamps = append(stamps, ts)
+	}
+	var v EDTValue
+	h.must(h.objs.FluxvmEdt.Lookup(uint32(1), &v))
+	delay := uint64(v.Delay(uint32(len(pkt.TCP(backend, client, pkt.ACK, big)))))
+	if stamps[1]-stamps[0] != delay || v.LastDeparture != stamps[1] {
+		t.Errorf("departures %v, pacer's clock %d: want the second %d ns after the first, on the pacer's clock", stamps, v.LastDeparture, delay)
+	}
+	h.must(h.objs.FluxvmEdt.Lookup(uint32(2), &v))
+	if v.LastDeparture != 0 {
+		t.Errorf("the second frontend's own clock moved to %d; want it unused", v.LastDeparture)
+	}
+}
+
 func TestNewEDTValue(t *testing.T) {
 	for _, tc := range []struct {
 		rate    uint64

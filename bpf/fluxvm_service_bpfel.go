@@ -174,6 +174,8 @@ type serviceFluxvmEdtValue struct {
 	NsPerByte     uint64
 	HorizonNs     uint64
 	LastDeparture uint64
+	Pacer         uint32
+	Pad           uint32
 }
 
 type serviceFluxvmFamily uint32

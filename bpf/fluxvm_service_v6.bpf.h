@@ -317,20 +317,25 @@ struct fluxvm_svc_stats_value {
 _Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
 
 /*
- * EDT pacing (fluxvm_edt, array by service id; lib/edt.h). Written by the
- * control plane (rate, ns_per_byte, horizon_ns) and by the datapath
- * (last_departure, with compare-and-swap: several CPUs pace one service). A rate
- * of 0 is an unpaced service. Index 0, never a service id, is the node's:
- * its rate counts the paced services that are north-south, so that
+ * EDT pacing (fluxvm_edt, array by service id, that is by frontend; lib/
+ * edt.h). Written by the control plane (rate, ns_per_byte, horizon_ns,
+ * pacer) and by the datapath (last_departure, with compare-and-swap:
+ * several CPUs pace one service). A rate of 0 is an unpaced frontend. The
+ * frontends of one service share one departure clock, that of the entry
+ * named by pacer (the service's first frontend), so that the cap holds for
+ * the service as a whole. Index 0, never a service id, is the node's: its
+ * rate counts the paced services that are north-south, so that
  * fluxvm_ns_out looks for them only while there are any.
  */
 struct fluxvm_edt_value {
-	__u64 rate;         /* bytes per second; 0: not paced */
-	__u64 ns_per_byte;  /* 1e9 / rate in Q32 fixed point: delay = len * ns_per_byte >> 32 */
-	__u64 horizon_ns;   /* the furthest a departure may lie ahead (drop beyond) */
-	__u64 last_departure; /* of the last packet admitted, coarse monotonic ns */
+	__u64 rate;           /* bytes per second; 0: not paced */
+	__u64 ns_per_byte;    /* 1e9 / rate in Q32 fixed point: delay = len * ns_per_byte >> 32 */
+	__u64 horizon_ns;     /* the furthest a departure may lie ahead (drop beyond) */
+	__u64 last_departure; /* of the last packet admitted, coarse monotonic ns (the pacer's is used) */
+	__u32 pacer;          /* the entry whose clock this frontend uses; 0: its own */
+	__u32 pad;
 };
-_Static_assert(sizeof(struct fluxvm_edt_value) == 32, "fluxvm_edt_value size");
+_Static_assert(sizeof(struct fluxvm_edt_value) == 40, "fluxvm_edt_value size");
 
 /* Where a VM-edge interface's counters live (fluxvm_edge_slots, keyed by
  * ifindex & FLUXVM_EDGE_SLOT_MASK). */

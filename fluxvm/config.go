@@ -41,7 +41,12 @@ const (
 	DefaultSNATPortMax = 65535
 	// DefaultEDTHorizon is the default edt_horizon: how far ahead of now
 	// a paced service may schedule its packets (see Config.EDTHorizon).
-	DefaultEDTHorizon = 20 * time.Millisecond
+	// Without fq it is the policer's burst, which TCP at line rate over a
+	// short round trip needs large to recover from drops without
+	// timeouts (a 50 Mbit/s cap measured 6-12 Mbit/s at 20 ms, 47 at
+	// 200 ms, 50 at 250 ms: docs/benchmarks.md); with fq it bounds the
+	// queueing delay.
+	DefaultEDTHorizon = 250 * time.Millisecond
 )
 
 // Bounds of the configuration.
@@ -237,7 +242,7 @@ type Config struct {
 	// may lie: with fq, the longest a packet waits in the qdisc; without
 	// it, the burst a service may send above its rate. A packet beyond it
 	// is dropped (drop reason edt_horizon). Default DefaultEDTHorizon
-	// (20ms), range bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s).
+	// (250ms), range bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s).
 	EDTHorizon Duration `toml:"edt_horizon"`
 	// EDTManageFQ makes FluxVM install the fq qdisc as the root qdisc of
 	// each of EDTInterfaces at start, where the root is the kernel's

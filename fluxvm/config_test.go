@@ -34,7 +34,7 @@ func TestDefaultConfig(t *testing.T) {
 		t.Errorf("timeouts %+v, want the datapath's defaults %+v", got, conntrack.DefaultTimeouts())
 	}
 	if c.CatalogPath != "/var/lib/fluxvm/service-catalog.json" || c.ConntrackGCInterval.Duration != 30*time.Second ||
-		c.EDTEnabled || c.EDTHorizon.Duration != 20*time.Millisecond || c.EDTManageFQ || c.EDTInterfaces != nil || c.EDTHorizonFallback {
+		c.EDTEnabled || c.EDTHorizon.Duration != 250*time.Millisecond || c.EDTManageFQ || c.EDTInterfaces != nil || c.EDTHorizonFallback {
 		t.Errorf("defaults: %+v", c)
 	}
 	// An empty document, or an empty table, is the defaults.

@@ -19,9 +19,10 @@ import (
 // node's entry (bpf.EDTNodeKey) counts the paced north-south services:
 // fluxvm_ns_out looks sources up only while it is not zero.
 //
-// The cap holds per frontend (VIP, port, protocol): the datapath counts a
-// reply against the service id its flow was learned with, which is the
-// frontend's.
+// The cap holds for the service as a whole: its frontends' entries name
+// one pacer, the service's frontend with the lowest id, whose departure
+// clock they all advance (commit). A change that removes the pacer
+// frontend repoints the others first.
 
 // edtValueOf is the fluxvm_edt entry of each frontend of svc: the zero
 // value when svc is not paced. Validation keeps max_egress_mbps within

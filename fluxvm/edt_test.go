@@ -55,6 +55,14 @@ func wantPaced(t *testing.T, d *Dataplane, what, name string, want bpf.EDTValue)
 	if len(st.Frontends) == 0 {
 		t.Fatalf("%s: %s has no frontends", what, name)
 	}
+	// Every frontend of a paced service names one pacer: the service's
+	// frontend with the lowest id, whose clock they share.
+	if want.Rate != 0 {
+		want.Pacer = st.Frontends[0].ServiceID
+		for _, fe := range st.Frontends {
+			want.Pacer = min(want.Pacer, fe.ServiceID)
+		}
+	}
 	for _, fe := range st.Frontends {
 		if got := edtEntry(t, d, fe.ServiceID); got != want {
 			t.Errorf("%s: %s fluxvm_edt[%d] = %+v, want %+v", what, fe.VIP, fe.ServiceID, got, want)

@@ -27,7 +27,7 @@ type ServiceEDTStatus struct {
 	// frontends (bpf.MbpsToEDTRate): the cap holds per frontend (VIP,
 	// port, protocol).
 	RateBytesPerSec uint64 `json:"rate_bytes_per_sec"`
-	// Horizon is the node's edt_horizon, e.g. "20ms".
+	// Horizon is the node's edt_horizon, e.g. "250ms".
 	Horizon Duration `json:"horizon"`
 	// Bytes counts the bytes sent toward the service's clients (its
 	// reply_bytes, summed over frontends and CPUs): the packets pacing
@@ -41,7 +41,7 @@ type ServiceEDTStatus struct {
 // EDTStatus is the node's EDT pacing (edt_enabled and its keys).
 type EDTStatus struct {
 	Enabled bool `json:"enabled"`
-	// Horizon is edt_horizon, e.g. "20ms".
+	// Horizon is edt_horizon, e.g. "250ms".
 	Horizon Duration `json:"horizon"`
 	// Interfaces are those paced packets may leave by: the VM-edge and
 	// north-south interfaces, and edt_interfaces; sorted by name. Listed

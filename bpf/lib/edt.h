@@ -14,6 +14,10 @@
  * replies of remote backends, and whatever XDP sends (it bypasses the
  * qdisc that would hold it).
  *
+ * A service's frontends (each has a service id of its own) share one
+ * departure clock, that of its first frontend (the entry's pacer), so
+ * that its rate caps the service as a whole.
+ *
  * A packet's departure is max(now, last_departure) + len / rate, len being the
  * skb's length (a GSO packet counts whole); it goes to skb->tstamp, where
  * an fq qdisc on the interface holds the packet until then. Without fq
@@ -49,8 +53,9 @@ static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __
 					   struct fluxvm_svc_stats_value *st,
 					   struct fluxvm_svc_stats_value *es)
 {
-	struct fluxvm_edt_value *e = bpf_map_lookup_elem(&fluxvm_edt, &sid);
-	__u64 len, delay, t, next;
+	struct fluxvm_edt_value *e = bpf_map_lookup_elem(&fluxvm_edt, &sid), *p;
+	__u64 len, delay, horizon, t, next;
+	__u32 pacer;
 
 	if (!e || !e->rate)
 		return 0;
@@ -58,9 +63,14 @@ static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __
 	if (len > FLUXVM_EDT_MAX_LEN)
 		len = FLUXVM_EDT_MAX_LEN;
 	delay = (len * e->ns_per_byte) >> 32;
+	horizon = e->horizon_ns;
+	/* The service's clock, shared by its frontends. */
+	pacer = e->pacer;
+	if (pacer && pacer != sid && (p = bpf_map_lookup_elem(&fluxvm_edt, &pacer)))
+		e = p;
 	t = *(volatile __u64 *)&e->last_departure;
 	next = (t > now ? t : now) + delay;
-	if (t > now && next - now > e->horizon_ns) {
+	if (t > now && next - now > horizon) {
 		if (st)
 			st->edt_drops++;
 		return fluxvm_drop(FLUXVM_DROP_EDT_HORIZON, st, es);

@@ -166,7 +166,8 @@ type benchCase struct {
 	frame  func(i int) []byte
 	ctx    []byte // the program's context (BPF_PROG_TEST_RUN ctx_in), or nil
 	want   uint32
-	any    bool // any verdict (an ablated variant)
+	any    bool   // any verdict (an ablated variant)
+	before func() // run before each of the case's blocks (map state it needs), or nil
 	sum    time.Duration
 	n      int
 }
@@ -228,6 +229,9 @@ func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*
 		}
 		for _, ci := range order {
 			c := cases[ci]
+			if c.before != nil {
+				c.before()
+			}
 			var ret uint32
 			var err error
 			th.Do(func() {

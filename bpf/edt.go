@@ -3,6 +3,7 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/bits"
 	"time"
 )
@@ -61,16 +62,19 @@ func NewEDTValue(rate uint64, horizon time.Duration) (EDTValue, error) {
 	if r != 0 {
 		q++
 	}
-	if hi2, _ := bits.Mul64(edtMaxLen, q); hi2 != 0 {
+	if hi2, lo2 := bits.Mul64(edtMaxLen, q); hi2 != 0 || lo2 > math.MaxUint64-(1<<32-1) {
 		return EDTValue{}, fmt.Errorf("bpf: EDT rate %d bytes/s: a packet's delay would overflow: %w", rate, ErrEDTBounds)
 	}
 	return EDTValue{Rate: rate, NsPerByte: q, HorizonNs: uint64(horizon.Nanoseconds())}, nil
 }
 
 // Delay is how long the datapath schedules a packet of n bytes after the
-// previous one at this entry's rate.
+// previous one at this entry's rate: rounded up, as the datapath does, so
+// that no packet leaves earlier than the rate allows.
 func (v EDTValue) Delay(n uint32) time.Duration {
 	l := uint64(min(n, edtMaxLen))
 	hi, lo := bits.Mul64(l, v.NsPerByte)
+	lo, carry := bits.Add64(lo, 1<<32-1, 0)
+	hi += carry
 	return time.Duration(hi<<32 | lo>>32)
 }

@@ -85,48 +85,69 @@ func TestEDTPacing(t *testing.T) {
 				}
 			}
 
-			// A burst at 1 Mbit/s with a horizon of 2.5 packets: the
-			// first leaves at once plus its own time, each next one
-			// len/rate later, and the third would lie beyond the horizon.
-			v := h.edt(1, rate, 25*time.Millisecond)
+			// At 1 Mbit/s, an idle service's packet leaves now plus
+			// its own time.
+			v := h.edt(1, rate, time.Second)
 			delay := uint64(v.Delay(uint32(len(reply))))
 			if want := uint64(len(reply)) * 1e9 / rate; delay < want || delay > want+1 {
 				t.Fatalf("delay %d ns for %d bytes; want %d", delay, len(reply), want)
 			}
 			before := monoNow(t)
+			ret, out, first := h.runTstamp(h.objs.FluxvmToVm, reply, 0)
+			if after := monoNow(t); ret != tcOK || !bytes.Equal(out, translated) || first < before+delay || first > after+delay {
+				t.Fatalf("idle service: verdict %d, departure %d; want the packet translated, leaving now (%d..%d) + %d", int32(ret), first, before, after, delay)
+			}
+			// A backlog: the service's clock set 2 s ahead (half the
+			// 4 s horizon, far from what the coarse clock moves while
+			// the test runs): each packet leaves len/rate after the
+			// one before, from the clock on.
+			backlog := func(ahead time.Duration, horizon time.Duration) uint64 {
+				t.Helper()
+				v := h.edt(1, rate, horizon)
+				v.LastDeparture = monoNow(t) + uint64(ahead)
+				h.must(h.objs.FluxvmEdt.Put(uint32(1), v))
+				return v.LastDeparture
+			}
+			clock := backlog(2*time.Second, 4*time.Second)
 			var stamps []uint64
-			for i := range 5 {
+			for i := range 3 {
 				ret, out, ts := h.runTstamp(h.objs.FluxvmToVm, reply, 0)
-				if i < 2 {
-					if ret != tcOK || !bytes.Equal(out, translated) {
-						t.Fatalf("packet %d: verdict %d, translated %v", i, int32(ret), bytes.Equal(out, translated))
-					}
-					stamps = append(stamps, ts)
-					continue
+				if ret != tcOK || !bytes.Equal(out, translated) {
+					t.Fatalf("packet %d: verdict %d, translated %v", i, int32(ret), bytes.Equal(out, translated))
 				}
-				if ret != tcShot {
-					t.Fatalf("packet %d: verdict %d, tstamp %d; want a drop beyond the horizon (stamps so far %v)", i, int32(ret), ts, stamps)
-				}
+				stamps = append(stamps, ts)
 			}
-			after := monoNow(t)
-			if stamps[0] < before+delay || stamps[0] > after+delay {
-				t.Errorf("first departure %d; want now (%d..%d) + %d", stamps[0], before, after, delay)
-			}
-			if stamps[1]-stamps[0] != delay {
-				t.Errorf("departures %v: spaced %d ns; want len/rate = %d", stamps, stamps[1]-stamps[0], delay)
+			if stamps[0] != clock+delay || stamps[1] != stamps[0]+delay || stamps[2] != stamps[1]+delay {
+				t.Errorf("departures %v; want %d + %d each", stamps, clock, delay)
 			}
 			var e EDTValue
 			h.must(h.objs.FluxvmEdt.Lookup(uint32(1), &e))
-			if e.LastDeparture != stamps[1] {
-				t.Errorf("last_departure %d; want the last departure %d", e.LastDeparture, stamps[1])
+			if e.LastDeparture != stamps[2] {
+				t.Errorf("last_departure %d; want the last departure %d", e.LastDeparture, stamps[2])
 			}
-			if st, d := h.stats(1), h.drops(); st.EdtDrops != 3 || st.Drops != 3 || d[DropEDTHorizon] != 3 || st.ReplyPackets != 4 {
-				t.Errorf("stats %+v, edt_horizon drops %d; want 3 horizon drops and 4 replies translated", st, d[DropEDTHorizon])
+			// Beyond the horizon (the clock 5 s ahead of a 1 s
+			// horizon): a data packet drops, counted; an RST (state
+			// the flow has recorded) is scheduled and goes.
+			clock = backlog(5*time.Second, time.Second)
+			if ret, _, ts := h.runTstamp(h.objs.FluxvmToVm, reply, 0); ret != tcShot {
+				t.Errorf("beyond the horizon: verdict %d, tstamp %d; want a drop", int32(ret), ts)
+			}
+			rst := pkt.TCP(fam.backend, fam.client, pkt.TCPFlags{RST: true, ACK: true}, nil)
+			if ret, _, ts := h.runTstamp(h.objs.FluxvmToVm, rst, 0); ret != tcOK || ts != clock+uint64(v.Delay(uint32(len(rst)))) {
+				t.Errorf("RST beyond the horizon: verdict %d, departure %d; want it scheduled (%d + its time) and sent", int32(ret), ts, clock)
+			}
+			if st, d := h.stats(1), h.drops(); st.EdtDrops != 1 || st.Drops != 1 || d[DropEDTHorizon] != 1 {
+				t.Errorf("stats %+v, edt_horizon drops %d; want 1 horizon drop", st, d[DropEDTHorizon])
+			}
+			// What left toward the client: the reply counters (the
+			// dropped packet not counted).
+			if st, want := h.stats(1), uint64(6*len(reply)+len(rst)); st.ReplyPackets != 7 || st.ReplyBytes != want {
+				t.Errorf("replies %d packets %d bytes; want 7, %d", st.ReplyPackets, st.ReplyBytes, want)
 			}
 
 			// A new rate: the next packet goes at once at the new rate
 			// (the entry's clock starts empty).
-			v2 := h.edt(1, 10*rate, 25*time.Millisecond)
+			v2 := h.edt(1, 10*rate, time.Second)
 			now := monoNow(t)
 			ret, _, ts := h.runTstamp(h.objs.FluxvmToVm, reply, 0)
 			if d2 := uint64(v2.Delay(uint32(len(reply)))); ret != tcOK || ts < now+d2 || ts > monoNow(t)+d2 {
@@ -154,6 +175,28 @@ func TestEDTPacing(t *testing.T) {
 			delay := uint64(len(nsReply)) * 1e9 / rate
 			if ret != tcNext || !bytes.Equal(out, nsReply) || ts < now+delay || ts > monoNow(t)+delay+1 {
 				t.Errorf("paced: verdict %d, tstamp %d; want the packet untouched, next program, departure now (%d) + %d", int32(ret), ts, now, delay)
+			}
+			// Beyond the horizon it drops, and the reply an ingress hook
+			// counted is taken back (here none was: the sum goes to -1).
+			v := h.edt(1, rate, time.Second)
+			v.LastDeparture = monoNow(t) + uint64(5*time.Second)
+			h.must(h.objs.FluxvmEdt.Put(uint32(1), v))
+			if ret, _, _ := h.runTstamp(h.objs.FluxvmNsOut, nsReply, 0); ret != tcShot {
+				t.Errorf("beyond the horizon: verdict %d; want a drop", int32(ret))
+			}
+			if st := h.stats(1); st.ReplyPackets != ^uint64(0) || st.ReplyBytes != -uint64(len(nsReply)) || st.EdtDrops != 1 {
+				t.Errorf("stats after the drop %+v: want the reply taken back and one horizon drop", st)
+			}
+			// A DSR service's replies (no hook translated them) count
+			// when they leave.
+			h.svcFlags(1, fam.vip, ipTCP, SvcFlagNorthSouth|SvcFlagDSR|SvcFlagPaced)
+			h.edt(1, rate, time.Second)
+			before := h.stats(1)
+			if ret, _, ts := h.runTstamp(h.objs.FluxvmNsOut, nsReply, 0); ret != tcNext || ts == 0 {
+				t.Errorf("DSR reply: verdict %d, tstamp %d; want it paced", int32(ret), ts)
+			}
+			if st := h.stats(1); st.ReplyPackets-before.ReplyPackets != 1 || st.ReplyBytes-before.ReplyBytes != uint64(len(nsReply)) {
+				t.Errorf("DSR reply counted %d packets, %d bytes; want 1, %d", st.ReplyPackets-before.ReplyPackets, st.ReplyBytes-before.ReplyBytes, len(nsReply))
 			}
 			// An unpaced service's replies, and a reply from another port,
 			// pass untouched.
@@ -191,10 +234,15 @@ func TestEDTSharedClock(t *testing.T) {
 		if ret, _ := h.run(h.objs.FluxvmFromVm, pkt.TCP(c, vip, pkt.SYN, nil)); ret != tcOK {
 			t.Fatalf("SYN to %v: verdict %d", vip, int32(ret))
 		}
-		v := h.edt(id, MinEDTRate, time.Second)
+		v := h.edt(id, MinEDTRate, 4*time.Second)
 		v.Pacer = 1
 		h.must(h.objs.FluxvmEdt.Put(id, v))
 	}
+	// The pacer's clock 2 s ahead: both replies queue behind it.
+	var pv EDTValue
+	h.must(h.objs.FluxvmEdt.Lookup(uint32(1), &pv))
+	pv.LastDeparture = monoNow(t) + uint64(2*time.Second)
+	h.must(h.objs.FluxvmEdt.Put(uint32(1), pv))
 	var stamps []uint64
 	for i := range vips {
 		c := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
@@ -208,12 +256,47 @@ func TestEDTSharedClock(t *testing.T) {
 	var v EDTValue
 	h.must(h.objs.FluxvmEdt.Lookup(uint32(1), &v))
 	delay := uint64(v.Delay(uint32(len(pkt.TCP(backend, client, pkt.ACK, big)))))
-	if stamps[1]-stamps[0] != delay || v.LastDeparture != stamps[1] {
+	if stamps[0] != pv.LastDeparture+delay || stamps[1]-stamps[0] != delay || v.LastDeparture != stamps[1] {
 		t.Errorf("departures %v, pacer's clock %d: want the second %d ns after the first, on the pacer's clock", stamps, v.LastDeparture, delay)
 	}
 	h.must(h.objs.FluxvmEdt.Lookup(uint32(2), &v))
 	if v.LastDeparture != 0 {
 		t.Errorf("the second frontend's own clock moved to %d; want it unused", v.LastDeparture)
+	}
+}
+
+// TestEDTSNATReplies: a north-south reply to the SNAT address that meets
+// no ingress hook first is translated at fluxvm_ns_out, and paced there,
+// on egress; translated at an ingress hook (ns_in, from_vm), it is paced
+// later, as it leaves through ns_out by its source, not there.
+func TestEDTSNATReplies(t *testing.T) {
+	for _, v := range []variant{variants()[0], variants()[2]} {
+		t.Run(v.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.reset()
+			v.nsSetup(h, 0)
+			client := v.clientAt(40000)
+			b := v.backends[0]
+			port := nsForward(t, h, v, client, pkt.SYN, b)
+			ev := h.edt(sid, MinEDTRate, 4*time.Second)
+			ev.LastDeparture = monoNow(t) + uint64(2*time.Second)
+			h.must(h.objs.FluxvmEdt.Put(uint32(sid), ev))
+			reply := v.frame(b, netip.AddrPortFrom(v.snatAddr(), port), pkt.ACK)
+			want := v.frame(v.vip, client, pkt.ACK)
+			for _, hook := range []struct {
+				name  string
+				prog  *ebpf.Program
+				paced bool
+			}{{"ns_in", h.objs.FluxvmNsIn, false}, {"from_vm", h.objs.FluxvmFromVm, false}, {"ns_out", h.objs.FluxvmNsOut, true}} {
+				ret, got, ts := h.runTstamp(hook.prog, reply, 0)
+				if ret != tcOK || !bytes.Equal(got, want) {
+					t.Fatalf("reply on %s: verdict %d, translated %v", hook.name, int32(ret), bytes.Equal(got, want))
+				}
+				if wantTS := ev.LastDeparture + uint64(ev.Delay(uint32(len(reply)))); hook.paced != (ts == wantTS) || !hook.paced && ts != 0 {
+					t.Errorf("reply on %s: tstamp %d; paced %v (departure %d)", hook.name, ts, hook.paced, wantTS)
+				}
+			}
+		})
 	}
 }
 
@@ -242,7 +325,7 @@ func TestNewEDTValue(t *testing.T) {
 		// ceiling) and is off by less than a nanosecond.
 		for _, n := range []uint32{1, 64, 1500, 65535, 1 << 19} {
 			exact := float64(n) * 1e9 / float64(tc.rate)
-			if d := float64(v.Delay(n)); d < exact-1 || d > exact+1 {
+			if d := float64(v.Delay(n)); d < exact || d > exact+1 {
 				t.Errorf("rate %d: delay of %d bytes %v; want %.1f ns", tc.rate, n, v.Delay(n), exact)
 			}
 		}
@@ -254,41 +337,53 @@ func TestNewEDTValue(t *testing.T) {
 
 // BenchmarkEDT measures what pacing costs the reply path, the way
 // BenchmarkDatapath measures (one run per call, kernel-reported, net of an
-// empty program's floor, interleaved blocks): a reply of an established
-// flow of an unpaced service against one of a paced service (100 Gbit/s
-// and a 10 s horizon, so that no packet of the run is dropped), in the
-// same run, each pair in both orders.
+// empty program's floor, interleaved blocks in both orders): the same reply
+// of the same established flow, its service unpaced in one case's blocks
+// and paced in the other's (100 Gbit/s and a 10 s horizon, so that no
+// packet of the run is dropped, checked), the entry written before each
+// block.
 //
 //	go test -run '^$' -bench BenchmarkEDT -benchtime 1x ./bpf/
 func BenchmarkEDT(b *testing.B) {
 	calls := benchCalls(b)
 	h := newHarnessSized(b, 0)
-	unpaced := variants()[0] // ipv4 tcp
-	paced := unpaced
-	paced.vip = netip.MustParseAddrPort("10.96.0.11:80")
-	paced.backends = []netip.AddrPort{netip.MustParseAddrPort("10.1.1.1:8080")}
-	unpaced.setup(h)
-	paced.setupAt(h, sid+1, 31)
+	v := variants()[0] // ipv4 tcp
+	v.setup(h)
 	h.edge()
-	for _, v := range []variant{unpaced, paced} {
-		if ret, _ := h.run(h.objs.FluxvmFromVm, v.fwd(40000, pkt.SYN)); ret != tcOK {
-			b.Fatalf("%v flow not set up", v.vip)
+	if ret, _ := h.run(h.objs.FluxvmFromVm, v.fwd(40000, pkt.SYN)); ret != tcOK {
+		b.Fatal("flow not set up")
+	}
+	paced, err := NewEDTValue(MaxEDTRate, MaxEDTHorizon)
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Before each block the entry is written; before an unpaced block it
+	// is read first: a paced block must have moved its clock.
+	var pacedBlocks, unmoved int
+	set := func(e EDTValue) func() {
+		return func() {
+			var was EDTValue
+			h.must(h.objs.FluxvmEdt.Lookup(uint32(sid), &was))
+			if was.Rate != 0 {
+				pacedBlocks++
+				if was.LastDeparture == 0 {
+					unmoved++
+				}
+			}
+			h.must(h.objs.FluxvmEdt.Put(uint32(sid), e))
 		}
 	}
-	h.edt(sid+1, MaxEDTRate, MaxEDTHorizon)
+	reply := func(int) []byte { return v.reply(v.backends[0], 40000, pkt.ACK) }
 	cases := []*benchCase{
-		{name: "ipv4 tcp reply, unpaced", metric: "v4-reply-unpaced", prog: h.objs.FluxvmToVm,
-			frame: func(int) []byte { return unpaced.reply(unpaced.backends[0], 40000, pkt.ACK) }, want: tcOK},
-		{name: "ipv4 tcp reply, paced", metric: "v4-reply-paced", prog: h.objs.FluxvmToVm,
-			frame: func(int) []byte { return paced.reply(paced.backends[0], 40000, pkt.ACK) }, want: tcOK},
+		{name: "ipv4 tcp reply, unpaced", metric: "v4-reply-unpaced", prog: h.objs.FluxvmToVm, frame: reply, want: tcOK, before: set(EDTValue{})},
+		{name: "ipv4 tcp reply, paced", metric: "v4-reply-paced", prog: h.objs.FluxvmToVm, frame: reply, want: tcOK, before: set(paced)},
 	}
 	measureInterleaved(b, h.th, calls, cases, true)
 	u := float64(cases[0].sum) / float64(cases[0].n)
 	p := float64(cases[1].sum) / float64(cases[1].n)
 	b.ReportMetric(p-u, "paced-minus-unpaced-ns")
-	var e EDTValue
-	h.must(h.objs.FluxvmEdt.Lookup(uint32(sid+1), &e))
-	if st := h.stats(sid + 1); st.EdtDrops != 0 || e.LastDeparture == 0 {
-		b.Fatalf("%d paced packets dropped, last departure %d: the measurement is not of paced packets", st.EdtDrops, e.LastDeparture)
+	set(EDTValue{})() // counts the last block, if it was paced
+	if st := h.stats(sid); st.EdtDrops != 0 || pacedBlocks == 0 || unmoved != 0 {
+		b.Fatalf("%d paced packets dropped, %d of %d paced blocks left the clock unmoved: the measurement is not of paced packets", st.EdtDrops, unmoved, pacedBlocks)
 	}
 }

@@ -81,6 +81,10 @@ FLUXVM_PATH(fluxvm_reply4_stored, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_EW, 
 FLUXVM_PATH(fluxvm_reply6_stored, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_EW, 0))
 FLUXVM_PATH(fluxvm_reply4_snat_in, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 1))
 FLUXVM_PATH(fluxvm_reply6_snat_in, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 1))
+/* North-south replies leaving already translated, while a north-south
+ * service is paced (lib/edt.h). */
+FLUXVM_PATH(fluxvm_edt_out4, fluxvm_edt_ns_out(ctx, pkt, 0))
+FLUXVM_PATH(fluxvm_edt_out6, fluxvm_edt_ns_out(ctx, pkt, 1))
 FLUXVM_PATH(fluxvm_reply4_snat_out, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_SNAT, 0))
 FLUXVM_PATH(fluxvm_reply6_snat_out, fluxvm_lb_reply(ctx, pkt, 1, FLUXVM_REPLY_SNAT, 0))
 /* ICMP errors about translated flows (lib/icmp.h), for the two reply
@@ -207,13 +211,13 @@ int fluxvm_ns_out(struct __ctx_buff *ctx)
 		if (pkt.l4_proto == IPPROTO_ICMP)
 			return fluxvm_icmp4_snat(ctx, &pkt);
 		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
-			return fluxvm_edt_ns_out(ctx, &pkt, 0);
+			return fluxvm_edt_ns_active() ? fluxvm_edt_out4(ctx, &pkt) : CTX_ACT_NEXT;
 		return fluxvm_reply4_snat_out(ctx, &pkt);
 	}
 	if (pkt.l4_proto == IPPROTO_ICMPV6)
 		return fluxvm_icmp6_snat(ctx, &pkt);
 	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
-		return fluxvm_edt_ns_out(ctx, &pkt, 1);
+		return fluxvm_edt_ns_active() ? fluxvm_edt_out6(ctx, &pkt) : CTX_ACT_NEXT;
 	return fluxvm_reply6_snat_out(ctx, &pkt);
 }
 

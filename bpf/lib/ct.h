@@ -62,6 +62,13 @@ static __always_inline int fluxvm_tcp_is_syn(const struct fluxvm_pkt *pkt)
 	       (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK | FLUXVM_TCP_RST)) == FLUXVM_TCP_SYN;
 }
 
+/* A TCP packet that changes its flow's state: SYN, FIN or RST. */
+static __always_inline int fluxvm_tcp_control(const struct fluxvm_pkt *pkt)
+{
+	return pkt->l4_proto == IPPROTO_TCP &&
+	       (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_FIN | FLUXVM_TCP_RST));
+}
+
 /*
  * The state after @pkt. @reply is set for backend -> client packets. RST
  * wins over FIN, which wins over the handshake; a flow first seen mid-stream

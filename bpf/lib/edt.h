@@ -43,63 +43,94 @@
 /* Longer packets are paced as this long, so that len * ns_per_byte fits
  * in 64 bits at the lowest rate (1 Mbit/s: 8000 ns a byte, Q32). */
 #define FLUXVM_EDT_MAX_LEN (1U << 19)
+/* Compare-and-swap attempts on a service's clock before a packet queues
+ * behind whatever is last (lib/edt.h, fluxvm_edt_pace). */
+#define FLUXVM_EDT_TRIES 2
 
 /*
  * Schedule a packet of service @sid (or let it go unpaced): 0 to send it,
  * or the drop verdict (counted) when it lies beyond the horizon. @now is
- * the coarse clock.
+ * the coarse clock. @control: the packet changes the flow's state (a TCP
+ * SYN, FIN or RST, which the reply paths have already recorded in
+ * conntrack): it is scheduled but never dropped, so that the client never
+ * misses what its flow's state says it saw (an RST is not retransmitted).
  */
-static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __u64 now,
+static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __u64 now, int control,
 					   struct fluxvm_svc_stats_value *st,
 					   struct fluxvm_svc_stats_value *es)
 {
 	struct fluxvm_edt_value *e = bpf_map_lookup_elem(&fluxvm_edt, &sid), *p;
-	__u64 len, delay, horizon, t, next;
+	__u64 len, delay, horizon, t, next = 0, old;
 	__u32 pacer;
+	int i;
 
 	if (!e || !e->rate)
 		return 0;
 	len = ctx->len;
 	if (len > FLUXVM_EDT_MAX_LEN)
 		len = FLUXVM_EDT_MAX_LEN;
-	delay = (len * e->ns_per_byte) >> 32;
+	/* Rounded up: a packet never leaves earlier than the rate allows. */
+	delay = (len * e->ns_per_byte + 0xffffffffULL) >> 32;
 	horizon = e->horizon_ns;
 	/* The service's clock, shared by its frontends. */
 	pacer = e->pacer;
 	if (pacer && pacer != sid && (p = bpf_map_lookup_elem(&fluxvm_edt, &pacer)))
 		e = p;
 	t = *(volatile __u64 *)&e->last_departure;
-	next = (t > now ? t : now) + delay;
-	if (t > now && next - now > horizon) {
-		if (st)
-			st->edt_drops++;
-		return fluxvm_drop(FLUXVM_DROP_EDT_HORIZON, st, es);
+	/* Another CPU may schedule a packet of this service between the read
+	 * and the write: then the departure is computed again from its. */
+	for (i = 0; i < FLUXVM_EDT_TRIES; i++) {
+		next = (t > now ? t : now) + delay;
+		if (t > now && next - now > horizon && !control) {
+			if (st)
+				st->edt_drops++;
+			return fluxvm_drop(FLUXVM_DROP_EDT_HORIZON, st, es);
+		}
+		old = __sync_val_compare_and_swap(&e->last_departure, t, next);
+		if (old == t)
+			goto admitted;
+		t = old;
 	}
-	/* Another CPU may have scheduled a packet of this service since the
-	 * read: then this one queues behind whatever is last by now. */
-	if (__sync_val_compare_and_swap(&e->last_departure, t, next) != t)
-		next = __sync_fetch_and_add(&e->last_departure, delay) + delay;
+	/* Lost every race (many CPUs on one service): behind whatever is last
+	 * by now, past the horizon by at most a packet per CPU. A clock the
+	 * control plane just reset reads ~0: the packet goes now. */
+	next = __sync_fetch_and_add(&e->last_departure, delay) + delay;
+	if (next < now)
+		next = now + delay;
+admitted:
 	ctx->tstamp = next;
 	return 0;
 }
 
+static __always_inline void fluxvm_count_reply(struct fluxvm_svc_stats_value *st, __u64 packets, __u64 bytes)
+{
+	st->reply_packets += packets;
+	st->reply_bytes += bytes;
+}
+
+/* Whether any north-south service is paced (the node's entry, index 0):
+ * only then does fluxvm_ns_out look packets' sources up. */
+static __always_inline int fluxvm_edt_ns_active(void)
+{
+	__u32 zero = 0;
+	struct fluxvm_edt_value *node = bpf_map_lookup_elem(&fluxvm_edt, &zero);
+
+	return node && node->rate;
+}
+
 /*
- * fluxvm_ns_out, a packet not to the SNAT address: a north-south reply an
- * ingress hook translated leaves with its VIP and port as the source, and
- * is paced here if its service is. Only while any north-south service is
- * paced (the node's entry, index 0) does a packet pay for the lookup.
+ * fluxvm_ns_out, a packet not to the SNAT address while a north-south
+ * service is paced: a north-south reply an ingress hook translated (or a
+ * DSR reply of a backend on the node) leaves with its VIP and port as the
+ * source, and is paced here if its service is.
  */
 static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
 					     const int v6)
 {
-	struct fluxvm_edt_value *node;
+	struct fluxvm_svc_stats_value *st;
 	struct fluxvm_svc_value *svc;
-	__u32 zero = 0;
 	int ret;
 
-	node = bpf_map_lookup_elem(&fluxvm_edt, &zero);
-	if (!node || !node->rate)
-		return CTX_ACT_NEXT;
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return CTX_ACT_NEXT;
 	if (v6) {
@@ -115,8 +146,18 @@ static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struc
 	if (!svc || (svc->flags & (FLUXVM_SVC_F_VIP_MARKER | FLUXVM_SVC_F_PACED)) != FLUXVM_SVC_F_PACED ||
 	    !(svc->flags & FLUXVM_SVC_F_NORTH_SOUTH))
 		return CTX_ACT_NEXT;
-	ret = fluxvm_edt_pace(ctx, svc->service_id, bpf_ktime_get_coarse_ns(), fluxvm_stats(svc->service_id),
-			      NULL);
+	st = fluxvm_stats(svc->service_id);
+	ret = fluxvm_edt_pace(ctx, svc->service_id, bpf_ktime_get_coarse_ns(), fluxvm_tcp_control(pkt), st, NULL);
+	/* The service's reply counters hold what left toward its clients: a
+	 * reply an ingress hook counted and the horizon dropped here is taken
+	 * back (per-CPU slots are summed, so the CPU does not matter), and a
+	 * DSR reply, which no hook translated, counts here. */
+	if (st && (svc->flags & FLUXVM_SVC_F_DSR)) {
+		if (!ret)
+			fluxvm_count_reply(st, 1, ctx->len);
+	} else if (st && ret) {
+		fluxvm_count_reply(st, -1, -(__u64)ctx->len);
+	}
 	return ret ? ret : CTX_ACT_NEXT;
 }
 

@@ -837,7 +837,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	}
 
 	/* Leaving toward the client here (an egress hook): paced. */
-	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, st, es)))
+	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
@@ -906,7 +906,7 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	}
 	fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
 
-	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, st, es)))
+	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);

@@ -11,9 +11,10 @@ import (
 // polices the rate instead (lib/edt.h).
 
 // ErrNoFQ is returned (wrapped) by Open when edt_manage_fq cannot install
-// fq because the kernel has no fq qdisc, unless edt_horizon_fallback is
-// set: the interface then runs in horizon-policing mode, and
-// Status.EDT says why.
+// fq because the kernel has no fq qdisc (rtnetlink answers ENOENT: an
+// unknown qdisc kind), unless edt_horizon_fallback is set: the interface
+// then runs in horizon-policing mode, and Status.EDT says why. Any other
+// failure to install fq fails Open, fallback or not.
 var ErrNoFQ = errors.New("the kernel has no sch_fq (CONFIG_NET_SCH_FQ)")
 
 // EDT modes of an interface, as EDTInterfaceStatus.Mode reports them.

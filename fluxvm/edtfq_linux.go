@@ -71,13 +71,7 @@ func installFQ(name string) (managedFQ, error) {
 		QdiscType:  fqKind,
 	}
 	if err := netlink.QdiscAdd(q); err != nil {
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EOPNOTSUPP) {
-			if fqKind == "fq" {
-				return m, fmt.Errorf("edt_interfaces: interface %s: install fq: %v: %w", name, err, ErrNoFQ)
-			}
-			return m, fmt.Errorf("edt_interfaces: interface %s: install %s: the kernel has no such qdisc (%v): %w", name, fqKind, err, ErrNoFQ)
-		}
-		return m, fmt.Errorf("edt_interfaces: interface %s: install %s: %w", name, fqKind, err)
+		return m, fqAddError(name, err)
 	}
 	m.installed = true
 	return m, nil
@@ -110,4 +104,19 @@ func removeFQ(m managedFQ) error {
 		return fmt.Errorf("interface %s: delete root %s: %w", m.name, root.Type(), err)
 	}
 	return nil
+}
+
+// fqAddError is the error of a failed attempt to create fq (fqKind) on
+// interface name. Only ENOENT, which rtnetlink returns for a qdisc kind
+// the kernel does not know (no sch_fq, built in or loadable), is ErrNoFQ,
+// which edt_horizon_fallback accepts; every other failure (EOPNOTSUPP
+// from a device, EINVAL, EPERM, ENOMEM, ...) fails as itself.
+func fqAddError(name string, err error) error {
+	if errors.Is(err, unix.ENOENT) {
+		if fqKind == "fq" {
+			return fmt.Errorf("edt_interfaces: interface %s: install fq: %w: %w", name, err, ErrNoFQ)
+		}
+		return fmt.Errorf("edt_interfaces: interface %s: install %s: the kernel has no such qdisc (%w): %w", name, fqKind, err, ErrNoFQ)
+	}
+	return fmt.Errorf("edt_interfaces: interface %s: install %s: %w", name, fqKind, err)
 }

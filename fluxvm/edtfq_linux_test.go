@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -291,4 +292,25 @@ func TestOpenManagesFQ(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// TestFQAddError: only the kernel's "unknown qdisc kind" (ENOENT) is
+// ErrNoFQ, which edt_horizon_fallback accepts; any other failure to
+// create fq fails as itself.
+func TestFQAddError(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		noFQ bool
+	}{
+		{unix.ENOENT, true},
+		{unix.EOPNOTSUPP, false},
+		{unix.EINVAL, false},
+		{unix.EPERM, false},
+		{unix.ENOMEM, false},
+	} {
+		err := fqAddError("eth0", c.err)
+		if errors.Is(err, ErrNoFQ) != c.noFQ || !errors.Is(err, c.err) || !strings.Contains(err.Error(), "eth0") {
+			t.Errorf("%v: %v, want ErrNoFQ %v, wrapping the errno, naming the interface", c.err, err, c.noFQ)
+		}
+	}
 }

@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/fluxvm/servicefabric/bpf"
 )
@@ -139,17 +140,20 @@ func (d *Dataplane) edtStatus() EDTStatus {
 			m, isManaged := managed[n]
 			st.Managed = isManaged && m.installed
 			st.PreviousQdisc = m.previous
-			kind, err := rootQdiscKind(n)
+			qs, err := qdiscsOf(n)
+			kind, fq, other := fqInForce(qs)
 			st.Qdisc = kind
 			switch {
 			case err != nil:
 				st.Reason = fmt.Sprintf("root qdisc unknown: %v", err)
-			case kind == fqKind:
+			case fq:
 				st.Mode = EDTModeFQ
 			case m.problem != "":
 				st.Reason = m.problem
 			case kind == "":
 				st.Reason = "no root qdisc: paced packets leave at once, and the horizon polices the rate"
+			case kind == "mq":
+				st.Reason = fmt.Sprintf("root qdisc is mq, and not every TX queue's is fq (%s): paced packets leave at once, and the horizon polices the rate", strings.Join(other, ", "))
 			default:
 				st.Reason = fmt.Sprintf("root qdisc is %s, not fq: paced packets leave at once, and the horizon polices the rate", kind)
 			}

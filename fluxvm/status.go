@@ -24,8 +24,9 @@ type ServiceEDTStatus struct {
 	// MaxEgressMbps is the intent's cap, in megabits per second.
 	MaxEgressMbps uint32 `json:"max_egress_mbps"`
 	// RateBytesPerSec is the rate in the fluxvm_edt entry of each of its
-	// frontends (bpf.MbpsToEDTRate): the cap holds per frontend (VIP,
-	// port, protocol).
+	// frontends (bpf.MbpsToEDTRate): the cap holds per service, its
+	// frontends (VIP, port, protocol) sharing one departure clock, and
+	// per node (each node paces on its own clock).
 	RateBytesPerSec uint64 `json:"rate_bytes_per_sec"`
 	// Horizon is the node's edt_horizon, e.g. "250ms".
 	Horizon Duration `json:"horizon"`

@@ -246,10 +246,13 @@ type Config struct {
 	EDTHorizon Duration `toml:"edt_horizon"`
 	// EDTManageFQ makes FluxVM install the fq qdisc as the root qdisc of
 	// each of EDTInterfaces at start, where the root is the kernel's
-	// default, and delete it again at stop, so that the kernel restores
-	// its default. A root qdisc an operator configured is never replaced
-	// (start fails, naming it). Needs edt_enabled and edt_interfaces.
-	// Default false.
+	// default (a multi-queue device's default mq: fq under each of its
+	// classes, one per TX queue). It stays at stop, like the rest of the
+	// datapath, and the next start adopts it; a start that no longer
+	// lists the interface (or without edt_manage_fq) deletes it, and so
+	// does cleanup, so that the kernel restores its default. A root qdisc
+	// an operator configured is never replaced (start fails, naming it).
+	// Needs edt_enabled and edt_interfaces. Default false.
 	EDTManageFQ bool `toml:"edt_manage_fq"`
 	// EDTInterfaces are the interfaces whose root qdisc edt_manage_fq
 	// manages: valid, unique interface names, usually the north-south

@@ -36,7 +36,10 @@ type Options struct {
 	// EDTManageFQ, EDTInterfaces and EDTHorizonFallback are
 	// edt_manage_fq, edt_interfaces and edt_horizon_fallback: Open
 	// installs fq as the root qdisc of each of EDTInterfaces whose root
-	// is the kernel's default, and Close deletes it (edtfq.go).
+	// is the kernel's default (on a multi-queue device, under each class
+	// of an mq); Close keeps it, with the rest of the datapath, the next
+	// Open adopts it or removes it from interfaces no longer listed, and
+	// Cleanup deletes it (edtfq.go).
 	EDTManageFQ        bool
 	EDTInterfaces      []string
 	EDTHorizonFallback bool
@@ -257,7 +260,9 @@ func Open(opts Options) (*Dataplane, error) {
 	opened := false
 	defer func() {
 		if !opened {
-			closeFQ(opts, fq)
+			if err := rollbackFQ(opts, fq); err != nil {
+				opts.Logger.Error("fluxvm: EDT: removing the fq installed by the failed start failed", "err", err)
+			}
 		}
 	}()
 	// Staged: the programs attached by an earlier process keep running on
@@ -527,7 +532,8 @@ func (d *Dataplane) stopGC() {
 // progress and waits for it, publishes the last advertisements not yet
 // written and stops their publisher, and releases this process's handles.
 // The datapath keeps forwarding: pins and attachments stay in place, and
-// so does the advertisement file, as last published. Changes under way
+// so do the fq qdiscs edt_manage_fq installed (the next Open adopts them)
+// and the advertisement file, as last published. Changes under way
 // finish first, and the catalog journal is compacted into the catalog
 // file (journal.go). A second Close does nothing and returns nil.
 //
@@ -550,11 +556,14 @@ func (d *Dataplane) Close() error {
 	cerr := d.closeCatalog()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return errors.Join(cerr, d.dp.Close(), closeFQ(d.opts, d.fq))
+	return errors.Join(cerr, d.dp.Close())
 }
 
 // Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// and north-south programs and the socket hooks, deletes the pin root and the catalog (file and journal), and closes.
+// and north-south programs and the socket hooks, deletes the pin root, the
+// fq qdiscs of edt_manage_fq (on every interface of the node's namespace
+// that has FluxVM's, handle f1d0:) and the catalog (file and journal),
+// and closes.
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
 // would leave them to guess); when that snapshot cannot be written,
@@ -592,7 +601,7 @@ func (d *Dataplane) Cleanup() error {
 		}
 		return d.dp.Remove()
 	})
-	errs = append(errs, err, closeFQ(d.opts, d.fq))
+	errs = append(errs, err, removeAllFQ(d.opts))
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}

@@ -44,8 +44,9 @@ func edtEntries(t *testing.T, d *Dataplane) map[uint32]bpf.EDTValue {
 }
 
 // wantPaced checks every frontend of service name: its fluxvm_edt entry
-// is want (zero: unpaced), and its frontend entry has SvcFlagPaced exactly
-// when want has a rate. The VIP markers never have it.
+// is want (zero: unpaced), the departure clock aside (the datapath's; see
+// wantClocks), and its frontend entry has SvcFlagPaced exactly when want
+// has a rate. The VIP markers never have it.
 func wantPaced(t *testing.T, d *Dataplane, what, name string, want bpf.EDTValue) {
 	t.Helper()
 	st, err := d.Service(name)
@@ -64,7 +65,9 @@ func wantPaced(t *testing.T, d *Dataplane, what, name string, want bpf.EDTValue)
 		}
 	}
 	for _, fe := range st.Frontends {
-		if got := edtEntry(t, d, fe.ServiceID); got != want {
+		got := edtEntry(t, d, fe.ServiceID)
+		got.LastDeparture = 0
+		if got != want {
 			t.Errorf("%s: %s fluxvm_edt[%d] = %+v, want %+v", what, fe.VIP, fe.ServiceID, got, want)
 		}
 		v, ok := svcEntry(t, d, fe.VIP.Addr(), fe.VIP.Port(), fe.Protocol)
@@ -76,6 +79,59 @@ func wantPaced(t *testing.T, d *Dataplane, what, name string, want bpf.EDTValue)
 		}
 		if m, ok := svcEntry(t, d, fe.VIP.Addr(), 0, fe.Protocol); ok && m.Flags&bpf.SvcFlagPaced != 0 {
 			t.Errorf("%s: VIP marker of %s flags %#x: paced", what, fe.VIP.Addr(), m.Flags)
+		}
+	}
+}
+
+// pacerOf returns the frontends of service name by id, and the lowest id:
+// the service's pacer.
+func pacerOf(t *testing.T, d *Dataplane, name string) (map[uint32]FrontendStatus, uint32) {
+	t.Helper()
+	st, err := d.Service(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[uint32]FrontendStatus{}
+	var pacer uint32
+	for _, fe := range st.Frontends {
+		out[fe.ServiceID] = fe
+		if pacer == 0 || fe.ServiceID < pacer {
+			pacer = fe.ServiceID
+		}
+	}
+	return out, pacer
+}
+
+// setClocks writes a departure clock into the fluxvm_edt entry of each
+// frontend of service name, as the datapath would: pacerClock to the
+// pacer's, base+id to the others'.
+func setClocks(t *testing.T, d *Dataplane, name string, pacerClock, base uint64) {
+	t.Helper()
+	fes, pacer := pacerOf(t, d, name)
+	for sid := range fes {
+		v := edtEntry(t, d, sid)
+		v.LastDeparture = base + uint64(sid)
+		if sid == pacer {
+			v.LastDeparture = pacerClock
+		}
+		if err := d.dp.Maps().FluxvmEdt.Put(sid, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// wantClocks checks the departure clock of every frontend of service
+// name: want[id], or base+id for an id not in want.
+func wantClocks(t *testing.T, d *Dataplane, what, name string, base uint64, want map[uint32]uint64) {
+	t.Helper()
+	fes, _ := pacerOf(t, d, name)
+	for sid, fe := range fes {
+		w, ok := want[sid]
+		if !ok {
+			w = base + uint64(sid)
+		}
+		if got := edtEntry(t, d, sid).LastDeparture; got != w {
+			t.Errorf("%s: %s (id %d) departure clock %d, want %d", what, fe.VIP, sid, got, w)
 		}
 	}
 }
@@ -210,6 +266,86 @@ func TestEDTApply(t *testing.T) {
 	if got := edtEntries(t, d); len(got) != len(before) {
 		t.Errorf("after refusal: fluxvm_edt %v, want %v", got, before)
 	}
+
+	// The pacer's frontend removed (its port): the other frontends name
+	// the new lowest id, the removed entries are zeroed, and the clocks
+	// stay: the new pacer starts from the old pacer's, the others keep
+	// theirs.
+	paced := ew
+	paced.MaxEgressMbps = 250
+	if _, err := d.ApplyService(ctx, paced); err != nil {
+		t.Fatal(err)
+	}
+	wantPaced(t, d, "web paced", "web", at(250))
+	fes, oldPacer := pacerOf(t, d, "web")
+	const base, pacerClock = 1_000_000_000_000, 5_000_000_000_000
+	setClocks(t, d, "web", pacerClock, base)
+	drop := fes[oldPacer]
+	fewer := paced
+	fewer.Ports = nil
+	for _, p := range paced.Ports {
+		if p.Protocol != drop.Protocol {
+			fewer.Ports = append(fewer.Ports, p)
+		}
+	}
+	if _, err := d.ApplyService(ctx, fewer); err != nil {
+		t.Fatal(err)
+	}
+	wantPaced(t, d, "pacer's frontend removed", "web", at(250))
+	left, newPacer := pacerOf(t, d, "web")
+	if len(left) != 2 || newPacer == oldPacer {
+		t.Fatalf("pacer's frontend removed: frontends %v, pacer %d (was %d)", left, newPacer, oldPacer)
+	}
+	for sid := range fes {
+		if _, ok := left[sid]; !ok {
+			if v := edtEntry(t, d, sid); v != (bpf.EDTValue{}) {
+				t.Errorf("pacer's frontend removed: removed id %d entry %+v, want zeroed", sid, v)
+			}
+		}
+	}
+	wantClocks(t, d, "pacer's frontend removed", "web", base, map[uint32]uint64{newPacer: pacerClock})
+
+	// A restart onto the kept maps rewrites nothing: the clocks stay.
+	setClocks(t, d, "web", pacerClock, base)
+	d.Close()
+	d = e.open(t)
+	wantPaced(t, d, "reopened", "web", at(250))
+	wantClocks(t, d, "reopened", "web", base, map[uint32]uint64{newPacer: pacerClock})
+
+	// The port back: new frontends, with recycled ids. When one of them
+	// has the lowest id, it becomes the pacer and starts from the old
+	// pacer's clock; the rest keep theirs (the other new one starts
+	// empty).
+	if _, err := d.ApplyService(ctx, paced); err != nil {
+		t.Fatal(err)
+	}
+	wantPaced(t, d, "port back", "web", at(250))
+	all, backPacer := pacerOf(t, d, "web")
+	clocks := map[uint32]uint64{}
+	for sid := range all {
+		if _, ok := left[sid]; !ok {
+			clocks[sid] = 0
+		}
+	}
+	clocks[backPacer] = pacerClock
+	clocks[newPacer] = pacerClock // its own, kept
+	if backPacer == newPacer {
+		t.Logf("port back: the new frontends got higher ids (%v), the pacer stays %d", all, newPacer)
+	}
+	wantClocks(t, d, "port back", "web", base, clocks)
+
+	// A rate change starts every clock empty.
+	setClocks(t, d, "web", pacerClock, base)
+	paced.MaxEgressMbps = 260
+	if _, err := d.ApplyService(ctx, paced); err != nil {
+		t.Fatal(err)
+	}
+	wantPaced(t, d, "rate changed", "web", at(260))
+	zero := map[uint32]uint64{}
+	for sid := range all {
+		zero[sid] = 0
+	}
+	wantClocks(t, d, "rate changed", "web", base, zero)
 
 	// A tier change recreates the maps: the restore writes the entries
 	// and the node's again.

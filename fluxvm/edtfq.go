@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // fq management (edt_manage_fq): the fq qdisc releases each packet at
@@ -11,9 +12,10 @@ import (
 // polices the rate instead (lib/edt.h).
 
 // ErrNoFQ is returned (wrapped) by Open when edt_manage_fq cannot install
-// fq because the kernel has no fq qdisc, unless edt_horizon_fallback is
-// set: the interface then runs in horizon-policing mode, and
-// Status.EDT says why.
+// fq because the kernel has no fq qdisc (rtnetlink answers ENOENT: an
+// unknown qdisc kind), unless edt_horizon_fallback is set: the interface
+// then runs in horizon-policing mode, and Status.EDT says why. Any other
+// failure to install fq fails Open, fallback or not.
 var ErrNoFQ = errors.New("the kernel has no sch_fq (CONFIG_NET_SCH_FQ)")
 
 // EDT modes of an interface, as EDTInterfaceStatus.Mode reports them.
@@ -34,15 +36,19 @@ const (
 var fqKind = "fq"
 
 // fqHandle is the handle of the root qdisc edt_manage_fq installs
-// (0xf1d0:), by which a later start and Close recognise it as FluxVM's.
+// (0xf1d0:): fq, or on a multi-queue device an mq with fq under each of
+// its classes. By it a later start recognises the root as FluxVM's, to
+// adopt it, or to remove it from an interface no longer managed.
 const fqHandleMajor = 0xf1d0
 
 // managedFQ is one interface of edt_interfaces as Open left it.
 type managedFQ struct {
 	name string
-	// installed: our fq is the root (we installed it, or adopted the one
-	// an earlier start left); Close deletes it.
+	// installed: our root is in place (we installed it, or adopted the
+	// one an earlier start left); Close keeps it, Cleanup deletes it.
 	installed bool
+	// adopted: an earlier start installed it; a failed Open leaves it.
+	adopted bool
 	// previous is the kind of the kernel's default root qdisc that fq
 	// replaced ("noqueue", "mq", ...); empty when adopted.
 	previous string
@@ -50,14 +56,82 @@ type managedFQ struct {
 	problem string
 }
 
+// qdiscInfo is what mode detection needs of a qdisc.
+type qdiscInfo struct {
+	kind           string
+	handle, parent uint32
+}
+
+// handleRoot is TC_H_ROOT, the parent of a root qdisc.
+const handleRoot = 0xffffffff
+
+// fqInForce reads an interface's qdiscs: the kind of its root ("" when
+// none is listed), and whether fq (fqKind) holds the packets of every TX
+// queue: the root is fq, or it is mq and every one of its classes has fq
+// as its child (net.core.default_qdisc=fq on a multi-queue device, or
+// edt_manage_fq there). other lists the kinds of mq children that are
+// not fq.
+func fqInForce(qs []qdiscInfo) (root string, fq bool, other []string) {
+	var r *qdiscInfo
+	for i := range qs {
+		if qs[i].parent == handleRoot {
+			r = &qs[i]
+			break
+		}
+	}
+	if r == nil {
+		return "", false, nil
+	}
+	switch r.kind {
+	case fqKind:
+		return r.kind, true, nil
+	case "mq":
+	default:
+		return r.kind, false, nil
+	}
+	// mq's children hang off its classes: parent <mq major>:<queue>.
+	// (A default mq has handle 0:, its children parent :1, :2, ...)
+	children := 0
+	for _, q := range qs {
+		if q.parent == handleRoot || q.parent>>16 != r.handle>>16 || q.parent&0xffff == 0 {
+			continue
+		}
+		children++
+		if q.kind != fqKind && !slices.Contains(other, q.kind) {
+			other = append(other, q.kind)
+		}
+	}
+	return r.kind, children > 0 && len(other) == 0, other
+}
+
 // openFQ installs fq on every interface of edt_interfaces (when
-// edt_enabled and edt_manage_fq), in the node's namespace. All or
-// nothing: on an error, the fq installed on earlier interfaces is
-// removed again. A kernel without fq (ErrNoFQ) is an error unless
-// edt_horizon_fallback is set; the interface is then listed with the
-// reason.
+// edt_enabled and edt_manage_fq), in the node's namespace, adopting the
+// fq an earlier start kept (Close keeps it). First it removes our fq
+// (handle f1d0:) from every interface that is no longer to have it: not
+// in edt_interfaces, or every interface when edt_manage_fq (or
+// edt_enabled) is off; a failure there is logged, not fatal. All or
+// nothing: on an error, the fq this call installed on earlier interfaces
+// is removed again (an adopted one stays). A kernel without fq (ErrNoFQ)
+// is an error unless edt_horizon_fallback is set; the interface is then
+// listed with the reason.
 func openFQ(opts Options) ([]managedFQ, error) {
-	if !opts.EDTEnabled || !opts.EDTManageFQ {
+	keep := map[string]bool{}
+	if opts.EDTEnabled && opts.EDTManageFQ {
+		for _, n := range opts.EDTInterfaces {
+			keep[n] = true
+		}
+	}
+	_ = opts.InNamespace(func() error {
+		removed, err := removeStrayFQ(keep)
+		for _, n := range removed {
+			opts.Logger.Info("fluxvm: EDT: fq of an earlier start removed: the interface is no longer managed (edt_manage_fq, edt_interfaces)", "interface", n)
+		}
+		if err != nil {
+			opts.Logger.Error("fluxvm: EDT: removing the fq of an earlier start from interfaces no longer managed failed", "err", err)
+		}
+		return nil
+	})
+	if len(keep) == 0 {
 		return nil, nil
 	}
 	var out []managedFQ
@@ -70,17 +144,17 @@ func openFQ(opts Options) ([]managedFQ, error) {
 				}
 				m.problem = err.Error()
 				opts.Logger.Warn("fluxvm: EDT: fq could not be installed; the interface runs in horizon-policing mode (edt_horizon_fallback)", "interface", name, "err", err)
-			} else if m.previous != "" {
-				opts.Logger.Info("fluxvm: EDT: fq installed as root qdisc", "interface", name, "kind", fqKind, "replaced", m.previous)
-			} else {
+			} else if m.adopted {
 				opts.Logger.Info("fluxvm: EDT: fq of an earlier start adopted", "interface", name, "kind", fqKind)
+			} else {
+				opts.Logger.Info("fluxvm: EDT: fq installed", "interface", name, "kind", fqKind, "replaced", m.previous)
 			}
 			out = append(out, m)
 		}
 		return nil
 	})
 	if err != nil {
-		if rerr := closeFQ(opts, out); rerr != nil {
+		if rerr := rollbackFQ(opts, out); rerr != nil {
 			opts.Logger.Error("fluxvm: EDT: removing the fq installed before the failure failed", "err", rerr)
 		}
 		return nil, err
@@ -88,15 +162,16 @@ func openFQ(opts Options) ([]managedFQ, error) {
 	return out, nil
 }
 
-// closeFQ deletes the fq that openFQ installed, so that the kernel
-// restores each interface's default root qdisc.
-func closeFQ(opts Options, fq []managedFQ) error {
-	if len(fq) == 0 {
-		return nil
-	}
+// rollbackFQ deletes the fq that a failed Open installed (not the ones
+// it adopted), so that the kernel restores each interface's default root
+// qdisc.
+func rollbackFQ(opts Options, fq []managedFQ) error {
 	var errs []error
 	err := opts.InNamespace(func() error {
 		for _, m := range fq {
+			if m.adopted {
+				continue
+			}
 			if err := removeFQ(m); err != nil {
 				errs = append(errs, err)
 			}
@@ -105,6 +180,23 @@ func closeFQ(opts Options, fq []managedFQ) error {
 	})
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("edt: restore root qdiscs: %w", err)
+	}
+	return nil
+}
+
+// removeAllFQ deletes our root qdisc (handle f1d0:) from every interface
+// of the node's namespace (Cleanup): the kernel restores each one's
+// default root.
+func removeAllFQ(opts Options) error {
+	err := opts.InNamespace(func() error {
+		removed, err := removeStrayFQ(nil)
+		for _, n := range removed {
+			opts.Logger.Info("fluxvm: EDT: fq removed", "interface", n)
+		}
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("edt: restore root qdiscs: %w", err)
 	}
 	return nil

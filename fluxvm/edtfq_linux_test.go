@@ -1,12 +1,16 @@
 package fluxvm
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -131,6 +135,152 @@ func TestInstallFQ(t *testing.T) {
 		})
 	})
 
+	t.Run("multi-queue default mq", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		skip := ""
+		in(t, func() {
+			// A multi-queue tap is a device whose default root is mq
+			// (veth and dummy devices have noqueue).
+			tap := &netlink.Tuntap{LinkAttrs: netlink.LinkAttrs{Name: "edt-mq"}, Mode: netlink.TUNTAP_MODE_TAP, Queues: 4, Flags: netlink.TUNTAP_MULTI_QUEUE_DEFAULTS}
+			if err := netlink.LinkAdd(tap); err != nil {
+				skip = fmt.Sprintf("no multi-queue tap (/dev/net/tun) to give a device the kernel's default mq: %v", err)
+				return
+			}
+			t.Cleanup(func() {
+				for _, f := range tap.Fds {
+					f.Close()
+				}
+			})
+			l, err := netlink.LinkByName("edt-mq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := netlink.LinkSetUp(l); err != nil {
+				t.Fatal(err)
+			}
+			before, err := qdiscsOf("edt-mq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r, _, other := fqInForce(before); r != "mq" || len(other) == 0 {
+				skip = fmt.Sprintf("the multi-queue tap's default root is not mq with default children here: %+v", before)
+				return
+			}
+			m, err := installFQ("edt-mq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !m.installed || m.adopted || m.previous != "mq" {
+				t.Errorf("installed %+v, want installed over mq", m)
+			}
+			// Our mq at the root, a pfifo (fq) under each of its 4 classes.
+			qs, err := qdiscsOf("edt-mq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var classes []uint32
+			for _, q := range qs {
+				switch {
+				case q.parent == handleRoot:
+					if q.kind != "mq" || q.handle != netlink.MakeHandle(fqHandleMajor, 0) {
+						t.Errorf("root %+v, want mq f1d0:", q)
+					}
+				case q.parent>>16 == fqHandleMajor:
+					if q.kind != "pfifo" {
+						t.Errorf("class %s: %s, want pfifo", netlink.HandleStr(q.parent), q.kind)
+					}
+					classes = append(classes, q.parent)
+				}
+			}
+			if len(classes) != 4 {
+				t.Errorf("children of our mq %v, want one per TX queue (4): %+v", classes, qs)
+			}
+			if r, fq, other := fqInForce(qs); r != "mq" || !fq {
+				t.Errorf("mode: root %s fq %v (%v), want mq with fq", r, fq, other)
+			}
+			// A second start adopts it.
+			if again, err := installFQ("edt-mq"); err != nil || !again.installed || !again.adopted {
+				t.Errorf("second install %+v, %v: want adopted", again, err)
+			}
+			// Removal: the kernel puts its default mq back, with a
+			// default child on every queue (none left with noop).
+			if err := removeFQ(m); err != nil {
+				t.Fatal(err)
+			}
+			after, err := qdiscsOf("edt-mq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			slices.SortFunc(before, func(a, b qdiscInfo) int { return cmp.Compare(a.parent, b.parent) })
+			slices.SortFunc(after, func(a, b qdiscInfo) int { return cmp.Compare(a.parent, b.parent) })
+			if !slices.Equal(before, after) {
+				t.Errorf("after remove: %+v, want the defaults %+v", after, before)
+			}
+			// With the real fq on a kernel without sch_fq: ErrNoFQ, and
+			// the default mq is back.
+			fqKind = "fq"
+			m, err = installFQ("edt-mq")
+			if err == nil {
+				removeFQ(m)
+				return
+			}
+			if !errors.Is(err, ErrNoFQ) {
+				t.Errorf("install fq under mq: %v, want ErrNoFQ", err)
+			}
+			after, _ = qdiscsOf("edt-mq")
+			slices.SortFunc(after, func(a, b qdiscInfo) int { return cmp.Compare(a.parent, b.parent) })
+			if !slices.Equal(before, after) {
+				t.Errorf("after the failed install: %+v, want the defaults %+v", after, before)
+			}
+		})
+		if skip != "" {
+			t.Skip(skip)
+		}
+	})
+
+	t.Run("configured mq refused", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		in(t, func() {
+			va := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "edt-mqa", NumTxQueues: 4, NumRxQueues: 4}, PeerName: "edt-mqb"}
+			if err := netlink.LinkAdd(va); err != nil {
+				t.Fatal(err)
+			}
+			l, err := netlink.LinkByName("edt-mqa")
+			if err != nil {
+				t.Fatal(err)
+			}
+			// tc qdisc replace dev edt-mqa root handle 1: mq
+			mq := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: l.Attrs().Index, Parent: netlink.HANDLE_ROOT, Handle: netlink.MakeHandle(1, 0)}, QdiscType: "mq"}
+			if err := netlink.QdiscReplace(mq); err != nil {
+				t.Fatalf("mq on a 4-queue veth: %v", err)
+			}
+			_, err = installFQ("edt-mqa")
+			if !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), "mq, handle 1:") {
+				t.Errorf("install over a configured mq: %v, want ErrConflict naming mq 1:", err)
+			}
+			qs, err := qdiscsOf("edt-mqa")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r, fq, other := fqInForce(qs); r != "mq" || fq || len(other) == 0 {
+				t.Errorf("mode with default children: root %s fq %v (%v), want mq, not fq", r, fq, other)
+			}
+			// The operator puts fq (pfifo) under every class: fq mode.
+			for i := uint16(1); i <= 4; i++ {
+				c := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: l.Attrs().Index, Parent: netlink.MakeHandle(1, i)}, QdiscType: "pfifo"}
+				if err := netlink.QdiscReplace(c); err != nil {
+					t.Fatal(err)
+				}
+				if qs, err = qdiscsOf("edt-mqa"); err != nil {
+					t.Fatal(err)
+				}
+				if _, fq, _ := fqInForce(qs); fq != (i == 4) {
+					t.Errorf("fq under %d of 4 classes: fq mode %v", i, fq)
+				}
+			}
+		})
+	})
+
 	t.Run("no sch_fq", func(t *testing.T) {
 		skip := false
 		in(t, func() {
@@ -168,9 +318,12 @@ func kernelHasFQ(t *testing.T) bool {
 	return has
 }
 
-// TestOpenManagesFQ checks edt_manage_fq through Open and Close: fq goes
-// on every listed interface and comes off at Close; an interface that
-// refuses it fails Open with nothing left behind; a kernel without
+// TestOpenManagesFQ checks edt_manage_fq through Open, Close and Cleanup:
+// fq goes on every listed interface, stays at Close (the datapath keeps
+// forwarding) and is adopted by the next Open, comes off at an Open that
+// no longer lists the interface (or without edt_manage_fq) and at
+// Cleanup; an interface that refuses it fails Open with nothing this Open
+// installed left behind; a kernel without
 // sch_fq fails Open too (ErrNoFQ), unless edt_horizon_fallback, which
 // then reports horizon-policing in the status.
 func TestOpenManagesFQ(t *testing.T) {
@@ -188,7 +341,7 @@ func TestOpenManagesFQ(t *testing.T) {
 	var defKind string
 	inNode(func() { defKind, _ = rootOf(t, a) })
 
-	t.Run("installed and restored", func(t *testing.T) {
+	t.Run("installed, kept at Close, adopted, removed", func(t *testing.T) {
 		withFQKind(t, "pfifo")
 		d, err := Open(e.opts)
 		if err != nil {
@@ -222,14 +375,92 @@ func TestOpenManagesFQ(t *testing.T) {
 		if i := byName[e.cli.NodeIf]; i.Mode != EDTModeHorizonPolicing || i.Managed || !strings.Contains(i.Reason, "not fq") {
 			t.Errorf("unmanaged %s status %+v", e.cli.NodeIf, i)
 		}
+		// Close keeps it, with the rest of the datapath.
 		if err := d.Close(); err != nil {
 			t.Fatal(err)
 		}
-		inNode(func() {
-			for _, n := range []string{a, b} {
-				if kind, h := rootOf(t, n); kind != defKind || h != 0 {
-					t.Errorf("%s root %s %#x after Close, want the default %s", n, kind, h, defKind)
+		wantRoots := func(what string, ours ...string) {
+			t.Helper()
+			inNode(func() {
+				for _, n := range []string{a, b} {
+					kind, h := rootOf(t, n)
+					if slices.Contains(ours, n) {
+						if kind != "pfifo" || h != netlink.MakeHandle(fqHandleMajor, 0) {
+							t.Errorf("%s: %s root %s %#x, want ours (pfifo f1d0:)", what, n, kind, h)
+						}
+					} else if kind != defKind || h != 0 {
+						t.Errorf("%s: %s root %s %#x, want the default %s", what, n, kind, h, defKind)
+					}
 				}
+			})
+		}
+		wantRoots("after Close", a, b)
+
+		// The next start adopts it.
+		d, err = Open(e.opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, i := range d.Status().EDT.Interfaces {
+			if (i.Name == a || i.Name == b) && (i.Mode != EDTModeFQ || !i.Managed || i.PreviousQdisc != "") {
+				t.Errorf("reopened: %s status %+v, want managed fq, adopted", i.Name, i)
+			}
+		}
+		d.Close()
+		wantRoots("after the second Close", a, b)
+
+		// A start without b in edt_interfaces removes ours from b; one
+		// without edt_manage_fq, from every interface.
+		opts := e.opts
+		opts.EDTInterfaces = []string{a}
+		if d, err = Open(opts); err != nil {
+			t.Fatal(err)
+		}
+		d.Close()
+		wantRoots("b no longer listed", a)
+		opts.EDTManageFQ, opts.EDTInterfaces = false, nil
+		if d, err = Open(opts); err != nil {
+			t.Fatal(err)
+		}
+		d.Close()
+		wantRoots("edt_manage_fq off")
+
+		// Cleanup removes it.
+		if d, err = Open(e.opts); err != nil {
+			t.Fatal(err)
+		}
+		wantRoots("installed again", a, b)
+		if err := d.Cleanup(); err != nil {
+			t.Fatal(err)
+		}
+		wantRoots("after Cleanup")
+	})
+
+	t.Run("failed Open keeps the adopted", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		// An earlier start left ours on a.
+		opts := e.opts
+		opts.EDTInterfaces = []string{a}
+		d, err := Open(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Close()
+		inNode(func() { configureRoot(t, b) })
+		if d, err := Open(e.opts); err == nil {
+			d.Close()
+			t.Fatal("Open succeeded over a configured root qdisc")
+		}
+		inNode(func() {
+			if kind, h := rootOf(t, a); kind != "pfifo" || h != netlink.MakeHandle(fqHandleMajor, 0) {
+				t.Errorf("%s root %s %#x after the failed Open, want ours kept", a, kind, h)
+			}
+			link, _ := netlink.LinkByName(b)
+			if q, _ := rootQdisc(link); q != nil {
+				netlink.QdiscDel(q)
+			}
+			if _, err := removeOurRoot(a); err != nil {
+				t.Fatal(err)
 			}
 		})
 	})
@@ -291,4 +522,25 @@ func TestOpenManagesFQ(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// TestFQAddError: only the kernel's "unknown qdisc kind" (ENOENT) is
+// ErrNoFQ, which edt_horizon_fallback accepts; any other failure to
+// create fq fails as itself.
+func TestFQAddError(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		noFQ bool
+	}{
+		{unix.ENOENT, true},
+		{unix.EOPNOTSUPP, false},
+		{unix.EINVAL, false},
+		{unix.EPERM, false},
+		{unix.ENOMEM, false},
+	} {
+		err := fqAddError("eth0", c.err)
+		if errors.Is(err, ErrNoFQ) != c.noFQ || !errors.Is(err, c.err) || !strings.Contains(err.Error(), "eth0") {
+			t.Errorf("%v: %v, want ErrNoFQ %v, wrapping the errno, naming the interface", c.err, err, c.noFQ)
+		}
+	}
 }

@@ -11,5 +11,7 @@ func installFQ(name string) (managedFQ, error) {
 
 func removeFQ(m managedFQ) error { return nil }
 
-// rootQdiscKind is unknown on this system.
-func rootQdiscKind(name string) (string, error) { return "", nil }
+func removeStrayFQ(keep map[string]bool) ([]string, error) { return nil, nil }
+
+// qdiscsOf is unknown on this system.
+func qdiscsOf(name string) ([]qdiscInfo, error) { return nil, nil }

@@ -401,16 +401,18 @@ func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable
 	if !slices.Equal(p.health, d.healthOf(&svc)) {
 		return d.program(svc, s, others...)
 	}
-	// The service's frontends pace on one clock, its first frontend's
-	// (bpf/lib/edt.h), so that max_egress_mbps caps the service.
+	// The service's frontends pace on one clock, that of its frontend
+	// with the lowest id (bpf/lib/edt.h), so that max_egress_mbps caps
+	// the service.
 	var pacer uint32
 	for _, pl := range p.frontends {
 		if pacer == 0 || pl.fe.sid < pacer {
 			pacer = pl.fe.sid
 		}
 	}
+	clock := d.pacerClock(svc, p, pacer)
 	for i, pl := range p.frontends {
-		if err := d.commitFrontend(svc, s, pl, tables[i], pacer); err != nil {
+		if err := d.commitFrontend(svc, s, pl, tables[i], pacer, clock); err != nil {
 			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
 		}
 	}
@@ -484,10 +486,12 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 
 // commitFrontend puts fe's table in place, then its frontend entry,
 // marker and guard, and removes the backends that left it. pacer is the
-// frontend whose departure clock the service's frontends share. A frontend
+// frontend whose departure clock the service's frontends share, and clock
+// the departure time its entry starts from when it is written (see
+// pacerClock). A frontend
 // past the index slots of one of its backends (revStoredOf) has
 // SvcFlagRevStored in its live entry before the table goes in.
-func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable, pacer uint32) error {
+func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable, pacer uint32, clock uint64) error {
 	fe := pl.fe
 	edt, err := d.edtValueOf(&svc)
 	if err != nil {
@@ -495,6 +499,9 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 	}
 	if edt.Rate != 0 {
 		edt.Pacer = pacer
+		if fe.sid == pacer {
+			edt.LastDeparture = clock
+		}
 	}
 	// A paced frontend's rate is in place before its flag (edt.go).
 	if edt.Rate != 0 {

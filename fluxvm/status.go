@@ -24,8 +24,9 @@ type ServiceEDTStatus struct {
 	// MaxEgressMbps is the intent's cap, in megabits per second.
 	MaxEgressMbps uint32 `json:"max_egress_mbps"`
 	// RateBytesPerSec is the rate in the fluxvm_edt entry of each of its
-	// frontends (bpf.MbpsToEDTRate): the cap holds per frontend (VIP,
-	// port, protocol).
+	// frontends (bpf.MbpsToEDTRate): the cap holds per service, its
+	// frontends (VIP, port, protocol) sharing one departure clock, and
+	// per node (each node paces on its own clock).
 	RateBytesPerSec uint64 `json:"rate_bytes_per_sec"`
 	// Horizon is the node's edt_horizon, e.g. "250ms".
 	Horizon Duration `json:"horizon"`
@@ -52,8 +53,9 @@ type EDTStatus struct {
 // EDTInterfaceStatus is how paced packets leave one interface.
 type EDTInterfaceStatus struct {
 	Name string `json:"name"`
-	// Mode is "fq" (EDTModeFQ) when the interface's root qdisc is fq,
-	// which holds each paced packet until its departure time, else
+	// Mode is "fq" (EDTModeFQ) when fq holds each paced packet until its
+	// departure time: the interface's root qdisc is fq, or it is mq and
+	// every one of its classes (TX queues) has fq; else
 	// "horizon-policing" (EDTModeHorizonPolicing).
 	Mode string `json:"mode"`
 	// Reason says why the mode is horizon-policing.
@@ -61,7 +63,9 @@ type EDTInterfaceStatus struct {
 	// Qdisc is the kind of the interface's root qdisc, read now.
 	Qdisc string `json:"qdisc,omitempty"`
 	// Managed: the interface is in edt_interfaces, and FluxVM installed
-	// (or adopted) its fq root and deletes it at Close.
+	// (or adopted) its fq root (on a multi-queue device, an mq with fq
+	// under each class). Close keeps it; a later Open that no longer
+	// lists the interface, and Cleanup, delete it.
 	Managed bool `json:"managed"`
 	// PreviousQdisc is the kernel's default root qdisc that the managed
 	// fq replaced, and which the kernel restores when it goes.

@@ -40,7 +40,8 @@ type Service struct {
 	// MaxEgressMbps paces the service's egress toward its clients (EDT),
 	// in megabits per second: 0 leaves it unpaced, otherwise
 	// MinEgressMbps..MaxEgressMbpsLimit. Needs edt_enabled. The cap holds
-	// per frontend (VIP, port, protocol).
+	// per service (its frontends, every VIP, port and protocol, share one
+	// departure clock) and per node: each node paces on its own clock.
 	MaxEgressMbps uint32 `json:"max_egress_mbps,omitempty"`
 	// HostRouting enables the FIB fast path after NAT (a FIB miss falls
 	// back to the host stack); needs mode nat.

@@ -22,7 +22,8 @@ import (
 // FluxVM owns also when configured interfaces no longer exist under their
 // names (a VM's tap replaced, the uplink renamed); those are exactly the
 // moments an operator cleans up. The catalog of a north-south service is
-// left from the run, and the advertisement file is emptied.
+// left from the run, and the advertisement file is emptied. FluxVM's fq
+// (kept at stop) is removed from every interface.
 func TestCleanupAfterInterfacesAreGone(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bin := filepath.Join(t.TempDir(), "fluxvmd")
@@ -80,6 +81,12 @@ snat_address = "10.250.0.100"
 			if err := netlink.LinkSetName(link, name+"-old"); err != nil {
 				return err
 			}
+			// And FluxVM's fq (handle f1d0:, kept at stop) on it, pfifo
+			// standing in for fq, which a kernel may not have.
+			q := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: link.Attrs().Index, Parent: netlink.HANDLE_ROOT, Handle: netlink.MakeHandle(0xf1d0, 0)}, QdiscType: "pfifo"}
+			if err := netlink.QdiscAdd(q); err != nil {
+				return fmt.Errorf("%s: root f1d0: pfifo: %w", name, err)
+			}
 		}
 		return nil
 	})
@@ -95,6 +102,27 @@ snat_address = "10.250.0.100"
 	}
 	if _, err := os.Stat(pinRoot); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pin root left after cleanup: %v", err)
+	}
+	err = l.Node.Do(func() error {
+		for _, name := range []string{"vm2-old", "uplink-old"} {
+			link, err := netlink.LinkByName(name)
+			if err != nil {
+				return err
+			}
+			qs, err := netlink.QdiscList(link)
+			if err != nil {
+				return err
+			}
+			for _, q := range qs {
+				if q.Attrs().Handle == netlink.MakeHandle(0xf1d0, 0) {
+					t.Errorf("%s: FluxVM's root qdisc (%s f1d0:) left after cleanup", name, q.Type())
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 	if _, err := os.Stat(catalog); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("catalog left after cleanup: %v", err)

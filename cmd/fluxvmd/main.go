@@ -7,12 +7,13 @@
 //	                                                   cgroup_connect on this host) and exit
 //	fluxvmd [-config ...] cleanup                      remove everything FluxVM owns
 //
-// Stopping the daemon leaves the datapath forwarding: pins, attachments and
-// the catalog stay, and the next start adopts them without disturbing
-// established flows. The VIP advertisement snapshot (advertisements_path)
-// stays as last published. `cleanup` detaches the programs, removes the pin
-// root and the catalog, and publishes an empty advertisement snapshot so
-// that routing adapters withdraw every VIP.
+// Stopping the daemon leaves the datapath forwarding: pins, attachments,
+// the fq qdiscs of edt_manage_fq and the catalog stay, and the next start
+// adopts them without disturbing established flows. The VIP advertisement
+// snapshot (advertisements_path) stays as last published. `cleanup`
+// detaches the programs, removes the pin root, FluxVM's fq qdiscs and the
+// catalog, and publishes an empty advertisement snapshot so that routing
+// adapters withdraw every VIP.
 //
 // Tokens come from the files named in the [sandbox.dataplane.service.api]
 // table or from FLUXVM_ADMIN_TOKEN / FLUXVM_READ_TOKEN; an admin token is
@@ -158,6 +159,10 @@ func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
 	// whichever cgroup they are on, also on a host whose cgroup v2 mount
 	// has gone.
 	opts.CgroupConnect, opts.CgroupPath = false, ""
+	// Nor is fq installed: Open then removes FluxVM's fq (handle f1d0:)
+	// from every interface, and Cleanup makes sure of it; a kernel without
+	// sch_fq does not stop the cleanup either.
+	opts.EDTManageFQ, opts.EDTInterfaces, opts.EDTHorizonFallback = false, nil, false
 	opts.CatalogPath = ""
 	d, err := fluxvm.Open(opts)
 	if err != nil {

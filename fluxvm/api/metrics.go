@@ -59,7 +59,7 @@ var (
 	descSockHooks     = desc("socket_lb_hooks", "Socket hooks attached to the cgroup of socket load balancing (value 1).", "hook")
 	descSockDestroyed = desc("socket_lb_destroyed_sockets_total", "Connected UDP sockets terminated because their backend was removed, Unhealthy or past its drain deadline, since the dataplane opened.")
 	descSockRuns      = desc("socket_lb_destroy_runs_total", "Runs of the socket iterator that terminates connected UDP sockets of gone backends, since the dataplane opened.")
-	descEDTRate       = desc("service_edt_rate_bytes", "EDT pacing rate of a paced service's frontends (max_egress_mbps), in bytes per second; each frontend (VIP, port, protocol) is held to it.", "service")
+	descEDTRate       = desc("service_edt_rate_bytes", "EDT pacing rate of a paced service (max_egress_mbps), in bytes per second; the service as a whole (all its frontends: VIPs, ports, protocols) is held to it, on each node by that node's own clock.", "service")
 	descEDTDrops      = desc("service_edt_horizon_drops_total", "Packets of a paced service dropped because their departure lay beyond the EDT horizon.", "service")
 	descEDTEnabled    = desc("edt_enabled", "1 when EDT pacing (edt_enabled) is on, else 0.")
 	descEDTHorizon    = desc("edt_horizon_seconds", "The EDT horizon (edt_horizon): how far ahead a paced packet's departure may lie.")

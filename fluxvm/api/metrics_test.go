@@ -195,7 +195,7 @@ fluxvm_xdp_route_cache_enabled 1
 # HELP fluxvm_xdp_route_cache_invalidations_total Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.
 # TYPE fluxvm_xdp_route_cache_invalidations_total counter
 fluxvm_xdp_route_cache_invalidations_total 5
-# HELP fluxvm_service_edt_rate_bytes EDT pacing rate of a paced service's frontends (max_egress_mbps), in bytes per second; each frontend (VIP, port, protocol) is held to it.
+# HELP fluxvm_service_edt_rate_bytes EDT pacing rate of a paced service (max_egress_mbps), in bytes per second; the service as a whole (all its frontends: VIPs, ports, protocols) is held to it, on each node by that node's own clock.
 # TYPE fluxvm_service_edt_rate_bytes gauge
 fluxvm_service_edt_rate_bytes{service="web"} 1.25e+07
 # HELP fluxvm_service_edt_horizon_drops_total Packets of a paced service dropped because their departure lay beyond the EDT horizon.

@@ -31,8 +31,11 @@ type ServiceEDTStatus struct {
 	// Horizon is the node's edt_horizon, e.g. "250ms".
 	Horizon Duration `json:"horizon"`
 	// Bytes counts the bytes sent toward the service's clients (its
-	// reply_bytes, summed over frontends and CPUs): the packets pacing
-	// applies to.
+	// reply_bytes, summed over frontends and CPUs): what pacing let
+	// through. The datapath counts a reply only once the horizon admitted
+	// it (a north-south reply counted at ingress and dropped at the
+	// uplink is taken back; DSR replies of a backend on the node count as
+	// they leave).
 	Bytes uint64 `json:"bytes"`
 	// HorizonDrops counts the packets dropped because their departure
 	// lay beyond the horizon (drop reason edt_horizon).

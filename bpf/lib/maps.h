@@ -214,6 +214,8 @@ struct fluxvm_scratch {
 	struct fluxvm_nat_value nv;
 	struct bpf_fib_lookup fib;       /* fib.h */
 	struct bpf_redir_neigh nh;
+	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
+	__u32 pad;
 };
 
 struct {

@@ -244,6 +244,7 @@ static __always_inline int fluxvm_snat_check(const struct fluxvm_pkt *pkt, const
 	nv->flags = FLUXVM_NAT_F_SNAT | nat_flags;
 	nv->service_id = sid;
 	nv->backend_id = bid;
+	nv->flow = ct->flow;
 	nv->last_seen_ns = now;
 	fluxvm_snat_entry(pkt, v6, be, ct->nat_addr, &s->k4, &s->k6, nv);
 	s->k4.dport = ct->nat_port;

@@ -109,15 +109,23 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	switch (fluxvm_lb_frontend(ctx, pkt, v6, edge, &sid, &flags, &verdict)) {
 	case FLUXVM_LB_NAT:
 		/* Inline for IPv4: the conntrack-hit path (see above). */
-		return v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
+		verdict = v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
+		break;
 	case FLUXVM_LB_SNAT:
-		return v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
+		verdict = v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
+		break;
 	case FLUXVM_LB_DSR:
-		return v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS)
-			  : fluxvm_forward4_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS);
+		verdict = v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS)
+			     : fluxvm_forward4_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS);
+		break;
 	default:
 		return verdict;
 	}
+	/* A client packet to a service dropped: FluxScope records why. */
+	if (verdict == CTX_ACT_DROP)
+		fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
+					   ((__u64)sid << 32));
+	return verdict;
 }
 
 /* VM-edge ingress: packets a VM sends. East-west VIPs are DNATed (or

@@ -137,8 +137,15 @@ static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struc
  * within the 32 bytes the XDP program's deepest call chain has left of the
  * 512-byte stack. Only sampled flows call it (fluxvm_flow_learn).
  */
-__attribute__((noinline)) int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
-					       __u64 now)
+#ifdef FLUXVM_CTX_XDP
+/* In XDP, inline: the call chain through the IPv6 SNAT path has no frame
+ * to spare, while the frames it inlines into have room within their
+ * rounding to 32 bytes. */
+static __always_inline
+#else
+__attribute__((noinline))
+#endif
+int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info, __u64 now)
 {
 	if (!pkt)
 		return 0;
@@ -202,36 +209,47 @@ static __always_inline int fluxvm_flow_budget_take(__u64 now)
 }
 
 /*
- * A client packet of service @sid was dropped (the reason is the last one
- * this CPU counted, lib/counters.h): into the flow's record (@id, when its
- * conntrack entry has one), else into a new record with verdict dropped,
- * within this CPU's budget.
+ * A client packet to a service was dropped on a forward path (the reason
+ * is the last one this CPU counted, lib/counters.h): into its flow's
+ * record when its conntrack entry has one, else into a new record with
+ * verdict dropped, within this CPU's budget. @info packs the family
+ * (bit 0: IPv6), the hook (bits 8-15) and the service id (bits 32-63).
+ * Drops are the rare path: a global function, and a conntrack lookup of
+ * its own.
  */
-static __always_inline void fluxvm_flow_dropped(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
-						const int v6, __u8 hook, __u32 sid, __u32 id)
+__attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info)
 {
 	const struct fluxvm_meta_value *meta = fluxvm_meta_get();
 	struct fluxvm_scratch *scr = fluxvm_scratch_get();
-	__u64 now = bpf_ktime_get_coarse_ns();
-	struct fluxvm_flow *f;
-	__u8 reason = scr ? scr->drop_reason : 0;
+	struct fluxvm_tuple4 t4 = {};
+	struct fluxvm_tuple6 t6 = {};
+	struct fluxvm_ct_value *ct;
+	struct fluxvm_flow *f = NULL;
+	__u64 now;
+	int v6 = info & 1;
 
-	if (!meta || !meta->flow_sample_rate)
-		return;
-	f = fluxvm_flow_get(id);
+	if (!pkt || !meta || !meta->flow_sample_rate)
+		return 0;
+	now = bpf_ktime_get_coarse_ns();
+	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
+	ct = v6 ? bpf_map_lookup_elem(&fluxvm_fct6, &t6) : bpf_map_lookup_elem(&fluxvm_fct4, &t4);
+	if (ct)
+		f = fluxvm_flow_get(ct->flow);
 	if (!f) {
 		if (!fluxvm_flow_budget_take(now)) {
 			fluxvm_count(FLUXVM_CNT_FLOW_DROP_LIMITED);
-			return;
+			return 0;
 		}
-		f = fluxvm_flow_get(fluxvm_flow_new(ctx, pkt, v6, hook, now, sid, 0, FLUXVM_FLOW_DROPPED));
+		f = fluxvm_flow_get(fluxvm_flow_new(ctx, pkt, v6, (info >> 8) & 0xff, now, (__u32)(info >> 32), 0,
+						    FLUXVM_FLOW_DROPPED));
 		if (!f)
-			return;
+			return 0;
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);
 	}
 	f->drops++;
-	f->reason = reason;
+	f->reason = scr ? scr->drop_reason : 0;
 	f->last_ns = now;
+	return 0;
 }
 
 #endif /* FLUXVM_LIB_FLOWS_H */

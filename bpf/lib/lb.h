@@ -40,7 +40,6 @@
 #include "fib.h"
 #include "rev.h"
 #include "svc.h"
-#include "flows.h"
 #ifdef FLUXVM_CTX_SKB
 #include "edt.h"
 #endif
@@ -94,6 +93,8 @@ static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const
 		t4->proto = pkt->l4_proto;
 	}
 }
+
+#include "flows.h" /* after fluxvm_pkt_tuple, which its drop records use */
 
 #ifdef FLUXVM_CTX_SKB
 /*

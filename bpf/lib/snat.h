@@ -167,6 +167,7 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	t->nv.flags = FLUXVM_NAT_F_SNAT | nat_flags;
 	t->nv.service_id = sid;
 	t->nv.backend_id = bid;
+	t->nv.flow = nct->flow;
 	t->nv.last_seen_ns = now;
 	t->v6 = v6;
 	t->err = -EEXIST;

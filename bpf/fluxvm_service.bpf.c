@@ -52,7 +52,8 @@
 	}
 /* A forward path takes the frontend's service id and flags. The verifier
  * requires every argument of a global function to be set, and clang sets
- * none it sees unused: DSR, which needs no flags, takes none. */
+ * none it sees unused: DSR, which needs no flags, takes none; it takes the
+ * edge instead (north-south or not), for its flow records. */
 #define FLUXVM_LB_PATH(name, call)                                              \
 	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
 					   __u32 sid, __u32 flags)              \
@@ -63,7 +64,7 @@
 	}
 #define FLUXVM_DSR_PATH(name, call)                                             \
 	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
-					   __u32 sid)                           \
+					   __u32 sid, __u32 ns)                 \
 	{                                                                       \
 		if (!pkt)                                                       \
 			return CTX_ACT_NEXT;                                    \
@@ -73,8 +74,8 @@
 FLUXVM_LB_PATH(fluxvm_forward6_nat, fluxvm_lb_nat(ctx, pkt, 1, sid, flags))
 FLUXVM_LB_PATH(fluxvm_forward4_snat, fluxvm_lb_snat(ctx, pkt, 0, sid, flags))
 FLUXVM_LB_PATH(fluxvm_forward6_snat, fluxvm_lb_snat(ctx, pkt, 1, sid, flags))
-FLUXVM_DSR_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid))
-FLUXVM_DSR_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid))
+FLUXVM_DSR_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid, ns))
+FLUXVM_DSR_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid, ns))
 /* East-west replies of flows that stored a reverse-NAT half (a backend
  * listed by more frontends than fluxvm_be2fe has slots). */
 FLUXVM_PATH(fluxvm_reply4_stored, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_EW, 0))
@@ -108,14 +109,23 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	switch (fluxvm_lb_frontend(ctx, pkt, v6, edge, &sid, &flags, &verdict)) {
 	case FLUXVM_LB_NAT:
 		/* Inline for IPv4: the conntrack-hit path (see above). */
-		return v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
+		verdict = v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
+		break;
 	case FLUXVM_LB_SNAT:
-		return v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
+		verdict = v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
+		break;
 	case FLUXVM_LB_DSR:
-		return v6 ? fluxvm_forward6_dsr(ctx, pkt, sid) : fluxvm_forward4_dsr(ctx, pkt, sid);
+		verdict = v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS)
+			     : fluxvm_forward4_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS);
+		break;
 	default:
 		return verdict;
 	}
+	/* A client packet to a service dropped: FluxScope records why. */
+	if (verdict == CTX_ACT_DROP)
+		fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
+					   ((__u64)sid << 32));
+	return verdict;
 }
 
 /* VM-edge ingress: packets a VM sends. East-west VIPs are DNATed (or

@@ -61,14 +61,14 @@ __attribute__((noinline)) int fluxvm_xdp_dsr4(struct xdp_md *ctx, struct fluxvm_
 {
 	if (!pkt)
 		return XDP_PASS;
-	return fluxvm_lb_dsr(ctx, pkt, 0, sid);
+	return fluxvm_lb_dsr(ctx, pkt, 0, sid, 1);
 }
 
 __attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid)
 {
 	if (!pkt)
 		return XDP_PASS;
-	return fluxvm_lb_dsr(ctx, pkt, 1, sid);
+	return fluxvm_lb_dsr(ctx, pkt, 1, sid, 1);
 }
 
 SEC("xdp")

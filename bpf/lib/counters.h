@@ -44,9 +44,12 @@ static __always_inline int fluxvm_drop(enum fluxvm_drop_reason reason,
 {
 	enum fluxvm_drop_reason key = reason;
 	__u64 *v = bpf_map_lookup_elem(&fluxvm_drops, &key);
+	struct fluxvm_scratch *scr = fluxvm_scratch_get();
 
 	if (v)
 		*v += 1;
+	if (scr)
+		scr->drop_reason = reason;
 	if (st)
 		st->drops++;
 	if (es)

@@ -43,6 +43,14 @@
 #ifdef FLUXVM_CTX_SKB
 #include "edt.h"
 #endif
+
+/* The hook a forward path runs in, for flow records: XDP, or the TC
+ * program of the edge (@ns: north-south). */
+#ifdef FLUXVM_CTX_XDP
+#define FLUXVM_FWD_HOOK(ns) FLUXVM_HOOK_XDP
+#else
+#define FLUXVM_FWD_HOOK(ns) ((ns) ? FLUXVM_HOOK_NS_IN : FLUXVM_HOOK_FROM_VM)
+#endif
 #ifdef FLUXVM_CTX_XDP
 #include "nh.h"
 #endif
@@ -85,6 +93,8 @@ static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const
 		t4->proto = pkt->l4_proto;
 	}
 }
+
+#include "flows.h" /* after fluxvm_pkt_tuple, which its drop records use */
 
 #ifdef FLUXVM_CTX_SKB
 /*
@@ -463,11 +473,13 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (ct->flow)
+			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
 		    !(ct->flags & FLUXVM_CT_F_REV_DERIVED) &&
-		    fluxvm_nat_ensure(pkt, v6, be, sid, ct->backend_id, now, nat_flags))
+		    fluxvm_nat_ensure(pkt, v6, be, sid, ct->backend_id, now, nat_flags, ct->flow))
 			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 		goto deliver;
 	}
@@ -488,10 +500,13 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * cannot find the flow. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now,
 			     (flags & FLUXVM_SVC_F_REV_STORED) ? 0 : FLUXVM_CT_F_REV_DERIVED);
-	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
+	if (!ct)
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(0), sid, bid, be);
+	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if ((flags & FLUXVM_SVC_F_REV_STORED) &&
-	    fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags)) {
+	    fluxvm_nat_learn(pkt, v6, be, sid, bid, now, nat_flags, ct->flow)) {
 		bpf_map_delete_elem(ct_map, ct_key);
 		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 	}
@@ -538,6 +553,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (ct->flow)
+			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
@@ -564,6 +581,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(1), sid, bid, be);
 	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
 	if (ret == FLUXVM_SNAT_FAILED)
 		return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
@@ -571,6 +589,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 	__builtin_memcpy(nat_addr, ct->nat_addr, 16);
 	nat_port = ct->nat_port;
+	if (ct->flow)
+		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY)) {
 		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
@@ -588,7 +608,7 @@ deliver:
  * no reply to translate.
  */
 static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
-					 const int v6, __u32 sid)
+					 const int v6, __u32 sid, __u32 ns)
 {
 	struct fluxvm_tuple4 t4 = {};
 	struct fluxvm_tuple6 t6 = {};
@@ -610,6 +630,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (ct->flow)
+			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}
@@ -623,6 +645,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 
 	/* Learn: conntrack only. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
+	if (ct)
+		ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(ns), sid, bid, be);
 	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
@@ -728,7 +752,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	struct fluxvm_ct_value *ct;
 	const __be32 *client, *vip;
 	__be16 cport, vport;
-	__u32 nat_sid, nat_bid;
+	__u32 nat_sid, nat_bid, nat_flow;
 	int synack, snat, refresh, ret;
 	__u8 nat_flags;
 	__u64 now;
@@ -778,6 +802,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	}
 	nat_sid = nat->service_id;
 	nat_bid = nat->backend_id;
+	nat_flow = nat->flow;
 	now = bpf_ktime_get_coarse_ns();
 	synack = pkt->l4_proto == IPPROTO_TCP &&
 		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
@@ -839,6 +864,8 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	/* Leaving toward the client here (an egress hook): paced. */
 	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
+	if (nat_flow)
+		fluxvm_flow_count(nat_flow, 1, ctx_full_len(ctx), now);
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(ctx, pkt, v6, 1, client, cport))
@@ -908,6 +935,8 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 
 	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
+	if (ct->flow)
+		fluxvm_flow_count(ct->flow, 1, ctx_full_len(ctx), now);
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);

@@ -164,7 +164,7 @@ static __always_inline void fluxvm_nat_key(const struct fluxvm_pkt *pkt, const i
  * it, twice (here and in fluxvm_nat_ensure). */
 static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const int v6,
 					    const struct fluxvm_backend *be,
-					    __u32 sid, __u32 bid, __u64 now, __u8 flags)
+					    __u32 sid, __u32 bid, __u64 now, __u8 flags, __u32 flow)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	struct fluxvm_nat_value *nv;
@@ -180,6 +180,7 @@ static __always_inline int fluxvm_nat_learn(const struct fluxvm_pkt *pkt, const 
 	nv->flags = flags;
 	nv->service_id = sid;
 	nv->backend_id = bid;
+	nv->flow = flow;
 	nv->last_seen_ns = now;
 	fluxvm_nat_key(pkt, v6, be, &s->k4, &s->k6);
 	if (v6) {
@@ -216,7 +217,7 @@ static __always_inline void fluxvm_nat_forget(const struct fluxvm_pkt *pkt, cons
  */
 static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const int v6,
 					     const struct fluxvm_backend *be,
-					     __u32 sid, __u32 bid, __u64 now, __u8 flags)
+					     __u32 sid, __u32 bid, __u64 now, __u8 flags, __u32 flow)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	void *nv;
@@ -230,7 +231,7 @@ static __always_inline int fluxvm_nat_ensure(const struct fluxvm_pkt *pkt, const
 		: bpf_map_lookup_elem(&fluxvm_nat4, &s->k4);
 	if (nv)
 		return 0;
-	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now, flags);
+	return fluxvm_nat_learn(pkt, v6, be, sid, bid, now, flags, flow);
 }
 
 #endif /* FLUXVM_LIB_NAT_H */

@@ -167,6 +167,7 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	t->nv.flags = FLUXVM_NAT_F_SNAT | nat_flags;
 	t->nv.service_id = sid;
 	t->nv.backend_id = bid;
+	t->nv.flow = nct->flow;
 	t->nv.last_seen_ns = now;
 	t->v6 = v6;
 	t->err = -EEXIST;
@@ -244,6 +245,7 @@ static __always_inline int fluxvm_snat_check(const struct fluxvm_pkt *pkt, const
 	nv->flags = FLUXVM_NAT_F_SNAT | nat_flags;
 	nv->service_id = sid;
 	nv->backend_id = bid;
+	nv->flow = ct->flow;
 	nv->last_seen_ns = now;
 	fluxvm_snat_entry(pkt, v6, be, ct->nat_addr, &s->k4, &s->k6, nv);
 	s->k4.dport = ct->nat_port;

@@ -91,6 +91,15 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_SVC_F_REV_STORED":   uint64(SvcFlagRevStored),
 		"FLUXVM_SVC_F_PACED":        uint64(SvcFlagPaced),
 	},
+	"fluxvm_flow_verdict": {
+		"FLUXVM_FLOW_FORWARDED": uint64(FlowForwarded), "FLUXVM_FLOW_DROPPED": uint64(FlowDropped),
+		"FLUXVM_FLOW_AUDITED": uint64(FlowAudited), "FLUXVM_FLOW_REDIRECTED": uint64(FlowRedirected),
+	},
+	"fluxvm_flow_hook": {
+		"FLUXVM_HOOK_FROM_VM": uint64(FlowHookFromVM), "FLUXVM_HOOK_TO_VM": uint64(FlowHookToVM),
+		"FLUXVM_HOOK_NS_IN": uint64(FlowHookNSIn), "FLUXVM_HOOK_NS_OUT": uint64(FlowHookNSOut),
+		"FLUXVM_HOOK_XDP": uint64(FlowHookXDP),
+	},
 	"fluxvm_guard_state": {"FLUXVM_GUARD_CLOSED": uint64(GuardClosed), "FLUXVM_GUARD_OPEN": uint64(GuardOpen)},
 	"fluxvm_backend_state": {
 		"FLUXVM_BE_UNUSED":    uint64(BackendUnused),

@@ -67,6 +67,11 @@ const (
 	CounterSockOpenGuard     = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_GUARD)
 	CounterSockOpenNoBackend = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND)
 	CounterSockOpenMap       = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP)
+	// CounterFlowRecorded counts FluxScope records opened (sampled flows
+	// and drops); CounterFlowDropLimited drops that found the per-CPU
+	// budget of drop records empty and were not recorded.
+	CounterFlowRecorded    = Counter(serviceFluxvmCounterFLUXVM_CNT_FLOW_RECORDED)
+	CounterFlowDropLimited = Counter(serviceFluxvmCounterFLUXVM_CNT_FLOW_DROP_LIMITED)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -101,6 +106,8 @@ var counterNames = [NumCounters]string{
 	CounterSockOpenGuard:        "sock_fail_open_guard",
 	CounterSockOpenNoBackend:    "sock_fail_open_no_backend",
 	CounterSockOpenMap:          "sock_fail_open_map",
+	CounterFlowRecorded:         "flow_recorded",
+	CounterFlowDropLimited:      "flow_drop_limited",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

@@ -109,7 +109,9 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_GUARD      serviceFluxvmCounter = 25
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND serviceFluxvmCounter = 26
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP        serviceFluxvmCounter = 27
-	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 28
+	serviceFluxvmCounterFLUXVM_CNT_FLOW_RECORDED             serviceFluxvmCounter = 28
+	serviceFluxvmCounterFLUXVM_CNT_FLOW_DROP_LIMITED         serviceFluxvmCounter = 29
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 30
 )
 
 type serviceFluxvmCtFlags uint32
@@ -141,7 +143,7 @@ type serviceFluxvmCtValue struct {
 	State      uint8
 	Flags      uint8
 	NatPort    uint16
-	Pad1       uint32
+	Flow       uint32
 	NatAddr    [4]uint32
 }
 
@@ -183,6 +185,60 @@ type serviceFluxvmFamily uint32
 const (
 	serviceFluxvmFamilyFLUXVM_AF_INET  serviceFluxvmFamily = 4
 	serviceFluxvmFamilyFLUXVM_AF_INET6 serviceFluxvmFamily = 6
+)
+
+type serviceFluxvmFlow struct {
+	_          structs.HostLayout
+	Seq        uint64
+	Client     [4]uint32
+	Vip        [4]uint32
+	Backend    [4]uint32
+	Snat       [4]uint32
+	Cport      uint16
+	Vport      uint16
+	Bport      uint16
+	SnatPort   uint16
+	Proto      uint8
+	Family     uint8
+	Hook       uint8
+	Verdict    uint8
+	Reason     uint8
+	Pad0       [3]uint8
+	ServiceId  uint32
+	BackendId  uint32
+	Ifindex    uint32
+	Drops      uint32
+	FirstNs    uint64
+	LastNs     uint64
+	FwdPackets uint64
+	FwdBytes   uint64
+	RevPackets uint64
+	RevBytes   uint64
+}
+
+type serviceFluxvmFlowBudget struct {
+	_      structs.HostLayout
+	Tokens uint64
+	LastNs uint64
+}
+
+type serviceFluxvmFlowHook uint32
+
+const (
+	serviceFluxvmFlowHookFLUXVM_HOOK_FROM_VM serviceFluxvmFlowHook = 1
+	serviceFluxvmFlowHookFLUXVM_HOOK_TO_VM   serviceFluxvmFlowHook = 2
+	serviceFluxvmFlowHookFLUXVM_HOOK_NS_IN   serviceFluxvmFlowHook = 3
+	serviceFluxvmFlowHookFLUXVM_HOOK_NS_OUT  serviceFluxvmFlowHook = 4
+	serviceFluxvmFlowHookFLUXVM_HOOK_XDP     serviceFluxvmFlowHook = 5
+)
+
+type serviceFluxvmFlowVerdict uint32
+
+const (
+	serviceFluxvmFlowVerdictFLUXVM_FLOW_FORWARDED  serviceFluxvmFlowVerdict = 1
+	serviceFluxvmFlowVerdictFLUXVM_FLOW_DROPPED    serviceFluxvmFlowVerdict = 2
+	serviceFluxvmFlowVerdictFLUXVM_FLOW_AUDITED    serviceFluxvmFlowVerdict = 3
+	serviceFluxvmFlowVerdictFLUXVM_FLOW_REDIRECTED serviceFluxvmFlowVerdict = 4
 )
 
 type serviceFluxvmGuard struct {
@@ -232,7 +288,7 @@ type serviceFluxvmMetaValue struct {
 	TimeoutTcpFinS         uint32
 	TimeoutTcpRstS         uint32
 	TimeoutUdpS            uint32
-	Pad                    uint32
+	FlowSampleRate         uint32
 }
 
 type serviceFluxvmNatFlags uint32
@@ -250,7 +306,7 @@ type serviceFluxvmNatValue struct {
 	Pad0       uint8
 	ServiceId  uint32
 	BackendId  uint32
-	Pad1       uint32
+	Flow       uint32
 	LastSeenNs uint64
 	Client     [4]uint32
 	Cport      uint16
@@ -416,12 +472,15 @@ const (
 	serviceMapFluxvmEdt         = "fluxvm_edt"
 	serviceMapFluxvmFct4        = "fluxvm_fct4"
 	serviceMapFluxvmFct6        = "fluxvm_fct6"
+	serviceMapFluxvmFlowBudget  = "fluxvm_flow_budget"
+	serviceMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	serviceMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceMapFluxvmMeta        = "fluxvm_meta"
 	serviceMapFluxvmNat4        = "fluxvm_nat4"
 	serviceMapFluxvmNat6        = "fluxvm_nat6"
 	serviceMapFluxvmScratch     = "fluxvm_scratch"
+	serviceMapFluxvmSflows      = "fluxvm_sflows"
 	serviceMapFluxvmSguard      = "fluxvm_sguard"
 	serviceMapFluxvmSnat        = "fluxvm_snat"
 	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -497,12 +556,15 @@ type serviceMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -548,12 +610,15 @@ type serviceMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -575,12 +640,15 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

@@ -25,11 +25,14 @@ const (
 	serviceConnectMapFluxvmEdt               = "fluxvm_edt"
 	serviceConnectMapFluxvmFct4              = "fluxvm_fct4"
 	serviceConnectMapFluxvmFct6              = "fluxvm_fct6"
+	serviceConnectMapFluxvmFlowBudget        = "fluxvm_flow_budget"
+	serviceConnectMapFluxvmFlowSeq           = "fluxvm_flow_seq"
 	serviceConnectMapFluxvmMaglev            = "fluxvm_maglev"
 	serviceConnectMapFluxvmMeta              = "fluxvm_meta"
 	serviceConnectMapFluxvmNat4              = "fluxvm_nat4"
 	serviceConnectMapFluxvmNat6              = "fluxvm_nat6"
 	serviceConnectMapFluxvmScratch           = "fluxvm_scratch"
+	serviceConnectMapFluxvmSflows            = "fluxvm_sflows"
 	serviceConnectMapFluxvmSguard            = "fluxvm_sguard"
 	serviceConnectMapFluxvmSnat              = "fluxvm_snat"
 	serviceConnectMapFluxvmSockFwd           = "fluxvm_sock_fwd"
@@ -105,27 +108,30 @@ type serviceConnectProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceConnectMapSpecs struct {
-	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmBe2fe     *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
-	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
-	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
-	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmScratch   *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
-	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSnat      *ebpf.MapSpec `ebpf:"fluxvm_snat"`
-	FluxvmSockFwd   *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
-	FluxvmSockRev   *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
-	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends   *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe      *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
+	FluxvmCounters   *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops      *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots  *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats  *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
+	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmMaglev     *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta       *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4       *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6       *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
+	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // serviceConnectVariableSpecs contains global variables before they are loaded into the kernel.
@@ -154,27 +160,30 @@ func (o *serviceConnectObjects) Close() error {
 //
 // It can be passed to loadServiceConnectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceConnectMaps struct {
-	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmBe2fe     *ebpf.Map `ebpf:"fluxvm_be2fe"`
-	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
-	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
-	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmScratch   *ebpf.Map `ebpf:"fluxvm_scratch"`
-	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSnat      *ebpf.Map `ebpf:"fluxvm_snat"`
-	FluxvmSockFwd   *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
-	FluxvmSockRev   *ebpf.Map `ebpf:"fluxvm_sock_rev"`
-	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends   *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe      *ebpf.Map `ebpf:"fluxvm_be2fe"`
+	FluxvmCounters   *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops      *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots  *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats  *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
+	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmMaglev     *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta       *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4       *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6       *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
+	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *serviceConnectMaps) Close() error {
@@ -188,11 +197,14 @@ func (m *serviceConnectMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,

@@ -28,6 +28,7 @@
 #define FLUXVM_CT_ENTRIES       65536
 #define FLUXVM_NAT_ENTRIES      65536
 #define FLUXVM_SOCK_ENTRIES     16384
+#define FLUXVM_FLOW_SLOTS       4096 /* a power of two: slot = seq & (slots - 1) */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_M
 #define FLUXVM_MAX_SERVICES     1024
 #define FLUXVM_MAX_BACKENDS     16384
@@ -35,6 +36,7 @@
 #define FLUXVM_CT_ENTRIES       262144
 #define FLUXVM_NAT_ENTRIES      262144
 #define FLUXVM_SOCK_ENTRIES     65536
+#define FLUXVM_FLOW_SLOTS       16384 /* a power of two: slot = seq & (slots - 1) */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_L
 #define FLUXVM_MAX_SERVICES     4096
 #define FLUXVM_MAX_BACKENDS     65536
@@ -42,6 +44,7 @@
 #define FLUXVM_CT_ENTRIES       1048576
 #define FLUXVM_NAT_ENTRIES      1048576
 #define FLUXVM_SOCK_ENTRIES     262144
+#define FLUXVM_FLOW_SLOTS       65536 /* a power of two: slot = seq & (slots - 1) */
 #else
 #error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
 #endif

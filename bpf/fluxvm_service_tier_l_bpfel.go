@@ -25,12 +25,15 @@ const (
 	serviceTierLMapFluxvmEdt         = "fluxvm_edt"
 	serviceTierLMapFluxvmFct4        = "fluxvm_fct4"
 	serviceTierLMapFluxvmFct6        = "fluxvm_fct6"
+	serviceTierLMapFluxvmFlowBudget  = "fluxvm_flow_budget"
+	serviceTierLMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	serviceTierLMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceTierLMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceTierLMapFluxvmMeta        = "fluxvm_meta"
 	serviceTierLMapFluxvmNat4        = "fluxvm_nat4"
 	serviceTierLMapFluxvmNat6        = "fluxvm_nat6"
 	serviceTierLMapFluxvmScratch     = "fluxvm_scratch"
+	serviceTierLMapFluxvmSflows      = "fluxvm_sflows"
 	serviceTierLMapFluxvmSguard      = "fluxvm_sguard"
 	serviceTierLMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -106,12 +109,15 @@ type serviceTierLMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -157,12 +163,15 @@ type serviceTierLMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -184,12 +193,15 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

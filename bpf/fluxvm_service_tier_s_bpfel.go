@@ -25,12 +25,15 @@ const (
 	serviceTierSMapFluxvmEdt         = "fluxvm_edt"
 	serviceTierSMapFluxvmFct4        = "fluxvm_fct4"
 	serviceTierSMapFluxvmFct6        = "fluxvm_fct6"
+	serviceTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
+	serviceTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	serviceTierSMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceTierSMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceTierSMapFluxvmMeta        = "fluxvm_meta"
 	serviceTierSMapFluxvmNat4        = "fluxvm_nat4"
 	serviceTierSMapFluxvmNat6        = "fluxvm_nat6"
 	serviceTierSMapFluxvmScratch     = "fluxvm_scratch"
+	serviceTierSMapFluxvmSflows      = "fluxvm_sflows"
 	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
 	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -106,12 +109,15 @@ type serviceTierSMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -157,12 +163,15 @@ type serviceTierSMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -184,12 +193,15 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

@@ -62,7 +62,9 @@ enum fluxvm_counter {
 	FLUXVM_CNT_SOCK_FAIL_OPEN_GUARD = 25, /* socket LB fail-open: the service's guard is closed (TC drops) */
 	FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND = 26, /* socket LB fail-open: no Ready backend of the socket's family */
 	FLUXVM_CNT_SOCK_FAIL_OPEN_MAP = 27,  /* socket LB fail-open: the socket maps could not be written */
-	FLUXVM_CNT_MAX = 28,
+	FLUXVM_CNT_FLOW_RECORDED = 28,  /* FluxScope: a flow got a record (sampled, or a drop) */
+	FLUXVM_CNT_FLOW_DROP_LIMITED = 29, /* FluxScope: a drop found the per-CPU budget empty: not recorded */
+	FLUXVM_CNT_MAX = 30,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -202,7 +204,7 @@ struct fluxvm_ct_value {
 	__u8 state;          /* enum fluxvm_ct_state */
 	__u8 flags;          /* enum fluxvm_ct_flags */
 	__be16 nat_port;     /* SNAT: the source port the backend sees */
-	__u32 pad1;
+	__u32 flow;          /* FluxScope: low 32 bits of its record's seq (lib/flows.h); 0: none */
 	__be32 nat_addr[4];  /* SNAT: the source address the backend sees */
 };
 _Static_assert(sizeof(struct fluxvm_ct_value) == 56, "fluxvm_ct_value size");
@@ -223,7 +225,7 @@ struct fluxvm_nat_value {
 	__u8 pad0;
 	__u32 service_id;
 	__u32 backend_id;
-	__u32 pad1;
+	__u32 flow;          /* FluxScope: as fluxvm_ct_value.flow */
 	__u64 last_seen_ns;  /* refresh throttle for the reply direction */
 	__be32 client[4];    /* SNAT: the client's own address, restored on replies */
 	__be16 cport;        /* SNAT: the client's own port */
@@ -405,7 +407,7 @@ struct fluxvm_meta_value {
 	__u32 timeout_tcp_fin_s;
 	__u32 timeout_tcp_rst_s;
 	__u32 timeout_udp_s;
-	__u32 pad;
+	__u32 flow_sample_rate;    /* FluxScope: record 1 in N new flows; 0: no records at all */
 };
 _Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
 
@@ -417,6 +419,67 @@ enum fluxvm_timeout_default {
 	FLUXVM_TIMEOUT_TCP_RST_S = 10,
 	FLUXVM_TIMEOUT_UDP_S = 60,
 };
+
+/*
+ * FluxScope flow records (fluxvm_sflows, lib/flows.h): a ring of the
+ * tier's FLUXVM_FLOW_SLOTS records, array by slot = seq % slots, where seq
+ * counts the records ever opened (fluxvm_flow_seq). A record names the
+ * flow as the client sent it and as it was translated, its verdict, and
+ * its packets and bytes each way. A flow's conntrack entry (and its
+ * reverse-NAT half, where it has one) holds the low 32 bits of the seq of
+ * its record: a record whose seq no longer matches was reused by a newer
+ * flow, and the older one stops counting.
+ */
+enum fluxvm_flow_verdict {
+	FLUXVM_FLOW_FORWARDED = 1,
+	FLUXVM_FLOW_DROPPED = 2,
+	FLUXVM_FLOW_AUDITED = 3,    /* policy (issue 21): forwarded, would have been denied */
+	FLUXVM_FLOW_REDIRECTED = 4, /* L7 (issue 21): sent to the proxy */
+};
+
+enum fluxvm_flow_hook {
+	FLUXVM_HOOK_FROM_VM = 1,
+	FLUXVM_HOOK_TO_VM = 2,
+	FLUXVM_HOOK_NS_IN = 3,
+	FLUXVM_HOOK_NS_OUT = 4,
+	FLUXVM_HOOK_XDP = 5,
+};
+
+struct fluxvm_flow {
+	__u64 seq;           /* 1, 2, ...: which record of the ring's history this is; 0: never written */
+	__be32 client[4];    /* the packet's source as the client sent it */
+	__be32 vip[4];       /* its destination: the VIP */
+	__be32 backend[4];   /* the translated destination; zero when dropped before a pick */
+	__be32 snat[4];      /* the translated source (north-south SNAT); zero: none */
+	__be16 cport;
+	__be16 vport;
+	__be16 bport;
+	__be16 snat_port;
+	__u8 proto;
+	__u8 family;         /* enum fluxvm_family */
+	__u8 hook;           /* enum fluxvm_flow_hook that opened the record */
+	__u8 verdict;        /* enum fluxvm_flow_verdict */
+	__u8 reason;         /* enum fluxvm_drop_reason of the last drop; 0: none */
+	__u8 pad0[3];
+	__u32 service_id;
+	__u32 backend_id;
+	__u32 ifindex;       /* where the record was opened */
+	__u32 drops;         /* packets of the flow dropped */
+	__u64 first_ns;      /* coarse monotonic, as conntrack */
+	__u64 last_ns;
+	__u64 fwd_packets;   /* client -> backend */
+	__u64 fwd_bytes;
+	__u64 rev_packets;   /* backend -> client */
+	__u64 rev_bytes;
+};
+_Static_assert(sizeof(struct fluxvm_flow) == 152, "fluxvm_flow size");
+
+/* Per-CPU budget of records for drops (lib/flows.h). */
+struct fluxvm_flow_budget {
+	__u64 tokens;
+	__u64 last_ns;
+};
+_Static_assert(sizeof(struct fluxvm_flow_budget) == 16, "fluxvm_flow_budget size");
 
 /* Conntrack deadlines are refreshed at most this often per flow, so that a
  * busy flow does not write its entry on every packet. */
@@ -446,6 +509,8 @@ struct fluxvm_abi_enums {
 	enum fluxvm_be2fe_flags be2fe_flags;
 	enum fluxvm_snat_flags snat_flags;
 	enum fluxvm_timeout_default timeout_default;
+	enum fluxvm_flow_verdict flow_verdict;
+	enum fluxvm_flow_hook flow_hook;
 	enum fluxvm_built_tier built_tier;
 };
 

@@ -25,6 +25,8 @@ const (
 	serviceXdpMapFluxvmEdt         = "fluxvm_edt"
 	serviceXdpMapFluxvmFct4        = "fluxvm_fct4"
 	serviceXdpMapFluxvmFct6        = "fluxvm_fct6"
+	serviceXdpMapFluxvmFlowBudget  = "fluxvm_flow_budget"
+	serviceXdpMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	serviceXdpMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceXdpMapFluxvmMeta        = "fluxvm_meta"
 	serviceXdpMapFluxvmNat4        = "fluxvm_nat4"
@@ -32,6 +34,7 @@ const (
 	serviceXdpMapFluxvmNh          = "fluxvm_nh"
 	serviceXdpMapFluxvmNhCtl       = "fluxvm_nh_ctl"
 	serviceXdpMapFluxvmScratch     = "fluxvm_scratch"
+	serviceXdpMapFluxvmSflows      = "fluxvm_sflows"
 	serviceXdpMapFluxvmSguard      = "fluxvm_sguard"
 	serviceXdpMapFluxvmSnat        = "fluxvm_snat"
 	serviceXdpMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -102,6 +105,8 @@ type serviceXdpMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -109,6 +114,7 @@ type serviceXdpMapSpecs struct {
 	FluxvmNh          *ebpf.MapSpec `ebpf:"fluxvm_nh"`
 	FluxvmNhCtl       *ebpf.MapSpec `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -155,6 +161,8 @@ type serviceXdpMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -162,6 +170,7 @@ type serviceXdpMaps struct {
 	FluxvmNh          *ebpf.Map `ebpf:"fluxvm_nh"`
 	FluxvmNhCtl       *ebpf.Map `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -184,6 +193,8 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
@@ -191,6 +202,7 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmNh,
 		m.FluxvmNhCtl,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

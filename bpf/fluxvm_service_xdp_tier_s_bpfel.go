@@ -25,6 +25,8 @@ const (
 	serviceXdpTierSMapFluxvmEdt         = "fluxvm_edt"
 	serviceXdpTierSMapFluxvmFct4        = "fluxvm_fct4"
 	serviceXdpTierSMapFluxvmFct6        = "fluxvm_fct6"
+	serviceXdpTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
+	serviceXdpTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	serviceXdpTierSMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceXdpTierSMapFluxvmMeta        = "fluxvm_meta"
 	serviceXdpTierSMapFluxvmNat4        = "fluxvm_nat4"
@@ -32,6 +34,7 @@ const (
 	serviceXdpTierSMapFluxvmNh          = "fluxvm_nh"
 	serviceXdpTierSMapFluxvmNhCtl       = "fluxvm_nh_ctl"
 	serviceXdpTierSMapFluxvmScratch     = "fluxvm_scratch"
+	serviceXdpTierSMapFluxvmSflows      = "fluxvm_sflows"
 	serviceXdpTierSMapFluxvmSguard      = "fluxvm_sguard"
 	serviceXdpTierSMapFluxvmSnat        = "fluxvm_snat"
 	serviceXdpTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
@@ -102,6 +105,8 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -109,6 +114,7 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmNh          *ebpf.MapSpec `ebpf:"fluxvm_nh"`
 	FluxvmNhCtl       *ebpf.MapSpec `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -155,6 +161,8 @@ type serviceXdpTierSMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -162,6 +170,7 @@ type serviceXdpTierSMaps struct {
 	FluxvmNh          *ebpf.Map `ebpf:"fluxvm_nh"`
 	FluxvmNhCtl       *ebpf.Map `ebpf:"fluxvm_nh_ctl"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -184,6 +193,8 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
@@ -191,6 +202,7 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmNh,
 		m.FluxvmNhCtl,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

@@ -25,11 +25,14 @@ const (
 	sockDestroyMapFluxvmEdt             = "fluxvm_edt"
 	sockDestroyMapFluxvmFct4            = "fluxvm_fct4"
 	sockDestroyMapFluxvmFct6            = "fluxvm_fct6"
+	sockDestroyMapFluxvmFlowBudget      = "fluxvm_flow_budget"
+	sockDestroyMapFluxvmFlowSeq         = "fluxvm_flow_seq"
 	sockDestroyMapFluxvmMaglev          = "fluxvm_maglev"
 	sockDestroyMapFluxvmMeta            = "fluxvm_meta"
 	sockDestroyMapFluxvmNat4            = "fluxvm_nat4"
 	sockDestroyMapFluxvmNat6            = "fluxvm_nat6"
 	sockDestroyMapFluxvmScratch         = "fluxvm_scratch"
+	sockDestroyMapFluxvmSflows          = "fluxvm_sflows"
 	sockDestroyMapFluxvmSguard          = "fluxvm_sguard"
 	sockDestroyMapFluxvmSnat            = "fluxvm_snat"
 	sockDestroyMapFluxvmSockFwd         = "fluxvm_sock_fwd"
@@ -89,27 +92,30 @@ type sockDestroyProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockDestroyMapSpecs struct {
-	FluxvmBackends  *ebpf.MapSpec `ebpf:"fluxvm_backends"`
-	FluxvmBe2fe     *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
-	FluxvmCounters  *ebpf.MapSpec `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.MapSpec `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
-	FluxvmEdt       *ebpf.MapSpec `ebpf:"fluxvm_edt"`
-	FluxvmFct4      *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.MapSpec `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
-	FluxvmScratch   *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
-	FluxvmSguard    *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
-	FluxvmSnat      *ebpf.MapSpec `ebpf:"fluxvm_snat"`
-	FluxvmSockFwd   *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
-	FluxvmSockRev   *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
-	FluxvmSvc4      *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends   *ebpf.MapSpec `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe      *ebpf.MapSpec `ebpf:"fluxvm_be2fe"`
+	FluxvmCounters   *ebpf.MapSpec `ebpf:"fluxvm_counters"`
+	FluxvmDrops      *ebpf.MapSpec `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots  *ebpf.MapSpec `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats  *ebpf.MapSpec `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
+	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
+	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmMaglev     *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
+	FluxvmMeta       *ebpf.MapSpec `ebpf:"fluxvm_meta"`
+	FluxvmNat4       *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
+	FluxvmNat6       *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
+	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
+	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
 }
 
 // sockDestroyVariableSpecs contains global variables before they are loaded into the kernel.
@@ -138,27 +144,30 @@ func (o *sockDestroyObjects) Close() error {
 //
 // It can be passed to loadSockDestroyObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockDestroyMaps struct {
-	FluxvmBackends  *ebpf.Map `ebpf:"fluxvm_backends"`
-	FluxvmBe2fe     *ebpf.Map `ebpf:"fluxvm_be2fe"`
-	FluxvmCounters  *ebpf.Map `ebpf:"fluxvm_counters"`
-	FluxvmDrops     *ebpf.Map `ebpf:"fluxvm_drops"`
-	FluxvmEdgeSlots *ebpf.Map `ebpf:"fluxvm_edge_slots"`
-	FluxvmEdgeStats *ebpf.Map `ebpf:"fluxvm_edge_stats"`
-	FluxvmEdt       *ebpf.Map `ebpf:"fluxvm_edt"`
-	FluxvmFct4      *ebpf.Map `ebpf:"fluxvm_fct4"`
-	FluxvmFct6      *ebpf.Map `ebpf:"fluxvm_fct6"`
-	FluxvmMaglev    *ebpf.Map `ebpf:"fluxvm_maglev"`
-	FluxvmMeta      *ebpf.Map `ebpf:"fluxvm_meta"`
-	FluxvmNat4      *ebpf.Map `ebpf:"fluxvm_nat4"`
-	FluxvmNat6      *ebpf.Map `ebpf:"fluxvm_nat6"`
-	FluxvmScratch   *ebpf.Map `ebpf:"fluxvm_scratch"`
-	FluxvmSguard    *ebpf.Map `ebpf:"fluxvm_sguard"`
-	FluxvmSnat      *ebpf.Map `ebpf:"fluxvm_snat"`
-	FluxvmSockFwd   *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
-	FluxvmSockRev   *ebpf.Map `ebpf:"fluxvm_sock_rev"`
-	FluxvmSvc4      *ebpf.Map `ebpf:"fluxvm_svc4"`
-	FluxvmSvc6      *ebpf.Map `ebpf:"fluxvm_svc6"`
-	FluxvmSvcStats  *ebpf.Map `ebpf:"fluxvm_svc_stats"`
+	FluxvmBackends   *ebpf.Map `ebpf:"fluxvm_backends"`
+	FluxvmBe2fe      *ebpf.Map `ebpf:"fluxvm_be2fe"`
+	FluxvmCounters   *ebpf.Map `ebpf:"fluxvm_counters"`
+	FluxvmDrops      *ebpf.Map `ebpf:"fluxvm_drops"`
+	FluxvmEdgeSlots  *ebpf.Map `ebpf:"fluxvm_edge_slots"`
+	FluxvmEdgeStats  *ebpf.Map `ebpf:"fluxvm_edge_stats"`
+	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
+	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
+	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmMaglev     *ebpf.Map `ebpf:"fluxvm_maglev"`
+	FluxvmMeta       *ebpf.Map `ebpf:"fluxvm_meta"`
+	FluxvmNat4       *ebpf.Map `ebpf:"fluxvm_nat4"`
+	FluxvmNat6       *ebpf.Map `ebpf:"fluxvm_nat6"`
+	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
+	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
+	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
+	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
+	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
 }
 
 func (m *sockDestroyMaps) Close() error {
@@ -172,11 +181,14 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,

@@ -25,12 +25,15 @@ const (
 	serviceTestMapFluxvmEdt             = "fluxvm_edt"
 	serviceTestMapFluxvmFct4            = "fluxvm_fct4"
 	serviceTestMapFluxvmFct6            = "fluxvm_fct6"
+	serviceTestMapFluxvmFlowBudget      = "fluxvm_flow_budget"
+	serviceTestMapFluxvmFlowSeq         = "fluxvm_flow_seq"
 	serviceTestMapFluxvmIcmpScratch     = "fluxvm_icmp_scratch"
 	serviceTestMapFluxvmMaglev          = "fluxvm_maglev"
 	serviceTestMapFluxvmMeta            = "fluxvm_meta"
 	serviceTestMapFluxvmNat4            = "fluxvm_nat4"
 	serviceTestMapFluxvmNat6            = "fluxvm_nat6"
 	serviceTestMapFluxvmScratch         = "fluxvm_scratch"
+	serviceTestMapFluxvmSflows          = "fluxvm_sflows"
 	serviceTestMapFluxvmSguard          = "fluxvm_sguard"
 	serviceTestMapFluxvmSnat            = "fluxvm_snat"
 	serviceTestMapFluxvmSnatScratch     = "fluxvm_snat_scratch"
@@ -113,12 +116,15 @@ type serviceTestMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.MapSpec `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
@@ -171,12 +177,15 @@ type serviceTestMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
+	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
 	FluxvmNat6        *ebpf.Map `ebpf:"fluxvm_nat6"`
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
+	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
@@ -198,12 +207,15 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFlowBudget,
+		m.FluxvmFlowSeq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,
 		m.FluxvmNat6,
 		m.FluxvmScratch,
+		m.FluxvmSflows,
 		m.FluxvmSguard,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,

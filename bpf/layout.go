@@ -36,6 +36,31 @@ type (
 	SockRevKey   = serviceFluxvmSockRkey
 	SockRevValue = serviceFluxvmSockRvalue
 	EDTValue     = serviceFluxvmEdtValue
+	FlowRecord   = serviceFluxvmFlow
+)
+
+// FlowVerdict is FlowRecord.Verdict (C enum fluxvm_flow_verdict).
+type FlowVerdict uint8
+
+// Flow verdicts.
+const (
+	FlowForwarded  = FlowVerdict(serviceFluxvmFlowVerdictFLUXVM_FLOW_FORWARDED)
+	FlowDropped    = FlowVerdict(serviceFluxvmFlowVerdictFLUXVM_FLOW_DROPPED)
+	FlowAudited    = FlowVerdict(serviceFluxvmFlowVerdictFLUXVM_FLOW_AUDITED)    // policy: forwarded, would have been denied
+	FlowRedirected = FlowVerdict(serviceFluxvmFlowVerdictFLUXVM_FLOW_REDIRECTED) // L7: sent to the proxy
+)
+
+// FlowHook is FlowRecord.Hook (C enum fluxvm_flow_hook): the program that
+// opened the record.
+type FlowHook uint8
+
+// Flow hooks.
+const (
+	FlowHookFromVM = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_FROM_VM)
+	FlowHookToVM   = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_TO_VM)
+	FlowHookNSIn   = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_NS_IN)
+	FlowHookNSOut  = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_NS_OUT)
+	FlowHookXDP    = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_XDP)
 )
 
 // The constants below are the C enums of fluxvm_service_v6.bpf.h, which

@@ -108,6 +108,29 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_SERVICES);
 } fluxvm_sguard SEC(".maps");
 
+/* FluxScope flow records: the ring, its sequence, the per-CPU budget of
+ * drop records (fluxvm_service_v6.bpf.h, lib/flows.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_flow);
+	__uint(max_entries, FLUXVM_FLOW_SLOTS);
+} fluxvm_sflows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} fluxvm_flow_seq SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_flow_budget);
+	__uint(max_entries, 1);
+} fluxvm_flow_budget SEC(".maps");
+
 /* EDT pacing per service (fluxvm_service_v6.bpf.h, lib/edt.h). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);

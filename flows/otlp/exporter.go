@@ -314,7 +314,7 @@ func (e *Exporter) send(ctx context.Context, batch []flows.Record) sendResult {
 	var res sendResult
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
-		rejected, msg, err := e.post(ctx, body)
+		rejected, msg, err := e.post(ctx, body, len(batch))
 		if err == nil {
 			res.accepted = len(batch) - rejected
 			res.bytes = len(body)
@@ -405,7 +405,7 @@ const maxResponse = 64 << 10
 
 // post makes one request with the per-request timeout. On success it
 // returns how many records the receiver rejected in a partial success.
-func (e *Exporter) post(ctx context.Context, body []byte) (rejected int, msg string, err error) {
+func (e *Exporter) post(ctx context.Context, body []byte, records int) (rejected int, msg string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.url, bytes.NewReader(body))
@@ -446,7 +446,7 @@ func (e *Exporter) post(ctx context.Context, body []byte) (rejected int, msg str
 		return 0, "", nil // accepted; an unreadable 2xx body is not a failure
 	}
 	ps := out.GetPartialSuccess()
-	return int(ps.GetRejectedLogRecords()), ps.GetErrorMessage(), nil
+	return int(min(max(ps.GetRejectedLogRecords(), 0), int64(records))), ps.GetErrorMessage(), nil
 }
 
 // responseMessage is a short text from an error response: a JSON or text

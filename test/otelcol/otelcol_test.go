@@ -466,3 +466,44 @@ func TestCollectorBehind503(t *testing.T) {
 		})
 	}
 }
+
+// A slow collector (every answer 200 ms late) never makes Enqueue wait,
+// and everything within the queue bound arrives.
+func TestSlowCollector(t *testing.T) {
+	col := startCollector(t, freeAddr(t))
+	target, _ := url.Parse("http://" + col.addr)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(200 * time.Millisecond)
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
+
+	cfg := exporterConfig(front.URL, otlp.EncodingProtobuf)
+	cfg.QueueSize = 100
+	cfg.MaxBatch = 5
+	e := newExporter(t, cfg)
+	recs := records(1000, 60)
+	start := time.Now()
+	for i := 0; i < len(recs); i += 3 {
+		if a, d := e.Enqueue(recs[i : i+3]); a != 3 || d != 0 {
+			t.Fatalf("enqueue: %d accepted, %d dropped", a, d)
+		}
+	}
+	// 12 batches at 200 ms each would take 2.4 s.
+	if el := time.Since(start); el > 200*time.Millisecond {
+		t.Errorf("Enqueue waited for the slow collector: %v", el)
+	}
+	waitFor(t, "all records at the collector", 20*time.Second, func() bool { return col.sink.LogRecordCount() >= 60 })
+	got := received(t, col.sink)
+	for _, r := range recs {
+		if lr, ok := got[int64(r.Seq)]; !ok {
+			t.Errorf("seq %d lost", r.Seq)
+		} else {
+			checkRecord(t, lr, r, start, time.Now())
+		}
+	}
+	if st := e.Stats(); st.RecordsSent != 60 || st.BatchesSent != 12 || st.Retries != 0 {
+		t.Errorf("stats %+v", st)
+	}
+}

@@ -16,6 +16,7 @@ import (
 	collogs "go.opentelemetry.io/proto/otlp/collector/logs/v1"
 	common "go.opentelemetry.io/proto/otlp/common/v1"
 	logs "go.opentelemetry.io/proto/otlp/logs/v1"
+	"go.uber.org/goleak"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
@@ -812,3 +813,7 @@ func TestParseRetryAfter(t *testing.T) {
 		}
 	}
 }
+
+// Every test closes what it started: no exporter loop, request or backoff
+// goroutine outlives it.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp/otlptest"
 )
 
 // testRecords are a forwarded north-south flow with every field set and a
@@ -58,53 +59,6 @@ func testRecords() []flows.Record {
 		Forward:   flows.Counts{Packets: 3, Bytes: 210},
 		Drops:     3,
 	}}
-}
-
-// wantAttrs is what a record's attributes must be, written out by hand.
-func wantAttrs(r flows.Record) map[string]any {
-	m := map[string]any{
-		"network.transport":      r.Protocol,
-		"source.address":         r.Client.Addr().String(),
-		"source.port":            int64(r.Client.Port()),
-		"destination.address":    r.VIP.Addr().String(),
-		"destination.port":       int64(r.VIP.Port()),
-		"fluxvm.service_id":      int64(r.ServiceID),
-		"fluxvm.verdict":         string(r.Verdict),
-		"fluxvm.hook":            r.Hook,
-		"fluxvm.forward.packets": int64(r.Forward.Packets),
-		"fluxvm.forward.bytes":   int64(r.Forward.Bytes),
-		"fluxvm.reply.packets":   int64(r.Reply.Packets),
-		"fluxvm.reply.bytes":     int64(r.Reply.Bytes),
-		"fluxvm.drops":           int64(r.Drops),
-		"fluxvm.flow.seq":        int64(r.Seq),
-		"fluxvm.flow.first_seen": r.FirstSeen.UnixNano(),
-	}
-	if r.Client.Addr().Is4() {
-		m["network.type"] = "ipv4"
-	} else {
-		m["network.type"] = "ipv6"
-	}
-	if r.Service != "" {
-		m["fluxvm.service"] = r.Service
-	}
-	if r.Backend.IsValid() {
-		m["fluxvm.backend.address"] = r.Backend.Addr().String()
-		m["fluxvm.backend.port"] = int64(r.Backend.Port())
-	}
-	if r.BackendID != 0 {
-		m["fluxvm.backend_id"] = int64(r.BackendID)
-	}
-	if r.SNAT.IsValid() {
-		m["fluxvm.snat.address"] = r.SNAT.Addr().String()
-		m["fluxvm.snat.port"] = int64(r.SNAT.Port())
-	}
-	if r.Reason != "" {
-		m["fluxvm.drop.reason"] = r.Reason
-	}
-	if r.Interface != "" {
-		m["fluxvm.interface"] = r.Interface
-	}
-	return m
 }
 
 func attrMap(t *testing.T, kvs []*common.KeyValue) map[string]any {
@@ -183,7 +137,7 @@ func checkRequest(t *testing.T, req *collogs.ExportLogsServiceRequest, recs []fl
 		if len(lr.TraceId) != 0 || len(lr.SpanId) != 0 {
 			t.Errorf("rec %d: ids set", i)
 		}
-		eqMaps(t, "rec attributes", attrMap(t, lr.Attributes), wantAttrs(r))
+		eqMaps(t, "rec attributes", attrMap(t, lr.Attributes), otlptest.WantAttributes(r))
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
+	"github.com/fluxvm/servicefabric/flows/otlp/otlptest"
 )
 
 // collector is the Collector's own OTLP receiver, HTTP only, in this
@@ -107,54 +108,6 @@ func records(base, n int) []flows.Record {
 	return recs
 }
 
-// wantAttrs is what the collector must have decoded for r, written out
-// here rather than derived from the exporter's code.
-func wantAttrs(r flows.Record) map[string]any {
-	m := map[string]any{
-		"network.transport":      r.Protocol,
-		"source.address":         r.Client.Addr().String(),
-		"source.port":            int64(r.Client.Port()),
-		"destination.address":    r.VIP.Addr().String(),
-		"destination.port":       int64(r.VIP.Port()),
-		"fluxvm.service_id":      int64(r.ServiceID),
-		"fluxvm.verdict":         string(r.Verdict),
-		"fluxvm.hook":            r.Hook,
-		"fluxvm.forward.packets": int64(r.Forward.Packets),
-		"fluxvm.forward.bytes":   int64(r.Forward.Bytes),
-		"fluxvm.reply.packets":   int64(r.Reply.Packets),
-		"fluxvm.reply.bytes":     int64(r.Reply.Bytes),
-		"fluxvm.drops":           int64(r.Drops),
-		"fluxvm.flow.seq":        int64(r.Seq),
-		"fluxvm.flow.first_seen": r.FirstSeen.UnixNano(),
-	}
-	if r.Client.Addr().Is4() {
-		m["network.type"] = "ipv4"
-	} else {
-		m["network.type"] = "ipv6"
-	}
-	if r.Service != "" {
-		m["fluxvm.service"] = r.Service
-	}
-	if r.Backend.IsValid() {
-		m["fluxvm.backend.address"] = r.Backend.Addr().String()
-		m["fluxvm.backend.port"] = int64(r.Backend.Port())
-	}
-	if r.BackendID != 0 {
-		m["fluxvm.backend_id"] = int64(r.BackendID)
-	}
-	if r.SNAT.IsValid() {
-		m["fluxvm.snat.address"] = r.SNAT.Addr().String()
-		m["fluxvm.snat.port"] = int64(r.SNAT.Port())
-	}
-	if r.Reason != "" {
-		m["fluxvm.drop.reason"] = r.Reason
-	}
-	if r.Interface != "" {
-		m["fluxvm.interface"] = r.Interface
-	}
-	return m
-}
-
 func eqMaps(t *testing.T, what string, got, want map[string]any) {
 	t.Helper()
 	for k, w := range want {
@@ -228,7 +181,7 @@ func checkRecord(t *testing.T, lr plog.LogRecord, r flows.Record, before, after 
 	if !lr.TraceID().IsEmpty() || !lr.SpanID().IsEmpty() {
 		t.Errorf("seq %d: ids %v %v", r.Seq, lr.TraceID(), lr.SpanID())
 	}
-	eqMaps(t, fmt.Sprintf("seq %d attributes", r.Seq), lr.Attributes().AsRaw(), wantAttrs(r))
+	eqMaps(t, fmt.Sprintf("seq %d attributes", r.Seq), lr.Attributes().AsRaw(), otlptest.WantAttributes(r))
 }
 
 func exporterConfig(endpoint string, enc otlp.Encoding) otlp.Config {

@@ -268,3 +268,35 @@ func BenchmarkFlows(b *testing.B) {
 		b.Fatalf("record %+v (present %v): fewer forward packets than the recorded case ran (%d)", f, ok, cases[1].n)
 	}
 }
+
+// TestFlowRecordsXDP: the north-south XDP program opens and counts records
+// as TC does, marked as XDP's.
+func TestFlowRecordsXDP(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	objs := newXDPObjects(t, h, l.out)
+	for _, v := range []variant{variants()[0], variants()[2]} {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			h.flowSampling(1)
+			client := v.clientAt(snatMin)
+			var frames int
+			for _, f := range []pkt.TCPFlags{pkt.SYN, pkt.ACK} {
+				in := v.frame(client, v.vip, f)
+				if ret, _ := h.runXDP(objs.FluxvmXdpNs, in, l.in); ret != xdpRedirect {
+					t.Fatalf("verdict %d; want XDP_REDIRECT", ret)
+				}
+				frames += len(in)
+			}
+			ct, _ := h.ct(tuple{client, v.vip, v.proto})
+			f, ok := h.flowRecord(ct.Flow)
+			fam := family(v.client)
+			if !ok || FlowHook(f.Hook) != FlowHookXDP || Addr(f.Snat, fam) != v.snatAddr() || Port(f.SnatPort) != snatMin ||
+				Addr(f.Backend, fam) != v.backends[0].Addr() || f.FwdPackets != 2 || f.FwdBytes != uint64(frames) ||
+				uint32(f.Ifindex) != uint32(l.in) {
+				t.Errorf("record %+v (present %v); want XDP's, SNAT to %s:%d, 2 packets, %d bytes, ifindex %d", f, ok, v.snatAddr(), snatMin, frames, l.in)
+			}
+		})
+	}
+}

@@ -109,7 +109,9 @@ type Options struct {
 	// /v1/network/services/telemetry/export sends the newest flow
 	// records through (the daemon's otlp.Exporter when otlp_endpoint is
 	// configured). nil: the route answers 422 missing_prerequisite
-	// "otlp_endpoint not configured". The handler never closes it.
+	// "otlp_endpoint not configured". The handler never closes it. When
+	// it also implements OTLPStatsSource (*otlp.Exporter does), its
+	// counters are in /metrics (NewOTLPCollector).
 	Exporter FlowExporter
 	// Registry, when set, receives the dataplane collector and is what
 	// /metrics serves, so an embedder can add its own collectors (Go
@@ -156,6 +158,11 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	}
 	if err := reg.Register(NewCollector(dp)); err != nil {
 		return nil, fmt.Errorf("api: register metrics collector: %w", err)
+	}
+	if src, ok := opts.Exporter.(OTLPStatsSource); ok {
+		if err := reg.Register(NewOTLPCollector(src)); err != nil {
+			return nil, fmt.Errorf("api: register OTLP metrics collector: %w", err)
+		}
 	}
 
 	h := &handler{

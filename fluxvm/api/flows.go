@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 )
@@ -136,4 +138,60 @@ func (h *handler) exportFlows(w http.ResponseWriter, r *http.Request) error {
 	}
 	h.writeJSON(w, r, http.StatusOK, ExportResponse{Read: len(recs), Sent: rep})
 	return nil
+}
+
+// OTLPStatsSource is what the OTLP collector reads: *otlp.Exporter.
+type OTLPStatsSource interface {
+	Stats() otlp.Stats
+}
+
+var (
+	descOTLPSent      = desc("otlp_records_sent_total", "Flow records the OTLP receiver accepted (periodic and on-demand export).")
+	descOTLPBatches   = desc("otlp_batches_sent_total", "OTLP export requests the receiver accepted.")
+	descOTLPFailed    = desc("otlp_failed_batches_total", "OTLP export requests given up on: a permanent error, retries exhausted, the stop deadline or the client of an on-demand export gone.")
+	descOTLPRetries   = desc("otlp_retries_total", "Retries of OTLP export requests (network errors, timeouts, 429, 502, 503, 504).")
+	descOTLPDropped   = desc("otlp_dropped_total", "Flow records not exported, by reason: queue_full (refused by the full queue), failed (in a failed request, rejected by the receiver, or unsent at stop).", "reason")
+	descOTLPQueued    = desc("otlp_queued_records", "Flow records waiting in the OTLP export queue or in flight.")
+	descOTLPLastError = desc("otlp_last_error_timestamp_seconds", "Unix time of the last OTLP export error (absent before the first).")
+)
+
+type otlpCollector struct{ src OTLPStatsSource }
+
+// NewOTLPCollector returns a Prometheus collector of an OTLP exporter's
+// Stats, read at every scrape. New registers one, beside the dataplane
+// collector, when Options.Exporter also implements OTLPStatsSource (as
+// *otlp.Exporter does). It exports:
+//
+//	fluxvm_otlp_records_sent_total              counter
+//	fluxvm_otlp_batches_sent_total              counter
+//	fluxvm_otlp_failed_batches_total            counter
+//	fluxvm_otlp_retries_total                   counter
+//	fluxvm_otlp_dropped_total                   counter {reason: queue_full, failed}
+//	fluxvm_otlp_queued_records                  gauge
+//	fluxvm_otlp_last_error_timestamp_seconds    gauge (once an error happened)
+func NewOTLPCollector(src OTLPStatsSource) prometheus.Collector { return otlpCollector{src: src} }
+
+// Describe implements prometheus.Collector.
+func (otlpCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descOTLPSent, descOTLPBatches, descOTLPFailed, descOTLPRetries, descOTLPDropped, descOTLPQueued, descOTLPLastError} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c otlpCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.src.Stats()
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	counter(descOTLPSent, st.RecordsSent)
+	counter(descOTLPBatches, st.BatchesSent)
+	counter(descOTLPFailed, st.BatchesFailed)
+	counter(descOTLPRetries, st.Retries)
+	counter(descOTLPDropped, st.DroppedQueueFull, "queue_full")
+	counter(descOTLPDropped, st.DroppedFailed, "failed")
+	ch <- prometheus.MustNewConstMetric(descOTLPQueued, prometheus.GaugeValue, float64(st.Queued))
+	if !st.LastErrorTime.IsZero() {
+		ch <- prometheus.MustNewConstMetric(descOTLPLastError, prometheus.GaugeValue, float64(st.LastErrorTime.UnixNano())/1e9)
+	}
 }

@@ -266,4 +266,32 @@ func TestExportRoute(t *testing.T) {
 	if st := x.Stats(); st.BatchesFailed != 1 {
 		t.Errorf("exporter stats after the refusal %+v", st)
 	}
+
+	// The exporter's counters are in /metrics: 4 records sent in 3
+	// requests, then one request of 2 refused and 1 record not sent.
+	w = e.do(req{method: "GET", path: "/metrics", token: readToken})
+	for _, want := range []string{
+		"fluxvm_otlp_records_sent_total 4",
+		"fluxvm_otlp_batches_sent_total 3",
+		"fluxvm_otlp_failed_batches_total 1",
+		"fluxvm_otlp_retries_total 0",
+		`fluxvm_otlp_dropped_total{reason="failed"} 3`,
+		`fluxvm_otlp_dropped_total{reason="queue_full"} 0`,
+		"fluxvm_otlp_queued_records 0",
+		"fluxvm_otlp_last_error_timestamp_seconds ",
+		"fluxvm_services 0",
+	} {
+		if !contains(w.Body.String(), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+}
+
+// TestMetricsWithoutExporter: no exporter, no fluxvm_otlp series.
+func TestMetricsWithoutExporter(t *testing.T) {
+	e := newEnv(t)
+	w := e.do(req{method: "GET", path: "/metrics", token: readToken})
+	if w.Code != http.StatusOK || contains(w.Body.String(), "fluxvm_otlp_") {
+		t.Errorf("%d, OTLP series without an exporter:\n%s", w.Code, w.Body)
+	}
 }

@@ -337,8 +337,11 @@ func ReadConfigFile(path string) ([]byte, error) {
 //
 // A file written for the reference daemon may also hold its api
 // sub-table ([sandbox.dataplane.service.api]: listen address, tokens,
-// TLS): those settings are the daemon's, so the library reads past them
-// without checking them (the daemon does). A program with keys of its own
+// TLS) and its flow export keys (otlp_endpoint, otlp_encoding,
+// otlp_interval, otlp_timeout, otlp_queue, otlp_max_batch, otlp_headers,
+// otlp_service_name): those settings are the daemon's, so the library
+// reads past them without checking them (the daemon does; the library
+// exports nothing over the network). A program with keys of its own
 // reads the table with DecodeConfigTable and a table type of its own.
 func ParseConfig(data []byte) (Config, error) {
 	cfg, err := parseConfig(data)
@@ -352,6 +355,7 @@ func parseConfig(data []byte) (Config, error) {
 	table := struct {
 		Config
 		API map[string]any `toml:"api"` // the daemon's (see ParseConfig)
+		daemonOTLPKeys
 	}{Config: DefaultConfig()}
 	if err := DecodeConfigTable(data, &table); err != nil {
 		return Config{}, err
@@ -361,6 +365,19 @@ func parseConfig(data []byte) (Config, error) {
 		return Config{}, err
 	}
 	return cfg, nil
+}
+
+// daemonOTLPKeys are the reference daemon's flow export keys
+// (cmd/fluxvmd OTLPConfig), which ParseConfig reads past.
+type daemonOTLPKeys struct {
+	OTLPEndpoint    any `toml:"otlp_endpoint"`
+	OTLPEncoding    any `toml:"otlp_encoding"`
+	OTLPInterval    any `toml:"otlp_interval"`
+	OTLPTimeout     any `toml:"otlp_timeout"`
+	OTLPQueue       any `toml:"otlp_queue"`
+	OTLPMaxBatch    any `toml:"otlp_max_batch"`
+	OTLPHeaders     any `toml:"otlp_headers"`
+	OTLPServiceName any `toml:"otlp_service_name"`
 }
 
 // DecodeConfigTable decodes the [sandbox.dataplane.service] table of a

@@ -71,6 +71,8 @@ const (
 	MaxNodeNameLen = 253
 	// MaxHealthCheckConcurrency bounds health_check_concurrency.
 	MaxHealthCheckConcurrency = 1024
+	// MaxFlowSampleRate bounds flow_sample_rate (1 in 65536 new flows).
+	MaxFlowSampleRate = 65536
 )
 
 // Duration is a time.Duration written in TOML as a Go duration string
@@ -154,6 +156,13 @@ type Config struct {
 	// node runs at once, over all services: 1..MaxHealthCheckConcurrency,
 	// 0 (the default) means health.DefaultConcurrency (32).
 	HealthCheckConcurrency int `toml:"health_check_concurrency"`
+	// FlowSampleRate is FluxScope's sampling (package flows): N gives
+	// 1 in N new flows a flow record in fluxvm_sflows (1: every flow),
+	// and drops of client packets are recorded within a per-CPU budget;
+	// 0 (the default) writes no records at all. 0..MaxFlowSampleRate.
+	// Every start writes it to the datapath (see docs/operations.md,
+	// "FluxScope flows").
+	FlowSampleRate uint32 `toml:"flow_sample_rate"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -328,8 +337,11 @@ func ReadConfigFile(path string) ([]byte, error) {
 //
 // A file written for the reference daemon may also hold its api
 // sub-table ([sandbox.dataplane.service.api]: listen address, tokens,
-// TLS): those settings are the daemon's, so the library reads past them
-// without checking them (the daemon does). A program with keys of its own
+// TLS) and its flow export keys (otlp_endpoint, otlp_encoding,
+// otlp_interval, otlp_timeout, otlp_queue, otlp_max_batch, otlp_headers,
+// otlp_service_name): those settings are the daemon's, so the library
+// reads past them without checking them (the daemon does; the library
+// exports nothing over the network). A program with keys of its own
 // reads the table with DecodeConfigTable and a table type of its own.
 func ParseConfig(data []byte) (Config, error) {
 	cfg, err := parseConfig(data)
@@ -343,6 +355,7 @@ func parseConfig(data []byte) (Config, error) {
 	table := struct {
 		Config
 		API map[string]any `toml:"api"` // the daemon's (see ParseConfig)
+		daemonOTLPKeys
 	}{Config: DefaultConfig()}
 	if err := DecodeConfigTable(data, &table); err != nil {
 		return Config{}, err
@@ -352,6 +365,19 @@ func parseConfig(data []byte) (Config, error) {
 		return Config{}, err
 	}
 	return cfg, nil
+}
+
+// daemonOTLPKeys are the reference daemon's flow export keys
+// (cmd/fluxvmd OTLPConfig), which ParseConfig reads past.
+type daemonOTLPKeys struct {
+	OTLPEndpoint    any `toml:"otlp_endpoint"`
+	OTLPEncoding    any `toml:"otlp_encoding"`
+	OTLPInterval    any `toml:"otlp_interval"`
+	OTLPTimeout     any `toml:"otlp_timeout"`
+	OTLPQueue       any `toml:"otlp_queue"`
+	OTLPMaxBatch    any `toml:"otlp_max_batch"`
+	OTLPHeaders     any `toml:"otlp_headers"`
+	OTLPServiceName any `toml:"otlp_service_name"`
 }
 
 // DecodeConfigTable decodes the [sandbox.dataplane.service] table of a
@@ -507,7 +533,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - map_tier S, M or L; pin_root absolute and not a bpffs mount point;
 //     object_dir empty or absolute; attach_mode "", "tcx" or "cls_bpf";
 //     catalog_path absolute; advertisements_path absolute, naming a file,
-//     and not catalog_path; health_check_concurrency 0..1024; node_name
+//     and not catalog_path; health_check_concurrency 0..1024;
+//     flow_sample_rate 0..65536; node_name
 //     empty or at most 253 printable ASCII
 //     characters without white space;
 //   - conntrack_gc_interval 1s..1h; each conntrack timeout a whole number
@@ -574,6 +601,9 @@ func (c *Config) validate() error {
 	}
 	if n := c.HealthCheckConcurrency; n < 0 || n > MaxHealthCheckConcurrency {
 		bad(ErrInvalid, "health_check_concurrency", "%d is outside 0..%d (0: the default, %d)", n, MaxHealthCheckConcurrency, health.DefaultConcurrency)
+	}
+	if n := c.FlowSampleRate; n > MaxFlowSampleRate {
+		bad(ErrInvalid, "flow_sample_rate", "%d is outside 0..%d (0: off, N: 1 in N new flows)", n, MaxFlowSampleRate)
 	}
 	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
 		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)

@@ -64,6 +64,7 @@ catalog_path = "/srv/fluxvm/catalog.json"
 advertisements_path = "/run/fluxvm-test/adverts.json"
 node_name = "node-a.example"
 health_check_concurrency = 8
+flow_sample_rate = 100
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -101,6 +102,7 @@ edt_horizon_fallback = true
 		AdvertisementsPath:     "/run/fluxvm-test/adverts.json",
 		NodeName:               "node-a.example",
 		HealthCheckConcurrency: 8,
+		FlowSampleRate:         100,
 		ConntrackGCInterval:    Duration{90 * time.Second},
 		TCPSynTimeout:          Duration{2 * time.Second},
 		TCPEstablishedTimeout:  Duration{168 * time.Hour},
@@ -175,6 +177,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "hash_seed negative", doc: table + "hash_seed = -1\n", field: k("hash_seed"), kind: ErrMalformed},
 		{name: "hash_seed a string", doc: table + "hash_seed = \"7\"\n", field: k("hash_seed"), kind: ErrMalformed, reason: "integer"},
 		{name: "maglev_seed negative", doc: table + "maglev_seed = -1\n", field: k("maglev_seed"), kind: ErrMalformed},
+		{name: "flow_sample_rate negative", doc: table + "flow_sample_rate = -1\n", field: k("flow_sample_rate"), kind: ErrMalformed},
 		{name: "maglev_seed a string", doc: table + "maglev_seed = \"7\"\n", field: k("maglev_seed"), kind: ErrMalformed, reason: "integer"},
 		{name: "edt_enabled a string", doc: table + "edt_enabled = \"no\"\n", field: k("edt_enabled"), kind: ErrMalformed, reason: "boolean"},
 		{name: "interfaces not a list", doc: table + "north_south_interfaces = \"eth0\"\n", field: k("north_south_interfaces"), kind: ErrMalformed},
@@ -220,6 +223,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "node_name with space", doc: table + "node_name = \"node a\"\n", field: k("node_name"), kind: ErrInvalid},
 		{name: "health_check_concurrency negative", doc: table + "health_check_concurrency = -1\n", field: k("health_check_concurrency"), kind: ErrInvalid},
 		{name: "health_check_concurrency too large", doc: table + "health_check_concurrency = 1025\n", field: k("health_check_concurrency"), kind: ErrInvalid, reason: "1024"},
+		{name: "flow_sample_rate too large", doc: table + "flow_sample_rate = 65537\n", field: k("flow_sample_rate"), kind: ErrInvalid, reason: "0..65536"},
 		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},
 
 		// Interfaces.
@@ -514,6 +518,9 @@ func TestSocketLBOptions(t *testing.T) {
 	}
 	if o := OptionsFrom(c); !o.CgroupConnect || o.CgroupPath != "/sys/fs/cgroup/unified/agents" {
 		t.Errorf("OptionsFrom: cgroup_connect %v, cgroup_path %q", o.CgroupConnect, o.CgroupPath)
+	}
+	if o := OptionsFrom(Config{FlowSampleRate: 7}); o.FlowSampleRate != 7 {
+		t.Errorf("OptionsFrom: flow_sample_rate %d, want 7", o.FlowSampleRate)
 	}
 	if o := OptionsFrom(DefaultConfig()); o.CgroupConnect || o.CgroupPath != "" {
 		t.Errorf("defaults: cgroup_connect %v, cgroup_path %q; want off", o.CgroupConnect, o.CgroupPath)

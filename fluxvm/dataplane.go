@@ -72,6 +72,14 @@ type Options struct {
 	// established ones keep their backends through conntrack. Both
 	// seeds are in Status.Seeds.
 	MaglevSeed uint64
+	// FlowSampleRate is flow_sample_rate: 0 (the default) records no
+	// flows; N gives 1 in N new flows a FluxScope record (Flows), and
+	// client packets dropped are recorded within the datapath's per-CPU
+	// budget. At most MaxFlowSampleRate. Open writes it to the datapath's
+	// meta map every time, so a restart, a generation reload or a tier
+	// change (which recreate the maps) keeps it, and a change takes
+	// effect at the next Open.
+	FlowSampleRate uint32
 	// Interfaces are the VM-edge interfaces attached when the dataplane
 	// opens (Config.NorthSouthInterfaces are attached too).
 	Interfaces []VMEdgeInterface
@@ -241,6 +249,10 @@ func Open(opts Options) (*Dataplane, error) {
 	if err := opts.NorthSouth.Validate(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	if opts.FlowSampleRate > MaxFlowSampleRate {
+		return nil, fmt.Errorf("fluxvm: open: %w", verr(ErrInvalid, "FlowSampleRate",
+			"%d is outside 0..%d (0: off, N: 1 in N new flows)", opts.FlowSampleRate, MaxFlowSampleRate))
+	}
 	if err := opts.checkEDT(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -347,11 +359,15 @@ func (d *Dataplane) init() error {
 			"hash_seed", st.HashSeed, "previous_hash_seed", st.PreviousHashSeed)
 	}
 	d.log.Info("fluxvm: seeds", "hash_seed", st.HashSeed, "maglev_seed", d.opts.MaglevSeed)
+	d.log.Info("fluxvm: flow records", "flow_sample_rate", d.opts.FlowSampleRate)
 	if len(st.SeveredLinks) > 0 {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
 
-	if err := d.dp.UpdateMeta(func(m *bpf.Meta) { _ = d.opts.Timeouts.ApplyTo(m) }); err != nil {
+	if err := d.dp.UpdateMeta(func(m *bpf.Meta) {
+		_ = d.opts.Timeouts.ApplyTo(m)
+		m.FlowSampleRate = d.opts.FlowSampleRate
+	}); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
 	nt, err := nat.New(d.dp.Maps().FluxvmNat4, d.dp.Maps().FluxvmNat6)

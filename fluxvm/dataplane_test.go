@@ -27,6 +27,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/maglev"
@@ -416,6 +417,7 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"VMStats":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.VMStats(e.backends[0].Name) }},
 		"Service":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
 		"Conntrack":              {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Conntrack() }},
+		"Flows":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Flows(1, flows.Filter{}) }},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("second Close: %v", res)

@@ -99,6 +99,7 @@ func OptionsFrom(cfg Config) Options {
 		GCInterval:         cfg.ConntrackGCInterval.Duration,
 		Timeouts:           cfg.ConntrackTimeouts(),
 		MaglevSeed:         cfg.MaglevSeed,
+		FlowSampleRate:     cfg.FlowSampleRate,
 	}
 	opts.Interfaces = append(opts.Interfaces, cfg.VMEdgeInterfaces...)
 	return opts

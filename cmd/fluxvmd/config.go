@@ -18,6 +18,9 @@ import (
 // the daemon's own api sub-table, which only the daemon reads.
 type config struct {
 	fluxvm.Config
+	// OTLPConfig is the flow export (the otlp_* keys, otlp.go), read by
+	// the daemon only.
+	OTLPConfig
 	// API configures the daemon's REST API.
 	API APIConfig `toml:"api"`
 }
@@ -105,7 +108,7 @@ func defaultAPIConfig() APIConfig {
 
 // defaultConfig returns the configuration with every default applied.
 func defaultConfig() config {
-	return config{Config: fluxvm.DefaultConfig(), API: defaultAPIConfig()}
+	return config{Config: fluxvm.DefaultConfig(), OTLPConfig: defaultOTLPConfig(), API: defaultAPIConfig()}
 }
 
 // loadConfig reads and parses the configuration file at path.
@@ -143,9 +146,11 @@ func (c *config) validate() error {
 	if err := c.Config.Validate(); err != nil {
 		errs = append(errs, err)
 	}
-	c.API.validate(func(category error, k, format string, args ...any) {
+	bad := func(category error, k, format string, args ...any) {
 		errs = append(errs, &fluxvm.ValidationError{Field: fluxvm.ConfigTable + "." + k, Reason: fmt.Sprintf(format, args...), Kind: category})
-	})
+	}
+	c.API.validate(bad)
+	c.OTLPConfig.validate(c.NodeName, bad)
 	return errors.Join(errs...)
 }
 

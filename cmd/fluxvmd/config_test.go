@@ -132,6 +132,10 @@ func TestExampleConfig(t *testing.T) {
 	def := defaultConfig()
 	c.VMEdgeInterfaces, c.NorthSouthInterfaces, c.XDPEgressInterfaces, c.EDTInterfaces = nil, nil, nil, nil
 	c.API.AdminTokenFile, c.API.ReadTokenFile = "", ""
+	if len(c.Headers) != 0 {
+		t.Errorf("otlp_headers %v", c.Headers)
+	}
+	c.Headers = nil
 	if !reflect.DeepEqual(c, def) {
 		t.Errorf("example differs from the defaults:\n got %+v\nwant %+v", c, def)
 	}

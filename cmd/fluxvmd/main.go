@@ -41,9 +41,11 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
+	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -191,7 +193,36 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 		return err
 	}
 	defer d.Close()
-	srv, err := newAPIServer(d, cfg.API, admin, read, log)
+	var exporter api.FlowExporter
+	if cfg.OTLPConfig.Endpoint != "" {
+		x, err := otlp.New(cfg.OTLPConfig.exporterConfig(cfg.NodeName))
+		if err != nil {
+			return err
+		}
+		exporter = x
+		// Flush what is queued within the stop deadline; what is still
+		// unsent then is abandoned and counted.
+		defer func() {
+			flush, cancel := context.WithTimeout(context.Background(), otlpFlushTimeout)
+			defer cancel()
+			if err := x.Close(flush); err != nil {
+				log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
+			}
+		}()
+		p := newPeriodicExport(d.Flows, x, log)
+		loopCtx, stopLoop := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go p.run(loopCtx, &wg)
+		defer func() { stopLoop(); wg.Wait() }()
+		xc := x.Config()
+		log.Info("fluxvmd: exporting flows", "otlp_endpoint", xc.Endpoint, "otlp_encoding", xc.Encoding,
+			"otlp_interval", xc.Interval, "flow_sample_rate", cfg.FlowSampleRate)
+		if cfg.FlowSampleRate == 0 {
+			log.Warn("fluxvmd: otlp_endpoint is set but flow_sample_rate is 0: no flows are recorded, none will be exported")
+		}
+	}
+	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter)
 	if err != nil {
 		return err
 	}
@@ -236,16 +267,18 @@ const (
 	// conntrack GC of a large table) may take after its body, answer
 	// written; WriteTimeout is the body timeout plus this.
 	apiHandlerTime = 2 * time.Minute
+	// otlpFlushTimeout bounds the flush of the flow export at stop.
+	otlpFlushTimeout = 5 * time.Second
 )
 
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger) (*http.Server, error) {
+func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
-		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log})
+		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x})
 	if err != nil {
 		return nil, err
 	}

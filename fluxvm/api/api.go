@@ -12,6 +12,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -47,6 +49,17 @@ type Dataplane interface {
 	// Advertisements returns the current VIP advertisement snapshot, the
 	// document the node's snapshot file holds.
 	Advertisements() advert.Snapshot
+	// Flows returns up to limit FluxScope flow records that f keeps,
+	// newest first; a limit outside 1..flows.MaxLimit wraps
+	// flows.ErrLimit.
+	Flows(limit int, f flows.Filter) ([]flows.Record, error)
+}
+
+// FlowExporter sends flow records to a telemetry receiver now, as POST
+// /v1/network/services/telemetry/export asks. *otlp.Exporter implements
+// it.
+type FlowExporter interface {
+	Export(ctx context.Context, recs []flows.Record) (otlp.Report, error)
 }
 
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.
@@ -92,6 +105,14 @@ type Options struct {
 	// duration; never a token) and the detail of internal errors.
 	// nil discards them.
 	Logger *slog.Logger
+	// Exporter, when set, is what POST
+	// /v1/network/services/telemetry/export sends the newest flow
+	// records through (the daemon's otlp.Exporter when otlp_endpoint is
+	// configured). nil: the route answers 422 missing_prerequisite
+	// "otlp_endpoint not configured". The handler never closes it. When
+	// it also implements OTLPStatsSource (*otlp.Exporter does), its
+	// counters are in /metrics (NewOTLPCollector).
+	Exporter FlowExporter
 	// Registry, when set, receives the dataplane collector and is what
 	// /metrics serves, so an embedder can add its own collectors (Go
 	// runtime, process) to the same page. nil uses a private registry
@@ -138,6 +159,11 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	if err := reg.Register(NewCollector(dp)); err != nil {
 		return nil, fmt.Errorf("api: register metrics collector: %w", err)
 	}
+	if src, ok := opts.Exporter.(OTLPStatsSource); ok {
+		if err := reg.Register(NewOTLPCollector(src)); err != nil {
+			return nil, fmt.Errorf("api: register OTLP metrics collector: %w", err)
+		}
+	}
 
 	h := &handler{
 		dp:          dp,
@@ -146,6 +172,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 		bodyTimeout: bodyTimeout,
 		log:         logger,
 		mux:         http.NewServeMux(),
+		exporter:    opts.Exporter,
 	}
 	h.metrics = newMetricsHandler(reg, logger)
 	for _, rt := range routes {
@@ -163,6 +190,7 @@ type handler struct {
 	log         *slog.Logger
 	mux         *http.ServeMux
 	metrics     http.Handler
+	exporter    FlowExporter
 }
 
 // ServeHTTP authenticates the request, routes it and logs the outcome.

@@ -497,7 +497,7 @@ func TestLiteralSegmentsWin(t *testing.T) {
 // that name (restored from an older catalog); DELETE removes such a
 // service and is otherwise 404 "no such route".
 func TestReservedWordsAreRoutes(t *testing.T) {
-	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true}
+	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true, "flows": true}
 	for _, w := range fluxvm.ReservedNames() {
 		t.Run(w, func(t *testing.T) {
 			e := newEnv(t)

@@ -19,6 +19,10 @@
 //	GET    /v1/network/services/health              observed health of health-checked backends
 //	POST   /v1/network/services/health/reconcile    run every health check now; 200 + HealthReport
 //	GET    /v1/network/services/advertisements      VIP advertisement snapshot (as the file holds it)
+//	GET    /v1/network/services/flows               FluxScope flow records, newest first (?limit= 1..4096,
+//	                                                default 256; service, backend, verdict, since)
+//	POST   /v1/network/services/telemetry/export    send the newest records (?limit=, default 1024) through
+//	                                                Options.Exporter now; 200 + ExportResponse, 422 without one
 //	GET    /v1/network/services/{name}              one service; 404 when absent
 //	DELETE /v1/network/services/{name}              remove a service; 204
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
@@ -29,7 +33,7 @@
 // conntrack, flows, health, policies, pressure, stats, status, telemetry):
 // validation refuses them as service names, and the {name} routes never
 // answer one as a service. GET of a reserved word that is not a route of
-// this build (GET /v1/network/services/flows) is 404 "no such route", so a
+// this build (GET /v1/network/services/policies) is 404 "no such route", so a
 // later route never hides a service, nor a service a route. DELETE of a
 // reserved word removes only a service restored under it from an older
 // catalog (fluxvm keeps such a service serving, with a warning).
@@ -86,6 +90,7 @@
 //
 // /metrics serves a [prometheus.Registry] (Options.Registry or a private
 // one) holding the collector of [NewCollector], which reads the dataplane's
-// Stats and Status at scrape time. Embedders that serve their own /metrics
-// can register [NewCollector] in their registry instead.
+// Stats and Status at scrape time, and, when Options.Exporter has Stats
+// (an *otlp.Exporter), the collector of [NewOTLPCollector]. Embedders that
+// serve their own /metrics can register them in their registry instead.
 package api

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -157,7 +158,7 @@ func toAPIError(err error) *apiError {
 		code = CodeConflict
 	case errors.Is(err, fluxvm.ErrLimit):
 		code = CodeLimitExceeded
-	case errors.Is(err, fluxvm.ErrMalformed), errors.Is(err, fluxvm.ErrInvalid), isJSONError(err):
+	case errors.Is(err, fluxvm.ErrMalformed), errors.Is(err, fluxvm.ErrInvalid), errors.Is(err, flows.ErrLimit), isJSONError(err):
 		code = CodeInvalidRequest
 	default:
 		e := newAPIError(CodeInternal, internalMessage)

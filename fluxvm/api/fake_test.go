@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -32,6 +33,37 @@ type fakeDataplane struct {
 	status      fluxvm.Status
 	stats       fluxvm.Stats
 	vms         map[string]fluxvm.VMStats
+	flows       []flows.Record // what Flows returns, before limit and filter
+	flowsErr    error
+	flowReads   []flowRead // every Flows call
+}
+
+// flowRead is one call of Flows.
+type flowRead struct {
+	limit  int
+	filter flows.Filter
+}
+
+// Flows returns the fake's records that f keeps (by service, verdict and
+// backend address; since by LastSeen), at most limit.
+func (f *fakeDataplane) Flows(limit int, flt flows.Filter) ([]flows.Record, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.flowReads = append(f.flowReads, flowRead{limit, flt})
+	if f.flowsErr != nil {
+		return nil, f.flowsErr
+	}
+	var out []flows.Record
+	for _, r := range f.flows {
+		if len(out) == limit {
+			break
+		}
+		if (flt.Service == "" || r.Service == flt.Service) && (flt.Verdict == "" || r.Verdict == flt.Verdict) &&
+			(!flt.Backend.IsValid() || r.Backend.Addr() == flt.Backend) && (flt.Since.IsZero() || !r.LastSeen.Before(flt.Since)) {
+			out = append(out, r)
+		}
+	}
+	return out, nil
 }
 
 func newFake() *fakeDataplane {

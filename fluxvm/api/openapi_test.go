@@ -13,6 +13,8 @@ import (
 	"testing"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -184,6 +186,11 @@ func TestOpenAPISchemas(t *testing.T) {
 		"AdvertisementSnapshot":  reflect.TypeFor[advert.Snapshot](),
 		"AdvertisementEntry":     reflect.TypeFor[advert.Entry](),
 		"AdvertisementPort":      reflect.TypeFor[advert.Port](),
+		"FlowsResponse":          reflect.TypeFor[FlowsResponse](),
+		"FlowRecord":             reflect.TypeFor[flows.Record](),
+		"FlowCounts":             reflect.TypeFor[flows.Counts](),
+		"ExportResponse":         reflect.TypeFor[ExportResponse](),
+		"OTLPExportReport":       reflect.TypeFor[otlp.Report](),
 		"Error":                  reflect.TypeFor[ErrorResponse](),
 		"ErrorDetail":            reflect.TypeFor[ErrorDetail](),
 	}

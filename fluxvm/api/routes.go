@@ -45,6 +45,8 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/health", handle: (*handler).health},
 	{method: http.MethodPost, path: "/v1/network/services/health/reconcile", admin: true, body: true, handle: (*handler).reconcileHealth},
 	{method: http.MethodGet, path: "/v1/network/services/advertisements", handle: (*handler).advertisements},
+	{method: http.MethodGet, path: "/v1/network/services/flows", handle: (*handler).flows},
+	{method: http.MethodPost, path: "/v1/network/services/telemetry/export", admin: true, handle: (*handler).exportFlows},
 	{method: http.MethodGet, path: "/v1/network/services/{name}", handle: (*handler).getService},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
@@ -26,11 +27,17 @@ type DemoOptions struct {
 	LongLived int
 	// Weights of the three backends.
 	Weights []uint32
+	// Progress draws progress bars (carriage returns): for a terminal
+	// only, so that a log or a pipe gets plain lines.
+	Progress bool
+	// TopFlows is how many FluxScope flow records the closing table
+	// shows (1..100).
+	TopFlows int
 }
 
 // DefaultDemoOptions are the demo's defaults.
 func DefaultDemoOptions() DemoOptions {
-	return DemoOptions{Connections: 600, LongLived: 12, Weights: []uint32{1, 2, 3}}
+	return DemoOptions{Connections: 600, LongLived: 12, Weights: []uint32{1, 2, 3}, TopFlows: 10}
 }
 
 // Demo builds the lab, runs the dataplane and shows a weighted east-west
@@ -47,12 +54,17 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 	if len(o.Weights) != 3 {
 		return errors.New("demo: three weights, one per backend")
 	}
+	if o.TopFlows < 1 || o.TopFlows > 100 {
+		return fmt.Errorf("demo: top flows %d out of 1..100", o.TopFlows)
+	}
 	fmt.Fprintln(w, "== FluxVM Service Fabric lab demo")
 	fmt.Fprintln(w, "building the lab: a node namespace, a client VM, three backend VMs, an external client")
 	env, err := NewEnvConfig(3, nil, func(c *fluxvm.Config) {
 		c.NorthSouthInterfaces = []string{"uplink"}
 		c.SNATAddress = DemoSNAT4
 		c.SNATAddressV6 = DemoSNAT6
+		// FluxScope: every flow gets a record, for the closing table.
+		c.FlowSampleRate = 1
 	})
 	if err != nil {
 		return err
@@ -93,7 +105,7 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 	}
 
 	fmt.Fprintf(w, "\n== %d TCP connections through the VIP (IPv4 and IPv6 alternating)\n", o.Connections)
-	got, err := connect(ctx, w, env, o.Connections)
+	got, err := connect(ctx, w, env, o.Connections, o.Progress)
 	if err != nil {
 		return err
 	}
@@ -168,7 +180,7 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 	}
 	fmt.Fprintf(w, "   established connections still answering: %d/%d (%d of them on %s)\n", len(long), len(long), stayed, victim)
 	n := max(o.Connections/2, 1)
-	after, err := connect(ctx, w, env, n)
+	after, err := connect(ctx, w, env, n, o.Progress)
 	if err != nil {
 		return err
 	}
@@ -177,7 +189,58 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 		return fmt.Errorf("demo: %d new connections went to draining %s", after[victim], victim)
 	}
 	fmt.Fprintf(w, "   %s took no new connections; its established ones stay until the deadline\n", victim)
-	return printStats(w, env.DP)
+	if err := printStats(w, env.DP); err != nil {
+		return err
+	}
+	return printTopFlows(w, env.DP, o.TopFlows)
+}
+
+// printTopFlows shows the FluxScope records of the busiest flows (by
+// bytes both ways), read with Dataplane.Flows, the call behind GET
+// /v1/network/services/flows.
+func printTopFlows(w io.Writer, d *fluxvm.Dataplane, top int) error {
+	recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+	if err != nil {
+		return err
+	}
+	if len(recs) == 0 {
+		return errors.New("demo: no flow records although flow_sample_rate is 1")
+	}
+	verdicts := map[flows.Verdict]int{}
+	for _, r := range recs {
+		verdicts[r.Verdict]++
+	}
+	fmt.Fprintf(w, "\n== FluxScope: %d flow records (%d forwarded, %d dropped); the %d busiest:\n",
+		len(recs), verdicts[flows.Forwarded], verdicts[flows.Dropped], min(top, len(recs)))
+	sort.SliceStable(recs, func(i, j int) bool {
+		return recs[i].Forward.Bytes+recs[i].Reply.Bytes > recs[j].Forward.Bytes+recs[j].Reply.Bytes
+	})
+	const row = "   %-7s %-24s %-22s %-4s %11s %13s  %s\n"
+	fmt.Fprintf(w, row, "service", "client", "backend", "hook", "packets", "bytes", "verdict")
+	for _, r := range recs[:min(top, len(recs))] {
+		backend, verdict := "-", string(r.Verdict)
+		if r.Backend.IsValid() {
+			backend = r.Backend.String()
+		}
+		if r.Reason != "" {
+			verdict += " (" + r.Reason + ")"
+		}
+		fmt.Fprintf(w, row, r.Service, r.Client, backend, shortHook(r.Hook),
+			fmt.Sprintf("%d/%d", r.Forward.Packets, r.Reply.Packets), fmt.Sprintf("%d/%d", r.Forward.Bytes, r.Reply.Bytes), verdict)
+	}
+	fmt.Fprintln(w, "   (packets and bytes: client to backend / back; GET /v1/network/services/flows reads the same records)")
+	return nil
+}
+
+// shortHook abbreviates a record's hook for the table.
+func shortHook(h string) string {
+	switch h {
+	case "from_vm":
+		return "vm"
+	case "ns_in":
+		return "ns"
+	}
+	return h
 }
 
 // The demo's SNAT addresses: held by no interface; VM backends reach them
@@ -245,8 +308,9 @@ func pick(i int) netip.Addr {
 }
 
 // connect opens and closes n connections through the VIPs, drawing a
-// progress bar, and counts them by the backend that answered.
-func connect(ctx context.Context, w io.Writer, env *Env, n int) (map[string]int, error) {
+// progress bar when progress is set, and counts them by the backend that
+// answered.
+func connect(ctx context.Context, w io.Writer, env *Env, n int, progress bool) (map[string]int, error) {
 	got := map[string]int{}
 	step := max(n/40, 1)
 	for i := range n {
@@ -259,12 +323,16 @@ func connect(ctx context.Context, w io.Writer, env *Env, n int) (map[string]int,
 		}
 		got[c.Backend]++
 		c.Close()
-		if (i+1)%step == 0 || i+1 == n {
+		if progress && ((i+1)%step == 0 || i+1 == n) {
 			done := (i + 1) * 40 / n
 			fmt.Fprintf(w, "\r   [%s%s] %d/%d", strings.Repeat("#", done), strings.Repeat(".", 40-done), i+1, n)
 		}
 	}
-	fmt.Fprintln(w)
+	if progress {
+		fmt.Fprintln(w)
+	} else {
+		fmt.Fprintf(w, "   %d/%d connected\n", n, n)
+	}
 	return got, nil
 }
 

@@ -1,0 +1,171 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+)
+
+// logsReceiver is an OTLP/HTTP logs endpoint listening on loopback in the
+// lab's node namespace (where the daemon runs): it keeps the request
+// bodies it got on /v1/logs.
+type logsReceiver struct {
+	mu     sync.Mutex
+	bodies [][]byte
+	addr   string
+}
+
+func newLogsReceiver(t *testing.T, l *lab.Lab) *logsReceiver {
+	t.Helper()
+	rc := &logsReceiver{}
+	var ln net.Listener
+	if err := l.Node.Do(func() (err error) {
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	rc.addr = ln.Addr().String()
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if r.URL.Path == "/v1/logs" {
+			rc.mu.Lock()
+			rc.bodies = append(rc.bodies, b)
+			rc.mu.Unlock()
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte("{}"))
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return rc
+}
+
+// has counts the requests whose body names the client port (OTLP/JSON
+// source.port is {"intValue":"<port>"}).
+func (rc *logsReceiver) has(port uint16) int {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	n := 0
+	want := []byte(`"intValue":"` + strconv.Itoa(int(port)) + `"`)
+	for _, b := range rc.bodies {
+		if bytes.Contains(b, want) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestDaemonFlows runs the real binary with flow_sample_rate 1 and an OTLP
+// receiver: a connection through the VIP is listed by GET
+// /v1/network/services/flows with its service, backend and counts, the
+// export route sends it now and reports it, and the periodic export sends
+// it once, after it went idle.
+func TestDaemonFlows(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bin := filepath.Join(t.TempDir(), "fluxvmd")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	l := lab.NewForTest(t)
+	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
+	srv, err := be.Serve(8080)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	rc := newLogsReceiver(t, l)
+
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "fluxvmd.toml")
+	conf := fmt.Sprintf(`[sandbox.dataplane.service]
+map_tier = "S"
+pin_root = %q
+catalog_path = %q
+advertisements_path = %q
+node_name = "lab-node"
+flow_sample_rate = 1
+otlp_endpoint = "http://%s"
+otlp_interval = "1s"
+vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
+`, filepath.Join(testenv.PinRoot(t), "service"), filepath.Join(dir, "catalog.json"), filepath.Join(dir, "adv.json"), rc.addr)
+	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, bin, cfg, l)
+	vip := netip.MustParseAddr("10.96.0.10")
+	svc := fluxvm.Service{
+		Name: "web", VIPs: []netip.Addr{vip},
+		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
+		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
+	}
+	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+		t.Fatal(err)
+	}
+	c, err := cli.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Echo([]byte("hello"), 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	client := netip.MustParseAddrPort(c.LocalAddr().String())
+	c.Close()
+
+	body, err := d.request("GET", "/v1/network/services/flows?service=web&verdict=forwarded", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list api.FlowsResponse
+	if err := json.Unmarshal(body, &list); err != nil {
+		t.Fatal(err)
+	}
+	var rec *flows.Record
+	for i := range list.Records {
+		if list.Records[i].Client == client {
+			rec = &list.Records[i]
+		}
+	}
+	if rec == nil || rec.Backend != netip.AddrPortFrom(be.Addr4, 8080) || rec.VIP != netip.AddrPortFrom(vip, 80) ||
+		rec.Forward.Packets == 0 || rec.Reply.Packets == 0 || rec.Interface != "vm1" {
+		t.Fatalf("no record of the flow from %s to web via %s: %s", client, be.Addr4, body)
+	}
+
+	body, err = d.request("POST", "/v1/network/services/telemetry/export?limit=10", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep api.ExportResponse
+	if err := json.Unmarshal(body, &rep); err != nil || rep.Read == 0 || rep.Sent.Records != rep.Read || rep.Sent.Encoding != "json" {
+		t.Fatalf("export: %s %v", body, err)
+	}
+	if n := rc.has(client.Port()); n != 1 {
+		t.Errorf("after the export route, %d requests name the flow, want 1", n)
+	}
+	// The periodic export sends it once it has been idle a second.
+	deadline := time.Now().Add(10 * time.Second)
+	for rc.has(client.Port()) < 2 && time.Now().Before(deadline) {
+		time.Sleep(200 * time.Millisecond)
+	}
+	time.Sleep(2500 * time.Millisecond) // two more rounds: no second copy
+	if n := rc.has(client.Port()); n != 2 {
+		t.Errorf("%d requests name the flow, want 2 (the route's and the periodic export's)\n%s", n, d.out)
+	}
+}

@@ -1,0 +1,218 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp"
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+// OTLPConfig is the daemon's flow export: the otlp_* keys at the top level
+// of [sandbox.dataplane.service], read by the daemon only (the library,
+// package fluxvm, exports nothing over the network; an embedder that wants
+// export uses package flows/otlp itself). Export is off while Endpoint is
+// empty; the other keys are checked all the same, so that a configuration
+// is known good before export is turned on. Zero values take the defaults
+// of otlp.Config.
+type OTLPConfig struct {
+	// Endpoint is the receiver's base URL (otlp.Config.Endpoint).
+	Endpoint string `toml:"otlp_endpoint"`
+	// Encoding is "json" (default) or "protobuf".
+	Encoding otlp.Encoding `toml:"otlp_encoding"`
+	// Interval of the periodic export (default 10s; 1s..1h).
+	Interval fluxvm.Duration `toml:"otlp_interval"`
+	// Timeout of one request (default 10s; 100ms..5m).
+	Timeout fluxvm.Duration `toml:"otlp_timeout"`
+	// Queue bounds the records held (default 8192; 1..1048576).
+	Queue int `toml:"otlp_queue"`
+	// MaxBatch bounds the records of one request (0, the default: 512,
+	// or Queue when smaller; at most Queue).
+	MaxBatch int `toml:"otlp_max_batch"`
+	// Headers are added to every request.
+	Headers map[string]string `toml:"otlp_headers"`
+	// ServiceName is the resource's service.name (default "fluxvmd").
+	ServiceName string `toml:"otlp_service_name"`
+}
+
+// Bounds of the otlp keys.
+const (
+	MinOTLPInterval = time.Second
+	MaxOTLPInterval = time.Hour
+	MinOTLPTimeout  = 100 * time.Millisecond
+	MaxOTLPTimeout  = 5 * time.Minute
+	MaxOTLPQueue    = 1 << 20
+)
+
+// defaultOTLPConfig is the otlp keys with the defaults of otlp.Config
+// spelled out: export off.
+func defaultOTLPConfig() OTLPConfig {
+	return OTLPConfig{
+		Encoding: otlp.EncodingJSON,
+		Interval: fluxvm.Duration{Duration: otlp.DefaultInterval},
+		Timeout:  fluxvm.Duration{Duration: otlp.DefaultTimeout},
+		Queue:    otlp.DefaultQueueSize,
+		// MaxBatch 0: DefaultMaxBatch, or the queue size when smaller.
+		ServiceName: otlp.DefaultServiceName,
+	}
+}
+
+// exporterConfig is the otlp.Config of o for the node nodeName.
+func (o *OTLPConfig) exporterConfig(nodeName string) otlp.Config {
+	return otlp.Config{
+		Endpoint: o.Endpoint, Encoding: o.Encoding,
+		Interval: o.Interval.Duration, Timeout: o.Timeout.Duration,
+		QueueSize: o.Queue, MaxBatch: o.MaxBatch, Headers: o.Headers,
+		ServiceName: o.ServiceName, NodeName: nodeName,
+	}
+}
+
+// validate checks the otlp keys (the URL and headers only with an
+// endpoint: otlp.Config.Validate); nodeName is node_name (the host name
+// when empty, as otlp.Config says).
+func (o *OTLPConfig) validate(nodeName string, bad func(category error, k, format string, args ...any)) {
+	ok := true
+	check := func(cond bool, k, format string, args ...any) {
+		if !cond {
+			ok = false
+			bad(fluxvm.ErrInvalid, k, format, args...)
+		}
+	}
+	check(o.Encoding == "" || o.Encoding == otlp.EncodingJSON || o.Encoding == otlp.EncodingProtobuf,
+		"otlp_encoding", "%q is not an encoding (want %q or %q)", o.Encoding, otlp.EncodingJSON, otlp.EncodingProtobuf)
+	if d := o.Interval.Duration; d != 0 {
+		check(d >= MinOTLPInterval && d <= MaxOTLPInterval, "otlp_interval", "%v is outside %v..%v", d, MinOTLPInterval, MaxOTLPInterval)
+	}
+	if d := o.Timeout.Duration; d != 0 {
+		check(d >= MinOTLPTimeout && d <= MaxOTLPTimeout, "otlp_timeout", "%v is outside %v..%v", d, MinOTLPTimeout, MaxOTLPTimeout)
+	}
+	check(o.Queue >= 0 && o.Queue <= MaxOTLPQueue, "otlp_queue", "%d is outside 0..%d (0: the default, %d)", o.Queue, MaxOTLPQueue, otlp.DefaultQueueSize)
+	queue := o.Queue
+	if queue == 0 {
+		queue = otlp.DefaultQueueSize
+	}
+	check(o.MaxBatch >= 0 && o.MaxBatch <= queue, "otlp_max_batch", "%d is outside 0..%d (otlp_queue)", o.MaxBatch, queue)
+	if ok && o.Endpoint != "" {
+		// What is left: the URL and the headers.
+		if err := o.exporterConfig(nodeName).Validate(); err != nil {
+			k := "otlp_endpoint"
+			if len(o.Headers) > 0 && (otlp.Config{Endpoint: o.Endpoint, NodeName: "n"}).Validate() == nil {
+				k = "otlp_headers"
+			}
+			bad(fluxvm.ErrInvalid, k, "%v", err)
+		}
+	}
+}
+
+// flowSource is what the periodic export reads (Dataplane.Flows).
+type flowSource func(limit int, f flows.Filter) ([]flows.Record, error)
+
+// periodicExport hands the flow records to the exporter's queue every
+// interval, each record once, never waiting on the network (Enqueue does
+// not block).
+//
+// Which records, and when: those opened after the daemon started (the
+// ring's records of an earlier process are left to the on-demand route),
+// once they are settled: idle for an interval (no packet within it), or
+// open for settleMax intervals (a long-lived flow is sent as it is then,
+// and not again). So a record usually goes out with its flow's final
+// counts. Each round reads the flows.MaxLimit newest records; a node that
+// opens more records than that within settleMax intervals loses the
+// excess from the periodic export (the ring would overwrite them anyway).
+type periodicExport struct {
+	read     flowSource
+	exporter *otlp.Exporter
+	interval time.Duration
+	log      *slog.Logger
+	now      func() time.Time
+
+	start uint64              // the newest seq at start: older records are not sent
+	sent  map[uint64]struct{} // seqs above start already enqueued
+	last  uint64              // the newest seq the last round read
+}
+
+// settleMax is how many intervals a flow may stay active before its
+// record is sent anyway.
+const settleMax = 6
+
+func newPeriodicExport(read flowSource, x *otlp.Exporter, log *slog.Logger) *periodicExport {
+	p := &periodicExport{read: read, exporter: x, interval: x.Config().Interval, log: log, now: time.Now, sent: map[uint64]struct{}{}}
+	if recs, err := read(1, flows.Filter{}); err == nil && len(recs) == 1 {
+		p.start = recs[0].Seq
+	}
+	p.last = p.start
+	return p
+}
+
+// round enqueues the settled records not sent yet and returns how many
+// it handed over and how many the queue refused.
+func (p *periodicExport) round() (accepted, dropped int) {
+	recs, err := p.read(flows.MaxLimit, flows.Filter{})
+	if err != nil {
+		p.log.Warn("fluxvmd: flow export: reading the flows failed", "error", err)
+		return 0, 0
+	}
+	if len(recs) > 0 && recs[0].Seq < p.last {
+		// The ring was recreated (a tier change by another process, a
+		// cleanup): its sequence starts again.
+		p.start, p.sent = 0, map[uint64]struct{}{}
+	}
+	if len(recs) > 0 {
+		p.last = recs[0].Seq
+	}
+	now := p.now()
+	var out []flows.Record
+	for _, r := range recs {
+		if r.Seq <= p.start {
+			break
+		}
+		if _, done := p.sent[r.Seq]; done {
+			continue
+		}
+		if now.Sub(r.LastSeen) >= p.interval || now.Sub(r.FirstSeen) >= settleMax*p.interval {
+			out = append(out, r)
+		}
+	}
+	// Forget what the window no longer holds.
+	if len(recs) > 0 {
+		oldest := recs[len(recs)-1].Seq
+		for s := range p.sent {
+			if s < oldest {
+				delete(p.sent, s)
+			}
+		}
+	}
+	if len(out) == 0 {
+		return 0, 0
+	}
+	slices.Reverse(out) // oldest first
+	accepted, dropped = p.exporter.Enqueue(out)
+	for _, r := range out {
+		// A record the full queue refused is not tried again: the queue
+		// keeps the older ones, and the on-demand route can still send it.
+		p.sent[r.Seq] = struct{}{}
+	}
+	if dropped > 0 {
+		p.log.Warn("fluxvmd: flow export: queue full, records dropped", "dropped", dropped)
+	}
+	return accepted, dropped
+}
+
+// run calls round every interval until ctx ends.
+func (p *periodicExport) run(ctx context.Context, wg *sync.WaitGroup) {
+	defer wg.Done()
+	t := time.NewTicker(p.interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			p.round()
+		}
+	}
+}

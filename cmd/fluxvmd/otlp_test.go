@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp"
+	"github.com/fluxvm/servicefabric/fluxvm"
+)
+
+func TestOTLPConfig(t *testing.T) {
+	const table = "[sandbox.dataplane.service]\n"
+	c, err := parseConfig([]byte(table + `otlp_endpoint = "http://127.0.0.1:4318"
+otlp_encoding = "protobuf"
+otlp_interval = "2s"
+otlp_timeout = "3s"
+otlp_queue = 100
+otlp_max_batch = 10
+otlp_headers = { Authorization = "Bearer x" }
+otlp_service_name = "edge"
+node_name = "node-a"
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := c.OTLPConfig.exporterConfig(c.NodeName)
+	if got.Endpoint != "http://127.0.0.1:4318" || got.Encoding != otlp.EncodingProtobuf || got.Interval != 2*time.Second ||
+		got.Timeout != 3*time.Second || got.QueueSize != 100 || got.MaxBatch != 10 || got.Headers["Authorization"] != "Bearer x" ||
+		got.ServiceName != "edge" || got.NodeName != "node-a" {
+		t.Errorf("exporter config %+v", got)
+	}
+	if err := got.Validate(); err != nil {
+		t.Error(err)
+	}
+	k := func(s string) string { return fluxvm.ConfigTable + "." + s }
+	for _, c := range []struct{ doc, field string }{
+		{`otlp_encoding = "xml"`, k("otlp_encoding")},
+		{`otlp_interval = "10ms"`, k("otlp_interval")},
+		{`otlp_interval = "2h"`, k("otlp_interval")},
+		{`otlp_timeout = "1ms"`, k("otlp_timeout")},
+		{`otlp_queue = -1`, k("otlp_queue")},
+		{`otlp_queue = 2000000`, k("otlp_queue")},
+		{"otlp_queue = 10\notlp_max_batch = 11", k("otlp_max_batch")},
+		{`otlp_endpoint = "127.0.0.1:4318"`, k("otlp_endpoint")},
+		{`otlp_endpoint = "http://127.0.0.1:4318/v1/logs"`, k("otlp_endpoint")},
+		{"otlp_endpoint = \"http://127.0.0.1:4318\"\notlp_headers = { \"a b\" = \"c\" }", k("otlp_headers")},
+	} {
+		_, err := parseConfig([]byte(table + c.doc + "\n"))
+		var ve *fluxvm.ValidationError
+		if !errors.As(err, &ve) || ve.Field != c.field || !errors.Is(err, fluxvm.ErrInvalid) {
+			t.Errorf("%q: %v, want an invalid %s", c.doc, err, c.field)
+		} else {
+			t.Logf("%q: %v", c.doc, err)
+		}
+	}
+	// Without an endpoint the other keys are checked, and export is off.
+	c, err = parseConfig([]byte(table + "otlp_interval = \"5s\"\notlp_queue = 100\n"))
+	if err != nil || c.Endpoint != "" {
+		t.Errorf("keys without an endpoint: %+v %v", c.OTLPConfig, err)
+	}
+}
+
+// records is a flowSource of a fixed list, newest first.
+type records struct {
+	mu   sync.Mutex
+	list []flows.Record
+}
+
+func (r *records) read(limit int, _ flows.Filter) ([]flows.Record, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.list[:min(limit, len(r.list))], nil
+}
+
+func (r *records) set(list ...flows.Record) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.list = list
+}
+
+// TestPeriodicExport: each round enqueues the records opened after the
+// start that are settled (idle an interval, or open settleMax intervals),
+// each once, oldest first; the queue and the receiver get each record
+// exactly once; a ring that starts again is followed.
+func TestPeriodicExport(t *testing.T) {
+	var mu sync.Mutex
+	var bodies int
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		bodies++
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte("{}"))
+	}))
+	defer srv.Close()
+	const every = time.Minute
+	x, err := otlp.New(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	rec := func(seq uint64, first, last time.Duration) flows.Record {
+		return flows.Record{Seq: seq, Service: "web", Verdict: flows.Forwarded, FirstSeen: now.Add(-first), LastSeen: now.Add(-last)}
+	}
+	src := &records{}
+	src.set(rec(5, 10*every, 10*every)) // before the start
+	p := newPeriodicExport(src.read, x, slog.New(slog.DiscardHandler))
+	p.interval, p.now = every, func() time.Time { return now }
+	if p.start != 5 {
+		t.Fatalf("start %d, want 5", p.start)
+	}
+	round := func(want int) {
+		t.Helper()
+		if a, d := p.round(); a != want || d != 0 {
+			t.Errorf("round: %d accepted, %d dropped; want %d", a, d, want)
+		}
+	}
+	round(0)
+	src.set(rec(7, 3*every, 2*every), rec(6, time.Second, 0), rec(5, 10*every, 10*every))
+	round(1) // 7 is idle; 6 active; 5 was there at the start
+	round(0) // nothing new
+	now = now.Add(every)
+	round(1) // 6 idle now
+	src.set(rec(9, 0, 0), rec(8, settleMax*every, 0), rec(7, 4*every, 3*every), rec(6, every, every))
+	round(1) // 8 open for settleMax intervals; 9 just opened
+	round(0)
+	// The ring started again (a tier change recreated it).
+	src.set(rec(1, 2*every, 2*every))
+	round(1)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := x.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := x.Stats(); st.RecordsSent != 4 || st.DroppedQueueFull != 0 || st.BatchesFailed != 0 {
+		t.Errorf("exporter stats %+v, want the 4 records sent once", st)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if bodies == 0 {
+		t.Error("the receiver got nothing")
+	}
+}
+
+// TestPeriodicExportQueueFull: a full queue refuses records without
+// blocking the round, and they are counted and not tried again.
+func TestPeriodicExportQueueFull(t *testing.T) {
+	block := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-block
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer srv.Close()
+	defer close(block)
+	x, err := otlp.New(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour, QueueSize: 2, MaxBatch: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		_ = x.Close(ctx)
+	}()
+	now := time.Now()
+	src := &records{}
+	p := newPeriodicExport(src.read, x, slog.New(slog.DiscardHandler))
+	var list []flows.Record
+	for s := uint64(5); s >= 1; s-- {
+		list = append(list, flows.Record{Seq: s, FirstSeen: now.Add(-time.Hour), LastSeen: now.Add(-time.Hour)})
+	}
+	src.set(list...)
+	start := time.Now()
+	a, d := p.round()
+	if a+d != 5 || d < 3 || time.Since(start) > time.Second {
+		t.Errorf("round: %d accepted, %d dropped in %v; want 5 handed over, at least 3 refused, at once", a, d, time.Since(start))
+	}
+	if a2, d2 := p.round(); a2 != 0 || d2 != 0 {
+		t.Errorf("second round: %d, %d; want nothing again", a2, d2)
+	}
+	if st := x.Stats(); st.DroppedQueueFull != uint64(d) {
+		t.Errorf("stats %+v", st)
+	}
+}

@@ -1,0 +1,67 @@
+package fluxvm
+
+import (
+	"fmt"
+	"net"
+
+	"github.com/fluxvm/servicefabric/flows"
+)
+
+// Flows returns up to limit FluxScope flow records that f keeps, newest
+// first (flows.Reader.Read over fluxvm_sflows): limit 1..flows.MaxLimit,
+// else an error matching flows.ErrLimit. Records exist only while
+// Options.FlowSampleRate is not 0.
+//
+// Service names come from the frontends' service ids as they are now: a
+// record of a frontend deleted since has an empty Service (its ServiceID
+// stays); a service id reused by a newer frontend names that one.
+// Interface names come from the attached interfaces, then from the node's
+// namespace (Options.InNamespace), else "if<index>".
+//
+// Flows holds the dataplane's lock while it reads (at most the ring's
+// size of lookups), as Stats does. After Close it fails with ErrClosed.
+func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen("flows"); err != nil {
+		return nil, err
+	}
+	names := make(map[uint32]string, len(d.frontends))
+	for _, fe := range d.frontends {
+		names[fe.sid] = fe.service
+	}
+	ifnames := make(map[int]string, len(d.ifaces))
+	for name, ifc := range d.ifaces {
+		if ifc.index != 0 {
+			ifnames[ifc.index] = name
+		}
+	}
+	r := flows.Reader{
+		Ring: d.dp.Maps().FluxvmSflows,
+		Seq:  d.dp.Maps().FluxvmFlowSeq,
+		Service: func(id uint32) string {
+			return names[id]
+		},
+		Interface: func(index int) string {
+			if n, ok := ifnames[index]; ok {
+				return n
+			}
+			// Not one of ours (or no longer): ask the node's namespace
+			// once per Read and index.
+			var n string
+			_ = d.opts.InNamespace(func() error {
+				if ifc, err := net.InterfaceByIndex(index); err == nil {
+					n = ifc.Name
+				}
+				return nil
+			})
+			ifnames[index] = n
+			return n
+		},
+	}
+	out, err := r.Read(limit, f)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: %w", err)
+	}
+	return out, nil
+}

@@ -63,10 +63,7 @@ func TestChurn(t *testing.T) {
 		}
 		rounds = n
 	}
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 
 	l := lab.NewForTest(t)
 	cli := l.AddVMForTest(t, 1)

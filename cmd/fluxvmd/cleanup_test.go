@@ -26,10 +26,7 @@ import (
 // (kept at stop) is removed from every interface.
 func TestCleanupAfterInterfacesAreGone(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 	l := lab.NewForTest(t)
 	be := l.AddVMForTest(t, 2)
 	if _, err := l.AddExternal(); err != nil {

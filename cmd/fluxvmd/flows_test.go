@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -80,10 +79,7 @@ func (rc *logsReceiver) has(port uint16) int {
 // it once, after it went idle.
 func TestDaemonFlows(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 	l := lab.NewForTest(t)
 	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
 	srv, err := be.Serve(8080)

@@ -137,10 +137,7 @@ func (d *daemon) stop() {
 // through the VIP, and finally cleans up.
 func TestDaemonRestartKeepsFlows(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 	l := lab.NewForTest(t)
 	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
 	srv, err := be.Serve(8080)
@@ -410,4 +407,15 @@ snat_port_max = 49999
 	if out := describeConfig(cfg.Config); !strings.Contains(out, "socket load balancing: on, on cgroup /sys/fs/cgroup/unified/agents") {
 		t.Errorf("check-config output lacks the cgroup:\n%s", out)
 	}
+}
+
+// buildDaemon builds this package's binary into the test's temporary
+// directory and returns its path.
+func buildDaemon(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "fluxvmd")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	return bin
 }

@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -55,10 +54,7 @@ import (
 // each phase.
 func TestDaemonRestartKeepsXDPFlows(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 	l := lab.NewForTest(t)
 	var backends []*lab.VM
 	for i := 1; i <= 2; i++ {

@@ -108,6 +108,17 @@ func TestFlowRecords(t *testing.T) {
 			if again.FwdPackets != f.FwdPackets || again.RevPackets != f.RevPackets {
 				t.Errorf("a reused slot was counted into: %+v", again)
 			}
+			// The same id on a record of another service (an id carried
+			// over a reload into a new ring): not counted into either.
+			f.Seq -= uint64(h.objs.FluxvmSflows.MaxEntries())
+			f.ServiceId = sid + 1
+			h.must(h.objs.FluxvmSflows.Put(ct.Flow&uint32(h.objs.FluxvmSflows.MaxEntries()-1), f))
+			h.run(h.objs.FluxvmFromVm, ack)
+			h.run(h.objs.FluxvmToVm, reply)
+			h.must(h.objs.FluxvmSflows.Lookup(ct.Flow&uint32(h.objs.FluxvmSflows.MaxEntries()-1), &again))
+			if again.FwdPackets != f.FwdPackets || again.RevPackets != f.RevPackets {
+				t.Errorf("another service's record with the flow's id was counted into: %+v", again)
+			}
 		})
 	}
 }

@@ -48,12 +48,15 @@ static __always_inline struct fluxvm_flow *fluxvm_flow_get(__u32 id)
 }
 
 /* Count a packet of @len bytes into flow @id's record: @reply is backend
- * -> client. */
-static __always_inline void fluxvm_flow_count(__u32 id, const int reply, __u32 len, __u64 now)
+ * -> client. The record must also name the flow's service @sid: an id is
+ * 32 bits of a 64-bit sequence, and a conntrack entry carried over a
+ * program reload names a slot of a new ring, so a matching id alone could
+ * be another flow's record. */
+static __always_inline void fluxvm_flow_count(__u32 id, __u32 sid, const int reply, __u32 len, __u64 now)
 {
 	struct fluxvm_flow *f = fluxvm_flow_get(id);
 
-	if (!f)
+	if (!f || f->service_id != sid)
 		return;
 	if (reply) {
 		f->rev_packets++;
@@ -233,8 +236,12 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 	now = bpf_ktime_get_coarse_ns();
 	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
 	ct = v6 ? bpf_map_lookup_elem(&fluxvm_fct6, &t6) : bpf_map_lookup_elem(&fluxvm_fct4, &t4);
-	if (ct)
+	/* The tuple's conntrack entry is this flow's only if it is of this
+	 * service (a VIP and port given to another service, a tuple reused). */
+	if (ct && ct->service_id == (__u32)(info >> 32))
 		f = fluxvm_flow_get(ct->flow);
+	if (f && f->service_id != (__u32)(info >> 32))
+		f = NULL;
 	if (!f) {
 		if (!fluxvm_flow_budget_take(now)) {
 			fluxvm_count(FLUXVM_CNT_FLOW_DROP_LIMITED);

@@ -474,7 +474,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
 		if (ct->flow)
-			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
+			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
@@ -554,7 +554,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
 		if (ct->flow)
-			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
+			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
@@ -631,7 +631,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
 		if (ct->flow)
-			fluxvm_flow_count(ct->flow, 0, ctx_full_len(ctx), now);
+			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}
@@ -865,7 +865,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
 	if (nat_flow)
-		fluxvm_flow_count(nat_flow, 1, ctx_full_len(ctx), now);
+		fluxvm_flow_count(nat_flow, nat_sid, 1, ctx_full_len(ctx), now);
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(ctx, pkt, v6, 1, client, cport))
@@ -936,7 +936,7 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
 	if (ct->flow)
-		fluxvm_flow_count(ct->flow, 1, ctx_full_len(ctx), now);
+		fluxvm_flow_count(ct->flow, r.service_id, 1, ctx_full_len(ctx), now);
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);

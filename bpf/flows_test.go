@@ -308,6 +308,17 @@ func TestFlowRecordsXDP(t *testing.T) {
 				uint32(f.Ifindex) != uint32(l.in) {
 				t.Errorf("record %+v (present %v); want XDP's, SNAT to %s:%d, 2 packets, %d bytes, ifindex %d", f, ok, v.snatAddr(), snatMin, frames, l.in)
 			}
+			// A drop in XDP (no backend) is recorded, as XDP's.
+			h.noTable(sid)
+			before := h.flowSeq()
+			if ret, _ := h.runXDP(objs.FluxvmXdpNs, v.frame(v.clientAt(snatMin+1), v.vip, pkt.SYN), l.in); ret != xdpDrop {
+				t.Fatalf("no backend: verdict %d; want XDP_DROP", ret)
+			}
+			d, ok := h.flowRecord(uint32(h.flowSeq()))
+			if h.flowSeq() != before+1 || !ok || FlowHook(d.Hook) != FlowHookXDP || FlowVerdict(d.Verdict) != FlowDropped ||
+				DropReason(d.Reason) != DropNoBackend {
+				t.Errorf("drop record %+v (present %v); want XDP's, dropped, no_backend", d, ok)
+			}
 		})
 	}
 }

@@ -63,6 +63,31 @@ const (
 	FlowHookXDP    = FlowHook(serviceFluxvmFlowHookFLUXVM_HOOK_XDP)
 )
 
+var flowVerdictNames = map[FlowVerdict]string{
+	FlowForwarded: "forwarded", FlowDropped: "dropped", FlowAudited: "audited", FlowRedirected: "redirected",
+}
+
+// String returns the verdict's name, e.g. "forwarded".
+func (v FlowVerdict) String() string {
+	if n, ok := flowVerdictNames[v]; ok {
+		return n
+	}
+	return fmt.Sprintf("verdict(%d)", uint8(v))
+}
+
+var flowHookNames = map[FlowHook]string{
+	FlowHookFromVM: "from_vm", FlowHookToVM: "to_vm", FlowHookNSIn: "ns_in", FlowHookNSOut: "ns_out", FlowHookXDP: "xdp",
+}
+
+// String returns the hook's program name without its prefix, e.g.
+// "from_vm".
+func (h FlowHook) String() string {
+	if n, ok := flowHookNames[h]; ok {
+		return n
+	}
+	return fmt.Sprintf("hook(%d)", uint8(h))
+}
+
 // The constants below are the C enums of fluxvm_service_v6.bpf.h, which
 // bpf2go generates from the object's BTF (gen.go, -type): none is written
 // by hand. Each has the type of the struct field that holds it, so that

@@ -118,8 +118,8 @@ func (r *Reader) record(f *bpf.FlowRecord, mono time.Duration, wall time.Time) R
 		VIP:       ap(f.Vip, f.Vport),
 		Backend:   ap(f.Backend, f.Bport),
 		SNAT:      ap(f.Snat, f.SnatPort),
-		Verdict:   verdict(bpf.FlowVerdict(f.Verdict)),
-		Hook:      hook(bpf.FlowHook(f.Hook)),
+		Verdict:   Verdict(bpf.FlowVerdict(f.Verdict).String()),
+		Hook:      bpf.FlowHook(f.Hook).String(),
 		FirstSeen: at(f.FirstNs),
 		LastSeen:  at(f.LastNs),
 		Forward:   Counts{Packets: f.FwdPackets, Bytes: f.FwdBytes},
@@ -151,34 +151,4 @@ func protocol(p uint8) string {
 		return "udp"
 	}
 	return fmt.Sprintf("proto%d", p)
-}
-
-func verdict(v bpf.FlowVerdict) Verdict {
-	switch v {
-	case bpf.FlowForwarded:
-		return Forwarded
-	case bpf.FlowDropped:
-		return Dropped
-	case bpf.FlowAudited:
-		return Audited
-	case bpf.FlowRedirected:
-		return Redirected
-	}
-	return Verdict(fmt.Sprintf("verdict(%d)", v))
-}
-
-func hook(h bpf.FlowHook) string {
-	switch h {
-	case bpf.FlowHookFromVM:
-		return "from_vm"
-	case bpf.FlowHookToVM:
-		return "to_vm"
-	case bpf.FlowHookNSIn:
-		return "ns_in"
-	case bpf.FlowHookNSOut:
-		return "ns_out"
-	case bpf.FlowHookXDP:
-		return "xdp"
-	}
-	return fmt.Sprintf("hook(%d)", h)
 }

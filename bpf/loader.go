@@ -244,7 +244,7 @@ func Open(opts Options) (*Datapath, error) {
 
 	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps,
 		HashSeed: opts.HashSeed, MountedBPFFS: mounted}
-	pinned, prev, err := adoptPins(root, spec, &st)
+	pinned, prev, flowSeq, err := adoptPins(root, spec, &st)
 	stg := &staged{old: map[string]*ebpf.Map{}}
 	defer func() {
 		for name, m := range pinned {
@@ -341,6 +341,10 @@ func Open(opts Options) (*Datapath, error) {
 		errs = append(errs, r.err)
 	}
 	if err := errors.Join(errs...); err != nil {
+		closeFresh()
+		return nil, err
+	}
+	if err := carryFlowSeq(maps, create, flowSeq); err != nil {
 		closeFresh()
 		return nil, err
 	}
@@ -611,12 +615,13 @@ func linkDir(root string) string { return filepath.Join(root, "links") }
 
 // adoptPins opens the maps pinned under root and decides, from the meta
 // map, which of them may be reused. It removes pins that must not be (and
-// only our own names). It returns the adoptable maps by name and the
-// previous meta entry when the meta map itself is kept.
-func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*ebpf.Map, *Meta, error) {
+// only our own names). It returns the adoptable maps by name, the
+// previous meta entry when the meta map itself is kept, and the flow
+// record sequence the pinned fluxvm_flow_seq holds (0 when none).
+func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*ebpf.Map, *Meta, uint64, error) {
 	entries, err := os.ReadDir(mapDir(root))
 	if err != nil {
-		return nil, nil, fmt.Errorf("bpf: open: %w", err)
+		return nil, nil, 0, fmt.Errorf("bpf: open: %w", err)
 	}
 	var ours []string
 	for _, e := range entries {
@@ -626,7 +631,7 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 	}
 	if len(ours) == 0 {
 		st.Created = true
-		return nil, nil, nil
+		return nil, nil, 0, nil
 	}
 	pinned := make(map[string]*ebpf.Map)
 	closeAll := func() {
@@ -657,7 +662,11 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 			st.PreviousSchema = prev.SchemaVersion
 		}
 		closeAll()
-		return nil, nil, nil
+		return nil, nil, 0, nil
+	}
+	var flowSeq uint64
+	if m := pinned["fluxvm_flow_seq"]; m != nil && m.ValueSize() == 8 {
+		_ = m.Lookup(uint32(0), &flowSeq) // unreadable: start afresh
 	}
 
 	keep := func(name string) bool { return true }
@@ -689,7 +698,29 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 	if pinned["fluxvm_meta"] != nil && compatible(pinned["fluxvm_meta"], spec.Maps["fluxvm_meta"]) {
 		meta = &prev
 	}
-	return pinned, meta, nil
+	return pinned, meta, flowSeq, nil
+}
+
+// flowSeqSkip is how far a recreated flow record sequence starts past the
+// old one: further than the old programs can count in the window between
+// Open and Activate, and not a multiple of 2^32, so that no new record
+// takes the 32-bit id of a flow the old programs recorded.
+const flowSeqSkip = 1 << 31
+
+// carryFlowSeq starts a recreated fluxvm_flow_seq (a program-generation
+// reload recreates every map but the lifecycle ones) past the pinned one's
+// value seq. Conntrack and reverse-NAT entries keep their flows' record
+// ids across a reload; a sequence restarted at 0 would hand those ids to
+// new flows' records, and the kept flows would count into them.
+func carryFlowSeq(maps map[string]*ebpf.Map, create []string, seq uint64) error {
+	m := maps["fluxvm_flow_seq"]
+	if seq == 0 || m == nil || !slices.Contains(create, "fluxvm_flow_seq") {
+		return nil
+	}
+	if err := m.Put(uint32(0), seq+flowSeqSkip); err != nil {
+		return fmt.Errorf("bpf: open: carry the flow record sequence over: %w", err)
+	}
+	return nil
 }
 
 // compatible reports whether a pinned map can stand in for spec as is.

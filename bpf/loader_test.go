@@ -174,6 +174,11 @@ func TestOpenGenerationBumpKeepsLifecycleMaps(t *testing.T) {
 	if err := d.Maps().FluxvmSguard.Put(uint32(1), Guard{State: GuardOpen}); err != nil {
 		t.Fatal(err)
 	}
+	// Flow records 1..41 were opened; conntrack keeps a flow's record id.
+	const seq = 41
+	if err := d.Maps().FluxvmFlowSeq.Put(uint32(0), uint64(seq)); err != nil {
+		t.Fatal(err)
+	}
 	meta, _ := d.ReadMeta()
 	meta.ProgramGeneration = ProgramGeneration - 1 + 100 // another generation
 	if err := d.Maps().FluxvmMeta.Put(uint32(0), meta); err != nil {
@@ -203,6 +208,24 @@ func TestOpenGenerationBumpKeepsLifecycleMaps(t *testing.T) {
 	}
 	if meta, _ := d.ReadMeta(); meta.ProgramGeneration != ProgramGeneration {
 		t.Errorf("meta generation %d", meta.ProgramGeneration)
+	}
+	// The record sequence is recreated with the other maps, past the old
+	// one: no new record takes an id a kept conntrack entry holds.
+	if slices.Contains(st.KeptMaps, "fluxvm_flow_seq") {
+		t.Fatalf("fluxvm_flow_seq kept over a reload: %v", st.KeptMaps)
+	}
+	var got uint64
+	if err := d.Maps().FluxvmFlowSeq.Lookup(uint32(0), &got); err != nil {
+		t.Fatal(err)
+	}
+	if got != seq+flowSeqSkip {
+		t.Errorf("flow record sequence after the reload %d, want %d", got, seq+flowSeqSkip)
+	}
+	// A plain restart keeps it as it is.
+	d.Close()
+	d = openT(t, Options{PinRoot: root, Tier: TierS})
+	if err := d.Maps().FluxvmFlowSeq.Lookup(uint32(0), &got); err != nil || got != seq+flowSeqSkip {
+		t.Errorf("flow record sequence after a restart %d (%v), want %d", got, err, seq+flowSeqSkip)
 	}
 }
 

@@ -160,6 +160,10 @@ type Entry struct {
 	// learned before program generation 4, and entries GC recreated from
 	// a reverse-NAT half, do not. Always false for other kinds.
 	ReverseDerived bool
+	// Flow is the id of the flow's FluxScope record (the low 32 bits of
+	// its seq in fluxvm_sflows), 0 when the flow has none; the record is
+	// the flow's only while its seq still matches (package flows).
+	Flow uint32
 }
 
 // HasNATHalf reports whether the flow has a reverse-NAT half: an SNAT
@@ -525,6 +529,7 @@ func entry(k Key, v *bpf.CTValue) Entry {
 		Kind:      kindOf(v),
 		// Not read from the flags alone: see revDerived.
 		ReverseDerived: revDerived(v),
+		Flow:           v.Flow,
 	}
 	if e.Kind == SNAT {
 		e.SNAT = snatOf(k, v)

@@ -467,10 +467,12 @@ func (g *gcRun) sweepNAT() error {
 					continue
 				}
 				// A stored flow's entry: no derived replies.
+				// The flow keeps its record (FluxScope): its packets
+				// go on counting into it.
 				ct := bpf.CTValue{
 					ServiceId: e.ServiceID, BackendId: e.BackendID,
 					CreatedNs: last, LastSeenNs: last, DeadlineNs: deadline,
-					State: uint8(state),
+					State: uint8(state), Flow: e.Flow,
 				}
 				if e.SNAT {
 					ct.Flags = bpf.CTFlagSNAT
@@ -552,7 +554,7 @@ func repair[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) err
 			}
 			ne := nat.Entry{
 				Key: nk, VIP: k.VIP, ServiceID: v.ServiceId, BackendID: v.BackendId,
-				LastSeen: time.Duration(v.LastSeenNs),
+				LastSeen: time.Duration(v.LastSeenNs), Flow: v.Flow,
 			}
 			if kindOf(v) == SNAT {
 				ne.SNAT, ne.Origin = true, k.Client

@@ -162,6 +162,7 @@ func TestGCBackendReasons(t *testing.T) {
 // with bpf.SvcFlagRevStored): flows with derived replies have no half to
 // lose (TestGCDerived).
 func TestGCPairing(t *testing.T) {
+	const flowID = 0x5eed
 	d := sharedDataplane(t)
 	timeout := func(v variant) time.Duration {
 		if v.proto == ProtoTCP {
@@ -180,11 +181,16 @@ func TestGCPairing(t *testing.T) {
 	}{
 		{"lost NAT half is recreated and translates replies", func(t *testing.T, d *dataplane, v variant, k Key) time.Duration {
 			d.must(d.nat.Delete(v.natOf(k, 0)))
+			// The flow's FluxScope record goes with it into the new half.
+			var raw bpf.CTValue
+			d.must(d.ct.rawCT(k).Lookup(rawKey(k), &raw))
+			raw.Flow = flowID
+			d.must(d.ct.rawCT(k).Put(rawKey(k), &raw))
 			return now(t)
 		}, func(t *testing.T, d *dataplane, v variant, k Key) {
 			c, _ := d.lookup(k)
 			e, ok := d.natLookup(v.natOf(k, 0))
-			want := nat.Entry{Key: v.natOf(k, 0), VIP: v.vip, ServiceID: sid, BackendID: v.ids[0], LastSeen: c.LastSeen}
+			want := nat.Entry{Key: v.natOf(k, 0), VIP: v.vip, ServiceID: sid, BackendID: v.ids[0], LastSeen: c.LastSeen, Flow: flowID}
 			if !ok || e != want {
 				t.Errorf("NAT half %+v (present %v)\nwant %+v", e, ok, want)
 			}
@@ -196,6 +202,10 @@ func TestGCPairing(t *testing.T) {
 		{"lost conntrack half is recreated from a fresh NAT half and keeps the flow on its backend", func(t *testing.T, d *dataplane, v variant, k Key) time.Duration {
 			d.must(d.ct.rawCT(k).Delete(rawKey(k)))
 			n, _ := d.natLookup(v.natOf(k, 0))
+			// The flow's FluxScope record goes with it into the new half.
+			d.must(d.nat.Delete(n.Key))
+			n.Flow = flowID
+			d.must(d.nat.Create(n))
 			return n.LastSeen + timeout(v) // the last fresh instant
 		}, func(t *testing.T, d *dataplane, v variant, k Key) {
 			n, _ := d.natLookup(v.natOf(k, 0))
@@ -205,7 +215,7 @@ func TestGCPairing(t *testing.T) {
 				state = bpf.CTTCPEstablished
 			}
 			want := Entry{Key: k, ServiceID: sid, BackendID: v.ids[0], State: state,
-				Created: n.LastSeen, LastSeen: n.LastSeen, Deadline: n.LastSeen + timeout(v)}
+				Created: n.LastSeen, LastSeen: n.LastSeen, Deadline: n.LastSeen + timeout(v), Flow: flowID}
 			if !ok || c != want {
 				t.Errorf("conntrack %+v (present %v)\nwant %+v", c, ok, want)
 			}
@@ -479,7 +489,7 @@ func TestGCDerived(t *testing.T) {
 
 // rawCT and rawKey reach the raw conntrack map, to break flows the way
 // the LRU does.
-func (m *Map) rawCT(k Key) interface{ Delete(any) error } {
+func (m *Map) rawCT(k Key) *ebpf.Map {
 	if k.Family() == IPv4 {
 		return m.ct4
 	}

@@ -100,6 +100,9 @@ type Entry struct {
 	// instead of through the host stack. It changes how replies travel,
 	// not what they are translated to.
 	HostRouting bool
+	// Flow is the id of the flow's FluxScope record, as in its conntrack
+	// half (conntrack.Entry.Flow); 0 when the flow has none.
+	Flow uint32
 }
 
 func (k Key) String() string {
@@ -424,6 +427,7 @@ func entry(k Key, v *bpf.NATValue) Entry {
 		LastSeen:    time.Duration(v.LastSeenNs),
 		SNAT:        v.Flags&bpf.NATFlagSNAT != 0,
 		HostRouting: v.Flags&bpf.NATFlagHostRouting != 0,
+		Flow:        v.Flow,
 	}
 	if e.SNAT {
 		e.Origin = netip.AddrPortFrom(bpf.Addr(v.Client, fam), bpf.Port(v.Cport))
@@ -438,6 +442,7 @@ func value(e *Entry) bpf.NATValue {
 		ServiceId:  e.ServiceID,
 		BackendId:  e.BackendID,
 		LastSeenNs: uint64(e.LastSeen),
+		Flow:       e.Flow,
 	}
 	if e.SNAT {
 		v.Flags |= bpf.NATFlagSNAT

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/fluxvm/servicefabric/flows"
 )
 
@@ -18,27 +20,20 @@ import (
 // Interface names come from the attached interfaces, then from the node's
 // namespace (Options.InNamespace), else "if<index>".
 //
-// Flows holds the dataplane's lock while it reads (at most the ring's
-// size of lookups), as Stats does. After Close it fails with ErrClosed.
+// Flows takes the dataplane's lock only to copy the names and its own
+// handles of the two maps, and reads the ring (at most its size of
+// lookups) without it, so a long read never holds up Apply or Stats.
+// After Close it fails with ErrClosed.
 func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if err := d.checkOpen("flows"); err != nil {
+	names, ifnames, ring, seq, err := d.flowSources()
+	if err != nil {
 		return nil, err
 	}
-	names := make(map[uint32]string, len(d.frontends))
-	for _, fe := range d.frontends {
-		names[fe.sid] = fe.service
-	}
-	ifnames := make(map[int]string, len(d.ifaces))
-	for name, ifc := range d.ifaces {
-		if ifc.index != 0 {
-			ifnames[ifc.index] = name
-		}
-	}
+	defer ring.Close()
+	defer seq.Close()
 	r := flows.Reader{
-		Ring: d.dp.Maps().FluxvmSflows,
-		Seq:  d.dp.Maps().FluxvmFlowSeq,
+		Ring: ring,
+		Seq:  seq,
 		Service: func(id uint32) string {
 			return names[id]
 		},
@@ -64,4 +59,35 @@ func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 		return nil, fmt.Errorf("fluxvm: %w", err)
 	}
 	return out, nil
+}
+
+// flowSources returns, under the lock, the service and interface names
+// and handles of fluxvm_sflows and fluxvm_flow_seq of its own (the
+// caller closes them), which stay valid after Close.
+func (d *Dataplane) flowSources() (map[uint32]string, map[int]string, *ebpf.Map, *ebpf.Map, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen("flows"); err != nil {
+		return nil, nil, nil, nil, err
+	}
+	names := make(map[uint32]string, len(d.frontends))
+	for _, fe := range d.frontends {
+		names[fe.sid] = fe.service
+	}
+	ifnames := make(map[int]string, len(d.ifaces))
+	for name, ifc := range d.ifaces {
+		if ifc.index != 0 {
+			ifnames[ifc.index] = name
+		}
+	}
+	ring, err := d.dp.Maps().FluxvmSflows.Clone()
+	if err != nil {
+		return nil, nil, nil, nil, fmt.Errorf("fluxvm: flows: %w", err)
+	}
+	seq, err := d.dp.Maps().FluxvmFlowSeq.Clone()
+	if err != nil {
+		ring.Close()
+		return nil, nil, nil, nil, fmt.Errorf("fluxvm: flows: %w", err)
+	}
+	return names, ifnames, ring, seq, nil
 }

@@ -128,7 +128,21 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 
 	// A restart with another rate writes it; so does one that recreates
 	// the maps (tier change), and a record read after Close is ErrClosed.
+	// Reads run outside the lock: one that races Close finishes on its
+	// own handles or fails with ErrClosed, nothing else.
+	reads := make(chan error, 1)
+	go func() {
+		var err error
+		for err == nil {
+			_, err = d.Flows(flows.MaxLimit, flows.Filter{Verdict: flows.Dropped})
+		}
+		reads <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
 	d.Close()
+	if err := <-reads; !errors.Is(err, ErrClosed) {
+		t.Errorf("a read racing Close: %v, want ErrClosed", err)
+	}
 	if _, err := d.Flows(1, flows.Filter{}); !errors.Is(err, ErrClosed) {
 		t.Errorf("flows after close: %v, want ErrClosed", err)
 	}

@@ -51,7 +51,6 @@ func TestExamplePolicies(t *testing.T) {
 	}
 }
 
-
 func TestDecodePolicyErrors(t *testing.T) {
 	long := "[" + strings.Repeat("1,", MaxPolicyIdentities) + "1]"
 	tests := []struct {

@@ -128,12 +128,19 @@ func eqMaps(t *testing.T, what string, got, want map[string]any) {
 // checking each resource and scope on the way.
 func received(t *testing.T, sink *consumertest.LogsSink) map[int64]plog.LogRecord {
 	t.Helper()
+	return receivedFrom(t, sink, "fluxvmd", "node-a")
+}
+
+// receivedFrom is received of an exporter whose resource is service.name
+// serviceName on node.
+func receivedFrom(t *testing.T, sink *consumertest.LogsSink, serviceName, node string) map[int64]plog.LogRecord {
+	t.Helper()
 	out := map[int64]plog.LogRecord{}
 	for _, ld := range sink.AllLogs() {
 		for i := 0; i < ld.ResourceLogs().Len(); i++ {
 			rl := ld.ResourceLogs().At(i)
 			eqMaps(t, "resource", rl.Resource().Attributes().AsRaw(), map[string]any{
-				"service.name": "fluxvmd", "host.name": "node-a", "fluxvm.node": "node-a",
+				"service.name": serviceName, "host.name": node, "fluxvm.node": node,
 			})
 			for j := 0; j < rl.ScopeLogs().Len(); j++ {
 				sl := rl.ScopeLogs().At(j)

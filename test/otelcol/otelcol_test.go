@@ -128,12 +128,19 @@ func eqMaps(t *testing.T, what string, got, want map[string]any) {
 // checking each resource and scope on the way.
 func received(t *testing.T, sink *consumertest.LogsSink) map[int64]plog.LogRecord {
 	t.Helper()
+	return receivedFrom(t, sink, "fluxvmd", "node-a")
+}
+
+// receivedFrom is received of an exporter whose resource is service.name
+// serviceName on node.
+func receivedFrom(t *testing.T, sink *consumertest.LogsSink, serviceName, node string) map[int64]plog.LogRecord {
+	t.Helper()
 	out := map[int64]plog.LogRecord{}
 	for _, ld := range sink.AllLogs() {
 		for i := 0; i < ld.ResourceLogs().Len(); i++ {
 			rl := ld.ResourceLogs().At(i)
 			eqMaps(t, "resource", rl.Resource().Attributes().AsRaw(), map[string]any{
-				"service.name": "fluxvmd", "host.name": "node-a", "fluxvm.node": "node-a",
+				"service.name": serviceName, "host.name": node, "fluxvm.node": node,
 			})
 			for j := 0; j < rl.ScopeLogs().Len(); j++ {
 				sl := rl.ScopeLogs().At(j)
@@ -222,6 +229,16 @@ func waitFor(t *testing.T, what string, limit time.Duration, cond func() bool) {
 	}
 }
 
+// settledStats are e's Stats once nothing is queued or in flight. The
+// collector hands a request to its sink before it answers, and the
+// exporter counts a batch only once the answer is read: a test that saw
+// the records arrive waits for the counts too.
+func settledStats(t *testing.T, e *otlp.Exporter) otlp.Stats {
+	t.Helper()
+	waitFor(t, "the exporter to settle", 5*time.Second, func() bool { return e.Stats().Queued == 0 })
+	return e.Stats()
+}
+
 // Flows exported in each encoding, by Export and by the queue, are what
 // the collector decodes, field by field.
 func TestCollectorDecodesFlows(t *testing.T) {
@@ -254,7 +271,7 @@ func TestCollectorDecodesFlows(t *testing.T) {
 			for _, r := range recs {
 				checkRecord(t, got[int64(r.Seq)], r, before, after)
 			}
-			st := e.Stats()
+			st := settledStats(t, e)
 			if st.RecordsSent != 40 || st.BatchesFailed != 0 || st.DroppedFailed != 0 || st.DroppedQueueFull != 0 {
 				t.Errorf("stats %+v", st)
 			}
@@ -362,7 +379,7 @@ func TestReceiverDownThenUp(t *testing.T) {
 			checkRecord(t, lr, r, start, time.Now())
 		}
 	}
-	st := e.Stats()
+	st := settledStats(t, e)
 	if st.RecordsSent != 50 || st.DroppedQueueFull != 30 || st.DroppedFailed != 0 || st.BatchesFailed != 0 || st.Retries < 2 {
 		t.Errorf("stats %+v", st)
 	}
@@ -412,7 +429,7 @@ func TestCollectorBehind503(t *testing.T) {
 			if el := time.Since(start); el < time.Second {
 				t.Errorf("done in %v: Retry-After: 1 was not honoured", el)
 			}
-			st := e.Stats()
+			st := settledStats(t, e)
 			if st.Retries != refusals || st.RecordsSent != 30 || st.BatchesFailed != 0 || st.DroppedFailed != 0 {
 				t.Errorf("stats %+v", st)
 			}
@@ -456,7 +473,7 @@ func TestSlowCollector(t *testing.T) {
 			checkRecord(t, lr, r, start, time.Now())
 		}
 	}
-	if st := e.Stats(); st.RecordsSent != 60 || st.BatchesSent != 12 || st.Retries != 0 {
+	if st := settledStats(t, e); st.RecordsSent != 60 || st.BatchesSent != 12 || st.Retries != 0 {
 		t.Errorf("stats %+v", st)
 	}
 }

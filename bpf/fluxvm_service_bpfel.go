@@ -217,9 +217,9 @@ type serviceFluxvmFlow struct {
 }
 
 type serviceFluxvmFlowBudget struct {
-	_      structs.HostLayout
-	Tokens uint64
-	LastNs uint64
+	_       structs.HostLayout
+	EmptyNs uint64
+	Pad     uint64
 }
 
 type serviceFluxvmFlowHook uint32

@@ -63,7 +63,7 @@ enum fluxvm_counter {
 	FLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND = 26, /* socket LB fail-open: no Ready backend of the socket's family */
 	FLUXVM_CNT_SOCK_FAIL_OPEN_MAP = 27,  /* socket LB fail-open: the socket maps could not be written */
 	FLUXVM_CNT_FLOW_RECORDED = 28,  /* FluxScope: a flow got a record (sampled, or a drop) */
-	FLUXVM_CNT_FLOW_DROP_LIMITED = 29, /* FluxScope: a drop found the per-CPU budget empty: not recorded */
+	FLUXVM_CNT_FLOW_DROP_LIMITED = 29, /* FluxScope: a drop found the node's budget empty: not recorded */
 	FLUXVM_CNT_MAX = 30,
 };
 
@@ -474,10 +474,11 @@ struct fluxvm_flow {
 };
 _Static_assert(sizeof(struct fluxvm_flow) == 152, "fluxvm_flow size");
 
-/* Per-CPU budget of records for drops (lib/flows.h). */
+/* The node's budget of records for drops, one token bucket for every CPU
+ * (lib/flows.h): the time it was (or would have been) empty. */
 struct fluxvm_flow_budget {
-	__u64 tokens;
-	__u64 last_ns;
+	__u64 empty_ns;
+	__u64 pad;
 };
 _Static_assert(sizeof(struct fluxvm_flow_budget) == 16, "fluxvm_flow_budget size");
 

@@ -23,7 +23,8 @@
  *     errors (TC translates them), replies to the SNAT address (TC's
  *     reply path), packets of no service.
  * The parser's counters count a packet once: here if XDP finishes it,
- * else in TC.
+ * else in TC; so do flow records (a packet counts into its flow's record
+ * only when XDP sends it, else TC counts it).
  *
  * The route toward a flow's backend comes from the next-hop cache
  * (lib/nh.h) when the control plane keeps it on, else from the FIB.

@@ -5,18 +5,29 @@
  *
  * A new flow gets a record when sampled (meta flow_sample_rate N: 1 in N
  * new flows, by a random draw; 0: no record at all, no map write). Its
- * conntrack entry, and its reverse-NAT half where it has one, keep the
- * record's id (the low 32 bits of its seq), so the packets of the flow
- * count into it each way for the price of one array lookup; a flow whose
+ * id (the low 32 bits of its seq) is reserved before the flow's learn
+ * writes, which keep it (its conntrack entry, and its reverse-NAT half
+ * where it has one), and the record is written only once every one of
+ * them succeeded: a new flow whose learn fails (SNAT port exhaustion, a
+ * full map) leaves no forwarded record, its seq unused, and its packet's
+ * drop is recorded as any other. The packets of a flow count into its
+ * record each way for the price of one array lookup, once the path sends
+ * them (a forward path counts after its deliver stage: a packet it drops
+ * counts as a drop, one XDP passes to TC is counted by TC); a flow whose
  * slot a newer record took stops counting (the ids differ).
  *
  * A drop of a client packet always records (while the sample rate is not
  * 0): into the flow's record when it has one, else into a new record with
- * verdict dropped; new drop records take a per-CPU budget of
- * FLUXVM_FLOW_DROP_BURST, refilled at FLUXVM_FLOW_DROP_RATE a second, so
- * that a flood of drops (a SYN flood to a service without backends) takes
- * at most that share of the ring and cannot evict every other record.
- * Drops past the budget are counted (flow_drop_limited).
+ * verdict dropped. New drop records take a budget that is the node's, one
+ * token bucket shared by every CPU: at most FLUXVM_FLOW_DROP_BURST records
+ * at once, refilled at FLUXVM_FLOW_DROP_RATE a second, so that over any
+ * interval of t seconds the whole node opens at most
+ * FLUXVM_FLOW_DROP_BURST + FLUXVM_FLOW_DROP_RATE * t drop records, however
+ * many CPUs drop: a flood of drops (a SYN flood to a service without
+ * backends) cannot evict every other record. The bucket is taken with a
+ * compare-and-swap; two CPUs taking it at the same instant may lose a
+ * token (one of them is refused), never gain one. Drops past the budget
+ * are counted (flow_drop_limited).
  *
  * Counts are plain increments: a record is written by the CPUs of its
  * flow's packets, and two CPUs counting one direction of one flow at the
@@ -31,7 +42,8 @@
 #include "svc.h"
 
 #define FLUXVM_FLOW_DROP_BURST 64
-#define FLUXVM_FLOW_DROP_RATE 64 /* records a second, per CPU */
+#define FLUXVM_FLOW_DROP_RATE 64 /* records a second, node-wide */
+#define FLUXVM_FLOW_DROP_NS (1000000000ULL / FLUXVM_FLOW_DROP_RATE)
 
 /* The record of flow @id while the ring holds it, or NULL. */
 static __always_inline struct fluxvm_flow *fluxvm_flow_get(__u32 id)
@@ -68,6 +80,16 @@ static __always_inline void fluxvm_flow_count(__u32 id, __u32 sid, const int rep
 	f->last_ns = now;
 }
 
+/* A forward path's verdict @ret for a packet of flow @id (service @sid):
+ * counted into the flow's record when the packet is sent (not dropped,
+ * nor passed on: XDP leaves it to TC, which counts it). */
+static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, __u32 id, __u32 sid, __u64 now)
+{
+	if (id && ret != CTX_ACT_DROP && ret != CTX_ACT_NEXT)
+		fluxvm_flow_count(id, sid, 0, ctx_full_len(ctx), now);
+	return ret;
+}
+
 /* Whether a new flow gets a record, by the node's sample rate. */
 static __always_inline int fluxvm_flow_sampled(const struct fluxvm_meta_value *meta)
 {
@@ -76,29 +98,39 @@ static __always_inline int fluxvm_flow_sampled(const struct fluxvm_meta_value *m
 	return n == 1 || (n > 1 && bpf_get_prandom_u32() % n == 0);
 }
 
-/*
- * A new record for the flow of client packet @pkt (its addresses and ports
- * as the client sent them), cleared, with its seq, tuple, hook, interface
- * times, service, backend id and verdict (a forwarded flow counts its
- * first packet): its id (fluxvm_flow_get finds it), or 0 when the ring
- * cannot be had. No pointer to the caller's stack: a global function's frame
- * stays small (the XDP program's call chain is near the 512-byte stack).
- */
-static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
-					     const int v6, __u8 hook, __u64 now, __u32 sid, __u32 bid,
-					     __u8 verdict)
+/* The next record's seq (its low 32 bits never 0: id 0 means none), or 0
+ * when the sequence cannot be had. */
+static __always_inline __u64 fluxvm_flow_next_seq(void)
 {
-	__u32 zero = 0, slot;
-	struct fluxvm_flow *f;
-	__u64 *seqp, seq;
+	__u32 zero = 0;
+	__u64 *seqp = bpf_map_lookup_elem(&fluxvm_flow_seq, &zero), seq;
 
-	seqp = bpf_map_lookup_elem(&fluxvm_flow_seq, &zero);
 	if (!seqp)
 		return 0;
 	seq = __sync_fetch_and_add(seqp, 1) + 1;
-	if (!(__u32)seq) /* id 0 means none: skip it */
+	if (!(__u32)seq)
 		seq = __sync_fetch_and_add(seqp, 1) + 1;
-	slot = (__u32)seq & (FLUXVM_FLOW_SLOTS - 1);
+	return seq;
+}
+
+/*
+ * Record @seq (fluxvm_flow_next_seq) for the flow of client packet @pkt
+ * (its addresses and ports as the client sent them), cleared, with its
+ * tuple, hook, interface, times, service, backend id and verdict, no
+ * packet counted yet: its id (fluxvm_flow_get finds it), or 0 when the
+ * ring cannot be had. No pointer to the caller's stack: a global
+ * function's frame stays small (the XDP program's call chain is near the
+ * 512-byte stack).
+ */
+static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					     const int v6, __u8 hook, __u64 now, __u32 sid, __u32 bid,
+					     __u8 verdict, __u64 seq)
+{
+	__u32 slot = (__u32)seq & (FLUXVM_FLOW_SLOTS - 1);
+	struct fluxvm_flow *f;
+
+	if (!(__u32)seq)
+		return 0;
 	f = bpf_map_lookup_elem(&fluxvm_sflows, &slot);
 	if (!f)
 		return 0;
@@ -122,23 +154,39 @@ static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struc
 	f->service_id = sid;
 	f->backend_id = bid;
 	f->verdict = verdict;
-	if (verdict == FLUXVM_FLOW_FORWARDED) {
-		f->fwd_packets = 1;
-		f->fwd_bytes = ctx_full_len(ctx);
-	}
 	return (__u32)seq;
 }
 
 /*
- * The record of a new flow forwarded to a backend, written before the
- * packet is rewritten (its forward counters count it): its id, or 0 when
- * none could be had. @info packs the family (bit 0: IPv6), the hook (bits
- * 8-15), the backend id (bits 16-31; ids are below the tier's 65,536) and
- * the service id (bits 32-63); @now is the coarse clock. A global
- * function: the verifier checks it once, not once per forward path. Its
- * four arguments fit the four registers a call keeps, so its frame stays
- * within the 32 bytes the XDP program's deepest call chain has left of the
- * 512-byte stack. Only sampled flows call it (fluxvm_flow_learn).
+ * A new flow's record id, reserved before its learn writes, or 0 when the
+ * flow is not sampled: the learn stage stores it with the flow's state and
+ * writes the record (fluxvm_flow_learn) once all of it is written. The
+ * full seq waits in this CPU's scratch.
+ */
+static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value *meta)
+{
+	struct fluxvm_scratch *scr;
+	__u64 seq;
+
+	if (!fluxvm_flow_sampled(meta))
+		return 0;
+	scr = fluxvm_scratch_get();
+	if (!scr)
+		return 0;
+	seq = fluxvm_flow_next_seq();
+	scr->flow_seq = seq;
+	return (__u32)seq;
+}
+
+/*
+ * Write the record of a new flow forwarded to a backend, its id @id
+ * reserved by fluxvm_flow_reserve on this CPU: its id, or 0. @info packs
+ * the family (bit 0: IPv6), the hook (bits 8-15), the backend id (bits
+ * 16-31; ids are below the tier's 65,536) and the service id (bits
+ * 32-63). A global function: the verifier checks it once, not once per
+ * forward path. Its four arguments fit the four registers a call keeps,
+ * so its frame stays within the 32 bytes the XDP program's deepest call
+ * chain has left of the 512-byte stack.
  */
 #ifdef FLUXVM_CTX_XDP
 /* In XDP, inline: the call chain through the IPv6 SNAT path has no frame
@@ -148,27 +196,30 @@ static __always_inline
 #else
 __attribute__((noinline))
 #endif
-int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info, __u64 now)
+int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info, __u32 id)
 {
-	if (!pkt)
+	struct fluxvm_scratch *scr = fluxvm_scratch_get();
+
+	if (!pkt || !scr || (__u32)scr->flow_seq != id)
 		return 0;
-	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, now, (__u32)(info >> 32),
-				    (__u32)(info >> 16) & 0xffff, FLUXVM_FLOW_FORWARDED);
+	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, bpf_ktime_get_coarse_ns(),
+				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff, FLUXVM_FLOW_FORWARDED,
+				    scr->flow_seq);
 }
 
-/* A new flow's record id, or 0 when it is not sampled (lib/flows.h). */
-static __always_inline __u32 fluxvm_flow_learn(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
-					       const struct fluxvm_meta_value *meta, __u8 hook, __u32 sid,
-					       __u32 bid, const struct fluxvm_backend *be)
+/* The record of new flow @id (fluxvm_flow_reserve; 0: not sampled), once
+ * its learn writes succeeded. */
+static __always_inline void fluxvm_flow_learn(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
+					      __u32 id, __u8 hook, __u32 sid, __u32 bid,
+					      const struct fluxvm_backend *be)
 {
 	struct fluxvm_flow *f;
-	__u32 id;
 
-	if (!fluxvm_flow_sampled(meta))
-		return 0;
+	if (!id)
+		return;
 	id = (__u32)fluxvm_flow_open(ctx, pkt,
 				     (v6 ? 1 : 0) | ((__u64)hook << 8) | ((__u64)(bid & 0xffff) << 16) | ((__u64)sid << 32),
-				     bpf_ktime_get_coarse_ns());
+				     id);
 	/* The backend, here: a BPF call takes five arguments at most. */
 	f = fluxvm_flow_get(id);
 	if (f) {
@@ -176,7 +227,6 @@ static __always_inline __u32 fluxvm_flow_learn(struct __ctx_buff *ctx, struct fl
 		f->bport = be->port;
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);
 	}
-	return id;
 }
 
 /* The SNAT address and port a recorded flow's source became. */
@@ -190,32 +240,37 @@ static __always_inline void fluxvm_flow_snat(__u32 id, const __be32 *addr, __be1
 	f->snat_port = port;
 }
 
-/* Take a drop record from this CPU's budget. */
+/*
+ * Take a drop record from the node's budget (see the top of this file).
+ * The bucket is kept as one time, *@empty_ns: the bucket holds
+ * (now - empty_ns) / FLUXVM_FLOW_DROP_NS tokens, at most the burst; a
+ * token taken moves it on by FLUXVM_FLOW_DROP_NS. One compare-and-swap:
+ * a CPU that loses the race to another is refused (a token lost, never
+ * one gained).
+ */
 static __always_inline int fluxvm_flow_budget_take(__u64 now)
 {
 	__u32 zero = 0;
 	struct fluxvm_flow_budget *b = bpf_map_lookup_elem(&fluxvm_flow_budget, &zero);
-	__u64 refill;
+	__u64 old, t;
 
 	if (!b)
 		return 0;
-	refill = (now - b->last_ns) / (1000000000ULL / FLUXVM_FLOW_DROP_RATE);
-	if (refill) {
-		b->tokens = b->tokens + refill > FLUXVM_FLOW_DROP_BURST ? FLUXVM_FLOW_DROP_BURST
-									: b->tokens + refill;
-		b->last_ns = now;
-	}
-	if (!b->tokens)
-		return 0;
-	b->tokens--;
-	return 1;
+	old = *(volatile __u64 *)&b->empty_ns;
+	t = old;
+	if (now > FLUXVM_FLOW_DROP_BURST * FLUXVM_FLOW_DROP_NS && t < now - FLUXVM_FLOW_DROP_BURST * FLUXVM_FLOW_DROP_NS)
+		t = now - FLUXVM_FLOW_DROP_BURST * FLUXVM_FLOW_DROP_NS; /* full */
+	t += FLUXVM_FLOW_DROP_NS;
+	if (t > now)
+		return 0; /* empty */
+	return __sync_val_compare_and_swap(&b->empty_ns, old, t) == old;
 }
 
 /*
  * A client packet to a service was dropped on a forward path (the reason
  * is the last one this CPU counted, lib/counters.h): into its flow's
  * record when its conntrack entry has one, else into a new record with
- * verdict dropped, within this CPU's budget. @info packs the family
+ * verdict dropped, within the node's budget. @info packs the family
  * (bit 0: IPv6), the hook (bits 8-15) and the service id (bits 32-63).
  * Drops are the rare path: a global function, and a conntrack lookup of
  * its own.
@@ -248,7 +303,7 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 			return 0;
 		}
 		f = fluxvm_flow_get(fluxvm_flow_new(ctx, pkt, v6, (info >> 8) & 0xff, now, (__u32)(info >> 32), 0,
-						    FLUXVM_FLOW_DROPPED));
+						    FLUXVM_FLOW_DROPPED, fluxvm_flow_next_seq()));
 		if (!f)
 			return 0;
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);

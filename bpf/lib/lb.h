@@ -435,6 +435,11 @@ static __always_inline void fluxvm_count_new_flow(struct fluxvm_svc_stats_value 
  * the deliver stage, whose helpers invalidate packet pointers; a piece
  * that cannot be written takes the others with it. From the first write
  * to the packet on, a failure drops: nothing half-translated leaves.
+ * A sampled flow's record (lib/flows.h) has its id reserved before the
+ * learn writes, which keep it, and is written only after all of them
+ * succeeded; a packet counts into it after the deliver stage, only when
+ * the path sends it (fluxvm_flow_sent): one dropped, or one XDP leaves to
+ * TC, is not counted forwarded here.
  *
  * They take the frontend's service id and flags as scalars: the frontend
  * entry may be replaced while the packet is in flight.
@@ -462,7 +467,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
-	__u32 bid;
+	__u32 bid, flow;
 	__u64 now;
 
 	if (!fluxvm_guard_open(sid))
@@ -473,8 +478,6 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (ct->flow)
-			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
@@ -502,7 +505,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 			     (flags & FLUXVM_SVC_F_REV_STORED) ? 0 : FLUXVM_CT_F_REV_DERIVED);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(0), sid, bid, be);
+	ct->flow = fluxvm_flow_reserve(meta);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if ((flags & FLUXVM_SVC_F_REV_STORED) &&
@@ -514,10 +517,13 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * conntrack half and could be taken for a live flow. */
 	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
+	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, NULL, 0, nat_flags, st, es);
+	flow = ct->flow;
+	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, NULL, 0, nat_flags, st, es),
+				flow, sid, now);
 }
 
 /*
@@ -541,7 +547,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	struct fluxvm_ct_value *ct;
 	__be32 nat_addr[4] = {};
 	__be16 nat_port;
-	__u32 bid, hash;
+	__u32 bid, hash, flow;
 	__u64 now;
 	int ret;
 
@@ -553,8 +559,6 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (ct->flow)
-			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
@@ -581,7 +585,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(1), sid, bid, be);
+	ct->flow = fluxvm_flow_reserve(meta);
 	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
 	if (ret == FLUXVM_SNAT_FAILED)
 		return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
@@ -589,16 +593,20 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 	__builtin_memcpy(nat_addr, ct->nat_addr, 16);
 	nat_port = ct->nat_port;
-	if (ct->flow)
-		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY)) {
 		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
+	if (ct->flow) {
+		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be);
+		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
+	}
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, nat_addr, nat_port, nat_flags, st, es);
+	flow = ct->flow;
+	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, nat_addr, nat_port, nat_flags, st, es),
+				flow, sid, now);
 }
 
 /*
@@ -619,7 +627,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
-	__u32 bid;
+	__u32 bid, flow;
 	__u64 now;
 
 	if (!fluxvm_guard_open(sid))
@@ -630,8 +638,6 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (ct->flow)
-			fluxvm_flow_count(ct->flow, sid, 0, ctx_full_len(ctx), now);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}
@@ -646,13 +652,15 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	/* Learn: conntrack only. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
 	if (ct)
-		ct->flow = fluxvm_flow_learn(ctx, pkt, v6, meta, FLUXVM_FWD_HOOK(ns), sid, bid, be);
+		ct->flow = fluxvm_flow_reserve(meta);
 	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(ns), sid, bid, be);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	return fluxvm_dsr_forward(ctx, pkt, v6, be, bid, now, st, es);
+	flow = ct->flow;
+	return fluxvm_flow_sent(ctx, fluxvm_dsr_forward(ctx, pkt, v6, be, bid, now, st, es), flow, sid, now);
 }
 
 /* The mode of a frontend's path, as the frontend stage finds it. */
@@ -669,7 +677,8 @@ enum fluxvm_lb_mode {
  * (the frontend entry may be replaced while the packet is in flight), and
  * the mode whose path takes the packet on. FLUXVM_LB_NONE leaves the
  * verdict in *@verdict: the packet passes, or it is a fragment addressed
- * to a VIP served here and is dropped (see the top of this file).
+ * to a VIP served here and is dropped (see the top of this file), its
+ * service in *@sid for the drop's flow record.
  */
 static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff *ctx,
 							      const struct fluxvm_pkt *pkt,
@@ -684,9 +693,10 @@ static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff 
 		return FLUXVM_LB_NONE;
 	if (pkt->frag != FLUXVM_FRAG_NONE) {
 		svc = fluxvm_frontend(pkt, v6, 0);
-		if (svc && fluxvm_svc_here(svc, edge))
-			*verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(svc->service_id),
-					       fluxvm_edge(ctx));
+		if (svc && fluxvm_svc_here(svc, edge)) {
+			*sid = svc->service_id;
+			*verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(*sid), fluxvm_edge(ctx));
+		}
 		return FLUXVM_LB_NONE;
 	}
 	svc = fluxvm_frontend(pkt, v6, pkt->dport);

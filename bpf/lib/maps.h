@@ -108,7 +108,7 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_SERVICES);
 } fluxvm_sguard SEC(".maps");
 
-/* FluxScope flow records: the ring, its sequence, the per-CPU budget of
+/* FluxScope flow records: the ring, its sequence, the node's budget of
  * drop records (fluxvm_service_v6.bpf.h, lib/flows.h). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -125,7 +125,7 @@ struct {
 } fluxvm_flow_seq SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__type(key, __u32);
 	__type(value, struct fluxvm_flow_budget);
 	__uint(max_entries, 1);
@@ -216,6 +216,7 @@ struct fluxvm_scratch {
 	struct bpf_redir_neigh nh;
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
 	__u32 pad;
+	__u64 flow_seq;                  /* the seq a new flow's record reserved (flows.h) */
 };
 
 struct {

@@ -41,11 +41,9 @@ import (
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
-	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -194,28 +192,21 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	}
 	defer d.Close()
 	var exporter api.FlowExporter
+	var fx *flowExport
 	if cfg.OTLPConfig.Endpoint != "" {
-		x, err := otlp.New(cfg.OTLPConfig.exporterConfig(cfg.NodeName))
+		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), d.Flows, log)
 		if err != nil {
 			return err
 		}
-		exporter = x
-		// Flush what is queued within the stop deadline; what is still
-		// unsent then is abandoned and counted.
+		exporter = fx.api
+		// On the way out before serving; the stop below does it within
+		// the flush deadline, and this then does nothing.
 		defer func() {
 			flush, cancel := context.WithTimeout(context.Background(), otlpFlushTimeout)
 			defer cancel()
-			if err := x.Close(flush); err != nil {
-				log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
-			}
+			fx.stop(flush)
 		}()
-		p := newPeriodicExport(d.Flows, x, log)
-		loopCtx, stopLoop := context.WithCancel(context.Background())
-		var wg sync.WaitGroup
-		wg.Add(1)
-		go p.run(loopCtx, &wg)
-		defer func() { stopLoop(); wg.Wait() }()
-		xc := x.Config()
+		xc := fx.x.Config()
 		log.Info("fluxvmd: exporting flows", "otlp_endpoint", xc.Endpoint, "otlp_encoding", xc.Encoding,
 			"otlp_interval", xc.Interval, "flow_sample_rate", cfg.FlowSampleRate)
 		if cfg.FlowSampleRate == 0 {
@@ -249,10 +240,21 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	case <-ctx.Done():
 	}
 	log.Info("fluxvmd: stopping; the datapath keeps forwarding and the advertisement snapshot stays as last published")
-	shut, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// Shutdown waits for the requests in flight; meanwhile the flow
+	// export stops within its flush deadline, which also ends an
+	// on-demand export still waiting on the receiver, so that Shutdown
+	// finishes within its own deadline.
+	shut, cancel := context.WithTimeout(context.Background(), apiShutdownTimeout)
 	defer cancel()
-	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- srv.Shutdown(shut) }()
+	if fx != nil {
+		flush, cancelFlush := context.WithTimeout(context.Background(), otlpFlushTimeout)
+		defer cancelFlush()
+		fx.stop(flush)
+	}
+	if err := <-shutdown; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("stopping the REST server: %w", err)
 	}
 	return nil
 }
@@ -267,7 +269,13 @@ const (
 	// conntrack GC of a large table) may take after its body, answer
 	// written; WriteTimeout is the body timeout plus this.
 	apiHandlerTime = 2 * time.Minute
-	// otlpFlushTimeout bounds the flush of the flow export at stop.
+	// apiShutdownTimeout bounds the wait for the requests in flight at
+	// stop.
+	apiShutdownTimeout = 10 * time.Second
+	// otlpFlushTimeout bounds the stop of the flow export: on-demand
+	// exports in flight and the flush of the queue. It is below
+	// apiShutdownTimeout, so that an export cancelled at this deadline
+	// lets the REST server's shutdown finish within its own.
 	otlpFlushTimeout = 5 * time.Second
 )
 

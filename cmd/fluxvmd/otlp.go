@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 	"sync"
@@ -215,4 +217,105 @@ func (p *periodicExport) run(ctx context.Context, wg *sync.WaitGroup) {
 			p.round()
 		}
 	}
+}
+
+// errStopping is wrapped by the error of an on-demand export that the
+// daemon's stop cancelled.
+var errStopping = errors.New("fluxvmd is stopping: the export was cancelled at the stop's flush deadline")
+
+// stoppableExporter is the exporter the REST API's on-demand export route
+// uses: *otlp.Exporter (its Stats feed /metrics) whose Exports the daemon
+// can cancel when it stops. http.Server.Shutdown waits for the handlers
+// in flight, and an export to a slow or dead receiver may take its
+// timeout times its retries: cancelled, it answers 503 with errStopping
+// and Shutdown finishes within its deadline.
+type stoppableExporter struct {
+	*otlp.Exporter
+
+	ctx    context.Context // ends when the daemon cancels the exports
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	stopping bool
+	running  sync.WaitGroup // Exports in flight
+}
+
+func newStoppableExporter(x *otlp.Exporter) *stoppableExporter {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &stoppableExporter{Exporter: x, ctx: ctx, cancel: cancel}
+}
+
+// Export sends recs as otlp.Exporter.Export does, until ctx ends or the
+// daemon cancels it. Once the daemon is stopping it refuses at once.
+func (s *stoppableExporter) Export(ctx context.Context, recs []flows.Record) (otlp.Report, error) {
+	s.mu.Lock()
+	if s.stopping {
+		s.mu.Unlock()
+		return otlp.Report{Encoding: s.Config().Encoding}, errStopping
+	}
+	s.running.Add(1)
+	s.mu.Unlock()
+	defer s.running.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(s.ctx, cancel)()
+	rep, err := s.Exporter.Export(ctx, recs)
+	if err != nil && s.ctx.Err() != nil {
+		err = fmt.Errorf("%w: %w", errStopping, err)
+	}
+	return rep, err
+}
+
+// stop refuses new Exports and lets those in flight run until deadline
+// ends (then cancels them), returning once none is left.
+func (s *stoppableExporter) stop(deadline context.Context) {
+	s.mu.Lock()
+	s.stopping = true
+	s.mu.Unlock()
+	defer context.AfterFunc(deadline, s.cancel)()
+	s.running.Wait()
+	s.cancel()
+}
+
+// flowExport is the daemon's flow export while otlp_endpoint is set: the
+// exporter, its periodic export and the on-demand route's view of it.
+type flowExport struct {
+	x        *otlp.Exporter
+	api      *stoppableExporter // what the REST API exports through
+	periodic *periodicExport
+	log      *slog.Logger
+	stopLoop context.CancelFunc
+	loop     sync.WaitGroup
+	once     sync.Once
+}
+
+// startFlowExport starts the exporter of cfg and its periodic export of
+// what read returns.
+func startFlowExport(cfg otlp.Config, read flowSource, log *slog.Logger) (*flowExport, error) {
+	x, err := otlp.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	e := &flowExport{x: x, api: newStoppableExporter(x), periodic: newPeriodicExport(read, x, log), log: log}
+	var loopCtx context.Context
+	loopCtx, e.stopLoop = context.WithCancel(context.Background())
+	e.loop.Add(1)
+	go e.periodic.run(loopCtx, &e.loop)
+	return e, nil
+}
+
+// stop ends the flow export within flush's deadline: it stops the
+// periodic export, lets the on-demand exports in flight finish until the
+// deadline (then cancels them) and flushes the exporter's queue with
+// what is left of it; what is still unsent then is abandoned and
+// counted. Calls after the first do nothing.
+func (e *flowExport) stop(flush context.Context) {
+	e.once.Do(func() {
+		e.stopLoop()
+		e.loop.Wait()
+		e.api.stop(flush)
+		if err := e.x.Close(flush); err != nil {
+			e.log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
+		}
+	})
 }

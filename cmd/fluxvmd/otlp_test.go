@@ -189,3 +189,52 @@ func TestPeriodicExportQueueFull(t *testing.T) {
 		t.Errorf("stats %+v", st)
 	}
 }
+
+// TestStoppableExporter: stop lets an on-demand export in flight run
+// until its deadline, then cancels it with errStopping, and refuses later
+// exports at once.
+func TestStoppableExporter(t *testing.T) {
+	block := make(chan struct{})
+	reached := make(chan struct{}, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case reached <- struct{}{}:
+		default:
+		}
+		select {
+		case <-block:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(block)
+	x, err := otlp.New(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour, Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close(context.Background())
+	s := newStoppableExporter(x)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := s.Export(context.Background(), []flows.Record{{Seq: 1}})
+		errc <- err
+	}()
+	<-reached
+	const grace = 300 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	start := time.Now()
+	s.stop(ctx)
+	if took := time.Since(start); took < grace || took > grace+2*time.Second {
+		t.Errorf("stop took %v, want about %v", took, grace)
+	}
+	if err := <-errc; !errors.Is(err, errStopping) {
+		t.Errorf("the export in flight: %v, want errStopping", err)
+	}
+	if _, err := s.Export(context.Background(), []flows.Record{{Seq: 2}}); !errors.Is(err, errStopping) {
+		t.Errorf("an export after stop: %v, want errStopping", err)
+	}
+	if _, ok := any(s).(interface{ Stats() otlp.Stats }); !ok {
+		t.Error("the API's exporter lost Stats: /metrics would lose fluxvm_otlp_*")
+	}
+}

@@ -122,9 +122,12 @@ type flowSource func(limit int, f flows.Filter) ([]flows.Record, error)
 // once they are settled: idle for an interval (no packet within it), or
 // open for settleMax intervals (a long-lived flow is sent as it is then,
 // and not again). So a record usually goes out with its flow's final
-// counts. Each round reads the flows.MaxLimit newest records; a node that
-// opens more records than that within settleMax intervals loses the
-// excess from the periodic export (the ring would overwrite them anyway).
+// counts. At stop a final round sends every record not sent yet, settled
+// or not, as it is then: no later round would. Each round reads the
+// flows.MaxLimit newest records; a node that opens more records than that
+// within settleMax intervals loses the excess from the periodic export
+// (the ring would overwrite them anyway). A round whose read fails
+// changes nothing: the next one carries on from the same place.
 type periodicExport struct {
 	read     flowSource
 	exporter *otlp.Exporter
@@ -132,9 +135,15 @@ type periodicExport struct {
 	log      *slog.Logger
 	now      func() time.Time
 
-	start uint64              // the newest seq at start: older records are not sent
-	sent  map[uint64]struct{} // seqs above start already enqueued
-	last  uint64              // the newest seq the last round read
+	// start is the newest seq at start: older records are not sent.
+	// When the first read failed, startKnown is false and the first
+	// round that reads finds it from started: the newest record first
+	// seen before it.
+	start      uint64
+	startKnown bool
+	started    time.Time
+	sent       map[uint64]struct{} // seqs above start already enqueued
+	last       uint64              // the newest seq the last round read
 }
 
 // settleMax is how many intervals a flow may stay active before its
@@ -143,20 +152,38 @@ const settleMax = 6
 
 func newPeriodicExport(read flowSource, x *otlp.Exporter, log *slog.Logger) *periodicExport {
 	p := &periodicExport{read: read, exporter: x, interval: x.Config().Interval, log: log, now: time.Now, sent: map[uint64]struct{}{}}
-	if recs, err := read(1, flows.Filter{}); err == nil && len(recs) == 1 {
-		p.start = recs[0].Seq
+	p.started = p.now()
+	recs, err := read(1, flows.Filter{})
+	switch {
+	case err != nil:
+		log.Warn("fluxvmd: flow export: reading the flows failed; the first round that reads them finds where this process began", "error", err)
+	case len(recs) == 1:
+		p.start, p.startKnown = recs[0].Seq, true
+	default:
+		p.startKnown = true // an empty ring: every record is ours
 	}
 	p.last = p.start
 	return p
 }
 
-// round enqueues the settled records not sent yet and returns how many
-// it handed over and how many the queue refused.
-func (p *periodicExport) round() (accepted, dropped int) {
+// round enqueues the settled records not sent yet (with final, every
+// record not sent yet) and returns how many it handed over and how many
+// the queue refused.
+func (p *periodicExport) round(final bool) (accepted, dropped int) {
 	recs, err := p.read(flows.MaxLimit, flows.Filter{})
 	if err != nil {
-		p.log.Warn("fluxvmd: flow export: reading the flows failed", "error", err)
+		// Keep the cursor: the next round reads the same window again.
+		p.log.Warn("fluxvmd: flow export: reading the flows failed; the next round tries again", "error", err)
 		return 0, 0
+	}
+	if !p.startKnown {
+		for _, r := range recs {
+			if r.FirstSeen.Before(p.started) {
+				p.start = r.Seq
+				break
+			}
+		}
+		p.startKnown, p.last = true, p.start
 	}
 	if len(recs) > 0 && recs[0].Seq < p.last {
 		// The ring was recreated (a tier change by another process, a
@@ -175,7 +202,7 @@ func (p *periodicExport) round() (accepted, dropped int) {
 		if _, done := p.sent[r.Seq]; done {
 			continue
 		}
-		if now.Sub(r.LastSeen) >= p.interval || now.Sub(r.FirstSeen) >= settleMax*p.interval {
+		if final || now.Sub(r.LastSeen) >= p.interval || now.Sub(r.FirstSeen) >= settleMax*p.interval {
 			out = append(out, r)
 		}
 	}
@@ -214,8 +241,27 @@ func (p *periodicExport) run(ctx context.Context, wg *sync.WaitGroup) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			p.round()
+			p.round(false)
 		}
+	}
+}
+
+// finalRound is the round at stop: every record not sent yet goes to the
+// queue. It waits no longer than ctx allows (a read of the ring that
+// hangs is left behind; what it enqueues after the exporter closed is
+// dropped and counted).
+func (p *periodicExport) finalRound(ctx context.Context) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if a, d := p.round(true); a+d > 0 {
+			p.log.Info("fluxvmd: flow export: final round at stop", "records", a, "dropped", d)
+		}
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		p.log.Warn("fluxvmd: flow export: the final round did not finish before the flush deadline")
 	}
 }
 
@@ -305,7 +351,8 @@ func startFlowExport(cfg otlp.Config, read flowSource, log *slog.Logger) (*flowE
 }
 
 // stop ends the flow export within flush's deadline: it stops the
-// periodic export, lets the on-demand exports in flight finish until the
+// periodic export, runs its final round (records settled since the last
+// round, and those still open, as they are now), lets the on-demand exports in flight finish until the
 // deadline (then cancels them) and flushes the exporter's queue with
 // what is left of it; what is still unsent then is abandoned and
 // counted. Calls after the first do nothing.
@@ -313,6 +360,7 @@ func (e *flowExport) stop(flush context.Context) {
 	e.once.Do(func() {
 		e.stopLoop()
 		e.loop.Wait()
+		e.periodic.finalRound(flush)
 		e.api.stop(flush)
 		if err := e.x.Close(flush); err != nil {
 			e.log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)

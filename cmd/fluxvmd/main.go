@@ -44,6 +44,8 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -186,6 +188,21 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	}
 	opts := fluxvm.OptionsFrom(cfg.Config)
 	opts.Logger = log
+	var tr *tracing
+	if cfg.OTLPConfig.Endpoint != "" {
+		if tr, err = startTracing(ctx, cfg.OTLPConfig.exporterConfig(cfg.NodeName), log); err != nil {
+			return err
+		}
+		// On the way out before serving (after the dataplane closed);
+		// the stop below does it within the flush deadline, and this
+		// then does nothing.
+		defer func() {
+			flush, cancel := context.WithTimeout(context.Background(), otlpFlushTimeout)
+			defer cancel()
+			tr.stop(flush)
+		}()
+		opts.TracerProvider = tr.tp
+	}
 	d, err := fluxvm.Open(opts)
 	if err != nil {
 		return err
@@ -213,7 +230,11 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 			log.Warn("fluxvmd: otlp_endpoint is set but flow_sample_rate is 0: no flows are recorded, none will be exported")
 		}
 	}
-	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter)
+	var tp trace.TracerProvider
+	if tr != nil {
+		tp = tr.tp
+	}
+	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp)
 	if err != nil {
 		return err
 	}
@@ -248,12 +269,18 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	defer cancel()
 	shutdown := make(chan error, 1)
 	go func() { shutdown <- srv.Shutdown(shut) }()
+	flush, cancelFlush := context.WithTimeout(context.Background(), otlpFlushTimeout)
+	defer cancelFlush()
 	if fx != nil {
-		flush, cancelFlush := context.WithTimeout(context.Background(), otlpFlushTimeout)
-		defer cancelFlush()
 		fx.stop(flush)
 	}
-	if err := <-shutdown; err != nil && !errors.Is(err, http.ErrServerClosed) {
+	err = <-shutdown
+	// The spans of the last requests are ended now: what is left of the
+	// flush deadline sends them.
+	if tr != nil {
+		tr.stop(flush)
+	}
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("stopping the REST server: %w", err)
 	}
 	return nil
@@ -280,13 +307,14 @@ const (
 )
 
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter) (*http.Server, error) {
+// The REST requests are traced with tp when it is not nil.
+func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
-		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x})
+		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp})
 	if err != nil {
 		return nil, err
 	}

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
@@ -364,6 +366,35 @@ func (e *flowExport) stop(flush context.Context) {
 		e.api.stop(flush)
 		if err := e.x.Close(flush); err != nil {
 			e.log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
+		}
+	})
+}
+
+// tracing is the daemon's tracer provider while otlp_endpoint is set: the
+// spans of its control-plane work (REST requests, applies, the catalog's
+// restore, GC rounds, health reconciles) go to the same receiver as the
+// flow records, on /v1/traces.
+type tracing struct {
+	tp   *sdktrace.TracerProvider
+	log  *slog.Logger
+	once sync.Once
+}
+
+func startTracing(ctx context.Context, cfg otlp.Config, log *slog.Logger) (*tracing, error) {
+	tp, err := otlp.NewTracerProvider(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("traces: %w", err)
+	}
+	return &tracing{tp: tp, log: log}, nil
+}
+
+// stop flushes the spans not sent yet within flush's deadline and shuts
+// the provider down; spans ended later are dropped. Calls after the first
+// do nothing.
+func (t *tracing) stop(flush context.Context) {
+	t.once.Do(func() {
+		if err := t.tp.Shutdown(flush); err != nil {
+			t.log.Warn("fluxvmd: traces: not every span was sent before the stop", "error", err)
 		}
 	})
 }

@@ -15,6 +15,13 @@ import (
 	"testing"
 	"time"
 
+	collogs "go.opentelemetry.io/proto/otlp/collector/logs/v1"
+	coltrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
@@ -232,4 +239,114 @@ func TestDaemonStopCancelsExport(t *testing.T) {
 		t.Error("the export got no answer")
 	}
 	t.Logf("stopped in %v", took)
+}
+
+// TestDaemonTracesAndFinalExport runs the daemon with otlp_encoding
+// "protobuf" and an interval of an hour, so that neither the periodic
+// export nor the span batcher sends anything before the stop. It applies
+// a service over REST and opens a connection through the VIP, then stops
+// the daemon: the final round of the periodic export sends the flow's
+// record (review item 10), and the flush at stop sends the spans of the
+// daemon's work to /v1/traces of the same receiver: the REST request
+// (named after its route, with the HTTP attributes), the apply it made
+// (its child, in the same trace, with the service's counts) and the
+// catalog's restore at start.
+func TestDaemonTracesAndFinalExport(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bin := buildDaemon(t)
+	l := lab.NewForTest(t)
+	rc := newOTLPReceiver(t, l, false)
+	fd := startFlowDaemon(t, bin, l, rc, "otlp_interval = \"1h\"\notlp_encoding = \"protobuf\"")
+	client := fd.connect(t)
+	time.Sleep(500 * time.Millisecond)
+	rc.mu.Lock()
+	early := len(rc.bodies)
+	rc.mu.Unlock()
+	if early != 0 {
+		t.Errorf("the receiver got %d requests before the stop; want none (interval 1h)", early)
+	}
+	if took, err := fd.terminate(t); err != nil || took > otlpFlushTimeout {
+		t.Errorf("daemon exited with %v after %v:\n%s", err, took, fd.out)
+	}
+
+	rc.mu.Lock()
+	logs, traces := rc.bodies["/v1/logs"], rc.bodies["/v1/traces"]
+	rc.mu.Unlock()
+	found := false
+	for _, b := range logs {
+		var req collogs.ExportLogsServiceRequest
+		if err := proto.Unmarshal(b, &req); err != nil {
+			t.Fatal(err)
+		}
+		for _, rl := range req.ResourceLogs {
+			for _, sl := range rl.ScopeLogs {
+				for _, lr := range sl.LogRecords {
+					for _, kv := range lr.Attributes {
+						if kv.Key == otlp.AttrSourcePort && kv.Value.GetIntValue() == int64(client.Port()) {
+							found = true
+						}
+					}
+				}
+			}
+		}
+	}
+	if !found {
+		t.Errorf("no flow record of client %s in the %d logs requests: the final round did not send it\n%s", client, len(logs), fd.out)
+	}
+
+	spans := map[string][]*tracepb.Span{}
+	var resource map[string]string
+	for _, b := range traces {
+		var req coltrace.ExportTraceServiceRequest
+		if err := proto.Unmarshal(b, &req); err != nil {
+			t.Fatal(err)
+		}
+		for _, rs := range req.ResourceSpans {
+			resource = map[string]string{}
+			for _, kv := range rs.Resource.Attributes {
+				resource[kv.Key] = kv.Value.GetStringValue()
+			}
+			for _, ss := range rs.ScopeSpans {
+				for _, s := range ss.Spans {
+					spans[s.Name] = append(spans[s.Name], s)
+				}
+			}
+		}
+	}
+	names := make([]string, 0, len(spans))
+	for n := range spans {
+		names = append(names, n)
+	}
+	t.Logf("spans: %v", names)
+	if resource["service.name"] != "fluxvmd" || resource["fluxvm.node"] != "lab-node" {
+		t.Errorf("resource %v", resource)
+	}
+	attrs := func(s *tracepb.Span) map[string]*commonpb.AnyValue {
+		m := map[string]*commonpb.AnyValue{}
+		for _, kv := range s.Attributes {
+			m[kv.Key] = kv.Value
+		}
+		return m
+	}
+	post, apply := spans["POST /v1/network/services"], spans[fluxvm.SpanApplyService]
+	if len(post) != 1 || len(apply) != 1 {
+		t.Fatalf("%d spans of the apply request and %d of the apply; want 1 and 1", len(post), len(apply))
+	}
+	if a := attrs(post[0]); post[0].Kind != tracepb.Span_SPAN_KIND_SERVER || a["http.request.method"].GetStringValue() != "POST" ||
+		a["http.route"].GetStringValue() != "/v1/network/services" || a["http.response.status_code"].GetIntValue() != 200 {
+		t.Errorf("request span %v", post[0])
+	}
+	if a := attrs(apply[0]); a["fluxvm.service"].GetStringValue() != "web" || a["fluxvm.service.backends"].GetIntValue() != 1 ||
+		a["fluxvm.service.frontends"].GetIntValue() != 1 || !a["fluxvm.apply.changed"].GetBoolValue() {
+		t.Errorf("apply span %v", apply[0])
+	}
+	if !bytes.Equal(apply[0].ParentSpanId, post[0].SpanId) || !bytes.Equal(apply[0].TraceId, post[0].TraceId) {
+		t.Error("the apply span is not the child of its request's span")
+	}
+	if len(spans[fluxvm.SpanRestore]) != 1 {
+		t.Errorf("%d restore spans, want 1", len(spans[fluxvm.SpanRestore]))
+	}
+	if len(spans["GET /v1/network/services/status"]) == 0 {
+		t.Error("no span of the status request the test made at start")
+	}
 }

@@ -27,6 +27,15 @@
 // at once and its connection closed), the answer must be written within
 // body_timeout + 2 min of the headers, and an idle keep-alive connection
 // is closed after 2 min.
+//
+// With otlp_endpoint set the daemon sends the FluxScope flow records (OTLP
+// logs) and spans of its own work (OTLP traces: REST requests, applies,
+// the catalog's restore, GC rounds, health reconciles) to the same
+// receiver. At stop it runs a final round of the periodic flow export and
+// sends what is left within a flush deadline of 5 s; an on-demand export
+// still waiting on the receiver then is cancelled (answered 503 "fluxvmd
+// is stopping"), so a slow or dead receiver cannot hold the stop
+// (docs/operations.md, "Flows export (OTLP)").
 package main
 
 import (

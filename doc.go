@@ -44,6 +44,11 @@
 //	d.AddInterface(fluxvm.VMEdgeInterface{Name: "tap-vm1", VMID: "vm-1"})
 //	d.ApplyService(ctx, svc)
 //
+// Options.Logger takes an slog.Logger, and Options.TracerProvider an
+// OpenTelemetry TracerProvider for spans of the control-plane work
+// (applies, GC rounds, the restore; api.Options.TracerProvider adds the
+// REST requests).
+//
 // Loading the datapath needs root (or CAP_BPF and CAP_NET_ADMIN) at run
 // time, not a compiler. The README lists what works today.
 package servicefabric

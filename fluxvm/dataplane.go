@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
@@ -89,6 +90,16 @@ type Options struct {
 	InNamespace func(func() error) error
 	// Logger receives operational messages; default slog.Default().
 	Logger *slog.Logger
+	// TracerProvider, when set, receives a span for each piece of the
+	// dataplane's control-plane work: ApplyService, DeleteService, the
+	// catalog's restore at Open, every GC round (timer or on demand) and
+	// ReconcileHealth (the Span* and Attr* constants name them and what
+	// they carry). A span is a child of the span in the caller's context,
+	// so the REST API's request span (api.Options.TracerProvider) holds
+	// the apply it asked for. nil: no spans (a no-op provider). The
+	// dataplane never shuts the provider down: its owner does, after
+	// Close.
+	TracerProvider trace.TracerProvider
 	// HealthConcurrency bounds how many health checks (TCP connects, see
 	// Service.HealthCheck) run at once across all services; 0 means
 	// health.DefaultConcurrency (32).
@@ -116,10 +127,11 @@ type Options struct {
 // interfaces, the SNAT settings and the conntrack GC. It is safe for
 // concurrent use.
 type Dataplane struct {
-	mu   sync.Mutex
-	opts Options
-	log  *slog.Logger
-	dp   *bpf.Datapath
+	mu     sync.Mutex
+	opts   Options
+	log    *slog.Logger
+	tracer trace.Tracer
+	dp     *bpf.Datapath
 	// routes keeps the XDP next-hop cache true (xdproutes.go).
 	routes *routeWatch
 	ct     *conntrack.Map
@@ -289,7 +301,7 @@ func Open(opts Options) (*Dataplane, error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, dp: dp, fq: fq,
+		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
 	}
@@ -442,7 +454,9 @@ func (d *Dataplane) writeSNAT() error {
 // /v1/network/services/{name}), but not read by name over REST nor
 // applied again under that name: delete it and apply it again under
 // another name.
-func (d *Dataplane) restore() error {
+func (d *Dataplane) restore() (err error) {
+	_, span := d.startSpan(context.Background(), SpanRestore)
+	defer endSpan(span, &err)
 	d.index = intent.NewCatalogIndex()
 	d.busy = map[string]int{}
 	if d.opts.CatalogPath == "" {
@@ -503,6 +517,7 @@ func (d *Dataplane) restore() error {
 			return fmt.Errorf("fluxvm: restore catalog: %w", err)
 		}
 	}
+	span.SetAttributes(AttrServices.Int(len(cat.Services)))
 	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services), "journal_seq", cat.Seq)
 	return nil
 }
@@ -944,7 +959,9 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // runs without the dataplane's lock, so other calls proceed meanwhile;
 // Close cancels it and waits for it to return, and a GC it interrupted,
 // or one called after Close, fails with an error matching ErrClosed.
-func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
+func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
+	ctx, span := d.startSpan(ctx, SpanGC)
+	defer endSpan(span, &err)
 	now, err := conntrack.Now()
 	if err != nil {
 		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
@@ -984,6 +1001,9 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 		Orphans:  r.StaleNATRemoved + r.SupersededNATRemoved,
 		Repaired: r.CTRepaired + r.NATRepaired,
 	}
+	span.SetAttributes(AttrGCScanned.Int(res.Scanned), AttrGCExpired.Int(res.Expired), AttrGCDrained.Int(res.Drained),
+		AttrGCBackendGone.Int(res.BackendGone), AttrGCOrphans.Int(res.Orphans), AttrGCRepaired.Int(res.Repaired),
+		AttrGCCollected.Int(res.Expired+res.Drained+res.BackendGone+res.Orphans))
 	d.mu.Lock()
 	d.lastGC = &res
 	// Flows naming the ids quarantined before the scan are gone now.

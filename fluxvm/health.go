@@ -395,7 +395,9 @@ func (d *Dataplane) healthReport() HealthReport {
 // after ctx ends, or when every round is done; its error is ctx's, when
 // ctx ended before every round completed (the checks it cut short are not
 // counted).
-func (d *Dataplane) ReconcileHealth(ctx context.Context) (HealthReport, error) {
+func (d *Dataplane) ReconcileHealth(ctx context.Context) (_ HealthReport, err error) {
+	ctx, span := d.startSpan(ctx, SpanReconcileHealth)
+	defer endSpan(span, &err)
 	d.mu.Lock()
 	if err := d.checkOpen("reconcile health"); err != nil {
 		d.mu.Unlock()
@@ -420,8 +422,14 @@ func (d *Dataplane) ReconcileHealth(ctx context.Context) (HealthReport, error) {
 		}()
 	}
 	wg.Wait()
-	if err := ctx.Err(); err != nil {
-		return d.Health(), err
+	rep := d.Health()
+	backends := 0
+	for _, s := range rep.Services {
+		backends += len(s.Backends)
 	}
-	return d.Health(), nil
+	span.SetAttributes(AttrServices.Int(len(cs)), AttrHealthBackends.Int(backends))
+	if err := ctx.Err(); err != nil {
+		return rep, err
+	}
+	return rep, nil
 }

@@ -33,7 +33,9 @@ import (
 // new tables in place, but not while the Maglev tables are built and
 // written, nor while the catalog journal is synced (concurrent changes
 // share one fsync). Applies and deletes of one service run one at a time.
-func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatus, error) {
+func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
+	_, span := d.startSpan(ctx, SpanApplyService, AttrService.String(svc.Name), AttrBackends.Int(len(svc.Backends)))
+	defer endSpan(span, &err)
 	// The dataplane keeps the intent: it must not share the caller's
 	// slices and pointers, or a caller that edits its copy afterwards
 	// would change the stored intent behind our back.
@@ -58,6 +60,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	old := d.services[svc.Name]
 	if old != nil && reflect.DeepEqual(old.intent, svc) {
 		st := d.statusOf(old)
+		span.SetAttributes(AttrChanged.Bool(false), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 		d.mu.Unlock()
 		return st, nil
 	}
@@ -117,6 +120,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 	d.syncHealth(svc.Name)
 	d.advertise()
 	st := d.statusOf(s)
+	span.SetAttributes(AttrChanged.Bool(true), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 	seq, jerr := d.journal(svc.Name, s)
 	d.mu.Unlock()
 	if jerr == nil {
@@ -133,7 +137,9 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (ServiceStatu
 // DeleteService removes a service and its frontends. Its flows lose their
 // translation; their conntrack entries are collected by GC. It returns
 // once the removal is durable in the catalog.
-func (d *Dataplane) DeleteService(ctx context.Context, name string) error {
+func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
+	_, span := d.startSpan(ctx, SpanDeleteService, AttrService.String(name))
+	defer endSpan(span, &err)
 	unlock := d.lockService(name)
 	defer unlock()
 	d.mu.Lock()

@@ -27,6 +27,15 @@
 // at once and its connection closed), the answer must be written within
 // body_timeout + 2 min of the headers, and an idle keep-alive connection
 // is closed after 2 min.
+//
+// With otlp_endpoint set the daemon sends the FluxScope flow records (OTLP
+// logs) and spans of its own work (OTLP traces: REST requests, applies,
+// the catalog's restore, GC rounds, health reconciles) to the same
+// receiver. At stop it runs a final round of the periodic flow export and
+// sends what is left within a flush deadline of 5 s; an on-demand export
+// still waiting on the receiver then is cancelled (answered 503 "fluxvmd
+// is stopping"), so a slow or dead receiver cannot hold the stop
+// (docs/operations.md, "Flows export (OTLP)").
 package main
 
 import (
@@ -41,11 +50,11 @@ import (
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
-	"github.com/fluxvm/servicefabric/flows/otlp"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -188,41 +197,53 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	}
 	opts := fluxvm.OptionsFrom(cfg.Config)
 	opts.Logger = log
+	var tr *tracing
+	if cfg.OTLPConfig.Endpoint != "" {
+		if tr, err = startTracing(ctx, cfg.OTLPConfig.exporterConfig(cfg.NodeName), log); err != nil {
+			return err
+		}
+		// On the way out before serving (after the dataplane closed);
+		// the stop below does it within the flush deadline, and this
+		// then does nothing.
+		defer func() {
+			flush, cancel := context.WithTimeout(context.Background(), otlpFlushTimeout)
+			defer cancel()
+			tr.stop(flush)
+		}()
+		opts.TracerProvider = tr.tp
+	}
 	d, err := fluxvm.Open(opts)
 	if err != nil {
 		return err
 	}
 	defer d.Close()
 	var exporter api.FlowExporter
+	var fx *flowExport
 	if cfg.OTLPConfig.Endpoint != "" {
-		x, err := otlp.New(cfg.OTLPConfig.exporterConfig(cfg.NodeName))
+		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), d.Flows, log)
 		if err != nil {
 			return err
 		}
-		exporter = x
-		// Flush what is queued within the stop deadline; what is still
-		// unsent then is abandoned and counted.
+		exporter = fx.api
+		// On the way out before serving; the stop below does it within
+		// the flush deadline, and this then does nothing.
 		defer func() {
 			flush, cancel := context.WithTimeout(context.Background(), otlpFlushTimeout)
 			defer cancel()
-			if err := x.Close(flush); err != nil {
-				log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
-			}
+			fx.stop(flush)
 		}()
-		p := newPeriodicExport(d.Flows, x, log)
-		loopCtx, stopLoop := context.WithCancel(context.Background())
-		var wg sync.WaitGroup
-		wg.Add(1)
-		go p.run(loopCtx, &wg)
-		defer func() { stopLoop(); wg.Wait() }()
-		xc := x.Config()
+		xc := fx.x.Config()
 		log.Info("fluxvmd: exporting flows", "otlp_endpoint", xc.Endpoint, "otlp_encoding", xc.Encoding,
 			"otlp_interval", xc.Interval, "flow_sample_rate", cfg.FlowSampleRate)
 		if cfg.FlowSampleRate == 0 {
 			log.Warn("fluxvmd: otlp_endpoint is set but flow_sample_rate is 0: no flows are recorded, none will be exported")
 		}
 	}
-	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter)
+	var tp trace.TracerProvider
+	if tr != nil {
+		tp = tr.tp
+	}
+	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp)
 	if err != nil {
 		return err
 	}
@@ -249,10 +270,27 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	case <-ctx.Done():
 	}
 	log.Info("fluxvmd: stopping; the datapath keeps forwarding and the advertisement snapshot stays as last published")
-	shut, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// Shutdown waits for the requests in flight; meanwhile the flow
+	// export stops within its flush deadline, which also ends an
+	// on-demand export still waiting on the receiver, so that Shutdown
+	// finishes within its own deadline.
+	shut, cancel := context.WithTimeout(context.Background(), apiShutdownTimeout)
 	defer cancel()
-	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- srv.Shutdown(shut) }()
+	flush, cancelFlush := context.WithTimeout(context.Background(), otlpFlushTimeout)
+	defer cancelFlush()
+	if fx != nil {
+		fx.stop(flush)
+	}
+	err = <-shutdown
+	// The spans of the last requests are ended now: what is left of the
+	// flush deadline sends them.
+	if tr != nil {
+		tr.stop(flush)
+	}
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("stopping the REST server: %w", err)
 	}
 	return nil
 }
@@ -267,18 +305,25 @@ const (
 	// conntrack GC of a large table) may take after its body, answer
 	// written; WriteTimeout is the body timeout plus this.
 	apiHandlerTime = 2 * time.Minute
-	// otlpFlushTimeout bounds the flush of the flow export at stop.
+	// apiShutdownTimeout bounds the wait for the requests in flight at
+	// stop.
+	apiShutdownTimeout = 10 * time.Second
+	// otlpFlushTimeout bounds the stop of the flow export: on-demand
+	// exports in flight and the flush of the queue. It is below
+	// apiShutdownTimeout, so that an export cancelled at this deadline
+	// lets the REST server's shutdown finish within its own.
 	otlpFlushTimeout = 5 * time.Second
 )
 
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter) (*http.Server, error) {
+// The REST requests are traced with tp when it is not nil.
+func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
-		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x})
+		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp})
 	if err != nil {
 		return nil, err
 	}

@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 	"sync"
 	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
@@ -120,9 +124,12 @@ type flowSource func(limit int, f flows.Filter) ([]flows.Record, error)
 // once they are settled: idle for an interval (no packet within it), or
 // open for settleMax intervals (a long-lived flow is sent as it is then,
 // and not again). So a record usually goes out with its flow's final
-// counts. Each round reads the flows.MaxLimit newest records; a node that
-// opens more records than that within settleMax intervals loses the
-// excess from the periodic export (the ring would overwrite them anyway).
+// counts. At stop a final round sends every record not sent yet, settled
+// or not, as it is then: no later round would. Each round reads the
+// flows.MaxLimit newest records; a node that opens more records than that
+// within settleMax intervals loses the excess from the periodic export
+// (the ring would overwrite them anyway). A round whose read fails
+// changes nothing: the next one carries on from the same place.
 type periodicExport struct {
 	read     flowSource
 	exporter *otlp.Exporter
@@ -130,9 +137,15 @@ type periodicExport struct {
 	log      *slog.Logger
 	now      func() time.Time
 
-	start uint64              // the newest seq at start: older records are not sent
-	sent  map[uint64]struct{} // seqs above start already enqueued
-	last  uint64              // the newest seq the last round read
+	// start is the newest seq at start: older records are not sent.
+	// When the first read failed, startKnown is false and the first
+	// round that reads finds it from started: the newest record first
+	// seen before it.
+	start      uint64
+	startKnown bool
+	started    time.Time
+	sent       map[uint64]struct{} // seqs above start already enqueued
+	last       uint64              // the newest seq the last round read
 }
 
 // settleMax is how many intervals a flow may stay active before its
@@ -141,20 +154,38 @@ const settleMax = 6
 
 func newPeriodicExport(read flowSource, x *otlp.Exporter, log *slog.Logger) *periodicExport {
 	p := &periodicExport{read: read, exporter: x, interval: x.Config().Interval, log: log, now: time.Now, sent: map[uint64]struct{}{}}
-	if recs, err := read(1, flows.Filter{}); err == nil && len(recs) == 1 {
-		p.start = recs[0].Seq
+	p.started = p.now()
+	recs, err := read(1, flows.Filter{})
+	switch {
+	case err != nil:
+		log.Warn("fluxvmd: flow export: reading the flows failed; the first round that reads them finds where this process began", "error", err)
+	case len(recs) == 1:
+		p.start, p.startKnown = recs[0].Seq, true
+	default:
+		p.startKnown = true // an empty ring: every record is ours
 	}
 	p.last = p.start
 	return p
 }
 
-// round enqueues the settled records not sent yet and returns how many
-// it handed over and how many the queue refused.
-func (p *periodicExport) round() (accepted, dropped int) {
+// round enqueues the settled records not sent yet (with final, every
+// record not sent yet) and returns how many it handed over and how many
+// the queue refused.
+func (p *periodicExport) round(final bool) (accepted, dropped int) {
 	recs, err := p.read(flows.MaxLimit, flows.Filter{})
 	if err != nil {
-		p.log.Warn("fluxvmd: flow export: reading the flows failed", "error", err)
+		// Keep the cursor: the next round reads the same window again.
+		p.log.Warn("fluxvmd: flow export: reading the flows failed; the next round tries again", "error", err)
 		return 0, 0
+	}
+	if !p.startKnown {
+		for _, r := range recs {
+			if r.FirstSeen.Before(p.started) {
+				p.start = r.Seq
+				break
+			}
+		}
+		p.startKnown, p.last = true, p.start
 	}
 	if len(recs) > 0 && recs[0].Seq < p.last {
 		// The ring was recreated (a tier change by another process, a
@@ -173,7 +204,7 @@ func (p *periodicExport) round() (accepted, dropped int) {
 		if _, done := p.sent[r.Seq]; done {
 			continue
 		}
-		if now.Sub(r.LastSeen) >= p.interval || now.Sub(r.FirstSeen) >= settleMax*p.interval {
+		if final || now.Sub(r.LastSeen) >= p.interval || now.Sub(r.FirstSeen) >= settleMax*p.interval {
 			out = append(out, r)
 		}
 	}
@@ -212,7 +243,158 @@ func (p *periodicExport) run(ctx context.Context, wg *sync.WaitGroup) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			p.round()
+			p.round(false)
 		}
 	}
+}
+
+// finalRound is the round at stop: every record not sent yet goes to the
+// queue. It waits no longer than ctx allows (a read of the ring that
+// hangs is left behind; what it enqueues after the exporter closed is
+// dropped and counted).
+func (p *periodicExport) finalRound(ctx context.Context) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if a, d := p.round(true); a+d > 0 {
+			p.log.Info("fluxvmd: flow export: final round at stop", "records", a, "dropped", d)
+		}
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		p.log.Warn("fluxvmd: flow export: the final round did not finish before the flush deadline")
+	}
+}
+
+// errStopping is wrapped by the error of an on-demand export that the
+// daemon's stop cancelled.
+var errStopping = errors.New("fluxvmd is stopping: the export was cancelled at the stop's flush deadline")
+
+// stoppableExporter is the exporter the REST API's on-demand export route
+// uses: *otlp.Exporter (its Stats feed /metrics) whose Exports the daemon
+// can cancel when it stops. http.Server.Shutdown waits for the handlers
+// in flight, and an export to a slow or dead receiver may take its
+// timeout times its retries: cancelled, it answers 503 with errStopping
+// and Shutdown finishes within its deadline.
+type stoppableExporter struct {
+	*otlp.Exporter
+
+	ctx    context.Context // ends when the daemon cancels the exports
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	stopping bool
+	running  sync.WaitGroup // Exports in flight
+}
+
+func newStoppableExporter(x *otlp.Exporter) *stoppableExporter {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &stoppableExporter{Exporter: x, ctx: ctx, cancel: cancel}
+}
+
+// Export sends recs as otlp.Exporter.Export does, until ctx ends or the
+// daemon cancels it. Once the daemon is stopping it refuses at once.
+func (s *stoppableExporter) Export(ctx context.Context, recs []flows.Record) (otlp.Report, error) {
+	s.mu.Lock()
+	if s.stopping {
+		s.mu.Unlock()
+		return otlp.Report{Encoding: s.Config().Encoding}, errStopping
+	}
+	s.running.Add(1)
+	s.mu.Unlock()
+	defer s.running.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(s.ctx, cancel)()
+	rep, err := s.Exporter.Export(ctx, recs)
+	if err != nil && s.ctx.Err() != nil {
+		err = fmt.Errorf("%w: %w", errStopping, err)
+	}
+	return rep, err
+}
+
+// stop refuses new Exports and lets those in flight run until deadline
+// ends (then cancels them), returning once none is left.
+func (s *stoppableExporter) stop(deadline context.Context) {
+	s.mu.Lock()
+	s.stopping = true
+	s.mu.Unlock()
+	defer context.AfterFunc(deadline, s.cancel)()
+	s.running.Wait()
+	s.cancel()
+}
+
+// flowExport is the daemon's flow export while otlp_endpoint is set: the
+// exporter, its periodic export and the on-demand route's view of it.
+type flowExport struct {
+	x        *otlp.Exporter
+	api      *stoppableExporter // what the REST API exports through
+	periodic *periodicExport
+	log      *slog.Logger
+	stopLoop context.CancelFunc
+	loop     sync.WaitGroup
+	once     sync.Once
+}
+
+// startFlowExport starts the exporter of cfg and its periodic export of
+// what read returns.
+func startFlowExport(cfg otlp.Config, read flowSource, log *slog.Logger) (*flowExport, error) {
+	x, err := otlp.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	e := &flowExport{x: x, api: newStoppableExporter(x), periodic: newPeriodicExport(read, x, log), log: log}
+	var loopCtx context.Context
+	loopCtx, e.stopLoop = context.WithCancel(context.Background())
+	e.loop.Add(1)
+	go e.periodic.run(loopCtx, &e.loop)
+	return e, nil
+}
+
+// stop ends the flow export within flush's deadline: it stops the
+// periodic export, runs its final round (records settled since the last
+// round, and those still open, as they are now), lets the on-demand exports in flight finish until the
+// deadline (then cancels them) and flushes the exporter's queue with
+// what is left of it; what is still unsent then is abandoned and
+// counted. Calls after the first do nothing.
+func (e *flowExport) stop(flush context.Context) {
+	e.once.Do(func() {
+		e.stopLoop()
+		e.loop.Wait()
+		e.periodic.finalRound(flush)
+		e.api.stop(flush)
+		if err := e.x.Close(flush); err != nil {
+			e.log.Warn("fluxvmd: flow export: not everything was sent before the stop", "error", err)
+		}
+	})
+}
+
+// tracing is the daemon's tracer provider while otlp_endpoint is set: the
+// spans of its control-plane work (REST requests, applies, the catalog's
+// restore, GC rounds, health reconciles) go to the same receiver as the
+// flow records, on /v1/traces.
+type tracing struct {
+	tp   *sdktrace.TracerProvider
+	log  *slog.Logger
+	once sync.Once
+}
+
+func startTracing(ctx context.Context, cfg otlp.Config, log *slog.Logger) (*tracing, error) {
+	tp, err := otlp.NewTracerProvider(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("traces: %w", err)
+	}
+	return &tracing{tp: tp, log: log}, nil
+}
+
+// stop flushes the spans not sent yet within flush's deadline and shuts
+// the provider down; spans ended later are dropped. Calls after the first
+// do nothing.
+func (t *tracing) stop(flush context.Context) {
+	t.once.Do(func() {
+		if err := t.tp.Shutdown(flush); err != nil {
+			t.log.Warn("fluxvmd: traces: not every span was sent before the stop", "error", err)
+		}
+	})
 }

@@ -118,7 +118,7 @@ func TestPeriodicExport(t *testing.T) {
 	}
 	round := func(want int) {
 		t.Helper()
-		if a, d := p.round(); a != want || d != 0 {
+		if a, d := p.round(false); a != want || d != 0 {
 			t.Errorf("round: %d accepted, %d dropped; want %d", a, d, want)
 		}
 	}
@@ -178,14 +178,176 @@ func TestPeriodicExportQueueFull(t *testing.T) {
 	}
 	src.set(list...)
 	start := time.Now()
-	a, d := p.round()
+	a, d := p.round(false)
 	if a+d != 5 || d < 3 || time.Since(start) > time.Second {
 		t.Errorf("round: %d accepted, %d dropped in %v; want 5 handed over, at least 3 refused, at once", a, d, time.Since(start))
 	}
-	if a2, d2 := p.round(); a2 != 0 || d2 != 0 {
+	if a2, d2 := p.round(false); a2 != 0 || d2 != 0 {
 		t.Errorf("second round: %d, %d; want nothing again", a2, d2)
 	}
 	if st := x.Stats(); st.DroppedQueueFull != uint64(d) {
 		t.Errorf("stats %+v", st)
+	}
+}
+
+// TestStoppableExporter: stop lets an on-demand export in flight run
+// until its deadline, then cancels it with errStopping, and refuses later
+// exports at once.
+func TestStoppableExporter(t *testing.T) {
+	block := make(chan struct{})
+	reached := make(chan struct{}, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case reached <- struct{}{}:
+		default:
+		}
+		select {
+		case <-block:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(block)
+	x, err := otlp.New(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour, Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close(context.Background())
+	s := newStoppableExporter(x)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := s.Export(context.Background(), []flows.Record{{Seq: 1}})
+		errc <- err
+	}()
+	<-reached
+	const grace = 300 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	start := time.Now()
+	s.stop(ctx)
+	if took := time.Since(start); took < grace || took > grace+2*time.Second {
+		t.Errorf("stop took %v, want about %v", took, grace)
+	}
+	if err := <-errc; !errors.Is(err, errStopping) {
+		t.Errorf("the export in flight: %v, want errStopping", err)
+	}
+	if _, err := s.Export(context.Background(), []flows.Record{{Seq: 2}}); !errors.Is(err, errStopping) {
+		t.Errorf("an export after stop: %v, want errStopping", err)
+	}
+	if _, ok := any(s).(interface{ Stats() otlp.Stats }); !ok {
+		t.Error("the API's exporter lost Stats: /metrics would lose fluxvm_otlp_*")
+	}
+}
+
+// failingRecords is a flowSource that fails while fail is set.
+type failingRecords struct {
+	records
+	fail bool
+}
+
+func (r *failingRecords) read(limit int, f flows.Filter) ([]flows.Record, error) {
+	r.mu.Lock()
+	fail := r.fail
+	r.mu.Unlock()
+	if fail {
+		return nil, errors.New("ring unreadable")
+	}
+	return r.records.read(limit, f)
+}
+
+func (r *failingRecords) setFail(v bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.fail = v
+}
+
+// TestPeriodicExportReadFailure (review item 10): a failed read changes
+// nothing. When the read at start fails, the first round that reads
+// leaves out the records of an earlier process (first seen before the
+// start) rather than sending the whole ring; a round whose read fails
+// keeps the cursor, and the next sends what is new exactly once.
+func TestPeriodicExportReadFailure(t *testing.T) {
+	x, err := otlp.New(otlp.Config{Endpoint: "http://127.0.0.1:9", NodeName: "n", Interval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+		defer cancel()
+		_ = x.Close(ctx)
+	}()
+	const every = time.Minute
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	started := now.Add(-10 * every)
+	rec := func(seq uint64, first, last time.Duration) flows.Record {
+		return flows.Record{Seq: seq, Service: "web", FirstSeen: now.Add(-first), LastSeen: now.Add(-last)}
+	}
+	src := &failingRecords{}
+	src.set(rec(5, time.Hour, time.Hour)) // an earlier process's
+	src.setFail(true)
+	p := newPeriodicExport(src.read, x, slog.New(slog.DiscardHandler))
+	p.interval, p.now, p.started = every, func() time.Time { return now }, started
+	round := func(want int) {
+		t.Helper()
+		if a, d := p.round(false); a != want || d != 0 {
+			t.Errorf("round: %d accepted, %d dropped; want %d", a, d, want)
+		}
+	}
+	round(0) // still failing
+	src.setFail(false)
+	src.set(rec(6, 5*every, 3*every), rec(5, time.Hour, time.Hour))
+	round(1) // 6 only: 5 was first seen before the start
+	src.setFail(true)
+	src.set(rec(7, 4*every, 2*every), rec(6, 5*every, 3*every), rec(5, time.Hour, time.Hour))
+	round(0)
+	round(0)
+	src.setFail(false)
+	round(1) // 7 only: the cursor was kept
+	round(0)
+	if st := x.Stats(); st.Queued != 2 || st.DroppedQueueFull != 0 {
+		t.Errorf("exporter stats %+v, want 2 records queued", st)
+	}
+}
+
+// TestFlowExportFinalRound (review item 10): at stop a final round
+// enqueues what settled since the last round and what is still open, and
+// the flush sends it: nothing opened since the start is lost, nothing is
+// sent twice.
+func TestFlowExportFinalRound(t *testing.T) {
+	var mu sync.Mutex
+	var bodies int
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		bodies++
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte("{}"))
+	}))
+	defer srv.Close()
+	now := time.Now()
+	rec := func(seq uint64, first, last time.Duration) flows.Record {
+		return flows.Record{Seq: seq, Service: "web", FirstSeen: now.Add(-first), LastSeen: now.Add(-last)}
+	}
+	src := &records{}
+	fx, err := startFlowExport(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour}, src.read, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src.set(rec(1, 3*time.Hour, 2*time.Hour))
+	if a, _ := fx.periodic.round(false); a != 1 {
+		t.Fatalf("round: %d accepted, want 1", a)
+	}
+	// 2 settled since that round, 3 is still open.
+	src.set(rec(3, time.Second, 0), rec(2, 3*time.Hour, 2*time.Hour), rec(1, 3*time.Hour, 2*time.Hour))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	fx.stop(ctx)
+	if st := fx.x.Stats(); st.RecordsSent != 3 || st.DroppedFailed != 0 || st.DroppedQueueFull != 0 {
+		t.Errorf("exporter stats %+v, want the 3 records sent once", st)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if bodies == 0 {
+		t.Error("the receiver got nothing")
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
@@ -118,6 +119,18 @@ type Options struct {
 	// runtime, process) to the same page. nil uses a private registry
 	// holding only the dataplane collector.
 	Registry *prometheus.Registry
+	// TracerProvider, when set, receives a server span of every request,
+	// named after its route (method and pattern: "GET
+	// /v1/network/services/{name}"; the method alone for a request no
+	// route serves), with the attributes of OpenTelemetry's HTTP
+	// conventions (http.request.method, http.route,
+	// http.response.status_code, url.path, url.scheme, error.type) and
+	// fluxvm.api.error_code for an error answer; a 5xx sets the span's
+	// status to Error. A traceparent header the client sent makes it a
+	// child of the client's span. The dataplane's spans of the request
+	// (an apply, a GC round) are its children when the dataplane has a
+	// provider too (fluxvm.Options.TracerProvider). nil: no spans.
+	TracerProvider trace.TracerProvider
 }
 
 // New returns the REST handler for dp. It fails when dp is nil, when no
@@ -173,6 +186,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 		log:         logger,
 		mux:         http.NewServeMux(),
 		exporter:    opts.Exporter,
+		tracer:      newRequestTracer(opts.TracerProvider),
 	}
 	h.metrics = newMetricsHandler(reg, logger)
 	for _, rt := range routes {
@@ -191,6 +205,7 @@ type handler struct {
 	mux         *http.ServeMux
 	metrics     http.Handler
 	exporter    FlowExporter
+	tracer      requestTracer
 }
 
 // ServeHTTP authenticates the request, routes it and logs the outcome.
@@ -211,6 +226,14 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hdr.Set("Cache-Control", "no-store")
 	hdr.Set("X-Content-Type-Options", "nosniff")
 
+	r, span := h.tracer.start(r)
+	defer func() {
+		status := rw.status
+		if status == 0 {
+			status = http.StatusOK
+		}
+		endRequestSpan(span, status)
+	}()
 	defer func() {
 		if v := recover(); v != nil {
 			if v == http.ErrAbortHandler {

@@ -93,4 +93,18 @@
 // Stats and Status at scrape time, and, when Options.Exporter has Stats
 // (an *otlp.Exporter), the collector of [NewOTLPCollector]. Embedders that
 // serve their own /metrics can register them in their registry instead.
+//
+// # Tracing
+//
+// With Options.TracerProvider every request is an OpenTelemetry server
+// span named after its route, method and pattern ("GET
+// /v1/network/services/{name}", never the path with its ids; the method
+// alone when no route serves it), with the attributes of the HTTP
+// semantic conventions: http.request.method, http.route,
+// http.response.status_code, url.path, url.scheme, and error.type with an
+// Error status for a 5xx; [AttrErrorCode] names the code of an error
+// answer. A W3C traceparent header from the client is followed. The span
+// is in the context the dataplane is called with, so the spans of
+// fluxvm.Options.TracerProvider (the apply a POST asked for, a GC round)
+// are its children.
 package api

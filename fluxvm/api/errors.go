@@ -189,6 +189,7 @@ func isJSONError(err error) bool {
 
 // writeError sends e as JSON and logs the cause of internal errors.
 func (h *handler) writeError(w http.ResponseWriter, r *http.Request, e *apiError) {
+	errorSpan(r, e)
 	if e.code == CodeInternal && e.cause != nil {
 		h.log.Error("api: internal error", "method", r.Method, "path", r.URL.Path, "error", e.cause)
 	}

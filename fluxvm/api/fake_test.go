@@ -35,7 +35,8 @@ type fakeDataplane struct {
 	vms         map[string]fluxvm.VMStats
 	flows       []flows.Record // what Flows returns, before limit and filter
 	flowsErr    error
-	flowReads   []flowRead // every Flows call
+	flowReads   []flowRead      // every Flows call
+	lastCtx     context.Context // the context of the last ApplyService or GC
 }
 
 // flowRead is one call of Flows.
@@ -76,9 +77,10 @@ func newFake() *fakeDataplane {
 	}
 }
 
-func (f *fakeDataplane) ApplyService(_ context.Context, svc fluxvm.Service) (fluxvm.ServiceStatus, error) {
+func (f *fakeDataplane) ApplyService(ctx context.Context, svc fluxvm.Service) (fluxvm.ServiceStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.lastCtx = ctx
 	f.applied = append(f.applied, svc)
 	if f.applyErr != nil {
 		return fluxvm.ServiceStatus{}, f.applyErr
@@ -159,9 +161,10 @@ func (f *fakeDataplane) VMStats(vmID string) (fluxvm.VMStats, error) {
 	return s, nil
 }
 
-func (f *fakeDataplane) GC(context.Context) (fluxvm.GCResult, error) {
+func (f *fakeDataplane) GC(ctx context.Context) (fluxvm.GCResult, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.lastCtx = ctx
 	f.gcRuns++
 	if f.gcErr != nil {
 		return fluxvm.GCResult{}, f.gcErr

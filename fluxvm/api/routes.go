@@ -60,6 +60,7 @@ func (h *handler) endpoint(rt route) http.Handler {
 		if rw, ok := w.(*responseWriter); ok {
 			rw.routed = true
 		}
+		routed(r, rt)
 		lvl, _ := r.Context().Value(levelKey{}).(level)
 		if rt.admin && lvl != levelAdmin {
 			h.writeError(w, r, newAPIError(CodeForbidden, "this route needs an admin token"))

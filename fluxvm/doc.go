@@ -1,0 +1,24 @@
+// Package fluxvm is the node's service dataplane: [Open] loads and attaches
+// the eBPF programs from [Options] (or a TOML configuration through
+// [OptionsFrom]), restores the catalog of services, and the returned
+// [Dataplane] applies and deletes services ([Dataplane.ApplyService]),
+// runs the conntrack GC, the health checks and the VIP advertisements,
+// and reads statistics and FluxScope flow records.
+//
+// # Tracing
+//
+// With [Options].TracerProvider (an OpenTelemetry trace.TracerProvider;
+// nil means none) the dataplane starts a span for each piece of its
+// control-plane work: [SpanApplyService], [SpanDeleteService],
+// [SpanRestore] (the catalog at Open), [SpanGC] (every GC round, of the
+// timer or on demand) and [SpanReconcileHealth]. Spans carry what the work
+// was about and what it did as attributes ([AttrService],
+// [AttrFrontends], [AttrBackends], [AttrChanged], [AttrGCScanned],
+// [AttrGCCollected], ...), an error as a span event with an Error status,
+// and are children of the span in the caller's context: the REST API's
+// request span when [github.com/fluxvm/servicefabric/fluxvm/api] has the
+// same provider. The package never exports anything itself: the owner of
+// the provider chooses the exporter (the reference daemon sends spans
+// with otlptracehttp to its otlp_endpoint, beside the flow records) and
+// shuts it down after [Dataplane.Close].
+package fluxvm

@@ -68,10 +68,20 @@ const (
 	CounterSockOpenNoBackend = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_NO_BACKEND)
 	CounterSockOpenMap       = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP)
 	// CounterFlowRecorded counts FluxScope records opened (sampled flows
-	// and drops); CounterFlowDropLimited drops that found the per-CPU
+	// and drops); CounterFlowDropLimited drops that found the node's
 	// budget of drop records empty and were not recorded.
 	CounterFlowRecorded    = Counter(serviceFluxvmCounterFLUXVM_CNT_FLOW_RECORDED)
 	CounterFlowDropLimited = Counter(serviceFluxvmCounterFLUXVM_CNT_FLOW_DROP_LIMITED)
+	// Identity policy: CounterPolicyAudited counts flows a policy denies
+	// that audit_only forwarded; CounterPolicyRechecked packets of
+	// established flows decided again (their policy's revision changed);
+	// CounterPolicyRevoked those of them denied.
+	CounterPolicyAudited   = Counter(serviceFluxvmCounterFLUXVM_CNT_POLICY_AUDITED)
+	CounterPolicyRechecked = Counter(serviceFluxvmCounterFLUXVM_CNT_POLICY_RECHECKED)
+	CounterPolicyRevoked   = Counter(serviceFluxvmCounterFLUXVM_CNT_POLICY_REVOKED)
+	// CounterXDPPassPolicy: a packet to a service with an identity policy,
+	// which XDP leaves to TC.
+	CounterXDPPassPolicy = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_POLICY)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -108,6 +118,10 @@ var counterNames = [NumCounters]string{
 	CounterSockOpenMap:          "sock_fail_open_map",
 	CounterFlowRecorded:         "flow_recorded",
 	CounterFlowDropLimited:      "flow_drop_limited",
+	CounterPolicyAudited:        "policy_audited",
+	CounterPolicyRechecked:      "policy_rechecked",
+	CounterPolicyRevoked:        "policy_revoked",
+	CounterXDPPassPolicy:        "xdp_pass_policy",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".
@@ -158,6 +172,11 @@ const (
 	// DropEDTHorizon: a paced service's packet whose departure lay beyond
 	// the service's horizon while an earlier one was still scheduled.
 	DropEDTHorizon = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_EDT_HORIZON)
+	// DropPolicyDenied: the service's identity policy denies the source.
+	DropPolicyDenied = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_POLICY_DENIED)
+	// DropPolicyMissing: the service has a policy (SvcFlagPolicy) that the
+	// policy maps lack (not restored after a reload yet): fail closed.
+	DropPolicyMissing = DropReason(serviceFluxvmDropReasonFLUXVM_DROP_POLICY_MISSING)
 
 	// NumDropReasons is the size of the drop counter map; index 0 is unused.
 	NumDropReasons = int(serviceFluxvmDropReasonFLUXVM_DROP_MAX)
@@ -175,6 +194,8 @@ var dropNames = [NumDropReasons]string{
 	DropSNATFailed:     "snat_failed",
 	DropDSRNoRoute:     "dsr_no_route",
 	DropEDTHorizon:     "edt_horizon",
+	DropPolicyDenied:   "policy_denied",
+	DropPolicyMissing:  "policy_missing",
 }
 
 // String returns the reason's metric-style name, e.g. "no_backend".

@@ -50,21 +50,11 @@
 			return CTX_ACT_NEXT;                                    \
 		return call;                                                    \
 	}
-/* A forward path takes the frontend's service id and flags. The verifier
- * requires every argument of a global function to be set, and clang sets
- * none it sees unused: DSR, which needs no flags, takes none; it takes the
- * edge instead (north-south or not), for its flow records. */
+/* A forward path takes the frontend's service id and flags (DSR's with
+ * FLUXVM_LB_AT_NS at the north-south edge, for its flow records). */
 #define FLUXVM_LB_PATH(name, call)                                              \
 	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
 					   __u32 sid, __u32 flags)              \
-	{                                                                       \
-		if (!pkt)                                                       \
-			return CTX_ACT_NEXT;                                    \
-		return call;                                                    \
-	}
-#define FLUXVM_DSR_PATH(name, call)                                             \
-	__attribute__((noinline)) int name(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, \
-					   __u32 sid, __u32 ns)                 \
 	{                                                                       \
 		if (!pkt)                                                       \
 			return CTX_ACT_NEXT;                                    \
@@ -74,8 +64,8 @@
 FLUXVM_LB_PATH(fluxvm_forward6_nat, fluxvm_lb_nat(ctx, pkt, 1, sid, flags))
 FLUXVM_LB_PATH(fluxvm_forward4_snat, fluxvm_lb_snat(ctx, pkt, 0, sid, flags))
 FLUXVM_LB_PATH(fluxvm_forward6_snat, fluxvm_lb_snat(ctx, pkt, 1, sid, flags))
-FLUXVM_DSR_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid, ns))
-FLUXVM_DSR_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid, ns))
+FLUXVM_LB_PATH(fluxvm_forward4_dsr, fluxvm_lb_dsr(ctx, pkt, 0, sid, flags))
+FLUXVM_LB_PATH(fluxvm_forward6_dsr, fluxvm_lb_dsr(ctx, pkt, 1, sid, flags))
 /* East-west replies of flows that stored a reverse-NAT half (a backend
  * listed by more frontends than fluxvm_be2fe has slots). */
 FLUXVM_PATH(fluxvm_reply4_stored, fluxvm_lb_reply(ctx, pkt, 0, FLUXVM_REPLY_EW, 0))
@@ -115,8 +105,9 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 		verdict = v6 ? fluxvm_forward6_snat(ctx, pkt, sid, flags) : fluxvm_forward4_snat(ctx, pkt, sid, flags);
 		break;
 	case FLUXVM_LB_DSR:
-		verdict = v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS)
-			     : fluxvm_forward4_dsr(ctx, pkt, sid, edge == FLUXVM_EDGE_NS);
+		if (edge == FLUXVM_EDGE_NS)
+			flags |= FLUXVM_LB_AT_NS;
+		verdict = v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, flags) : fluxvm_forward4_dsr(ctx, pkt, sid, flags);
 		break;
 	default:
 		/* Not for a service here; or a fragment to a VIP, dropped. */

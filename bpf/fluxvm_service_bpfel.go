@@ -111,7 +111,11 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_MAP        serviceFluxvmCounter = 27
 	serviceFluxvmCounterFLUXVM_CNT_FLOW_RECORDED             serviceFluxvmCounter = 28
 	serviceFluxvmCounterFLUXVM_CNT_FLOW_DROP_LIMITED         serviceFluxvmCounter = 29
-	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 30
+	serviceFluxvmCounterFLUXVM_CNT_POLICY_AUDITED            serviceFluxvmCounter = 30
+	serviceFluxvmCounterFLUXVM_CNT_POLICY_RECHECKED          serviceFluxvmCounter = 31
+	serviceFluxvmCounterFLUXVM_CNT_POLICY_REVOKED            serviceFluxvmCounter = 32
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_POLICY           serviceFluxvmCounter = 33
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 34
 )
 
 type serviceFluxvmCtFlags uint32
@@ -120,6 +124,7 @@ const (
 	serviceFluxvmCtFlagsFLUXVM_CT_F_SNAT        serviceFluxvmCtFlags = 1
 	serviceFluxvmCtFlagsFLUXVM_CT_F_DSR         serviceFluxvmCtFlags = 2
 	serviceFluxvmCtFlagsFLUXVM_CT_F_REV_DERIVED serviceFluxvmCtFlags = 4
+	serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED     serviceFluxvmCtFlags = 8
 )
 
 type serviceFluxvmCtState uint32
@@ -145,6 +150,8 @@ type serviceFluxvmCtValue struct {
 	NatPort    uint16
 	Flow       uint32
 	NatAddr    [4]uint32
+	PolicyRev  uint32
+	Pad1       uint32
 }
 
 type serviceFluxvmDropReason uint32
@@ -161,7 +168,9 @@ const (
 	serviceFluxvmDropReasonFLUXVM_DROP_SNAT_FAILED     serviceFluxvmDropReason = 8
 	serviceFluxvmDropReasonFLUXVM_DROP_DSR_NO_ROUTE    serviceFluxvmDropReason = 9
 	serviceFluxvmDropReasonFLUXVM_DROP_EDT_HORIZON     serviceFluxvmDropReason = 10
-	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 11
+	serviceFluxvmDropReasonFLUXVM_DROP_POLICY_DENIED   serviceFluxvmDropReason = 11
+	serviceFluxvmDropReasonFLUXVM_DROP_POLICY_MISSING  serviceFluxvmDropReason = 12
+	serviceFluxvmDropReasonFLUXVM_DROP_MAX             serviceFluxvmDropReason = 13
 )
 
 type serviceFluxvmEdgeSlot struct {
@@ -314,6 +323,37 @@ type serviceFluxvmNatValue struct {
 	Pad3       uint32
 }
 
+type serviceFluxvmPolicyAction uint32
+
+const (
+	serviceFluxvmPolicyActionFLUXVM_POLICY_ALLOW serviceFluxvmPolicyAction = 1
+	serviceFluxvmPolicyActionFLUXVM_POLICY_DENY  serviceFluxvmPolicyAction = 2
+)
+
+type serviceFluxvmPolicyFlags uint32
+
+const (
+	serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_AUDIT serviceFluxvmPolicyFlags = 1
+)
+
+type serviceFluxvmSid4Key struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      uint32
+}
+
+type serviceFluxvmSid6Key struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      [4]uint32
+}
+
+type serviceFluxvmSidValue struct {
+	_        structs.HostLayout
+	Identity uint32
+	Pad      uint32
+}
+
 type serviceFluxvmSnatCfg struct {
 	_       structs.HostLayout
 	Addr4   uint32
@@ -380,6 +420,28 @@ type serviceFluxvmSockValue struct {
 	ServiceId uint32
 }
 
+type serviceFluxvmSpolConst uint32
+
+const (
+	serviceFluxvmSpolConstFLUXVM_SPOL_HEADER serviceFluxvmSpolConst = 4294967295
+)
+
+type serviceFluxvmSpolKey struct {
+	_        structs.HostLayout
+	Id       uint32
+	Identity uint32
+}
+
+type serviceFluxvmSpolValue struct {
+	_        structs.HostLayout
+	Rules    uint32
+	Revision uint32
+	Action   uint8
+	Flags    uint8
+	Pad0     uint16
+	Pad1     uint32
+}
+
 type serviceFluxvmSvc4Key struct {
 	_     structs.HostLayout
 	Vip   uint32
@@ -406,6 +468,7 @@ const (
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_HOST_ROUTING serviceFluxvmSvcFlags = 16
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED   serviceFluxvmSvcFlags = 32
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_PACED        serviceFluxvmSvcFlags = 64
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_POLICY       serviceFluxvmSvcFlags = 128
 )
 
 type serviceFluxvmSvcStatsValue struct {
@@ -482,10 +545,13 @@ const (
 	serviceMapFluxvmScratch     = "fluxvm_scratch"
 	serviceMapFluxvmSflows      = "fluxvm_sflows"
 	serviceMapFluxvmSguard      = "fluxvm_sguard"
+	serviceMapFluxvmSid4        = "fluxvm_sid4"
+	serviceMapFluxvmSid6        = "fluxvm_sid6"
 	serviceMapFluxvmSnat        = "fluxvm_snat"
 	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
 	serviceMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	serviceMapFluxvmSockRev     = "fluxvm_sock_rev"
+	serviceMapFluxvmSpol        = "fluxvm_spol"
 	serviceMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -566,10 +632,13 @@ type serviceMapSpecs struct {
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -620,10 +689,13 @@ type serviceMaps struct {
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -650,10 +722,13 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -34,9 +34,12 @@ const (
 	serviceConnectMapFluxvmScratch           = "fluxvm_scratch"
 	serviceConnectMapFluxvmSflows            = "fluxvm_sflows"
 	serviceConnectMapFluxvmSguard            = "fluxvm_sguard"
+	serviceConnectMapFluxvmSid4              = "fluxvm_sid4"
+	serviceConnectMapFluxvmSid6              = "fluxvm_sid6"
 	serviceConnectMapFluxvmSnat              = "fluxvm_snat"
 	serviceConnectMapFluxvmSockFwd           = "fluxvm_sock_fwd"
 	serviceConnectMapFluxvmSockRev           = "fluxvm_sock_rev"
+	serviceConnectMapFluxvmSpol              = "fluxvm_spol"
 	serviceConnectMapFluxvmSvc4              = "fluxvm_svc4"
 	serviceConnectMapFluxvmSvc6              = "fluxvm_svc6"
 	serviceConnectMapFluxvmSvcStats          = "fluxvm_svc_stats"
@@ -126,9 +129,12 @@ type serviceConnectMapSpecs struct {
 	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -178,9 +184,12 @@ type serviceConnectMaps struct {
 	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -206,9 +215,12 @@ func (m *serviceConnectMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -34,9 +34,12 @@ const (
 	serviceConnectTierSMapFluxvmScratch           = "fluxvm_scratch"
 	serviceConnectTierSMapFluxvmSflows            = "fluxvm_sflows"
 	serviceConnectTierSMapFluxvmSguard            = "fluxvm_sguard"
+	serviceConnectTierSMapFluxvmSid4              = "fluxvm_sid4"
+	serviceConnectTierSMapFluxvmSid6              = "fluxvm_sid6"
 	serviceConnectTierSMapFluxvmSnat              = "fluxvm_snat"
 	serviceConnectTierSMapFluxvmSockFwd           = "fluxvm_sock_fwd"
 	serviceConnectTierSMapFluxvmSockRev           = "fluxvm_sock_rev"
+	serviceConnectTierSMapFluxvmSpol              = "fluxvm_spol"
 	serviceConnectTierSMapFluxvmSvc4              = "fluxvm_svc4"
 	serviceConnectTierSMapFluxvmSvc6              = "fluxvm_svc6"
 	serviceConnectTierSMapFluxvmSvcStats          = "fluxvm_svc_stats"
@@ -126,9 +129,12 @@ type serviceConnectTierSMapSpecs struct {
 	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -178,9 +184,12 @@ type serviceConnectTierSMaps struct {
 	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -206,9 +215,12 @@ func (m *serviceConnectTierSMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -29,6 +29,7 @@
 #define FLUXVM_NAT_ENTRIES      65536
 #define FLUXVM_SOCK_ENTRIES     16384
 #define FLUXVM_FLOW_SLOTS       4096 /* a power of two: slot = seq & (slots - 1) */
+#define FLUXVM_POLICY_RULES     16384 /* identity rules over all policies */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_M
 #define FLUXVM_MAX_SERVICES     1024
 #define FLUXVM_MAX_BACKENDS     16384
@@ -37,6 +38,7 @@
 #define FLUXVM_NAT_ENTRIES      262144
 #define FLUXVM_SOCK_ENTRIES     65536
 #define FLUXVM_FLOW_SLOTS       16384 /* a power of two: slot = seq & (slots - 1) */
+#define FLUXVM_POLICY_RULES     65536 /* identity rules over all policies */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_L
 #define FLUXVM_MAX_SERVICES     4096
 #define FLUXVM_MAX_BACKENDS     65536
@@ -45,6 +47,7 @@
 #define FLUXVM_NAT_ENTRIES      1048576
 #define FLUXVM_SOCK_ENTRIES     262144
 #define FLUXVM_FLOW_SLOTS       65536 /* a power of two: slot = seq & (slots - 1) */
+#define FLUXVM_POLICY_RULES     262144 /* identity rules over all policies */
 #else
 #error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
 #endif
@@ -60,6 +63,13 @@ enum fluxvm_built_tier {
  * per (VIP, protocol); four per service on average is generous.
  */
 #define FLUXVM_MAX_FRONTENDS (4 * FLUXVM_MAX_SERVICES)
+
+/* Identity policy (lib/policy.h): prefixes a family in the ipcache's
+ * tries; the policy map holds the rules, a header per datapath service,
+ * and room for one policy's new rule set (two lists of 1,024 identities)
+ * next to its old one while a change switches between them. */
+#define FLUXVM_IPCACHE_PREFIXES 65536
+#define FLUXVM_SPOL_ENTRIES (FLUXVM_POLICY_RULES + FLUXVM_MAX_SERVICES + 2048)
 
 /* VM-edge interfaces with their own statistics. */
 #define FLUXVM_MAX_EDGES FLUXVM_MAX_SERVICES

@@ -35,10 +35,13 @@ const (
 	serviceTierSMapFluxvmScratch     = "fluxvm_scratch"
 	serviceTierSMapFluxvmSflows      = "fluxvm_sflows"
 	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
+	serviceTierSMapFluxvmSid4        = "fluxvm_sid4"
+	serviceTierSMapFluxvmSid6        = "fluxvm_sid6"
 	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
 	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
 	serviceTierSMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	serviceTierSMapFluxvmSockRev     = "fluxvm_sock_rev"
+	serviceTierSMapFluxvmSpol        = "fluxvm_spol"
 	serviceTierSMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceTierSMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -119,10 +122,13 @@ type serviceTierSMapSpecs struct {
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -173,10 +179,13 @@ type serviceTierSMaps struct {
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -203,10 +212,13 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

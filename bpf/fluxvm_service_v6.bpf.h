@@ -64,7 +64,11 @@ enum fluxvm_counter {
 	FLUXVM_CNT_SOCK_FAIL_OPEN_MAP = 27,  /* socket LB fail-open: the socket maps could not be written */
 	FLUXVM_CNT_FLOW_RECORDED = 28,  /* FluxScope: a flow got a record (sampled, or a drop) */
 	FLUXVM_CNT_FLOW_DROP_LIMITED = 29, /* FluxScope: a drop found the node's budget empty: not recorded */
-	FLUXVM_CNT_MAX = 30,
+	FLUXVM_CNT_POLICY_AUDITED = 30,  /* identity policy: a flow it denies forwarded (audit_only) */
+	FLUXVM_CNT_POLICY_RECHECKED = 31, /* identity policy: an established flow decided again (new revision) */
+	FLUXVM_CNT_POLICY_REVOKED = 32,  /* identity policy: an established flow denied at its recheck */
+	FLUXVM_CNT_XDP_PASS_POLICY = 33, /* XDP: a service with an identity policy, left to TC */
+	FLUXVM_CNT_MAX = 34,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -80,7 +84,9 @@ enum fluxvm_drop_reason {
 	FLUXVM_DROP_SNAT_FAILED = 8,     /* no free SNAT port after the bounded retries, or no SNAT address */
 	FLUXVM_DROP_DSR_NO_ROUTE = 9,    /* DSR: no route, neighbour or TTL toward the backend */
 	FLUXVM_DROP_EDT_HORIZON = 10,    /* EDT: departure beyond the service's horizon (lib/edt.h) */
-	FLUXVM_DROP_MAX = 11,
+	FLUXVM_DROP_POLICY_DENIED = 11,  /* identity policy: the source's identity is denied (lib/policy.h) */
+	FLUXVM_DROP_POLICY_MISSING = 12, /* identity policy: the service has one but its maps lack it: fail closed */
+	FLUXVM_DROP_MAX = 13,
 };
 
 /* Address family tags used in map values. */
@@ -118,6 +124,7 @@ enum fluxvm_svc_flags {
 	FLUXVM_SVC_F_HOST_ROUTING = 1U << 4, /* FIB lookup and redirect after NAT */
 	FLUXVM_SVC_F_REV_STORED = 1U << 5,   /* east-west: new flows store a reverse-NAT half too */
 	FLUXVM_SVC_F_PACED = 1U << 6,        /* egress paced: fluxvm_edt holds its rate (lib/edt.h) */
+	FLUXVM_SVC_F_POLICY = 1U << 7,       /* identity policy: fluxvm_spol holds its header (lib/policy.h) */
 };
 
 struct fluxvm_svc_value {
@@ -206,8 +213,13 @@ struct fluxvm_ct_value {
 	__be16 nat_port;     /* SNAT: the source port the backend sees */
 	__u32 flow;          /* FluxScope: low 32 bits of its record's seq (lib/flows.h); 0: none */
 	__be32 nat_addr[4];  /* SNAT: the source address the backend sees */
+	/* Identity policy: the revision of its service's policy the flow was
+	 * admitted under (lib/policy.h); 0: none (admitted without one, or
+	 * learned before generation 5: decided at its next packet). */
+	__u32 policy_rev;
+	__u32 pad1;
 };
-_Static_assert(sizeof(struct fluxvm_ct_value) == 56, "fluxvm_ct_value size");
+_Static_assert(sizeof(struct fluxvm_ct_value) == 64, "fluxvm_ct_value size");
 
 enum fluxvm_ct_flags {
 	FLUXVM_CT_F_SNAT = 1U << 0, /* north-south NAT: source translated too */
@@ -216,6 +228,9 @@ enum fluxvm_ct_flags {
 	 * fluxvm_be2fe; the flow has no reverse-NAT half. Not a kind: an
 	 * east-west entry with or without it is the same flow. */
 	FLUXVM_CT_F_REV_DERIVED = 1U << 2,
+	/* Identity policy: admitted by audit_only, the policy denying it
+	 * (lib/policy.h). Not a kind. */
+	FLUXVM_CT_F_AUDITED = 1U << 3,
 };
 
 struct fluxvm_nat_value {
@@ -482,6 +497,64 @@ struct fluxvm_flow_budget {
 };
 _Static_assert(sizeof(struct fluxvm_flow_budget) == 16, "fluxvm_flow_budget size");
 
+/*
+ * Identity-aware service policy (lib/policy.h). The ipcache maps source
+ * prefixes to identities in two LPM tries, fluxvm_sid4 and fluxvm_sid6
+ * (longest prefix wins; no match: identity 0, unknown). fluxvm_spol holds,
+ * per datapath service with FLUXVM_SVC_F_POLICY, a header under (service
+ * id, FLUXVM_SPOL_HEADER): the id of its current rule set, its revision,
+ * default action and flags; and the rule sets' rules under (rule set id,
+ * identity), one per identity whose action differs from the default. A
+ * changed policy gets its rules written under a fresh rule set id and the
+ * header switched to it in one update, so no packet meets half a policy.
+ */
+struct fluxvm_sid4_key {
+	__u32 prefixlen;
+	__be32 addr;
+};
+_Static_assert(sizeof(struct fluxvm_sid4_key) == 8, "fluxvm_sid4_key size");
+
+struct fluxvm_sid6_key {
+	__u32 prefixlen;
+	__be32 addr[4];
+};
+_Static_assert(sizeof(struct fluxvm_sid6_key) == 20, "fluxvm_sid6_key size");
+
+struct fluxvm_sid_value {
+	__u32 identity; /* 1..2^24-1 */
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_sid_value) == 8, "fluxvm_sid_value size");
+
+enum fluxvm_spol_const {
+	FLUXVM_SPOL_HEADER = 0xffffffffU, /* the identity of a header key: no identity is */
+};
+
+struct fluxvm_spol_key {
+	__u32 id;       /* header: the datapath service id; rule: its rule set id */
+	__u32 identity; /* FLUXVM_SPOL_HEADER for a header */
+};
+_Static_assert(sizeof(struct fluxvm_spol_key) == 8, "fluxvm_spol_key size");
+
+enum fluxvm_policy_action {
+	FLUXVM_POLICY_ALLOW = 1,
+	FLUXVM_POLICY_DENY = 2,
+};
+
+enum fluxvm_policy_flags {
+	FLUXVM_POLICY_F_AUDIT = 1U << 0, /* forward what it denies: counted and recorded audited */
+};
+
+struct fluxvm_spol_value {
+	__u32 rules;    /* header: the id of the service's rule set; rule: 0 */
+	__u32 revision; /* header: the policy's revision (never 0), kept in conntrack */
+	__u8 action;    /* enum fluxvm_policy_action: header the default, rule the identity's */
+	__u8 flags;     /* header: enum fluxvm_policy_flags */
+	__u16 pad0;
+	__u32 pad1;
+};
+_Static_assert(sizeof(struct fluxvm_spol_value) == 16, "fluxvm_spol_value size");
+
 /* Conntrack deadlines are refreshed at most this often per flow, so that a
  * busy flow does not write its entry on every packet. */
 #define FLUXVM_CT_REFRESH_NS 1000000000ULL
@@ -513,6 +586,9 @@ struct fluxvm_abi_enums {
 	enum fluxvm_flow_verdict flow_verdict;
 	enum fluxvm_flow_hook flow_hook;
 	enum fluxvm_built_tier built_tier;
+	enum fluxvm_spol_const spol_const;
+	enum fluxvm_policy_action policy_action;
+	enum fluxvm_policy_flags policy_flags;
 };
 
 __attribute__((noinline)) int fluxvm_abi_enums(struct fluxvm_abi_enums *e)

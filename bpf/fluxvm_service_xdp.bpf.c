@@ -58,18 +58,20 @@ __attribute__((noinline)) int fluxvm_xdp_snat6(struct xdp_md *ctx, struct fluxvm
 	return fluxvm_lb_snat(ctx, pkt, 1, sid, flags);
 }
 
-__attribute__((noinline)) int fluxvm_xdp_dsr4(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid)
+__attribute__((noinline)) int fluxvm_xdp_dsr4(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid,
+					      __u32 flags)
 {
 	if (!pkt)
 		return XDP_PASS;
-	return fluxvm_lb_dsr(ctx, pkt, 0, sid, 1);
+	return fluxvm_lb_dsr(ctx, pkt, 0, sid, flags | FLUXVM_LB_AT_NS);
 }
 
-__attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid)
+__attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid,
+					      __u32 flags)
 {
 	if (!pkt)
 		return XDP_PASS;
-	return fluxvm_lb_dsr(ctx, pkt, 1, sid, 1);
+	return fluxvm_lb_dsr(ctx, pkt, 1, sid, flags | FLUXVM_LB_AT_NS);
 }
 
 SEC("xdp")
@@ -77,6 +79,7 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 {
 	struct fluxvm_pkt pkt = {};
 	struct fluxvm_svc_value *svc;
+	enum fluxvm_lb_mode mode;
 	__u32 sid = 0, flags = 0;
 	int verdict, v6;
 
@@ -94,12 +97,18 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 			fluxvm_count(FLUXVM_CNT_XDP_PASS_FRAGMENT);
 		return XDP_PASS;
 	}
-	switch (fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict)) {
+	mode = fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict);
+	/* A service with an identity policy: TC applies it (lib/policy.h). */
+	if (mode != FLUXVM_LB_NONE && (flags & FLUXVM_SVC_F_POLICY)) {
+		fluxvm_count(FLUXVM_CNT_XDP_PASS_POLICY);
+		return XDP_PASS;
+	}
+	switch (mode) {
 	case FLUXVM_LB_SNAT:
 		verdict = v6 ? fluxvm_xdp_snat6(ctx, &pkt, sid, flags) : fluxvm_lb_snat(ctx, &pkt, 0, sid, flags);
 		break;
 	case FLUXVM_LB_DSR:
-		verdict = v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid) : fluxvm_xdp_dsr4(ctx, &pkt, sid);
+		verdict = v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid, flags) : fluxvm_xdp_dsr4(ctx, &pkt, sid, flags);
 		break;
 	default:
 		return XDP_PASS;

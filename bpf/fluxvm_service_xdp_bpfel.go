@@ -36,10 +36,13 @@ const (
 	serviceXdpMapFluxvmScratch     = "fluxvm_scratch"
 	serviceXdpMapFluxvmSflows      = "fluxvm_sflows"
 	serviceXdpMapFluxvmSguard      = "fluxvm_sguard"
+	serviceXdpMapFluxvmSid4        = "fluxvm_sid4"
+	serviceXdpMapFluxvmSid6        = "fluxvm_sid6"
 	serviceXdpMapFluxvmSnat        = "fluxvm_snat"
 	serviceXdpMapFluxvmSnatScratch = "fluxvm_snat_scratch"
 	serviceXdpMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	serviceXdpMapFluxvmSockRev     = "fluxvm_sock_rev"
+	serviceXdpMapFluxvmSpol        = "fluxvm_spol"
 	serviceXdpMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceXdpMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceXdpMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -116,10 +119,13 @@ type serviceXdpMapSpecs struct {
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -172,10 +178,13 @@ type serviceXdpMaps struct {
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -204,10 +213,13 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -36,10 +36,13 @@ const (
 	serviceXdpTierLMapFluxvmScratch     = "fluxvm_scratch"
 	serviceXdpTierLMapFluxvmSflows      = "fluxvm_sflows"
 	serviceXdpTierLMapFluxvmSguard      = "fluxvm_sguard"
+	serviceXdpTierLMapFluxvmSid4        = "fluxvm_sid4"
+	serviceXdpTierLMapFluxvmSid6        = "fluxvm_sid6"
 	serviceXdpTierLMapFluxvmSnat        = "fluxvm_snat"
 	serviceXdpTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
 	serviceXdpTierLMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	serviceXdpTierLMapFluxvmSockRev     = "fluxvm_sock_rev"
+	serviceXdpTierLMapFluxvmSpol        = "fluxvm_spol"
 	serviceXdpTierLMapFluxvmSvc4        = "fluxvm_svc4"
 	serviceXdpTierLMapFluxvmSvc6        = "fluxvm_svc6"
 	serviceXdpTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -116,10 +119,13 @@ type serviceXdpTierLMapSpecs struct {
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -172,10 +178,13 @@ type serviceXdpTierLMaps struct {
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -204,10 +213,13 @@ func (m *serviceXdpTierLMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -34,9 +34,12 @@ const (
 	sockDestroyMapFluxvmScratch         = "fluxvm_scratch"
 	sockDestroyMapFluxvmSflows          = "fluxvm_sflows"
 	sockDestroyMapFluxvmSguard          = "fluxvm_sguard"
+	sockDestroyMapFluxvmSid4            = "fluxvm_sid4"
+	sockDestroyMapFluxvmSid6            = "fluxvm_sid6"
 	sockDestroyMapFluxvmSnat            = "fluxvm_snat"
 	sockDestroyMapFluxvmSockFwd         = "fluxvm_sock_fwd"
 	sockDestroyMapFluxvmSockRev         = "fluxvm_sock_rev"
+	sockDestroyMapFluxvmSpol            = "fluxvm_spol"
 	sockDestroyMapFluxvmSvc4            = "fluxvm_svc4"
 	sockDestroyMapFluxvmSvc6            = "fluxvm_svc6"
 	sockDestroyMapFluxvmSvcStats        = "fluxvm_svc_stats"
@@ -110,9 +113,12 @@ type sockDestroyMapSpecs struct {
 	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -162,9 +168,12 @@ type sockDestroyMaps struct {
 	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -190,9 +199,12 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

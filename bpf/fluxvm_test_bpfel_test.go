@@ -35,10 +35,13 @@ const (
 	serviceTestMapFluxvmScratch         = "fluxvm_scratch"
 	serviceTestMapFluxvmSflows          = "fluxvm_sflows"
 	serviceTestMapFluxvmSguard          = "fluxvm_sguard"
+	serviceTestMapFluxvmSid4            = "fluxvm_sid4"
+	serviceTestMapFluxvmSid6            = "fluxvm_sid6"
 	serviceTestMapFluxvmSnat            = "fluxvm_snat"
 	serviceTestMapFluxvmSnatScratch     = "fluxvm_snat_scratch"
 	serviceTestMapFluxvmSockFwd         = "fluxvm_sock_fwd"
 	serviceTestMapFluxvmSockRev         = "fluxvm_sock_rev"
+	serviceTestMapFluxvmSpol            = "fluxvm_spol"
 	serviceTestMapFluxvmSvc4            = "fluxvm_svc4"
 	serviceTestMapFluxvmSvc6            = "fluxvm_svc6"
 	serviceTestMapFluxvmSvcStats        = "fluxvm_svc_stats"
@@ -126,10 +129,13 @@ type serviceTestMapSpecs struct {
 	FluxvmScratch     *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -187,10 +193,13 @@ type serviceTestMaps struct {
 	FluxvmScratch     *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows      *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard      *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol        *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4        *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6        *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats    *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -217,10 +226,13 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

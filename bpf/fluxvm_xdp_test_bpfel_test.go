@@ -34,9 +34,12 @@ const (
 	xdpTestMapFluxvmScratch     = "fluxvm_scratch"
 	xdpTestMapFluxvmSflows      = "fluxvm_sflows"
 	xdpTestMapFluxvmSguard      = "fluxvm_sguard"
+	xdpTestMapFluxvmSid4        = "fluxvm_sid4"
+	xdpTestMapFluxvmSid6        = "fluxvm_sid6"
 	xdpTestMapFluxvmSnat        = "fluxvm_snat"
 	xdpTestMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	xdpTestMapFluxvmSockRev     = "fluxvm_sock_rev"
+	xdpTestMapFluxvmSpol        = "fluxvm_spol"
 	xdpTestMapFluxvmSvc4        = "fluxvm_svc4"
 	xdpTestMapFluxvmSvc6        = "fluxvm_svc6"
 	xdpTestMapFluxvmSvcStats    = "fluxvm_svc_stats"
@@ -112,9 +115,12 @@ type xdpTestMapSpecs struct {
 	FluxvmScratch    *ebpf.MapSpec `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.MapSpec `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.MapSpec `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.MapSpec `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.MapSpec `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.MapSpec `ebpf:"fluxvm_svc_stats"`
@@ -166,9 +172,12 @@ type xdpTestMaps struct {
 	FluxvmScratch    *ebpf.Map `ebpf:"fluxvm_scratch"`
 	FluxvmSflows     *ebpf.Map `ebpf:"fluxvm_sflows"`
 	FluxvmSguard     *ebpf.Map `ebpf:"fluxvm_sguard"`
+	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
+	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
+	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
 	FluxvmSvc4       *ebpf.Map `ebpf:"fluxvm_svc4"`
 	FluxvmSvc6       *ebpf.Map `ebpf:"fluxvm_svc6"`
 	FluxvmSvcStats   *ebpf.Map `ebpf:"fluxvm_svc_stats"`
@@ -194,9 +203,12 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmScratch,
 		m.FluxvmSflows,
 		m.FluxvmSguard,
+		m.FluxvmSid4,
+		m.FluxvmSid6,
 		m.FluxvmSnat,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
+		m.FluxvmSpol,
 		m.FluxvmSvc4,
 		m.FluxvmSvc6,
 		m.FluxvmSvcStats,

@@ -37,6 +37,11 @@ type (
 	SockRevValue = serviceFluxvmSockRvalue
 	EDTValue     = serviceFluxvmEdtValue
 	FlowRecord   = serviceFluxvmFlow
+	SIDKey4      = serviceFluxvmSid4Key
+	SIDKey6      = serviceFluxvmSid6Key
+	SIDValue     = serviceFluxvmSidValue
+	PolicyKey    = serviceFluxvmSpolKey
+	PolicyValue  = serviceFluxvmSpolValue
 )
 
 // FlowVerdict is FlowRecord.Verdict (C enum fluxvm_flow_verdict).
@@ -132,6 +137,24 @@ const (
 	// SvcFlagPaced marks a frontend of a service with EDT pacing (its
 	// fluxvm_edt entry has a rate): fluxvm_ns_out looks for its replies.
 	SvcFlagPaced = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_PACED)
+	// SvcFlagPolicy marks a frontend of a service with an identity policy:
+	// fluxvm_spol holds its header under (service id, PolicyHeader), and
+	// without one its packets drop (DropPolicyMissing: fail closed).
+	SvcFlagPolicy = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_POLICY)
+)
+
+// Identity policy (fluxvm_spol, C enums fluxvm_spol_const,
+// fluxvm_policy_action and fluxvm_policy_flags).
+const (
+	// PolicyHeader is the identity of a header's key: (datapath service
+	// id, PolicyHeader) holds the service's rule set id, revision, default
+	// action and flags; (rule set id, identity) a rule.
+	PolicyHeader = uint32(serviceFluxvmSpolConstFLUXVM_SPOL_HEADER)
+	PolicyAllow  = uint8(serviceFluxvmPolicyActionFLUXVM_POLICY_ALLOW)
+	PolicyDeny   = uint8(serviceFluxvmPolicyActionFLUXVM_POLICY_DENY)
+	// PolicyFlagAudit forwards what the policy denies, counted
+	// (CounterPolicyAudited) and recorded with verdict audited.
+	PolicyFlagAudit = uint8(serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_AUDIT)
 )
 
 // CTValue.Flags (C enum fluxvm_ct_flags).
@@ -146,6 +169,9 @@ const (
 	// translated from this entry (found through fluxvm_be2fe): it has no
 	// reverse-NAT half, and GC never gives it one. Not a kind.
 	CTFlagRevDerived = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_REV_DERIVED)
+	// CTFlagAudited marks a flow its service's identity policy denied and
+	// audit_only let through. Not a kind.
+	CTFlagAudited = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED)
 )
 
 // NATValue.Flags (C enum fluxvm_nat_flags).

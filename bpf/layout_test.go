@@ -30,7 +30,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_backend", 32, Backend{}},
 		{"fluxvm_tuple4", 16, Tuple4{}},
 		{"fluxvm_tuple6", 40, Tuple6{}},
-		{"fluxvm_ct_value", 56, CTValue{}},
+		{"fluxvm_ct_value", 64, CTValue{}},
 		{"fluxvm_nat_value", 64, NATValue{}},
 		{"fluxvm_svc_stats_value", 64, ServiceStats{}},
 		{"fluxvm_meta_value", 48, Meta{}},
@@ -43,6 +43,11 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_sock_value", 8, SockValue{}},
 		{"fluxvm_sock_rkey", 32, SockRevKey{}},
 		{"fluxvm_sock_rvalue", 32, SockRevValue{}},
+		{"fluxvm_sid4_key", 8, SIDKey4{}},
+		{"fluxvm_sid6_key", 20, SIDKey6{}},
+		{"fluxvm_sid_value", 8, SIDValue{}},
+		{"fluxvm_spol_key", 8, PolicyKey{}},
+		{"fluxvm_spol_value", 16, PolicyValue{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

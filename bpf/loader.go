@@ -37,7 +37,13 @@ import (
 // learned by generation 3 keep their halves: their replies are found
 // through the index, or by the half when the conntrack entry was evicted,
 // and the GC collects the halves with the flows.
-const ProgramGeneration = 4
+//
+// Generation 5 adds identity policy (fluxvm_spol, fluxvm_sid4/6): a
+// conntrack value grew at the end by the policy revision its flow was
+// admitted under (0 for flows carried over: a flow of a service with a
+// policy is decided again at its next packet), and a frontend with
+// SvcFlagPolicy drops until its policy's header is written (fail closed).
+const ProgramGeneration = 5
 
 // socketMapsOff is the size of the socket LB maps while socket LB is off.
 const socketMapsOff = 64
@@ -703,9 +709,11 @@ func adoptPins(root string, spec *ebpf.CollectionSpec, st *Status) (map[string]*
 
 // flowSeqSkip is how far a recreated flow record sequence starts past the
 // old one: further than the old programs can count in the window between
-// Open and Activate, and not a multiple of 2^32, so that no new record
-// takes the 32-bit id of a flow the old programs recorded.
-const flowSeqSkip = 1 << 31
+// Open and Activate (16.7 million records), and small beside 2^32, so
+// that reloads in a row do not bring the 32-bit ids round to those of
+// flows an earlier generation recorded (two skips of 2^31 would: the ids
+// wrap after two reloads).
+const flowSeqSkip = 1 << 24
 
 // carryFlowSeq starts a recreated fluxvm_flow_seq (a program-generation
 // reload recreates every map but the lifecycle ones) past the pinned one's

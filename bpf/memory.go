@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 )
 
 // MaglevMap is the array of maps that holds one Maglev table (an inner
@@ -237,6 +238,11 @@ func memlock(m *ebpf.Map) (uint64, bool, error) {
 	}
 	b, ok := info.Memlock()
 	if !ok {
+		// A map that allocates as it fills (the identity tries, the
+		// policies) reports nothing while it is empty.
+		if info.Flags&unix.BPF_F_NO_PREALLOC != 0 {
+			return 0, false, nil
+		}
 		return 0, false, fmt.Errorf("kernel reports no memlock: %w", ebpf.ErrNotSupported)
 	}
 	return b, info.Type == ebpf.Array, nil

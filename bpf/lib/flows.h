@@ -181,7 +181,8 @@ static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value 
 /*
  * Write the record of a new flow forwarded to a backend, its id @id
  * reserved by fluxvm_flow_reserve on this CPU: its id, or 0. @info packs
- * the family (bit 0: IPv6), the hook (bits 8-15), the backend id (bits
+ * the family (bit 0: IPv6), whether the policy audited the flow (bit 1:
+ * verdict audited, else forwarded), the hook (bits 8-15), the backend id (bits
  * 16-31; ids are below the tier's 65,536) and the service id (bits
  * 32-63). A global function: the verifier checks it once, not once per
  * forward path. Its four arguments fit the four registers a call keeps,
@@ -203,22 +204,25 @@ int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
 	if (!pkt || !scr || (__u32)scr->flow_seq != id)
 		return 0;
 	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, bpf_ktime_get_coarse_ns(),
-				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff, FLUXVM_FLOW_FORWARDED,
-				    scr->flow_seq);
+				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff,
+				    /* forwarded, or audited (bit 1) */
+				    FLUXVM_FLOW_FORWARDED + (info & 2), scr->flow_seq);
 }
 
 /* The record of new flow @id (fluxvm_flow_reserve; 0: not sampled), once
- * its learn writes succeeded. */
+ * its learn writes succeeded; @audited: the policy forwarded it under
+ * audit_only. */
 static __always_inline void fluxvm_flow_learn(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
 					      __u32 id, __u8 hook, __u32 sid, __u32 bid,
-					      const struct fluxvm_backend *be)
+					      const struct fluxvm_backend *be, int audited)
 {
 	struct fluxvm_flow *f;
 
 	if (!id)
 		return;
 	id = (__u32)fluxvm_flow_open(ctx, pkt,
-				     (v6 ? 1 : 0) | ((__u64)hook << 8) | ((__u64)(bid & 0xffff) << 16) | ((__u64)sid << 32),
+				     (v6 ? 1 : 0) | (audited ? 2 : 0) | ((__u64)hook << 8) |
+				     ((__u64)(bid & 0xffff) << 16) | ((__u64)sid << 32),
 				     id);
 	/* The backend, here: a BPF call takes five arguments at most. */
 	f = fluxvm_flow_get(id);

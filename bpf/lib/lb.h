@@ -44,6 +44,10 @@
 #include "edt.h"
 #endif
 
+/* A forward path's flags (the frontend's, enum fluxvm_svc_flags) with
+ * this bit: the packet came in on a north-south interface. */
+#define FLUXVM_LB_AT_NS (1U << 31)
+
 /* The hook a forward path runs in, for flow records: XDP, or the TC
  * program of the edge (@ns: north-south). */
 #ifdef FLUXVM_CTX_XDP
@@ -95,6 +99,7 @@ static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const
 }
 
 #include "flows.h" /* after fluxvm_pkt_tuple, which its drop records use */
+#include "policy.h"
 
 #ifdef FLUXVM_CTX_SKB
 /*
@@ -469,6 +474,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	struct fluxvm_ct_value *ct;
 	__u32 bid, flow;
 	__u64 now;
+	int reason;
 
 	if (!fluxvm_guard_open(sid))
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
@@ -478,6 +484,8 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+			return fluxvm_drop(reason, st, es);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
 		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
@@ -505,6 +513,9 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 			     (flags & FLUXVM_SVC_F_REV_STORED) ? 0 : FLUXVM_CT_F_REV_DERIVED);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	/* Policy: before anything is written. */
+	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
+		return fluxvm_drop(reason, st, es);
 	ct->flow = fluxvm_flow_reserve(meta);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
@@ -517,7 +528,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * conntrack half and could be taken for a live flow. */
 	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
-	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be);
+	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
@@ -559,6 +570,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+			return fluxvm_drop(ret, st, es);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
@@ -585,6 +598,9 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	/* Policy: before a port is taken. */
+	if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_admit(pkt, v6, sid, ct)))
+		return fluxvm_drop(ret, st, es);
 	ct->flow = fluxvm_flow_reserve(meta);
 	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
 	if (ret == FLUXVM_SNAT_FAILED)
@@ -598,7 +614,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
 	if (ct->flow) {
-		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be);
+		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
 	}
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
@@ -613,10 +629,12 @@ deliver:
  * Routed DSR, at either edge: the packet keeps the VIP as its destination
  * and is routed toward the backend, which holds the VIP and answers the
  * client directly. Conntrack alone keeps the flow on its backend; there is
- * no reply to translate.
+ * no reply to translate. @flags are the frontend's, with FLUXVM_LB_AT_NS
+ * when the packet came in on a north-south interface (its flow record's
+ * hook).
  */
 static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt,
-					 const int v6, __u32 sid, __u32 ns)
+					 const int v6, __u32 sid, __u32 flags)
 {
 	struct fluxvm_tuple4 t4 = {};
 	struct fluxvm_tuple6 t6 = {};
@@ -629,6 +647,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	struct fluxvm_ct_value *ct;
 	__u32 bid, flow;
 	__u64 now;
+	int reason;
 
 	if (!fluxvm_guard_open(sid))
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
@@ -638,6 +657,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+			return fluxvm_drop(reason, st, es);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
 	}
@@ -651,11 +672,14 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 
 	/* Learn: conntrack only. */
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
-	if (ct)
-		ct->flow = fluxvm_flow_reserve(meta);
-	if (!ct || bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
+	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(ns), sid, bid, be);
+	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
+		return fluxvm_drop(reason, st, es);
+	ct->flow = fluxvm_flow_reserve(meta);
+	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(flags & FLUXVM_LB_AT_NS), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:

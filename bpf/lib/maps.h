@@ -131,6 +131,34 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_flow_budget SEC(".maps");
 
+/* Identity policy: the ipcache's tries and the policies
+ * (fluxvm_service_v6.bpf.h, lib/policy.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct fluxvm_sid4_key);
+	__type(value, struct fluxvm_sid_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, FLUXVM_IPCACHE_PREFIXES);
+} fluxvm_sid4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct fluxvm_sid6_key);
+	__type(value, struct fluxvm_sid_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, FLUXVM_IPCACHE_PREFIXES);
+} fluxvm_sid6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct fluxvm_spol_key);
+	__type(value, struct fluxvm_spol_value);
+	/* Not preallocated: a replaced header is freed after an RCU grace
+	 * period, so a reader never sees it reused (lib/policy.h). */
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, FLUXVM_SPOL_ENTRIES);
+} fluxvm_spol SEC(".maps");
+
 /* EDT pacing per service (fluxvm_service_v6.bpf.h, lib/edt.h). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -217,6 +245,12 @@ struct fluxvm_scratch {
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
 	__u32 pad;
 	__u64 flow_seq;                  /* the seq a new flow's record reserved (flows.h) */
+	/* Identity policy's lookup keys (policy.h), off the forward paths'
+	 * stack: their call chains are at the 512-byte limit. */
+	struct fluxvm_spol_key pk;
+	struct fluxvm_sid4_key sk4;
+	struct fluxvm_sid6_key sk6;
+	__u32 pad2;
 };
 
 struct {

@@ -1,0 +1,169 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Identity-aware service policy (maps: fluxvm_service_v6.bpf.h).
+ *
+ * A service with FLUXVM_SVC_F_POLICY decides every new flow by the identity
+ * of its source: the ipcache's longest prefix covering the source address
+ * (fluxvm_sid4 / fluxvm_sid6), identity 0 when none does. The service's
+ * header in fluxvm_spol names its rule set; a rule of that set for the
+ * identity gives its action, else the header's default. A denied flow is
+ * dropped (FLUXVM_DROP_POLICY_DENIED), or, under audit_only, forwarded and
+ * counted (FLUXVM_CNT_POLICY_AUDITED) with its flow record's verdict
+ * "audited".
+ *
+ * A flow's conntrack entry keeps the revision of the policy it was admitted
+ * under. Each packet of an established flow of a service with a policy
+ * compares it with the header's, one lookup; when they differ (the policy
+ * or the ipcache changed, or the flow was admitted without a policy) the
+ * flow is decided again, so revoking an identity stops its open
+ * connections at their next packet.
+ *
+ * A service whose header is missing (its flag set, its policy maps not
+ * restored yet after a program reload) drops: fail closed.
+ *
+ * XDP serves no service with a policy: it passes their packets to TC
+ * (FLUXVM_CNT_XDP_PASS_POLICY), which applies it.
+ */
+#ifndef FLUXVM_LIB_POLICY_H
+#define FLUXVM_LIB_POLICY_H
+
+#include "maps.h"
+#include "counters.h"
+
+/* Whether a forward path with frontend flags @flags applies a policy. XDP
+ * passes the packets of services with a policy on to TC (its call chain
+ * has no stack to spare for it), so its paths carry no policy code. */
+#ifdef FLUXVM_CTX_XDP
+#define fluxvm_policy_on(flags) 0
+#else
+#define fluxvm_policy_on(flags) ((flags) & FLUXVM_SVC_F_POLICY)
+#endif
+
+/* What a policy does with a flow: the low byte of fluxvm_policy_decide's
+ * result. */
+enum fluxvm_policy_verdict {
+	FLUXVM_PV_MISSING = 0, /* no header: fail closed */
+	FLUXVM_PV_ALLOW = 1,
+	FLUXVM_PV_DENY = 2,
+	FLUXVM_PV_AUDIT = 3, /* denied, forwarded under audit_only */
+};
+
+/*
+ * Decide a flow of client packet @pkt under the policy of the datapath
+ * service in bits 32-63 of @info (bit 0: IPv6): the policy's revision in
+ * bits 32-63 of the result, the verdict (enum fluxvm_policy_verdict) in
+ * the low byte; an audited flow is counted here. The header is read once:
+ * its rule set and revision belong together (userspace replaces a header
+ * in one update; fluxvm_spol is not preallocated, so a replaced header
+ * stays readable until we are done). A global function, verified once for
+ * every path that calls it; its keys live in per-CPU scratch, so its frame
+ * is the smallest a call chain can have (the forward paths' chains are
+ * near the 512-byte stack).
+ */
+__attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u64 info)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_spol_value *v;
+	struct fluxvm_sid_value *id;
+	__u32 rev;
+	__u8 action, flags;
+
+	if (!s || !pkt)
+		return FLUXVM_PV_MISSING;
+	s->pk.id = (__u32)(info >> 32);
+	s->pk.identity = FLUXVM_SPOL_HEADER;
+	v = bpf_map_lookup_elem(&fluxvm_spol, &s->pk);
+	if (!v)
+		return FLUXVM_PV_MISSING;
+	rev = v->revision;
+	action = v->action;
+	flags = v->flags;
+	s->pk.id = v->rules;
+	/* The source's identity: the ipcache's longest prefix covering it,
+	 * or 0 (unknown). */
+	if (info & 1) {
+		s->sk6.prefixlen = 128;
+		__builtin_memcpy(s->sk6.addr, pkt->saddr, 16);
+		id = bpf_map_lookup_elem(&fluxvm_sid6, &s->sk6);
+	} else {
+		s->sk4.prefixlen = 32;
+		s->sk4.addr = pkt->saddr[0];
+		id = bpf_map_lookup_elem(&fluxvm_sid4, &s->sk4);
+	}
+	s->pk.identity = id ? id->identity : 0;
+	v = bpf_map_lookup_elem(&fluxvm_spol, &s->pk);
+	if (v)
+		action = v->action;
+	if (action == FLUXVM_POLICY_ALLOW)
+		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
+	if (!(flags & FLUXVM_POLICY_F_AUDIT))
+		return ((__u64)rev << 32) | FLUXVM_PV_DENY;
+	fluxvm_count(FLUXVM_CNT_POLICY_AUDITED);
+	return ((__u64)rev << 32) | FLUXVM_PV_AUDIT;
+}
+
+/* The drop reason of a decision, or 0 when the flow may go on. */
+static __always_inline int fluxvm_policy_reason(__u64 pv)
+{
+	if ((__u8)pv == FLUXVM_PV_ALLOW || (__u8)pv == FLUXVM_PV_AUDIT)
+		return 0;
+	return (__u8)pv == FLUXVM_PV_DENY ? FLUXVM_DROP_POLICY_DENIED : FLUXVM_DROP_POLICY_MISSING;
+}
+
+/*
+ * The policy stage of a new flow of service @sid, whose conntrack entry
+ * @ct is built but not written: 0 when the flow may go on, its entry then
+ * holding the revision it is admitted under (and FLUXVM_CT_F_AUDITED when
+ * audit_only let it through); else the reason to drop it. After the pick
+ * (which takes nothing) and before every write, so a denied flow leaves
+ * no state and takes no SNAT port.
+ */
+static __always_inline int fluxvm_policy_admit(struct fluxvm_pkt *pkt, const int v6, __u32 sid,
+					       struct fluxvm_ct_value *ct)
+{
+	__u64 pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)sid << 32));
+	int reason = fluxvm_policy_reason(pv);
+
+	if (reason)
+		return reason;
+	ct->policy_rev = pv >> 32;
+	if ((__u8)pv == FLUXVM_PV_AUDIT)
+		ct->flags |= FLUXVM_CT_F_AUDITED;
+	return 0;
+}
+
+/*
+ * A packet of established flow @ct of service @sid, which has a policy: 0
+ * when it may go on, else the reason to drop it. A flow admitted under
+ * the policy's current revision costs one lookup; any other is decided
+ * again and, when it still may go on, takes the current revision. A
+ * denied flow's entry keeps its old revision: each of its packets is
+ * decided again (and counted revoked), so a policy that allows it again
+ * lets it go on.
+ */
+static __always_inline int fluxvm_policy_recheck(struct fluxvm_pkt *pkt, const int v6, __u32 sid,
+						 struct fluxvm_ct_value *ct)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_spol_value *hdr;
+	__u64 pv;
+	int reason;
+
+	if (!s)
+		return FLUXVM_DROP_POLICY_MISSING;
+	s->pk.id = sid;
+	s->pk.identity = FLUXVM_SPOL_HEADER;
+	hdr = bpf_map_lookup_elem(&fluxvm_spol, &s->pk);
+	if (hdr && hdr->revision == ct->policy_rev)
+		return 0;
+	fluxvm_count(FLUXVM_CNT_POLICY_RECHECKED);
+	pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)sid << 32));
+	reason = fluxvm_policy_reason(pv);
+	if (reason == FLUXVM_DROP_POLICY_DENIED)
+		fluxvm_count(FLUXVM_CNT_POLICY_REVOKED);
+	if (!reason)
+		ct->policy_rev = pv >> 32;
+	return reason;
+}
+
+#endif /* FLUXVM_LIB_POLICY_H */

@@ -1,0 +1,229 @@
+package bpf
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+)
+
+// ipcache maps prefix to identity in the harness's identity tries.
+func (h *harness) ipcache(prefix string, id uint32) {
+	h.t.Helper()
+	p := netip.MustParsePrefix(prefix)
+	if p.Addr().Is4() {
+		h.must(h.objs.FluxvmSid4.Put(SIDKey4{Prefixlen: uint32(p.Bits()), Addr: AddrWords(p.Addr())[0]}, SIDValue{Identity: id}))
+		return
+	}
+	h.must(h.objs.FluxvmSid6.Put(SIDKey6{Prefixlen: uint32(p.Bits()), Addr: AddrWords(p.Addr())}, SIDValue{Identity: id}))
+}
+
+// policy writes service s's policy as the control plane does: the rules
+// under rule set id rules, then the header naming them.
+func (h *harness) policy(s, rules, rev uint32, def, flags uint8, verdicts map[uint32]uint8) {
+	h.t.Helper()
+	for id, a := range verdicts {
+		h.must(h.objs.FluxvmSpol.Put(PolicyKey{Id: rules, Identity: id}, PolicyValue{Action: a}))
+	}
+	h.must(h.objs.FluxvmSpol.Put(PolicyKey{Id: s, Identity: PolicyHeader}, PolicyValue{Rules: rules, Revision: rev, Action: def, Flags: flags}))
+}
+
+func clearMap(t testing.TB, m *ebpf.Map) {
+	t.Helper()
+	var keys [][]byte
+	k := make([]byte, m.KeySize())
+	var v []byte
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		keys = append(keys, append([]byte(nil), k...))
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range keys {
+		if err := m.Delete(key); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// policyMode is one forward path under test: how its service is set up,
+// where client packets enter, and the verdict of a packet it forwards.
+type policyMode struct {
+	name  string
+	setup func(h *harness, v variant)
+	prog  func(h *harness) *ebpf.Program
+	// forwarded tells a forwarded verdict (DSR has no route here and
+	// drops after the policy with its own reason).
+	forwarded func(h *harness, ret uint32, before Drops) bool
+}
+
+func policyModes() []policyMode {
+	ok := func(h *harness, ret uint32, _ Drops) bool { return ret == tcOK }
+	return []policyMode{
+		{"east-west nat", func(h *harness, v variant) {
+			v.setup(h)
+			h.svcFlags(sid, v.vip, v.proto, SvcFlagPolicy)
+		}, func(h *harness) *ebpf.Program { return h.objs.FluxvmFromVm }, ok},
+		{"north-south snat", func(h *harness, v variant) {
+			v.nsSetup(h, SvcFlagPolicy)
+		}, func(h *harness) *ebpf.Program { return h.objs.FluxvmNsIn }, ok},
+		{"dsr", func(h *harness, v variant) {
+			v.nsSetup(h, SvcFlagDSR|SvcFlagPolicy)
+		}, func(h *harness) *ebpf.Program { return h.objs.FluxvmNsIn }, func(h *harness, ret uint32, before Drops) bool {
+			// No route toward the backend in the test run: past the
+			// policy, DSR drops with its own reason.
+			return ret == tcShot && h.drops()[DropDSRNoRoute] == before[DropDSRNoRoute]+1
+		}},
+	}
+}
+
+// TestPolicy: a service's identity policy decides new flows by the
+// source's identity (the ipcache's longest prefix; unknown without one):
+// the deny list wins, then the allow list, then the default; audit_only
+// forwards what it denies, counted and recorded audited; a missing header
+// fails closed; and a changed revision reaches established flows at their
+// next packet. Every forward path, both families, TCP and UDP.
+func TestPolicy(t *testing.T) {
+	const (
+		allowed = 1001
+		denied  = 2001
+		other   = 3001
+		rules1  = 10
+		rules2  = 11
+	)
+	h := newHarness(t)
+	for _, mode := range policyModes() {
+		for _, v := range variants() {
+			t.Run(mode.name+"/"+v.name, func(t *testing.T) {
+				h.reset()
+				for _, m := range []*ebpf.Map{h.objs.FluxvmSpol, h.objs.FluxvmSid4, h.objs.FluxvmSid6} {
+					clearMap(t, m)
+				}
+				mode.setup(h, v)
+				prog := mode.prog(h)
+				// The client's /128 (or /32) is denied, its /64 (or /16)
+				// allowed: the longest prefix decides.
+				wide, host := "10.0.0.0/16", v.client.String()+"/32"
+				if v.client.Is6() {
+					wide, host = "fd00::/64", v.client.String()+"/128"
+				}
+				h.ipcache(wide, allowed)
+				h.ipcache(host, denied)
+				send := func(port uint16, f pkt.TCPFlags) (bool, Drops) {
+					before := h.drops()
+					ret, _ := h.run(prog, v.fwd(port, f))
+					return mode.forwarded(h, ret, before), before
+				}
+				expectDrop := func(port uint16, f pkt.TCPFlags, reason DropReason, what string) {
+					t.Helper()
+					before := h.drops()
+					ret, _ := h.run(prog, v.fwd(port, f))
+					if ret != tcShot || h.drops()[reason] != before[reason]+1 {
+						t.Fatalf("%s: verdict %d, %s drops %d -> %d; want a %s drop", what, int32(ret), reason, before[reason], h.drops()[reason], reason)
+					}
+				}
+
+				// Default deny, the client's identity (its /32: denied)
+				// on the deny list: dropped, nothing learned.
+				h.policy(sid, rules1, 1, PolicyDeny, 0, map[uint32]uint8{allowed: PolicyAllow})
+				expectDrop(40000, pkt.SYN, DropPolicyDenied, "default deny, identity not allowed")
+				if _, ok := h.ct(v.flow(40000)); ok {
+					t.Fatal("a denied flow was learned")
+				}
+				// The host entry gone, the /16 (/64) decides: allowed.
+				h.must(h.delIPCache(host))
+				if ok, _ := send(40001, pkt.SYN); !ok {
+					t.Fatal("an allowed identity's flow was not forwarded")
+				}
+				ct, ok := h.ct(v.flow(40001))
+				if !ok || ct.PolicyRev != 1 {
+					t.Fatalf("conntrack %+v (present %v): want the flow admitted under revision 1", ct, ok)
+				}
+				// Unknown identity (no prefix) under default allow with a
+				// deny rule for another identity: allowed.
+				h.must(h.delIPCache(wide))
+				h.policy(sid, rules2, 2, PolicyAllow, 0, map[uint32]uint8{denied: PolicyDeny})
+				if ok, _ := send(40002, pkt.SYN); !ok {
+					t.Fatal("an unknown source under default allow was not forwarded")
+				}
+
+				// Revocation: the established flow 40001 (identity
+				// allowed) under a new revision that denies it.
+				h.ipcache(wide, allowed)
+				c0 := h.counters()
+				h.policy(sid, rules1, 3, PolicyAllow, 0, map[uint32]uint8{allowed: PolicyDeny})
+				expectDrop(40001, pkt.ACK, DropPolicyDenied, "an established flow after its identity was revoked")
+				c1 := h.counters()
+				if c1[CounterPolicyRechecked]-c0[CounterPolicyRechecked] != 1 || c1[CounterPolicyRevoked]-c0[CounterPolicyRevoked] != 1 {
+					t.Errorf("rechecked %d, revoked %d; want 1 and 1", c1[CounterPolicyRechecked]-c0[CounterPolicyRechecked], c1[CounterPolicyRevoked]-c0[CounterPolicyRevoked])
+				}
+				// Allowed again (another rule set, revision 4): the same
+				// flow goes on, on its backend, admitted under 4, and its
+				// next packet costs no recheck.
+				h.policy(sid, rules2, 4, PolicyAllow, 0, nil)
+				if ok, _ := send(40001, pkt.ACK); !ok {
+					t.Fatal("the flow allowed again was not forwarded")
+				}
+				if ct2, _ := h.ct(v.flow(40001)); ct2.PolicyRev != 4 || ct2.BackendId != ct.BackendId {
+					t.Errorf("conntrack %+v: want revision 4 on backend %d", ct2, ct.BackendId)
+				}
+				c2 := h.counters()
+				if ok, _ := send(40001, pkt.ACK); !ok || h.counters()[CounterPolicyRechecked] != c2[CounterPolicyRechecked] {
+					t.Errorf("a packet under its own revision: forwarded %v, rechecked %d more", ok, h.counters()[CounterPolicyRechecked]-c2[CounterPolicyRechecked])
+				}
+
+				// Audit only: denied, forwarded, counted, recorded
+				// audited.
+				h.flowSampling(1)
+				h.policy(sid, rules1, 5, PolicyDeny, PolicyFlagAudit, map[uint32]uint8{other: PolicyAllow})
+				a0 := h.counters()[CounterPolicyAudited]
+				if ok, _ := send(40003, pkt.SYN); !ok {
+					t.Fatal("audit_only dropped a denied flow")
+				}
+				if n := h.counters()[CounterPolicyAudited] - a0; n != 1 {
+					t.Errorf("policy_audited +%d; want 1", n)
+				}
+				if ct, ok := h.ct(v.flow(40003)); ok && ct.Flow != 0 && mode.name != "dsr" {
+					if f, ok := h.flowRecord(ct.Flow); !ok || FlowVerdict(f.Verdict) != FlowAudited {
+						t.Errorf("record %+v (present %v): want verdict audited", f, ok)
+					}
+				} else if mode.name != "dsr" {
+					t.Errorf("audited flow: conntrack %+v (present %v), no record", ct, ok)
+				}
+				h.flowSampling(0)
+
+				// Fail closed: the flag without a header drops, new
+				// flows and established ones.
+				h.must(h.objs.FluxvmSpol.Delete(PolicyKey{Id: sid, Identity: PolicyHeader}))
+				expectDrop(40004, pkt.SYN, DropPolicyMissing, "a new flow without the policy's header")
+				expectDrop(40001, pkt.ACK, DropPolicyMissing, "an established flow without the policy's header")
+
+				// The policy taken off (flag cleared): no lookups, the
+				// flow goes on whatever fluxvm_spol holds.
+				h.policy(sid, rules1, 6, PolicyDeny, 0, nil)
+				flags := uint32(0)
+				switch mode.name {
+				case "north-south snat":
+					flags = SvcFlagNorthSouth | SvcFlagNoEastWest
+				case "dsr":
+					flags = SvcFlagNorthSouth | SvcFlagNoEastWest | SvcFlagDSR
+				}
+				h.svcFlags(sid, v.vip, v.proto, flags)
+				if ok, _ := send(40005, pkt.SYN); !ok {
+					t.Error("a service without the policy flag consulted its old policy")
+				}
+			})
+		}
+	}
+}
+
+func (h *harness) delIPCache(prefix string) error {
+	p := netip.MustParsePrefix(prefix)
+	if p.Addr().Is4() {
+		return h.objs.FluxvmSid4.Delete(SIDKey4{Prefixlen: uint32(p.Bits()), Addr: AddrWords(p.Addr())[0]})
+	}
+	return h.objs.FluxvmSid6.Delete(SIDKey6{Prefixlen: uint32(p.Bits()), Addr: AddrWords(p.Addr())})
+}

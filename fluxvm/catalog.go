@@ -22,6 +22,16 @@ type catalogFile struct {
 	Version  int              `json:"version"`
 	Seq      uint64           `json:"journal_seq,omitempty"`
 	Services []catalogService `json:"services"`
+	// Policies is the identity policy state (policy.go): the ipcache and
+	// the services' policies; nil: none was ever set.
+	Policies *catalogPolicies `json:"policies,omitempty"`
+}
+
+// catalogPolicies is what the identity policies are compiled from, as
+// the last reconcile applied it.
+type catalogPolicies struct {
+	IPCache  IPCache  `json:"ipcache"`
+	Policies []Policy `json:"policies"`
 }
 
 type catalogService struct {

@@ -158,6 +158,7 @@ type Dataplane struct {
 	sock         socketLB     // socket load balancing (socklb.go)
 	health       healthChecks // active health checks (health.go)
 	adv          advertiser   // VIP advertisements (advertise.go)
+	pol          policyState  // identity policies (policy.go)
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -401,6 +402,9 @@ func (d *Dataplane) init() error {
 	if err := d.seedBe2fe(); err != nil {
 		return err
 	}
+	if err := d.openPolicies(); err != nil {
+		return err
+	}
 	if err := d.restore(); err != nil {
 		return err
 	}
@@ -503,10 +507,20 @@ func (d *Dataplane) restore() (err error) {
 			d.revision = cs.Revision
 		}
 	}
+	// Identity policies first: each frontend attaches its service's
+	// policy before its flag goes in (commitFrontend).
+	if err := d.restorePolicies(cat.Policies); err != nil {
+		return err
+	}
 	for _, cs := range cat.Services {
 		if err := d.program(cs.Service, d.services[cs.Service.Name]); err != nil {
 			return fmt.Errorf("fluxvm: restore %s: %w", cs.Service.Name, err)
 		}
+	}
+	// What a previous process left in the policy maps and nothing uses
+	// now goes (after a plain restart the maps were kept).
+	if err := d.writePolicies(d.pol.prog); err != nil {
+		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	d.store = openStore(d.opts.CatalogPath, d.log, cat.Seq, nextGen)
 	if fi, err := os.Stat(d.opts.CatalogPath); err == nil {

@@ -39,6 +39,7 @@ type env struct {
 	lab      *lab.Lab
 	cli      *lab.VM
 	backends []*lab.VM
+	servers  []*lab.Server // the backends' servers, in backends' order
 	opts     Options
 }
 
@@ -54,6 +55,7 @@ func newEnv(t *testing.T) *env {
 		}
 		t.Cleanup(func() { srv.Close() })
 		e.backends = append(e.backends, vm)
+		e.servers = append(e.servers, srv)
 	}
 	var ifs []VMEdgeInterface
 	for _, vm := range l.VMs {

@@ -84,6 +84,23 @@ type journalRecord struct {
 	Seq    uint64          `json:"seq"`
 	Put    *catalogService `json:"put,omitempty"`
 	Delete string          `json:"delete,omitempty"`
+	// Policies replaces the identity policy state (policy.go).
+	Policies *catalogPolicies `json:"policies,omitempty"`
+}
+
+// kinds is how many changes r carries: a valid record carries one.
+func (r *journalRecord) kinds() int {
+	n := 0
+	if r.Put != nil {
+		n++
+	}
+	if r.Delete != "" {
+		n++
+	}
+	if r.Policies != nil {
+		n++
+	}
+	return n
 }
 
 // appendRecord encodes r after buf.
@@ -116,7 +133,7 @@ func decodeRecord(b []byte) (r journalRecord, size int, ok bool) {
 	if crc32.Update(crc32.Checksum(b[4:8], crc32c), crc32c, payload) != binary.LittleEndian.Uint32(b[8:]) {
 		return r, 0, false
 	}
-	if err := json.Unmarshal(payload, &r); err != nil || r.Seq == 0 || (r.Put == nil) == (r.Delete == "") {
+	if err := json.Unmarshal(payload, &r); err != nil || r.Seq == 0 || r.kinds() != 1 {
 		return r, 0, false
 	}
 	return r, journalHeader + int(n), true
@@ -214,9 +231,12 @@ func loadCatalog(path string, log *slog.Logger) (cat catalogFile, nextGen uint64
 				return cat, 0, false, fmt.Errorf("fluxvm: catalog journal %s: record %d at offset %d follows change %d: %w", jf.path, r.Seq, off-n, seq, ErrCatalogCorrupt)
 			}
 			seq = r.Seq
-			if r.Put != nil {
+			switch {
+			case r.Put != nil:
 				byName[r.Put.Service.Name] = *r.Put
-			} else {
+			case r.Policies != nil:
+				cat.Policies = r.Policies
+			default:
 				delete(byName, r.Delete)
 			}
 		}
@@ -514,6 +534,7 @@ func (d *Dataplane) catalogSnapshot() catalogFile {
 		cat.Services = append(cat.Services, catalogServiceOf(s))
 	}
 	sort.Slice(cat.Services, func(i, j int) bool { return cat.Services[i].Service.Name < cat.Services[j].Service.Name })
+	cat.Policies = d.pol.saved()
 	return cat
 }
 

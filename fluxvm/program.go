@@ -57,6 +57,13 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
+	// Its identity policy must still fit it (L7 enforce: NAT, TCP only).
+	if c := d.pol.prog.Policy(svc.Name); c != nil {
+		if err := intent.ValidatePolicyFor(c.Policy, &svc); err != nil {
+			d.mu.Unlock()
+			return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: the service's identity policy would no longer fit it (change or delete the policy first): %w", svc.Name, err)
+		}
+	}
 	old := d.services[svc.Name]
 	if old != nil && reflect.DeepEqual(old.intent, svc) {
 		st := d.statusOf(old)
@@ -165,6 +172,10 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	d.syncHealth(name)
 	d.advertise()
 	seq, jerr := d.journal(name, nil)
+	// Its identity policy goes with it (a policy names a service).
+	if jerr == nil && d.pol.prog.Policy(name) != nil {
+		seq, jerr = d.dropPolicyOf(name)
+	}
 	d.mu.Unlock()
 	if jerr == nil {
 		jerr = d.persist(seq)
@@ -515,7 +526,13 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 			return err
 		}
 	}
-	flags := svcFlags(&svc) | d.revStoredOf(fe)
+	// A frontend of a service that enforces an identity policy gets the
+	// policy's header before its flag (policy.go).
+	pflag, err := d.policyFlag(svc.Name, fe.sid)
+	if err != nil {
+		return err
+	}
+	flags := svcFlags(&svc) | d.revStoredOf(fe) | pflag
 	if flags&bpf.SvcFlagRevStored != 0 {
 		if err := d.markRevStored(fe); err != nil {
 			return err
@@ -537,6 +554,12 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 		return err
 	}
 	fe.flags, fe.rev, fe.live = flags, val.Revision, true
+	if pflag == 0 {
+		// Its policy's header goes only once the flag is off.
+		if err := d.pol.w.Detach([]uint32{fe.sid}); err != nil {
+			return err
+		}
+	}
 	// An unpaced one loses its rate only once its flag is gone.
 	if edt.Rate == 0 {
 		if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
@@ -816,6 +839,9 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 		return err
 	}
 	fe.live = false
+	if err := d.pol.w.Detach([]uint32{fe.sid}); err != nil {
+		return err
+	}
 	if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
 		return err
 	}

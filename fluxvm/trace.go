@@ -19,6 +19,9 @@ const (
 	SpanRestore         = "fluxvm.Restore"         // Open: the catalog restored into the datapath
 	SpanGC              = "fluxvm.GC"              // GC: one conntrack/NAT GC round (timer or on demand)
 	SpanReconcileHealth = "fluxvm.ReconcileHealth" // ReconcileHealth: one round of every health check
+	// SpanReconcilePolicies: ReconcilePolicies, ApplyPolicies, SetIPCache
+	// or DeletePolicy: the identity policies compiled and written.
+	SpanReconcilePolicies = "fluxvm.ReconcilePolicies"
 )
 
 // Span attributes of the dataplane's spans: what the work was about and
@@ -38,6 +41,7 @@ const (
 	AttrGCRepaired     = attribute.Key("fluxvm.gc.repaired")        // entries repaired
 	AttrGCCollected    = attribute.Key("fluxvm.gc.collected")       // all entries removed
 	AttrHealthBackends = attribute.Key("fluxvm.health.backends")    // backends in the health report
+	AttrPolicies       = attribute.Key("fluxvm.policies")           // identity policies after a reconcile
 )
 
 // tracerOf is the tracer of tp, a no-op one when tp is nil.

@@ -247,10 +247,14 @@ func (w *Writer) keys(keep func(bpf.PolicyKey) bool) ([]bpf.PolicyKey, error) {
 	return out, nil
 }
 
-// Detach removes the headers of datapath services sids. Call it only once
-// their frontends no longer have bpf.SvcFlagPolicy.
+// Detach removes the headers of datapath services sids (those it wrote or
+// adopted; Prune removes any other). Call it only once their frontends no
+// longer have bpf.SvcFlagPolicy.
 func (w *Writer) Detach(sids []uint32) error {
 	for _, sid := range sids {
+		if _, ok := w.heads[sid]; !ok {
+			continue
+		}
 		if err := w.m.Policies.Delete(bpf.PolicyKey{Id: sid, Identity: bpf.PolicyHeader}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("policy: header of service %d: %w", sid, err)
 		}
@@ -284,8 +288,11 @@ func (w *Writer) Prune(p *Program, keep func(sid uint32) bool) error {
 	if err != nil {
 		return err
 	}
-	if err := w.Detach(idsOf(heads)); err != nil {
-		return err
+	for _, k := range heads {
+		if err := w.m.Policies.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("policy: prune header of service %d: %w", k.Id, err)
+		}
+		delete(w.heads, k.Id)
 	}
 	rules, err := w.keys(func(k bpf.PolicyKey) bool { return k.Identity != bpf.PolicyHeader && !sets[k.Id] })
 	if err != nil || len(rules) == 0 {
@@ -298,14 +305,6 @@ func (w *Writer) Prune(p *Program, keep func(sid uint32) bool) error {
 		}
 	}
 	return nil
-}
-
-func idsOf(keys []bpf.PolicyKey) []uint32 {
-	out := make([]uint32, len(keys))
-	for i, k := range keys {
-		out[i] = k.Id
-	}
-	return out
 }
 
 func action(a intent.PolicyAction) uint8 {

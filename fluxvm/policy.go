@@ -1,0 +1,409 @@
+package fluxvm
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/intent"
+	"github.com/fluxvm/servicefabric/policy"
+)
+
+// Identity policy types (aliases of package intent's).
+type (
+	Policy       = intent.Policy
+	PolicyAction = intent.PolicyAction
+	Identity     = intent.Identity
+	IPCache      = intent.IPCache
+	IPCacheEntry = intent.IPCacheEntry
+	L7Policy     = intent.L7Policy
+	L7Mode       = intent.L7Mode
+	L7Protocol   = intent.L7Protocol
+)
+
+// Identity policy constants (package intent's).
+const (
+	PolicyAllow     = intent.PolicyAllow
+	PolicyDeny      = intent.PolicyDeny
+	IdentityUnknown = intent.IdentityUnknown
+	L7Observe       = intent.L7Observe
+	L7Enforce       = intent.L7Enforce
+	L7HTTP          = intent.L7HTTP
+	L7GRPC          = intent.L7GRPC
+)
+
+// PolicyStatus is the compiled state of one service's identity policy.
+type PolicyStatus struct {
+	Service string `json:"service"`
+	// Enabled false: kept, but not enforced (no frontend has it).
+	Enabled bool `json:"enabled"`
+	// Revision is what the datapath keeps in the conntrack entry of every
+	// flow the policy admitted; a flow admitted under another revision is
+	// decided again at its next packet.
+	Revision        uint32       `json:"revision"`
+	DefaultAction   PolicyAction `json:"default_action"`
+	AllowIdentities []Identity   `json:"allow_identities"`
+	DenyIdentities  []Identity   `json:"deny_identities"`
+	AuditOnly       bool         `json:"audit_only"`
+	// Rules is how many identity rules the datapath holds for it: the
+	// identities whose verdict differs from the default.
+	Rules int `json:"rules"`
+	// Unresolved are the listed identities no ipcache entry has: no
+	// source has them now, so their rules match nothing.
+	Unresolved []Identity `json:"unresolved_identities"`
+	// Frontends is how many datapath frontends enforce it.
+	Frontends int       `json:"frontends"`
+	L7        *L7Policy `json:"l7,omitempty"`
+}
+
+// PoliciesStatus is the node's identity policy state.
+type PoliciesStatus struct {
+	// IPCachePrefixes is the number of ipcache entries; IPCacheRevision
+	// digests them (part of every policy's revision).
+	IPCachePrefixes int    `json:"ipcache_prefixes"`
+	IPCacheRevision uint32 `json:"ipcache_revision"`
+	// Policies, sorted by service.
+	Policies []PolicyStatus `json:"policies"`
+	// Counters are node-wide, since the datapath was loaded.
+	Counters PolicyCounters `json:"counters"`
+}
+
+// PolicyCounters count what policies did, over every service.
+type PolicyCounters struct {
+	Denied    uint64 `json:"denied"`    // packets dropped: identity denied
+	Missing   uint64 `json:"missing"`   // packets dropped: a policy's maps not written (fail closed)
+	Audited   uint64 `json:"audited"`   // flows denied but forwarded (audit_only)
+	Rechecked uint64 `json:"rechecked"` // packets of established flows decided again (revision moved)
+	Revoked   uint64 `json:"revoked"`   // of those, denied
+}
+
+// policyState is the dataplane's identity policy state; under d.mu.
+type policyState struct {
+	w    *policy.Writer
+	comp policy.Compiler
+	// in is what the last reconcile compiled, prog the result (an empty
+	// Program until one is set), set whether one ever was (the catalog
+	// records the state only then).
+	in   catalogPolicies
+	prog *policy.Program
+	set  bool
+}
+
+// saved is the state the catalog records, or nil.
+func (p *policyState) saved() *catalogPolicies {
+	if !p.set {
+		return nil
+	}
+	c := catalogPolicies{IPCache: IPCache{Entries: slices.Clone(p.in.IPCache.Entries)}}
+	for _, pol := range p.in.Policies {
+		c.Policies = append(c.Policies, pol.Clone())
+	}
+	return &c
+}
+
+// openPolicies sets up the policy state over the loaded maps, with the
+// compiler's bounds from the object.
+func (d *Dataplane) openPolicies() error {
+	m := d.dp.Maps()
+	w, err := policy.NewWriter(policy.Maps{SID4: m.FluxvmSid4, SID6: m.FluxvmSid6, Policies: m.FluxvmSpol})
+	if err != nil {
+		return fmt.Errorf("fluxvm: %w", err)
+	}
+	// fluxvm_spol holds every rule, a header per datapath service, and
+	// room for one policy's second rule set (bpf/fluxvm_service_maps.bpf.h).
+	rules := int(m.FluxvmSpol.MaxEntries()) - int(d.caps.Services) - 2*intent.MaxPolicyIdentities
+	d.pol = policyState{w: w, comp: policy.Compiler{Limits: policy.Limits{Policies: int(d.caps.Services), Rules: rules}},
+		prog: &policy.Program{}}
+	return nil
+}
+
+// restorePolicies compiles the catalog's policy state against the
+// restored services and writes the ipcache, before the services are
+// programmed (commitFrontend attaches each frontend's policy before its
+// flag, so a restored service enforces its policy from its first packet).
+func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
+	if cp == nil {
+		return nil
+	}
+	prog, err := d.pol.comp.Compile(d.policyInput(*cp), nil)
+	if err != nil {
+		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
+	}
+	if err := d.pol.w.SetIPCache(prog); err != nil {
+		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
+	}
+	d.pol.in, d.pol.prog, d.pol.set = *cp, prog, true
+	return nil
+}
+
+// policyInput is in as the compiler takes it, services from the catalog.
+func (d *Dataplane) policyInput(in catalogPolicies) policy.Input {
+	return policy.Input{IPCache: in.IPCache, Policies: in.Policies, Service: func(name string) *intent.Service {
+		if s := d.services[name]; s != nil {
+			return &s.intent
+		}
+		return nil
+	}}
+}
+
+// policyFlag attaches service name's enforced policy, if it has one, to
+// datapath service sid and returns the frontend flag that turns it on
+// (commitFrontend puts the flag after this). d.mu must be held.
+func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
+	c := d.pol.prog.Policy(name)
+	if c == nil || !c.Enabled {
+		return 0, nil
+	}
+	if err := d.pol.w.Attach(c, []uint32{sid}); err != nil {
+		return 0, err
+	}
+	return bpf.SvcFlagPolicy, nil
+}
+
+// ReconcilePolicies replaces the node's ipcache and every identity policy
+// with ipc and policies, as one reconcile: everything is checked and
+// compiled first (the first problem is returned, naming the field, and
+// nothing changes), then the maps are written so that no packet meets
+// half a policy (package policy's Writer). Flows already admitted are
+// decided again at their next packet when their policy's revision moved,
+// which it does whenever anything deciding them changed, the ipcache
+// included. It returns once the change is durable in the catalog.
+func (d *Dataplane) ReconcilePolicies(ctx context.Context, ipc IPCache, policies []Policy) (PoliciesStatus, error) {
+	return d.changePolicies(ctx, "reconcile identity policies", func(cur *catalogPolicies) error {
+		cur.IPCache = ipc
+		cur.Policies = policies
+		return nil
+	})
+}
+
+// ApplyPolicies adds or replaces the policies of the services they name,
+// keeping the others and the ipcache; as ReconcilePolicies otherwise.
+func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (PoliciesStatus, error) {
+	return d.changePolicies(ctx, "apply identity policies", func(cur *catalogPolicies) error {
+		for _, p := range policies {
+			i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == p.Service })
+			if i >= 0 {
+				cur.Policies[i] = p
+			} else {
+				cur.Policies = append(cur.Policies, p)
+			}
+		}
+		return nil
+	})
+}
+
+// SetIPCache replaces the ipcache, keeping the policies; as
+// ReconcilePolicies otherwise.
+func (d *Dataplane) SetIPCache(ctx context.Context, ipc IPCache) (PoliciesStatus, error) {
+	return d.changePolicies(ctx, "set the ipcache", func(cur *catalogPolicies) error {
+		cur.IPCache = ipc
+		return nil
+	})
+}
+
+// DeletePolicy removes the identity policy of service: its frontends stop
+// deciding by identity. ErrNotFound when it has none.
+func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
+	_, err := d.changePolicies(ctx, "delete the identity policy of "+service, func(cur *catalogPolicies) error {
+		i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == service })
+		if i < 0 {
+			return fmt.Errorf("service %q has no identity policy: %w", service, ErrNotFound)
+		}
+		cur.Policies = slices.Delete(cur.Policies, i, i+1)
+		return nil
+	})
+	return err
+}
+
+// changePolicies compiles the state edit makes of the current one and
+// applies it.
+func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
+	_, span := d.startSpan(ctx, SpanReconcilePolicies)
+	defer endSpan(span, &err)
+	d.mu.Lock()
+	if err := d.checkOpen(what); err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, err
+	}
+	var next catalogPolicies
+	if cur := d.pol.saved(); cur != nil {
+		next = *cur
+	}
+	if err := edit(&next); err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
+	}
+	// The dataplane keeps the input: no slice shared with the caller.
+	next.IPCache.Entries = slices.Clone(next.IPCache.Entries)
+	for i := range next.Policies {
+		next.Policies[i] = next.Policies[i].Clone()
+	}
+	slices.SortFunc(next.Policies, func(a, b Policy) int { return strings.Compare(a.Service, b.Service) })
+	prog, err := d.pol.comp.Compile(d.policyInput(next), d.pol.prog)
+	if err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
+	}
+	old := d.pol.prog
+	if err := d.writePolicies(prog); err != nil {
+		// Put back what was there, so that maps and catalog agree.
+		if rerr := d.writePolicies(old); rerr != nil {
+			d.log.Error("fluxvm: identity policy rollback failed; reconcile again", "err", rerr)
+		}
+		d.mu.Unlock()
+		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
+	}
+	d.pol.in, d.pol.prog, d.pol.set = next, prog, true
+	st := d.policiesStatus()
+	span.SetAttributes(AttrPolicies.Int(len(prog.Policies)), AttrRevision.Int64(int64(prog.IPCacheRevision)))
+	seq, jerr := d.journalPolicies()
+	d.mu.Unlock()
+	if jerr == nil {
+		jerr = d.persist(seq)
+	}
+	if jerr != nil {
+		return st, fmt.Errorf("fluxvm: %s: applied, but the catalog was not saved: %w", what, jerr)
+	}
+	unresolved := 0
+	for _, p := range st.Policies {
+		unresolved += len(p.Unresolved)
+	}
+	d.log.Info("fluxvm: identity policies applied", "policies", len(st.Policies), "ipcache_prefixes", st.IPCachePrefixes,
+		"unresolved_identities", unresolved)
+	return st, nil
+}
+
+// writePolicies puts prog into the datapath: the ipcache, each enforced
+// policy's rules and headers before its frontends' flag, the flag off a
+// frontend whose service no longer enforces one before its header goes,
+// then what nothing uses. d.mu must be held.
+func (d *Dataplane) writePolicies(prog *policy.Program) error {
+	if err := d.pol.w.SetIPCache(prog); err != nil {
+		return err
+	}
+	keep := map[uint32]bool{}
+	for name, s := range d.services {
+		c := prog.Policy(name)
+		on := c != nil && c.Enabled
+		for _, fe := range s.frontends {
+			if !fe.live {
+				continue
+			}
+			flags := fe.flags &^ bpf.SvcFlagPolicy
+			if on {
+				if err := d.pol.w.Attach(c, []uint32{fe.sid}); err != nil {
+					return err
+				}
+				flags |= bpf.SvcFlagPolicy
+				keep[fe.sid] = true
+			}
+			if flags != fe.flags {
+				if err := d.putFrontend(fe.key, bpf.SvcValue{ServiceId: fe.sid, Flags: flags, Revision: fe.rev}); err != nil {
+					return err
+				}
+				fe.flags = flags
+			}
+		}
+	}
+	return d.pol.w.Prune(prog, func(sid uint32) bool { return keep[sid] })
+}
+
+// journalPolicies records the policy state in the catalog. d.mu must be
+// held.
+func (d *Dataplane) journalPolicies() (uint64, error) {
+	if d.store == nil {
+		return 0, nil
+	}
+	seq, err := d.store.append(journalRecord{Policies: d.pol.saved()})
+	if err != nil {
+		return 0, err
+	}
+	if d.store.wantCompaction() {
+		d.startCompaction()
+	}
+	return seq, nil
+}
+
+// Policies reports the node's identity policy state.
+func (d *Dataplane) Policies() (PoliciesStatus, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen("policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
+	return d.policiesStatus(), nil
+}
+
+// Policy reports the identity policy of service: ErrNotFound when it has
+// none.
+func (d *Dataplane) Policy(service string) (PolicyStatus, error) {
+	st, err := d.Policies()
+	if err != nil {
+		return PolicyStatus{}, err
+	}
+	for _, p := range st.Policies {
+		if p.Service == service {
+			return p, nil
+		}
+	}
+	return PolicyStatus{}, fmt.Errorf("fluxvm: policy of %q: %w", service, ErrNotFound)
+}
+
+// policiesStatus is the policy state now. d.mu must be held.
+func (d *Dataplane) policiesStatus() PoliciesStatus {
+	prog := d.pol.prog
+	st := PoliciesStatus{IPCachePrefixes: len(prog.IPv4) + len(prog.IPv6), IPCacheRevision: prog.IPCacheRevision,
+		Policies: []PolicyStatus{}}
+	for _, c := range prog.Policies {
+		ps := PolicyStatus{Service: c.Service, Enabled: c.Enabled, Revision: c.Revision, DefaultAction: c.Default,
+			AllowIdentities: slices.Clone(c.Policy.AllowIdentities), DenyIdentities: slices.Clone(c.Policy.DenyIdentities),
+			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7}
+		if ps.AllowIdentities == nil {
+			ps.AllowIdentities = []Identity{}
+		}
+		if ps.DenyIdentities == nil {
+			ps.DenyIdentities = []Identity{}
+		}
+		if ps.Unresolved == nil {
+			ps.Unresolved = []Identity{}
+		}
+		if s := d.services[c.Service]; s != nil {
+			for _, fe := range s.frontends {
+				if fe.live && fe.flags&bpf.SvcFlagPolicy != 0 {
+					ps.Frontends++
+				}
+			}
+		}
+		st.Policies = append(st.Policies, ps)
+	}
+	if drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops); err == nil {
+		st.Counters.Denied, st.Counters.Missing = drops[bpf.DropPolicyDenied], drops[bpf.DropPolicyMissing]
+	}
+	if c, err := bpf.ReadCounters(d.dp.Maps().FluxvmCounters); err == nil {
+		st.Counters.Audited, st.Counters.Rechecked, st.Counters.Revoked =
+			c[bpf.CounterPolicyAudited], c[bpf.CounterPolicyRechecked], c[bpf.CounterPolicyRevoked]
+	}
+	return st
+}
+
+// dropPolicyOf removes the policy of service name, deleted with its
+// frontends, from the policy state and the maps, and journals the state.
+// d.mu must be held.
+func (d *Dataplane) dropPolicyOf(name string) (uint64, error) {
+	var next catalogPolicies
+	if cur := d.pol.saved(); cur != nil {
+		next = *cur
+	}
+	next.Policies = slices.DeleteFunc(next.Policies, func(p Policy) bool { return p.Service == name })
+	prog, err := d.pol.comp.Compile(d.policyInput(next), d.pol.prog)
+	if err != nil {
+		return 0, fmt.Errorf("identity policies without %s: %w", name, err)
+	}
+	if err := d.writePolicies(prog); err != nil {
+		return 0, err
+	}
+	d.pol.in, d.pol.prog = next, prog
+	return d.journalPolicies()
+}

@@ -58,10 +58,20 @@ type Dataplane interface {
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST
 // /v1/network/services/telemetry/export asks. *otlp.Exporter implements
-// it.
+// it. An Export error answers 503 unavailable: one that is
+// ErrExportStopping (or otlp.ErrClosed) says its owner is stopping, and
+// the answer carries its message as is; any other is the receiver's
+// failure ("the OTLP receiver did not take the records: ...").
 type FlowExporter interface {
 	Export(ctx context.Context, recs []flows.Record) (otlp.Report, error)
 }
+
+// ErrExportStopping is what a FlowExporter's Export error is (errors.Is)
+// when the export was not done because the exporter's owner is stopping:
+// refused at once, or cancelled at the stop's deadline. The daemon's
+// errors say which; the route answers them 503 without blaming the
+// receiver.
+var ErrExportStopping = errors.New("the exporter is stopping")
 
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.
 const DefaultMaxBodyBytes int64 = 1 << 20

@@ -158,8 +158,10 @@ type Config struct {
 	HealthCheckConcurrency int `toml:"health_check_concurrency"`
 	// FlowSampleRate is FluxScope's sampling (package flows): N gives
 	// 1 in N new flows a flow record in fluxvm_sflows (1: every flow),
-	// and drops of client packets are recorded within a per-CPU budget;
-	// 0 (the default) writes no records at all. 0..MaxFlowSampleRate.
+	// and drops of client packets are recorded within the node's budget
+	// (64 records at once, refilled at 64 a second, one bucket shared by
+	// all CPUs; drops past it are counted, not recorded); 0 (the
+	// default) writes no records at all. 0..MaxFlowSampleRate.
 	// Every start writes it to the datapath (see docs/operations.md,
 	// "FluxScope flows").
 	FlowSampleRate uint32 `toml:"flow_sample_rate"`

@@ -22,8 +22,12 @@ import (
 //
 // Flows takes the dataplane's lock only to copy the names and its own
 // handles of the two maps, and reads the ring (at most its size of
-// lookups) without it, so a long read never holds up Apply or Stats.
-// After Close it fails with ErrClosed.
+// lookups) without it, so a long read never holds up Apply or Stats. A
+// name that needs the node's namespace is looked up with the lock held,
+// once the dataplane is known to be still open: Options.InNamespace is
+// never called once Close began (an embedder may close its namespace
+// handle after Close), and a read that Close overtakes fails with
+// ErrClosed. After Close it fails with ErrClosed.
 func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 	names, ifnames, ring, seq, err := d.flowSources()
 	if err != nil {
@@ -31,6 +35,7 @@ func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 	}
 	defer ring.Close()
 	defer seq.Close()
+	var closedErr error
 	r := flows.Reader{
 		Ring: ring,
 		Seq:  seq,
@@ -42,14 +47,11 @@ func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 				return n
 			}
 			// Not one of ours (or no longer): ask the node's namespace
-			// once per Read and index.
-			var n string
-			_ = d.opts.InNamespace(func() error {
-				if ifc, err := net.InterfaceByIndex(index); err == nil {
-					n = ifc.Name
-				}
-				return nil
-			})
+			// once per Read and index, unless Close began.
+			n, err := d.namespaceInterfaceName(index)
+			if err != nil {
+				closedErr = err
+			}
 			ifnames[index] = n
 			return n
 		},
@@ -58,7 +60,30 @@ func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: %w", err)
 	}
+	if closedErr != nil {
+		return nil, closedErr
+	}
 	return out, nil
+}
+
+// namespaceInterfaceName is the name of the interface index in the node's
+// namespace ("" when it has none), looked up under the lock while the
+// dataplane is open: after Close it fails with ErrClosed and does not
+// call Options.InNamespace.
+func (d *Dataplane) namespaceInterfaceName(index int) (string, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen("flows"); err != nil {
+		return "", err
+	}
+	var n string
+	_ = d.opts.InNamespace(func() error {
+		if ifc, err := net.InterfaceByIndex(index); err == nil {
+			n = ifc.Name
+		}
+		return nil
+	})
+	return n, nil
 }
 
 // flowSources returns, under the lock, the service and interface names

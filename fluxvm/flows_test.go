@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // flowOf returns the record of the flow from client, or fails.
@@ -206,5 +208,100 @@ func TestOpenRefusesFlowSampleRateAboveMax(t *testing.T) {
 	var ve *ValidationError
 	if !errors.As(err, &ve) || !errors.Is(err, ErrInvalid) || ve.Field != "FlowSampleRate" {
 		t.Errorf("Open with rate %d: %v, want a validation error of FlowSampleRate", MaxFlowSampleRate+1, err)
+	}
+}
+
+// TestFlowsNoNamespaceAfterClose (review item 10): Flows names the
+// interfaces the dataplane did not attach through Options.InNamespace,
+// and an embedder may close its namespace handle once Close returned, so
+// no such call may start after Close returned, even for a read that began
+// before. The test makes every record's interface unknown to the
+// dataplane (as for interfaces detached since), and when Flows asks the
+// namespace for the first one, closes the dataplane from another
+// goroutine, giving Close a second to return: the read's next lookup must
+// not reach InNamespace after that (Close waits for the lookup in
+// progress, and the read then fails with ErrClosed or ends before Close
+// took effect). After Close, Flows fails with ErrClosed.
+func TestFlowsNoNamespaceAfterClose(t *testing.T) {
+	e := newEnv(t)
+	e.opts.FlowSampleRate = 1
+	var (
+		mu            sync.Mutex
+		d             *Dataplane
+		armed         bool
+		closeReturned bool
+		lateCalls     int
+		closeDone     = make(chan struct{})
+	)
+	inner := e.opts.InNamespace
+	e.opts.InNamespace = func(fn func() error) error {
+		mu.Lock()
+		if closeReturned {
+			lateCalls++
+		}
+		first := armed
+		armed = false
+		mu.Unlock()
+		if first {
+			go func() {
+				d.Close()
+				mu.Lock()
+				closeReturned = true
+				mu.Unlock()
+				close(closeDone)
+			}()
+			select {
+			case <-closeDone:
+			case <-time.After(time.Second):
+			}
+		}
+		return inner(fn)
+	}
+	d = e.open(t)
+	if _, err := d.ApplyService(context.Background(), e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	// Flows from two VMs: records on two interfaces.
+	for _, vm := range []*lab.VM{e.cli, e.backends[0]} {
+		if c, err := vm.DialTCP(netip.AddrPortFrom(vip4, 80), time.Second); err == nil {
+			c.Close()
+		}
+	}
+	recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ifs := map[string]bool{}
+	for _, r := range recs {
+		ifs[r.Interface] = true
+	}
+	if len(ifs) < 2 {
+		t.Fatalf("records on %d interfaces (%v), want 2 at least: %+v", len(ifs), ifs, recs)
+	}
+	// Forget the attached interfaces' names: every record's interface is
+	// looked up in the namespace.
+	d.mu.Lock()
+	for _, ifc := range d.ifaces {
+		ifc.index = 0
+	}
+	d.mu.Unlock()
+
+	mu.Lock()
+	armed = true
+	mu.Unlock()
+	recs, err = d.Flows(flows.MaxLimit, flows.Filter{})
+	<-closeDone
+	mu.Lock()
+	late := lateCalls
+	mu.Unlock()
+	if late != 0 {
+		t.Errorf("Options.InNamespace called %d times after Close returned", late)
+	}
+	if err != nil && !errors.Is(err, ErrClosed) {
+		t.Errorf("the read Close overtook: %v, want ErrClosed or records", err)
+	}
+	t.Logf("the read Close overtook: %d records, %v", len(recs), err)
+	if _, err := d.Flows(1, flows.Filter{}); !errors.Is(err, ErrClosed) {
+		t.Errorf("Flows after Close: %v, want ErrClosed", err)
 	}
 }

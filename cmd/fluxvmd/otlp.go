@@ -2,11 +2,11 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -14,6 +14,7 @@ import (
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
 
 // OTLPConfig is the daemon's flow export: the otlp_* keys at the top level
@@ -146,6 +147,16 @@ type periodicExport struct {
 	started    time.Time
 	sent       map[uint64]struct{} // seqs above start already enqueued
 	last       uint64              // the newest seq the last round read
+
+	// handMu orders a round's hand-over to the exporter against the
+	// stop: once closed is set (the final round's deadline passed, or it
+	// finished), no round enqueues any more, so nothing reaches the
+	// exporter after its Close. What a late final round would have
+	// handed over is counted in abandoned, reported as dropped for
+	// reason "failed" (unsent at stop) by the API exporter's Stats.
+	handMu    sync.Mutex
+	closed    bool
+	abandoned atomic.Uint64
 }
 
 // settleMax is how many intervals a flow may stay active before its
@@ -221,16 +232,37 @@ func (p *periodicExport) round(final bool) (accepted, dropped int) {
 		return 0, 0
 	}
 	slices.Reverse(out) // oldest first
-	accepted, dropped = p.exporter.Enqueue(out)
+	p.handMu.Lock()
+	closed := p.closed
+	if !closed {
+		accepted, dropped = p.exporter.Enqueue(out)
+	}
+	p.handMu.Unlock()
 	for _, r := range out {
 		// A record the full queue refused is not tried again: the queue
 		// keeps the older ones, and the on-demand route can still send it.
 		p.sent[r.Seq] = struct{}{}
 	}
+	if closed {
+		// The final round outlived the stop's flush deadline: the
+		// exporter is closed (or about to be), and these records are
+		// left unsent at stop.
+		p.abandoned.Add(uint64(len(out)))
+		p.log.Warn("fluxvmd: flow export: the final round ended after the flush deadline; its records were not sent", "records", len(out))
+		return 0, 0
+	}
 	if dropped > 0 {
 		p.log.Warn("fluxvmd: flow export: queue full, records dropped", "dropped", dropped)
 	}
 	return accepted, dropped
+}
+
+// close ends the hand-over to the exporter: a round still running
+// enqueues nothing (it counts its records in abandoned instead).
+func (p *periodicExport) close() {
+	p.handMu.Lock()
+	p.closed = true
+	p.handMu.Unlock()
 }
 
 // run calls round every interval until ctx ends.
@@ -249,10 +281,13 @@ func (p *periodicExport) run(ctx context.Context, wg *sync.WaitGroup) {
 }
 
 // finalRound is the round at stop: every record not sent yet goes to the
-// queue. It waits no longer than ctx allows (a read of the ring that
-// hangs is left behind; what it enqueues after the exporter closed is
-// dropped and counted).
+// queue. It waits no longer than ctx allows: a read of the ring that
+// hangs is left behind, and when it returns its records are not
+// enqueued (the exporter is closed by then) but counted as unsent at
+// stop (abandoned: dropped, reason "failed"). No round enqueues after
+// finalRound returned.
 func (p *periodicExport) finalRound(ctx context.Context) {
+	defer p.close()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -267,16 +302,29 @@ func (p *periodicExport) finalRound(ctx context.Context) {
 	}
 }
 
-// errStopping is wrapped by the error of an on-demand export that the
-// daemon's stop cancelled.
-var errStopping = errors.New("fluxvmd is stopping: the export was cancelled at the stop's flush deadline")
+// stopError is the error of an on-demand export the daemon's stop did not
+// let run: it is api.ErrExportStopping, so the route answers 503 saying
+// the daemon is stopping, not that the receiver failed.
+type stopError struct{ msg string }
+
+func (e *stopError) Error() string        { return e.msg }
+func (e *stopError) Is(target error) bool { return target == api.ErrExportStopping }
+
+var (
+	// errStopRefused: an export that arrived once the stop began, refused
+	// at once (nothing was sent).
+	errStopRefused error = &stopError{"fluxvmd is stopping: the export was refused, as the stop had begun (nothing was sent)"}
+	// errStopCancelled is wrapped by the error of an export in flight
+	// that the stop cancelled at its flush deadline.
+	errStopCancelled error = &stopError{"fluxvmd is stopping: the export was cancelled at the stop's flush deadline"}
+)
 
 // stoppableExporter is the exporter the REST API's on-demand export route
 // uses: *otlp.Exporter (its Stats feed /metrics) whose Exports the daemon
 // can cancel when it stops. http.Server.Shutdown waits for the handlers
 // in flight, and an export to a slow or dead receiver may take its
-// timeout times its retries: cancelled, it answers 503 with errStopping
-// and Shutdown finishes within its deadline.
+// timeout times its retries: cancelled, it answers 503 with
+// errStopCancelled and Shutdown finishes within its deadline.
 type stoppableExporter struct {
 	*otlp.Exporter
 
@@ -286,6 +334,11 @@ type stoppableExporter struct {
 	mu       sync.Mutex
 	stopping bool
 	running  sync.WaitGroup // Exports in flight
+
+	// abandoned, when set, counts records unsent at stop outside the
+	// exporter (the periodic export's late final round): Stats adds them
+	// to DroppedFailed.
+	abandoned *atomic.Uint64
 }
 
 func newStoppableExporter(x *otlp.Exporter) *stoppableExporter {
@@ -299,7 +352,7 @@ func (s *stoppableExporter) Export(ctx context.Context, recs []flows.Record) (ot
 	s.mu.Lock()
 	if s.stopping {
 		s.mu.Unlock()
-		return otlp.Report{Encoding: s.Config().Encoding}, errStopping
+		return otlp.Report{Encoding: s.Config().Encoding}, errStopRefused
 	}
 	s.running.Add(1)
 	s.mu.Unlock()
@@ -309,9 +362,20 @@ func (s *stoppableExporter) Export(ctx context.Context, recs []flows.Record) (ot
 	defer context.AfterFunc(s.ctx, cancel)()
 	rep, err := s.Exporter.Export(ctx, recs)
 	if err != nil && s.ctx.Err() != nil {
-		err = fmt.Errorf("%w: %w", errStopping, err)
+		err = fmt.Errorf("%w: %w", errStopCancelled, err)
 	}
 	return rep, err
+}
+
+// Stats is the exporter's Stats (for /metrics), with the records the
+// periodic export left unsent at stop without handing them to the
+// exporter counted in DroppedFailed.
+func (s *stoppableExporter) Stats() otlp.Stats {
+	st := s.Exporter.Stats()
+	if s.abandoned != nil {
+		st.DroppedFailed += s.abandoned.Load()
+	}
+	return st
 }
 
 // stop refuses new Exports and lets those in flight run until deadline
@@ -345,6 +409,7 @@ func startFlowExport(cfg otlp.Config, read flowSource, log *slog.Logger) (*flowE
 		return nil, err
 	}
 	e := &flowExport{x: x, api: newStoppableExporter(x), periodic: newPeriodicExport(read, x, log), log: log}
+	e.api.abandoned = &e.periodic.abandoned
 	var loopCtx context.Context
 	loopCtx, e.stopLoop = context.WithCancel(context.Background())
 	e.loop.Add(1)

@@ -6,13 +6,16 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
 
 func TestOTLPConfig(t *testing.T) {
@@ -191,8 +194,8 @@ func TestPeriodicExportQueueFull(t *testing.T) {
 }
 
 // TestStoppableExporter: stop lets an on-demand export in flight run
-// until its deadline, then cancels it with errStopping, and refuses later
-// exports at once.
+// until its deadline, then cancels it with errStopCancelled, and refuses
+// later exports at once with errStopRefused.
 func TestStoppableExporter(t *testing.T) {
 	block := make(chan struct{})
 	reached := make(chan struct{}, 1)
@@ -228,11 +231,18 @@ func TestStoppableExporter(t *testing.T) {
 	if took := time.Since(start); took < grace || took > grace+2*time.Second {
 		t.Errorf("stop took %v, want about %v", took, grace)
 	}
-	if err := <-errc; !errors.Is(err, errStopping) {
-		t.Errorf("the export in flight: %v, want errStopping", err)
+	// The export in flight was cancelled, the later one refused: two
+	// errors saying which, both api.ErrExportStopping (the route answers
+	// them 503 as the daemon stopping, not as the receiver failing).
+	if err := <-errc; !errors.Is(err, errStopCancelled) || !errors.Is(err, api.ErrExportStopping) || errors.Is(err, errStopRefused) {
+		t.Errorf("the export in flight: %v, want errStopCancelled", err)
 	}
-	if _, err := s.Export(context.Background(), []flows.Record{{Seq: 2}}); !errors.Is(err, errStopping) {
-		t.Errorf("an export after stop: %v, want errStopping", err)
+	_, err = s.Export(context.Background(), []flows.Record{{Seq: 2}})
+	if !errors.Is(err, errStopRefused) || !errors.Is(err, api.ErrExportStopping) || errors.Is(err, errStopCancelled) {
+		t.Errorf("an export after stop: %v, want errStopRefused", err)
+	}
+	if err != nil && strings.Contains(err.Error(), "cancelled") {
+		t.Errorf("an export refused at once says it was cancelled: %v", err)
 	}
 	if _, ok := any(s).(interface{ Stats() otlp.Stats }); !ok {
 		t.Error("the API's exporter lost Stats: /metrics would lose fluxvm_otlp_*")
@@ -349,5 +359,57 @@ func TestFlowExportFinalRound(t *testing.T) {
 	defer mu.Unlock()
 	if bodies == 0 {
 		t.Error("the receiver got nothing")
+	}
+}
+
+// gatedRecords is a flowSource whose reads wait while gate is open (a
+// ring read that hangs), once armed.
+type gatedRecords struct {
+	records
+	armed atomic.Bool
+	gate  chan struct{}
+}
+
+func (r *gatedRecords) read(limit int, f flows.Filter) ([]flows.Record, error) {
+	if r.armed.Load() {
+		<-r.gate
+	}
+	return r.records.read(limit, f)
+}
+
+// TestFlowExportLateFinalRound: a final round whose read of the ring
+// outlives the stop's flush deadline hands nothing to the exporter after
+// its Close (nothing counted as queue_full); the records it would have
+// sent are counted as unsent at stop, dropped for reason "failed", in
+// the Stats /metrics reads (the API's exporter), as docs/operations.md
+// says.
+func TestFlowExportLateFinalRound(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte("{}"))
+	}))
+	defer srv.Close()
+	now := time.Now()
+	src := &gatedRecords{gate: make(chan struct{})}
+	fx, err := startFlowExport(otlp.Config{Endpoint: srv.URL, NodeName: "n", Interval: time.Hour}, src.read, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src.set(flows.Record{Seq: 2, FirstSeen: now, LastSeen: now}, flows.Record{Seq: 1, FirstSeen: now, LastSeen: now})
+	src.armed.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	fx.stop(ctx)
+	close(src.gate) // the hung read returns, after Close
+	deadline := time.Now().Add(5 * time.Second)
+	for fx.api.Stats().DroppedFailed != 2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	st, xst := fx.api.Stats(), fx.x.Stats()
+	if st.DroppedFailed != 2 || st.DroppedQueueFull != 0 || xst.DroppedQueueFull != 0 || st.Queued != 0 || st.RecordsSent != 0 {
+		t.Errorf("stats %+v (exporter %+v); want the 2 records of the late round dropped as failed, none as queue_full", st, xst)
+	}
+	if a, d := fx.periodic.round(true); a != 0 || d != 0 || fx.x.Stats().DroppedQueueFull != 0 {
+		t.Errorf("a round after the stop handed over %d, %d", a, d)
 	}
 }

@@ -58,10 +58,20 @@ type Dataplane interface {
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST
 // /v1/network/services/telemetry/export asks. *otlp.Exporter implements
-// it.
+// it. An Export error answers 503 unavailable: one that is
+// ErrExportStopping (or otlp.ErrClosed) says its owner is stopping, and
+// the answer carries its message as is; any other is the receiver's
+// failure ("the OTLP receiver did not take the records: ...").
 type FlowExporter interface {
 	Export(ctx context.Context, recs []flows.Record) (otlp.Report, error)
 }
+
+// ErrExportStopping is what a FlowExporter's Export error is (errors.Is)
+// when the export was not done because the exporter's owner is stopping:
+// refused at once, or cancelled at the stop's deadline. The daemon's
+// errors say which; the route answers them 503 without blaming the
+// receiver.
+var ErrExportStopping = errors.New("the exporter is stopping")
 
 // DefaultMaxBodyBytes bounds request bodies when Options.MaxBodyBytes is 0.
 const DefaultMaxBodyBytes int64 = 1 << 20
@@ -120,16 +130,19 @@ type Options struct {
 	// holding only the dataplane collector.
 	Registry *prometheus.Registry
 	// TracerProvider, when set, receives a server span of every request,
-	// named after its route (method and pattern: "GET
-	// /v1/network/services/{name}"; the method alone for a request no
-	// route serves), with the attributes of OpenTelemetry's HTTP
-	// conventions (http.request.method, http.route,
-	// http.response.status_code, url.path, url.scheme, error.type) and
-	// fluxvm.api.error_code for an error answer; a 5xx sets the span's
-	// status to Error. A traceparent header the client sent makes it a
-	// child of the client's span. The dataplane's spans of the request
-	// (an apply, a GC round) are its children when the dataplane has a
-	// provider too (fluxvm.Options.TracerProvider). nil: no spans.
+	// named after its route (the request's method and the pattern's path:
+	// "GET /v1/network/services/{name}", "HEAD ..." for a HEAD request;
+	// the method alone for a request no route serves), with the
+	// attributes of OpenTelemetry's HTTP conventions (http.request.method,
+	// http.route, http.response.status_code, url.path, url.query,
+	// url.scheme, error.type) and fluxvm.api.error_code for an error
+	// answer; a 5xx, a panic after the answer started or an
+	// http.ErrAbortHandler abort sets the span's status to Error. A
+	// traceparent header makes it a child of the client's span only when
+	// the request authenticated (see the package doc's Tracing section).
+	// The dataplane's spans of the request (an apply, a GC round) are its
+	// children when the dataplane has a provider too
+	// (fluxvm.Options.TracerProvider). nil: no spans.
 	TracerProvider trace.TracerProvider
 }
 
@@ -226,29 +239,41 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hdr.Set("Cache-Control", "no-store")
 	hdr.Set("X-Content-Type-Options", "nosniff")
 
-	r, span := h.tracer.start(r)
+	// Authentication reads the Authorization header only, so it runs
+	// first: the span follows the client's traceparent only when the
+	// token is valid (a refused request gets a root span of its own). The
+	// span still starts when the request arrived.
+	lvl := h.auth.authenticate(r.Header.Get("Authorization"))
+	r, span := h.tracer.start(r, lvl != levelNone, start)
+	var panicked any
 	defer func() {
 		status := rw.status
-		if status == 0 {
+		if status == 0 && panicked == nil {
 			status = http.StatusOK
 		}
-		endRequestSpan(span, status)
+		endRequestSpan(span, status, panicked)
 	}()
 	defer func() {
 		if v := recover(); v != nil {
 			if v == http.ErrAbortHandler {
+				// net/http drops the connection, as without us; the
+				// span records the abort.
+				panicked = v
 				panic(v)
 			}
 			h.log.Error("api: panic serving request", "method", r.Method, "path", r.URL.Path, "panic", v)
 			if !rw.wroteHeader {
 				rw.routed = true
 				h.writeError(rw, r, newAPIError(CodeInternal, internalMessage))
+			} else {
+				// The answer was under way: it ends as it is, and only
+				// the span and the log tell it was cut short.
+				panicked = v
 			}
 		}
 		h.logRequest(r, rw, start)
 	}()
 
-	lvl := h.auth.authenticate(r.Header.Get("Authorization"))
 	if lvl == levelNone {
 		rw.routed = true
 		h.writeError(rw, r, errUnauthorized(r.Header.Get("Authorization") != ""))

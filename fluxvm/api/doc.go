@@ -97,14 +97,30 @@
 // # Tracing
 //
 // With Options.TracerProvider every request is an OpenTelemetry server
-// span named after its route, method and pattern ("GET
-// /v1/network/services/{name}", never the path with its ids; the method
-// alone when no route serves it), with the attributes of the HTTP
-// semantic conventions: http.request.method, http.route,
-// http.response.status_code, url.path, url.scheme, and error.type with an
-// Error status for a 5xx; [AttrErrorCode] names the code of an error
-// answer. A W3C traceparent header from the client is followed. The span
-// is in the context the dataplane is called with, so the spans of
+// span named after its route: the request's method and the route
+// pattern's path ("GET /v1/network/services/{name}", never the path with
+// its ids; "HEAD /v1/network/services/status" for a HEAD request, which
+// http.ServeMux serves with the GET route; the method alone when no
+// route serves it), with the attributes of the HTTP semantic
+// conventions: http.request.method, http.route,
+// http.response.status_code, url.path, url.query when the request has a
+// query (as sent; the values of the signed-URL parameters the URL
+// conventions name, such as sig and Signature, are redacted; the API's
+// token is a header and never recorded), url.scheme, and error.type with
+// an Error status for a 5xx; [AttrErrorCode] names the code of an error
+// answer. A handler that panics after its answer started, or aborts with
+// [net/http.ErrAbortHandler], ends its span as an error too (error.type
+// "aborted" for the abort, which still drops the connection as net/http
+// does; no status code when nothing was sent).
+//
+// Authentication comes before the trace context: the Authorization
+// header is checked first (it reads no body), then the span starts,
+// timed from the request's arrival. A W3C traceparent header is followed
+// only for a request with a valid token; a request that fails
+// authentication gets a span that is the root of a trace of its own, so
+// that a caller without a token cannot place spans in a trace of its
+// choosing, and refused requests are still seen. The span is in the
+// context the dataplane is called with, so the spans of
 // fluxvm.Options.TracerProvider (the apply a POST asked for, a GC round)
 // are its children.
 package api

@@ -3,6 +3,7 @@ package api_test
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"net/netip"
 	"sync"
 	"time"
@@ -29,6 +30,7 @@ type fakeDataplane struct {
 	applyErr    error
 	statsErr    error
 	statusPanic bool
+	statusAbort bool // Status panics with http.ErrAbortHandler
 	gcErr       error
 	status      fluxvm.Status
 	stats       fluxvm.Stats
@@ -139,6 +141,9 @@ func (f *fakeDataplane) Status() fluxvm.Status {
 	defer f.mu.Unlock()
 	if f.statusPanic {
 		panic("status exploded")
+	}
+	if f.statusAbort {
+		panic(http.ErrAbortHandler)
 	}
 	st := f.status
 	st.Services = len(f.services)

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -133,8 +134,12 @@ func (h *handler) exportFlows(w http.ResponseWriter, r *http.Request) error {
 	rep, err := h.exporter.Export(r.Context(), recs)
 	if err != nil {
 		h.log.Warn("api: flow export failed", "read", len(recs), "sent", rep.Records, "error", err)
-		return newAPIError(CodeUnavailable, fmt.Sprintf("the OTLP receiver did not take the records: %v (read %d, sent %d in %d requests, %d rejected)",
-			err, len(recs), rep.Records, rep.Batches, rep.Rejected))
+		counts := fmt.Sprintf("(read %d, sent %d in %d requests, %d rejected)", len(recs), rep.Records, rep.Batches, rep.Rejected)
+		if errors.Is(err, ErrExportStopping) || errors.Is(err, otlp.ErrClosed) {
+			// Not the receiver's doing: the exporter's owner is stopping.
+			return newAPIError(CodeUnavailable, fmt.Sprintf("%v %s", err, counts))
+		}
+		return newAPIError(CodeUnavailable, fmt.Sprintf("the OTLP receiver did not take the records: %v %s", err, counts))
 	}
 	h.writeJSON(w, r, http.StatusOK, ExportResponse{Read: len(recs), Sent: rep})
 	return nil

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -293,5 +294,37 @@ func TestMetricsWithoutExporter(t *testing.T) {
 	w := e.do(req{method: "GET", path: "/metrics", token: readToken})
 	if w.Code != http.StatusOK || contains(w.Body.String(), "fluxvm_otlp_") {
 		t.Errorf("%d, OTLP series without an exporter:\n%s", w.Code, w.Body)
+	}
+}
+
+// stoppingExporter fails every Export with err.
+type stoppingExporter struct{ err error }
+
+func (s stoppingExporter) Export(context.Context, []flows.Record) (otlp.Report, error) {
+	return otlp.Report{Encoding: otlp.EncodingJSON}, s.err
+}
+
+// TestExportRouteStopping: an export the exporter's owner did not run
+// because it is stopping (an error that is api.ErrExportStopping, or
+// otlp.ErrClosed) is 503 unavailable with the exporter's own message,
+// without blaming the receiver; any other failure does blame it.
+func TestExportRouteStopping(t *testing.T) {
+	stopping := fmt.Errorf("owner is stopping: refused: %w", api.ErrExportStopping)
+	for _, c := range []struct {
+		err      error
+		prefix   string
+		receiver bool
+	}{
+		{stopping, "owner is stopping: refused", false},
+		{otlp.ErrClosed, otlp.ErrClosed.Error(), false},
+		{fmt.Errorf("post: connection refused"), "the OTLP receiver did not take the records: post: connection refused", true},
+	} {
+		e := newEnv(t, func(o *api.Options) { o.Exporter = stoppingExporter{c.err} })
+		e.dp.flows = someFlows()
+		d := wantError(t, e.do(req{method: "POST", path: "/v1/network/services/telemetry/export", token: adminToken}),
+			http.StatusServiceUnavailable, api.CodeUnavailable, "")
+		if !strings.HasPrefix(d.Message, c.prefix) || contains(d.Message, "OTLP receiver") != c.receiver || !contains(d.Message, "read 3, sent 0") {
+			t.Errorf("%v: message %q, want it to start with %q (blaming the receiver: %v)", c.err, d.Message, c.prefix, c.receiver)
+		}
 	}
 }

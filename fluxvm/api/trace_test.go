@@ -100,3 +100,116 @@ func TestRequestSpansOff(t *testing.T) {
 		t.Error("a span without a provider")
 	}
 }
+
+// tracedEnv is a test env whose requests are traced into a recorder.
+func tracedEnv(t *testing.T) (*testEnv, *tracetest.SpanRecorder) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	return newEnv(t, func(o *api.Options) { o.TracerProvider = tp }), rec
+}
+
+// onlySpan is the one span the recorder ended.
+func onlySpan(t *testing.T, rec *tracetest.SpanRecorder) sdktrace.ReadOnlySpan {
+	t.Helper()
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans, want 1", len(spans))
+	}
+	return spans[0]
+}
+
+// TestRequestSpanQuery: a request with a query has url.query (the HTTP
+// conventions make it required then), as sent, with the values of the
+// signed-URL parameters the URL conventions name redacted; a request
+// without one has no url.query.
+func TestRequestSpanQuery(t *testing.T) {
+	for _, c := range []struct{ path, want string }{
+		{"/v1/network/services/flows?limit=256", "limit=256"},
+		{"/v1/network/services/flows?limit=2&verdict=dropped", "limit=2&verdict=dropped"},
+		{"/v1/network/services/flows?limit=2&sig=s3cret&Signature=x%3D", "limit=2&sig=REDACTED&Signature=REDACTED"},
+		{"/v1/network/services/flows", ""},
+	} {
+		e, rec := tracedEnv(t)
+		if w := e.do(req{method: "GET", path: c.path, token: readToken}); w.Code != http.StatusOK {
+			t.Fatalf("%s: %d %s", c.path, w.Code, w.Body)
+		}
+		a := spanAttrs(onlySpan(t, rec))
+		q, ok := a["url.query"]
+		if ok != (c.want != "") || q.AsString() != c.want {
+			t.Errorf("%s: url.query %q (present %v), want %q", c.path, q.AsString(), ok, c.want)
+		}
+		if a["url.path"].AsString() != "/v1/network/services/flows" {
+			t.Errorf("%s: url.path %q", c.path, a["url.path"].AsString())
+		}
+	}
+}
+
+// TestRequestSpanHead: http.ServeMux serves a HEAD request with the GET
+// route; its span is named after the request's method, HEAD, like its
+// http.request.method, with the route's path.
+func TestRequestSpanHead(t *testing.T) {
+	e, rec := tracedEnv(t)
+	if w := e.do(req{method: "HEAD", path: "/v1/network/services/status", token: readToken}); w.Code != http.StatusOK {
+		t.Fatalf("head: %d %s", w.Code, w.Body)
+	}
+	s := onlySpan(t, rec)
+	a := spanAttrs(s)
+	if s.Name() != "HEAD /v1/network/services/status" || a["http.request.method"].AsString() != "HEAD" ||
+		a["http.route"].AsString() != "/v1/network/services/status" {
+		t.Errorf("span %q, attributes %v", s.Name(), s.Attributes())
+	}
+}
+
+// TestRequestSpanAbort: a handler that aborts with http.ErrAbortHandler
+// still panics out of ServeHTTP (net/http drops the connection, as
+// before), and its span is an error: error.type "aborted", status Error,
+// and no http.response.status_code, as no answer was sent.
+func TestRequestSpanAbort(t *testing.T) {
+	e, rec := tracedEnv(t)
+	e.dp.statusAbort = true
+	func() {
+		defer func() {
+			if v := recover(); v != http.ErrAbortHandler {
+				t.Errorf("ServeHTTP recovered %v, want http.ErrAbortHandler re-panicked", v)
+			}
+		}()
+		e.do(req{method: "GET", path: "/v1/network/services/status", token: readToken})
+	}()
+	s := onlySpan(t, rec)
+	a := spanAttrs(s)
+	if s.Name() != "GET /v1/network/services/status" || a["error.type"].AsString() != "aborted" || s.Status().Code != codes.Error {
+		t.Errorf("span %q: status %v, attributes %v", s.Name(), s.Status(), s.Attributes())
+	}
+	if _, ok := a["http.response.status_code"]; ok {
+		t.Errorf("an aborted request with a status code: %v", s.Attributes())
+	}
+}
+
+// TestRequestSpanUnauthenticated: the traceparent of a request that fails
+// authentication (no token, a wrong one) is not followed: its span is a
+// root of a trace of its own. The same header with a valid token is.
+func TestRequestSpanUnauthenticated(t *testing.T) {
+	const parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	for _, c := range []struct {
+		token  string
+		status int
+		follow bool
+	}{
+		{"", http.StatusUnauthorized, false},
+		{"not-a-token", http.StatusUnauthorized, false},
+		{readToken, http.StatusOK, true},
+	} {
+		e, rec := tracedEnv(t)
+		if w := e.do(req{method: "GET", path: "/v1/network/services/status", token: c.token, header: http.Header{"Traceparent": {parent}}}); w.Code != c.status {
+			t.Fatalf("token %q: %d %s", c.token, w.Code, w.Body)
+		}
+		s := onlySpan(t, rec)
+		followed := s.Parent().IsValid() || s.SpanContext().TraceID().String() == "0af7651916cd43dd8448eb211c80319c"
+		if followed != c.follow {
+			t.Errorf("token %q: parent %v, trace %v; want traceparent followed %v", c.token, s.Parent(), s.SpanContext().TraceID(), c.follow)
+		}
+		if a := spanAttrs(s); a["http.response.status_code"].AsInt64() != int64(c.status) {
+			t.Errorf("token %q: attributes %v", c.token, s.Attributes())
+		}
+	}
+}

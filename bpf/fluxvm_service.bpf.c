@@ -110,12 +110,11 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 		verdict = v6 ? fluxvm_forward6_dsr(ctx, pkt, sid, flags) : fluxvm_forward4_dsr(ctx, pkt, sid, flags);
 		break;
 	default:
-		/* Not for a service here; or a fragment to a VIP, dropped. */
-		if (verdict != CTX_ACT_DROP)
-			return verdict;
+		/* Not for a service here; or a fragment to a VIP, dropped and
+		 * recorded (fluxvm_lb_fragment). */
+		return verdict;
 	}
-	/* A client packet to a service dropped (a fragment to its VIP too):
-	 * FluxScope records why. */
+	/* A client packet to a service dropped: FluxScope records why. */
 	if (verdict == CTX_ACT_DROP)
 		fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
 					   ((__u64)sid << 32));

@@ -39,6 +39,7 @@
 
 #include "maps.h"
 #include "counters.h"
+#include "flows.h" /* lb.h includes this file after it (fluxvm_pkt_tuple) */
 
 /* Longer packets are paced as this long, so that len * ns_per_byte fits
  * in 64 bits at the lowest rate (1 Mbit/s: 8000 ns a byte, Q32). */
@@ -150,13 +151,17 @@ static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struc
 	ret = fluxvm_edt_pace(ctx, svc->service_id, bpf_ktime_get_coarse_ns(), fluxvm_tcp_control(pkt), st, NULL);
 	/* The service's reply counters hold what left toward its clients: a
 	 * reply an ingress hook counted and the horizon dropped here is taken
-	 * back (per-CPU slots are summed, so the CPU does not matter), and a
+	 * back (per-CPU slots are summed, so the CPU does not matter), from
+	 * its flow's record too (a drop: the rare path), and a
 	 * DSR reply, which no hook translated, counts here. */
 	if (st && (svc->flags & FLUXVM_SVC_F_DSR)) {
 		if (!ret)
 			fluxvm_count_reply(st, 1, ctx->len);
-	} else if (st && ret) {
-		fluxvm_count_reply(st, -1, -(__u64)ctx->len);
+	} else if (ret) {
+		if (st)
+			fluxvm_count_reply(st, -1, -(__u64)ctx->len);
+		/* And from its flow's record, which it counted into too. */
+		fluxvm_flow_uncount_reply(pkt, v6, svc->service_id, ctx->len);
 	}
 	return ret ? ret : CTX_ACT_NEXT;
 }

@@ -13,12 +13,17 @@
  * drop is recorded as any other. The packets of a flow count into its
  * record each way for the price of one array lookup, once the path sends
  * them (a forward path counts after its deliver stage: a packet it drops
- * counts as a drop, one XDP passes to TC is counted by TC); a flow whose
- * slot a newer record took stops counting (the ids differ).
+ * counts as a drop, one XDP passes to TC is counted by TC; a reply counts
+ * once its path will send it, after pacing, the rewrite and host routing,
+ * and a north-south reply the uplink's pacing drops is taken back,
+ * fluxvm_flow_uncount_reply); a flow whose slot a newer record took stops
+ * counting (the ids differ).
  *
  * A drop of a client packet always records (while the sample rate is not
- * 0): into the flow's record when it has one, else into a new record with
- * verdict dropped. New drop records take a budget that is the node's, one
+ * 0): into the flow's record when it has one (whose verdict reads dropped
+ * while none of the flow's packets was sent: fluxvm_flow_sent sets it back
+ * to forwarded, or audited, on the first one sent), else into a new record
+ * with verdict dropped. New drop records take a budget that is the node's, one
  * token bucket shared by every CPU: at most FLUXVM_FLOW_DROP_BURST records
  * at once, refilled at FLUXVM_FLOW_DROP_RATE a second, so that over any
  * interval of t seconds the whole node opens at most
@@ -80,13 +85,110 @@ static __always_inline void fluxvm_flow_count(__u32 id, __u32 sid, const int rep
 	f->last_ns = now;
 }
 
-/* A forward path's verdict @ret for a packet of flow @id (service @sid):
- * counted into the flow's record when the packet is sent (not dropped,
- * nor passed on: XDP leaves it to TC, which counts it). */
-static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, __u32 id, __u32 sid, __u64 now)
+/*
+ * A reply of service @sid to @pkt's destination (the client) from its
+ * source (the VIP), counted into its flow's record by the ingress hook
+ * that translated it, then dropped as it left (the uplink's pacing,
+ * fluxvm_edt_ns_out): taken back from the record. The flow's conntrack
+ * entry (keyed by the client's view, here reversed, in scratch: the rare
+ * path) names the record. Only after a drop.
+ */
+static __always_inline void fluxvm_flow_uncount_reply(const struct fluxvm_pkt *pkt, const int v6, __u32 sid,
+						      __u32 len)
 {
-	if (id && ret != CTX_ACT_DROP && ret != CTX_ACT_NEXT)
-		fluxvm_flow_count(id, sid, 0, ctx_full_len(ctx), now);
+	struct fluxvm_scratch *scr = fluxvm_scratch_get();
+	struct fluxvm_ct_value *ct;
+	struct fluxvm_flow *f;
+
+	if (!scr)
+		return;
+	if (v6) {
+		__builtin_memcpy(scr->k6.saddr, pkt->daddr, 16);
+		__builtin_memcpy(scr->k6.daddr, pkt->saddr, 16);
+		scr->k6.sport = pkt->dport;
+		scr->k6.dport = pkt->sport;
+		scr->k6.proto = pkt->l4_proto;
+		__builtin_memset(scr->k6.pad, 0, sizeof(scr->k6.pad));
+		ct = bpf_map_lookup_elem(&fluxvm_fct6, &scr->k6);
+	} else {
+		__builtin_memset(&scr->k4, 0, sizeof(scr->k4));
+		scr->k4.saddr = pkt->daddr[0];
+		scr->k4.daddr = pkt->saddr[0];
+		scr->k4.sport = pkt->dport;
+		scr->k4.dport = pkt->sport;
+		scr->k4.proto = pkt->l4_proto;
+		ct = bpf_map_lookup_elem(&fluxvm_fct4, &scr->k4);
+	}
+	if (!ct || ct->service_id != sid || !(ct->flags & FLUXVM_CT_F_SNAT))
+		return;
+	f = fluxvm_flow_get(ct->flow);
+	if (!f || f->service_id != sid || !f->rev_packets)
+		return;
+	f->rev_packets--;
+	f->rev_bytes -= f->rev_bytes < len ? f->rev_bytes : len;
+}
+
+#ifdef FLUXVM_CTX_SKB
+/* A reply of flow @id (service @sid) that its reply path sends: counted
+ * into the record; @now 0: taken back (the path counted it, then could not
+ * send it). A global function, called for recorded flows only: its
+ * verifier cost is paid once, not in every state of the reply paths. */
+__attribute__((noinline)) int fluxvm_flow_reply(struct __ctx_buff *ctx, __u32 id, __u32 sid, __u64 now)
+{
+	struct fluxvm_flow *f = fluxvm_flow_get(id);
+	__u32 len = ctx_full_len(ctx);
+
+	if (!f || f->service_id != sid)
+		return 0;
+	if (!now) {
+		if (f->rev_packets) {
+			f->rev_packets--;
+			f->rev_bytes -= f->rev_bytes < len ? f->rev_bytes : len;
+		}
+		return 0;
+	}
+	f->rev_packets++;
+	f->rev_bytes += len;
+	f->last_ns = now;
+	return 0;
+}
+#endif
+
+/* The flow of a forward path's conntrack entry @ct for fluxvm_flow_sent:
+ * its record id, and (bit 32) whether the policy audited it, in one
+ * register. Not in XDP, which passes every packet of a service with a
+ * policy to TC (and whose deepest frame has no 8 bytes to spare). */
+#ifdef FLUXVM_CTX_XDP
+#define FLUXVM_FLOW_OF(ct) ((__u64)(ct)->flow)
+#else
+#define FLUXVM_FLOW_OF(ct)                                                      \
+	((__u64)(ct)->flow | ((__u64)!!((ct)->flags & FLUXVM_CT_F_AUDITED) << 32))
+#endif
+
+/*
+ * A forward path's verdict @ret for a packet of flow @flow
+ * (FLUXVM_FLOW_OF: the record id, and whether the flow is audited) of
+ * service @sid: counted into the flow's record when the packet is sent
+ * (not dropped, nor passed on: XDP leaves it to TC, which counts it). The
+ * first packet counted sets the record's verdict back to forwarded (or
+ * audited) where drops after the learn stage (fluxvm_flow_drop) had set
+ * it to dropped: the verdict is touched only while nothing was counted
+ * forwarded, off the hot path.
+ */
+static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, __u64 flow, __u32 sid, __u64 now)
+{
+	struct fluxvm_flow *f;
+
+	if (!(__u32)flow || ret == CTX_ACT_DROP || ret == CTX_ACT_NEXT)
+		return ret;
+	f = fluxvm_flow_get((__u32)flow);
+	if (!f || f->service_id != sid)
+		return ret;
+	if (!f->fwd_packets)
+		f->verdict = (flow >> 32) ? FLUXVM_FLOW_AUDITED : FLUXVM_FLOW_FORWARDED;
+	f->fwd_packets++;
+	f->fwd_bytes += ctx_full_len(ctx);
+	f->last_ns = now;
 	return ret;
 }
 
@@ -161,9 +263,11 @@ static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struc
  * A new flow's record id, reserved before its learn writes, or 0 when the
  * flow is not sampled: the learn stage stores it with the flow's state and
  * writes the record (fluxvm_flow_learn) once all of it is written. The
- * full seq waits in this CPU's scratch.
+ * full seq waits in this CPU's scratch, with the path's clock @now: the
+ * record's first_ns, so that the packet's count (fluxvm_flow_sent, at the
+ * same @now) never leaves last_ns before first_ns.
  */
-static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value *meta)
+static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value *meta, __u64 now)
 {
 	struct fluxvm_scratch *scr;
 	__u64 seq;
@@ -175,6 +279,7 @@ static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value 
 		return 0;
 	seq = fluxvm_flow_next_seq();
 	scr->flow_seq = seq;
+	scr->flow_now = now;
 	return (__u32)seq;
 }
 
@@ -203,7 +308,7 @@ int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
 
 	if (!pkt || !scr || (__u32)scr->flow_seq != id)
 		return 0;
-	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, bpf_ktime_get_coarse_ns(),
+	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, scr->flow_now,
 				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff,
 				    /* forwarded, or audited (bit 1) */
 				    FLUXVM_FLOW_FORWARDED + (info & 2), scr->flow_seq);
@@ -311,6 +416,11 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 		if (!f)
 			return 0;
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);
+	} else if (!f->fwd_packets) {
+		/* Every packet of the flow so far was dropped after its learn
+		 * (its deliver stage): the record must not say forwarded
+		 * (fluxvm_flow_sent sets it back on the first one sent). */
+		f->verdict = FLUXVM_FLOW_DROPPED;
 	}
 	f->drops++;
 	f->reason = scr ? scr->drop_reason : 0;

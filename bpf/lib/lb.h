@@ -24,7 +24,9 @@
  *
  * Fragments addressed to a VIP are dropped (FLUXVM_DROP_FRAGMENT): later
  * fragments carry no ports, so translating only the first would send the
- * rest, untranslated, to the VIP. TCP avoids fragmentation with PMTU
+ * rest, untranslated, to the VIP. The drop is the service's whose frontend
+ * the first fragment's destination port names; a later fragment's, which
+ * has no port, is that of the VIP's first frontend (its marker entry). TCP avoids fragmentation with PMTU
  * discovery; UDP services must keep datagrams under the path MTU.
  */
 #ifndef FLUXVM_LIB_LB_H
@@ -40,9 +42,6 @@
 #include "fib.h"
 #include "rev.h"
 #include "svc.h"
-#ifdef FLUXVM_CTX_SKB
-#include "edt.h"
-#endif
 
 /* A forward path's flags (the frontend's, enum fluxvm_svc_flags) with
  * this bit: the packet came in on a north-south interface. */
@@ -100,6 +99,9 @@ static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const
 
 #include "flows.h" /* after fluxvm_pkt_tuple, which its drop records use */
 #include "policy.h"
+#ifdef FLUXVM_CTX_SKB
+#include "edt.h" /* after flows.h: a paced reply dropped is taken back from its record */
+#endif
 
 #ifdef FLUXVM_CTX_SKB
 /*
@@ -472,8 +474,8 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
-	__u32 bid, flow;
-	__u64 now;
+	__u32 bid;
+	__u64 now, flow;
 	int reason;
 
 	if (!fluxvm_guard_open(sid))
@@ -516,7 +518,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	/* Policy: before anything is written. */
 	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
 		return fluxvm_drop(reason, st, es);
-	ct->flow = fluxvm_flow_reserve(meta);
+	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if ((flags & FLUXVM_SVC_F_REV_STORED) &&
@@ -532,7 +534,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = ct->flow;
+	flow = FLUXVM_FLOW_OF(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, NULL, 0, nat_flags, st, es),
 				flow, sid, now);
 }
@@ -558,8 +560,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	struct fluxvm_ct_value *ct;
 	__be32 nat_addr[4] = {};
 	__be16 nat_port;
-	__u32 bid, hash, flow;
-	__u64 now;
+	__u32 bid, hash;
+	__u64 now, flow;
 	int ret;
 
 	if (!fluxvm_guard_open(sid))
@@ -601,7 +603,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	/* Policy: before a port is taken. */
 	if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_admit(pkt, v6, sid, ct)))
 		return fluxvm_drop(ret, st, es);
-	ct->flow = fluxvm_flow_reserve(meta);
+	ct->flow = fluxvm_flow_reserve(meta, now);
 	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
 	if (ret == FLUXVM_SNAT_FAILED)
 		return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
@@ -620,7 +622,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = ct->flow;
+	flow = FLUXVM_FLOW_OF(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, nat_addr, nat_port, nat_flags, st, es),
 				flow, sid, now);
 }
@@ -645,8 +647,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
-	__u32 bid, flow;
-	__u64 now;
+	__u32 bid;
+	__u64 now, flow;
 	int reason;
 
 	if (!fluxvm_guard_open(sid))
@@ -676,16 +678,53 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
 		return fluxvm_drop(reason, st, es);
-	ct->flow = fluxvm_flow_reserve(meta);
+	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(flags & FLUXVM_LB_AT_NS), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = ct->flow;
+	flow = FLUXVM_FLOW_OF(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_dsr_forward(ctx, pkt, v6, be, bid, now, st, es), flow, sid, now);
 }
+
+#ifdef FLUXVM_CTX_SKB
+/*
+ * The frontend stage of a fragment (rare: a global function, verified
+ * once, off the programs' frames): one addressed to a VIP served here at
+ * the edge @how >> 8 is dropped (see the top of this file), counted under
+ * its service, whose flow record (fluxvm_flow_drop) records why; @how bit
+ * 0: IPv6. A first fragment carries its ports: the frontend of its
+ * destination port names its service. A later one has none: the VIP's
+ * marker entry names the VIP's first frontend, as it does for a first
+ * fragment to a port not served here. (XDP passes fragments to TC before
+ * its frontend stage.)
+ */
+__attribute__((noinline)) int fluxvm_lb_fragment(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u32 how)
+{
+	struct fluxvm_svc_value *svc = NULL;
+	int v6 = how & 1, edge = how >> 8, verdict;
+	__u32 sid;
+
+	if (!pkt)
+		return CTX_ACT_NEXT;
+	if (pkt->frag == FLUXVM_FRAG_FIRST) {
+		svc = fluxvm_frontend(pkt, v6, pkt->dport);
+		if (svc && ((svc->flags & FLUXVM_SVC_F_VIP_MARKER) || !fluxvm_svc_here(svc, edge)))
+			svc = NULL;
+	}
+	if (!svc)
+		svc = fluxvm_frontend(pkt, v6, 0);
+	if (!svc || !fluxvm_svc_here(svc, edge))
+		return CTX_ACT_NEXT;
+	sid = svc->service_id;
+	verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(sid), fluxvm_edge(ctx));
+	fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
+				   ((__u64)sid << 32));
+	return verdict;
+}
+#endif
 
 /* The mode of a frontend's path, as the frontend stage finds it. */
 enum fluxvm_lb_mode {
@@ -701,11 +740,11 @@ enum fluxvm_lb_mode {
  * (the frontend entry may be replaced while the packet is in flight), and
  * the mode whose path takes the packet on. FLUXVM_LB_NONE leaves the
  * verdict in *@verdict: the packet passes, or it is a fragment addressed
- * to a VIP served here and is dropped (see the top of this file), its
- * service in *@sid for the drop's flow record.
+ * to a VIP served here and is dropped, its drop recorded
+ * (fluxvm_lb_fragment).
  */
 static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff *ctx,
-							      const struct fluxvm_pkt *pkt,
+							      struct fluxvm_pkt *pkt,
 							      const int v6, const int edge,
 							      __u32 *sid, __u32 *flags,
 							      int *verdict)
@@ -716,11 +755,9 @@ static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return FLUXVM_LB_NONE;
 	if (pkt->frag != FLUXVM_FRAG_NONE) {
-		svc = fluxvm_frontend(pkt, v6, 0);
-		if (svc && fluxvm_svc_here(svc, edge)) {
-			*sid = svc->service_id;
-			*verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(*sid), fluxvm_edge(ctx));
-		}
+#ifdef FLUXVM_CTX_SKB
+		*verdict = fluxvm_lb_fragment(ctx, pkt, (v6 ? 1 : 0) | (edge << 8));
+#endif
 		return FLUXVM_LB_NONE;
 	}
 	svc = fluxvm_frontend(pkt, v6, pkt->dport);
@@ -882,6 +919,9 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 			__builtin_memset(nct, 0, sizeof(*nct));
 			nct->service_id = nat_sid;
 			nct->backend_id = nat_bid;
+			/* The flow keeps its record: its next packets count
+			 * into it. */
+			nct->flow = nat_flow;
 			nct->created_ns = now;
 			nct->last_seen_ns = now;
 			nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 1);
@@ -898,16 +938,20 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	/* Leaving toward the client here (an egress hook): paced. */
 	if (!ingress && (ret = fluxvm_edt_pace(ctx, nat_sid, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
-	if (nat_flow)
-		fluxvm_flow_count(nat_flow, nat_sid, 1, ctx_full_len(ctx), now);
 	if (fluxvm_rewrite(ctx, pkt, v6, 0, vip, vport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	if (snat && fluxvm_rewrite(ctx, pkt, v6, 1, client, cport))
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
+	ret = TC_ACT_OK;
 	if (ingress && (nat_flags & FLUXVM_NAT_F_HOST_ROUTING))
-		return fluxvm_host_route(ctx, pkt, v6);
-	return TC_ACT_OK;
+		ret = fluxvm_host_route(ctx, pkt, v6);
+	/* Counted into the record once it will be sent, as the forward
+	 * direction (a north-south reply the uplink's pacing drops is
+	 * taken back there, fluxvm_edt_ns_out). */
+	if (nat_flow && ret != CTX_ACT_DROP)
+		fluxvm_flow_reply(ctx, nat_flow, nat_sid, now);
+	return ret;
 }
 
 #endif /* FLUXVM_CTX_SKB */
@@ -941,6 +985,7 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_rev r;
 	__u64 now;
+	__u32 flow;
 	int synack, ret;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
@@ -969,10 +1014,18 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 
 	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;
-	if (ct->flow)
-		fluxvm_flow_count(ct->flow, r.service_id, 1, ctx_full_len(ctx), now);
-	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport))
+	/* Counted into the record before the rewrite: after it, the count
+	 * costs the verifier 11,000 instructions this program has not got.
+	 * The rewrite of a packet the parser checked cannot fail short of
+	 * bpf_skb_store_bytes failing; if it does, the count is taken back. */
+	flow = ct->flow;
+	if (flow)
+		fluxvm_flow_reply(ctx, flow, r.service_id, now);
+	if (fluxvm_rewrite(ctx, pkt, v6, 0, r.vip, r.vport)) {
+		if (flow)
+			fluxvm_flow_reply(ctx, flow, r.service_id, 0);
 		return fluxvm_drop(FLUXVM_DROP_REWRITE, st, es);
+	}
 	fluxvm_count_translated(st, es, ctx_full_len(ctx), 1);
 	return TC_ACT_OK;
 }

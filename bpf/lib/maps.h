@@ -245,6 +245,7 @@ struct fluxvm_scratch {
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
 	__u32 pad;
 	__u64 flow_seq;                  /* the seq a new flow's record reserved (flows.h) */
+	__u64 flow_now;                  /* and the clock of the path that reserved it */
 	/* Identity policy's lookup keys (policy.h), off the forward paths'
 	 * stack: their call chains are at the 512-byte limit. */
 	struct fluxvm_spol_key pk;

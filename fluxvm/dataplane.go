@@ -75,8 +75,9 @@ type Options struct {
 	MaglevSeed uint64
 	// FlowSampleRate is flow_sample_rate: 0 (the default) records no
 	// flows; N gives 1 in N new flows a FluxScope record (Flows), and
-	// client packets dropped are recorded within the datapath's per-CPU
-	// budget. At most MaxFlowSampleRate. Open writes it to the datapath's
+	// client packets dropped are recorded within the datapath's
+	// node-wide budget (64 at once, refilled at 64 a second, shared by
+	// every CPU). At most MaxFlowSampleRate. Open writes it to the datapath's
 	// meta map every time, so a restart, a generation reload or a tier
 	// change (which recreate the maps) keeps it, and a change takes
 	// effect at the next Open.

@@ -7,7 +7,6 @@ import (
 	"sync"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
 // MaglevMap is the array of maps that holds one Maglev table (an inner
@@ -229,6 +228,10 @@ func memlockByID(id ebpf.MapID) (uint64, bool, error) {
 	return memlock(m)
 }
 
+// bpfFNoPrealloc is BPF_F_NO_PREALLOC (uapi/linux/bpf.h), here for every
+// OS: this file builds everywhere.
+const bpfFNoPrealloc = 1 << 0
+
 // memlock returns the kernel's memlock figure of m, and whether m's
 // memory is fixed for its lifetime (an array).
 func memlock(m *ebpf.Map) (uint64, bool, error) {
@@ -240,7 +243,7 @@ func memlock(m *ebpf.Map) (uint64, bool, error) {
 	if !ok {
 		// A map that allocates as it fills (the identity tries, the
 		// policies) reports nothing while it is empty.
-		if info.Flags&unix.BPF_F_NO_PREALLOC != 0 {
+		if info.Flags&bpfFNoPrealloc != 0 {
 			return 0, false, nil
 		}
 		return 0, false, fmt.Errorf("kernel reports no memlock: %w", ebpf.ErrNotSupported)

@@ -420,6 +420,16 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"Service":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
 		"Conntrack":              {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Conntrack() }},
 		"Flows":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Flows(1, flows.Filter{}) }},
+		"ReconcilePolicies": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.ReconcilePolicies(ctx, IPCache{}, []Policy{{Service: "web", DefaultAction: PolicyDeny}})
+		}},
+		"ApplyPolicies": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.ApplyPolicies(ctx, Policy{Service: "web", DefaultAction: PolicyDeny})
+		}},
+		"SetIPCache":   {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.SetIPCache(ctx, IPCache{}) }},
+		"DeletePolicy": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.DeletePolicy(ctx, "web") }},
+		"Policies":     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policies() }},
+		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy("web") }},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("second Close: %v", res)

@@ -82,6 +82,9 @@ const (
 	// CounterXDPPassPolicy: a packet to a service with an identity policy,
 	// which XDP leaves to TC.
 	CounterXDPPassPolicy = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_POLICY)
+	// CounterSockOpenPolicy: socket load balancing left a connect or send
+	// to a service with an identity policy to TC.
+	CounterSockOpenPolicy = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_POLICY)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -122,6 +125,7 @@ var counterNames = [NumCounters]string{
 	CounterPolicyRechecked:      "policy_rechecked",
 	CounterPolicyRevoked:        "policy_revoked",
 	CounterXDPPassPolicy:        "xdp_pass_policy",
+	CounterSockOpenPolicy:       "sock_fail_open_policy",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

@@ -115,7 +115,8 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_POLICY_RECHECKED          serviceFluxvmCounter = 31
 	serviceFluxvmCounterFLUXVM_CNT_POLICY_REVOKED            serviceFluxvmCounter = 32
 	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_POLICY           serviceFluxvmCounter = 33
-	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 34
+	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_POLICY     serviceFluxvmCounter = 34
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 35
 )
 
 type serviceFluxvmCtFlags uint32

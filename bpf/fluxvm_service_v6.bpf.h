@@ -68,7 +68,8 @@ enum fluxvm_counter {
 	FLUXVM_CNT_POLICY_RECHECKED = 31, /* identity policy: an established flow decided again (new revision) */
 	FLUXVM_CNT_POLICY_REVOKED = 32,  /* identity policy: an established flow denied at its recheck */
 	FLUXVM_CNT_XDP_PASS_POLICY = 33, /* XDP: a service with an identity policy, left to TC */
-	FLUXVM_CNT_MAX = 34,
+	FLUXVM_CNT_SOCK_FAIL_OPEN_POLICY = 34, /* socket LB: a service with an identity policy, left to TC */
+	FLUXVM_CNT_MAX = 35,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */

@@ -489,6 +489,24 @@ func TestSocketLBAssociations(t *testing.T) {
 	}
 	s.h.svcFlags(1, sockVIP4, 6, 0)
 
+	// A service with an identity policy: left to TC (which decides by
+	// the source's identity), for a connect and for a send of a socket
+	// associated before the policy (its association goes).
+	c0 := s.h.counters()
+	s.h.svcFlags(1, sockVIP4, 6, SvcFlagPolicy)
+	s.child.Do(cgtest.Request{Op: cgtest.OpTCP, Addr: sockVIP4.String(), TimeoutMS: 300})
+	s.h.svcFlags(1, sockVIP4, 6, 0)
+	s.h.svcFlags(3, vipB, 17, SvcFlagPolicy)
+	s.child.Do(cgtest.Request{Op: cgtest.OpSend, Sock: open.Sock, Addr: vipB.String(), Send: "policy", TimeoutMS: 300})
+	s.h.svcFlags(3, vipB, 17, 0)
+	c1 := s.h.counters()
+	if n, rw := c1[CounterSockOpenPolicy]-c0[CounterSockOpenPolicy], c1[CounterSockRewritten]-c0[CounterSockRewritten]; n != 2 || rw != 0 {
+		t.Errorf("services with a policy: sock_fail_open_policy +%d, sock_rewritten +%d; want 2 and 0", n, rw)
+	}
+	if n := count(t, s.h.objs.FluxvmSockFwd); n != 1 {
+		t.Errorf("%d socket associations; want 1 (the one to VIP B gone, the kept one to A)", n)
+	}
+
 	// Draining past its deadline: moved at the next send.
 	s.h.table(1, s.h.weighted(map[uint32]int{1: 1, 2: 1, 3: 1}))
 	kept := s.child.Do(cgtest.Request{Op: cgtest.OpUDP, Addr: sockVIP4.String(), Send: "x", Keep: true})

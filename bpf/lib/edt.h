@@ -130,6 +130,7 @@ static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struc
 {
 	struct fluxvm_svc_stats_value *st;
 	struct fluxvm_svc_value *svc;
+	__u32 sid, dsr;
 	int ret;
 
 	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
@@ -147,21 +148,24 @@ static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struc
 	if (!svc || (svc->flags & (FLUXVM_SVC_F_VIP_MARKER | FLUXVM_SVC_F_PACED)) != FLUXVM_SVC_F_PACED ||
 	    !(svc->flags & FLUXVM_SVC_F_NORTH_SOUTH))
 		return CTX_ACT_NEXT;
-	st = fluxvm_stats(svc->service_id);
-	ret = fluxvm_edt_pace(ctx, svc->service_id, bpf_ktime_get_coarse_ns(), fluxvm_tcp_control(pkt), st, NULL);
+	/* Copied out: the entry may be replaced while the packet is paced. */
+	sid = svc->service_id;
+	dsr = svc->flags & FLUXVM_SVC_F_DSR;
+	st = fluxvm_stats(sid);
+	ret = fluxvm_edt_pace(ctx, sid, bpf_ktime_get_coarse_ns(), fluxvm_tcp_control(pkt), st, NULL);
 	/* The service's reply counters hold what left toward its clients: a
 	 * reply an ingress hook counted and the horizon dropped here is taken
 	 * back (per-CPU slots are summed, so the CPU does not matter), from
 	 * its flow's record too (a drop: the rare path), and a
 	 * DSR reply, which no hook translated, counts here. */
-	if (st && (svc->flags & FLUXVM_SVC_F_DSR)) {
+	if (st && dsr) {
 		if (!ret)
 			fluxvm_count_reply(st, 1, ctx->len);
 	} else if (ret) {
 		if (st)
 			fluxvm_count_reply(st, -1, -(__u64)ctx->len);
 		/* And from its flow's record, which it counted into too. */
-		fluxvm_flow_uncount_reply(pkt, v6, svc->service_id, ctx->len);
+		fluxvm_flow_uncount_reply(pkt, v6, sid, ctx->len);
 	}
 	return ret ? ret : CTX_ACT_NEXT;
 }

@@ -161,9 +161,14 @@ static __always_inline int fluxvm_policy_recheck(struct fluxvm_pkt *pkt, const i
 	reason = fluxvm_policy_reason(pv);
 	if (reason == FLUXVM_DROP_POLICY_DENIED)
 		fluxvm_count(FLUXVM_CNT_POLICY_REVOKED);
-	if (!reason)
-		ct->policy_rev = pv >> 32;
-	return reason;
+	if (reason)
+		return reason;
+	ct->policy_rev = pv >> 32;
+	if ((__u8)pv == FLUXVM_PV_AUDIT)
+		ct->flags |= FLUXVM_CT_F_AUDITED;
+	else
+		ct->flags &= ~FLUXVM_CT_F_AUDITED;
+	return 0;
 }
 
 #endif /* FLUXVM_LIB_POLICY_H */

@@ -32,6 +32,10 @@ type catalogFile struct {
 type catalogPolicies struct {
 	IPCache  IPCache  `json:"ipcache"`
 	Policies []Policy `json:"policies"`
+	// IDs are the policies' datapath ids by service: kept across a
+	// restart, so that the rule sets the kept maps hold stay their
+	// policies' until the restore has written every header.
+	IDs map[string]uint32 `json:"ids,omitempty"`
 }
 
 type catalogService struct {

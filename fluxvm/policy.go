@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/intent"
@@ -81,6 +82,9 @@ type PolicyCounters struct {
 
 // policyState is the dataplane's identity policy state; under d.mu.
 type policyState struct {
+	// mu serialises policy changes (taken before the service locks and
+	// d.mu; see changePolicies).
+	mu   sync.Mutex
 	w    *policy.Writer
 	comp policy.Compiler
 	// in is what the last reconcile compiled, prog the result (an empty
@@ -96,11 +100,25 @@ func (p *policyState) saved() *catalogPolicies {
 	if !p.set {
 		return nil
 	}
-	c := catalogPolicies{IPCache: IPCache{Entries: slices.Clone(p.in.IPCache.Entries)}}
+	c := catalogPolicies{IPCache: IPCache{Entries: slices.Clone(p.in.IPCache.Entries)}, IDs: map[string]uint32{}}
 	for _, pol := range p.in.Policies {
 		c.Policies = append(c.Policies, pol.Clone())
 	}
+	for _, cp := range p.prog.Policies {
+		c.IDs[cp.Service] = cp.ID
+	}
 	return &c
+}
+
+// withIDs is a Program that only names the policy ids of ids, for the
+// compiler to keep them.
+func withIDs(ids map[string]uint32) *policy.Program {
+	p := &policy.Program{}
+	for name, id := range ids {
+		p.Policies = append(p.Policies, policy.Compiled{Service: name, ID: id})
+	}
+	slices.SortFunc(p.Policies, func(a, b policy.Compiled) int { return strings.Compare(a.Service, b.Service) })
+	return p
 }
 
 // openPolicies sets up the policy state over the loaded maps, with the
@@ -114,8 +132,9 @@ func (d *Dataplane) openPolicies() error {
 	// fluxvm_spol holds every rule, a header per datapath service, and
 	// room for one policy's second rule set (bpf/fluxvm_service_maps.bpf.h).
 	rules := int(m.FluxvmSpol.MaxEntries()) - int(d.caps.Services) - 2*intent.MaxPolicyIdentities
-	d.pol = policyState{w: w, comp: policy.Compiler{Limits: policy.Limits{Policies: int(d.caps.Services), Rules: rules}},
-		prog: &policy.Program{}}
+	d.pol.w = w
+	d.pol.comp = policy.Compiler{Limits: policy.Limits{Policies: int(d.caps.Services), Rules: rules}}
+	d.pol.prog = &policy.Program{}
 	return nil
 }
 
@@ -127,7 +146,19 @@ func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 	if cp == nil {
 		return nil
 	}
-	prog, err := d.pol.comp.Compile(d.policyInput(*cp), nil)
+	// A policy whose service the catalog lacks (its delete was recorded,
+	// the policy's removal not) cannot be compiled: it goes, with a
+	// warning, rather than keep the node from starting.
+	kept := cp.Policies[:0:0]
+	for _, pol := range cp.Policies {
+		if d.services[pol.Service] == nil {
+			d.log.Warn("fluxvm: restore: dropped the identity policy of a service the catalog no longer has", "service", pol.Service)
+			continue
+		}
+		kept = append(kept, pol)
+	}
+	cp.Policies = kept
+	prog, err := d.pol.comp.Compile(d.policyInput(*cp), withIDs(cp.IDs))
 	if err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
@@ -181,6 +212,19 @@ func (d *Dataplane) ReconcilePolicies(ctx context.Context, ipc IPCache, policies
 // ApplyPolicies adds or replaces the policies of the services they name,
 // keeping the others and the ipcache; as ReconcilePolicies otherwise.
 func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (PoliciesStatus, error) {
+	// Each policy on its own first, so that errors name the caller's
+	// index (policies[2].deny_identities[0]).
+	seen := map[string]int{}
+	for i, p := range policies {
+		if err := intent.ValidatePolicy(p); err != nil {
+			return PoliciesStatus{}, fmt.Errorf("fluxvm: apply identity policies: policies[%d]: %w", i, err)
+		}
+		if j, ok := seen[p.Service]; ok {
+			return PoliciesStatus{}, fmt.Errorf("fluxvm: apply identity policies: policies[%d]: service %q already has policies[%d]: %w",
+				i, p.Service, j, ErrConflict)
+		}
+		seen[p.Service] = i
+	}
 	return d.changePolicies(ctx, "apply identity policies", func(cur *catalogPolicies) error {
 		for _, p := range policies {
 			i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == p.Service })
@@ -222,25 +266,43 @@ func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
 func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
 	_, span := d.startSpan(ctx, SpanReconcilePolicies)
 	defer endSpan(span, &err)
+	// One change at a time; and the services whose policy it may change
+	// are locked as their applies lock them, so that no apply is between
+	// its check of the policy (ApplyService) and its commit meanwhile.
+	d.pol.mu.Lock()
+	defer d.pol.mu.Unlock()
 	d.mu.Lock()
 	if err := d.checkOpen(what); err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, err
 	}
-	var next catalogPolicies
-	if cur := d.pol.saved(); cur != nil {
-		next = *cur
+	next, err := d.nextPolicies(edit)
+	var names []string
+	if err == nil {
+		for _, s := range [][]Policy{d.pol.in.Policies, next.Policies} {
+			for _, p := range s {
+				names = append(names, p.Service)
+			}
+		}
 	}
-	if err := edit(&next); err != nil {
+	d.mu.Unlock()
+	if err != nil {
+		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
+	}
+	slices.Sort(names)
+	for _, name := range slices.Compact(names) {
+		defer d.lockService(name)()
+	}
+	d.mu.Lock()
+	if err := d.checkOpen(what); err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, err
+	}
+	// Again: a DeleteService may have dropped a policy meanwhile.
+	if next, err = d.nextPolicies(edit); err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
-	// The dataplane keeps the input: no slice shared with the caller.
-	next.IPCache.Entries = slices.Clone(next.IPCache.Entries)
-	for i := range next.Policies {
-		next.Policies[i] = next.Policies[i].Clone()
-	}
-	slices.SortFunc(next.Policies, func(a, b Policy) int { return strings.Compare(a.Service, b.Service) })
 	prog, err := d.pol.comp.Compile(d.policyInput(next), d.pol.prog)
 	if err != nil {
 		d.mu.Unlock()
@@ -279,7 +341,40 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*
 // policy's rules and headers before its frontends' flag, the flag off a
 // frontend whose service no longer enforces one before its header goes,
 // then what nothing uses. d.mu must be held.
-func (d *Dataplane) writePolicies(prog *policy.Program) error {
+func (d *Dataplane) writePolicies(prog *policy.Program) (err error) {
+	// An ipcache change is not one map update: the guards of the services
+	// that enforce a policy, before or after, stay closed while the
+	// identities and the rules change, so that no packet is decided by a
+	// mix of old and new (they drop meanwhile: fail closed).
+	if d.pol.w.IPCacheChanges(prog) {
+		var closed []*frontend
+		defer func() {
+			for _, fe := range closed {
+				g := bpf.Guard{Revision: fe.rev}
+				if fe.guard {
+					g.State = bpf.GuardOpen
+				}
+				if gerr := d.dp.Maps().FluxvmSguard.Put(fe.sid, g); gerr != nil && err == nil {
+					err = fmt.Errorf("reopen guard: %w", gerr)
+				}
+			}
+		}()
+		for name, s := range d.services {
+			old, next := d.pol.prog.Policy(name), prog.Policy(name)
+			if (old == nil || !old.Enabled) && (next == nil || !next.Enabled) {
+				continue
+			}
+			for _, fe := range s.frontends {
+				if !fe.live || !fe.guard {
+					continue
+				}
+				if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
+					return fmt.Errorf("close guard: %w", err)
+				}
+				closed = append(closed, fe)
+			}
+		}
+	}
 	if err := d.pol.w.SetIPCache(prog); err != nil {
 		return err
 	}
@@ -406,4 +501,22 @@ func (d *Dataplane) dropPolicyOf(name string) (uint64, error) {
 	}
 	d.pol.in, d.pol.prog = next, prog
 	return d.journalPolicies()
+}
+
+// nextPolicies is the policy state edit makes of the current one, sorted,
+// sharing nothing with the caller's input. d.mu must be held.
+func (d *Dataplane) nextPolicies(edit func(*catalogPolicies) error) (catalogPolicies, error) {
+	var next catalogPolicies
+	if cur := d.pol.saved(); cur != nil {
+		next = *cur
+	}
+	if err := edit(&next); err != nil {
+		return catalogPolicies{}, err
+	}
+	next.IPCache.Entries = slices.Clone(next.IPCache.Entries)
+	for i := range next.Policies {
+		next.Policies[i] = next.Policies[i].Clone()
+	}
+	slices.SortFunc(next.Policies, func(a, b Policy) int { return strings.Compare(a.Service, b.Service) })
+	return next, nil
 }

@@ -184,6 +184,29 @@ func TestPolicyFailClosed(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The denied source's identity and the rules change together: old
+	// (its identity 7, 5 allowed) and new (its identity 5, 9 allowed)
+	// each deny it; a packet decided by the new ipcache and the old rules
+	// would pass.
+	strict := Policy{Service: "web", DefaultAction: PolicyAllow, DenyIdentities: []Identity{7, 5, 2001}}
+	for i := range 20 {
+		id, allow := Identity(7), Identity(5)
+		if i%2 == 1 {
+			id, allow = 5, 9
+		}
+		strict.DenyIdentities = []Identity{7, 5, 2001}
+		strict.DenyIdentities = slices.DeleteFunc(strict.DenyIdentities, func(x Identity) bool { return x == allow })
+		ipc := IPCache{Entries: []IPCacheEntry{
+			{Prefix: netip.PrefixFrom(e.cli.Addr4, 32), Identity: 1001},
+			{Prefix: netip.PrefixFrom(e.cli.Addr6, 128), Identity: id},
+		}}
+		if _, err := d.ReconcilePolicies(ctx, ipc, []Policy{strict}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := d.ReconcilePolicies(ctx, e.policyIPCache(), []Policy{web}); err != nil {
+		t.Fatal(err)
+	}
 	root := e.opts.Loader.PinRoot
 	for _, reload := range []bool{false, true} {
 		d.Close()
@@ -205,4 +228,58 @@ func TestPolicyFailClosed(t *testing.T) {
 		t.Error("the allowed source was never served")
 	}
 	t.Logf("%d datagrams from the denied source, %d answers to the allowed one", sent.Load(), served.Load())
+}
+
+// TestPolicyIDsSurviveRestart: policy ids are kept in the catalog, so a
+// restart with the maps kept writes each service's policy over its own
+// rule sets (ids handed out again in name order would make one service's
+// header name another's rules while the restore runs).
+func TestPolicyIDsSurviveRestart(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	beta := e.service(1, 1, 1)
+	beta.Name = "beta"
+	alpha := e.service(1, 1, 1)
+	alpha.Name = "alpha"
+	alpha.VIPs = []netip.Addr{netip.MustParseAddr("10.96.0.20"), netip.MustParseAddr("fd00:96::20")}
+	for _, s := range []Service{beta, alpha} {
+		if _, err := d.ApplyService(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// beta first: it takes id 1, alpha id 2 (name order would swap them).
+	if _, err := d.ReconcilePolicies(ctx, e.policyIPCache(), []Policy{{Service: "beta", DefaultAction: PolicyDeny, AllowIdentities: []Identity{2001}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ApplyPolicies(ctx, Policy{Service: "alpha", DefaultAction: PolicyDeny, AllowIdentities: []Identity{1001}}); err != nil {
+		t.Fatal(err)
+	}
+	ids := func(d *Dataplane) map[string]uint32 {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		m := map[string]uint32{}
+		for _, c := range d.pol.prog.Policies {
+			m[c.Service] = c.ID
+		}
+		return m
+	}
+	before := ids(d)
+	if before["beta"] != 1 || before["alpha"] != 2 {
+		t.Fatalf("ids %v: want beta 1, alpha 2", before)
+	}
+	d.Close()
+	d = e.open(t)
+	if after := ids(d); after["beta"] != 1 || after["alpha"] != 2 {
+		t.Fatalf("ids after a restart %v, before %v", after, before)
+	}
+	// Each still decides by its own rules: alpha lets the IPv4 client
+	// (1001) in, beta only the IPv6 one (2001).
+	if _, err := e.cli.DialTCP(netip.AddrPortFrom(alpha.VIPs[0], 80), 400*time.Millisecond); err != nil {
+		t.Errorf("alpha refused identity 1001: %v", err)
+	}
+	if c, err := e.cli.DialTCP(netip.AddrPortFrom(vip4, 80), 400*time.Millisecond); err == nil {
+		c.Close()
+		t.Error("beta let identity 1001 in")
+	}
 }

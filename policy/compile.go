@@ -3,7 +3,6 @@ package policy
 import (
 	"cmp"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"net/netip"
@@ -16,7 +15,8 @@ import (
 // match the intent categories (intent.ErrInvalid, intent.ErrLimit, ...).
 var (
 	// ErrNoService: a policy names a service the catalog does not have.
-	ErrNoService = errors.New("policy: no such service")
+	// It wraps intent.ErrPrerequisite.
+	ErrNoService = fmt.Errorf("policy: no such service: %w", intent.ErrPrerequisite)
 )
 
 // Limits bound what one Program may hold.

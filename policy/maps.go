@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -26,39 +27,63 @@ type Maps struct {
 }
 
 // Writer writes Programs to the datapath's policy maps so that no packet
-// ever meets half of a change:
+// ever meets half of a policy:
 //
-//   - a policy's rules go under a rule set id its header does not name
-//     (each policy has two, 2*ID and 2*ID+1), and the header switches to
-//     them in one map update, then the old set goes;
+//   - a policy's rules go under a rule set id its headers do not name
+//     (each policy has two, 2*ID and 2*ID+1), the headers switch to them
+//     one map update each, and the old set goes after Grace (a packet
+//     that read an old header may still look its rules up);
 //   - Attach writes the header of a datapath service before the caller
 //     sets bpf.SvcFlagPolicy on its frontend, and Detach removes headers
 //     only after the caller cleared the flag (a flag without a header
 //     drops: fail closed).
 //
+// An ipcache change is not atomic over several prefixes: a caller that
+// must not let any packet be decided by a mix of old and new identities
+// closes the guards of the services concerned around SetIPCache and the
+// Attach calls that follow (IPCacheChanges tells whether there is one).
+//
 // A Writer is not safe for concurrent use; the dataplane calls it under
 // its lock.
 type Writer struct {
 	m Maps
-	// set is the rule set id each policy (by ID) names now, and rules
-	// what that set holds.
+	// set is the rule set id each policy (by ID) names now; rules what
+	// that set holds.
 	set   map[uint32]uint32
 	rules map[uint32][]Rule
+	// members are the identities each rule set id holds in the map.
+	members map[uint32][]uint32
 	// heads are the headers written, by datapath service id.
 	heads map[uint32]bpf.PolicyValue
-	// Grace is how long Prune waits before it removes rule sets no header
-	// names any more: a
-	// packet that read a header before it switched may still look up the
-	// old set's rules (BPF programs run in RCU read sections of
+	// ipc is the ipcache as the tries hold it.
+	ipc map[netip.Prefix]uint32
+	// retired are rule sets no header names any more, to go after Grace;
+	// retiredRules counts their rules.
+	retired      []uint32
+	retiredRules int
+	// Grace is how long the Writer waits before it removes a rule set no
+	// header names any more (BPF programs run in RCU read sections of
 	// microseconds). Default DefaultGrace.
 	Grace time.Duration
+	// Spare bounds the rules of retired sets waiting for their grace (the
+	// room fluxvm_spol has beyond the live rules and headers): an Attach
+	// that would pass it waits out the grace and removes them first.
+	// Default DefaultSpare.
+	Spare int
 }
 
-// DefaultGrace is Writer.Grace's default.
-const DefaultGrace = 10 * time.Millisecond
+// Defaults of a Writer.
+const (
+	DefaultGrace = 10 * time.Millisecond
+	// DefaultSpare is the room the datapath's policy map keeps beyond its
+	// rules and headers: one policy's two lists of identities.
+	DefaultSpare = 2 * intent.MaxPolicyIdentities
+)
 
 // NewWriter checks the maps' layouts and returns a Writer over them. The
-// maps may hold a previous process's policies: Apply replaces them.
+// maps may hold a previous process's state: the Writer adopts it (headers,
+// rule sets and their contents, the ipcache), so that writing the same
+// Program again writes nothing.
 func NewWriter(m Maps) (*Writer, error) {
 	for _, c := range []struct {
 		name       string
@@ -78,10 +103,9 @@ func NewWriter(m Maps) (*Writer, error) {
 				c.m.Type(), c.m.KeySize(), c.m.ValueSize(), c.typ, c.key, c.value)
 		}
 	}
-	w := &Writer{m: m, set: map[uint32]uint32{}, rules: map[uint32][]Rule{}, heads: map[uint32]bpf.PolicyValue{}, Grace: DefaultGrace}
-	// Adopt the headers a previous process wrote: their rule sets are in
-	// use (their contents unknown here, so the next Attach of each policy
-	// writes the other set and switches).
+	w := &Writer{m: m, set: map[uint32]uint32{}, rules: map[uint32][]Rule{}, members: map[uint32][]uint32{},
+		heads: map[uint32]bpf.PolicyValue{}, ipc: map[netip.Prefix]uint32{}, Grace: DefaultGrace, Spare: DefaultSpare}
+	sets := map[uint32][]Rule{}
 	var k bpf.PolicyKey
 	var v bpf.PolicyValue
 	it := m.Policies.Iterate()
@@ -89,92 +113,119 @@ func NewWriter(m Maps) (*Writer, error) {
 		if k.Identity == bpf.PolicyHeader {
 			w.heads[k.Id] = v
 			w.set[v.Rules/2] = v.Rules
-			w.rules[v.Rules/2] = nil
+			continue
 		}
+		w.members[k.Id] = append(w.members[k.Id], k.Identity)
+		sets[k.Id] = append(sets[k.Id], Rule{Identity: intent.Identity(k.Identity), Action: actionOf(v.Action)})
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("policy: read fluxvm_spol: %w", err)
 	}
+	for id, set := range w.set {
+		r := sets[set]
+		slices.SortFunc(r, func(a, b Rule) int { return cmp.Compare(a.Identity, b.Identity) })
+		w.rules[id] = append([]Rule{}, r...)
+	}
+	for _, t := range []*ebpf.Map{m.SID4, m.SID6} {
+		kb := make([]byte, t.KeySize())
+		var sv bpf.SIDValue
+		it := t.Iterate()
+		for it.Next(&kb, &sv) {
+			if pf, ok := prefixOf(kb); ok {
+				w.ipc[pf] = sv.Identity
+			}
+		}
+		if err := it.Err(); err != nil {
+			return nil, fmt.Errorf("policy: read the ipcache: %w", err)
+		}
+	}
 	return w, nil
 }
 
+// prefixOf decodes a trie key: its prefix length, then the address.
+func prefixOf(k []byte) (netip.Prefix, bool) {
+	bits := int(k[0]) | int(k[1])<<8 | int(k[2])<<16 | int(k[3])<<24
+	a, ok := netip.AddrFromSlice(k[4:])
+	if !ok || bits > a.BitLen() {
+		return netip.Prefix{}, false
+	}
+	return netip.PrefixFrom(a, bits), true
+}
+
+// IPCacheChanges reports whether SetIPCache(p) would change the tries.
+func (w *Writer) IPCacheChanges(p *Program) bool {
+	if len(p.IPv4)+len(p.IPv6) != len(w.ipc) {
+		return true
+	}
+	for _, l := range [][]intent.IPCacheEntry{p.IPv4, p.IPv6} {
+		for _, e := range l {
+			if id, ok := w.ipc[e.Prefix]; !ok || id != uint32(e.Identity) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // SetIPCache makes the identity tries hold exactly p's ipcache: new and
-// changed prefixes first, then the ones gone. A prefix's identity changes
-// in one update; a change over several prefixes is seen prefix by prefix
-// (every Revision moves with the ipcache, so established flows are decided
-// again once the headers name the new revisions).
+// changed prefixes first, then the ones gone. Each prefix changes in one
+// update; see Writer for a change over several.
 func (w *Writer) SetIPCache(p *Program) error {
-	for _, fam := range []struct {
-		m       *ebpf.Map
-		entries []intent.IPCacheEntry
-		key     func(netip.Prefix) any
-	}{
-		{w.m.SID4, p.IPv4, func(pf netip.Prefix) any {
-			return bpf.SIDKey4{Prefixlen: uint32(pf.Bits()), Addr: bpf.AddrWords(pf.Addr())[0]}
-		}},
-		{w.m.SID6, p.IPv6, func(pf netip.Prefix) any {
-			return bpf.SIDKey6{Prefixlen: uint32(pf.Bits()), Addr: bpf.AddrWords(pf.Addr())}
-		}},
-	} {
-		want := make(map[netip.Prefix]bool, len(fam.entries))
-		for _, e := range fam.entries {
+	want := make(map[netip.Prefix]bool, len(p.IPv4)+len(p.IPv6))
+	for _, l := range [][]intent.IPCacheEntry{p.IPv4, p.IPv6} {
+		for _, e := range l {
 			want[e.Prefix] = true
-			if err := fam.m.Put(fam.key(e.Prefix), bpf.SIDValue{Identity: uint32(e.Identity)}); err != nil {
+			if id, ok := w.ipc[e.Prefix]; ok && id == uint32(e.Identity) {
+				continue
+			}
+			m, k := w.sidKey(e.Prefix)
+			if err := m.Put(k, bpf.SIDValue{Identity: uint32(e.Identity)}); err != nil {
 				return fmt.Errorf("policy: ipcache %s: %w", e.Prefix, err)
 			}
+			w.ipc[e.Prefix] = uint32(e.Identity)
 		}
-		stale, err := ipcachePrefixes(fam.m, want)
-		if err != nil {
-			return err
+	}
+	for pf := range w.ipc {
+		if want[pf] {
+			continue
 		}
-		for _, pf := range stale {
-			if err := fam.m.Delete(fam.key(pf)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				return fmt.Errorf("policy: ipcache %s: %w", pf, err)
-			}
+		m, k := w.sidKey(pf)
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("policy: ipcache %s: %w", pf, err)
 		}
+		delete(w.ipc, pf)
 	}
 	return nil
 }
 
-// ipcachePrefixes lists the prefixes of trie m that want lacks.
-func ipcachePrefixes(m *ebpf.Map, want map[netip.Prefix]bool) ([]netip.Prefix, error) {
-	var out []netip.Prefix
-	k := make([]byte, m.KeySize())
-	var v []byte
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		bits := int(k[0]) | int(k[1])<<8 | int(k[2])<<16 | int(k[3])<<24
-		a, ok := netip.AddrFromSlice(k[4:])
-		if !ok || bits > a.BitLen() {
-			continue
-		}
-		pf := netip.PrefixFrom(a, bits)
-		if !want[pf] {
-			out = append(out, pf)
-		}
+func (w *Writer) sidKey(pf netip.Prefix) (*ebpf.Map, any) {
+	if pf.Addr().Is4() {
+		return w.m.SID4, bpf.SIDKey4{Prefixlen: uint32(pf.Bits()), Addr: bpf.AddrWords(pf.Addr())[0]}
 	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("policy: ipcache: %w", err)
-	}
-	return out, nil
+	return w.m.SID6, bpf.SIDKey6{Prefixlen: uint32(pf.Bits()), Addr: bpf.AddrWords(pf.Addr())}
 }
 
 // Attach makes the headers of datapath services sids name policy c, with
-// c's rules in place first (a new rule set when they changed). Call it
-// before setting bpf.SvcFlagPolicy on those frontends; a disabled policy
-// has no headers (Detach them).
+// c's rules in place first (a new rule set when they changed: every header
+// naming the old set moves to it). Call it before setting
+// bpf.SvcFlagPolicy on those frontends; a disabled policy has no headers
+// (Detach them).
 func (w *Writer) Attach(c *Compiled, sids []uint32) error {
 	if c.ID == 0 {
 		return fmt.Errorf("policy: attach %s: no policy id", c.Service)
 	}
 	set, ok := w.set[c.ID]
-	// A set adopted from a previous process has unknown rules (nil, not
-	// empty): always replaced.
-	if !ok || w.rules[c.ID] == nil || !slices.Equal(w.rules[c.ID], c.Rules) {
+	if !ok || !slices.Equal(w.rules[c.ID], c.Rules) {
 		next := 2 * c.ID
 		if ok && set == next {
 			next++
 		}
+		if w.retiredRules+len(c.Rules) > w.Spare {
+			if err := w.flush(); err != nil {
+				return err
+			}
+		}
+		// A set no header names: whatever it holds goes first.
 		if err := w.clearSet(next); err != nil {
 			return err
 		}
@@ -182,19 +233,23 @@ func (w *Writer) Attach(c *Compiled, sids []uint32) error {
 			if err := w.m.Policies.Put(bpf.PolicyKey{Id: next, Identity: uint32(r.Identity)}, bpf.PolicyValue{Action: action(r.Action)}); err != nil {
 				return fmt.Errorf("policy: %s: rule %d: %w", c.Service, r.Identity, err)
 			}
+			w.members[next] = append(w.members[next], uint32(r.Identity))
 		}
-		// Every header of the policy moves to the new set, those of the
-		// services given here and any other it named before.
-		for sid, h := range w.heads {
-			if h.Rules == set && ok && !slices.Contains(sids, sid) {
-				sids = append(sids, sid)
+		if ok {
+			for sid, h := range w.heads {
+				if h.Rules == set && !slices.Contains(sids, sid) {
+					sids = append(sids, sid)
+				}
 			}
 		}
 		w.set[c.ID], w.rules[c.ID] = next, append([]Rule{}, c.Rules...)
 		if err := w.putHeads(c, sids); err != nil {
 			return err
 		}
-		return nil // the old set goes in Prune
+		if ok {
+			w.retire(set)
+		}
+		return nil
 	}
 	return w.putHeads(c, sids)
 }
@@ -216,35 +271,39 @@ func (w *Writer) putHeads(c *Compiled, sids []uint32) error {
 	return nil
 }
 
-// clearSet removes every rule of rule set id from the map.
-func (w *Writer) clearSet(id uint32) error {
-	keys, err := w.keys(func(k bpf.PolicyKey) bool { return k.Identity != bpf.PolicyHeader && k.Id == id })
-	if err != nil {
-		return err
+// retire schedules rule set id to go after the grace.
+func (w *Writer) retire(id uint32) {
+	if !slices.Contains(w.retired, id) {
+		w.retired = append(w.retired, id)
+		w.retiredRules += len(w.members[id])
 	}
-	for _, k := range keys {
-		if err := w.m.Policies.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("policy: rule set %d: %w", id, err)
+}
+
+// flush waits out the grace and removes the retired rule sets.
+func (w *Writer) flush() error {
+	if len(w.retired) == 0 {
+		return nil
+	}
+	time.Sleep(w.Grace)
+	for len(w.retired) > 0 {
+		if err := w.clearSet(w.retired[0]); err != nil {
+			return err
 		}
+		w.retired = w.retired[1:]
 	}
+	w.retiredRules = 0
 	return nil
 }
 
-// keys lists the keys of fluxvm_spol that keep selects.
-func (w *Writer) keys(keep func(bpf.PolicyKey) bool) ([]bpf.PolicyKey, error) {
-	var out []bpf.PolicyKey
-	var k bpf.PolicyKey
-	var v bpf.PolicyValue
-	it := w.m.Policies.Iterate()
-	for it.Next(&k, &v) {
-		if keep(k) {
-			out = append(out, k)
+// clearSet removes every rule of rule set id from the map.
+func (w *Writer) clearSet(id uint32) error {
+	for _, ident := range w.members[id] {
+		if err := w.m.Policies.Delete(bpf.PolicyKey{Id: id, Identity: ident}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("policy: rule set %d: %w", id, err)
 		}
 	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("policy: list fluxvm_spol: %w", err)
-	}
-	return out, nil
+	delete(w.members, id)
+	return nil
 }
 
 // Detach removes the headers of datapath services sids (those it wrote or
@@ -265,46 +324,42 @@ func (w *Writer) Detach(sids []uint32) error {
 
 // Prune removes what p and the headers kept do not use: headers of
 // datapath services not in keep (their frontends must not have
-// bpf.SvcFlagPolicy), rule sets no header names (after Grace, when Attach
-// switched any), and policies p lacks. It also clears what a previous
-// process left in the maps.
+// bpf.SvcFlagPolicy), then, after Grace, the rule sets no header names,
+// those of policies p lacks or has disabled included.
 func (w *Writer) Prune(p *Program, keep func(sid uint32) bool) error {
+	for sid := range w.heads {
+		if !keep(sid) {
+			if err := w.Detach([]uint32{sid}); err != nil {
+				return err
+			}
+		}
+	}
 	enabled := map[uint32]bool{}
 	for _, c := range p.Policies {
 		if c.Enabled {
 			enabled[c.ID] = true
 		}
 	}
-	sets := map[uint32]bool{}
+	named := map[uint32]bool{}
+	for _, h := range w.heads {
+		named[h.Rules] = true
+	}
 	for id, s := range w.set {
-		if enabled[id] {
-			sets[s] = true
-			continue
-		}
-		delete(w.set, id)
-		delete(w.rules, id)
-	}
-	heads, err := w.keys(func(k bpf.PolicyKey) bool { return k.Identity == bpf.PolicyHeader && !keep(k.Id) })
-	if err != nil {
-		return err
-	}
-	for _, k := range heads {
-		if err := w.m.Policies.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("policy: prune header of service %d: %w", k.Id, err)
-		}
-		delete(w.heads, k.Id)
-	}
-	rules, err := w.keys(func(k bpf.PolicyKey) bool { return k.Identity != bpf.PolicyHeader && !sets[k.Id] })
-	if err != nil || len(rules) == 0 {
-		return err
-	}
-	time.Sleep(w.Grace)
-	for _, k := range rules {
-		if err := w.m.Policies.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("policy: prune rule set %d: %w", k.Id, err)
+		if !enabled[id] || !named[s] {
+			delete(w.set, id)
+			delete(w.rules, id)
 		}
 	}
-	return nil
+	live := map[uint32]bool{}
+	for _, s := range w.set {
+		live[s] = true
+	}
+	for s := range w.members {
+		if !live[s] {
+			w.retire(s)
+		}
+	}
+	return w.flush()
 }
 
 func action(a intent.PolicyAction) uint8 {
@@ -312,4 +367,11 @@ func action(a intent.PolicyAction) uint8 {
 		return bpf.PolicyAllow
 	}
 	return bpf.PolicyDeny
+}
+
+func actionOf(a uint8) intent.PolicyAction {
+	if a == bpf.PolicyAllow {
+		return intent.PolicyAllow
+	}
+	return intent.PolicyDeny
 }

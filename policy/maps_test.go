@@ -186,14 +186,26 @@ func TestWriter(t *testing.T) {
 		t.Errorf("ipcache holds %d prefixes, want 3", n)
 	}
 
-	// A restart: a new Writer adopts the maps and replaces them safely.
+	// A restart: a new Writer adopts the maps, rules included: the same
+	// Program (same ids) writes nothing, not even a new rule set.
+	var before bpf.PolicyValue
+	if err := m.Policies.Lookup(bpf.PolicyKey{Id: 1, Identity: bpf.PolicyHeader}, &before); err != nil {
+		t.Fatal(err)
+	}
 	w2, err := NewWriter(m)
 	if err != nil {
 		t.Fatal(err)
 	}
 	w2.Grace = 0
-	p = apply(w2, in, nil)
+	p = apply(w2, in, p)
 	check(t, m, p, sids)
+	var after bpf.PolicyValue
+	if err := m.Policies.Lookup(bpf.PolicyKey{Id: 1, Identity: bpf.PolicyHeader}, &after); err != nil || after != before {
+		t.Errorf("header after a restart %+v (%v), before %+v: want it untouched", after, err, before)
+	}
+	if w2.IPCacheChanges(p) {
+		t.Error("the adopted ipcache differs from the Program it was written from")
+	}
 	if n := countKeys(t, m.Policies); n != 2+1 {
 		t.Errorf("after a restart fluxvm_spol holds %d entries, want 3", n)
 	}
@@ -259,4 +271,48 @@ func TestWriterNoHalfPolicy(t *testing.T) {
 		t.Errorf("the denied identity was allowed (or had no header) in %d of %d reads", allowed.Load(), reads.Load())
 	}
 	t.Logf("%d reads over 30 changes", reads.Load())
+}
+
+// TestWriterBoundedRoom: a reconcile that changes every policy at once
+// fits a map with room for the live rules, the headers and Spare: old
+// rule sets go (after the grace) whenever the next new one would not fit.
+func TestWriterBoundedRoom(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	m := testMaps(t)
+	const n, rules, spare = 5, 2, 3
+	small, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: uint32(unsafe.Sizeof(bpf.PolicyKey{})),
+		ValueSize: uint32(unsafe.Sizeof(bpf.PolicyValue{})), MaxEntries: n*rules + n + spare, Flags: unix.BPF_F_NO_PREALLOC})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { small.Close() })
+	m.Policies = small
+	w, err := NewWriter(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Grace, w.Spare = 0, spare
+	names := []string{"a", "b", "c", "d", "e"}
+	var p *Program
+	for round := range 3 {
+		in := Input{Service: svcs(names...)}
+		for i, name := range names {
+			in.Policies = append(in.Policies, intent.Policy{Service: name, DefaultAction: intent.PolicyDeny,
+				AllowIdentities: []intent.Identity{intent.Identity(100*round + 1), intent.Identity(100*round + 2 + i)}})
+		}
+		if p, err = (Compiler{}).Compile(in, p); err != nil {
+			t.Fatal(err)
+		}
+		for i, name := range names {
+			if err := w.Attach(p.Policy(name), []uint32{uint32(i + 1)}); err != nil {
+				t.Fatalf("round %d, %s: %v", round, name, err)
+			}
+		}
+		if err := w.Prune(p, func(uint32) bool { return true }); err != nil {
+			t.Fatal(err)
+		}
+		if got := countKeys(t, small); got != n*rules+n {
+			t.Errorf("round %d: %d entries, want %d", round, got, n*rules+n)
+		}
+	}
 }

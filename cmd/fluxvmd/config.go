@@ -21,6 +21,16 @@ type config struct {
 	// OTLPConfig is the flow export (the otlp_* keys, otlp.go), read by
 	// the daemon only.
 	OTLPConfig
+	// IPCacheFile is the node's ipcache (ipcache.go): an absolute path
+	// to a JSON document {"entries": [{"prefix": "10.0.0.0/24",
+	// "identity": 1001}, ...]} of at most MaxIPCacheFileBytes (16 MiB).
+	// The daemon reads and validates it at start (a bad file stops the
+	// start, naming the file and the field) and applies it after the
+	// dataplane opened; POST /v1/network/services/policies/reconcile
+	// reads it again. Empty (the default): the daemon reads no ipcache
+	// file, and the ipcache is what the catalog restored (empty on a new
+	// node).
+	IPCacheFile string `toml:"ipcache_file"`
 	// API configures the daemon's REST API.
 	API APIConfig `toml:"api"`
 }
@@ -150,6 +160,9 @@ func (c *config) validate() error {
 		errs = append(errs, &fluxvm.ValidationError{Field: fluxvm.ConfigTable + "." + k, Reason: fmt.Sprintf(format, args...), Kind: category})
 	}
 	c.API.validate(bad)
+	if c.IPCacheFile != "" && !filepath.IsAbs(c.IPCacheFile) {
+		bad(fluxvm.ErrInvalid, "ipcache_file", "%q is not an absolute path", c.IPCacheFile)
+	}
 	c.OTLPConfig.validate(c.NodeName, bad)
 	return errors.Join(errs...)
 }

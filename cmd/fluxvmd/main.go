@@ -95,6 +95,11 @@ func run(ctx context.Context, args []string) error {
 		if err := checkTokenFiles(cfg.API); err != nil {
 			return err
 		}
+		if cfg.IPCacheFile != "" {
+			if _, err := readIPCacheFile(cfg.IPCacheFile); err != nil {
+				return err
+			}
+		}
 		// The cgroup of socket load balancing must exist on this host,
 		// on cgroup v2, as the start will require.
 		cgroup, err := cfg.SocketLBCgroup()
@@ -195,6 +200,14 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	// The ipcache file is checked before anything is opened: a bad file
+	// stops the start, naming it.
+	var ipc fluxvm.IPCache
+	if cfg.IPCacheFile != "" {
+		if ipc, err = readIPCacheFile(cfg.IPCacheFile); err != nil {
+			return err
+		}
+	}
 	opts := fluxvm.OptionsFrom(cfg.Config)
 	opts.Logger = log
 	var tr *tracing
@@ -217,6 +230,14 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 		return err
 	}
 	defer d.Close()
+	if cfg.IPCacheFile != "" {
+		st, err := d.SetIPCache(ctx, ipc)
+		if err != nil {
+			return fmt.Errorf("ipcache_file %s: %w", cfg.IPCacheFile, err)
+		}
+		log.Info("fluxvmd: ipcache applied", "ipcache_file", cfg.IPCacheFile, "prefixes", st.IPCachePrefixes,
+			"policies", len(st.Policies))
+	}
 	var exporter api.FlowExporter
 	var fx *flowExport
 	if cfg.OTLPConfig.Endpoint != "" {
@@ -243,7 +264,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	if tr != nil {
 		tp = tr.tp
 	}
-	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp)
+	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp, ipcacheSource(cfg.IPCacheFile))
 	if err != nil {
 		return err
 	}
@@ -316,14 +337,16 @@ const (
 )
 
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
-// The REST requests are traced with tp when it is not nil.
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider) (*http.Server, error) {
+// The REST requests are traced with tp when it is not nil; ipc is the
+// ipcache source of POST …/policies/reconcile (nil without ipcache_file).
+func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider,
+	ipc api.IPCacheSource) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
-		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp})
+		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp, IPCacheSource: ipc})
 	if err != nil {
 		return nil, err
 	}

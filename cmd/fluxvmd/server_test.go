@@ -28,7 +28,7 @@ type noDataplane struct{ api.Dataplane }
 // it from a with the test's token, on a loopback port.
 func startAPIServer(t *testing.T, a APIConfig) (*http.Server, string) {
 	t.Helper()
-	srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil)
+	srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func TestAPIServerLimits(t *testing.T) {
 	for _, body := range []time.Duration{DefaultAPIBodyTimeout, 5 * time.Second} {
 		a := defaultAPIConfig()
 		a.BodyTimeout = fluxvm.Duration{Duration: body}
-		srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil)
+		srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -54,6 +54,21 @@ type Dataplane interface {
 	// newest first; a limit outside 1..flows.MaxLimit wraps
 	// flows.ErrLimit.
 	Flows(limit int, f flows.Filter) ([]flows.Record, error)
+	// Policies reports the node's identity policy state (ipcache,
+	// compiled policies, counters).
+	Policies() (fluxvm.PoliciesStatus, error)
+	// Policy reports the identity policy of one service; it wraps
+	// fluxvm.ErrNotFound when the service has none.
+	Policy(service string) (fluxvm.PolicyStatus, error)
+	// ApplyPolicies adds or replaces the policies of the services they
+	// name as one reconcile, keeping the others and the ipcache; with no
+	// policy it recompiles and rewrites the current state.
+	ApplyPolicies(ctx context.Context, policies ...fluxvm.Policy) (fluxvm.PoliciesStatus, error)
+	// SetIPCache replaces the ipcache, recompiling every policy.
+	SetIPCache(ctx context.Context, ipc fluxvm.IPCache) (fluxvm.PoliciesStatus, error)
+	// DeletePolicy removes the identity policy of a service; it wraps
+	// fluxvm.ErrNotFound when the service has none.
+	DeletePolicy(ctx context.Context, service string) error
 }
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST
@@ -144,6 +159,15 @@ type Options struct {
 	// children when the dataplane has a provider too
 	// (fluxvm.Options.TracerProvider). nil: no spans.
 	TracerProvider trace.TracerProvider
+	// IPCacheSource, when set, is read by POST
+	// /v1/network/services/policies/reconcile, and what it returns is
+	// applied (Dataplane.SetIPCache) before every policy is recompiled;
+	// the reference daemon reads its ipcache_file. An error of the
+	// source (or an ipcache that intent.ValidateIPCache refuses) answers
+	// 422 missing_prerequisite with its message, and nothing changes.
+	// nil: the route recompiles and rewrites the current ipcache and
+	// policies.
+	IPCacheSource IPCacheSource
 }
 
 // New returns the REST handler for dp. It fails when dp is nil, when no
@@ -199,6 +223,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 		log:         logger,
 		mux:         http.NewServeMux(),
 		exporter:    opts.Exporter,
+		ipcache:     opts.IPCacheSource,
 		tracer:      newRequestTracer(opts.TracerProvider),
 	}
 	h.metrics = newMetricsHandler(reg, logger)
@@ -218,6 +243,7 @@ type handler struct {
 	mux         *http.ServeMux
 	metrics     http.Handler
 	exporter    FlowExporter
+	ipcache     IPCacheSource
 	tracer      requestTracer
 }
 

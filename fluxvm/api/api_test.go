@@ -497,7 +497,7 @@ func TestLiteralSegmentsWin(t *testing.T) {
 // that name (restored from an older catalog); DELETE removes such a
 // service and is otherwise 404 "no such route".
 func TestReservedWordsAreRoutes(t *testing.T) {
-	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true, "flows": true}
+	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true, "flows": true, "policies": true}
 	for _, w := range fluxvm.ReservedNames() {
 		t.Run(w, func(t *testing.T) {
 			e := newEnv(t)
@@ -615,6 +615,12 @@ func TestAuthMatrix(t *testing.T) {
 		{"reconcile health", req{method: "POST", path: "/v1/network/services/health/reconcile"}, admin},
 		{"advertisements", req{method: "GET", path: "/v1/network/services/advertisements"}, read},
 		{"delete", req{method: "DELETE", path: "/v1/network/services/web"}, admin},
+		{"policies", req{method: "GET", path: "/v1/network/services/policies"}, read},
+		{"apply policy", req{method: "POST", path: "/v1/network/services/policies", body: validPolicy}, admin},
+		{"apply policies", req{method: "POST", path: "/v1/network/services/policies", body: "[" + validPolicy + "]"}, admin},
+		{"reconcile policies", req{method: "POST", path: "/v1/network/services/policies/reconcile"}, admin},
+		{"get policy", req{method: "GET", path: "/v1/network/services/web/policy"}, read},
+		{"delete policy", req{method: "DELETE", path: "/v1/network/services/web/policy"}, admin},
 		{"unknown route", req{method: "GET", path: "/v1/unknown"}, nil},
 	}
 	for _, c := range calls {
@@ -624,6 +630,7 @@ func TestAuthMatrix(t *testing.T) {
 				e.mustApply("web")
 				e.dp.applied = nil
 				e.dp.vms["vm-1"] = fluxvm.VMStats{VMID: "vm-1"}
+				e.dp.policies["web"] = fluxvm.Policy{Service: "web", DefaultAction: fluxvm.PolicyDeny}
 				r := c.r
 				r.header = http.Header{}
 				if cr.header != nil {
@@ -651,7 +658,8 @@ func TestAuthMatrix(t *testing.T) {
 				default: // read token on a mutation
 					wantError(t, w, 403, api.CodeForbidden, "")
 				}
-				if !ok && (len(e.dp.applied) != 0 || len(e.dp.deleted) != 0 || e.dp.gcRuns != 0 || e.dp.reconciles != 0) {
+				if !ok && (len(e.dp.applied) != 0 || len(e.dp.deleted) != 0 || e.dp.gcRuns != 0 || e.dp.reconciles != 0 ||
+					len(e.dp.policyApplies) != 0 || len(e.dp.ipcacheSets) != 0 || len(e.dp.policyDeletes) != 0) {
 					t.Errorf("refused request reached the dataplane")
 				}
 			})

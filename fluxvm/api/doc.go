@@ -23,8 +23,16 @@
 //	                                                default 256; service, backend, verdict, since)
 //	POST   /v1/network/services/telemetry/export    send the newest records (?limit=, default 1024) through
 //	                                                Options.Exporter now; 200 + ExportResponse, 422 without one
+//	GET    /v1/network/services/policies            identity policy state (PoliciesStatus)
+//	POST   /v1/network/services/policies            apply one policy or an array of them as one reconcile;
+//	                                                200 + PoliciesStatus; 422 missing_prerequisite for a
+//	                                                service that does not exist
+//	POST   /v1/network/services/policies/reconcile  re-read the ipcache (Options.IPCacheSource, when set) and
+//	                                                recompile and rewrite every policy; 200 + PoliciesStatus
 //	GET    /v1/network/services/{name}              one service; 404 when absent
 //	DELETE /v1/network/services/{name}              remove a service; 204
+//	GET    /v1/network/services/{name}/policy       one service's identity policy (PolicyStatus); 404 when none
+//	DELETE /v1/network/services/{name}/policy       remove a service's identity policy; 204, 404 when none
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
@@ -33,7 +41,7 @@
 // conntrack, flows, health, policies, pressure, stats, status, telemetry):
 // validation refuses them as service names, and the {name} routes never
 // answer one as a service. GET of a reserved word that is not a route of
-// this build (GET /v1/network/services/policies) is 404 "no such route", so a
+// this build (GET /v1/network/services/pressure) is 404 "no such route", so a
 // later route never hides a service, nor a service a route. DELETE of a
 // reserved word removes only a service restored under it from an older
 // catalog (fluxvm keeps such a service serving, with a warning).
@@ -75,11 +83,12 @@
 //	not_found               404     unknown route, service or VM (fluxvm.ErrNotFound)
 //	method_not_allowed      405     route exists with other methods (Allow lists them)
 //	request_timeout         408     the body did not arrive within Options.BodyTimeout
-//	conflict                409     fluxvm.ErrConflict
+//	conflict                409     fluxvm.ErrConflict; a service named twice in one policy request
 //	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
 //	unsupported_media_type  415     POST body that is not application/json
 //	unsupported             422     fluxvm.ErrUnsupported
-//	missing_prerequisite    422     fluxvm.ErrPrerequisite
+//	missing_prerequisite    422     fluxvm.ErrPrerequisite; a policy of a service that does not exist
+//	                                (policy.ErrNoService); the IPCacheSource of a policy reconcile failed
 //	limit_exceeded          422     fluxvm.ErrLimit
 //	internal                500     anything else; the detail goes to the log only
 //	unavailable             503     the request ended (client gone, deadline) before a GC or health round finished, or the dataplane is shutting down

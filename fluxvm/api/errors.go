@@ -10,6 +10,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/policy"
 )
 
 // Code is the stable, machine-readable code of an error response. Clients
@@ -152,7 +153,9 @@ func toAPIError(err error) *apiError {
 		code = CodeNotFound
 	case errors.Is(err, fluxvm.ErrUnsupported):
 		code = CodeUnsupported
-	case errors.Is(err, fluxvm.ErrPrerequisite):
+	case errors.Is(err, fluxvm.ErrPrerequisite), errors.Is(err, policy.ErrNoService):
+		// A policy of a service the node does not have: apply the
+		// service first.
 		code = CodeMissingPrerequisite
 	case errors.Is(err, fluxvm.ErrConflict):
 		code = CodeConflict

@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/policy"
 )
 
 // fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
@@ -39,6 +41,15 @@ type fakeDataplane struct {
 	flowsErr    error
 	flowReads   []flowRead      // every Flows call
 	lastCtx     context.Context // the context of the last ApplyService or GC
+
+	// Identity policies.
+	policies      map[string]fluxvm.Policy
+	ipcache       fluxvm.IPCache
+	policyApplies [][]fluxvm.Policy // every ApplyPolicies call
+	ipcacheSets   []fluxvm.IPCache  // every SetIPCache call
+	policyDeletes []string
+	policyErr     error // returned by ApplyPolicies and SetIPCache
+	policyCounts  fluxvm.PolicyCounters
 }
 
 // flowRead is one call of Flows.
@@ -73,6 +84,7 @@ func newFake() *fakeDataplane {
 	return &fakeDataplane{
 		services: map[string]fluxvm.ServiceStatus{},
 		vms:      map[string]fluxvm.VMStats{},
+		policies: map[string]fluxvm.Policy{},
 		status: fluxvm.Status{
 			SchemaVersion: 4, Generation: 8, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm/service",
 		},
@@ -202,4 +214,97 @@ func (f *fakeDataplane) Advertisements() advert.Snapshot {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.adverts.Clone()
+}
+
+// policiesLocked is the fake's policy state. f.mu must be held.
+func (f *fakeDataplane) policiesLocked() fluxvm.PoliciesStatus {
+	known := map[fluxvm.Identity]bool{}
+	for _, e := range f.ipcache.Entries {
+		known[e.Identity] = true
+	}
+	st := fluxvm.PoliciesStatus{IPCachePrefixes: len(f.ipcache.Entries), IPCacheRevision: uint32(len(f.ipcacheSets)),
+		Counters: f.policyCounts}
+	names := make([]string, 0, len(f.policies))
+	for n := range f.policies {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	for _, n := range names {
+		p := f.policies[n]
+		ps := fluxvm.PolicyStatus{Service: n, Enabled: p.IsEnabled(), Revision: uint32(len(f.policyApplies)),
+			DefaultAction: p.DefaultAction, AllowIdentities: p.AllowIdentities, DenyIdentities: p.DenyIdentities,
+			AuditOnly: p.AuditOnly, L7: p.L7}
+		for _, l := range [][]fluxvm.Identity{p.AllowIdentities, p.DenyIdentities} {
+			for _, id := range l {
+				if !known[id] && !slices.Contains(ps.Unresolved, id) {
+					ps.Unresolved = append(ps.Unresolved, id)
+				}
+			}
+		}
+		slices.Sort(ps.Unresolved)
+		if s, ok := f.services[n]; ok && ps.Enabled {
+			ps.Frontends = len(s.Frontends)
+		}
+		st.Policies = append(st.Policies, ps)
+	}
+	return st
+}
+
+func (f *fakeDataplane) Policies() (fluxvm.PoliciesStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.policiesLocked(), nil
+}
+
+func (f *fakeDataplane) Policy(service string) (fluxvm.PolicyStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, p := range f.policiesLocked().Policies {
+		if p.Service == service {
+			return p, nil
+		}
+	}
+	return fluxvm.PolicyStatus{}, fmt.Errorf("fluxvm: policy of %q: %w", service, fluxvm.ErrNotFound)
+}
+
+func (f *fakeDataplane) ApplyPolicies(ctx context.Context, policies ...fluxvm.Policy) (fluxvm.PoliciesStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lastCtx = ctx
+	f.policyApplies = append(f.policyApplies, policies)
+	if f.policyErr != nil {
+		return fluxvm.PoliciesStatus{}, f.policyErr
+	}
+	for _, p := range policies {
+		if _, ok := f.services[p.Service]; !ok {
+			return fluxvm.PoliciesStatus{}, fmt.Errorf("fluxvm: apply identity policies: policy: compile: service %q: %w", p.Service, policy.ErrNoService)
+		}
+	}
+	for _, p := range policies {
+		f.policies[p.Service] = p.Clone()
+	}
+	return f.policiesLocked(), nil
+}
+
+func (f *fakeDataplane) SetIPCache(ctx context.Context, ipc fluxvm.IPCache) (fluxvm.PoliciesStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lastCtx = ctx
+	f.ipcacheSets = append(f.ipcacheSets, ipc)
+	if f.policyErr != nil {
+		return fluxvm.PoliciesStatus{}, f.policyErr
+	}
+	f.ipcache = ipc
+	return f.policiesLocked(), nil
+}
+
+func (f *fakeDataplane) DeletePolicy(_ context.Context, service string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.policies[service]; !ok {
+		return fmt.Errorf("fluxvm: delete the identity policy of %s: service %q has no identity policy: %w", service, service, fluxvm.ErrNotFound)
+	}
+	delete(f.policies, service)
+	f.policyDeletes = append(f.policyDeletes, service)
+	return nil
 }

@@ -47,8 +47,13 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/advertisements", handle: (*handler).advertisements},
 	{method: http.MethodGet, path: "/v1/network/services/flows", handle: (*handler).flows},
 	{method: http.MethodPost, path: "/v1/network/services/telemetry/export", admin: true, handle: (*handler).exportFlows},
+	{method: http.MethodGet, path: "/v1/network/services/policies", handle: (*handler).listPolicies},
+	{method: http.MethodPost, path: "/v1/network/services/policies", admin: true, body: true, handle: (*handler).applyPolicies},
+	{method: http.MethodPost, path: "/v1/network/services/policies/reconcile", admin: true, body: true, handle: (*handler).reconcilePolicies},
 	{method: http.MethodGet, path: "/v1/network/services/{name}", handle: (*handler).getService},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
+	{method: http.MethodGet, path: "/v1/network/services/{name}/policy", handle: (*handler).getPolicy},
+	{method: http.MethodDelete, path: "/v1/network/services/{name}/policy", admin: true, handle: (*handler).deletePolicy},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
 	{method: http.MethodGet, path: "/metrics", handle: (*handler).serveMetrics},
 }

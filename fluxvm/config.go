@@ -341,9 +341,10 @@ func ReadConfigFile(path string) ([]byte, error) {
 // sub-table ([sandbox.dataplane.service.api]: listen address, tokens,
 // TLS) and its flow export keys (otlp_endpoint, otlp_encoding,
 // otlp_interval, otlp_timeout, otlp_queue, otlp_max_batch, otlp_headers,
-// otlp_service_name): those settings are the daemon's, so the library
-// reads past them without checking them (the daemon does; the library
-// exports nothing over the network). A program with keys of its own
+// otlp_service_name) and ipcache_file: those settings are the daemon's,
+// so the library reads past them without checking them (the daemon does;
+// the library exports nothing over the network, and embedders give it the
+// ipcache with Dataplane.SetIPCache). A program with keys of its own
 // reads the table with DecodeConfigTable and a table type of its own.
 func ParseConfig(data []byte) (Config, error) {
 	cfg, err := parseConfig(data)
@@ -357,7 +358,7 @@ func parseConfig(data []byte) (Config, error) {
 	table := struct {
 		Config
 		API map[string]any `toml:"api"` // the daemon's (see ParseConfig)
-		daemonOTLPKeys
+		daemonKeys
 	}{Config: DefaultConfig()}
 	if err := DecodeConfigTable(data, &table); err != nil {
 		return Config{}, err
@@ -369,9 +370,9 @@ func parseConfig(data []byte) (Config, error) {
 	return cfg, nil
 }
 
-// daemonOTLPKeys are the reference daemon's flow export keys
-// (cmd/fluxvmd OTLPConfig), which ParseConfig reads past.
-type daemonOTLPKeys struct {
+// daemonKeys are the reference daemon's flow export keys (cmd/fluxvmd
+// OTLPConfig) and its ipcache file, which ParseConfig reads past.
+type daemonKeys struct {
 	OTLPEndpoint    any `toml:"otlp_endpoint"`
 	OTLPEncoding    any `toml:"otlp_encoding"`
 	OTLPInterval    any `toml:"otlp_interval"`
@@ -380,6 +381,7 @@ type daemonOTLPKeys struct {
 	OTLPMaxBatch    any `toml:"otlp_max_batch"`
 	OTLPHeaders     any `toml:"otlp_headers"`
 	OTLPServiceName any `toml:"otlp_service_name"`
+	IPCacheFile     any `toml:"ipcache_file"`
 }
 
 // DecodeConfigTable decodes the [sandbox.dataplane.service] table of a

@@ -136,7 +136,7 @@ vm_edge_interfaces = [ %s ]
 				Address: m.vm.Addr4, Port: 8080, Weight: &w, State: m.state, DrainUntilUnixMs: m.until,
 			})
 		}
-		if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+		if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -181,10 +181,10 @@ vm_edge_interfaces = [ %s ]
 	}
 	restart := func(tier string) {
 		t.Helper()
-		if err := d.cmd.Process.Kill(); err != nil {
+		if err := d.Cmd.Process.Kill(); err != nil {
 			t.Fatal(err)
 		}
-		d.cmd.Wait()
+		d.Cmd.Wait()
 		time.Sleep(300 * time.Millisecond) // traffic meets the datapath alone
 		writeConfig(tier)
 		began := time.Now()
@@ -237,7 +237,7 @@ vm_edge_interfaces = [ %s ]
 
 func daemonStatus(t *testing.T, d *daemon) fluxvm.Status {
 	t.Helper()
-	body, err := d.request("GET", "/v1/network/services/status", nil)
+	body, err := d.Request("GET", "/v1/network/services/status", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

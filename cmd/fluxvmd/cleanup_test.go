@@ -55,13 +55,13 @@ snat_address = "10.250.0.100"
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := d.request("POST", "/v1/network/services", ns); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", ns); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.request("GET", "/v1/network/services/advertisements", nil); err != nil {
+	if _, err := d.Request("GET", "/v1/network/services/advertisements", nil); err != nil {
 		t.Fatal(err)
 	}
-	d.stop()
+	d.Stop()
 
 	// Neither configured name exists any more: the interfaces are renamed
 	// (taken down first, as the kernel wants), their programs still

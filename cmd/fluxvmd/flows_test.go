@@ -112,7 +112,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
 	c, err := cli.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
@@ -125,7 +125,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	client := netip.MustParseAddrPort(c.LocalAddr().String())
 	c.Close()
 
-	body, err := d.request("GET", "/v1/network/services/flows?service=web&verdict=forwarded", nil)
+	body, err := d.Request("GET", "/v1/network/services/flows?service=web&verdict=forwarded", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +144,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 		t.Fatalf("no record of the flow from %s to web via %s: %s", client, be.Addr4, body)
 	}
 
-	body, err = d.request("POST", "/v1/network/services/telemetry/export?limit=10", nil)
+	body, err = d.Request("POST", "/v1/network/services/telemetry/export?limit=10", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,6 +162,6 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	}
 	time.Sleep(2500 * time.Millisecond) // two more rounds: no second copy
 	if n := rc.has(client.Port()); n != 2 {
-		t.Errorf("%d requests name the flow, want 2 (the route's and the periodic export's)\n%s", n, d.out)
+		t.Errorf("%d requests name the flow, want 2 (the route's and the periodic export's)\n%s", n, d.Out)
 	}
 }

@@ -6,15 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,114 +18,20 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 const token = "test-admin-token-0123456789"
 
-// daemon is fluxvmd running inside the lab's node namespace.
-type daemon struct {
-	t    *testing.T
-	cmd  *exec.Cmd
-	out  *bytes.Buffer
-	node *lab.Lab
-	http *http.Client
-}
+// daemon is fluxvmd running inside the lab's node namespace
+// (daemontest), with this package's admin token.
+type daemon = daemontest.Daemon
 
 func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 	t.Helper()
-	d := &daemon{t: t, out: &bytes.Buffer{}, node: l}
-	d.cmd = exec.Command(bin, "-config", cfg)
-	d.cmd.Env = append(os.Environ(), "FLUXVM_ADMIN_TOKEN="+token)
-	serving := make(chan struct{})
-	w := &serveWatch{out: d.out, serving: serving}
-	d.cmd.Stdout, d.cmd.Stderr = w, w
-	// Started from a thread inside the node namespace, the daemon lives
-	// there but shares our mount namespace and so the host's bpffs.
-	// (`ip netns exec` would remount /sys and hide it.)
-	if err := l.Node.Do(d.cmd.Start); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.stop() })
-	// The API listens on loopback inside the node namespace.
-	d.http = &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = l.Node.Do(func() error {
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}}
-	select {
-	case <-serving:
-	case <-time.After(20 * time.Second):
-		t.Fatalf("daemon did not come up within 20s:\n%s", d.out)
-	}
-	if _, err := d.request("GET", "/v1/network/services/status", nil); err != nil {
-		t.Fatalf("daemon logged that it serves, but: %v\n%s", err, d.out)
-	}
-	return d
-}
-
-// serveWatch passes the daemon's output on to out and closes serving when
-// the daemon logs that it serves: its API socket is listening by then.
-// The command's one copying goroutine is its only writer.
-type serveWatch struct {
-	out     *bytes.Buffer
-	serving chan struct{}
-	seen    bool
-}
-
-func (w *serveWatch) Write(p []byte) (int, error) {
-	n, err := w.out.Write(p)
-	if !w.seen && bytes.Contains(w.out.Bytes(), []byte("fluxvmd: serving")) {
-		w.seen = true
-		close(w.serving)
-	}
-	return n, err
-}
-
-func (d *daemon) request(method, path string, body any) ([]byte, error) {
-	var r io.Reader
-	if body != nil {
-		b, _ := json.Marshal(body)
-		r = bytes.NewReader(b)
-	}
-	req, _ := http.NewRequest(method, "http://127.0.0.1:7788"+path, r)
-	req.Header.Set("Authorization", "Bearer "+token)
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := d.http.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode >= 300 {
-		return out, fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, out)
-	}
-	return out, nil
-}
-
-func (d *daemon) stop() {
-	if d.cmd.ProcessState != nil {
-		return
-	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan error, 1)
-	go func() { done <- d.cmd.Wait() }()
-	select {
-	case err := <-done:
-		if err != nil {
-			d.t.Errorf("daemon exited with %v:\n%s", err, d.out)
-		}
-	case <-time.After(15 * time.Second):
-		d.cmd.Process.Kill()
-		d.t.Errorf("daemon did not stop on SIGTERM:\n%s", d.out)
-	}
+	return daemontest.Start(t, bin, cfg, l, token)
 }
 
 // TestDaemonRestartKeepsFlows runs the real binary in a lab node: it
@@ -175,7 +77,7 @@ maglev_seed = 99
 
 	d := startDaemon(t, bin, cfg, l)
 	// The status shows the north-south interface and the SNAT settings.
-	body, err := d.request("GET", "/v1/network/services/status", nil)
+	body, err := d.Request("GET", "/v1/network/services/status", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,7 +108,7 @@ maglev_seed = 99
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
 	// A north-south service that asks to be advertised: the REST answer
@@ -217,10 +119,10 @@ maglev_seed = 99
 		Ports:    []fluxvm.ServicePort{{Port: 443, Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := d.request("POST", "/v1/network/services", ns); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", ns); err != nil {
 		t.Fatal(err)
 	}
-	body, err = d.request("GET", "/v1/network/services/advertisements", nil)
+	body, err = d.Request("GET", "/v1/network/services/advertisements", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,14 +144,14 @@ maglev_seed = 99
 	vip := netip.MustParseAddrPort("10.96.0.10:80")
 	c, err := cli.DialTCP(vip, 3*time.Second)
 	if err != nil {
-		t.Fatalf("through the VIP: %v\n%s", err, d.out)
+		t.Fatalf("through the VIP: %v\n%s", err, d.Out)
 	}
 	defer c.Close()
 	if err := c.Echo([]byte("one"), 3*time.Second); err != nil {
 		t.Fatal(err)
 	}
 
-	d.stop()
+	d.Stop()
 	if s, err := advert.Read(advPath); err != nil || s.Generation != advGen || len(s.AdvertisedPrefixes()) != 1 {
 		t.Errorf("after stop the snapshot is %+v (%v), want generation %d as last published", s, err, advGen)
 	}
@@ -258,9 +160,9 @@ maglev_seed = 99
 	}
 	d = startDaemon(t, bin, cfg, l)
 	if err := c.Echo([]byte("daemon restarted"), 3*time.Second); err != nil {
-		t.Fatalf("flow broke when the daemon restarted: %v\n%s", err, d.out)
+		t.Fatalf("flow broke when the daemon restarted: %v\n%s", err, d.Out)
 	}
-	body, err = d.request("GET", "/v1/network/services/web", nil)
+	body, err = d.Request("GET", "/v1/network/services/web", nil)
 	if err != nil {
 		t.Fatalf("catalog not restored: %v", err)
 	}
@@ -270,7 +172,7 @@ maglev_seed = 99
 	}
 	// The restarted daemon reports the memory of the two services'
 	// Maglev tables, as the kernel counts it for the pinned maps.
-	body, err = d.request("GET", "/v1/network/services/status", nil)
+	body, err = d.Request("GET", "/v1/network/services/status", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -282,7 +184,7 @@ maglev_seed = 99
 	if status.Memory.MaglevInner != wantInner || wantInner.Count != 2 {
 		t.Errorf("status memory: Maglev tables %+v, the pinned fluxvm_maglev holds %+v (want 2 tables)", status.Memory.MaglevInner, wantInner)
 	}
-	metrics, err := d.request("GET", "/metrics", nil)
+	metrics, err := d.Request("GET", "/metrics", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +197,7 @@ maglev_seed = 99
 		}
 	}
 	// The restarted daemon finds the same content: no rewrite.
-	body, err = d.request("GET", "/v1/network/services/advertisements", nil)
+	body, err = d.Request("GET", "/v1/network/services/advertisements", nil)
 	if s, derr := advert.Decode(body); err != nil || derr != nil || s.Generation != advGen {
 		t.Errorf("advertisements after restart: %s (%v, %v), want generation %d", body, err, derr, advGen)
 	}
@@ -304,7 +206,7 @@ maglev_seed = 99
 		t.Fatalf("new flow after restart: %v", err)
 	}
 	c2.Close()
-	d.stop()
+	d.Stop()
 
 	cmd := exec.Command(bin, "-config", cfg, "cleanup")
 	var out bytes.Buffer
@@ -411,11 +313,4 @@ snat_port_max = 49999
 
 // buildDaemon builds this package's binary into the test's temporary
 // directory and returns its path.
-func buildDaemon(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
-	return bin
-}
+func buildDaemon(t *testing.T) string { return daemontest.Build(t) }

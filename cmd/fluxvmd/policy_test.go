@@ -68,7 +68,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 
 	policies := func() fluxvm.PoliciesStatus {
 		t.Helper()
-		body, err := d.request("GET", "/v1/network/services/policies", nil)
+		body, err := d.Request("GET", "/v1/network/services/policies", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -79,7 +79,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 		return st
 	}
 	if st := policies(); st.IPCachePrefixes != 1 || len(st.Policies) != 0 {
-		t.Fatalf("at start, the ipcache file is applied: %+v\n%s", st, d.out)
+		t.Fatalf("at start, the ipcache file is applied: %+v\n%s", st, d.Out)
 	}
 
 	vip := netip.MustParseAddr("10.96.0.10")
@@ -88,12 +88,12 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
 	pol := fluxvm.Policy{Service: "web", DefaultAction: fluxvm.PolicyDeny,
 		AllowIdentities: []fluxvm.Identity{allowed, other}, DenyIdentities: []fluxvm.Identity{denied}}
-	if _, err := d.request("POST", "/v1/network/services/policies", pol); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services/policies", pol); err != nil {
 		t.Fatal(err)
 	}
 	st := policies()
@@ -114,7 +114,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	// The file now gives the client an allowed identity; the reconcile
 	// reads it again.
 	writeIPCache(t, ipcache, cli.Addr4, allowed)
-	body, err := d.request("POST", "/v1/network/services/policies/reconcile", nil)
+	body, err := d.Request("POST", "/v1/network/services/policies/reconcile", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +129,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	}
 	c, err := cli.DialTCP(target, 3*time.Second)
 	if err != nil {
-		t.Fatalf("the client, identity %d (allowed), cannot connect: %v\n%s", allowed, err, d.out)
+		t.Fatalf("the client, identity %d (allowed), cannot connect: %v\n%s", allowed, err, d.Out)
 	}
 	defer c.Close()
 	if err := c.Echo([]byte("hello"), 3*time.Second); err != nil {
@@ -140,7 +140,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	if err := os.WriteFile(ipcache, []byte(`{"entries": [{"prefix": "10.0.0.1/24", "identity": 1}]}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if body, err := d.request("POST", "/v1/network/services/policies/reconcile", nil); err == nil {
+	if body, err := d.Request("POST", "/v1/network/services/policies/reconcile", nil); err == nil {
 		t.Errorf("a bad ipcache file was accepted: %s", body)
 	}
 	if err := c.Echo([]byte("still"), 3*time.Second); err != nil {
@@ -149,7 +149,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 
 	// Revoked: the open connection stops at its next packet.
 	writeIPCache(t, ipcache, cli.Addr4, denied)
-	if _, err := d.request("POST", "/v1/network/services/policies/reconcile", nil); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services/policies/reconcile", nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Echo([]byte("after"), time.Second); err == nil {
@@ -160,10 +160,10 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	}
 
 	// The policy can be deleted; the service stays and admits the client.
-	if _, err := d.request("DELETE", "/v1/network/services/web/policy", nil); err != nil {
+	if _, err := d.Request("DELETE", "/v1/network/services/web/policy", nil); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.request("GET", "/v1/network/services/web/policy", nil); err == nil {
+	if _, err := d.Request("GET", "/v1/network/services/web/policy", nil); err == nil {
 		t.Error("GET policy after DELETE succeeded")
 	}
 	c2, err := cli.DialTCP(target, 3*time.Second)

@@ -131,7 +131,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 		Ports:    []fluxvm.ServicePort{{Port: fd.vip.Port(), Protocol: fluxvm.TCP}},
 		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
 	}
-	if _, err := fd.request("POST", "/v1/network/services", svc); err != nil {
+	if _, err := fd.Request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
 	return fd
@@ -157,18 +157,18 @@ func (fd *flowDaemon) connect(t *testing.T) netip.AddrPort {
 func (fd *flowDaemon) terminate(t *testing.T) (time.Duration, error) {
 	t.Helper()
 	start := time.Now()
-	if err := fd.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := fd.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- fd.cmd.Wait() }()
+	go func() { done <- fd.Cmd.Wait() }()
 	select {
 	case err := <-done:
 		return time.Since(start), err
 	case <-time.After(20 * time.Second):
-		fd.cmd.Process.Kill()
+		fd.Cmd.Process.Kill()
 		<-done
-		t.Fatalf("daemon did not stop within 20s of SIGTERM:\n%s", fd.out)
+		t.Fatalf("daemon did not stop within 20s of SIGTERM:\n%s", fd.Out)
 		return 0, nil
 	}
 }
@@ -198,7 +198,7 @@ func TestDaemonStopCancelsExport(t *testing.T) {
 	go func() {
 		req, _ := http.NewRequest("POST", "http://127.0.0.1:7788/v1/network/services/telemetry/export", nil)
 		req.Header.Set("Authorization", "Bearer "+token)
-		c := *fd.http
+		c := *fd.HTTP
 		c.Timeout = time.Minute
 		resp, err := c.Do(req)
 		if err != nil {
@@ -217,12 +217,12 @@ func TestDaemonStopCancelsExport(t *testing.T) {
 	case a := <-answered:
 		t.Fatalf("the export answered before reaching the receiver: %+v", a)
 	case <-time.After(10 * time.Second):
-		t.Fatalf("the export did not reach the receiver:\n%s", fd.out)
+		t.Fatalf("the export did not reach the receiver:\n%s", fd.Out)
 	}
 
 	took, err := fd.terminate(t)
 	if err != nil {
-		t.Errorf("daemon exited with %v after %v:\n%s", err, took, fd.out)
+		t.Errorf("daemon exited with %v after %v:\n%s", err, took, fd.Out)
 	}
 	if limit := otlpFlushTimeout + 2*time.Second; took > limit || took < otlpFlushTimeout-time.Second {
 		t.Errorf("the stop took %v; want about the flush deadline %v (at most %v, below the shutdown deadline %v)",
@@ -267,7 +267,7 @@ func TestDaemonTracesAndFinalExport(t *testing.T) {
 		t.Errorf("the receiver got %d requests before the stop; want none (interval 1h)", early)
 	}
 	if took, err := fd.terminate(t); err != nil || took > otlpFlushTimeout {
-		t.Errorf("daemon exited with %v after %v:\n%s", err, took, fd.out)
+		t.Errorf("daemon exited with %v after %v:\n%s", err, took, fd.Out)
 	}
 
 	rc.mu.Lock()
@@ -292,7 +292,7 @@ func TestDaemonTracesAndFinalExport(t *testing.T) {
 		}
 	}
 	if !found {
-		t.Errorf("no flow record of client %s in the %d logs requests: the final round did not send it\n%s", client, len(logs), fd.out)
+		t.Errorf("no flow record of client %s in the %d logs requests: the final round did not send it\n%s", client, len(logs), fd.Out)
 	}
 
 	spans := map[string][]*tracepb.Span{}

@@ -151,13 +151,13 @@ snat_port_max = 62999
 	for _, vm := range backends {
 		svc.Backends = append(svc.Backends, fluxvm.Backend{Address: vm.Addr4, Port: 8080})
 	}
-	if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 		t.Fatal(err)
 	}
 	dst := netip.AddrPortFrom(vip, 80)
 	c, err := ext.DialTCP(dst, 3*time.Second)
 	if err != nil {
-		t.Fatalf("external client to %s: %v\n%s", dst, err, d.out)
+		t.Fatalf("external client to %s: %v\n%s", dst, err, d.Out)
 	}
 	t.Cleanup(func() { c.Close() })
 	var uc *net.UDPConn
@@ -183,7 +183,7 @@ snat_port_max = 62999
 	if !waitUntil(10*time.Second, func() bool { return metric(t, d, xdpTranslated) > 20 && tr.echoes.Load() > 20 }) {
 		t.Fatalf("xdp_translated %v after %d echoes: XDP does not carry the flows\n%s", metric(t, d, xdpTranslated), tr.echoes.Load(), tr.report())
 	}
-	linkID, prog := ourXDP(t, l, pinRoot, uplink, d.cmd.Process.Pid)
+	linkID, prog := ourXDP(t, l, pinRoot, uplink, d.Cmd.Process.Pid)
 
 	for _, kill := range []bool{false, true} {
 		how := "SIGTERM"
@@ -192,14 +192,14 @@ snat_port_max = 62999
 		}
 		before := phaseStart(t, d, tr)
 		if kill {
-			if err := d.cmd.Process.Kill(); err != nil {
+			if err := d.Cmd.Process.Kill(); err != nil {
 				t.Fatal(err)
 			}
-			d.cmd.Wait()
+			d.Cmd.Wait()
 		} else {
-			d.stop()
-			if !bytes.Contains(d.out.Bytes(), []byte("the datapath keeps forwarding")) {
-				t.Errorf("%s: the daemon did not stop by its SIGTERM path:\n%s", how, d.out)
+			d.Stop()
+			if !bytes.Contains(d.Out.Bytes(), []byte("the datapath keeps forwarding")) {
+				t.Errorf("%s: the daemon did not stop by its SIGTERM path:\n%s", how, d.Out)
 			}
 		}
 		// No daemon runs: the pinned link keeps running the old program.
@@ -212,7 +212,7 @@ snat_port_max = 62999
 		t.Logf("%s: %d echoes and %d UDP answers while the daemon started (%v)",
 			how, tr.echoes.Load()-e0, tr.answers.Load()-u0, time.Since(began).Round(time.Millisecond))
 		xdpNative("after " + how)
-		id, p := ourXDP(t, l, pinRoot, uplink, d.cmd.Process.Pid)
+		id, p := ourXDP(t, l, pinRoot, uplink, d.Cmd.Process.Pid)
 		if id != linkID || p == prog {
 			t.Errorf("%s, restarted: link %d running program %d, want link %d running a new program (not %d)", how, id, p, linkID, prog)
 		}
@@ -235,7 +235,7 @@ snat_port_max = 62999
 	if tr.failed.Load() != 0 || tr.lost.Load() != 0 || tr.wrong.Load() != 0 {
 		t.Errorf("traffic through the restarts failed:\n%s", res)
 	}
-	d.stop()
+	d.Stop()
 	// The daemon left its pins; the test's pin root goes with them.
 }
 
@@ -246,7 +246,7 @@ var metricLine = regexp.MustCompile(`(?m)^(fluxvm_[a-z_]+(?:\{[^}]*\})?) (\S+)$`
 // metrics reads /metrics: every fluxvm_ sample by its name and labels.
 func metrics(t *testing.T, d *daemon) map[string]float64 {
 	t.Helper()
-	body, err := d.request("GET", "/metrics", nil)
+	body, err := d.Request("GET", "/metrics", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,17 +8,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -33,6 +28,7 @@ import (
 	"github.com/fluxvm/servicefabric/flows/otlp/otlptest"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -48,22 +44,8 @@ const (
 	exportInterval = time.Second
 )
 
-// buildDaemon builds cmd/fluxvmd from the main module (its own go.mod,
-// as it ships), once per test binary run.
-func buildDaemon(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs(filepath.Join("..", ".."))
-	if err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/fluxvmd")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/fluxvmd: %v\n%s", err, out)
-	}
-	return bin
-}
+// buildDaemon builds cmd/fluxvmd from the main module, as it ships.
+func buildDaemon(t *testing.T) string { return daemontest.Build(t) }
 
 // startLabCollector runs the Collector's OTLP receiver (HTTP) on
 // collectorAddr inside the lab's node namespace, where the daemon runs:
@@ -90,121 +72,18 @@ func startLabCollector(t *testing.T, l *lab.Lab) *consumertest.LogsSink {
 }
 
 // labDaemon is fluxvmd running in the lab's node namespace.
-type labDaemon struct {
-	t    *testing.T
-	cmd  *exec.Cmd
-	out  *syncBuffer
-	http *http.Client
-}
-
-// syncBuffer is the daemon's output; serving is closed once it logs that
-// it serves.
-type syncBuffer struct {
-	buf     bytes.Buffer
-	serving chan struct{}
-	seen    atomic.Bool
-	mu      chan struct{}
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu <- struct{}{}
-	defer func() { <-b.mu }()
-	n, err := b.buf.Write(p)
-	if !b.seen.Load() && bytes.Contains(b.buf.Bytes(), []byte("fluxvmd: serving")) {
-		b.seen.Store(true)
-		close(b.serving)
-	}
-	return n, err
-}
-
-func (b *syncBuffer) String() string {
-	b.mu <- struct{}{}
-	defer func() { <-b.mu }()
-	return b.buf.String()
-}
+type labDaemon struct{ *daemontest.Daemon }
 
 func startLabDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *labDaemon {
 	t.Helper()
-	d := &labDaemon{t: t, out: &syncBuffer{serving: make(chan struct{}), mu: make(chan struct{}, 1)}}
-	d.cmd = exec.Command(bin, "-config", cfg)
-	d.cmd.Env = append(os.Environ(), "FLUXVM_ADMIN_TOKEN="+labToken)
-	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
-	// Started from a thread inside the node namespace, the daemon lives
-	// there but shares our mount namespace and so the host's bpffs.
-	if err := l.Node.Do(d.cmd.Start); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(d.stop)
-	d.http = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = l.Node.Do(func() error {
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}}
-	select {
-	case <-d.out.serving:
-	case <-time.After(20 * time.Second):
-		t.Fatalf("daemon did not come up within 20s:\n%s", d.out)
-	}
-	return d
-}
-
-func (d *labDaemon) request(method, path string, body any) ([]byte, error) {
-	var r io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return nil, err
-		}
-		r = bytes.NewReader(b)
-	}
-	req, err := http.NewRequest(method, "http://127.0.0.1:7788"+path, r)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Authorization", "Bearer "+labToken)
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := d.http.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode >= 300 {
-		return out, fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, out)
-	}
-	return out, nil
-}
-
-func (d *labDaemon) stop() {
-	if d.cmd.ProcessState != nil {
-		return
-	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan error, 1)
-	go func() { done <- d.cmd.Wait() }()
-	select {
-	case err := <-done:
-		if err != nil {
-			d.t.Errorf("daemon exited with %v:\n%s", err, d.out)
-		}
-	case <-time.After(15 * time.Second):
-		d.cmd.Process.Kill()
-		<-done
-		d.t.Errorf("daemon did not stop on SIGTERM:\n%s", d.out)
-	}
+	return &labDaemon{daemontest.Start(t, bin, cfg, l, labToken)}
 }
 
 // metric is the value of the sample named exactly name (labels included)
 // in the daemon's /metrics, and whether it is there.
 func (d *labDaemon) metric(t *testing.T, name string) (float64, bool) {
 	t.Helper()
-	body, err := d.request("GET", "/metrics", nil)
+	body, err := d.Request("GET", "/metrics", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -323,7 +202,7 @@ vm_edge_interfaces = [ %s ]
 		dead.Backends = append(dead.Backends, fluxvm.Backend{Address: be.Addr4, Port: 8080, State: fluxvm.BackendUnhealthy})
 	}
 	for _, svc := range []fluxvm.Service{web, dead} {
-		if _, err := d.request("POST", "/v1/network/services", svc); err != nil {
+		if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -403,7 +282,7 @@ vm_edge_interfaces = [ %s ]
 	// The on-demand route sends the ring's records now and says so.
 	sink.Reset()
 	before := time.Now()
-	body, err := d.request("POST", "/v1/network/services/telemetry/export?limit=256", nil)
+	body, err := d.Request("POST", "/v1/network/services/telemetry/export?limit=256", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -444,7 +323,7 @@ vm_edge_interfaces = [ %s ]
 		}
 	}
 	if t.Failed() {
-		t.Logf("daemon output:\n%s", d.out)
+		t.Logf("daemon output:\n%s", d.Out)
 	}
 	t.Logf("%s: %d flows through the lab, decoded by the collector; %v", enc, len(want), time.Since(began).Round(time.Millisecond))
 }
@@ -575,7 +454,7 @@ func byFlow(t *testing.T, sink *consumertest.LogsSink) map[flowKey]plog.LogRecor
 // listFlows is GET /v1/network/services/flows, keyed as byFlow.
 func listFlows(t *testing.T, d *labDaemon) map[flowKey]flows.Record {
 	t.Helper()
-	body, err := d.request("GET", "/v1/network/services/flows?limit=256", nil)
+	body, err := d.Request("GET", "/v1/network/services/flows?limit=256", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package daemontest runs the fluxvmd binary inside a lab's node namespace
 // for tests: build it, start it with a configuration, talk to its REST API
 // on the namespace's loopback, stop it with SIGTERM.

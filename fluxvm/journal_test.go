@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -70,6 +71,9 @@ func journalTo(t *testing.T, st *catalogStore, m model, recs ...journalRecord) {
 		}
 		if err := st.wait(seq); err != nil {
 			t.Fatal(err)
+		}
+		if r.Policies != nil {
+			continue // the services stay as they are
 		}
 		if r.Put != nil {
 			m[r.Put.Service.Name] = *r.Put
@@ -135,6 +139,58 @@ func TestCatalogJournalReplay(t *testing.T) {
 		t.Errorf("seq %d, want 4", cat.Seq)
 	}
 	st.close()
+}
+
+// TestCatalogJournalPolicies: a policies record replaces the identity
+// policy state (the latest wins) next to the services' records, and a
+// compaction keeps it in the snapshot; a record of two kinds is damage.
+func TestCatalogJournalPolicies(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "catalog.json")
+	m := model{}
+	st := openStore(path, slog.Default(), 0, 1)
+	pols := func(ids ...Identity) *catalogPolicies {
+		return &catalogPolicies{
+			IPCache:  IPCache{Entries: []IPCacheEntry{{Prefix: netip.MustParsePrefix("10.0.0.0/8"), Identity: 1001}}},
+			Policies: []Policy{{Service: "svc-00000", DefaultAction: PolicyDeny, AllowIdentities: ids}},
+			IDs:      map[string]uint32{"svc-00000": 3},
+		}
+	}
+	journalTo(t, st, m, put(jsvc(0, 1)), journalRecord{Policies: pols(1001)}, put(jsvc(1, 1)), journalRecord{Policies: pols(1001, 1002)})
+	cat, _ := mustLoad(t, path)
+	checkCatalog(t, "services beside policies", cat, m)
+	if !reflect.DeepEqual(cat.Policies, pols(1001, 1002)) {
+		t.Errorf("policies %+v, want the latest record's", cat.Policies)
+	}
+	// Compacted into the snapshot: the same.
+	snap := cat
+	snap.Seq = 4
+	if _, err := writeSnapshot(path, snap); err != nil {
+		t.Fatal(err)
+	}
+	st.close()
+	for _, f := range must(journalFiles(path)) {
+		os.Remove(f.path)
+	}
+	cat, _ = mustLoad(t, path)
+	if !reflect.DeepEqual(cat.Policies, pols(1001, 1002)) {
+		t.Errorf("policies from the snapshot %+v", cat.Policies)
+	}
+	// One record, two changes: never written, so damage.
+	two := journalRecord{Seq: 1, Delete: "x", Policies: pols()}
+	b, err := appendRecord(nil, two)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := decodeRecord(b); ok {
+		t.Error("a record with a delete and policies decoded")
+	}
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
 }
 
 // TestCatalogJournalTornTail: a crash in the middle of writing a record

@@ -283,3 +283,36 @@ func TestPolicyIDsSurviveRestart(t *testing.T) {
 		t.Error("beta let identity 1001 in")
 	}
 }
+
+// TestApplyServiceKeepsItsPolicyFitting: a service change that its
+// identity policy would no longer fit (L7 enforce needs TCP and NAT) is
+// refused, and nothing of it is applied.
+func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	svc := e.service(1, 1, 1)
+	svc.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
+	st0, err := d.ApplyService(ctx, svc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ApplyPolicies(ctx, Policy{Service: "web", DefaultAction: PolicyAllow,
+		L7: &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "proxy0"}}); err != nil {
+		t.Fatal(err)
+	}
+	withUDP := svc.Clone()
+	withUDP.Ports = append(withUDP.Ports, ServicePort{Port: 53, Protocol: UDP})
+	if _, err := d.ApplyService(ctx, withUDP); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("adding a UDP port under L7 enforce: %v, want ErrUnsupported", err)
+	}
+	dsr := svc.Clone()
+	dsr.Mode = ModeDSR
+	dsr.Ports = []ServicePort{{Port: 8080, Protocol: TCP}} // DSR keeps the port: backends' ports equal
+	if _, err := d.ApplyService(ctx, dsr); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("DSR under L7 enforce: %v, want ErrUnsupported", err)
+	}
+	if st, _ := d.Service("web"); st.Revision != st0.Revision || len(st.Frontends) != len(st0.Frontends) {
+		t.Errorf("service after the refused changes %+v, before %+v", st, st0)
+	}
+}

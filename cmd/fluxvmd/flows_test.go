@@ -80,13 +80,7 @@ func (rc *logsReceiver) has(port uint16) int {
 func TestDaemonFlows(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bin := buildDaemon(t)
-	l := lab.NewForTest(t)
-	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
-	srv, err := be.Serve(8080)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	l, cli, be := clientAndBackend(t)
 	rc := newLogsReceiver(t, l)
 
 	dir := t.TempDir()

@@ -29,6 +29,20 @@ const token = "test-admin-token-0123456789"
 // (daemontest), with this package's admin token.
 type daemon = daemontest.Daemon
 
+// clientAndBackend is a lab with a client VM (1) and a backend VM (2)
+// serving the lab's echo protocol on port 8080.
+func clientAndBackend(t *testing.T) (l *lab.Lab, cli, be *lab.VM) {
+	t.Helper()
+	l = lab.NewForTest(t)
+	cli, be = l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
+	srv, err := be.Serve(8080)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return l, cli, be
+}
+
 func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 	t.Helper()
 	return daemontest.Start(t, bin, cfg, l, token)
@@ -40,13 +54,7 @@ func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 func TestDaemonRestartKeepsFlows(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bin := buildDaemon(t)
-	l := lab.NewForTest(t)
-	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
-	srv, err := be.Serve(8080)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	l, cli, be := clientAndBackend(t)
 
 	if _, err := l.AddExternal(); err != nil {
 		t.Fatal(err)

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -40,13 +39,7 @@ func writeIPCache(t *testing.T, path string, addr netip.Addr, id fluxvm.Identity
 func TestDaemonIdentityPolicy(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bin := buildDaemon(t)
-	l := lab.NewForTest(t)
-	cli, be := l.AddVMForTest(t, 1), l.AddVMForTest(t, 2)
-	srv, err := be.Serve(8080)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	l, cli, be := clientAndBackend(t)
 
 	const allowed, other, denied fluxvm.Identity = 1001, 1003, 2001
 	dir := t.TempDir()

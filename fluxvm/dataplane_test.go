@@ -430,6 +430,7 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"DeletePolicy": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.DeletePolicy(ctx, "web") }},
 		"Policies":     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policies() }},
 		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy("web") }},
+		"Envoy":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Envoy("web") }},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("second Close: %v", res)

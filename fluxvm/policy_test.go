@@ -301,6 +301,19 @@ func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
 		L7: &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "proxy0"}}); err != nil {
 		t.Fatal(err)
 	}
+	// The Envoy document: a listener per VIP (port 80, TCP), the six
+	// backends (three VMs, both families), one virtual host for any host.
+	doc, err := d.Envoy("web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(doc.Listeners) != 2 || len(doc.Cluster.Endpoints) != 6 || doc.Mode != L7Enforce || doc.Revision == 0 ||
+		len(doc.Routes.VirtualHosts) != 1 || doc.Routes.VirtualHosts[0].Domains[0] != "*" {
+		t.Errorf("envoy document %+v", doc)
+	}
+	if _, err := d.Envoy("nosuch"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("document of a service that does not exist: %v", err)
+	}
 	withUDP := svc.Clone()
 	withUDP.Ports = append(withUDP.Ports, ServicePort{Port: 53, Protocol: UDP})
 	if _, err := d.ApplyService(ctx, withUDP); !errors.Is(err, ErrUnsupported) {

@@ -69,6 +69,10 @@ type Dataplane interface {
 	// DeletePolicy removes the identity policy of a service; it wraps
 	// fluxvm.ErrNotFound when the service has none.
 	DeletePolicy(ctx context.Context, service string) error
+	// Envoy returns the document an Envoy/xDS adapter configures a
+	// service's L7 proxy from; it wraps fluxvm.ErrNotFound when the
+	// service has no policy with an l7 part.
+	Envoy(service string) (fluxvm.EnvoyDocument, error)
 }
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST

@@ -308,3 +308,14 @@ func (f *fakeDataplane) DeletePolicy(_ context.Context, service string) error {
 	f.policyDeletes = append(f.policyDeletes, service)
 	return nil
 }
+
+func (f *fakeDataplane) Envoy(service string) (fluxvm.EnvoyDocument, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	p, ok := f.policies[service]
+	if !ok || p.L7 == nil {
+		return fluxvm.EnvoyDocument{}, fmt.Errorf("fluxvm: l7 document of %q: %w", service, fluxvm.ErrNotFound)
+	}
+	return fluxvm.EnvoyDocument{Service: service, Mode: p.L7.Mode, Protocol: p.L7.Protocol, Listeners: []fluxvm.EnvoyListener{},
+		Cluster: fluxvm.EnvoyCluster{Name: service, Endpoints: []fluxvm.EnvoyEndpoint{}}}, nil
+}

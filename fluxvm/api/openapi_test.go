@@ -196,6 +196,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"PolicyReconcileRequest": reflect.TypeFor[policyReconcileRequest](),
 		"PoliciesStatus":         reflect.TypeFor[fluxvm.PoliciesStatus](),
 		"PolicyStatus":           reflect.TypeFor[fluxvm.PolicyStatus](),
+		"EnvoyDocument":          reflect.TypeFor[fluxvm.EnvoyDocument](),
 		"PolicyCounters":         reflect.TypeFor[fluxvm.PolicyCounters](),
 		"IPCache":                reflect.TypeFor[fluxvm.IPCache](),
 		"IPCacheEntry":           reflect.TypeFor[fluxvm.IPCacheEntry](),

@@ -208,3 +208,21 @@ func policyStatus(p fluxvm.PolicyStatus) fluxvm.PolicyStatus {
 	}
 	return p
 }
+
+// getEnvoy answers GET /v1/network/services/{name}/l7/envoy: the document
+// an Envoy/xDS adapter configures the service's L7 proxy from (listeners
+// on its VIPs, a cluster of its backends, routes from the policy's
+// authorities and path prefixes); 404 when the service has no policy with
+// an l7 part.
+func (h *handler) getEnvoy(w http.ResponseWriter, r *http.Request) error {
+	name := r.PathValue("name")
+	if fluxvm.IsReservedName(name) {
+		return errReservedRoute(r, name)
+	}
+	doc, err := h.dp.Envoy(name)
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, doc)
+	return nil
+}

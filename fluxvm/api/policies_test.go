@@ -272,3 +272,23 @@ func TestPolicyRoutesReservedNames(t *testing.T) {
 		t.Errorf("Allow = %q", allow)
 	}
 }
+
+// TestEnvoyRoute: GET …/{name}/l7/envoy answers the document of a service
+// whose policy has an l7 part (read token), 404 otherwise.
+func TestEnvoyRoute(t *testing.T) {
+	e := newEnv(t)
+	e.mustApply("web")
+	e.mustApply("api")
+	body := `[{"service":"web","default_action":"allow","l7":{"mode":"observe","protocol":"http"}},
+	          {"service":"api","default_action":"allow"}]`
+	decodeOK[fluxvm.PoliciesStatus](t, e.do(req{method: "POST", path: "/v1/network/services/policies", token: adminToken, body: body}), 200)
+	doc := decodeOK[fluxvm.EnvoyDocument](t, e.do(req{method: "GET", path: "/v1/network/services/web/l7/envoy", token: readToken}), 200)
+	if doc.Service != "web" || doc.Mode != fluxvm.L7Observe || doc.Protocol != fluxvm.L7HTTP {
+		t.Errorf("document %+v", doc)
+	}
+	for _, name := range []string{"api", "nosuch"} {
+		if rec := e.do(req{method: "GET", path: "/v1/network/services/" + name + "/l7/envoy", token: readToken}); rec.Code != 404 {
+			t.Errorf("%s: %d %s, want 404", name, rec.Code, rec.Body)
+		}
+	}
+}

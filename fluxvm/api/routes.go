@@ -54,6 +54,7 @@ var routes = []route{
 	{method: http.MethodDelete, path: "/v1/network/services/{name}", admin: true, handle: (*handler).deleteService},
 	{method: http.MethodGet, path: "/v1/network/services/{name}/policy", handle: (*handler).getPolicy},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}/policy", admin: true, handle: (*handler).deletePolicy},
+	{method: http.MethodGet, path: "/v1/network/services/{name}/l7/envoy", handle: (*handler).getEnvoy},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
 	{method: http.MethodGet, path: "/metrics", handle: (*handler).serveMetrics},
 }

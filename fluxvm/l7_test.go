@@ -15,8 +15,8 @@ func TestEnvoyDocument(t *testing.T) {
 	w0, w3 := uint32(0), uint32(3)
 	off := false
 	svc := Service{
-		Name: "shop",
-		VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00:96::10")},
+		Name:  "shop",
+		VIPs:  []netip.Addr{netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00:96::10")},
 		Ports: []ServicePort{{Port: 80, Protocol: TCP}, {Port: 53, Protocol: UDP}, {Port: 8443, Protocol: TCP}},
 		Backends: []Backend{
 			{Address: netip.MustParseAddr("10.40.1.21"), Port: 8080, Weight: &w3},

@@ -80,22 +80,6 @@ func attrMap(t *testing.T, kvs []*common.KeyValue) map[string]any {
 	return m
 }
 
-func eqMaps(t *testing.T, what string, got, want map[string]any) {
-	t.Helper()
-	for k, w := range want {
-		if g, ok := got[k]; !ok {
-			t.Errorf("%s: %s missing (want %v)", what, k, w)
-		} else if g != w {
-			t.Errorf("%s: %s = %v (%T), want %v (%T)", what, k, g, g, w, w)
-		}
-	}
-	for k, g := range got {
-		if _, ok := want[k]; !ok {
-			t.Errorf("%s: unexpected %s = %v", what, k, g)
-		}
-	}
-}
-
 // checkRequest checks a decoded request against the records sent.
 func checkRequest(t *testing.T, req *collogs.ExportLogsServiceRequest, recs []flows.Record, before, after time.Time) {
 	t.Helper()
@@ -103,7 +87,7 @@ func checkRequest(t *testing.T, req *collogs.ExportLogsServiceRequest, recs []fl
 		t.Fatalf("want 1 resource with 1 scope, got %v", req)
 	}
 	rl := req.ResourceLogs[0]
-	eqMaps(t, "resource", attrMap(t, rl.Resource.Attributes), map[string]any{
+	otlptest.CheckAttributes(t, "resource", attrMap(t, rl.Resource.Attributes), map[string]any{
 		"service.name": "fluxvmd-test", "host.name": "node-a", "fluxvm.node": "node-a",
 	})
 	sl := rl.ScopeLogs[0]
@@ -137,7 +121,7 @@ func checkRequest(t *testing.T, req *collogs.ExportLogsServiceRequest, recs []fl
 		if len(lr.TraceId) != 0 || len(lr.SpanId) != 0 {
 			t.Errorf("rec %d: ids set", i)
 		}
-		eqMaps(t, "rec attributes", attrMap(t, lr.Attributes), otlptest.WantAttributes(r))
+		otlptest.CheckAttributes(t, "rec attributes", attrMap(t, lr.Attributes), otlptest.WantAttributes(r))
 	}
 }
 

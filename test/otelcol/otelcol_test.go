@@ -108,22 +108,6 @@ func records(base, n int) []flows.Record {
 	return recs
 }
 
-func eqMaps(t *testing.T, what string, got, want map[string]any) {
-	t.Helper()
-	for k, w := range want {
-		if g, ok := got[k]; !ok {
-			t.Errorf("%s: %s missing (want %v)", what, k, w)
-		} else if g != w {
-			t.Errorf("%s: %s = %v (%T), want %v (%T)", what, k, g, g, w, w)
-		}
-	}
-	for k, g := range got {
-		if _, ok := want[k]; !ok {
-			t.Errorf("%s: unexpected %s = %v", what, k, g)
-		}
-	}
-}
-
 // received flattens what the sink got into log records keyed by flow seq,
 // checking each resource and scope on the way.
 func received(t *testing.T, sink *consumertest.LogsSink) map[int64]plog.LogRecord {
@@ -139,7 +123,7 @@ func receivedFrom(t *testing.T, sink *consumertest.LogsSink, serviceName, node s
 	for _, ld := range sink.AllLogs() {
 		for i := 0; i < ld.ResourceLogs().Len(); i++ {
 			rl := ld.ResourceLogs().At(i)
-			eqMaps(t, "resource", rl.Resource().Attributes().AsRaw(), map[string]any{
+			otlptest.CheckAttributes(t, "resource", rl.Resource().Attributes().AsRaw(), map[string]any{
 				"service.name": serviceName, "host.name": node, "fluxvm.node": node,
 			})
 			for j := 0; j < rl.ScopeLogs().Len(); j++ {
@@ -188,7 +172,7 @@ func checkRecord(t *testing.T, lr plog.LogRecord, r flows.Record, before, after 
 	if !lr.TraceID().IsEmpty() || !lr.SpanID().IsEmpty() {
 		t.Errorf("seq %d: ids %v %v", r.Seq, lr.TraceID(), lr.SpanID())
 	}
-	eqMaps(t, fmt.Sprintf("seq %d attributes", r.Seq), lr.Attributes().AsRaw(), otlptest.WantAttributes(r))
+	otlptest.CheckAttributes(t, fmt.Sprintf("seq %d attributes", r.Seq), lr.Attributes().AsRaw(), otlptest.WantAttributes(r))
 }
 
 func exporterConfig(endpoint string, enc otlp.Encoding) otlp.Config {

@@ -4,7 +4,11 @@
 // Collector (test/otelcol) check one contract.
 package otlptest
 
-import "github.com/fluxvm/servicefabric/flows"
+import (
+	"testing"
+
+	"github.com/fluxvm/servicefabric/flows"
+)
 
 // WantAttributes is what a flow record's log attributes must be, as the
 // receiver decodes them (integers as int64).
@@ -52,4 +56,23 @@ func WantAttributes(r flows.Record) map[string]any {
 		m["fluxvm.interface"] = r.Interface
 	}
 	return m
+}
+
+// CheckAttributes fails t for every attribute of want that got lacks or
+// holds another value of, and for every attribute got has beyond want;
+// what names the record in the messages.
+func CheckAttributes(t testing.TB, what string, got, want map[string]any) {
+	t.Helper()
+	for k, w := range want {
+		if g, ok := got[k]; !ok {
+			t.Errorf("%s: %s missing (want %v)", what, k, w)
+		} else if g != w {
+			t.Errorf("%s: %s = %v (%T), want %v (%T)", what, k, g, g, w, w)
+		}
+	}
+	for k, g := range got {
+		if _, ok := want[k]; !ok {
+			t.Errorf("%s: unexpected %s = %v", what, k, g)
+		}
+	}
 }

@@ -85,6 +85,12 @@ const (
 	// CounterSockOpenPolicy: socket load balancing left a connect or send
 	// to a service with an identity policy to TC.
 	CounterSockOpenPolicy = Counter(serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_POLICY)
+	// CounterL7Redirected counts new flows L7 enforce handed to the proxy
+	// interface; CounterL7Bypass packets that came in on the proxy
+	// interface to an L7-enforced VIP (the proxy's own, load-balanced as
+	// usual). A loop would show as redirected flows beyond the clients'.
+	CounterL7Redirected = Counter(serviceFluxvmCounterFLUXVM_CNT_L7REDIRECTED)
+	CounterL7Bypass     = Counter(serviceFluxvmCounterFLUXVM_CNT_L7BYPASS)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -126,6 +132,8 @@ var counterNames = [NumCounters]string{
 	CounterPolicyRevoked:        "policy_revoked",
 	CounterXDPPassPolicy:        "xdp_pass_policy",
 	CounterSockOpenPolicy:       "sock_fail_open_policy",
+	CounterL7Redirected:         "l7_redirected",
+	CounterL7Bypass:             "l7_bypass",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

@@ -16,6 +16,7 @@
 #include "lib/parse.h"
 #include "lib/lb.h"
 #include "lib/icmp.h"
+#include "lib/l7.h"
 
 /*
  * The feature paths, one global (non-inlined) function per path, address
@@ -94,9 +95,18 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 					  const int v6, const int edge)
 {
 	__u32 sid = 0, flags = 0;
+	enum fluxvm_lb_mode mode;
 	int verdict;
 
-	switch (fluxvm_lb_frontend(ctx, pkt, v6, edge, &sid, &flags, &verdict)) {
+	mode = fluxvm_lb_frontend(ctx, pkt, v6, edge, &sid, &flags, &verdict);
+	/* L7 enforce (lib/l7.h): a flow for the proxy goes there; others,
+	 * among them the proxy's own, take the mode's path. */
+	if (mode != FLUXVM_LB_NONE && (flags & FLUXVM_SVC_F_L7)) {
+		verdict = fluxvm_l7_stage(ctx, pkt, (v6 ? 1 : 0) | (edge == FLUXVM_EDGE_NS ? 2 : 0) | ((__u64)sid << 32));
+		if (verdict != FLUXVM_L7_LB)
+			mode = FLUXVM_LB_NONE;
+	}
+	switch (mode) {
 	case FLUXVM_LB_NAT:
 		/* Inline for IPv4: the conntrack-hit path (see above). */
 		verdict = v6 ? fluxvm_forward6_nat(ctx, pkt, sid, flags) : fluxvm_lb_nat(ctx, pkt, 0, sid, flags);
@@ -111,8 +121,9 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 		break;
 	default:
 		/* Not for a service here; or a fragment to a VIP, dropped and
-		 * recorded (fluxvm_lb_fragment). */
-		return verdict;
+		 * recorded (fluxvm_lb_fragment); or the L7 stage's verdict. */
+		if (verdict != CTX_ACT_DROP || !(flags & FLUXVM_SVC_F_L7))
+			return verdict;
 	}
 	/* A client packet to a service dropped: FluxScope records why. */
 	if (verdict == CTX_ACT_DROP)

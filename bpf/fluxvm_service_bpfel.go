@@ -116,7 +116,9 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_POLICY_REVOKED            serviceFluxvmCounter = 32
 	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_POLICY           serviceFluxvmCounter = 33
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_POLICY     serviceFluxvmCounter = 34
-	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 35
+	serviceFluxvmCounterFLUXVM_CNT_L7REDIRECTED              serviceFluxvmCounter = 35
+	serviceFluxvmCounterFLUXVM_CNT_L7BYPASS                  serviceFluxvmCounter = 36
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 37
 )
 
 type serviceFluxvmCtFlags uint32
@@ -126,6 +128,7 @@ const (
 	serviceFluxvmCtFlagsFLUXVM_CT_F_DSR         serviceFluxvmCtFlags = 2
 	serviceFluxvmCtFlagsFLUXVM_CT_F_REV_DERIVED serviceFluxvmCtFlags = 4
 	serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED     serviceFluxvmCtFlags = 8
+	serviceFluxvmCtFlagsFLUXVM_CT_F_L7          serviceFluxvmCtFlags = 16
 )
 
 type serviceFluxvmCtState uint32
@@ -152,7 +155,7 @@ type serviceFluxvmCtValue struct {
 	Flow       uint32
 	NatAddr    [4]uint32
 	PolicyRev  uint32
-	Pad1       uint32
+	L7Ifindex  uint32
 }
 
 type serviceFluxvmDropReason uint32
@@ -335,6 +338,7 @@ type serviceFluxvmPolicyFlags uint32
 
 const (
 	serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_AUDIT serviceFluxvmPolicyFlags = 1
+	serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_L7    serviceFluxvmPolicyFlags = 2
 )
 
 type serviceFluxvmSid4Key struct {
@@ -434,13 +438,13 @@ type serviceFluxvmSpolKey struct {
 }
 
 type serviceFluxvmSpolValue struct {
-	_        structs.HostLayout
-	Rules    uint32
-	Revision uint32
-	Action   uint8
-	Flags    uint8
-	Pad0     uint16
-	Pad1     uint32
+	_            structs.HostLayout
+	Rules        uint32
+	Revision     uint32
+	Action       uint8
+	Flags        uint8
+	Pad0         uint16
+	ProxyIfindex uint32
 }
 
 type serviceFluxvmSvc4Key struct {
@@ -470,6 +474,7 @@ const (
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_REV_STORED   serviceFluxvmSvcFlags = 32
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_PACED        serviceFluxvmSvcFlags = 64
 	serviceFluxvmSvcFlagsFLUXVM_SVC_F_POLICY       serviceFluxvmSvcFlags = 128
+	serviceFluxvmSvcFlagsFLUXVM_SVC_F_L7           serviceFluxvmSvcFlags = 256
 )
 
 type serviceFluxvmSvcStatsValue struct {

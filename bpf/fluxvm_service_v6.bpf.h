@@ -69,7 +69,9 @@ enum fluxvm_counter {
 	FLUXVM_CNT_POLICY_REVOKED = 32,  /* identity policy: an established flow denied at its recheck */
 	FLUXVM_CNT_XDP_PASS_POLICY = 33, /* XDP: a service with an identity policy, left to TC */
 	FLUXVM_CNT_SOCK_FAIL_OPEN_POLICY = 34, /* socket LB: a service with an identity policy, left to TC */
-	FLUXVM_CNT_MAX = 35,
+	FLUXVM_CNT_L7_REDIRECTED = 35, /* L7 enforce: a new flow handed to the proxy interface (lib/l7.h) */
+	FLUXVM_CNT_L7_BYPASS = 36,     /* L7 enforce: a packet from the proxy interface, load-balanced as usual */
+	FLUXVM_CNT_MAX = 37,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -126,6 +128,7 @@ enum fluxvm_svc_flags {
 	FLUXVM_SVC_F_REV_STORED = 1U << 5,   /* east-west: new flows store a reverse-NAT half too */
 	FLUXVM_SVC_F_PACED = 1U << 6,        /* egress paced: fluxvm_edt holds its rate (lib/edt.h) */
 	FLUXVM_SVC_F_POLICY = 1U << 7,       /* identity policy: fluxvm_spol holds its header (lib/policy.h) */
+	FLUXVM_SVC_F_L7 = 1U << 8,           /* L7 enforce (lib/l7.h): always with FLUXVM_SVC_F_POLICY */
 };
 
 struct fluxvm_svc_value {
@@ -218,7 +221,7 @@ struct fluxvm_ct_value {
 	 * admitted under (lib/policy.h); 0: none (admitted without one, or
 	 * learned before generation 5: decided at its next packet). */
 	__u32 policy_rev;
-	__u32 pad1;
+	__u32 l7_ifindex;    /* FLUXVM_CT_F_L7: the proxy interface the flow goes to */
 };
 _Static_assert(sizeof(struct fluxvm_ct_value) == 64, "fluxvm_ct_value size");
 
@@ -232,6 +235,9 @@ enum fluxvm_ct_flags {
 	/* Identity policy: admitted by audit_only, the policy denying it
 	 * (lib/policy.h). Not a kind. */
 	FLUXVM_CT_F_AUDITED = 1U << 3,
+	/* L7 enforce: the flow is handed to the proxy interface in
+	 * l7_ifindex, untranslated (lib/l7.h); backend_id is 0. A kind. */
+	FLUXVM_CT_F_L7 = 1U << 4,
 };
 
 struct fluxvm_nat_value {
@@ -544,6 +550,7 @@ enum fluxvm_policy_action {
 
 enum fluxvm_policy_flags {
 	FLUXVM_POLICY_F_AUDIT = 1U << 0, /* forward what it denies: counted and recorded audited */
+	FLUXVM_POLICY_F_L7 = 1U << 1,    /* L7 enforce: new flows go to proxy_ifindex (lib/l7.h) */
 };
 
 struct fluxvm_spol_value {
@@ -552,7 +559,7 @@ struct fluxvm_spol_value {
 	__u8 action;    /* enum fluxvm_policy_action: header the default, rule the identity's */
 	__u8 flags;     /* header: enum fluxvm_policy_flags */
 	__u16 pad0;
-	__u32 pad1;
+	__u32 proxy_ifindex; /* header with FLUXVM_POLICY_F_L7: the proxy interface; else 0 */
 };
 _Static_assert(sizeof(struct fluxvm_spol_value) == 16, "fluxvm_spol_value size");
 

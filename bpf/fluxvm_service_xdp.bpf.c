@@ -98,8 +98,9 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 		return XDP_PASS;
 	}
 	mode = fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict);
-	/* A service with an identity policy: TC applies it (lib/policy.h). */
-	if (mode != FLUXVM_LB_NONE && (flags & FLUXVM_SVC_F_POLICY)) {
+	/* A service with an identity policy or L7 enforce: TC applies it
+	 * (lib/policy.h, lib/l7.h). */
+	if (mode != FLUXVM_LB_NONE && (flags & (FLUXVM_SVC_F_POLICY | FLUXVM_SVC_F_L7))) {
 		fluxvm_count(FLUXVM_CNT_XDP_PASS_POLICY);
 		return XDP_PASS;
 	}

@@ -141,6 +141,10 @@ const (
 	// fluxvm_spol holds its header under (service id, PolicyHeader), and
 	// without one its packets drop (DropPolicyMissing: fail closed).
 	SvcFlagPolicy = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_POLICY)
+	// SvcFlagL7 marks a frontend of a service whose policy has L7
+	// enforce: new flows go to the proxy interface in its header
+	// (PolicyFlagL7). Always with SvcFlagPolicy.
+	SvcFlagL7 = uint32(serviceFluxvmSvcFlagsFLUXVM_SVC_F_L7)
 )
 
 // Identity policy (fluxvm_spol, C enums fluxvm_spol_const,
@@ -155,6 +159,10 @@ const (
 	// PolicyFlagAudit forwards what the policy denies, counted
 	// (CounterPolicyAudited) and recorded with verdict audited.
 	PolicyFlagAudit = uint8(serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_AUDIT)
+	// PolicyFlagL7 (L7 enforce): the header's ProxyIfindex is the node's
+	// interface toward the proxy; new flows of a frontend with SvcFlagL7
+	// are handed to it, and flows coming in on it are the bypass.
+	PolicyFlagL7 = uint8(serviceFluxvmPolicyFlagsFLUXVM_POLICY_F_L7)
 )
 
 // CTValue.Flags (C enum fluxvm_ct_flags).
@@ -172,6 +180,10 @@ const (
 	// CTFlagAudited marks a flow its service's identity policy denied and
 	// audit_only let through. Not a kind.
 	CTFlagAudited = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED)
+	// CTFlagL7 marks a flow handed to an L7 proxy (L7 enforce),
+	// untranslated: L7Ifindex is the proxy interface, BackendId is 0. A
+	// kind.
+	CTFlagL7 = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_L7)
 )
 
 // NATValue.Flags (C enum fluxvm_nat_flags).

@@ -43,7 +43,11 @@ import (
 // admitted under (0 for flows carried over: a flow of a service with a
 // policy is decided again at its next packet), and a frontend with
 // SvcFlagPolicy drops until its policy's header is written (fail closed).
-const ProgramGeneration = 5
+//
+// Generation 6 adds L7 enforce (SvcFlagL7, PolicyFlagL7): the conntrack
+// value's last word became the proxy interface of CTFlagL7 flows (zero in
+// every entry carried over), and the counters array grew by two.
+const ProgramGeneration = 6
 
 // socketMapsOff is the size of the socket LB maps while socket LB is off.
 const socketMapsOff = 64

@@ -265,33 +265,39 @@ func BenchmarkPolicy(b *testing.B) {
 	}
 }
 
-// TestPolicyXDPPasses: XDP serves no service with an identity policy: it
+// TestPolicyXDPPasses: XDP serves no service with an identity policy or
+// L7 enforce: it
 // passes the packet on untouched (TC applies the policy), counted; the
 // same service without the policy is translated by XDP.
 func TestPolicyXDPPasses(t *testing.T) {
 	h := newHarness(t)
 	l := newFIBLab(t, h)
 	objs := newXDPObjects(t, h, l.out)
-	for _, v := range []variant{variants()[0], variants()[2]} {
-		t.Run(v.name, func(t *testing.T) {
-			h.reset()
-			v.nsSetup(h, SvcFlagPolicy)
-			in := v.frame(v.clientAt(snatMin), v.vip, pkt.SYN)
-			c0 := h.counters()[CounterXDPPassPolicy]
-			ret, out := h.runXDP(objs.FluxvmXdpNs, in, l.in)
-			if ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
-				t.Fatalf("verdict %d; want XDP_PASS with the frame untouched", ret)
-			}
-			if n := h.counters()[CounterXDPPassPolicy] - c0; n != 1 {
-				t.Errorf("xdp_pass_policy +%d, want 1", n)
-			}
-			if _, ok := h.ct(tuple{v.clientAt(snatMin), v.vip, v.proto}); ok {
-				t.Error("XDP learned a flow of a service with a policy")
-			}
-			v.nsSetup(h, 0)
-			if ret, _ := h.runXDP(objs.FluxvmXdpNs, in, l.in); ret != xdpRedirect {
-				t.Errorf("without the policy: verdict %d; want XDP_REDIRECT", ret)
-			}
-		})
+	for _, c := range []struct {
+		name  string
+		flags uint32
+	}{{"policy", SvcFlagPolicy}, {"l7", SvcFlagPolicy | SvcFlagL7}, {"l7 flag alone", SvcFlagL7}} {
+		for _, v := range []variant{variants()[0], variants()[2]} {
+			t.Run(c.name+"/"+v.name, func(t *testing.T) {
+				h.reset()
+				v.nsSetup(h, c.flags)
+				in := v.frame(v.clientAt(snatMin), v.vip, pkt.SYN)
+				c0 := h.counters()[CounterXDPPassPolicy]
+				ret, out := h.runXDP(objs.FluxvmXdpNs, in, l.in)
+				if ret != xdpPass || !bytes.Equal(out[:len(in)], in) {
+					t.Fatalf("verdict %d; want XDP_PASS with the frame untouched", ret)
+				}
+				if n := h.counters()[CounterXDPPassPolicy] - c0; n != 1 {
+					t.Errorf("xdp_pass_policy +%d, want 1", n)
+				}
+				if _, ok := h.ct(tuple{v.clientAt(snatMin), v.vip, v.proto}); ok {
+					t.Error("XDP learned a flow of a service with a policy")
+				}
+				v.nsSetup(h, 0)
+				if ret, _ := h.runXDP(objs.FluxvmXdpNs, in, l.in); ret != xdpRedirect {
+					t.Errorf("without the policy: verdict %d; want XDP_REDIRECT", ret)
+				}
+			})
+		}
 	}
 }

@@ -101,13 +101,17 @@ const (
 	// DSR: routed direct server return; nothing is translated and the
 	// flow has no reverse-NAT half.
 	DSR = Kind(bpf.CTFlagDSR)
+	// L7: handed untranslated to an L7 proxy (L7 enforce) on
+	// Entry.ProxyIfindex; no backend (BackendID 0) and no reverse-NAT
+	// half. GC removes it when it expires, like any entry.
+	L7 = Kind(bpf.CTFlagL7)
 )
 
 // kindMask selects the kind bits of a conntrack value's flags. A value
 // with both bits set is no kind the datapath writes; it reads as
 // Kind(kindMask), has no reverse-NAT half GC could name, and the
 // datapath relearns the flow on its next packet.
-const kindMask = bpf.CTFlagSNAT | bpf.CTFlagDSR
+const kindMask = bpf.CTFlagSNAT | bpf.CTFlagDSR | bpf.CTFlagL7
 
 func (k Kind) String() string {
 	switch k {
@@ -117,6 +121,8 @@ func (k Kind) String() string {
 		return "snat"
 	case DSR:
 		return "dsr"
+	case L7:
+		return "l7"
 	}
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
@@ -146,7 +152,7 @@ type Entry struct {
 	Created   time.Duration // when the datapath learned the flow
 	LastSeen  time.Duration // last refresh; at most one a second per flow
 	Deadline  time.Duration // LastSeen + the timeout of State; GC removes the entry after it
-	// Kind is how the flow is forwarded: EastWest, SNAT or DSR.
+	// Kind is how the flow is forwarded: EastWest, SNAT, DSR or L7.
 	Kind Kind
 	// SNAT is, for a flow of Kind SNAT, the address and port its source
 	// is translated to (the source the backend sees); the zero AddrPort
@@ -160,6 +166,9 @@ type Entry struct {
 	// learned before program generation 4, and entries GC recreated from
 	// a reverse-NAT half, do not. Always false for other kinds.
 	ReverseDerived bool
+	// ProxyIfindex is, for a flow of Kind L7, the interface toward the
+	// proxy the flow is handed to; 0 for every other kind.
+	ProxyIfindex uint32
 	// Flow is the id of the flow's FluxScope record (the low 32 bits of
 	// its seq in fluxvm_sflows), 0 when the flow has none; the record is
 	// the flow's only while its seq still matches (package flows).
@@ -531,8 +540,11 @@ func entry(k Key, v *bpf.CTValue) Entry {
 		ReverseDerived: revDerived(v),
 		Flow:           v.Flow,
 	}
-	if e.Kind == SNAT {
+	switch e.Kind {
+	case SNAT:
 		e.SNAT = snatOf(k, v)
+	case L7:
+		e.ProxyIfindex = v.L7Ifindex
 	}
 	return e
 }

@@ -44,6 +44,9 @@
 //     origin is the client (nat.Entry.SNAT, nat.Entry.Origin).
 //   - DSR: routed direct server return; nothing is translated, the backend
 //     answers the client directly, and there is no NAT half.
+//   - L7: handed untranslated to an L7 proxy (L7 enforce) on
+//     Entry.ProxyIfindex; no backend and no NAT half. GC keeps it until
+//     it expires.
 //
 // The key is the client's view (client -> VIP) for every kind. Entries
 // written by program generation 1 carry no kind flags and are EastWest,

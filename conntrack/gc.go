@@ -290,6 +290,9 @@ func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
 	switch {
 	case v.DeadlineNs < g.now:
 		return expired
+	case kindOf(v) == L7:
+		// No backend: it lives until it expires.
+		return keep
 	case !owns(b, v.ServiceId):
 		return gone
 	case bpf.BackendState(b.State) == bpf.BackendDraining && b.DrainUntilNs <= g.now:

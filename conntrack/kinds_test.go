@@ -562,13 +562,30 @@ func TestEntriesOfEveryKindRaw(t *testing.T) {
 			if all, _ := d.nat.List(nat.Filter{}); len(all) != 0 {
 				t.Errorf("NAT entries left: %+v", all)
 			}
+
+			// L7 enforce: handed to the proxy, no backend (0, a slot no
+			// service owns) and no half. Kept until it expires; a
+			// leftover half at its key goes.
+			l7 := base
+			l7.BackendId, l7.Flags, l7.L7Ifindex = 0, bpf.CTFlagL7, 42
+			put(l7)
+			d.must(d.nat.Put(ew))
+			if e, _ := d.lookup(k); e.Kind != L7 || e.ProxyIfindex != 42 || e.HasNATHalf() || e.SNAT.IsValid() {
+				t.Errorf("L7 entry reads as %+v", e)
+			}
+			if res := d.gc(t0); res != (GCResult{Scanned: 1, NATScanned: 1, SupersededNATRemoved: 1}) {
+				t.Errorf("GC of a live L7 flow with a leftover half: %v", res)
+			}
+			if res := d.gc(t0 + 2*time.Minute); res != (GCResult{Scanned: 1, Expired: 1}) {
+				t.Errorf("GC of an expired L7 flow: %v", res)
+			}
 		})
 	}
 	var names []string
-	for _, k := range []Kind{EastWest, SNAT, DSR} {
+	for _, k := range []Kind{EastWest, SNAT, DSR, L7} {
 		names = append(names, k.String())
 	}
-	if got := strings.Join(names, ","); got != "east-west,snat,dsr" {
+	if got := strings.Join(names, ","); got != "east-west,snat,dsr,l7" {
 		t.Errorf("kind names %s", got)
 	}
 }

@@ -57,6 +57,10 @@ type PolicyStatus struct {
 	// Frontends is how many datapath frontends enforce it.
 	Frontends int       `json:"frontends"`
 	L7        *L7Policy `json:"l7,omitempty"`
+	// ProxyIfindex is, under L7 enforce, the ifindex of the proxy
+	// interface new flows are handed to; 0 while it is missing (new
+	// flows drop until a reconcile finds it).
+	ProxyIfindex uint32 `json:"proxy_ifindex,omitempty"`
 }
 
 // PoliciesStatus is the node's identity policy state.
@@ -78,6 +82,12 @@ type PolicyCounters struct {
 	Audited   uint64 `json:"audited"`   // flows denied but forwarded (audit_only)
 	Rechecked uint64 `json:"rechecked"` // packets of established flows decided again (revision moved)
 	Revoked   uint64 `json:"revoked"`   // of those, denied
+	// L7Redirected counts new flows L7 enforce handed to a proxy;
+	// L7Bypass packets the proxies sent on to their VIPs (load-balanced
+	// as usual). A loop would show as redirected flows beyond the
+	// clients' connections.
+	L7Redirected uint64 `json:"l7_redirected"`
+	L7Bypass     uint64 `json:"l7_bypass"`
 }
 
 // policyState is the dataplane's identity policy state; under d.mu.
@@ -158,7 +168,20 @@ func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 		kept = append(kept, pol)
 	}
 	cp.Policies = kept
-	prog, err := d.pol.comp.Compile(d.policyInput(*cp), withIDs(cp.IDs))
+	in := d.policyInput(*cp)
+	// A proxy interface missing at a restore (not recreated yet) keeps
+	// its policy: the service's new flows drop until a reconcile finds
+	// the interface, rather than reach the backends unproxied.
+	in.Interface = func(name string) (uint32, error) {
+		i, err := d.proxyIfindex(name)
+		if err != nil {
+			d.log.Warn("fluxvm: restore: L7 enforce: the proxy interface is missing; new flows of its services drop until a reconcile finds it",
+				"interface", name, "err", err)
+			return 0, nil
+		}
+		return i, nil
+	}
+	prog, err := d.pol.comp.Compile(in, withIDs(cp.IDs))
 	if err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
@@ -176,7 +199,31 @@ func (d *Dataplane) policyInput(in catalogPolicies) policy.Input {
 			return &s.intent
 		}
 		return nil
-	}}
+	}, Interface: d.proxyIfindex}
+}
+
+// proxyIfindex resolves an L7 proxy interface in the dataplane's
+// namespace.
+func (d *Dataplane) proxyIfindex(name string) (uint32, error) {
+	var i uint32
+	err := d.opts.InNamespace(func() error {
+		var err error
+		i, err = proxyIfindex(name)
+		return err
+	})
+	return i, err
+}
+
+// policyFlags are the frontend flags that turn policy c on (none for nil
+// or a disabled policy).
+func policyFlags(c *policy.Compiled) uint32 {
+	switch {
+	case c == nil || !c.Enabled:
+		return 0
+	case c.Redirects():
+		return bpf.SvcFlagPolicy | bpf.SvcFlagL7
+	}
+	return bpf.SvcFlagPolicy
 }
 
 // policyFlag attaches service name's enforced policy, if it has one, to
@@ -184,13 +231,13 @@ func (d *Dataplane) policyInput(in catalogPolicies) policy.Input {
 // (commitFrontend puts the flag after this). d.mu must be held.
 func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
 	c := d.pol.prog.Policy(name)
-	if c == nil || !c.Enabled {
+	if policyFlags(c) == 0 {
 		return 0, nil
 	}
 	if err := d.pol.w.Attach(c, []uint32{sid}); err != nil {
 		return 0, err
 	}
-	return bpf.SvcFlagPolicy, nil
+	return policyFlags(c), nil
 }
 
 // ReconcilePolicies replaces the node's ipcache and every identity policy
@@ -381,17 +428,20 @@ func (d *Dataplane) writePolicies(prog *policy.Program) (err error) {
 	keep := map[uint32]bool{}
 	for name, s := range d.services {
 		c := prog.Policy(name)
-		on := c != nil && c.Enabled
+		on := policyFlags(c)
 		for _, fe := range s.frontends {
 			if !fe.live {
 				continue
 			}
-			flags := fe.flags &^ bpf.SvcFlagPolicy
-			if on {
+			// The header first (enforce's proxy interface in it), then
+			// the flags: a frontend never has SvcFlagL7 before its
+			// header does.
+			flags := fe.flags &^ (bpf.SvcFlagPolicy | bpf.SvcFlagL7)
+			if on != 0 {
 				if err := d.pol.w.Attach(c, []uint32{fe.sid}); err != nil {
 					return err
 				}
-				flags |= bpf.SvcFlagPolicy
+				flags |= on
 				keep[fe.sid] = true
 			}
 			if flags != fe.flags {
@@ -454,7 +504,8 @@ func (d *Dataplane) policiesStatus() PoliciesStatus {
 	for _, c := range prog.Policies {
 		ps := PolicyStatus{Service: c.Service, Enabled: c.Enabled, Revision: c.Revision, DefaultAction: c.Default,
 			AllowIdentities: slices.Clone(c.Policy.AllowIdentities), DenyIdentities: slices.Clone(c.Policy.DenyIdentities),
-			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7}
+			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7,
+			ProxyIfindex: c.ProxyIfindex}
 		if ps.AllowIdentities == nil {
 			ps.AllowIdentities = []Identity{}
 		}
@@ -479,6 +530,7 @@ func (d *Dataplane) policiesStatus() PoliciesStatus {
 	if c, err := bpf.ReadCounters(d.dp.Maps().FluxvmCounters); err == nil {
 		st.Counters.Audited, st.Counters.Rechecked, st.Counters.Revoked =
 			c[bpf.CounterPolicyAudited], c[bpf.CounterPolicyRechecked], c[bpf.CounterPolicyRevoked]
+		st.Counters.L7Redirected, st.Counters.L7Bypass = c[bpf.CounterL7Redirected], c[bpf.CounterL7Bypass]
 	}
 	return st
 }

@@ -297,9 +297,26 @@ func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.ApplyPolicies(ctx, Policy{Service: "web", DefaultAction: PolicyAllow,
-		L7: &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "proxy0"}}); err != nil {
+	enforce := Policy{Service: "web", DefaultAction: PolicyAllow,
+		L7: &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "proxy0"}}
+	// The proxy interface must exist, and be a veth (its peer in the
+	// proxy's namespace): nothing is applied otherwise.
+	if _, err := d.ApplyPolicies(ctx, enforce); !errors.Is(err, ErrPrerequisite) {
+		t.Fatalf("enforce toward a missing interface: %v, want ErrPrerequisite", err)
+	}
+	enforce.L7.ProxyInterface = "lo"
+	if _, err := d.ApplyPolicies(ctx, enforce); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("enforce toward loopback: %v, want ErrUnsupported", err)
+	}
+	if st, _ := d.Policies(); len(st.Policies) != 0 {
+		t.Fatalf("policies after the refused applies: %+v", st.Policies)
+	}
+	enforce.L7.ProxyInterface = e.backends[2].NodeIf
+	if _, err := d.ApplyPolicies(ctx, enforce); err != nil {
 		t.Fatal(err)
+	}
+	if p, _ := d.Policy("web"); p.ProxyIfindex != uint32(e.backends[2].NodeIfIndex) {
+		t.Errorf("proxy ifindex %d, want %d", p.ProxyIfindex, e.backends[2].NodeIfIndex)
 	}
 	// The Envoy document: a listener per VIP (port 80, TCP), the six
 	// backends (three VMs, both families), one virtual host for any host.

@@ -3,6 +3,7 @@ package policy
 import (
 	"cmp"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"net/netip"
@@ -17,6 +18,9 @@ var (
 	// ErrNoService: a policy names a service the catalog does not have.
 	// It wraps intent.ErrPrerequisite.
 	ErrNoService = fmt.Errorf("policy: no such service: %w", intent.ErrPrerequisite)
+	// ErrNoInterface: an L7 enforce policy names a proxy interface that
+	// Input.Interface cannot resolve. It wraps intent.ErrPrerequisite.
+	ErrNoInterface = fmt.Errorf("policy: no such proxy interface: %w", intent.ErrPrerequisite)
 )
 
 // Limits bound what one Program may hold.
@@ -39,6 +43,13 @@ type Input struct {
 	Policies []intent.Policy
 	// Service returns the catalog's service of that name, or nil.
 	Service func(name string) *intent.Service
+	// Interface resolves an L7 enforce policy's proxy interface to its
+	// ifindex; an error fails the compile (wrapped in ErrNoInterface).
+	// 0 with no error means the interface is known to be missing for
+	// now: the policy compiles, and its service's new flows drop until
+	// a later compile finds it (fail closed; a restore does this). Nil
+	// resolves nothing: an enforce policy does not compile.
+	Interface func(name string) (uint32, error)
 }
 
 // Rule is one identity's verdict under a policy.
@@ -71,6 +82,10 @@ type Compiled struct {
 	Unresolved []intent.Identity
 	// L7, when set, is the policy's L7 part as given.
 	L7 *intent.L7Policy
+	// ProxyIfindex is, for a policy that Redirects, the ifindex of its
+	// proxy interface (Input.Interface); 0 when it is missing (new flows
+	// drop).
+	ProxyIfindex uint32
 	// Policy is the policy as given.
 	Policy intent.Policy
 }
@@ -170,7 +185,19 @@ func (c Compiler) Compile(in Input, prev *Program) (*Program, error) {
 				Reason: fmt.Sprintf("service %q already has policies[%d]", p.Service, j), Kind: intent.ErrConflict})
 		}
 		seen[p.Service] = i
-		cp := compileOne(p.Clone(), ids, out.IPCacheRevision)
+		var ifindex uint32
+		if p.L7 != nil && p.L7.Mode == intent.L7Enforce {
+			var err error
+			if in.Interface == nil {
+				err = errors.New("no resolver")
+			} else {
+				ifindex, err = in.Interface(p.L7.ProxyInterface)
+			}
+			if err != nil {
+				return nil, fmt.Errorf("policy: compile: %s.l7.proxy_interface: %q: %w: %w", field, p.L7.ProxyInterface, ErrNoInterface, err)
+			}
+		}
+		cp := compileOne(p.Clone(), ids, out.IPCacheRevision, ifindex)
 		rules += len(cp.Rules)
 		if rules > lim.Rules {
 			return nil, fmt.Errorf("policy: compile: %s: %w", field, &intent.ValidationError{Field: "policies",
@@ -185,8 +212,9 @@ func (c Compiler) Compile(in Input, prev *Program) (*Program, error) {
 	return out, nil
 }
 
-func compileOne(p intent.Policy, known map[intent.Identity]bool, ipcacheRev uint32) Compiled {
-	c := Compiled{Service: p.Service, Enabled: p.IsEnabled(), Default: p.DefaultAction, AuditOnly: p.AuditOnly, L7: p.L7, Policy: p}
+func compileOne(p intent.Policy, known map[intent.Identity]bool, ipcacheRev, proxy uint32) Compiled {
+	c := Compiled{Service: p.Service, Enabled: p.IsEnabled(), Default: p.DefaultAction, AuditOnly: p.AuditOnly, L7: p.L7,
+		ProxyIfindex: proxy, Policy: p}
 	verdict := make(map[intent.Identity]intent.PolicyAction, len(p.AllowIdentities)+len(p.DenyIdentities))
 	for _, id := range p.AllowIdentities {
 		verdict[id] = intent.PolicyAllow
@@ -271,6 +299,7 @@ func revision(c *Compiled, ipcacheRev uint32) uint32 {
 	if c.L7 != nil {
 		h.Write([]byte(c.L7.Mode))
 		h.Write([]byte(c.L7.ProxyInterface))
+		put(c.ProxyIfindex)
 	}
 	put(flags)
 	for _, r := range c.Rules {
@@ -299,6 +328,12 @@ func (p *Program) Identity(a netip.Addr) intent.Identity {
 		}
 	}
 	return best
+}
+
+// Redirects reports whether the datapath hands c's new flows to an L7
+// proxy: an enabled policy with L7 enforce.
+func (c *Compiled) Redirects() bool {
+	return c.Enabled && c.L7 != nil && c.L7.Mode == intent.L7Enforce
 }
 
 // Decide returns what policy c does with a new flow from identity id:

@@ -230,3 +230,67 @@ func TestCompileRejects(t *testing.T) {
 		}
 	}
 }
+
+// TestCompileL7Enforce: an enforce policy's proxy interface is resolved at
+// compile (a failure fails the compile, checkable; 0 is a missing interface
+// that compiles fail-closed), the ifindex is part of the revision, and only
+// an enabled enforce policy redirects.
+func TestCompileL7Enforce(t *testing.T) {
+	enforce := func(mode intent.L7Mode, enabled bool) []intent.Policy {
+		return []intent.Policy{{Service: "a", DefaultAction: intent.PolicyAllow, Enabled: &enabled,
+			L7: &intent.L7Policy{Mode: mode, Protocol: intent.L7HTTP, ProxyInterface: "p0"}}}
+	}
+	resolve := func(i uint32, err error) func(string) (uint32, error) {
+		return func(name string) (uint32, error) {
+			if name != "p0" {
+				t.Errorf("resolved %q, want p0", name)
+			}
+			return i, err
+		}
+	}
+	gone := errors.New("no such device")
+	for _, tc := range []struct {
+		name      string
+		pols      []intent.Policy
+		iface     func(string) (uint32, error)
+		err       error
+		ifindex   uint32
+		redirects bool
+	}{
+		{"enforce", enforce(intent.L7Enforce, true), resolve(7, nil), nil, 7, true},
+		{"enforce, disabled", enforce(intent.L7Enforce, false), resolve(7, nil), nil, 7, false},
+		{"enforce, interface missing for now", enforce(intent.L7Enforce, true), resolve(0, nil), nil, 0, true},
+		{"enforce, interface not found", enforce(intent.L7Enforce, true), resolve(0, gone), ErrNoInterface, 0, false},
+		{"enforce, no resolver", enforce(intent.L7Enforce, true), nil, intent.ErrPrerequisite, 0, false},
+		{"observe resolves nothing", enforce(intent.L7Observe, true), nil, nil, 0, false},
+	} {
+		p, err := Compiler{}.Compile(Input{Policies: tc.pols, Service: svcs("a"), Interface: tc.iface}, nil)
+		if tc.err != nil {
+			if !errors.Is(err, tc.err) || !errors.Is(err, intent.ErrPrerequisite) || p != nil {
+				t.Errorf("%s: %v, want %v", tc.name, err, tc.err)
+			}
+			if tc.iface != nil && !errors.Is(err, gone) {
+				t.Errorf("%s: %v does not wrap the resolver's error", tc.name, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		c := p.Policy("a")
+		if c.ProxyIfindex != tc.ifindex || c.Redirects() != tc.redirects {
+			t.Errorf("%s: ifindex %d, redirects %v; want %d, %v", tc.name, c.ProxyIfindex, c.Redirects(), tc.ifindex, tc.redirects)
+		}
+	}
+	// The ifindex moves the revision (a recreated proxy interface).
+	rev := func(i uint32) uint32 {
+		p, err := Compiler{}.Compile(Input{Policies: enforce(intent.L7Enforce, true), Service: svcs("a"), Interface: resolve(i, nil)}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p.Policy("a").Revision
+	}
+	if rev(7) == rev(8) {
+		t.Error("the proxy's ifindex does not move the revision")
+	}
+}

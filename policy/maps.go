@@ -259,6 +259,10 @@ func (w *Writer) putHeads(c *Compiled, sids []uint32) error {
 	if c.AuditOnly {
 		h.Flags |= bpf.PolicyFlagAudit
 	}
+	if c.Redirects() {
+		h.Flags |= bpf.PolicyFlagL7
+		h.ProxyIfindex = c.ProxyIfindex
+	}
 	for _, sid := range sids {
 		if old, ok := w.heads[sid]; ok && old == h {
 			continue

@@ -316,3 +316,37 @@ func TestWriterBoundedRoom(t *testing.T) {
 		}
 	}
 }
+
+// TestWriterL7Header: a policy that redirects has PolicyFlagL7 and its
+// proxy's ifindex in its headers; switched to observe, neither.
+func TestWriterL7Header(t *testing.T) {
+	m := testMaps(t)
+	w, err := NewWriter(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head := func(mode intent.L7Mode) bpf.PolicyValue {
+		t.Helper()
+		in := Input{Policies: []intent.Policy{{Service: "a", DefaultAction: intent.PolicyAllow,
+			L7: &intent.L7Policy{Mode: mode, Protocol: intent.L7HTTP, ProxyInterface: "p0"}}},
+			Service: svcs("a"), Interface: func(string) (uint32, error) { return 7, nil }}
+		p, err := Compiler{}.Compile(in, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Attach(p.Policy("a"), []uint32{5}); err != nil {
+			t.Fatal(err)
+		}
+		var h bpf.PolicyValue
+		if err := m.Policies.Lookup(bpf.PolicyKey{Id: 5, Identity: bpf.PolicyHeader}, &h); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	if h := head(intent.L7Enforce); h.Flags&bpf.PolicyFlagL7 == 0 || h.ProxyIfindex != 7 {
+		t.Errorf("enforce header %+v: want PolicyFlagL7 toward 7", h)
+	}
+	if h := head(intent.L7Observe); h.Flags&bpf.PolicyFlagL7 != 0 || h.ProxyIfindex != 0 {
+		t.Errorf("observe header %+v: want no L7", h)
+	}
+}

@@ -310,8 +310,10 @@ int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
 		return 0;
 	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, scr->flow_now,
 				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff,
-				    /* forwarded, or audited (bit 1) */
-				    FLUXVM_FLOW_FORWARDED + (info & 2), scr->flow_seq);
+				    /* redirected to the L7 proxy (bit 2), or
+				     * forwarded, or audited (bit 1) */
+				    (info & 4) ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED + (info & 2),
+				    scr->flow_seq);
 }
 
 /* The record of new flow @id (fluxvm_flow_reserve; 0: not sampled), once

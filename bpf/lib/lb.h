@@ -486,7 +486,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(reason, st, es);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
@@ -516,7 +516,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	/* Policy: before anything is written. */
-	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
+	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(ctx, pkt, v6, sid, ct)))
 		return fluxvm_drop(reason, st, es);
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
@@ -572,7 +572,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+		if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(ret, st, es);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
@@ -601,7 +601,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	/* Policy: before a port is taken. */
-	if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_admit(pkt, v6, sid, ct)))
+	if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_admit(ctx, pkt, v6, sid, ct)))
 		return fluxvm_drop(ret, st, es);
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
@@ -659,7 +659,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
-		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(pkt, v6, sid, ct)))
+		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(reason, st, es);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
 		goto deliver;
@@ -676,7 +676,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_DSR);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(pkt, v6, sid, ct)))
+	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_admit(ctx, pkt, v6, sid, ct)))
 		return fluxvm_drop(reason, st, es);
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))

@@ -50,7 +50,8 @@ enum fluxvm_policy_verdict {
 
 /*
  * Decide a flow of client packet @pkt under the policy of the datapath
- * service in bits 32-63 of @info (bit 0: IPv6): the policy's revision in
+ * service in bits 32-63 of @info (bit 0: IPv6; bits 1-31: the interface
+ * the packet came in on): the policy's revision in
  * bits 32-63 of the result, the verdict (enum fluxvm_policy_verdict) in
  * the low byte; an audited flow is counted here. The header is read once:
  * its rule set and revision belong together (userspace replaces a header
@@ -78,6 +79,10 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	rev = v->revision;
 	action = v->action;
 	flags = v->flags;
+	/* L7 enforce's bypass (lib/l7.h): the proxy's own flows to the VIP
+	 * carry requests whose clients were decided on their way in. */
+	if ((flags & FLUXVM_POLICY_F_L7) && (__u32)info >> 1 == v->proxy_ifindex)
+		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
 	s->pk.id = v->rules;
 	/* The source's identity: the ipcache's longest prefix covering it,
 	 * or 0 (unknown). */
@@ -118,10 +123,10 @@ static __always_inline int fluxvm_policy_reason(__u64 pv)
  * (which takes nothing) and before every write, so a denied flow leaves
  * no state and takes no SNAT port.
  */
-static __always_inline int fluxvm_policy_admit(struct fluxvm_pkt *pkt, const int v6, __u32 sid,
-					       struct fluxvm_ct_value *ct)
+static __always_inline int fluxvm_policy_admit(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
+					       __u32 sid, struct fluxvm_ct_value *ct)
 {
-	__u64 pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)sid << 32));
+	__u64 pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)ctx_ifindex(ctx) << 1) | ((__u64)sid << 32));
 	int reason = fluxvm_policy_reason(pv);
 
 	if (reason)
@@ -141,8 +146,8 @@ static __always_inline int fluxvm_policy_admit(struct fluxvm_pkt *pkt, const int
  * decided again (and counted revoked), so a policy that allows it again
  * lets it go on.
  */
-static __always_inline int fluxvm_policy_recheck(struct fluxvm_pkt *pkt, const int v6, __u32 sid,
-						 struct fluxvm_ct_value *ct)
+static __always_inline int fluxvm_policy_recheck(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
+						 __u32 sid, struct fluxvm_ct_value *ct)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	struct fluxvm_spol_value *hdr;
@@ -157,7 +162,7 @@ static __always_inline int fluxvm_policy_recheck(struct fluxvm_pkt *pkt, const i
 	if (hdr && hdr->revision == ct->policy_rev)
 		return 0;
 	fluxvm_count(FLUXVM_CNT_POLICY_RECHECKED);
-	pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)sid << 32));
+	pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)ctx_ifindex(ctx) << 1) | ((__u64)sid << 32));
 	reason = fluxvm_policy_reason(pv);
 	if (reason == FLUXVM_DROP_POLICY_DENIED)
 		fluxvm_count(FLUXVM_CNT_POLICY_REVOKED);

@@ -153,11 +153,12 @@ static __always_inline void fluxvm_sock_forward(struct bpf_sock_addr *ctx, const
 	k.vport = a.port;
 	k.proto = proto;
 	k.family = family;
-	/* A service with an identity policy is left to TC, which decides
-	 * every flow by its source's identity (lib/policy.h); a UDP socket's
+	/* A service with an identity policy (or L7 enforce) is left to TC,
+	 * which decides every flow by its source's identity (lib/policy.h)
+	 * and hands L7 flows to the proxy (lib/l7.h); a UDP socket's
 	 * association from before the policy goes, so that its next send
 	 * is decided there too. */
-	if (svc->flags & FLUXVM_SVC_F_POLICY) {
+	if (svc->flags & (FLUXVM_SVC_F_POLICY | FLUXVM_SVC_F_L7)) {
 		if (proto == IPPROTO_UDP)
 			bpf_map_delete_elem(&fluxvm_sock_fwd, &k);
 		fluxvm_count(FLUXVM_CNT_SOCK_FAIL_OPEN_POLICY);

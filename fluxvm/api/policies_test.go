@@ -29,7 +29,7 @@ const validPolicy = `{
 func TestPoliciesEmpty(t *testing.T) {
 	e := newEnv(t)
 	w := e.do(req{method: "GET", path: "/v1/network/services/policies", token: readToken})
-	want := `{"ipcache_prefixes":0,"ipcache_revision":0,"policies":[],"counters":{"denied":0,"missing":0,"audited":0,"rechecked":0,"revoked":0}}` + "\n"
+	want := `{"ipcache_prefixes":0,"ipcache_revision":0,"policies":[],"counters":{"denied":0,"missing":0,"audited":0,"rechecked":0,"revoked":0,"l7_redirected":0,"l7_bypass":0}}` + "\n"
 	if w.Code != 200 || w.Body.String() != want {
 		t.Errorf("GET policies: %d %s\nwant %s", w.Code, w.Body, want)
 	}

@@ -37,15 +37,23 @@ const APIAddr = "127.0.0.1:7788"
 // and returns the binary's path.
 func Build(t testing.TB) string {
 	t.Helper()
+	return BuildCommand(t, "./cmd/fluxvmd")
+}
+
+// BuildCommand builds the main package in dir (relative to the main
+// module's root, e.g. "./examples/l7proxy") into the test's temporary
+// directory and returns the binary's path.
+func BuildCommand(t testing.TB, dir string) string {
+	t.Helper()
 	_, here, _, ok := runtime.Caller(0)
 	if !ok {
 		t.Fatal("daemontest: where is the module?")
 	}
-	bin := filepath.Join(t.TempDir(), "fluxvmd")
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/fluxvmd")
+	bin := filepath.Join(t.TempDir(), filepath.Base(dir))
+	cmd := exec.Command("go", "build", "-o", bin, dir)
 	cmd.Dir = filepath.Join(filepath.Dir(here), "..", "..", "..")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build %s: %v\n%s", Package, err, out)
+		t.Fatalf("build %s: %v\n%s", dir, err, out)
 	}
 	return bin
 }

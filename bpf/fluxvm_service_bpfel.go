@@ -478,15 +478,19 @@ const (
 )
 
 type serviceFluxvmSvcStatsValue struct {
-	_            structs.HostLayout
-	Packets      uint64
-	Bytes        uint64
-	ReplyPackets uint64
-	ReplyBytes   uint64
-	NewFlows     uint64
-	Failovers    uint64
-	Drops        uint64
-	EdtDrops     uint64
+	_             structs.HostLayout
+	Packets       uint64
+	Bytes         uint64
+	ReplyPackets  uint64
+	ReplyBytes    uint64
+	NewFlows      uint64
+	Failovers     uint64
+	Drops         uint64
+	EdtDrops      uint64
+	PolicyDenied  uint64
+	PolicyAudited uint64
+	L7Redirected  uint64
+	Pad0          uint64
 }
 
 type serviceFluxvmSvcValue struct {

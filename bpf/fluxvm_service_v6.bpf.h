@@ -337,8 +337,14 @@ struct fluxvm_svc_stats_value {
 	__u64 failovers;      /* flows moved off an Unhealthy/removed backend */
 	__u64 drops;
 	__u64 edt_drops;      /* of drops: beyond the EDT horizon (lib/edt.h) */
+	/* Identity policy and L7 enforce, per frontend (lib/policy.h, l7.h);
+	 * zero in the per-interface statistics. */
+	__u64 policy_denied;  /* flows denied: new, or established at a recheck */
+	__u64 policy_audited; /* flows audit_only forwarded */
+	__u64 l7_redirected;  /* new flows handed to the proxy */
+	__u64 pad0;
 };
-_Static_assert(sizeof(struct fluxvm_svc_stats_value) == 64, "fluxvm_svc_stats size");
+_Static_assert(sizeof(struct fluxvm_svc_stats_value) == 96, "fluxvm_svc_stats size");
 
 /*
  * EDT pacing (fluxvm_edt, array by service id, that is by frontend; lib/

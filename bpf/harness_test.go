@@ -407,6 +407,9 @@ func (h *harness) stats(sid uint32) ServiceStats {
 		s.Failovers += p.Failovers
 		s.Drops += p.Drops
 		s.EdtDrops += p.EdtDrops
+		s.PolicyDenied += p.PolicyDenied
+		s.PolicyAudited += p.PolicyAudited
+		s.L7Redirected += p.L7Redirected
 	}
 	return s
 }

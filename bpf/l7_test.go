@@ -113,8 +113,9 @@ func TestL7Redirect(t *testing.T) {
 				if n := c1[CounterL7Redirected] - c0[CounterL7Redirected]; n != 1 {
 					t.Errorf("l7_redirected +%d; want 1", n)
 				}
-				if st1.NewFlows-st0.NewFlows != 1 || st1.Packets-st0.Packets != 2 {
-					t.Errorf("service stats: new flows +%d, packets +%d; want 1 and 2", st1.NewFlows-st0.NewFlows, st1.Packets-st0.Packets)
+				if st1.NewFlows-st0.NewFlows != 1 || st1.Packets-st0.Packets != 2 || st1.L7Redirected-st0.L7Redirected != 1 {
+					t.Errorf("service stats: new flows +%d, packets +%d, redirected +%d; want 1, 2 and 1",
+						st1.NewFlows-st0.NewFlows, st1.Packets-st0.Packets, st1.L7Redirected-st0.L7Redirected)
 				}
 				// The flow from before keeps its backend; a fresh SYN
 				// reusing its tuple after its FIN goes to the proxy.
@@ -130,11 +131,15 @@ func TestL7Redirect(t *testing.T) {
 				// stops its redirected flow.
 				h.ipcache(host, denied)
 				h.l7Policy(3, PolicyAllow, l7Proxy, map[uint32]uint8{denied: PolicyDeny}, svc)
+				d0 := h.stats(sid).PolicyDenied
 				dropped(41002, pkt.SYN, DropPolicyDenied, "a denied identity's new flow")
 				if _, ok := h.ct(v.flow(41002)); ok {
 					t.Error("a denied flow was learned")
 				}
 				dropped(41001, pkt.ACK, DropPolicyDenied, "a redirected flow after its identity was revoked")
+				if n := h.stats(sid).PolicyDenied - d0; n != 2 {
+					t.Errorf("service policy_denied +%d; want 2 (a new flow, a revoked one)", n)
+				}
 
 				// The proxy's own flows (in on the proxy interface) are
 				// load-balanced, whatever the identity of their source:

@@ -32,7 +32,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_tuple6", 40, Tuple6{}},
 		{"fluxvm_ct_value", 64, CTValue{}},
 		{"fluxvm_nat_value", 64, NATValue{}},
-		{"fluxvm_svc_stats_value", 64, ServiceStats{}},
+		{"fluxvm_svc_stats_value", 96, ServiceStats{}},
 		{"fluxvm_meta_value", 48, Meta{}},
 		{"fluxvm_edge_slot", 8, EdgeSlot{}},
 		{"fluxvm_snat_cfg", 32, SNATConfig{}},

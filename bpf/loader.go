@@ -46,7 +46,8 @@ import (
 //
 // Generation 6 adds L7 enforce (SvcFlagL7, PolicyFlagL7): the conntrack
 // value's last word became the proxy interface of CTFlagL7 flows (zero in
-// every entry carried over), and the counters array grew by two.
+// every entry carried over), the counters array grew by two and the
+// per-service statistics by the policy and L7 counts (96 bytes).
 const ProgramGeneration = 6
 
 // socketMapsOff is the size of the socket LB maps while socket LB is off.

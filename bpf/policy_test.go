@@ -180,12 +180,12 @@ func TestPolicy(t *testing.T) {
 				// audited.
 				h.flowSampling(1)
 				h.policy(sid, rules1, 5, PolicyDeny, PolicyFlagAudit, map[uint32]uint8{other: PolicyAllow})
-				a0 := h.counters()[CounterPolicyAudited]
+				a0, sa0 := h.counters()[CounterPolicyAudited], h.stats(sid).PolicyAudited
 				if ok, _ := send(40003, pkt.SYN); !ok {
 					t.Fatal("audit_only dropped a denied flow")
 				}
-				if n := h.counters()[CounterPolicyAudited] - a0; n != 1 {
-					t.Errorf("policy_audited +%d; want 1", n)
+				if n, sn := h.counters()[CounterPolicyAudited]-a0, h.stats(sid).PolicyAudited-sa0; n != 1 || sn != 1 {
+					t.Errorf("policy_audited +%d, the service's +%d; want 1 and 1", n, sn)
 				}
 				if ct, ok := h.ct(v.flow(40003)); ok && ct.Flow != 0 && mode.name != "dsr" {
 					if f, ok := h.flowRecord(ct.Flow); !ok || FlowVerdict(f.Verdict) != FlowAudited {

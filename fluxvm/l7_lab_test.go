@@ -312,6 +312,9 @@ func TestL7EnforceLab(t *testing.T) {
 	if n := c1.L7Redirected - c0.L7Redirected; n != uint64(conns) {
 		t.Errorf("l7_redirected +%d for %d client connections", n, conns)
 	}
+	if p, err := d.Policy("web"); err != nil || p.Counters.L7Redirected != uint64(conns) || p.Counters.Denied == 0 {
+		t.Errorf("the service's policy counters %+v (%v): want %d redirected and the denied identity's SYNs", p.Counters, err, conns)
+	}
 	if c1.L7Bypass == c0.L7Bypass {
 		t.Error("l7_bypass did not move: the proxy's requests did not come in on the proxy interface")
 	}

@@ -61,6 +61,40 @@ type PolicyStatus struct {
 	// interface new flows are handed to; 0 while it is missing (new
 	// flows drop until a reconcile finds it).
 	ProxyIfindex uint32 `json:"proxy_ifindex,omitempty"`
+	// Counters are this service's, over its frontends.
+	Counters PolicyServiceCounters `json:"counters"`
+}
+
+// PolicyServiceCounters count what one service's policy did, over its
+// frontends, since each was programmed.
+type PolicyServiceCounters struct {
+	// Denied counts denied decisions: new flows, and packets of
+	// established flows denied at a recheck (revoked).
+	Denied uint64 `json:"denied"`
+	// Audited counts flows audit_only forwarded though denied.
+	Audited uint64 `json:"audited"`
+	// L7Redirected counts new flows handed to the L7 proxy.
+	L7Redirected uint64 `json:"l7_redirected"`
+}
+
+func (c *PolicyServiceCounters) add(o PolicyServiceCounters) {
+	c.Denied += o.Denied
+	c.Audited += o.Audited
+	c.L7Redirected += o.L7Redirected
+}
+
+// frontendPolicyCounters reads datapath service sid's policy counts
+// (zero when they cannot be read: the status is best effort).
+func (d *Dataplane) frontendPolicyCounters(sid uint32) PolicyServiceCounters {
+	var per []bpf.ServiceStats
+	var c PolicyServiceCounters
+	if err := d.dp.Maps().FluxvmSvcStats.Lookup(sid, &per); err != nil {
+		return c
+	}
+	for _, p := range per {
+		c.add(PolicyServiceCounters{Denied: p.PolicyDenied, Audited: p.PolicyAudited, L7Redirected: p.L7Redirected})
+	}
+	return c
 }
 
 // PoliciesStatus is the node's identity policy state.
@@ -519,6 +553,9 @@ func (d *Dataplane) policiesStatus() PoliciesStatus {
 			for _, fe := range s.frontends {
 				if fe.live && fe.flags&bpf.SvcFlagPolicy != 0 {
 					ps.Frontends++
+				}
+				if fe.live {
+					ps.Counters.add(d.frontendPolicyCounters(fe.sid))
 				}
 			}
 		}

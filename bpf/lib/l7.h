@@ -159,6 +159,8 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);
 	fluxvm_count_new_flow(st, es, 0);
 	fluxvm_count(FLUXVM_CNT_L7_REDIRECTED);
+	if (st)
+		st->l7_redirected++;
 	return fluxvm_l7_send(ctx, ifindex, ct->flow, sid, now, st, es);
 }
 #endif /* FLUXVM_CTX_SKB */

@@ -251,7 +251,7 @@ struct fluxvm_scratch {
 	struct fluxvm_spol_key pk;
 	struct fluxvm_sid4_key sk4;
 	struct fluxvm_sid6_key sk6;
-	__u32 pad2;
+	__u32 stats_key; /* a service id, to count into fluxvm_svc_stats (policy.h) */
 };
 
 struct {

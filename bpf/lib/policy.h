@@ -53,7 +53,8 @@ enum fluxvm_policy_verdict {
  * service in bits 32-63 of @info (bit 0: IPv6; bits 1-31: the interface
  * the packet came in on): the policy's revision in
  * bits 32-63 of the result, the verdict (enum fluxvm_policy_verdict) in
- * the low byte; an audited flow is counted here. The header is read once:
+ * the low byte; a denied or audited flow is counted here (node-wide and
+ * for the service). The header is read once:
  * its rule set and revision belong together (userspace replaces a header
  * in one update; fluxvm_spol is not preallocated, so a replaced header
  * stays readable until we are done). A global function, verified once for
@@ -64,6 +65,7 @@ enum fluxvm_policy_verdict {
 __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u64 info)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_svc_stats_value *st;
 	struct fluxvm_spol_value *v;
 	struct fluxvm_sid_value *id;
 	__u32 rev;
@@ -101,8 +103,16 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 		action = v->action;
 	if (action == FLUXVM_POLICY_ALLOW)
 		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
-	if (!(flags & FLUXVM_POLICY_F_AUDIT))
+	/* Denied (or audited): counted for the service too. */
+	s->stats_key = (__u32)(info >> 32);
+	st = bpf_map_lookup_elem(&fluxvm_svc_stats, &s->stats_key);
+	if (!(flags & FLUXVM_POLICY_F_AUDIT)) {
+		if (st)
+			st->policy_denied++;
 		return ((__u64)rev << 32) | FLUXVM_PV_DENY;
+	}
+	if (st)
+		st->policy_audited++;
 	fluxvm_count(FLUXVM_CNT_POLICY_AUDITED);
 	return ((__u64)rev << 32) | FLUXVM_PV_AUDIT;
 }

@@ -198,6 +198,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"PolicyStatus":           reflect.TypeFor[fluxvm.PolicyStatus](),
 		"EnvoyDocument":          reflect.TypeFor[fluxvm.EnvoyDocument](),
 		"PolicyCounters":         reflect.TypeFor[fluxvm.PolicyCounters](),
+		"PolicyServiceCounters":  reflect.TypeFor[fluxvm.PolicyServiceCounters](),
 		"IPCache":                reflect.TypeFor[fluxvm.IPCache](),
 		"IPCacheEntry":           reflect.TypeFor[fluxvm.IPCacheEntry](),
 		"Error":                  reflect.TypeFor[ErrorResponse](),

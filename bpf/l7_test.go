@@ -41,14 +41,17 @@ func TestL7Redirect(t *testing.T) {
 	const denied = 2001
 	h := newHarness(t)
 	h.edge()
+	// East-west with stored reverse halves (so that a reused tuple's
+	// half is seen to go); north-south on both edges (enforce needs the
+	// VM edge, where the proxy's own flows come in: from_vm).
 	modes := []struct {
 		name  string
 		setup func(v variant, flags uint32)
 		prog  *ebpf.Program
 	}{
-		{"east-west nat", func(v variant, flags uint32) { h.svcFlags(sid, v.vip, v.proto, flags) }, h.objs.FluxvmFromVm},
+		{"east-west nat", func(v variant, flags uint32) { h.svcFlags(sid, v.vip, v.proto, SvcFlagRevStored|flags) }, h.objs.FluxvmFromVm},
 		{"north-south snat", func(v variant, flags uint32) {
-			h.svcFlags(sid, v.vip, v.proto, SvcFlagNorthSouth|SvcFlagNoEastWest|flags)
+			h.svcFlags(sid, v.vip, v.proto, SvcFlagNorthSouth|flags)
 		}, h.objs.FluxvmNsIn},
 	}
 	for _, mode := range modes {
@@ -76,12 +79,16 @@ func TestL7Redirect(t *testing.T) {
 						t.Fatalf("%s: verdict %d; want TC_ACT_REDIRECT with the packet untranslated", what, int32(ret))
 					}
 				}
-				translated := func(port uint16, f pkt.TCPFlags, what string) {
+				translatedBy := func(prog *ebpf.Program, port uint16, f pkt.TCPFlags, what string) {
 					t.Helper()
 					in := v.fwd(port, f)
-					if ret, out := h.run(mode.prog, in); ret != tcOK || bytes.Equal(out[:len(in)], in) {
+					if ret, out := h.run(prog, in); ret != tcOK || bytes.Equal(out[:len(in)], in) {
 						t.Fatalf("%s: verdict %d; want TC_ACT_OK, translated", what, int32(ret))
 					}
+				}
+				translated := func(port uint16, f pkt.TCPFlags, what string) {
+					t.Helper()
+					translatedBy(mode.prog, port, f, what)
 				}
 				dropped := func(port uint16, f pkt.TCPFlags, reason DropReason, what string) {
 					t.Helper()
@@ -95,6 +102,14 @@ func TestL7Redirect(t *testing.T) {
 				h.policy(sid, 10, 1, PolicyAllow, 0, nil)
 				svc(SvcFlagPolicy)
 				translated(41000, pkt.SYN, "before enforce")
+				old, _ := h.ct(v.flow(41000))
+				half := v.natKey(v.backends[old.BackendId-1], 41000)
+				if mode.name == "north-south snat" {
+					half = v.snatKey(v.backends[old.BackendId-1], Port(old.NatPort))
+				}
+				if _, ok := h.nat(half); !ok {
+					t.Fatalf("the flow from before enforce has no reverse half %+v", half)
+				}
 
 				// Enforce on: a new flow goes to the proxy whole.
 				h.l7Policy(2, PolicyAllow, l7Proxy, nil, svc)
@@ -125,6 +140,12 @@ func TestL7Redirect(t *testing.T) {
 				if ct, _ := h.ct(v.flow(41000)); ct.Flags&CTFlagL7 == 0 {
 					t.Errorf("conntrack %+v: want the reused tuple's flow taken by L7", ct)
 				}
+				// The stored half goes with its flow (it would translate
+				// the old backend's late packets onto the proxied
+				// connection); an SNAT mapping stays for the GC.
+				if _, ok := h.nat(half); ok != (mode.name == "north-south snat") {
+					t.Errorf("reverse half of the replaced flow present %v", ok)
+				}
 
 				// The identity decision comes first: a denied source's
 				// new flow drops, nothing learned; revoking an identity
@@ -146,8 +167,8 @@ func TestL7Redirect(t *testing.T) {
 				// no loop.
 				b0 := h.counters()
 				h.l7Policy(4, PolicyDeny, l7Loopback, nil, svc)
-				translated(41003, pkt.SYN, "the proxy's new flow")
-				translated(41003, pkt.ACK, "the proxy's next packet")
+				translatedBy(h.objs.FluxvmFromVm, 41003, pkt.SYN, "the proxy's new flow")
+				translatedBy(h.objs.FluxvmFromVm, 41003, pkt.ACK, "the proxy's next packet")
 				if ct, ok := h.ct(v.flow(41003)); !ok || ct.Flags&CTFlagL7 != 0 || ct.BackendId == 0 {
 					t.Errorf("conntrack %+v (present %v): want the proxy's flow on a backend", ct, ok)
 				}

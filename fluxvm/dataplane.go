@@ -675,8 +675,21 @@ func hooksOf(kind string) []bpf.Hook {
 
 // AddInterface attaches the VM-edge programs to a VM's host-side
 // interface. It is idempotent. An interface that is attached as a
-// north-south interface is a conflict (ErrConflict).
+// north-south interface is a conflict (ErrConflict). An L7 proxy interface
+// attached again with another index (its veth recreated) is what the
+// policies that redirect to it name from then on.
 func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
+	st, err := d.addInterface(vi)
+	if err != nil {
+		return st, err
+	}
+	if err := d.refreshProxies(vi.Name, st.Index); err != nil {
+		return st, fmt.Errorf("fluxvm: add interface %s: attached, but the L7 policies that redirect to it were not updated: %w", vi.Name, err)
+	}
+	return st, nil
+}
+
+func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	if vi.Name == "" || vi.VMID == "" {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface: %w", &ValidationError{Field: "interface", Reason: "name and vm_id are required"})
 	}

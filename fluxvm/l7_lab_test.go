@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -360,5 +361,112 @@ func TestL7EnforceLab(t *testing.T) {
 	}
 	if !direct {
 		t.Error("under observe no backend saw the client")
+	}
+}
+
+// TestL7ProxyInterfaceLifecycle: a proxy interface that goes away does not
+// block other policy changes, a service's delete, or a restart; its
+// services' new flows drop meanwhile (index 0, fail closed); attached
+// again with a new index, the policy names it. And the interface must be
+// a VM-edge veth whose peer is in another namespace.
+func TestL7ProxyInterfaceLifecycle(t *testing.T) {
+	e := newEnv(t)
+	px := e.lab.AddVMForTest(t, 9)
+	e.opts.Interfaces = append(e.opts.Interfaces, VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
+	d := e.open(t)
+	ctx := context.Background()
+	svc := e.service(1, 1, 1)
+	svc.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
+	other := svc.Clone()
+	other.Name, other.VIPs = "other", []netip.Addr{netip.MustParseAddr("10.96.0.11"), netip.MustParseAddr("fd00:96::11")}
+	for _, s := range []Service{svc, other} {
+		if _, err := d.ApplyService(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	web := Policy{Service: "web", DefaultAction: PolicyAllow, L7: &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: px.NodeIf}}
+	plain := Policy{Service: "other", DefaultAction: PolicyAllow}
+	if _, err := d.ApplyPolicies(ctx, web, plain); err != nil {
+		t.Fatal(err)
+	}
+	proxyIndex := func(d *Dataplane) uint32 {
+		t.Helper()
+		p, err := d.Policy("web")
+		if err != nil || p.ProxyIfindex == nil {
+			t.Fatalf("policy %+v, %v: want a proxy index", p, err)
+		}
+		return *p.ProxyIfindex
+	}
+	if got := proxyIndex(d); got != uint32(px.NodeIfIndex) {
+		t.Fatalf("proxy index %d, want %d", got, px.NodeIfIndex)
+	}
+
+	// A veth whose peer is in the node's namespace too cannot hand flows
+	// over: refused, and nothing changes.
+	nl, err := netlink.NewHandleAt(e.lab.Node.Handle())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nl.Close()
+	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "pxsame"}, PeerName: "pxsame-b"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "pxsame"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.AddInterface(VMEdgeInterface{Name: "pxsame", VMID: "same"}); err != nil {
+		t.Fatal(err)
+	}
+	bad := web
+	bad.L7 = &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "pxsame"}
+	if _, err := d.ApplyPolicies(ctx, bad); !errors.Is(err, ErrUnsupported) {
+		t.Errorf("a proxy veth with its peer in the node's namespace: %v, want ErrUnsupported", err)
+	}
+
+	// The proxy's veth goes away.
+	link, err := nl.LinkByName(px.NodeIf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.LinkDel(link); err != nil {
+		t.Fatal(err)
+	}
+	ipc := IPCache{Entries: []IPCacheEntry{{Prefix: netip.MustParsePrefix("10.200.1.0/24"), Identity: 1001}}}
+	if _, err := d.SetIPCache(ctx, ipc); err != nil {
+		t.Fatalf("an ipcache change with the proxy interface gone: %v", err)
+	}
+	if got := proxyIndex(d); got != 0 {
+		t.Errorf("proxy index %d with the interface gone, want 0 (new flows drop)", got)
+	}
+	if err := d.DeleteService(ctx, "other"); err != nil {
+		t.Fatalf("deleting another service with the proxy interface gone: %v", err)
+	}
+	// A restart without it: the policy is kept, failing closed, and
+	// policy changes go on.
+	d.Close()
+	e.opts.Interfaces = e.opts.Interfaces[:len(e.opts.Interfaces)-1]
+	d = e.open(t)
+	if got := proxyIndex(d); got != 0 {
+		t.Errorf("proxy index %d after a restart without the interface, want 0", got)
+	}
+	if _, err := d.SetIPCache(ctx, IPCache{}); err != nil {
+		t.Fatalf("an ipcache change after the restart: %v", err)
+	}
+	// A new veth under the same name, attached: the policy names it.
+	vh, err := netlink.NewHandleAt(px.NS.Handle())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vh.Close()
+	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: px.NodeIf}, PeerName: "eth1",
+		PeerNamespace: netlink.NsFd(int(px.NS.Handle()))}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := d.AddInterface(VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := proxyIndex(d); got != uint32(st.Index) || st.Index == px.NodeIfIndex {
+		t.Errorf("proxy index %d after the new veth was attached (index %d, the old one %d)", got, st.Index, px.NodeIfIndex)
 	}
 }

@@ -10,18 +10,21 @@ import (
 
 // proxyIfindex resolves an L7 enforce policy's proxy interface. The
 // datapath hands flows over with bpf_redirect_peer, which only a device
-// with a peer in another namespace (veth, netkit) takes: anything else is
-// refused here rather than dropped in silence by the kernel later.
+// whose peer is in another namespace takes (a veth or netkit pair):
+// anything else is refused here rather than dropped in silence by the
+// kernel later.
 func proxyIfindex(name string) (uint32, error) {
 	link, err := netlink.LinkByName(name)
 	if err != nil {
 		return 0, fmt.Errorf("interface %q: %w", name, err)
 	}
-	switch t := link.Type(); t {
-	case "veth", "netkit":
-		return uint32(link.Attrs().Index), nil
-	default:
+	switch t := link.Type(); {
+	case t != "veth" && t != "netkit":
 		return 0, fmt.Errorf("interface %q is a %s device: %w: L7 enforce hands flows to the proxy's namespace through a veth (or netkit) pair",
 			name, t, intent.ErrUnsupported)
+	case link.Attrs().NetNsID < 0:
+		return 0, fmt.Errorf("interface %q: its peer is in the same namespace: %w: the proxy's end of the pair must be in the proxy's namespace",
+			name, intent.ErrUnsupported)
 	}
+	return uint32(link.Attrs().Index), nil
 }

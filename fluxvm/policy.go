@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -60,7 +61,7 @@ type PolicyStatus struct {
 	// ProxyIfindex is, under L7 enforce, the ifindex of the proxy
 	// interface new flows are handed to; 0 while it is missing (new
 	// flows drop until a reconcile finds it).
-	ProxyIfindex uint32 `json:"proxy_ifindex,omitempty"`
+	ProxyIfindex *uint32 `json:"proxy_ifindex,omitempty"`
 	// Counters are this service's, over its frontends.
 	Counters PolicyServiceCounters `json:"counters"`
 }
@@ -202,20 +203,10 @@ func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 		kept = append(kept, pol)
 	}
 	cp.Policies = kept
-	in := d.policyInput(*cp)
 	// A proxy interface missing at a restore (not recreated yet) keeps
-	// its policy: the service's new flows drop until a reconcile finds
-	// the interface, rather than reach the backends unproxied.
-	in.Interface = func(name string) (uint32, error) {
-		i, err := d.proxyIfindex(name)
-		if err != nil {
-			d.log.Warn("fluxvm: restore: L7 enforce: the proxy interface is missing; new flows of its services drop until a reconcile finds it",
-				"interface", name, "err", err)
-			return 0, nil
-		}
-		return i, nil
-	}
-	prog, err := d.pol.comp.Compile(in, withIDs(cp.IDs))
+	// its policy: the service's new flows drop until the interface is
+	// attached again, rather than reach the backends unproxied.
+	prog, err := d.pol.comp.Compile(d.policyInput(*cp, nil), withIDs(cp.IDs))
 	if err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
@@ -227,13 +218,49 @@ func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 }
 
 // policyInput is in as the compiler takes it, services from the catalog.
-func (d *Dataplane) policyInput(in catalogPolicies) policy.Input {
+// The proxy interfaces of enforce policies the change adds or alters
+// (strict) must resolve and be VM-edge interfaces of the dataplane; those
+// of the policies it keeps resolve as they can: a proxy interface gone
+// since must not block every other policy change (or a service's
+// delete), and its services' new flows drop meanwhile (index 0).
+func (d *Dataplane) policyInput(in catalogPolicies, strict map[string]bool) policy.Input {
 	return policy.Input{IPCache: in.IPCache, Policies: in.Policies, Service: func(name string) *intent.Service {
 		if s := d.services[name]; s != nil {
 			return &s.intent
 		}
 		return nil
-	}, Interface: d.proxyIfindex}
+	}, Interface: func(name string) (uint32, error) {
+		if strict[name] {
+			if ifc := d.ifaces[name]; ifc == nil || ifc.kind != InterfaceVMEdge {
+				return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.Interfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
+					name, ErrPrerequisite)
+			}
+			return d.proxyIfindex(name)
+		}
+		i, err := d.proxyIfindex(name)
+		if err != nil {
+			d.log.Warn("fluxvm: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it can",
+				"interface", name, "err", err)
+			return 0, nil
+		}
+		return i, nil
+	}}
+}
+
+// changedProxies names the proxy interfaces of the enabled enforce
+// policies of next that cur does not have as they are.
+func changedProxies(cur, next []Policy) map[string]bool {
+	out := map[string]bool{}
+	for _, p := range next {
+		if p.L7 == nil || p.L7.Mode != L7Enforce || !p.IsEnabled() {
+			continue
+		}
+		i := slices.IndexFunc(cur, func(q Policy) bool { return q.Service == p.Service })
+		if i < 0 || !reflect.DeepEqual(cur[i], p) {
+			out[p.L7.ProxyInterface] = true
+		}
+	}
+	return out
 }
 
 // proxyIfindex resolves an L7 proxy interface in the dataplane's
@@ -246,6 +273,25 @@ func (d *Dataplane) proxyIfindex(name string) (uint32, error) {
 		return err
 	})
 	return i, err
+}
+
+// refreshProxies recompiles the policies when one redirects to interface
+// name with another index than it has now (the proxy's veth was
+// recreated and attached again): their headers then name the new one.
+func (d *Dataplane) refreshProxies(name string, index int) error {
+	d.mu.Lock()
+	stale := false
+	for _, c := range d.pol.prog.Policies {
+		if c.Redirects() && c.L7.ProxyInterface == name && c.ProxyIfindex != uint32(index) {
+			stale = true
+		}
+	}
+	d.mu.Unlock()
+	if !stale {
+		return nil
+	}
+	_, err := d.changePolicies(context.Background(), "refresh the L7 proxy interface "+name, func(*catalogPolicies) error { return nil })
+	return err
 }
 
 // policyFlags are the frontend flags that turn policy c on (none for nil
@@ -384,7 +430,7 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
-	prog, err := d.pol.comp.Compile(d.policyInput(next), d.pol.prog)
+	prog, err := d.pol.comp.Compile(d.policyInput(next, changedProxies(d.pol.in.Policies, next.Policies)), d.pol.prog)
 	if err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
@@ -538,8 +584,11 @@ func (d *Dataplane) policiesStatus() PoliciesStatus {
 	for _, c := range prog.Policies {
 		ps := PolicyStatus{Service: c.Service, Enabled: c.Enabled, Revision: c.Revision, DefaultAction: c.Default,
 			AllowIdentities: slices.Clone(c.Policy.AllowIdentities), DenyIdentities: slices.Clone(c.Policy.DenyIdentities),
-			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7,
-			ProxyIfindex: c.ProxyIfindex}
+			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7}
+		if c.Redirects() {
+			i := c.ProxyIfindex
+			ps.ProxyIfindex = &i
+		}
 		if ps.AllowIdentities == nil {
 			ps.AllowIdentities = []Identity{}
 		}
@@ -581,7 +630,7 @@ func (d *Dataplane) dropPolicyOf(name string) (uint64, error) {
 		next = *cur
 	}
 	next.Policies = slices.DeleteFunc(next.Policies, func(p Policy) bool { return p.Service == name })
-	prog, err := d.pol.comp.Compile(d.policyInput(next), d.pol.prog)
+	prog, err := d.pol.comp.Compile(d.policyInput(next, nil), d.pol.prog)
 	if err != nil {
 		return 0, fmt.Errorf("identity policies without %s: %w", name, err)
 	}

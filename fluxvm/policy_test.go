@@ -305,8 +305,8 @@ func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
 		t.Fatalf("enforce toward a missing interface: %v, want ErrPrerequisite", err)
 	}
 	enforce.L7.ProxyInterface = "lo"
-	if _, err := d.ApplyPolicies(ctx, enforce); !errors.Is(err, ErrUnsupported) {
-		t.Fatalf("enforce toward loopback: %v, want ErrUnsupported", err)
+	if _, err := d.ApplyPolicies(ctx, enforce); !errors.Is(err, ErrPrerequisite) {
+		t.Fatalf("enforce toward loopback (no VM-edge interface): %v, want ErrPrerequisite", err)
 	}
 	if st, _ := d.Policies(); len(st.Policies) != 0 {
 		t.Fatalf("policies after the refused applies: %+v", st.Policies)
@@ -315,8 +315,8 @@ func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
 	if _, err := d.ApplyPolicies(ctx, enforce); err != nil {
 		t.Fatal(err)
 	}
-	if p, _ := d.Policy("web"); p.ProxyIfindex != uint32(e.backends[2].NodeIfIndex) {
-		t.Errorf("proxy ifindex %d, want %d", p.ProxyIfindex, e.backends[2].NodeIfIndex)
+	if p, _ := d.Policy("web"); p.ProxyIfindex == nil || *p.ProxyIfindex != uint32(e.backends[2].NodeIfIndex) {
+		t.Errorf("proxy ifindex %v, want %d", p.ProxyIfindex, e.backends[2].NodeIfIndex)
 	}
 	// The Envoy document: a listener per VIP (port 80, TCP), the six
 	// backends (three VMs, both families), one virtual host for any host.

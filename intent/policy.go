@@ -335,7 +335,8 @@ func checkL7(l *L7Policy) *ValidationError {
 
 // ValidatePolicyFor checks p against the service s it names, on top of
 // ValidatePolicy: L7 enforce needs a service in mode nat whose ports are
-// all TCP (the proxy terminates TCP; DSR keeps the VIP on the wire).
+// all TCP (the proxy terminates TCP; DSR keeps the VIP on the wire),
+// served on the VM edge (where the proxy's own connections come in).
 func ValidatePolicyFor(p Policy, s *Service) error {
 	if e := validatePolicy(&p); e != nil {
 		return fmt.Errorf("intent: policy %s: %w", quoteName(p.Service), e)
@@ -348,6 +349,11 @@ func ValidatePolicyFor(p Policy, s *Service) error {
 	}
 	if s.Mode == ModeDSR {
 		return fmt.Errorf("intent: policy %s: %w", quoteName(p.Service), verr(ErrUnsupported, "l7.mode", "enforce needs a service in mode nat, not dsr"))
+	}
+	if s.Exposure == ExposureNorthSouth {
+		return fmt.Errorf("intent: policy %s: %w", quoteName(p.Service), verr(ErrUnsupported, "l7.mode",
+			"enforce needs a service served on the VM edge (exposure %s or %s): the proxy's own connections to the VIP come in there",
+			ExposureEastWest, ExposureBoth))
 	}
 	for i, sp := range s.Ports {
 		if sp.Protocol != TCP {

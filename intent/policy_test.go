@@ -172,6 +172,8 @@ func TestValidatePolicyFor(t *testing.T) {
 		{"no such service", enforce, nil, ErrPrerequisite},
 		{"another service", enforce, &Service{Name: "api"}, ErrPrerequisite},
 		{"enforce on DSR", enforce, &Service{Name: "web", Mode: ModeDSR, Ports: tcp.Ports}, ErrUnsupported},
+		{"enforce on a north-south-only service", enforce, &Service{Name: "web", Exposure: ExposureNorthSouth, Ports: tcp.Ports}, ErrUnsupported},
+		{"enforce on both edges", enforce, &Service{Name: "web", Exposure: ExposureBoth, Ports: tcp.Ports}, nil},
 		{"enforce with a UDP port", enforce, &Service{Name: "web", Ports: []ServicePort{{Port: 80, Protocol: TCP}, {Port: 53, Protocol: UDP}}}, ErrUnsupported},
 		{"observe on UDP", Policy{Service: "web", DefaultAction: PolicyAllow, L7: &L7Policy{Mode: L7Observe, Protocol: L7GRPC}},
 			&Service{Name: "web", Ports: []ServicePort{{Port: 53, Protocol: UDP}}}, nil},

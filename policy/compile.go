@@ -43,8 +43,9 @@ type Input struct {
 	Policies []intent.Policy
 	// Service returns the catalog's service of that name, or nil.
 	Service func(name string) *intent.Service
-	// Interface resolves an L7 enforce policy's proxy interface to its
-	// ifindex; an error fails the compile (wrapped in ErrNoInterface).
+	// Interface resolves an enabled L7 enforce policy's proxy interface
+	// to its ifindex; an error fails the compile (wrapped in
+	// ErrNoInterface).
 	// 0 with no error means the interface is known to be missing for
 	// now: the policy compiles, and its service's new flows drop until
 	// a later compile finds it (fail closed; a restore does this). Nil
@@ -186,7 +187,7 @@ func (c Compiler) Compile(in Input, prev *Program) (*Program, error) {
 		}
 		seen[p.Service] = i
 		var ifindex uint32
-		if p.L7 != nil && p.L7.Mode == intent.L7Enforce {
+		if p.L7 != nil && p.L7.Mode == intent.L7Enforce && p.IsEnabled() {
 			var err error
 			if in.Interface == nil {
 				err = errors.New("no resolver")

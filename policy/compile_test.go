@@ -258,7 +258,7 @@ func TestCompileL7Enforce(t *testing.T) {
 		redirects bool
 	}{
 		{"enforce", enforce(intent.L7Enforce, true), resolve(7, nil), nil, 7, true},
-		{"enforce, disabled", enforce(intent.L7Enforce, false), resolve(7, nil), nil, 7, false},
+		{"enforce, disabled: nothing resolved", enforce(intent.L7Enforce, false), nil, nil, 0, false},
 		{"enforce, interface missing for now", enforce(intent.L7Enforce, true), resolve(0, nil), nil, 0, true},
 		{"enforce, interface not found", enforce(intent.L7Enforce, true), resolve(0, gone), ErrNoInterface, 0, false},
 		{"enforce, no resolver", enforce(intent.L7Enforce, true), nil, intent.ErrPrerequisite, 0, false},

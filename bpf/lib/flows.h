@@ -310,9 +310,9 @@ int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
 		return 0;
 	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, scr->flow_now,
 				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff,
-				    /* redirected to the L7 proxy (bit 2), or
-				     * forwarded, or audited (bit 1) */
-				    (info & 4) ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED + (info & 2),
+				    /* audited (bit 1), or redirected to the L7
+				     * proxy (bit 2), or forwarded */
+				    (info & 2) ? FLUXVM_FLOW_AUDITED : (info & 4) ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED,
 				    scr->flow_seq);
 }
 

@@ -24,7 +24,8 @@
  * A flow established before enforce was turned on keeps its backend; a
  * fresh SYN reusing its tuple is a new flow and goes to the proxy. A
  * header without FLUXVM_POLICY_F_L7 (enforce being turned off: userspace
- * clears the frontend's flag first) leaves new flows to the mode's path;
+ * rewrites the header, then clears the frontend's flag) leaves new flows
+ * to the mode's path;
  * one without a proxy interface (it was missing when userspace wrote the
  * header) drops them, as a missing header does: fail closed.
  */
@@ -38,21 +39,47 @@
  * the mode's path takes the packet. */
 #define FLUXVM_L7_LB 0x100
 
-/* A packet of redirected flow @flow (its record id; 0: none) counted into
- * the service's statistics and the record, then handed to @ifindex's peer. */
-static __always_inline int fluxvm_l7_send(struct __ctx_buff *ctx, __u32 ifindex, __u32 flow, __u32 sid,
+/* The conntrack key of client packet @pkt in scratch @s, as the mode's path
+ * keys the flow: the map and the key. */
+static __always_inline void *fluxvm_l7_key(struct fluxvm_scratch *s, const struct fluxvm_pkt *pkt, const int v6,
+					   void **key)
+{
+	if (v6) {
+		__builtin_memcpy(s->k6.saddr, pkt->saddr, 16);
+		__builtin_memcpy(s->k6.daddr, pkt->daddr, 16);
+		s->k6.sport = pkt->sport;
+		s->k6.dport = pkt->dport;
+		s->k6.proto = pkt->l4_proto;
+		__builtin_memset(s->k6.pad, 0, sizeof(s->k6.pad));
+		*key = &s->k6;
+		return &fluxvm_fct6;
+	}
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	s->k4.saddr = pkt->saddr[0];
+	s->k4.daddr = pkt->daddr[0];
+	s->k4.sport = pkt->sport;
+	s->k4.dport = pkt->dport;
+	s->k4.proto = pkt->l4_proto;
+	*key = &s->k4;
+	return &fluxvm_fct4;
+}
+
+/* A packet of redirected flow @ct counted into the service's statistics and
+ * the flow's record, then handed to the peer of its proxy interface. */
+static __always_inline int fluxvm_l7_send(struct __ctx_buff *ctx, const struct fluxvm_ct_value *ct, __u32 sid,
 					  __u64 now, struct fluxvm_svc_stats_value *st,
 					  struct fluxvm_svc_stats_value *es)
 {
 	struct fluxvm_flow *f;
-	__u32 len = ctx_full_len(ctx);
+	__u32 len = ctx_full_len(ctx), flow = ct->flow, ifindex = ct->l7_ifindex;
 
 	fluxvm_count_translated(st, es, len, 0);
 	f = flow ? fluxvm_flow_get(flow) : NULL;
 	if (f && f->service_id == sid) {
-		/* Back from dropped (a recheck denied it, then allowed). */
+		/* Back from dropped (a recheck denied it, then allowed):
+		 * audited wins, as in the record's first verdict. */
 		if (!f->fwd_packets)
-			f->verdict = FLUXVM_FLOW_REDIRECTED;
+			f->verdict = (ct->flags & FLUXVM_CT_F_AUDITED) ? FLUXVM_FLOW_AUDITED : FLUXVM_FLOW_REDIRECTED;
 		f->fwd_packets++;
 		f->fwd_bytes += len;
 		f->last_ns = now;
@@ -95,26 +122,7 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 		return FLUXVM_L7_LB;
 	}
 
-	/* The flow's conntrack entry, keyed as the mode's path keys it. */
-	if (v6) {
-		__builtin_memcpy(s->k6.saddr, pkt->saddr, 16);
-		__builtin_memcpy(s->k6.daddr, pkt->daddr, 16);
-		s->k6.sport = pkt->sport;
-		s->k6.dport = pkt->dport;
-		s->k6.proto = pkt->l4_proto;
-		__builtin_memset(s->k6.pad, 0, sizeof(s->k6.pad));
-		ct_map = &fluxvm_fct6;
-		ct_key = &s->k6;
-	} else {
-		__builtin_memset(&s->k4, 0, sizeof(s->k4));
-		s->k4.saddr = pkt->saddr[0];
-		s->k4.daddr = pkt->daddr[0];
-		s->k4.sport = pkt->sport;
-		s->k4.dport = pkt->dport;
-		s->k4.proto = pkt->l4_proto;
-		ct_map = &fluxvm_fct4;
-		ct_key = &s->k4;
-	}
+	ct_map = fluxvm_l7_key(s, pkt, v6, &ct_key);
 	now = bpf_ktime_get_coarse_ns();
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	/* A fresh SYN on an entry past its handshake is a new connection
@@ -129,15 +137,27 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 		if ((reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(reason, st, es);
 		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
-		return fluxvm_l7_send(ctx, ct->l7_ifindex, ct->flow, sid, now, st, es);
+		return fluxvm_l7_send(ctx, ct, sid, now, st, es);
 	}
 
 	/* A new flow: decided, then learned whole before it is handed on.
 	 * An entry it replaces (a direct flow's, whose tuple the client
-	 * reused) may leave a reverse half behind: its conntrack half no
-	 * longer names its backend, so the GC collects it. */
+	 * reused) must not leave a stored reverse half behind, which would
+	 * translate its backend's late packets onto the proxied connection
+	 * (as fluxvm_lb_nat forgets it on a re-pick; the key is built again:
+	 * the forget takes the scratch). An SNAT mapping stays for the GC,
+	 * as on an SNAT re-pick: its port may be another flow's by now. */
 	if (!fluxvm_guard_open(sid))
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
+	if (ct && ct->service_id == sid && !(ct->flags & (FLUXVM_CT_F_L7 | FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR |
+							  FLUXVM_CT_F_REV_DERIVED))) {
+		struct fluxvm_backend *old = fluxvm_backend_get(ct->backend_id);
+
+		if (old && old->service_id == sid) {
+			fluxvm_nat_forget(pkt, v6, old);
+			ct_map = fluxvm_l7_key(s, pkt, v6, &ct_key);
+		}
+	}
 	/* The proxy interface missing (a restore before it came back): new
 	 * flows must not reach the backends unproxied. */
 	if (!ifindex)
@@ -161,7 +181,7 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 	fluxvm_count(FLUXVM_CNT_L7_REDIRECTED);
 	if (st)
 		st->l7_redirected++;
-	return fluxvm_l7_send(ctx, ifindex, ct->flow, sid, now, st, es);
+	return fluxvm_l7_send(ctx, ct, sid, now, st, es);
 }
 #endif /* FLUXVM_CTX_SKB */
 

@@ -41,6 +41,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -96,7 +97,7 @@ func run(docPath, upstream string) error {
 		}
 		go func() { errc <- srv.Serve(ln) }()
 	}
-	fmt.Printf("l7proxy: serving %s on ports %v (upstream %s, %d routes)\n", doc.Service, ports, upstream, len(p.prefixes))
+	fmt.Printf("l7proxy: serving %s on ports %v (upstream %s, %d virtual hosts)\n", doc.Service, ports, upstream, len(p.hosts))
 	select {
 	case <-ctx.Done():
 	case err := <-errc:
@@ -109,12 +110,11 @@ func run(docPath, upstream string) error {
 
 // proxy is one document's routes and upstream.
 type proxy struct {
-	service  string
-	domains  []string // "*": any
-	prefixes []string
-	cluster  []fluxvm.EnvoyEndpoint
-	toVIP    bool
-	rp       *httputil.ReverseProxy
+	service string
+	hosts   []fluxvm.EnvoyVirtualHost
+	cluster []fluxvm.EnvoyEndpoint
+	toVIP   bool
+	rp      *httputil.ReverseProxy
 }
 
 func newProxy(doc *fluxvm.EnvoyDocument, upstream string) (*proxy, error) {
@@ -129,12 +129,7 @@ func newProxy(doc *fluxvm.EnvoyDocument, upstream string) (*proxy, error) {
 	default:
 		return nil, fmt.Errorf("-upstream %q: want vip or cluster", upstream)
 	}
-	for _, vh := range doc.Routes.VirtualHosts {
-		p.domains = append(p.domains, vh.Domains...)
-		for _, r := range vh.Routes {
-			p.prefixes = append(p.prefixes, r.Prefix)
-		}
-	}
+	p.hosts = doc.Routes.VirtualHosts
 	// One upstream connection per request: each is a flow of its own
 	// through the node, which the lab test counts.
 	tr := &http.Transport{DisableKeepAlives: true, DialContext: (&net.Dialer{Timeout: 5 * time.Second}).DialContext}
@@ -142,20 +137,31 @@ func newProxy(doc *fluxvm.EnvoyDocument, upstream string) (*proxy, error) {
 	return p, nil
 }
 
-// allowed: the request's authority matches a domain and its path starts
-// with a route's prefix.
+// allowed: the first virtual host whose domains match the request's
+// authority (as Envoy picks one) has a route whose prefix starts its path.
 func (p *proxy) allowed(r *http.Request) bool {
 	host := r.Host
 	if h, _, err := net.SplitHostPort(host); err == nil {
 		host = h
 	}
-	domain := slices.ContainsFunc(p.domains, func(d string) bool {
-		return d == "*" || strings.EqualFold(d, r.Host) || strings.EqualFold(d, host)
-	})
-	return domain && slices.ContainsFunc(p.prefixes, func(pre string) bool { return strings.HasPrefix(r.URL.Path, pre) })
+	for _, vh := range p.hosts {
+		if slices.ContainsFunc(vh.Domains, func(d string) bool {
+			return d == "*" || strings.EqualFold(d, r.Host) || strings.EqualFold(d, host)
+		}) {
+			return slices.ContainsFunc(vh.Routes, func(rt fluxvm.EnvoyRoute) bool { return strings.HasPrefix(r.URL.Path, rt.Prefix) })
+		}
+	}
+	return false
 }
 
 func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	// A path that is not in its clean form ("/api/../admin", also
+	// percent-encoded) could pass a prefix it does not belong under:
+	// refused, as Envoy's path normalisation would rewrite it first.
+	if r.URL.Path == "" || path.Clean(r.URL.Path) != r.URL.Path && path.Clean(r.URL.Path)+"/" != r.URL.Path {
+		http.Error(w, "l7proxy: "+p.service+": the path is not in its clean form", http.StatusBadRequest)
+		return
+	}
 	if !p.allowed(r) {
 		http.Error(w, "l7proxy: "+p.service+": denied by its L7 policy", http.StatusForbidden)
 		return

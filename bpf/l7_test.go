@@ -177,6 +177,18 @@ func TestL7Redirect(t *testing.T) {
 					t.Errorf("l7_bypass +%d, l7_redirected +%d; want 2 and 0", b1[CounterL7Bypass]-b0[CounterL7Bypass], b1[CounterL7Redirected]-b0[CounterL7Redirected])
 				}
 
+				// audit_only under enforce: a denied identity's flow goes
+				// to the proxy, recorded audited.
+				h.ipcache(host, denied)
+				h.must(h.objs.FluxvmSpol.Put(PolicyKey{Id: sid, Identity: PolicyHeader},
+					PolicyValue{Rules: 21, Revision: 7, Action: PolicyDeny, Flags: PolicyFlagL7 | PolicyFlagAudit, ProxyIfindex: l7Proxy}))
+				redirected(41007, pkt.SYN, "an audited flow")
+				if ct, _ := h.ct(v.flow(41007)); ct.Flags&CTFlagAudited == 0 {
+					t.Errorf("conntrack %+v: want the flow audited", ct)
+				} else if f, ok := h.flowRecord(ct.Flow); !ok || FlowVerdict(f.Verdict) != FlowAudited {
+					t.Errorf("record %+v (present %v): want verdict audited", f, ok)
+				}
+
 				// Enforce whose proxy interface is missing: new flows
 				// drop (fail closed), established ones go on.
 				h.must(h.delIPCache(host))

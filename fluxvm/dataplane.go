@@ -425,6 +425,13 @@ func (d *Dataplane) init() error {
 			return err
 		}
 	}
+	// A restored L7 policy whose proxy interface is not attached now
+	// fails closed (the restore resolved it by its device alone).
+	for _, name := range d.proxyNames() {
+		if err := d.refreshProxies(name); err != nil {
+			return fmt.Errorf("fluxvm: open: %w", err)
+		}
+	}
 	d.allowXDPEgress("")
 	return nil
 }
@@ -683,7 +690,7 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	if err != nil {
 		return st, err
 	}
-	if err := d.refreshProxies(vi.Name, st.Index); err != nil {
+	if err := d.refreshProxies(vi.Name); err != nil {
 		return st, fmt.Errorf("fluxvm: add interface %s: attached, but the L7 policies that redirect to it were not updated: %w", vi.Name, err)
 	}
 	return st, nil
@@ -877,8 +884,20 @@ func (d *Dataplane) attach(ifc *iface) error {
 }
 
 // RemoveInterface detaches the programs from a VM-edge or north-south
-// interface (on a north-south one, the TC hooks and our XDP program).
+// interface (on a north-south one, the TC hooks and our XDP program). The
+// L7 policies that redirect to it then fail closed (their new flows drop)
+// until it is attached again.
 func (d *Dataplane) RemoveInterface(name string) error {
+	if err := d.removeInterface(name); err != nil {
+		return err
+	}
+	if err := d.refreshProxies(name); err != nil {
+		return fmt.Errorf("fluxvm: remove interface %s: detached, but the L7 policies that redirect to it were not updated: %w", name, err)
+	}
+	return nil
+}
+
+func (d *Dataplane) removeInterface(name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("remove interface"); err != nil {

@@ -422,6 +422,9 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	if _, err := d.ApplyPolicies(ctx, bad); !errors.Is(err, ErrUnsupported) {
 		t.Errorf("a proxy veth with its peer in the node's namespace: %v, want ErrUnsupported", err)
 	}
+	if got := proxyIndex(d); got != uint32(px.NodeIfIndex) {
+		t.Errorf("proxy index %d after the refused apply, want %d", got, px.NodeIfIndex)
+	}
 
 	// The proxy's veth goes away.
 	link, err := nl.LinkByName(px.NodeIf)
@@ -441,6 +444,28 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	if err := d.DeleteService(ctx, "other"); err != nil {
 		t.Fatalf("deleting another service with the proxy interface gone: %v", err)
 	}
+	// Applying the policy itself again names the interface: it must
+	// resolve.
+	if _, err := d.ApplyPolicies(ctx, web); !errors.Is(err, ErrPrerequisite) {
+		t.Errorf("re-applying the policy with its interface gone: %v, want ErrPrerequisite", err)
+	}
+	// A new veth under the name, not attached: it has none of our
+	// programs, so it is not the proxy interface yet.
+	vh, err := netlink.NewHandleAt(px.NS.Handle())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vh.Close()
+	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: px.NodeIf}, PeerName: "eth1",
+		PeerNamespace: netlink.NsFd(int(px.NS.Handle()))}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ApplyPolicies(ctx, web); !errors.Is(err, ErrPrerequisite) {
+		t.Errorf("applying the policy toward a recreated veth not attached: %v, want ErrPrerequisite", err)
+	}
+	if _, err := d.SetIPCache(ctx, ipc); err != nil || proxyIndex(d) != 0 {
+		t.Errorf("an ipcache change with the recreated veth not attached: %v, proxy index %d; want 0", err, proxyIndex(d))
+	}
 	// A restart without it: the policy is kept, failing closed, and
 	// policy changes go on.
 	d.Close()
@@ -452,21 +477,18 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	if _, err := d.SetIPCache(ctx, IPCache{}); err != nil {
 		t.Fatalf("an ipcache change after the restart: %v", err)
 	}
-	// A new veth under the same name, attached: the policy names it.
-	vh, err := netlink.NewHandleAt(px.NS.Handle())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer vh.Close()
-	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: px.NodeIf}, PeerName: "eth1",
-		PeerNamespace: netlink.NsFd(int(px.NS.Handle()))}); err != nil {
-		t.Fatal(err)
-	}
+	// The new veth attached: the policy names it; detached, no more.
 	st, err := d.AddInterface(VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := proxyIndex(d); got != uint32(st.Index) || st.Index == px.NodeIfIndex {
 		t.Errorf("proxy index %d after the new veth was attached (index %d, the old one %d)", got, st.Index, px.NodeIfIndex)
+	}
+	if err := d.RemoveInterface(px.NodeIf); err != nil {
+		t.Fatal(err)
+	}
+	if got := proxyIndex(d); got != 0 {
+		t.Errorf("proxy index %d after the interface was detached, want 0", got)
 	}
 }

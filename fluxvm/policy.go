@@ -203,10 +203,22 @@ func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 		kept = append(kept, pol)
 	}
 	cp.Policies = kept
-	// A proxy interface missing at a restore (not recreated yet) keeps
-	// its policy: the service's new flows drop until the interface is
-	// attached again, rather than reach the backends unproxied.
-	prog, err := d.pol.comp.Compile(d.policyInput(*cp, nil), withIDs(cp.IDs))
+	// The interfaces are not attached yet (Open attaches them next, and
+	// refreshProxies corrects an index then): a proxy interface resolves
+	// by its device alone here, so that a restart leaves the adopted
+	// headers as they were. One that cannot be used is 0: new flows drop
+	// rather than reach the backends unproxied.
+	in := d.policyInput(*cp, nil)
+	in.Interface = func(name string) (uint32, error) {
+		i, err := d.proxyIfindex(name)
+		if err != nil {
+			d.log.Warn("fluxvm: restore: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it is attached",
+				"interface", name, "err", err)
+			return 0, nil
+		}
+		return i, nil
+	}
+	prog, err := d.pol.comp.Compile(in, withIDs(cp.IDs))
 	if err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
@@ -230,33 +242,49 @@ func (d *Dataplane) policyInput(in catalogPolicies, strict map[string]bool) poli
 		}
 		return nil
 	}, Interface: func(name string) (uint32, error) {
-		if strict[name] {
-			if ifc := d.ifaces[name]; ifc == nil || ifc.kind != InterfaceVMEdge {
-				return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.Interfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
-					name, ErrPrerequisite)
-			}
-			return d.proxyIfindex(name)
-		}
-		i, err := d.proxyIfindex(name)
-		if err != nil {
-			d.log.Warn("fluxvm: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it can",
+		i, err := d.proxyInterface(name)
+		if err != nil && !strict[name] {
+			d.log.Warn("fluxvm: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it is attached",
 				"interface", name, "err", err)
 			return 0, nil
 		}
-		return i, nil
+		return i, err
 	}}
 }
 
-// changedProxies names the proxy interfaces of the enabled enforce
-// policies of next that cur does not have as they are.
-func changedProxies(cur, next []Policy) map[string]bool {
+// proxyInterface is the index of L7 proxy interface name: a VM-edge
+// interface of the dataplane, attached under the index it has now (a
+// veth recreated but not attached again has none of our programs: the
+// proxy's own connections would not be load-balanced), and a pair whose
+// peer is in another namespace. d.mu must be held.
+func (d *Dataplane) proxyInterface(name string) (uint32, error) {
+	ifc := d.ifaces[name]
+	if ifc == nil || ifc.kind != InterfaceVMEdge {
+		return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.Interfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
+			name, ErrPrerequisite)
+	}
+	i, err := d.proxyIfindex(name)
+	if err != nil {
+		return 0, err
+	}
+	if int(i) != ifc.index {
+		return 0, fmt.Errorf("interface %q has index %d, but the dataplane attached index %d: %w: attach it again (AddInterface)",
+			name, i, ifc.index, ErrPrerequisite)
+	}
+	return i, nil
+}
+
+// strictProxies names the proxy interfaces of the enabled enforce
+// policies of next that cur does not have as they are, or whose services
+// the caller named (an explicit apply resolves what it applies).
+func strictProxies(cur, next []Policy, named []string) map[string]bool {
 	out := map[string]bool{}
 	for _, p := range next {
 		if p.L7 == nil || p.L7.Mode != L7Enforce || !p.IsEnabled() {
 			continue
 		}
 		i := slices.IndexFunc(cur, func(q Policy) bool { return q.Service == p.Service })
-		if i < 0 || !reflect.DeepEqual(cur[i], p) {
+		if i < 0 || !reflect.DeepEqual(cur[i], p) || slices.Contains(named, p.Service) {
 			out[p.L7.ProxyInterface] = true
 		}
 	}
@@ -275,14 +303,29 @@ func (d *Dataplane) proxyIfindex(name string) (uint32, error) {
 	return i, err
 }
 
-// refreshProxies recompiles the policies when one redirects to interface
-// name with another index than it has now (the proxy's veth was
-// recreated and attached again): their headers then name the new one.
-func (d *Dataplane) refreshProxies(name string, index int) error {
+// proxyNames are the proxy interfaces the policies redirect to.
+func (d *Dataplane) proxyNames() []string {
 	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []string
+	for _, c := range d.pol.prog.Policies {
+		if c.Redirects() && !slices.Contains(out, c.L7.ProxyInterface) {
+			out = append(out, c.L7.ProxyInterface)
+		}
+	}
+	return out
+}
+
+// refreshProxies recompiles the policies when one redirects to interface
+// name with another index than it would now (the proxy's veth was
+// attached again under a new index, or detached: 0): their headers then
+// name the new one.
+func (d *Dataplane) refreshProxies(name string) error {
+	d.mu.Lock()
+	want, _ := d.proxyInterface(name)
 	stale := false
 	for _, c := range d.pol.prog.Policies {
-		if c.Redirects() && c.L7.ProxyInterface == name && c.ProxyIfindex != uint32(index) {
+		if c.Redirects() && c.L7.ProxyInterface == name && c.ProxyIfindex != want {
 			stale = true
 		}
 	}
@@ -290,7 +333,7 @@ func (d *Dataplane) refreshProxies(name string, index int) error {
 	if !stale {
 		return nil
 	}
-	_, err := d.changePolicies(context.Background(), "refresh the L7 proxy interface "+name, func(*catalogPolicies) error { return nil })
+	_, err := d.changePolicies(context.Background(), "refresh the L7 proxy interface "+name, nil, func(*catalogPolicies) error { return nil })
 	return err
 }
 
@@ -329,7 +372,7 @@ func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
 // which it does whenever anything deciding them changed, the ipcache
 // included. It returns once the change is durable in the catalog.
 func (d *Dataplane) ReconcilePolicies(ctx context.Context, ipc IPCache, policies []Policy) (PoliciesStatus, error) {
-	return d.changePolicies(ctx, "reconcile identity policies", func(cur *catalogPolicies) error {
+	return d.changePolicies(ctx, "reconcile identity policies", nil, func(cur *catalogPolicies) error {
 		cur.IPCache = ipc
 		cur.Policies = policies
 		return nil
@@ -352,7 +395,11 @@ func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (Poli
 		}
 		seen[p.Service] = i
 	}
-	return d.changePolicies(ctx, "apply identity policies", func(cur *catalogPolicies) error {
+	named := make([]string, 0, len(policies))
+	for _, p := range policies {
+		named = append(named, p.Service)
+	}
+	return d.changePolicies(ctx, "apply identity policies", named, func(cur *catalogPolicies) error {
 		for _, p := range policies {
 			i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == p.Service })
 			if i >= 0 {
@@ -368,7 +415,7 @@ func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (Poli
 // SetIPCache replaces the ipcache, keeping the policies; as
 // ReconcilePolicies otherwise.
 func (d *Dataplane) SetIPCache(ctx context.Context, ipc IPCache) (PoliciesStatus, error) {
-	return d.changePolicies(ctx, "set the ipcache", func(cur *catalogPolicies) error {
+	return d.changePolicies(ctx, "set the ipcache", nil, func(cur *catalogPolicies) error {
 		cur.IPCache = ipc
 		return nil
 	})
@@ -377,7 +424,7 @@ func (d *Dataplane) SetIPCache(ctx context.Context, ipc IPCache) (PoliciesStatus
 // DeletePolicy removes the identity policy of service: its frontends stop
 // deciding by identity. ErrNotFound when it has none.
 func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
-	_, err := d.changePolicies(ctx, "delete the identity policy of "+service, func(cur *catalogPolicies) error {
+	_, err := d.changePolicies(ctx, "delete the identity policy of "+service, nil, func(cur *catalogPolicies) error {
 		i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == service })
 		if i < 0 {
 			return fmt.Errorf("service %q has no identity policy: %w", service, ErrNotFound)
@@ -389,8 +436,9 @@ func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
 }
 
 // changePolicies compiles the state edit makes of the current one and
-// applies it.
-func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
+// applies it. The proxy interfaces of the policies of services named, and
+// of those the edit adds or alters, must resolve (strictProxies).
+func (d *Dataplane) changePolicies(ctx context.Context, what string, named []string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
 	_, span := d.startSpan(ctx, SpanReconcilePolicies)
 	defer endSpan(span, &err)
 	// One change at a time; and the services whose policy it may change
@@ -430,7 +478,7 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, edit func(*
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
-	prog, err := d.pol.comp.Compile(d.policyInput(next, changedProxies(d.pol.in.Policies, next.Policies)), d.pol.prog)
+	prog, err := d.pol.comp.Compile(d.policyInput(next, strictProxies(d.pol.in.Policies, next.Policies, named)), d.pol.prog)
 	if err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)

@@ -100,6 +100,7 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	__u32 sid = (__u32)(info >> 32), ifindex;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
+	struct fluxvm_backend *old = NULL;
 	struct fluxvm_spol_value *hdr;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
@@ -143,20 +144,18 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 	/* A new flow: decided, then learned whole before it is handed on.
 	 * An entry it replaces (a direct flow's, whose tuple the client
 	 * reused) must not leave a stored reverse half behind, which would
-	 * translate its backend's late packets onto the proxied connection
-	 * (as fluxvm_lb_nat forgets it on a re-pick; the key is built again:
-	 * the forget takes the scratch). An SNAT mapping stays for the GC,
-	 * as on an SNAT re-pick: its port may be another flow's by now. */
+	 * translate its backend's late packets onto the proxied connection:
+	 * forgotten once the new entry is written, as fluxvm_lb_nat does on a
+	 * re-pick (a flow dropped before keeps its half). An SNAT mapping
+	 * stays for the GC, as on an SNAT re-pick: its port may be another
+	 * flow's by now. */
 	if (!fluxvm_guard_open(sid))
 		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
-	if (ct && ct->service_id == sid && !(ct->flags & (FLUXVM_CT_F_L7 | FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR |
-							  FLUXVM_CT_F_REV_DERIVED))) {
-		struct fluxvm_backend *old = fluxvm_backend_get(ct->backend_id);
-
-		if (old && old->service_id == sid) {
-			fluxvm_nat_forget(pkt, v6, old);
-			ct_map = fluxvm_l7_key(s, pkt, v6, &ct_key);
-		}
+	if (ct && ct->service_id == sid &&
+	    !(ct->flags & (FLUXVM_CT_F_L7 | FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR | FLUXVM_CT_F_REV_DERIVED))) {
+		old = fluxvm_backend_get(ct->backend_id);
+		if (old && old->service_id != sid)
+			old = NULL;
 	}
 	/* The proxy interface missing (a restore before it came back): new
 	 * flows must not reach the backends unproxied. */
@@ -172,6 +171,8 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	if (old)
+		fluxvm_nat_forget(pkt, v6, old); /* takes the scratch's keys: the last use of ct_key is above */
 	if (ct->flow && fluxvm_flow_open(ctx, pkt,
 					 (v6 ? 1 : 0) | 4 | ((ct->flags & FLUXVM_CT_F_AUDITED) ? 2 : 0) |
 						 ((__u64)FLUXVM_FWD_HOOK(info & 2) << 8) | ((__u64)sid << 32),

@@ -158,7 +158,10 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// A path that is not in its clean form ("/api/../admin", also
 	// percent-encoded) could pass a prefix it does not belong under:
 	// refused, as Envoy's path normalisation would rewrite it first.
-	if r.URL.Path == "" || path.Clean(r.URL.Path) != r.URL.Path && path.Clean(r.URL.Path)+"/" != r.URL.Path {
+	// ";" and "\" are separators to some backends (path parameters,
+	// Windows paths): refused too.
+	if r.URL.Path == "" || strings.ContainsAny(r.URL.Path, ";\\") ||
+		path.Clean(r.URL.Path) != r.URL.Path && path.Clean(r.URL.Path)+"/" != r.URL.Path {
 		http.Error(w, "l7proxy: "+p.service+": the path is not in its clean form", http.StatusBadRequest)
 		return
 	}

@@ -41,6 +41,8 @@ func TestProxyRoutes(t *testing.T) {
 		{"shop.example", "/api/../admin", 400},
 		{"shop.example", "/api/%2e%2e/admin", 400},
 		{"shop.example", "/api//items", 400},
+		{"shop.example", "/api/..;/admin", 400},
+		{"shop.example", "/api/..%5Cadmin", 400},
 	} {
 		r := httptest.NewRequest("GET", "http://"+tc.host+tc.target, nil)
 		r.Host = tc.host

@@ -109,4 +109,35 @@ static __always_inline int fluxvm_ct_touch(struct fluxvm_ct_value *ct, __u8 stat
 	return 1;
 }
 
+/*
+ * The conntrack key of the flow of @pkt, built in per-CPU scratch @s (off
+ * the caller's stack): the client's view (client -> VIP), or with @reply
+ * the view of a reply @pkt (its addresses and ports swapped). Returns the
+ * family's conntrack map, the key in *@key.
+ */
+static __always_inline void *fluxvm_ct_key_scratch(struct fluxvm_scratch *s, const struct fluxvm_pkt *pkt,
+						   const int v6, const int reply, void **key)
+{
+	const __be32 *src = reply ? pkt->daddr : pkt->saddr, *dst = reply ? pkt->saddr : pkt->daddr;
+
+	if (v6) {
+		__builtin_memcpy(s->k6.saddr, src, 16);
+		__builtin_memcpy(s->k6.daddr, dst, 16);
+		s->k6.sport = reply ? pkt->dport : pkt->sport;
+		s->k6.dport = reply ? pkt->sport : pkt->dport;
+		s->k6.proto = pkt->l4_proto;
+		__builtin_memset(s->k6.pad, 0, sizeof(s->k6.pad));
+		*key = &s->k6;
+		return &fluxvm_fct6;
+	}
+	__builtin_memset(&s->k4, 0, sizeof(s->k4));
+	s->k4.saddr = src[0];
+	s->k4.daddr = dst[0];
+	s->k4.sport = reply ? pkt->dport : pkt->sport;
+	s->k4.dport = reply ? pkt->sport : pkt->dport;
+	s->k4.proto = pkt->l4_proto;
+	*key = &s->k4;
+	return &fluxvm_fct4;
+}
+
 #endif /* FLUXVM_LIB_CT_H */

@@ -45,6 +45,7 @@
 #include "maps.h"
 #include "counters.h"
 #include "svc.h"
+#include "ct.h"
 
 #define FLUXVM_FLOW_DROP_BURST 64
 #define FLUXVM_FLOW_DROP_RATE 64 /* records a second, node-wide */
@@ -99,26 +100,12 @@ static __always_inline void fluxvm_flow_uncount_reply(const struct fluxvm_pkt *p
 	struct fluxvm_scratch *scr = fluxvm_scratch_get();
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_flow *f;
+	void *map, *key;
 
 	if (!scr)
 		return;
-	if (v6) {
-		__builtin_memcpy(scr->k6.saddr, pkt->daddr, 16);
-		__builtin_memcpy(scr->k6.daddr, pkt->saddr, 16);
-		scr->k6.sport = pkt->dport;
-		scr->k6.dport = pkt->sport;
-		scr->k6.proto = pkt->l4_proto;
-		__builtin_memset(scr->k6.pad, 0, sizeof(scr->k6.pad));
-		ct = bpf_map_lookup_elem(&fluxvm_fct6, &scr->k6);
-	} else {
-		__builtin_memset(&scr->k4, 0, sizeof(scr->k4));
-		scr->k4.saddr = pkt->daddr[0];
-		scr->k4.daddr = pkt->saddr[0];
-		scr->k4.sport = pkt->dport;
-		scr->k4.dport = pkt->sport;
-		scr->k4.proto = pkt->l4_proto;
-		ct = bpf_map_lookup_elem(&fluxvm_fct4, &scr->k4);
-	}
+	map = fluxvm_ct_key_scratch(scr, pkt, v6, 1, &key);
+	ct = bpf_map_lookup_elem(map, key);
 	if (!ct || ct->service_id != sid || !(ct->flags & FLUXVM_CT_F_SNAT))
 		return;
 	f = fluxvm_flow_get(ct->flow);

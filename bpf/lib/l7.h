@@ -39,31 +39,6 @@
  * the mode's path takes the packet. */
 #define FLUXVM_L7_LB 0x100
 
-/* The conntrack key of client packet @pkt in scratch @s, as the mode's path
- * keys the flow: the map and the key. */
-static __always_inline void *fluxvm_l7_key(struct fluxvm_scratch *s, const struct fluxvm_pkt *pkt, const int v6,
-					   void **key)
-{
-	if (v6) {
-		__builtin_memcpy(s->k6.saddr, pkt->saddr, 16);
-		__builtin_memcpy(s->k6.daddr, pkt->daddr, 16);
-		s->k6.sport = pkt->sport;
-		s->k6.dport = pkt->dport;
-		s->k6.proto = pkt->l4_proto;
-		__builtin_memset(s->k6.pad, 0, sizeof(s->k6.pad));
-		*key = &s->k6;
-		return &fluxvm_fct6;
-	}
-	__builtin_memset(&s->k4, 0, sizeof(s->k4));
-	s->k4.saddr = pkt->saddr[0];
-	s->k4.daddr = pkt->daddr[0];
-	s->k4.sport = pkt->sport;
-	s->k4.dport = pkt->dport;
-	s->k4.proto = pkt->l4_proto;
-	*key = &s->k4;
-	return &fluxvm_fct4;
-}
-
 /* A packet of redirected flow @ct counted into the service's statistics and
  * the flow's record, then handed to the peer of its proxy interface. */
 static __always_inline int fluxvm_l7_send(struct __ctx_buff *ctx, const struct fluxvm_ct_value *ct, __u32 sid,
@@ -123,7 +98,7 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 		return FLUXVM_L7_LB;
 	}
 
-	ct_map = fluxvm_l7_key(s, pkt, v6, &ct_key);
+	ct_map = fluxvm_ct_key_scratch(s, pkt, v6, 0, &ct_key);
 	now = bpf_ktime_get_coarse_ns();
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	/* A fresh SYN on an entry past its handshake is a new connection

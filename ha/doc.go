@@ -1,0 +1,18 @@
+// Package ha hands a north-south edge's flow state to a standby edge, so
+// that connections survive a failover: full snapshots of a service's flows
+// and sequenced deltas between them (ha.Journal), fenced by the lease
+// epoch the control plane gives the active edge.
+//
+// What travels is a service's flows as any node can apply them (Flow):
+// the conntrack entry (fluxvm_fct4/6) and its reverse-NAT half
+// (fluxvm_nat4/6), with every node-local id replaced by what names it on
+// every node (the frontend by VIP, port and protocol; the backend by
+// address and port) and every time by an age (each node's monotonic clock
+// is its own). Only these maps are replicated; flows handed to an L7 proxy
+// are not (the proxy's own connection state stays on its node).
+//
+// The format is versioned and self-describing (Snapshot), streamed in
+// checksummed chunks so that exporting or importing a million flows runs
+// in bounded memory and a truncated or corrupted stream is refused at the
+// chunk it breaks in.
+package ha

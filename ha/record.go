@@ -53,7 +53,9 @@ type NATHalf struct {
 }
 
 // Key is the flow's conntrack key.
-func (f *Flow) Key() conntrack.Key { return conntrack.Key{Client: f.Client, VIP: f.VIP, Proto: f.Proto} }
+func (f *Flow) Key() conntrack.Key {
+	return conntrack.Key{Client: f.Client, VIP: f.VIP, Proto: f.Proto}
+}
 
 func (f *Flow) String() string {
 	return fmt.Sprintf("%s -> %s (%s)", f.Key(), f.Backend, f.Kind)

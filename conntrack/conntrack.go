@@ -169,6 +169,9 @@ type Entry struct {
 	// ProxyIfindex is, for a flow of Kind L7, the interface toward the
 	// proxy the flow is handed to; 0 for every other kind.
 	ProxyIfindex uint32
+	// Audited marks a flow its service's identity policy denied and
+	// audit_only let through (bpf.CTFlagAudited).
+	Audited bool
 	// Flow is the id of the flow's FluxScope record (the low 32 bits of
 	// its seq in fluxvm_sflows), 0 when the flow has none; the record is
 	// the flow's only while its seq still matches (package flows).
@@ -317,6 +320,55 @@ func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
 		return false, nil
 	}
 	return err == nil, err
+}
+
+// Restore writes entry e as it was learned elsewhere (an HA peer's
+// snapshot or delta), unless the map holds a fresher one for its key (last
+// seen at or after e's): a flow this node saw since is its own. It reports
+// whether it wrote. Kinds EastWest, SNAT and DSR only; the flow's
+// reverse-NAT half is the caller's (nat.Table). The entry keeps no policy
+// revision (a flow of a service with a policy is decided again at its
+// next packet) and no flow record. The read and the write are two
+// operations: a packet of the flow between them loses to the restore,
+// which matters only on a node the flow reaches, not on a standby.
+func (m *Map) Restore(e Entry) (bool, error) {
+	k, err := e.Key.normal()
+	if err != nil {
+		return false, fmt.Errorf("conntrack: restore: %w", err)
+	}
+	switch {
+	case e.Kind != EastWest && e.Kind != SNAT && e.Kind != DSR:
+		return false, fmt.Errorf("conntrack: restore %s: kind %s is not restored", k, e.Kind)
+	case e.ServiceID == 0 || e.BackendID == 0:
+		return false, fmt.Errorf("conntrack: restore %s: service %d, backend %d: ids are never 0", k, e.ServiceID, e.BackendID)
+	case e.Kind == SNAT && (!e.SNAT.IsValid() || e.SNAT.Addr().Unmap().Is4() != (k.Family() == IPv4)):
+		return false, fmt.Errorf("conntrack: restore %s: SNAT source %s", k, e.SNAT)
+	case e.Created < 0 || e.LastSeen < e.Created || e.Deadline < e.LastSeen:
+		return false, fmt.Errorf("conntrack: restore %s: times out of order", k)
+	}
+	if cur, err := m.lookupRaw(k); err == nil && time.Duration(cur.LastSeenNs) >= e.LastSeen {
+		return false, nil
+	}
+	v := bpf.CTValue{ServiceId: e.ServiceID, BackendId: e.BackendID, CreatedNs: uint64(e.Created),
+		LastSeenNs: uint64(e.LastSeen), DeadlineNs: uint64(e.Deadline), State: uint8(e.State), Flags: uint8(e.Kind)}
+	if e.Kind == EastWest && e.ReverseDerived {
+		v.Flags |= bpf.CTFlagRevDerived
+	}
+	if e.Audited {
+		v.Flags |= bpf.CTFlagAudited
+	}
+	if e.Kind == SNAT {
+		v.NatAddr, v.NatPort = bpf.AddrWords(e.SNAT.Addr().Unmap()), bpf.Port(e.SNAT.Port())
+	}
+	if k.Family() == IPv4 {
+		err = m.ct4.Put(key4(k), &v)
+	} else {
+		err = m.ct6.Put(key6(k), &v)
+	}
+	if err != nil {
+		return false, fmt.Errorf("conntrack: restore %s: %w", k, err)
+	}
+	return true, nil
 }
 
 // Delete removes the flow k: its conntrack entry and, when its backend is
@@ -546,5 +598,6 @@ func entry(k Key, v *bpf.CTValue) Entry {
 	case L7:
 		e.ProxyIfindex = v.L7Ifindex
 	}
+	e.Audited = v.Flags&bpf.CTFlagAudited != 0
 	return e
 }

@@ -1,0 +1,277 @@
+package ha
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"time"
+
+	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/nat"
+)
+
+// ErrService: a snapshot of another service than the one it is imported
+// into.
+var ErrService = errors.New("ha: snapshot of another service")
+
+// Source is one service on the exporting node.
+type Source struct {
+	// CT is the node's conntrack map (and through it the NAT table).
+	CT *conntrack.Map
+	// ServiceIDs are the service's datapath frontends.
+	ServiceIDs []uint32
+	// Backend names backend id of the service by address and port;
+	// false for an id the service does not have (its flows are left
+	// out: the datapath re-picks them anyway).
+	Backend func(id uint32) (netip.AddrPort, bool)
+	// Now is the node's datapath clock (conntrack.Now when nil).
+	Now func() (time.Duration, error)
+}
+
+// ExportResult counts what an export wrote and left out.
+type ExportResult struct {
+	Flows uint64 `json:"flows"` // written
+	// Expired flows (past their deadline) and flows of kinds not
+	// replicated (L7) or whose backend the service no longer has are
+	// left out.
+	Expired    uint64 `json:"expired"`
+	NotCarried uint64 `json:"not_carried"`
+	NoBackend  uint64 `json:"no_backend"`
+}
+
+// Export writes a snapshot of src's flows to w under header h (its
+// Service, Node, Epoch and journal cursor; Created is set), streaming the
+// maps chunk by chunk. The journal cursor in h must be one the snapshot
+// includes: take it before the export starts, so that the deltas after it
+// replay whatever changed during the export.
+func Export(ctx context.Context, w io.Writer, h Header, src Source) (ExportResult, error) {
+	var res ExportResult
+	if src.CT == nil || src.Backend == nil || len(src.ServiceIDs) == 0 {
+		return res, errors.New("ha: export: a source needs its conntrack map, backends and service ids")
+	}
+	clock := src.Now
+	if clock == nil {
+		clock = conntrack.Now
+	}
+	now, err := clock()
+	if err != nil {
+		return res, fmt.Errorf("ha: export: %w", err)
+	}
+	h.Created = time.Now().UTC()
+	sw, err := NewWriter(w, h)
+	if err != nil {
+		return res, fmt.Errorf("ha: export %s: %w", h.Service, err)
+	}
+	err = src.CT.Scan(conntrack.Filter{ServiceIDs: src.ServiceIDs}, func(es []conntrack.Entry) error {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		for i := range es {
+			f, why := flowOf(&es[i], now, src)
+			switch why {
+			case "":
+				if err := sw.Write(&f); err != nil {
+					return err
+				}
+				res.Flows++
+			case "expired":
+				res.Expired++
+			case "backend":
+				res.NoBackend++
+			default:
+				res.NotCarried++
+			}
+		}
+		return nil
+	})
+	if err == nil {
+		err = sw.Close()
+	}
+	if err != nil {
+		return res, fmt.Errorf("ha: export %s: %w", h.Service, err)
+	}
+	return res, nil
+}
+
+// flowOf is e as a Flow at the exporter's clock now, or why it is left
+// out.
+func flowOf(e *conntrack.Entry, now time.Duration, src Source) (Flow, string) {
+	if e.Deadline < now {
+		return Flow{}, "expired"
+	}
+	if e.Kind != conntrack.EastWest && e.Kind != conntrack.SNAT && e.Kind != conntrack.DSR {
+		return Flow{}, "kind"
+	}
+	be, ok := src.Backend(e.BackendID)
+	if !ok {
+		return Flow{}, "backend"
+	}
+	f := Flow{Client: e.Client, VIP: e.VIP, Proto: e.Proto, Backend: be, Kind: e.Kind, SNAT: e.SNAT, State: e.State,
+		ReverseDerived: e.ReverseDerived, Audited: e.Audited,
+		Age: max(now-e.Created, 0), Idle: max(now-e.LastSeen, 0), TTL: e.Deadline - now}
+	if e.HasNATHalf() {
+		// The half's own clock; a half the LRU evicted is the flow's
+		// (GC would recreate it so).
+		f.NAT = &NATHalf{Idle: f.Idle}
+		if n, err := src.CT.NAT().Lookup(natKey(&f)); err == nil {
+			f.NAT.Idle = max(now-n.LastSeen, 0)
+		}
+	}
+	if err := f.check(); err != nil {
+		return Flow{}, "kind"
+	}
+	return f, ""
+}
+
+// natKey is the key of f's reverse-NAT half: the reply from the backend to
+// the client, or to the SNAT source of an SNAT flow.
+func natKey(f *Flow) nat.Key {
+	if f.Kind == conntrack.SNAT {
+		return nat.Key{Backend: f.Backend, Client: f.SNAT, Proto: f.Proto}
+	}
+	return nat.Key{Backend: f.Backend, Client: f.Client, Proto: f.Proto}
+}
+
+// Target is one service on the importing node.
+type Target struct {
+	// CT is the node's conntrack map (and through it the NAT table).
+	CT *conntrack.Map
+	// Service is the service's name: a snapshot of another is refused.
+	Service string
+	// Frontend is the datapath service id of the service's frontend
+	// (VIP, port, protocol) on this node; false when it has none there.
+	Frontend func(vip netip.AddrPort, proto uint8) (uint32, bool)
+	// BackendID is the id of the backend at addr of datapath service
+	// sid on this node; false when the service has no such backend.
+	BackendID func(sid uint32, addr netip.AddrPort) (uint32, bool)
+	// Accept, when set, judges the header before any flow is applied
+	// (the lease epoch and the journal cursor: Cursor.Reset).
+	Accept func(Header) error
+	// Now is the node's datapath clock (conntrack.Now when nil).
+	Now func() (time.Duration, error)
+}
+
+// ImportResult counts what an import did.
+type ImportResult struct {
+	Header Header `json:"header"`
+	Flows  uint64 `json:"flows"` // read
+	// Written flows; Fresher ones the node has seen since (kept as they
+	// are); flows whose frontend or backend this node does not have, or
+	// whose SNAT port another flow holds here, are skipped.
+	Written       uint64 `json:"written"`
+	Fresher       uint64 `json:"fresher"`
+	NoFrontend    uint64 `json:"no_frontend"`
+	NoBackend     uint64 `json:"no_backend"`
+	PortConflicts uint64 `json:"port_conflicts"`
+}
+
+// Import reads a snapshot from r and applies it to t: every verified
+// chunk as it comes, so memory stays bounded; an error leaves the chunks
+// before it applied (each flow is whole: its conntrack entry and its
+// reverse half) and the rest not. Importing the same snapshot twice
+// changes nothing the first did not.
+func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
+	var res ImportResult
+	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
+		return res, errors.New("ha: import: a target needs its conntrack map, service, frontends and backends")
+	}
+	sr, err := NewReader(r)
+	if err != nil {
+		return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
+	}
+	res.Header = sr.Header()
+	if res.Header.Service != t.Service {
+		return res, fmt.Errorf("ha: import into %s: %w: the snapshot is of %q", t.Service, ErrService, res.Header.Service)
+	}
+	if t.Accept != nil {
+		if err := t.Accept(res.Header); err != nil {
+			return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
+		}
+	}
+	clock := t.Now
+	if clock == nil {
+		clock = conntrack.Now
+	}
+	now, err := clock()
+	if err != nil {
+		return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
+	}
+	// The export's instant on this node's clock: the flows' ages count
+	// from it, so that a snapshot imported later is that much older (and
+	// the same snapshot imported twice lands on the same times).
+	at := now - max(time.Since(res.Header.Created), 0)
+	for {
+		flows, err := sr.Next()
+		if err == io.EOF {
+			return res, nil
+		}
+		if err == nil {
+			err = ctx.Err()
+		}
+		if err != nil {
+			return res, fmt.Errorf("ha: import into %s after %d flows: %w", t.Service, res.Flows, err)
+		}
+		for i := range flows {
+			res.Flows++
+			if err := applyFlow(&flows[i], at, &t, &res); err != nil {
+				return res, fmt.Errorf("ha: import into %s: %s: %w", t.Service, &flows[i], err)
+			}
+		}
+	}
+}
+
+// slack is how much fresher than the node's own entry a flow must be to
+// replace it: two imports of one snapshot place its times a few
+// microseconds apart (the wall and the monotonic clock drift), and must
+// not count as news.
+const slack = time.Millisecond
+
+// applyFlow writes f (its reverse half first, so that the entry the
+// datapath keys its packets by never lacks it), its ages counted from now
+// (the export's instant on this node's clock).
+func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
+	sid, ok := t.Frontend(f.VIP, f.Proto)
+	if !ok {
+		res.NoFrontend++
+		return nil
+	}
+	bid, ok := t.BackendID(sid, f.Backend)
+	if !ok {
+		res.NoBackend++
+		return nil
+	}
+	e := conntrack.Entry{Key: f.Key(), ServiceID: sid, BackendID: bid, State: f.State, Kind: f.Kind, SNAT: f.SNAT,
+		ReverseDerived: f.ReverseDerived, Audited: f.Audited,
+		Created: max(now-f.Age, 0), LastSeen: max(now-f.Idle, 0), Deadline: now + f.TTL}
+	e.Created = min(e.Created, e.LastSeen)
+	if cur, err := t.CT.Lookup(e.Key); err == nil && cur.LastSeen+slack >= e.LastSeen {
+		res.Fresher++
+		return nil
+	}
+	if f.NAT != nil {
+		n := nat.Entry{Key: natKey(f), VIP: f.VIP, ServiceID: sid, BackendID: bid, LastSeen: max(now-f.NAT.Idle, 0)}
+		if f.Kind == conntrack.SNAT {
+			n.SNAT, n.Origin = true, f.Client
+			// The port is another flow's here: this one cannot have it.
+			if cur, err := t.CT.NAT().Lookup(n.Key); err == nil && cur.Origin != f.Client {
+				res.PortConflicts++
+				return nil
+			}
+		}
+		if err := t.CT.NAT().Put(n); err != nil {
+			return err
+		}
+	}
+	wrote, err := t.CT.Restore(e)
+	if err != nil {
+		return err
+	}
+	if wrote {
+		res.Written++
+	} else {
+		res.Fresher++
+	}
+	return nil
+}

@@ -29,7 +29,7 @@ func testKey(i int) conntrack.Key {
 }
 
 // testFlow is a flow of key i pinned to backend b.
-func testFlow(i, b int) Flow {
+func journalFlow(i, b int) Flow {
 	k := testKey(i)
 	return Flow{
 		Client:  k.Client,
@@ -47,7 +47,7 @@ func testFlow(i, b int) Flow {
 }
 
 func upsert(i, b int) Op {
-	f := testFlow(i, b)
+	f := journalFlow(i, b)
 	return Op{Kind: OpUpsert, Flow: &f}
 }
 
@@ -203,7 +203,7 @@ func TestRecordSealSince(t *testing.T) {
 }
 
 func TestRecordInvalid(t *testing.T) {
-	nat := testFlow(1, 1)
+	nat := journalFlow(1, 1)
 	nat.Client = netip.AddrPort{}
 	for _, tc := range []struct {
 		name string
@@ -230,13 +230,13 @@ func TestRecordInvalid(t *testing.T) {
 
 func TestRecordCopiesFlow(t *testing.T) {
 	j := newTestJournal(t, 1, JournalOptions{})
-	f := testFlow(1, 1)
+	f := journalFlow(1, 1)
 	mustRecord(t, j, Op{Kind: OpUpsert, Flow: &f})
 	f.Backend = netip.MustParseAddrPort("10.9.9.9:1")
 	f.NAT.Idle = time.Hour
 	j.Seal()
 	d := mustSince(t, j, 0, "", 0)
-	if got := d.Batches[0].Ops[0].Flow; !reflect.DeepEqual(*got, testFlow(1, 1)) {
+	if got := d.Batches[0].Ops[0].Flow; !reflect.DeepEqual(*got, journalFlow(1, 1)) {
 		t.Fatalf("recorded flow follows the caller's: %+v", got)
 	}
 	// A target rewriting its delta does not rewrite the history.
@@ -582,7 +582,7 @@ func TestCursorAdvanceReset(t *testing.T) {
 }
 
 func TestDeltaJSON(t *testing.T) {
-	f := testFlow(1, 2)
+	f := journalFlow(1, 2)
 	d := Delta{Service: "web", Journal: "abc", Epoch: 2, From: 1, To: 2, Batches: []Batch{{Seq: 2, Epoch: 2, Ops: []Op{{Kind: OpUpsert, Flow: &f, Key: f.Key()}, del(3)}}}}
 	raw, err := json.Marshal(d)
 	if err != nil {

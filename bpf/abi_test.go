@@ -96,6 +96,8 @@ var goEnums = map[string]map[string]uint64{
 	"fluxvm_spol_const":    {"FLUXVM_SPOL_HEADER": uint64(PolicyHeader)},
 	"fluxvm_policy_action": {"FLUXVM_POLICY_ALLOW": uint64(PolicyAllow), "FLUXVM_POLICY_DENY": uint64(PolicyDeny)},
 	"fluxvm_policy_flags":  {"FLUXVM_POLICY_F_AUDIT": uint64(PolicyFlagAudit), "FLUXVM_POLICY_F_L7": uint64(PolicyFlagL7)},
+	"fluxvm_meta_flags":    {"FLUXVM_META_F_HA": uint64(MetaFlagHA)},
+	"fluxvm_ha_op":         {"FLUXVM_HA_UPSERT": uint64(HAUpsert)},
 	"fluxvm_flow_verdict": {
 		"FLUXVM_FLOW_FORWARDED": uint64(FlowForwarded), "FLUXVM_FLOW_DROPPED": uint64(FlowDropped),
 		"FLUXVM_FLOW_AUDITED": uint64(FlowAudited), "FLUXVM_FLOW_REDIRECTED": uint64(FlowRedirected),

@@ -91,6 +91,12 @@ const (
 	// usual). A loop would show as redirected flows beyond the clients'.
 	CounterL7Redirected = Counter(serviceFluxvmCounterFLUXVM_CNT_L7REDIRECTED)
 	CounterL7Bypass     = Counter(serviceFluxvmCounterFLUXVM_CNT_L7BYPASS)
+	// CounterHAEmitted counts records queued in fluxvm_haq (HA
+	// replication); CounterXDPPassHA new flows XDP left to TC while HA
+	// replication is on (TC queues their records). Records the queue had
+	// no room for are in fluxvm_hadrop.
+	CounterHAEmitted = Counter(serviceFluxvmCounterFLUXVM_CNT_HA_EMITTED)
+	CounterXDPPassHA = Counter(serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_HA)
 
 	// NumCounters is the number of counters (the map's max_entries).
 	NumCounters = int(serviceFluxvmCounterFLUXVM_CNT_MAX)
@@ -134,6 +140,8 @@ var counterNames = [NumCounters]string{
 	CounterSockOpenPolicy:       "sock_fail_open_policy",
 	CounterL7Redirected:         "l7_redirected",
 	CounterL7Bypass:             "l7_bypass",
+	CounterHAEmitted:            "ha_emitted",
+	CounterXDPPassHA:            "xdp_pass_ha",
 }
 
 // String returns the counter's metric-style name, e.g. "truncated".

@@ -118,7 +118,9 @@ const (
 	serviceFluxvmCounterFLUXVM_CNT_SOCK_FAIL_OPEN_POLICY     serviceFluxvmCounter = 34
 	serviceFluxvmCounterFLUXVM_CNT_L7REDIRECTED              serviceFluxvmCounter = 35
 	serviceFluxvmCounterFLUXVM_CNT_L7BYPASS                  serviceFluxvmCounter = 36
-	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 37
+	serviceFluxvmCounterFLUXVM_CNT_HA_EMITTED                serviceFluxvmCounter = 37
+	serviceFluxvmCounterFLUXVM_CNT_XDP_PASS_HA               serviceFluxvmCounter = 38
+	serviceFluxvmCounterFLUXVM_CNT_MAX                       serviceFluxvmCounter = 39
 )
 
 type serviceFluxvmCtFlags uint32
@@ -267,6 +269,29 @@ const (
 	serviceFluxvmGuardStateFLUXVM_GUARD_OPEN   serviceFluxvmGuardState = 1
 )
 
+type serviceFluxvmHaOp uint32
+
+const (
+	serviceFluxvmHaOpFLUXVM_HA_UPSERT serviceFluxvmHaOp = 1
+)
+
+type serviceFluxvmHaRecord struct {
+	_       structs.HostLayout
+	Op      uint8
+	Family  uint8
+	Proto   uint8
+	Pad0    uint8
+	Cport   uint16
+	Vport   uint16
+	Bport   uint16
+	Pad1    uint16
+	Client  [4]uint32
+	Vip     [4]uint32
+	Backend [4]uint32
+	Pad2    uint32
+	Ct      serviceFluxvmCtValue
+}
+
 type serviceFluxvmIcmpState struct {
 	_ structs.HostLayout
 	Q struct {
@@ -288,6 +313,12 @@ type serviceFluxvmIcmpState struct {
 		Vport  uint16
 	}
 }
+
+type serviceFluxvmMetaFlags uint32
+
+const (
+	serviceFluxvmMetaFlagsFLUXVM_META_F_HA serviceFluxvmMetaFlags = 1
+)
 
 type serviceFluxvmMetaValue struct {
 	_                      structs.HostLayout
@@ -547,6 +578,8 @@ const (
 	serviceMapFluxvmFct6        = "fluxvm_fct6"
 	serviceMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	serviceMapFluxvmFlowSeq     = "fluxvm_flow_seq"
+	serviceMapFluxvmHadrop      = "fluxvm_hadrop"
+	serviceMapFluxvmHaq         = "fluxvm_haq"
 	serviceMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceMapFluxvmMeta        = "fluxvm_meta"
@@ -634,6 +667,8 @@ type serviceMapSpecs struct {
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
@@ -691,6 +726,8 @@ type serviceMaps struct {
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
@@ -724,6 +761,8 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,

@@ -27,6 +27,8 @@ const (
 	serviceConnectTierSMapFluxvmFct6              = "fluxvm_fct6"
 	serviceConnectTierSMapFluxvmFlowBudget        = "fluxvm_flow_budget"
 	serviceConnectTierSMapFluxvmFlowSeq           = "fluxvm_flow_seq"
+	serviceConnectTierSMapFluxvmHadrop            = "fluxvm_hadrop"
+	serviceConnectTierSMapFluxvmHaq               = "fluxvm_haq"
 	serviceConnectTierSMapFluxvmMaglev            = "fluxvm_maglev"
 	serviceConnectTierSMapFluxvmMeta              = "fluxvm_meta"
 	serviceConnectTierSMapFluxvmNat4              = "fluxvm_nat4"
@@ -122,6 +124,8 @@ type serviceConnectTierSMapSpecs struct {
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -177,6 +181,8 @@ type serviceConnectTierSMaps struct {
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -208,6 +214,8 @@ func (m *serviceConnectTierSMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

@@ -30,6 +30,7 @@
 #define FLUXVM_SOCK_ENTRIES     16384
 #define FLUXVM_FLOW_SLOTS       4096 /* a power of two: slot = seq & (slots - 1) */
 #define FLUXVM_POLICY_RULES     16384 /* identity rules over all policies */
+#define FLUXVM_HAQ_BYTES        (256 << 10) /* HA queue: ~1,900 records (128 + an 8-byte header) */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_M
 #define FLUXVM_MAX_SERVICES     1024
 #define FLUXVM_MAX_BACKENDS     16384
@@ -39,6 +40,7 @@
 #define FLUXVM_SOCK_ENTRIES     65536
 #define FLUXVM_FLOW_SLOTS       16384 /* a power of two: slot = seq & (slots - 1) */
 #define FLUXVM_POLICY_RULES     65536 /* identity rules over all policies */
+#define FLUXVM_HAQ_BYTES        (1 << 20) /* HA queue: ~7,700 records */
 #elif FLUXVM_MAP_TIER == FLUXVM_TIER_L
 #define FLUXVM_MAX_SERVICES     4096
 #define FLUXVM_MAX_BACKENDS     65536
@@ -48,6 +50,7 @@
 #define FLUXVM_SOCK_ENTRIES     262144
 #define FLUXVM_FLOW_SLOTS       65536 /* a power of two: slot = seq & (slots - 1) */
 #define FLUXVM_POLICY_RULES     262144 /* identity rules over all policies */
+#define FLUXVM_HAQ_BYTES        (4 << 20) /* HA queue: ~30,800 records */
 #else
 #error "FLUXVM_MAP_TIER must be FLUXVM_TIER_S, FLUXVM_TIER_M or FLUXVM_TIER_L"
 #endif

@@ -27,6 +27,8 @@ const (
 	serviceTierSMapFluxvmFct6        = "fluxvm_fct6"
 	serviceTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	serviceTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
+	serviceTierSMapFluxvmHadrop      = "fluxvm_hadrop"
+	serviceTierSMapFluxvmHaq         = "fluxvm_haq"
 	serviceTierSMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
 	serviceTierSMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceTierSMapFluxvmMeta        = "fluxvm_meta"
@@ -114,6 +116,8 @@ type serviceTierSMapSpecs struct {
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
@@ -171,6 +175,8 @@ type serviceTierSMaps struct {
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
@@ -204,6 +210,8 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,

@@ -71,7 +71,9 @@ enum fluxvm_counter {
 	FLUXVM_CNT_SOCK_FAIL_OPEN_POLICY = 34, /* socket LB: a service with an identity policy, left to TC */
 	FLUXVM_CNT_L7_REDIRECTED = 35, /* L7 enforce: a new flow handed to the proxy interface (lib/l7.h) */
 	FLUXVM_CNT_L7_BYPASS = 36,     /* L7 enforce: a packet from the proxy interface, load-balanced as usual */
-	FLUXVM_CNT_MAX = 37,
+	FLUXVM_CNT_HA_EMITTED = 37,    /* HA: a record queued in fluxvm_haq (lib/ha.h) */
+	FLUXVM_CNT_XDP_PASS_HA = 38,   /* XDP: a new flow left to TC while HA replication is on */
+	FLUXVM_CNT_MAX = 39,
 };
 
 /* Why a packet was dropped (per-CPU array fluxvm_drops, one __u64 each). */
@@ -439,6 +441,41 @@ struct fluxvm_meta_value {
 };
 _Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
 
+enum fluxvm_meta_flags {
+	/* HA replication is on: new flows emit fluxvm_haq records (lib/ha.h)
+	 * and XDP leaves new flows to TC, which emits them. */
+	FLUXVM_META_F_HA = 1U << 0,
+};
+
+/*
+ * HA mutation queue (fluxvm_haq, a ring buffer; lib/ha.h): one record per
+ * conntrack entry a forward path writes (a new flow, a re-pick, a
+ * failover), the flow as the client sent it, its backend by address and
+ * the entry as written. Userspace (package ha) drains it into the
+ * journal; a record the ring had no room for is counted in fluxvm_hadrop
+ * and left to the periodic snapshot-diff.
+ */
+enum fluxvm_ha_op {
+	FLUXVM_HA_UPSERT = 1,
+};
+
+struct fluxvm_ha_record {
+	__u8 op;             /* enum fluxvm_ha_op */
+	__u8 family;         /* enum fluxvm_family */
+	__u8 proto;
+	__u8 pad0;
+	__be16 cport;        /* the client's port */
+	__be16 vport;        /* the VIP's port */
+	__be16 bport;        /* the backend's port */
+	__u16 pad1;
+	__be32 client[4];    /* IPv4 in [0] */
+	__be32 vip[4];
+	__be32 backend[4];
+	__u32 pad2;
+	struct fluxvm_ct_value ct; /* the entry as written */
+};
+_Static_assert(sizeof(struct fluxvm_ha_record) == 128, "fluxvm_ha_record size");
+
 /* Conntrack timeouts in seconds where fluxvm_meta_value holds 0. */
 enum fluxvm_timeout_default {
 	FLUXVM_TIMEOUT_TCP_SYN_S = 60,
@@ -603,6 +640,9 @@ struct fluxvm_abi_enums {
 	enum fluxvm_spol_const spol_const;
 	enum fluxvm_policy_action policy_action;
 	enum fluxvm_policy_flags policy_flags;
+	enum fluxvm_meta_flags meta_flags;
+	enum fluxvm_ha_op ha_op;
+	struct fluxvm_ha_record ha_record;
 };
 
 __attribute__((noinline)) int fluxvm_abi_enums(struct fluxvm_abi_enums *e)

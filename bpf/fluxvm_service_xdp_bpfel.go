@@ -27,6 +27,8 @@ const (
 	serviceXdpMapFluxvmFct6        = "fluxvm_fct6"
 	serviceXdpMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	serviceXdpMapFluxvmFlowSeq     = "fluxvm_flow_seq"
+	serviceXdpMapFluxvmHadrop      = "fluxvm_hadrop"
+	serviceXdpMapFluxvmHaq         = "fluxvm_haq"
 	serviceXdpMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceXdpMapFluxvmMeta        = "fluxvm_meta"
 	serviceXdpMapFluxvmNat4        = "fluxvm_nat4"
@@ -110,6 +112,8 @@ type serviceXdpMapSpecs struct {
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -169,6 +173,8 @@ type serviceXdpMaps struct {
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -204,6 +210,8 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

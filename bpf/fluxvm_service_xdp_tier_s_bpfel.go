@@ -27,6 +27,8 @@ const (
 	serviceXdpTierSMapFluxvmFct6        = "fluxvm_fct6"
 	serviceXdpTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	serviceXdpTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
+	serviceXdpTierSMapFluxvmHadrop      = "fluxvm_hadrop"
+	serviceXdpTierSMapFluxvmHaq         = "fluxvm_haq"
 	serviceXdpTierSMapFluxvmMaglev      = "fluxvm_maglev"
 	serviceXdpTierSMapFluxvmMeta        = "fluxvm_meta"
 	serviceXdpTierSMapFluxvmNat4        = "fluxvm_nat4"
@@ -110,6 +112,8 @@ type serviceXdpTierSMapSpecs struct {
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -169,6 +173,8 @@ type serviceXdpTierSMaps struct {
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4        *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -204,6 +210,8 @@ func (m *serviceXdpTierSMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

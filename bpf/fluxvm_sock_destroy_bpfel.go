@@ -27,6 +27,8 @@ const (
 	sockDestroyMapFluxvmFct6            = "fluxvm_fct6"
 	sockDestroyMapFluxvmFlowBudget      = "fluxvm_flow_budget"
 	sockDestroyMapFluxvmFlowSeq         = "fluxvm_flow_seq"
+	sockDestroyMapFluxvmHadrop          = "fluxvm_hadrop"
+	sockDestroyMapFluxvmHaq             = "fluxvm_haq"
 	sockDestroyMapFluxvmMaglev          = "fluxvm_maglev"
 	sockDestroyMapFluxvmMeta            = "fluxvm_meta"
 	sockDestroyMapFluxvmNat4            = "fluxvm_nat4"
@@ -106,6 +108,8 @@ type sockDestroyMapSpecs struct {
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -161,6 +165,8 @@ type sockDestroyMaps struct {
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -192,6 +198,8 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

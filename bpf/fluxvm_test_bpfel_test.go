@@ -27,6 +27,8 @@ const (
 	serviceTestMapFluxvmFct6            = "fluxvm_fct6"
 	serviceTestMapFluxvmFlowBudget      = "fluxvm_flow_budget"
 	serviceTestMapFluxvmFlowSeq         = "fluxvm_flow_seq"
+	serviceTestMapFluxvmHadrop          = "fluxvm_hadrop"
+	serviceTestMapFluxvmHaq             = "fluxvm_haq"
 	serviceTestMapFluxvmIcmpScratch     = "fluxvm_icmp_scratch"
 	serviceTestMapFluxvmMaglev          = "fluxvm_maglev"
 	serviceTestMapFluxvmMeta            = "fluxvm_meta"
@@ -121,6 +123,8 @@ type serviceTestMapSpecs struct {
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.MapSpec `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.MapSpec `ebpf:"fluxvm_meta"`
@@ -185,6 +189,8 @@ type serviceTestMaps struct {
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq         *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmIcmpScratch *ebpf.Map `ebpf:"fluxvm_icmp_scratch"`
 	FluxvmMaglev      *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta        *ebpf.Map `ebpf:"fluxvm_meta"`
@@ -218,6 +224,8 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmIcmpScratch,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,

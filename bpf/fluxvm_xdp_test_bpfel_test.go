@@ -27,6 +27,8 @@ const (
 	xdpTestMapFluxvmFct6        = "fluxvm_fct6"
 	xdpTestMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	xdpTestMapFluxvmFlowSeq     = "fluxvm_flow_seq"
+	xdpTestMapFluxvmHadrop      = "fluxvm_hadrop"
+	xdpTestMapFluxvmHaq         = "fluxvm_haq"
 	xdpTestMapFluxvmMaglev      = "fluxvm_maglev"
 	xdpTestMapFluxvmMeta        = "fluxvm_meta"
 	xdpTestMapFluxvmNat4        = "fluxvm_nat4"
@@ -108,6 +110,8 @@ type xdpTestMapSpecs struct {
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.MapSpec `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.MapSpec `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.MapSpec `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.MapSpec `ebpf:"fluxvm_nat4"`
@@ -165,6 +169,8 @@ type xdpTestMaps struct {
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
+	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
+	FluxvmHaq        *ebpf.Map `ebpf:"fluxvm_haq"`
 	FluxvmMaglev     *ebpf.Map `ebpf:"fluxvm_maglev"`
 	FluxvmMeta       *ebpf.Map `ebpf:"fluxvm_meta"`
 	FluxvmNat4       *ebpf.Map `ebpf:"fluxvm_nat4"`
@@ -196,6 +202,8 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmFct6,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
+		m.FluxvmHadrop,
+		m.FluxvmHaq,
 		m.FluxvmMaglev,
 		m.FluxvmMeta,
 		m.FluxvmNat4,

@@ -42,6 +42,20 @@ type (
 	SIDValue     = serviceFluxvmSidValue
 	PolicyKey    = serviceFluxvmSpolKey
 	PolicyValue  = serviceFluxvmSpolValue
+	HARecord     = serviceFluxvmHaRecord
+)
+
+// Meta.Flags (C enum fluxvm_meta_flags).
+const (
+	// MetaFlagHA turns HA replication on: new flows emit HARecords into
+	// fluxvm_haq, and XDP leaves new flows to TC.
+	MetaFlagHA = uint32(serviceFluxvmMetaFlagsFLUXVM_META_F_HA)
+)
+
+// HARecord.Op (C enum fluxvm_ha_op).
+const (
+	// HAUpsert: a forward path wrote the record's conntrack entry.
+	HAUpsert = uint8(serviceFluxvmHaOpFLUXVM_HA_UPSERT)
 )
 
 // FlowVerdict is FlowRecord.Verdict (C enum fluxvm_flow_verdict).

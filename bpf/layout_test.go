@@ -48,6 +48,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_sid_value", 8, SIDValue{}},
 		{"fluxvm_spol_key", 8, PolicyKey{}},
 		{"fluxvm_spol_value", 16, PolicyValue{}},
+		{"fluxvm_ha_record", 128, HARecord{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.cname, func(t *testing.T) {

@@ -275,3 +275,49 @@ func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
 	}
 	return nil
 }
+
+// Apply applies delta d's operations to t in order (the caller checked d
+// against its Cursor and advances it after): upserts as an import writes
+// flows, their ages counted from now (an operation's ages are those of
+// its recording, at most a replication interval earlier), deletes with
+// their reverse halves. A delete of a flow the node does not have is no
+// error.
+func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
+	var res ImportResult
+	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
+		return res, errors.New("ha: apply: a target needs its conntrack map, service, frontends and backends")
+	}
+	if d.Service != t.Service {
+		return res, fmt.Errorf("ha: apply to %s: %w: the delta is of %q", t.Service, ErrService, d.Service)
+	}
+	clock := t.Now
+	if clock == nil {
+		clock = conntrack.Now
+	}
+	now, err := clock()
+	if err != nil {
+		return res, fmt.Errorf("ha: apply to %s: %w", t.Service, err)
+	}
+	for _, b := range d.Batches {
+		if err := ctx.Err(); err != nil {
+			return res, err
+		}
+		for i := range b.Ops {
+			op := &b.Ops[i]
+			switch op.Kind {
+			case OpUpsert:
+				res.Flows++
+				if err := applyFlow(op.Flow, now, &t, &res); err != nil {
+					return res, fmt.Errorf("ha: apply to %s: batch %d: %s: %w", t.Service, b.Seq, op.Flow, err)
+				}
+			case OpDelete:
+				if err := t.CT.Delete(op.Key); err != nil && !errors.Is(err, conntrack.ErrNotFound) {
+					return res, fmt.Errorf("ha: apply to %s: batch %d: delete %s: %w", t.Service, b.Seq, op.Key, err)
+				}
+			default:
+				return res, fmt.Errorf("ha: apply to %s: batch %d: %w: %s", t.Service, b.Seq, ErrInvalidOp, op.Kind)
+			}
+		}
+	}
+	return res, nil
+}

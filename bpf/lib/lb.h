@@ -99,6 +99,7 @@ static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const
 
 #include "flows.h" /* after fluxvm_pkt_tuple, which its drop records use */
 #include "policy.h"
+#include "ha.h"
 #ifdef FLUXVM_CTX_SKB
 #include "edt.h" /* after flows.h: a paced reply dropped is taken back from its record */
 #endif
@@ -530,6 +531,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * conntrack half and could be taken for a live flow. */
 	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
+	fluxvm_ha_learned(meta, pkt, v6, bid);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
@@ -590,6 +592,9 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	}
 
 	meta = fluxvm_meta_get();
+	/* A new flow under HA: TC learns it and queues its record. */
+	if (fluxvm_ha_xdp_pass(meta))
+		return CTX_ACT_NEXT;
 	hash = v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
 	be = fluxvm_select(sid, hash, &bid, st, es);
@@ -615,6 +620,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
+	fluxvm_ha_learned(meta, pkt, v6, bid);
 	if (ct->flow) {
 		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
@@ -666,6 +672,9 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	}
 
 	meta = fluxvm_meta_get();
+	/* A new flow under HA: TC learns it and queues its record. */
+	if (fluxvm_ha_xdp_pass(meta))
+		return CTX_ACT_NEXT;
 	be = fluxvm_select(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
 				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
 			   &bid, st, es);
@@ -681,6 +690,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	fluxvm_ha_learned(meta, pkt, v6, bid);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(flags & FLUXVM_LB_AT_NS), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 

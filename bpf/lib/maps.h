@@ -223,6 +223,19 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_snat SEC(".maps");
 
+/* HA mutation queue (lib/ha.h) and the records it had no room for. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, FLUXVM_HAQ_BYTES);
+} fluxvm_haq SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} fluxvm_hadrop SEC(".maps");
+
 /*
  * Per-CPU scratch space of the rare paths: learning a new flow, recreating
  * an evicted half, routing (host_routing, DSR). Their keys, values and

@@ -193,7 +193,7 @@ func (c *child) open(req Request, timeout time.Duration) (r Result) {
 	if req.Op == OpUDP {
 		return exchange(r, s, dst, req)
 	}
-	if err := unix.Connect(s.fd, dst); err != nil {
+	if err := connect(s.fd, dst); err != nil {
 		r.Local = sockname(s.fd)
 		return fail(r, "connect", err)
 	}
@@ -239,7 +239,7 @@ func connectLoop(req Request) (r Result) {
 		if err != nil {
 			return fail(r, "socket", err)
 		}
-		err = unix.Connect(fd, dests[i].sa)
+		err = connect(fd, dests[i].sa)
 		if err == nil {
 			_, err = unix.Getpeername(fd)
 		}
@@ -345,4 +345,36 @@ func sockname(fd int) string {
 		return ""
 	}
 	return format(sa)
+}
+
+// connect is a blocking connect(2) that a signal does not fail: the Go
+// runtime's preemption signal can interrupt it (EINTR) while the kernel
+// goes on connecting, so an interrupted connect waits for the socket to
+// become writable and reads the outcome from SO_ERROR.
+func connect(fd int, sa unix.Sockaddr) error {
+	err := unix.Connect(fd, sa)
+	if err != unix.EINTR {
+		return err
+	}
+	n := 0
+	for {
+		n, err = unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}, 10_000)
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return unix.ETIMEDOUT
+	}
+	soerr, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR)
+	if err != nil {
+		return err
+	}
+	if soerr != 0 {
+		return unix.Errno(soerr)
+	}
+	return nil
 }

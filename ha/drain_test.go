@@ -1,8 +1,10 @@
 package ha
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 	"testing"
 	"time"
@@ -121,5 +123,98 @@ func TestReplication(t *testing.T) {
 	}
 	if st := j.Stats(); st.Batches != 0 || cur.Seq != st.LastSeq {
 		t.Errorf("journal %+v, cursor %+v: want everything acked", st, cur)
+	}
+}
+
+// keys returns node n's flows: key -> backend address.
+func (n *node) keys(t *testing.T) map[conntrack.Key]netip.AddrPort {
+	t.Helper()
+	es, err := n.ct.List(conntrack.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[conntrack.Key]netip.AddrPort{}
+	for _, e := range es {
+		for ap, id := range n.bids {
+			if id == e.BackendID {
+				out[e.Key] = ap
+			}
+		}
+	}
+	return out
+}
+
+// TestReplicationOverflow: more new flows than the queue holds, with no
+// reader: the records it had no room for are counted, the target misses
+// those flows after the deltas, and the snapshot-diff (an import with
+// Prune) restores the target exactly — also deleting the flows the source
+// no longer has.
+func TestReplicationOverflow(t *testing.T) {
+	a, b := newNode(t, 1, 1), newNode(t, 40, 100)
+	a.haOn()
+	j, err := NewJournal("web", 1, JournalOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := NewDrainer(DrainerConfig{Queue: a.o.Maps.FluxvmHaq, Drops: a.o.Maps.FluxvmHadrop,
+		Journal: func(uint32) *Journal { return j }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	room := int(a.o.Maps.FluxvmHaq.MaxEntries()) / (128 + 8)
+	n := room + 300
+	for i := 0; i < n; i++ {
+		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("10.0.%d.%d", i/250, 1+i%250)), 44000),
+			VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
+		if ret, _, _ := a.send(k, pkt.SYN, false); ret != bpftest.TCOK {
+			t.Fatalf("%s: verdict %d", k, int32(ret))
+		}
+	}
+	if _, err := d.Drain(20 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	_, _, dropped, err := d.Stats()
+	if err != nil || dropped < 300 {
+		t.Fatalf("dropped %d (%v), want at least 300 of %d flows over a queue of %d", dropped, err, n, room)
+	}
+	j.Seal()
+	delta, err := j.Since(0, "", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Apply(context.Background(), delta, b.target()); err != nil {
+		t.Fatal(err)
+	}
+	if got := len(b.keys(t)); got != n-int(dropped) {
+		t.Fatalf("B has %d flows after the deltas, want %d (the queued ones)", got, n-int(dropped))
+	}
+	// A forgets some flows (its GC would); B still has them.
+	for i := 0; i < 10; i++ {
+		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("10.0.0.%d", 1+i)), 44000), VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
+		if err := a.ct.Delete(k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(5 * time.Millisecond) // B's flows were last seen before the export
+	var snap bytes.Buffer
+	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1}, a.source()); err != nil {
+		t.Fatal(err)
+	}
+	tgt := b.target()
+	tgt.Prune = true
+	for _, sid := range b.sids {
+		tgt.ServiceIDs = append(tgt.ServiceIDs, sid)
+	}
+	res, err := Import(context.Background(), &snap, tgt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, got := a.keys(t), b.keys(t)
+	if !maps.Equal(want, got) {
+		t.Errorf("after the snapshot-diff B has %d flows, A %d (import %+v)", len(got), len(want), res)
+	}
+	if res.Pruned != 10 || res.Written != dropped {
+		t.Errorf("snapshot-diff %+v: want the %d dropped written and 10 pruned", res, dropped)
 	}
 }

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/fluxvm/servicefabric/conntrack"
@@ -149,6 +151,15 @@ type Target struct {
 	// Accept, when set, judges the header before any flow is applied
 	// (the lease epoch and the journal cursor: Cursor.Reset).
 	Accept func(Header) error
+	// Prune makes an import a snapshot-diff: once the whole snapshot is
+	// verified and applied, the service's flows on this node (its
+	// datapath frontends: ServiceIDs) that the snapshot lacks and that
+	// were last seen before the export are deleted, so that the node
+	// holds exactly the source's flows. It is the backstop for records
+	// the mutation queue dropped (fluxvm_hadrop) and deletes a journal
+	// missed.
+	Prune      bool
+	ServiceIDs []uint32
 	// Now is the node's datapath clock (conntrack.Now when nil).
 	Now func() (time.Duration, error)
 }
@@ -165,6 +176,8 @@ type ImportResult struct {
 	NoFrontend    uint64 `json:"no_frontend"`
 	NoBackend     uint64 `json:"no_backend"`
 	PortConflicts uint64 `json:"port_conflicts"`
+	// Pruned counts the flows a snapshot-diff (Target.Prune) deleted.
+	Pruned uint64 `json:"pruned,omitempty"`
 }
 
 // Import reads a snapshot from r and applies it to t: every verified
@@ -176,6 +189,9 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	var res ImportResult
 	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
 		return res, errors.New("ha: import: a target needs its conntrack map, service, frontends and backends")
+	}
+	if t.Prune && len(t.ServiceIDs) == 0 {
+		return res, errors.New("ha: import: a snapshot-diff needs the service's datapath ids")
 	}
 	sr, err := NewReader(r)
 	if err != nil {
@@ -202,10 +218,14 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	// from it, so that a snapshot imported later is that much older (and
 	// the same snapshot imported twice lands on the same times).
 	at := now - max(time.Since(res.Header.Created), 0)
+	var seen []uint64 // the snapshot's keys, hashed, for a snapshot-diff
 	for {
 		flows, err := sr.Next()
 		if err == io.EOF {
-			return res, nil
+			if t.Prune {
+				err = prune(&t, seen, at, &res)
+			}
+			return res, err
 		}
 		if err == nil {
 			err = ctx.Err()
@@ -215,11 +235,55 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 		}
 		for i := range flows {
 			res.Flows++
+			if t.Prune {
+				seen = append(seen, keyHash(flows[i].Key()))
+			}
 			if err := applyFlow(&flows[i], at, &t, &res); err != nil {
 				return res, fmt.Errorf("ha: import into %s: %s: %w", t.Service, &flows[i], err)
 			}
 		}
 	}
+}
+
+// keyHash is a flow key's 64-bit FNV-1a: a snapshot-diff keeps 8 bytes a
+// flow (a collision only spares a stale flow until its GC).
+func keyHash(k conntrack.Key) uint64 {
+	h := fnv.New64a()
+	c, v := k.Client.Addr().Unmap().As16(), k.VIP.Addr().Unmap().As16()
+	h.Write(c[:])
+	h.Write(v[:])
+	h.Write([]byte{byte(k.Client.Port() >> 8), byte(k.Client.Port()), byte(k.VIP.Port() >> 8), byte(k.VIP.Port()), k.Proto})
+	return h.Sum64()
+}
+
+// prune deletes t's flows of the service that the snapshot (seen) lacks
+// and that were last seen before its export (at): a flow learned since is
+// the node's own.
+func prune(t *Target, seen []uint64, at time.Duration, res *ImportResult) error {
+	slices.Sort(seen)
+	var stale []conntrack.Key
+	err := t.CT.Scan(conntrack.Filter{ServiceIDs: t.ServiceIDs}, func(es []conntrack.Entry) error {
+		for i := range es {
+			e := &es[i]
+			if e.Kind == conntrack.L7 || e.LastSeen >= at {
+				continue
+			}
+			if _, ok := slices.BinarySearch(seen, keyHash(e.Key)); !ok {
+				stale = append(stale, e.Key)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("ha: import into %s: snapshot-diff: %w", t.Service, err)
+	}
+	for _, k := range stale {
+		if err := t.CT.Delete(k); err != nil && !errors.Is(err, conntrack.ErrNotFound) {
+			return fmt.Errorf("ha: import into %s: snapshot-diff: %w", t.Service, err)
+		}
+		res.Pruned++
+	}
+	return nil
 }
 
 // slack is how much fresher than the node's own entry a flow must be to

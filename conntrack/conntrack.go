@@ -323,15 +323,15 @@ func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
 }
 
 // Restore writes entry e as it was learned elsewhere (an HA peer's
-// snapshot or delta), unless the map holds a fresher one for its key (last
-// seen at or after e's): a flow this node saw since is its own. It reports
-// whether it wrote. Kinds EastWest, SNAT and DSR only; the flow's
+// snapshot or delta); with keepFresher, not when the map holds a fresher
+// one for its key (last seen at or after e's): a flow this node saw since
+// is its own. It reports whether it wrote. Kinds EastWest, SNAT and DSR only; the flow's
 // reverse-NAT half is the caller's (nat.Table). The entry keeps no policy
 // revision (a flow of a service with a policy is decided again at its
 // next packet) and no flow record. The read and the write are two
 // operations: a packet of the flow between them loses to the restore,
 // which matters only on a node the flow reaches, not on a standby.
-func (m *Map) Restore(e Entry) (bool, error) {
+func (m *Map) Restore(e Entry, keepFresher bool) (bool, error) {
 	k, err := e.Key.normal()
 	if err != nil {
 		return false, fmt.Errorf("conntrack: restore: %w", err)
@@ -346,7 +346,7 @@ func (m *Map) Restore(e Entry) (bool, error) {
 	case e.Created < 0 || e.LastSeen < e.Created || e.Deadline < e.LastSeen:
 		return false, fmt.Errorf("conntrack: restore %s: times out of order", k)
 	}
-	if cur, err := m.lookupRaw(k); err == nil && time.Duration(cur.LastSeenNs) >= e.LastSeen {
+	if cur, err := m.lookupRaw(k); keepFresher && err == nil && time.Duration(cur.LastSeenNs) >= e.LastSeen {
 		return false, nil
 	}
 	v := bpf.CTValue{ServiceId: e.ServiceID, BackendId: e.BackendID, CreatedNs: uint64(e.Created),

@@ -164,10 +164,12 @@ func TestReplicationOverflow(t *testing.T) {
 	defer d.Close()
 	room := int(a.o.Maps.FluxvmHaq.MaxEntries()) / (128 + 8)
 	n := room + 300
+	// North-south flows (SNAT): the ones a snapshot-diff prunes.
+	ns := frontends[1].vip
 	for i := 0; i < n; i++ {
-		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("10.0.%d.%d", i/250, 1+i%250)), 44000),
-			VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
-		if ret, _, _ := a.send(k, pkt.SYN, false); ret != bpftest.TCOK {
+		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("198.18.%d.%d", i/250, 1+i%250)), 44000),
+			VIP: ns, Proto: conntrack.ProtoTCP}
+		if ret, _, _ := a.send(k, pkt.SYN, true); ret != bpftest.TCOK {
 			t.Fatalf("%s: verdict %d", k, int32(ret))
 		}
 	}
@@ -191,12 +193,17 @@ func TestReplicationOverflow(t *testing.T) {
 	}
 	// A forgets some flows (its GC would); B still has them.
 	for i := 0; i < 10; i++ {
-		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("10.0.0.%d", 1+i)), 44000), VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
+		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr(fmt.Sprintf("198.18.0.%d", 1+i)), 44000), VIP: ns, Proto: conntrack.ProtoTCP}
 		if err := a.ct.Delete(k); err != nil {
 			t.Fatal(err)
 		}
 	}
-	time.Sleep(5 * time.Millisecond) // B's flows were last seen before the export
+	// B's own VM opens an east-west flow: the diff must leave it.
+	own := conntrack.Key{Client: netip.MustParseAddrPort("10.0.9.9:45000"), VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
+	if ret, _, _ := b.send(own, pkt.SYN, false); ret != bpftest.TCOK {
+		t.Fatalf("B's own flow: verdict %d", int32(ret))
+	}
+	time.Sleep(60 * time.Millisecond) // B's flows were last seen before the export (past the slack)
 	var snap bytes.Buffer
 	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1}, a.source()); err != nil {
 		t.Fatal(err)
@@ -211,10 +218,39 @@ func TestReplicationOverflow(t *testing.T) {
 		t.Fatal(err)
 	}
 	want, got := a.keys(t), b.keys(t)
+	if _, ok := got[own]; !ok {
+		t.Error("the snapshot-diff deleted B's own east-west flow")
+	}
+	delete(got, own)
 	if !maps.Equal(want, got) {
 		t.Errorf("after the snapshot-diff B has %d flows, A %d (import %+v)", len(got), len(want), res)
 	}
 	if res.Pruned != 10 || res.Written != dropped {
 		t.Errorf("snapshot-diff %+v: want the %d dropped written and 10 pruned", res, dropped)
+	}
+}
+
+// TestApplyLaterWins: two upserts of one flow in a delta (a re-pick after
+// the first record was drained): the later one wins, though its ages,
+// counted from its own draining, make it look older.
+func TestApplyLaterWins(t *testing.T) {
+	b := newNode(t, 40, 100)
+	k := conntrack.Key{Client: netip.MustParseAddrPort("198.51.100.7:46000"), VIP: frontends[1].vip, Proto: conntrack.ProtoTCP}
+	f := func(be netip.AddrPort, port uint16, idle time.Duration) *Flow {
+		return &Flow{Client: k.Client, VIP: k.VIP, Proto: k.Proto, Backend: be, Kind: conntrack.SNAT,
+			SNAT: netip.AddrPortFrom(snat4, port), State: bpf.CTTCPEstablished, Idle: idle, TTL: time.Hour,
+			NAT: &NATHalf{Idle: idle}}
+	}
+	first, second := frontends[1].backends[0], frontends[1].backends[1]
+	d := Delta{Service: "web", Journal: "j", Epoch: 1, From: 0, To: 1, Batches: []Batch{{Seq: 1, Epoch: 1, Ops: []Op{
+		{Kind: OpUpsert, Flow: f(first, 21000, 100*time.Millisecond)},
+		{Kind: OpUpsert, Flow: f(second, 21001, 900*time.Millisecond)},
+	}}}}
+	if _, err := Apply(context.Background(), d, b.target()); err != nil {
+		t.Fatal(err)
+	}
+	e, err := b.ct.Lookup(k)
+	if err != nil || e.BackendID != b.bids[second] || e.SNAT.Port() != 21001 {
+		t.Errorf("after the delta %+v (%v): want the later upsert, backend %s", e, err, second)
 	}
 }

@@ -486,7 +486,11 @@ func (c *Cursor) Check(d Delta) error {
 		}
 		return nil
 	}
-	want, prev := d.From+1, c.Epoch
+	// Fencing is the envelope's epoch (the serving journal's lease, above);
+	// the batches of one incarnation carry the leases they were recorded
+	// under, never decreasing, and may be older than what the cursor
+	// accepted from an earlier page of the same history.
+	want, prev := d.From+1, Epoch(0)
 	for i := range d.Batches {
 		b := &d.Batches[i]
 		if b.Seq != want {

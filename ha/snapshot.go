@@ -44,6 +44,10 @@ const (
 	ChunkFlows = 1024
 	// MaxHeaderSize bounds the JSON header.
 	MaxHeaderSize = 64 << 10
+	// MaxTTL bounds a flow's remaining time: longer than any conntrack
+	// timeout a node may set, short enough that a flow cannot outlive
+	// its backend by much on a node that imported it.
+	MaxTTL = 30 * 24 * time.Hour
 )
 
 var magic = [8]byte{'F', 'X', 'V', 'M', 'H', 'A', '\r', '\n'}
@@ -455,6 +459,8 @@ func (f *Flow) check() error {
 		return fmt.Errorf("protocol %d", f.Proto)
 	case f.Age < 0 || f.Idle < 0 || f.TTL < 0 || f.NAT != nil && f.NAT.Idle < 0:
 		return errors.New("a negative time")
+	case f.TTL > MaxTTL:
+		return fmt.Errorf("a TTL of %s (at most %s)", f.TTL, MaxTTL)
 	}
 	switch f.State {
 	case bpf.CTTCPSyn, bpf.CTTCPEstablished, bpf.CTTCPFin, bpf.CTTCPRst:

@@ -152,10 +152,11 @@ type Target struct {
 	// (the lease epoch and the journal cursor: Cursor.Reset).
 	Accept func(Header) error
 	// Prune makes an import a snapshot-diff: once the whole snapshot is
-	// verified and applied, the service's flows on this node (its
-	// datapath frontends: ServiceIDs) that the snapshot lacks and that
-	// were last seen before the export are deleted, so that the node
-	// holds exactly the source's flows. It is the backstop for records
+	// verified and applied, the service's north-south flows on this node
+	// (SNAT and DSR kinds of its datapath frontends: ServiceIDs) that the
+	// snapshot lacks and that were last seen before the export are
+	// deleted, so that the node holds exactly the source's. East-west
+	// flows belong to the node's own VMs and are never pruned. It is the backstop for records
 	// the mutation queue dropped (fluxvm_hadrop) and deletes a journal
 	// missed.
 	Prune      bool
@@ -217,15 +218,18 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	// The export's instant on this node's clock: the flows' ages count
 	// from it, so that a snapshot imported later is that much older (and
 	// the same snapshot imported twice lands on the same times).
-	at := now - max(time.Since(res.Header.Created), 0)
+	at := now
+	if !res.Header.Created.IsZero() {
+		at -= min(max(time.Since(res.Header.Created), 0), now)
+	}
 	var seen []uint64 // the snapshot's keys, hashed, for a snapshot-diff
 	for {
 		flows, err := sr.Next()
 		if err == io.EOF {
 			if t.Prune {
-				err = prune(&t, seen, at, &res)
+				return res, prune(&t, seen, at, &res)
 			}
-			return res, err
+			return res, nil
 		}
 		if err == nil {
 			err = ctx.Err()
@@ -238,7 +242,7 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 			if t.Prune {
 				seen = append(seen, keyHash(flows[i].Key()))
 			}
-			if err := applyFlow(&flows[i], at, &t, &res); err != nil {
+			if err := applyFlow(&flows[i], at, false, &t, &res); err != nil {
 				return res, fmt.Errorf("ha: import into %s: %s: %w", t.Service, &flows[i], err)
 			}
 		}
@@ -265,7 +269,9 @@ func prune(t *Target, seen []uint64, at time.Duration, res *ImportResult) error 
 	err := t.CT.Scan(conntrack.Filter{ServiceIDs: t.ServiceIDs}, func(es []conntrack.Entry) error {
 		for i := range es {
 			e := &es[i]
-			if e.Kind == conntrack.L7 || e.LastSeen >= at {
+			// East-west flows are the node's own VMs' (never another
+			// node's to replicate); L7 flows stay on their node.
+			if (e.Kind != conntrack.SNAT && e.Kind != conntrack.DSR) || e.LastSeen >= at {
 				continue
 			}
 			if _, ok := slices.BinarySearch(seen, keyHash(e.Key)); !ok {
@@ -287,15 +293,17 @@ func prune(t *Target, seen []uint64, at time.Duration, res *ImportResult) error 
 }
 
 // slack is how much fresher than the node's own entry a flow must be to
-// replace it: two imports of one snapshot place its times a few
-// microseconds apart (the wall and the monotonic clock drift), and must
-// not count as news.
-const slack = time.Millisecond
+// replace it: two imports of one snapshot place its times up to a tick of
+// the coarse monotonic clock apart (4 ms here; the wall clock anchors
+// them), and must not count as news.
+const slack = 50 * time.Millisecond
 
 // applyFlow writes f (its reverse half first, so that the entry the
 // datapath keys its packets by never lacks it), its ages counted from now
-// (the export's instant on this node's clock).
-func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
+// (the export's instant on this node's clock); a flow the node has seen
+// more recently is kept unless force (a journal's later operation wins:
+// its ages count from its draining, not from one instant).
+func applyFlow(f *Flow, now time.Duration, force bool, t *Target, res *ImportResult) error {
 	sid, ok := t.Frontend(f.VIP, f.Proto)
 	if !ok {
 		res.NoFrontend++
@@ -308,11 +316,14 @@ func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
 	}
 	e := conntrack.Entry{Key: f.Key(), ServiceID: sid, BackendID: bid, State: f.State, Kind: f.Kind, SNAT: f.SNAT,
 		ReverseDerived: f.ReverseDerived, Audited: f.Audited,
-		Created: max(now-f.Age, 0), LastSeen: max(now-f.Idle, 0), Deadline: now + f.TTL}
+		Created: max(now-f.Age, 0), LastSeen: max(now-f.Idle, 0)}
 	e.Created = min(e.Created, e.LastSeen)
-	if cur, err := t.CT.Lookup(e.Key); err == nil && cur.LastSeen+slack >= e.LastSeen {
-		res.Fresher++
-		return nil
+	e.Deadline = max(now+f.TTL, e.LastSeen)
+	if !force {
+		if cur, err := t.CT.Lookup(e.Key); err == nil && cur.LastSeen+slack >= e.LastSeen {
+			res.Fresher++
+			return nil
+		}
 	}
 	if f.NAT != nil {
 		n := nat.Entry{Key: natKey(f), VIP: f.VIP, ServiceID: sid, BackendID: bid, LastSeen: max(now-f.NAT.Idle, 0)}
@@ -328,7 +339,7 @@ func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
 			return err
 		}
 	}
-	wrote, err := t.CT.Restore(e)
+	wrote, err := t.CT.Restore(e, !force)
 	if err != nil {
 		return err
 	}
@@ -343,9 +354,9 @@ func applyFlow(f *Flow, now time.Duration, t *Target, res *ImportResult) error {
 // Apply applies delta d's operations to t in order (the caller checked d
 // against its Cursor and advances it after): upserts as an import writes
 // flows, their ages counted from now (an operation's ages are those of
-// its recording, at most a replication interval earlier), deletes with
-// their reverse halves. A delete of a flow the node does not have is no
-// error.
+// its draining, at most a replication interval earlier), a later
+// operation always winning over an earlier one; deletes with their
+// reverse halves. A delete of a flow the node does not have is no error.
 func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
 	var res ImportResult
 	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
@@ -371,7 +382,7 @@ func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
 			switch op.Kind {
 			case OpUpsert:
 				res.Flows++
-				if err := applyFlow(op.Flow, now, &t, &res); err != nil {
+				if err := applyFlow(op.Flow, now, true, &t, &res); err != nil {
 					return res, fmt.Errorf("ha: apply to %s: batch %d: %s: %w", t.Service, b.Seq, op.Flow, err)
 				}
 			case OpDelete:

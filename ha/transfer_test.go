@@ -65,7 +65,7 @@ func newNode(t *testing.T, sidBase, bidBase uint32) *node {
 		t.Fatal(err)
 	}
 	n := &node{t: t, th: testenv.NewThread(t), o: o, ct: ct, sids: map[conntrack.Key]uint32{}, bids: map[netip.AddrPort]uint32{}}
-	if err := o.SNAT(snat4, snat6, 20000, 20999); err != nil {
+	if err := o.SNAT(snat4, snat6, 20000, 29999); err != nil {
 		t.Fatal(err)
 	}
 	bid := bidBase

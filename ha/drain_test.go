@@ -53,12 +53,7 @@ func TestReplication(t *testing.T) {
 	}
 	defer d.Close()
 
-	type flow struct {
-		k          conntrack.Key
-		northSouth bool
-		src, dst   netip.AddrPort
-	}
-	var flows []flow
+	var flows []liveFlow
 	var cur Cursor
 	pull := func() {
 		t.Helper()
@@ -88,23 +83,7 @@ func TestReplication(t *testing.T) {
 	}
 	for round := 0; round < 3; round++ {
 		for i := 0; i < 20; i++ {
-			n := round*20 + i
-			fe := frontends[n%len(frontends)]
-			ns := fe.flags&bpf.SvcFlagNorthSouth != 0
-			client := netip.MustParseAddr(fmt.Sprintf("10.0.0.%d", 1+n))
-			switch {
-			case fe.vip.Addr().Is6():
-				client = netip.MustParseAddr(fmt.Sprintf("fd00::%x", 1+n))
-			case ns:
-				client = netip.MustParseAddr(fmt.Sprintf("198.51.100.%d", 1+n))
-			}
-			k := conntrack.Key{Client: netip.AddrPortFrom(client, uint16(43000+n)), VIP: fe.vip, Proto: conntrack.ProtoTCP}
-			a.send(k, pkt.SYN, ns)
-			ret, src, dst := a.send(k, pkt.ACK, ns)
-			if ret != bpftest.TCOK {
-				t.Fatalf("%s: verdict %d on A", k, int32(ret))
-			}
-			flows = append(flows, flow{k, ns, src, dst})
+			flows = append(flows, a.open(round*20+i, uint16(43000+round*20+i)))
 		}
 		pull()
 	}

@@ -134,6 +134,36 @@ func (n *node) send(k conntrack.Key, f pkt.TCPFlags, northSouth bool) (uint32, n
 	return ret, src, dst
 }
 
+// liveFlow is a flow node A's datapath learned, and how A sent its
+// packets on.
+type liveFlow struct {
+	k          conntrack.Key
+	northSouth bool
+	src, dst   netip.AddrPort
+}
+
+// open makes n's datapath learn flow i of a mix over the service's
+// frontends (a SYN, then an ACK whose translation it records).
+func (n *node) open(i int, port uint16) liveFlow {
+	n.t.Helper()
+	fe := frontends[i%len(frontends)]
+	ns := fe.flags&bpf.SvcFlagNorthSouth != 0
+	client := netip.MustParseAddr(fmt.Sprintf("10.0.%d.%d", i/200, 1+i%200))
+	switch {
+	case fe.vip.Addr().Is6():
+		client = netip.MustParseAddr(fmt.Sprintf("fd00::%x", 1+i))
+	case ns:
+		client = netip.MustParseAddr(fmt.Sprintf("198.51.100.%d", 1+i))
+	}
+	k := conntrack.Key{Client: netip.AddrPortFrom(client, port), VIP: fe.vip, Proto: conntrack.ProtoTCP}
+	n.send(k, pkt.SYN, ns)
+	ret, src, dst := n.send(k, pkt.ACK, ns)
+	if ret != bpftest.TCOK {
+		n.t.Fatalf("%s: verdict %d", k, int32(ret))
+	}
+	return liveFlow{k, ns, src, dst}
+}
+
 // TestTransfer: flows learned by the real datapath on one node, exported
 // and imported into a node that numbers services and backends otherwise,
 // continue there on the same backend with the same translated source, and
@@ -142,29 +172,9 @@ func (n *node) send(k conntrack.Key, f pkt.TCPFlags, northSouth bool) (uint32, n
 // service, or one the target's Accept refuses, applies nothing.
 func TestTransfer(t *testing.T) {
 	a, b := newNode(t, 1, 1), newNode(t, 40, 100)
-	type flow struct {
-		k          conntrack.Key
-		northSouth bool
-		src, dst   netip.AddrPort // the packet as A sent it on
-	}
-	var flows []flow
+	var flows []liveFlow
 	for i := 0; i < 40; i++ {
-		fe := frontends[i%len(frontends)]
-		client := netip.MustParseAddr(fmt.Sprintf("10.0.%d.%d", i/200, 1+i%200))
-		ns := fe.flags&bpf.SvcFlagNorthSouth != 0
-		if fe.vip.Addr().Is6() {
-			client = netip.MustParseAddr(fmt.Sprintf("fd00::%x", 1+i))
-		}
-		if ns {
-			client = netip.MustParseAddr(fmt.Sprintf("198.51.100.%d", 1+i))
-		}
-		k := conntrack.Key{Client: netip.AddrPortFrom(client, uint16(40000+i)), VIP: fe.vip, Proto: conntrack.ProtoTCP}
-		a.send(k, pkt.SYN, ns)
-		ret, src, dst := a.send(k, pkt.ACK, ns)
-		if ret != bpftest.TCOK {
-			t.Fatalf("%s: verdict %d on node A", k, int32(ret))
-		}
-		flows = append(flows, flow{k, ns, src, dst})
+		flows = append(flows, a.open(i, uint16(40000+i)))
 	}
 
 	var snap bytes.Buffer

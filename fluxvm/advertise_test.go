@@ -605,14 +605,17 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	// Cleanup withdraws everything and keeps the file.
+	// Cleanup withdraws everything and keeps the file: a publication
+	// after whatever the apply and the health checks published (a check
+	// that flaps under a loaded machine publishes too).
+	before := read("applied again").Generation
 	if err := d.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
 	closed = true
 	s, err = advert.Read(path)
-	if err != nil || len(s.Entries) != 0 || s.Generation != gen+3 {
-		t.Errorf("after Cleanup: %+v, %v", s, err)
+	if err != nil || len(s.Entries) != 0 || s.Generation <= before {
+		t.Errorf("after Cleanup: %+v, %v; want a generation after %d", s, err, before)
 	}
 	advertiserStopped(t, d)
 	goleak.VerifyNone(t, append(labServers(), leaks)...)

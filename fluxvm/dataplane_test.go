@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net/netip"
@@ -431,6 +432,12 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"Policies":     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policies() }},
 		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy("web") }},
 		"Envoy":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Envoy("web") }},
+		"ExportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.ExportFlows(ctx, "web", 1, io.Discard)
+		}},
+		"ImportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.ImportFlows(ctx, "web", strings.NewReader(""), false, nil)
+		}},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("second Close: %v", res)

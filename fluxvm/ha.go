@@ -73,7 +73,8 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, epoch ha.Ep
 
 // ImportFlows applies a snapshot of service's flows from its peer (an
 // ExportFlows stream) to this node: each flow whose frontend and backend
-// the service has here, under this node's ids, unless the node has seen
+// the service has here, under this node's ids (an SNAT flow only when its
+// source is one of this node's SNAT addresses), unless the node has seen
 // the flow more recently; with prune, also deleting the service's
 // north-south flows the snapshot lacks (the snapshot-diff). accept, when
 // set, judges the snapshot's header first (its lease epoch).
@@ -82,7 +83,14 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if err != nil {
 		return ha.ImportResult{}, err
 	}
-	t := ha.Target{CT: d.ct, Service: service, Accept: accept, Prune: prune, ServiceIDs: v.sids,
+	cfg := d.opts.settings()
+	var snat []netip.Addr
+	for _, a := range []netip.Addr{cfg.SNATAddressFor(false), cfg.SNATAddressFor(true)} {
+		if a.IsValid() {
+			snat = append(snat, a.Unmap())
+		}
+	}
+	t := ha.Target{CT: d.ct, Service: service, Accept: accept, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat,
 		Frontend: func(vip netip.AddrPort, proto uint8) (uint32, bool) {
 			sid, ok := v.frontend[feKey{vip: vip.Addr().Unmap(), port: vip.Port(), proto: proto}]
 			return sid, ok

@@ -54,7 +54,16 @@ func TestReplication(t *testing.T) {
 	defer d.Close()
 
 	var flows []liveFlow
+	// B starts from a snapshot of A taken after the checkpoint: A has no
+	// flow yet, so the snapshot is empty and the cursor is the start.
+	cp, err := j.Checkpoint()
+	if err != nil {
+		t.Fatal(err)
+	}
 	var cur Cursor
+	if err := cur.Reset(cp.Journal, cp.Seq, cp.Epoch); err != nil {
+		t.Fatal(err)
+	}
 	pull := func() {
 		t.Helper()
 		if _, err := d.Drain(20 * time.Millisecond); err != nil {
@@ -160,7 +169,7 @@ func TestReplicationOverflow(t *testing.T) {
 		t.Fatalf("dropped %d (%v), want at least 300 of %d flows over a queue of %d", dropped, err, n, room)
 	}
 	j.Seal()
-	delta, err := j.Since(0, "", 0)
+	delta, err := j.Since(0, j.ID(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

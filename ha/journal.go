@@ -302,9 +302,10 @@ func (j *Journal) trimLocked(n int) {
 // Since returns the sealed batches after cursor of journal journalID,
 // whole, at most maxOps ops but at least one batch (maxOps <= 0: no
 // limit). When the journal cannot continue the cursor, because it names
-// another incarnation or batches after it are gone, the delta says
-// ResetRequired and carries nothing. A target with no state yet passes
-// cursor 0 and journal "".
+// another incarnation (or none: a target with no state yet, which must
+// load a snapshot first, since flows older than the journal are in no
+// batch) or batches after it are gone, the delta says ResetRequired and
+// carries nothing.
 func (j *Journal) Since(cursor uint64, journalID string, maxOps int) (Delta, error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
@@ -312,7 +313,7 @@ func (j *Journal) Since(cursor uint64, journalID string, maxOps int) (Delta, err
 		return Delta{}, j.errorf("since %d: epoch %d, fenced by %d: %w", cursor, j.epoch, j.fence, ErrFenced)
 	}
 	d := Delta{Service: j.service, Journal: j.id, Epoch: j.epoch, From: cursor, To: cursor}
-	if journalID != j.id && (cursor != 0 || journalID != "") {
+	if journalID != j.id {
 		d.ResetRequired = true
 		return d, nil
 	}

@@ -151,6 +151,11 @@ type Target struct {
 	// Accept, when set, judges the header before any flow is applied
 	// (the lease epoch and the journal cursor: Cursor.Reset).
 	Accept func(Header) error
+	// SNATAddrs, when set, are this node's SNAT addresses: an SNAT flow
+	// translated to another source is skipped (counted), since replies
+	// to that address would not come back through this node. The pair
+	// shares its SNAT addresses.
+	SNATAddrs []netip.Addr
 	// Prune makes an import a snapshot-diff: once the whole snapshot is
 	// verified and applied, the service's north-south flows on this node
 	// (SNAT and DSR kinds of its datapath frontends: ServiceIDs) that the
@@ -171,12 +176,14 @@ type ImportResult struct {
 	Flows  uint64 `json:"flows"` // read
 	// Written flows; Fresher ones the node has seen since (kept as they
 	// are); flows whose frontend or backend this node does not have, or
-	// whose SNAT port another flow holds here, are skipped.
+	// whose SNAT port another flow holds here, or whose SNAT source is
+	// not this node's (ForeignSNAT), are skipped.
 	Written       uint64 `json:"written"`
 	Fresher       uint64 `json:"fresher"`
 	NoFrontend    uint64 `json:"no_frontend"`
 	NoBackend     uint64 `json:"no_backend"`
 	PortConflicts uint64 `json:"port_conflicts"`
+	ForeignSNAT   uint64 `json:"foreign_snat,omitempty"`
 	// Pruned counts the flows a snapshot-diff (Target.Prune) deleted.
 	Pruned uint64 `json:"pruned,omitempty"`
 }
@@ -307,6 +314,10 @@ func applyFlow(f *Flow, now time.Duration, force bool, t *Target, res *ImportRes
 	sid, ok := t.Frontend(f.VIP, f.Proto)
 	if !ok {
 		res.NoFrontend++
+		return nil
+	}
+	if f.Kind == conntrack.SNAT && len(t.SNATAddrs) > 0 && !slices.Contains(t.SNATAddrs, f.SNAT.Addr().Unmap()) {
+		res.ForeignSNAT++
 		return nil
 	}
 	bid, ok := t.BackendID(sid, f.Backend)

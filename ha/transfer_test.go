@@ -240,6 +240,15 @@ func TestTransfer(t *testing.T) {
 		t.Errorf("%d flows on B without their reverse half", broken)
 	}
 
+	// A target whose SNAT address is another skips the SNAT flows.
+	c := newNode(t, 60, 200)
+	elsewhere := c.target()
+	elsewhere.SNATAddrs = []netip.Addr{netip.MustParseAddr("192.0.2.99"), snat6}
+	r2, err := Import(context.Background(), bytes.NewReader(data), elsewhere)
+	if err != nil || r2.ForeignSNAT == 0 || r2.Written+r2.ForeignSNAT != uint64(len(flows)) {
+		t.Errorf("import with another SNAT address: %+v, %v; want the SNAT flows skipped", r2, err)
+	}
+
 	// Again: nothing written (every flow is as fresh on B).
 	if res, err := Import(context.Background(), bytes.NewReader(data), b.target()); err != nil || res.Written != 0 || res.Fresher != uint64(len(flows)) {
 		t.Errorf("second import: %+v, %v; want all %d kept", res, err, len(flows))

@@ -56,11 +56,7 @@ func NewDrainer(cfg DrainerConfig) (*Drainer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ha: drainer: %w", err)
 	}
-	clock := cfg.Now
-	if clock == nil {
-		clock = conntrack.Now
-	}
-	return &Drainer{rd: rd, drop: cfg.Drops, journal: cfg.Journal, clock: clock}, nil
+	return &Drainer{rd: rd, drop: cfg.Drops, journal: cfg.Journal, clock: clockOr(cfg.Now)}, nil
 }
 
 // Close stops the reader; a Run in progress returns.

@@ -53,10 +53,7 @@ func Export(ctx context.Context, w io.Writer, h Header, src Source) (ExportResul
 	if src.CT == nil || src.Backend == nil || len(src.ServiceIDs) == 0 {
 		return res, errors.New("ha: export: a source needs its conntrack map, backends and service ids")
 	}
-	clock := src.Now
-	if clock == nil {
-		clock = conntrack.Now
-	}
+	clock := clockOr(src.Now)
 	now, err := clock()
 	if err != nil {
 		return res, fmt.Errorf("ha: export: %w", err)
@@ -170,6 +167,22 @@ type Target struct {
 	Now func() (time.Duration, error)
 }
 
+// check reports a Target missing what op needs.
+func (t *Target) check(op string) error {
+	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
+		return fmt.Errorf("ha: %s: a target needs its conntrack map, service, frontends and backends", op)
+	}
+	return nil
+}
+
+// clockOr is the datapath clock now, or conntrack.Now when now is nil.
+func clockOr(now func() (time.Duration, error)) func() (time.Duration, error) {
+	if now == nil {
+		return conntrack.Now
+	}
+	return now
+}
+
 // ImportResult counts what an import did.
 type ImportResult struct {
 	Header Header `json:"header"`
@@ -195,8 +208,8 @@ type ImportResult struct {
 // changes nothing the first did not.
 func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	var res ImportResult
-	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
-		return res, errors.New("ha: import: a target needs its conntrack map, service, frontends and backends")
+	if err := t.check("import"); err != nil {
+		return res, err
 	}
 	if t.Prune && len(t.ServiceIDs) == 0 {
 		return res, errors.New("ha: import: a snapshot-diff needs the service's datapath ids")
@@ -214,10 +227,7 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 			return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
 		}
 	}
-	clock := t.Now
-	if clock == nil {
-		clock = conntrack.Now
-	}
+	clock := clockOr(t.Now)
 	now, err := clock()
 	if err != nil {
 		return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
@@ -370,16 +380,13 @@ func applyFlow(f *Flow, now time.Duration, force bool, t *Target, res *ImportRes
 // reverse halves. A delete of a flow the node does not have is no error.
 func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
 	var res ImportResult
-	if t.CT == nil || t.Frontend == nil || t.BackendID == nil || t.Service == "" {
-		return res, errors.New("ha: apply: a target needs its conntrack map, service, frontends and backends")
+	if err := t.check("apply"); err != nil {
+		return res, err
 	}
 	if d.Service != t.Service {
 		return res, fmt.Errorf("ha: apply to %s: %w: the delta is of %q", t.Service, ErrService, d.Service)
 	}
-	clock := t.Now
-	if clock == nil {
-		clock = conntrack.Now
-	}
+	clock := clockOr(t.Now)
 	now, err := clock()
 	if err != nil {
 		return res, fmt.Errorf("ha: apply to %s: %w", t.Service, err)

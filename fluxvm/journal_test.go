@@ -441,7 +441,11 @@ func TestDataplaneCatalogSurvivesCrash(t *testing.T) {
 		t.Fatal("no services")
 	}
 
-	// kill -9: the files as they are, without Close.
+	// kill -9: the files as they are, without Close. A compaction the
+	// last changes started may still be replacing files in the
+	// background; a copy taken meanwhile mixes two states no crash can
+	// leave (the node dies at one instant), so let it finish first.
+	d.compacting.Wait()
 	crash := t.TempDir()
 	files, _ := filepath.Glob(path + "*")
 	if len(files) < 2 {

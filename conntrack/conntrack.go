@@ -219,6 +219,11 @@ type Config struct {
 	// without its conntrack half is fresh. The zero value means
 	// DefaultTimeouts.
 	Timeouts Timeouts
+	// Removed, when set, is told of every flow GC removed (expired,
+	// drained or of a backend gone) once its entry is deleted, with its
+	// datapath service id: what a replication journal turns into deletes
+	// for a standby. It runs on GC's goroutine and must not block.
+	Removed func(k Key, serviceID uint32)
 }
 
 // Map is the typed view of the conntrack maps fluxvm_fct4/6 and their
@@ -230,6 +235,7 @@ type Map struct {
 	mode               mapscan.Mode
 	chunk              int
 	gcMu               sync.Mutex
+	removed            func(Key, uint32)
 }
 
 // NAT returns the reverse-NAT table the Map pairs its flows with
@@ -278,7 +284,7 @@ func New(cfg Config) (*Map, error) {
 	}
 	return &Map{
 		ct4: cfg.CT4, ct6: cfg.CT6, backends: cfg.Backends, nat: cfg.NAT,
-		timeouts: to, chunk: mapscan.DefaultChunk,
+		timeouts: to, chunk: mapscan.DefaultChunk, removed: cfg.Removed,
 	}, nil
 }
 

@@ -326,14 +326,21 @@ func eachChunk[K any](g *gcRun, s *mapscan.Scanner[K, bpf.CTValue], fam Family, 
 	}
 }
 
+// removedFlow names a flow GC removes, for Config.Removed.
+type removedFlow struct {
+	key Key
+	sid uint32
+}
+
 // sweep is pass 1 over one conntrack map: remove dead flows, both halves.
 func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) error {
 	s := mapscan.NewScanner[K, bpf.CTValue](ctm, &g.m.mode, g.m.chunk)
 	del := make([]K, 0, len(s.Keys))
 	why := make([]reason, 0, len(s.Keys))
+	var flows []removedFlow // for Config.Removed
 	return eachChunk(g, s, fam, func(n int) error {
 		g.res.Scanned += n
-		del, why, g.natDel = del[:0], why[:0], g.natDel[:0]
+		del, why, g.natDel, flows = del[:0], why[:0], g.natDel[:0], flows[:0]
 		for i := range n {
 			v := &s.Vals[i]
 			b, err := g.backend(v.BackendId)
@@ -350,6 +357,9 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			del = append(del, s.Keys[i])
 			why = append(why, r)
 			k := decode(&s.Keys[i])
+			if g.m.removed != nil {
+				flows = append(flows, removedFlow{k, v.ServiceId})
+			}
 			g.removed[maphash.Comparable(g.seed, k)] = struct{}{}
 			if !owns(&b, v.ServiceId) {
 				// The NAT half cannot be named from here; sweep 2 finds
@@ -381,7 +391,10 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 		if _, err := mapscan.DeleteKeys(ctm, &g.m.mode, del, func(i int) { why[i] = keep }); err != nil {
 			return fmt.Errorf("delete %s conntrack: %w", fam, err)
 		}
-		for _, r := range why {
+		for i, r := range why {
+			if r != keep && g.m.removed != nil {
+				g.m.removed(flows[i].key, flows[i].sid)
+			}
 			switch r {
 			case expired:
 				g.res.Expired++

@@ -52,7 +52,11 @@ func TestGCExpiresEachStateOnItsTimeout(t *testing.T) {
 				if res := d.gc(e.Deadline); res.Removed() != 0 {
 					t.Fatalf("GC at the %s deadline removed %d entries: %v", f.state, res.Removed(), res)
 				}
+				d.removed = nil
 				res := d.gc(e.Deadline + 1)
+				if !slices.Equal(d.removed, []Key{f.k}) {
+					t.Errorf("GC just past the %s deadline told Config.Removed of %v, want [%s]", f.state, d.removed, f.k)
+				}
 				want := GCResult{Scanned: len(flows) - i, Expired: 1, PairedNATRemoved: v.halves(), NATScanned: (len(flows) - i - 1) * v.halves()}
 				if res != want {
 					t.Errorf("GC just past the %s deadline: %v\nwant %v", f.state, res, want)

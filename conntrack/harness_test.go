@@ -27,6 +27,8 @@ type dataplane struct {
 	o   *bpftest.Object
 	nat *nat.Table
 	ct  *Map
+	// removed collects what Config.Removed was told of, since reset.
+	removed []Key
 }
 
 type sizes struct{ ct, nat uint32 }
@@ -86,7 +88,8 @@ func load(sz sizes, to Timeouts) (*dataplane, error) {
 	}
 	d := &dataplane{o: o}
 	if d.nat, err = nat.New(o.Maps.FluxvmNat4, o.Maps.FluxvmNat6); err == nil {
-		d.ct, err = New(Config{CT4: o.Maps.FluxvmFct4, CT6: o.Maps.FluxvmFct6, Backends: o.Maps.FluxvmBackends, NAT: d.nat, Timeouts: to})
+		d.ct, err = New(Config{CT4: o.Maps.FluxvmFct4, CT6: o.Maps.FluxvmFct6, Backends: o.Maps.FluxvmBackends, NAT: d.nat, Timeouts: to,
+			Removed: func(k Key, sid uint32) { d.removed = append(d.removed, k) }})
 	}
 	if err == nil && to != (Timeouts{}) {
 		var m bpf.Meta
@@ -116,6 +119,7 @@ func (d *dataplane) must(err error) {
 // earlier case must not stay listed for the next one's endpoints.
 func (d *dataplane) reset() {
 	d.t.Helper()
+	d.removed = nil
 	for id := uint32(0); id < 32; id++ {
 		d.must(d.o.RemoveBackend(id))
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
 )
@@ -54,6 +55,13 @@ const (
 	// MinConntrackGCInterval and MaxConntrackGCInterval bound
 	// conntrack_gc_interval.
 	MinConntrackGCInterval = time.Second
+	// DefaultHAInterval, MinHAInterval and MaxHAInterval: ha_interval.
+	DefaultHAInterval = time.Second
+	MinHAInterval     = 100 * time.Millisecond
+	MaxHAInterval     = time.Minute
+	// MaxHAJournalOps bounds ha_journal_max_ops (128 bytes and more an
+	// op: some hundreds of MiB per service at most).
+	MaxHAJournalOps        = 1 << 22
 	MaxConntrackGCInterval = time.Hour
 	// MaxInterfaceNameLen is the kernel's limit on interface names
 	// (IFNAMSIZ less the terminating NUL).
@@ -165,6 +173,24 @@ type Config struct {
 	// Every start writes it to the datapath (see docs/operations.md,
 	// "FluxScope flows").
 	FlowSampleRate uint32 `toml:"flow_sample_rate"`
+	// HAEpoch is ha_epoch: the lease epoch the control plane gave this
+	// edge for flow-state replication (package ha, docs/operations.md "HA
+	// state transfer"). Nonzero turns replication on: the datapath queues
+	// every flow it learns, per-service journals serve deltas, and the
+	// conntrack export/import/delta routes answer; it needs
+	// north_south_interfaces. A newer lease given at run time
+	// (Dataplane.UpdateLease) is kept next to the catalog and wins over
+	// an older ha_epoch at the next start. 0 (the default): off.
+	HAEpoch uint64 `toml:"ha_epoch"`
+	// HAInterval is ha_interval: how often the journals seal what the
+	// queue brought into a batch a standby can pull, which bounds what a
+	// failover can lose. Default 1s, range 100ms..1m.
+	HAInterval Duration `toml:"ha_interval"`
+	// HAJournalMaxOps is ha_journal_max_ops: the history each service's
+	// journal keeps for standbys that have not acked (ha.JournalOptions);
+	// a standby further behind resyncs from a snapshot. 0: the default
+	// (ha.DefaultMaxOps), at most MaxHAJournalOps.
+	HAJournalMaxOps int `toml:"ha_journal_max_ops"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -608,6 +634,15 @@ func (c *Config) validate() error {
 	}
 	if n := c.FlowSampleRate; n > MaxFlowSampleRate {
 		bad(ErrInvalid, "flow_sample_rate", "%d is outside 0..%d (0: off, N: 1 in N new flows)", n, MaxFlowSampleRate)
+	}
+	if c.HAEpoch != 0 && len(c.NorthSouthInterfaces) == 0 {
+		bad(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
+	}
+	if d := c.HAInterval.Duration; d != 0 && (d < MinHAInterval || d > MaxHAInterval) {
+		bad(ErrInvalid, "ha_interval", "%v is outside %v..%v", d, MinHAInterval, MaxHAInterval)
+	}
+	if n := c.HAJournalMaxOps; n < 0 || n > MaxHAJournalOps {
+		bad(ErrInvalid, "ha_journal_max_ops", "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
 	}
 	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
 		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)

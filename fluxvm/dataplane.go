@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"io/fs"
 	"os"
 	"slices"
 	"sort"
@@ -82,6 +83,9 @@ type Options struct {
 	// change (which recreate the maps) keeps it, and a change takes
 	// effect at the next Open.
 	FlowSampleRate uint32
+	// HA configures flow-state replication to a standby edge (hasync.go);
+	// the zero value leaves it off.
+	HA HAOptions
 	// Interfaces are the VM-edge interfaces attached when the dataplane
 	// opens (Config.NorthSouthInterfaces are attached too).
 	Interfaces []VMEdgeInterface
@@ -136,6 +140,8 @@ type Dataplane struct {
 	// routes keeps the XDP next-hop cache true (xdproutes.go).
 	routes *routeWatch
 	ct     *conntrack.Map
+	// ha is flow-state replication; nil when it is off (hasync.go).
+	ha     *haSync
 	caps   bpf.Capacities
 	limits Limits
 	inner  *ebpf.MapSpec
@@ -295,6 +301,10 @@ func Open(opts Options) (*Dataplane, error) {
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
 	// empty frontend map and passes untranslated.
+	hs, err := newHASync(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
@@ -305,7 +315,7 @@ func Open(opts Options) (*Dataplane, error) {
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
-		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{},
+		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs,
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	d.initHealth()
@@ -336,6 +346,14 @@ func Open(opts Options) (*Dataplane, error) {
 		}
 		dp.Close()
 		return nil, err
+	}
+	if err := d.startHA(); err != nil {
+		d.health.cancel()
+		if d.store != nil {
+			d.store.close()
+		}
+		dp.Close()
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
@@ -381,6 +399,7 @@ func (d *Dataplane) init() error {
 	if err := d.dp.UpdateMeta(func(m *bpf.Meta) {
 		_ = d.opts.Timeouts.ApplyTo(m)
 		m.FlowSampleRate = d.opts.FlowSampleRate
+		haMetaFlags(m, d.ha != nil)
 	}); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -391,6 +410,7 @@ func (d *Dataplane) init() error {
 	d.ct, err = conntrack.New(conntrack.Config{
 		CT4: d.dp.Maps().FluxvmFct4, CT6: d.dp.Maps().FluxvmFct6,
 		Backends: d.dp.Maps().FluxvmBackends, NAT: nt, Timeouts: d.opts.Timeouts,
+		Removed: d.haRemoved,
 	})
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
@@ -409,6 +429,7 @@ func (d *Dataplane) init() error {
 	if err := d.restore(); err != nil {
 		return err
 	}
+	d.syncHA()
 	if err := d.writeEDTNode(); err != nil {
 		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
@@ -603,6 +624,7 @@ func (d *Dataplane) Close() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopHA()
 	d.stopSocketDestroy()
 	d.stopRouteWatch()
 	d.stopAdvertiser()
@@ -628,6 +650,7 @@ func (d *Dataplane) Cleanup() error {
 	d.inflight.Wait()
 	d.stopHealth()
 	d.stopGC()
+	d.stopHA()
 	d.stopSocketDestroy()
 	d.stopRouteWatch()
 	d.adv.submit([]advert.Entry{})
@@ -664,6 +687,11 @@ func (d *Dataplane) Cleanup() error {
 	if d.opts.CatalogPath != "" {
 		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {
 			errs = append(errs, err)
+		}
+	}
+	if d.ha != nil && d.ha.leasePath != "" {
+		if err := os.Remove(d.ha.leasePath); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("ha lease: %w", err))
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -970,6 +998,7 @@ func (d *Dataplane) Status() Status {
 		out.Memory = d.memoryStatus()
 	}
 	out.EDT = d.edtStatus()
+	out.HA = d.HAStatus()
 	return out
 }
 

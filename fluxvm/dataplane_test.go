@@ -29,6 +29,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/maglev"
@@ -433,10 +434,22 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy("web") }},
 		"Envoy":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Envoy("web") }},
 		"ExportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
-			return d.ExportFlows(ctx, "web", 1, io.Discard)
+			return d.ExportFlows(ctx, "web", io.Discard)
 		}},
 		"ImportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
-			return d.ImportFlows(ctx, "web", strings.NewReader(""), false, nil)
+			return d.ImportFlows(ctx, "web", strings.NewReader(""), false)
+		}},
+		"FlowDelta":    {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.FlowDelta("web", "", 0, 0) }},
+		"AckFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta("web", 1) }},
+		"UpdateLease":  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(HALease{Epoch: 9}) }},
+		"ImportFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})
+		}},
+		"HAStatus": {call: func(e *env, d *Dataplane) (any, error) { return d.HAStatus(), nil }, check: func(res any, _ bool) string {
+			if st := res.(HAStatus); st.Enabled {
+				return fmt.Sprintf("replication on in a dataplane opened without it: %+v", st)
+			}
+			return ""
 		}},
 		"Close": {call: func(e *env, d *Dataplane) (any, error) { return d.Close(), nil }, check: func(res any, _ bool) string {
 			if res != nil {

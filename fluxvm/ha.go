@@ -51,20 +51,33 @@ func (d *Dataplane) haView(what, service string) (haView, error) {
 
 // ExportFlows writes a snapshot of service's flows (package ha: its
 // conntrack entries and their reverse halves, by identity) to w, under
-// the lease epoch this edge holds: what its standby loads with
-// ImportFlows. It streams the maps; the service may change meanwhile
-// (flows of backends it drops are left out). The snapshot names no
-// journal cursor (Header.Journal empty).
-func (d *Dataplane) ExportFlows(ctx context.Context, service string, epoch ha.Epoch, w io.Writer) (ha.ExportResult, error) {
+// this edge's lease epoch and with its journal's checkpoint: what a
+// standby loads with ImportFlows before it continues with FlowDelta. It
+// streams the maps; the service may change meanwhile (flows of backends
+// it drops are left out), and what changes during the export is in the
+// batches after the checkpoint. A superseded edge exports nothing
+// (ha.ErrFenced).
+func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error) {
+	_, j, err := d.sourceJournal("export flows of", service)
+	if err != nil {
+		return ha.ExportResult{}, err
+	}
 	v, err := d.haView("export flows of", service)
 	if err != nil {
 		return ha.ExportResult{}, err
+	}
+	// The checkpoint before the scan: every flow learned after it is in a
+	// later batch, every flow before it in the maps the scan reads.
+	cur, err := j.Checkpoint()
+	if err != nil {
+		return ha.ExportResult{}, fmt.Errorf("fluxvm: export flows of %s: %w", service, err)
 	}
 	src := ha.Source{CT: d.ct, ServiceIDs: v.sids, Backend: func(id uint32) (netip.AddrPort, bool) {
 		ap, ok := v.byID[id]
 		return ap, ok
 	}}
-	res, err := ha.Export(ctx, w, ha.Header{Node: d.opts.NodeName, Service: service, Epoch: epoch}, src)
+	hdr := ha.Header{Node: d.opts.NodeName, Service: service, Epoch: cur.Epoch, Journal: cur.Journal, Seq: cur.Seq}
+	res, err := ha.Export(ctx, w, hdr, src)
 	if err != nil {
 		return res, fmt.Errorf("fluxvm: %w", err)
 	}
@@ -72,16 +85,55 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, epoch ha.Ep
 }
 
 // ImportFlows applies a snapshot of service's flows from its peer (an
-// ExportFlows stream) to this node: each flow whose frontend and backend
+// ExportFlows stream) to this edge: each flow whose frontend and backend
 // the service has here, under this node's ids (an SNAT flow only when its
 // source is one of this node's SNAT addresses), unless the node has seen
 // the flow more recently; with prune, also deleting the service's
-// north-south flows the snapshot lacks (the snapshot-diff). accept, when
-// set, judges the snapshot's header first (its lease epoch).
-func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool, accept func(ha.Header) error) (ha.ImportResult, error) {
-	v, err := d.haView("import flows of", service)
+// north-south flows the snapshot lacks (the snapshot-diff). A snapshot of
+// an epoch older than the newest this edge accepted, or than its own
+// lease, is refused before any flow is applied (ha.ErrStaleEpoch). Once
+// the whole snapshot is applied, this edge's cursor moves to the
+// snapshot's checkpoint: FlowDelta after it continues.
+func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
+	h, err := d.haOn("import flows of " + service)
 	if err != nil {
 		return ha.ImportResult{}, err
+	}
+	t, err := d.haTarget("import flows of", service, prune)
+	if err != nil {
+		return ha.ImportResult{}, err
+	}
+	h.targetMu.Lock()
+	defer h.targetMu.Unlock()
+	t.Accept = func(hd ha.Header) error {
+		h.mu.Lock()
+		floor := h.floor(service)
+		h.mu.Unlock()
+		if hd.Epoch < floor {
+			return fmt.Errorf("snapshot of epoch %d, this edge accepted %d: %w", hd.Epoch, floor, ha.ErrStaleEpoch)
+		}
+		return nil
+	}
+	res, err := ha.Import(ctx, r, t)
+	if err != nil {
+		return res, fmt.Errorf("fluxvm: %w", err)
+	}
+	if res.Header.Journal != "" {
+		h.mu.Lock()
+		c := h.cursors[service]
+		if err := c.Reset(res.Header.Journal, res.Header.Seq, res.Header.Epoch); err == nil {
+			h.cursors[service] = c
+		}
+		h.mu.Unlock()
+	}
+	return res, nil
+}
+
+// haTarget is service on this edge as an import's target.
+func (d *Dataplane) haTarget(what, service string, prune bool) (ha.Target, error) {
+	v, err := d.haView(what, service)
+	if err != nil {
+		return ha.Target{}, err
 	}
 	cfg := d.opts.settings()
 	var snat []netip.Addr
@@ -90,7 +142,7 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 			snat = append(snat, a.Unmap())
 		}
 	}
-	t := ha.Target{CT: d.ct, Service: service, Accept: accept, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat,
+	return ha.Target{CT: d.ct, Service: service, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat,
 		Frontend: func(vip netip.AddrPort, proto uint8) (uint32, bool) {
 			sid, ok := v.frontend[feKey{vip: vip.Addr().Unmap(), port: vip.Port(), proto: proto}]
 			return sid, ok
@@ -98,10 +150,5 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 		BackendID: func(sid uint32, addr netip.AddrPort) (uint32, bool) {
 			id, ok := v.backends[sid][netip.AddrPortFrom(addr.Addr().Unmap(), addr.Port())]
 			return id, ok
-		}}
-	res, err := ha.Import(ctx, r, t)
-	if err != nil {
-		return res, fmt.Errorf("fluxvm: %w", err)
-	}
-	return res, nil
+		}}, nil
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net/netip"
 	"testing"
 	"time"
@@ -17,15 +18,21 @@ import (
 // and the backends reweighted so that Maglev sends new flows to one VM
 // only: importing the snapshot puts every open connection back on the
 // backend it had, and each goes on (a connection re-picked to another VM
-// would be reset there).
+// would be reset there). Then the journal: flows learned after the
+// snapshot's checkpoint come as a delta that continues the cursor the
+// import set, once; leases fence what is stale, and survive a restart.
 func TestExportImportFlows(t *testing.T) {
-	e := newEnv(t)
+	e := newNSEnv(t)
+	e.opts.HA = HAOptions{Epoch: 3, Interval: 50 * time.Millisecond}
 	d := e.open(t)
 	ctx := context.Background()
 	svc := e.service(1, 1, 1)
 	svc.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
+	}
+	if delta, err := d.FlowDelta("web", "", 0, 0); err != nil || !delta.ResetRequired {
+		t.Fatalf("delta for a standby with no state: %+v, %v; want reset_required", delta, err)
 	}
 	var conns []*lab.Conn
 	elsewhere := 0
@@ -41,9 +48,13 @@ func TestExportImportFlows(t *testing.T) {
 		t.Fatal("every connection is on the first VM: the test proves nothing")
 	}
 	var snap bytes.Buffer
-	exp, err := d.ExportFlows(ctx, "web", 3, &snap)
+	exp, err := d.ExportFlows(ctx, "web", &snap)
 	if err != nil || exp.Flows < uint64(len(conns)) {
 		t.Fatalf("export: %+v, %v; want at least %d flows", exp, err, len(conns))
+	}
+	st := d.HAStatus()
+	if !st.Enabled || st.Epoch != 3 || st.Journals["web"].LastSeq == 0 || st.Queue.Read < uint64(len(conns)) {
+		t.Fatalf("status after the export: %+v; want epoch 3, the queue read and a sealed batch", st)
 	}
 
 	// The flows are lost, and new flows would all go to the first VM.
@@ -64,31 +75,119 @@ func TestExportImportFlows(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Refused before anything is applied: another service's snapshot, an
-	// epoch the caller does not accept; a service this node lacks.
-	stale := errors.New("stale lease")
-	if _, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false, func(h ha.Header) error {
-		if h.Epoch < 4 {
-			return stale
-		}
-		return nil
-	}); !errors.Is(err, stale) {
-		t.Errorf("import under a refused epoch: %v", err)
-	}
-	if _, err := d.ImportFlows(ctx, "nosuch", bytes.NewReader(snap.Bytes()), false, nil); !errors.Is(err, ErrNotFound) {
+	// Refused before anything is applied: a service this node lacks; a
+	// lease older than the edge's.
+	if _, err := d.ImportFlows(ctx, "nosuch", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ErrNotFound) {
 		t.Errorf("import into a service that does not exist: %v", err)
+	}
+	if _, err := d.UpdateLease(HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
+		t.Errorf("lease older than the edge's: %v, want ErrStaleEpoch", err)
 	}
 	if es, _ := ct.List(conntrack.Filter{}); len(es) != 0 {
 		t.Fatalf("refused imports wrote %d flows", len(es))
 	}
 
-	res, err := d.ImportFlows(ctx, "web", &snap, false, nil)
+	res, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false)
 	if err != nil || res.Written != exp.Flows || res.Header.Epoch != 3 {
 		t.Fatalf("import: %+v, %v; want %d flows written", res, err, exp.Flows)
+	}
+	cur := d.HAStatus().Cursors["web"]
+	if cur.Journal != res.Header.Journal || cur.Seq != res.Header.Seq || cur.Epoch != 3 || cur.Journal == "" {
+		t.Fatalf("cursor after the import %+v, want the snapshot's checkpoint %s/%d", cur, res.Header.Journal, res.Header.Seq)
 	}
 	for i, c := range conns {
 		if err := c.Echo([]byte("after"), 3*time.Second); err != nil {
 			t.Errorf("connection %d (on %s) broke after the import: %v", i, c.Backend, err)
 		}
+	}
+
+	// Flows learned after the checkpoint are the next delta.
+	for range 3 {
+		echo(t, e.dial(t, vip4), "late")
+	}
+	var delta ha.Delta
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		delta, err = d.FlowDelta("web", cur.Journal, cur.Seq, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, b := range delta.Batches {
+			n += len(b.Ops)
+		}
+		if n >= 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("delta after %d: %+v; want the 3 late flows", cur.Seq, delta)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	dr, err := d.ImportFlowDelta(ctx, "web", delta)
+	if err != nil || dr.Cursor.Seq != delta.To || dr.Applied.Written < 3 {
+		t.Fatalf("delta import: %+v, %v; want the cursor at %d and the late flows written", dr, err, delta.To)
+	}
+	if _, err := d.ImportFlowDelta(ctx, "web", delta); !errors.Is(err, ha.ErrGap) {
+		t.Errorf("the same delta again: %v, want ErrGap", err)
+	}
+	if js, err := d.AckFlowDelta("web", delta.To); err != nil || js.Acked != delta.To || js.Batches != 0 {
+		t.Errorf("ack %d: %+v, %v; want the history trimmed", delta.To, js, err)
+	}
+	if _, err := d.AckFlowDelta("web", delta.To+100); !errors.Is(err, ha.ErrCursorAhead) {
+		t.Errorf("ack past the journal: %v, want ErrCursorAhead", err)
+	}
+
+	// A newer lease: the edge's own epoch is the floor of what it takes.
+	if st, err := d.UpdateLease(HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
+		t.Fatalf("lease 5: %+v, %v", st, err)
+	}
+	if _, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ha.ErrStaleEpoch) {
+		t.Errorf("snapshot of epoch 3 at lease 5: %v, want ErrStaleEpoch", err)
+	}
+	// Superseded: nothing is served.
+	if st, err := d.UpdateLease(HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
+		t.Fatalf("superseded by 7: %+v, %v", st, err)
+	}
+	if _, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); !errors.Is(err, ha.ErrFenced) {
+		t.Errorf("delta of a superseded edge: %v, want ErrFenced", err)
+	}
+	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
+		t.Errorf("export of a superseded edge: %v, want ErrFenced", err)
+	}
+	// The lease survives a restart, over the older ha_epoch.
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d = e.open(t)
+	if st := d.HAStatus(); st.Epoch != 5 || st.SupersededBy != 7 || len(st.Cursors) != 0 {
+		t.Errorf("after a restart: %+v; want lease 5 superseded by 7, no cursor", st)
+	}
+	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
+		t.Errorf("export after a restart, still superseded: %v, want ErrFenced", err)
+	}
+	// Taking over: a lease past the one that fenced the edge serves again,
+	// a new journal incarnation.
+	if _, err := d.UpdateLease(HALease{Epoch: 8}); err != nil {
+		t.Fatal(err)
+	}
+	if delta, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
+		t.Errorf("delta after the takeover: %+v, %v; want reset_required at epoch 8", delta, err)
+	}
+}
+
+// TestHAOptions: replication needs the north-south edge; without ha_epoch
+// its methods say it is off.
+func TestHAOptions(t *testing.T) {
+	if _, err := Open(Options{HA: HAOptions{Epoch: 1}}); !errors.Is(err, ErrPrerequisite) {
+		t.Errorf("HA without the north-south edge: %v, want ErrPrerequisite", err)
+	}
+	e := newEnv(t)
+	d := e.open(t)
+	if _, err := d.FlowDelta("web", "", 0, 0); !errors.Is(err, ErrPrerequisite) {
+		t.Errorf("delta with HA off: %v, want ErrPrerequisite", err)
+	}
+	if st := d.HAStatus(); st.Enabled {
+		t.Errorf("status with HA off: %+v", st)
 	}
 }

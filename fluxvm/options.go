@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // NorthSouth is the node's north-south edge, as Options gives it: the
@@ -100,6 +101,9 @@ func OptionsFrom(cfg Config) Options {
 		Timeouts:           cfg.ConntrackTimeouts(),
 		MaglevSeed:         cfg.MaglevSeed,
 		FlowSampleRate:     cfg.FlowSampleRate,
+		HA: HAOptions{
+			Epoch: ha.Epoch(cfg.HAEpoch), Interval: cfg.HAInterval.Duration, MaxOps: cfg.HAJournalMaxOps,
+		},
 	}
 	opts.Interfaces = append(opts.Interfaces, cfg.VMEdgeInterfaces...)
 	return opts

@@ -123,6 +123,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
 	d.syncEDTNode()
+	d.syncHA()
 	d.doneBusy(svc.Name)
 	d.syncHealth(svc.Name)
 	d.advertise()
@@ -167,6 +168,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	}
 	delete(d.services, name)
 	d.syncEDTNode()
+	d.syncHA()
 	d.index.Remove(name, &s.fp)
 	delete(d.legacyNames, name)
 	d.syncHealth(name)

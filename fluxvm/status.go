@@ -127,6 +127,9 @@ type Status struct {
 	// EDT is EDT pacing: enabled, the horizon, and per interface whether
 	// fq holds paced packets or the horizon polices them.
 	EDT EDTStatus `json:"edt"`
+	// HA is flow-state replication: the lease, the mutation queue, the
+	// journals this edge serves and the cursors of what it applied.
+	HA HAStatus `json:"ha"`
 }
 
 // MemoryStatus is the kernel memory of the datapath's maps, in bytes

@@ -1,0 +1,510 @@
+package fluxvm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/ha"
+	"github.com/fluxvm/servicefabric/internal/atomicfile"
+)
+
+// HAOptions configures flow-state replication to a standby edge: the
+// configuration's ha_epoch, ha_interval and ha_journal_max_ops. With an
+// Epoch, Open turns the datapath's mutation queue on (every flow a
+// forward path learns is queued), drains it into one ha.Journal per
+// service, seals the journals every Interval, and adds GC's removals to
+// them; ExportFlows, ImportFlows, FlowDelta, ImportFlowDelta,
+// AckFlowDelta and UpdateLease answer. It needs the north-south edge
+// (NorthSouth.Interfaces).
+type HAOptions struct {
+	// Epoch is the lease epoch the control plane gave this edge; 0 leaves
+	// replication off. A newer lease given since (UpdateLease, kept next
+	// to the catalog) wins over it.
+	Epoch ha.Epoch
+	// Interval is how often the journals seal a batch (0:
+	// DefaultHAInterval): what a failover can lose.
+	Interval time.Duration
+	// MaxOps bounds each journal's history (ha.JournalOptions.MaxOps; 0:
+	// ha.DefaultMaxOps).
+	MaxOps int
+}
+
+// HALease is what the control plane tells an edge about leases
+// (UpdateLease).
+type HALease struct {
+	// Epoch, when nonzero, is this edge's lease renewed or advanced; an
+	// epoch older than the edge's is refused (ha.ErrStaleEpoch). An
+	// advance past the epoch that superseded the edge lets its journals
+	// serve again, as new incarnations: every standby resyncs from a
+	// snapshot.
+	Epoch ha.Epoch `json:"epoch,omitempty"`
+	// SupersededBy, when nonzero and newer than the edge's epoch, is the
+	// lease another edge now holds: this edge's journals stop recording
+	// and serving, and its exports are refused (ha.ErrFenced), so that a
+	// partitioned old active cannot overwrite the new one's flows.
+	SupersededBy ha.Epoch `json:"superseded_by,omitempty"`
+}
+
+// HAStatus is the state of flow-state replication on this edge.
+type HAStatus struct {
+	Enabled bool `json:"enabled"`
+	// Epoch is the edge's lease epoch; SupersededBy the newer lease that
+	// fenced it (0: not fenced).
+	Epoch        ha.Epoch `json:"epoch,omitempty"`
+	SupersededBy ha.Epoch `json:"superseded_by,omitempty"`
+	// Interval is how often the journals seal a batch.
+	Interval Duration `json:"interval,omitzero"`
+	// Queue counts the datapath's mutation queue: records read, records
+	// skipped (of flows not replicated, or while fenced) and records the
+	// datapath had no room for (fluxvm_hadrop: the snapshot-diff repairs
+	// them). GCDeletes counts flows GC removed that the journals carry.
+	Queue     HAQueueStatus `json:"queue"`
+	GCDeletes uint64        `json:"gc_deletes"`
+	// Journals are the source side, by service: what standbys pull.
+	Journals map[string]ha.JournalStats `json:"journals,omitempty"`
+	// Cursors are the target side, by service: how far this edge applied
+	// its peer's journal (reset at a restart: the next pull asks for a
+	// snapshot).
+	Cursors map[string]ha.Cursor `json:"cursors,omitempty"`
+}
+
+// HAQueueStatus counts the mutation queue (ha.Drainer.Stats).
+type HAQueueStatus struct {
+	Read    uint64 `json:"read"`
+	Skipped uint64 `json:"skipped"`
+	Dropped uint64 `json:"dropped"`
+}
+
+// HADeltaResult is what ImportFlowDelta did: the target's cursor after
+// it and the counts of the ops applied.
+type HADeltaResult struct {
+	Cursor  ha.Cursor       `json:"cursor"`
+	Applied ha.ImportResult `json:"applied"`
+}
+
+// haSync is the replication state of a dataplane with HA on.
+type haSync struct {
+	interval  time.Duration
+	jopts     ha.JournalOptions
+	leasePath string // "": the lease is kept in memory only
+
+	mu        sync.Mutex
+	epoch     ha.Epoch
+	fencedBy  ha.Epoch
+	journals  map[string]*ha.Journal
+	sids      map[uint32]string // datapath service id -> service
+	cursors   map[string]ha.Cursor
+	gcDeletes uint64
+
+	// targetMu serializes what this edge applies from its peer
+	// (ImportFlows, ImportFlowDelta), so that a cursor moves only past
+	// what was applied.
+	targetMu sync.Mutex
+
+	drainer *ha.Drainer
+	cancel  context.CancelFunc
+	done    chan struct{}
+}
+
+// leaseFile is the lease kept next to the catalog.
+type leaseFile struct {
+	Epoch        ha.Epoch `json:"epoch"`
+	SupersededBy ha.Epoch `json:"superseded_by,omitempty"`
+}
+
+// newHASync loads the lease kept next to the catalog (a newer one than
+// the options' wins) and returns the state; nil when HA is off.
+func newHASync(o Options) (*haSync, error) {
+	if o.HA.Epoch == 0 {
+		return nil, nil
+	}
+	if len(o.NorthSouth.Interfaces) == 0 {
+		return nil, verr(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
+	}
+	if o.HA.Interval < 0 || o.HA.MaxOps < 0 {
+		return nil, verr(ErrInvalid, "ha", "negative interval %v or max ops %d", o.HA.Interval, o.HA.MaxOps)
+	}
+	h := &haSync{interval: o.HA.Interval, jopts: ha.JournalOptions{MaxOps: o.HA.MaxOps}, epoch: o.HA.Epoch,
+		journals: map[string]*ha.Journal{}, sids: map[uint32]string{}, cursors: map[string]ha.Cursor{}}
+	if h.interval == 0 {
+		h.interval = DefaultHAInterval
+	}
+	if o.CatalogPath != "" {
+		h.leasePath = o.CatalogPath + ".ha-lease"
+		data, err := os.ReadFile(h.leasePath)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+		case err != nil:
+			return nil, fmt.Errorf("ha lease: %w", err)
+		default:
+			var lf leaseFile
+			if err := json.Unmarshal(data, &lf); err != nil {
+				return nil, fmt.Errorf("ha lease %s: %w", h.leasePath, err)
+			}
+			h.epoch = max(h.epoch, lf.Epoch)
+			if lf.SupersededBy > h.epoch {
+				h.fencedBy = lf.SupersededBy
+			}
+		}
+	}
+	return h, nil
+}
+
+// saveLease keeps the lease next to the catalog. h.mu held.
+func (h *haSync) saveLease() error {
+	if h.leasePath == "" {
+		return nil
+	}
+	data, _ := json.Marshal(leaseFile{Epoch: h.epoch, SupersededBy: h.fencedBy})
+	return atomicfile.Write(h.leasePath, data, 0o600)
+}
+
+// journal returns service's journal, created under the current lease.
+// h.mu held.
+func (h *haSync) journal(service string) (*ha.Journal, error) {
+	if j := h.journals[service]; j != nil {
+		return j, nil
+	}
+	j, err := ha.NewJournal(service, h.epoch, h.jopts)
+	if err != nil {
+		return nil, err
+	}
+	if h.fencedBy > h.epoch {
+		j.Fence(h.fencedBy)
+	}
+	h.journals[service] = j
+	return j, nil
+}
+
+// journalOf is the journal of datapath service sid, for the drainer and
+// GC; nil for an id no service has (a record of a service removed
+// meanwhile: dropped with it).
+func (h *haSync) journalOf(sid uint32) *ha.Journal {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	name, ok := h.sids[sid]
+	if !ok {
+		return nil
+	}
+	j, err := h.journal(name)
+	if err != nil {
+		return nil
+	}
+	return j
+}
+
+// syncHA gives the replication state the services' datapath ids after a
+// change, and drops the journals of services gone. d.mu held.
+func (d *Dataplane) syncHA() {
+	h := d.ha
+	if h == nil {
+		return
+	}
+	sids := make(map[uint32]string, len(d.services))
+	for name, s := range d.services {
+		for _, fe := range s.frontends {
+			if fe.live {
+				sids[fe.sid] = name
+			}
+		}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.sids = sids
+	for name := range h.journals {
+		if d.services[name] == nil {
+			delete(h.journals, name)
+		}
+	}
+	for name := range h.cursors {
+		if d.services[name] == nil {
+			delete(h.cursors, name)
+		}
+	}
+}
+
+// haRemoved journals a flow GC removed (conntrack.Config.Removed).
+func (d *Dataplane) haRemoved(k conntrack.Key, sid uint32) {
+	h := d.ha
+	if h == nil {
+		return
+	}
+	if j := h.journalOf(sid); j != nil && j.Record(ha.Op{Kind: ha.OpDelete, Key: k}) == nil {
+		h.mu.Lock()
+		h.gcDeletes++
+		h.mu.Unlock()
+	}
+}
+
+// startHA starts draining the mutation queue and sealing the journals.
+func (d *Dataplane) startHA() error {
+	h := d.ha
+	if h == nil {
+		return nil
+	}
+	m := d.dp.Maps()
+	dr, err := ha.NewDrainer(ha.DrainerConfig{Queue: m.FluxvmHaq, Drops: m.FluxvmHadrop, Journal: h.journalOf})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h.drainer, h.cancel, h.done = dr, cancel, make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := dr.Run(ctx); err != nil && ctx.Err() == nil {
+			d.log.Error("fluxvm: HA mutation queue: the drainer stopped; the snapshot-diff alone replicates now", "err", err)
+		}
+	}()
+	go func() {
+		defer close(h.done)
+		t := time.NewTicker(h.interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				wg.Wait()
+				return
+			case <-t.C:
+				h.sealAll()
+			}
+		}
+	}()
+	d.log.Info("fluxvm: HA replication on", "epoch", h.epoch, "superseded_by", h.fencedBy, "interval", h.interval)
+	return nil
+}
+
+// sealAll seals every journal's open batch: what standbys can pull.
+func (h *haSync) sealAll() {
+	h.mu.Lock()
+	js := make([]*ha.Journal, 0, len(h.journals))
+	for _, j := range h.journals {
+		js = append(js, j)
+	}
+	h.mu.Unlock()
+	for _, j := range js {
+		j.Seal()
+	}
+}
+
+// stopHA stops the drainer and the sealer. Call it after markClosed,
+// without mu.
+func (d *Dataplane) stopHA() {
+	h := d.ha
+	if h == nil || h.cancel == nil {
+		return
+	}
+	h.cancel()
+	<-h.done
+	h.drainer.Close()
+}
+
+// haOn returns the replication state, or an error saying HA is off.
+func (d *Dataplane) haOn(what string) (*haSync, error) {
+	d.mu.Lock()
+	err := d.checkOpen(what)
+	d.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	if d.ha == nil {
+		return nil, fmt.Errorf("fluxvm: %s: flow-state replication is off (set ha_epoch): %w", what, ErrPrerequisite)
+	}
+	return d.ha, nil
+}
+
+// floor is the oldest epoch this edge takes data of for service: the
+// newest it accepted from its peer, or its own lease when newer. h.mu
+// held.
+func (h *haSync) floor(service string) ha.Epoch {
+	return max(h.cursors[service].Epoch, h.epoch)
+}
+
+// FlowDelta returns the batches of service's journal after the cursor
+// (journal, seq) a standby holds, at most maxOps ops but at least one
+// batch (ha.Journal.Since): or ResetRequired when the journal cannot
+// continue it (another incarnation, none yet, or history acked or dropped
+// since), and the standby loads a snapshot (ExportFlows). A superseded
+// edge serves nothing (ha.ErrFenced).
+func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+	_, j, err := d.sourceJournal("flow delta of", service)
+	if err != nil {
+		return ha.Delta{}, err
+	}
+	delta, err := j.Since(seq, journal, maxOps)
+	if err != nil {
+		return ha.Delta{}, fmt.Errorf("fluxvm: flow delta of %s: %w", service, err)
+	}
+	return delta, nil
+}
+
+// AckFlowDelta trims service's journal up to seq: the control plane
+// passes the minimum cursor its standbys replicated. An ack past the last
+// sealed batch wraps ha.ErrCursorAhead.
+func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
+	_, j, err := d.sourceJournal("ack flow delta of", service)
+	if err != nil {
+		return ha.JournalStats{}, err
+	}
+	if err := j.Ack(seq); err != nil {
+		return j.Stats(), fmt.Errorf("fluxvm: ack flow delta of %s: %w", service, err)
+	}
+	return j.Stats(), nil
+}
+
+// sourceJournal is service's journal on this edge (created when the
+// service has none yet).
+func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, error) {
+	h, err := d.haOn(what + " " + service)
+	if err != nil {
+		return nil, nil, err
+	}
+	d.mu.Lock()
+	_, ok := d.services[service]
+	d.mu.Unlock()
+	if !ok {
+		return nil, nil, fmt.Errorf("fluxvm: %s %q: no such service: %w", what, service, ErrNotFound)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	j, err := h.journal(service)
+	if err != nil {
+		return nil, nil, fmt.Errorf("fluxvm: %s %s: %w", what, service, err)
+	}
+	return h, j, nil
+}
+
+// ImportFlowDelta applies a delta of service's journal on its peer (what
+// FlowDelta there returned) to this edge, after checking that it
+// continues this edge's cursor: an error wrapping ha.ErrStaleEpoch (data
+// of an epoch older than the newest this edge accepted or its own
+// lease), ha.ErrResetRequired (load a snapshot: ImportFlows) or ha.ErrGap
+// changes nothing. Deltas are applied one at a time.
+func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
+	h, err := d.haOn("import flow delta of " + service)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	t, err := d.haTarget("import flow delta of", service, false)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	h.targetMu.Lock()
+	defer h.targetMu.Unlock()
+	h.mu.Lock()
+	c := h.cursors[service]
+	check := c
+	check.Epoch = h.floor(service)
+	h.mu.Unlock()
+	if err := check.Check(delta); err != nil {
+		return HADeltaResult{Cursor: c}, fmt.Errorf("fluxvm: import flow delta of %s: %w", service, err)
+	}
+	res, err := ha.Apply(ctx, delta, t)
+	if err != nil {
+		return HADeltaResult{Cursor: c, Applied: res}, fmt.Errorf("fluxvm: import flow delta of %s: %w", service, err)
+	}
+	c.Advance(delta)
+	h.mu.Lock()
+	h.cursors[service] = c
+	h.mu.Unlock()
+	return HADeltaResult{Cursor: c, Applied: res}, nil
+}
+
+// UpdateLease records what the control plane says about leases (see
+// HALease) and keeps it next to the catalog, so that a restart does not
+// go back to an older ha_epoch. Nothing changes when the update is
+// refused.
+func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
+	h, err := d.haOn("update lease")
+	if err != nil {
+		return HAStatus{}, err
+	}
+	if l.Epoch == 0 && l.SupersededBy == 0 {
+		return HAStatus{}, verr(ErrInvalid, "lease", "neither an epoch nor a superseding epoch")
+	}
+	h.mu.Lock()
+	if l.Epoch != 0 && l.Epoch < h.epoch {
+		e := h.epoch
+		h.mu.Unlock()
+		return HAStatus{}, fmt.Errorf("fluxvm: update lease: epoch %d, this edge holds %d: %w", l.Epoch, e, ha.ErrStaleEpoch)
+	}
+	epoch, fenced := h.epoch, h.fencedBy
+	if l.Epoch != 0 {
+		epoch = l.Epoch
+		if epoch > fenced {
+			fenced = 0
+		}
+	}
+	if l.SupersededBy > epoch {
+		fenced = max(fenced, l.SupersededBy)
+	}
+	prevEpoch, prevFenced := h.epoch, h.fencedBy
+	h.epoch, h.fencedBy = epoch, fenced
+	if err := h.saveLease(); err != nil {
+		h.epoch, h.fencedBy = prevEpoch, prevFenced
+		h.mu.Unlock()
+		return HAStatus{}, fmt.Errorf("fluxvm: update lease: %w", err)
+	}
+	for name, j := range h.journals {
+		// Fence first: Renew past the fencing epoch then starts a new
+		// incarnation, as a takeover by another edge requires.
+		if fenced != 0 {
+			j.Fence(fenced)
+		}
+		if err := j.Renew(epoch); err != nil {
+			d.log.Warn("fluxvm: HA lease: journal renew failed; it is dropped, its standby resyncs", "service", name, "err", err)
+			delete(h.journals, name)
+		}
+	}
+	h.mu.Unlock()
+	if epoch != prevEpoch || fenced != prevFenced {
+		d.log.Info("fluxvm: HA lease updated", "epoch", epoch, "previous_epoch", prevEpoch, "superseded_by", fenced)
+	}
+	return d.HAStatus(), nil
+}
+
+// HAStatus reports flow-state replication.
+func (d *Dataplane) HAStatus() HAStatus {
+	h := d.ha
+	if h == nil {
+		return HAStatus{}
+	}
+	st := HAStatus{Enabled: true, Interval: Duration{h.interval}}
+	if h.drainer != nil {
+		st.Queue.Read, st.Queue.Skipped, st.Queue.Dropped, _ = h.drainer.Stats()
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	st.Epoch, st.SupersededBy, st.GCDeletes = h.epoch, h.fencedBy, h.gcDeletes
+	if len(h.journals) > 0 {
+		st.Journals = make(map[string]ha.JournalStats, len(h.journals))
+		for name, j := range h.journals {
+			st.Journals[name] = j.Stats()
+		}
+	}
+	if len(h.cursors) > 0 {
+		st.Cursors = make(map[string]ha.Cursor, len(h.cursors))
+		for name, c := range h.cursors {
+			st.Cursors[name] = c
+		}
+	}
+	return st
+}
+
+// haMetaFlags sets or clears the datapath's HA flag.
+func haMetaFlags(m *bpf.Meta, on bool) {
+	if on {
+		m.Flags |= bpf.MetaFlagHA
+	} else {
+		m.Flags &^= bpf.MetaFlagHA
+	}
+}

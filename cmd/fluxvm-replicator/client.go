@@ -1,0 +1,182 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/ha"
+)
+
+// node is one edge's REST API: ha.Active and ha.Standby over the
+// conntrack export/import/delta routes.
+type node struct {
+	base  string // http://host:port
+	token string
+	http  *http.Client
+}
+
+// apiError is an error response of the REST API; Is maps its code back to
+// the ha errors the replicator branches on.
+type apiError struct {
+	Status  int
+	Code    string
+	Message string
+}
+
+func (e *apiError) Error() string {
+	return fmt.Sprintf("%d %s: %s", e.Status, e.Code, e.Message)
+}
+
+func (e *apiError) Is(target error) bool {
+	switch e.Code {
+	case "reset_required":
+		return target == ha.ErrResetRequired
+	case "sequence_gap":
+		return target == ha.ErrGap
+	case "stale_epoch":
+		return target == ha.ErrStaleEpoch
+	case "fenced":
+		return target == ha.ErrFenced
+	case "cursor_ahead":
+		return target == ha.ErrCursorAhead
+	}
+	return false
+}
+
+func (n *node) servicePath(service, rest string) string {
+	return "/v1/network/services/" + url.PathEscape(service) + "/conntrack" + rest
+}
+
+// do sends a request; a status of 300 or more becomes an *apiError.
+func (n *node) do(ctx context.Context, method, path string, body io.Reader, ctype string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, method, n.base+path, body)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+n.token)
+	if ctype != "" {
+		req.Header.Set("Content-Type", ctype)
+	}
+	resp, err := n.http.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode >= 300 {
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+		e := &apiError{Status: resp.StatusCode, Message: strings.TrimSpace(string(raw))}
+		var body struct {
+			Error struct {
+				Code    string `json:"code"`
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if json.Unmarshal(raw, &body) == nil && body.Error.Code != "" {
+			e.Code, e.Message = body.Error.Code, body.Error.Message
+		}
+		return nil, fmt.Errorf("%s %s: %w", method, path, e)
+	}
+	return resp, nil
+}
+
+// json sends in (nil: no body) and decodes the answer into out.
+func (n *node) json(ctx context.Context, method, path string, in, out any) error {
+	var body io.Reader
+	ctype := ""
+	if in != nil {
+		raw, err := json.Marshal(in)
+		if err != nil {
+			return err
+		}
+		body, ctype = bytes.NewReader(raw), "application/json"
+	}
+	resp, err := n.do(ctx, method, path, body, ctype)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		return fmt.Errorf("%s %s: answer: %w", method, path, err)
+	}
+	return nil
+}
+
+func (n *node) Delta(ctx context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+	q := url.Values{"journal": {journal}, "seq": {strconv.FormatUint(seq, 10)}, "max_ops": {strconv.Itoa(maxOps)}}
+	var d ha.Delta
+	err := n.json(ctx, http.MethodGet, n.servicePath(service, "/delta")+"?"+q.Encode(), nil, &d)
+	return d, err
+}
+
+func (n *node) Export(ctx context.Context, service string, w io.Writer) error {
+	resp, err := n.do(ctx, http.MethodGet, n.servicePath(service, "/export"), nil, "")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	// The stream checks itself: a cut shows as a truncated snapshot at
+	// the importer.
+	_, err = io.Copy(w, resp.Body)
+	return err
+}
+
+func (n *node) Ack(ctx context.Context, service string, seq uint64) error {
+	var st ha.JournalStats
+	return n.json(ctx, http.MethodPost, n.servicePath(service, "/delta/ack"), map[string]uint64{"seq": seq}, &st)
+}
+
+func (n *node) Cursor(ctx context.Context, service string) (ha.Cursor, error) {
+	st, err := n.status(ctx)
+	if err != nil {
+		return ha.Cursor{}, err
+	}
+	return st.Cursors[service], nil
+}
+
+func (n *node) status(ctx context.Context) (fluxvm.HAStatus, error) {
+	var st fluxvm.HAStatus
+	err := n.json(ctx, http.MethodGet, "/v1/network/services/ha", nil, &st)
+	return st, err
+}
+
+func (n *node) Import(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
+	resp, err := n.do(ctx, http.MethodPost, n.servicePath(service, "/import")+"?prune="+strconv.FormatBool(prune), r, "application/octet-stream")
+	if err != nil {
+		return ha.ImportResult{}, err
+	}
+	defer resp.Body.Close()
+	var res ha.ImportResult
+	if err := json.NewDecoder(resp.Body).Decode(&res); err != nil {
+		return res, fmt.Errorf("import answer: %w", err)
+	}
+	return res, nil
+}
+
+func (n *node) ImportDelta(ctx context.Context, service string, d ha.Delta) (ha.Cursor, error) {
+	var res fluxvm.HADeltaResult
+	if err := n.json(ctx, http.MethodPost, n.servicePath(service, "/delta/import"), d, &res); err != nil {
+		return ha.Cursor{}, err
+	}
+	return res.Cursor, nil
+}
+
+// services lists the services the node has.
+func (n *node) services(ctx context.Context) ([]string, error) {
+	var ss []fluxvm.ServiceStatus
+	if err := n.json(ctx, http.MethodGet, "/v1/network/services", nil, &ss); err != nil {
+		return nil, err
+	}
+	out := make([]string, 0, len(ss))
+	for _, s := range ss {
+		out = append(out, s.Service.Name)
+	}
+	return out, nil
+}

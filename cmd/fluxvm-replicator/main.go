@@ -1,0 +1,128 @@
+// Command fluxvm-replicator does the control plane's part of flow-state
+// replication for one active and one standby edge (what Zyvor Fabric does
+// for many): every interval it pulls the deltas of each service's journal
+// on the active after the standby's cursor, imports them into the
+// standby, and acks them on the active; when the deltas cannot continue
+// the standby (a new journal incarnation, history gone, a gap, a standby
+// that restarted) it streams a snapshot from the active into the standby
+// instead, and every -diff-every it runs the snapshot-diff (a snapshot
+// import with prune) whatever the deltas say. Data of a superseded active
+// is refused by the standby (stale_epoch) and reported, never applied.
+//
+//	fluxvm-replicator -active http://10.0.0.1:7788 -standby http://10.0.0.2:7788 [-services web,api]
+//
+// The admin token comes from -token-file or FLUXVM_ADMIN_TOKEN (the
+// standby's imports and the active's acks need it). It prints one JSON
+// line per round that changed something, and per failed round.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/fluxvm/servicefabric/ha"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil && !errors.Is(err, context.Canceled) {
+		fmt.Fprintln(os.Stderr, "fluxvm-replicator:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("fluxvm-replicator", flag.ContinueOnError)
+	active := fs.String("active", "", "base URL of the active edge's REST API (http://host:port)")
+	standby := fs.String("standby", "", "base URL of the standby edge's REST API")
+	services := fs.String("services", "", "comma-separated services to replicate (default: every service of the active, listed each round)")
+	tokenFile := fs.String("token-file", "", "file holding the admin token (default: $FLUXVM_ADMIN_TOKEN)")
+	interval := fs.Duration("interval", time.Second, "time between rounds: with the edges' ha_interval, what a failover can lose")
+	diffEvery := fs.Duration("diff-every", 30*time.Second, "period of the snapshot-diff (0: only when the deltas cannot continue)")
+	maxOps := fs.Int("max-ops", 0, "ops per delta (0: the default)")
+	timeout := fs.Duration("timeout", 30*time.Second, "bound of one request (a snapshot included)")
+	once := fs.Bool("once", false, "run one round and exit (non-zero when it failed)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *active == "" || *standby == "" || *interval <= 0 || *diffEvery < 0 || *maxOps < 0 {
+		fs.Usage()
+		return errors.New("-active and -standby are required; -interval must be positive, -diff-every and -max-ops not negative")
+	}
+	token := os.Getenv("FLUXVM_ADMIN_TOKEN")
+	if *tokenFile != "" {
+		raw, err := os.ReadFile(*tokenFile)
+		if err != nil {
+			return err
+		}
+		token = strings.TrimSpace(strings.SplitN(string(raw), "\n", 2)[0])
+	}
+	if token == "" {
+		return errors.New("no admin token: set -token-file or FLUXVM_ADMIN_TOKEN")
+	}
+	hc := &http.Client{Timeout: *timeout}
+	a := &node{base: strings.TrimSuffix(*active, "/"), token: token, http: hc}
+	s := &node{base: strings.TrimSuffix(*standby, "/"), token: token, http: hc}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	r := &ha.Replicator{Active: a, Standby: s, MaxOps: *maxOps, DiffEvery: *diffEvery, Log: log}
+	var fixed []string
+	if *services != "" {
+		fixed = strings.Split(*services, ",")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	enc := json.NewEncoder(os.Stdout)
+	round := func() error {
+		r.Services = fixed
+		if fixed == nil {
+			list, err := a.services(ctx)
+			if err != nil {
+				return fmt.Errorf("list the active's services: %w", err)
+			}
+			r.Services = list
+		}
+		start := time.Now()
+		res, err := r.Round(ctx)
+		changed := err != nil
+		for _, x := range res {
+			changed = changed || x.Ops > 0 || x.Snapshot != nil
+		}
+		if changed {
+			line := struct {
+				At       time.Time        `json:"at"`
+				Duration string           `json:"duration"`
+				Services []ha.RoundResult `json:"services"`
+				Error    string           `json:"error,omitempty"`
+			}{At: start.UTC(), Duration: time.Since(start).String(), Services: res}
+			if err != nil {
+				line.Error = err.Error()
+			}
+			enc.Encode(line)
+		}
+		return err
+	}
+	if *once {
+		return round()
+	}
+	t := time.NewTicker(*interval)
+	defer t.Stop()
+	for {
+		if err := round(); err != nil && ctx.Err() == nil {
+			log.Warn("fluxvm-replicator: round failed", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}

@@ -98,6 +98,10 @@ var goEnums = map[string]map[string]uint64{
 	"fluxvm_policy_flags":  {"FLUXVM_POLICY_F_AUDIT": uint64(PolicyFlagAudit), "FLUXVM_POLICY_F_L7": uint64(PolicyFlagL7)},
 	"fluxvm_meta_flags":    {"FLUXVM_META_F_HA": uint64(MetaFlagHA)},
 	"fluxvm_ha_op":         {"FLUXVM_HA_UPSERT": uint64(HAUpsert)},
+	"fluxvm_ha_cause": {
+		"FLUXVM_HA_NEW": uint64(HANew), "FLUXVM_HA_TRANSITION": uint64(HATransition),
+		"FLUXVM_HA_REFRESH": uint64(HARefresh),
+	},
 	"fluxvm_flow_verdict": {
 		"FLUXVM_FLOW_FORWARDED": uint64(FlowForwarded), "FLUXVM_FLOW_DROPPED": uint64(FlowDropped),
 		"FLUXVM_FLOW_AUDITED": uint64(FlowAudited), "FLUXVM_FLOW_REDIRECTED": uint64(FlowRedirected),

@@ -269,6 +269,14 @@ const (
 	serviceFluxvmGuardStateFLUXVM_GUARD_OPEN   serviceFluxvmGuardState = 1
 )
 
+type serviceFluxvmHaCause uint32
+
+const (
+	serviceFluxvmHaCauseFLUXVM_HA_NEW        serviceFluxvmHaCause = 1
+	serviceFluxvmHaCauseFLUXVM_HA_TRANSITION serviceFluxvmHaCause = 2
+	serviceFluxvmHaCauseFLUXVM_HA_REFRESH    serviceFluxvmHaCause = 3
+)
+
 type serviceFluxvmHaOp uint32
 
 const (
@@ -280,7 +288,7 @@ type serviceFluxvmHaRecord struct {
 	Op      uint8
 	Family  uint8
 	Proto   uint8
-	Pad0    uint8
+	Cause   uint8
 	Cport   uint16
 	Vport   uint16
 	Bport   uint16
@@ -288,7 +296,7 @@ type serviceFluxvmHaRecord struct {
 	Client  [4]uint32
 	Vip     [4]uint32
 	Backend [4]uint32
-	Pad2    uint32
+	HoldS   uint32
 	Ct      serviceFluxvmCtValue
 }
 

@@ -223,7 +223,17 @@ struct fluxvm_ct_value {
 	 * admitted under (lib/policy.h); 0: none (admitted without one, or
 	 * learned before generation 5: decided at its next packet). */
 	__u32 policy_rev;
-	__u32 l7_ifindex;    /* FLUXVM_CT_F_L7: the proxy interface the flow goes to */
+	/*
+	 * Two uses by kind, never both (a union in all but name, so that the
+	 * generated Go type keeps one field):
+	 *   - FLUXVM_CT_F_L7: the proxy interface the flow goes to (lib/l7.h);
+	 *   - any other kind: ha_until, the second (CLOCK_MONOTONIC, coarse)
+	 *     until which the HA standby holds the flow as last queued
+	 *     (lib/ha.h, FLUXVM_CT_HA_UNTIL); 0: never queued. Datapath-only:
+	 *     userspace reads the field of L7 entries alone.
+	 * L7 entries are never replicated, so the two never meet.
+	 */
+	__u32 l7_ifindex;
 };
 _Static_assert(sizeof(struct fluxvm_ct_value) == 64, "fluxvm_ct_value size");
 
@@ -442,28 +452,38 @@ struct fluxvm_meta_value {
 _Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
 
 enum fluxvm_meta_flags {
-	/* HA replication is on: new flows emit fluxvm_haq records (lib/ha.h)
-	 * and XDP leaves new flows to TC, which emits them. */
+	/* HA replication is on: new flows, state transitions and due
+	 * refreshes emit fluxvm_haq records (lib/ha.h), and XDP leaves the
+	 * packets that would emit to TC, which emits them. */
 	FLUXVM_META_F_HA = 1U << 0,
 };
 
 /*
  * HA mutation queue (fluxvm_haq, a ring buffer; lib/ha.h): one record per
- * conntrack entry a forward path writes (a new flow, a re-pick, a
- * failover), the flow as the client sent it, its backend by address and
- * the entry as written. Userspace (package ha) drains it into the
- * journal; a record the ring had no room for is counted in fluxvm_hadrop
- * and left to the periodic snapshot-diff.
+ * conntrack write the standby must learn (a new flow, a re-pick, a
+ * failover; a state transition; a due refresh of the deadline), the flow
+ * as the client sent it, its backend by address and the entry as
+ * written. Userspace (package ha) drains it into the journal; a record
+ * the ring had no room for is counted in fluxvm_hadrop and left to the
+ * periodic snapshot-diff.
  */
 enum fluxvm_ha_op {
 	FLUXVM_HA_UPSERT = 1,
+};
+
+/* Why a record was queued (informational: every record is an upsert of
+ * the whole flow). */
+enum fluxvm_ha_cause {
+	FLUXVM_HA_NEW = 1,        /* a forward path wrote a new entry (new flow, re-pick, failover) */
+	FLUXVM_HA_TRANSITION = 2, /* a hit changed the entry's state */
+	FLUXVM_HA_REFRESH = 3,    /* a hit pushed the deadline past the one the standby holds */
 };
 
 struct fluxvm_ha_record {
 	__u8 op;             /* enum fluxvm_ha_op */
 	__u8 family;         /* enum fluxvm_family */
 	__u8 proto;
-	__u8 pad0;
+	__u8 cause;          /* enum fluxvm_ha_cause */
 	__be16 cport;        /* the client's port */
 	__be16 vport;        /* the VIP's port */
 	__be16 bport;        /* the backend's port */
@@ -471,7 +491,11 @@ struct fluxvm_ha_record {
 	__be32 client[4];    /* IPv4 in [0] */
 	__be32 vip[4];
 	__be32 backend[4];
-	__u32 pad2;
+	/* Seconds the standby keeps the flow past ct.deadline_ns: half the
+	 * timeout of its state, the lead that lets the active refresh the
+	 * standby's copy only once per that much time and still never have
+	 * it expire first (lib/ha.h). */
+	__u32 hold_s;
 	struct fluxvm_ct_value ct; /* the entry as written */
 };
 _Static_assert(sizeof(struct fluxvm_ha_record) == 128, "fluxvm_ha_record size");
@@ -642,6 +666,7 @@ struct fluxvm_abi_enums {
 	enum fluxvm_policy_flags policy_flags;
 	enum fluxvm_meta_flags meta_flags;
 	enum fluxvm_ha_op ha_op;
+	enum fluxvm_ha_cause ha_cause;
 	struct fluxvm_ha_record ha_record;
 };
 

@@ -47,15 +47,31 @@ type (
 
 // Meta.Flags (C enum fluxvm_meta_flags).
 const (
-	// MetaFlagHA turns HA replication on: new flows emit HARecords into
-	// fluxvm_haq, and XDP leaves new flows to TC.
+	// MetaFlagHA turns HA replication on: new flows, state transitions
+	// and due refreshes emit HARecords into fluxvm_haq, and XDP leaves
+	// the packets that would emit to TC.
 	MetaFlagHA = uint32(serviceFluxvmMetaFlagsFLUXVM_META_F_HA)
 )
 
 // HARecord.Op (C enum fluxvm_ha_op).
 const (
-	// HAUpsert: a forward path wrote the record's conntrack entry.
+	// HAUpsert: the datapath wrote the record's conntrack entry; the
+	// standby upserts the whole flow, keeping it HoldS seconds past the
+	// entry's deadline (lib/ha.h).
 	HAUpsert = uint8(serviceFluxvmHaOpFLUXVM_HA_UPSERT)
+)
+
+// HARecord.Cause (C enum fluxvm_ha_cause): why the record was queued.
+// Informational: every record is an upsert of the whole flow.
+const (
+	// HANew: a forward path wrote a new entry (new flow, re-pick,
+	// failover).
+	HANew = uint8(serviceFluxvmHaCauseFLUXVM_HA_NEW)
+	// HATransition: a conntrack hit changed the entry's state.
+	HATransition = uint8(serviceFluxvmHaCauseFLUXVM_HA_TRANSITION)
+	// HARefresh: a hit pushed the entry's deadline past the one the
+	// standby holds.
+	HARefresh = uint8(serviceFluxvmHaCauseFLUXVM_HA_REFRESH)
 )
 
 // FlowVerdict is FlowRecord.Verdict (C enum fluxvm_flow_verdict).
@@ -196,7 +212,9 @@ const (
 	CTFlagAudited = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED)
 	// CTFlagL7 marks a flow handed to an L7 proxy (L7 enforce),
 	// untranslated: L7Ifindex is the proxy interface, BackendId is 0. A
-	// kind.
+	// kind. In an entry of any other kind, L7Ifindex is the datapath's
+	// own HA bookkeeping (the second until which the standby holds the
+	// flow, lib/ha.h): never read it there.
 	CTFlagL7 = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_L7)
 )
 

@@ -355,6 +355,9 @@ func (m *Map) Restore(e Entry, keepFresher bool) (bool, error) {
 	if cur, err := m.lookupRaw(k); keepFresher && err == nil && time.Duration(cur.LastSeenNs) >= e.LastSeen {
 		return false, nil
 	}
+	// L7Ifindex stays 0: in a restored (never L7) entry it is the
+	// datapath's HA bookkeeping, and 0 reads "never queued", so the
+	// flow's next refresh queues it for this node's own standby.
 	v := bpf.CTValue{ServiceId: e.ServiceID, BackendId: e.BackendID, CreatedNs: uint64(e.Created),
 		LastSeenNs: uint64(e.LastSeen), DeadlineNs: uint64(e.Deadline), State: uint8(e.State), Flags: uint8(e.Kind)}
 	if e.Kind == EastWest && e.ReverseDerived {
@@ -602,6 +605,8 @@ func entry(k Key, v *bpf.CTValue) Entry {
 	case SNAT:
 		e.SNAT = snatOf(k, v)
 	case L7:
+		// Only here: in an entry of any other kind the field is the
+		// datapath's HA bookkeeping (bpf/lib/ha.h), no interface.
 		e.ProxyIfindex = v.L7Ifindex
 	}
 	e.Audited = v.Flags&bpf.CTFlagAudited != 0

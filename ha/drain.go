@@ -19,13 +19,21 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 )
 
-// Drainer turns the datapath's mutation queue (fluxvm_haq: one record per
-// conntrack entry a forward path writes while HA replication is on) into
-// journal operations, read with one bpf() call per record through
-// cilium/ebpf's ring-buffer reader. A record the datapath had no room for
-// is counted in fluxvm_hadrop; Dropped reports them, and the caller's
-// periodic snapshot-diff (Export against the target) is what restores
-// them.
+// Drainer turns the datapath's mutation queue (fluxvm_haq) into journal
+// operations, read with one bpf() call per record through cilium/ebpf's
+// ring-buffer reader. While HA replication is on, the datapath (TC only)
+// queues a record of the whole flow when a forward path writes a new
+// conntrack entry (new flow, re-pick, failover), when a conntrack hit,
+// forward or reply, changes the entry's state (SYN -> ESTABLISHED, FIN,
+// RST), and when a hit's refresh pushes the entry's deadline past the one
+// the standby holds. Each record is one upsert of the flow: its state, and
+// its created/last-seen/deadline as ages and a TTL in which the record's
+// hold (half its state's timeout) is included, so that the standby's copy
+// never expires before the active's entry while the datapath refreshes it
+// only once per half timeout of a busy flow (bpf/lib/ha.h has the rule). A
+// record the datapath had no room for is counted in fluxvm_hadrop; Stats
+// reports them, and the caller's periodic snapshot-diff (Export against
+// the target) is what restores them.
 type Drainer struct {
 	rd      *ringbuf.Reader
 	drop    *ebpf.Map
@@ -135,7 +143,10 @@ func (d *Drainer) drainOne(deadline time.Time) (bool, error) {
 }
 
 // recordFlow is the Flow of datapath record r at the node's clock now;
-// false for a record of no flow the package replicates.
+// false for a record of no flow the package replicates. Every cause
+// (bpf.HANew, HATransition, HARefresh) is the same upsert of the whole
+// flow. r.Ct.L7Ifindex of a replicated (non-L7) entry is the datapath's
+// own bookkeeping and is not read.
 func recordFlow(r *bpf.HARecord, now time.Duration) (Flow, bool) {
 	if r.Op != bpf.HAUpsert {
 		return Flow{}, false
@@ -153,7 +164,10 @@ func recordFlow(r *bpf.HARecord, now time.Duration) (Flow, bool) {
 		Audited:        r.Ct.Flags&bpf.CTFlagAudited != 0,
 		Age:            max(now-time.Duration(r.Ct.CreatedNs), 0),
 		Idle:           max(now-time.Duration(r.Ct.LastSeenNs), 0),
-		TTL:            max(time.Duration(r.Ct.DeadlineNs)-now, 0),
+		// The standby keeps the flow HoldS past the entry's deadline: the
+		// datapath sends the next refresh only once the entry's deadline
+		// passes that (bpf/lib/ha.h).
+		TTL: max(time.Duration(r.Ct.DeadlineNs)+time.Duration(r.HoldS)*time.Second-now, 0),
 	}
 	if f.Kind == conntrack.SNAT {
 		f.SNAT = netip.AddrPortFrom(bpf.Addr(r.Ct.NatAddr, fam), bpf.Port(r.Ct.NatPort))

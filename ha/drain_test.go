@@ -31,7 +31,11 @@ func (n *node) haOn() {
 // (fluxvm_haq) that the drainer turns into journal batches; a target
 // cursor pulls them in small deltas, applies them to node B (which
 // numbers services and backends otherwise) and acks; every flow then goes
-// on on B exactly as on A. The queue is the only channel: no snapshot.
+// on on B exactly as on A. Each flow's handshake queues two records (its
+// SYN's new entry and its ACK's transition to ESTABLISHED): B's copy has
+// the ESTABLISHED state and A's deadline plus the record's hold (half the
+// state's timeout), and so after a FIN. The queue is the only channel: no
+// snapshot.
 func TestReplication(t *testing.T) {
 	a, b := newNode(t, 1, 1), newNode(t, 40, 100)
 	a.haOn()
@@ -97,8 +101,49 @@ func TestReplication(t *testing.T) {
 		pull()
 	}
 	read, skipped, dropped, err := d.Stats()
-	if err != nil || read != uint64(len(flows)) || skipped != 0 || dropped != 0 {
-		t.Errorf("drainer: read %d, skipped %d, dropped %d (%v); want %d records, none skipped or dropped", read, skipped, dropped, err, len(flows))
+	if err != nil || read != 2*uint64(len(flows)) || skipped != 0 || dropped != 0 {
+		t.Errorf("drainer: read %d, skipped %d, dropped %d (%v); want %d records (two a flow), none skipped or dropped",
+			read, skipped, dropped, err, 2*len(flows))
+	}
+	// Both nodes run on this host's monotonic clock: their deadlines
+	// compare. B's is A's plus the hold, and the drain-to-apply time.
+	sameFlow := func(f liveFlow, state bpf.CTState, timeout time.Duration) {
+		t.Helper()
+		ea, err := a.ct.Lookup(f.k)
+		if err != nil {
+			t.Fatalf("%s on A: %v", f.k, err)
+		}
+		eb, err := b.ct.Lookup(f.k)
+		if err != nil {
+			t.Fatalf("%s on B: %v", f.k, err)
+		}
+		want := ea.Deadline + timeout/2
+		if ea.State != state || eb.State != state || eb.Deadline < want || eb.Deadline > want+time.Second {
+			t.Errorf("%s: A %s deadline %v, B %s deadline %v; want %s on both, B's deadline A's + %v",
+				f.k, ea.State, ea.Deadline, eb.State, eb.Deadline, state, timeout/2)
+		}
+	}
+	var meta bpf.Meta
+	if err := a.o.Maps.FluxvmMeta.Lookup(uint32(0), &meta); err != nil {
+		t.Fatal(err)
+	}
+	timeout := func(v, def uint32) time.Duration {
+		if v == 0 {
+			v = def
+		}
+		return time.Duration(v) * time.Second
+	}
+	for _, f := range flows {
+		sameFlow(f, bpf.CTTCPEstablished, timeout(meta.TimeoutTcpEstablishedS, bpf.DefaultTimeoutTCPEstablished))
+	}
+	for _, f := range flows[:8] {
+		if ret, _, _ := a.send(f.k, pkt.FIN, f.northSouth); ret != bpftest.TCOK {
+			t.Fatalf("%s: FIN on A: verdict %d", f.k, int32(ret))
+		}
+	}
+	pull()
+	for _, f := range flows[:8] {
+		sameFlow(f, bpf.CTTCPFin, timeout(meta.TimeoutTcpFinS, bpf.DefaultTimeoutTCPFin))
 	}
 	for _, f := range flows {
 		ret, src, dst := b.send(f.k, pkt.ACK, f.northSouth)

@@ -26,8 +26,8 @@ static __always_inline struct fluxvm_meta_value *fluxvm_meta_get(void)
 	return bpf_map_lookup_elem(&fluxvm_meta, &zero);
 }
 
-static __always_inline __u64 fluxvm_timeout_ns(const struct fluxvm_meta_value *m,
-					       __u8 state)
+/* The timeout of @state in seconds: the meta's, or the default. */
+static __always_inline __u32 fluxvm_timeout_s(const struct fluxvm_meta_value *m, __u8 state)
 {
 	__u32 s = 0;
 
@@ -53,7 +53,13 @@ static __always_inline __u64 fluxvm_timeout_ns(const struct fluxvm_meta_value *m
 		s = s ?: FLUXVM_TIMEOUT_UDP_S;
 		break;
 	}
-	return (__u64)s * 1000000000ULL;
+	return s;
+}
+
+static __always_inline __u64 fluxvm_timeout_ns(const struct fluxvm_meta_value *m,
+					       __u8 state)
+{
+	return (__u64)fluxvm_timeout_s(m, state) * 1000000000ULL;
 }
 
 static __always_inline int fluxvm_tcp_is_syn(const struct fluxvm_pkt *pkt)
@@ -94,19 +100,29 @@ static __always_inline __u8 fluxvm_ct_next(__u8 cur, const struct fluxvm_pkt *pk
 	return cur;
 }
 
+/* What fluxvm_ct_touch wrote: nothing (0), a refresh, or a new state
+ * (which the HA queue carries at once, lib/ha.h). */
+#define FLUXVM_CT_TOUCH_REFRESH 1
+#define FLUXVM_CT_TOUCH_STATE 2
+
 /*
  * Move @ct to @state and push its deadline when the state changed or the
- * last refresh is older than FLUXVM_CT_REFRESH_NS. Returns 1 when it wrote.
+ * last refresh is older than FLUXVM_CT_REFRESH_NS. Returns what it wrote
+ * (FLUXVM_CT_TOUCH_*), 0 when nothing.
  */
 static __always_inline int fluxvm_ct_touch(struct fluxvm_ct_value *ct, __u8 state,
 					   __u64 now)
 {
+	int ret = FLUXVM_CT_TOUCH_REFRESH;
+
 	if (state == ct->state && now - ct->last_seen_ns < FLUXVM_CT_REFRESH_NS)
 		return 0;
+	if (state != ct->state)
+		ret = FLUXVM_CT_TOUCH_STATE;
 	ct->state = state;
 	ct->last_seen_ns = now;
 	ct->deadline_ns = now + fluxvm_timeout_ns(fluxvm_meta_get(), state);
-	return 1;
+	return ret;
 }
 
 /*

@@ -416,6 +416,13 @@ fluxvm_ct_build(const struct fluxvm_pkt *pkt, const struct fluxvm_meta_value *me
 	nct->state = fluxvm_ct_next(FLUXVM_CT_NONE, pkt, 0);
 	nct->deadline_ns = now + fluxvm_timeout_ns(meta, nct->state);
 	nct->flags = flags;
+#ifdef FLUXVM_CTX_SKB
+	/* Its record (fluxvm_ha_learned) gives the standby this much: the
+	 * first refresh is due only past it (lib/ha.h). XDP learns no flow
+	 * under HA. */
+	if (fluxvm_ha_on(meta) && !(flags & FLUXVM_CT_F_L7))
+		FLUXVM_CT_HA_UNTIL(nct) = fluxvm_ha_until(nct, fluxvm_ha_hold_s(meta, nct->state));
+#endif
 	return nct;
 }
 
@@ -487,12 +494,16 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, 0, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		/* Under HA, a hit that would queue a record is TC's. */
+		if (fluxvm_ha_xdp_hit(ct, pkt, now))
+			return CTX_ACT_NEXT;
 		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(reason, st, es);
 		/* A refresh also recreates a stored reverse half the LRU
 		 * evicted. */
-		if (fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now) &&
-		    !(ct->flags & FLUXVM_CT_F_REV_DERIVED) &&
+		reason = fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+		fluxvm_ha_touched(ct, v6, &t4, &t6, reason);
+		if (reason && !(ct->flags & FLUXVM_CT_F_REV_DERIVED) &&
 		    fluxvm_nat_ensure(pkt, v6, be, sid, ct->backend_id, now, nat_flags, ct->flow))
 			return fluxvm_drop(FLUXVM_DROP_NAT_UPDATE, st, es);
 		goto deliver;
@@ -531,7 +542,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * conntrack half and could be taken for a live flow. */
 	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
-	fluxvm_ha_learned(meta, pkt, v6, bid);
+	fluxvm_ha_learned(meta, ct, v6, &t4, &t6);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
@@ -574,9 +585,12 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		/* Under HA, a hit that would queue a record is TC's. */
+		if (fluxvm_ha_xdp_hit(ct, pkt, now))
+			return CTX_ACT_NEXT;
 		if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(ret, st, es);
-		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+		fluxvm_ha_touched(ct, v6, &t4, &t6, fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now));
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
 			__builtin_memcpy(nat_addr, ct->nat_addr, 16);
@@ -620,7 +634,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
-	fluxvm_ha_learned(meta, pkt, v6, bid);
+	fluxvm_ha_learned(meta, ct, v6, &t4, &t6);
 	if (ct->flow) {
 		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);
@@ -665,9 +679,12 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct = bpf_map_lookup_elem(ct_map, ct_key);
 	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
 	if (verdict == FLUXVM_CT_KEEP) {
+		/* Under HA, a hit that would queue a record is TC's. */
+		if (fluxvm_ha_xdp_hit(ct, pkt, now))
+			return CTX_ACT_NEXT;
 		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
 			return fluxvm_drop(reason, st, es);
-		fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now);
+		fluxvm_ha_touched(ct, v6, &t4, &t6, fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now));
 		goto deliver;
 	}
 
@@ -690,7 +707,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	ct->flow = fluxvm_flow_reserve(meta, now);
 	if (bpf_map_update_elem(ct_map, ct_key, ct, BPF_ANY))
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
-	fluxvm_ha_learned(meta, pkt, v6, bid);
+	fluxvm_ha_learned(meta, ct, v6, &t4, &t6);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(flags & FLUXVM_LB_AT_NS), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
@@ -921,7 +938,8 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 			/* After a failover the flow's conntrack names another
 			 * backend; this half is an orphan the GC removes. */
 			if (fluxvm_ct_owns_nat(ct, nat_bid, pkt, snat))
-				fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
+				fluxvm_ha_touched(ct, v6, &c4, &c6,
+						  fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now));
 		} else if ((scr = fluxvm_scratch_get())) {
 			/* Built in per-CPU scratch (maps.h), off the stack. */
 			struct fluxvm_ct_value *nct = &scr->nct;
@@ -1020,7 +1038,9 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 		fluxvm_count(FLUXVM_CNT_NAT_STALE);
 		return FLUXVM_REPLY_STORED;
 	}
-	fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now);
+	/* The flow's one entry: a reply's transition or due refresh queues
+	 * it as a forward packet's would (lib/ha.h). */
+	fluxvm_ha_touched(ct, v6, &c4, &c6, fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 1), now));
 
 	if ((ret = fluxvm_edt_pace(ctx, r.service_id, now, fluxvm_tcp_control(pkt), st, es)))
 		return ret;

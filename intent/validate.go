@@ -413,12 +413,13 @@ func checkName(name string) *ValidationError {
 var reservedNames = map[string]bool{
 	"status": true, "stats": true, "health": true, "conntrack": true, "pressure": true,
 	"advertisements": true, "flows": true, "telemetry": true, "policies": true,
+	"ha": true,
 }
 
 // ReservedNames returns, sorted, the words that cannot be service names:
 // the fixed path segments under /v1/network/services/ of the REST API,
-// those it has (status, stats, health, conntrack, advertisements) and
-// those it will have (flows, policies, telemetry, pressure). Validation
+// those it has (status, stats, health, conntrack, advertisements, flows,
+// policies, telemetry, ha) and those it will have (pressure). Validation
 // rejects them with ErrReservedName.
 func ReservedNames() []string {
 	out := make([]string, 0, len(reservedNames))

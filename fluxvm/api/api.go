@@ -16,6 +16,7 @@ import (
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // Dataplane is what the handler needs from the node's service dataplane.
@@ -73,6 +74,42 @@ type Dataplane interface {
 	// service's L7 proxy from; it wraps fluxvm.ErrNotFound when the
 	// service has no policy with an l7 part.
 	Envoy(service string) (fluxvm.EnvoyDocument, error)
+
+	// Flow-state replication (HA). With replication off, every method
+	// below but HAStatus wraps fluxvm.ErrPrerequisite; an unknown service
+	// wraps fluxvm.ErrNotFound, a closed dataplane fluxvm.ErrClosed, and
+	// the conditions of replication the errors of package ha.
+
+	// ExportFlows streams a snapshot of service's flows (package ha's
+	// self-checking stream) to w, as it scans: the route writes it
+	// straight into the response. A superseded edge wraps ha.ErrFenced.
+	ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error)
+	// ImportFlows applies a snapshot stream read from r to service,
+	// chunk by verified chunk (an error leaves the chunks before it
+	// applied); prune also deletes the service's flows the snapshot
+	// lacks. A stream it cannot read wraps ha.ErrFormat, ha.ErrCorrupt
+	// or ha.ErrTruncated; one of another service ha.ErrService; one of
+	// an older epoch ha.ErrStaleEpoch.
+	ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error)
+	// FlowDelta returns the batches of service's journal after the
+	// cursor (journal, seq), at most maxOps ops but at least one batch,
+	// or a delta saying ResetRequired when the journal cannot continue
+	// the cursor. A seq past the journal wraps ha.ErrCursorAhead.
+	FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error)
+	// ImportFlowDelta applies a delta of the peer's journal to service
+	// after checking that it continues this edge's cursor (else
+	// ha.ErrStaleEpoch, ha.ErrResetRequired, ha.ErrGap, ha.ErrInvalidOp
+	// or ha.ErrNoEpoch, and nothing changes).
+	ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (fluxvm.HADeltaResult, error)
+	// AckFlowDelta trims service's journal up to seq; past the last
+	// sealed batch wraps ha.ErrCursorAhead.
+	AckFlowDelta(service string, seq uint64) (ha.JournalStats, error)
+	// UpdateLease records a lease update of the control plane: an epoch
+	// older than the edge's wraps ha.ErrStaleEpoch, an empty one
+	// fluxvm.ErrInvalid.
+	UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error)
+	// HAStatus reports replication (Enabled false when it is off).
+	HAStatus() fluxvm.HAStatus
 }
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST
@@ -115,6 +152,17 @@ type Options struct {
 	// MaxBodyBytes bounds a request body; larger bodies get 413.
 	// 0 means DefaultMaxBodyBytes.
 	MaxBodyBytes int64
+	// MaxSnapshotBytes bounds the snapshot stream of POST
+	// /v1/network/services/{name}/conntrack/import (read as it arrives,
+	// never held whole); larger gets 413, after the chunks before the
+	// bound were applied when the body announced no Content-Length.
+	// 0 means DefaultMaxSnapshotBytes (256 MiB).
+	MaxSnapshotBytes int64
+	// MaxDeltaBytes bounds the JSON body of POST
+	// /v1/network/services/{name}/conntrack/delta/import (a delta is
+	// decoded whole); larger gets 413. 0 means DefaultMaxDeltaBytes
+	// (64 MiB).
+	MaxDeltaBytes int64
 	// BodyTimeout bounds the time an authenticated request may take to
 	// deliver its body, counted from the moment the handler receives the
 	// request (its headers read). A body that has not arrived by then
@@ -176,7 +224,8 @@ type Options struct {
 
 // New returns the REST handler for dp. It fails when dp is nil, when no
 // token is configured, when a token is empty, malformed or configured both
-// as admin and read token, when MaxBodyBytes or BodyTimeout is negative,
+// as admin and read token, when MaxBodyBytes, MaxSnapshotBytes,
+// MaxDeltaBytes or BodyTimeout is negative,
 // or when the
 // collector cannot be registered in opts.Registry (for example because it
 // already holds one).
@@ -194,6 +243,19 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 		return nil, fmt.Errorf("api: negative MaxBodyBytes %d", maxBody)
 	case maxBody == 0:
 		maxBody = DefaultMaxBodyBytes
+	}
+	maxSnapshot, maxDelta := opts.MaxSnapshotBytes, opts.MaxDeltaBytes
+	switch {
+	case maxSnapshot < 0:
+		return nil, fmt.Errorf("api: negative MaxSnapshotBytes %d", maxSnapshot)
+	case maxSnapshot == 0:
+		maxSnapshot = DefaultMaxSnapshotBytes
+	}
+	switch {
+	case maxDelta < 0:
+		return nil, fmt.Errorf("api: negative MaxDeltaBytes %d", maxDelta)
+	case maxDelta == 0:
+		maxDelta = DefaultMaxDeltaBytes
 	}
 	bodyTimeout := opts.BodyTimeout
 	switch {
@@ -223,6 +285,8 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 		dp:          dp,
 		auth:        auth,
 		maxBody:     maxBody,
+		maxSnapshot: maxSnapshot,
+		maxDelta:    maxDelta,
 		bodyTimeout: bodyTimeout,
 		log:         logger,
 		mux:         http.NewServeMux(),
@@ -242,6 +306,8 @@ type handler struct {
 	dp          Dataplane
 	auth        *authenticator
 	maxBody     int64
+	maxSnapshot int64
+	maxDelta    int64
 	bodyTimeout time.Duration
 	log         *slog.Logger
 	mux         *http.ServeMux

@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // The node's dataplane is what the handler serves.
@@ -179,6 +180,9 @@ func TestNewOptions(t *testing.T) {
 		{"token with newline", dp, api.Options{ReadTokens: []string{"a\n"}}, false},
 		{"admin and read", dp, api.Options{AdminTokens: []string{"x"}, ReadTokens: []string{"x"}}, false},
 		{"negative body limit", dp, api.Options{AdminTokens: []string{"a"}, MaxBodyBytes: -1}, false},
+		{"negative snapshot limit", dp, api.Options{AdminTokens: []string{"a"}, MaxSnapshotBytes: -1}, false},
+		{"negative delta limit", dp, api.Options{AdminTokens: []string{"a"}, MaxDeltaBytes: -1}, false},
+		{"snapshot and delta limits", dp, api.Options{AdminTokens: []string{"a"}, MaxSnapshotBytes: 1 << 30, MaxDeltaBytes: 1 << 10}, true},
 		{"body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: time.Second}, true},
 		{"negative body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: -time.Second}, false},
 		{"nil dataplane", nil, api.Options{AdminTokens: []string{"a"}}, false},
@@ -497,7 +501,7 @@ func TestLiteralSegmentsWin(t *testing.T) {
 // that name (restored from an older catalog); DELETE removes such a
 // service and is otherwise 404 "no such route".
 func TestReservedWordsAreRoutes(t *testing.T) {
-	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true, "flows": true, "policies": true}
+	literal := map[string]bool{"status": true, "stats": true, "health": true, "advertisements": true, "flows": true, "policies": true, "ha": true}
 	for _, w := range fluxvm.ReservedNames() {
 		t.Run(w, func(t *testing.T) {
 			e := newEnv(t)
@@ -621,7 +625,41 @@ func TestAuthMatrix(t *testing.T) {
 		{"reconcile policies", req{method: "POST", path: "/v1/network/services/policies/reconcile"}, admin},
 		{"get policy", req{method: "GET", path: "/v1/network/services/web/policy"}, read},
 		{"delete policy", req{method: "DELETE", path: "/v1/network/services/web/policy"}, admin},
+		{"envoy", req{method: "GET", path: "/v1/network/services/web/l7/envoy"}, read},
+		{"flows", req{method: "GET", path: "/v1/network/services/flows"}, read},
+		{"ha status", req{method: "GET", path: "/v1/network/services/ha"}, read},
+		{"ha lease", req{method: "POST", path: "/v1/network/services/ha/lease", body: `{"epoch":4}`}, admin},
+		{"conntrack export", req{method: "GET", path: "/v1/network/services/web/conntrack/export"}, read},
+		{"conntrack import", req{method: "POST", path: "/v1/network/services/web/conntrack/import", body: authSnapshot, contentType: "application/octet-stream"}, admin},
+		{"conntrack delta", req{method: "GET", path: "/v1/network/services/web/conntrack/delta?journal=j1"}, read},
+		{"conntrack delta import", req{method: "POST", path: "/v1/network/services/web/conntrack/delta/import", body: authDelta}, admin},
+		{"conntrack delta ack", req{method: "POST", path: "/v1/network/services/web/conntrack/delta/ack", body: `{"seq":2}`}, admin},
 		{"unknown route", req{method: "GET", path: "/v1/unknown"}, nil},
+	}
+	// Every route of the table is in the matrix.
+	covered := map[string]bool{}
+	for _, c := range calls {
+		covered[c.r.method+" "+c.r.path] = true
+	}
+	// The telemetry export answers 422 without an exporter, which this
+	// matrix does not configure: flows_test.go checks its access.
+	exempt := map[string]bool{"POST /v1/network/services/telemetry/export": true}
+	for _, rt := range api.RoutePatterns() {
+		if exempt[rt] {
+			continue
+		}
+		method, pattern, _ := strings.Cut(rt, " ")
+		found := false
+		for k := range covered {
+			m, p, _ := strings.Cut(k, " ")
+			p, _, _ = strings.Cut(p, "?")
+			if m == method && matchPattern(pattern, p) {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("route %s is not in the auth matrix", rt)
+		}
 	}
 	for _, c := range calls {
 		for _, cr := range creds {
@@ -630,7 +668,7 @@ func TestAuthMatrix(t *testing.T) {
 				e.mustApply("web")
 				e.dp.applied = nil
 				e.dp.vms["vm-1"] = fluxvm.VMStats{VMID: "vm-1"}
-				e.dp.policies["web"] = fluxvm.Policy{Service: "web", DefaultAction: fluxvm.PolicyDeny}
+				e.dp.policies["web"] = fluxvm.Policy{Service: "web", DefaultAction: fluxvm.PolicyDeny, L7: &fluxvm.L7Policy{Mode: fluxvm.L7Enforce, Protocol: "http"}}
 				r := c.r
 				r.header = http.Header{}
 				if cr.header != nil {
@@ -659,12 +697,64 @@ func TestAuthMatrix(t *testing.T) {
 					wantError(t, w, 403, api.CodeForbidden, "")
 				}
 				if !ok && (len(e.dp.applied) != 0 || len(e.dp.deleted) != 0 || e.dp.gcRuns != 0 || e.dp.reconciles != 0 ||
-					len(e.dp.policyApplies) != 0 || len(e.dp.ipcacheSets) != 0 || len(e.dp.policyDeletes) != 0) {
+					len(e.dp.policyApplies) != 0 || len(e.dp.ipcacheSets) != 0 || len(e.dp.policyDeletes) != 0 ||
+					len(e.dp.ha.leases) != 0 || len(e.dp.ha.imports) != 0 || len(e.dp.ha.deltaImports) != 0 || len(e.dp.ha.acks) != 0 ||
+					len(e.dp.ha.deltaReads) != 0 || e.dp.ha.exported != 0) {
 					t.Errorf("refused request reached the dataplane")
 				}
 			})
 		}
 	}
+}
+
+// authSnapshot is a snapshot of two flows of "web"; authDelta a delta
+// of the fake's journal continuing an empty cursor.
+var (
+	authSnapshot = func() string {
+		var buf bytes.Buffer
+		sw, err := ha.NewWriter(&buf, ha.Header{Node: "b", Service: "web", Epoch: 3})
+		if err != nil {
+			panic(err)
+		}
+		for i := range 2 {
+			fl := fakeFlow(i)
+			if err := sw.Write(&fl); err != nil {
+				panic(err)
+			}
+		}
+		if err := sw.Close(); err != nil {
+			panic(err)
+		}
+		return buf.String()
+	}()
+	authDelta = func() string {
+		f := newFake()
+		f.services["web"] = fluxvm.ServiceStatus{}
+		d, err := f.FlowDelta("web", "j1", 0, 2)
+		if err != nil {
+			panic(err)
+		}
+		b, err := json.Marshal(d)
+		if err != nil {
+			panic(err)
+		}
+		return string(b)
+	}()
+)
+
+// matchPattern reports whether path matches a ServeMux path pattern
+// whose wildcards are whole segments.
+func matchPattern(pattern, path string) bool {
+	ps, qs := strings.Split(pattern, "/"), strings.Split(path, "/")
+	if len(ps) != len(qs) {
+		return false
+	}
+	for i := range ps {
+		if !strings.HasPrefix(ps[i], "{") && ps[i] != qs[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // TestAuthBeforeBody checks that a request that fails authentication

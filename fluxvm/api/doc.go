@@ -33,12 +33,35 @@
 //	DELETE /v1/network/services/{name}              remove a service; 204
 //	GET    /v1/network/services/{name}/policy       one service's identity policy (PolicyStatus); 404 when none
 //	DELETE /v1/network/services/{name}/policy       remove a service's identity policy; 204, 404 when none
+//	GET    /v1/network/services/ha                  flow-state replication state (fluxvm.HAStatus)
+//	POST   /v1/network/services/ha/lease            a lease update (fluxvm.HALease); 200 + HAStatus, 409 stale_epoch
+//	GET    /v1/network/services/{name}/conntrack/export
+//	                                                the service's flow snapshot, application/octet-stream,
+//	                                                streamed; counts in trailers (X-Fluxvm-Export-Flows, ...)
+//	POST   /v1/network/services/{name}/conntrack/import
+//	                                                load a snapshot (application/octet-stream, streamed, at most
+//	                                                Options.MaxSnapshotBytes; ?prune=true|false); 200 + ha.ImportResult
+//	GET    /v1/network/services/{name}/conntrack/delta
+//	                                                journal batches after ?journal=&seq= (max_ops 1..65536,
+//	                                                default 4096); 200 + ha.Delta (reset_required inside)
+//	POST   /v1/network/services/{name}/conntrack/delta/import
+//	                                                apply an ha.Delta (JSON, at most Options.MaxDeltaBytes);
+//	                                                200 + fluxvm.HADeltaResult; 409 reset_required, sequence_gap,
+//	                                                stale_epoch
+//	POST   /v1/network/services/{name}/conntrack/delta/ack
+//	                                                {"seq": N}: trim the journal; 200 + ha.JournalStats,
+//	                                                409 cursor_ahead
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
+// An export that fails after its first byte cannot change its status: the
+// answer is aborted (http.ErrAbortHandler) and the stream lacks its end
+// record, which every importer refuses. An error before it is an ordinary
+// JSON error.
+//
 // The fixed segments under /v1/network/services/, those of these routes
 // and those planned, are reserved ([fluxvm.ReservedNames]: advertisements,
-// conntrack, flows, health, policies, pressure, stats, status, telemetry):
+// conntrack, flows, ha, health, policies, pressure, stats, status, telemetry):
 // validation refuses them as service names, and the {name} routes never
 // answer one as a service. GET of a reserved word that is not a route of
 // this build (GET /v1/network/services/pressure) is 404 "no such route", so a

@@ -10,6 +10,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/policy"
 )
 
@@ -38,6 +39,34 @@ const (
 	// deadline of the embedder passed) before the node finished the work
 	// it asked for (a GC, a health round); nothing is wrong with the node.
 	CodeUnavailable Code = "unavailable" // 503
+
+	// The codes of the HA state transfer routes (package ha's errors).
+
+	// CodeResetRequired: the delta cannot continue this edge's cursor
+	// (another journal incarnation, or history gone): load a snapshot
+	// (ha.ErrResetRequired).
+	CodeResetRequired Code = "reset_required" // 409
+	// CodeSequenceGap: the delta does not continue the cursor
+	// contiguously (ha.ErrGap): pull again from the cursor.
+	CodeSequenceGap Code = "sequence_gap" // 409
+	// CodeStaleEpoch: data or a lease of an epoch older than the newest
+	// this edge accepted (ha.ErrStaleEpoch).
+	CodeStaleEpoch Code = "stale_epoch" // 409
+	// CodeFenced: this edge's lease was superseded: it serves and exports
+	// nothing (ha.ErrFenced).
+	CodeFenced Code = "fenced" // 409
+	// CodeCursorAhead: a seq past the journal's last sealed batch
+	// (ha.ErrCursorAhead).
+	CodeCursorAhead Code = "cursor_ahead" // 409
+	// CodeSnapshotCorrupt: a snapshot stream that is truncated or fails
+	// its checksums (ha.ErrTruncated, ha.ErrCorrupt): send it again.
+	CodeSnapshotCorrupt Code = "snapshot_corrupt" // 400
+	// CodeSnapshotUnreadable: not a snapshot, or one of a format,
+	// datapath schema or map set this node does not read (ha.ErrFormat).
+	CodeSnapshotUnreadable Code = "snapshot_unreadable" // 422
+	// CodeServiceMismatch: a snapshot or delta of another service than
+	// the one of the path (ha.ErrService).
+	CodeServiceMismatch Code = "service_mismatch" // 400
 )
 
 // allCodes lists every code, in the order of the documentation.
@@ -46,13 +75,15 @@ var allCodes = []Code{
 	CodeMethodNotAllowed, CodeRequestTimeout, CodeConflict, CodePayloadTooLarge,
 	CodeUnsupportedMediaType, CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded,
 	CodeInternal, CodeUnavailable,
+	CodeResetRequired, CodeSequenceGap, CodeStaleEpoch, CodeFenced, CodeCursorAhead,
+	CodeSnapshotCorrupt, CodeSnapshotUnreadable, CodeServiceMismatch,
 }
 
 // Status returns the HTTP status an error with code c is sent with
 // (500 for an unknown code).
 func (c Code) Status() int {
 	switch c {
-	case CodeInvalidRequest:
+	case CodeInvalidRequest, CodeSnapshotCorrupt, CodeServiceMismatch:
 		return http.StatusBadRequest
 	case CodeUnauthorized:
 		return http.StatusUnauthorized
@@ -64,13 +95,13 @@ func (c Code) Status() int {
 		return http.StatusMethodNotAllowed
 	case CodeRequestTimeout:
 		return http.StatusRequestTimeout
-	case CodeConflict:
+	case CodeConflict, CodeResetRequired, CodeSequenceGap, CodeStaleEpoch, CodeFenced, CodeCursorAhead:
 		return http.StatusConflict
 	case CodePayloadTooLarge:
 		return http.StatusRequestEntityTooLarge
 	case CodeUnsupportedMediaType:
 		return http.StatusUnsupportedMediaType
-	case CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded:
+	case CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded, CodeSnapshotUnreadable:
 		return http.StatusUnprocessableEntity
 	case CodeUnavailable:
 		return http.StatusServiceUnavailable
@@ -145,6 +176,10 @@ func toAPIError(err error) *apiError {
 		return newAPIError(CodeUnavailable, "the dataplane is shutting down")
 	}
 
+	if e := haAPIError(err); e != nil {
+		return e
+	}
+
 	var code Code
 	switch {
 	case errors.Is(err, fluxvm.ErrTooLarge):
@@ -175,6 +210,36 @@ func toAPIError(err error) *apiError {
 		e := newAPIError(code, ve.Error())
 		e.field = ve.Field
 		return e
+	}
+	return newAPIError(code, err.Error())
+}
+
+// haAPIError classifies the errors of package ha (flow-state replication),
+// or returns nil. Their message is sent as is: it names the service, the
+// journal and the seqs or epochs involved.
+func haAPIError(err error) *apiError {
+	var code Code
+	switch {
+	case errors.Is(err, ha.ErrFenced):
+		code = CodeFenced
+	case errors.Is(err, ha.ErrStaleEpoch):
+		code = CodeStaleEpoch
+	case errors.Is(err, ha.ErrResetRequired):
+		code = CodeResetRequired
+	case errors.Is(err, ha.ErrGap):
+		code = CodeSequenceGap
+	case errors.Is(err, ha.ErrCursorAhead):
+		code = CodeCursorAhead
+	case errors.Is(err, ha.ErrService):
+		code = CodeServiceMismatch
+	case errors.Is(err, ha.ErrFormat):
+		code = CodeSnapshotUnreadable
+	case errors.Is(err, ha.ErrCorrupt), errors.Is(err, ha.ErrTruncated):
+		code = CodeSnapshotCorrupt
+	case errors.Is(err, ha.ErrInvalidOp), errors.Is(err, ha.ErrNoEpoch):
+		code = CodeInvalidRequest
+	default:
+		return nil
 	}
 	return newAPIError(code, err.Error())
 }

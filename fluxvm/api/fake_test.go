@@ -50,6 +50,9 @@ type fakeDataplane struct {
 	policyDeletes []string
 	policyErr     error // returned by ApplyPolicies and SetIPCache
 	policyCounts  fluxvm.PolicyCounters
+
+	// Flow-state replication (fake_ha_test.go).
+	ha fakeHA
 }
 
 // flowRead is one call of Flows.
@@ -85,6 +88,8 @@ func newFake() *fakeDataplane {
 		services: map[string]fluxvm.ServiceStatus{},
 		vms:      map[string]fluxvm.VMStats{},
 		policies: map[string]fluxvm.Policy{},
+		ha: fakeHA{journal: "j1", lastSeq: 5, exportFlows: 3,
+			status: fluxvm.HAStatus{Epoch: 3, Interval: fluxvm.Duration{Duration: time.Second}}},
 		status: fluxvm.Status{
 			SchemaVersion: 4, Generation: 8, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm/service",
 		},

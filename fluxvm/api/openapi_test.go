@@ -13,9 +13,11 @@ import (
 	"testing"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 const openAPIPath = "../../docs/openapi.yaml"
@@ -38,7 +40,7 @@ var (
 	reSchema   = regexp.MustCompile(`^    ([A-Za-z]\w*):\s*$`)
 	reProps    = regexp.MustCompile(`^      properties:`)
 	reSchemaKV = regexp.MustCompile(`^      \S`)
-	reProp     = regexp.MustCompile(`^        ([a-z_0-9]+):`)
+	reProp     = regexp.MustCompile(`^        ([A-Za-z_0-9]+):`)
 	reEnum     = regexp.MustCompile(`^      enum:\s*$`)
 	reEnumItem = regexp.MustCompile(`^        - (\S+)\s*$`)
 )
@@ -201,6 +203,22 @@ func TestOpenAPISchemas(t *testing.T) {
 		"PolicyServiceCounters":  reflect.TypeFor[fluxvm.PolicyServiceCounters](),
 		"IPCache":                reflect.TypeFor[fluxvm.IPCache](),
 		"IPCacheEntry":           reflect.TypeFor[fluxvm.IPCacheEntry](),
+		"HAStatus":               reflect.TypeFor[fluxvm.HAStatus](),
+		"HAQueueStatus":          reflect.TypeFor[fluxvm.HAQueueStatus](),
+		"HALease":                reflect.TypeFor[fluxvm.HALease](),
+		"HADeltaResult":          reflect.TypeFor[fluxvm.HADeltaResult](),
+		"DeltaAckRequest":        reflect.TypeFor[DeltaAckRequest](),
+		"Delta":                  reflect.TypeFor[ha.Delta](),
+		"Batch":                  reflect.TypeFor[ha.Batch](),
+		"Op":                     reflect.TypeFor[ha.Op](),
+		"ConntrackKey":           reflect.TypeFor[conntrack.Key](),
+		"Flow":                   reflect.TypeFor[ha.Flow](),
+		"NATHalf":                reflect.TypeFor[ha.NATHalf](),
+		"Cursor":                 reflect.TypeFor[ha.Cursor](),
+		"JournalStats":           reflect.TypeFor[ha.JournalStats](),
+		"SnapshotHeader":         reflect.TypeFor[ha.Header](),
+		"ImportResult":           reflect.TypeFor[ha.ImportResult](),
+		"ExportResult":           reflect.TypeFor[ha.ExportResult](),
 		"Error":                  reflect.TypeFor[ErrorResponse](),
 		"ErrorDetail":            reflect.TypeFor[ErrorDetail](),
 	}

@@ -23,9 +23,13 @@ type route struct {
 	method string
 	path   string // http.ServeMux path pattern
 	admin  bool   // needs an admin token (all mutations do)
-	// body says the endpoint reads a request body: it must be
-	// application/json and at most MaxBodyBytes long.
+	// body says the endpoint reads a request body: it must be of media
+	// (application/json when empty) and at most maxBody long.
 	body bool
+	// media is the media type of the body; "": application/json.
+	media string
+	// maxBody is the bound of the body; nil: Options.MaxBodyBytes.
+	maxBody func(h *handler) int64
 	// handle serves the request. An error it returns becomes the error
 	// response: the dataplane's error message is sent as is for the
 	// categories of fluxvm (it names the service or VM), and the
@@ -55,6 +59,15 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/{name}/policy", handle: (*handler).getPolicy},
 	{method: http.MethodDelete, path: "/v1/network/services/{name}/policy", admin: true, handle: (*handler).deletePolicy},
 	{method: http.MethodGet, path: "/v1/network/services/{name}/l7/envoy", handle: (*handler).getEnvoy},
+	{method: http.MethodGet, path: "/v1/network/services/ha", handle: (*handler).haStatus},
+	{method: http.MethodPost, path: "/v1/network/services/ha/lease", admin: true, body: true, handle: (*handler).updateLease},
+	{method: http.MethodGet, path: "/v1/network/services/{name}/conntrack/export", handle: (*handler).exportConntrack},
+	{method: http.MethodPost, path: "/v1/network/services/{name}/conntrack/import", admin: true, body: true, media: octetStream,
+		maxBody: func(h *handler) int64 { return h.maxSnapshot }, handle: (*handler).importConntrack},
+	{method: http.MethodGet, path: "/v1/network/services/{name}/conntrack/delta", handle: (*handler).getDelta},
+	{method: http.MethodPost, path: "/v1/network/services/{name}/conntrack/delta/import", admin: true, body: true,
+		maxBody: func(h *handler) int64 { return h.maxDelta }, handle: (*handler).importDelta},
+	{method: http.MethodPost, path: "/v1/network/services/{name}/conntrack/delta/ack", admin: true, body: true, handle: (*handler).ackDelta},
 	{method: http.MethodGet, path: "/v1/vms/{id}/network/services/stats", handle: (*handler).vmStats},
 	{method: http.MethodGet, path: "/metrics", handle: (*handler).serveMetrics},
 }
@@ -73,15 +86,22 @@ func (h *handler) endpoint(rt route) http.Handler {
 			return
 		}
 		if rt.body {
-			if hasBody(r) && !isJSON(r.Header.Get("Content-Type")) {
-				h.writeError(w, r, newAPIError(CodeUnsupportedMediaType, "request body must be application/json"))
+			media, limit := rt.media, h.maxBody
+			if media == "" {
+				media = "application/json"
+			}
+			if rt.maxBody != nil {
+				limit = rt.maxBody(h)
+			}
+			if hasBody(r) && !isMediaType(r.Header.Get("Content-Type"), media) {
+				h.writeError(w, r, newAPIError(CodeUnsupportedMediaType, "request body must be "+media))
 				return
 			}
-			if r.ContentLength > h.maxBody {
-				h.writeError(w, r, toAPIError(&http.MaxBytesError{Limit: h.maxBody}))
+			if r.ContentLength > limit {
+				h.writeError(w, r, toAPIError(&http.MaxBytesError{Limit: limit}))
 				return
 			}
-			r.Body = http.MaxBytesReader(w, r.Body, h.maxBody)
+			r.Body = http.MaxBytesReader(w, r.Body, limit)
 		}
 		if err := rt.handle(h, w, r); err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
@@ -98,11 +118,11 @@ func hasBody(r *http.Request) bool {
 	return r.ContentLength > 0 || (r.ContentLength < 0 && r.Body != nil && r.Body != http.NoBody)
 }
 
-// isJSON reports whether a Content-Type is application/json (parameters
-// such as charset are ignored).
-func isJSON(contentType string) bool {
+// isMediaType reports whether a Content-Type is of media type want
+// (parameters are ignored).
+func isMediaType(contentType, want string) bool {
 	mt, _, err := mime.ParseMediaType(contentType)
-	return err == nil && mt == "application/json"
+	return err == nil && mt == want
 }
 
 // readBody reads the whole (already bounded) request body.
@@ -317,9 +337,12 @@ func decodeStrict(body []byte, v any) error {
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
 		e := newAPIError(CodeInvalidRequest, err.Error())
+		var te *json.UnmarshalTypeError
 		if f := unknownField(err); f != "" {
 			e.field = f
 			e.message = f + ": unknown field"
+		} else if errors.As(err, &te) && te.Field != "" {
+			e.field = te.Field
 		}
 		return e
 	}

@@ -48,9 +48,9 @@ func (f Family) String() string { return nat.Family(f).String() }
 // to the service's VIP. IPv4-mapped IPv6 addresses are taken as IPv4, the
 // way the datapath stores them.
 type Key struct {
-	Client netip.AddrPort // the client's address and source port
-	VIP    netip.AddrPort // the service frontend the client addressed
-	Proto  uint8          // ProtoTCP or ProtoUDP
+	Client netip.AddrPort `json:"client"` // the client's address and source port
+	VIP    netip.AddrPort `json:"vip"`    // the service frontend the client addressed
+	Proto  uint8          `json:"proto"`  // ProtoTCP or ProtoUDP
 }
 
 func (k Key) String() string {

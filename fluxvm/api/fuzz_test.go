@@ -103,7 +103,7 @@ func fuzzJSONRoute(t *testing.T, path string, body []byte, allowed ...int) {
 func FuzzImportDelta(f *testing.F) {
 	valid := `{"service":"web","journal":"j1","epoch":3,"from":0,"to":1,"batches":[{"seq":1,"epoch":3,"ops":[` +
 		`{"op":1,"flow":{"client":"10.1.0.1:1025","vip":"10.96.0.10:80","proto":6,"backend":"10.40.1.21:8080","kind":2,"state":2,"age":1,"idle":1,"ttl":60000000000}},` +
-		`{"op":2,"key":{"Client":"10.1.0.2:1026","VIP":"10.96.0.10:80","Proto":6}}]}]}`
+		`{"op":2,"key":{"client":"10.1.0.2:1026","vip":"10.96.0.10:80","proto":6}}]}]}`
 	for _, seed := range []string{
 		valid, `{}`, `[]`, `null`, ``, `{"service":"web"}`, `{"service":"api","journal":"j1","epoch":3}`,
 		`{"service":"web","journal":"j1","epoch":3,"from":0,"to":0,"reset_required":true}`,

@@ -40,7 +40,7 @@ var (
 	reSchema   = regexp.MustCompile(`^    ([A-Za-z]\w*):\s*$`)
 	reProps    = regexp.MustCompile(`^      properties:`)
 	reSchemaKV = regexp.MustCompile(`^      \S`)
-	reProp     = regexp.MustCompile(`^        ([A-Za-z_0-9]+):`)
+	reProp     = regexp.MustCompile(`^        ([a-z_0-9]+):`)
 	reEnum     = regexp.MustCompile(`^      enum:\s*$`)
 	reEnumItem = regexp.MustCompile(`^        - (\S+)\s*$`)
 )

@@ -333,12 +333,12 @@ node_name = "edge-%s"
 north_south_interfaces = ["uplink", "uplink2"]
 snat_address = %q
 snat_port_min = 40000
-snat_port_max = 44999
+snat_port_max = 49999
 hash_seed = 777
 maglev_seed = 42
 ha_epoch = %d
 ha_interval = "200ms"
-ha_journal_max_ops = 1024
+ha_journal_max_ops = 4096
 
 [sandbox.dataplane.service.api]
 listen = "0.0.0.0:7788"
@@ -412,6 +412,7 @@ func (r *replicator) rounds(t *testing.T) []replicatorLine {
 
 type replicatorLine struct {
 	At       time.Time        `json:"at"`
+	Duration string           `json:"duration"`
 	Services []ha.RoundResult `json:"services"`
 	Error    string           `json:"error"`
 }
@@ -511,7 +512,7 @@ func TestFailover(t *testing.T) {
 	// A forced history gap: the replicator is stopped while more flows
 	// than a's journal keeps come and go; resumed, it must resync.
 	repl.cmd.Process.Signal(syscall.SIGSTOP)
-	for range 1100 {
+	for range 1500 { // 3 to 4 records each: new, established, FIN, RST
 		var c net.Conn
 		err := l.cli.Do(func() (err error) {
 			c, err = net.DialTimeout("tcp4", netip.AddrPortFrom(failVIP, 80).String(), 3*time.Second)
@@ -531,20 +532,36 @@ func TestFailover(t *testing.T) {
 	repl.cmd.Process.Signal(syscall.SIGCONT)
 	repl.waitSnapshot(t, n, "reset_required")
 
-	// Throughput: a burst of new flows, timed until the last is on b.
-	const burst = 400
-	burstConns := make([]*flowConn, 0, burst)
+	// Throughput: a burst of new flows from several clients at once,
+	// timed until the last is on b; and the replicator's own rate: the
+	// ops its rounds applied over the time they took.
+	const burst, dialers = 2000, 8
+	burstConns := make([]*flowConn, burst)
+	roundsBefore := len(repl.rounds(t))
 	start := time.Now()
-	for range burst {
-		var c net.Conn
-		err := l.cli.Do(func() (err error) {
-			c, err = net.DialTimeout("tcp4", netip.AddrPortFrom(failVIP, 80).String(), 3*time.Second)
-			return err
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		burstConns = append(burstConns, &flowConn{c: c})
+	var wg sync.WaitGroup
+	errs := make(chan error, dialers)
+	for w := range dialers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < burst; i += dialers {
+				err := l.cli.Do(func() error {
+					c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(failVIP, 80).String(), 3*time.Second)
+					burstConns[i] = &flowConn{c: c}
+					return err
+				})
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		t.Fatal(err)
 	}
 	opened := time.Since(start)
 	for _, f := range burstConns {
@@ -552,13 +569,23 @@ func TestFailover(t *testing.T) {
 			if _, err := bct.Lookup(keyOf(f)); err == nil {
 				break
 			}
-			if time.Since(start) > 20*time.Second {
+			if time.Since(start) > 30*time.Second {
 				t.Fatalf("burst flow %s never reached the standby", keyOf(f))
 			}
 			time.Sleep(2 * time.Millisecond)
 		}
 	}
 	replicated := time.Since(start)
+	time.Sleep(time.Second) // the handshakes' transitions too
+	var ops int
+	var busy time.Duration
+	for _, r := range repl.rounds(t)[roundsBefore:] {
+		d, _ := time.ParseDuration(r.Duration)
+		for _, sv := range r.Services {
+			ops += sv.Ops
+		}
+		busy += d
+	}
 	for _, f := range burstConns {
 		f.c.Close()
 	}
@@ -633,8 +660,9 @@ func TestFailover(t *testing.T) {
 	pct := func(p float64) time.Duration { return lags[int(p*float64(len(lags)-1))].Round(time.Millisecond) }
 	t.Logf("replication lag (connect -> flow in the standby's conntrack, ha_interval 200ms, replicator interval 200ms): p50 %v p99 %v max %v over %d flows",
 		pct(0.5), pct(0.99), lags[len(lags)-1].Round(time.Millisecond), len(lags))
-	t.Logf("throughput: %d new flows opened in %v (%.0f/s), all on the standby after %v: %.0f records/s replicated",
-		burst, opened.Round(time.Millisecond), float64(burst)/opened.Seconds(), replicated.Round(time.Millisecond), float64(burst)/replicated.Seconds())
+	t.Logf("throughput: %d new flows opened by %d clients in %v (%.0f/s), all on the standby %v after the first: %.0f flows/s end to end",
+		burst, dialers, opened.Round(time.Millisecond), float64(burst)/opened.Seconds(), replicated.Round(time.Millisecond), float64(burst)/replicated.Seconds())
+	t.Logf("replicator: %d records (ops) applied in %v of rounds: %.0f records/s", ops, busy.Round(time.Millisecond), float64(ops)/busy.Seconds())
 }
 
 // newPair starts the lab, both edges (a under lease epoch 2, b under 1)

@@ -314,6 +314,7 @@ func DefaultConfig() Config {
 		PinRoot:               bpf.DefaultPinRoot,
 		CatalogPath:           DefaultCatalogPath,
 		AdvertisementsPath:    advert.DefaultPath,
+		HAInterval:            Duration{DefaultHAInterval},
 		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
 		TCPSynTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second},
 		TCPEstablishedTimeout: Duration{time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second},
@@ -638,7 +639,7 @@ func (c *Config) validate() error {
 	if c.HAEpoch != 0 && len(c.NorthSouthInterfaces) == 0 {
 		bad(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
 	}
-	if d := c.HAInterval.Duration; d != 0 && (d < MinHAInterval || d > MaxHAInterval) {
+	if d := c.HAInterval.Duration; d < MinHAInterval || d > MaxHAInterval {
 		bad(ErrInvalid, "ha_interval", "%v is outside %v..%v", d, MinHAInterval, MaxHAInterval)
 	}
 	if n := c.HAJournalMaxOps; n < 0 || n > MaxHAJournalOps {

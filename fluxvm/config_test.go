@@ -65,6 +65,9 @@ advertisements_path = "/run/fluxvm-test/adverts.json"
 node_name = "node-a.example"
 health_check_concurrency = 8
 flow_sample_rate = 100
+ha_epoch = 12
+ha_interval = "250ms"
+ha_journal_max_ops = 2048
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -103,6 +106,9 @@ edt_horizon_fallback = true
 		NodeName:               "node-a.example",
 		HealthCheckConcurrency: 8,
 		FlowSampleRate:         100,
+		HAEpoch:                12,
+		HAInterval:             Duration{250 * time.Millisecond},
+		HAJournalMaxOps:        2048,
 		ConntrackGCInterval:    Duration{90 * time.Second},
 		TCPSynTimeout:          Duration{2 * time.Second},
 		TCPEstablishedTimeout:  Duration{168 * time.Hour},
@@ -224,6 +230,11 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "health_check_concurrency negative", doc: table + "health_check_concurrency = -1\n", field: k("health_check_concurrency"), kind: ErrInvalid},
 		{name: "health_check_concurrency too large", doc: table + "health_check_concurrency = 1025\n", field: k("health_check_concurrency"), kind: ErrInvalid, reason: "1024"},
 		{name: "flow_sample_rate too large", doc: table + "flow_sample_rate = 65537\n", field: k("flow_sample_rate"), kind: ErrInvalid, reason: "0..65536"},
+		{name: "ha_epoch without the north-south edge", doc: table + "ha_epoch = 3\n", field: k("ha_epoch"), kind: ErrPrerequisite, reason: "north_south_interfaces"},
+		{name: "ha_interval too short", doc: table + "ha_interval = \"10ms\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
+		{name: "ha_interval zero", doc: table + "ha_interval = \"0s\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
+		{name: "ha_journal_max_ops too large", doc: table + "ha_journal_max_ops = 4194305\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
+		{name: "ha_journal_max_ops negative", doc: table + "ha_journal_max_ops = -1\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
 		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},
 
 		// Interfaces.

@@ -179,8 +179,20 @@ func TestExportImportFlows(t *testing.T) {
 // TestHAOptions: replication needs the north-south edge; without ha_epoch
 // its methods say it is off.
 func TestHAOptions(t *testing.T) {
-	if _, err := Open(Options{HA: HAOptions{Epoch: 1}}); !errors.Is(err, ErrPrerequisite) {
-		t.Errorf("HA without the north-south edge: %v, want ErrPrerequisite", err)
+	for _, tc := range []struct {
+		ha   HAOptions
+		ns   []string
+		want error
+	}{
+		{HAOptions{Epoch: 1}, nil, ErrPrerequisite},
+		{HAOptions{Epoch: 1, Interval: time.Millisecond}, []string{"uplink"}, ErrInvalid},
+		{HAOptions{Epoch: 1, Interval: time.Hour}, []string{"uplink"}, ErrInvalid},
+		{HAOptions{Epoch: 1, MaxOps: -1}, []string{"uplink"}, ErrInvalid},
+		{HAOptions{Epoch: 1, MaxOps: MaxHAJournalOps + 1}, []string{"uplink"}, ErrInvalid},
+	} {
+		if _, err := Open(Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
+			t.Errorf("Open with %+v: %v, want %v", tc.ha, err, tc.want)
+		}
 	}
 	e := newEnv(t)
 	d := e.open(t)

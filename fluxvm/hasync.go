@@ -129,8 +129,11 @@ func newHASync(o Options) (*haSync, error) {
 	if len(o.NorthSouth.Interfaces) == 0 {
 		return nil, verr(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
 	}
-	if o.HA.Interval < 0 || o.HA.MaxOps < 0 {
-		return nil, verr(ErrInvalid, "ha", "negative interval %v or max ops %d", o.HA.Interval, o.HA.MaxOps)
+	if d := o.HA.Interval; d != 0 && (d < MinHAInterval || d > MaxHAInterval) {
+		return nil, verr(ErrInvalid, "HA.Interval", "%v is outside %v..%v (0: the default, %v)", d, MinHAInterval, MaxHAInterval, DefaultHAInterval)
+	}
+	if n := o.HA.MaxOps; n < 0 || n > MaxHAJournalOps {
+		return nil, verr(ErrInvalid, "HA.MaxOps", "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
 	}
 	h := &haSync{interval: o.HA.Interval, jopts: ha.JournalOptions{MaxOps: o.HA.MaxOps}, epoch: o.HA.Epoch,
 		journals: map[string]*ha.Journal{}, sids: map[uint32]string{}, cursors: map[string]ha.Cursor{}}

@@ -35,7 +35,7 @@ var (
 // seedService has ten backends per family, so that most tuples that
 // change slot also change backend.
 func seedService() Service {
-	s := Service{Name: "ha", VIPs: []netip.Addr{seedVIP4.Addr(), seedVIP6.Addr()}, Ports: []ServicePort{{Port: 80, Protocol: TCP}}}
+	s := Service{Name: "pair", VIPs: []netip.Addr{seedVIP4.Addr(), seedVIP6.Addr()}, Ports: []ServicePort{{Port: 80, Protocol: TCP}}}
 	for i := range 10 {
 		s.Backends = append(s.Backends,
 			Backend{Address: netip.AddrFrom4([4]byte{10, 200, byte(10 + i), 2}), Port: 8080},

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
 
 // config is the daemon's view of its configuration file: the
@@ -48,6 +49,13 @@ const (
 	// MinAPIMaxBodyBytes and MaxAPIMaxBodyBytes bound api.max_body_bytes.
 	MinAPIMaxBodyBytes = 1 << 10
 	MaxAPIMaxBodyBytes = 64 << 20
+	// MinAPIMaxSnapshotBytes and MaxAPIMaxSnapshotBytes bound
+	// api.max_snapshot_bytes; MinAPIMaxDeltaBytes and MaxAPIMaxDeltaBytes
+	// api.max_delta_bytes.
+	MinAPIMaxSnapshotBytes = 1 << 20
+	MaxAPIMaxSnapshotBytes = 16 << 30
+	MinAPIMaxDeltaBytes    = 64 << 10
+	MaxAPIMaxDeltaBytes    = 1 << 30
 	// MinAPIBodyTimeout and MaxAPIBodyTimeout bound api.body_timeout.
 	MinAPIBodyTimeout = time.Second
 	MaxAPIBodyTimeout = 10 * time.Minute
@@ -93,6 +101,18 @@ type APIConfig struct {
 	// Default DefaultAPIMaxBodyBytes (1 MiB), range
 	// MinAPIMaxBodyBytes..MaxAPIMaxBodyBytes.
 	MaxBodyBytes int64 `toml:"max_body_bytes"`
+	// MaxSnapshotBytes bounds the snapshot a standby imports (POST
+	// …/{name}/conntrack/import, streamed; api.Options.MaxSnapshotBytes):
+	// 128 bytes a flow and a little more. Default api.DefaultMaxSnapshotBytes
+	// (256 MiB, about 2M flows), range
+	// MinAPIMaxSnapshotBytes..MaxAPIMaxSnapshotBytes. The whole snapshot
+	// must arrive within body_timeout.
+	MaxSnapshotBytes int64 `toml:"max_snapshot_bytes"`
+	// MaxDeltaBytes bounds the JSON delta a standby imports (POST
+	// …/{name}/conntrack/delta/import; api.Options.MaxDeltaBytes). Default
+	// api.DefaultMaxDeltaBytes (64 MiB), range
+	// MinAPIMaxDeltaBytes..MaxAPIMaxDeltaBytes.
+	MaxDeltaBytes int64 `toml:"max_delta_bytes"`
 	// BodyTimeout bounds the time an authenticated request may take to
 	// deliver its body, from the end of its headers
 	// (api.Options.BodyTimeout); a body that has not arrived by then gets
@@ -109,10 +129,12 @@ type APIConfig struct {
 // defaultAPIConfig returns the api table with every default applied.
 func defaultAPIConfig() APIConfig {
 	return APIConfig{
-		Listen:         DefaultAPIListen,
-		MaxBodyBytes:   DefaultAPIMaxBodyBytes,
-		BodyTimeout:    fluxvm.Duration{Duration: DefaultAPIBodyTimeout},
-		MaxConnections: DefaultAPIMaxConnections,
+		Listen:           DefaultAPIListen,
+		MaxBodyBytes:     DefaultAPIMaxBodyBytes,
+		MaxSnapshotBytes: api.DefaultMaxSnapshotBytes,
+		MaxDeltaBytes:    api.DefaultMaxDeltaBytes,
+		BodyTimeout:      fluxvm.Duration{Duration: DefaultAPIBodyTimeout},
+		MaxConnections:   DefaultAPIMaxConnections,
 	}
 }
 
@@ -173,7 +195,8 @@ func (c *config) validate() error {
 //     needs TLS (tls_cert_file and tls_key_file) or
 //     allow_insecure_non_loopback;
 //   - tls_cert_file and tls_key_file both or neither; file paths absolute;
-//   - max_body_bytes 1 KiB..64 MiB; body_timeout 1s..10m;
+//   - max_body_bytes 1 KiB..64 MiB; max_snapshot_bytes 1 MiB..16 GiB;
+//     max_delta_bytes 64 KiB..1 GiB; body_timeout 1s..10m;
 //     max_connections 4..65536.
 //
 // It reads no files: run and check-config read the token files.
@@ -211,6 +234,12 @@ func (a *APIConfig) validate(bad func(category error, k, format string, args ...
 		if p.v != "" && !filepath.IsAbs(p.v) {
 			bad(fluxvm.ErrInvalid, p.k, "%q is not an absolute path", p.v)
 		}
+	}
+	if a.MaxSnapshotBytes < MinAPIMaxSnapshotBytes || a.MaxSnapshotBytes > MaxAPIMaxSnapshotBytes {
+		bad(fluxvm.ErrInvalid, "api.max_snapshot_bytes", "%d is outside %d..%d", a.MaxSnapshotBytes, MinAPIMaxSnapshotBytes, MaxAPIMaxSnapshotBytes)
+	}
+	if a.MaxDeltaBytes < MinAPIMaxDeltaBytes || a.MaxDeltaBytes > MaxAPIMaxDeltaBytes {
+		bad(fluxvm.ErrInvalid, "api.max_delta_bytes", "%d is outside %d..%d", a.MaxDeltaBytes, MinAPIMaxDeltaBytes, MaxAPIMaxDeltaBytes)
 	}
 	if a.MaxBodyBytes < MinAPIMaxBodyBytes || a.MaxBodyBytes > MaxAPIMaxBodyBytes {
 		bad(fluxvm.ErrInvalid, "api.max_body_bytes", "%d is outside %d..%d", a.MaxBodyBytes, MinAPIMaxBodyBytes, MaxAPIMaxBodyBytes)

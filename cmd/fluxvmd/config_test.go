@@ -27,7 +27,8 @@ func TestDefaultAPIConfig(t *testing.T) {
 	if !reflect.DeepEqual(c.Config, fluxvm.DefaultConfig()) {
 		t.Errorf("library keys %+v, want fluxvm.DefaultConfig", c.Config)
 	}
-	want := APIConfig{Listen: "127.0.0.1:7788", MaxBodyBytes: 1 << 20, BodyTimeout: fluxvm.Duration{Duration: 30 * time.Second}, MaxConnections: 256}
+	want := APIConfig{Listen: "127.0.0.1:7788", MaxBodyBytes: 1 << 20, MaxSnapshotBytes: 256 << 20, MaxDeltaBytes: 64 << 20,
+		BodyTimeout: fluxvm.Duration{Duration: 30 * time.Second}, MaxConnections: 256}
 	if c.API != want {
 		t.Errorf("api defaults %+v, want %+v", c.API, want)
 	}
@@ -60,6 +61,8 @@ tls_cert_file = "/etc/fluxvm/tls.crt"
 tls_key_file = "/etc/fluxvm/tls.key"
 allow_insecure_non_loopback = true
 max_body_bytes = 2097152
+max_snapshot_bytes = 1073741824
+max_delta_bytes = 1048576
 body_timeout = "5s"
 max_connections = 64
 `
@@ -81,6 +84,8 @@ max_connections = 64
 		TLSKeyFile:               "/etc/fluxvm/tls.key",
 		AllowInsecureNonLoopback: true,
 		MaxBodyBytes:             2 << 20,
+		MaxSnapshotBytes:         1 << 30,
+		MaxDeltaBytes:            1 << 20,
 		BodyTimeout:              fluxvm.Duration{Duration: 5 * time.Second},
 		MaxConnections:           64,
 	}

@@ -346,7 +346,7 @@ func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
 	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
-		MaxBodyBytes: a.MaxBodyBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp, IPCacheSource: ipc})
+		MaxBodyBytes: a.MaxBodyBytes, MaxSnapshotBytes: a.MaxSnapshotBytes, MaxDeltaBytes: a.MaxDeltaBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp, IPCacheSource: ipc})
 	if err != nil {
 		return nil, err
 	}

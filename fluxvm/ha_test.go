@@ -23,7 +23,7 @@ import (
 // import set, once; leases fence what is stale, and survive a restart.
 func TestExportImportFlows(t *testing.T) {
 	e := newNSEnv(t)
-	e.opts.HA = HAOptions{Epoch: 3, Interval: 50 * time.Millisecond}
+	e.opts.HA = HAOptions{Epoch: 3, Interval: MinHAInterval}
 	d := e.open(t)
 	ctx := context.Background()
 	svc := e.service(1, 1, 1)

@@ -169,6 +169,12 @@ type Entry struct {
 	// ProxyIfindex is, for a flow of Kind L7, the interface toward the
 	// proxy the flow is handed to; 0 for every other kind.
 	ProxyIfindex uint32
+	// HAUntil is, for a flow of another kind while HA replication is on,
+	// the time (datapath clock, whole seconds) until which a standby holds
+	// the flow once its last queued record is applied: the datapath
+	// queues a refresh only when the deadline passes it (package ha). 0:
+	// none queued yet.
+	HAUntil time.Duration
 	// Audited marks a flow its service's identity policy denied and
 	// audit_only let through (bpf.CTFlagAudited).
 	Audited bool
@@ -221,9 +227,10 @@ type Config struct {
 	Timeouts Timeouts
 	// Removed, when set, is told of every flow GC removed (expired,
 	// drained or of a backend gone) once its entry is deleted, with its
-	// datapath service id: what a replication journal turns into deletes
-	// for a standby. It runs on GC's goroutine and must not block.
-	Removed func(k Key, serviceID uint32)
+	// datapath service id and kind: what a replication journal turns into
+	// deletes for a standby. It runs on GC's goroutine and must not block
+	// for long.
+	Removed func(k Key, serviceID uint32, kind Kind)
 }
 
 // Map is the typed view of the conntrack maps fluxvm_fct4/6 and their
@@ -235,7 +242,7 @@ type Map struct {
 	mode               mapscan.Mode
 	chunk              int
 	gcMu               sync.Mutex
-	removed            func(Key, uint32)
+	removed            func(Key, uint32, Kind)
 }
 
 // NAT returns the reverse-NAT table the Map pairs its flows with
@@ -608,6 +615,9 @@ func entry(k Key, v *bpf.CTValue) Entry {
 		// Only here: in an entry of any other kind the field is the
 		// datapath's HA bookkeeping (bpf/lib/ha.h), no interface.
 		e.ProxyIfindex = v.L7Ifindex
+	}
+	if e.Kind != L7 {
+		e.HAUntil = time.Duration(v.L7Ifindex) * time.Second
 	}
 	e.Audited = v.Flags&bpf.CTFlagAudited != 0
 	return e

@@ -328,8 +328,9 @@ func eachChunk[K any](g *gcRun, s *mapscan.Scanner[K, bpf.CTValue], fam Family, 
 
 // removedFlow names a flow GC removes, for Config.Removed.
 type removedFlow struct {
-	key Key
-	sid uint32
+	key  Key
+	sid  uint32
+	kind Kind
 }
 
 // sweep is pass 1 over one conntrack map: remove dead flows, both halves.
@@ -358,7 +359,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			why = append(why, r)
 			k := decode(&s.Keys[i])
 			if g.m.removed != nil {
-				flows = append(flows, removedFlow{k, v.ServiceId})
+				flows = append(flows, removedFlow{k, v.ServiceId, kindOf(v)})
 			}
 			g.removed[maphash.Comparable(g.seed, k)] = struct{}{}
 			if !owns(&b, v.ServiceId) {
@@ -393,7 +394,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 		}
 		for i, r := range why {
 			if r != keep && g.m.removed != nil {
-				g.m.removed(flows[i].key, flows[i].sid)
+				g.m.removed(flows[i].key, flows[i].sid, flows[i].kind)
 			}
 			switch r {
 			case expired:

@@ -89,7 +89,7 @@ func load(sz sizes, to Timeouts) (*dataplane, error) {
 	d := &dataplane{o: o}
 	if d.nat, err = nat.New(o.Maps.FluxvmNat4, o.Maps.FluxvmNat6); err == nil {
 		d.ct, err = New(Config{CT4: o.Maps.FluxvmFct4, CT6: o.Maps.FluxvmFct6, Backends: o.Maps.FluxvmBackends, NAT: d.nat, Timeouts: to,
-			Removed: func(k Key, sid uint32) { d.removed = append(d.removed, k) }})
+			Removed: func(k Key, sid uint32, kind Kind) { d.removed = append(d.removed, k) }})
 	}
 	if err == nil && to != (Timeouts{}) {
 		var m bpf.Meta

@@ -62,6 +62,11 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	if err != nil {
 		return ha.ExportResult{}, err
 	}
+	ctx, done, err := d.haBegin(ctx, "export flows of "+service)
+	if err != nil {
+		return ha.ExportResult{}, err
+	}
+	defer done()
 	v, err := d.haView("export flows of", service)
 	if err != nil {
 		return ha.ExportResult{}, err
@@ -99,12 +104,17 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if err != nil {
 		return ha.ImportResult{}, err
 	}
+	ctx, done, err := d.haBegin(ctx, "import flows of "+service)
+	if err != nil {
+		return ha.ImportResult{}, err
+	}
+	defer done()
 	t, err := d.haTarget("import flows of", service, prune)
 	if err != nil {
 		return ha.ImportResult{}, err
 	}
-	h.targetMu.Lock()
-	defer h.targetMu.Unlock()
+	ctx, end := h.beginImport(ctx)
+	defer end()
 	t.Accept = func(hd ha.Header) error {
 		h.mu.Lock()
 		floor := h.floor(service)
@@ -121,10 +131,14 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if res.Header.Journal != "" {
 		h.mu.Lock()
 		c := h.cursors[service]
-		if err := c.Reset(res.Header.Journal, res.Header.Seq, res.Header.Epoch); err == nil {
-			h.cursors[service] = c
-		}
+		err := c.Reset(res.Header.Journal, res.Header.Seq, res.Header.Epoch)
 		h.mu.Unlock()
+		if err == nil {
+			err = d.setCursor(service, c)
+		}
+		if err != nil {
+			return res, fmt.Errorf("fluxvm: import flows of %s: applied, but the cursor stays: %w", service, err)
+		}
 	}
 	return res, nil
 }

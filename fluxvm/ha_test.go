@@ -28,6 +28,7 @@ func TestExportImportFlows(t *testing.T) {
 	ctx := context.Background()
 	svc := e.service(1, 1, 1)
 	svc.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
+	svc.Exposure = ExposureBoth
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
@@ -47,6 +48,9 @@ func TestExportImportFlows(t *testing.T) {
 	if elsewhere == 0 {
 		t.Fatal("every connection is on the first VM: the test proves nothing")
 	}
+	// The last ACKs settle, so that no packet re-creates a flow the test
+	// deletes below.
+	time.Sleep(300 * time.Millisecond)
 	var snap bytes.Buffer
 	exp, err := d.ExportFlows(ctx, "web", &snap)
 	if err != nil || exp.Flows < uint64(len(conns)) {
@@ -71,7 +75,7 @@ func TestExportImportFlows(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := d.ApplyService(ctx, func() Service { s := e.service(1, 0, 0); s.Ports = svc.Ports; return s }()); err != nil {
+	if _, err := d.ApplyService(ctx, func() Service { s := e.service(1, 0, 0); s.Ports, s.Exposure = svc.Ports, svc.Exposure; return s }()); err != nil {
 		t.Fatal(err)
 	}
 
@@ -101,9 +105,17 @@ func TestExportImportFlows(t *testing.T) {
 		}
 	}
 
-	// Flows learned after the checkpoint are the next delta.
+	// North-south flows learned after the checkpoint are the next delta
+	// (the queue carries the kinds a standby edge holds).
+	var late []*lab.Conn
 	for range 3 {
-		echo(t, e.dial(t, vip4), "late")
+		c, err := e.lab.External.DialTCP(netip.AddrPortFrom(vip4, 80), 3*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		echo(t, c, "late")
+		late = append(late, c)
 	}
 	var delta ha.Delta
 	deadline := time.Now().Add(5 * time.Second)
@@ -138,12 +150,78 @@ func TestExportImportFlows(t *testing.T) {
 		t.Errorf("ack past the journal: %v, want ErrCursorAhead", err)
 	}
 
+	// GC's removals are journaled: the late flows' backend goes away.
+	s1 := e.service(0, 1, 1)
+	s1.Ports, s1.Exposure, s1.Backends = svc.Ports, svc.Exposure, nil
+	for _, b := range e.service(0, 1, 1).Backends {
+		if b.Address != e.backends[0].Addr4 && b.Address != e.backends[0].Addr6 {
+			s1.Backends = append(s1.Backends, b)
+		}
+	}
+	if _, err := d.ApplyService(ctx, s1); err != nil {
+		t.Fatal(err)
+	}
+	gcDeletes := d.HAStatus().GCDeletes
+	if r, err := d.GC(ctx); err != nil || r.BackendGone < len(late) {
+		t.Fatalf("GC after the backend went: %+v, %v", r, err)
+	}
+	if n := d.HAStatus().GCDeletes - gcDeletes; n != uint64(len(late)) {
+		t.Errorf("GC journaled %d deletes, want the %d north-south flows of the backend gone", n, len(late))
+	}
+	deleted := 0
+	for deadline := time.Now().Add(5 * time.Second); deleted < len(late) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		dd, err := d.FlowDelta("web", delta.Journal, delta.To, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		deleted = 0
+		for _, b := range dd.Batches {
+			for _, op := range b.Ops {
+				if op.Kind == ha.OpDelete {
+					deleted++
+				}
+			}
+		}
+	}
+	if deleted != len(late) {
+		t.Errorf("the journal carries %d deletes after the GC, want %d", deleted, len(late))
+	}
+
+	// A lease that advances under an import of the old active's snapshot
+	// cancels it: no snapshot-diff, no cursor.
+	pr, pw := io.Pipe()
+	cut := snap.Len() - 40 // the end record waits
+	go func() {
+		pw.Write(snap.Bytes()[:cut])
+		if _, err := d.UpdateLease(HALease{Epoch: 4}); err != nil {
+			t.Errorf("lease 4 under an import: %v", err)
+		}
+		pw.Write(snap.Bytes()[cut:])
+		pw.Close()
+	}()
+	if _, err := d.ImportFlows(ctx, "web", pr, true); !errors.Is(err, context.Canceled) {
+		t.Errorf("import under a lease that advanced: %v, want it cancelled", err)
+	}
+	if st := d.HAStatus(); st.Epoch != 4 || len(st.Cursors) != 0 {
+		t.Errorf("after the cancelled import: epoch %d, cursors %+v", st.Epoch, st.Cursors)
+	}
+
 	// A newer lease: the edge's own epoch is the floor of what it takes.
 	if st, err := d.UpdateLease(HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
 		t.Fatalf("lease 5: %+v, %v", st, err)
 	}
 	if _, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("snapshot of epoch 3 at lease 5: %v, want ErrStaleEpoch", err)
+	}
+	// A delta of the old active (epoch 3), still up and partitioned, is
+	// refused as well; the takeover forgot the edge's cursors.
+	if st := d.HAStatus(); len(st.Cursors) != 0 {
+		t.Errorf("cursors after the lease advanced: %+v", st.Cursors)
+	}
+	old := ha.Delta{Service: "web", Journal: delta.Journal, Epoch: 3, From: delta.To, To: delta.To + 1,
+		Batches: []ha.Batch{{Seq: delta.To + 1, Epoch: 3, Ops: []ha.Op{{Kind: ha.OpDelete, Key: conntrack.Key{Client: netip.MustParseAddrPort("10.250.0.2:1000"), VIP: netip.AddrPortFrom(vip4, 80), Proto: 6}}}}}}
+	if _, err := d.ImportFlowDelta(ctx, "web", old); !errors.Is(err, ha.ErrStaleEpoch) {
+		t.Errorf("delta of epoch 3 at lease 5: %v, want ErrStaleEpoch", err)
 	}
 	// Superseded: nothing is served.
 	if st, err := d.UpdateLease(HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {

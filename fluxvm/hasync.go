@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"sync"
 	"time"
@@ -103,11 +104,22 @@ type haSync struct {
 	sids      map[uint32]string // datapath service id -> service
 	cursors   map[string]ha.Cursor
 	gcDeletes uint64
+	// syncGen counts syncHA calls; unknown remembers, per datapath id no
+	// service had, the syncGen of that miss, so that a record of a
+	// removed service waits for no change in progress twice.
+	syncGen    uint64
+	unknown    map[uint32]uint64
+	unresolved uint64 // records of no service, dropped
+	// importCancel cancels the import under way (targetMu held by it):
+	// a lease that advances stops it.
+	importCancel context.CancelFunc
 
 	// targetMu serializes what this edge applies from its peer
 	// (ImportFlows, ImportFlowDelta), so that a cursor moves only past
-	// what was applied.
+	// what was applied; leaseMu serializes UpdateLease. Each is taken
+	// before mu.
 	targetMu sync.Mutex
+	leaseMu  sync.Mutex
 
 	drainer *ha.Drainer
 	cancel  context.CancelFunc
@@ -136,7 +148,7 @@ func newHASync(o Options) (*haSync, error) {
 		return nil, verr(ErrInvalid, "HA.MaxOps", "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
 	}
 	h := &haSync{interval: o.HA.Interval, jopts: ha.JournalOptions{MaxOps: o.HA.MaxOps}, epoch: o.HA.Epoch,
-		journals: map[string]*ha.Journal{}, sids: map[uint32]string{}, cursors: map[string]ha.Cursor{}}
+		journals: map[string]*ha.Journal{}, sids: map[uint32]string{}, cursors: map[string]ha.Cursor{}, unknown: map[uint32]uint64{}}
 	if h.interval == 0 {
 		h.interval = DefaultHAInterval
 	}
@@ -161,13 +173,19 @@ func newHASync(o Options) (*haSync, error) {
 	return h, nil
 }
 
-// saveLease keeps the lease next to the catalog. h.mu held.
-func (h *haSync) saveLease() error {
+// saveLease keeps a lease next to the catalog. A failure to sync the
+// directory after the rename is only logged: the new file is in place.
+func (h *haSync) saveLease(lf leaseFile, log *slog.Logger) error {
 	if h.leasePath == "" {
 		return nil
 	}
-	data, _ := json.Marshal(leaseFile{Epoch: h.epoch, SupersededBy: h.fencedBy})
-	return atomicfile.Write(h.leasePath, data, 0o600)
+	data, _ := json.Marshal(lf)
+	err := atomicfile.Write(h.leasePath, data, 0o600)
+	if dse := (*atomicfile.DirSyncError)(nil); errors.As(err, &dse) {
+		log.Warn("fluxvm: HA lease written, but its directory was not synced: a power loss may bring back the previous lease", "err", err)
+		return nil
+	}
+	return err
 }
 
 // journal returns service's journal, created under the current lease.
@@ -187,22 +205,56 @@ func (h *haSync) journal(service string) (*ha.Journal, error) {
 	return j, nil
 }
 
-// journalOf is the journal of datapath service sid, for the drainer and
-// GC; nil for an id no service has (a record of a service removed
-// meanwhile: dropped with it).
-func (h *haSync) journalOf(sid uint32) *ha.Journal {
-	h.mu.Lock()
-	defer h.mu.Unlock()
+// lookup is the journal of datapath service sid; known false when no
+// service has the id as of the last syncHA. h.mu held.
+func (h *haSync) lookup(sid uint32) (j *ha.Journal, known bool) {
 	name, ok := h.sids[sid]
 	if !ok {
-		return nil
+		return nil, false
 	}
 	j, err := h.journal(name)
 	if err != nil {
+		return nil, true
+	}
+	return j, true
+}
+
+// haJournalOf is the journal of datapath service sid, for the drainer
+// and GC; nil for an id no service has (a record of a service removed
+// meanwhile: dropped with it, counted). A frontend goes live in the
+// datapath before its apply ends and syncHA names its service, so an
+// unknown id first waits for the change in progress (d.mu), once per
+// syncHA.
+func (d *Dataplane) haJournalOf(sid uint32) *ha.Journal {
+	h := d.ha
+	h.mu.Lock()
+	j, known := h.lookup(sid)
+	if known {
+		h.mu.Unlock()
+		return j
+	}
+	if gen, seen := h.unknown[sid]; seen && gen == h.syncGen {
+		h.unresolved++
+		h.mu.Unlock()
 		return nil
+	}
+	h.mu.Unlock()
+	d.mu.Lock() // the apply in progress ends, with its syncHA
+	d.mu.Unlock()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if j, known = h.lookup(sid); !known {
+		if len(h.unknown) >= maxUnknownSIDs {
+			clear(h.unknown)
+		}
+		h.unknown[sid] = h.syncGen
+		h.unresolved++
 	}
 	return j
 }
+
+// maxUnknownSIDs bounds the negative cache of haJournalOf.
+const maxUnknownSIDs = 4096
 
 // syncHA gives the replication state the services' datapath ids after a
 // change, and drops the journals of services gone. d.mu held.
@@ -222,6 +274,8 @@ func (d *Dataplane) syncHA() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.sids = sids
+	h.syncGen++
+	clear(h.unknown)
 	for name := range h.journals {
 		if d.services[name] == nil {
 			delete(h.journals, name)
@@ -234,13 +288,14 @@ func (d *Dataplane) syncHA() {
 	}
 }
 
-// haRemoved journals a flow GC removed (conntrack.Config.Removed).
-func (d *Dataplane) haRemoved(k conntrack.Key, sid uint32) {
+// haRemoved journals a flow GC removed (conntrack.Config.Removed): the
+// north-south kinds, which are what a standby edge holds.
+func (d *Dataplane) haRemoved(k conntrack.Key, sid uint32, kind conntrack.Kind) {
 	h := d.ha
-	if h == nil {
+	if h == nil || (kind != conntrack.SNAT && kind != conntrack.DSR) {
 		return
 	}
-	if j := h.journalOf(sid); j != nil && j.Record(ha.Op{Kind: ha.OpDelete, Key: k}) == nil {
+	if j := d.haJournalOf(sid); j != nil && j.Record(ha.Op{Kind: ha.OpDelete, Key: k}) == nil {
 		h.mu.Lock()
 		h.gcDeletes++
 		h.mu.Unlock()
@@ -254,7 +309,7 @@ func (d *Dataplane) startHA() error {
 		return nil
 	}
 	m := d.dp.Maps()
-	dr, err := ha.NewDrainer(ha.DrainerConfig{Queue: m.FluxvmHaq, Drops: m.FluxvmHadrop, Journal: h.journalOf})
+	dr, err := ha.NewDrainer(ha.DrainerConfig{Queue: m.FluxvmHaq, Drops: m.FluxvmHadrop, Journal: d.haJournalOf})
 	if err != nil {
 		return err
 	}
@@ -397,12 +452,17 @@ func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta h
 	if err != nil {
 		return HADeltaResult{}, err
 	}
+	ctx, done, err := d.haBegin(ctx, "import flow delta of "+service)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	defer done()
 	t, err := d.haTarget("import flow delta of", service, false)
 	if err != nil {
 		return HADeltaResult{}, err
 	}
-	h.targetMu.Lock()
-	defer h.targetMu.Unlock()
+	ctx, end := h.beginImport(ctx)
+	defer end()
 	h.mu.Lock()
 	c := h.cursors[service]
 	check := c
@@ -416,16 +476,73 @@ func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta h
 		return HADeltaResult{Cursor: c, Applied: res}, fmt.Errorf("fluxvm: import flow delta of %s: %w", service, err)
 	}
 	c.Advance(delta)
-	h.mu.Lock()
-	h.cursors[service] = c
-	h.mu.Unlock()
+	if err := d.setCursor(service, c); err != nil {
+		return HADeltaResult{Cursor: c, Applied: res}, fmt.Errorf("fluxvm: import flow delta of %s: %w", service, err)
+	}
 	return HADeltaResult{Cursor: c, Applied: res}, nil
+}
+
+// beginImport takes targetMu for an import and makes ctx cancellable by
+// a lease that advances (UpdateLease): the edge is then the active, and
+// what its old active sends is stale. end releases both.
+func (h *haSync) beginImport(ctx context.Context) (context.Context, func()) {
+	h.targetMu.Lock()
+	ctx, cancel := context.WithCancel(ctx)
+	h.mu.Lock()
+	h.importCancel = cancel
+	h.mu.Unlock()
+	return ctx, func() {
+		h.mu.Lock()
+		h.importCancel = nil
+		h.mu.Unlock()
+		cancel()
+		h.targetMu.Unlock()
+	}
+}
+
+// setCursor stores service's cursor after an import, unless the service
+// went away meanwhile (its cursor must not outlive it: a service applied
+// again under the name starts from a snapshot) or the edge's lease
+// advanced past the data's epoch meanwhile.
+func (d *Dataplane) setCursor(service string, c ha.Cursor) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.services[service] == nil {
+		return fmt.Errorf("the service was deleted meanwhile: %w", ErrNotFound)
+	}
+	h := d.ha
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if c.Epoch < h.epoch {
+		return fmt.Errorf("data of epoch %d, the edge's lease advanced to %d meanwhile: %w", c.Epoch, h.epoch, ha.ErrStaleEpoch)
+	}
+	h.cursors[service] = c
+	return nil
+}
+
+// haBegin counts an HA stream (export, import) as work under way, which
+// Close waits for, and ties ctx to Close, which cancels it.
+func (d *Dataplane) haBegin(ctx context.Context, what string) (context.Context, func(), error) {
+	d.mu.Lock()
+	if err := d.checkOpen(what); err != nil {
+		d.mu.Unlock()
+		return nil, nil, err
+	}
+	d.inflight.Add(1)
+	d.mu.Unlock()
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(d.gcCtx, cancel)
+	return ctx, func() { stop(); cancel(); d.inflight.Done() }, nil
 }
 
 // UpdateLease records what the control plane says about leases (see
 // HALease) and keeps it next to the catalog, so that a restart does not
 // go back to an older ha_epoch. Nothing changes when the update is
-// refused.
+// refused. A lease that advances cancels an import from the peer under
+// way (it is the edge's old active's: it stops at its next chunk or
+// batch, before a snapshot-diff's deletes, and moves no cursor) and
+// forgets the edge's cursors: as the active, it applies nobody's
+// journal, and should it be a standby again it resyncs from a snapshot.
 func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	h, err := d.haOn("update lease")
 	if err != nil {
@@ -434,13 +551,15 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	if l.Epoch == 0 && l.SupersededBy == 0 {
 		return HAStatus{}, verr(ErrInvalid, "lease", "neither an epoch nor a superseding epoch")
 	}
+	h.leaseMu.Lock()
+	defer h.leaseMu.Unlock()
 	h.mu.Lock()
-	if l.Epoch != 0 && l.Epoch < h.epoch {
-		e := h.epoch
+	prevEpoch, prevFenced := h.epoch, h.fencedBy
+	if l.Epoch != 0 && l.Epoch < prevEpoch {
 		h.mu.Unlock()
-		return HAStatus{}, fmt.Errorf("fluxvm: update lease: epoch %d, this edge holds %d: %w", l.Epoch, e, ha.ErrStaleEpoch)
+		return HAStatus{}, fmt.Errorf("fluxvm: update lease: epoch %d, this edge holds %d: %w", l.Epoch, prevEpoch, ha.ErrStaleEpoch)
 	}
-	epoch, fenced := h.epoch, h.fencedBy
+	epoch, fenced := prevEpoch, prevFenced
 	if l.Epoch != 0 {
 		epoch = l.Epoch
 		if epoch > fenced {
@@ -450,12 +569,21 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	if l.SupersededBy > epoch {
 		fenced = max(fenced, l.SupersededBy)
 	}
-	prevEpoch, prevFenced := h.epoch, h.fencedBy
-	h.epoch, h.fencedBy = epoch, fenced
-	if err := h.saveLease(); err != nil {
-		h.epoch, h.fencedBy = prevEpoch, prevFenced
-		h.mu.Unlock()
+	advanced := epoch > prevEpoch
+	if advanced && h.importCancel != nil {
+		h.importCancel()
+	}
+	h.mu.Unlock()
+	if epoch == prevEpoch && fenced == prevFenced {
+		return d.HAStatus(), nil
+	}
+	if err := h.saveLease(leaseFile{Epoch: epoch, SupersededBy: fenced}, d.log); err != nil {
 		return HAStatus{}, fmt.Errorf("fluxvm: update lease: %w", err)
+	}
+	h.mu.Lock()
+	h.epoch, h.fencedBy = epoch, fenced
+	if advanced {
+		clear(h.cursors)
 	}
 	for name, j := range h.journals {
 		// Fence first: Renew past the fencing epoch then starts a new
@@ -469,9 +597,7 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 		}
 	}
 	h.mu.Unlock()
-	if epoch != prevEpoch || fenced != prevFenced {
-		d.log.Info("fluxvm: HA lease updated", "epoch", epoch, "previous_epoch", prevEpoch, "superseded_by", fenced)
-	}
+	d.log.Info("fluxvm: HA lease updated", "epoch", epoch, "previous_epoch", prevEpoch, "superseded_by", fenced)
 	return d.HAStatus(), nil
 }
 
@@ -488,6 +614,7 @@ func (d *Dataplane) HAStatus() HAStatus {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	st.Epoch, st.SupersededBy, st.GCDeletes = h.epoch, h.fencedBy, h.gcDeletes
+	st.Queue.Skipped += h.unresolved // records of flows no service has
 	if len(h.journals) > 0 {
 		st.Journals = make(map[string]ha.JournalStats, len(h.journals))
 		for name, j := range h.journals {

@@ -475,7 +475,10 @@ func (c *Cursor) Check(d Delta) error {
 	if d.ResetRequired {
 		return fmt.Errorf("ha: cursor %s/%d: journal %s: %w", c.Journal, c.Seq, d.Journal, ErrResetRequired)
 	}
-	if d.Journal == "" || (c.Journal != "" && d.Journal != c.Journal) {
+	// A cursor of no journal holds no state a delta could continue: the
+	// flows older than any journal are in no batch, so the target loads a
+	// snapshot first (Reset), whatever seq the delta starts at.
+	if d.Journal == "" || c.Journal == "" || d.Journal != c.Journal {
 		return fmt.Errorf("ha: cursor %s/%d: delta of journal %q: %w", c.Journal, c.Seq, d.Journal, ErrResetRequired)
 	}
 	if d.From != c.Seq {

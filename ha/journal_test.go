@@ -500,7 +500,7 @@ func TestRenewSealsUnderOldEpoch(t *testing.T) {
 	if len(d.Batches) != 2 || d.Batches[0].Epoch != 1 || d.Batches[1].Epoch != 2 || d.Epoch != 2 {
 		t.Fatalf("epochs: %+v", d)
 	}
-	c := Cursor{}
+	c := Cursor{Journal: j.ID()} // as Reset to the journal's start
 	if err := c.Check(d); err != nil {
 		t.Fatalf("Check: %v", err)
 	}
@@ -521,7 +521,8 @@ func TestCursorCheck(t *testing.T) {
 	}{
 		{"happy", cur, Delta{Journal: "j1", Epoch: 3, From: 5, To: 7, Batches: []Batch{b(6, 2), b(7, 3)}}, nil},
 		{"nothing new", cur, Delta{Journal: "j1", Epoch: 2, From: 5, To: 5}, nil},
-		{"fresh cursor", Cursor{}, Delta{Journal: "j1", Epoch: 1, From: 0, To: 1, Batches: []Batch{b(1, 1)}}, nil},
+		// A target with no state loads a snapshot first, whatever the delta.
+		{"fresh cursor", Cursor{}, Delta{Journal: "j1", Epoch: 1, From: 0, To: 1, Batches: []Batch{b(1, 1)}}, ErrResetRequired},
 		{"stale delta epoch", cur, Delta{Journal: "j1", Epoch: 1, From: 5, To: 6, Batches: []Batch{b(6, 1)}}, ErrStaleEpoch},
 		// A page of history recorded under an older lease than one the
 		// cursor saw on an earlier page (the journal was renewed between):
@@ -531,7 +532,7 @@ func TestCursorCheck(t *testing.T) {
 		{"batch newer than delta", cur, Delta{Journal: "j1", Epoch: 2, From: 5, To: 6, Batches: []Batch{b(6, 3)}}, ErrStaleEpoch},
 		{"stale beats reset", cur, Delta{Journal: "j1", Epoch: 1, From: 5, To: 5, ResetRequired: true}, ErrStaleEpoch},
 		{"no epoch", Cursor{}, Delta{Journal: "j1", From: 0, To: 0}, ErrNoEpoch},
-		{"batch without epoch", Cursor{}, Delta{Journal: "j1", Epoch: 1, From: 0, To: 1, Batches: []Batch{b(1, 0)}}, ErrNoEpoch},
+		{"batch without epoch", Cursor{Journal: "j1"}, Delta{Journal: "j1", Epoch: 1, From: 0, To: 1, Batches: []Batch{b(1, 0)}}, ErrNoEpoch},
 		{"reset required", cur, Delta{Journal: "j1", Epoch: 2, From: 5, To: 5, ResetRequired: true}, ErrResetRequired},
 		{"other journal", cur, Delta{Journal: "j2", Epoch: 2, From: 5, To: 6, Batches: []Batch{b(6, 2)}}, ErrResetRequired},
 		{"no journal", cur, Delta{Epoch: 2, From: 5, To: 5}, ErrResetRequired},

@@ -111,12 +111,34 @@ func (r *Replicator) service(ctx context.Context, svc string) (RoundResult, erro
 		return res, fmt.Errorf("standby cursor: %w", err)
 	}
 	res.Cursor = c
-	switch {
-	case c.Journal == "":
+	if c.Journal == "" {
 		return r.snapshot(ctx, svc, "no cursor", false, res)
-	case r.DiffEvery > 0 && time.Since(r.lastDiff[svc]) >= r.DiffEvery:
-		return r.snapshot(ctx, svc, "diff", true, res)
 	}
+	var diffErr error
+	if r.DiffEvery > 0 && time.Since(r.lastDiff[svc]) >= r.DiffEvery {
+		dres, err := r.snapshot(ctx, svc, "diff", true, res)
+		if err == nil {
+			return dres, nil
+		}
+		// The deltas go on: a diff that fails (too big for the standby's
+		// limit, too slow) must not stop replication; it is retried at
+		// the next period, and its error reported with the round's.
+		r.lastDiff[svc] = time.Now()
+		diffErr = err
+		if errors.Is(err, ErrStaleEpoch) || errors.Is(err, ErrFenced) {
+			return res, err
+		}
+		if r.Log != nil {
+			r.Log.Warn("ha: replicator: snapshot-diff failed; deltas go on", "service", svc, "err", err)
+		}
+	}
+	res, err = r.deltas(ctx, svc, c, res)
+	return res, errors.Join(err, diffErr)
+}
+
+// deltas pulls, applies and acks the deltas after c, or loads a snapshot
+// when they cannot continue it.
+func (r *Replicator) deltas(ctx context.Context, svc string, c Cursor, res RoundResult) (RoundResult, error) {
 	maxOps, pages := r.MaxOps, r.MaxPages
 	if maxOps <= 0 {
 		maxOps = 4 * DefaultMaxBatchOps
@@ -156,6 +178,9 @@ func (r *Replicator) service(ctx context.Context, svc string) (RoundResult, erro
 	return res, nil
 }
 
+// errReaderGone ends an export whose standby stopped reading.
+var errReaderGone = errors.New("ha: replicator: the standby stopped reading")
+
 // snapshot streams a snapshot from the active into the standby, then
 // acks its checkpoint on the active.
 func (r *Replicator) snapshot(ctx context.Context, svc, reason string, diff bool, res RoundResult) (RoundResult, error) {
@@ -172,16 +197,16 @@ func (r *Replicator) snapshot(ctx context.Context, svc, reason string, diff bool
 	imp, err := r.Standby.Import(ctx, svc, pr, true)
 	// The import read the stream to its end, or failed: either way the
 	// export ends (a failed import closes the pipe under it).
-	pr.CloseWithError(errors.New("ha: replicator: the standby stopped reading"))
+	pr.CloseWithError(errReaderGone)
 	eerr := <-exported
-	if err != nil {
-		if eerr != nil && !errors.Is(err, ErrStaleEpoch) {
-			err = fmt.Errorf("%w (export: %v)", err, eerr)
-		}
+	switch {
+	case err != nil && (eerr == nil || errors.Is(eerr, errReaderGone) || errors.Is(err, ErrStaleEpoch)):
+		// The standby refused or failed on its own.
 		return res, fmt.Errorf("snapshot (%s): %w", reason, err)
-	}
-	if eerr != nil {
-		return res, fmt.Errorf("snapshot (%s): export: %w", reason, eerr)
+	case eerr != nil && !errors.Is(eerr, errReaderGone):
+		// The active failed (fenced, gone): the standby's error is only
+		// the cut stream's echo.
+		return res, fmt.Errorf("snapshot (%s): export: %w (import: %v)", reason, eerr, err)
 	}
 	res.Snapshot = &imp
 	res.Cursor = Cursor{Journal: imp.Header.Journal, Seq: imp.Header.Seq, Epoch: imp.Header.Epoch}

@@ -15,7 +15,8 @@ import (
 // fakeActive is an edge's flows (live) and the journal its datapath
 // feeds; Export writes a real snapshot stream.
 type fakeActive struct {
-	t     *testing.T
+	exportErr error // Export fails with it after the header
+	t         *testing.T
 	j     *Journal
 	live  map[conntrack.Key]Flow
 	acked uint64
@@ -44,6 +45,9 @@ func (a *fakeActive) Export(_ context.Context, svc string, w io.Writer) error {
 	sw, err := NewWriter(w, Header{Service: svc, Node: "a", Epoch: cp.Epoch, Journal: cp.Journal, Seq: cp.Seq})
 	if err != nil {
 		return err
+	}
+	if a.exportErr != nil {
+		return a.exportErr
 	}
 	for _, f := range a.live {
 		if err := sw.Write(&f); err != nil {
@@ -208,6 +212,24 @@ func TestReplicator(t *testing.T) {
 		t.Fatalf("diff round %+v: want a snapshot-diff pruning 1 flow", res)
 	}
 	same("after the diff")
+
+	// A diff that fails does not stop the deltas; the active's own error
+	// (fenced) is what the round reports, not the cut stream's.
+	a.exportErr = ErrFenced
+	a.learn(501, 5)
+	a.j.Seal()
+	rs, err := r.Round(ctx)
+	if !errors.Is(err, ErrFenced) || len(rs) != 1 || rs[0].Ops != 0 {
+		t.Fatalf("round with a fenced export: %+v, %v", rs, err)
+	}
+	a.exportErr = errors.New("snapshot too big for the standby")
+	r.DiffEvery = time.Nanosecond
+	rs, err = r.Round(ctx)
+	if err == nil || len(rs) != 1 || rs[0].Ops != 1 {
+		t.Fatalf("round with a failing diff: %+v, %v; want the delta applied and the diff's error", rs, err)
+	}
+	same("after a failed diff")
+	a.exportErr = nil
 	r.DiffEvery = 0
 
 	// Superseded: the standby took over under epoch 3; the old active's

@@ -109,7 +109,10 @@ func flowOf(e *conntrack.Entry, now time.Duration, src Source) (Flow, string) {
 	}
 	f := Flow{Client: e.Client, VIP: e.VIP, Proto: e.Proto, Backend: be, Kind: e.Kind, SNAT: e.SNAT, State: e.State,
 		ReverseDerived: e.ReverseDerived, Audited: e.Audited,
-		Age: max(now-e.Created, 0), Idle: max(now-e.LastSeen, 0), TTL: e.Deadline - now}
+		Age: max(now-e.Created, 0), Idle: max(now-e.LastSeen, 0), TTL: max(e.Deadline, e.HAUntil) - now}
+	// TTL: the datapath queues the flow's next refresh only once its
+	// deadline passes HAUntil, what its last record gave the standby;
+	// a snapshot must give as much, or the copy could expire first.
 	if e.HasNATHalf() {
 		// The half's own clock; a half the LRU evicted is the flow's
 		// (GC would recreate it so).
@@ -243,10 +246,15 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	for {
 		flows, err := sr.Next()
 		if err == io.EOF {
-			if t.Prune {
-				return res, prune(&t, seen, at, &res)
+			if !t.Prune {
+				return res, nil
 			}
-			return res, nil
+			// The prune deletes: not for a caller that gave up meanwhile
+			// (a lease that advanced under the import).
+			if err := ctx.Err(); err != nil {
+				return res, fmt.Errorf("ha: import into %s: before the snapshot-diff: %w", t.Service, err)
+			}
+			return res, prune(&t, seen, at, &res)
 		}
 		if err == nil {
 			err = ctx.Err()

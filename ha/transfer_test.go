@@ -315,3 +315,37 @@ func TestTransferKeepsFresher(t *testing.T) {
 		t.Errorf("export in the far future: %+v, %v; want the flow expired", exp, err)
 	}
 }
+
+// TestExportCarriesHold: while HA is on the datapath queues a flow's next
+// refresh only when its deadline passes the hold its last record gave
+// the standby (HAUntil), so a snapshot must give the standby as much: an
+// imported copy never expires before the active's entry could, short of
+// another record.
+func TestExportCarriesHold(t *testing.T) {
+	a, b := newNode(t, 1, 1), newNode(t, 40, 100)
+	a.haOn()
+	f := a.open(1, 40001) // north-south: SYN, then the ACK's transition
+	e, err := a.ct.Lookup(f.k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.HAUntil <= e.Deadline {
+		t.Fatalf("entry %+v: HAUntil %v not past the deadline %v after a transition's record", e.Key, e.HAUntil, e.Deadline)
+	}
+	var snap bytes.Buffer
+	if _, err := Export(context.Background(), &snap, Header{Service: "web", Epoch: 1}, a.source()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Import(context.Background(), &snap, b.target()); err != nil {
+		t.Fatal(err)
+	}
+	g, err := b.ct.Lookup(f.k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The clocks are the same machine's; a second of slack for the
+	// import's anchoring and HAUntil's rounding down.
+	if g.Deadline < e.HAUntil-time.Second {
+		t.Errorf("imported deadline %v, before the hold %v the active's last record gave", g.Deadline, e.HAUntil)
+	}
+}

@@ -30,8 +30,12 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 	"github.com/fluxvm/servicefabric/ha"
 )
+
+// maxBackoff bounds the wait after failing rounds.
+const maxBackoff = 30 * time.Second
 
 func main() {
 	if err := run(os.Args[1:]); err != nil && !errors.Is(err, context.Canceled) {
@@ -54,9 +58,9 @@ func run(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *active == "" || *standby == "" || *interval <= 0 || *diffEvery < 0 || *maxOps < 0 {
+	if *active == "" || *standby == "" || *interval <= 0 || *diffEvery < 0 || *maxOps < 0 || *maxOps > api.MaxDeltaOps {
 		fs.Usage()
-		return errors.New("-active and -standby are required; -interval must be positive, -diff-every and -max-ops not negative")
+		return fmt.Errorf("-active and -standby are required; -interval must be positive, -diff-every not negative, -max-ops within 0..%d", api.MaxDeltaOps)
 	}
 	token := os.Getenv("FLUXVM_ADMIN_TOKEN")
 	if *tokenFile != "" {
@@ -113,16 +117,21 @@ func run(args []string) error {
 	if *once {
 		return round()
 	}
-	t := time.NewTicker(*interval)
-	defer t.Stop()
+	// Failing rounds back off, up to maxBackoff: a refused lease
+	// (stale_epoch, fenced) or an edge that is down is for the control
+	// plane to fix, and every retry may stream a whole snapshot.
+	wait := *interval
 	for {
 		if err := round(); err != nil && ctx.Err() == nil {
-			log.Warn("fluxvm-replicator: round failed", "err", err)
+			wait = min(2*wait, max(maxBackoff, *interval))
+			log.Warn("fluxvm-replicator: round failed", "err", err, "retry_in", wait)
+		} else {
+			wait = *interval
 		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-t.C:
+		case <-time.After(wait):
 		}
 	}
 }

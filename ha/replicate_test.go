@@ -17,9 +17,9 @@ import (
 type fakeActive struct {
 	exportErr error // Export fails with it after the header
 	t         *testing.T
-	j     *Journal
-	live  map[conntrack.Key]Flow
-	acked uint64
+	j         *Journal
+	live      map[conntrack.Key]Flow
+	acked     uint64
 }
 
 func (a *fakeActive) learn(i, b int) {

@@ -92,7 +92,8 @@ const (
 	CounterL7Redirected = Counter(serviceFluxvmCounterFLUXVM_CNT_L7REDIRECTED)
 	CounterL7Bypass     = Counter(serviceFluxvmCounterFLUXVM_CNT_L7BYPASS)
 	// CounterHAEmitted counts records queued in fluxvm_haq (HA
-	// replication); CounterXDPPassHA new flows XDP left to TC while HA
+	// replication of north-south flows; east-west flows queue none);
+	// CounterXDPPassHA new flows XDP left to TC while HA
 	// replication is on (TC queues their records). Records the queue had
 	// no room for are in fluxvm_hadrop.
 	CounterHAEmitted = Counter(serviceFluxvmCounterFLUXVM_CNT_HA_EMITTED)

@@ -229,8 +229,9 @@ struct fluxvm_ct_value {
 	 *   - FLUXVM_CT_F_L7: the proxy interface the flow goes to (lib/l7.h);
 	 *   - any other kind: ha_until, the second (CLOCK_MONOTONIC, coarse)
 	 *     until which the HA standby holds the flow as last queued
-	 *     (lib/ha.h, FLUXVM_CT_HA_UNTIL); 0: never queued. Datapath-only:
-	 *     userspace reads the field of L7 entries alone.
+	 *     (lib/ha.h, FLUXVM_CT_HA_UNTIL); 0: never queued, and always 0
+	 *     in an east-west entry (HA replicates SNAT and DSR flows only).
+	 *     Datapath-only: userspace reads the field of L7 entries alone.
 	 * L7 entries are never replicated, so the two never meet.
 	 */
 	__u32 l7_ifindex;
@@ -452,16 +453,18 @@ struct fluxvm_meta_value {
 _Static_assert(sizeof(struct fluxvm_meta_value) == 48, "fluxvm_meta size");
 
 enum fluxvm_meta_flags {
-	/* HA replication is on: new flows, state transitions and due
-	 * refreshes emit fluxvm_haq records (lib/ha.h), and XDP leaves the
-	 * packets that would emit to TC, which emits them. */
+	/* HA replication is on: the new flows, state transitions and due
+	 * refreshes of north-south (SNAT, DSR) entries emit fluxvm_haq
+	 * records (lib/ha.h), and XDP leaves the packets that would emit to
+	 * TC, which emits them. East-west flows emit nothing. */
 	FLUXVM_META_F_HA = 1U << 0,
 };
 
 /*
  * HA mutation queue (fluxvm_haq, a ring buffer; lib/ha.h): one record per
- * conntrack write the standby must learn (a new flow, a re-pick, a
- * failover; a state transition; a due refresh of the deadline), the flow
+ * write of a north-south (SNAT or DSR) conntrack entry the standby must
+ * learn (a new flow, a re-pick, a failover; a state transition; a due
+ * refresh of the deadline; east-west entries are not queued), the flow
  * as the client sent it, its backend by address and the entry as
  * written. Userspace (package ha) drains it into the journal; a record
  * the ring had no room for is counted in fluxvm_hadrop and left to the

@@ -64,10 +64,13 @@ func (h *harness) haOn(on bool) {
 }
 
 // TestHAQueue: while HA replication is on, every conntrack entry a
-// forward path writes (east-west NAT, north-south SNAT, DSR; both
-// families) queues one record: the flow, its backend by address, the
-// entry exactly as written. A hit that changes nothing queues nothing; with HA off
-// nothing is queued; a full queue counts what it could not take.
+// north-south forward path writes (SNAT, DSR; both families) queues one
+// record: the flow, its backend by address, the entry exactly as
+// written. An east-west entry (NAT) queues nothing, takes no room in the
+// ring and keeps ha_until 0: a standby edge cannot use the node's own
+// VMs' flows. A hit that changes nothing queues nothing; with HA off
+// nothing is queued; a full queue counts what it could not take
+// (TestHAQueueFull).
 func TestHAQueue(t *testing.T) {
 	h := newHarness(t)
 	for _, mode := range policyModes() {
@@ -86,7 +89,7 @@ func TestHAQueue(t *testing.T) {
 					t.Fatalf("HA off: %d records", len(r))
 				}
 				h.haOn(true)
-				c0 := h.counters()[CounterHAEmitted]
+				c0, d0 := h.counters()[CounterHAEmitted], h.haDrops()
 				h.run(prog, v.fwd(42001, pkt.SYN))
 				ct, ok := h.ct(v.flow(42001)) // as written
 				if !ok {
@@ -97,6 +100,27 @@ func TestHAQueue(t *testing.T) {
 				// nothing. Transitions and refreshes: TestHAHits.
 				h.run(prog, v.fwd(42001, pkt.SYN))
 				recs := h.haRecords()
+				if ew := mode.name == "east-west nat"; ew == haNorthSouth(ct) {
+					t.Fatalf("%s: entry of flags %#x", mode.name, ct.Flags)
+				}
+				if !haNorthSouth(ct) {
+					// East-west: nothing queued, nothing dropped, no
+					// bookkeeping.
+					if len(recs) != 0 {
+						t.Fatalf("east-west: %d records, want none: %+v", len(recs), recs)
+					}
+					if n := h.counters()[CounterHAEmitted] - c0; n != 0 {
+						t.Errorf("east-west: ha_emitted +%d, want 0", n)
+					}
+					if d := h.haDrops() - d0; d != 0 {
+						t.Errorf("east-west: fluxvm_hadrop +%d, want 0", d)
+					}
+					if ct.L7Ifindex != 0 {
+						t.Errorf("east-west: ha_until %d, want 0", ct.L7Ifindex)
+					}
+					h.haOn(false)
+					return
+				}
 				if len(recs) != 1 {
 					t.Fatalf("%d records for one new flow and a hit, want 1", len(recs))
 				}
@@ -118,11 +142,17 @@ func TestHAQueue(t *testing.T) {
 				if n := h.counters()[CounterHAEmitted] - c0; n != 1 {
 					t.Errorf("ha_emitted +%d, want 1", n)
 				}
+				if want := uint32(ct.DeadlineNs/uint64(time.Second)) + h.haTimeout(CTState(ct.State))/2; ct.L7Ifindex != want {
+					t.Errorf("ha_until %d, want %d", ct.L7Ifindex, want)
+				}
 				h.haOn(false)
 			})
 		}
 	}
 }
+
+// haNorthSouth: is ct of a kind HA replicates (SNAT, DSR)?
+func haNorthSouth(ct CTValue) bool { return ct.Flags&(CTFlagSNAT|CTFlagDSR) != 0 }
 
 // setupFlags are the frontend flags of the mode's service (policyModes
 // set them with the policy flag; the HA test wants none of it).
@@ -136,31 +166,56 @@ func (m policyMode) setupFlags(v variant) uint32 {
 	return 0
 }
 
-// TestHAQueueFull: with no reader, the queue fills; the records it had no
-// room for are counted in fluxvm_hadrop, and the flows are learned all
-// the same.
+// TestHAQueueFull: with no reader, the queue fills with north-south
+// (SNAT) flows; the records it had no room for are counted in
+// fluxvm_hadrop, and the flows are learned all the same. East-west flows
+// opened meanwhile take none of its room.
 func TestHAQueueFull(t *testing.T) {
 	h := newHarness(t)
 	v := variants()[0]
-	v.setup(h)
+	v.nsSetup(h, 0)
+	// A port for every client, its own (in the range: kept).
+	h.snat(1024, 65535)
+	// An east-west frontend beside it, the same backends.
+	ew := v
+	ew.vip = netip.MustParseAddrPort("10.96.0.11:80")
+	ew.setupAt(h, sid+1, 10)
 	h.haRecords()
 	h.haOn(true)
 	defer h.haOn(false)
 	room := int(h.objs.FluxvmHaq.MaxEntries()) / (128 + 8) // a record and its header
 	n := room + 50
-	d0 := h.haDrops()
+	d0, e0 := h.haDrops(), h.counters()[CounterHAEmitted]
 	for i := 0; i < n; i++ {
-		if ret, _ := h.run(h.objs.FluxvmFromVm, v.fwd(uint16(1024+i), pkt.SYN)); ret != tcOK {
+		if ret, _ := h.run(h.objs.FluxvmNsIn, v.fwd(uint16(1024+i), pkt.SYN)); ret != tcOK {
 			t.Fatalf("flow %d: verdict %d", i, int32(ret))
+		}
+		// Half as many east-west flows: if they were queued, they would
+		// fill the ring and take the north-south flows' room.
+		if i%2 == 0 {
+			if ret, _ := h.run(h.objs.FluxvmFromVm, ew.fwd(uint16(1024+i), pkt.SYN)); ret != tcOK {
+				t.Fatalf("east-west flow %d: verdict %d", i, int32(ret))
+			}
 		}
 	}
 	drops := h.haDrops() - d0
 	recs := h.haRecords()
-	if uint64(len(recs))+drops != uint64(n) || drops < 50 {
-		t.Errorf("%d flows: %d records queued, %d dropped; want every flow in one or the other, at least 50 dropped", n, len(recs), drops)
+	if uint64(len(recs))+drops != uint64(n) || drops < 50 || drops > 60 {
+		t.Errorf("%d flows: %d records queued, %d dropped; want every flow in one or the other, 50 to 60 dropped", n, len(recs), drops)
+	}
+	if e := h.counters()[CounterHAEmitted] - e0; e != uint64(len(recs)) {
+		t.Errorf("ha_emitted +%d, want %d (the records queued)", e, len(recs))
+	}
+	for _, r := range recs {
+		if r.Ct.Flags&CTFlagSNAT == 0 || Addr(r.Vip, FamilyIPv4) != v.vip.Addr() {
+			t.Fatalf("record %+v: want the north-south flows' alone", r)
+		}
 	}
 	if _, ok := h.ct(v.flow(uint16(1024 + n - 1))); !ok {
 		t.Error("the last flow was not learned")
+	}
+	if ct, ok := h.ct(ew.flow(uint16(1024 + (n-1)/2*2))); !ok || ct.L7Ifindex != 0 {
+		t.Errorf("the last east-west flow: %+v (present %v), want learned with ha_until 0", ct, ok)
 	}
 }
 
@@ -204,27 +259,33 @@ func TestHAXDPPassesNewFlows(t *testing.T) {
 	}
 }
 
-// BenchmarkHA: the cost of HA replication: the same east-west IPv4 new
-// flow with the queue off and on (one record reserved, filled and
-// submitted into fluxvm_haq), in alternate blocks (measureInterleaved),
-// the ring drained before each block so that every record finds room
-// (blocks are kept under the ring's capacity); ha-minus-none-ns is the
-// net cost. Then the established conntrack hit and its reply with HA off
-// and on (ct-hit-ha-minus-none-ns, reply-ha-minus-none-ns): between
-// refreshes a hit queues nothing, and it pays at most one call a second
-// to learn that a refresh is not due.
+// BenchmarkHA: the cost of HA replication: the same north-south (SNAT)
+// IPv4 new flow on the north-south ingress with the queue off and on (one
+// record reserved, filled and submitted into fluxvm_haq), in alternate
+// blocks (measureInterleaved), the ring drained before each block so that
+// every record finds room (blocks are kept under the ring's capacity);
+// ha-minus-none-ns is the net cost. Then the established conntrack hit
+// and its reply with HA off and on (ct-hit-ha-minus-none-ns,
+// reply-ha-minus-none-ns): between refreshes a hit queues nothing, and it
+// pays at most one call a second to learn that a refresh is not due.
+// (East-west flows are not replicated: their paths queue nothing.) Every
+// new flow keeps its client's port as its SNAT port, each a port of its
+// own: the flows of both blocks fit in the port range, so that no port
+// search is measured.
 func BenchmarkHA(b *testing.B) {
 	h := newHarnessSized(b, 0)
 	v := variants()[0]
-	v.setup(h)
+	v.nsSetup(h, 0)
+	const portMin, hitPort = 1024, 65000
+	h.snat(portMin, 65535)
 	h.edge()
 	room := int(h.objs.FluxvmHaq.MaxEntries()) / (128 + 8)
-	calls := min(benchCalls(b), 20*room*9/10)
+	calls := min(benchCalls(b), 20*room*9/10, (hitPort-portMin)/2)
 	newFlow := func(off int) func(i int) []byte {
 		return func(i int) []byte {
-			i += off
-			f := v.fwd(uint16(1024+i%60000), pkt.SYN)
-			binary.BigEndian.PutUint16(f[14+12+2:], uint16(i/60000+2))
+			f := v.fwd(uint16(portMin+off+i), pkt.SYN)
+			// Another client than the hit's (10.0.0.2).
+			binary.BigEndian.PutUint16(f[14+12+2:], 2)
 			return f
 		}
 	}
@@ -235,26 +296,39 @@ func BenchmarkHA(b *testing.B) {
 		}
 	}
 	// An established flow for the hits (HA off: no record).
-	for _, f := range [][]byte{v.fwd(40000, pkt.SYN), v.fwd(40000, pkt.ACK)} {
-		if ret, _ := h.run(h.objs.FluxvmFromVm, f); ret != tcOK {
+	for _, f := range [][]byte{v.fwd(hitPort, pkt.SYN), v.fwd(hitPort, pkt.ACK)} {
+		if ret, _ := h.run(h.objs.FluxvmNsIn, f); ret != tcOK {
 			b.Fatal("flow not set up")
 		}
 	}
-	hit := func(int) []byte { return v.fwd(40000, pkt.ACK) }
-	reply := func(int) []byte { return v.reply(v.backends[0], 40000, pkt.ACK) }
-	cases := []*benchCase{
-		{name: "ipv4 tcp new flow, HA off", metric: "v4-new-flow", prog: h.objs.FluxvmFromVm, frame: newFlow(0), want: tcOK, before: on(false)},
-		{name: "ipv4 tcp new flow, HA on", metric: "v4-new-flow-ha", prog: h.objs.FluxvmFromVm, frame: newFlow(1 << 20), want: tcOK, before: on(true)},
-		{name: "ipv4 tcp conntrack hit, HA off", metric: "v4-ct-hit", prog: h.objs.FluxvmFromVm, frame: hit, want: tcOK, before: on(false)},
-		{name: "ipv4 tcp conntrack hit, HA on", metric: "v4-ct-hit-ha", prog: h.objs.FluxvmFromVm, frame: hit, want: tcOK, before: on(true)},
-		{name: "ipv4 tcp reply, HA off", metric: "v4-reply", prog: h.objs.FluxvmToVm, frame: reply, want: tcOK, before: on(false)},
-		{name: "ipv4 tcp reply, HA on", metric: "v4-reply-ha", prog: h.objs.FluxvmToVm, frame: reply, want: tcOK, before: on(true)},
+	if ct, ok := h.ct(v.flow(hitPort)); !ok || ct.Flags&CTFlagSNAT == 0 || Port(ct.NatPort) != hitPort {
+		b.Fatalf("the hits' flow: %+v (present %v), want SNAT to port %d", ct, ok, hitPort)
 	}
-	d0 := h.haDrops()
+	hit := func(int) []byte { return v.fwd(hitPort, pkt.ACK) }
+	reply := func(int) []byte {
+		return v.frame(v.backends[0], netip.AddrPortFrom(v.snatAddr(), hitPort), pkt.ACK)
+	}
+	cases := []*benchCase{
+		{name: "ipv4 tcp snat new flow, HA off", metric: "v4-new-flow", prog: h.objs.FluxvmNsIn, frame: newFlow(0), want: tcOK, before: on(false)},
+		{name: "ipv4 tcp snat new flow, HA on", metric: "v4-new-flow-ha", prog: h.objs.FluxvmNsIn, frame: newFlow(calls), want: tcOK, before: on(true)},
+		{name: "ipv4 tcp snat conntrack hit, HA off", metric: "v4-ct-hit", prog: h.objs.FluxvmNsIn, frame: hit, want: tcOK, before: on(false)},
+		{name: "ipv4 tcp snat conntrack hit, HA on", metric: "v4-ct-hit-ha", prog: h.objs.FluxvmNsIn, frame: hit, want: tcOK, before: on(true)},
+		{name: "ipv4 tcp snat reply, HA off", metric: "v4-reply", prog: h.objs.FluxvmNsIn, frame: reply, want: tcOK, before: on(false)},
+		{name: "ipv4 tcp snat reply, HA on", metric: "v4-reply-ha", prog: h.objs.FluxvmNsIn, frame: reply, want: tcOK, before: on(true)},
+	}
+	d0, e0, r0 := h.haDrops(), h.counters()[CounterHAEmitted], h.counters()[CounterSNATRetry]
 	measureInterleaved(b, h.th, calls, cases, true)
 	h.haOn(false)
 	if d := h.haDrops() - d0; d != 0 {
 		b.Fatalf("%d records found the ring full: the benchmark did not measure emitting alone", d)
+	}
+	// Every HA-on new flow queued its record (the hits and replies: at
+	// most a few refreshes).
+	if e := h.counters()[CounterHAEmitted] - e0; e < uint64(calls/20*20) {
+		b.Fatalf("ha_emitted +%d, want at least the %d new flows under HA", e, calls/20*20)
+	}
+	if r := h.counters()[CounterSNATRetry] - r0; r != 0 {
+		b.Logf("snat_retries +%d: some new flows searched for a port", r)
 	}
 	net := func(i int) float64 {
 		return float64(cases[i+1].sum)/float64(cases[i+1].n) - float64(cases[i].sum)/float64(cases[i].n)
@@ -403,33 +477,36 @@ func (h *harness) haCheck(t *testing.T, recs []HARecord, tp tuple, cause uint8, 
 	}
 }
 
-// haModes are the forward paths of the HA tests: their service setup and
-// the TC program that takes the client's packets.
-func haModes() []struct {
-	name  string
-	setup func(h *harness, v variant)
-	prog  func(h *harness) *ebpf.Program
-} {
-	return []struct {
-		name  string
-		setup func(h *harness, v variant)
-		prog  func(h *harness) *ebpf.Program
-	}{
-		{"east-west nat", func(h *harness, v variant) { v.setup(h) }, func(h *harness) *ebpf.Program { return h.objs.FluxvmFromVm }},
-		{"east-west nat stored", func(h *harness, v variant) { v.setup(h); h.revStored(sid) }, func(h *harness) *ebpf.Program { return h.objs.FluxvmFromVm }},
-		{"north-south snat", func(h *harness, v variant) { v.nsSetup(h, 0) }, func(h *harness) *ebpf.Program { return h.objs.FluxvmNsIn }},
-		{"dsr", func(h *harness, v variant) { v.nsSetup(h, SvcFlagDSR) }, func(h *harness) *ebpf.Program { return h.objs.FluxvmNsIn }},
+// haMode is a forward path of the HA tests: its service setup, the TC
+// program that takes the client's packets, and whether HA replicates its
+// flows (north-south: SNAT, DSR).
+type haMode struct {
+	name       string
+	setup      func(h *harness, v variant)
+	prog       func(h *harness) *ebpf.Program
+	northSouth bool
+}
+
+func haModes() []haMode {
+	fromVM := func(h *harness) *ebpf.Program { return h.objs.FluxvmFromVm }
+	nsIn := func(h *harness) *ebpf.Program { return h.objs.FluxvmNsIn }
+	return []haMode{
+		{"east-west nat", func(h *harness, v variant) { v.setup(h) }, fromVM, false},
+		{"east-west nat stored", func(h *harness, v variant) { v.setup(h); h.revStored(sid) }, fromVM, false},
+		{"north-south snat", func(h *harness, v variant) { v.nsSetup(h, 0) }, nsIn, true},
+		{"dsr", func(h *harness, v variant) { v.nsSetup(h, SvcFlagDSR) }, nsIn, true},
 	}
 }
 
-// TestHAHits: under HA, conntrack hits of TC's forward paths (east-west
-// NAT with derived and stored replies, north-south SNAT, DSR; both
-// families) queue a TCP flow's state transitions, SYN -> ESTABLISHED ->
-// FIN, each with its new state and deadline; established hits queue
-// nothing until a refresh is due (the entry's deadline would pass the one
-// the standby holds: deadline + half the state's timeout at the last
-// record), and then exactly one; the same for UDP, which has no
-// transitions. With HA off, no hit queues anything.
+// TestHAHits: under HA, conntrack hits of TC's north-south forward paths
+// (SNAT, DSR; both families) queue a TCP flow's state transitions, SYN ->
+// ESTABLISHED -> FIN, each with its new state and deadline; established
+// hits queue nothing until a refresh is due (the entry's deadline would
+// pass the one the standby holds: deadline + half the state's timeout at
+// the last record), and then exactly one; the same for UDP, which has no
+// transitions. East-west flows (NAT with derived and stored replies) go
+// through the same steps and queue nothing at any of them, their entries
+// keeping ha_until 0. With HA off, no hit queues anything.
 func TestHAHits(t *testing.T) {
 	h := newHarness(t)
 	type step struct {
@@ -485,7 +562,7 @@ func TestHAHits(t *testing.T) {
 					}
 					h.haOn(ha)
 					h.haRecords()
-					c0 := h.counters()[CounterHAEmitted]
+					c0, d0 := h.counters()[CounterHAEmitted], h.haDrops()
 					want := 0
 					for _, s := range steps {
 						if s.age != 0 {
@@ -504,7 +581,10 @@ func TestHAHits(t *testing.T) {
 							t.Fatalf("HA %v, %s: the hit did not refresh the entry", ha, s.what)
 						}
 						recs := h.haRecords()
-						if !ha || s.cause == 0 {
+						if !mode.northSouth && ct.L7Ifindex != 0 {
+							t.Fatalf("HA %v, %s: east-west entry with ha_until %d, want 0", ha, s.what, ct.L7Ifindex)
+						}
+						if !ha || s.cause == 0 || !mode.northSouth {
 							if len(recs) != 0 {
 								t.Fatalf("HA %v, %s: %d records, want none: %+v", ha, s.what, len(recs), recs)
 							}
@@ -519,6 +599,9 @@ func TestHAHits(t *testing.T) {
 					if n := h.counters()[CounterHAEmitted] - c0; n != uint64(want) {
 						t.Errorf("HA %v: ha_emitted +%d, want %d", ha, n, want)
 					}
+					if d := h.haDrops() - d0; d != 0 {
+						t.Errorf("HA %v: fluxvm_hadrop +%d, want 0", ha, d)
+					}
 				}
 				h.haOn(false)
 			})
@@ -529,14 +612,18 @@ func TestHAHits(t *testing.T) {
 // TestHAReplyHits: replies touch their flow's one conntrack entry: the
 // backend's FIN is a transition, and a server-push stream whose client is
 // silent keeps its standby copy alive by the replies' due refreshes
-// (east-west, derived and stored reverse halves; TCP and UDP).
+// (north-south SNAT, its replies on the north-south ingress; TCP and
+// UDP). East-west replies (derived and stored reverse halves) take the
+// same steps and queue nothing: no record, no drop, ha_until 0. (DSR
+// replies bypass the node.)
 func TestHAReplyHits(t *testing.T) {
 	h := newHarness(t)
-	for _, mode := range haModes()[:2] {
+	for _, mode := range haModes()[:3] {
 		for _, v := range variants() {
 			t.Run(mode.name+"/"+v.name, func(t *testing.T) {
 				h.reset()
 				mode.setup(h, v)
+				prog := mode.prog(h)
 				const port = 42200
 				h.haOn(true)
 				defer h.haOn(false)
@@ -544,45 +631,96 @@ func TestHAReplyHits(t *testing.T) {
 				if v.proto == ipUDP {
 					first = pkt.ACK
 				}
-				h.run(h.objs.FluxvmFromVm, v.fwd(port, first))
-				h.run(h.objs.FluxvmFromVm, v.fwd(port, pkt.ACK))
+				h.run(prog, v.fwd(port, first))
+				h.run(prog, v.fwd(port, pkt.ACK))
 				h.haRecords()
+				c0, d0 := h.counters()[CounterHAEmitted], h.haDrops()
 				state := CTUDP
 				if v.proto == ipTCP {
 					state = CTTCPEstablished
 				}
 				be := v.backends[0]
+				ct, ok := h.ct(v.flow(port))
+				if !ok || haNorthSouth(ct) != mode.northSouth {
+					t.Fatalf("entry %+v (present %v)", ct, ok)
+				}
+				// The reply and its reverse half: the backend answers
+				// the client (east-west) or the SNAT address and port
+				// (north-south), which the north-south ingress takes.
+				replyProg, natKey := h.objs.FluxvmToVm, v.natKey(be, port)
+				replyTo := v.clientAt(port)
+				if mode.northSouth {
+					replyProg = h.objs.FluxvmNsIn
+					replyTo = netip.AddrPortFrom(v.snatAddr(), Port(ct.NatPort))
+					natKey = v.snatKey(be, replyTo.Port())
+				}
 				reply := func(f pkt.TCPFlags) {
 					t.Helper()
-					if ret, _ := h.run(h.objs.FluxvmToVm, v.reply(be, port, f)); ret != tcOK {
+					if ret, _ := h.run(replyProg, v.frame(be, replyTo, f)); ret != tcOK {
 						t.Fatalf("reply: verdict %d", int32(ret))
 					}
 				}
-				// The stored reverse half has its own refresh throttle:
-				// aged with the entry.
+				// The stored reverse half (the SNAT mapping) has its own
+				// refresh throttle: aged with the entry.
 				age := func(d time.Duration) {
 					t.Helper()
 					h.haAge(v.flow(port), d)
-					if n, ok := h.nat(v.natKey(be, port)); ok {
+					if n, ok := h.nat(natKey); ok {
 						n.LastSeenNs -= uint64(d)
-						h.must(h.natMap(v.natKey(be, port)).Put(v.natKey(be, port).key(), n))
+						h.must(h.natMap(natKey).Put(natKey.key(), n))
+					} else if mode.northSouth {
+						t.Fatal("no SNAT mapping")
 					}
 				}
-				reply(pkt.ACK)
-				if r := h.haRecords(); len(r) != 0 {
-					t.Fatalf("a fresh reply: %d records, want none", len(r))
+				// check: the reply queued the record of cause and state
+				// (north-south), or nothing (east-west).
+				check := func(what string, cause uint8, state CTState) {
+					t.Helper()
+					recs := h.haRecords()
+					ct, ok := h.ct(v.flow(port))
+					if !ok || CTState(ct.State) != state {
+						t.Fatalf("%s: entry %+v (present %v), want state %d", what, ct, ok, state)
+					}
+					if !mode.northSouth || cause == 0 {
+						if len(recs) != 0 {
+							t.Fatalf("%s: %d records, want none: %+v", what, len(recs), recs)
+						}
+						if !mode.northSouth && ct.L7Ifindex != 0 {
+							t.Fatalf("%s: east-west entry with ha_until %d, want 0", what, ct.L7Ifindex)
+						}
+						return
+					}
+					h.haCheck(t, recs, v.flow(port), cause, state)
 				}
+				reply(pkt.ACK)
+				check("a fresh reply", 0, state)
 				age(2 * time.Second)
-				reply(pkt.ACK)
-				if r := h.haRecords(); len(r) != 0 {
-					t.Fatalf("a reply refreshing, not due: %d records, want none", len(r))
+				lastSeen := uint64(0)
+				if ct, ok := h.ct(v.flow(port)); ok {
+					lastSeen = ct.LastSeenNs
 				}
+				reply(pkt.ACK)
+				if ct, _ := h.ct(v.flow(port)); ct.LastSeenNs == lastSeen {
+					t.Fatal("a reply refreshing: the entry was not refreshed")
+				}
+				check("a reply refreshing, not due", 0, state)
 				age(time.Duration(h.haTimeout(state)/2+2) * time.Second)
 				reply(pkt.ACK)
-				h.haCheck(t, h.haRecords(), v.flow(port), HARefresh, state)
+				check("a reply, refresh due", HARefresh, state)
+				want := uint64(1)
 				if v.proto == ipTCP {
 					reply(pkt.FIN)
-					h.haCheck(t, h.haRecords(), v.flow(port), HATransition, CTTCPFin)
+					check("the backend's FIN", HATransition, CTTCPFin)
+					want++
+				}
+				if !mode.northSouth {
+					want = 0
+				}
+				if n := h.counters()[CounterHAEmitted] - c0; n != want {
+					t.Errorf("ha_emitted +%d, want %d", n, want)
+				}
+				if d := h.haDrops() - d0; d != 0 {
+					t.Errorf("fluxvm_hadrop +%d, want 0", d)
 				}
 			})
 		}

@@ -47,9 +47,11 @@ type (
 
 // Meta.Flags (C enum fluxvm_meta_flags).
 const (
-	// MetaFlagHA turns HA replication on: new flows, state transitions
-	// and due refreshes emit HARecords into fluxvm_haq, and XDP leaves
-	// the packets that would emit to TC.
+	// MetaFlagHA turns HA replication on: the new flows, state
+	// transitions and due refreshes of north-south flows (SNAT, DSR) emit
+	// HARecords into fluxvm_haq, and XDP leaves the packets that would
+	// emit to TC. East-west flows emit nothing (a standby edge cannot use
+	// them).
 	MetaFlagHA = uint32(serviceFluxvmMetaFlagsFLUXVM_META_F_HA)
 )
 
@@ -64,8 +66,8 @@ const (
 // HARecord.Cause (C enum fluxvm_ha_cause): why the record was queued.
 // Informational: every record is an upsert of the whole flow.
 const (
-	// HANew: a forward path wrote a new entry (new flow, re-pick,
-	// failover).
+	// HANew: a north-south forward path (SNAT, DSR) wrote a new entry
+	// (new flow, re-pick, failover).
 	HANew = uint8(serviceFluxvmHaCauseFLUXVM_HA_NEW)
 	// HATransition: a conntrack hit changed the entry's state.
 	HATransition = uint8(serviceFluxvmHaCauseFLUXVM_HA_TRANSITION)
@@ -214,7 +216,8 @@ const (
 	// untranslated: L7Ifindex is the proxy interface, BackendId is 0. A
 	// kind. In an entry of any other kind, L7Ifindex is the datapath's
 	// own HA bookkeeping (the second until which the standby holds the
-	// flow, lib/ha.h): never read it there.
+	// flow, lib/ha.h; 0 in an east-west entry, which HA does not
+	// replicate): never read it there.
 	CTFlagL7 = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_L7)
 )
 

@@ -22,8 +22,10 @@ import (
 // Drainer turns the datapath's mutation queue (fluxvm_haq) into journal
 // operations, read with one bpf() call per record through cilium/ebpf's
 // ring-buffer reader. While HA replication is on, the datapath (TC only)
-// queues a record of the whole flow when a forward path writes a new
-// conntrack entry (new flow, re-pick, failover), when a conntrack hit,
+// queues a record of a north-south flow (SNAT or DSR: the flows a standby
+// edge takes over; east-west flows, the node's own VMs', and L7 flows are
+// never queued) when its forward path writes a new conntrack entry (new
+// flow, re-pick, failover), when a conntrack hit,
 // forward or reply, changes the entry's state (SYN -> ESTABLISHED, FIN,
 // RST), and when a hit's refresh pushes the entry's deadline past the one
 // the standby holds. Each record is one upsert of the flow: its state, and
@@ -145,8 +147,8 @@ func (d *Drainer) drainOne(deadline time.Time) (bool, error) {
 // recordFlow is the Flow of datapath record r at the node's clock now;
 // false for a record of no flow the package replicates. Every cause
 // (bpf.HANew, HATransition, HARefresh) is the same upsert of the whole
-// flow. r.Ct.L7Ifindex of a replicated (non-L7) entry is the datapath's
-// own bookkeeping and is not read.
+// flow. r.Ct.L7Ifindex of a replicated (SNAT or DSR) entry is the
+// datapath's own bookkeeping and is not read.
 func recordFlow(r *bpf.HARecord, now time.Duration) (Flow, bool) {
 	if r.Op != bpf.HAUpsert {
 		return Flow{}, false

@@ -27,15 +27,38 @@ func (n *node) haOn() {
 	}
 }
 
-// TestReplication: flows the real datapath learns on node A queue records
-// (fluxvm_haq) that the drainer turns into journal batches; a target
-// cursor pulls them in small deltas, applies them to node B (which
-// numbers services and backends otherwise) and acks; every flow then goes
-// on on B exactly as on A. Each flow's handshake queues two records (its
-// SYN's new entry and its ACK's transition to ESTABLISHED): B's copy has
-// the ESTABLISHED state and A's deadline plus the record's hold (half the
-// state's timeout), and so after a FIN. The queue is the only channel: no
-// snapshot.
+// openNorthSouth makes n's datapath learn north-south (SNAT) flow i: flow
+// i*len(frontends)+1 of open's mix, on frontends[1].
+func (n *node) openNorthSouth(i int, port uint16) liveFlow {
+	n.t.Helper()
+	if frontends[1].flags&bpf.SvcFlagNorthSouth == 0 {
+		n.t.Fatal("frontends[1] is not north-south")
+	}
+	return n.open(i*len(frontends)+1, port)
+}
+
+// openEastWest makes n's datapath learn east-west flow i: one of open's
+// mix on the other frontends (derived replies, stored reverse halves,
+// IPv6), in turn.
+func (n *node) openEastWest(i int, port uint16) liveFlow {
+	n.t.Helper()
+	f := n.open(i*len(frontends)+[]int{0, 2, 3}[i%3], port)
+	if f.northSouth {
+		n.t.Fatalf("%s: not east-west", f.k)
+	}
+	return f
+}
+
+// TestReplication: north-south flows the real datapath learns on node A
+// queue records (fluxvm_haq) that the drainer turns into journal
+// batches; a target cursor pulls them in small deltas, applies them to
+// node B (which numbers services and backends otherwise) and acks; every
+// flow then goes on on B exactly as on A. Each flow's handshake queues
+// two records (its SYN's new entry and its ACK's transition to
+// ESTABLISHED): B's copy has the ESTABLISHED state and A's deadline plus
+// the record's hold (half the state's timeout), and so after a FIN. The
+// queue is the only channel: no snapshot. East-west flows A learns
+// meanwhile (its own VMs') queue nothing and never reach B.
 func TestReplication(t *testing.T) {
 	a, b := newNode(t, 1, 1), newNode(t, 40, 100)
 	a.haOn()
@@ -57,7 +80,7 @@ func TestReplication(t *testing.T) {
 	}
 	defer d.Close()
 
-	var flows []liveFlow
+	var flows, eastWest []liveFlow
 	// B starts from a snapshot of A taken after the checkpoint: A has no
 	// flow yet, so the snapshot is empty and the cursor is the start.
 	cp, err := j.Checkpoint()
@@ -96,7 +119,8 @@ func TestReplication(t *testing.T) {
 	}
 	for round := 0; round < 3; round++ {
 		for i := 0; i < 20; i++ {
-			flows = append(flows, a.open(round*20+i, uint16(43000+round*20+i)))
+			flows = append(flows, a.openNorthSouth(round*20+i, uint16(43000+round*20+i)))
+			eastWest = append(eastWest, a.openEastWest(round*20+i, uint16(44000+round*20+i)))
 		}
 		pull()
 	}
@@ -153,6 +177,17 @@ func TestReplication(t *testing.T) {
 	}
 	if _, broken := pairs(t, b); broken != 0 {
 		t.Errorf("%d flows on B without their reverse half", broken)
+	}
+	for _, f := range eastWest {
+		if _, err := a.ct.Lookup(f.k); err != nil {
+			t.Errorf("east-west %s on A: %v", f.k, err)
+		}
+		if e, err := b.ct.Lookup(f.k); err == nil {
+			t.Errorf("east-west %s replicated to B: %+v", f.k, e)
+		}
+	}
+	if got := len(b.keys(t)); got != len(flows) {
+		t.Errorf("B has %d flows, want the %d north-south ones", got, len(flows))
 	}
 	if st := j.Stats(); st.Batches != 0 || cur.Seq != st.LastSeq {
 		t.Errorf("journal %+v, cursor %+v: want everything acked", st, cur)

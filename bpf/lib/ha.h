@@ -3,26 +3,34 @@
  * HA mutation queue (maps: fluxvm_haq, fluxvm_hadrop; layout:
  * fluxvm_ha_record in fluxvm_service_v6.bpf.h).
  *
- * While HA replication is on (FLUXVM_META_F_HA), the datapath queues one
- * record per conntrack write the standby must learn: the flow as the
- * client sent it, its backend by address (ids are this node's and may be
- * reused before userspace reads the record) and the entry as written.
- * Userspace drains the ring into the journal the standby pulls (package
- * ha), which upserts the whole flow. A record is queued when
- *   - a forward path writes a new entry (new flow, re-pick, failover):
- *     FLUXVM_HA_NEW;
+ * HA replicates a north-south edge's flows to a standby edge (another
+ * node): the flows of the north-south kinds, SNAT and DSR
+ * (FLUXVM_CT_F_SNAT, FLUXVM_CT_F_DSR). East-west flows belong to this
+ * node's own VMs, and a standby can never use them; L7 entries are not
+ * replicated either. While HA replication is on (FLUXVM_META_F_HA), the
+ * datapath queues one record per write of a north-south entry the standby
+ * must learn: the flow as the client sent it, its backend by address (ids
+ * are this node's and may be reused before userspace reads the record)
+ * and the entry as written. Userspace drains the ring into the journal
+ * the standby pulls (package ha), which upserts the whole flow. A record
+ * is queued when
+ *   - a north-south forward path (SNAT, DSR) writes a new entry (new
+ *     flow, re-pick, failover): FLUXVM_HA_NEW;
  *   - a conntrack hit (forward or reply: both touch the flow's one entry)
  *     changes the entry's state, SYN -> ESTABLISHED, -> FIN, -> RST:
  *     FLUXVM_HA_TRANSITION, so the standby's copy has the state's
  *     timeout, not the handshake's;
  *   - a hit's refresh pushes the deadline past the one the standby holds:
  *     FLUXVM_HA_REFRESH (the rule below).
+ * The east-west path (fluxvm_lb_nat) and its replies queue nothing, so
+ * the ring's room (tier S: some 1,900 records) is the north-south
+ * flows' alone; their entries keep ha_until 0, which nothing reads.
  *
  * The refresh rule. Every record carries hold_s, half the timeout T of
  * the entry's state, and the standby keeps the flow until the entry's
  * deadline D plus hold_s (ha.Drainer adds it to the TTL). The entry keeps
- * that second in ha_until (FLUXVM_CT_HA_UNTIL, the l7_ifindex field of a
- * non-L7 entry). A refresh is due when the entry's deadline, pushed by a
+ * that second in ha_until (FLUXVM_CT_HA_UNTIL, the l7_ifindex field of an
+ * SNAT or DSR entry). A refresh is due when the entry's deadline, pushed by a
  * hit (now + T), passes ha_until. So, with a record lost to nothing:
  *   - the standby's copy never expires before the active's entry: after
  *     every write D <= ha_until <= the standby's deadline (ha_until is
@@ -48,8 +56,7 @@
  * stack (at the kernel's limit) takes nothing. Entries the datapath
  * rebuilds from a flow's other half are the same flow and emit nothing
  * (their ha_until is 0: their next forward refresh re-sends them);
- * deletes are userspace's (GC), which journals them itself. L7 entries
- * are not replicated.
+ * deletes are userspace's (GC), which journals them itself.
  */
 #ifndef FLUXVM_LIB_HA_H
 #define FLUXVM_LIB_HA_H
@@ -58,8 +65,9 @@
 #include "counters.h"
 #include "ct.h"
 
-/* A non-L7 entry's ha_until (see the top of this file and struct
- * fluxvm_ct_value): the field it shares with the L7 proxy's ifindex. */
+/* A north-south (SNAT or DSR) entry's ha_until (see the top of this file
+ * and struct fluxvm_ct_value): the field it shares with the L7 proxy's
+ * ifindex. */
 #define FLUXVM_CT_HA_UNTIL(ct) ((ct)->l7_ifindex)
 
 /* Whether HA replication is on. */
@@ -90,7 +98,9 @@ static __always_inline int fluxvm_ha_due(const struct fluxvm_ct_value *ct, __u64
 #ifdef FLUXVM_CTX_SKB
 /*
  * Queue entry @ct of the flow keyed @k4 (IPv4) or @k6 (IPv6: @k4 NULL)
- * for @cause (enum fluxvm_ha_cause), while HA is on. FLUXVM_HA_NEW: @ct
+ * for @cause (enum fluxvm_ha_cause), while HA is on and the entry is of
+ * a north-south kind (SNAT or DSR); any other entry (east-west, L7)
+ * returns at once, its ha_until untouched. FLUXVM_HA_NEW: @ct
  * is the entry just written (the scratch copy; fluxvm_ct_build set its
  * ha_until). Otherwise @ct is the map's entry a hit just touched: a
  * FLUXVM_HA_REFRESH is queued only when due, and either moves ha_until
@@ -109,7 +119,7 @@ __attribute__((noinline)) int fluxvm_ha_emit(struct fluxvm_ct_value *ct, struct 
 
 	/* (No test of @k4 and @k6 together here: clang ORs the pointers,
 	 * which the verifier refuses. Neither: the record is discarded.) */
-	if (!ct || !fluxvm_ha_on(meta) || (ct->flags & FLUXVM_CT_F_L7))
+	if (!ct || !fluxvm_ha_on(meta) || !(ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)))
 		return 0;
 	hold = fluxvm_ha_hold_s(meta, ct->state);
 	if (cause != FLUXVM_HA_NEW) {
@@ -164,7 +174,8 @@ __attribute__((noinline)) int fluxvm_ha_emit(struct fluxvm_ct_value *ct, struct 
 #define FLUXVM_HA_K6(v6, t6) ((v6) ? (t6) : NULL)
 
 /* After a forward path wrote @ct, the entry of a new flow (or a re-pick)
- * keyed @t4/@t6: its record, while HA is on. */
+ * keyed @t4/@t6: its record, while HA is on, if the entry is north-south
+ * (fluxvm_ha_emit). */
 #define fluxvm_ha_learned(meta, ct, v6, t4, t6)                                          \
 	do {                                                                             \
 		if (fluxvm_ha_on(meta))                                                  \
@@ -174,7 +185,9 @@ __attribute__((noinline)) int fluxvm_ha_emit(struct fluxvm_ct_value *ct, struct 
 
 /* After fluxvm_ct_touch of a hit on entry @ct keyed @t4/@t6 returned
  * @touched: a transition's record, or a refresh's when due. A call only
- * when the touch wrote; HA on is checked there. */
+ * when the touch wrote; HA on and the entry's kind are checked there (an
+ * east-west hit pays the call, at most once a second per flow, and
+ * returns). */
 #define fluxvm_ha_touched(ct, v6, t4, t6, touched)                                           \
 	do {                                                                                 \
 		int __t = (touched);                                                         \

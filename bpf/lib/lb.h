@@ -418,9 +418,10 @@ fluxvm_ct_build(const struct fluxvm_pkt *pkt, const struct fluxvm_meta_value *me
 	nct->flags = flags;
 #ifdef FLUXVM_CTX_SKB
 	/* Its record (fluxvm_ha_learned) gives the standby this much: the
-	 * first refresh is due only past it (lib/ha.h). XDP learns no flow
-	 * under HA. */
-	if (fluxvm_ha_on(meta) && !(flags & FLUXVM_CT_F_L7))
+	 * first refresh is due only past it (lib/ha.h). Only the replicated
+	 * kinds, SNAT and DSR: an east-west (or L7) entry is never queued and
+	 * keeps 0. XDP learns no flow under HA. */
+	if (fluxvm_ha_on(meta) && (flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)))
 		FLUXVM_CT_HA_UNTIL(nct) = fluxvm_ha_until(nct, fluxvm_ha_hold_s(meta, nct->state));
 #endif
 	return nct;
@@ -615,8 +616,10 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	if (!be)
 		return CTX_ACT_DROP;
 
-	/* Learn: the mapping (a port of its own), then conntrack. */
-	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, 0);
+	/* Learn: the mapping (a port of its own), then conntrack. The entry
+	 * is built SNAT (fluxvm_snat_learn would mark it so) for its
+	 * ha_until; it is written only once the mapping is. */
+	ct = fluxvm_ct_build(pkt, meta, sid, bid, now, FLUXVM_CT_F_SNAT);
 	if (!ct)
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	/* Policy: before a port is taken. */

@@ -169,11 +169,11 @@ type Entry struct {
 	// ProxyIfindex is, for a flow of Kind L7, the interface toward the
 	// proxy the flow is handed to; 0 for every other kind.
 	ProxyIfindex uint32
-	// HAUntil is, for a flow of another kind while HA replication is on,
-	// the time (datapath clock, whole seconds) until which a standby holds
-	// the flow once its last queued record is applied: the datapath
+	// HAUntil is, for a flow of Kind SNAT or DSR while HA replication is
+	// on, the time (datapath clock, whole seconds) until which a standby
+	// holds the flow once its last queued record is applied: the datapath
 	// queues a refresh only when the deadline passes it (package ha). 0:
-	// none queued yet.
+	// none queued yet, and always for east-west flows.
 	HAUntil time.Duration
 	// Audited marks a flow its service's identity policy denied and
 	// audit_only let through (bpf.CTFlagAudited).

@@ -9,7 +9,15 @@
 // every node (the frontend by VIP, port and protocol; the backend by
 // address and port) and every time by an age (each node's monotonic clock
 // is its own). Only these maps are replicated; flows handed to an L7 proxy
-// are not (the proxy's own connection state stays on its node).
+// are not (the proxy's own connection state stays on its node). The
+// datapath's mutation queue and the journals carry the north-south kinds
+// (SNAT, DSR): east-west flows belong to the node's own VMs, which no
+// standby edge serves. A snapshot carries them too, for a node that
+// reloads its own flows; a snapshot-diff never deletes them.
+//
+// Replicator does the control plane's part for one active and one
+// standby: deltas after the standby's cursor, acks, and a snapshot when
+// the deltas cannot continue it.
 //
 // The format is versioned and self-describing (Snapshot), streamed in
 // checksummed chunks so that exporting or importing a million flows runs

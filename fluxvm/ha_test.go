@@ -57,8 +57,9 @@ func TestExportImportFlows(t *testing.T) {
 		t.Fatalf("export: %+v, %v; want at least %d flows", exp, err, len(conns))
 	}
 	st := d.HAStatus()
-	if !st.Enabled || st.Epoch != 3 || st.Journals["web"].LastSeq == 0 || st.Queue.Read < uint64(len(conns)) {
-		t.Fatalf("status after the export: %+v; want epoch 3, the queue read and a sealed batch", st)
+	// East-west flows queue nothing: the journal is there, empty.
+	if !st.Enabled || st.Epoch != 3 || st.Journals["web"].Journal == "" || st.Queue.Read != 0 {
+		t.Fatalf("status after the export: %+v; want epoch 3, a journal, nothing queued", st)
 	}
 
 	// The flows are lost, and new flows would all go to the first VM.
@@ -191,7 +192,9 @@ func TestExportImportFlows(t *testing.T) {
 	// cancels it: no snapshot-diff, no cursor.
 	pr, pw := io.Pipe()
 	cut := snap.Len() - 40 // the end record waits
+	leased := make(chan struct{})
 	go func() {
+		defer close(leased)
 		pw.Write(snap.Bytes()[:cut])
 		if _, err := d.UpdateLease(HALease{Epoch: 4}); err != nil {
 			t.Errorf("lease 4 under an import: %v", err)
@@ -199,9 +202,12 @@ func TestExportImportFlows(t *testing.T) {
 		pw.Write(snap.Bytes()[cut:])
 		pw.Close()
 	}()
-	if _, err := d.ImportFlows(ctx, "web", pr, true); !errors.Is(err, context.Canceled) {
+	// Cancelled, or refused at its header when the lease came first.
+	if _, err := d.ImportFlows(ctx, "web", pr, true); !errors.Is(err, context.Canceled) && !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("import under a lease that advanced: %v, want it cancelled", err)
 	}
+	pr.Close()
+	<-leased
 	if st := d.HAStatus(); st.Epoch != 4 || len(st.Cursors) != 0 {
 		t.Errorf("after the cancelled import: epoch %d, cursors %+v", st.Epoch, st.Cursors)
 	}

@@ -111,8 +111,10 @@ type haSync struct {
 	unknown    map[uint32]uint64
 	unresolved uint64 // records of no service, dropped
 	// importCancel cancels the import under way (targetMu held by it):
-	// a lease that advances stops it.
+	// a lease that advances stops it. pending is the epoch an UpdateLease
+	// is writing down: imports take nothing older meanwhile.
 	importCancel context.CancelFunc
+	pending      ha.Epoch
 
 	// targetMu serializes what this edge applies from its peer
 	// (ImportFlows, ImportFlowDelta), so that a cursor moves only past
@@ -384,7 +386,7 @@ func (d *Dataplane) haOn(what string) (*haSync, error) {
 // newest it accepted from its peer, or its own lease when newer. h.mu
 // held.
 func (h *haSync) floor(service string) ha.Epoch {
-	return max(h.cursors[service].Epoch, h.epoch)
+	return max(h.cursors[service].Epoch, h.epoch, h.pending)
 }
 
 // FlowDelta returns the batches of service's journal after the cursor
@@ -513,8 +515,8 @@ func (d *Dataplane) setCursor(service string, c ha.Cursor) error {
 	h := d.ha
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if c.Epoch < h.epoch {
-		return fmt.Errorf("data of epoch %d, the edge's lease advanced to %d meanwhile: %w", c.Epoch, h.epoch, ha.ErrStaleEpoch)
+	if e := max(h.epoch, h.pending); c.Epoch < e {
+		return fmt.Errorf("data of epoch %d, the edge's lease advanced to %d meanwhile: %w", c.Epoch, e, ha.ErrStaleEpoch)
 	}
 	h.cursors[service] = c
 	return nil
@@ -570,18 +572,24 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 		fenced = max(fenced, l.SupersededBy)
 	}
 	advanced := epoch > prevEpoch
-	if advanced && h.importCancel != nil {
-		h.importCancel()
+	if advanced {
+		h.pending = epoch
+		if h.importCancel != nil {
+			h.importCancel()
+		}
 	}
 	h.mu.Unlock()
 	if epoch == prevEpoch && fenced == prevFenced {
 		return d.HAStatus(), nil
 	}
 	if err := h.saveLease(leaseFile{Epoch: epoch, SupersededBy: fenced}, d.log); err != nil {
+		h.mu.Lock()
+		h.pending = 0
+		h.mu.Unlock()
 		return HAStatus{}, fmt.Errorf("fluxvm: update lease: %w", err)
 	}
 	h.mu.Lock()
-	h.epoch, h.fencedBy = epoch, fenced
+	h.epoch, h.fencedBy, h.pending = epoch, fenced, 0
 	if advanced {
 		clear(h.cursors)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/policy"
 )
 
@@ -88,7 +89,9 @@ func newFake() *fakeDataplane {
 		services: map[string]fluxvm.ServiceStatus{},
 		vms:      map[string]fluxvm.VMStats{},
 		policies: map[string]fluxvm.Policy{},
-		ha: fakeHA{journal: "j1", lastSeq: 5, exportFlows: 3,
+		// The target's cursor at the start of j1, as a snapshot's import
+		// leaves it.
+		ha: fakeHA{journal: "j1", lastSeq: 5, exportFlows: 3, cursor: ha.Cursor{Journal: "j1"},
 			status: fluxvm.HAStatus{Epoch: 3, Interval: fluxvm.Duration{Duration: time.Second}}},
 		status: fluxvm.Status{
 			SchemaVersion: 4, Generation: 8, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm/service",

@@ -229,16 +229,8 @@ func (h *handler) getDelta(w http.ResponseWriter, r *http.Request) error {
 // answered), decoded strictly; the answer is the cursor after it and the
 // counts.
 func (h *handler) importDelta(w http.ResponseWriter, r *http.Request) error {
-	name, err := haService(r)
+	name, d, err := haBody[ha.Delta](r)
 	if err != nil {
-		return err
-	}
-	body, err := readBody(r)
-	if err != nil {
-		return err
-	}
-	var d ha.Delta
-	if err := decodeStrictNoRepeat(body, &d); err != nil {
 		return err
 	}
 	if d.Service != name {
@@ -254,18 +246,26 @@ func (h *handler) importDelta(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// ackDelta answers POST /v1/network/services/{name}/conntrack/delta/ack.
-func (h *handler) ackDelta(w http.ResponseWriter, r *http.Request) error {
+// haBody is the service an HA route names and its JSON body, decoded
+// strictly.
+func haBody[T any](r *http.Request) (string, T, error) {
+	var v T
 	name, err := haService(r)
 	if err != nil {
-		return err
+		return "", v, err
 	}
 	body, err := readBody(r)
 	if err != nil {
-		return err
+		return "", v, err
 	}
-	var req DeltaAckRequest
-	if err := decodeStrictNoRepeat(body, &req); err != nil {
+	err = decodeStrictNoRepeat(body, &v)
+	return name, v, err
+}
+
+// ackDelta answers POST /v1/network/services/{name}/conntrack/delta/ack.
+func (h *handler) ackDelta(w http.ResponseWriter, r *http.Request) error {
+	name, req, err := haBody[DeltaAckRequest](r)
+	if err != nil {
 		return err
 	}
 	if req.Seq == nil {

@@ -20,7 +20,8 @@ package bpf
 // load-balancing object (fluxvm_service_connect.bpf.c) are built per tier
 // the same way; they declare the same maps, which the loader shares with
 // the TC object's. The socket iterator (fluxvm_sock_destroy.bpf.c) is
-// built once: the loader gives it the datapath's maps, of any tier.
+// built once: the loader gives it the datapath's maps, of any tier; so is
+// the map iterator (fluxvm_map_count.bpf.c), which uses none.
 //
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_xdp serviceXdp fluxvm_service_xdp.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_xdp_tier_s serviceXdpTierS fluxvm_service_xdp.bpf.c -- -DFLUXVM_MAP_TIER=1 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
@@ -29,3 +30,4 @@ package bpf
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_connect_tier_s serviceConnectTierS fluxvm_service_connect.bpf.c -- -DFLUXVM_MAP_TIER=1 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_service_connect_tier_l serviceConnectTierL fluxvm_service_connect.bpf.c -- -DFLUXVM_MAP_TIER=3 -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
 //go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_sock_destroy sockDestroy fluxvm_sock_destroy.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu
+//go:generate go tool bpf2go -cc clang -strip llvm-strip -target bpfel -go-package bpf -no-global-types -output-stem fluxvm_map_count mapCount fluxvm_map_count.bpf.c -- -O2 -mcpu=v3 -Wall -Werror -I/usr/include/x86_64-linux-gnu -I/usr/include/aarch64-linux-gnu

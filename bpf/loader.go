@@ -199,6 +199,8 @@ type Datapath struct {
 	cprogs ConnectPrograms
 	// sd is the socket iterator of DestroyStaleUDPSockets (sockdestroy.go).
 	sd sockDestroy
+	// mc is the map iterator of MapEntries (mapcount.go).
+	mc mapCounter
 	// nh is the control word of the XDP next-hop cache (xdp_routes.go).
 	nh nhControl
 }
@@ -504,6 +506,7 @@ func (d *Datapath) Close() error {
 		d.cprogs = ConnectPrograms{}
 	}
 	d.sd.close()
+	d.mc.close()
 	if d.staged != nil {
 		for _, m := range d.staged.old {
 			m.Close()

@@ -58,5 +58,6 @@ fluxvm_service_connect_tier_s_bpfel.o fluxvm_service_connect_tier_S.bpf.o
 fluxvm_service_connect_bpfel.o fluxvm_service_connect_tier_M.bpf.o
 fluxvm_service_connect_tier_l_bpfel.o fluxvm_service_connect_tier_L.bpf.o
 fluxvm_sock_destroy_bpfel.o fluxvm_sock_destroy.bpf.o
+fluxvm_map_count_bpfel.o fluxvm_map_count.bpf.o
 LIST
 fi

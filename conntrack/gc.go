@@ -63,7 +63,27 @@ type GCResult struct {
 	// whose backend still exists. DSR flows and east-west flows with
 	// derived replies never get one.
 	NATRepaired int
+
+	// Shed counts, for Shed, the entries removed before their deadline
+	// because it fell within the horizon, by the state they were in:
+	// the cheapest flows to lose first. Their sum is part of Expired.
+	Shed ShedCounts
 }
+
+// ShedCounts are the entries Shed removed early, by state.
+type ShedCounts struct {
+	// Closed: TCP flows past their FIN or RST; HalfOpen: TCP flows that
+	// never completed their handshake; IdleUDP: UDP flows idle long
+	// enough for their deadline to be near; Established: TCP flows idle
+	// that long (only with a horizon near the established timeout).
+	Closed      int `json:"closed"`
+	HalfOpen    int `json:"half_open"`
+	IdleUDP     int `json:"idle_udp"`
+	Established int `json:"established"`
+}
+
+// Total is the number of entries shed.
+func (c ShedCounts) Total() int { return c.Closed + c.HalfOpen + c.IdleUDP + c.Established }
 
 // Removed is the number of conntrack entries removed, for all reasons.
 func (r GCResult) Removed() int { return r.Expired + r.Drained + r.BackendGone }
@@ -142,12 +162,30 @@ func (r GCResult) String() string {
 // GC runs one at a time per Map. It checks ctx between chunks and returns
 // what it did so far with ctx's error.
 func (m *Map) GC(ctx context.Context, now time.Duration) (GCResult, error) {
+	return m.gc(ctx, now, 0)
+}
+
+// Shed is GC that also removes the flows whose deadline falls within
+// horizon of now, as if that time had passed for them alone (drains,
+// reverse-NAT freshness and repairs keep the true time): under map
+// pressure, the flows closest to their end go first — closed TCP flows
+// (FIN 30 s, RST 10 s by default), half-open ones and idle UDP flows long
+// before any established TCP flow, whose timeout is hours. Result.Shed
+// counts them by state.
+func (m *Map) Shed(ctx context.Context, now, horizon time.Duration) (GCResult, error) {
+	if horizon < 0 {
+		return GCResult{}, fmt.Errorf("conntrack: shed: negative horizon %v", horizon)
+	}
+	return m.gc(ctx, now, horizon)
+}
+
+func (m *Map) gc(ctx context.Context, now, horizon time.Duration) (GCResult, error) {
 	if now < 0 {
 		return GCResult{}, fmt.Errorf("conntrack: gc: negative time %v", now)
 	}
 	m.gcMu.Lock()
 	defer m.gcMu.Unlock()
-	g := &gcRun{m: m, ctx: ctx, now: uint64(now), backends: make(map[uint32]cachedBackend),
+	g := &gcRun{m: m, ctx: ctx, now: uint64(now), ahead: uint64(horizon), backends: make(map[uint32]cachedBackend),
 		removed: make(map[uint64]struct{}), seed: maphash.MakeSeed()}
 	err := g.do(
 		func() error { return sweep(g, m.ct4, IPv4, key4From) },
@@ -187,7 +225,10 @@ type gcRun struct {
 	m   *Map
 	ctx context.Context
 	now uint64
-	res GCResult
+	// ahead is Shed's horizon: entries whose deadline is within it of
+	// now are removed as expired (0: GC).
+	ahead uint64
+	res   GCResult
 
 	// backends caches backend slots for the run, so that a million flows
 	// over a few hundred backends cost a few hundred lookups. Only slots
@@ -290,6 +331,9 @@ func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
 	switch {
 	case v.DeadlineNs < g.now:
 		return expired
+	case g.ahead > 0 && v.DeadlineNs < g.now+g.ahead && kindOf(v) != L7:
+		g.countShed(v)
+		return expired
 	case kindOf(v) == L7:
 		// No backend: it lives until it expires.
 		return keep
@@ -299,6 +343,22 @@ func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
 		return drained
 	}
 	return keep
+}
+
+// countShed counts an entry Shed removes before its deadline. (Counted
+// when classified: an entry gone by the delete is rare enough not to
+// matter to the reasons.)
+func (g *gcRun) countShed(v *bpf.CTValue) {
+	switch bpf.CTState(v.State) {
+	case bpf.CTTCPFin, bpf.CTTCPRst:
+		g.res.Shed.Closed++
+	case bpf.CTTCPSyn:
+		g.res.Shed.HalfOpen++
+	case bpf.CTUDP:
+		g.res.Shed.IdleUDP++
+	default:
+		g.res.Shed.Established++
+	}
 }
 
 func (g *gcRun) nextChunk() error {

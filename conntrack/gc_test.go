@@ -758,3 +758,56 @@ func TestMapOverReopenedPins(t *testing.T) {
 		t.Error("NAT half still visible to the loader's handle")
 	}
 }
+
+// TestShed: with a horizon, the flows whose deadline falls within it go
+// first, counted by state, their NAT halves with them; the others stay,
+// and a horizon of 0 is GC. Timeouts (testTimeouts): RST 5s, FIN 15s,
+// SYN 20s, UDP 40s, established 300s.
+func TestShed(t *testing.T) {
+	d := sharedDataplane(t)
+	v := storedVariants()[0]
+	for _, tc := range []struct {
+		horizon time.Duration
+		want    ShedCounts
+		gone    []bpf.CTState
+	}{
+		{0, ShedCounts{}, nil},
+		{16 * time.Second, ShedCounts{Closed: 2}, []bpf.CTState{bpf.CTTCPFin, bpf.CTTCPRst}},
+		{30 * time.Second, ShedCounts{Closed: 2, HalfOpen: 1}, []bpf.CTState{bpf.CTTCPFin, bpf.CTTCPRst, bpf.CTTCPSyn}},
+		{50 * time.Second, ShedCounts{Closed: 2, HalfOpen: 1, IdleUDP: 1}, []bpf.CTState{bpf.CTTCPFin, bpf.CTTCPRst, bpf.CTTCPSyn, bpf.CTUDP}},
+	} {
+		t.Run(tc.horizon.String(), func(t *testing.T) {
+			d.t = t
+			d.reset()
+			keys := map[bpf.CTState]Key{}
+			var now time.Duration
+			for i, sc := range stateCases {
+				v.proto = sc.proto
+				v.setup(d)
+				k := v.flow(uint16(45000 + i))
+				d.send(k, sc.flags...)
+				keys[sc.state] = k
+				e, ok := d.lookup(k)
+				if !ok {
+					t.Fatalf("%s: not learned", sc.name)
+				}
+				now = max(now, e.LastSeen)
+			}
+			res, err := d.ct.Shed(context.Background(), now, tc.horizon)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Shed != tc.want || res.Expired != tc.want.Total() {
+				t.Errorf("shed %+v (expired %d), want %+v", res.Shed, res.Expired, tc.want)
+			}
+			for st, k := range keys {
+				_, ok := d.lookup(k)
+				_, nok := d.natLookup(v.natOf(k, 0))
+				gone := slices.Contains(tc.gone, st)
+				if ok == gone || nok == gone {
+					t.Errorf("%s: conntrack %v, NAT %v after the shed; want gone %v", st, ok, nok, gone)
+				}
+			}
+		})
+	}
+}

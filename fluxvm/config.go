@@ -191,6 +191,14 @@ type Config struct {
 	// a standby further behind resyncs from a snapshot. 0: the default
 	// (ha.DefaultMaxOps), at most MaxHAJournalOps.
 	HAJournalMaxOps int `toml:"ha_journal_max_ops"`
+	// PressureSoftPercent and PressureHardPercent are the map pressure
+	// controller's thresholds (pressure_soft_percent,
+	// pressure_hard_percent): the fill, in percent, of a flow map
+	// (conntrack, reverse NAT) at which it makes room (a GC now, then the
+	// flows closest to their end first) and at which the level reads
+	// hard. Defaults 80 and 95; 1..100, soft below hard.
+	PressureSoftPercent int `toml:"pressure_soft_percent"`
+	PressureHardPercent int `toml:"pressure_hard_percent"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -315,6 +323,8 @@ func DefaultConfig() Config {
 		CatalogPath:           DefaultCatalogPath,
 		AdvertisementsPath:    advert.DefaultPath,
 		HAInterval:            Duration{DefaultHAInterval},
+		PressureSoftPercent:   DefaultPressureSoftPercent,
+		PressureHardPercent:   DefaultPressureHardPercent,
 		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
 		TCPSynTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second},
 		TCPEstablishedTimeout: Duration{time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second},
@@ -635,6 +645,14 @@ func (c *Config) validate() error {
 	}
 	if n := c.FlowSampleRate; n > MaxFlowSampleRate {
 		bad(ErrInvalid, "flow_sample_rate", "%d is outside 0..%d (0: off, N: 1 in N new flows)", n, MaxFlowSampleRate)
+	}
+	switch soft, hard := c.PressureSoftPercent, c.PressureHardPercent; {
+	case soft < 1 || soft > 100:
+		bad(ErrInvalid, "pressure_soft_percent", "%d is outside 1..100", soft)
+	case hard < 1 || hard > 100:
+		bad(ErrInvalid, "pressure_hard_percent", "%d is outside 1..100", hard)
+	case soft >= hard:
+		bad(ErrConflict, "pressure_soft_percent", "%d is not below pressure_hard_percent (%d)", soft, hard)
 	}
 	if c.HAEpoch != 0 && len(c.NorthSouthInterfaces) == 0 {
 		bad(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")

@@ -68,6 +68,8 @@ flow_sample_rate = 100
 ha_epoch = 12
 ha_interval = "250ms"
 ha_journal_max_ops = 2048
+pressure_soft_percent = 70
+pressure_hard_percent = 90
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -109,6 +111,8 @@ edt_horizon_fallback = true
 		HAEpoch:                12,
 		HAInterval:             Duration{250 * time.Millisecond},
 		HAJournalMaxOps:        2048,
+		PressureSoftPercent:    70,
+		PressureHardPercent:    90,
 		ConntrackGCInterval:    Duration{90 * time.Second},
 		TCPSynTimeout:          Duration{2 * time.Second},
 		TCPEstablishedTimeout:  Duration{168 * time.Hour},
@@ -234,6 +238,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "ha_interval too short", doc: table + "ha_interval = \"10ms\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
 		{name: "ha_interval zero", doc: table + "ha_interval = \"0s\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
 		{name: "ha_journal_max_ops too large", doc: table + "ha_journal_max_ops = 4194305\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
+		{name: "pressure_soft_percent zero", doc: table + "pressure_soft_percent = 0\n", field: k("pressure_soft_percent"), kind: ErrInvalid, reason: "1..100"},
+		{name: "pressure_hard_percent too large", doc: table + "pressure_hard_percent = 101\n", field: k("pressure_hard_percent"), kind: ErrInvalid, reason: "1..100"},
+		{name: "pressure soft not below hard", doc: table + "pressure_soft_percent = 95\n", field: k("pressure_soft_percent"), kind: ErrConflict, reason: "not below"},
 		{name: "ha_journal_max_ops negative", doc: table + "ha_journal_max_ops = -1\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
 		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},
 

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -86,6 +87,15 @@ type Options struct {
 	// HA configures flow-state replication to a standby edge (hasync.go);
 	// the zero value leaves it off.
 	HA HAOptions
+	// PressureSoftPercent and PressureHardPercent are
+	// pressure_soft_percent and pressure_hard_percent (pressure.go): 0
+	// takes DefaultPressureSoftPercent and DefaultPressureHardPercent;
+	// otherwise 1..100, soft below hard. PressureInterval is how often
+	// the controller reads the levels (0: DefaultPressureInterval, or
+	// off when GCInterval is negative; negative: off, ReconcilePressure
+	// only).
+	PressureSoftPercent, PressureHardPercent int
+	PressureInterval                         time.Duration
 	// Interfaces are the VM-edge interfaces attached when the dataplane
 	// opens (Config.NorthSouthInterfaces are attached too).
 	Interfaces []VMEdgeInterface
@@ -141,10 +151,16 @@ type Dataplane struct {
 	routes *routeWatch
 	ct     *conntrack.Map
 	// ha is flow-state replication; nil when it is off (hasync.go).
-	ha     *haSync
-	caps   bpf.Capacities
-	limits Limits
-	inner  *ebpf.MapSpec
+	ha *haSync
+	// pressure is the map pressure controller (pressure.go); pstop and
+	// pdone stop and await its loop.
+	pressure     *pressureCtl
+	pstop, pdone chan struct{}
+	// gcEvery is the GC timer's current period (gcLoop adapts it).
+	gcEvery atomic.Int64
+	caps    bpf.Capacities
+	limits  Limits
+	inner   *ebpf.MapSpec
 
 	services  map[string]*service
 	frontends map[feKey]*frontend
@@ -305,6 +321,10 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	pc, err := newPressureCtl(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
@@ -315,7 +335,7 @@ func Open(opts Options) (*Dataplane, error) {
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
-		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs,
+		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	d.initHealth()
@@ -366,7 +386,17 @@ func Open(opts Options) (*Dataplane, error) {
 	d.startSocketDestroy()
 	if opts.GCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
+		d.gcEvery.Store(int64(opts.GCInterval))
 		go d.gcLoop(opts.GCInterval)
+	}
+	// GC on demand only (a negative GCInterval) leaves the controller's
+	// timer off too, unless PressureInterval asks for it.
+	if every := opts.PressureInterval; every > 0 || (every == 0 && opts.GCInterval > 0) {
+		if every == 0 {
+			every = DefaultPressureInterval
+		}
+		d.pstop, d.pdone = make(chan struct{}), make(chan struct{})
+		go d.pressureLoop(every, d.pstop, d.pdone)
 	}
 	opened = true
 	return d, nil
@@ -623,6 +653,7 @@ func (d *Dataplane) Close() error {
 	// Changes under way finish (and are journaled) first.
 	d.inflight.Wait()
 	d.stopHealth()
+	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
 	d.stopSocketDestroy()
@@ -649,6 +680,7 @@ func (d *Dataplane) Cleanup() error {
 	}
 	d.inflight.Wait()
 	d.stopHealth()
+	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
 	d.stopSocketDestroy()
@@ -996,6 +1028,9 @@ func (d *Dataplane) Status() Status {
 	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
 	if !d.closed {
 		out.Memory = d.memoryStatus()
+		if p, err := d.pressureStatus(); err == nil || p.Error != "" {
+			out.Pressure = &p
+		}
 	}
 	out.EDT = d.edtStatus()
 	out.HA = d.HAStatus()
@@ -1093,26 +1128,59 @@ func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
 	return res, nil
 }
 
-func (d *Dataplane) gcLoop(every time.Duration) {
+func (d *Dataplane) gcLoop(base time.Duration) {
 	defer close(d.done)
-	t := time.NewTicker(every)
+	every := base
+	t := time.NewTimer(every)
 	defer t.Stop()
 	for {
 		select {
 		case <-d.stop:
 			return
 		case <-t.C:
-			ctx, cancel := context.WithTimeout(context.Background(), every)
-			if r, err := d.GC(ctx); errors.Is(err, ErrClosed) {
-				cancel()
-				return
-			} else if err != nil {
-				d.log.Warn("fluxvm: conntrack gc failed", "err", err)
-			} else if r.Expired+r.Drained+r.BackendGone+r.Orphans+r.Repaired > 0 {
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), base)
+		r, err := d.GC(ctx)
+		cancel()
+		switch {
+		case errors.Is(err, ErrClosed):
+			return
+		case err != nil:
+			d.log.Warn("fluxvm: conntrack gc failed", "err", err)
+		default:
+			if r.Expired+r.Drained+r.BackendGone+r.Orphans+r.Repaired > 0 {
 				d.log.Debug("fluxvm: conntrack gc", "scanned", r.Scanned, "expired", r.Expired,
 					"drained", r.Drained, "backend_gone", r.BackendGone, "orphans", r.Orphans, "repaired", r.Repaired)
 			}
-			cancel()
+			if next := nextGCInterval(base, every, r); next != every {
+				d.log.Debug("fluxvm: conntrack gc interval adapted", "interval", next, "configured", base)
+				every = next
+			}
 		}
+		d.gcEvery.Store(int64(every))
+		t.Reset(every)
 	}
+}
+
+// nextGCInterval adapts the GC period to what the last run found: while
+// flows expire in bulk (a tenth or more of the entries scanned removed)
+// it halves, down to an eighth of the configured period (and never below
+// MinConntrackGCInterval), so that a table filling with dead flows is
+// emptied before it is full; when a run removes nothing it doubles, up to
+// twice the configured period; otherwise it moves back toward the
+// configured period.
+func nextGCInterval(base, cur time.Duration, r GCResult) time.Duration {
+	lo, hi := max(base/8, min(MinConntrackGCInterval, base)), 2*base
+	removed := r.Expired + r.Drained + r.BackendGone
+	switch {
+	case r.Scanned > 0 && removed*10 >= r.Scanned:
+		return max(cur/2, lo)
+	case removed == 0:
+		return min(cur*2, hi)
+	case cur < base:
+		return min(cur*2, base)
+	case cur > base:
+		return max(cur/2, base)
+	}
+	return cur
 }

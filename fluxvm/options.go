@@ -94,13 +94,15 @@ func OptionsFrom(cfg Config) Options {
 		CatalogPath:        cfg.CatalogPath,
 		// Always set by a validated configuration: the daemon publishes
 		// the advertisement file.
-		AdvertisementsPath: cfg.AdvertisementsPath,
-		NodeName:           cfg.NodeName,
-		HealthConcurrency:  cfg.HealthCheckConcurrency,
-		GCInterval:         cfg.ConntrackGCInterval.Duration,
-		Timeouts:           cfg.ConntrackTimeouts(),
-		MaglevSeed:         cfg.MaglevSeed,
-		FlowSampleRate:     cfg.FlowSampleRate,
+		AdvertisementsPath:  cfg.AdvertisementsPath,
+		NodeName:            cfg.NodeName,
+		HealthConcurrency:   cfg.HealthCheckConcurrency,
+		GCInterval:          cfg.ConntrackGCInterval.Duration,
+		Timeouts:            cfg.ConntrackTimeouts(),
+		MaglevSeed:          cfg.MaglevSeed,
+		FlowSampleRate:      cfg.FlowSampleRate,
+		PressureSoftPercent: cfg.PressureSoftPercent,
+		PressureHardPercent: cfg.PressureHardPercent,
 		HA: HAOptions{
 			Epoch: ha.Epoch(cfg.HAEpoch), Interval: cfg.HAInterval.Duration, MaxOps: cfg.HAJournalMaxOps,
 		},

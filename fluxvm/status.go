@@ -130,6 +130,9 @@ type Status struct {
 	// HA is flow-state replication: the lease, the mutation queue, the
 	// journals this edge serves and the cursors of what it applied.
 	HA HAStatus `json:"ha"`
+	// Pressure is the fill of the datapath's hash maps and the map
+	// pressure controller's last round (pressure.go); absent after Close.
+	Pressure *PressureStatus `json:"pressure,omitempty"`
 }
 
 // MemoryStatus is the kernel memory of the datapath's maps, in bytes

@@ -1,0 +1,329 @@
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+)
+
+// Map pressure control (pressure_soft_percent, pressure_hard_percent):
+// the fill level of every hash map of the datapath, read every
+// DefaultPressureInterval through the kernel's own count (bpf.MapEntries:
+// one walk of the map table, under a millisecond at tier L), and, when a
+// flow map (conntrack, reverse NAT) is above the soft threshold, a round
+// that makes room: a GC now, then, while still above it, the flows
+// closest to their end shed first (conntrack.Shed: every closed TCP flow,
+// then UDP flows idle for a quarter of their timeout and handshakes that
+// long unanswered; established TCP flows, with timeouts of hours, are
+// never reached by these horizons). Datapath
+// insert failures (drops ct_update, nat_update: a full plain hash map)
+// start a round at the next tick whatever the levels.
+const (
+	DefaultPressureSoftPercent = 80
+	DefaultPressureHardPercent = 95
+	// DefaultPressureInterval is how often the controller reads the
+	// levels.
+	DefaultPressureInterval = 2 * time.Second
+)
+
+// Pressure levels.
+const (
+	PressureOK   = "ok"
+	PressureSoft = "soft"
+	PressureHard = "hard"
+)
+
+// pressureMaps are the maps a round can make room in: flows.
+var pressureMaps = []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"}
+
+// MapPressure is one map's fill.
+type MapPressure struct {
+	Entries    int64   `json:"entries"`
+	MaxEntries uint32  `json:"max_entries"`
+	Percent    float64 `json:"percent"`
+}
+
+// PressureStatus is the fill of the datapath's hash maps and what the
+// controller last did.
+type PressureStatus struct {
+	SoftPercent int `json:"soft_percent"`
+	HardPercent int `json:"hard_percent"`
+	// Level is the highest of the flow maps' levels: ok, soft or hard.
+	Level string `json:"level"`
+	// Maps are every hash map by name (flows, socket LB, policy, ...).
+	Maps map[string]MapPressure `json:"maps,omitempty"`
+	// InsertFailures are the datapath's failed flow inserts so far
+	// (drops ct_update and nat_update).
+	InsertFailures uint64 `json:"insert_failures"`
+	// LastRound is the last round that acted; Rounds counts them.
+	LastRound *PressureRound `json:"last_round,omitempty"`
+	Rounds    uint64         `json:"rounds"`
+	// GCInterval is the GC timer's period now (it adapts: shorter while
+	// flows expire in bulk, longer when idle; 0: no timer).
+	GCInterval Duration `json:"gc_interval,omitzero"`
+	// Error is why the levels could not be read (a kernel before 6.6).
+	Error string `json:"error,omitempty"`
+}
+
+// PressureRound is what one round did.
+type PressureRound struct {
+	At time.Time `json:"at"`
+	// Level and Over are the level and the flow maps above the soft
+	// threshold when it started; After the flow maps' percent when it
+	// ended.
+	Level string             `json:"level"`
+	Over  []string           `json:"over,omitempty"`
+	After map[string]float64 `json:"after,omitempty"`
+	// GC is the collection the round ran first, nil when nothing was over.
+	GC *GCResult `json:"gc,omitempty"`
+	// Shed counts the flows removed before their deadline, by state,
+	// and Horizon the largest horizon used.
+	Shed    conntrack.ShedCounts `json:"shed"`
+	Horizon Duration             `json:"horizon,omitzero"`
+	// InsertFailures is how many failed inserts since the previous round
+	// woke it (0: the levels did).
+	InsertFailures uint64   `json:"insert_failures,omitempty"`
+	Duration       Duration `json:"duration"`
+}
+
+// pressureCtl is the controller's state.
+type pressureCtl struct {
+	soft, hard int
+	mu         sync.Mutex // serializes rounds
+	stMu       sync.Mutex
+	last       *PressureRound
+	rounds     uint64
+	failures   uint64 // insert failures seen by the last tick
+}
+
+// pressureLevel is the level of percent p.
+func (c *pressureCtl) level(p float64) string {
+	switch {
+	case p >= float64(c.hard):
+		return PressureHard
+	case p >= float64(c.soft):
+		return PressureSoft
+	}
+	return PressureOK
+}
+
+// Pressure reads the fill of the datapath's hash maps now.
+func (d *Dataplane) Pressure() (PressureStatus, error) {
+	d.mu.Lock()
+	err := d.checkOpen("pressure")
+	d.mu.Unlock()
+	if err != nil {
+		return PressureStatus{}, err
+	}
+	return d.pressureStatus()
+}
+
+// pressureStatus reads the levels; the caller checked that the
+// dataplane is open (Status holds mu meanwhile: it takes none).
+func (d *Dataplane) pressureStatus() (PressureStatus, error) {
+	c := d.pressure
+	st := PressureStatus{SoftPercent: c.soft, HardPercent: c.hard, Level: PressureOK,
+		GCInterval: Duration{time.Duration(d.gcEvery.Load())}}
+	c.stMu.Lock()
+	st.LastRound, st.Rounds = c.last, c.rounds
+	c.stMu.Unlock()
+	st.InsertFailures, _ = d.insertFailures()
+	fills, err := d.dp.MapEntries()
+	if err != nil {
+		st.Error = err.Error()
+		return st, fmt.Errorf("fluxvm: pressure: %w", err)
+	}
+	st.Maps = make(map[string]MapPressure, len(fills))
+	for name, f := range fills {
+		st.Maps[name] = MapPressure{Entries: f.Entries, MaxEntries: f.MaxEntries, Percent: f.Percent()}
+	}
+	for _, name := range pressureMaps {
+		if l := c.level(st.Maps[name].Percent); l == PressureHard || (l == PressureSoft && st.Level == PressureOK) {
+			st.Level = l
+		}
+	}
+	return st, nil
+}
+
+// insertFailures sums the datapath's failed flow inserts.
+func (d *Dataplane) insertFailures() (uint64, error) {
+	drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops)
+	if err != nil {
+		return 0, err
+	}
+	return drops[bpf.DropCTUpdate] + drops[bpf.DropNATUpdate], nil
+}
+
+// ReconcilePressure runs one round now and returns what it did: when a
+// flow map is above the soft threshold (or force, as when inserts failed),
+// a GC, then shedding with growing horizons while a flow map stays above
+// it. A round with nothing over the threshold does nothing.
+func (d *Dataplane) ReconcilePressure(ctx context.Context) (PressureRound, error) {
+	return d.pressureRound(ctx, 0)
+}
+
+func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (PressureRound, error) {
+	c := d.pressure
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	start := time.Now()
+	r := PressureRound{At: start.UTC(), InsertFailures: failures}
+	st, err := d.Pressure()
+	if err != nil {
+		return r, err
+	}
+	r.Level = st.Level
+	over := func(st PressureStatus) []string {
+		var out []string
+		for _, name := range pressureMaps {
+			if st.Maps[name].Percent >= float64(c.soft) {
+				out = append(out, name)
+			}
+		}
+		return out
+	}
+	r.Over = over(st)
+	if len(r.Over) == 0 && failures == 0 {
+		r.Duration = Duration{time.Since(start)}
+		return r, nil
+	}
+	gc, err := d.GC(ctx)
+	if err != nil {
+		return r, fmt.Errorf("fluxvm: pressure: %w", err)
+	}
+	r.GC = &gc
+	// The horizons: past closed TCP flows (FIN, RST: all of them), then
+	// three quarters of the UDP and SYN timeouts (UDP flows idle for a
+	// quarter of theirs, handshakes that long unanswered). Established
+	// TCP flows (hours) are out of reach.
+	to := d.opts.Timeouts
+	horizons := []time.Duration{max(to.TCPFin, to.TCPRst), max(to.UDP, to.TCPSyn) * 3 / 4}
+	for _, h := range horizons {
+		if st, err = d.Pressure(); err != nil {
+			return r, err
+		}
+		if len(over(st)) == 0 {
+			break
+		}
+		res, err := d.shed(ctx, h)
+		if err != nil {
+			return r, fmt.Errorf("fluxvm: pressure: %w", err)
+		}
+		r.Shed.Closed += res.Shed.Closed
+		r.Shed.HalfOpen += res.Shed.HalfOpen
+		r.Shed.IdleUDP += res.Shed.IdleUDP
+		r.Shed.Established += res.Shed.Established
+		r.Horizon = Duration{h}
+	}
+	if st, err = d.Pressure(); err == nil {
+		r.After = map[string]float64{}
+		for _, name := range pressureMaps {
+			r.After[name] = st.Maps[name].Percent
+		}
+	}
+	r.Duration = Duration{time.Since(start)}
+	c.stMu.Lock()
+	c.last = &r
+	c.rounds++
+	c.stMu.Unlock()
+	d.log.Info("fluxvm: map pressure round", "level", r.Level, "over", strings.Join(r.Over, ","),
+		"gc_removed", gc.Expired+gc.Drained+gc.BackendGone, "shed_closed", r.Shed.Closed, "shed_half_open", r.Shed.HalfOpen,
+		"shed_idle_udp", r.Shed.IdleUDP, "insert_failures", failures, "duration", r.Duration.Duration)
+	return r, nil
+}
+
+// shed runs conntrack.Shed with horizon, as GC runs the collection (one
+// at a time with it, cancelled by Close).
+func (d *Dataplane) shed(ctx context.Context, horizon time.Duration) (conntrack.GCResult, error) {
+	now, err := conntrack.Now()
+	if err != nil {
+		return conntrack.GCResult{}, err
+	}
+	d.mu.Lock()
+	if err := d.checkOpen("shed"); err != nil {
+		d.mu.Unlock()
+		return conntrack.GCResult{}, err
+	}
+	d.gcRuns.Add(1)
+	defer d.gcRuns.Done()
+	d.mu.Unlock()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(d.gcCtx, cancel)()
+	res, err := d.ct.Shed(ctx, now, horizon)
+	if err != nil && d.gcCtx.Err() != nil {
+		return res, fmt.Errorf("shed: interrupted by Close: %w", ErrClosed)
+	}
+	return res, err
+}
+
+// pressureLoop reads the levels every interval and runs a round when a
+// flow map is above the soft threshold or inserts failed since the last
+// tick.
+func (d *Dataplane) pressureLoop(every time.Duration, stop <-chan struct{}, done chan<- struct{}) {
+	defer close(done)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	c := d.pressure
+	c.failures, _ = d.insertFailures()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		f, err := d.insertFailures()
+		var failed uint64
+		if err == nil && f > c.failures {
+			failed = f - c.failures
+		}
+		c.failures = max(c.failures, f)
+		st, err := d.Pressure()
+		if err != nil {
+			if errors.Is(err, ErrClosed) {
+				return
+			}
+			continue // a kernel that cannot count: nothing to control
+		}
+		if st.Level == PressureOK && failed == 0 {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*every)
+		if _, err := d.pressureRound(ctx, failed); err != nil && !errors.Is(err, ErrClosed) {
+			d.log.Warn("fluxvm: map pressure round failed", "err", err)
+		}
+		cancel()
+	}
+}
+
+// newPressureCtl checks the thresholds of o.
+func newPressureCtl(o Options) (*pressureCtl, error) {
+	c := &pressureCtl{soft: o.PressureSoftPercent, hard: o.PressureHardPercent}
+	if c.soft == 0 {
+		c.soft = DefaultPressureSoftPercent
+	}
+	if c.hard == 0 {
+		c.hard = DefaultPressureHardPercent
+	}
+	if c.soft < 1 || c.soft > 100 || c.hard < 1 || c.hard > 100 || c.soft >= c.hard {
+		return nil, verr(ErrInvalid, "PressureSoftPercent", "soft %d%% and hard %d%%: each 1..100, soft below hard", c.soft, c.hard)
+	}
+	return c, nil
+}
+
+// stopPressure stops the controller's loop and waits for it (a round in
+// progress ends: Close cancels its GC). Call it after markClosed, without
+// mu.
+func (d *Dataplane) stopPressure() {
+	if d.pstop != nil {
+		close(d.pstop)
+		<-d.pdone
+		d.pstop = nil
+	}
+}

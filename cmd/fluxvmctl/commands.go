@@ -1,0 +1,351 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+)
+
+// Paths of the routes the CLI calls (fluxvm/api/routes.go).
+const (
+	pathServices     = "/v1/network/services"
+	pathStatus       = pathServices + "/status"
+	pathStats        = pathServices + "/stats"
+	pathHealth       = pathServices + "/health"
+	pathReconcile    = pathServices + "/health/reconcile"
+	pathGC           = pathServices + "/conntrack/gc"
+	pathAdverts      = pathServices + "/advertisements"
+	pathFlows        = pathServices + "/flows"
+	pathPolicies     = pathServices + "/policies"
+	pathHA           = pathServices + "/ha"
+	pathVMStatsFirst = "/v1/vms/"
+	pathVMStatsLast  = "/network/services/stats"
+)
+
+// command is one subcommand.
+type command struct {
+	name  string
+	usage string // name and arguments, for the usage text
+	help  string
+	run   func(inv *invocation) error
+}
+
+// commands lists the subcommands, one per route of the REST API they
+// call (never one for a route the API does not have).
+var commands = []command{
+	{"services", "services", "list the services (GET /v1/network/services)", cmdServices},
+	{"service", "service NAME", "one service in detail", cmdService},
+	{"status", "status", "the dataplane: schema, tier, interfaces, SNAT, XDP, HA", cmdStatus},
+	{"stats", "stats [-all] [-vm ID]", "datapath counters (nonzero unless -all); -vm: one VM's", cmdStats},
+	{"health", "health", "observed health of the backends of checked services", cmdHealth},
+	{"flows", "flows [filter flags] [-limit N]", "flow records, newest first; filters: -service -backend -verdict -since", cmdFlows},
+	{"advertisements", "advertisements", "the VIP advertisement snapshot", cmdAdvertisements},
+	{"policies", "policies", "identity policy state: ipcache, policies, counters", cmdPolicies},
+	{"policy", "policy NAME", "the identity policy of one service", cmdPolicy},
+	{"ha", "ha", "flow-state replication: lease, queue, journals, cursors", cmdHA},
+	{"apply", "apply FILE|-", "create or replace a service from its JSON (admin)", cmdApply},
+	{"delete", "delete NAME", "remove a service (admin)", cmdDelete},
+	{"gc", "gc", "run one conntrack garbage collection now (admin)", cmdGC},
+	{"health-reconcile", "health-reconcile", "run one round of every health check now (admin)", cmdHealthReconcile},
+}
+
+func commandByName(name string) (command, bool) {
+	for _, c := range commands {
+		if c.name == name {
+			return c, true
+		}
+	}
+	return command{}, false
+}
+
+// errFlagParse: the flag package already printed what was wrong.
+var errFlagParse = errors.New("bad flags")
+
+// invocation is one run of a command.
+type invocation struct {
+	*globals
+	name   string
+	args   []string
+	stdout io.Writer
+	stderr io.Writer
+	env    func(string) string
+}
+
+// testStdin, when set by a test, is what apply - reads instead of
+// os.Stdin.
+var testStdin io.Reader
+
+// flags returns the command's flag set, holding the global flags too.
+func (inv *invocation) flags() *flag.FlagSet {
+	fs := flag.NewFlagSet("fluxvmctl "+inv.name, flag.ContinueOnError)
+	fs.SetOutput(inv.stderr)
+	inv.register(fs)
+	return fs
+}
+
+// parse parses the command's arguments (flags may come before or after
+// the positional ones) and checks that there is one positional argument
+// for each name of what.
+func (inv *invocation) parse(fs *flag.FlagSet, what ...string) ([]string, error) {
+	var pos []string
+	args := inv.args
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, errFlagParse
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			break
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+	if len(pos) != len(what) {
+		if len(what) == 0 {
+			return nil, usagef("%s takes no argument", inv.name)
+		}
+		return nil, usagef("usage: fluxvmctl %s %s", inv.name, strings.Join(what, " "))
+	}
+	if inv.output != "table" && inv.output != "json" {
+		return nil, usagef("-o %q: want table or json", inv.output)
+	}
+	return pos, nil
+}
+
+// call sends r; with -o json it prints the answer as is (indented),
+// else it decodes it into v (one of the SDK's types) and prints table.
+func (inv *invocation) call(r request, v any, table func(w io.Writer)) error {
+	c, err := newClient(inv.globals, inv.env)
+	if err != nil {
+		return err
+	}
+	raw, _, err := c.do(context.Background(), r)
+	if err != nil {
+		return err
+	}
+	if inv.output == "json" {
+		if len(bytes.TrimSpace(raw)) == 0 {
+			return nil // 204
+		}
+		out, err := indentJSON(raw)
+		if err != nil {
+			return fmt.Errorf("%s %s: %w", r.method, r.path, err)
+		}
+		_, err = inv.stdout.Write(out)
+		return err
+	}
+	if v != nil {
+		if err := decode(raw, v, r.method+" "+r.path); err != nil {
+			return err
+		}
+	}
+	tw := tabwriter.NewWriter(inv.stdout, 0, 4, 2, ' ', 0)
+	table(tw)
+	return tw.Flush()
+}
+
+// simple is a command without flags or arguments that GETs path.
+func (inv *invocation) simple(path string, v any, table func(w io.Writer)) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	return inv.call(request{method: http.MethodGet, path: path}, v, table)
+}
+
+// servicePath is the path of a service (its name escaped).
+func servicePath(name, rest string) string {
+	return pathServices + "/" + url.PathEscape(name) + rest
+}
+
+func cmdServices(inv *invocation) error {
+	var list []fluxvm.ServiceStatus
+	return inv.simple(pathServices, &list, func(w io.Writer) { servicesTable(w, list) })
+}
+
+func cmdService(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "NAME")
+	if err != nil {
+		return err
+	}
+	if fluxvm.IsReservedName(pos[0]) {
+		// GET /v1/network/services/status and the like are other routes:
+		// their answer is not a service.
+		return usagef("%q is reserved for a route of the REST API, not a service name", pos[0])
+	}
+	var st fluxvm.ServiceStatus
+	return inv.call(request{method: http.MethodGet, path: servicePath(pos[0], "")}, &st, func(w io.Writer) { serviceDetail(w, st) })
+}
+
+func cmdStatus(inv *invocation) error {
+	var st fluxvm.Status
+	return inv.simple(pathStatus, &st, func(w io.Writer) { statusTable(w, st) })
+}
+
+func cmdStats(inv *invocation) error {
+	fs := inv.flags()
+	all := fs.Bool("all", false, "print the counters that are zero too")
+	vm := fs.String("vm", "", "the counters of one VM's edge interfaces")
+	if _, err := inv.parse(fs); err != nil {
+		return err
+	}
+	if *vm != "" {
+		var st fluxvm.VMStats
+		path := pathVMStatsFirst + url.PathEscape(*vm) + pathVMStatsLast
+		return inv.call(request{method: http.MethodGet, path: path}, &st, func(w io.Writer) { vmStatsTable(w, st) })
+	}
+	var st fluxvm.Stats
+	return inv.call(request{method: http.MethodGet, path: pathStats}, &st, func(w io.Writer) { statsTable(w, st, *all) })
+}
+
+func cmdHealth(inv *invocation) error {
+	var rep fluxvm.HealthReport
+	return inv.simple(pathHealth, &rep, func(w io.Writer) { healthTable(w, rep) })
+}
+
+func cmdFlows(inv *invocation) error {
+	fs := inv.flags()
+	service := fs.String("service", "", "only the flows of this service")
+	backend := fs.String("backend", "", "only the flows to this backend address")
+	verdict := fs.String("verdict", "", "only this verdict: forwarded, dropped, audited or redirected")
+	since := fs.String("since", "", "only flows seen since: an RFC 3339 time, or a duration back from now (5m)")
+	limit := fs.Int("limit", 0, "at most this many records (default: the node's, "+strconv.Itoa(api.DefaultFlowsLimit)+")")
+	if _, err := inv.parse(fs); err != nil {
+		return err
+	}
+	q := url.Values{}
+	if *service != "" {
+		q.Set("service", *service)
+	}
+	if *backend != "" {
+		q.Set("backend", *backend)
+	}
+	if *verdict != "" {
+		q.Set("verdict", *verdict)
+	}
+	if *since != "" {
+		t, err := parseSince(*since, time.Now())
+		if err != nil {
+			return err
+		}
+		q.Set("since", t)
+	}
+	if isSet(fs, "limit") {
+		q.Set("limit", strconv.Itoa(*limit))
+	}
+	var resp api.FlowsResponse
+	return inv.call(request{method: http.MethodGet, path: pathFlows, query: q}, &resp, func(w io.Writer) { flowsTable(w, resp.Records) })
+}
+
+// parseSince reads -since: a duration back from now, or a time passed
+// to the node as it is (the node checks it is RFC 3339).
+func parseSince(v string, now time.Time) (string, error) {
+	if d, err := time.ParseDuration(v); err == nil {
+		if d < 0 {
+			return "", usagef("-since %s: a duration back from now must not be negative", v)
+		}
+		return now.Add(-d).UTC().Format(time.RFC3339Nano), nil
+	}
+	return v, nil
+}
+
+// isSet reports whether the flag was given.
+func isSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+func cmdAdvertisements(inv *invocation) error {
+	var s advert.Snapshot
+	return inv.simple(pathAdverts, &s, func(w io.Writer) { advertTable(w, s) })
+}
+
+func cmdPolicies(inv *invocation) error {
+	var st fluxvm.PoliciesStatus
+	return inv.simple(pathPolicies, &st, func(w io.Writer) { policiesTable(w, st) })
+}
+
+func cmdPolicy(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "NAME")
+	if err != nil {
+		return err
+	}
+	var st fluxvm.PolicyStatus
+	return inv.call(request{method: http.MethodGet, path: servicePath(pos[0], "/policy")}, &st, func(w io.Writer) { policyDetail(w, st) })
+}
+
+func cmdHA(inv *invocation) error {
+	var st fluxvm.HAStatus
+	return inv.simple(pathHA, &st, func(w io.Writer) { haTable(w, st) })
+}
+
+func cmdApply(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "FILE|-")
+	if err != nil {
+		return err
+	}
+	var body []byte
+	if pos[0] == "-" {
+		in := io.Reader(os.Stdin)
+		if testStdin != nil {
+			in = testStdin
+		}
+		body, err = io.ReadAll(in)
+		if err != nil {
+			return fmt.Errorf("read the service from stdin: %w", err)
+		}
+	} else {
+		body, err = os.ReadFile(pos[0])
+		if err != nil {
+			return fmt.Errorf("read the service: %w", err)
+		}
+	}
+	var st fluxvm.ServiceStatus
+	return inv.call(request{method: http.MethodPost, path: pathServices, body: bytes.NewReader(body)}, &st, func(w io.Writer) {
+		fmt.Fprintf(w, "applied service %s, revision %d\n\n", st.Service.Name, st.Revision)
+		serviceDetail(w, st)
+	})
+}
+
+func cmdDelete(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "NAME")
+	if err != nil {
+		return err
+	}
+	return inv.call(request{method: http.MethodDelete, path: servicePath(pos[0], "")}, nil, func(w io.Writer) {
+		fmt.Fprintf(w, "deleted service %s\n", pos[0])
+	})
+}
+
+func cmdGC(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	var res fluxvm.GCResult
+	return inv.call(request{method: http.MethodPost, path: pathGC}, &res, func(w io.Writer) { gcTable(w, res) })
+}
+
+func cmdHealthReconcile(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	var rep fluxvm.HealthReport
+	return inv.call(request{method: http.MethodPost, path: pathReconcile}, &rep, func(w io.Writer) { healthTable(w, rep) })
+}

@@ -439,9 +439,11 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"ImportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlows(ctx, "web", strings.NewReader(""), false)
 		}},
-		"FlowDelta":    {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.FlowDelta("web", "", 0, 0) }},
-		"AckFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta("web", 1) }},
-		"UpdateLease":  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(HALease{Epoch: 9}) }},
+		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure() }},
+		"ReconcilePressure": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcilePressure(ctx) }},
+		"FlowDelta":         {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.FlowDelta("web", "", 0, 0) }},
+		"AckFlowDelta":      {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta("web", 1) }},
+		"UpdateLease":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(HALease{Epoch: 9}) }},
 		"ImportFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})
 		}},

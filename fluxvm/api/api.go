@@ -48,6 +48,9 @@ type Dataplane interface {
 	// ReconcileHealth runs one round of every health check now and
 	// returns the report.
 	ReconcileHealth(ctx context.Context) (fluxvm.HealthReport, error)
+	// ReconcilePressure runs one round of the map pressure controller
+	// now and returns what it did.
+	ReconcilePressure(ctx context.Context) (fluxvm.PressureRound, error)
 	// Advertisements returns the current VIP advertisement snapshot, the
 	// document the node's snapshot file holds.
 	Advertisements() advert.Snapshot

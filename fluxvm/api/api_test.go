@@ -617,6 +617,7 @@ func TestAuthMatrix(t *testing.T) {
 		{"gc", req{method: "POST", path: "/v1/network/services/conntrack/gc"}, admin},
 		{"health", req{method: "GET", path: "/v1/network/services/health"}, read},
 		{"reconcile health", req{method: "POST", path: "/v1/network/services/health/reconcile"}, admin},
+		{"reconcile pressure", req{method: "POST", path: "/v1/network/services/pressure/reconcile"}, admin},
 		{"advertisements", req{method: "GET", path: "/v1/network/services/advertisements"}, read},
 		{"delete", req{method: "DELETE", path: "/v1/network/services/web"}, admin},
 		{"policies", req{method: "GET", path: "/v1/network/services/policies"}, read},

@@ -19,16 +19,20 @@ import (
 // fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
 // its fields are returned by the matching method.
 type fakeDataplane struct {
-	mu           sync.Mutex
-	services     map[string]fluxvm.ServiceStatus
-	revision     uint64
-	applied      []fluxvm.Service // every service ApplyService received
-	deleted      []string
-	gcRuns       int
-	reconciles   int
-	health       fluxvm.HealthReport
-	reconcileErr error
-	adverts      advert.Snapshot
+	mu         sync.Mutex
+	services   map[string]fluxvm.ServiceStatus
+	revision   uint64
+	applied    []fluxvm.Service // every service ApplyService received
+	deleted    []string
+	gcRuns     int
+	reconciles int
+	health     fluxvm.HealthReport
+	// ReconcilePressure: its answer or error, and the rounds run.
+	pressureRound  fluxvm.PressureRound
+	pressureErr    error
+	pressureRounds int
+	reconcileErr   error
+	adverts        advert.Snapshot
 
 	applyErr    error
 	statsErr    error
@@ -216,6 +220,16 @@ func (f *fakeDataplane) ReconcileHealth(context.Context) (fluxvm.HealthReport, e
 		return fluxvm.HealthReport{}, f.reconcileErr
 	}
 	return f.health, nil
+}
+
+func (f *fakeDataplane) ReconcilePressure(context.Context) (fluxvm.PressureRound, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.pressureRounds++
+	if f.pressureErr != nil {
+		return fluxvm.PressureRound{}, f.pressureErr
+	}
+	return f.pressureRound, nil
 }
 
 func (f *fakeDataplane) Advertisements() advert.Snapshot {

@@ -49,6 +49,7 @@ var (
 	descAdvertGen   = desc("advertisement_generation", "Generation of the current advertisement snapshot (0 before the first publish).")
 	descAdvertError = desc("advertisement_publish_failing", "1 while the last publish of the advertisement snapshot failed (the file keeps the previous one), else 0.")
 
+	descPressure    = desc("map_pressure", "Fill of each hash map of the datapath, 0 to 1, as the kernel counts its entries (Status.Pressure).", "map")
 	descMapMemory   = desc("map_memory_bytes", "Kernel memory of each BPF map (its fdinfo memlock); the Maglev tables summed as fluxvm_maglev_inner.", "map")
 	descMaglevInner = desc("maglev_inner_maps", "Maglev tables (inner maps of fluxvm_maglev) in the datapath.")
 	descXDPMode     = desc("xdp_mode", "North-south interfaces by the XDP mode in force (native, generic, off): value 1.", "interface", "mode")
@@ -118,6 +119,7 @@ type collector struct{ src MetricsSource }
 //	fluxvm_map_memory_bytes                     gauge {map}: kernel memory of each BPF map (Status.Memory);
 //	                                            the Maglev tables summed under map="fluxvm_maglev_inner"
 //	fluxvm_maglev_inner_maps                    gauge: Maglev tables in the datapath
+//	fluxvm_map_pressure                         gauge {map}: fill of each hash map, 0..1 (Status.Pressure)
 //
 // The GC series appear once the dataplane has run a GC. When Stats fails,
 // the status series are still served, fluxvm_datapath_stats_up is 0 and
@@ -132,7 +134,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
 		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
-		descMapMemory, descMaglevInner, descXDPMode, descXDPRoutes, descXDPRouteInv,
+		descMapMemory, descMaglevInner, descPressure, descXDPMode, descXDPRoutes, descXDPRouteInv,
 		descSockEnabled, descSockHooks, descSockDestroyed, descSockRuns, descSockSupported,
 		descEDTRate, descEDTDrops, descEDTEnabled, descEDTHorizon, descEDTMode,
 	} {
@@ -217,6 +219,15 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			emit(descMapMemory, prometheus.GaugeValue, float64(mem.MaglevInner.Bytes), MaglevInnerMapLabel)
 			emit(descMaglevInner, prometheus.GaugeValue, float64(mem.MaglevInner.Count))
+		}
+	}
+	if p := st.Pressure; p != nil {
+		if p.Error != "" {
+			ch <- prometheus.NewInvalidMetric(descPressure, fmt.Errorf("fluxvm metrics: map pressure: %s", p.Error))
+		} else {
+			for name, m := range p.Maps {
+				emit(descPressure, prometheus.GaugeValue, m.Percent/100, name)
+			}
 		}
 	}
 	for _, sh := range c.src.Health().Services {

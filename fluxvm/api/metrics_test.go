@@ -54,6 +54,9 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		Destroy: fluxvm.SocketDestroyStatus{Supported: &yes, Runs: 9, LastDestroyed: 1, Destroyed: 3},
 	}
 	dp.status.Advertisements = fluxvm.AdvertisementStatus{Generation: 12, Advertised: 2, Withdrawn: 1, LastError: "advert: publish: disk full"}
+	dp.status.Pressure = &fluxvm.PressureStatus{Maps: map[string]fluxvm.MapPressure{
+		"fluxvm_fct4": {Entries: 52429, MaxEntries: 65536, Percent: 80.0},
+	}}
 	dp.status.Memory = &fluxvm.MemoryStatus{
 		Maps:        map[string]uint64{"fluxvm_fct4": 6_291_456, "fluxvm_maglev": 2_368},
 		MaglevInner: fluxvm.InnerMapsMemory{Count: 3, Bytes: 393_600, LargestBytes: 131_200},
@@ -186,6 +189,9 @@ fluxvm_map_memory_bytes{map="fluxvm_maglev_inner"} 393600
 # HELP fluxvm_maglev_inner_maps Maglev tables (inner maps of fluxvm_maglev) in the datapath.
 # TYPE fluxvm_maglev_inner_maps gauge
 fluxvm_maglev_inner_maps 3
+# HELP fluxvm_map_pressure Fill of each hash map of the datapath, 0 to 1, as the kernel counts its entries (Status.Pressure).
+# TYPE fluxvm_map_pressure gauge
+fluxvm_map_pressure{map="fluxvm_fct4"} 0.8
 # HELP fluxvm_xdp_mode North-south interfaces by the XDP mode in force (native, generic, off): value 1.
 # TYPE fluxvm_xdp_mode gauge
 fluxvm_xdp_mode{interface="eth1",mode="native"} 1

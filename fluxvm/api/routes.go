@@ -48,6 +48,7 @@ var routes = []route{
 	{method: http.MethodPost, path: "/v1/network/services/conntrack/gc", admin: true, body: true, handle: (*handler).gc},
 	{method: http.MethodGet, path: "/v1/network/services/health", handle: (*handler).health},
 	{method: http.MethodPost, path: "/v1/network/services/health/reconcile", admin: true, body: true, handle: (*handler).reconcileHealth},
+	{method: http.MethodPost, path: "/v1/network/services/pressure/reconcile", admin: true, body: true, handle: (*handler).reconcilePressure},
 	{method: http.MethodGet, path: "/v1/network/services/advertisements", handle: (*handler).advertisements},
 	{method: http.MethodGet, path: "/v1/network/services/flows", handle: (*handler).flows},
 	{method: http.MethodPost, path: "/v1/network/services/telemetry/export", admin: true, handle: (*handler).exportFlows},
@@ -278,6 +279,27 @@ func (h *handler) reconcileHealth(w http.ResponseWriter, r *http.Request) error 
 		return err
 	}
 	h.writeJSON(w, r, http.StatusOK, healthReport(rep))
+	return nil
+}
+
+// reconcilePressure answers POST /v1/network/services/pressure/reconcile
+// (body empty or "{}"): one round of the map pressure controller now, and
+// what it did.
+func (h *handler) reconcilePressure(w http.ResponseWriter, r *http.Request) error {
+	body, err := readBody(r)
+	if err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(body)) > 0 {
+		if err := decodeStrict(body, &reconcileRequest{}); err != nil {
+			return err
+		}
+	}
+	round, err := h.dp.ReconcilePressure(r.Context())
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, round)
 	return nil
 }
 

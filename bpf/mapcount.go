@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -112,17 +111,4 @@ func (d *Datapath) MapEntries() (map[string]MapFill, error) {
 }
 
 // mapCounter is the map iterator, loaded at first use.
-type mapCounter struct {
-	sync.Mutex
-	coll *ebpf.Collection
-	prog *ebpf.Program
-}
-
-func (c *mapCounter) close() {
-	c.Lock()
-	defer c.Unlock()
-	if c.coll != nil {
-		c.coll.Close()
-		c.coll, c.prog = nil, nil
-	}
-}
+type mapCounter = sideProgram

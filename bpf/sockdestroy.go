@@ -72,13 +72,17 @@ func (d *Datapath) DestroyStaleUDPSockets() (int, error) {
 }
 
 // sockDestroy is the socket iterator, loaded at first use.
-type sockDestroy struct {
+type sockDestroy = sideProgram
+
+// sideProgram is a program of a side object (side.go) the datapath loads
+// at its first use and keeps until Close.
+type sideProgram struct {
 	sync.Mutex
 	coll *ebpf.Collection
 	prog *ebpf.Program
 }
 
-func (s *sockDestroy) close() {
+func (s *sideProgram) close() {
 	s.Lock()
 	defer s.Unlock()
 	if s.coll != nil {

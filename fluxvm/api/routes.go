@@ -237,15 +237,22 @@ func (h *handler) stats(w http.ResponseWriter, r *http.Request) error {
 // "{}" today; it exists so options can be added without breaking clients.
 type gcRequest struct{}
 
-func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
+// emptyBody reads a body that is empty or an empty options object (v,
+// decoded strictly: a field it lacks is refused).
+func emptyBody(r *http.Request, v any) error {
 	body, err := readBody(r)
 	if err != nil {
 		return err
 	}
-	if len(bytes.TrimSpace(body)) > 0 {
-		if err := decodeStrict(body, &gcRequest{}); err != nil {
-			return err
-		}
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil
+	}
+	return decodeStrict(body, v)
+}
+
+func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
+	if err := emptyBody(r, &gcRequest{}); err != nil {
+		return err
 	}
 	res, err := h.dp.GC(r.Context())
 	if err != nil {
@@ -265,14 +272,8 @@ func (h *handler) health(w http.ResponseWriter, r *http.Request) error {
 type reconcileRequest struct{}
 
 func (h *handler) reconcileHealth(w http.ResponseWriter, r *http.Request) error {
-	body, err := readBody(r)
-	if err != nil {
+	if err := emptyBody(r, &reconcileRequest{}); err != nil {
 		return err
-	}
-	if len(bytes.TrimSpace(body)) > 0 {
-		if err := decodeStrict(body, &reconcileRequest{}); err != nil {
-			return err
-		}
 	}
 	rep, err := h.dp.ReconcileHealth(r.Context())
 	if err != nil {
@@ -286,14 +287,8 @@ func (h *handler) reconcileHealth(w http.ResponseWriter, r *http.Request) error 
 // (body empty or "{}"): one round of the map pressure controller now, and
 // what it did.
 func (h *handler) reconcilePressure(w http.ResponseWriter, r *http.Request) error {
-	body, err := readBody(r)
-	if err != nil {
+	if err := emptyBody(r, &reconcileRequest{}); err != nil {
 		return err
-	}
-	if len(bytes.TrimSpace(body)) > 0 {
-		if err := decodeStrict(body, &reconcileRequest{}); err != nil {
-			return err
-		}
 	}
 	round, err := h.dp.ReconcilePressure(r.Context())
 	if err != nil {

@@ -6,8 +6,9 @@
 # (or all), an external client through the uplink: direct, the VIP in TC,
 # the VIP in XDP. See docs/lab-perf.md for recorded results.
 #
-#   scripts/test-service-fabric-perf.sh [perf flags]   e.g. -rounds 7 -duration 3s
+#   scripts/test-service-fabric-perf.sh [-smoke] [perf flags]   e.g. -rounds 7 -duration 3s
 #
+# -smoke (or SMOKE=1): one round of 500 ms per path and workload.
 # Flags: -paths -rounds -duration -workers -streams -max-conns -bare
 # -max-others -bpf-stats (see
 # `go run ./cmd/fluxvm-lab perf -h`); later flags override the defaults.
@@ -15,9 +16,16 @@
 # removes, also on Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in
-  -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-esac
+smoke=${SMOKE:-0}
+args=()
+for a in "$@"; do
+  case "$a" in
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -smoke|--smoke) smoke=1 ;;
+    *) args+=("$a") ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 if [ "$(id -u)" != 0 ]; then
   echo "test-service-fabric-perf.sh: needs root (BPF, namespaces, nftables)" >&2
   exit 1
@@ -29,6 +37,10 @@ fi
 bin="$(mktemp -d)/fluxvm-lab"
 trap 'rm -rf "$(dirname "$bin")"' EXIT
 go build -o "$bin" ./cmd/fluxvm-lab
+run=(-rounds 5 -duration 2s)
+if [ "$smoke" = 1 ]; then
+  run=(-rounds 1 -duration 500ms)
+fi
 # exec-free so that the trap runs; SIGINT reaches the benchmark, which
 # tears everything down before it exits.
-"$bin" perf -rounds 5 -duration 2s -workers 4 -streams 2 "$@"
+"$bin" perf "${run[@]}" -workers 4 -streams 2 "$@"

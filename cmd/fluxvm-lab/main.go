@@ -12,6 +12,16 @@
 //	                  with TC only and with XDP native on the uplink;
 //	                  with -paths socket (or all) a node-local client in a
 //	                  cgroup with the socket-LB hooks against vip and direct
+//	fluxvm-lab slo    the SLO gate: connect latency p50/p99, connections/s
+//	                  and errors through the VIP against direct, same rounds
+//	fluxvm-lab rss    the RSS gate: the real fluxvmd per tier with 1,000
+//	                  services × 10 backends; its RSS and BPF map memory
+//	fluxvm-lab rss-affinity
+//	                  the RSS-affinity gate: fluxvmd with 1M conntrack
+//	                  entries; its RSS, the map memory and one GC
+//
+// The gates exit 1 and print each figure beyond its bound (the scripts
+// scripts/test-service-fabric-{slo,rss,rss-affinity}.sh state the bounds).
 //
 // It needs root. Everything it creates lives in namespaces whose names end
 // in a per-run suffix, and is removed on exit, on Ctrl-C and on failure.
@@ -68,6 +78,6 @@ func usage() {
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		fmt.Fprintf(os.Stderr, "  %-6s %s\n", n, commands[n].summary)
+		fmt.Fprintf(os.Stderr, "  %-13s %s\n", n, commands[n].summary)
 	}
 }

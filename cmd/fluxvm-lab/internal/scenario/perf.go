@@ -134,8 +134,19 @@ type PerfOptions struct {
 	// machine-wide and add two clock reads to every BPF program run,
 	// ours included, so they are off by default. Needs TCX attachment.
 	BPFStats bool
+	// ConnsOnly measures only WorkloadConns in the rounds (the checks
+	// before them still run both workloads): what the SLO gate needs.
+	ConnsOnly bool
 	// Logger receives the dataplane's messages; nil discards them.
 	Logger *slog.Logger
+}
+
+// workloads are the workloads of a round.
+func (o PerfOptions) workloads() []PerfWorkload {
+	if o.ConnsOnly {
+		return []PerfWorkload{WorkloadConns}
+	}
+	return []PerfWorkload{WorkloadConns, WorkloadBulk}
 }
 
 // DefaultPerfOptions are the options of `fluxvm-lab perf`.
@@ -221,6 +232,10 @@ type PerfSample struct {
 	Bytes int64
 	// P50 and P99 are connection latencies (conns): connect to close.
 	P50, P99 time.Duration
+	// ConnectP50 and ConnectP99 are connect latencies (conns): from
+	// socket(2) to an established connection (the handshake), of the
+	// connections that succeeded.
+	ConnectP50, ConnectP99 time.Duration
 	// DatapathFlows is the number of new flows our datapath counted for
 	// Perf's services during the measurement.
 	DatapathFlows uint64
@@ -991,7 +1006,7 @@ func (p *perfRun) run(ctx context.Context) error {
 	for r := 1; p.rep.Clean() < p.o.Rounds && r <= 2*p.o.Rounds; r++ {
 		first := len(p.rep.Samples)
 		disturbed := false
-		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+		for _, wl := range p.o.workloads() {
 			n := len(p.rep.Paths)
 			for i := range n {
 				path := p.rep.Paths[(i+r-1)%n]
@@ -1456,7 +1471,7 @@ func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRat
 		{"others' CPU share %", "", func(s PerfSample) float64 { return s.Others * 100 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
 	}
 	for _, rw := range rows {
-		if strings.Contains(rw.name, "BPF") && !p.o.BPFStats {
+		if strings.Contains(rw.name, "BPF") && !p.o.BPFStats || rw.wl == WorkloadBulk && p.o.ConnsOnly {
 			continue
 		}
 		cells := []string{rw.name, ""}
@@ -1606,6 +1621,7 @@ func perfRunConns(ctx context.Context, dl *perfDialer, src netip.Addr, addr, wan
 		budget   atomic.Int64
 		mu       sync.Mutex
 		lat      []time.Duration
+		conn     []time.Duration
 		s        PerfSample
 		fatal    error
 		wg       sync.WaitGroup
@@ -1618,13 +1634,13 @@ func perfRunConns(ctx context.Context, dl *perfDialer, src netip.Addr, addr, wan
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var my []time.Duration
+			var my, myConn []time.Duration
 			var ok, failed int
 			var ferr string
 			buf := make([]byte, 256)
 			for ctx.Err() == nil && time.Now().Before(deadline) && budget.Add(-1) >= 0 {
 				t0 := time.Now()
-				err := perfOneConn(ctx, dl, src, addr, want, buf)
+				dt, err := perfOneConn(ctx, dl, src, addr, want, buf)
 				if errors.Is(err, errStrayThread) {
 					mu.Lock()
 					fatal = err
@@ -1645,9 +1661,11 @@ func perfRunConns(ctx context.Context, dl *perfDialer, src netip.Addr, addr, wan
 				}
 				ok++
 				my = append(my, time.Since(t0))
+				myConn = append(myConn, dt)
 			}
 			mu.Lock()
 			lat = append(lat, my...)
+			conn = append(conn, myConn...)
 			s.OK += ok
 			s.Failed += failed
 			if firstErr == "" {
@@ -1669,20 +1687,25 @@ func perfRunConns(ctx context.Context, dl *perfDialer, src netip.Addr, addr, wan
 		slices.Sort(lat)
 		s.P50 = lat[len(lat)/2]
 		s.P99 = lat[min(len(lat)-1, len(lat)*99/100)]
+		slices.Sort(conn)
+		s.ConnectP50 = conn[len(conn)/2]
+		s.ConnectP99 = conn[min(len(conn)-1, len(conn)*99/100)]
 	}
 	return s, nil
 }
 
 // perfOneConn is one short connection: connect, read the server's identity
 // line (it must be want), write 4 bytes, read them back, close.
-func perfOneConn(ctx context.Context, dl *perfDialer, src netip.Addr, addr, want string, buf []byte) error {
+func perfOneConn(ctx context.Context, dl *perfDialer, src netip.Addr, addr, want string, buf []byte) (connect time.Duration, err error) {
+	t0 := time.Now()
 	c, err := dl.dial(ctx, src, addr)
 	if err != nil {
-		return err
+		return 0, err
 	}
+	connect = time.Since(t0)
 	defer c.Close()
 	if err := c.SetDeadline(time.Now().Add(perfOpTimeout)); err != nil {
-		return err
+		return connect, err
 	}
 	n := 0
 	for {
@@ -1690,28 +1713,28 @@ func perfOneConn(ctx context.Context, dl *perfDialer, src netip.Addr, addr, want
 		n += m
 		if i := bytes.IndexByte(buf[:n], '\n'); i >= 0 {
 			if string(buf[:i]) != want || i+1 != n {
-				return fmt.Errorf("identity %q, want %q", buf[:n], want+"\n")
+				return connect, fmt.Errorf("identity %q, want %q", buf[:n], want+"\n")
 			}
 			break
 		}
 		if err != nil {
-			return fmt.Errorf("identity: %w", err)
+			return connect, fmt.Errorf("identity: %w", err)
 		}
 		if n == len(buf) {
-			return fmt.Errorf("identity too long: %q", buf[:n])
+			return connect, fmt.Errorf("identity too long: %q", buf[:n])
 		}
 	}
 	ping := []byte("ping")
 	if _, err := c.Write(ping); err != nil {
-		return err
+		return connect, err
 	}
 	if _, err := io.ReadFull(c, buf[:len(ping)]); err != nil {
-		return fmt.Errorf("echo: %w", err)
+		return connect, fmt.Errorf("echo: %w", err)
 	}
 	if !bytes.Equal(buf[:len(ping)], ping) {
-		return fmt.Errorf("echo %q, want %q", buf[:len(ping)], ping)
+		return connect, fmt.Errorf("echo %q, want %q", buf[:len(ping)], ping)
 	}
-	return nil
+	return connect, nil
 }
 
 // perfRunBulk runs streams parallel streams into the sink for d.

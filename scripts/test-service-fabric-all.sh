@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every lab script in sequence: the lab (demo and end-to-end tests), the
 # perf benchmark, the gates (SLO, RSS, RSS-affinity) and the production
-# readiness check (scripts/test-production-readiness.sh, skipped with a
-# note when absent). One summary line per script (PASS/FAIL/SKIP and its
+# readiness check of the node's running daemon (scripts/
+# test-production-readiness.sh, skipped when no node is there: no
+# FLUXVM_ADDR and no /etc/fluxvm/fluxvmd.toml). One summary line per script (PASS/FAIL/SKIP and its
 # time); exits non-zero when any failed.
 #
 #   scripts/test-service-fabric-all.sh [-smoke]
@@ -47,6 +48,12 @@ for s in "${scripts[@]}"; do
   fi
   if [ ! -x "$s" ]; then
     summary+=("$(printf 'SKIP  %-40s not present (or not executable)' "$name")")
+    continue
+  fi
+  # The readiness check inspects a running node: only when there is one
+  # to look at (FLUXVM_ADDR, or the daemon's default configuration).
+  if [ "$name" = test-production-readiness.sh ] && [ -z "${FLUXVM_ADDR:-}" ] && [ ! -f /etc/fluxvm/fluxvmd.toml ]; then
+    summary+=("$(printf 'SKIP  %-40s no running node (set FLUXVM_ADDR or install /etc/fluxvm/fluxvmd.toml)' "$name")")
     continue
   fi
   echo "==> $s$([ "$smoke" = 1 ] && echo ' (smoke)')"

@@ -82,6 +82,19 @@ type ShedCounts struct {
 	Established int `json:"established"`
 }
 
+func (c *ShedCounts) add(r reason) {
+	switch r {
+	case shedClosed:
+		c.Closed++
+	case shedHalfOpen:
+		c.HalfOpen++
+	case shedUDP:
+		c.IdleUDP++
+	case shedEstablished:
+		c.Established++
+	}
+}
+
 // Total is the number of entries shed.
 func (c ShedCounts) Total() int { return c.Closed + c.HalfOpen + c.IdleUDP + c.Established }
 
@@ -324,6 +337,11 @@ const (
 	expired
 	drained
 	gone
+	// Shed's early removals, by the entry's state (expired, for counts).
+	shedClosed
+	shedHalfOpen
+	shedUDP
+	shedEstablished
 )
 
 // classify decides the fate of conntrack entry v in sweep 1.
@@ -332,8 +350,7 @@ func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
 	case v.DeadlineNs < g.now:
 		return expired
 	case g.ahead > 0 && v.DeadlineNs < g.now+g.ahead && kindOf(v) != L7:
-		g.countShed(v)
-		return expired
+		return shedReason(v)
 	case kindOf(v) == L7:
 		// No backend: it lives until it expires.
 		return keep
@@ -345,20 +362,18 @@ func (g *gcRun) classify(v *bpf.CTValue, b *bpf.Backend) reason {
 	return keep
 }
 
-// countShed counts an entry Shed removes before its deadline. (Counted
-// when classified: an entry gone by the delete is rare enough not to
-// matter to the reasons.)
-func (g *gcRun) countShed(v *bpf.CTValue) {
+// shedReason is the reason of an entry Shed removes before its
+// deadline: its state.
+func shedReason(v *bpf.CTValue) reason {
 	switch bpf.CTState(v.State) {
 	case bpf.CTTCPFin, bpf.CTTCPRst:
-		g.res.Shed.Closed++
+		return shedClosed
 	case bpf.CTTCPSyn:
-		g.res.Shed.HalfOpen++
+		return shedHalfOpen
 	case bpf.CTUDP:
-		g.res.Shed.IdleUDP++
-	default:
-		g.res.Shed.Established++
+		return shedUDP
 	}
+	return shedEstablished
 }
 
 func (g *gcRun) nextChunk() error {
@@ -457,6 +472,9 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 				g.m.removed(flows[i].key, flows[i].sid, flows[i].kind)
 			}
 			switch r {
+			case shedClosed, shedHalfOpen, shedUDP, shedEstablished:
+				g.res.Expired++
+				g.res.Shed.add(r)
 			case expired:
 				g.res.Expired++
 			case drained:

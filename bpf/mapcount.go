@@ -68,13 +68,17 @@ func (d *Datapath) MapEntries() (map[string]MapFill, error) {
 	}
 	d.mc.Lock()
 	defer d.mc.Unlock()
+	if d.mc.err != nil {
+		return nil, d.mc.err // a kernel without the kfunc: not retried
+	}
 	if d.mc.prog == nil {
 		c, err := loadSide(d.opts, d.coll, "map iterator",
 			func(Tier) (*ebpf.CollectionSpec, error) { return loadMapCount() },
 			func(Tier) string { return MapCountObjectName })
 		if err != nil {
 			if errors.Is(err, ebpf.ErrNotSupported) {
-				return nil, fmt.Errorf("bpf: map entries: %w (%v)", ErrMapCountUnsupported, err)
+				d.mc.err = fmt.Errorf("bpf: map entries: %w (%v)", ErrMapCountUnsupported, err)
+				return nil, d.mc.err
 			}
 			return nil, fmt.Errorf("bpf: map entries: load the map iterator: %w", err)
 		}

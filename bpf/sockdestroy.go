@@ -80,6 +80,7 @@ type sideProgram struct {
 	sync.Mutex
 	coll *ebpf.Collection
 	prog *ebpf.Program
+	err  error // a load the kernel cannot do, not retried
 }
 
 func (s *sideProgram) close() {

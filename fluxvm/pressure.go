@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"time"
@@ -67,8 +68,11 @@ type PressureStatus struct {
 	// GCInterval is the GC timer's period now (it adapts: shorter while
 	// flows expire in bulk, longer when idle; 0: no timer).
 	GCInterval Duration `json:"gc_interval,omitzero"`
-	// Error is why the levels could not be read (a kernel before 6.6).
-	Error string `json:"error,omitempty"`
+	// Error is why the levels could not be read; Unsupported says the
+	// kernel cannot count (before 6.6): the controller then runs its GC
+	// only when inserts fail.
+	Error       string `json:"error,omitempty"`
+	Unsupported bool   `json:"unsupported,omitempty"`
 }
 
 // PressureRound is what one round did.
@@ -115,10 +119,10 @@ func (c *pressureCtl) level(p float64) string {
 
 // Pressure reads the fill of the datapath's hash maps now.
 func (d *Dataplane) Pressure() (PressureStatus, error) {
+	// Under mu, as Status: Close cannot release the maps meanwhile.
 	d.mu.Lock()
-	err := d.checkOpen("pressure")
-	d.mu.Unlock()
-	if err != nil {
+	defer d.mu.Unlock()
+	if err := d.checkOpen("pressure"); err != nil {
 		return PressureStatus{}, err
 	}
 	return d.pressureStatus()
@@ -136,7 +140,7 @@ func (d *Dataplane) pressureStatus() (PressureStatus, error) {
 	st.InsertFailures, _ = d.insertFailures()
 	fills, err := d.dp.MapEntries()
 	if err != nil {
-		st.Error = err.Error()
+		st.Error, st.Unsupported = err.Error(), errors.Is(err, bpf.ErrMapCountUnsupported)
 		return st, fmt.Errorf("fluxvm: pressure: %w", err)
 	}
 	st.Maps = make(map[string]MapPressure, len(fills))
@@ -176,7 +180,16 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	r := PressureRound{At: start.UTC(), InsertFailures: failures}
 	st, err := d.Pressure()
 	if err != nil {
-		return r, err
+		if !st.Unsupported || failures == 0 {
+			return r, err
+		}
+		// No levels on this kernel, but inserts failed: a GC at least.
+		gc, err := d.GC(ctx)
+		if err != nil {
+			return r, fmt.Errorf("fluxvm: pressure: %w", err)
+		}
+		r.GC, r.Duration = &gc, Duration{time.Since(start)}
+		return r, nil
 	}
 	r.Level = st.Level
 	over := func(st PressureStatus) []string {
@@ -199,11 +212,14 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	}
 	r.GC = &gc
 	// The horizons: past closed TCP flows (FIN, RST: all of them), then
-	// three quarters of the UDP and SYN timeouts (UDP flows idle for a
-	// quarter of theirs, handshakes that long unanswered). Established
-	// TCP flows (hours) are out of reach.
+	// three quarters of the shorter of the UDP and SYN timeouts (UDP
+	// flows and handshakes idle for at least a quarter of it). Neither
+	// reaches past half the established timeout: an established flow goes
+	// only when it has been idle for more than half of its (hours, by
+	// default).
 	to := d.opts.Timeouts
-	horizons := []time.Duration{max(to.TCPFin, to.TCPRst), max(to.UDP, to.TCPSyn) * 3 / 4}
+	reach := to.TCPEstablished / 2
+	horizons := []time.Duration{min(max(to.TCPFin, to.TCPRst), reach), min(min(to.UDP, to.TCPSyn)*3/4, reach)}
 	for _, h := range horizons {
 		if st, err = d.Pressure(); err != nil {
 			return r, err
@@ -232,7 +248,11 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	c.last = &r
 	c.rounds++
 	c.stMu.Unlock()
-	d.log.Info("fluxvm: map pressure round", "level", r.Level, "over", strings.Join(r.Over, ","),
+	lvl := slog.LevelDebug
+	if gc.Expired+gc.Drained+gc.BackendGone > 0 || r.Shed.Total() > 0 {
+		lvl = slog.LevelInfo
+	}
+	d.log.Log(ctx, lvl, "fluxvm: map pressure round", "level", r.Level, "over", strings.Join(r.Over, ","),
 		"gc_removed", gc.Expired+gc.Drained+gc.BackendGone, "shed_closed", r.Shed.Closed, "shed_half_open", r.Shed.HalfOpen,
 		"shed_idle_udp", r.Shed.IdleUDP, "insert_failures", failures, "duration", r.Duration.Duration)
 	return r, nil
@@ -272,6 +292,11 @@ func (d *Dataplane) pressureLoop(every time.Duration, stop <-chan struct{}, done
 	defer t.Stop()
 	c := d.pressure
 	c.failures, _ = d.insertFailures()
+	// A round that frees nothing (the maps are full of live, established
+	// flows) is not repeated every tick: the ticks skipped double, up to
+	// maxPressureBackoff, until a round frees something, the level
+	// changes or inserts fail.
+	skip, backoff, lastLevel := 0, 0, PressureOK
 	for {
 		select {
 		case <-stop:
@@ -292,15 +317,32 @@ func (d *Dataplane) pressureLoop(every time.Duration, stop <-chan struct{}, done
 			continue // a kernel that cannot count: nothing to control
 		}
 		if st.Level == PressureOK && failed == 0 {
+			skip, backoff, lastLevel = 0, 0, PressureOK
 			continue
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*every)
-		if _, err := d.pressureRound(ctx, failed); err != nil && !errors.Is(err, ErrClosed) {
-			d.log.Warn("fluxvm: map pressure round failed", "err", err)
+		if failed == 0 && st.Level == lastLevel && skip > 0 {
+			skip--
+			continue
 		}
+		lastLevel = st.Level
+		ctx, cancel := context.WithTimeout(context.Background(), 10*every)
+		r, err := d.pressureRound(ctx, failed)
 		cancel()
+		switch {
+		case err != nil && !errors.Is(err, ErrClosed):
+			d.log.Warn("fluxvm: map pressure round failed", "err", err)
+		case err == nil && (r.GC == nil || r.GC.Expired+r.GC.Drained+r.GC.BackendGone+r.Shed.Total() == 0):
+			backoff = min(max(2*backoff, 1), maxPressureBackoff)
+			skip = backoff
+		default:
+			skip, backoff = 0, 0
+		}
 	}
 }
+
+// maxPressureBackoff bounds the ticks skipped after rounds that freed
+// nothing (a minute at the default interval).
+const maxPressureBackoff = 32
 
 // newPressureCtl checks the thresholds of o.
 func newPressureCtl(o Options) (*pressureCtl, error) {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 func TestNextGCInterval(t *testing.T) {
@@ -50,6 +51,49 @@ func TestNextGCInterval(t *testing.T) {
 func TestMapPressure(t *testing.T) {
 	e := newEnv(t)
 	d := e.open(t)
+	c, ct, fill := pressureFill(t, e, d)
+	to := conntrack.DefaultTimeouts()
+	n := fill(45000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
+	fill(5000, conntrack.ProtoTCP, bpf.CTTCPFin, 5*time.Second, to.TCPFin)
+	fill(3000, conntrack.ProtoTCP, bpf.CTTCPSyn, 25*time.Second, to.TCPSyn)
+	n = fill(5000, conntrack.ProtoUDP, bpf.CTUDP, 20*time.Second, to.UDP)
+	testMapPressure(t, d, c, ct, fill, n)
+}
+
+// TestMapPressureLoop: the controller's own loop finds the same map above
+// the soft threshold and brings it below by itself.
+func TestMapPressureLoop(t *testing.T) {
+	e := newEnv(t)
+	e.opts.PressureInterval = 100 * time.Millisecond
+	d := e.open(t)
+	_, _, fill := pressureFill(t, e, d)
+	to := conntrack.DefaultTimeouts()
+	fill(50000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
+	fill(8000, conntrack.ProtoTCP, bpf.CTTCPFin, 5*time.Second, to.TCPFin)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := d.Pressure()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Rounds > 0 && st.Level == PressureOK {
+			if r := st.LastRound; r == nil || r.Shed.Closed != 8000 {
+				t.Errorf("last round %+v: want the 8,000 closed flows shed", r)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the loop did not relieve the pressure: %+v", st)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// pressureFill applies the test service with one live connection and
+// returns it, the conntrack map, and a filler of IPv4 entries pinned to
+// the connection's frontend and backend (count entries in state, idle
+// for idle, of timeout timeout; it returns the entries written so far).
+func pressureFill(t *testing.T, e *env, d *Dataplane) (*lab.Conn, *conntrack.Map, func(int, uint8, bpf.CTState, time.Duration, time.Duration) int) {
 	ctx := context.Background()
 	if _, err := d.ApplyService(ctx, e.service(1, 0, 0)); err != nil {
 		t.Fatal(err)
@@ -70,7 +114,7 @@ func TestMapPressure(t *testing.T) {
 		t.Fatal(err)
 	}
 	n := 0
-	fill := func(count int, proto uint8, state bpf.CTState, idle, timeout time.Duration) {
+	fill := func(count int, proto uint8, state bpf.CTState, idle, timeout time.Duration) int {
 		t.Helper()
 		for range count {
 			n++
@@ -82,13 +126,14 @@ func TestMapPressure(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		return n
 	}
-	to := conntrack.DefaultTimeouts()
-	fill(45000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
-	fill(5000, conntrack.ProtoTCP, bpf.CTTCPFin, 5*time.Second, to.TCPFin)
-	fill(3000, conntrack.ProtoTCP, bpf.CTTCPSyn, 25*time.Second, to.TCPSyn)
-	fill(5000, conntrack.ProtoUDP, bpf.CTUDP, 20*time.Second, to.UDP)
+	return c, ct, fill
+}
 
+func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map, fill func(int, uint8, bpf.CTState, time.Duration, time.Duration) int, n int) {
+	ctx := context.Background()
+	to := conntrack.DefaultTimeouts()
 	st, err := d.Pressure()
 	if err != nil {
 		t.Fatal(err)

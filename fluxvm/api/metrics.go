@@ -221,7 +221,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			emit(descMaglevInner, prometheus.GaugeValue, float64(mem.MaglevInner.Count))
 		}
 	}
-	if p := st.Pressure; p != nil {
+	if p := st.Pressure; p != nil && !p.Unsupported {
 		if p.Error != "" {
 			ch <- prometheus.NewInvalidMetric(descPressure, fmt.Errorf("fluxvm metrics: map pressure: %s", p.Error))
 		} else {

@@ -273,6 +273,8 @@ func TestTablesDecode(t *testing.T) {
 			Interfaces: []fluxvm.InterfaceStatus{{Name: "eth0", Kind: "north-south", Index: 2, Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}}, XDP: "native"}},
 			HA:         fluxvm.HAStatus{Enabled: true, Epoch: 9, SupersededBy: 10},
 			LastGC:     &fluxvm.GCResult{At: gcAt, Scanned: 100, Expired: 5},
+			Pressure: &fluxvm.PressureStatus{SoftPercent: 80, HardPercent: 95, Level: "soft", Rounds: 2, Maps: map[string]fluxvm.MapPressure{
+				"fluxvm_fct4": {Entries: 55000, MaxEntries: 65536, Percent: 83.9}, "fluxvm_nat4": {Percent: 12.5}, "fluxvm_sock_fwd": {Percent: 99}}},
 		}),
 		"GET /v1/network/services/advertisements": ok(t, advert.Snapshot{SchemaVersion: 1, Generation: 5, Node: "edge-1", Timestamp: applied,
 			Entries: []advert.Entry{{VIP: netip.MustParseAddr("198.51.100.7"), Prefix: netip.MustParsePrefix("198.51.100.7/32"), Family: advert.FamilyIPv4, Service: "web",
@@ -292,7 +294,8 @@ func TestTablesDecode(t *testing.T) {
 	}{
 		{[]string{"status"}, "/v1/network/services/status", "", []string{
 			"Schema:           6\n", "Tier:             M\n", "SNAT:             192.0.2.1 ports 32768-60999\n",
-			"HA:               on, epoch 9, FENCED (superseded by epoch 10)\n", "Last GC:          2026-11-30T12:00:00Z, 100 scanned, 5 expired\n",
+			"HA:               on, epoch 9, FENCED (superseded by epoch 10)\n",
+			"Map pressure:     soft (soft 80%, hard 95%), fullest fluxvm_fct4 83.9%, 2 rounds\n", "Last GC:          2026-11-30T12:00:00Z, 100 scanned, 5 expired\n",
 			"eth0       north-south  2        -   ns_in/tcx  native  -\n"}},
 		{[]string{"advertisements"}, "/v1/network/services/advertisements", "", []string{
 			"Generation:  5\n", "Node:        edge-1\n", "198.51.100.7  198.51.100.7/32  web      -         80/tcp  no          no_ready_backend\n"}},

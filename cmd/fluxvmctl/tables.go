@@ -169,6 +169,9 @@ func statusTable(w io.Writer, st fluxvm.Status) {
 	}
 	row(w, "Advertisements:", adv)
 	row(w, "HA:", haSummary(st.HA))
+	if p := st.Pressure; p != nil {
+		row(w, "Map pressure:", pressureSummary(*p))
+	}
 	if gc := st.LastGC; gc != nil {
 		row(w, "Last GC:", fmt.Sprintf("%s, %d scanned, %d expired", when(gc.At), gc.Scanned, gc.Expired))
 	}
@@ -182,6 +185,28 @@ func statusTable(w io.Writer, st fluxvm.Status) {
 		}
 		row(w, in.Name, in.Kind, in.Index, dash(in.VMID), dash(strings.Join(hooks, ",")), dash(in.XDP), dash(in.Problem))
 	}
+}
+
+// pressureSummary is the map pressure on one line: the level and the
+// fullest flow map.
+func pressureSummary(p fluxvm.PressureStatus) string {
+	if p.Error != "" {
+		return "unknown (" + p.Error + ")"
+	}
+	top, pct := "", -1.0
+	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
+		if m, ok := p.Maps[name]; ok && m.Percent > pct {
+			top, pct = name, m.Percent
+		}
+	}
+	s := fmt.Sprintf("%s (soft %d%%, hard %d%%)", p.Level, p.SoftPercent, p.HardPercent)
+	if top != "" {
+		s += fmt.Sprintf(", fullest %s %.1f%%", top, pct)
+	}
+	if p.Rounds > 0 {
+		s += fmt.Sprintf(", %d rounds", p.Rounds)
+	}
+	return s
 }
 
 // haSummary is the lease of an edge on one line.

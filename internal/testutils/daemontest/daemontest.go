@@ -17,11 +17,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/fluxvm/servicefabric/internal/daemonlog"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
@@ -68,39 +68,14 @@ type Daemon struct {
 }
 
 // Output is a daemon's output, safe to read while it writes.
-type Output struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	serving chan struct{} // closed once the daemon logged that it serves
-	seen    bool
-}
-
-func (o *Output) Write(p []byte) (int, error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	n, err := o.buf.Write(p)
-	if !o.seen && bytes.Contains(o.buf.Bytes(), []byte("fluxvmd: serving")) {
-		o.seen = true
-		close(o.serving)
-	}
-	return n, err
-}
-
-// Bytes returns a copy of the output so far.
-func (o *Output) Bytes() []byte {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return bytes.Clone(o.buf.Bytes())
-}
-
-func (o *Output) String() string { return string(o.Bytes()) }
+type Output = daemonlog.Output
 
 // Start runs bin with configuration file cfg and admin token token inside
 // l's node namespace and waits until its API answers. It is stopped
 // (Stop) when the test ends.
 func Start(t testing.TB, bin, cfg string, l *lab.Lab, token string) *Daemon {
 	t.Helper()
-	d := &Daemon{T: t, Out: &Output{serving: make(chan struct{})}, Token: token}
+	d := &Daemon{T: t, Out: daemonlog.New(), Token: token}
 	d.Cmd = exec.Command(bin, "-config", cfg)
 	d.Cmd.Env = append(os.Environ(), "FLUXVM_ADMIN_TOKEN="+token)
 	d.Cmd.Stdout, d.Cmd.Stderr = d.Out, d.Out
@@ -121,7 +96,7 @@ func Start(t testing.TB, bin, cfg string, l *lab.Lab, token string) *Daemon {
 		},
 	}}
 	select {
-	case <-d.Out.serving:
+	case <-d.Out.Serving():
 	case <-time.After(20 * time.Second):
 		t.Fatalf("daemon did not come up within 20s:\n%s", d.Out)
 	}

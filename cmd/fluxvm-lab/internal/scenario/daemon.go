@@ -17,12 +17,12 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
+	"github.com/fluxvm/servicefabric/internal/daemonlog"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
@@ -36,7 +36,7 @@ const daemonAPI = "127.0.0.1:7788"
 // gates (RSS, RSSAffinity) measure it.
 type labDaemon struct {
 	cmd     *exec.Cmd
-	out     *daemonOutput
+	out     *daemonlog.Output
 	http    *http.Client
 	token   string
 	PinRoot string
@@ -45,39 +45,11 @@ type labDaemon struct {
 	done    chan error
 }
 
-type daemonOutput struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	serving chan struct{}
-	seen    bool
-}
-
-func (o *daemonOutput) Write(p []byte) (int, error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	n, err := o.buf.Write(p)
-	if !o.seen && bytes.Contains(o.buf.Bytes(), []byte("fluxvmd: serving")) {
-		o.seen = true
-		close(o.serving)
-	}
-	return n, err
-}
-
-func (o *daemonOutput) tail() string {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	b := o.buf.Bytes()
-	if len(b) > 4000 {
-		b = b[len(b)-4000:]
-	}
-	return string(b)
-}
-
 // startLabDaemon starts bin (fluxvmd) in l's node namespace at tier with
 // the extra configuration lines conf, and waits until its API answers.
 // Close stops it and removes its pins and files.
 func startLabDaemon(ctx context.Context, bin string, l *lab.Lab, tier, conf string) (d *labDaemon, err error) {
-	d = &labDaemon{out: &daemonOutput{serving: make(chan struct{})}, token: "fluxvm-lab-gate-" + nsutil.Suffix()}
+	d = &labDaemon{out: daemonlog.New(), token: "fluxvm-lab-gate-" + nsutil.Suffix()}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, d.Close())
@@ -122,12 +94,12 @@ func startLabDaemon(ctx context.Context, bin string, l *lab.Lab, tier, conf stri
 		},
 	}}
 	select {
-	case <-d.out.serving:
+	case <-d.out.Serving():
 	case err := <-d.done:
 		d.done <- err
-		return d, fmt.Errorf("fluxvmd exited (%v) before serving:\n%s", err, d.out.tail())
+		return d, fmt.Errorf("fluxvmd exited (%v) before serving:\n%s", err, d.out.Tail(4000))
 	case <-time.After(30 * time.Second):
-		return d, fmt.Errorf("fluxvmd did not come up within 30s:\n%s", d.out.tail())
+		return d, fmt.Errorf("fluxvmd did not come up within 30s:\n%s", d.out.Tail(4000))
 	case <-ctx.Done():
 		return d, ctx.Err()
 	}
@@ -226,7 +198,7 @@ func (d *labDaemon) Close() error {
 		select {
 		case err := <-d.done:
 			if err != nil {
-				errs = append(errs, fmt.Errorf("fluxvmd exited with %v:\n%s", err, d.out.tail()))
+				errs = append(errs, fmt.Errorf("fluxvmd exited with %v:\n%s", err, d.out.Tail(4000)))
 			}
 		case <-time.After(20 * time.Second):
 			d.cmd.Process.Kill()

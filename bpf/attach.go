@@ -173,6 +173,7 @@ func (d *Datapath) Attach(ifc Interface, hook Hook) (Attachment, error) {
 	if err := attachClsBPF(index, hook, prog, progName); err != nil {
 		return a, err
 	}
+	d.clsAttached = true
 	a.Mode = AttachClsBPF
 	return a, nil
 }

@@ -203,6 +203,9 @@ type Datapath struct {
 	mc mapCounter
 	// nh is the control word of the XDP next-hop cache (xdp_routes.go).
 	nh nhControl
+	// clsAttached: a hook was attached by cls_bpf, whose filters hold
+	// their program without a link to switch (CompactFlowMaps refuses).
+	clsAttached bool
 }
 
 // staged is the part of an Open that Activate completes.

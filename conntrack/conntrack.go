@@ -1,6 +1,7 @@
 package conntrack
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -12,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/handoff"
 	"github.com/fluxvm/servicefabric/internal/mapscan"
 	"github.com/fluxvm/servicefabric/nat"
 )
@@ -236,13 +238,14 @@ type Config struct {
 // Map is the typed view of the conntrack maps fluxvm_fct4/6 and their
 // garbage collector. It is safe for concurrent use; GC runs one at a time.
 type Map struct {
-	ct4, ct6, backends *ebpf.Map
-	nat                *nat.Table
-	timeouts           Timeouts
-	mode               mapscan.Mode
-	chunk              int
-	gcMu               sync.Mutex
-	removed            func(Key, uint32, Kind)
+	flows    *handoff.Value[ctMaps]
+	backends *ebpf.Map
+	nat      *nat.Table
+	timeouts Timeouts
+	mode     mapscan.Mode
+	chunk    int
+	gcMu     sync.Mutex
+	removed  func(Key, uint32, Kind)
 }
 
 // NAT returns the reverse-NAT table the Map pairs its flows with
@@ -290,9 +293,27 @@ func New(cfg Config) (*Map, error) {
 		return nil, fmt.Errorf("conntrack: new: %w", errors.Join(errs...))
 	}
 	return &Map{
-		ct4: cfg.CT4, ct6: cfg.CT6, backends: cfg.Backends, nat: cfg.NAT,
+		flows: handoff.New(ctMaps{cfg.CT4, cfg.CT6}), backends: cfg.Backends, nat: cfg.NAT,
 		timeouts: to, chunk: mapscan.DefaultChunk, removed: cfg.Removed,
 	}, nil
+}
+
+// ctMaps are the conntrack maps a Map works on; Rebind replaces them.
+type ctMaps struct{ ct4, ct6 *ebpf.Map }
+
+// Rebind points the Map at other conntrack maps of the same layouts (the
+// datapath rebuilt them: bpf.Datapath.CompactFlowMaps; the reverse-NAT
+// maps are rebound through NAT().Rebind) and returns the previous ones
+// once no operation of the Map uses them any more: the caller may close
+// them then. Operations already running (a GC, a scan) finish on the
+// previous maps; what they write there is lost with them.
+func (m *Map) Rebind(ct4, ct6 *ebpf.Map) (old4, old6 *ebpf.Map, err error) {
+	cfg := Config{CT4: ct4, CT6: ct6, Backends: m.backends, NAT: m.nat, Timeouts: m.timeouts}
+	if _, err := New(cfg); err != nil {
+		return nil, nil, fmt.Errorf("conntrack: rebind: %w", err)
+	}
+	old := m.flows.Swap(ctMaps{ct4, ct6})
+	return old.ct4, old.ct6, nil
 }
 
 // Timeouts returns the timeouts the Map was configured with.
@@ -312,10 +333,16 @@ func (m *Map) Lookup(k Key) (Entry, error) {
 }
 
 func (m *Map) lookupRaw(k Key) (v bpf.CTValue, err error) {
+	c, done := m.flows.Borrow()
+	defer done()
+	return c.lookup(k)
+}
+
+func (c ctMaps) lookup(k Key) (v bpf.CTValue, err error) {
 	if k.Family() == IPv4 {
-		err = m.ct4.Lookup(key4(k), &v)
+		err = c.ct4.Lookup(key4(k), &v)
 	} else {
-		err = m.ct6.Lookup(key6(k), &v)
+		err = c.ct6.Lookup(key6(k), &v)
 	}
 	return v, err
 }
@@ -324,10 +351,12 @@ func (m *Map) lookupRaw(k Key) (v bpf.CTValue, err error) {
 // overwrites what the datapath wrote meanwhile. It reports whether it wrote.
 func (m *Map) createRaw(k Key, v *bpf.CTValue) (bool, error) {
 	var err error
+	c, done := m.flows.Borrow()
+	defer done()
 	if k.Family() == IPv4 {
-		err = m.ct4.Update(key4(k), v, ebpf.UpdateNoExist)
+		err = c.ct4.Update(key4(k), v, ebpf.UpdateNoExist)
 	} else {
-		err = m.ct6.Update(key6(k), v, ebpf.UpdateNoExist)
+		err = c.ct6.Update(key6(k), v, ebpf.UpdateNoExist)
 	}
 	if errors.Is(err, ebpf.ErrKeyExist) {
 		return false, nil
@@ -376,10 +405,12 @@ func (m *Map) Restore(e Entry, keepFresher bool) (bool, error) {
 	if e.Kind == SNAT {
 		v.NatAddr, v.NatPort = bpf.AddrWords(e.SNAT.Addr().Unmap()), bpf.Port(e.SNAT.Port())
 	}
+	c, done := m.flows.Borrow()
+	defer done()
 	if k.Family() == IPv4 {
-		err = m.ct4.Put(key4(k), &v)
+		err = c.ct4.Put(key4(k), &v)
 	} else {
-		err = m.ct6.Put(key6(k), &v)
+		err = c.ct6.Put(key6(k), &v)
 	}
 	if err != nil {
 		return false, fmt.Errorf("conntrack: restore %s: %w", k, err)
@@ -406,14 +437,16 @@ func (m *Map) Delete(k Key) error {
 	if err != nil {
 		return fmt.Errorf("conntrack: delete: %w", err)
 	}
-	v, err := m.lookupRaw(k)
+	c, done := m.flows.Borrow()
+	defer done()
+	v, err := c.lookup(k)
 	if err != nil {
 		return notFound("delete", k, err)
 	}
 	if k.Family() == IPv4 {
-		err = m.ct4.Delete(key4(k))
+		err = c.ct4.Delete(key4(k))
 	} else {
-		err = m.ct6.Delete(key6(k))
+		err = c.ct6.Delete(key6(k))
 	}
 	if err != nil {
 		return notFound("delete", k, err)
@@ -454,13 +487,15 @@ func (m *Map) Delete(k Key) error {
 // meanwhile may or may not be seen.
 func (m *Map) Scan(f Filter, fn func([]Entry) error) error {
 	buf := make([]Entry, 0, m.chunk)
+	c, done := m.flows.Borrow()
+	defer done()
 	if f.Family == 0 || f.Family == IPv4 {
-		if err := scanEntries(mapscan.NewScanner[bpf.Tuple4, bpf.CTValue](m.ct4, &m.mode, m.chunk), f, IPv4, buf, key4From, fn); err != nil {
+		if err := scanEntries(mapscan.NewScanner[bpf.Tuple4, bpf.CTValue](c.ct4, &m.mode, m.chunk), f, IPv4, buf, key4From, fn); err != nil {
 			return err
 		}
 	}
 	if f.Family == 0 || f.Family == IPv6 {
-		if err := scanEntries(mapscan.NewScanner[bpf.Tuple6, bpf.CTValue](m.ct6, &m.mode, m.chunk), f, IPv6, buf, key6From, fn); err != nil {
+		if err := scanEntries(mapscan.NewScanner[bpf.Tuple6, bpf.CTValue](c.ct6, &m.mode, m.chunk), f, IPv6, buf, key6From, fn); err != nil {
 			return err
 		}
 	}
@@ -621,4 +656,29 @@ func entry(k Key, v *bpf.CTValue) Entry {
 	}
 	e.Audited = v.Flags&bpf.CTFlagAudited != 0
 	return e
+}
+
+// DecodeRaw returns the entry of a raw conntrack map entry: a key of
+// fluxvm_fct4 (16 bytes) or fluxvm_fct6 (40 bytes) and its value, as a
+// map walk outside this package reads them (bpf.CompactOptions.Dropped).
+func DecodeRaw(key, value []byte) (Entry, error) {
+	var v bpf.CTValue
+	if _, err := binary.Decode(value, binary.NativeEndian, &v); err != nil {
+		return Entry{}, fmt.Errorf("conntrack: decode value: %w", err)
+	}
+	switch len(key) {
+	case binary.Size(bpf.Tuple4{}):
+		var t bpf.Tuple4
+		if _, err := binary.Decode(key, binary.NativeEndian, &t); err != nil {
+			return Entry{}, fmt.Errorf("conntrack: decode key: %w", err)
+		}
+		return entry(key4From(&t), &v), nil
+	case binary.Size(bpf.Tuple6{}):
+		var t bpf.Tuple6
+		if _, err := binary.Decode(key, binary.NativeEndian, &t); err != nil {
+			return Entry{}, fmt.Errorf("conntrack: decode key: %w", err)
+		}
+		return entry(key6From(&t), &v), nil
+	}
+	return Entry{}, fmt.Errorf("conntrack: decode key: %d bytes, want a tuple of 16 or 40", len(key))
 }

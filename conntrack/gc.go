@@ -198,11 +198,13 @@ func (m *Map) gc(ctx context.Context, now, horizon time.Duration) (GCResult, err
 	}
 	m.gcMu.Lock()
 	defer m.gcMu.Unlock()
-	g := &gcRun{m: m, ctx: ctx, now: uint64(now), ahead: uint64(horizon), backends: make(map[uint32]cachedBackend),
+	c, done := m.flows.Borrow()
+	defer done()
+	g := &gcRun{m: m, cts: c, ctx: ctx, now: uint64(now), ahead: uint64(horizon), backends: make(map[uint32]cachedBackend),
 		removed: make(map[uint64]struct{}), seed: maphash.MakeSeed()}
 	err := g.do(
-		func() error { return sweep(g, m.ct4, IPv4, key4From) },
-		func() error { return sweep(g, m.ct6, IPv6, key6From) },
+		func() error { return sweep(g, c.ct4, IPv4, key4From) },
+		func() error { return sweep(g, c.ct6, IPv6, key6From) },
 		g.sweepNAT,
 	)
 	if err == nil && g.kept != g.paired {
@@ -210,8 +212,8 @@ func (m *Map) gc(ctx context.Context, now, horizon time.Duration) (GCResult, err
 			testHookRepairSweep()
 		}
 		err = g.do(
-			func() error { return repair(g, m.ct4, IPv4, key4From) },
-			func() error { return repair(g, m.ct6, IPv6, key6From) },
+			func() error { return repair(g, c.ct4, IPv4, key4From) },
+			func() error { return repair(g, c.ct6, IPv6, key6From) },
 		)
 	}
 	if err != nil {
@@ -236,6 +238,7 @@ func (g *gcRun) do(steps ...func() error) error {
 // gcRun is the state of one GC run.
 type gcRun struct {
 	m   *Map
+	cts ctMaps // the conntrack maps of the run (borrowed)
 	ctx context.Context
 	now uint64
 	// ahead is Shed's horizon: entries whose deadline is within it of
@@ -280,10 +283,10 @@ type gcRun struct {
 func (g *gcRun) lookupCT(k Key) error {
 	if k.Family() == IPv4 {
 		g.k4 = key4(k)
-		return g.m.ct4.Lookup(&g.k4, &g.v)
+		return g.cts.ct4.Lookup(&g.k4, &g.v)
 	}
 	g.k6 = key6(k)
-	return g.m.ct6.Lookup(&g.k6, &g.v)
+	return g.cts.ct6.Lookup(&g.k6, &g.v)
 }
 
 type cachedBackend struct {

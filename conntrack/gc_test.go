@@ -495,9 +495,9 @@ func TestGCDerived(t *testing.T) {
 // the LRU does.
 func (m *Map) rawCT(k Key) *ebpf.Map {
 	if k.Family() == IPv4 {
-		return m.ct4
+		return m.flows.Load().ct4
 	}
-	return m.ct6
+	return m.flows.Load().ct6
 }
 
 func rawKey(k Key) any {

@@ -150,6 +150,12 @@ type Dataplane struct {
 	// routes keeps the XDP next-hop cache true (xdproutes.go).
 	routes *routeWatch
 	ct     *conntrack.Map
+	// flowMaps are ct's own handles of fluxvm_fct4, fct6, nat4, nat6.
+	// flowMu: a compaction holds it (Lock) while it replaces the flow
+	// maps; GC, shedding and HA imports, which write them, hold it
+	// shared (compact.go).
+	flowMaps [4]*ebpf.Map
+	flowMu   sync.RWMutex
 	// ha is flow-state replication; nil when it is off (hasync.go).
 	ha *haSync
 	// pressure is the map pressure controller (pressure.go); pstop and
@@ -433,12 +439,20 @@ func (d *Dataplane) init() error {
 	}); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
-	nt, err := nat.New(d.dp.Maps().FluxvmNat4, d.dp.Maps().FluxvmNat6)
+	// The flow views work on handles of their own: a compaction
+	// (compact.go) replaces the datapath's, and the views' old ones stay
+	// open until no operation uses them.
+	fm, err := d.cloneFlowMaps()
+	if err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
+	d.flowMaps = fm
+	nt, err := nat.New(fm[2], fm[3])
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d.ct, err = conntrack.New(conntrack.Config{
-		CT4: d.dp.Maps().FluxvmFct4, CT6: d.dp.Maps().FluxvmFct6,
+		CT4: fm[0], CT6: fm[1],
 		Backends: d.dp.Maps().FluxvmBackends, NAT: nt, Timeouts: d.opts.Timeouts,
 		Removed: d.haRemoved,
 	})
@@ -660,8 +674,12 @@ func (d *Dataplane) Close() error {
 	d.stopRouteWatch()
 	d.stopAdvertiser()
 	cerr := d.closeCatalog()
+	// A compaction finishes first (it holds flowMu to its end).
+	d.flowMu.Lock()
+	defer d.flowMu.Unlock()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	closeMaps(d.flowMaps[:])
 	return errors.Join(cerr, d.dp.Close())
 }
 
@@ -697,8 +715,11 @@ func (d *Dataplane) Cleanup() error {
 	if err := d.adv.flush(); err != nil {
 		errs = append(errs, fmt.Errorf("advertisements: the empty snapshot that withdraws every VIP was not published: %w", err))
 	}
+	d.flowMu.Lock()
+	defer d.flowMu.Unlock()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	closeMaps(d.flowMaps[:])
 	err := d.opts.InNamespace(func() error {
 		for _, ifc := range d.ifaces {
 			for _, h := range hooksOf(ifc.kind) {
@@ -1077,6 +1098,9 @@ func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
 	if err != nil {
 		return GCResult{}, fmt.Errorf("fluxvm: gc: %w", err)
 	}
+	// Not while a compaction replaces the flow maps (compact.go).
+	d.flowMu.RLock()
+	defer d.flowMu.RUnlock()
 	// Only the ids in quarantine before the scan are free of flows after
 	// it: an id released meanwhile may be named by a flow already passed.
 	d.mu.Lock()

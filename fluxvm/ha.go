@@ -108,6 +108,9 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if err != nil {
 		return ha.ImportResult{}, err
 	}
+	// Writes into the flow maps: not while a compaction replaces them.
+	d.flowMu.RLock()
+	defer d.flowMu.RUnlock()
 	defer done()
 	t, err := d.haTarget("import flows of", service, prune)
 	if err != nil {

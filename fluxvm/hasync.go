@@ -458,6 +458,9 @@ func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta h
 	if err != nil {
 		return HADeltaResult{}, err
 	}
+	// Writes into the flow maps: not while a compaction replaces them.
+	d.flowMu.RLock()
+	defer d.flowMu.RUnlock()
 	defer done()
 	t, err := d.haTarget("import flow delta of", service, false)
 	if err != nil {

@@ -90,6 +90,9 @@ type PressureRound struct {
 	// and Horizon the largest horizon used.
 	Shed    conntrack.ShedCounts `json:"shed"`
 	Horizon Duration             `json:"horizon,omitzero"`
+	// Compaction is the hard action, when a flow map was still at the
+	// hard threshold after the shedding (compact.go).
+	Compaction *PressureCompaction `json:"compaction,omitempty"`
 	// InsertFailures is how many failed inserts since the previous round
 	// woke it (0: the levels did).
 	InsertFailures uint64   `json:"insert_failures,omitempty"`
@@ -237,6 +240,28 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 		r.Shed.Established += res.Shed.Established
 		r.Horizon = Duration{h}
 	}
+	// Still at the hard threshold: the hard action (compact.go), then a
+	// GC for the reverse-NAT halves of the flows it left out.
+	if st, err = d.Pressure(); err == nil {
+		if keep := d.compactionPlan(st); len(keep) > 0 {
+			pc, cerr := d.compactFlows(keep)
+			r.Compaction = pc
+			if cerr != nil {
+				d.log.Error("fluxvm: map pressure: compaction failed", "err", cerr)
+			} else if pc != nil && len(pc.Maps) > 0 {
+				if gc, err := d.GC(ctx); err == nil {
+					r.GC.Orphans += gc.Orphans
+					r.GC.Expired += gc.Expired
+					r.GC.Drained += gc.Drained
+					r.GC.BackendGone += gc.BackendGone
+				}
+				for _, m := range pc.Maps {
+					d.log.Warn("fluxvm: map pressure at the hard threshold: flow map rebuilt", "map", m.Map,
+						"kept", m.Kept, "dropped", m.Dropped, "dropped_by", m.DroppedBy, "caught_up", m.CaughtUp)
+				}
+			}
+		}
+	}
 	if st, err = d.Pressure(); err == nil {
 		r.After = map[string]float64{}
 		for _, name := range pressureMaps {
@@ -265,6 +290,8 @@ func (d *Dataplane) shed(ctx context.Context, horizon time.Duration) (conntrack.
 	if err != nil {
 		return conntrack.GCResult{}, err
 	}
+	d.flowMu.RLock()
+	defer d.flowMu.RUnlock()
 	d.mu.Lock()
 	if err := d.checkOpen("shed"); err != nil {
 		d.mu.Unlock()

@@ -3,8 +3,13 @@ package fluxvm
 import (
 	"context"
 	"net/netip"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
@@ -58,6 +63,7 @@ func TestMapPressure(t *testing.T) {
 	fill(3000, conntrack.ProtoTCP, bpf.CTTCPSyn, 25*time.Second, to.TCPSyn)
 	n = fill(5000, conntrack.ProtoUDP, bpf.CTUDP, 20*time.Second, to.UDP)
 	testMapPressure(t, d, c, ct, fill, n)
+	testHardPressure(t, e, d, c, ct)
 }
 
 // TestMapPressureLoop: the controller's own loop finds the same map above
@@ -173,9 +179,149 @@ func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map,
 		t.Errorf("round below the threshold: %+v, %v", r, err)
 	}
 
-	// Past the hard threshold (95%): 62,300 established flows.
-	fill(17300, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
+	// Past the hard threshold (95%): 62,300 established flows, the
+	// 17,300 added idle for 90 s (not longer: the monotonic clock of a
+	// machine just booted starts at 0).
+	fill(17300, conntrack.ProtoTCP, bpf.CTTCPEstablished, 90*time.Second, to.TCPEstablished)
 	if st, err := d.Pressure(); err != nil || st.Level != PressureHard {
 		t.Errorf("at %.1f%%: level %s, %v; want hard", st.Maps["fluxvm_fct4"].Percent, st.Level, err)
+	}
+}
+
+// testHardPressure: at the hard threshold, with nothing left to shed, a
+// round rebuilds fct4 with the flows that fit below the soft threshold
+// (51,773 of 65,536: one point below), established ones the most recently seen first, and
+// reloads the pins and programs, while a long-lived connection echoes and
+// short connections come and go through the VIP: none of them fails, every
+// flow idle for a minute survives, only 90 s idle ones are dropped;
+// the pin names a new map, the generation marker is back.
+func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *conntrack.Map) {
+	ctx := context.Background()
+	recent, old := 0, 0
+	count := func() {
+		t.Helper()
+		recent, old = 0, 0
+		now, _ := conntrack.Now()
+		err := ct.Scan(conntrack.Filter{Family: conntrack.IPv4}, func(es []conntrack.Entry) error {
+			for _, en := range es {
+				switch idle := now - en.LastSeen; {
+				case en.Key.Client.Addr().As4()[0] != 172:
+				case idle > 75*time.Second:
+					old++
+				default:
+					recent++
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	count()
+	if recent != 45000 || old != 17300 {
+		t.Fatalf("before: %d recent, %d 90 s idle flows", recent, old)
+	}
+	pinned := func() ebpf.MapID {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(e.opts.Loader.PinRoot, "maps", "fluxvm_fct4"), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		info, err := m.Info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id, _ := info.ID()
+		return id
+	}
+	before := pinned()
+
+	// Traffic throughout: the long-lived connection echoes, short ones
+	// connect, echo and close.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var longErr, shortErr atomic.Value
+	var echoes, shorts atomic.Int64
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := c.Echo([]byte("during"), 3*time.Second); err != nil {
+				longErr.Store(err)
+				return
+			}
+			echoes.Add(1)
+			time.Sleep(2 * time.Millisecond)
+		}
+	})
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			sc, err := e.cli.DialTCP(netip.AddrPortFrom(vip4, 80), 3*time.Second)
+			if err == nil {
+				err = sc.Echo([]byte("short"), 3*time.Second)
+				sc.Close()
+			}
+			if err != nil {
+				shortErr.Store(err)
+				return
+			}
+			shorts.Add(1)
+			time.Sleep(5 * time.Millisecond)
+		}
+	})
+	time.Sleep(100 * time.Millisecond)
+	r, err := d.ReconcilePressure(ctx)
+	time.Sleep(200 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err, _ := longErr.Load().(error); err != nil {
+		t.Errorf("the long-lived connection broke (after %d echoes): %v", echoes.Load(), err)
+	}
+	if err, _ := shortErr.Load().(error); err != nil {
+		t.Errorf("a short connection failed (after %d): %v", shorts.Load(), err)
+	}
+	pc := r.Compaction
+	if pc == nil || len(pc.Maps) != 1 || pc.Error != "" || pc.Deferred != "" {
+		t.Fatalf("round %+v: want a compaction of fct4", r)
+	}
+	m := pc.Maps[0]
+	const keep = 65536 * 79 / 100
+	if m.Map != "fluxvm_fct4" || m.Kept < keep || m.DroppedBy["established"] < 10400 || len(pc.Links) == 0 {
+		t.Errorf("compaction %+v, links %v: want fct4 kept >= %d, ~10,528 established dropped", m, pc.Links, keep)
+	}
+	count()
+	// 51,773 kept: the live flows (the long-lived one and the short ones
+	// established when the copy read the map) and the 45,000 seen a
+	// minute ago first, then the most recent of the 90 s ones.
+	if recent != 45000 || old < keep-45000-5 || old > keep-45000 {
+		t.Errorf("after: %d recent flows (want all 45,000), %d 90 s idle ones (want ~%d)", recent, old, keep-45000)
+	}
+	if p := r.After["fluxvm_fct4"]; p >= float64(DefaultPressureSoftPercent) {
+		t.Errorf("fct4 at %.1f%% after the hard round", p)
+	}
+	if after := pinned(); after == before || after != m.MapID {
+		t.Errorf("pinned fct4 %d (was %d), compaction says %d", after, before, m.MapID)
+	}
+	if meta, err := d.dp.ReadMeta(); err != nil || meta.ProgramGeneration != bpf.ProgramGeneration {
+		t.Errorf("generation marker %d, %v", meta.ProgramGeneration, err)
+	}
+	echo(t, c, "after the hard round")
+	t.Logf("hard round: %v, kept %d, dropped %v, caught up %d; %d echoes and %d short connections during it",
+		pc.Duration, m.Kept, m.DroppedBy, m.CaughtUp, echoes.Load(), shorts.Load())
+	// The views follow the new map: a GC scans it.
+	if gc, err := d.GC(ctx); err != nil || gc.Scanned < keep {
+		t.Errorf("GC after: %+v, %v", gc, err)
 	}
 }

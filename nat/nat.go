@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/handoff"
 	"github.com/fluxvm/servicefabric/internal/mapscan"
 )
 
@@ -194,10 +195,13 @@ func (f Filter) matches(fam Family, sid, bid uint32) bool {
 // fluxvm_nat6. It is safe for concurrent use; the datapath writes the same
 // maps concurrently (see the package documentation for what that means).
 type Table struct {
-	nat4, nat6 *ebpf.Map
-	mode       mapscan.Mode
-	chunk      int
+	maps  *handoff.Value[natMaps]
+	mode  mapscan.Mode
+	chunk int
 }
+
+// natMaps are the maps a Table works on; Rebind replaces them.
+type natMaps struct{ nat4, nat6 *ebpf.Map }
 
 // New returns the Table over the reverse-NAT maps of a loaded (or pinned)
 // TC object. It checks that they are hash maps with this schema's key and
@@ -211,7 +215,22 @@ func New(nat4, nat6 *ebpf.Map) (*Table, error) {
 	if err := checkMap("fluxvm_nat6", nat6, unsafe.Sizeof(bpf.Tuple6{})); err != nil {
 		return nil, err
 	}
-	return &Table{nat4: nat4, nat6: nat6, chunk: mapscan.DefaultChunk}, nil
+	return &Table{maps: handoff.New(natMaps{nat4, nat6}), chunk: mapscan.DefaultChunk}, nil
+}
+
+// Rebind points the Table at other maps of the same layouts (the datapath
+// rebuilt them: bpf.Datapath.CompactFlowMaps) and returns the previous
+// ones once no operation of the Table uses them any more: the caller may
+// close them then. Operations already running finish on the previous maps.
+func (t *Table) Rebind(nat4, nat6 *ebpf.Map) (old4, old6 *ebpf.Map, err error) {
+	if err := checkMap("fluxvm_nat4", nat4, unsafe.Sizeof(bpf.Tuple4{})); err != nil {
+		return nil, nil, err
+	}
+	if err := checkMap("fluxvm_nat6", nat6, unsafe.Sizeof(bpf.Tuple6{})); err != nil {
+		return nil, nil, err
+	}
+	old := t.maps.Swap(natMaps{nat4, nat6})
+	return old.nat4, old.nat6, nil
 }
 
 func checkMap(name string, m *ebpf.Map, keySize uintptr) error {
@@ -240,10 +259,12 @@ func (t *Table) Lookup(k Key) (Entry, error) {
 		return Entry{}, fmt.Errorf("nat: lookup: %w", err)
 	}
 	var v bpf.NATValue
+	m, done := t.maps.Borrow()
+	defer done()
 	if k.Family() == IPv4 {
-		err = t.nat4.Lookup(key4(k), &v)
+		err = m.nat4.Lookup(key4(k), &v)
 	} else {
-		err = t.nat6.Lookup(key6(k), &v)
+		err = m.nat6.Lookup(key6(k), &v)
 	}
 	if err != nil {
 		return Entry{}, wrapNotFound("lookup", k, err)
@@ -269,10 +290,12 @@ func (t *Table) update(op string, e Entry, flags ebpf.MapUpdateFlags) error {
 		return fmt.Errorf("nat: %s: %w", op, err)
 	}
 	v := value(&e)
+	m, done := t.maps.Borrow()
+	defer done()
 	if e.Family() == IPv4 {
-		err = t.nat4.Update(key4(e.Key), &v, flags)
+		err = m.nat4.Update(key4(e.Key), &v, flags)
 	} else {
-		err = t.nat6.Update(key6(e.Key), &v, flags)
+		err = m.nat6.Update(key6(e.Key), &v, flags)
 	}
 	if errors.Is(err, ebpf.ErrKeyExist) {
 		return fmt.Errorf("nat: %s %s: %w (%w)", op, e.Key, ErrExists, err)
@@ -289,10 +312,12 @@ func (t *Table) Delete(k Key) error {
 	if err != nil {
 		return fmt.Errorf("nat: delete: %w", err)
 	}
+	m, done := t.maps.Borrow()
+	defer done()
 	if k.Family() == IPv4 {
-		err = t.nat4.Delete(key4(k))
+		err = m.nat4.Delete(key4(k))
 	} else {
-		err = t.nat6.Delete(key6(k))
+		err = m.nat6.Delete(key6(k))
 	}
 	if err != nil {
 		return wrapNotFound("delete", k, err)
@@ -326,11 +351,13 @@ func (t *Table) DeleteKeys(keys []Key) (int, error) {
 		}
 	}
 	*b4, *b6 = k4, k6
-	n4, err := mapscan.DeleteKeys(t.nat4, &t.mode, k4, nil)
+	m, done := t.maps.Borrow()
+	defer done()
+	n4, err := mapscan.DeleteKeys(m.nat4, &t.mode, k4, nil)
 	if err != nil {
 		return n4, fmt.Errorf("nat: delete keys: fluxvm_nat4: %w", err)
 	}
-	n6, err := mapscan.DeleteKeys(t.nat6, &t.mode, k6, nil)
+	n6, err := mapscan.DeleteKeys(m.nat6, &t.mode, k6, nil)
 	if err != nil {
 		return n4 + n6, fmt.Errorf("nat: delete keys: fluxvm_nat6: %w", err)
 	}
@@ -354,14 +381,16 @@ var (
 // meanwhile may or may not be seen.
 func (t *Table) Scan(f Filter, fn func([]Entry) error) error {
 	buf := make([]Entry, 0, t.chunk)
+	m, done := t.maps.Borrow()
+	defer done()
 	if f.Family == 0 || f.Family == IPv4 {
-		s := mapscan.NewScanner[bpf.Tuple4, bpf.NATValue](t.nat4, &t.mode, t.chunk)
+		s := mapscan.NewScanner[bpf.Tuple4, bpf.NATValue](m.nat4, &t.mode, t.chunk)
 		if err := scan(s, f, IPv4, buf, key4From, fn); err != nil {
 			return err
 		}
 	}
 	if f.Family == 0 || f.Family == IPv6 {
-		s := mapscan.NewScanner[bpf.Tuple6, bpf.NATValue](t.nat6, &t.mode, t.chunk)
+		s := mapscan.NewScanner[bpf.Tuple6, bpf.NATValue](m.nat6, &t.mode, t.chunk)
 		if err := scan(s, f, IPv6, buf, key6From, fn); err != nil {
 			return err
 		}

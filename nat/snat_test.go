@@ -118,7 +118,7 @@ func TestRawFlags(t *testing.T) {
 		}), snat},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if err := tab.nat4.Put(key4(k), tc.raw); err != nil {
+			if err := tab.maps.Load().nat4.Put(key4(k), tc.raw); err != nil {
 				t.Fatal(err)
 			}
 			if got, err := tab.Lookup(k); err != nil || got != tc.want {

@@ -22,9 +22,11 @@ import (
 // closest to their end shed first (conntrack.Shed: every closed TCP flow,
 // then UDP flows idle for a quarter of their timeout and handshakes that
 // long unanswered; established TCP flows, with timeouts of hours, are
-// never reached by these horizons). Datapath
-// insert failures (drops ct_update, nat_update: a full plain hash map)
-// start a round at the next tick whatever the levels.
+// never reached by these horizons). A family's conntrack map still at or
+// above the hard threshold after that is rebuilt by rank, with the pins
+// and programs reloaded (compact.go). Datapath insert failures (drops
+// ct_update, nat_update: a full plain hash map) start a round at the next
+// tick whatever the levels.
 const (
 	DefaultPressureSoftPercent = 80
 	DefaultPressureHardPercent = 95

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
@@ -182,6 +183,8 @@ func TestOpenAPISchemas(t *testing.T) {
 		"PressureStatus":         reflect.TypeFor[fluxvm.PressureStatus](),
 		"MapPressure":            reflect.TypeFor[fluxvm.MapPressure](),
 		"PressureRound":          reflect.TypeFor[fluxvm.PressureRound](),
+		"PressureCompaction":     reflect.TypeFor[fluxvm.PressureCompaction](),
+		"FlowMapCompaction":      reflect.TypeFor[bpf.FlowMapCompaction](),
 		"ShedCounts":             reflect.TypeFor[conntrack.ShedCounts](),
 		"GCRequest":              reflect.TypeFor[gcRequest](),
 		"HealthReconcileRequest": reflect.TypeFor[reconcileRequest](),

@@ -25,8 +25,8 @@ import (
 // never reached by these horizons). A family's conntrack map still at or
 // above the hard threshold after that is rebuilt by rank, with the pins
 // and programs reloaded (compact.go). Datapath insert failures (drops
-// ct_update, nat_update: a full plain hash map) start a round at the next
-// tick whatever the levels.
+// ct_update, nat_update) are read every twentieth of the interval (100 ms
+// by default) and start a round at once whatever the levels.
 const (
 	DefaultPressureSoftPercent = 80
 	DefaultPressureHardPercent = 95
@@ -160,13 +160,32 @@ func (d *Dataplane) pressureStatus() (PressureStatus, error) {
 	return st, nil
 }
 
-// insertFailures sums the datapath's failed flow inserts.
+// insertFailures sums the datapath's failed flow inserts: two per-CPU
+// slots of fluxvm_drops, cheap enough to read every failureCheck. The
+// caller holds mu (a compaction replaces the datapath's map handles).
 func (d *Dataplane) insertFailures() (uint64, error) {
-	drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops)
-	if err != nil {
-		return 0, err
+	m := d.dp.Maps().FluxvmDrops
+	if m == nil {
+		return 0, ErrClosed
 	}
-	return drops[bpf.DropCTUpdate] + drops[bpf.DropNATUpdate], nil
+	var sum uint64
+	var perCPU []uint64
+	for _, r := range []bpf.DropReason{bpf.DropCTUpdate, bpf.DropNATUpdate} {
+		if err := m.Lookup(uint32(r), &perCPU); err != nil {
+			return 0, fmt.Errorf("read drops: %w", err)
+		}
+		for _, v := range perCPU {
+			sum += v
+		}
+	}
+	return sum, nil
+}
+
+// failureCheck is how often the controller's loop reads the insert
+// failures between two readings of the levels: a failed insert wakes a
+// round within it.
+func failureCheck(every time.Duration) time.Duration {
+	return min(max(every/20, 20*time.Millisecond), every)
 }
 
 // ReconcilePressure runs one round now and returns what it did: when a
@@ -319,25 +338,44 @@ func (d *Dataplane) pressureLoop(every time.Duration, stop <-chan struct{}, done
 	defer close(done)
 	t := time.NewTicker(every)
 	defer t.Stop()
+	// Insert failures are read more often than the levels: one wakes a
+	// round at once, not at the next reading.
+	ft := time.NewTicker(failureCheck(every))
+	defer ft.Stop()
 	c := d.pressure
-	c.failures, _ = d.insertFailures()
+	// Under mu: a compaction replaces the datapath's map handles.
+	failures := func() (uint64, error) {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if err := d.checkOpen("pressure"); err != nil {
+			return 0, err
+		}
+		return d.insertFailures()
+	}
+	c.failures, _ = failures()
 	// A round that frees nothing (the maps are full of live, established
 	// flows) is not repeated every tick: the ticks skipped double, up to
 	// maxPressureBackoff, until a round frees something, the level
 	// changes or inserts fail.
 	skip, backoff, lastLevel := 0, 0, PressureOK
 	for {
+		levels := false
 		select {
 		case <-stop:
 			return
 		case <-t.C:
+			levels = true
+		case <-ft.C:
 		}
-		f, err := d.insertFailures()
+		f, err := failures()
 		var failed uint64
 		if err == nil && f > c.failures {
 			failed = f - c.failures
 		}
 		c.failures = max(c.failures, f)
+		if !levels && failed == 0 {
+			continue
+		}
 		st, err := d.Pressure()
 		if err != nil {
 			if errors.Is(err, ErrClosed) {

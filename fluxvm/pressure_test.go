@@ -95,6 +95,45 @@ func TestMapPressureLoop(t *testing.T) {
 	}
 }
 
+// TestMapPressureWakesOnInsertFailure: a failed datapath insert wakes a
+// round well before the next reading of the levels (5 s here): the loop
+// reads the two failure counters every failureCheck (250 ms).
+func TestMapPressureWakesOnInsertFailure(t *testing.T) {
+	e := newEnv(t)
+	e.opts.PressureInterval = 5 * time.Second
+	d := e.open(t)
+	time.Sleep(300 * time.Millisecond) // the loop has read the counters once
+	// The datapath counts a failed conntrack insert in fluxvm_drops;
+	// written here as it would (the LRU maps refuse inserts only under
+	// contention, which a test cannot produce at will).
+	m := d.dp.Maps().FluxvmDrops
+	vals := make([]uint64, ebpf.MustPossibleCPU())
+	vals[0] = 3
+	if err := m.Put(uint32(bpf.DropCTUpdate), vals); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	for {
+		st, err := d.Pressure()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := st.LastRound; r != nil {
+			if r.InsertFailures != 3 || r.GC == nil {
+				t.Errorf("round %+v: want one woken by 3 insert failures, with a GC", r)
+			}
+			if wait := time.Since(start); wait > 2*time.Second {
+				t.Errorf("the round came %v after the failure", wait)
+			}
+			return
+		}
+		if time.Since(start) > 4*time.Second {
+			t.Fatalf("no round 4 s after an insert failure: %+v", st)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // pressureFill applies the test service with one live connection and
 // returns it, the conntrack map, and a filler of IPv4 entries pinned to
 // the connection's frontend and backend (count entries in state, idle

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"maps"
 	"path/filepath"
 	"slices"
-	"strings"
-	"unsafe"
+	"sync"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/mapscan"
 )
 
 // FlowMaps are the lifecycle maps that hold flows (conntrack and reverse
@@ -57,12 +59,9 @@ func (c FlowClass) String() string {
 	return fmt.Sprintf("class(%d)", uint8(c))
 }
 
-// flowClassOf classifies a raw value of flow map name.
-func flowClassOf(name string, v []byte) FlowClass {
-	if strings.HasPrefix(name, "fluxvm_nat") {
-		return FlowClassNAT
-	}
-	switch CTState(v[unsafe.Offsetof(CTValue{}.State)]) {
+// flowClassOf classifies a conntrack entry by its state.
+func flowClassOf(st CTState) FlowClass {
+	switch st {
 	case CTTCPEstablished:
 		return FlowClassEstablished
 	case CTUDP:
@@ -80,10 +79,18 @@ type CompactOptions struct {
 	// map keeps at most. A map not named is not rebuilt.
 	Keep map[string]int
 	// Dropped, when set, is told of every entry the rebuild left out,
-	// after the switch (the new programs run): a replication journal
-	// turns conntrack entries into deletes. key and value are the raw
-	// entry, valid during the call only.
+	// after the switch and the catch-up (an entry the catch-up brought
+	// back, because the datapath used it meanwhile, is not dropped): a
+	// replication journal turns conntrack entries into deletes, and the
+	// caller removes their reverse-NAT halves. key and value are the raw
+	// entry as the old map last held it, valid during the call only.
 	Dropped func(name string, key, value []byte)
+	// Switch, when set, is locked around the switch only (pins, links and
+	// the Datapath's handles change under it): the lock under which the
+	// caller uses the Datapath. The copy and the program loads, the long
+	// part, run without it. Without it the caller must not use the
+	// Datapath during the whole call.
+	Switch sync.Locker
 }
 
 // FlowMapCompaction is what CompactFlowMaps did to one flow map.
@@ -144,8 +151,7 @@ type Compaction struct {
 // replaced (callers holding them, as conntrack.Map does, take the new ones
 // from Maps). The new maps coexist with the old for the duration: their
 // memory is needed twice until the old ones are released.
-func (d *Datapath) CompactFlowMaps(o CompactOptions) (Compaction, error) {
-	var res Compaction
+func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error) {
 	if d.coll == nil {
 		return res, ErrClosed
 	}
@@ -169,295 +175,415 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (Compaction, error) {
 		return res, nil
 	}
 	slices.Sort(names)
+	lock, unlock := func() {}, func() {}
+	if o.Switch != nil {
+		lock, unlock = o.Switch.Lock, o.Switch.Unlock
+	}
 
+	// 1. The generation marker, cleared until the end. A failure before
+	// the switch writes it back; one during the switch that cannot be
+	// undone leaves it cleared, for the next Open to reload.
 	meta, err := d.ReadMeta()
 	if err != nil {
 		return res, fmt.Errorf("bpf: compact: %w", err)
 	}
-	cleared := meta
-	cleared.ProgramGeneration = 0
-	if err := d.maps.FluxvmMeta.Put(uint32(0), cleared); err != nil {
+	meta.ProgramGeneration = 0
+	if err := d.maps.FluxvmMeta.Put(uint32(0), meta); err != nil {
 		return res, fmt.Errorf("bpf: compact: clear the generation marker: %w", err)
 	}
-	// Until the switch, a failure restores the marker: the pins still name
-	// the maps the running programs use.
-	restoreMarker := func() { _ = d.maps.FluxvmMeta.Put(uint32(0), meta) }
-
+	meta.ProgramGeneration = ProgramGeneration
+	marker := func() error { return d.maps.FluxvmMeta.Put(uint32(0), meta) }
 	since, err := monotonicCoarse()
 	if err != nil {
-		restoreMarker()
-		return res, fmt.Errorf("bpf: compact: %w", err)
+		return res, errors.Join(fmt.Errorf("bpf: compact: %w", err), marker())
 	}
+
+	// 2. The new maps, filled by rank from the old ones.
 	fresh := map[string]*ebpf.Map{}
-	closeFresh := func() {
+	drops := make([][]droppedKey, len(names))
+	res.Maps = make([]FlowMapCompaction, len(names))
+	abort := func(err error, colls ...*ebpf.Collection) (Compaction, error) {
 		for _, m := range fresh {
 			m.Close()
 		}
+		for _, c := range colls {
+			c.Close()
+		}
+		return res, errors.Join(fmt.Errorf("bpf: compact: %w", err), marker())
 	}
-	res.Maps = make([]FlowMapCompaction, len(names))
-	drops := make([][]droppedKey, len(names))
 	for i, name := range names {
 		old := d.coll.Maps[name]
 		nm, err := ebpf.NewMap(d.spec.Maps[name])
 		if err != nil {
-			closeFresh()
-			restoreMarker()
-			return res, fmt.Errorf("bpf: compact: create %s: %w", name, err)
+			return abort(fmt.Errorf("create %s: %w", name, err))
 		}
 		fresh[name] = nm
-		mc, dk, err := rankedCopy(name, old, nm, o.Keep[name], o.Dropped != nil)
+		mc, dk, err := rankedCopy(name, old, nm, o.Keep[name])
 		if err != nil {
-			closeFresh()
-			restoreMarker()
-			return res, fmt.Errorf("bpf: compact: %s: %w", name, err)
+			return abort(fmt.Errorf("%s: %w", name, err))
 		}
 		if info, err := old.Info(); err == nil {
 			mc.PreviousMapID, _ = info.ID()
 		}
+		if info, err := nm.Info(); err == nil {
+			mc.MapID, _ = info.ID()
+		}
 		res.Maps[i], drops[i] = mc, dk
 	}
 
-	// Programs on the new flow maps and every other map as it is. The
-	// side objects' own maps (XDP's next-hop cache) are theirs as well.
-	repl := make(map[string]*ebpf.Map, len(d.coll.Maps))
-	for name, m := range d.coll.Maps {
-		repl[name] = m
-	}
-	for name, m := range fresh {
-		repl[name] = m
-	}
+	// 3. The programs, on the new maps and every other map as it is (the
+	// side objects' own maps, such as XDP's next-hop cache, too).
+	repl := maps.Clone(d.coll.Maps)
+	maps.Copy(repl, fresh)
 	coll, err := ebpf.NewCollectionWithOptions(d.spec, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
-		closeFresh()
-		restoreMarker()
-		return res, fmt.Errorf("bpf: compact: load programs: %w", err)
+		return abort(fmt.Errorf("load programs: %w", err))
 	}
-	closeFresh() // the collection holds its own references
 	side := func(old *ebpf.Collection, load func(Options, *ebpf.Collection) (*ebpf.Collection, error)) (*ebpf.Collection, error) {
-		base := &ebpf.Collection{Maps: map[string]*ebpf.Map{}}
-		if old != nil {
-			for name, m := range old.Maps {
-				base.Maps[name] = m
-			}
-		}
-		for name, m := range coll.Maps {
-			base.Maps[name] = m
-		}
+		base := &ebpf.Collection{Maps: maps.Clone(old.Maps)}
+		maps.Copy(base.Maps, coll.Maps)
 		return load(d.opts, base)
 	}
 	xcoll, err := side(d.xcoll, loadXDP)
 	if err != nil {
-		coll.Close()
-		restoreMarker()
-		return res, fmt.Errorf("bpf: compact: %w", err)
+		return abort(err, coll)
 	}
 	ccoll, err := side(d.ccoll, loadConnect)
 	if err != nil {
-		coll.Close()
-		xcoll.Close()
-		restoreMarker()
-		return res, fmt.Errorf("bpf: compact: %w", err)
+		return abort(err, coll, xcoll)
 	}
-	var progs Programs
-	var xprogs XDPPrograms
-	var cprogs ConnectPrograms
-	if err := errors.Join(assignTyped(&progs, coll), assignTyped(&xprogs, xcoll), assignTyped(&cprogs, ccoll)); err != nil {
-		coll.Close()
-		xcoll.Close()
-		ccoll.Close()
-		restoreMarker()
-		return res, fmt.Errorf("bpf: compact: %w", err)
+	// The new collections take the old objects of the maps not rebuilt
+	// (whoever holds them keeps valid handles) in place of their clones.
+	transplant := func(c, old *ebpf.Collection) map[string]*ebpf.Map {
+		clones := map[string]*ebpf.Map{}
+		for name, m := range old.Maps {
+			if _, rebuilt := fresh[name]; rebuilt || c.Maps[name] == nil {
+				continue
+			}
+			clones[name] = c.Maps[name]
+			c.Maps[name] = m
+		}
+		return clones
+	}
+	clones := []map[string]*ebpf.Map{transplant(coll, d.coll), transplant(xcoll, d.xcoll), transplant(ccoll, d.ccoll)}
+	closeNew := func() {
+		// The old objects go back out of the new collections first.
+		for i, c := range []*ebpf.Collection{coll, xcoll, ccoll} {
+			maps.Copy(c.Maps, clones[i])
+			c.Close()
+		}
+	}
+	var (
+		newMaps  Maps
+		progs    Programs
+		xprogs   XDPPrograms
+		cprogs   ConnectPrograms
+	)
+	if err := errors.Join(assignTyped(&newMaps, coll), assignTyped(&progs, coll), assignTyped(&xprogs, xcoll), assignTyped(&cprogs, ccoll)); err != nil {
+		closeNew()
+		return abort(err)
+	}
+	for _, cl := range clones {
+		for _, m := range cl {
+			m.Close()
+		}
+	}
+	closeNew = func() {
+		for _, c := range []*ebpf.Collection{coll, xcoll, ccoll} {
+			for _, p := range c.Programs {
+				p.Close()
+			}
+		}
+		for _, m := range fresh {
+			m.Close()
+		}
 	}
 
-	// The switch: pins first (what a restart from here on adopts), then
-	// the links. From the first pin on, a failure leaves the marker
-	// cleared: the next Open reloads.
-	root := d.opts.PinRoot
-	for _, name := range names {
-		path := filepath.Join(mapDir(root), name)
-		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			coll.Close()
-			xcoll.Close()
-			ccoll.Close()
-			return res, fmt.Errorf("bpf: compact: replace pin %s: %w (the generation marker stays cleared: open again to reload)", name, err)
-		}
-		if err := coll.Maps[name].Pin(path); err != nil {
-			coll.Close()
-			xcoll.Close()
-			ccoll.Close()
-			return res, fmt.Errorf("bpf: compact: pin %s: %w (the generation marker stays cleared: open again to reload)", name, err)
-		}
-	}
+	// 4. The switch, under the caller's lock and the Datapath's own
+	// (goroutines that read the handles without the caller's lock: the
+	// route cache, the socket iterator).
+	lock()
+	d.live.Lock()
 	oldProgs, oldX, oldC := d.progs, d.xprogs, d.cprogs
-	d.progs, d.xprogs, d.cprogs = progs, xprogs, cprogs
-	links, _, err := d.updateLinks()
-	res.Links = links
+	oldMaps := map[string]*ebpf.Map{}
+	root := d.opts.PinRoot
+	repin := func(m map[string]*ebpf.Map) error {
+		var errs []error
+		for _, name := range names {
+			path := filepath.Join(mapDir(root), name)
+			if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+				continue
+			}
+			errs = append(errs, m[name].Pin(path))
+		}
+		return errors.Join(errs...)
+	}
+	for _, name := range names {
+		oldMaps[name] = d.coll.Maps[name]
+	}
+	err = repin(fresh)
+	if err == nil {
+		d.progs, d.xprogs, d.cprogs = progs, xprogs, cprogs
+		res.Links, _, err = d.updateLinks()
+	}
 	if err != nil {
-		// Back to the old programs where the links took the new ones; the
-		// pins name the new maps, which the marker makes the next Open
-		// reload.
+		// Back to the old programs and the old pins; only if that fails
+		// too does the marker stay cleared.
 		d.progs, d.xprogs, d.cprogs = oldProgs, oldX, oldC
-		_, _, _ = d.updateLinks()
-		coll.Close()
-		xcoll.Close()
-		ccoll.Close()
-		return res, fmt.Errorf("bpf: compact: %w (the generation marker stays cleared: open again to reload)", err)
-	}
-	// A catch-up that fails loses only the flows it did not copy (their
-	// next packets pick again): the switch stands, the error is returned.
-	var catchErrs []error
-	for i, name := range names {
-		learned, changed, err := catchUp(name, d.coll.Maps[name], coll.Maps[name], since)
-		if err != nil {
-			catchErrs = append(catchErrs, fmt.Errorf("bpf: compact: catch up %s: %w", name, err))
+		_, _, lerr := d.updateLinks()
+		perr := repin(oldMaps)
+		d.live.Unlock()
+		unlock()
+		closeNew()
+		res.Links = nil
+		if lerr != nil || perr != nil {
+			return res, fmt.Errorf("bpf: compact: %w (undoing it failed: %w; the generation marker stays cleared: open again to reload)",
+				err, errors.Join(lerr, perr))
 		}
-		res.Maps[i].CaughtUp = learned + changed
-		if info, err := coll.Maps[name].Info(); err == nil {
-			res.Maps[i].MapID, _ = info.ID()
-		}
-	}
-
-	// The maps that were not rebuilt keep their objects (callers hold
-	// them); the rebuilt ones and the old programs go.
-	for name, m := range d.coll.Maps {
-		if _, rebuilt := fresh[name]; rebuilt {
-			continue
-		}
-		coll.Maps[name].Close()
-		coll.Maps[name] = m
-		delete(d.coll.Maps, name)
-	}
-	for name, m := range d.xcoll.Maps {
-		if nm := xcoll.Maps[name]; nm != nil && coll.Maps[name] == nil {
-			nm.Close()
-			xcoll.Maps[name] = m
-			delete(d.xcoll.Maps, name)
-		}
-	}
-	for name, m := range d.ccoll.Maps {
-		if nm := ccoll.Maps[name]; nm != nil && coll.Maps[name] == nil {
-			nm.Close()
-			ccoll.Maps[name] = m
-			delete(d.ccoll.Maps, name)
-		}
+		return res, errors.Join(fmt.Errorf("bpf: compact: %w", err), marker())
 	}
 	oldColl, oldXColl, oldCColl := d.coll, d.xcoll, d.ccoll
-	d.coll, d.xcoll, d.ccoll = coll, xcoll, ccoll
+	d.coll, d.xcoll, d.ccoll, d.maps = coll, xcoll, ccoll, newMaps
 	res.Switched = true
-	var maps Maps
-	if err := assignTyped(&maps, coll); err != nil {
-		return res, fmt.Errorf("bpf: compact: %w", err)
+	d.live.Unlock()
+	unlock()
+
+	// 5. After the switch: the old collections' programs and rebuilt maps
+	// go (the objects of the maps not rebuilt live on in the new ones);
+	// the flows the old programs learned or changed meanwhile are copied;
+	// what is left out is told; the marker is written back.
+	var errs []error
+	for i, name := range names {
+		learned, changed, err := catchUp(name, oldMaps[name], d.coll.Maps[name], since)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("catch up %s: %w", name, err))
+		}
+		res.Maps[i].CaughtUp = learned + changed
+		res.Maps[i].settle(d.coll.Maps[name], drops[i], name, o.Dropped)
 	}
-	d.maps = maps
-	if err := d.maps.FluxvmMeta.Put(uint32(0), meta); err != nil {
-		return res, fmt.Errorf("bpf: compact: write the generation marker: %w", err)
+	for _, c := range []*ebpf.Collection{oldColl, oldXColl, oldCColl} {
+		for _, p := range c.Programs {
+			p.Close()
+		}
 	}
-	if o.Dropped != nil {
-		for i, name := range names {
-			for _, k := range drops[i] {
-				o.Dropped(name, k.key, k.value)
+	for _, m := range oldMaps {
+		m.Close()
+	}
+	for _, c := range []*ebpf.Collection{oldXColl, oldCColl} {
+		// Their clones of the TC object's maps (their own maps live on in
+		// the new collections).
+		for name, m := range c.Maps {
+			if xm := xcoll.Maps[name]; xm != m {
+				if cm := ccoll.Maps[name]; cm != m {
+					m.Close()
+				}
 			}
 		}
 	}
-	oldColl.Close()
-	oldXColl.Close()
-	oldCColl.Close()
-	return res, errors.Join(catchErrs...)
+	errs = append(errs, marker())
+	if err := errors.Join(errs...); err != nil {
+		return res, fmt.Errorf("bpf: compact: %w", err)
+	}
+	return res, nil
 }
 
-// droppedKey is an entry the rebuild left out, kept for
-// CompactOptions.Dropped.
-type droppedKey struct{ key, value []byte }
+// settle corrects mc once the catch-up ran: an entry the rank left out
+// that the catch-up copied (the datapath used it during the copy) or that
+// the copy reached twice is in the new map after all. The rest are told
+// to dropped.
+func (mc *FlowMapCompaction) settle(nm *ebpf.Map, drops []droppedKey, name string, dropped func(string, []byte, []byte)) {
+	cur := make([]byte, nm.ValueSize())
+	for _, dk := range drops {
+		if nm.Lookup(dk.key, &cur) == nil {
+			mc.Dropped--
+			mc.DroppedBy[dk.class.String()]--
+			if mc.DroppedBy[dk.class.String()] == 0 {
+				delete(mc.DroppedBy, dk.class.String())
+			}
+			continue
+		}
+		if dropped != nil {
+			dropped(name, dk.key, dk.value)
+		}
+	}
+	// Kept: what the new map holds of what the copy read (entries learned
+	// meanwhile are in CaughtUp).
+	mc.Kept = mc.Entries - mc.Dropped
+}
+
+// droppedKey is an entry the rebuild left out, kept for settle.
+type droppedKey struct {
+	key, value []byte
+	class      FlowClass
+}
 
 // rankedCopy fills nm with the keep most costly entries of old (by class,
-// then most recently seen), in two passes over old: one that finds the
-// cut, one that copies. It returns what it did and, when wantDrops, the
-// entries it left out.
-func rankedCopy(name string, old, nm *ebpf.Map, keep int, wantDrops bool) (FlowMapCompaction, []droppedKey, error) {
+// then most recently seen), in two batched passes over old: one that finds
+// the cut, one that copies. It returns what it did and, when wantDrops,
+// the entries it left out.
+func rankedCopy(name string, old, nm *ebpf.Map, keep int) (FlowMapCompaction, []droppedKey, error) {
+	ct := func(v *CTValue) (FlowClass, uint64) { return flowClassOf(CTState(v.State)), v.LastSeenNs }
+	nt := func(v *NATValue) (FlowClass, uint64) { return FlowClassNAT, v.LastSeenNs }
+	switch name {
+	case "fluxvm_fct4":
+		return rankedCopyOf[Tuple4](name, old, nm, keep, ct)
+	case "fluxvm_fct6":
+		return rankedCopyOf[Tuple6](name, old, nm, keep, ct)
+	case "fluxvm_nat4":
+		return rankedCopyOf[Tuple4](name, old, nm, keep, nt)
+	case "fluxvm_nat6":
+		return rankedCopyOf[Tuple6](name, old, nm, keep, nt)
+	}
+	return FlowMapCompaction{}, nil, fmt.Errorf("%s is not a flow map", name)
+}
+
+func rankedCopyOf[K, V any](name string, old, nm *ebpf.Map, keep int,
+	rank func(*V) (FlowClass, uint64)) (FlowMapCompaction, []droppedKey, error) {
 	mc := FlowMapCompaction{Map: name, DroppedBy: map[string]int{}}
-	off := lastSeenOffset(name)
-	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
+	var mode mapscan.Mode
 	// Pass 1: last-seen times by class.
 	var seen [numFlowClasses][]uint64
-	it := old.Iterate()
-	for it.Next(&k, &v) {
-		c := flowClassOf(name, v)
-		seen[c] = append(seen[c], binary.LittleEndian.Uint64(v[off:]))
+	s := mapscan.NewScanner[K, V](old, &mode, compactChunk)
+	for {
+		n, err := s.Chunk()
+		if err != nil {
+			return mc, nil, err
+		}
+		if n == 0 {
+			break
+		}
+		for i := range n {
+			c, t := rank(&s.Vals[i])
+			seen[c] = append(seen[c], t)
+		}
 	}
-	if err := it.Err(); err != nil {
-		return mc, nil, err
+	cut := findCut(&seen, keep)
+	// Pass 2: copy what makes the cut. Entries learned since pass 1 are
+	// judged by the same cut (and caught up after the switch if they are
+	// newer than the copy): Kept may exceed keep by what the datapath
+	// learned during the copy, rather than leave out an entry ranked above
+	// the cut that the walk reaches late.
+	var drops []droppedKey
+	keys, vals := make([]K, 0, compactChunk), make([]V, 0, compactChunk)
+	// The new map is written by nothing else: plain updates (the batch
+	// command takes no BPF_NOEXIST), a key the walk returns twice (the
+	// map changed under it) written twice; Kept is counted afterwards.
+	batch := true
+	flush := func() error {
+		for off := 0; off < len(keys); {
+			if !batch {
+				if err := nm.Update(&keys[off], &vals[off], ebpf.UpdateAny); err != nil {
+					return fmt.Errorf("copy: %w", err)
+				}
+				off++
+				continue
+			}
+			n, err := nm.BatchUpdate(keys[off:], vals[off:], nil)
+			off += n
+			switch {
+			case err == nil:
+			case errors.Is(err, ebpf.ErrNotSupported):
+				batch = false
+			default:
+				return fmt.Errorf("copy: %w", err)
+			}
+		}
+		keys, vals = keys[:0], vals[:0]
+		return nil
 	}
-	// The cut: every class above cutClass whole, cutClass's entries seen
-	// after cutSeen, and ties at cutSeen while ties lasts.
-	cutClass, cutSeen, ties := FlowClass(0), uint64(0), 0
+	s = mapscan.NewScanner[K, V](old, &mode, compactChunk)
+	for {
+		n, err := s.Chunk()
+		if err != nil {
+			return mc, nil, err
+		}
+		if n == 0 {
+			break
+		}
+		for i := range n {
+			mc.Entries++
+			c, t := rank(&s.Vals[i])
+			if cut.in(c, t) {
+				keys, vals = append(keys, s.Keys[i]), append(vals, s.Vals[i])
+				continue
+			}
+			mc.Dropped++
+			mc.DroppedBy[c.String()]++
+			kb, _ := binary.Append(nil, binary.NativeEndian, &s.Keys[i])
+			vb, _ := binary.Append(nil, binary.NativeEndian, &s.Vals[i])
+			drops = append(drops, droppedKey{kb, vb, c})
+		}
+		if err := flush(); err != nil {
+			return mc, nil, err
+		}
+	}
+	s = mapscan.NewScanner[K, V](nm, &mode, compactChunk)
+	for {
+		n, err := s.Chunk()
+		if err != nil {
+			return mc, nil, err
+		}
+		if n == 0 {
+			break
+		}
+		mc.Kept += n
+	}
+	mc.Entries = mc.Kept + mc.Dropped
+	return mc, drops, nil
+}
+
+// compactChunk is how many entries one batch of the ranked copy reads or
+// writes.
+const compactChunk = 4096
+
+// flowCut is where a ranked copy stops: every class above class whole, the
+// entries of class seen after seen, and ties of them seen at exactly seen.
+type flowCut struct {
+	class FlowClass
+	seen  uint64
+	ties  int
+}
+
+// in reports whether an entry of class c last seen at t makes the cut (it
+// counts down the ties it lets in).
+func (k *flowCut) in(c FlowClass, t uint64) bool {
+	switch {
+	case c != k.class:
+		return c > k.class
+	case t > k.seen:
+		return true
+	case t == k.seen && k.ties > 0:
+		k.ties--
+		return true
+	}
+	return false
+}
+
+// findCut finds the cut that keeps keep of the entries whose last-seen
+// times seen holds by class, the costliest class first.
+func findCut(seen *[numFlowClasses][]uint64, keep int) *flowCut {
 	left := keep
 	for c := numFlowClasses - 1; ; c-- {
 		s := seen[c]
 		if len(s) <= left {
 			left -= len(s)
 			if c == 0 {
-				cutClass, cutSeen, ties = 0, 0, len(s) // everything fits
-				break
+				return &flowCut{class: 0, seen: 0, ties: len(s)} // everything fits
 			}
 			continue
 		}
+		if left == 0 {
+			return &flowCut{class: c, seen: ^uint64(0)}
+		}
 		slices.Sort(s)
 		slices.Reverse(s)
-		cutClass = c
-		if left == 0 {
-			cutSeen, ties = ^uint64(0), 0
-			break
-		}
-		cutSeen = s[left-1]
-		above := 0
+		cut := &flowCut{class: c, seen: s[left-1]}
 		for _, t := range s[:left] {
-			if t > cutSeen {
-				above++
+			if t == cut.seen {
+				cut.ties++
 			}
 		}
-		ties = left - above
-		break
+		return cut
 	}
-	// Pass 2: copy what makes the cut. Entries learned since pass 1 are
-	// judged by the same cut (and caught up after the switch if they are
-	// newer than the copy): Kept may exceed keep by what the datapath
-	// learned during the copy.
-	nv := make([]byte, nm.ValueSize())
-	var drops []droppedKey
-	it = old.Iterate()
-	for it.Next(&k, &v) {
-		mc.Entries++
-		c := flowClassOf(name, v)
-		t := binary.LittleEndian.Uint64(v[off:])
-		in := c > cutClass || (c == cutClass && (t > cutSeen || (t == cutSeen && ties > 0)))
-		if c == cutClass && t == cutSeen && ties > 0 {
-			ties--
-		}
-		// Not capped at keep: an entry learned or refreshed since pass 1
-		// that ranks above the cut is kept too, rather than one the
-		// iteration reaches later.
-		if in {
-			copy(nv, v)
-			err := nm.Update(k, nv, ebpf.UpdateNoExist)
-			switch {
-			case err == nil:
-				mc.Kept++
-				continue
-			case errors.Is(err, ebpf.ErrKeyExist):
-				mc.Entries-- // returned twice by an iteration under changes
-				continue
-			default:
-				return mc, nil, fmt.Errorf("copy: %w", err)
-			}
-		}
-		mc.Dropped++
-		mc.DroppedBy[c.String()]++
-		if wantDrops {
-			drops = append(drops, droppedKey{slices.Clone(k), slices.Clone(v)})
-		}
-	}
-	if err := it.Err(); err != nil {
-		return mc, nil, err
-	}
-	return mc, drops, nil
 }

@@ -168,3 +168,124 @@ func TestCompactFlowMapsRefuses(t *testing.T) {
 		t.Errorf("with cls_bpf hooks: %v, want ErrCompactUnsupported", err)
 	}
 }
+
+// BenchmarkCompactFlowMaps: the hard action at tier L on a full conntrack
+// map (1,048,576 entries, the soft target kept): how long the ranked copy
+// and the switch take.
+func BenchmarkCompactFlowMaps(b *testing.B) {
+	d, err := Open(Options{PinRoot: filepath.Join(testenv.PinRoot(b), "service"), Tier: TierL})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Close()
+	capacity := int(d.Maps().FluxvmFct4.MaxEntries())
+	keys := make([]Tuple4, 0, 65536)
+	vals := make([]CTValue, 0, 65536)
+	fill := func() {
+		for i := 0; i < capacity; i += len(keys) {
+			keys, vals = keys[:0], vals[:0]
+			for j := i; j < min(i+65536, capacity); j++ {
+				keys = append(keys, Tuple4{Saddr: uint32(j) + 1, Daddr: 0x0a60000a, Sport: Port(uint16(j)), Dport: Port(80), Proto: ipTCP})
+				vals = append(vals, CTValue{ServiceId: 1, BackendId: 1, State: uint8(CTTCPEstablished), LastSeenNs: uint64(j)})
+			}
+			if _, err := d.Maps().FluxvmFct4.BatchUpdate(keys, vals, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	for b.Loop() {
+		b.StopTimer()
+		fill()
+		b.StartTimer()
+		res, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": capacity * 79 / 100}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(res.Maps[0].Kept), "kept")
+	}
+}
+
+// TestCompactCaughtUpNotDropped: entries the rank leaves out but the
+// datapath used during the copy (seen since it began) are caught up into
+// the new map: they are not reported as dropped (a replication journal
+// would delete a flow the node keeps).
+func TestCompactCaughtUpNotDropped(t *testing.T) {
+	d := openT(t, Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: TierS})
+	now, err := monotonicCoarse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 15 {
+		v := CTValue{ServiceId: 1, BackendId: 1, State: uint8(CTTCPEstablished), LastSeenNs: 1000 + uint64(i)}
+		if i >= 10 { // busy UDP flows, ranked below every established one
+			v.State, v.LastSeenNs = uint8(CTUDP), now
+		}
+		if err := d.Maps().FluxvmFct4.Put(ctKey(i), v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	told := 0
+	res, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 10},
+		Dropped: func(string, []byte, []byte) { told++ }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := res.Maps[0]
+	if n := count(t, d.Maps().FluxvmFct4); n != 15 || told != 0 || m.Dropped != 0 || m.Kept != 15 || m.CaughtUp != 5 || len(m.DroppedBy) != 0 {
+		t.Errorf("new map holds %d, %d told dropped; result %+v: want all 15 kept, 5 caught up, none dropped", n, told, m)
+	}
+}
+
+// TestCompactMarkerAfterFailure: a marker left cleared by an earlier
+// failure is written back by the next compaction that succeeds.
+func TestCompactMarkerAfterFailure(t *testing.T) {
+	d := openT(t, Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: TierS})
+	putCT(t, d, 10)
+	m, _ := d.ReadMeta()
+	m.ProgramGeneration = 0
+	if err := d.Maps().FluxvmMeta.Put(uint32(0), m); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 5}}); err != nil {
+		t.Fatal(err)
+	}
+	if m, _ := d.ReadMeta(); m.ProgramGeneration != ProgramGeneration {
+		t.Errorf("generation marker %d after a successful compaction, want %d", m.ProgramGeneration, ProgramGeneration)
+	}
+}
+
+// TestCompactWithRouteCacheWrites: the route watch writes the XDP route
+// cache from its own goroutine, without the caller's lock, while
+// compactions switch the handles (run with -race).
+func TestCompactWithRouteCacheWrites(t *testing.T) {
+	d := openT(t, Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: TierS})
+	putCT(t, d, 10)
+	stop, done := make(chan struct{}), make(chan struct{})
+	var errs int
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := d.InvalidateXDPRoutes(); err != nil {
+				errs++
+			}
+		}
+	}()
+	for range 3 {
+		if _, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 5}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	<-done
+	if errs != 0 {
+		t.Errorf("%d route cache writes failed during the compactions", errs)
+	}
+	if st := d.XDPRouteCache(); st.Generation == 0 {
+		t.Error("the route cache was never written")
+	}
+}

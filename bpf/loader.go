@@ -206,6 +206,11 @@ type Datapath struct {
 	// clsAttached: a hook was attached by cls_bpf, whose filters hold
 	// their program without a link to switch (CompactFlowMaps refuses).
 	clsAttached bool
+	// live is held (Lock) while CompactFlowMaps switches the handles
+	// (coll, xcoll, ccoll, maps, progs), and read-held by the methods that
+	// run without the caller's lock: the XDP route cache's writes and
+	// the socket iterator.
+	live sync.RWMutex
 }
 
 // staged is the part of an Open that Activate completes.

@@ -11,6 +11,8 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/mapscan"
 )
 
 // Migration is what became of one lifecycle map's entries when Open had to
@@ -126,15 +128,33 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 	if old == nil || new == nil || old.KeySize() != new.KeySize() || old.ValueSize() > new.ValueSize() {
 		return 0, 0, nil
 	}
-	off := lastSeenOffset(name)
-	if off < 0 {
+	if lastSeenOffset(name) < 0 {
 		return catchUpAbsent(old, new)
 	}
 	if since > catchUpSlack {
 		since -= catchUpSlack
 	}
+	// The old map is read in batches (a walk of a million entries one
+	// key at a time takes seconds); the few entries seen since are then
+	// compared one by one. An old value shorter than the new layout
+	// (a generation whose values grew) is read key by key.
+	if old.ValueSize() == new.ValueSize() {
+		ct := func(v *CTValue) uint64 { return v.LastSeenNs }
+		nt := func(v *NATValue) uint64 { return v.LastSeenNs }
+		switch {
+		case name == "fluxvm_fct4":
+			return catchUpOf[Tuple4](old, new, since, ct)
+		case name == "fluxvm_fct6":
+			return catchUpOf[Tuple6](old, new, since, ct)
+		case name == "fluxvm_nat4":
+			return catchUpOf[Tuple4](old, new, since, nt)
+		case name == "fluxvm_nat6":
+			return catchUpOf[Tuple6](old, new, since, nt)
+		}
+	}
+	off := lastSeenOffset(name)
 	k, v := make([]byte, old.KeySize()), make([]byte, old.ValueSize())
-	nv, cur := make([]byte, new.ValueSize()), make([]byte, new.ValueSize())
+	nv := make([]byte, new.ValueSize())
 	it := old.Iterate()
 	for it.Next(&k, &v) {
 		if len(v) < off+8 {
@@ -145,33 +165,84 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 			continue
 		}
 		copy(nv, v)
-		err := new.Lookup(k, &cur)
-		switch {
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			err = new.Update(k, nv, ebpf.UpdateNoExist)
-			switch {
-			case err == nil:
-				inserted++
-			case errors.Is(err, ebpf.ErrKeyExist):
-				err = nil // the new programs were quicker
-			}
-		case err != nil:
-		case binary.LittleEndian.Uint64(cur[off:]) >= seen:
-			// As recent in the new map already.
-		default:
-			err = new.Update(k, nv, ebpf.UpdateExist)
-			switch {
-			case err == nil:
-				updated++
-			case errors.Is(err, ebpf.ErrKeyNotExist):
-				err = nil // removed meanwhile (evicted, or the GC)
-			}
-		}
+		ins, upd, err := catchUpEntry(new, k, nv, off, seen)
+		inserted, updated = inserted+ins, updated+upd
 		if err != nil {
 			return inserted, updated, err
 		}
 	}
 	return inserted, updated, it.Err()
+}
+
+// catchUpOf is catchUp over a map of key K and value V, read in batches.
+func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, lastSeen func(*V) uint64) (inserted, updated int, err error) {
+	var mode mapscan.Mode
+	s := mapscan.NewScanner[K, V](old, &mode, mapscan.DefaultChunk)
+	off := -1
+	for {
+		n, err := s.Chunk()
+		if err != nil || n == 0 {
+			return inserted, updated, err
+		}
+		for i := range n {
+			seen := lastSeen(&s.Vals[i])
+			if seen < since {
+				continue
+			}
+			k, _ := binary.Append(nil, binary.NativeEndian, &s.Keys[i])
+			v, _ := binary.Append(nil, binary.NativeEndian, &s.Vals[i])
+			if off < 0 {
+				off = offsetOfSeen(v, seen)
+			}
+			ins, upd, err := catchUpEntry(new, k, v, off, seen)
+			inserted, updated = inserted+ins, updated+upd
+			if err != nil {
+				return inserted, updated, err
+			}
+		}
+	}
+}
+
+// offsetOfSeen is lastSeenOffset for a value already encoded (both
+// layouts keep it at a fixed offset; this avoids passing the name down).
+func offsetOfSeen(v []byte, seen uint64) int {
+	for off := 0; off+8 <= len(v); off += 8 {
+		if binary.LittleEndian.Uint64(v[off:]) == seen {
+			return off
+		}
+	}
+	return -1
+}
+
+// catchUpEntry copies entry k (value nv, last seen at seen, kept at off)
+// into new unless new has a version as recent: it returns 1, 0 for an
+// insert, 0, 1 for an update.
+func catchUpEntry(new *ebpf.Map, k, nv []byte, off int, seen uint64) (inserted, updated int, err error) {
+	cur := make([]byte, new.ValueSize())
+	err = new.Lookup(k, &cur)
+	switch {
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+		err = new.Update(k, nv, ebpf.UpdateNoExist)
+		switch {
+		case err == nil:
+			return 1, 0, nil
+		case errors.Is(err, ebpf.ErrKeyExist):
+			return 0, 0, nil // the new programs were quicker
+		}
+		return 0, 0, err
+	case err != nil:
+		return 0, 0, err
+	case binary.LittleEndian.Uint64(cur[off:]) >= seen:
+		return 0, 0, nil // as recent in the new map already
+	}
+	err = new.Update(k, nv, ebpf.UpdateExist)
+	switch {
+	case err == nil:
+		return 0, 1, nil
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+		return 0, 0, nil // removed meanwhile (evicted, or the GC)
+	}
+	return 0, 0, err
 }
 
 // catchUpAbsent is catchUp for values without a last-seen time: every

@@ -34,6 +34,8 @@ const SockDestroyObjectName = "fluxvm_sock_destroy.bpf.o"
 // The iterator is loaded at the first call (not at Open: the socket hooks
 // must load on kernels without it) and kept until Close.
 func (d *Datapath) DestroyStaleUDPSockets() (int, error) {
+	d.live.RLock()
+	defer d.live.RUnlock()
 	if d.coll == nil {
 		return 0, ErrClosed
 	}

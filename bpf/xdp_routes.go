@@ -93,6 +93,8 @@ func (d *Datapath) XDPRouteCache() XDPRouteCacheStatus {
 // when change says so, and writes the word (one 64-bit value: the program
 // reads it in one load).
 func (d *Datapath) writeNH(change func(*NHControl) (bump bool)) error {
+	d.live.RLock()
+	defer d.live.RUnlock()
 	if d.xcoll == nil {
 		return ErrClosed
 	}

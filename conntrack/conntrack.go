@@ -303,17 +303,23 @@ type ctMaps struct{ ct4, ct6 *ebpf.Map }
 
 // Rebind points the Map at other conntrack maps of the same layouts (the
 // datapath rebuilt them: bpf.Datapath.CompactFlowMaps; the reverse-NAT
-// maps are rebound through NAT().Rebind) and returns the previous ones
-// once no operation of the Map uses them any more: the caller may close
-// them then. Operations already running (a GC, a scan) finish on the
-// previous maps; what they write there is lost with them.
-func (m *Map) Rebind(ct4, ct6 *ebpf.Map) (old4, old6 *ebpf.Map, err error) {
+// maps are rebound through NAT().Rebind). It takes effect at once for new
+// operations and returns the function that waits until no operation of
+// the Map uses the previous maps any more and returns them: the caller may
+// close them then. Operations already running (a GC, a scan) finish on the
+// previous maps; what they write there is lost with them. The wait lasts
+// as long as the longest of them: call it without holding locks that a
+// scan's callback may take.
+func (m *Map) Rebind(ct4, ct6 *ebpf.Map) (wait func() (old4, old6 *ebpf.Map), err error) {
 	cfg := Config{CT4: ct4, CT6: ct6, Backends: m.backends, NAT: m.nat, Timeouts: m.timeouts}
 	if _, err := New(cfg); err != nil {
-		return nil, nil, fmt.Errorf("conntrack: rebind: %w", err)
+		return nil, fmt.Errorf("conntrack: rebind: %w", err)
 	}
-	old := m.flows.Swap(ctMaps{ct4, ct6})
-	return old.ct4, old.ct6, nil
+	w := m.flows.Swap(ctMaps{ct4, ct6})
+	return func() (*ebpf.Map, *ebpf.Map) {
+		old := w()
+		return old.ct4, old.ct6
+	}, nil
 }
 
 // Timeouts returns the timeouts the Map was configured with.
@@ -451,14 +457,43 @@ func (m *Map) Delete(k Key) error {
 	if err != nil {
 		return notFound("delete", k, err)
 	}
+	if err := m.deleteHalf(k, &v); err != nil {
+		return fmt.Errorf("conntrack: delete %s: %w", k, err)
+	}
+	return nil
+}
+
+// DeleteHalf removes the reverse-NAT half of a flow whose conntrack entry
+// is gone already (a raw entry of fluxvm_fct4/6, as DecodeRaw reads it:
+// bpf.CompactOptions.Dropped tells of them), on the same terms as Delete:
+// only while the half still belongs to that flow. Without it, GC would
+// find the half fresh and bring the flow back.
+func (m *Map) DeleteHalf(key, value []byte) error {
+	e, err := DecodeRaw(key, value)
+	if err != nil {
+		return err
+	}
+	var v bpf.CTValue
+	if _, err := binary.Decode(value, binary.NativeEndian, &v); err != nil {
+		return fmt.Errorf("conntrack: decode value: %w", err)
+	}
+	if err := m.deleteHalf(e.Key, &v); err != nil {
+		return fmt.Errorf("conntrack: delete the half of %s: %w", e.Key, err)
+	}
+	return nil
+}
+
+// deleteHalf removes the reverse-NAT half of flow k (value v), or the
+// leftover at its key, when it belongs to the flow.
+func (m *Map) deleteHalf(k Key, v *bpf.CTValue) error {
 	var b bpf.Backend
 	if err := m.backends.Lookup(v.BackendId, &b); err != nil || !owns(&b, v.ServiceId) {
 		// Without its backend the NAT half cannot be named; GC's sweep
 		// of the NAT maps finds it as an orphan.
 		return nil
 	}
-	nk, ok := natKey(k, &v, &b)
-	if revDerived(&v) {
+	nk, ok := natKey(k, v, &b)
+	if revDerived(v) {
 		// No half; where one would be, maybe an earlier flow's leftover.
 		nk, ok = ewNATKey(k, &b), true
 	}
@@ -468,9 +503,9 @@ func (m *Map) Delete(k Key) error {
 	// Delete the NAT entry only if it is this flow's (or its tuple's
 	// leftover): a failover, a reused tuple or a reallocated SNAT port
 	// may have given the key to another flow.
-	if e, err := m.nat.Lookup(nk); err == nil && natOwnedBy(&e, k, &v) {
+	if e, err := m.nat.Lookup(nk); err == nil && natOwnedBy(&e, k, v) {
 		if err := m.nat.Delete(nk); err != nil && !errors.Is(err, nat.ErrNotFound) {
-			return fmt.Errorf("conntrack: delete %s: %w", k, err)
+			return err
 		}
 	}
 	return nil

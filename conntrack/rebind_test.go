@@ -30,17 +30,24 @@ func TestRebind(t *testing.T) {
 	m := d.ct
 	old4, old6 := m.flows.Load().ct4, m.flows.Load().ct6
 	new4, new6 := newMap("fluxvm_fct4", unsafe.Sizeof(bpf.Tuple4{})), newMap("fluxvm_fct6", unsafe.Sizeof(bpf.Tuple6{}))
-	if _, _, err := m.Rebind(new6, new4); err == nil {
+	if _, err := m.Rebind(new6, new4); err == nil {
 		t.Fatal("Rebind accepted the families swapped")
 	}
 	if m.flows.Load().ct4 != old4 {
 		t.Fatal("a refused Rebind changed the binding")
 	}
-	got4, got6, err := m.Rebind(new4, new6)
-	if err != nil || got4 != old4 || got6 != old6 {
-		t.Fatalf("Rebind: %v; handed back %p %p, want %p %p", err, got4, got6, old4, old6)
+	wait, err := m.Rebind(new4, new6)
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Cleanup(func() { m.Rebind(old4, old6) })
+	if got4, got6 := wait(); got4 != old4 || got6 != old6 {
+		t.Fatalf("Rebind handed back %p %p, want %p %p", got4, got6, old4, old6)
+	}
+	t.Cleanup(func() {
+		if w, err := m.Rebind(old4, old6); err == nil {
+			w()
+		}
+	})
 	now, err := Now()
 	if err != nil {
 		t.Fatal(err)

@@ -1,7 +1,9 @@
 package fluxvm
 
 import (
+	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -29,9 +31,9 @@ import (
 //     which every attached hook is switched by link update, without a gap;
 //     flows the old programs learned meanwhile are copied after the switch.
 //
-// The reverse-NAT map stays: the GC that follows removes the halves of
-// the flows left out (their replies would find no flow) and repairs none
-// of the kept ones, which kept their halves. Every other map (services,
+// The reverse-NAT map stays: the halves of the flows left out are deleted
+// with them (a GC would otherwise find them fresh and bring the flows
+// back). Every other map (services,
 // Maglev, policy) is untouched. A flow left out whose client still sends
 // is learned again at its next packet, by Maglev onto the same backend
 // unless membership changed.
@@ -53,9 +55,10 @@ type PressureCompaction struct {
 
 // compactionPlan returns the conntrack maps a hard round rebuilds, with
 // the entries each keeps: a family's fluxvm_fct map when it or its
-// reverse-NAT map is at or above the hard threshold, kept to one point
-// below the soft one (the flows learned while it is rebuilt, copied after
-// the switch, do not put it straight back above).
+// reverse-NAT map is at or above the hard threshold and it holds more than
+// it would keep, kept to one point below the soft one (the flows learned
+// while it is rebuilt, copied after the switch, do not put it straight
+// back above).
 func (d *Dataplane) compactionPlan(st PressureStatus) map[string]int {
 	c := d.pressure
 	keep := map[string]int{}
@@ -64,15 +67,36 @@ func (d *Dataplane) compactionPlan(st PressureStatus) map[string]int {
 		if c.level(ct.Percent) != PressureHard && c.level(nt.Percent) != PressureHard {
 			continue
 		}
-		keep[fam[0]] = int(int64(ct.MaxEntries) * int64(c.soft-1) / 100)
+		if k := int(int64(ct.MaxEntries) * int64(c.soft-1) / 100); ct.Entries > int64(k) {
+			keep[fam[0]] = k
+		}
 	}
 	return keep
 }
+
+// compactRetry is how long the controller waits after a compaction that
+// failed before it tries another (each costs a copy of the map and a
+// program load).
+const compactRetry = time.Minute
 
 // compactFlows runs the hard action on the maps of keep.
 func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, error) {
 	start := time.Now()
 	pc := &PressureCompaction{}
+	done := func(err error) (*PressureCompaction, error) {
+		pc.Duration = Duration{time.Since(start)}
+		if err != nil {
+			pc.Error = err.Error()
+			d.pressure.compactFailed.Store(time.Now().UnixNano())
+			return pc, fmt.Errorf("fluxvm: pressure: compact: %w", err)
+		}
+		return pc, nil
+	}
+	if at := d.pressure.compactFailed.Load(); at != 0 && time.Since(time.Unix(0, at)) < compactRetry {
+		pc.Deferred = fmt.Sprintf("the last compaction failed %v ago; the next is tried %v after it",
+			time.Since(time.Unix(0, at)).Round(time.Second), compactRetry)
+		return pc, nil
+	}
 	// GC, shedding and imports write the flow maps through the views the
 	// compaction rebinds: it waits for none of them (a slow import would
 	// hold the round), it tries again next round.
@@ -80,65 +104,79 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 		pc.Deferred = "a GC or an HA import is writing the flow maps"
 		return pc, nil
 	}
-	defer d.flowMu.Unlock()
-	var dropped []conntrack.Entry
-	d.mu.Lock()
-	if err := d.checkOpen("compact flow maps"); err != nil {
-		d.mu.Unlock()
-		return nil, err
-	}
-	res, err := d.dp.CompactFlowMaps(bpf.CompactOptions{Keep: keep, Dropped: func(_ string, k, v []byte) {
-		// Replication journals turn the north-south flows left out into
-		// deletes for the standby, as they do GC's removals.
-		if e, err := conntrack.DecodeRaw(k, v); err == nil && (e.Kind == conntrack.SNAT || e.Kind == conntrack.DSR) {
-			dropped = append(dropped, e)
+	locked := true
+	unlock := func() {
+		if locked {
+			locked = false
+			d.flowMu.Unlock()
 		}
-	}})
-	pc.Maps, pc.Links = res.Maps, res.Links
-	var fm [4]*ebpf.Map
-	var cerr error
-	if res.Switched {
-		// A catch-up error, if any, is reported below.
-		fm, cerr = d.cloneFlowMaps()
+	}
+	defer unlock()
+	d.mu.Lock()
+	err := d.checkOpen("compact flow maps")
+	if err == nil {
+		for _, ifc := range d.ifaces {
+			for _, h := range ifc.hooks {
+				if h.Mode == string(bpf.AttachClsBPF) {
+					err = fmt.Errorf("%w: %s's hooks are attached by cls_bpf", bpf.ErrCompactUnsupported, ifc.Name)
+				}
+			}
+		}
 	}
 	d.mu.Unlock()
-	if !res.Switched && err == nil {
-		return pc, nil // nothing to rebuild
-	}
-	if !res.Switched {
-		pc.Error = err.Error()
-		pc.Duration = Duration{time.Since(start)}
-		return pc, fmt.Errorf("fluxvm: pressure: %w", err)
-	}
-	if cerr != nil {
-		// The views keep the old maps (still open): flows they write are
-		// lost, but nothing breaks; a restart rebinds.
-		pc.Error = cerr.Error()
-		return pc, fmt.Errorf("fluxvm: pressure: %w", cerr)
-	}
-	old4, old6, rerr := d.ct.Rebind(fm[0], fm[1])
-	old := []*ebpf.Map{old4, old6}
-	if rerr == nil {
-		var n4, n6 *ebpf.Map
-		n4, n6, rerr = d.ct.NAT().Rebind(fm[2], fm[3])
-		old = append(old, n4, n6)
-	}
-	if rerr != nil {
-		closeMaps(fm[:])
-		pc.Error = rerr.Error()
-		return pc, fmt.Errorf("fluxvm: pressure: %w", rerr)
-	}
-	closeMaps(old)
-	d.flowMaps = fm
-	for _, e := range dropped {
-		d.haRemoved(e.Key, e.ServiceID, e.Kind)
-	}
-	pc.Duration = Duration{time.Since(start)}
 	if err != nil {
-		pc.Error = err.Error()
-		return pc, fmt.Errorf("fluxvm: pressure: %w", err)
+		return done(err)
 	}
-	return pc, nil
+	// The copy and the program loads run without mu; the switch under it.
+	type drop struct{ key, value []byte }
+	var dropped []drop
+	res, err := d.dp.CompactFlowMaps(bpf.CompactOptions{Keep: keep, Switch: &d.mu,
+		Dropped: func(_ string, k, v []byte) { dropped = append(dropped, drop{slices.Clone(k), slices.Clone(v)}) }})
+	pc.Maps, pc.Links = res.Maps, res.Links
+	if !res.Switched {
+		return done(err)
+	}
+	// The views take handles of their own on the new conntrack maps.
+	d.mu.Lock()
+	m := d.dp.Maps()
+	c4, cerr := m.FluxvmFct4.Clone()
+	var c6 *ebpf.Map
+	if cerr == nil {
+		if c6, cerr = m.FluxvmFct6.Clone(); cerr != nil {
+			c4.Close()
+		}
+	}
+	d.mu.Unlock()
+	if cerr != nil {
+		// The views keep the old maps (still open): what they write is
+		// lost, but nothing breaks; a restart rebinds.
+		return done(errors.Join(err, fmt.Errorf("flow map handles: %w", cerr)))
+	}
+	wait, rerr := d.ct.Rebind(c4, c6)
+	if rerr != nil {
+		c4.Close()
+		c6.Close()
+		return done(errors.Join(err, rerr))
+	}
+	d.flowMaps[0], d.flowMaps[1] = c4, c6
+	// The halves of the flows left out go (GC would find them fresh and
+	// bring the flows back), and the journals learn of the north-south
+	// ones, as of GC's removals.
+	var herr error
+	for _, dk := range dropped {
+		if e := d.ct.DeleteHalf(dk.key, dk.value); e != nil && herr == nil {
+			herr = e
+		}
+		if e, derr := conntrack.DecodeRaw(dk.key, dk.value); derr == nil {
+			d.haRemoved(e.Key, e.ServiceID, e.Kind)
+		}
+	}
+	// The old handles close once no scan uses them: without flowMu (a
+	// scan's callback may run a GC, which takes it).
+	unlock()
+	o4, o6 := wait()
+	closeMaps([]*ebpf.Map{o4, o6})
+	return done(errors.Join(err, herr))
 }
 
 // cloneFlowMaps returns handles of the views' own on the datapath's flow

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
@@ -109,6 +110,9 @@ type pressureCtl struct {
 	last       *PressureRound
 	rounds     uint64
 	failures   uint64 // insert failures seen by the last tick
+	// compactFailed is when the last compaction failed (UnixNano), 0 if
+	// none did (compact.go).
+	compactFailed atomic.Int64
 }
 
 // pressureLevel is the level of percent p.

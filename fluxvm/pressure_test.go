@@ -14,6 +14,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/nat"
 )
 
 func TestNextGCInterval(t *testing.T) {
@@ -62,7 +63,7 @@ func TestMapPressure(t *testing.T) {
 	fill(5000, conntrack.ProtoTCP, bpf.CTTCPFin, 5*time.Second, to.TCPFin)
 	fill(3000, conntrack.ProtoTCP, bpf.CTTCPSyn, 25*time.Second, to.TCPSyn)
 	n = fill(5000, conntrack.ProtoUDP, bpf.CTUDP, 20*time.Second, to.UDP)
-	testMapPressure(t, d, c, ct, fill, n)
+	testMapPressure(t, d, c, ct, n)
 	testHardPressure(t, e, d, c, ct)
 }
 
@@ -74,8 +75,11 @@ func TestMapPressureLoop(t *testing.T) {
 	d := e.open(t)
 	_, _, fill := pressureFill(t, e, d)
 	to := conntrack.DefaultTimeouts()
-	fill(50000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
+	// The closed flows first: the level crosses the threshold only with
+	// the last established ones, so a round the loop runs meanwhile
+	// finds all 8,000.
 	fill(8000, conntrack.ProtoTCP, bpf.CTTCPFin, 5*time.Second, to.TCPFin)
+	fill(50000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		st, err := d.Pressure()
@@ -176,9 +180,8 @@ func pressureFill(t *testing.T, e *env, d *Dataplane) (*lab.Conn, *conntrack.Map
 	return c, ct, fill
 }
 
-func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map, fill func(int, uint8, bpf.CTState, time.Duration, time.Duration) int, n int) {
+func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map, n int) {
 	ctx := context.Background()
-	to := conntrack.DefaultTimeouts()
 	st, err := d.Pressure()
 	if err != nil {
 		t.Fatal(err)
@@ -217,35 +220,68 @@ func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map,
 	if r, err := d.ReconcilePressure(ctx); err != nil || r.GC != nil || r.Shed.Total() != 0 {
 		t.Errorf("round below the threshold: %+v, %v", r, err)
 	}
-
-	// Past the hard threshold (95%): 62,300 established flows, the
-	// 17,300 added idle for 90 s (not longer: the monotonic clock of a
-	// machine just booted starts at 0).
-	fill(17300, conntrack.ProtoTCP, bpf.CTTCPEstablished, 90*time.Second, to.TCPEstablished)
-	if st, err := d.Pressure(); err != nil || st.Level != PressureHard {
-		t.Errorf("at %.1f%%: level %s, %v; want hard", st.Maps["fluxvm_fct4"].Percent, st.Level, err)
-	}
 }
 
-// testHardPressure: at the hard threshold, with nothing left to shed, a
-// round rebuilds fct4 with the flows that fit below the soft threshold
-// (51,773 of 65,536: one point below), established ones the most recently seen first, and
-// reloads the pins and programs, while a long-lived connection echoes and
-// short connections come and go through the VIP: none of them fails, every
-// flow idle for a minute survives, only 90 s idle ones are dropped;
-// the pin names a new map, the generation marker is back.
+// testHardPressure: past the hard threshold (95%) with 62,300 established
+// flows, 17,300 of them idle for 90 s and with a reverse-NAT half each
+// (stored east-west flows), nothing is left to shed: a round rebuilds fct4
+// with the flows that fit one point below the soft threshold (51,773 of
+// 65,536), established ones the most recently seen first, and reloads the
+// pins and programs, while a long-lived connection echoes and short
+// connections come and go through the VIP: none of them fails, every flow
+// seen a minute ago survives, only ones idle for 90 s are dropped, with
+// their halves (the GC that follows brings none back); the pin names a
+// new map, the generation marker is back.
 func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *conntrack.Map) {
 	ctx := context.Background()
-	recent, old := 0, 0
+	to := conntrack.DefaultTimeouts()
+	real, err := ct.List(conntrack.Filter{Family: conntrack.IPv4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sid, bid uint32
+	for _, en := range real {
+		if en.Key.Client.Addr().As4()[0] != 172 {
+			sid, bid = en.ServiceID, en.BackendID
+		}
+	}
+	if sid == 0 {
+		t.Fatal("the live connection's flow is gone")
+	}
+	ref, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The 17,300 old flows and their halves; 90 s, not longer: the
+	// monotonic clock of a machine just booted starts at 0.
+	const idle = 90 * time.Second
+	backend := netip.AddrPortFrom(e.backends[0].Addr4, 8080)
+	for i := range 17300 {
+		n := 50000 + i
+		client := netip.AddrPortFrom(netip.AddrFrom4([4]byte{172, 17, byte(n >> 8), byte(n)}), uint16(1024+n%60000))
+		k := conntrack.Key{Client: client, VIP: netip.AddrPortFrom(vip4, 80), Proto: conntrack.ProtoTCP}
+		en := conntrack.Entry{Key: k, ServiceID: sid, BackendID: bid, State: bpf.CTTCPEstablished, Kind: conntrack.EastWest,
+			Created: ref - idle, LastSeen: ref - idle, Deadline: ref - idle + to.TCPEstablished}
+		if _, err := ct.Restore(en, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := ct.NAT().Put(nat.Entry{Key: nat.Key{Backend: backend, Client: client, Proto: conntrack.ProtoTCP},
+			VIP: k.VIP, ServiceID: sid, BackendID: bid, LastSeen: ref - idle}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st, err := d.Pressure(); err != nil || st.Level != PressureHard {
+		t.Fatalf("at %.1f%%: level %s, %v; want hard", st.Maps["fluxvm_fct4"].Percent, st.Level, err)
+	}
+	recent, old, halves := 0, 0, 0
 	count := func() {
 		t.Helper()
-		recent, old = 0, 0
-		now, _ := conntrack.Now()
+		recent, old, halves = 0, 0, 0
 		err := ct.Scan(conntrack.Filter{Family: conntrack.IPv4}, func(es []conntrack.Entry) error {
 			for _, en := range es {
-				switch idle := now - en.LastSeen; {
-				case en.Key.Client.Addr().As4()[0] != 172:
-				case idle > 75*time.Second:
+				switch a := en.Key.Client.Addr().As4(); {
+				case a[0] != 172:
+				case a[1] == 17:
 					old++
 				default:
 					recent++
@@ -253,13 +289,23 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 			}
 			return nil
 		})
+		if err == nil {
+			err = ct.NAT().Scan(nat.Filter{Family: nat.IPv4}, func(es []nat.Entry) error {
+				for _, en := range es {
+					if a := en.Client.Addr().As4(); a[0] == 172 && a[1] == 17 {
+						halves++
+					}
+				}
+				return nil
+			})
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
 	count()
-	if recent != 45000 || old != 17300 {
-		t.Fatalf("before: %d recent, %d 90 s idle flows", recent, old)
+	if recent != 45000 || old != 17300 || halves != 17300 {
+		t.Fatalf("before: %d recent, %d old flows, %d halves", recent, old, halves)
 	}
 	pinned := func() ebpf.MapID {
 		m, err := ebpf.LoadPinnedMap(filepath.Join(e.opts.Loader.PinRoot, "maps", "fluxvm_fct4"), nil)
@@ -343,11 +389,16 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 	count()
 	// 51,773 kept: the live flows (the long-lived one and the short ones
 	// established when the copy read the map) and the 45,000 seen a
-	// minute ago first, then the most recent of the 90 s ones.
-	if recent != 45000 || old < keep-45000-5 || old > keep-45000 {
-		t.Errorf("after: %d recent flows (want all 45,000), %d 90 s idle ones (want ~%d)", recent, old, keep-45000)
+	// minute ago first, then the most recent of the 90 s idle ones; the
+	// halves of the dropped ones gone with them, none brought back.
+	if recent != 45000 || old < keep-45000-5 || old > keep-45000 || halves != old {
+		t.Errorf("after: %d recent flows (want all 45,000), %d old ones (want ~%d) with %d halves",
+			recent, old, keep-45000, halves)
 	}
-	if p := r.After["fluxvm_fct4"]; p >= float64(DefaultPressureSoftPercent) {
+	if r.GC == nil || r.GC.Repaired != 0 {
+		t.Errorf("GC after the compaction: %+v; want nothing repaired", r.GC)
+	}
+	if p := r.After["fluxvm_fct4"]; p >= float64(DefaultPressureHardPercent) {
 		t.Errorf("fct4 at %.1f%% after the hard round", p)
 	}
 	if after := pinned(); after == before || after != m.MapID {
@@ -359,8 +410,8 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 	echo(t, c, "after the hard round")
 	t.Logf("hard round: %v, kept %d, dropped %v, caught up %d; %d echoes and %d short connections during it",
 		pc.Duration, m.Kept, m.DroppedBy, m.CaughtUp, echoes.Load(), shorts.Load())
-	// The views follow the new map: a GC scans it.
-	if gc, err := d.GC(ctx); err != nil || gc.Scanned < keep {
+	// The views follow the new map: a GC scans it and brings nothing back.
+	if gc, err := d.GC(ctx); err != nil || gc.Scanned < keep || gc.Repaired != 0 {
 		t.Errorf("GC after: %+v, %v", gc, err)
 	}
 }

@@ -219,18 +219,23 @@ func New(nat4, nat6 *ebpf.Map) (*Table, error) {
 }
 
 // Rebind points the Table at other maps of the same layouts (the datapath
-// rebuilt them: bpf.Datapath.CompactFlowMaps) and returns the previous
-// ones once no operation of the Table uses them any more: the caller may
-// close them then. Operations already running finish on the previous maps.
-func (t *Table) Rebind(nat4, nat6 *ebpf.Map) (old4, old6 *ebpf.Map, err error) {
+// rebuilt them: bpf.Datapath.CompactFlowMaps). It takes effect at once
+// for new operations and returns the function that waits until no
+// operation of the Table uses the previous maps any more and returns them:
+// the caller may close them then. Operations already running finish on
+// the previous maps.
+func (t *Table) Rebind(nat4, nat6 *ebpf.Map) (wait func() (old4, old6 *ebpf.Map), err error) {
 	if err := checkMap("fluxvm_nat4", nat4, unsafe.Sizeof(bpf.Tuple4{})); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if err := checkMap("fluxvm_nat6", nat6, unsafe.Sizeof(bpf.Tuple6{})); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	old := t.maps.Swap(natMaps{nat4, nat6})
-	return old.nat4, old.nat6, nil
+	w := t.maps.Swap(natMaps{nat4, nat6})
+	return func() (*ebpf.Map, *ebpf.Map) {
+		old := w()
+		return old.nat4, old.nat6
+	}, nil
 }
 
 func checkMap(name string, m *ebpf.Map, keySize uintptr) error {

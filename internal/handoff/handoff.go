@@ -1,6 +1,7 @@
 // Package handoff holds a value that users borrow and that can be replaced
-// while they run: Swap returns once no user holds the old value any more,
-// so that its owner can release it (close the map handles it names).
+// while they run: after Swap, its wait returns once no user holds the old
+// value any more, so that its owner can release it (close the map handles
+// it names).
 //
 // A borrow is two atomic operations and never blocks, and borrows nest (a
 // scan whose callback deletes borrows twice on one goroutine), which a
@@ -63,16 +64,20 @@ func (h *Value[T]) Load() T {
 	return zero
 }
 
-// Swap makes v the value new borrows get, waits until every borrower of
-// the old one gave it back, and returns it.
-func (h *Value[T]) Swap(v T) T {
+// Swap makes v the value new borrows get and returns the function that
+// waits until every borrower of the old value gave it back, and returns
+// it. The swap takes effect at once; the wait may be long (a borrower
+// scanning a large map), so a caller holding locks releases them first.
+func (h *Value[T]) Swap(v T) (wait func() T) {
 	old := h.cur.Swap(&slot[T]{v: v})
-	if old == nil {
-		var zero T
-		return zero
+	return func() T {
+		if old == nil {
+			var zero T
+			return zero
+		}
+		for d := 10 * time.Microsecond; old.users.Load() != 0; d = min(2*d, 10*time.Millisecond) {
+			time.Sleep(d)
+		}
+		return old.v
 	}
-	for d := 10 * time.Microsecond; old.users.Load() != 0; d = min(2*d, 10*time.Millisecond) {
-		time.Sleep(d)
-	}
-	return old.v
 }

@@ -18,7 +18,7 @@ func TestSwapWaitsForBorrowers(t *testing.T) {
 	var returned atomic.Bool
 	swapped := make(chan int)
 	go func() {
-		old := h.Swap(2)
+		old := h.Swap(2)()
 		returned.Store(true)
 		swapped <- old
 	}()
@@ -64,7 +64,7 @@ func TestNoUseAfterRelease(t *testing.T) {
 		})
 	}
 	for range 300 {
-		old := h.Swap(&res{})
+		old := h.Swap(&res{})()
 		old.released.Store(true)
 	}
 	close(stop)
@@ -81,7 +81,7 @@ func TestZeroValue(t *testing.T) {
 	} else {
 		done()
 	}
-	if old := h.Swap(3); old != 0 || h.Load() != 3 {
+	if old := h.Swap(3)(); old != 0 || h.Load() != 3 {
 		t.Errorf("swap on the zero Value: %d, then %d", old, h.Load())
 	}
 }

@@ -4,8 +4,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"os"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -274,10 +274,10 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		}
 	}
 	var (
-		newMaps  Maps
-		progs    Programs
-		xprogs   XDPPrograms
-		cprogs   ConnectPrograms
+		newMaps Maps
+		progs   Programs
+		xprogs  XDPPrograms
+		cprogs  ConnectPrograms
 	)
 	if err := errors.Join(assignTyped(&newMaps, coll), assignTyped(&progs, coll), assignTyped(&xprogs, xcoll), assignTyped(&cprogs, ccoll)); err != nil {
 		closeNew()

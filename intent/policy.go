@@ -89,7 +89,9 @@ const (
 	L7Observe L7Mode = "observe"
 	// L7Enforce: TC hands the service's new flows to the proxy interface
 	// instead of translating them; what the proxy sends on to the VIP is
-	// load-balanced as usual. TCP services in NAT mode only.
+	// load-balanced as usual. Only for a service in mode nat whose ports
+	// are all TCP, served on the VM edge (exposure east-west or both):
+	// see ValidatePolicyFor.
 	L7Enforce L7Mode = "enforce"
 )
 
@@ -129,6 +131,12 @@ const (
 	MaxPathPrefixLen = 1024
 	// MaxInterfaceNameLen is the kernel's IFNAMSIZ less the NUL.
 	MaxInterfaceNameLen = 15
+	// MaxPolicies bounds the policies of one document (DecodePolicies):
+	// the services of the largest map tier (L, FLUXVM_MAX_SERVICES in
+	// bpf/fluxvm_service_maps.bpf.h), as no node holds more policies than
+	// services. The node's own tier is checked when the policies are
+	// applied.
+	MaxPolicies = 4096
 )
 
 // DecodePolicy reads one Policy from r with the rules of DecodeService
@@ -149,10 +157,12 @@ func DecodePolicy(r io.Reader, maxBytes int64) (Policy, error) {
 
 // DecodePolicies reads a JSON array of policies with the rules of
 // DecodePolicy; fields are named from the array ("[2].allow_identities[0]").
+// An array of more than MaxPolicies elements is ErrLimit before any of
+// them is decoded.
 func DecodePolicies(r io.Reader, maxBytes int64) ([]Policy, error) {
 	var out []Policy
 	err := decodeDocument(r, maxBytes, func(raw json.RawMessage) *ValidationError {
-		return decodeArray("", raw, 0, func(path string, raw json.RawMessage) *ValidationError {
+		e := decodeArray("", raw, MaxPolicies, func(path string, raw json.RawMessage) *ValidationError {
 			var p Policy
 			if e := decodePolicy(path, raw, &p); e != nil {
 				return e
@@ -160,6 +170,12 @@ func DecodePolicies(r io.Reader, maxBytes int64) ([]Policy, error) {
 			out = append(out, p)
 			return nil
 		})
+		if e != nil && e.Field == "" && e.Kind == ErrLimit {
+			// The array's own length (an element's errors name the element).
+			e.Reason = "too many policies in one request: " + e.Reason +
+				" (the services of the largest map tier; the node's own tier bounds the policies it holds)"
+		}
+		return e
 	})
 	if err != nil {
 		return nil, fmt.Errorf("intent: decode policies: %w", err)

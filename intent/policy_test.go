@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"reflect"
 	"strings"
@@ -85,6 +86,37 @@ func TestDecodePolicyErrors(t *testing.T) {
 	var ve *ValidationError
 	if !errors.As(err, &ve) || ps != nil {
 		t.Errorf("bad second policy: %v %v", ps, err)
+	}
+
+	// The number of policies in one document is bounded (MaxPolicies),
+	// before any of them is decoded: the one past the bound is refused
+	// even though every element is valid, and exactly MaxPolicies pass.
+	array := func(n int) string {
+		var b strings.Builder
+		b.WriteByte('[')
+		for i := range n {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			fmt.Fprintf(&b, `{"service":"s%d","default_action":"allow"}`, i)
+		}
+		b.WriteByte(']')
+		return b.String()
+	}
+	ps, err = DecodePolicies(strings.NewReader(array(MaxPolicies)), 1<<30)
+	if err != nil || len(ps) != MaxPolicies {
+		t.Errorf("%d policies: %d decoded, %v", MaxPolicies, len(ps), err)
+	}
+	ps, err = DecodePolicies(strings.NewReader(array(MaxPolicies+1)), 1<<30)
+	ve = nil
+	if !errors.As(err, &ve) || ve.Field != "" || !errors.Is(err, ErrLimit) || ps != nil ||
+		!strings.Contains(err.Error(), "too many policies") || !strings.Contains(err.Error(), fmt.Sprint(MaxPolicies)) {
+		t.Errorf("%d policies: %v (%d decoded), want ErrLimit naming the bound %d", MaxPolicies+1, err, len(ps), MaxPolicies)
+	}
+	// An element's own limit error still names the element.
+	_, err = DecodePolicies(strings.NewReader(`[{"service":"a","allow_identities":`+long+`}]`), 0)
+	if fieldOf(err) != "[0].allow_identities" || !errors.Is(err, ErrLimit) || strings.Contains(err.Error(), "too many policies") {
+		t.Errorf("element limit: %v", err)
 	}
 }
 

@@ -1,15 +1,21 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"io"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/flows/otlp"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // stubDataplane answers the read routes and the argument-less mutations
@@ -34,7 +40,10 @@ func (d *stubDataplane) DeleteService(_ context.Context, name string) error {
 	_, err := d.Service(name)
 	return err
 }
-func (d *stubDataplane) Status() fluxvm.Status           { return fluxvm.Status{SchemaVersion: 6, Tier: "S"} }
+func (d *stubDataplane) Status() fluxvm.Status {
+	return fluxvm.Status{SchemaVersion: 6, Tier: "S", Pressure: &fluxvm.PressureStatus{SoftPercent: 80, HardPercent: 95, Level: "ok",
+		Maps: map[string]fluxvm.MapPressure{"fluxvm_fct4": {Entries: 10, MaxEntries: 100, Percent: 10}}}}
+}
 func (d *stubDataplane) Stats() (fluxvm.Stats, error)    { return fluxvm.Stats{}, nil }
 func (d *stubDataplane) Health() fluxvm.HealthReport     { return fluxvm.HealthReport{} }
 func (d *stubDataplane) Advertisements() advert.Snapshot { return advert.Snapshot{SchemaVersion: 1} }
@@ -50,6 +59,81 @@ func (d *stubDataplane) GC(context.Context) (fluxvm.GCResult, error) {
 }
 func (d *stubDataplane) ReconcileHealth(context.Context) (fluxvm.HealthReport, error) {
 	return fluxvm.HealthReport{}, nil
+}
+
+func (d *stubDataplane) ReconcilePressure(context.Context) (fluxvm.PressureRound, error) {
+	return fluxvm.PressureRound{At: applied, Level: "hard", Over: []string{"fluxvm_fct4"},
+		Compaction: &fluxvm.PressureCompaction{Deferred: "an HA import is writing the flow maps"}}, nil
+}
+
+// ApplyPolicies reports the policies it is given (none: a reconcile).
+func (d *stubDataplane) ApplyPolicies(_ context.Context, ps ...fluxvm.Policy) (fluxvm.PoliciesStatus, error) {
+	st := fluxvm.PoliciesStatus{IPCacheRevision: 1}
+	for _, p := range ps {
+		st.Policies = append(st.Policies, fluxvm.PolicyStatus{Service: p.Service, Enabled: p.IsEnabled(), DefaultAction: p.DefaultAction, AllowIdentities: p.AllowIdentities})
+	}
+	return st, nil
+}
+func (d *stubDataplane) DeletePolicy(_ context.Context, name string) error {
+	if name != "api" {
+		return fluxvm.ErrNotFound
+	}
+	return nil
+}
+func (d *stubDataplane) Envoy(name string) (fluxvm.EnvoyDocument, error) {
+	if name != "api" {
+		return fluxvm.EnvoyDocument{}, fluxvm.ErrNotFound
+	}
+	return fluxvm.EnvoyDocument{Service: name, Mode: fluxvm.L7Observe, Protocol: fluxvm.L7HTTP, Revision: 3}, nil
+}
+func (d *stubDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
+	return fluxvm.HAStatus{Enabled: true, Epoch: l.Epoch, SupersededBy: l.SupersededBy}, nil
+}
+
+// snapshotBytes is what the stub's ExportFlows streams.
+var snapshotBytes = bytes.Repeat([]byte("FXVMHA-snapshot-"), 4096)
+
+func (d *stubDataplane) ExportFlows(_ context.Context, name string, w io.Writer) (ha.ExportResult, error) {
+	if _, err := d.Service(name); err != nil {
+		return ha.ExportResult{}, err
+	}
+	_, err := w.Write(snapshotBytes)
+	return ha.ExportResult{Flows: 3, Expired: 1}, err
+}
+
+// ImportFlows counts the bytes of the stream as its flows.
+func (d *stubDataplane) ImportFlows(_ context.Context, name string, r io.Reader, prune bool) (ha.ImportResult, error) {
+	n, err := io.Copy(io.Discard, r)
+	res := ha.ImportResult{Header: ha.Header{Service: name, Node: "edge-2", Epoch: 4}, Flows: uint64(n), Written: uint64(n)}
+	if prune {
+		res.Pruned = 1
+	}
+	return res, err
+}
+func (d *stubDataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+	if journal == "" {
+		return ha.Delta{Service: service, Journal: "j1", Epoch: 4, From: seq, To: seq, ResetRequired: true}, nil
+	}
+	ops := []ha.Op{{Kind: ha.OpDelete}, {Kind: ha.OpDelete}}
+	return ha.Delta{Service: service, Journal: journal, Epoch: 4, From: seq, To: seq + 1,
+		Batches: []ha.Batch{{Seq: seq + 1, Epoch: 4, Ops: ops[:min(maxOps, len(ops))]}}}, nil
+}
+func (d *stubDataplane) ImportFlowDelta(_ context.Context, _ string, dl ha.Delta) (fluxvm.HADeltaResult, error) {
+	n := 0
+	for _, b := range dl.Batches {
+		n += len(b.Ops)
+	}
+	return fluxvm.HADeltaResult{Cursor: ha.Cursor{Journal: dl.Journal, Seq: dl.To, Epoch: dl.Epoch}, Applied: ha.ImportResult{Flows: uint64(n)}}, nil
+}
+func (d *stubDataplane) AckFlowDelta(_ string, seq uint64) (ha.JournalStats, error) {
+	return ha.JournalStats{Journal: "j1", Epoch: 4, LastSeq: seq + 2, Acked: seq}, nil
+}
+
+// stubExporter takes every record.
+type stubExporter struct{}
+
+func (stubExporter) Export(_ context.Context, recs []flows.Record) (otlp.Report, error) {
+	return otlp.Report{Records: len(recs), Batches: 1, Encoding: "proto"}, nil
 }
 
 // TestRealHandler runs the commands against the real api.New handler:
@@ -96,5 +180,89 @@ func TestRealHandler(t *testing.T) {
 				t.Errorf("exit %d, stdout %q, stderr %q; want exit %d, %q, %q", r.code, r.stdout, r.stderr, tt.code, tt.stdout, tt.stderr)
 			}
 		})
+	}
+}
+
+// TestRealHandlerMore runs the commands of the other routes (policies,
+// pressure, lease, transfer, telemetry) against the real api.New
+// handler.
+func TestRealHandlerMore(t *testing.T) {
+	h, err := api.New(&stubDataplane{services: sampleServices()}, api.Options{AdminTokens: []string{"admin-token"}, ReadTokens: []string{"read-token"}, Exporter: stubExporter{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	read := map[string]string{envReadToken: "read-token"}
+	admin := map[string]string{envAdminToken: "admin-token"}
+	dir := t.TempDir()
+	policy := filepath.Join(dir, "policy.json")
+	if err := os.WriteFile(policy, []byte(`{"service":"api","default_action":"deny","allow_identities":[1001],"deny_identities":[]}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	snap := filepath.Join(dir, "api.fxvmha")
+	tests := []struct {
+		env    map[string]string
+		stdin  string
+		args   []string
+		code   int
+		stdout string // a substring
+		stderr string // a substring
+	}{
+		{admin, "", []string{"policies", "apply", policy}, 0, "api      yes      0         deny     1001", ""},
+		{admin, `[{"service":"api","default_action":"allow"},{"service":"web","default_action":"deny"}]`, []string{"policies", "apply", "-"}, 0, "the node holds 2 policies", ""},
+		{admin, `{"service":"nope","default_action":"deny"}`, []string{"policies", "apply", "-"}, 1, "", "fluxvmctl: missing_prerequisite: service: service \"nope\" does not exist"},
+		{read, "", []string{"policies", "apply", policy}, 1, "", "forbidden"},
+		{admin, "", []string{"policies", "reconcile"}, 0, "IPCache:   0 prefixes, revision 1", ""},
+		{admin, "", []string{"policy", "delete", "api"}, 0, "deleted the policy of service api", ""},
+		{admin, "", []string{"policy", "delete", "web"}, 1, "", "fluxvmctl: not_found: "},
+		{read, "", []string{"envoy", "api"}, 0, `"service": "api",` + "\n" + `  "mode": "observe"`, ""},
+		{read, "", []string{"envoy", "web"}, 1, "", "fluxvmctl: not_found: "},
+		{read, "", []string{"pressure"}, 0, "fluxvm_fct4  10       100  10.0%", ""},
+		{read, "", []string{"-o", "json", "pressure"}, 0, `"soft_percent": 80`, ""},
+		{admin, "", []string{"pressure", "reconcile"}, 0, "Compaction:  deferred: an HA import is writing the flow maps (0s)", ""},
+		{admin, "", []string{"ha", "lease", "-epoch", "5"}, 0, "Replication:  on, epoch 5", ""},
+		{admin, "", []string{"ha", "lease", "-superseded-by", "9"}, 0, "FENCED (superseded by epoch 9)", ""},
+		{read, "", []string{"conntrack", "export", "api", "-out", snap}, 0, "exported 3 flows of api (65536 bytes) to " + snap + "; left out: 1 expired", ""},
+		{read, "", []string{"-o", "json", "conntrack", "export", "api", "-out", snap}, 0, `"flows": 3`, ""},
+		{read, "", []string{"conntrack", "export", "nope", "-out", snap + ".2"}, 1, "", "fluxvmctl: not_found: "},
+		{admin, "", []string{"conntrack", "import", "api", snap, "-prune"}, 0, "Flows read:      65536", ""},
+		{admin, "", []string{"conntrack", "import", "api", snap, "-prune"}, 0, "Pruned:          1", ""},
+		{admin, "some bytes", []string{"conntrack", "import", "api", "-"}, 0, "Source node:     edge-2", ""},
+		{read, "", []string{"conntrack", "import", "api", snap}, 1, "", "forbidden"},
+		{read, "", []string{"delta", "api", "-journal", "j1", "-seq", "5", "-max-ops", "1"}, 0, "6    4      1    0        1", ""},
+		{read, "", []string{"delta", "api"}, 0, "Reset required:  YES", ""},
+		{admin, `{"service":"api","journal":"j1","epoch":4,"from":5,"to":6,"batches":[{"seq":6,"epoch":4,"ops":[]}]}`, []string{"delta", "import", "api", "-"}, 0, "Cursor:          journal j1, seq 6, epoch 4", ""},
+		{admin, `{"service":"web","journal":"j1","epoch":4,"from":5,"to":6}`, []string{"delta", "import", "api", "-"}, 1, "", "fluxvmctl: service_mismatch: "},
+		{admin, "", []string{"delta", "ack", "api", "6"}, 0, "api      j1       4      no      0      8     6", ""},
+		{admin, "", []string{"telemetry", "export", "-limit", "10"}, 0, "Read:      0", ""},
+		{read, "", []string{"telemetry", "export"}, 1, "", "forbidden"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			r := ctl(tt.env, tt.stdin, append([]string{"-addr", srv.URL}, tt.args...)...)
+			if r.code != tt.code || !strings.Contains(r.stdout, tt.stdout) || !strings.Contains(r.stderr, tt.stderr) {
+				t.Errorf("exit %d, stdout %q, stderr %q; want exit %d, %q, %q", r.code, r.stdout, r.stderr, tt.code, tt.stdout, tt.stderr)
+			}
+		})
+	}
+	if got, err := os.ReadFile(snap); err != nil || !bytes.Equal(got, snapshotBytes) {
+		t.Errorf("the exported file holds %d bytes (%v), want the %d of the stream", len(got), err, len(snapshotBytes))
+	}
+	if _, err := os.Stat(snap + ".2"); !os.IsNotExist(err) {
+		t.Errorf("a failed export left %s: %v", snap+".2", err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, "*.partial")); len(left) != 0 {
+		t.Errorf("partial files left: %v", left)
+	}
+
+	// A delta, as -o json prints it, is what delta import takes.
+	d := ctl(read, "", "-addr", srv.URL, "-o", "json", "delta", "api", "-journal", "j7", "-seq", "41")
+	if d.code != 0 {
+		t.Fatalf("delta: exit %d: %s", d.code, d.stderr)
+	}
+	imp := ctl(admin, d.stdout, "-addr", srv.URL, "delta", "import", "api", "-")
+	if imp.code != 0 || !strings.Contains(imp.stdout, "journal j7, seq 42, epoch 4") || !strings.Contains(imp.stdout, "Flows read:      2") {
+		t.Errorf("delta import of the delta: exit %d, stdout %q, stderr %q", imp.code, imp.stdout, imp.stderr)
 	}
 }

@@ -137,13 +137,18 @@ type request struct {
 	method string
 	path   string     // under the base URL, already escaped
 	query  url.Values // nil: none
-	body   io.Reader  // nil: none; else sent as application/json
+	body   io.Reader  // nil: none; else sent as ctype, streamed as read
+	ctype  string     // "": application/json
+	length int64      // the body's length when known (> 0), else chunked
+	accept string     // "": application/json
 }
 
-// do sends r and returns the answer's body; an answer of 300 or more is
-// an *apiError (or, when its body is not the API's error document, an
-// error quoting the status and the start of the body).
-func (c *client) do(ctx context.Context, r request) ([]byte, int, error) {
+// send sends r and returns the answer, whose body the caller reads and
+// closes; an answer of 300 or more is an *apiError (or, when its body is
+// not the API's error document, an error quoting the status and the
+// start of the body). Neither the request's body nor the answer's is
+// held in memory here: a snapshot streams through.
+func (c *client) send(ctx context.Context, r request) (*http.Response, error) {
 	u := *c.base
 	u.Path += r.path
 	if r.query != nil {
@@ -151,32 +156,62 @@ func (c *client) do(ctx context.Context, r request) ([]byte, int, error) {
 	}
 	req, err := http.NewRequestWithContext(ctx, r.method, u.String(), r.body)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%s %s: %w", r.method, r.path, err)
+		return nil, fmt.Errorf("%s %s: %w", r.method, r.path, err)
+	}
+	if r.body != nil && r.length > 0 {
+		req.ContentLength = r.length
+	}
+	accept := r.accept
+	if accept == "" {
+		accept = "application/json"
 	}
 	req.Header.Set("Authorization", "Bearer "+c.token)
-	req.Header.Set("Accept", "application/json")
+	req.Header.Set("Accept", accept)
 	req.Header.Set("User-Agent", "fluxvmctl")
 	if r.body != nil {
-		req.Header.Set("Content-Type", "application/json")
+		ctype := r.ctype
+		if ctype == "" {
+			ctype = "application/json"
+		}
+		req.Header.Set("Content-Type", ctype)
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%s %s: node %s unreachable: %w", r.method, r.path, c.base.Redacted(), unwrapURLError(err))
+		return nil, fmt.Errorf("%s %s: node %s unreachable: %w", r.method, r.path, c.base.Redacted(), unwrapURLError(err))
+	}
+	if resp.StatusCode < 300 {
+		return resp, nil
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %s, and reading its answer: %w", r.method, r.path, resp.Status, err)
+	}
+	var er api.ErrorResponse
+	if json.Unmarshal(raw, &er) == nil && er.Error.Code != "" {
+		return nil, &apiError{status: resp.StatusCode, detail: er.Error}
+	}
+	return nil, fmt.Errorf("%s %s: %s: %s", r.method, r.path, resp.Status, snippet(raw))
+}
+
+// do sends r and returns the answer's body, read whole (at most
+// maxAnswer bytes); errors as send.
+func (c *client) do(ctx context.Context, r request) ([]byte, int, error) {
+	resp, err := c.send(ctx, r)
+	if err != nil {
+		var ae *apiError
+		if errors.As(err, &ae) {
+			return nil, ae.status, err
+		}
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer+1))
 	if err != nil {
-		return nil, resp.StatusCode, fmt.Errorf("%s %s: read the answer of %s: %w", r.method, r.path, c.base.Redacted(), err)
+		return nil, resp.StatusCode, fmt.Errorf("%s %s: read the answer of %s: %w", r.method, r.path, c.base.Redacted(), unwrapURLError(err))
 	}
 	if len(raw) > maxAnswer {
 		return nil, resp.StatusCode, fmt.Errorf("%s %s: answer larger than %d bytes", r.method, r.path, maxAnswer)
-	}
-	if resp.StatusCode >= 300 {
-		var er api.ErrorResponse
-		if json.Unmarshal(raw, &er) == nil && er.Error.Code != "" {
-			return nil, resp.StatusCode, &apiError{status: resp.StatusCode, detail: er.Error}
-		}
-		return nil, resp.StatusCode, fmt.Errorf("%s %s: %s: %s", r.method, r.path, resp.Status, snippet(raw))
 	}
 	return raw, resp.StatusCode, nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -16,8 +17,10 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // Paths of the routes the CLI calls (fluxvm/api/routes.go).
@@ -32,11 +35,16 @@ const (
 	pathFlows        = pathServices + "/flows"
 	pathPolicies     = pathServices + "/policies"
 	pathHA           = pathServices + "/ha"
+	pathLease        = pathHA + "/lease"
+	pathPolicyRecon  = pathPolicies + "/reconcile"
+	pathPressureRec  = pathServices + "/pressure/reconcile"
+	pathTelemetryExp = pathServices + "/telemetry/export"
 	pathVMStatsFirst = "/v1/vms/"
 	pathVMStatsLast  = "/network/services/stats"
 )
 
-// command is one subcommand.
+// command is one subcommand. A name of two words ("policies apply") is
+// a command of its own, chosen when the second word follows the first.
 type command struct {
 	name  string
 	usage string // name and arguments, for the usage text
@@ -56,20 +64,51 @@ var commands = []command{
 	{"advertisements", "advertisements", "the VIP advertisement snapshot", cmdAdvertisements},
 	{"policies", "policies", "identity policy state: ipcache, policies, counters", cmdPolicies},
 	{"policy", "policy NAME", "the identity policy of one service", cmdPolicy},
+	{"envoy", "envoy NAME", "the Envoy/xDS document of a service's L7 policy (JSON)", cmdEnvoy},
+	{"pressure", "pressure", "map pressure: every map's fill, the level, the last round", cmdPressure},
 	{"ha", "ha", "flow-state replication: lease, queue, journals, cursors", cmdHA},
+	{"delta", "delta NAME [-journal J] [-seq N] [-max-ops N]", "the journal batches after a cursor (-o json: what delta import takes)", cmdDelta},
 	{"apply", "apply FILE|-", "create or replace a service from its JSON (admin)", cmdApply},
 	{"delete", "delete NAME", "remove a service (admin)", cmdDelete},
 	{"gc", "gc", "run one conntrack garbage collection now (admin)", cmdGC},
 	{"health-reconcile", "health-reconcile", "run one round of every health check now (admin)", cmdHealthReconcile},
+	{"policies apply", "policies apply FILE|-", "add or replace policies: one JSON object or an array (admin)", cmdPoliciesApply},
+	{"policies reconcile", "policies reconcile", "read the ipcache again and rewrite every policy (admin)", cmdPoliciesReconcile},
+	{"policy delete", "policy delete NAME", "remove the identity policy of a service (admin)", cmdPolicyDelete},
+	{"pressure reconcile", "pressure reconcile", "run one round of the map pressure controller now (admin)", cmdPressureReconcile},
+	{"ha lease", "ha lease [-epoch N] [-superseded-by N]", "record a lease update: renew/advance, or fence this edge (admin)", cmdHALease},
+	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout", cmdConntrackExport},
+	{"conntrack import", "conntrack import NAME FILE|- [-prune]", "apply a flow snapshot; -prune deletes the flows it lacks (admin)", cmdConntrackImport},
+	{"delta import", "delta import NAME FILE|-", "apply a delta of the peer's journal (admin)", cmdDeltaImport},
+	{"delta ack", "delta ack NAME SEQ", "trim a service's journal up to SEQ (admin)", cmdDeltaAck},
+	{"telemetry export", "telemetry export [-limit N]", "send the newest flow records to the OTLP receiver now (admin)", cmdTelemetryExport},
 }
 
-func commandByName(name string) (command, bool) {
-	for _, c := range commands {
-		if c.name == name {
-			return c, true
+// commandByName returns the command that name and args call: the
+// two-word command when args starts with its second word, else the
+// one-word one, and the arguments left. A service named like a second
+// word ("delete") is reached after "--": policy -- delete.
+func commandByName(name string, args []string) (command, []string, error) {
+	if len(args) > 0 {
+		for _, c := range commands {
+			if c.name == name+" "+args[0] {
+				return c, args[1:], nil
+			}
 		}
 	}
-	return command{}, false
+	var subs []string
+	for _, c := range commands {
+		if c.name == name {
+			return c, args, nil
+		}
+		if strings.HasPrefix(c.name, name+" ") {
+			subs = append(subs, c.usage)
+		}
+	}
+	if len(subs) > 0 {
+		return command{}, nil, usagef("usage: fluxvmctl %s", strings.Join(subs, " | fluxvmctl "))
+	}
+	return command{}, nil, usagef("unknown command %q (fluxvmctl -h lists them)", name)
 }
 
 // errFlagParse: the flag package already printed what was wrong.
@@ -156,9 +195,7 @@ func (inv *invocation) call(r request, v any, table func(w io.Writer)) error {
 			return err
 		}
 	}
-	tw := tabwriter.NewWriter(inv.stdout, 0, 4, 2, ' ', 0)
-	table(tw)
-	return tw.Flush()
+	return inv.table(table)
 }
 
 // simple is a command without flags or arguments that GETs path.
@@ -348,4 +385,216 @@ func cmdHealthReconcile(inv *invocation) error {
 	}
 	var rep fluxvm.HealthReport
 	return inv.call(request{method: http.MethodPost, path: pathReconcile}, &rep, func(w io.Writer) { healthTable(w, rep) })
+}
+
+// input opens what a command reads a body from: a file, or stdin for
+// "-". It returns the reader (streamed into the request, never read
+// whole here), its length when known (a regular file) and its closer.
+func (inv *invocation) input(arg, what string) (io.Reader, int64, func(), error) {
+	if arg == "-" {
+		in := io.Reader(os.Stdin)
+		if testStdin != nil {
+			in = testStdin
+		}
+		return in, 0, func() {}, nil
+	}
+	f, err := os.Open(arg)
+	if err != nil {
+		return nil, 0, nil, fmt.Errorf("read %s: %w", what, err)
+	}
+	var n int64
+	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() {
+		n = fi.Size()
+	}
+	return f, n, func() { _ = f.Close() }, nil
+}
+
+// serviceArg checks a service name argument: a reserved word names a
+// route of the REST API, never a service.
+func serviceArg(name string) error {
+	if fluxvm.IsReservedName(name) {
+		return usagef("%q is reserved for a route of the REST API, not a service name", name)
+	}
+	return nil
+}
+
+func cmdPoliciesApply(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "FILE|-")
+	if err != nil {
+		return err
+	}
+	in, n, done, err := inv.input(pos[0], "the policies")
+	if err != nil {
+		return err
+	}
+	defer done()
+	var st fluxvm.PoliciesStatus
+	return inv.call(request{method: http.MethodPost, path: pathPolicies, body: in, length: n}, &st, func(w io.Writer) {
+		fmt.Fprintf(w, "applied; the node holds %d policies\n\n", len(st.Policies))
+		policiesTable(w, st)
+	})
+}
+
+func cmdPoliciesReconcile(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	var st fluxvm.PoliciesStatus
+	return inv.call(request{method: http.MethodPost, path: pathPolicyRecon}, &st, func(w io.Writer) { policiesTable(w, st) })
+}
+
+func cmdPolicyDelete(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "NAME")
+	if err != nil {
+		return err
+	}
+	if err := serviceArg(pos[0]); err != nil {
+		return err
+	}
+	return inv.call(request{method: http.MethodDelete, path: servicePath(pos[0], "/policy")}, nil, func(w io.Writer) {
+		fmt.Fprintf(w, "deleted the policy of service %s\n", pos[0])
+	})
+}
+
+// cmdEnvoy prints the Envoy document, indented JSON with -o table too:
+// it is a document for an adapter, not a table.
+func cmdEnvoy(inv *invocation) error {
+	pos, err := inv.parse(inv.flags(), "NAME")
+	if err != nil {
+		return err
+	}
+	if err := serviceArg(pos[0]); err != nil {
+		return err
+	}
+	r := request{method: http.MethodGet, path: servicePath(pos[0], "/l7/envoy")}
+	raw, err := inv.fetch(r)
+	if err != nil {
+		return err
+	}
+	var doc fluxvm.EnvoyDocument
+	if err := decode(raw, &doc, r.method+" "+r.path); err != nil {
+		return err
+	}
+	return inv.printJSON(r, raw)
+}
+
+// fetch sends r and returns the answer's body.
+func (inv *invocation) fetch(r request) ([]byte, error) {
+	c, err := newClient(inv.globals, inv.env)
+	if err != nil {
+		return nil, err
+	}
+	raw, _, err := c.do(context.Background(), r)
+	return raw, err
+}
+
+// printJSON prints a JSON answer indented.
+func (inv *invocation) printJSON(r request, raw []byte) error {
+	out, err := indentJSON(raw)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", r.method, r.path, err)
+	}
+	_, err = inv.stdout.Write(out)
+	return err
+}
+
+// cmdPressure shows the pressure part of GET status; with -o json, the
+// status's pressure object as the node sent it (null when it reports
+// none).
+func cmdPressure(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	r := request{method: http.MethodGet, path: pathStatus}
+	raw, err := inv.fetch(r)
+	if err != nil {
+		return err
+	}
+	if inv.output == "json" {
+		var part struct {
+			Pressure json.RawMessage `json:"pressure"`
+		}
+		if err := decode(raw, &part, r.method+" "+r.path); err != nil {
+			return err
+		}
+		if len(part.Pressure) == 0 {
+			part.Pressure = json.RawMessage("null")
+		}
+		return inv.printJSON(r, part.Pressure)
+	}
+	var st fluxvm.Status
+	if err := decode(raw, &st, r.method+" "+r.path); err != nil {
+		return err
+	}
+	return inv.table(func(w io.Writer) {
+		if st.Pressure == nil {
+			fmt.Fprintln(w, "the node reports no map pressure")
+			return
+		}
+		pressureTable(w, *st.Pressure)
+	})
+}
+
+// table prints a table through a tabwriter.
+func (inv *invocation) table(table func(w io.Writer)) error {
+	tw := tabwriter.NewWriter(inv.stdout, 0, 4, 2, ' ', 0)
+	table(tw)
+	return tw.Flush()
+}
+
+func cmdPressureReconcile(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	var round fluxvm.PressureRound
+	return inv.call(request{method: http.MethodPost, path: pathPressureRec}, &round, func(w io.Writer) { roundTable(w, round, "At:") })
+}
+
+func cmdHALease(inv *invocation) error {
+	fs := inv.flags()
+	epoch := fs.Uint64("epoch", 0, "renew or advance this edge's lease to this epoch")
+	superseded := fs.Uint64("superseded-by", 0, "the newer epoch of the lease another edge holds: fences this edge")
+	if _, err := inv.parse(fs); err != nil {
+		return err
+	}
+	var l fluxvm.HALease
+	for _, f := range []struct {
+		name string
+		v    uint64
+		dst  *ha.Epoch
+	}{{"epoch", *epoch, &l.Epoch}, {"superseded-by", *superseded, &l.SupersededBy}} {
+		if !isSet(fs, f.name) {
+			continue
+		}
+		if f.v == 0 {
+			return usagef("-%s must be positive (leave it out to say nothing of it)", f.name)
+		}
+		*f.dst = ha.Epoch(f.v)
+	}
+	if l == (fluxvm.HALease{}) {
+		return usagef("ha lease: give -epoch, -superseded-by or both")
+	}
+	body, err := json.Marshal(l)
+	if err != nil {
+		return err
+	}
+	var st fluxvm.HAStatus
+	return inv.call(request{method: http.MethodPost, path: pathLease, body: bytes.NewReader(body)}, &st, func(w io.Writer) { haTable(w, st) })
+}
+
+func cmdTelemetryExport(inv *invocation) error {
+	fs := inv.flags()
+	limit := fs.Int("limit", 0, "at most this many of the newest records, 1.."+strconv.Itoa(flows.MaxLimit)+" (default: the node's, "+strconv.Itoa(api.DefaultExportLimit)+")")
+	if _, err := inv.parse(fs); err != nil {
+		return err
+	}
+	var q url.Values
+	if isSet(fs, "limit") {
+		if *limit < 1 || *limit > flows.MaxLimit {
+			return usagef("-limit %d: want 1..%d", *limit, flows.MaxLimit)
+		}
+		q = url.Values{"limit": {strconv.Itoa(*limit)}}
+	}
+	var res api.ExportResponse
+	return inv.call(request{method: http.MethodPost, path: pathTelemetryExp, query: q}, &res, func(w io.Writer) { telemetryTable(w, res) })
 }

@@ -5,17 +5,27 @@
 //
 //	fluxvmctl [flags] services
 //	fluxvmctl [flags] service NAME
-//	fluxvmctl [flags] status | stats [-all] [-vm ID] | health | ha
+//	fluxvmctl [flags] status | stats [-all] [-vm ID] | health | ha | pressure
 //	fluxvmctl [flags] flows [-service S] [-backend IP] [-verdict V] [-since T] [-limit N]
-//	fluxvmctl [flags] advertisements | policies | policy NAME
+//	fluxvmctl [flags] advertisements | policies | policy NAME | envoy NAME
+//	fluxvmctl [flags] delta NAME [-journal J] [-seq N] [-max-ops N]
+//	fluxvmctl [flags] conntrack export NAME [-out FILE]
 //	fluxvmctl [flags] apply FILE|- | delete NAME | gc | health-reconcile
+//	fluxvmctl [flags] policies apply FILE|- | policies reconcile | policy delete NAME
+//	fluxvmctl [flags] pressure reconcile | ha lease [-epoch N] [-superseded-by N]
+//	fluxvmctl [flags] conntrack import NAME FILE|- [-prune]
+//	fluxvmctl [flags] delta import NAME FILE|- | delta ack NAME SEQ
+//	fluxvmctl [flags] telemetry export [-limit N]
 //
 // Flags (before or after the command): -addr (default
 // http://127.0.0.1:7788, or $FLUXVM_ADDR), -token-file, -o table|json,
 // -timeout, -ca-file. The bearer token comes from -token-file, else
 // $FLUXVM_TOKEN, else $FLUXVM_ADMIN_TOKEN, else $FLUXVM_READ_TOKEN (the
 // variables the daemon reads its own tokens from). The mutations (apply,
-// delete, gc, health-reconcile) need an admin token.
+// delete, gc, health-reconcile and the commands of the last five lines)
+// need an admin token. Snapshots stream through (conntrack export and
+// import hold no whole snapshot in memory); -timeout bounds the whole
+// transfer.
 //
 // Exit status: 0 success, 1 an error of the API or of the network, 2 a
 // usage error (unknown command or flag, missing argument, no token).
@@ -101,13 +111,11 @@ func run(args []string, stdout, stderr io.Writer, env func(string) string) int {
 		usage(stderr, fs)
 		return exitUsage
 	}
-	name, rest := fs.Arg(0), fs.Args()[1:]
-	cmd, ok := commandByName(name)
-	if !ok {
-		fmt.Fprintf(stderr, "fluxvmctl: unknown command %q (fluxvmctl -h lists them)\n", name)
-		return exitUsage
+	cmd, rest, err := commandByName(fs.Arg(0), fs.Args()[1:])
+	if err != nil {
+		return report(stderr, err)
 	}
-	err := cmd.run(&invocation{globals: g, name: name, args: rest, stdout: stdout, stderr: stderr, env: env})
+	err = cmd.run(&invocation{globals: g, name: cmd.name, args: rest, stdout: stdout, stderr: stderr, env: env})
 	return report(stderr, err)
 }
 
@@ -133,9 +141,14 @@ func report(stderr io.Writer, err error) int {
 func usage(w io.Writer, fs *flag.FlagSet) {
 	fmt.Fprintln(w, "usage: fluxvmctl [flags] COMMAND [command flags] [args]")
 	fmt.Fprintln(w, "\ncommands:")
+	width := 0
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-34s %s\n", c.usage, c.help)
+		width = max(width, len(c.usage))
 	}
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-*s  %s\n", width, c.usage, c.help)
+	}
+	fmt.Fprintln(w, "\nA service named like a second word (delete, import, ack) follows \"--\": policy -- delete.")
 	fmt.Fprintln(w, "\nflags (before or after the command):")
 	fs.PrintDefaults()
 }

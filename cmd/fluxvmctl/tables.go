@@ -13,6 +13,8 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // The tables. Each writes tab-separated cells to a text/tabwriter; a
@@ -199,7 +201,7 @@ func pressureSummary(p fluxvm.PressureStatus) string {
 			top, pct = name, m.Percent
 		}
 	}
-	s := fmt.Sprintf("%s (soft %d%%, hard %d%%)", p.Level, p.SoftPercent, p.HardPercent)
+	s := pressureLevel(p)
 	if top != "" {
 		s += fmt.Sprintf(", fullest %s %.1f%%", top, pct)
 	}
@@ -402,4 +404,169 @@ func gcTable(w io.Writer, r fluxvm.GCResult) {
 	row(w, "Backend gone:", r.BackendGone)
 	row(w, "Orphans removed:", r.Orphans)
 	row(w, "Repaired:", r.Repaired)
+}
+
+// pressureLevel is the level and thresholds on one line.
+func pressureLevel(p fluxvm.PressureStatus) string {
+	if p.Error != "" {
+		return "unknown (" + p.Error + ")"
+	}
+	return fmt.Sprintf("%s (soft %d%%, hard %d%%)", p.Level, p.SoftPercent, p.HardPercent)
+}
+
+// percent prints a fill.
+func percent(v float64) string { return strconv.FormatFloat(v, 'f', 1, 64) + "%" }
+
+func pressureTable(w io.Writer, p fluxvm.PressureStatus) {
+	row(w, "Level:", pressureLevel(p))
+	if p.Unsupported {
+		row(w, "Counts:", "unsupported by the kernel (before 6.6): GC on insert failures only")
+	}
+	row(w, "Insert failures:", p.InsertFailures)
+	row(w, "Rounds:", p.Rounds)
+	gc := "-"
+	if p.GCInterval.Duration != 0 {
+		gc = p.GCInterval.Duration.String()
+	}
+	row(w, "GC interval:", gc)
+
+	fmt.Fprintln(w)
+	row(w, "MAP", "ENTRIES", "MAX", "PERCENT")
+	for _, name := range slices.Sorted(maps.Keys(p.Maps)) {
+		m := p.Maps[name]
+		row(w, name, m.Entries, m.MaxEntries, percent(m.Percent))
+	}
+	if p.LastRound != nil {
+		fmt.Fprintln(w)
+		roundTable(w, *p.LastRound, "Last round:")
+	}
+}
+
+// roundTable prints what a round of the map pressure controller did;
+// atLabel names its first line.
+func roundTable(w io.Writer, r fluxvm.PressureRound, atLabel string) {
+	row(w, atLabel, when(r.At))
+	row(w, "Level:", dash(r.Level))
+	row(w, "Over:", dash(strings.Join(r.Over, ",")))
+	row(w, "Duration:", r.Duration)
+	if r.Horizon.Duration != 0 {
+		row(w, "Horizon:", r.Horizon)
+	}
+	if r.InsertFailures != 0 {
+		row(w, "Insert failures:", r.InsertFailures)
+	}
+	gc := "-"
+	if g := r.GC; g != nil {
+		gc = fmt.Sprintf("%d scanned, %d expired, %d drained, %d backend gone, %d orphans removed, %d repaired (%v)",
+			g.Scanned, g.Expired, g.Drained, g.BackendGone, g.Orphans, g.Repaired, g.Duration)
+	}
+	row(w, "GC:", gc)
+	s := r.Shed
+	row(w, "Shed:", fmt.Sprintf("%d closed, %d half-open, %d idle UDP, %d established", s.Closed, s.HalfOpen, s.IdleUDP, s.Established))
+	if len(r.After) > 0 {
+		after := make([]string, 0, len(r.After))
+		for _, name := range slices.Sorted(maps.Keys(r.After)) {
+			after = append(after, name+" "+percent(r.After[name]))
+		}
+		row(w, "After:", strings.Join(after, ", "))
+	}
+	c := r.Compaction
+	if c == nil {
+		row(w, "Compaction:", "-")
+		return
+	}
+	var what string
+	switch {
+	case c.Error != "":
+		what = "FAILED: " + c.Error
+	case c.Deferred != "":
+		what = "deferred: " + c.Deferred
+	default:
+		what = fmt.Sprintf("%d maps rebuilt", len(c.Maps))
+	}
+	row(w, "Compaction:", fmt.Sprintf("%s (%v)", what, c.Duration))
+	if len(c.Links) > 0 {
+		row(w, "Links switched:", strings.Join(c.Links, ","))
+	}
+	if len(c.Maps) > 0 {
+		fmt.Fprintln(w)
+		row(w, "COMPACTED MAP", "ENTRIES", "KEPT", "DROPPED", "CAUGHT UP", "MAP ID", "PREVIOUS MAP ID", "DROPPED BY")
+		for _, m := range c.Maps {
+			by := make([]string, 0, len(m.DroppedBy))
+			for _, class := range slices.Sorted(maps.Keys(m.DroppedBy)) {
+				by = append(by, fmt.Sprintf("%s=%d", class, m.DroppedBy[class]))
+			}
+			row(w, m.Map, m.Entries, m.Kept, m.Dropped, m.CaughtUp, m.MapID, m.PreviousMapID, dash(strings.Join(by, ",")))
+		}
+	}
+}
+
+func telemetryTable(w io.Writer, r api.ExportResponse) {
+	row(w, "Read:", r.Read)
+	row(w, "Sent:", fmt.Sprintf("%d records in %d requests", r.Sent.Records, r.Sent.Batches))
+	row(w, "Rejected:", r.Sent.Rejected)
+	row(w, "Retries:", r.Sent.Retries)
+	row(w, "Bytes:", r.Sent.Bytes)
+	row(w, "Encoding:", dash(string(r.Sent.Encoding)))
+}
+
+// cursorString prints a cursor of a journal.
+func cursorString(c ha.Cursor) string {
+	return fmt.Sprintf("journal %s, seq %d, epoch %d", dash(c.Journal), c.Seq, c.Epoch)
+}
+
+// importTable prints what a snapshot import did, with its header.
+func importTable(w io.Writer, r ha.ImportResult) {
+	h := r.Header
+	row(w, "Service:", dash(h.Service))
+	row(w, "Source node:", dash(h.Node))
+	row(w, "Epoch:", h.Epoch)
+	row(w, "Journal cursor:", fmt.Sprintf("%s at seq %d", dash(h.Journal), h.Seq))
+	row(w, "Created:", when(h.Created))
+	importCounts(w, r)
+}
+
+// importCounts prints the counts of an import (snapshot or delta).
+func importCounts(w io.Writer, r ha.ImportResult) {
+	row(w, "Flows read:", r.Flows)
+	row(w, "Written:", r.Written)
+	row(w, "Fresher here:", r.Fresher)
+	row(w, "No frontend:", r.NoFrontend)
+	row(w, "No backend:", r.NoBackend)
+	row(w, "Port conflicts:", r.PortConflicts)
+	row(w, "Foreign SNAT:", r.ForeignSNAT)
+	row(w, "Pruned:", r.Pruned)
+}
+
+func deltaTable(w io.Writer, d ha.Delta) {
+	row(w, "Service:", d.Service)
+	row(w, "Journal:", dash(d.Journal))
+	row(w, "Epoch:", d.Epoch)
+	row(w, "From:", d.From)
+	row(w, "To:", d.To)
+	reset := "no"
+	if d.ResetRequired {
+		reset = "YES: load a snapshot (conntrack export, conntrack import) and start again from its cursor"
+	}
+	row(w, "Reset required:", reset)
+	fmt.Fprintln(w)
+	row(w, "SEQ", "EPOCH", "OPS", "UPSERTS", "DELETES")
+	for _, b := range d.Batches {
+		up, del := 0, 0
+		for _, op := range b.Ops {
+			switch op.Kind {
+			case ha.OpUpsert:
+				up++
+			case ha.OpDelete:
+				del++
+			}
+		}
+		row(w, b.Seq, b.Epoch, len(b.Ops), up, del)
+	}
+}
+
+// journalTable prints one journal's state.
+func journalTable(w io.Writer, service string, j ha.JournalStats) {
+	row(w, "SERVICE", "JOURNAL", "EPOCH", "FENCED", "FIRST", "LAST", "ACKED", "BATCHES", "OPS", "OPEN OPS", "DROPPED BATCHES", "DROPPED OPS")
+	row(w, service, j.Journal, j.Epoch, yesNo(j.Fenced), j.FirstSeq, j.LastSeq, j.Acked, j.Batches, j.Ops, j.OpenOps, j.DroppedBatches, j.DroppedOps)
 }

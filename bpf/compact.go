@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -120,6 +121,8 @@ type Compaction struct {
 	// them), also when CompactFlowMaps returns an error after the switch
 	// (a catch-up that failed).
 	Switched bool `json:"switched"`
+	// SwitchTime is how long the switch held CompactOptions.Switch.
+	SwitchTime time.Duration `json:"switch_ns"`
 }
 
 // CompactFlowMaps is the map-pressure controller's hard action: it
@@ -304,6 +307,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	// route cache, the socket iterator).
 	lock()
 	d.live.Lock()
+	switchStart := time.Now()
 	oldProgs, oldX, oldC := d.progs, d.xprogs, d.cprogs
 	oldMaps := map[string]*ebpf.Map{}
 	root := d.opts.PinRoot
@@ -333,6 +337,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		d.progs, d.xprogs, d.cprogs = oldProgs, oldX, oldC
 		_, _, lerr := d.updateLinks()
 		perr := repin(oldMaps)
+		res.SwitchTime = time.Since(switchStart)
 		d.live.Unlock()
 		unlock()
 		closeNew()
@@ -346,6 +351,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	oldColl, oldXColl, oldCColl := d.coll, d.xcoll, d.ccoll
 	d.coll, d.xcoll, d.ccoll, d.maps = coll, xcoll, ccoll, newMaps
 	res.Switched = true
+	res.SwitchTime = time.Since(switchStart)
 	d.live.Unlock()
 	unlock()
 

@@ -202,6 +202,7 @@ func BenchmarkCompactFlowMaps(b *testing.B) {
 			b.Fatal(err)
 		}
 		b.ReportMetric(float64(res.Maps[0].Kept), "kept")
+		b.ReportMetric(float64(res.SwitchTime.Microseconds()), "switch-us")
 	}
 }
 

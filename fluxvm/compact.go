@@ -44,6 +44,10 @@ type PressureCompaction struct {
 	Maps []bpf.FlowMapCompaction `json:"maps,omitempty"`
 	// Links are the pinned attachments switched to the reloaded programs.
 	Links []string `json:"links,omitempty"`
+	// Switch is how long the switch held the dataplane's lock (applies,
+	// status and health transitions waited that long, not the whole
+	// Duration: the copy and the program loads run without it).
+	Switch Duration `json:"switch,omitzero"`
 	// Deferred says why the round could not compact now (a GC or an HA
 	// import was writing the flow maps); the next round tries again.
 	Deferred string `json:"deferred,omitempty"`
@@ -132,7 +136,7 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	var dropped []drop
 	res, err := d.dp.CompactFlowMaps(bpf.CompactOptions{Keep: keep, Switch: &d.mu,
 		Dropped: func(_ string, k, v []byte) { dropped = append(dropped, drop{slices.Clone(k), slices.Clone(v)}) }})
-	pc.Maps, pc.Links = res.Maps, res.Links
+	pc.Maps, pc.Links, pc.Switch = res.Maps, res.Links, Duration{res.SwitchTime}
 	if !res.Switched {
 		return done(err)
 	}

@@ -408,8 +408,11 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 		t.Errorf("generation marker %d, %v", meta.ProgramGeneration, err)
 	}
 	echo(t, c, "after the hard round")
-	t.Logf("hard round: %v, kept %d, dropped %v, caught up %d; %d echoes and %d short connections during it",
-		pc.Duration, m.Kept, m.DroppedBy, m.CaughtUp, echoes.Load(), shorts.Load())
+	t.Logf("hard round: %v (the lock held %v), kept %d, dropped %v, caught up %d; %d echoes and %d short connections during it",
+		pc.Duration, pc.Switch, m.Kept, m.DroppedBy, m.CaughtUp, echoes.Load(), shorts.Load())
+	if pc.Switch.Duration <= 0 || pc.Switch.Duration > pc.Duration.Duration {
+		t.Errorf("switch %v of a %v compaction", pc.Switch, pc.Duration)
+	}
 	// The views follow the new map: a GC scans it and brings nothing back.
 	if gc, err := d.GC(ctx); err != nil || gc.Scanned < keep || gc.Repaired != 0 {
 		t.Errorf("GC after: %+v, %v", gc, err)

@@ -290,3 +290,43 @@ func TestCompactWithRouteCacheWrites(t *testing.T) {
 		t.Error("the route cache was never written")
 	}
 }
+
+// TestCatchUpCreatedEqualsSeen: catch-up compares last-seen times, also
+// after entries whose creation and last-seen times are equal (every new
+// flow's are): a flow the new map holds more recently is not overwritten
+// by the old map's older version.
+func TestCatchUpCreatedEqualsSeen(t *testing.T) {
+	d := openT(t, Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: TierS})
+	nm, err := ebpf.NewMap(d.spec.Maps["fluxvm_fct4"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nm.Close()
+	old := d.Maps().FluxvmFct4
+	// New flows in the old map only (created == last seen), walked before
+	// or after the one flow both maps hold: created at 1000, seen at 8000
+	// in the old map, at 9000 and in FIN in the new one.
+	for i := range 50 {
+		if err := old.Put(ctKey(100+i), CTValue{ServiceId: 1, BackendId: 1, CreatedNs: 5000, LastSeenNs: 5000, State: uint8(CTTCPSyn)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := ctKey(1)
+	if err := old.Put(k, CTValue{ServiceId: 1, BackendId: 1, CreatedNs: 1000, LastSeenNs: 8000, State: uint8(CTTCPEstablished)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nm.Put(k, CTValue{ServiceId: 1, BackendId: 1, CreatedNs: 1000, LastSeenNs: 9000, State: uint8(CTTCPFin)}); err != nil {
+		t.Fatal(err)
+	}
+	ins, upd, err := catchUp("fluxvm_fct4", old, nm, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v CTValue
+	if err := nm.Lookup(k, &v); err != nil || v.LastSeenNs != 9000 || CTState(v.State) != CTTCPFin {
+		t.Errorf("the new map's fresher entry became %+v (%v)", v, err)
+	}
+	if ins != 50 || upd != 0 {
+		t.Errorf("caught up %d new, %d changed; want 50, 0", ins, upd)
+	}
+}

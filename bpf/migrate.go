@@ -141,15 +141,16 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 	if old.ValueSize() == new.ValueSize() {
 		ct := func(v *CTValue) uint64 { return v.LastSeenNs }
 		nt := func(v *NATValue) uint64 { return v.LastSeenNs }
+		off := lastSeenOffset(name)
 		switch {
 		case name == "fluxvm_fct4":
-			return catchUpOf[Tuple4](old, new, since, ct)
+			return catchUpOf[Tuple4](old, new, since, off, ct)
 		case name == "fluxvm_fct6":
-			return catchUpOf[Tuple6](old, new, since, ct)
+			return catchUpOf[Tuple6](old, new, since, off, ct)
 		case name == "fluxvm_nat4":
-			return catchUpOf[Tuple4](old, new, since, nt)
+			return catchUpOf[Tuple4](old, new, since, off, nt)
 		case name == "fluxvm_nat6":
-			return catchUpOf[Tuple6](old, new, since, nt)
+			return catchUpOf[Tuple6](old, new, since, off, nt)
 		}
 	}
 	off := lastSeenOffset(name)
@@ -174,11 +175,11 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 	return inserted, updated, it.Err()
 }
 
-// catchUpOf is catchUp over a map of key K and value V, read in batches.
-func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, lastSeen func(*V) uint64) (inserted, updated int, err error) {
+// catchUpOf is catchUp over a map of key K and value V, read in batches;
+// off is where V keeps what lastSeen returns.
+func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, off int, lastSeen func(*V) uint64) (inserted, updated int, err error) {
 	var mode mapscan.Mode
 	s := mapscan.NewScanner[K, V](old, &mode, mapscan.DefaultChunk)
-	off := -1
 	for {
 		n, err := s.Chunk()
 		if err != nil || n == 0 {
@@ -191,9 +192,6 @@ func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, lastSeen func(*V) uin
 			}
 			k, _ := binary.Append(nil, binary.NativeEndian, &s.Keys[i])
 			v, _ := binary.Append(nil, binary.NativeEndian, &s.Vals[i])
-			if off < 0 {
-				off = offsetOfSeen(v, seen)
-			}
 			ins, upd, err := catchUpEntry(new, k, v, off, seen)
 			inserted, updated = inserted+ins, updated+upd
 			if err != nil {
@@ -201,17 +199,6 @@ func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, lastSeen func(*V) uin
 			}
 		}
 	}
-}
-
-// offsetOfSeen is lastSeenOffset for a value already encoded (both
-// layouts keep it at a fixed offset; this avoids passing the name down).
-func offsetOfSeen(v []byte, seen uint64) int {
-	for off := 0; off+8 <= len(v); off += 8 {
-		if binary.LittleEndian.Uint64(v[off:]) == seen {
-			return off
-		}
-	}
-	return -1
 }
 
 // catchUpEntry copies entry k (value nv, last seen at seen, kept at off)

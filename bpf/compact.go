@@ -450,19 +450,15 @@ func rankedCopyOf[K, V any](name string, old, nm *ebpf.Map, keep int,
 	var mode mapscan.Mode
 	// Pass 1: last-seen times by class.
 	var seen [numFlowClasses][]uint64
-	s := mapscan.NewScanner[K, V](old, &mode, compactChunk)
-	for {
-		n, err := s.Chunk()
-		if err != nil {
-			return mc, nil, err
-		}
-		if n == 0 {
-			break
-		}
-		for i := range n {
-			c, t := rank(&s.Vals[i])
+	err := scanAll(old, &mode, func(_ []K, vals []V) error {
+		for i := range vals {
+			c, t := rank(&vals[i])
 			seen[c] = append(seen[c], t)
 		}
+		return nil
+	})
+	if err != nil {
+		return mc, nil, err
 	}
 	cut := findCut(&seen, keep)
 	// Pass 2: copy what makes the cut. Entries learned since pass 1 are
@@ -498,42 +494,30 @@ func rankedCopyOf[K, V any](name string, old, nm *ebpf.Map, keep int,
 		keys, vals = keys[:0], vals[:0]
 		return nil
 	}
-	s = mapscan.NewScanner[K, V](old, &mode, compactChunk)
-	for {
-		n, err := s.Chunk()
-		if err != nil {
-			return mc, nil, err
-		}
-		if n == 0 {
-			break
-		}
-		for i := range n {
+	err = scanAll(old, &mode, func(ks []K, vs []V) error {
+		for i := range ks {
 			mc.Entries++
-			c, t := rank(&s.Vals[i])
+			c, t := rank(&vs[i])
 			if cut.in(c, t) {
-				keys, vals = append(keys, s.Keys[i]), append(vals, s.Vals[i])
+				keys, vals = append(keys, ks[i]), append(vals, vs[i])
 				continue
 			}
 			mc.Dropped++
 			mc.DroppedBy[c.String()]++
-			kb, _ := binary.Append(nil, binary.NativeEndian, &s.Keys[i])
-			vb, _ := binary.Append(nil, binary.NativeEndian, &s.Vals[i])
+			kb, _ := binary.Append(nil, binary.NativeEndian, &ks[i])
+			vb, _ := binary.Append(nil, binary.NativeEndian, &vs[i])
 			drops = append(drops, droppedKey{kb, vb, c})
 		}
-		if err := flush(); err != nil {
-			return mc, nil, err
-		}
+		return flush()
+	})
+	if err == nil {
+		err = scanAll(nm, &mode, func(ks []K, _ []V) error {
+			mc.Kept += len(ks)
+			return nil
+		})
 	}
-	s = mapscan.NewScanner[K, V](nm, &mode, compactChunk)
-	for {
-		n, err := s.Chunk()
-		if err != nil {
-			return mc, nil, err
-		}
-		if n == 0 {
-			break
-		}
-		mc.Kept += n
+	if err != nil {
+		return mc, nil, err
 	}
 	mc.Entries = mc.Kept + mc.Dropped
 	return mc, drops, nil
@@ -542,6 +526,21 @@ func rankedCopyOf[K, V any](name string, old, nm *ebpf.Map, keep int,
 // compactChunk is how many entries one batch of the ranked copy reads or
 // writes.
 const compactChunk = 4096
+
+// scanAll calls fn with every chunk of m's entries, read in batches where
+// the kernel has them (internal/mapscan).
+func scanAll[K, V any](m *ebpf.Map, mode *mapscan.Mode, fn func([]K, []V) error) error {
+	s := mapscan.NewScanner[K, V](m, mode, compactChunk)
+	for {
+		n, err := s.Chunk()
+		if err != nil || n == 0 {
+			return err
+		}
+		if err := fn(s.Keys[:n], s.Vals[:n]); err != nil {
+			return err
+		}
+	}
+}
 
 // flowCut is where a ranked copy stops: every class above class whole, the
 // entries of class seen after seen, and ties of them seen at exactly seen.

@@ -179,26 +179,23 @@ func catchUp(name string, old, new *ebpf.Map, since uint64) (inserted, updated i
 // off is where V keeps what lastSeen returns.
 func catchUpOf[K, V any](old, new *ebpf.Map, since uint64, off int, lastSeen func(*V) uint64) (inserted, updated int, err error) {
 	var mode mapscan.Mode
-	s := mapscan.NewScanner[K, V](old, &mode, mapscan.DefaultChunk)
-	for {
-		n, err := s.Chunk()
-		if err != nil || n == 0 {
-			return inserted, updated, err
-		}
-		for i := range n {
-			seen := lastSeen(&s.Vals[i])
+	err = scanAll(old, &mode, func(ks []K, vs []V) error {
+		for i := range ks {
+			seen := lastSeen(&vs[i])
 			if seen < since {
 				continue
 			}
-			k, _ := binary.Append(nil, binary.NativeEndian, &s.Keys[i])
-			v, _ := binary.Append(nil, binary.NativeEndian, &s.Vals[i])
+			k, _ := binary.Append(nil, binary.NativeEndian, &ks[i])
+			v, _ := binary.Append(nil, binary.NativeEndian, &vs[i])
 			ins, upd, err := catchUpEntry(new, k, v, off, seen)
 			inserted, updated = inserted+ins, updated+upd
 			if err != nil {
-				return inserted, updated, err
+				return err
 			}
 		}
-	}
+		return nil
+	})
+	return inserted, updated, err
 }
 
 // catchUpEntry copies entry k (value nv, last seen at seen, kept at off)

@@ -292,9 +292,16 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		}
 	}
 	closeNew = func() {
+		// The new collections' programs and their handles of the rebuilt
+		// maps; the rest of their maps are the old objects, which live on.
 		for _, c := range []*ebpf.Collection{coll, xcoll, ccoll} {
 			for _, p := range c.Programs {
 				p.Close()
+			}
+			for name := range fresh {
+				if m := c.Maps[name]; m != nil {
+					m.Close()
+				}
 			}
 		}
 		for _, m := range fresh {
@@ -350,6 +357,10 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	}
 	oldColl, oldXColl, oldCColl := d.coll, d.xcoll, d.ccoll
 	d.coll, d.xcoll, d.ccoll, d.maps = coll, xcoll, ccoll, newMaps
+	// The side programs loaded at first use hold handles of every map
+	// their objects declare, the rebuilt ones too: they load again.
+	d.sd.close()
+	d.mc.close()
 	res.Switched = true
 	res.SwitchTime = time.Since(switchStart)
 	d.live.Unlock()
@@ -375,6 +386,9 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	}
 	for _, m := range oldMaps {
 		m.Close()
+	}
+	for _, m := range fresh {
+		m.Close() // pinned, and held by the new collections
 	}
 	for _, c := range []*ebpf.Collection{oldXColl, oldCColl} {
 		// Their clones of the TC object's maps (their own maps live on in

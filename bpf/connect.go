@@ -22,7 +22,12 @@ type ConnectPrograms = serviceConnectPrograms
 
 // ConnectPrograms returns the loaded socket load-balancing programs, which
 // run on the datapath's own maps. After Close every field is nil.
-func (d *Datapath) ConnectPrograms() *ConnectPrograms { return &d.cprogs }
+func (d *Datapath) ConnectPrograms() *ConnectPrograms {
+	d.live.RLock()
+	defer d.live.RUnlock()
+	p := d.cprogs
+	return &p
+}
 
 // ConnectObjectName is the file name of the socket load-balancing object
 // of tier t as operators install it (scripts/build-ebpf.sh --install).

@@ -20,11 +20,24 @@ type Programs = servicePrograms
 
 // Maps returns the loaded maps. They belong to the Datapath: never Close
 // or Unpin one of them (Close the Datapath). After Close every field is
-// nil.
-func (d *Datapath) Maps() *Maps { return &d.maps }
+// nil. The result is a copy: CompactFlowMaps replaces the flow maps'
+// handles (take them again after it); every other field stays the same
+// handle for the Datapath's life.
+func (d *Datapath) Maps() *Maps {
+	d.live.RLock()
+	defer d.live.RUnlock()
+	m := d.maps
+	return &m
+}
 
-// Programs returns the loaded programs. After Close every field is nil.
-func (d *Datapath) Programs() *Programs { return &d.progs }
+// Programs returns the loaded programs (a copy, as Maps). After Close
+// every field is nil.
+func (d *Datapath) Programs() *Programs {
+	d.live.RLock()
+	defer d.live.RUnlock()
+	p := d.progs
+	return &p
+}
 
 // assignTyped points each field of dst (a struct of *ebpf.Map or
 // *ebpf.Program fields tagged `ebpf:"name"`) at the collection's object of

@@ -51,7 +51,12 @@ type XDPPrograms = serviceXdpPrograms
 
 // XDPPrograms returns the loaded XDP programs, which run on the
 // datapath's own maps. After Close every field is nil.
-func (d *Datapath) XDPPrograms() *XDPPrograms { return &d.xprogs }
+func (d *Datapath) XDPPrograms() *XDPPrograms {
+	d.live.RLock()
+	defer d.live.RUnlock()
+	p := d.xprogs
+	return &p
+}
 
 // XDPObjectName is the file name of the north-south XDP object of tier t
 // as operators install it (scripts/build-ebpf.sh --install).

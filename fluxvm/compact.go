@@ -168,12 +168,20 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	// ones, as of GC's removals.
 	var herr error
 	for _, dk := range dropped {
-		if e := d.ct.DeleteHalf(dk.key, dk.value); e != nil && herr == nil {
-			herr = e
+		e, derr := conntrack.DecodeRaw(dk.key, dk.value)
+		if derr != nil {
+			continue
 		}
-		if e, derr := conntrack.DecodeRaw(dk.key, dk.value); derr == nil {
-			d.haRemoved(e.Key, e.ServiceID, e.Kind)
+		// A dropped flow whose client sent again since is learned anew
+		// (on the same backend, most often): its half and its standby's
+		// copy are its own now.
+		if _, lerr := d.ct.Lookup(e.Key); lerr == nil {
+			continue
 		}
+		if err := d.ct.DeleteHalf(dk.key, dk.value); err != nil && herr == nil {
+			herr = err
+		}
+		d.haRemoved(e.Key, e.ServiceID, e.Kind)
 	}
 	// The old handles close once no scan uses them: without flowMu (a
 	// scan's callback may run a GC, which takes it).

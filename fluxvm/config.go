@@ -52,6 +52,9 @@ const (
 
 // Bounds of the configuration.
 const (
+	// MinPressureInterval and MaxPressureInterval bound pressure_interval.
+	MinPressureInterval = 100 * time.Millisecond
+	MaxPressureInterval = time.Hour
 	// MinConntrackGCInterval and MaxConntrackGCInterval bound
 	// conntrack_gc_interval.
 	MinConntrackGCInterval = time.Second
@@ -199,6 +202,10 @@ type Config struct {
 	// hard. Defaults 80 and 95; 1..100, soft below hard.
 	PressureSoftPercent int `toml:"pressure_soft_percent"`
 	PressureHardPercent int `toml:"pressure_hard_percent"`
+	// PressureInterval is how often the controller reads the maps' fill
+	// (pressure_interval; insert failures are read twenty times as
+	// often). Default 2s, range MinPressureInterval..MaxPressureInterval.
+	PressureInterval Duration `toml:"pressure_interval"`
 	// ConntrackGCInterval is how often userspace garbage-collects
 	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -325,6 +332,7 @@ func DefaultConfig() Config {
 		HAInterval:            Duration{DefaultHAInterval},
 		PressureSoftPercent:   DefaultPressureSoftPercent,
 		PressureHardPercent:   DefaultPressureHardPercent,
+		PressureInterval:      Duration{DefaultPressureInterval},
 		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
 		TCPSynTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second},
 		TCPEstablishedTimeout: Duration{time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second},
@@ -653,6 +661,9 @@ func (c *Config) validate() error {
 		bad(ErrInvalid, "pressure_hard_percent", "%d is outside 1..100", hard)
 	case soft >= hard:
 		bad(ErrConflict, "pressure_soft_percent", "%d is not below pressure_hard_percent (%d)", soft, hard)
+	}
+	if d := c.PressureInterval.Duration; d < MinPressureInterval || d > MaxPressureInterval {
+		bad(ErrInvalid, "pressure_interval", "%v is outside %v..%v", d, MinPressureInterval, MaxPressureInterval)
 	}
 	if c.HAEpoch != 0 && len(c.NorthSouthInterfaces) == 0 {
 		bad(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")

@@ -70,6 +70,7 @@ ha_interval = "250ms"
 ha_journal_max_ops = 2048
 pressure_soft_percent = 70
 pressure_hard_percent = 90
+pressure_interval = "5s"
 conntrack_gc_interval = "1m30s"
 tcp_syn_timeout = "2s"
 tcp_established_timeout = "168h"
@@ -113,6 +114,7 @@ edt_horizon_fallback = true
 		HAJournalMaxOps:        2048,
 		PressureSoftPercent:    70,
 		PressureHardPercent:    90,
+		PressureInterval:       Duration{5 * time.Second},
 		ConntrackGCInterval:    Duration{90 * time.Second},
 		TCPSynTimeout:          Duration{2 * time.Second},
 		TCPEstablishedTimeout:  Duration{168 * time.Hour},
@@ -240,6 +242,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "ha_journal_max_ops too large", doc: table + "ha_journal_max_ops = 4194305\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
 		{name: "pressure_soft_percent zero", doc: table + "pressure_soft_percent = 0\n", field: k("pressure_soft_percent"), kind: ErrInvalid, reason: "1..100"},
 		{name: "pressure_hard_percent too large", doc: table + "pressure_hard_percent = 101\n", field: k("pressure_hard_percent"), kind: ErrInvalid, reason: "1..100"},
+		{name: "pressure_interval too short", doc: table + "pressure_interval = \"50ms\"\n", field: k("pressure_interval"), kind: ErrInvalid, reason: "100ms..1h"},
+		{name: "pressure_interval zero", doc: table + "pressure_interval = \"0s\"\n", field: k("pressure_interval"), kind: ErrInvalid},
 		{name: "pressure soft not below hard", doc: table + "pressure_soft_percent = 95\n", field: k("pressure_soft_percent"), kind: ErrConflict, reason: "not below"},
 		{name: "ha_journal_max_ops negative", doc: table + "ha_journal_max_ops = -1\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
 		{name: "node_name too long", doc: table + fmt.Sprintf("node_name = %q\n", strings.Repeat("n", 254)), field: k("node_name"), kind: ErrInvalid, reason: "253"},

@@ -103,6 +103,7 @@ func OptionsFrom(cfg Config) Options {
 		FlowSampleRate:      cfg.FlowSampleRate,
 		PressureSoftPercent: cfg.PressureSoftPercent,
 		PressureHardPercent: cfg.PressureHardPercent,
+		PressureInterval:    cfg.PressureInterval.Duration,
 		HA: HAOptions{
 			Epoch: ha.Epoch(cfg.HAEpoch), Interval: cfg.HAInterval.Duration, MaxOps: cfg.HAJournalMaxOps,
 		},

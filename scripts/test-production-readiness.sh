@@ -171,7 +171,10 @@ if [ -r "$CONFIG" ]; then
   HAVE_CONFIG=1
 fi
 PIN_ROOT="$(unquote "$(conf_get pin_root)")"; PIN_ROOT="${PIN_ROOT:-/sys/fs/bpf/fluxvm/service}"
+# Without a configuration the mode is not known: each north-south
+# interface's mode is taken from the status and checked with the kernel.
 XDP_MODE="$(unquote "$(conf_get xdp_mode)")"; XDP_MODE="${XDP_MODE:-off}"
+[ "$HAVE_CONFIG" = 1 ] || XDP_MODE="(no configuration)"
 ADV_PATH="$(unquote "$(conf_get advertisements_path)")"; ADV_PATH="${ADV_PATH:-/run/fluxvm/service-advertisements.json}"
 VM_EDGE=() NS_IFS=()
 if [ "$HAVE_CONFIG" = 1 ]; then
@@ -209,6 +212,13 @@ else
   done
 fi
 
+if [[ "$TOKEN" == *[[:cntrl:]]* ]]; then
+  echo "test-production-readiness.sh: the token of $TOKEN_FROM has control characters" >&2
+  TOKEN=""
+fi
+# curl_quote S: S as the inside of a double-quoted curl config string (\
+# and " escaped).
+curl_quote() { local v="${1//\\/\\\\}"; printf '%s' "${v//\"/\\\"}"; }
 # api GET PATH TOKEN: prints the body to $BODY_FILE and the status code
 # (000 when the request failed). The token goes through curl's config on
 # stdin, never the command line.
@@ -217,7 +227,7 @@ trap 'rm -f "$BODY_FILE" "$BODY_FILE.err"' EXIT
 api() {
   local extra=()
   [ -z "$CACERT" ] || extra+=(--cacert "$CACERT")
-  printf 'header = "Authorization: Bearer %s"\n' "$2" |
+  printf 'header = "Authorization: Bearer %s"\n' "$(curl_quote "$2")" |
     in_ns "$NETNS" curl -sS -K - -o "$BODY_FILE" -w '%{http_code}' --max-time "$TIMEOUT" "${extra[@]}" "$API$1" 2>"$BODY_FILE.err" || true
 }
 # curl_err: why the last request got no answer.
@@ -315,6 +325,11 @@ if [ -n "$META_ID" ]; then
     [(.formatted.value.schema_version // le32(0)), (.formatted.value.program_generation // le32(4))] | @tsv
   ' <<<"$meta" 2>/dev/null || true) || true
 fi
+META_ERR=""
+if [ -n "$META_ID" ] && { ! [[ "$P_SCHEMA" =~ ^[0-9]+$ ]] || ! [[ "$P_GEN" =~ ^[0-9]+$ ]]; }; then
+  META_ERR="fluxvm_meta (map $META_ID) is pinned but its value could not be read (bpftool map lookup: $(head -c 160 <<<"${meta:-nothing}" | tr '\n' ' '))"
+  P_SCHEMA="" P_GEN=""
+fi
 check_version() { # NAME FIELD RUNNING PINNED EXPECT
   local name="$1" field="$2" running="$3" pinned="$4" expect="$5" detail bad=""
   detail="the daemon's binary has ${running:-? (no status)}"
@@ -325,6 +340,7 @@ check_version() { # NAME FIELD RUNNING PINNED EXPECT
     if [ -z "$bad" ] && [ -n "$expect" ] && [ "$pinned" != "$expect" ]; then bad="pinned fluxvm_meta has $field $pinned, want $expect"; fi
   fi
   [ -z "$expect" ] || detail="$detail, expected $expect"
+  [ -z "$bad" ] && [ -n "$META_ERR" ] && bad="$META_ERR; $detail"
   if [ -n "$bad" ]; then
     fail "$name" "$bad"
   elif [ -z "$pinned" ] && { [ -z "$expect" ] || [ -z "$running" ]; }; then
@@ -349,10 +365,60 @@ else
     [ -n "$pid" ] || return 0
     bpftool prog show id "$pid" -j 2>/dev/null | jq -r '"\(.id) \(.name) \(.map_ids // [] | join(" "))"' || true
   }
-  # check_link IF PIN PROG: "" when the pin holds a link to PROG on this
-  # root's maps, else why not.
+  # link_kernel PIN: "<type> <ifindex> <attach type>" of a pinned link as
+  # the kernel reports it (bpf(2): BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD), for
+  # a bpftool that does not decode the link (tcx: bpftool 7.3 and later).
+  # Types: 6 xdp, 11 tcx; attach types: 46 tcx_ingress, 47 tcx_egress. A
+  # detached link has ifindex 0. Nothing when python3 is missing.
+  link_kernel() {
+    command -v python3 >/dev/null || return 0
+    python3 - "$1" <<'PY' 2>/dev/null || true
+import ctypes, os, struct, sys
+nr = {"x86_64": 321, "aarch64": 280}[os.uname().machine]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
+path = ctypes.create_string_buffer(sys.argv[1].encode())
+attr = ctypes.create_string_buffer(struct.pack("=QIIi", ctypes.addressof(path), 0, 0, 0).ljust(128, b"\0"))
+fd = libc.syscall(nr, 7, attr, 128)
+if fd < 0:
+    sys.exit(1)
+info = ctypes.create_string_buffer(128)
+attr = ctypes.create_string_buffer(struct.pack("=IIQ", fd, 128, ctypes.addressof(info)).ljust(128, b"\0"))
+if libc.syscall(nr, 15, attr, 128) < 0:
+    sys.exit(1)
+typ = struct.unpack_from("=I", info, 0)[0]
+ifindex, attach = struct.unpack_from("=II", info, 16)
+print(typ, ifindex, attach)
+PY
+  }
+  # link_attach PIN: "<ifindex> <attach>" of a pinned link, attach one of
+  # tcx_ingress, tcx_egress, xdp (else what was found); from bpftool when
+  # it decodes the link, else from the kernel; nothing when neither can.
+  link_attach() {
+    local js t i a
+    js="$(bpftool link show pinned "$1" -j 2>/dev/null || true)"
+    read -r t i a < <(jq -r '[(.type | tostring), (.ifindex // "" | tostring), (.attach_type // "" | tostring)] | @tsv' <<<"$js" 2>/dev/null || true) || true
+    if [ -n "$i" ]; then
+      [ "$t" != xdp ] || a=xdp
+      echo "$i ${a:-$t}"; return
+    fi
+    read -r t i a < <(link_kernel "$1") || true
+    [ -n "$i" ] || return 0
+    case "$t/$a" in
+      6/*) a=xdp ;;
+      11/46) a=tcx_ingress ;;
+      11/47) a=tcx_egress ;;
+      *) a="type$t/attach$a" ;;
+    esac
+    echo "$i $a"
+  }
+  # check_link IF PIN PROG ATTACH: "" when the pin holds a link of PROG on
+  # this root's maps attached to IF's ifindex (the status's) as ATTACH
+  # (tcx_ingress, tcx_egress, xdp), "warn: ..." when the attachment cannot
+  # be confirmed (old bpftool and no python3), else why not.
   check_link() {
-    local ifc="$1" pin="$2" want="$3" info
+    local ifc="$1" pin="$2" want="$3" want_attach="$4" info att idx
     [ -e "$pin" ] || { echo "link pin $pin missing"; return; }
     [ -n "$BPFTOOL" ] || return 0
     info="$(link_prog "$pin")"
@@ -361,7 +427,18 @@ else
     set -- $info
     [ "$2" = "$want" ] || { echo "$pin runs program $2, want $want"; return; }
     if [ -n "$META_ID" ] && [[ " ${*:3} " != *" $META_ID "* ]]; then
-      echo "$pin runs $want on maps of another pin root (not fluxvm_meta $META_ID)"
+      echo "$pin runs $want on maps of another pin root (not fluxvm_meta $META_ID)"; return
+    fi
+    idx="$(jq -r --arg n "$ifc" '.interfaces[]? | select(.name == $n) | .ifindex' <<<"$STATUS")"
+    att="$(link_attach "$pin")"
+    if [ -z "$att" ]; then
+      echo "warn: $pin: attachment not confirmed (this bpftool does not decode the link; python3 reads it from the kernel)"; return
+    fi
+    # shellcheck disable=SC2086
+    set -- $att
+    if [ "$1" = 0 ]; then echo "$pin: link detached (attached to no interface)"
+    elif [ "$1" != "$idx" ]; then echo "$pin: link attached to ifindex $1, $ifc is $idx"
+    elif [ "$2" != "$want_attach" ]; then echo "$pin: link attached as $2, want $want_attach"
     fi
   }
   # dev_ifindex IF: the interface's ifindex in the checked namespace.
@@ -369,9 +446,11 @@ else
   # net_show IF: bpftool net show dev IF -j, in the checked namespace.
   net_show() { in_ns "$NETNS" bpftool net show dev "$1" -j 2>/dev/null || true; }
 
+  # hook_attach HOOK: how HOOK's tcx link is attached.
+  hook_attach() { case "$1" in from_vm|ns_in) echo tcx_ingress ;; *) echo tcx_egress ;; esac; }
   check_iface() { # KIND NAME HOOK...
     local kind="$1" ifc="$2"; shift 2
-    local js problems=() hooks=() h mode idx devidx why
+    local js problems=() notes=() hooks=() h mode idx devidx why
     js="$(jq -c --arg n "$ifc" '.interfaces[]? | select(.name == $n)' <<<"$STATUS")"
     if [ -z "$js" ]; then fail "interface $ifc" "configured $kind, not in the status"; return; fi
     [ "$(jq -r .kind <<<"$js")" = "$kind" ] || problems+=("kind $(jq -r .kind <<<"$js"), configured $kind")
@@ -387,8 +466,12 @@ else
       if [ -z "$mode" ]; then problems+=("hook $h not attached (status)"); continue; fi
       hooks+=("$h/$mode")
       if [ "$mode" = tcx ]; then
-        why="$(check_link "$ifc" "$PIN_ROOT/links/tcx_${idx}_$h" "fluxvm_$h")"
-        [ -z "$why" ] || problems+=("$why")
+        why="$(check_link "$ifc" "$PIN_ROOT/links/tcx_${idx}_$h" "fluxvm_$h" "$(hook_attach "$h")")"
+        case "$why" in
+          "") ;;
+          warn:*) notes+=("${why#warn: }") ;;
+          *) problems+=("$why") ;;
+        esac
       elif [ -n "$BPFTOOL" ]; then
         net_show "$ifc" | jq -e --arg p "fluxvm_$h" '[.[]?.tc[]? | select(.name == $p)] | length > 0' >/dev/null ||
           problems+=("bpftool net show dev $ifc lists no $mode program fluxvm_$h")
@@ -397,9 +480,12 @@ else
     if [ ${#problems[@]} -gt 0 ]; then
       local msg; msg="$(printf '%s; ' "${problems[@]}")"
       fail "interface $ifc" "$kind: ${msg%; }"
+    elif [ ${#notes[@]} -gt 0 ]; then
+      local msg; msg="$(printf '%s; ' "${notes[@]}")"
+      warn "interface $ifc" "$kind ifindex $idx: ${hooks[*]}; ${msg%; }"
     else
       local checked="status, link pins"
-      [ -z "$BPFTOOL" ] || checked="status, link pins, programs via bpftool"
+      [ -z "$BPFTOOL" ] || checked="status, link pins, programs and their attachment via bpftool"
       pass "interface $ifc" "$kind ifindex $idx: ${hooks[*]} ($checked)"
     fi
   }
@@ -432,6 +518,7 @@ else
     idx="$(jq -r --arg n "$ifc" '.interfaces[]? | select(.name == $n) | .ifindex' <<<"$STATUS")"
     case "$XDP_MODE" in
       auto) ok_modes="native generic" ;;
+      "(no configuration)") ok_modes="off native generic" ;;
       *) ok_modes="$XDP_MODE" ;;
     esac
     if [[ " $ok_modes " != *" $got "* ]]; then
@@ -439,16 +526,20 @@ else
     fi
     if [ "$got" = off ]; then
       if [ -e "$PIN_ROOT/links/xdp_$idx" ]; then fail "xdp $ifc" "xdp_mode off but $PIN_ROOT/links/xdp_$idx is pinned"
-      else pass "xdp $ifc" "off, as configured"; fi
+      elif [ "$HAVE_CONFIG" = 1 ]; then pass "xdp $ifc" "off, as configured"
+      else pass "xdp $ifc" "off (the status; no configuration to compare)"; fi
       continue
     fi
-    why="$(check_link "$ifc" "$PIN_ROOT/links/xdp_$idx" fluxvm_xdp_ns)"
+    why="$(check_link "$ifc" "$PIN_ROOT/links/xdp_$idx" fluxvm_xdp_ns xdp)"
+    xnote=""
+    case "$why" in warn:*) xnote="; ${why#warn: }"; why="" ;; esac
     if [ -z "$why" ] && [ -n "$BPFTOOL" ]; then
       want_kernel=driver; [ "$got" = generic ] && want_kernel=generic
       kmode="$(net_show "$ifc" | jq -r '[.[]?.xdp[]?][0].mode // empty' || true)"
       [ "$kmode" = "$want_kernel" ] || why="the kernel shows XDP mode ${kmode:-none} on $ifc, want $want_kernel"
     fi
     if [ -n "$why" ]; then fail "xdp $ifc" "$why"
+    elif [ -n "$xnote" ]; then warn "xdp $ifc" "$got (xdp_mode $XDP_MODE)$xnote"
     else pass "xdp $ifc" "$got (xdp_mode $XDP_MODE)${BPFTOOL:+, pinned link and the kernel agree}"; fi
   done
 

@@ -41,6 +41,17 @@ run=(-rounds 5 -duration 2s)
 if [ "$smoke" = 1 ]; then
   run=(-rounds 1 -duration 500ms)
 fi
-# exec-free so that the trap runs; SIGINT reaches the benchmark, which
-# tears everything down before it exits.
-"$bin" perf "${run[@]}" -workers 4 -streams 2 "$@"
+# run_lab CMD...: runs the lab in the background and waits for it; a
+# SIGTERM, SIGINT or SIGHUP to this script is passed on as SIGTERM, and the
+# script waits until the lab has torn everything down (its fluxvmd
+# included) before it exits with the lab's status.
+run_lab() {
+  "$@" &
+  local child=$! rc=0
+  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
+  wait "$child" || rc=$?
+  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
+  trap - TERM INT HUP
+  return "$rc"
+}
+run_lab "$bin" perf "${run[@]}" -workers 4 -streams 2 "$@"

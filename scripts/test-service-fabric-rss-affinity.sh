@@ -18,14 +18,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Bounds (docs/lab-perf.md, "Gates"). Measured on the 2-vCPU lab machine:
-#   tier L, 1M entries:  daemon VmRSS 32-36 MiB (the GC scans the map in
-#     batches, it holds no copy), map memory 654.1 MiB (preallocated: the
-#     same idle and full), GC 0.47-0.48 s for 1,000,001 entries
-#   tier M, 100k:        VmRSS 35 MiB, map memory 163.9 MiB, GC 50 ms
-# VmRSS: about 2.5x room for the Go heap's timing; map memory: the figure
-# + ~10% (it moves only with the map sizes); GC: 6x room for a slower or
-# busier CI machine, still far below the GC interval. At least 99% of
-# the entries must survive the GC (none expired or lost).
+#   tier L, 1M entries:  daemon VmRSS 32-36 MiB, peak (VmHWM) 37.5 MiB
+#     (the GC scans the map in batches, it holds no copy), map memory
+#     654.1 MiB (preallocated: the same idle and full), GC 0.47-0.60 s for
+#     1,000,001 entries
+#   tier M, 100k:        VmRSS 35 MiB, map memory 163.9 MiB, GC 28-53 ms
+# Daemon memory, max(VmRSS filled, VmHWM after the GC): about 2.5x room for
+# the Go heap's timing; map memory: the figure + ~10% (it moves only with
+# the map sizes); GC: 5x room over the slower run for a slower or busier
+# CI machine, still far below the GC interval. At least 99% of the cloned
+# entries must survive the GC (none expired or lost). `fluxvm-lab
+# rss-affinity`'s flag defaults are the full run's values.
 if [ "${SMOKE:-0}" = 1 ] || [[ " $* " == *" -smoke "* ]] || [[ " $* " == *" --smoke "* ]]; then
   TIER=M ENTRIES=100000 MAX_RSS=96 MAX_MAP=192 MAX_GC=1s
 else
@@ -49,7 +52,18 @@ dir="$(mktemp -d)"
 trap 'rm -rf "$dir"' EXIT
 go build -o "$dir/fluxvm-lab" ./cmd/fluxvm-lab
 go build -o "$dir/fluxvmd" ./cmd/fluxvmd
-# Not exec'd, so that the trap runs; SIGINT reaches the lab, which stops
-# the daemon and removes everything before it exits.
-"$dir/fluxvm-lab" rss-affinity -fluxvmd "$dir/fluxvmd" -tier "$TIER" -entries "$ENTRIES" \
+# run_lab CMD...: runs the lab in the background and waits for it; a
+# SIGTERM, SIGINT or SIGHUP to this script is passed on as SIGTERM, and the
+# script waits until the lab has torn everything down (its fluxvmd
+# included) before it exits with the lab's status.
+run_lab() {
+  "$@" &
+  local child=$! rc=0
+  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
+  wait "$child" || rc=$?
+  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
+  trap - TERM INT HUP
+  return "$rc"
+}
+run_lab "$dir/fluxvm-lab" rss-affinity -fluxvmd "$dir/fluxvmd" -tier "$TIER" -entries "$ENTRIES" \
   -max-rss "$MAX_RSS" -max-map "$MAX_MAP" -max-gc "$MAX_GC" -min-kept "$MIN_KEPT" ${args[@]+"${args[@]}"}

@@ -21,7 +21,8 @@ cd "$(dirname "$0")/.."
 # The daemon's heap depends on the Go GC's timing: its bound leaves about
 # 2x. Map memory is preallocated by the kernel and moves only with the map
 # sizes or the Maglev tables, so its bound is the figure + ~10%: a map that
-# grows, or a table per frontend that doubles, fails the gate.
+# grows, or a table per frontend that doubles, fails the gate. `fluxvm-lab
+# rss`'s flag defaults are these values.
 MAX_RSS="S=64,M=96,L=96"
 MAX_MAP="S=48,M=192,L=720"
 
@@ -47,7 +48,18 @@ dir="$(mktemp -d)"
 trap 'rm -rf "$dir"' EXIT
 go build -o "$dir/fluxvm-lab" ./cmd/fluxvm-lab
 go build -o "$dir/fluxvmd" ./cmd/fluxvmd
-# Not exec'd, so that the trap runs; SIGINT reaches the lab, which stops
-# the daemon and removes everything before it exits.
-"$dir/fluxvm-lab" rss -fluxvmd "$dir/fluxvmd" "${run[@]}" -backends 10 \
+# run_lab CMD...: runs the lab in the background and waits for it; a
+# SIGTERM, SIGINT or SIGHUP to this script is passed on as SIGTERM, and the
+# script waits until the lab has torn everything down (its fluxvmd
+# included) before it exits with the lab's status.
+run_lab() {
+  "$@" &
+  local child=$! rc=0
+  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
+  wait "$child" || rc=$?
+  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
+  trap - TERM INT HUP
+  return "$rc"
+}
+run_lab "$dir/fluxvm-lab" rss -fluxvmd "$dir/fluxvmd" "${run[@]}" -backends 10 \
   -max-rss "$MAX_RSS" -max-map "$MAX_MAP" ${args[@]+"${args[@]}"}

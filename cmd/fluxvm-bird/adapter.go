@@ -49,21 +49,28 @@ type fileID struct {
 	size  int64
 }
 
-// ConfigureError is a birdc configure that did not leave BIRD running the
-// new file. Unreachable is true when birdc could not talk to BIRD at all
-// (not running, wrong socket): the file is then kept, since BIRD reads it
-// when it starts. Otherwise BIRD refused the configuration and the
-// previous file was put back.
+// ConfigureError is a birdc configure that did not confirm that BIRD runs
+// the new file. Unreachable is true when birdc could not talk to BIRD at
+// all (not running, wrong socket): the file is then kept, since BIRD reads
+// it when it starts. Unknown is true when the outcome is not known: birdc
+// timed out, could not be run, was killed, or answered without a reply
+// code; BIRD may have loaded the new file, so it is kept and the
+// configure retried. Otherwise BIRD refused the configuration (an error
+// reply, code 8xxx or 9xxx) and the previous file was put back.
 type ConfigureError struct {
 	Unreachable bool
+	Unknown     bool
 	Output      string
 	Err         error
 }
 
 func (e *ConfigureError) Error() string {
 	what := "BIRD refused the configuration"
-	if e.Unreachable {
+	switch {
+	case e.Unreachable:
 		what = "BIRD is not reachable"
+	case e.Unknown:
+		what = "outcome unknown (BIRD may have loaded the new file)"
 	}
 	return fmt.Sprintf("birdc configure: %s: %v: %s", what, e.Err, strings.TrimSpace(e.Output))
 }
@@ -75,7 +82,9 @@ func (e *ConfigureError) Unwrap() error { return e.Err }
 // file; when the rendered bytes differ from the file's, or BIRD has not
 // yet confirmed them, it writes the file atomically and runs birdc
 // configure. When BIRD refuses the new file, the previous one is put back
-// so that a restart of BIRD still finds a configuration it accepts.
+// so that a restart of BIRD still finds a configuration it accepts; when
+// the outcome is unknown (birdc timed out or could not run), the new file
+// stays, since BIRD may run it, and the configure is retried.
 //
 // The first Sync always configures, even when the file already holds the
 // rendered bytes: nothing says that BIRD has loaded them.
@@ -135,16 +144,16 @@ func (a *Adapter) apply(ctx context.Context, snap advert.Snapshot, content []byt
 		}
 	}
 	v4, v6 := countFamilies(snap)
-	out, err := a.configure(ctx)
-	if err == nil {
+	out, res, err := a.configure(ctx)
+	if res == accepted {
 		a.configured = true
 		a.Log.Info("BIRD configured", "generation", snap.Generation, "ipv4_routes", v4, "ipv6_routes", v6,
 			"file_changed", changed, "output", a.Output)
 		return nil
 	}
 	a.configured, a.failedAt = false, time.Now()
-	cerr := &ConfigureError{Unreachable: unreachable(out), Output: out, Err: err}
-	if !cerr.Unreachable && changed && hadOld {
+	cerr := &ConfigureError{Unreachable: res == unreachableBIRD, Unknown: res == unknownOutcome, Output: out, Err: err}
+	if res == refused && changed && hadOld {
 		if werr := writeFile(a.Output, old); werr != nil {
 			return errors.Join(cerr, fmt.Errorf("output: putting the previous file back: %w", werr))
 		}
@@ -153,11 +162,23 @@ func (a *Adapter) apply(ctx context.Context, snap advert.Snapshot, content []byt
 	return fmt.Errorf("%w (%s holds generation %d; retrying in %v)", cerr, a.Output, snap.Generation, a.Retry)
 }
 
-// configure runs birdc configure and returns its output. birdc runs in
-// verbose mode (-v), so every line of BIRD's reply carries its code: only
-// 0003 (reconfigured), 0004 (in progress) or 0005 (queued) mean that BIRD
-// took the file.
-func (a *Adapter) configure(ctx context.Context) (string, error) {
+// configureResult is what a birdc configure run tells about BIRD.
+type configureResult int
+
+const (
+	accepted        configureResult = iota // BIRD took the file
+	refused                                // BIRD answered with an error
+	unreachableBIRD                        // birdc could not reach BIRD
+	unknownOutcome                         // no answer to go by
+)
+
+// configure runs birdc configure and returns its output and what it says.
+// birdc runs in verbose mode (-v), so every line of BIRD's reply carries
+// its code: only 0003 (reconfigured), 0004 (in progress) or 0005 (queued)
+// mean that BIRD took the file, only an error code (8xxx, 9xxx) that it
+// refused it. A birdc that timed out, could not start or was killed, or a
+// reply with neither, leaves the outcome unknown.
+func (a *Adapter) configure(ctx context.Context) (string, configureResult, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.Timeout)
 	defer cancel()
 	args := []string{"-v"}
@@ -167,25 +188,55 @@ func (a *Adapter) configure(ctx context.Context) (string, error) {
 	args = append(args, "configure")
 	cmd := exec.CommandContext(ctx, a.Birdc, args...)
 	cmd.Stdin = nil
+	// A birdc killed at the timeout whose output pipe something else
+	// still holds does not block Sync.
+	cmd.WaitDelay = time.Second
 	out, err := cmd.CombinedOutput()
 	text := string(out)
-	if err != nil {
-		return text, err
+	if ctx.Err() != nil {
+		return text, unknownOutcome, fmt.Errorf("birdc did not finish within %v: %w", a.Timeout, ctx.Err())
+	}
+	var exitErr *exec.ExitError
+	if err != nil && (!errors.As(err, &exitErr) || !exitErr.Exited()) {
+		// Not started (missing, not executable) or killed by a signal.
+		return text, unknownOutcome, err
 	}
 	for line := range strings.Lines(text) {
 		for _, ok := range []string{"0003 ", "0004 ", "0005 "} {
 			if strings.HasPrefix(line, ok) {
-				return text, nil
+				return text, accepted, nil
 			}
 		}
 	}
-	return text, errors.New("no reconfiguration in the reply")
+	if err == nil {
+		err = errors.New("no reconfiguration in the reply")
+	}
+	switch {
+	case unreachable(text):
+		return text, unreachableBIRD, err
+	case errorReply(text):
+		return text, refused, err
+	}
+	return text, unknownOutcome, err
 }
 
 // unreachable reports whether birdc's output says that it could not reach
 // BIRD's control socket.
 func unreachable(out string) bool {
 	return strings.Contains(out, "Unable to connect to server control socket")
+}
+
+// errorReply reports whether BIRD's verbose reply has an error line: a
+// code 8xxx (run-time error, a configuration that does not parse among
+// them) or 9xxx (command error).
+func errorReply(out string) bool {
+	for line := range strings.Lines(out) {
+		if len(line) >= 5 && (line[0] == '8' || line[0] == '9') && (line[4] == ' ' || line[4] == '-') &&
+			strings.Trim(line[1:4], "0123456789") == "" {
+			return true
+		}
+	}
+	return false
 }
 
 func writeFile(path string, data []byte) error {

@@ -17,7 +17,8 @@ import (
 )
 
 // fakeBirdc is a birdc that answers configure as BIRD 2 does in verbose
-// mode, as the file "mode" next to it says: ok, refuse or down. Each run
+// mode, as the file "mode" next to it says: ok, refuse or down; hang
+// (never answers) and mute (no reply code) leave the outcome unknown. Each run
 // appends its arguments and the include file it saw to "calls".
 const fakeBirdc = `#!/bin/sh
 dir=$(dirname "$0")
@@ -25,6 +26,8 @@ dir=$(dirname "$0")
 case $(cat "$dir/mode") in
 ok)     printf '0001 BIRD 2.0.12 ready.\n0002-Reading configuration from /etc/bird/bird.conf\n0003 Reconfigured\n';;
 refuse) printf '0001 BIRD 2.0.12 ready.\n0002-Reading configuration from /etc/bird/bird.conf\n8002 /etc/bird/fluxvm-vips.conf:3:1 syntax error\n'; exit 1;;
+hang)   exec sleep 5;;
+mute)   printf '0001 BIRD 2.0.12 ready.\n';;
 down)   echo "Unable to connect to server control socket (/run/bird/bird.ctl): No such file or directory"; exit 1;;
 esac
 `
@@ -219,6 +222,57 @@ func TestAdapterBIRDDownKeepsNewFile(t *testing.T) {
 	}
 	if err := e.a.Sync(ctx); err != nil || len(e.calls()) != 0 {
 		t.Errorf("configured again without a change (%v)", err)
+	}
+}
+
+// A birdc that times out, cannot be run or gives no reply code says
+// nothing about what BIRD runs: BIRD may have loaded the new file, so the
+// file stays (not the previous one) and the configure is retried.
+func TestAdapterUnknownOutcomeKeepsNewFile(t *testing.T) {
+	for _, mode := range []string{"hang", "missing", "mute"} {
+		t.Run(mode, func(t *testing.T) {
+			e := newFakeEnv(t)
+			ctx := context.Background()
+			e.publish(entry("203.0.113.10", "web", true))
+			if err := e.a.Sync(ctx); err != nil {
+				t.Fatal(err)
+			}
+			e.calls()
+			birdc := e.a.Birdc
+			switch mode {
+			case "missing":
+				e.a.Birdc = filepath.Join(e.dir, "no-such-birdc")
+			case "hang":
+				e.a.Timeout = 300 * time.Millisecond
+				e.mode(mode)
+			default:
+				e.mode(mode)
+			}
+			next := e.publish(entry("203.0.113.10", "web", true), entry("203.0.113.11", "api", true))
+			start := time.Now()
+			err := e.a.Sync(ctx)
+			if d := time.Since(start); d > 3*time.Second {
+				t.Errorf("Sync took %v with a %v birdc timeout", d, e.a.Timeout)
+			}
+			var cerr *ConfigureError
+			if !errors.As(err, &cerr) || !cerr.Unknown || cerr.Unreachable || strings.Contains(err.Error(), "previous") {
+				t.Fatalf("configure with birdc %s: %v, want an unknown outcome", mode, err)
+			}
+			if want := string(Render(next, testRender)); e.output() != want {
+				t.Errorf("file\n%s\nwant the new one kept\n%s", e.output(), want)
+			}
+			// The retry configures again, though the file is unchanged.
+			e.a.Birdc, e.a.Timeout = birdc, 10*time.Second
+			e.mode("ok")
+			e.calls()
+			e.a.failedAt = time.Now().Add(-2 * e.a.Retry)
+			if err := e.a.Sync(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if calls := e.calls(); len(calls) != 1 || !strings.Contains(calls[0], "203.0.113.11") {
+				t.Errorf("retry: birdc runs %q", calls)
+			}
+		})
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm"
@@ -84,10 +86,10 @@ type birdDaemon struct {
 
 // startBIRD runs bird in ns with conf, in the foreground, logging to its
 // output, with its control socket at socket (in a temporary directory
-// when empty); it is stopped when the test ends. Started from a thread
-// inside the namespace (nsutil.NS.Do), it keeps the test's mount
-// namespace, so its control socket is a file of the test's temporary
-// directory.
+// when empty); it is stopped when the test ends, and killed if the test
+// process dies first. Started from a thread inside the namespace, it
+// keeps the test's mount namespace, so its control socket is a file of
+// the test's temporary directory.
 func startBIRD(t *testing.T, ns *nsutil.NS, bird, birdc, name, conf, socket string) *birdDaemon {
 	t.Helper()
 	dir := t.TempDir()
@@ -101,13 +103,32 @@ func startBIRD(t *testing.T, ns *nsutil.NS, bird, birdc, name, conf, socket stri
 	b := &birdDaemon{name: name, birdc: birdc, socket: socket, out: &syncBuffer{}}
 	cmd := exec.Command(bird, "-f", "-c", cfg, "-s", b.socket, "-P", filepath.Join(dir, "bird.pid"))
 	cmd.Stdout, cmd.Stderr = b.out, b.out
-	if err := ns.Do(cmd.Start); err != nil {
+	// Killed by the kernel if the test process dies without its cleanup
+	// (a SIGKILL, a timeout's panic). The parent-death signal fires when
+	// the thread that started bird exits, so bird is started from a
+	// thread of its own, locked for good, that waits for it: it lives as
+	// long as bird. The thread enters ns, so bird lives there but keeps
+	// the test's mount namespace.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	started, done := make(chan error, 1), make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with this goroutine
+		if err := netns.Set(ns.Handle()); err != nil {
+			started <- err
+			return
+		}
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		done <- cmd.Wait()
+	}()
+	if err := <-started; err != nil {
 		t.Fatalf("start %s bird: %v", name, err)
 	}
 	t.Cleanup(func() {
 		cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan error, 1)
-		go func() { done <- cmd.Wait() }()
 		select {
 		case <-done:
 		case <-time.After(10 * time.Second):
@@ -341,10 +362,17 @@ snat_port_max = 62999
 	start := time.Now()
 	waitFor(t, 30*time.Second, "the router to learn the four VIPs", func() bool { return len(routerRoutes(t, rh, all)) == 4 })
 	t.Logf("router learned %v within %v of the apply (BGP sessions starting)", all, time.Since(start).Round(time.Millisecond))
+	// Every route goes via the node: its uplink address, or for IPv6
+	// the uplink's link-local address (BIRD installs the link-local next
+	// hop an eBGP neighbour on the link sends along with the global one).
+	nodeLL := uplinkLinkLocal(t, l.Node)
 	got := routerRoutes(t, rh, all)
 	for _, p := range all {
-		if p.Addr().Is4() && !got[p].Equal(nodeUp4.AsSlice()) {
-			t.Errorf("router routes %s via %v, want the node %s", p, got[p], nodeUp4)
+		switch gw := got[p]; {
+		case p.Addr().Is4() && !gw.Equal(nodeUp4.AsSlice()):
+			t.Errorf("router routes %s via %v, want the node %s", p, gw, nodeUp4)
+		case p.Addr().Is6() && !gw.Equal(nodeUp6.AsSlice()) && (nodeLL == nil || !gw.Equal(nodeLL)):
+			t.Errorf("router routes %s via %v, want the node %s or %v", p, gw, nodeUp6, nodeLL)
 		}
 	}
 	out, _ := routerBird.cmd("show route all 10.96.0.10/32")
@@ -364,15 +392,16 @@ snat_port_max = 62999
 	}
 	snapAt, fileAt, routerAt := waitWithdrawn(t, rh, advPath, include, "web", webPfx, apiPfx, failed)
 	// What dominates: up to UnhealthyThreshold intervals until the
-	// second failed check (a connect to a closed port fails at once),
-	// then one adapter poll; publish, birdc configure and the BGP UPDATE
-	// take milliseconds. 15 s leaves room for a loaded CI machine.
+	// second failed check (a connect to a closed port fails at once, the
+	// timeout is the worst case), then one adapter poll; publish, birdc
+	// configure and the BGP UPDATE take milliseconds. The bound is twice
+	// that plus 1 s for a loaded machine.
 	expected := time.Duration(hc.UnhealthyThreshold)*time.Duration(hc.IntervalMs)*time.Millisecond + time.Duration(hc.TimeoutMs)*time.Millisecond + pollEvery
-	const bound = 15 * time.Second
+	bound := 2*expected + time.Second
 	t.Logf("backend failure -> snapshot withdrawn %v, include file rewritten %v, route gone from the router %v (health check interval %dms, timeout %dms, unhealthy threshold %d, adapter poll %v: expected about %v or less; bound %v)",
 		snapAt.Round(time.Millisecond), fileAt.Round(time.Millisecond), routerAt.Round(time.Millisecond), hc.IntervalMs, hc.TimeoutMs, hc.UnhealthyThreshold, pollEvery, expected, bound)
 	if routerAt > bound {
-		t.Errorf("route left the router %v after the backend failed, bound %v", routerAt, bound)
+		t.Errorf("route left the router %v after the backend failed, bound %v (2 × expected %v + 1s)", routerAt, bound, expected)
 	}
 
 	// The backend comes back: advertised again.
@@ -381,7 +410,7 @@ snat_port_max = 62999
 		t.Fatal(err)
 	}
 	back := time.Now()
-	waitFor(t, bound, "the router to learn web's VIPs again", func() bool { return len(routerRoutes(t, rh, all)) == 4 })
+	waitFor(t, 15*time.Second, "the router to learn web's VIPs again", func() bool { return len(routerRoutes(t, rh, all)) == 4 })
 	t.Logf("backend back -> router learned web's VIPs again after %v", time.Since(back).Round(time.Millisecond))
 
 	// advertise: false withdraws too, with the backend healthy.
@@ -391,10 +420,12 @@ snat_port_max = 62999
 		t.Fatal(err)
 	}
 	snapAt, fileAt, routerAt = waitWithdrawn(t, rh, advPath, include, "web", webPfx, apiPfx, asked)
-	t.Logf("advertise=false -> snapshot withdrawn %v, include file rewritten %v, route gone from the router %v (adapter poll %v)",
-		snapAt.Round(time.Millisecond), fileAt.Round(time.Millisecond), routerAt.Round(time.Millisecond), pollEvery)
+	// No health check to wait for: the next adapter poll withdraws it.
+	bound = pollEvery + time.Second
+	t.Logf("advertise=false -> snapshot withdrawn %v, include file rewritten %v, route gone from the router %v (adapter poll %v; bound %v)",
+		snapAt.Round(time.Millisecond), fileAt.Round(time.Millisecond), routerAt.Round(time.Millisecond), pollEvery, bound)
 	if routerAt > bound {
-		t.Errorf("route left the router %v after advertise=false, bound %v", routerAt, bound)
+		t.Errorf("route left the router %v after advertise=false, bound %v (poll + 1s)", routerAt, bound)
 	}
 	if s, err := advert.Read(advPath); err != nil || !hasReason(s, "web", advert.ReasonAdvertiseFalse) {
 		t.Errorf("snapshot after advertise=false: %+v (%v)", s, err)
@@ -402,6 +433,31 @@ snat_port_max = 62999
 	if strings.Contains(adapterOut.String(), "level=ERROR") && !strings.Contains(adapterOut.String(), "not reachable") {
 		t.Errorf("adapter reported errors other than BIRD not running yet:\n%s", adapterOut)
 	}
+}
+
+// uplinkLinkLocal is the IPv6 link-local address of the node's uplink
+// (nil when it has none).
+func uplinkLinkLocal(t *testing.T, node *nsutil.NS) net.IP {
+	t.Helper()
+	h, err := netlink.NewHandleAt(node.Handle())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	link, err := h.LinkByName("uplink")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addrs, err := h.AddrList(link, netlink.FAMILY_V6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if a.IP.IsLinkLocalUnicast() {
+			return a.IP
+		}
+	}
+	return nil
 }
 
 // waitWithdrawn polls the snapshot and the router's table every 10 ms

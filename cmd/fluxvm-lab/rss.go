@@ -13,6 +13,13 @@ import (
 	"github.com/fluxvm/servicefabric/cmd/fluxvm-lab/internal/scenario"
 )
 
+// The bounds of scripts/test-service-fabric-rss.sh (MAX_RSS, MAX_MAP), the
+// flags' defaults.
+const (
+	rssMaxRSS = "S=64,M=96,L=96"
+	rssMaxMap = "S=48,M=192,L=720"
+)
+
 func init() {
 	commands["rss"] = command{
 		summary: "RSS gate: the real fluxvmd per tier with services × backends applied over REST; its resident memory and BPF map memory against bounds",
@@ -27,8 +34,8 @@ func init() {
 			tiers := fs.String("tiers", "S,M,L", "tiers to measure, comma-separated")
 			fs.IntVar(&o.Services, "services", o.Services, "services to apply (1..4000; tier S takes at most 250)")
 			fs.IntVar(&o.Backends, "backends", o.Backends, "backends per service (1..16)")
-			maxRSS := fs.String("max-rss", "", "bounds on the daemon's VmRSS per tier, MiB: S=64,M=96,L=128 (none: measured only)")
-			maxMap := fs.String("max-map", "", "bounds on the BPF map memory per tier, MiB: S=..,M=..,L=..")
+			maxRSS := fs.String("max-rss", rssMaxRSS, "bounds on the daemon's VmRSS per tier, MiB (\"\": measured only)")
+			maxMap := fs.String("max-map", rssMaxMap, "bounds on the BPF map memory per tier, MiB (\"\": measured only)")
 			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
 				return nil
 			} else if err != nil {

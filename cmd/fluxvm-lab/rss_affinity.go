@@ -9,8 +9,18 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/fluxvm/servicefabric/cmd/fluxvm-lab/internal/scenario"
+)
+
+// The bounds of scripts/test-service-fabric-rss-affinity.sh's full run
+// (tier L, 1M entries), the flags' defaults.
+const (
+	affinityMaxRSS  = 96  // MiB
+	affinityMaxMap  = 720 // MiB
+	affinityMaxGC   = 3 * time.Second
+	affinityMinKept = 0.99
 )
 
 func init() {
@@ -22,13 +32,13 @@ func init() {
 				fmt.Fprint(fs.Output(), affinityUsage)
 				fs.PrintDefaults()
 			}
-			o := scenario.AffinityOptions{Tier: "L", Entries: 1_000_000, MinKept: 0.99}
+			o := scenario.AffinityOptions{Tier: "L", Entries: 1_000_000, MinKept: affinityMinKept, MaxGC: affinityMaxGC}
 			fs.StringVar(&o.Daemon, "fluxvmd", "", "the fluxvmd binary (go build ./cmd/fluxvmd); required")
 			fs.StringVar(&o.Tier, "tier", o.Tier, "map tier: S (65,536 conntrack entries), M (262,144) or L (1,048,576)")
 			fs.IntVar(&o.Entries, "entries", o.Entries, "affinity entries to fill (at most 97% of the tier's conntrack map)")
-			maxRSS := fs.Float64("max-rss", 0, "bound on the daemon's VmRSS after the GC, MiB (0: measured only)")
-			maxMap := fs.Float64("max-map", 0, "bound on the BPF map memory, MiB (0: measured only)")
-			fs.DurationVar(&o.MaxGC, "max-gc", 0, "bound on one conntrack GC over the entries (0: measured only)")
+			maxRSS := fs.Float64("max-rss", affinityMaxRSS, "bound on the daemon's memory, max(VmRSS with the map full, VmHWM after the GC), MiB (0: measured only)")
+			maxMap := fs.Float64("max-map", affinityMaxMap, "bound on the BPF map memory, MiB (0: measured only)")
+			fs.DurationVar(&o.MaxGC, "max-gc", o.MaxGC, "bound on one conntrack GC over the entries (0: measured only)")
 			fs.Float64Var(&o.MinKept, "min-kept", o.MinKept, "share of the entries that must be in the map after the GC (0..1)")
 			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
 				return nil

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -149,7 +151,45 @@ snat_address = "10.250.0.100"
 		t.Errorf("dead VIP and unexpected generation: want a summary with 2 fail:\n%s", out)
 	}
 
-	// vm1 detached: its from_vm link unpinned (which detaches it).
+	// No configuration file: interfaces, pin root and XDP mode come from
+	// the status (uplink runs XDP native), and a healthy node passes.
+	out, code = run("-t", tokenFile, "-c", filepath.Join(dir, "nonexistent.toml"))
+	if code != 0 {
+		t.Errorf("healthy node without a configuration: exit %d, want 0", code)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		if !strings.HasPrefix(line, "PASS ") && !strings.HasPrefix(line, "summary: ") &&
+			!strings.HasPrefix(line, "SKIP config:") && !strings.HasPrefix(line, "SKIP vip:") {
+			t.Errorf("healthy node without a configuration: %q is not a PASS", line)
+		}
+	}
+	for _, want := range []string{"PASS interface vm1:", "PASS interface uplink:", "PASS xdp uplink: native"} {
+		if !hasLine(out, want) {
+			t.Errorf("healthy node without a configuration: no line %q", want)
+		}
+	}
+
+	if bpftoolErr == nil {
+		// bpftool finds the meta map but its lookup gives nothing
+		// parseable: the versions cannot be compared with the pins,
+		// which must not pass on the running-vs-expected figures alone.
+		fake := filepath.Join(dir, "fakebin")
+		if err := os.MkdirAll(fake, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		real, _ := exec.LookPath("bpftool")
+		script := fmt.Sprintf("#!/bin/sh\nif [ \"$1 $2\" = \"map lookup\" ]; then echo '{\"key\": garbage'; exit 0; fi\nexec %s \"$@\"\n", real)
+		if err := os.WriteFile(filepath.Join(fake, "bpftool"), []byte(script), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		t.Setenv("PATH", fake+":"+os.Getenv("PATH"))
+		out, code = run("-t", tokenFile)
+		os.Setenv("PATH", strings.TrimPrefix(os.Getenv("PATH"), fake+":"))
+		if code != 1 || !hasLine(out, "FAIL schema: ") || !hasLine(out, "FAIL generation: ") || !strings.Contains(out, "could not be read") {
+			t.Errorf("unreadable pinned meta: exit %d, want 1 and FAIL schema and generation lines:\n%s", code, out)
+		}
+	}
+
 	body, err := d.Request("GET", "/v1/network/services/status", nil)
 	if err != nil {
 		t.Fatal(err)
@@ -164,6 +204,24 @@ snat_address = "10.250.0.100"
 			idx = ifc.Index
 		}
 	}
+	if bpftoolErr == nil {
+		// vm1's to_vm link detached in the kernel, its pin left in
+		// place: the pin still names the program, the kernel attaches
+		// it nowhere.
+		pin := filepath.Join(pinRoot, "links", fmt.Sprintf("tcx_%d_to_vm", idx))
+		if b, err := exec.Command("bpftool", "link", "detach", "pinned", pin).CombinedOutput(); err != nil {
+			t.Fatalf("bpftool link detach pinned %s: %v: %s", pin, err, b)
+		}
+		out, code = run("-t", tokenFile)
+		if code != 1 || !hasLine(out, "FAIL interface vm1: ") || !strings.Contains(out, "detached") {
+			t.Errorf("vm1's to_vm link detached: exit %d, want 1 and a FAIL interface vm1 line saying so:\n%s", code, out)
+		}
+		if !hasLine(out, "PASS interface vm2: ") {
+			t.Errorf("vm1's to_vm link detached: vm2 should still pass:\n%s", out)
+		}
+	}
+
+	// vm1 detached: its from_vm link unpinned (which detaches it).
 	if err := os.Remove(filepath.Join(pinRoot, "links", fmt.Sprintf("tcx_%d_from_vm", idx))); err != nil {
 		t.Fatal(err)
 	}
@@ -173,5 +231,41 @@ snat_address = "10.250.0.100"
 	}
 	if !hasLine(out, "PASS interface vm2: ") {
 		t.Errorf("vm1 detached: vm2 should still pass:\n%s", out)
+	}
+}
+
+// TestReadinessScriptTokenQuoting: a token with " and \ reaches the API
+// as it is (curl's config on stdin quotes it), against a stand-in API that
+// accepts only that exact header. Unprivileged: only the REST check is
+// looked at.
+func TestReadinessScriptTokenQuoting(t *testing.T) {
+	for _, tool := range []string{"bash", "curl", "jq"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s not found: the readiness script needs it", tool)
+		}
+	}
+	const tok = `to"k\\en\"x`
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer "+tok {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		fmt.Fprint(w, `{"schema_version": 1, "program_generation": 1, "pin_root": "", "interfaces": []}`)
+	}))
+	defer srv.Close()
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	if err := os.WriteFile(tokenFile, []byte(tok+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("bash", readinessScript, "-a", srv.URL, "-c", filepath.Join(dir, "none.toml"), "-t", tokenFile, "--timeout", "2")
+	for _, e := range os.Environ() {
+		if !strings.HasPrefix(e, "FLUXVM_") {
+			cmd.Env = append(cmd.Env, e)
+		}
+	}
+	out, _ := cmd.CombinedOutput()
+	if !strings.Contains(string(out), "PASS rest: ") || !strings.Contains(string(out), "PASS auth: ") {
+		t.Errorf("token %q: want PASS rest and PASS auth:\n%s", tok, out)
 	}
 }

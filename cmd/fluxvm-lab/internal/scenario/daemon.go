@@ -15,10 +15,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/vishvananda/netns"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
@@ -74,16 +77,35 @@ func startLabDaemon(ctx context.Context, bin string, l *lab.Lab, tier, conf stri
 	d.cmd.Env = append(os.Environ(), "FLUXVM_ADMIN_TOKEN="+d.token)
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
 	// A process group of its own: a Ctrl-C reaches the lab, which stops
-	// the daemon itself in order (SIGTERM, wait, remove the pins).
-	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	// Started from a thread inside the node namespace, the daemon lives
-	// there but shares our mount namespace and so the host's bpffs.
-	if err := l.Node.Do(d.cmd.Start); err != nil {
-		d.cmd = nil
+	// the daemon itself in order (SIGTERM, wait, remove the pins). If the
+	// lab dies without that (SIGKILL), the kernel kills the daemon: its
+	// parent-death signal.
+	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	// The parent-death signal fires when the *thread* that started the
+	// daemon exits, so the daemon is started from a thread of its own,
+	// locked for good, that waits for it: it lives exactly as long as the
+	// daemon (then the runtime discards it). The thread enters the node
+	// namespace, so the daemon lives there but shares our mount namespace
+	// and so the host's bpffs.
+	started := make(chan error, 1)
+	d.done = make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with this goroutine
+		if err := netns.Set(l.Node.Handle()); err != nil {
+			started <- fmt.Errorf("enter netns %s: %w", l.Node.Name, err)
+			return
+		}
+		if err := d.cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		d.done <- d.cmd.Wait()
+	}()
+	if err := <-started; err != nil {
+		d.cmd, d.done = nil, nil
 		return d, fmt.Errorf("start %s: %w", bin, err)
 	}
-	d.done = make(chan error, 1)
-	go func() { d.done <- d.cmd.Wait() }()
 	d.http = &http.Client{Timeout: 5 * time.Minute, Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
 			err = l.Node.Do(func() error {

@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/netip"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -173,6 +175,10 @@ func (r *RSSReport) Table(o RSSOptions) string {
 	return b.String()
 }
 
+// maxBoundMiB is the largest bound ParseTierBounds takes (1 TiB): far
+// above any tier, and it keeps the conversion to bytes exact in uint64.
+const maxBoundMiB = 1 << 20
+
 // ParseTierBounds reads "S=64,M=128,L=256" (MiB) into bytes per tier.
 func ParseTierBounds(s string) (map[string]uint64, error) {
 	out := map[string]uint64{}
@@ -184,9 +190,11 @@ func ParseTierBounds(s string) (map[string]uint64, error) {
 		if _, known := TierMaxServices[k]; !ok || !known {
 			return nil, fmt.Errorf("bound %q is not TIER=MiB with TIER S, M or L", kv)
 		}
-		var mib float64
-		if _, err := fmt.Sscanf(v, "%g", &mib); err != nil || mib <= 0 {
-			return nil, fmt.Errorf("bound %q: %q is not a positive number of MiB", kv, v)
+		// The whole value is the number: "64MiB" or "1.5GiB" is refused,
+		// not read as 64 or 1.5 MiB.
+		mib, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+		if err != nil || math.IsNaN(mib) || mib <= 0 || mib > maxBoundMiB {
+			return nil, fmt.Errorf("bound %q: %q is not a number of MiB in (0, %d]", kv, v, maxBoundMiB)
 		}
 		out[k] = uint64(mib * (1 << 20))
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -16,16 +17,57 @@ import (
 // direct path measured in the same rounds (scripts/test-service-fabric-slo.sh
 // states the values it gates with).
 type SLOThresholds struct {
-	// Latency: VIP p50 <= direct p50 × LatencyFactor + LatencySlack,
-	// the same for p99, on the connect latency (the handshake) and on the
-	// whole connection (connect to close).
-	LatencyFactor float64
-	LatencySlack  time.Duration
+	// Latency, each figure with its own bound: VIP <= direct × Factor +
+	// Slack, on the connect latency (the handshake) and on the whole
+	// connection (connect to close), p50 and p99.
+	ConnectP50, ConnectP99, ConnP50, ConnP99 LatencyBound
 	// MinRateRatio: VIP connections/s >= direct × MinRateRatio (the
 	// paired figure: the median of the per-round ratios).
 	MinRateRatio float64
 	// MaxErrors: failed connections over all rounds, both paths, at most.
 	MaxErrors int
+}
+
+// LatencyBound is VIP latency <= direct × Factor + Slack.
+type LatencyBound struct {
+	Factor float64
+	Slack  time.Duration
+}
+
+func (b LatencyBound) String() string {
+	return strconv.FormatFloat(b.Factor, 'g', -1, 64) + "+" + b.Slack.String()
+}
+
+// Set parses "FACTOR+SLACK" ("1.5+100us"); a flag.Value.
+func (b *LatencyBound) Set(s string) error {
+	f, d, ok := strings.Cut(s, "+")
+	if !ok {
+		return fmt.Errorf("%q is not FACTOR+SLACK (1.5+100us)", s)
+	}
+	factor, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+	if err != nil {
+		return fmt.Errorf("%q: factor: %w", s, err)
+	}
+	slack, err := time.ParseDuration(strings.TrimSpace(d))
+	if err != nil {
+		return fmt.Errorf("%q: slack: %w", s, err)
+	}
+	nb := LatencyBound{Factor: factor, Slack: slack}
+	if err := nb.validate(); err != nil {
+		return err
+	}
+	*b = nb
+	return nil
+}
+
+func (b LatencyBound) validate() error {
+	switch {
+	case !(b.Factor >= 1 && b.Factor <= 100):
+		return fmt.Errorf("scenario: slo: latency factor %v not in [1, 100]", b.Factor)
+	case b.Slack < 0:
+		return fmt.Errorf("scenario: slo: negative latency slack %s", b.Slack)
+	}
+	return nil
 }
 
 // SLOOptions configure SLO.
@@ -39,10 +81,21 @@ type SLOOptions struct {
 	Logger     *slog.Logger
 }
 
+// DefaultSLOThresholds are the bounds scripts/test-service-fabric-slo.sh
+// gates with (the script states them and why).
+func DefaultSLOThresholds() SLOThresholds {
+	return SLOThresholds{
+		ConnectP50:   LatencyBound{1.5, 100 * time.Microsecond},
+		ConnectP99:   LatencyBound{2, 5 * time.Millisecond},
+		ConnP50:      LatencyBound{1.5, 200 * time.Microsecond},
+		ConnP99:      LatencyBound{2, 10 * time.Millisecond},
+		MinRateRatio: 0.75,
+	}
+}
+
 // DefaultSLOOptions are the options of `fluxvm-lab slo`.
 func DefaultSLOOptions() SLOOptions {
-	return SLOOptions{Rounds: 5, Duration: 2 * time.Second, Workers: 4, MaxOthers: 0.2,
-		Thresholds: SLOThresholds{LatencyFactor: 1.5, LatencySlack: time.Millisecond, MinRateRatio: 0.7}}
+	return SLOOptions{Rounds: 5, Duration: 2 * time.Second, Workers: 4, MaxOthers: 0.2, Thresholds: DefaultSLOThresholds()}
 }
 
 // SLOFigure is one gated figure: the VIP's value, the direct one, the
@@ -54,7 +107,8 @@ type SLOFigure struct {
 	AtLeast       bool // the bound is a minimum (rates), else a maximum
 	Unit          string
 	OK            bool
-	Paired, Ratio float64 // rates: the paired ratio the bound is judged on
+	Paired, Ratio float64      // rates: the paired ratio the bound is judged on
+	Latency       LatencyBound // latencies: the bound's factor and slack
 }
 
 // SLOReport is what SLO measured and judged.
@@ -98,13 +152,14 @@ func SLO(ctx context.Context, w io.Writer, o SLOOptions) (*SLOReport, error) {
 		return func(s PerfSample) float64 { return float64(f(s)) / 1e3 }
 	}
 	lat := []struct {
-		name string
-		f    func(PerfSample) float64
+		name  string
+		f     func(PerfSample) float64
+		bound LatencyBound
 	}{
-		{"connect p50", us(func(s PerfSample) time.Duration { return s.ConnectP50 })},
-		{"connect p99", us(func(s PerfSample) time.Duration { return s.ConnectP99 })},
-		{"connection p50", us(func(s PerfSample) time.Duration { return s.P50 })},
-		{"connection p99", us(func(s PerfSample) time.Duration { return s.P99 })},
+		{"connect p50", us(func(s PerfSample) time.Duration { return s.ConnectP50 }), t.ConnectP50},
+		{"connect p99", us(func(s PerfSample) time.Duration { return s.ConnectP99 }), t.ConnectP99},
+		{"connection p50", us(func(s PerfSample) time.Duration { return s.P50 }), t.ConnP50},
+		{"connection p99", us(func(s PerfSample) time.Duration { return s.P99 }), t.ConnP99},
 	}
 	for _, l := range lat {
 		v, _, _, ok1 := rep.Median(PathVIP, WorkloadConns, l.f)
@@ -112,8 +167,8 @@ func SLO(ctx context.Context, w io.Writer, o SLOOptions) (*SLOReport, error) {
 		if !ok1 || !ok2 {
 			return r, fmt.Errorf("scenario: slo: no %s samples", l.name)
 		}
-		bound := d*t.LatencyFactor + float64(t.LatencySlack)/1e3
-		r.Figures = append(r.Figures, SLOFigure{Name: l.name, VIP: v, Direct: d, Bound: bound, Unit: "µs", OK: v <= bound})
+		bound := d*l.bound.Factor + float64(l.bound.Slack)/1e3
+		r.Figures = append(r.Figures, SLOFigure{Name: l.name, VIP: v, Direct: d, Bound: bound, Unit: "µs", OK: v <= bound, Latency: l.bound})
 	}
 	v, _, _, ok1 := rep.Median(PathVIP, WorkloadConns, PerfSample.Rate)
 	d, _, _, ok2 := rep.Median(PathDirect, WorkloadConns, PerfSample.Rate)
@@ -134,7 +189,7 @@ func SLO(ctx context.Context, w io.Writer, o SLOOptions) (*SLOReport, error) {
 		case f.AtLeast:
 			r.Failed = append(r.Failed, fmt.Sprintf("connections/s vip/direct %.3f (paired) < %.3f (vip %.0f/s, direct %.0f/s)", f.Paired, f.Ratio, f.VIP, f.Direct))
 		default:
-			r.Failed = append(r.Failed, fmt.Sprintf("%s vip %.0f µs > %.0f µs (direct %.0f µs × %.2f + %s)", f.Name, f.VIP, f.Bound, f.Direct, t.LatencyFactor, t.LatencySlack))
+			r.Failed = append(r.Failed, fmt.Sprintf("%s vip %.0f µs > %.0f µs (direct %.0f µs × %.2f + %s)", f.Name, f.VIP, f.Bound, f.Direct, f.Latency.Factor, f.Latency.Slack))
 		}
 	}
 	fmt.Fprint(w, r.Table(t))
@@ -158,7 +213,7 @@ func (r *SLOReport) Table(t SLOThresholds) string {
 		case f.AtLeast:
 			fmt.Fprintf(tw, "%s\t%.0f\t%.0f\tvip/direct %.3f (paired) >= %.2f\t%s\n", f.Name, f.VIP, f.Direct, f.Paired, f.Ratio, verdict)
 		default:
-			fmt.Fprintf(tw, "%s µs\t%.0f\t%.0f\t<= %.0f (direct × %.2f + %s)\t%s\n", f.Name, f.VIP, f.Direct, f.Bound, t.LatencyFactor, t.LatencySlack, verdict)
+			fmt.Fprintf(tw, "%s µs\t%.0f\t%.0f\t<= %.0f (direct × %.2f + %s)\t%s\n", f.Name, f.VIP, f.Direct, f.Bound, f.Latency.Factor, f.Latency.Slack, verdict)
 		}
 	}
 	tw.Flush()
@@ -172,11 +227,12 @@ func (r *SLOReport) Table(t SLOThresholds) string {
 
 // Validate checks the thresholds.
 func (t SLOThresholds) Validate() error {
+	for _, b := range []LatencyBound{t.ConnectP50, t.ConnectP99, t.ConnP50, t.ConnP99} {
+		if err := b.validate(); err != nil {
+			return err
+		}
+	}
 	switch {
-	case !(t.LatencyFactor >= 1):
-		return fmt.Errorf("scenario: slo: latency factor %v below 1", t.LatencyFactor)
-	case t.LatencySlack < 0:
-		return fmt.Errorf("scenario: slo: negative latency slack %s", t.LatencySlack)
 	case !(t.MinRateRatio > 0 && t.MinRateRatio <= 2):
 		return fmt.Errorf("scenario: slo: rate ratio %v not in (0, 2]", t.MinRateRatio)
 	case t.MaxErrors < 0:

@@ -84,7 +84,7 @@ type CompactOptions struct {
 	// back, because the datapath used it meanwhile, is not dropped): a
 	// replication journal turns conntrack entries into deletes, and the
 	// caller removes their reverse-NAT halves. key and value are the raw
-	// entry as the old map last held it, valid during the call only.
+	// entry as the old map last held it, the caller's to keep.
 	Dropped func(name string, key, value []byte)
 	// Switch, when set, is locked around the switch only (pins, links and
 	// the Datapath's handles change under it): the lock under which the

@@ -3,7 +3,7 @@ package fluxvm
 import (
 	"errors"
 	"fmt"
-	"slices"
+	"runtime/debug"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -135,7 +135,7 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	type drop struct{ key, value []byte }
 	var dropped []drop
 	res, err := d.dp.CompactFlowMaps(bpf.CompactOptions{Keep: keep, Switch: &d.mu,
-		Dropped: func(_ string, k, v []byte) { dropped = append(dropped, drop{slices.Clone(k), slices.Clone(v)}) }})
+		Dropped: func(_ string, k, v []byte) { dropped = append(dropped, drop{k, v}) }})
 	pc.Maps, pc.Links, pc.Switch = res.Maps, res.Links, Duration{res.SwitchTime}
 	if !res.Switched {
 		return done(err)
@@ -188,6 +188,12 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	unlock()
 	o4, o6 := wait()
 	closeMaps([]*ebpf.Map{o4, o6})
+	// The copy's working memory (a tier-L rebuild reads a million
+	// entries' times and keeps every dropped entry) goes back to the
+	// system now rather than at the runtime's leisure: the node is under
+	// pressure already.
+	dropped = nil
+	debug.FreeOSMemory()
 	return done(errors.Join(err, herr))
 }
 

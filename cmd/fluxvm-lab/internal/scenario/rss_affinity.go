@@ -84,8 +84,14 @@ func RSSAffinity(ctx context.Context, w io.Writer, o AffinityOptions) (r *Affini
 		return r, err
 	}
 	defer srv.Close()
+	// 1M entries fill a tier-L conntrack map (1,048,576) to 95%, the
+	// default hard threshold: the map pressure controller would compact it
+	// to 79% (docs/operations.md "The hard action"). The gate measures the
+	// daemon and one GC over all of them, so the controller reads the
+	// levels once an hour here.
 	d, err := startLabDaemon(ctx, o.Daemon, l, o.Tier,
-		`vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]`+"\n")
+		`vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]`+"\n"+
+			`pressure_interval = "1h"`+"\n")
 	if err != nil {
 		return r, err
 	}

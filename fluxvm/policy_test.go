@@ -57,6 +57,13 @@ func TestPolicyLabTraffic(t *testing.T) {
 		st.Policies[0].Revision == 0 || st.IPCachePrefixes != 2 {
 		t.Fatalf("status %+v: want web enforced on its 4 frontends, 7777 unresolved", st)
 	}
+	// The identity tries' fill in the pressure status: the prefixes
+	// written (the kernel does not count an LPM trie's entries).
+	if ps, err := d.Pressure(); err != nil {
+		t.Fatal(err)
+	} else if s4, s6 := ps.Maps["fluxvm_sid4"], ps.Maps["fluxvm_sid6"]; s4.Entries != 1 || s6.Entries != 1 || s4.MaxEntries == 0 {
+		t.Errorf("pressure of the identity tries: %+v, %+v; want one prefix each", s4, s6)
+	}
 	allowed := func(vip netip.Addr) bool {
 		c, err := e.cli.DialTCP(netip.AddrPortFrom(vip, 80), 400*time.Millisecond)
 		if err != nil {

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 )
@@ -155,6 +157,20 @@ func (d *Dataplane) pressureStatus() (PressureStatus, error) {
 	st.Maps = make(map[string]MapPressure, len(fills))
 	for name, f := range fills {
 		st.Maps[name] = MapPressure{Entries: f.Entries, MaxEntries: f.MaxEntries, Percent: f.Percent()}
+	}
+	// The identity LPM tries keep their count from the kernel's map
+	// iterator; only the control plane writes them, so what it wrote is
+	// what they hold.
+	m := d.dp.Maps()
+	for _, t := range []struct {
+		name string
+		m    *ebpf.Map
+		n    int
+	}{{"fluxvm_sid4", m.FluxvmSid4, len(d.pol.prog.IPv4)}, {"fluxvm_sid6", m.FluxvmSid6, len(d.pol.prog.IPv6)}} {
+		if t.m != nil {
+			f := bpf.MapFill{Entries: int64(t.n), MaxEntries: t.m.MaxEntries()}
+			st.Maps[t.name] = MapPressure{Entries: f.Entries, MaxEntries: f.MaxEntries, Percent: f.Percent()}
+		}
 	}
 	for _, name := range pressureMaps {
 		if l := c.level(st.Maps[name].Percent); l == PressureHard || (l == PressureSoft && st.Level == PressureOK) {

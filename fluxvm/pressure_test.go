@@ -418,3 +418,82 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 		t.Errorf("GC after: %+v, %v", gc, err)
 	}
 }
+
+// TestCompactionJournalsDeletes: under HA, the north-south flows a
+// compaction drops are journaled as deletes for the standby, as GC's
+// removals are; east-west ones (no standby holds them) are not, and a
+// kept flow is not.
+func TestCompactionJournalsDeletes(t *testing.T) {
+	e := newNSEnv(t)
+	e.opts.HA = HAOptions{Epoch: 3, Interval: MinHAInterval}
+	e.opts.PressureInterval = time.Hour // the test's rounds only
+	d := e.open(t)
+	ctx := context.Background()
+	svc := e.service(1, 0, 0)
+	svc.Ports = []ServicePort{{Port: 80, Protocol: TCP}}
+	svc.Exposure = ExposureBoth
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	c, err := e.lab.External.DialTCP(netip.AddrPortFrom(vip4, 80), 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	echo(t, c, "north-south")
+	ct, err := d.Conntrack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	es, err := ct.List(conntrack.Filter{Family: conntrack.IPv4})
+	if err != nil || len(es) != 1 || es[0].Kind != conntrack.SNAT {
+		t.Fatalf("the live flow: %+v, %v; want one SNAT flow", es, err)
+	}
+	sid, bid := es[0].ServiceID, es[0].BackendID
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	put := func(first, n int, kind conntrack.Kind, idle time.Duration) {
+		t.Helper()
+		to := conntrack.DefaultTimeouts()
+		for i := range n {
+			k := first + i
+			client := netip.AddrPortFrom(netip.AddrFrom4([4]byte{172, byte(16 + k>>16), byte(k >> 8), byte(k)}), 40000)
+			en := conntrack.Entry{Key: conntrack.Key{Client: client, VIP: netip.AddrPortFrom(vip4, 80), Proto: conntrack.ProtoTCP},
+				ServiceID: sid, BackendID: bid, State: bpf.CTTCPEstablished, Kind: kind, ReverseDerived: kind == conntrack.EastWest,
+				Created: now - idle, LastSeen: now - idle, Deadline: now - idle + to.TCPEstablished}
+			if _, err := ct.Restore(en, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// 57,300 east-west flows seen a minute ago, 5,000 seen 80 s ago, and
+	// the 2,000 oldest, seen 90 s ago, routed DSR (north-south, no
+	// reverse-NAT half): 64,301 of 65,536 with the live one, hard.
+	put(0, 57300, conntrack.EastWest, time.Minute)
+	put(57300, 5000, conntrack.EastWest, 80*time.Second)
+	put(62300, 2000, conntrack.DSR, 90*time.Second)
+	before := d.HAStatus().GCDeletes
+	r, err := d.ReconcilePressure(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Compaction == nil || len(r.Compaction.Maps) != 1 {
+		t.Fatalf("round %+v: want a compaction", r)
+	}
+	m := r.Compaction.Maps[0]
+	// 51,773 kept: the live flow and the east-west flows of a minute;
+	// dropped: the 2,000 DSR flows, the 5,000 of 80 s and the oldest of
+	// the rest.
+	if m.Dropped < 7000 || m.DroppedBy["established"] != m.Dropped {
+		t.Errorf("compaction %+v: want the 7,000 oldest flows and more dropped, all established", m)
+	}
+	if n := d.HAStatus().GCDeletes - before; n != 2000 {
+		t.Errorf("%d deletes journaled, want the 2,000 dropped DSR flows (east-west ones are not replicated)", n)
+	}
+	echo(t, c, "after the compaction")
+	if en, err := ct.Lookup(es[0].Key); err != nil || en.Kind != conntrack.SNAT {
+		t.Errorf("the live SNAT flow after the compaction: %+v, %v", en, err)
+	}
+}

@@ -52,18 +52,7 @@ dir="$(mktemp -d)"
 trap 'rm -rf "$dir"' EXIT
 go build -o "$dir/fluxvm-lab" ./cmd/fluxvm-lab
 go build -o "$dir/fluxvmd" ./cmd/fluxvmd
-# run_lab CMD...: runs the lab in the background and waits for it; a
-# SIGTERM, SIGINT or SIGHUP to this script is passed on as SIGTERM, and the
-# script waits until the lab has torn everything down (its fluxvmd
-# included) before it exits with the lab's status.
-run_lab() {
-  "$@" &
-  local child=$! rc=0
-  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
-  wait "$child" || rc=$?
-  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
-  trap - TERM INT HUP
-  return "$rc"
-}
+# run_lab (scripts/lab-lib.sh): the lab in the background, signals passed on.
+. scripts/lab-lib.sh
 run_lab "$dir/fluxvm-lab" rss-affinity -fluxvmd "$dir/fluxvmd" -tier "$TIER" -entries "$ENTRIES" \
   -max-rss "$MAX_RSS" -max-map "$MAX_MAP" -max-gc "$MAX_GC" -min-kept "$MIN_KEPT" ${args[@]+"${args[@]}"}

@@ -58,19 +58,8 @@ fi
 bin="$(mktemp -d)/fluxvm-lab"
 trap 'rm -rf "$(dirname "$bin")"' EXIT
 go build -o "$bin" ./cmd/fluxvm-lab
-# run_lab CMD...: runs the lab in the background and waits for it; a
-# SIGTERM, SIGINT or SIGHUP to this script is passed on as SIGTERM, and the
-# script waits until the lab has torn everything down (its fluxvmd
-# included) before it exits with the lab's status.
-run_lab() {
-  "$@" &
-  local child=$! rc=0
-  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
-  wait "$child" || rc=$?
-  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
-  trap - TERM INT HUP
-  return "$rc"
-}
+# run_lab (scripts/lab-lib.sh): the lab in the background, signals passed on.
+. scripts/lab-lib.sh
 run_lab "$bin" slo "${run[@]}" -workers 4 \
   -connect-p50 "$CONNECT_P50" -connect-p99 "$CONNECT_P99" -conn-p50 "$CONN_P50" -conn-p99 "$CONN_P99" \
   -min-rate-ratio "$MIN_RATE_RATIO" -max-errors "$MAX_ERRORS" ${args[@]+"${args[@]}"}

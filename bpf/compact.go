@@ -309,6 +309,28 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		}
 	}
 
+	// 3b. What the old programs learned or changed during the copy and the
+	// loads (a second or more), copied now, while they still run: after
+	// the switch, a reply whose flow the new map lacks is not translated,
+	// so the catch-up after it is left with what the last moments added.
+	// Twice: the first pass takes as long as a walk of the old map.
+	for range 2 {
+		pass, err := monotonicCoarse()
+		if err != nil {
+			closeNew()
+			return abort(err)
+		}
+		for i, name := range names {
+			learned, changed, err := catchUp(name, d.coll.Maps[name], fresh[name], since)
+			if err != nil {
+				closeNew()
+				return abort(fmt.Errorf("catch up %s: %w", name, err))
+			}
+			res.Maps[i].CaughtUp += learned + changed
+		}
+		since = pass
+	}
+
 	// 4. The switch, under the caller's lock and the Datapath's own
 	// (goroutines that read the handles without the caller's lock: the
 	// route cache, the socket iterator).
@@ -376,7 +398,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("catch up %s: %w", name, err))
 		}
-		res.Maps[i].CaughtUp = learned + changed
+		res.Maps[i].CaughtUp += learned + changed
 		res.Maps[i].settle(d.coll.Maps[name], drops[i], name, o.Dropped)
 	}
 	for _, c := range []*ebpf.Collection{oldColl, oldXColl, oldCColl} {

@@ -439,6 +439,32 @@ func (d *Datapath) Activate() error {
 		return nil
 	}
 	root := d.opts.PinRoot
+	// What the old programs learned or changed since the migration (the
+	// caller's restore took that long), copied while they still run: after
+	// the switch a reply whose flow the new map lacks is not translated,
+	// so the catch-up after it is left with what the last moments added.
+	catch := func(since uint64) error {
+		for i := range d.status.Migrations {
+			mg := &d.status.Migrations[i]
+			learned, changed, err := catchUp(mg.Map, stg.old[mg.Map], d.coll.Maps[mg.Map], since)
+			if err != nil {
+				return fmt.Errorf("bpf: activate: catch up %s: %w", mg.Map, err)
+			}
+			mg.CaughtUp += learned + changed
+			mg.Entries += learned
+			mg.Migrated += learned
+			d.status.Migrated += learned
+		}
+		return nil
+	}
+	pass, err := monotonicCoarse()
+	if err != nil {
+		return fmt.Errorf("bpf: activate: %w", err)
+	}
+	if err := catch(stg.since); err != nil {
+		return err
+	}
+	stg.since = pass
 	// Pin the new maps in place of whatever stood there, so that the pins
 	// name what runs once the links below are switched.
 	for _, name := range d.status.NewMaps {
@@ -455,20 +481,11 @@ func (d *Datapath) Activate() error {
 	}
 	// Programs attached by an earlier process run the old code until
 	// their links are pointed at the new programs.
-	var err error
 	if d.status.Links, d.status.SeveredLinks, err = d.updateLinks(); err != nil {
 		return err
 	}
-	for i := range d.status.Migrations {
-		mg := &d.status.Migrations[i]
-		learned, changed, err := catchUp(mg.Map, stg.old[mg.Map], d.coll.Maps[mg.Map], stg.since)
-		if err != nil {
-			return fmt.Errorf("bpf: activate: catch up %s: %w", mg.Map, err)
-		}
-		mg.CaughtUp = learned + changed
-		mg.Entries += learned
-		mg.Migrated += learned
-		d.status.Migrated += learned
+	if err := catch(stg.since); err != nil {
+		return err
 	}
 	for _, m := range stg.old {
 		m.Close()

@@ -327,7 +327,7 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	var longErr, shortErr atomic.Value
-	var echoes, shorts atomic.Int64
+	var echoes, shorts, shortFails atomic.Int64
 	wg.Go(func() {
 		for {
 			select {
@@ -357,9 +357,10 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 			}
 			if err != nil {
 				shortErr.Store(err)
-				return
+				shortFails.Add(1)
+			} else {
+				shorts.Add(1)
 			}
-			shorts.Add(1)
 			time.Sleep(5 * time.Millisecond)
 		}
 	})
@@ -374,8 +375,15 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 	if err, _ := longErr.Load().(error); err != nil {
 		t.Errorf("the long-lived connection broke (after %d echoes): %v", echoes.Load(), err)
 	}
-	if err, _ := shortErr.Load().(error); err != nil {
-		t.Errorf("a short connection failed (after %d): %v", shorts.Load(), err)
+	// A connection in flight at the switch can lose: the old programs
+	// learned it, a reply reaches the new ones before the catch-up copies
+	// its flow, untranslated, and the client resets it (docs/operations.md
+	// "The hard action"). One at a time here: at most one of them.
+	if n := shortFails.Load(); n > 1 {
+		err, _ := shortErr.Load().(error)
+		t.Errorf("%d short connections failed (%d succeeded), the last: %v", n, shorts.Load(), err)
+	} else if n == 1 {
+		t.Logf("the short connection in flight at the switch failed: %v", shortErr.Load())
 	}
 	pc := r.Compaction
 	if pc == nil || len(pc.Maps) != 1 || pc.Error != "" || pc.Deferred != "" {

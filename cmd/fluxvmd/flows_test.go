@@ -8,15 +8,12 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/fluxvm/servicefabric/flows"
-	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
@@ -83,32 +80,13 @@ func TestDaemonFlows(t *testing.T) {
 	l, cli, be := clientAndBackend(t)
 	rc := newLogsReceiver(t, l)
 
-	dir := t.TempDir()
-	cfg := filepath.Join(dir, "fluxvmd.toml")
-	conf := fmt.Sprintf(`[sandbox.dataplane.service]
-map_tier = "S"
-pin_root = %q
-catalog_path = %q
-advertisements_path = %q
-node_name = "lab-node"
-flow_sample_rate = 1
+	cfg, _ := writeConfig(t, t.TempDir(), fmt.Sprintf(`flow_sample_rate = 1
 otlp_endpoint = "http://%s"
 otlp_interval = "1s"
-vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
-`, filepath.Join(testenv.PinRoot(t), "service"), filepath.Join(dir, "catalog.json"), filepath.Join(dir, "adv.json"), rc.addr)
-	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
-		t.Fatal(err)
-	}
+`, rc.addr))
 	d := startDaemon(t, bin, cfg, l)
 	vip := netip.MustParseAddr("10.96.0.10")
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{vip},
-		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, d, vip, be)
 	c, err := cli.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
 	if err != nil {
 		t.Fatal(err)

@@ -43,6 +43,42 @@ func clientAndBackend(t *testing.T) (l *lab.Lab, cli, be *lab.VM) {
 	return l, cli, be
 }
 
+// applyWeb applies service web (vip:80/TCP -> be:8080) over REST.
+func applyWeb(t *testing.T, d *daemon, vip netip.Addr, be *lab.VM) {
+	t.Helper()
+	svc := fluxvm.Service{
+		Name: "web", VIPs: []netip.Addr{vip},
+		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
+		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
+	}
+	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writeConfig writes dir/fluxvmd.toml for the lab of clientAndBackend:
+// tier S, a fresh pin root, the catalog and advertisement files in dir
+// (catalog.json, adv.json), node lab-node, VM edges vm1 (client) and vm2
+// (backend), then the lines of extra. It returns the file's path and the
+// pin root.
+func writeConfig(t *testing.T, dir, extra string) (path, pinRoot string) {
+	t.Helper()
+	pinRoot = filepath.Join(testenv.PinRoot(t), "service")
+	path = filepath.Join(dir, "fluxvmd.toml")
+	conf := fmt.Sprintf(`[sandbox.dataplane.service]
+map_tier = "S"
+pin_root = %q
+catalog_path = %q
+advertisements_path = %q
+node_name = "lab-node"
+vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
+`, pinRoot, filepath.Join(dir, "catalog.json"), filepath.Join(dir, "adv.json"))
+	if err := os.WriteFile(path, []byte(conf+extra), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path, pinRoot
+}
+
 func startDaemon(t *testing.T, bin, cfg string, l *lab.Lab) *daemon {
 	t.Helper()
 	return daemontest.Start(t, bin, cfg, l, token)
@@ -60,28 +96,17 @@ func TestDaemonRestartKeepsFlows(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
-	cfg := filepath.Join(t.TempDir(), "fluxvmd.toml")
 	// Never the default /run/fluxvm: the test writes only its own files.
-	advPath := filepath.Join(t.TempDir(), "service-advertisements.json")
-	conf := fmt.Sprintf(`[sandbox.dataplane.service]
-map_tier = "S"
-pin_root = %q
-catalog_path = %q
-advertisements_path = %q
-node_name = "lab-node"
-vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
-north_south_interfaces = ["uplink"]
+	dir := t.TempDir()
+	advPath := filepath.Join(dir, "adv.json")
+	cfg, pinRoot := writeConfig(t, dir, `north_south_interfaces = ["uplink"]
 snat_address = "10.250.0.100"
 snat_address_v6 = "fd00:250::100"
 snat_port_min = 62000
 snat_port_max = 62999
 hash_seed = 1234567
 maglev_seed = 99
-`, pinRoot, filepath.Join(t.TempDir(), "catalog.json"), advPath)
-	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
-		t.Fatal(err)
-	}
+`)
 
 	d := startDaemon(t, bin, cfg, l)
 	// The status shows the north-south interface and the SNAT settings.
@@ -111,14 +136,7 @@ maglev_seed = 99
 	if !strings.Contains(string(body), `"seeds":{"hash_seed":1234567,"maglev_seed":99}`) {
 		t.Errorf("status seeds: %s", body)
 	}
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
-		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, d, netip.MustParseAddr("10.96.0.10"), be)
 	// A north-south service that asks to be advertised: the REST answer
 	// is the file, byte for byte.
 	ns := fluxvm.Service{

@@ -76,14 +76,7 @@ vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id
 	}
 
 	vip := netip.MustParseAddr("10.96.0.10")
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{vip},
-		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, d, vip, be)
 	pol := fluxvm.Policy{Service: "web", DefaultAction: fluxvm.PolicyDeny,
 		AllowIdentities: []fluxvm.Identity{allowed, other}, DenyIdentities: []fluxvm.Identity{denied}}
 	if _, err := d.Request("POST", "/v1/network/services/policies", pol); err != nil {

@@ -2,9 +2,7 @@ package main
 
 import (
 	"encoding/json"
-	"fmt"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -32,35 +30,15 @@ func TestDaemonMapPressure(t *testing.T) {
 	bin := buildDaemon(t)
 	l, cli, be := clientAndBackend(t)
 
-	dir := t.TempDir()
-	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
-	cfg := filepath.Join(dir, "fluxvmd.toml")
 	// The GC timer at its longest: the rounds' GCs are the only ones.
-	conf := fmt.Sprintf(`[sandbox.dataplane.service]
-map_tier = "S"
-pin_root = %q
-catalog_path = %q
-advertisements_path = %q
-node_name = "lab-node"
-conntrack_gc_interval = "1h"
+	cfg, pinRoot := writeConfig(t, t.TempDir(), `conntrack_gc_interval = "1h"
 pressure_soft_percent = 80
 pressure_hard_percent = 95
 pressure_interval = "1h"
-vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
-`, pinRoot, filepath.Join(dir, "catalog.json"), filepath.Join(dir, "adv.json"))
-	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
-		t.Fatal(err)
-	}
+`)
 	d := startDaemon(t, bin, cfg, l)
 	vip := netip.MustParseAddr("10.96.0.10")
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{vip},
-		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, d, vip, be)
 	vipPort := netip.AddrPortFrom(vip, 80)
 	live, err := cli.DialTCP(vipPort, 3*time.Second)
 	if err != nil {

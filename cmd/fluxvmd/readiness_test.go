@@ -67,14 +67,7 @@ snat_address = "10.250.0.100"
 		t.Fatal(err)
 	}
 	d := startDaemon(t, bin, cfg, l)
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
-		Ports:    []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := d.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, d, netip.MustParseAddr("10.96.0.10"), be)
 
 	base := []string{"-c", cfg, "--netns", l.Node.Name, "--timeout", "2",
 		"--expect-schema", fmt.Sprint(bpf.SchemaVersion), "--expect-generation", fmt.Sprint(bpf.ProgramGeneration)}

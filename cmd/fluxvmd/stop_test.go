@@ -7,8 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -109,31 +107,12 @@ func startFlowDaemon(t *testing.T, bin string, l *lab.Lab, rc *otlpReceiver, otl
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { srv.Close() })
-	dir := t.TempDir()
-	cfg := filepath.Join(dir, "fluxvmd.toml")
-	conf := fmt.Sprintf(`[sandbox.dataplane.service]
-map_tier = "S"
-pin_root = %q
-catalog_path = %q
-advertisements_path = %q
-node_name = "lab-node"
-flow_sample_rate = 1
+	cfg, _ := writeConfig(t, t.TempDir(), fmt.Sprintf(`flow_sample_rate = 1
 otlp_endpoint = "http://%s"
 %s
-vm_edge_interfaces = [ { name = "vm1", vm_id = "client" }, { name = "vm2", vm_id = "backend" } ]
-`, filepath.Join(testenv.PinRoot(t), "service"), filepath.Join(dir, "catalog.json"), filepath.Join(dir, "adv.json"), rc.addr, otlpKeys)
-	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
-		t.Fatal(err)
-	}
+`, rc.addr, otlpKeys))
 	fd := &flowDaemon{daemon: startDaemon(t, bin, cfg, l), cli: cli, vip: netip.MustParseAddrPort("10.96.0.10:80")}
-	svc := fluxvm.Service{
-		Name: "web", VIPs: []netip.Addr{fd.vip.Addr()},
-		Ports:    []fluxvm.ServicePort{{Port: fd.vip.Port(), Protocol: fluxvm.TCP}},
-		Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}},
-	}
-	if _, err := fd.Request("POST", "/v1/network/services", svc); err != nil {
-		t.Fatal(err)
-	}
+	applyWeb(t, fd.daemon, fd.vip.Addr(), be)
 	return fd
 }
 

@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -31,13 +30,8 @@ func init() {
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
-			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-				return nil
-			} else if err != nil {
+			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
-			}
-			if fs.NArg() > 0 {
-				return fmt.Errorf("perf: unexpected arguments %q", fs.Args())
 			}
 			var err error
 			if o.Paths, err = scenario.ParsePerfPaths(*paths); err != nil {

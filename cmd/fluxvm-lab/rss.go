@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -36,14 +35,10 @@ func init() {
 			fs.IntVar(&o.Backends, "backends", o.Backends, "backends per service (1..16)")
 			maxRSS := fs.String("max-rss", rssMaxRSS, "bounds on the daemon's VmRSS per tier, MiB (\"\": measured only)")
 			maxMap := fs.String("max-map", rssMaxMap, "bounds on the BPF map memory per tier, MiB (\"\": measured only)")
-			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-				return nil
-			} else if err != nil {
+			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
 			}
 			switch {
-			case fs.NArg() > 0:
-				return fmt.Errorf("rss: unexpected arguments %q", fs.Args())
 			case o.Daemon == "":
 				return fmt.Errorf("rss: -fluxvmd is required")
 			case o.Services < 1 || o.Services > 4000:

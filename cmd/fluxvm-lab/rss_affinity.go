@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -40,14 +39,10 @@ func init() {
 			maxMap := fs.Float64("max-map", affinityMaxMap, "bound on the BPF map memory, MiB (0: measured only)")
 			fs.DurationVar(&o.MaxGC, "max-gc", o.MaxGC, "bound on one conntrack GC over the entries (0: measured only)")
 			fs.Float64Var(&o.MinKept, "min-kept", o.MinKept, "share of the entries that must be in the map after the GC (0..1)")
-			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-				return nil
-			} else if err != nil {
+			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
 			}
 			switch {
-			case fs.NArg() > 0:
-				return fmt.Errorf("rss-affinity: unexpected arguments %q", fs.Args())
 			case o.Daemon == "":
 				return fmt.Errorf("rss-affinity: -fluxvmd is required")
 			case *maxRSS < 0 || *maxMap < 0 || o.MaxGC < 0 || o.MinKept < 0 || o.MinKept > 1:

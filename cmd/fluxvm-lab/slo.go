@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -33,13 +32,8 @@ func init() {
 			fs.Var(&o.Thresholds.ConnP99, "conn-p99", "connection (connect to close) p99: vip <= direct × FACTOR + SLACK")
 			fs.Float64Var(&o.Thresholds.MinRateRatio, "min-rate-ratio", o.Thresholds.MinRateRatio, "vip connections/s >= direct × this (paired ratio)")
 			fs.IntVar(&o.Thresholds.MaxErrors, "max-errors", o.Thresholds.MaxErrors, "failed connections allowed over all rounds")
-			if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-				return nil
-			} else if err != nil {
+			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
-			}
-			if fs.NArg() > 0 {
-				return fmt.Errorf("slo: unexpected arguments %q", fs.Args())
 			}
 			if err := o.Thresholds.Validate(); err != nil {
 				return err

@@ -7,11 +7,9 @@ package daemontest
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -86,15 +84,7 @@ func Start(t testing.TB, bin, cfg string, l *lab.Lab, token string) *Daemon {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Stop)
-	d.HTTP = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = l.Node.Do(func() error {
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}}
+	d.HTTP = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: l.Node.DialContext}}
 	select {
 	case <-d.Out.Serving():
 	case <-time.After(20 * time.Second):

@@ -6,10 +6,12 @@
 package nsutil
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"runtime"
 
@@ -96,6 +98,17 @@ func (n *NS) Do(fn func() error) error {
 		errc <- ferr
 	}()
 	return <-errc
+}
+
+// DialContext dials from inside the namespace (a net.Dialer's, for an
+// http.Transport whose client lives outside it); the connection keeps
+// the namespace of its socket.
+func (n *NS) DialContext(ctx context.Context, network, addr string) (c net.Conn, err error) {
+	err = n.Do(func() error {
+		c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+		return err
+	})
+	return c, err
 }
 
 // Delete closes the handle and removes the name; the namespace disappears

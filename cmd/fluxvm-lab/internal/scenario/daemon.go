@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -106,15 +105,7 @@ func startLabDaemon(ctx context.Context, bin string, l *lab.Lab, tier, conf stri
 		d.cmd, d.done = nil, nil
 		return d, fmt.Errorf("start %s: %w", bin, err)
 	}
-	d.http = &http.Client{Timeout: 5 * time.Minute, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = l.Node.Do(func() error {
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}}
+	d.http = &http.Client{Timeout: 5 * time.Minute, Transport: &http.Transport{DialContext: l.Node.DialContext}}
 	select {
 	case <-d.out.Serving():
 	case err := <-d.done:

@@ -11,7 +11,8 @@
 // nil means none) the dataplane starts a span for each piece of its
 // control-plane work: [SpanApplyService], [SpanDeleteService],
 // [SpanRestore] (the catalog at Open), [SpanGC] (every GC round, of the
-// timer or on demand) and [SpanReconcileHealth]. Spans carry what the work
+// timer or on demand), [SpanReconcileHealth] and [SpanReconcilePolicies]
+// (a policy apply or reconcile, an ipcache change, a policy delete). Spans carry what the work
 // was about and what it did as attributes ([AttrService],
 // [AttrFrontends], [AttrBackends], [AttrChanged], [AttrGCScanned],
 // [AttrGCCollected], ...), an error as a span event with an Error status,

@@ -419,7 +419,7 @@ var reservedNames = map[string]bool{
 // ReservedNames returns, sorted, the words that cannot be service names:
 // the fixed path segments under /v1/network/services/ of the REST API,
 // those it has (status, stats, health, conntrack, advertisements, flows,
-// policies, telemetry, ha) and those it will have (pressure). Validation
+// policies, telemetry, ha, pressure: POST …/pressure/reconcile). Validation
 // rejects them with ErrReservedName.
 func ReservedNames() []string {
 	out := make([]string, 0, len(reservedNames))

@@ -33,7 +33,7 @@ type OTLPConfig struct {
 	Interval fluxvm.Duration `toml:"otlp_interval"`
 	// Timeout of one request (default 10s; 100ms..5m).
 	Timeout fluxvm.Duration `toml:"otlp_timeout"`
-	// Queue bounds the records held (default 8192; 1..1048576).
+	// Queue bounds the records held (0..1048576; 0: the default, 8192).
 	Queue int `toml:"otlp_queue"`
 	// MaxBatch bounds the records of one request (0, the default: 512,
 	// or Queue when smaller; at most Queue).

@@ -142,7 +142,11 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 		return ha.ImportResult{}, err
 	}
 	if h == nil {
-		// No lease fences this edge, and no cursor follows the import.
+		// No lease fences this edge, and no cursor follows the import;
+		// one snapshot at a time, so that a snapshot-diff never deletes
+		// what another import is writing.
+		d.importMu.Lock()
+		defer d.importMu.Unlock()
 		res, err := ha.Import(ctx, r, t)
 		if err != nil {
 			return res, fmt.Errorf("fluxvm: %w", err)

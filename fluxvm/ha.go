@@ -160,7 +160,7 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 		floor := h.floor(service)
 		h.mu.Unlock()
 		if hd.Epoch == 0 {
-			return fmt.Errorf("snapshot of a source without a lease (epoch 0: it runs without ha_epoch), this edge holds lease %d: %w", floor, ha.ErrStaleEpoch)
+			return fmt.Errorf("snapshot of a source without a lease (epoch 0: it runs without ha_epoch), this edge holds a lease and takes epoch %d or newer: %w", floor, ha.ErrStaleEpoch)
 		}
 		if hd.Epoch < floor {
 			return fmt.Errorf("snapshot of epoch %d, this edge accepted %d: %w", hd.Epoch, floor, ha.ErrStaleEpoch)

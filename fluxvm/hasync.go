@@ -25,7 +25,7 @@ import (
 // them; FlowDelta, ImportFlowDelta, AckFlowDelta and UpdateLease answer,
 // ExportFlows puts the lease epoch and the journal's checkpoint in its
 // snapshots and ImportFlows refuses snapshots older than the lease. It
-// needs the north-south edge (NorthSouth.Interfaces). Without it,
+// needs the north-south edge (NorthSouth.Interfaces). With Epoch 0,
 // ExportFlows and ImportFlows still move a service's flows between nodes
 // (they need only the north-south edge), unfenced.
 type HAOptions struct {

@@ -179,9 +179,12 @@ type Config struct {
 	// HAEpoch is ha_epoch: the lease epoch the control plane gave this
 	// edge for flow-state replication (package ha, docs/operations.md "HA
 	// state transfer"). Nonzero turns replication on: the datapath queues
-	// every flow it learns, per-service journals serve deltas, and the
-	// conntrack export/import/delta routes answer; it needs
-	// north_south_interfaces. A newer lease given at run time
+	// every flow it learns, per-service journals serve deltas (the
+	// conntrack delta, delta import and ack routes answer), snapshots
+	// carry the lease and the journal's checkpoint, and imports are
+	// fenced by the lease; it needs north_south_interfaces. Snapshots
+	// alone (conntrack export and import: a planned move of a service's
+	// flows) need only north_south_interfaces. A newer lease given at run time
 	// (Dataplane.UpdateLease) is kept next to the catalog and wins over
 	// an older ha_epoch at the next start. 0 (the default): off.
 	HAEpoch uint64 `toml:"ha_epoch"`

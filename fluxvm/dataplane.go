@@ -158,6 +158,9 @@ type Dataplane struct {
 	flowMu   sync.RWMutex
 	// ha is flow-state replication; nil when it is off (hasync.go).
 	ha *haSync
+	// importMu serializes snapshot imports while ha is nil (ha.go; with
+	// HA on, haSync.targetMu does).
+	importMu sync.Mutex
 	// pressure is the map pressure controller (pressure.go); pstop and
 	// pdone stop and await its loop.
 	pressure     *pressureCtl

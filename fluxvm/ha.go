@@ -50,17 +50,32 @@ func (d *Dataplane) haView(what, service string) (haView, error) {
 }
 
 // ExportFlows writes a snapshot of service's flows (package ha: its
-// conntrack entries and their reverse halves, by identity) to w, under
-// this edge's lease epoch and with its journal's checkpoint: what a
-// standby loads with ImportFlows before it continues with FlowDelta. It
-// streams the maps; the service may change meanwhile (flows of backends
-// it drops are left out), and what changes during the export is in the
-// batches after the checkpoint. A superseded edge exports nothing
-// (ha.ErrFenced).
+// conntrack entries and their reverse halves, by identity) to w, streaming
+// the maps; the service may change meanwhile (flows of backends it drops
+// are left out). Its only prerequisite is the north-south edge
+// (NorthSouth.Interfaces, or AddNorthSouthInterface; else an error
+// wrapping ErrPrerequisite that names north_south_interfaces): a planned
+// move of a service's flows to another node (ExportFlows there,
+// ImportFlows on the other, with prune) needs no replication.
+//
+// With replication on (HAOptions.Epoch), the snapshot carries this edge's
+// lease epoch and its journal's checkpoint, taken before the scan: what a
+// standby loads with ImportFlows before it continues with FlowDelta, the
+// batches after the checkpoint holding what changed during the export. A
+// superseded edge exports nothing (ha.ErrFenced). With replication off
+// the edge holds no lease and keeps no journal: the header's epoch is 0,
+// its journal empty and its seq 0, which an edge holding a lease refuses
+// (ha.ErrStaleEpoch) and an edge without one applies.
 func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error) {
-	_, j, err := d.sourceJournal("export flows of", service)
-	if err != nil {
+	if err := d.needNorthSouth("export flows of " + service); err != nil {
 		return ha.ExportResult{}, err
+	}
+	var j *ha.Journal
+	if d.ha != nil {
+		var err error
+		if _, j, err = d.sourceJournal("export flows of", service); err != nil {
+			return ha.ExportResult{}, err
+		}
 	}
 	ctx, done, err := d.haBegin(ctx, "export flows of "+service)
 	if err != nil {
@@ -71,17 +86,21 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	if err != nil {
 		return ha.ExportResult{}, err
 	}
-	// The checkpoint before the scan: every flow learned after it is in a
-	// later batch, every flow before it in the maps the scan reads.
-	cur, err := j.Checkpoint()
-	if err != nil {
-		return ha.ExportResult{}, fmt.Errorf("fluxvm: export flows of %s: %w", service, err)
+	hdr := ha.Header{Node: d.opts.NodeName, Service: service}
+	if j != nil {
+		// The checkpoint before the scan: every flow learned after it is
+		// in a later batch, every flow before it in the maps the scan
+		// reads.
+		cur, err := j.Checkpoint()
+		if err != nil {
+			return ha.ExportResult{}, fmt.Errorf("fluxvm: export flows of %s: %w", service, err)
+		}
+		hdr.Epoch, hdr.Journal, hdr.Seq = cur.Epoch, cur.Journal, cur.Seq
 	}
 	src := ha.Source{CT: d.ct, ServiceIDs: v.sids, Backend: func(id uint32) (netip.AddrPort, bool) {
 		ap, ok := v.byID[id]
 		return ap, ok
 	}}
-	hdr := ha.Header{Node: d.opts.NodeName, Service: service, Epoch: cur.Epoch, Journal: cur.Journal, Seq: cur.Seq}
 	res, err := ha.Export(ctx, w, hdr, src)
 	if err != nil {
 		return res, fmt.Errorf("fluxvm: %w", err)
@@ -89,21 +108,27 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	return res, nil
 }
 
-// ImportFlows applies a snapshot of service's flows from its peer (an
+// ImportFlows applies a snapshot of service's flows from another node (an
 // ExportFlows stream) to this edge: each flow whose frontend and backend
 // the service has here, under this node's ids (an SNAT flow only when its
 // source is one of this node's SNAT addresses), unless the node has seen
 // the flow more recently; with prune, also deleting the service's
-// north-south flows the snapshot lacks (the snapshot-diff). A snapshot of
-// an epoch older than the newest this edge accepted, or than its own
-// lease, is refused before any flow is applied (ha.ErrStaleEpoch). Once
-// the whole snapshot is applied, this edge's cursor moves to the
-// snapshot's checkpoint: FlowDelta after it continues.
+// north-south flows the snapshot lacks (the snapshot-diff). Like
+// ExportFlows it needs the north-south edge, not replication.
+//
+// Fencing holds whenever this edge holds a lease (replication on): a
+// snapshot of an epoch older than the newest this edge accepted, or than
+// its own lease, is refused before any flow is applied (ha.ErrStaleEpoch),
+// and so is one of a source without a lease (epoch 0); once the whole
+// snapshot is applied, this edge's cursor moves to the snapshot's
+// checkpoint, and FlowDelta after it continues. An edge without a lease
+// takes a snapshot of any epoch, and keeps neither its epoch nor its
+// cursor (it has no journal to continue).
 func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
-	h, err := d.haOn("import flows of " + service)
-	if err != nil {
+	if err := d.needNorthSouth("import flows of " + service); err != nil {
 		return ha.ImportResult{}, err
 	}
+	h := d.ha
 	ctx, done, err := d.haBegin(ctx, "import flows of "+service)
 	if err != nil {
 		return ha.ImportResult{}, err
@@ -116,12 +141,27 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if err != nil {
 		return ha.ImportResult{}, err
 	}
+	if h == nil {
+		// No lease fences this edge, and no cursor follows the import;
+		// one snapshot at a time, so that a snapshot-diff never deletes
+		// what another import is writing.
+		d.importMu.Lock()
+		defer d.importMu.Unlock()
+		res, err := ha.Import(ctx, r, t)
+		if err != nil {
+			return res, fmt.Errorf("fluxvm: %w", err)
+		}
+		return res, nil
+	}
 	ctx, end := h.beginImport(ctx)
 	defer end()
 	t.Accept = func(hd ha.Header) error {
 		h.mu.Lock()
 		floor := h.floor(service)
 		h.mu.Unlock()
+		if hd.Epoch == 0 {
+			return fmt.Errorf("snapshot of a source without a lease (epoch 0: it runs without ha_epoch), this edge holds a lease and takes epoch %d or newer: %w", floor, ha.ErrStaleEpoch)
+		}
 		if hd.Epoch < floor {
 			return fmt.Errorf("snapshot of epoch %d, this edge accepted %d: %w", hd.Epoch, floor, ha.ErrStaleEpoch)
 		}
@@ -144,6 +184,21 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 		}
 	}
 	return res, nil
+}
+
+// needNorthSouth fails, wrapping ErrPrerequisite, when the dataplane has
+// no north-south edge: what flow snapshots need.
+func (d *Dataplane) needNorthSouth(what string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkOpen(what); err != nil {
+		return err
+	}
+	if len(d.opts.NorthSouth.Interfaces) == 0 {
+		return fmt.Errorf("fluxvm: %w", verr(ErrPrerequisite, "north_south_interfaces",
+			"%s: snapshots of a service's flows need the north-south edge: set north_south_interfaces", what))
+	}
+	return nil
 }
 
 // haTarget is service on this edge as an import's target.

@@ -6,12 +6,15 @@ import (
 	"errors"
 	"io"
 	"net/netip"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // TestExportImportFlows: a node's flows exported, its conntrack then lost
@@ -87,6 +90,33 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	if _, err := d.UpdateLease(HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("lease older than the edge's: %v, want ErrStaleEpoch", err)
+	}
+	// The same flows from a source without a lease (epoch 0, no
+	// journal): an edge holding a lease refuses them before any flow.
+	var unleased bytes.Buffer
+	uw, err := ha.NewWriter(&unleased, ha.Header{Service: "web"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sr, err := ha.NewReader(bytes.NewReader(snap.Bytes()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for fs, err := sr.Next(); err != io.EOF; fs, err = sr.Next() {
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range fs {
+			if err := uw.Write(&fs[i]); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := uw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ImportFlows(ctx, "web", &unleased, false); !errors.Is(err, ha.ErrStaleEpoch) {
+		t.Errorf("snapshot of no lease into an edge with lease 3: %v, want ErrStaleEpoch", err)
 	}
 	if es, _ := ct.List(conntrack.Filter{}); len(es) != 0 {
 		t.Fatalf("refused imports wrote %d flows", len(es))
@@ -280,10 +310,153 @@ func TestHAOptions(t *testing.T) {
 	}
 	e := newEnv(t)
 	d := e.open(t)
-	if _, err := d.FlowDelta("web", "", 0, 0); !errors.Is(err, ErrPrerequisite) {
-		t.Errorf("delta with HA off: %v, want ErrPrerequisite", err)
+	if _, err := d.ApplyService(context.Background(), e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	var ve *ValidationError
+	if _, err := d.FlowDelta("web", "", 0, 0); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
+		t.Errorf("delta with HA off: %v, want ErrPrerequisite naming ha_epoch", err)
 	}
 	if st := d.HAStatus(); st.Enabled {
 		t.Errorf("status with HA off: %+v", st)
+	}
+	// Snapshots need the north-south edge, which this node lacks: refused
+	// before any byte is written or read.
+	var out bytes.Buffer
+	if _, err := d.ExportFlows(context.Background(), "web", &out); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "north_south_interfaces" || out.Len() != 0 {
+		t.Errorf("export without the north-south edge: %v, %d bytes; want ErrPrerequisite naming north_south_interfaces, nothing written", err, out.Len())
+	}
+	in := strings.NewReader("not read")
+	if _, err := d.ImportFlows(context.Background(), "web", in, true); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "north_south_interfaces" || in.Len() != len("not read") {
+		t.Errorf("import without the north-south edge: %v; want ErrPrerequisite naming north_south_interfaces, nothing read", err)
+	}
+}
+
+// TestExportImportFlowsWithoutHA: a planned move of a service's flows
+// between two dataplanes that run without replication (no ha_epoch, a
+// north-south edge): the first exports its flows, north-south (SNAT
+// through the uplink) and east-west, under no lease (epoch 0, no journal
+// cursor), and goes away; the second, on another pin root, with Maglev
+// sending every new flow to one VM, imports the snapshot with prune, and
+// every open connection goes on with the backend it had (one re-picked to
+// another VM, or given another SNAT port, would be reset). Deltas, acks
+// and leases still need the journal and say so.
+func TestExportImportFlowsWithoutHA(t *testing.T) {
+	e := newNSEnv(t)
+	a := e.open(t)
+	ctx := context.Background()
+	svc := e.service(1, 1, 1)
+	svc.Ports, svc.Exposure = []ServicePort{{Port: 80, Protocol: TCP}}, ExposureBoth
+	if _, err := a.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	var conns []*lab.Conn
+	moved := 0 // connections a new pick on the second node would move
+	for i := range 24 {
+		var c *lab.Conn
+		if i%2 == 0 {
+			var err error
+			if c, err = e.lab.External.DialTCP(netip.AddrPortFrom(vip4, 80), 3*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+		} else {
+			c = e.dial(t, []netip.Addr{vip4, vip6}[i/2%2])
+		}
+		echo(t, c, "before")
+		if c.Backend != e.backends[0].Name {
+			moved++
+		}
+		conns = append(conns, c)
+	}
+	if moved == 0 {
+		t.Fatal("every connection is on the first VM: the test proves nothing")
+	}
+	time.Sleep(300 * time.Millisecond) // the last ACKs settle
+	var snap bytes.Buffer
+	exp, err := a.ExportFlows(ctx, "web", &snap)
+	if err != nil || exp.Flows < uint64(len(conns)) {
+		t.Fatalf("export without HA: %+v, %v; want at least %d flows", exp, err, len(conns))
+	}
+	sr, err := ha.NewReader(bytes.NewReader(snap.Bytes()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := sr.Header(); h.Epoch != 0 || h.Journal != "" || h.Seq != 0 || h.Service != "web" {
+		t.Fatalf("header of an export without a lease: %+v; want epoch 0, no journal, seq 0", h)
+	}
+	// What needs the journal says so, naming ha_epoch.
+	for name, call := range map[string]func() error{
+		"delta":        func() error { _, err := a.FlowDelta("web", "", 0, 0); return err },
+		"ack":          func() error { _, err := a.AckFlowDelta("web", 1); return err },
+		"delta import": func() error { _, err := a.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web"}); return err },
+		"lease":        func() error { _, err := a.UpdateLease(HALease{Epoch: 1}); return err },
+	} {
+		var ve *ValidationError
+		if err := call(); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
+			t.Errorf("%s without HA: %v; want ErrPrerequisite naming ha_epoch", name, err)
+		}
+	}
+	if err := a.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+
+	// The second dataplane: its own pin root and catalog, the same
+	// interfaces; Maglev now sends new flows to the first VM only.
+	e.opts.Loader.PinRoot = filepath.Join(testenv.PinRoot(t), "service")
+	e.opts.CatalogPath = filepath.Join(t.TempDir(), "catalog.json")
+	b := e.open(t)
+	one := e.service(1, 0, 0)
+	one.Ports, one.Exposure = svc.Ports, svc.Exposure
+	if _, err := b.ApplyService(ctx, one); err != nil {
+		t.Fatal(err)
+	}
+	ct, err := b.Conntrack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if es, err := ct.List(conntrack.Filter{}); err != nil || len(es) != 0 {
+		t.Fatalf("the second dataplane starts with %d flows (%v)", len(es), err)
+	}
+	res, err := b.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), true)
+	if err != nil || res.Written != exp.Flows || res.Header.Epoch != 0 || res.NoBackend != 0 || res.ForeignSNAT != 0 {
+		t.Fatalf("import without HA: %+v, %v; want the %d flows written", res, err, exp.Flows)
+	}
+	if st := b.HAStatus(); st.Enabled || len(st.Cursors) != 0 {
+		t.Errorf("status after an import without HA: %+v; want off, no cursor", st)
+	}
+	snat := 0
+	es, err := ct.List(conntrack.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, en := range es {
+		if en.Kind == conntrack.SNAT {
+			snat++
+		}
+	}
+	if snat < len(conns)/2 {
+		t.Errorf("%d SNAT flows after the import, want the %d external connections'", snat, len(conns)/2)
+	}
+	for i, c := range conns {
+		if err := c.Echo([]byte("after"), 3*time.Second); err != nil {
+			t.Errorf("connection %d (on %s) broke after the move: %v", i, c.Backend, err)
+		}
+	}
+	// The same snapshot again changes nothing; a snapshot of an edge with
+	// a lease is taken too (this edge holds none), and moves no cursor.
+	if again, err := b.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), true); err != nil || again.Written != 0 || again.Pruned != 0 {
+		t.Errorf("the snapshot again: %+v, %v; want nothing written or pruned", again, err)
+	}
+	var leased bytes.Buffer
+	w, err := ha.NewWriter(&leased, ha.Header{Service: "web", Epoch: 9, Journal: "j9", Seq: 4})
+	if err != nil || w.Close() != nil {
+		t.Fatal(err)
+	}
+	if r, err := b.ImportFlows(ctx, "web", &leased, false); err != nil || r.Header.Epoch != 9 {
+		t.Errorf("a leased edge's snapshot into an edge without a lease: %+v, %v", r, err)
+	}
+	if st := b.HAStatus(); len(st.Cursors) != 0 {
+		t.Errorf("cursors after it: %+v", st.Cursors)
 	}
 }

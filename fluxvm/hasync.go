@@ -22,9 +22,12 @@ import (
 // Epoch, Open turns the datapath's mutation queue on (every flow a
 // forward path learns is queued), drains it into one ha.Journal per
 // service, seals the journals every Interval, and adds GC's removals to
-// them; ExportFlows, ImportFlows, FlowDelta, ImportFlowDelta,
-// AckFlowDelta and UpdateLease answer. It needs the north-south edge
-// (NorthSouth.Interfaces).
+// them; FlowDelta, ImportFlowDelta, AckFlowDelta and UpdateLease answer,
+// ExportFlows puts the lease epoch and the journal's checkpoint in its
+// snapshots and ImportFlows refuses snapshots older than the lease. It
+// needs the north-south edge (NorthSouth.Interfaces). With Epoch 0,
+// ExportFlows and ImportFlows still move a service's flows between nodes
+// (they need only the north-south edge), unfenced.
 type HAOptions struct {
 	// Epoch is the lease epoch the control plane gave this edge; 0 leaves
 	// replication off. A newer lease given since (UpdateLease, kept next
@@ -368,7 +371,8 @@ func (d *Dataplane) stopHA() {
 	h.drainer.Close()
 }
 
-// haOn returns the replication state, or an error saying HA is off.
+// haOn returns the replication state, or an error wrapping
+// ErrPrerequisite that names ha_epoch when HA is off.
 func (d *Dataplane) haOn(what string) (*haSync, error) {
 	d.mu.Lock()
 	err := d.checkOpen(what)
@@ -377,7 +381,9 @@ func (d *Dataplane) haOn(what string) (*haSync, error) {
 		return nil, err
 	}
 	if d.ha == nil {
-		return nil, fmt.Errorf("fluxvm: %s: flow-state replication is off (set ha_epoch): %w", what, ErrPrerequisite)
+		return nil, fmt.Errorf("fluxvm: %w", verr(ErrPrerequisite, "ha_epoch",
+			"%s: needs flow-state replication, which keeps the journals, cursors and leases: set ha_epoch "+
+				"(snapshots, ExportFlows and ImportFlows, need only the north-south edge)", what))
 	}
 	return d.ha, nil
 }

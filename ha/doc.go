@@ -1,7 +1,11 @@
 // Package ha hands a north-south edge's flow state to a standby edge, so
 // that connections survive a failover: full snapshots of a service's flows
 // and sequenced deltas between them (ha.Journal), fenced by the lease
-// epoch the control plane gives the active edge.
+// epoch the control plane gives the active edge. A snapshot alone also
+// moves a service's flows to another node once (a planned move), from a
+// source that holds no lease and keeps no journal: its header then
+// carries epoch 0 and no journal cursor, older than any lease: a target
+// holding one refuses it (Target.Accept, as package fluxvm sets it).
 //
 // What travels is a service's flows as any node can apply them (Flow):
 // the conntrack entry (fluxvm_fct4/6) and its reverse-NAT half

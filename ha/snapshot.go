@@ -77,10 +77,15 @@ type Header struct {
 	// are.
 	Node    string `json:"node"`
 	Service string `json:"service"`
-	// Epoch is the source's lease epoch.
+	// Epoch is the source's lease epoch; 0 when the source holds no
+	// lease (it runs without replication: a planned move of a service's
+	// flows needs none), which every edge holding a lease refuses as
+	// older than its own.
 	Epoch Epoch `json:"epoch"`
 	// Journal and Seq are the source journal's cursor the snapshot
-	// includes: a target continues with the deltas after it.
+	// includes: a target continues with the deltas after it. A source
+	// without a lease has no journal: Journal is empty and Seq 0, and the
+	// snapshot moves no target's cursor.
 	Journal string `json:"journal,omitempty"`
 	Seq     uint64 `json:"seq"`
 	// Maps are the maps the flows come from (Maps).
@@ -104,8 +109,8 @@ func (h *Header) check() error {
 		return fmt.Errorf("%w: maps %q, the allowlist is %q", ErrFormat, h.Maps, Maps)
 	case h.Service == "":
 		return fmt.Errorf("%w: no service named", ErrFormat)
-	case h.Epoch == 0:
-		return fmt.Errorf("%w: no lease epoch", ErrFormat)
+	case h.Epoch == 0 && (h.Journal != "" || h.Seq != 0):
+		return fmt.Errorf("%w: a journal cursor (%q, seq %d) without a lease epoch", ErrFormat, h.Journal, h.Seq)
 	}
 	return nil
 }

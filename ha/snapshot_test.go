@@ -3,6 +3,7 @@ package ha
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -137,8 +138,10 @@ func TestSnapshotRefuses(t *testing.T) {
 		edit(&h)
 		var buf bytes.Buffer
 		buf.Write(magic[:])
-		raw := fmt.Appendf(nil, `{"format":%d,"schema":%d,"node":"a","service":%q,"epoch":%d,"seq":0,"maps":%q,"record_size":%d,"created":"2026-01-01T00:00:00Z"}`,
-			h.Format, h.Schema, h.Service, h.Epoch, h.Maps, h.RecordSize)
+		raw, err := json.Marshal(h)
+		if err != nil {
+			t.Fatal(err)
+		}
 		buf.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(raw))))
 		buf.Write(raw)
 		buf.Write(good[body:])
@@ -157,7 +160,11 @@ func TestSnapshotRefuses(t *testing.T) {
 		{"another record size", header(func(h *Header) { h.RecordSize = 96 }), ErrFormat, 0},
 		{"a map off the allowlist", header(func(h *Header) { h.Maps = append(h.Maps, "fluxvm_spol") }), ErrFormat, 0},
 		{"no service", header(func(h *Header) { h.Service = "" }), ErrFormat, 0},
-		{"no epoch", header(func(h *Header) { h.Epoch = 0 }), ErrFormat, 0},
+		{"no epoch, a journal cursor", header(func(h *Header) { h.Epoch = 0 }), ErrFormat, 0},
+		{"no epoch, a seq of no journal", header(func(h *Header) { h.Epoch, h.Journal = 0, "" }), ErrFormat, 0},
+		{"no epoch, a journal at seq 0", header(func(h *Header) { h.Epoch, h.Seq = 0, 0 }), ErrFormat, 0},
+		// A source without a lease: no epoch, no journal, read whole.
+		{"no lease, no journal", header(func(h *Header) { h.Epoch, h.Journal, h.Seq = 0, "", 0 }), nil, len(flows)},
 		{"a header field unknown", mutate(func(b []byte) []byte {
 			return bytes.Replace(b, []byte(`"node"`), []byte(`"nope"`), 1)
 		}), ErrFormat, 0},
@@ -229,8 +236,12 @@ func TestSnapshotWriterRefusesBadFlows(t *testing.T) {
 			t.Errorf("%s: written", name)
 		}
 	}
-	if _, err := NewWriter(&buf, Header{Service: "web"}); !errors.Is(err, ErrFormat) {
-		t.Errorf("a header without an epoch: %v, want ErrFormat", err)
+	if _, err := NewWriter(&buf, Header{Service: "web", Journal: "j1", Seq: 3}); !errors.Is(err, ErrFormat) {
+		t.Errorf("a journal cursor without an epoch: %v, want ErrFormat", err)
+	}
+	// A source without a lease writes epoch 0 and no cursor.
+	if _, err := NewWriter(&buf, Header{Service: "web"}); err != nil {
+		t.Errorf("a header of no lease and no journal: %v", err)
 	}
 }
 

@@ -669,10 +669,16 @@ func TestFailover(t *testing.T) {
 // and the service on both.
 func newPair(t *testing.T, fluxvmd string) (*haLab, *edge, *edge) {
 	t.Helper()
+	return newPairAt(t, fluxvmd, 2, 1)
+}
+
+// newPairAt is newPair with the edges' ha_epoch (0: replication off).
+func newPairAt(t *testing.T, fluxvmd string, epochA, epochB int) (*haLab, *edge, *edge) {
+	t.Helper()
 	l := newHALab(t)
 	pins := testenv.PinRoot(t)
-	a := newEdge(t, "a", l.a, pins, 2)
-	b := newEdge(t, "b", l.b, pins, 1)
+	a := newEdge(t, "a", l.a, pins, epochA)
+	b := newEdge(t, "b", l.b, pins, epochB)
 	a.start(t, fluxvmd)
 	b.start(t, fluxvmd)
 	l.svc = fluxvm.Service{

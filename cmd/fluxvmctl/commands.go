@@ -77,7 +77,7 @@ var commands = []command{
 	{"policy delete", "policy delete NAME", "remove the identity policy of a service (admin)", cmdPolicyDelete},
 	{"pressure reconcile", "pressure reconcile", "run one round of the map pressure controller now (admin)", cmdPressureReconcile},
 	{"ha lease", "ha lease [-epoch N] [-superseded-by N]", "record a lease update: renew/advance, or fence this edge (admin)", cmdHALease},
-	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout", cmdConntrackExport},
+	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout; needs the north-south edge, not ha_epoch", cmdConntrackExport},
 	{"conntrack import", "conntrack import NAME FILE|- [-prune]", "apply a flow snapshot; -prune deletes the flows it lacks (admin)", cmdConntrackImport},
 	{"delta import", "delta import NAME FILE|-", "apply a delta of the peer's journal (admin)", cmdDeltaImport},
 	{"delta ack", "delta ack NAME SEQ", "trim a service's journal up to SEQ (admin)", cmdDeltaAck},

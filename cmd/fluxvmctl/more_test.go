@@ -123,6 +123,8 @@ func TestMoreRequests(t *testing.T) {
 		"POST /v1/network/services/ha/lease":           ok(t, fluxvm.HAStatus{Enabled: true, Epoch: 5, SupersededBy: 6}),
 		"POST /v1/network/services/web/conntrack/import": ok(t, ha.ImportResult{Header: ha.Header{Service: "web", Node: "edge-1", Epoch: 4, Journal: "j1", Seq: 17, Created: applied},
 			Flows: 10, Written: 8, Fresher: 1, NoBackend: 1}),
+		"POST /v1/network/services/moved/conntrack/import": ok(t, ha.ImportResult{Header: ha.Header{Service: "moved", Node: "edge-1", Created: applied},
+			Flows: 4, Written: 4}),
 		"GET /v1/network/services/web/conntrack/delta":         ok(t, delta),
 		"POST /v1/network/services/web/conntrack/delta/import": ok(t, fluxvm.HADeltaResult{Cursor: ha.Cursor{Journal: "j1", Seq: 7, Epoch: 4}, Applied: ha.ImportResult{Flows: 3, Written: 3}}),
 		"POST /v1/network/services/web/conntrack/delta/ack":    ok(t, ha.JournalStats{Journal: "j1", Epoch: 4, FirstSeq: 8, LastSeq: 9, Acked: 7, Batches: 2, Ops: 5}),
@@ -160,6 +162,8 @@ func TestMoreRequests(t *testing.T) {
 			[]string{"Replication:  on, epoch 5, FENCED (superseded by epoch 6)\n"}},
 		{"conntrack import", []string{"conntrack", "import", "web", snap, "-prune"}, "", "POST", "/v1/network/services/web/conntrack/import", "prune=true", string(snapBytes), "application/octet-stream",
 			[]string{"Service:         web\n", "Journal cursor:  j1 at seq 17\n", "Created:         2026-11-30T12:00:00Z\n", "Written:         8\n", "Fresher here:    1\n"}},
+		{"conntrack import of no lease", []string{"conntrack", "import", "moved", snap, "-prune"}, "", "POST", "/v1/network/services/moved/conntrack/import", "prune=true", string(snapBytes), "application/octet-stream",
+			[]string{"Epoch:           0 (no lease: the source runs without ha_epoch)\n", "Journal cursor:  none (no journal: deltas need ha_epoch on both nodes)\n", "Written:         4\n"}},
 		{"conntrack import stdin", []string{"conntrack", "import", "web", "-"}, "from stdin", "POST", "/v1/network/services/web/conntrack/import", "", "from stdin", "application/octet-stream",
 			[]string{"Flows read:      10\n"}},
 		{"delta", []string{"delta", "web", "-journal", "j1", "-seq", "5", "-max-ops", "100"}, "", "GET", "/v1/network/services/web/conntrack/delta", "journal=j1&max_ops=100&seq=5", "", "", []string{

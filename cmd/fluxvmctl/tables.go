@@ -520,8 +520,16 @@ func importTable(w io.Writer, r ha.ImportResult) {
 	h := r.Header
 	row(w, "Service:", dash(h.Service))
 	row(w, "Source node:", dash(h.Node))
-	row(w, "Epoch:", h.Epoch)
-	row(w, "Journal cursor:", fmt.Sprintf("%s at seq %d", dash(h.Journal), h.Seq))
+	if h.Epoch == 0 {
+		row(w, "Epoch:", "0 (no lease: the source runs without ha_epoch)")
+	} else {
+		row(w, "Epoch:", h.Epoch)
+	}
+	if h.Journal == "" && h.Seq == 0 {
+		row(w, "Journal cursor:", "none (no journal: deltas need ha_epoch on both nodes)")
+	} else {
+		row(w, "Journal cursor:", fmt.Sprintf("%s at seq %d", dash(h.Journal), h.Seq))
+	}
 	row(w, "Created:", when(h.Created))
 	importCounts(w, r)
 }

@@ -78,21 +78,28 @@ type Dataplane interface {
 	// service has no policy with an l7 part.
 	Envoy(service string) (fluxvm.EnvoyDocument, error)
 
-	// Flow-state replication (HA). With replication off, every method
-	// below but HAStatus wraps fluxvm.ErrPrerequisite; an unknown service
-	// wraps fluxvm.ErrNotFound, a closed dataplane fluxvm.ErrClosed, and
-	// the conditions of replication the errors of package ha.
+	// Flow-state transfer and replication (HA). ExportFlows and
+	// ImportFlows need the north-south edge only (else a
+	// fluxvm.ValidationError of kind fluxvm.ErrPrerequisite naming
+	// north_south_interfaces); with replication off (no ha_epoch),
+	// FlowDelta, ImportFlowDelta, AckFlowDelta and UpdateLease wrap one
+	// naming ha_epoch. An unknown service wraps fluxvm.ErrNotFound, a
+	// closed dataplane fluxvm.ErrClosed, and the conditions of
+	// replication the errors of package ha.
 
 	// ExportFlows streams a snapshot of service's flows (package ha's
 	// self-checking stream) to w, as it scans: the route writes it
-	// straight into the response. A superseded edge wraps ha.ErrFenced.
+	// straight into the response. Without replication the snapshot
+	// carries epoch 0 and no journal cursor. A superseded edge wraps
+	// ha.ErrFenced.
 	ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error)
 	// ImportFlows applies a snapshot stream read from r to service,
 	// chunk by verified chunk (an error leaves the chunks before it
 	// applied); prune also deletes the service's flows the snapshot
 	// lacks. A stream it cannot read wraps ha.ErrFormat, ha.ErrCorrupt
-	// or ha.ErrTruncated; one of another service ha.ErrService; one of
-	// an older epoch ha.ErrStaleEpoch.
+	// or ha.ErrTruncated; one of another service ha.ErrService; on an
+	// edge holding a lease, one of an older epoch (or of none, epoch 0)
+	// ha.ErrStaleEpoch.
 	ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error)
 	// FlowDelta returns the batches of service's journal after the
 	// cursor (journal, seq), at most maxOps ops but at least one batch,

@@ -54,6 +54,13 @@
 //	GET    /v1/vms/{id}/network/services/stats      one VM's service statistics
 //	GET    /metrics                                 Prometheus text format
 //
+// The snapshot routes (export, import) need the node's north-south edge
+// only: without it they answer 422 missing_prerequisite, field
+// north_south_interfaces. Without replication (no ha_epoch) a snapshot
+// carries epoch 0 and no journal cursor, and an import keeps no cursor;
+// delta, delta import, ack and the lease answer 422
+// missing_prerequisite, field ha_epoch: they need the journal.
+//
 // An export that fails after its first byte cannot change its status: the
 // answer is aborted (http.ErrAbortHandler) and the stream lacks its end
 // record, which every importer refuses. An error before it is an ordinary
@@ -110,7 +117,8 @@
 //	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
 //	unsupported_media_type  415     POST body that is not application/json
 //	unsupported             422     fluxvm.ErrUnsupported
-//	missing_prerequisite    422     fluxvm.ErrPrerequisite; a policy of a service that does not exist
+//	missing_prerequisite    422     fluxvm.ErrPrerequisite (field: the setting missing, e.g. ha_epoch,
+//	                                north_south_interfaces); a policy of a service that does not exist
 //	                                (policy.ErrNoService); the IPCacheSource of a policy reconcile failed
 //	limit_exceeded          422     fluxvm.ErrLimit
 //	internal                500     anything else; the detail goes to the log only

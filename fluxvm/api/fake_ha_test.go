@@ -20,7 +20,13 @@ import (
 // with ha.NewReader), and its cursor a real ha.Cursor, so that the
 // errors the handler maps are those of the package.
 type fakeHA struct {
-	off    bool  // replication off: every method but HAStatus wraps ErrPrerequisite
+	// off: replication off, as fluxvm does it: the snapshots work (epoch
+	// 0, no journal cursor), deltas, acks and leases wrap
+	// ErrPrerequisite naming ha_epoch.
+	off bool
+	// noNS: no north-south edge: the snapshots wrap ErrPrerequisite
+	// naming north_south_interfaces.
+	noNS   bool
 	err    error // when set, returned by every method but HAStatus
 	status fluxvm.HAStatus
 
@@ -65,10 +71,21 @@ type deltaRead struct {
 	maxOps  int
 }
 
-// haCheck is the error of an HA method for service. f.mu held.
+// haOff is fluxvm's error of a method that needs replication.
+func haOff(what string) error {
+	return fmt.Errorf("fluxvm: %w", &fluxvm.ValidationError{Field: "ha_epoch", Kind: fluxvm.ErrPrerequisite,
+		Reason: what + ": needs flow-state replication, which keeps the journals, cursors and leases: set ha_epoch (snapshots, ExportFlows and ImportFlows, need only the north-south edge)"})
+}
+
+// haCheck is the error of an HA method for service: a snapshot needs
+// the north-south edge, the others replication. f.mu held.
 func (f *fakeDataplane) haCheck(what, service string) error {
-	if f.ha.off {
-		return fmt.Errorf("fluxvm: %s %s: flow-state replication is off (set ha_epoch): %w", what, service, fluxvm.ErrPrerequisite)
+	switch snapshot := what == "export flows of" || what == "import flows of"; {
+	case snapshot && f.ha.noNS:
+		return fmt.Errorf("fluxvm: %w", &fluxvm.ValidationError{Field: "north_south_interfaces", Kind: fluxvm.ErrPrerequisite,
+			Reason: what + " " + service + ": snapshots of a service's flows need the north-south edge: set north_south_interfaces"})
+	case !snapshot && f.ha.off:
+		return haOff(what + " " + service)
 	}
 	if f.ha.err != nil {
 		return f.ha.err
@@ -119,6 +136,9 @@ func (f *fakeDataplane) ExportFlows(ctx context.Context, service string, w io.Wr
 	}
 	n, errAfter, gate, at := f.ha.exportFlows, f.ha.exportErrAfter, f.ha.exportGate, f.ha.exportGateAt
 	hdr := ha.Header{Node: "node-a", Service: service, Epoch: max(f.ha.status.Epoch, 1), Journal: f.ha.journal, Seq: f.ha.lastSeq}
+	if f.ha.off {
+		hdr = ha.Header{Node: "node-a", Service: service} // no lease, no journal
+	}
 	f.mu.Unlock()
 
 	gw := &gatedWriter{w: w, at: at, gate: gate}
@@ -271,7 +291,7 @@ func (f *fakeDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	defer f.mu.Unlock()
 	f.ha.leases = append(f.ha.leases, l)
 	if f.ha.off {
-		return fluxvm.HAStatus{}, fmt.Errorf("fluxvm: update lease: flow-state replication is off (set ha_epoch): %w", fluxvm.ErrPrerequisite)
+		return fluxvm.HAStatus{}, haOff("update lease")
 	}
 	if l.Epoch == 0 && l.SupersededBy == 0 {
 		return fluxvm.HAStatus{}, &fluxvm.ValidationError{Field: "lease", Reason: "neither an epoch nor a superseding epoch", Kind: fluxvm.ErrInvalid}

@@ -116,7 +116,9 @@ func TestHAStatusAndLease(t *testing.T) {
 	if st.Enabled {
 		t.Errorf("off: %+v", st)
 	}
-	wantError(t, lease(`{"epoch":7}`), 422, api.CodeMissingPrerequisite, "")
+	if d := wantError(t, lease(`{"epoch":7}`), 422, api.CodeMissingPrerequisite, "ha_epoch"); !strings.Contains(d.Message, "set ha_epoch") {
+		t.Errorf("lease with replication off: %q does not say to set ha_epoch", d.Message)
+	}
 }
 
 func TestExportConntrack(t *testing.T) {
@@ -155,7 +157,7 @@ func TestExportConntrack(t *testing.T) {
 	}{
 		{"unknown service", "/v1/network/services/nope/conntrack/export", nil, 404, api.CodeNotFound, "nope"},
 		{"reserved word", "/v1/network/services/ha/conntrack/export", nil, 404, api.CodeNotFound, "no such route"},
-		{"replication off", "/v1/network/services/web/conntrack/export", func(f *fakeDataplane) { f.ha.off = true }, 422, api.CodeMissingPrerequisite, "ha_epoch"},
+		{"no north-south edge", "/v1/network/services/web/conntrack/export", func(f *fakeDataplane) { f.ha.noNS = true }, 422, api.CodeMissingPrerequisite, "north_south_interfaces"},
 		{"fenced", "/v1/network/services/web/conntrack/export", func(f *fakeDataplane) {
 			f.ha.err = fmt.Errorf("fluxvm: export flows of web: ha: journal web/j1: checkpoint: epoch 3, fenced by 4: %w", ha.ErrFenced)
 		}, 409, api.CodeFenced, "fenced by 4"},
@@ -170,11 +172,24 @@ func TestExportConntrack(t *testing.T) {
 			if tc.setup != nil {
 				tc.setup(e.dp)
 			}
-			d := wantError(t, e.do(req{method: "GET", path: tc.path, token: readToken}), tc.status, tc.code, "")
+			d := wantError(t, e.do(req{method: "GET", path: tc.path, token: readToken}), tc.status, tc.code, "*")
 			if !strings.Contains(d.Message, tc.message) {
 				t.Errorf("message %q does not contain %q", d.Message, tc.message)
 			}
 		})
+	}
+
+	// Replication off: the snapshot streams all the same, under no lease
+	// and with no journal cursor.
+	e = newEnv(t)
+	e.mustApply("web")
+	e.dp.ha.off = true
+	w = e.do(req{method: "GET", path: "/v1/network/services/web/conntrack/export", token: readToken})
+	if w.Code != 200 {
+		t.Fatalf("export with replication off: %d %s", w.Code, w.Body)
+	}
+	if hdr, n, err := readSnapshot(bytes.NewReader(w.Body.Bytes())); err != nil || n != 3 || hdr.Epoch != 0 || hdr.Journal != "" || hdr.Seq != 0 {
+		t.Errorf("stream with replication off: %+v, %d flows, %v; want epoch 0, no cursor", hdr, n, err)
 	}
 }
 
@@ -344,7 +359,8 @@ func TestImportConntrack(t *testing.T) {
 		{name: "empty body", body: nil, status: 422, code: api.CodeSnapshotUnreadable, reaches: true},
 		{name: "unknown service", path: "/v1/network/services/nope/conntrack/import", body: snap, status: 404, code: api.CodeNotFound},
 		{name: "reserved word", path: "/v1/network/services/status/conntrack/import", body: snap, status: 404, code: api.CodeNotFound},
-		{name: "replication off", body: snap, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite},
+		{name: "replication off", body: snap, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 200, reaches: true},
+		{name: "no north-south edge", body: snap, setup: func(f *fakeDataplane) { f.ha.noNS = true }, status: 422, code: api.CodeMissingPrerequisite, field: "north_south_interfaces"},
 		{name: "stale epoch", body: snap, setup: func(f *fakeDataplane) {
 			f.ha.err = fmt.Errorf("fluxvm: ha: import into web: snapshot of epoch 3, this edge accepted 5: %w", ha.ErrStaleEpoch)
 		}, status: 409, code: api.CodeStaleEpoch},
@@ -502,7 +518,7 @@ func TestGetDelta(t *testing.T) {
 		{name: "fenced", query: "?journal=j1", setup: func(f *fakeDataplane) {
 			f.ha.err = fmt.Errorf("fluxvm: flow delta of web: ha: journal web/j1: since 0: epoch 3, fenced by 4: %w", ha.ErrFenced)
 		}, status: 409, code: api.CodeFenced, read: &deltaRead{"j1", 0, api.DefaultDeltaOps}},
-		{name: "replication off", setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite, read: &deltaRead{"", 0, api.DefaultDeltaOps}},
+		{name: "replication off", setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite, field: "ha_epoch", read: &deltaRead{"", 0, api.DefaultDeltaOps}},
 		{name: "unknown service", path: "/v1/network/services/nope/conntrack/delta", status: 404, code: api.CodeNotFound, read: &deltaRead{"", 0, api.DefaultDeltaOps}},
 		{name: "reserved word", path: "/v1/network/services/flows/conntrack/delta", status: 404, code: api.CodeNotFound},
 	} {
@@ -604,7 +620,7 @@ func TestImportDelta(t *testing.T) {
 		{name: "trailing data", body: body + `{}`, status: 400, code: api.CodeInvalidRequest, field: "*"},
 		{name: "syntax", body: `{"service":`, status: 400, code: api.CodeInvalidRequest, field: "*"},
 		{name: "text/plain", body: body, contentType: "text/plain", status: 415, code: api.CodeUnsupportedMediaType},
-		{name: "replication off", body: body, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite, reaches: true},
+		{name: "replication off", body: body, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite, field: "ha_epoch", reaches: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t)
@@ -670,7 +686,7 @@ func TestAckDelta(t *testing.T) {
 		{name: "repeated", body: `{"seq":1,"seq":2}`, status: 400, code: api.CodeInvalidRequest, field: "seq"},
 		{name: "unknown field", body: `{"seq":1,"journal":"j1"}`, status: 400, code: api.CodeInvalidRequest, field: "journal"},
 		{name: "unknown service", path: "/v1/network/services/nope/conntrack/delta/ack", body: `{"seq":1}`, status: 404, code: api.CodeNotFound},
-		{name: "replication off", body: `{"seq":1}`, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite},
+		{name: "replication off", body: `{"seq":1}`, setup: func(f *fakeDataplane) { f.ha.off = true }, status: 422, code: api.CodeMissingPrerequisite, field: "ha_epoch"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t)

@@ -29,10 +29,14 @@
 //	                                                service that does not exist
 //	POST   /v1/network/services/policies/reconcile  re-read the ipcache (Options.IPCacheSource, when set) and
 //	                                                recompile and rewrite every policy; 200 + PoliciesStatus
+//	POST   /v1/network/services/pressure/reconcile  run a map pressure round now (GC, shedding, the hard
+//	                                                action at the hard threshold); 200 + fluxvm.PressureRound
 //	GET    /v1/network/services/{name}              one service; 404 when absent
 //	DELETE /v1/network/services/{name}              remove a service; 204
 //	GET    /v1/network/services/{name}/policy       one service's identity policy (PolicyStatus); 404 when none
 //	DELETE /v1/network/services/{name}/policy       remove a service's identity policy; 204, 404 when none
+//	GET    /v1/network/services/{name}/l7/envoy     the Envoy/xDS document of the service's L7 policy; 404 when
+//	                                                the service has no l7 policy
 //	GET    /v1/network/services/ha                  flow-state replication state (fluxvm.HAStatus)
 //	POST   /v1/network/services/ha/lease            a lease update (fluxvm.HALease); 200 + HAStatus, 409 stale_epoch
 //	GET    /v1/network/services/{name}/conntrack/export
@@ -66,12 +70,12 @@
 // record, which every importer refuses. An error before it is an ordinary
 // JSON error.
 //
-// The fixed segments under /v1/network/services/, those of these routes
-// and those planned, are reserved ([fluxvm.ReservedNames]: advertisements,
+// The fixed segments under /v1/network/services/, those of these routes,
+// are reserved ([fluxvm.ReservedNames]: advertisements,
 // conntrack, flows, ha, health, policies, pressure, stats, status, telemetry):
 // validation refuses them as service names, and the {name} routes never
-// answer one as a service. GET of a reserved word that is not a route of
-// this build (GET /v1/network/services/pressure) is 404 "no such route", so a
+// answer one as a service. GET of a reserved word that is only a prefix
+// of routes (GET /v1/network/services/pressure) is 404 "no such route", so a
 // later route never hides a service, nor a service a route. DELETE of a
 // reserved word removes only a service restored under it from an older
 // catalog (fluxvm keeps such a service serving, with a warning).
@@ -115,7 +119,8 @@
 //	request_timeout         408     the body did not arrive within Options.BodyTimeout
 //	conflict                409     fluxvm.ErrConflict; a service named twice in one policy request
 //	payload_too_large       413     body over Options.MaxBodyBytes (fluxvm.ErrTooLarge)
-//	unsupported_media_type  415     POST body that is not application/json
+//	unsupported_media_type  415     a POST body not of the route's media type (application/json;
+//	                                application/octet-stream for …/conntrack/import)
 //	unsupported             422     fluxvm.ErrUnsupported
 //	missing_prerequisite    422     fluxvm.ErrPrerequisite (field: the setting missing, e.g. ha_epoch,
 //	                                north_south_interfaces); a policy of a service that does not exist
@@ -123,6 +128,17 @@
 //	limit_exceeded          422     fluxvm.ErrLimit
 //	internal                500     anything else; the detail goes to the log only
 //	unavailable             503     the request ended (client gone, deadline) before a GC or health round finished, or the dataplane is shutting down
+//
+// The HA state transfer routes add (package ha's errors):
+//
+//	reset_required          409     the delta cannot continue the cursor: load a snapshot (ha.ErrResetRequired)
+//	sequence_gap            409     the delta does not continue the cursor contiguously (ha.ErrGap)
+//	stale_epoch             409     an epoch older than the newest this edge accepted (ha.ErrStaleEpoch)
+//	fenced                  409     this edge's lease was superseded (ha.ErrFenced)
+//	cursor_ahead            409     a seq past the journal's last sealed batch (ha.ErrCursorAhead)
+//	snapshot_corrupt        400     a snapshot truncated or failing its checksums (ha.ErrTruncated, ha.ErrCorrupt)
+//	service_mismatch        400     a snapshot or delta of another service than the path's (ha.ErrService)
+//	snapshot_unreadable     422     not a snapshot, or a format, schema or map set this node does not read (ha.ErrFormat)
 //
 // "field" is present when a [fluxvm.ValidationError] names one.
 //

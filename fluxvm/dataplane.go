@@ -65,6 +65,11 @@ type Options struct {
 	NodeName string
 	// GCInterval is the conntrack GC period; 0 means DefaultConntrackGCInterval and
 	// a negative value turns the timer off (GC then runs on demand only).
+	// The timer's period adapts around it (an eighth of it, at least
+	// MinConntrackGCInterval, up to twice it), and its next GC is due one
+	// period after the last GC began, whoever ran it: the timer, GC, a
+	// pressure round, or an earlier process on the same pins
+	// (bpf.GCMark), so restarts do not postpone it.
 	GCInterval time.Duration
 	// Timeouts are the conntrack timeouts; zero means the defaults.
 	Timeouts conntrack.Timeouts

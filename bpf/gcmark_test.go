@@ -12,10 +12,10 @@ import (
 )
 
 // TestGCMark writes the conntrack GC's mark and reads it back through
-// the pins after a restart, a program-generation reload and a tier change
-// (each of which recreates the object's maps but this one); a pin of
-// another layout is refused by GCMark and replaced by SetGCMark; Remove
-// takes it with the pin root.
+// the pins after a restart, a program-generation reload, a tier change
+// and a compaction (each recreates maps of the object's, never this
+// one); a pin of another layout is refused by GCMark and replaced by
+// SetGCMark; Remove takes it with the pin root.
 func TestGCMark(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	d := openT(t, Options{PinRoot: root, Tier: TierS})
@@ -71,6 +71,12 @@ func TestGCMark(t *testing.T) {
 		t.Fatalf("status %+v, want a tier change", d.Status())
 	}
 	check("tier change", d)
+
+	putCT(t, d, 10)
+	if _, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 5}}); err != nil {
+		t.Fatal(err)
+	}
+	check("compaction", d)
 
 	// A pin of another layout under the name.
 	path := filepath.Join(root, "maps", GCMarkPin)

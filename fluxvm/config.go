@@ -210,7 +210,9 @@ type Config struct {
 	// often). Default 2s, range MinPressureInterval..MaxPressureInterval.
 	PressureInterval Duration `toml:"pressure_interval"`
 	// ConntrackGCInterval is how often userspace garbage-collects
-	// conntrack and reverse-NAT entries. Default 30s, range 1s..1h.
+	// conntrack and reverse-NAT entries (Options.GCInterval: the period
+	// adapts around it and counts from the last GC, also across
+	// restarts). Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
 	// Conntrack idle timeouts by protocol state, whole seconds in
 	// conntrack.MinTimeout..conntrack.MaxTimeout (2s..168h). Defaults are

@@ -65,6 +65,11 @@ type Options struct {
 	NodeName string
 	// GCInterval is the conntrack GC period; 0 means DefaultConntrackGCInterval and
 	// a negative value turns the timer off (GC then runs on demand only).
+	// The timer's period adapts around it (an eighth of it, at least
+	// MinConntrackGCInterval, up to twice it), and its next GC is due one
+	// period after the last GC began, whoever ran it: the timer, GC, a
+	// pressure round, or an earlier process on the same pins
+	// (bpf.GCMark), so restarts do not postpone it.
 	GCInterval time.Duration
 	// Timeouts are the conntrack timeouts; zero means the defaults.
 	Timeouts conntrack.Timeouts
@@ -165,8 +170,15 @@ type Dataplane struct {
 	// pdone stop and await its loop.
 	pressure     *pressureCtl
 	pstop, pdone chan struct{}
-	// gcEvery is the GC timer's current period (gcLoop adapts it).
+	// gcEvery is the GC timer's current period (it adapts: noteGC),
+	// gcBase the configured one (0: no timer), gcLast when the last GC
+	// began on the datapath's clock, whoever ran it: the timer, GC on
+	// demand, a pressure round, or an earlier process (resumeGC reads it
+	// from the pinned bpf.GCMark). The timer's next GC is due at
+	// gcLast+gcEvery.
 	gcEvery atomic.Int64
+	gcLast  atomic.Int64
+	gcBase  time.Duration
 	caps    bpf.Capacities
 	limits  Limits
 	inner   *ebpf.MapSpec
@@ -395,8 +407,7 @@ func Open(opts Options) (*Dataplane, error) {
 	d.startSocketDestroy()
 	if opts.GCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
-		d.gcEvery.Store(int64(opts.GCInterval))
-		go d.gcLoop(opts.GCInterval)
+		go d.gcLoop(d.resumeGC(opts.GCInterval))
 	}
 	// GC on demand only (a negative GCInterval) leaves the controller's
 	// timer off too, unless PressureInterval asks for it.
@@ -1094,7 +1105,13 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // runs without the dataplane's lock, so other calls proceed meanwhile;
 // Close cancels it and waits for it to return, and a GC it interrupted,
 // or one called after Close, fails with an error matching ErrClosed.
-func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
+// The GC timer counts from it: the timer's next GC is due one period
+// after the last GC began, whoever ran it (gctimer.go).
+func (d *Dataplane) GC(ctx context.Context) (GCResult, error) { return d.gc(ctx, false) }
+
+// gc is GC; timer says the GC timer runs it, whose period adapts to
+// what it found (noteGC).
+func (d *Dataplane) gc(ctx context.Context, timer bool) (_ GCResult, err error) {
 	ctx, span := d.startSpan(ctx, SpanGC)
 	defer endSpan(span, &err)
 	now, err := conntrack.Now()
@@ -1144,6 +1161,7 @@ func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
 		AttrGCCollected.Int(res.Expired+res.Drained+res.BackendGone+res.Orphans))
 	d.mu.Lock()
 	d.lastGC = &res
+	d.noteGC(now, res, timer)
 	// Flows naming the ids quarantined before the scan are gone now.
 	d.sids.releaseQuarantinedBefore(smark)
 	if d.bids.releaseQuarantinedBefore(bmark) > 0 {
@@ -1153,61 +1171,4 @@ func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
 	}
 	d.mu.Unlock()
 	return res, nil
-}
-
-func (d *Dataplane) gcLoop(base time.Duration) {
-	defer close(d.done)
-	every := base
-	t := time.NewTimer(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-d.stop:
-			return
-		case <-t.C:
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), base)
-		r, err := d.GC(ctx)
-		cancel()
-		switch {
-		case errors.Is(err, ErrClosed):
-			return
-		case err != nil:
-			d.log.Warn("fluxvm: conntrack gc failed", "err", err)
-		default:
-			if r.Expired+r.Drained+r.BackendGone+r.Orphans+r.Repaired > 0 {
-				d.log.Debug("fluxvm: conntrack gc", "scanned", r.Scanned, "expired", r.Expired,
-					"drained", r.Drained, "backend_gone", r.BackendGone, "orphans", r.Orphans, "repaired", r.Repaired)
-			}
-			if next := nextGCInterval(base, every, r); next != every {
-				d.log.Debug("fluxvm: conntrack gc interval adapted", "interval", next, "configured", base)
-				every = next
-			}
-		}
-		d.gcEvery.Store(int64(every))
-		t.Reset(every)
-	}
-}
-
-// nextGCInterval adapts the GC period to what the last run found: while
-// flows expire in bulk (a tenth or more of the entries scanned removed)
-// it halves, down to an eighth of the configured period (and never below
-// MinConntrackGCInterval), so that a table filling with dead flows is
-// emptied before it is full; when a run removes nothing it doubles, up to
-// twice the configured period; otherwise it moves back toward the
-// configured period.
-func nextGCInterval(base, cur time.Duration, r GCResult) time.Duration {
-	lo, hi := max(base/8, min(MinConntrackGCInterval, base)), 2*base
-	removed := r.Expired + r.Drained + r.BackendGone
-	switch {
-	case r.Scanned > 0 && removed*10 >= r.Scanned:
-		return max(cur/2, lo)
-	case removed == 0:
-		return min(cur*2, hi)
-	case cur < base:
-		return min(cur*2, base)
-	case cur > base:
-		return max(cur/2, base)
-	}
-	return cur
 }

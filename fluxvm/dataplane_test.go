@@ -662,7 +662,7 @@ func testGCDuringClose(t *testing.T, timer bool) {
 	if timer {
 		// The GC timer, as Open starts it, ticking faster than a scan.
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
-		go d.gcLoop(max(r.Duration/4, time.Millisecond))
+		go d.gcLoop(d.resumeGC(max(r.Duration/4, time.Millisecond)))
 	}
 
 	const workers = 3

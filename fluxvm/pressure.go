@@ -71,7 +71,9 @@ type PressureStatus struct {
 	LastRound *PressureRound `json:"last_round,omitempty"`
 	Rounds    uint64         `json:"rounds"`
 	// GCInterval is the GC timer's period now (it adapts: shorter while
-	// flows expire in bulk, longer when idle; 0: no timer).
+	// flows expire in bulk, longer when idle; 0: no timer). Its next GC
+	// is due this long after the last GC began, whoever ran it (a round
+	// included).
 	GCInterval Duration `json:"gc_interval,omitzero"`
 	// Error is why the levels could not be read; Unsupported says the
 	// kernel cannot count (before 6.6): the controller then runs its GC

@@ -32,6 +32,7 @@ type PinRootLock struct {
 	root    string
 	f       *os.File
 	mounted bool
+	made    int // directories LockPinRoot created: the root and its parents
 }
 
 // LockPinRoot checks opts.PinRoot as Open does (absolute, strictly below a
@@ -94,7 +95,7 @@ func LockPinRoot(opts Options) (*PinRootLock, error) {
 				return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
 			}
 		}
-		return &PinRootLock{root: root, f: f, mounted: mounted}, nil
+		return &PinRootLock{root: root, f: f, mounted: mounted, made: made}, nil
 	}
 	return nil, fmt.Errorf("bpf: pin root %s: removed and recreated while being locked, three times: %w", root, ErrInUse)
 }
@@ -113,6 +114,30 @@ func (l *PinRootLock) Release() error {
 	err := l.f.Close()
 	l.f = nil
 	return err
+}
+
+// Abandon undoes LockPinRoot for a start that failed: when LockPinRoot
+// created the pin root and nothing was pinned in it since (only the empty
+// directories a datapath makes are there), it removes the pin root and
+// the parents it created, when they are empty; then it releases. A pin
+// root that holds pins, or that existed before, is left as it is.
+func (l *PinRootLock) Abandon() error {
+	if l == nil || l.f == nil {
+		return nil
+	}
+	if l.made > 0 {
+		for _, dir := range []string{mapDir(l.root), linkDir(l.root), filepath.Join(l.root, madeParents+strconv.Itoa(l.made-1))} {
+			os.Remove(dir) // fails when not empty: then so does the root's
+		}
+		p := l.root
+		for range l.made {
+			if p == bpffs.DefaultRoot || os.Remove(p) != nil {
+				break
+			}
+			p = filepath.Dir(p)
+		}
+	}
+	return l.Release()
 }
 
 // mkdirCounting creates dir and its missing parents and returns how many

@@ -226,3 +226,35 @@ func readAdvert(t *testing.T, path string) advert.Snapshot {
 	}
 	return s
 }
+
+// TestFailedOpenLeavesNoPinRoot: an Open that fails after taking the pin
+// root (here: no object in ObjectDir) removes the pin root and the parent
+// it created for it, and lets it go; one that fails validation first
+// creates nothing.
+func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
+	parent := filepath.Join(testenv.PinRoot(t), "fluxvm")
+	root := filepath.Join(parent, "service")
+	opts := Options{Loader: bpf.Options{PinRoot: root, Tier: bpf.TierS, ObjectDir: t.TempDir()}, GCInterval: -1}
+	if d, err := Open(opts); err == nil {
+		d.Close()
+		t.Fatal("Open without an object succeeded")
+	}
+	if _, err := os.Stat(parent); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the failed Open left %s: %v", parent, err)
+	}
+	opts.Loader.ObjectDir = ""
+	opts.PressureSoftPercent = 101
+	if _, err := Open(opts); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Open with pressure_soft_percent 101: %v, want ErrInvalid", err)
+	}
+	if _, err := os.Stat(parent); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the invalid Open left %s: %v", parent, err)
+	}
+	// Nothing holds the pin root: an Open with good options goes ahead.
+	opts.PressureSoftPercent = 0
+	d, err := Open(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+}

@@ -308,9 +308,18 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	hs, err := newHASync(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	pc, err := newPressureCtl(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	// The pin root is this dataplane's alone, before anything changes:
 	// a second Open on it (in this process or another) fails with
-	// ErrInUse. Close and Cleanup let it go, as does a failed Open.
+	// ErrInUse. Close and Cleanup let it go; a failed Open too, removing
+	// the pin root again when it made it and nothing was pinned.
 	lk, err := bpf.LockPinRoot(opts.Loader)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
@@ -318,7 +327,7 @@ func Open(opts Options) (*Dataplane, error) {
 	opened := false
 	defer func() {
 		if !opened {
-			lk.Release()
+			lk.Abandon()
 		}
 	}()
 	// fq goes on edt_interfaces first, all or nothing: a failure of
@@ -338,14 +347,6 @@ func Open(opts Options) (*Dataplane, error) {
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
 	// empty frontend map and passes untranslated.
-	hs, err := newHASync(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	pc, err := newPressureCtl(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect

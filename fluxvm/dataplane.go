@@ -275,6 +275,13 @@ type iface struct {
 // restores the catalog, attaches the configured interfaces, publishes the
 // VIP advertisements of the restored catalog and starts the health
 // checks and the GC timer.
+//
+// The pin root (Loader.PinRoot) is the dataplane's alone from before Open
+// changes anything until Close or Cleanup: Open takes an exclusive lock
+// on it (bpf.LockPinRoot), and a second Open on it, in this process or
+// another, fails with an error matching ErrInUse that names the holder.
+// A failed Open lets it go, removing it again when Open created it and
+// nothing was pinned.
 func Open(opts Options) (*Dataplane, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -671,8 +678,11 @@ func (d *Dataplane) stopGC() {
 // finish first, and the catalog journal is compacted into the catalog
 // file (journal.go). A second Close does nothing and returns nil.
 //
-// After Close (or Cleanup), every method that returns an error fails with
-// an error matching ErrClosed and touches no map. Status, Services, Health
+// Close lets the pin root go: another Open (or the package-level
+// Cleanup) may take it from then on.
+//
+// After Close (or Cleanup), every method that returns an error, but
+// Cleanup, fails with an error matching ErrClosed and touches no map. Status, Services, Health
 // and Advertisements, which read only the dataplane's memory, keep
 // answering: with the state as it was at Close, or after Cleanup that of
 // an empty dataplane (no services, no interfaces, every VIP withdrawn).

@@ -258,3 +258,27 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 	}
 	d.Close()
 }
+
+// ExampleParseCleanupConfig reads where a node's state lives from a
+// configuration that ParseConfig refuses (HA without its north-south
+// edge): what fluxvmd cleanup does before fluxvm.Cleanup.
+func ExampleParseCleanupConfig() {
+	doc := []byte(`
+[sandbox.dataplane.service]
+pin_root = "/sys/fs/bpf/node-a/service"
+catalog_path = "/var/lib/fluxvm/node-a.json"
+ha_epoch = 3
+`)
+	_, err := ParseConfig(doc)
+	fmt.Println(err != nil)
+	o, err := ParseCleanupConfig(doc)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(o.PinRoot, o.CatalogPath, o.CatalogPath+LeaseFileSuffix)
+	// A real cleanup: err = Cleanup(o); errors.Is(err, ErrInUse) while a
+	// dataplane holds the pin root.
+	// Output:
+	// true
+	// /sys/fs/bpf/node-a/service /var/lib/fluxvm/node-a.json /var/lib/fluxvm/node-a.json.ha-lease
+}

@@ -684,8 +684,9 @@ func (d *Dataplane) stopGC() {
 // After Close (or Cleanup), every method that returns an error, but
 // Cleanup, fails with an error matching ErrClosed and touches no map.
 // Status, Services, Health and Advertisements, which read only the
-// dataplane's memory, keep answering: with the state as it was at Close, or after Cleanup that of
-// an empty dataplane (no services, no interfaces, every VIP withdrawn).
+// dataplane's memory, keep answering: with the state as it was at Close,
+// or after Cleanup that of an empty dataplane (no services, no
+// interfaces, every VIP withdrawn).
 func (d *Dataplane) Close() error {
 	if !d.markClosed() {
 		return nil

@@ -335,47 +335,10 @@ func (d *Datapath) updateLinks() (updated, severed []string, err error) {
 
 // Remove detaches every attachment of ours in the calling thread's network
 // namespace, removes the pin root with everything pinned in it, and closes
-// the datapath. Nothing outside the pin root is touched.
+// the datapath (RemoveRoot after Close). Nothing outside the pin root is
+// touched, but the parents of the pin root that LockPinRoot created, when
+// they are empty.
 func (d *Datapath) Remove() error {
-	var errs []error
-	errs = append(errs, d.removeXDPLinks(), d.removeCgroupLinks())
-	if as, err := d.Attachments(); err == nil {
-		for _, a := range as {
-			if a.Mode == AttachClsBPF {
-				errs = append(errs, d.Detach(Interface{Index: a.Ifindex}, a.Hook))
-				continue
-			}
-			// Closing the last descriptor of an unpinned link detaches
-			// it before Close returns; merely removing the pin would
-			// leave the kernel to release it later, so Remove could
-			// return with the programs still running.
-			if l, err := link.LoadPinnedLink(d.linkPin(a.Ifindex, a.Hook), nil); err == nil {
-				errs = append(errs, l.Unpin(), l.Close())
-			}
-		}
-	} else {
-		errs = append(errs, err)
-	}
 	d.Close()
-	// Unpinning the links and maps drops the kernel's last references.
-	for _, dir := range []string{linkDir(d.opts.PinRoot), mapDir(d.opts.PinRoot)} {
-		entries, err := os.ReadDir(dir)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, err)
-			continue
-		}
-		for _, e := range entries {
-			errs = append(errs, os.Remove(filepath.Join(dir, e.Name())))
-		}
-		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, err)
-		}
-	}
-	if err := os.Remove(d.opts.PinRoot); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("bpf: remove %s (not empty: something else lives there?): %w", d.opts.PinRoot, err))
-	}
-	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("bpf: remove: %w", err)
-	}
-	return nil
+	return RemoveRoot(d.opts.PinRoot)
 }

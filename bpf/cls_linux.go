@@ -77,7 +77,9 @@ func ourFilter(l netlink.Link, hook Hook) (*netlink.BpfFilter, error) {
 }
 
 // detachClsBPF removes our cls_bpf filter from the hook of interface
-// index (called name in errors).
+// index (called name in errors). Our filter of another hook in the same
+// direction (from_vm and ns_in are both ingress, to_vm and ns_out both
+// egress) is not the hook's: detaching finds it not attached.
 func detachClsBPF(index int, hook Hook, name string) error {
 	l, err := netlink.LinkByIndex(index)
 	if err != nil {
@@ -87,7 +89,7 @@ func detachClsBPF(index int, hook Hook, name string) error {
 	if err != nil {
 		return err
 	}
-	if f == nil {
+	if prog, _ := hook.program(); f == nil || f.Name != clsPrefix+prog {
 		return fmt.Errorf("bpf: detach %s from %s: %w", hook, name, ErrNotAttached)
 	}
 	if err := netlink.FilterDel(f); err != nil {
@@ -96,22 +98,71 @@ func detachClsBPF(index int, hook Hook, name string) error {
 	return nil
 }
 
-// clsBPFAttachments lists our cls_bpf filters on every interface of the
-// calling thread's network namespace.
-func clsBPFAttachments() ([]Attachment, error) {
+// clsFilter is one of our cls_bpf filters.
+type clsFilter struct {
+	link netlink.Link
+	f    *netlink.BpfFilter
+}
+
+// ourClsFilters lists our cls_bpf filters (priority 1, name prefix
+// "fluxvm:") on every interface of the calling thread's network
+// namespace, each once: a direction holds one filter at priority 1,
+// whichever hook's program it runs.
+func ourClsFilters() ([]clsFilter, error) {
 	links, err := netlink.LinkList()
 	if err != nil {
 		return nil, err
 	}
-	var out []Attachment
+	var out []clsFilter
 	for _, l := range links {
-		for _, hook := range Hooks {
-			f, err := ourFilter(l, hook)
-			if err != nil || f == nil {
-				continue
+		for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+			fs, err := netlink.FilterList(l, parent)
+			if err != nil {
+				continue // no clsact on it
 			}
-			out = append(out, Attachment{Ifname: l.Attrs().Name, Ifindex: l.Attrs().Index, Hook: hook, Mode: AttachClsBPF, Program: strings.TrimPrefix(f.Name, clsPrefix)})
+			for _, f := range fs {
+				bf, ok := f.(*netlink.BpfFilter)
+				if ok && bf.Priority == 1 && strings.HasPrefix(bf.Name, clsPrefix) {
+					out = append(out, clsFilter{link: l, f: bf})
+				}
+			}
 		}
 	}
 	return out, nil
+}
+
+// clsBPFAttachments lists our cls_bpf filters on every interface of the
+// calling thread's network namespace, by the hook whose program each runs
+// (its name after the prefix): one Attachment per filter.
+func clsBPFAttachments() ([]Attachment, error) {
+	fs, err := ourClsFilters()
+	if err != nil {
+		return nil, err
+	}
+	var out []Attachment
+	for _, c := range fs {
+		prog := strings.TrimPrefix(c.f.Name, clsPrefix)
+		for _, hook := range Hooks {
+			if p, _ := hook.program(); p == prog && clsParent(hook) == c.f.Parent {
+				out = append(out, Attachment{Ifname: c.link.Attrs().Name, Ifindex: c.link.Attrs().Index, Hook: hook, Mode: AttachClsBPF, Program: prog})
+			}
+		}
+	}
+	return out, nil
+}
+
+// removeClsBPF deletes every cls_bpf filter of ours (ourClsFilters),
+// whatever program it runs, in the calling thread's network namespace.
+func removeClsBPF() error {
+	fs, err := ourClsFilters()
+	if err != nil {
+		return fmt.Errorf("bpf: cls_bpf filters: %w", err)
+	}
+	var errs []error
+	for _, c := range fs {
+		if err := netlink.FilterDel(c.f); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("bpf: detach %s from %s (cls_bpf): %w", c.f.Name, c.link.Attrs().Name, err))
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -22,3 +22,5 @@ func detachClsBPF(index int, hook Hook, name string) error {
 }
 
 func clsBPFAttachments() ([]Attachment, error) { return nil, nil }
+
+func removeClsBPF() error { return nil }

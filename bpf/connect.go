@@ -314,16 +314,3 @@ func hookIndex(h CgroupHook) int {
 	}
 	return len(CgroupHooks)
 }
-
-// removeCgroupLinks detaches every socket hook pinned under the root.
-func (d *Datapath) removeCgroupLinks() error {
-	as, err := d.CgroupAttachments()
-	if err != nil {
-		return err
-	}
-	var errs []error
-	for _, a := range as {
-		errs = append(errs, d.detachCgroupID(a.ID, strconv.FormatUint(a.ID, 10)))
-	}
-	return errors.Join(errs...)
-}

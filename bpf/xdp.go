@@ -320,27 +320,6 @@ func (d *Datapath) DetachXDP(ifc Interface) error {
 	return nil
 }
 
-// removeXDPLinks detaches every XDP link pinned under the root.
-func (d *Datapath) removeXDPLinks() error {
-	entries, err := os.ReadDir(linkDir(d.opts.PinRoot))
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		return err
-	}
-	var errs []error
-	for _, e := range entries {
-		if _, ok := parseXDPPin(e.Name()); !ok {
-			continue
-		}
-		if l, err := link.LoadPinnedLink(filepath.Join(linkDir(d.opts.PinRoot), e.Name()), nil); err == nil {
-			errs = append(errs, l.Unpin(), l.Close())
-		}
-	}
-	return errors.Join(errs...)
-}
-
 // foreignXDP fails with ErrForeignProgram when an XDP program is attached
 // to the interface (we have no link of ours there at this point).
 func foreignXDP(name string, index int) error {

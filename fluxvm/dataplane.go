@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -209,6 +208,10 @@ type Dataplane struct {
 	// deleted, but not applied again under that name.
 	legacyNames map[string]bool
 
+	// lock holds the pin root while the dataplane is open (Close and
+	// Cleanup release it).
+	lock *bpf.PinRootLock
+
 	stop chan struct{}
 	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later call
@@ -287,6 +290,13 @@ type iface struct {
 // restores the catalog, attaches the configured interfaces, publishes the
 // VIP advertisements of the restored catalog and starts the health
 // checks and the GC timer.
+//
+// The pin root (Loader.PinRoot) is the dataplane's alone from before Open
+// changes anything until Close or Cleanup: Open takes an exclusive lock
+// on it (bpf.LockPinRoot), and a second Open on it, in this process or
+// another, fails with an error matching ErrInUse that names the holder.
+// A failed Open lets it go, removing it again when Open created it and
+// nothing was pinned.
 func Open(opts Options) (*Dataplane, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -320,13 +330,34 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	hs, err := newHASync(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	pc, err := newPressureCtl(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	// The pin root is this dataplane's alone, before anything changes:
+	// a second Open on it (in this process or another) fails with
+	// ErrInUse. Close and Cleanup let it go; a failed Open too, removing
+	// the pin root again when it made it and nothing was pinned.
+	lk, err := bpf.LockPinRoot(opts.Loader)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	opened := false
+	defer func() {
+		if !opened {
+			lk.Abandon()
+		}
+	}()
 	// fq goes on edt_interfaces first, all or nothing: a failure of
 	// Open from here on removes it again.
 	fq, err := openFQ(opts)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	opened := false
 	defer func() {
 		if !opened {
 			if err := rollbackFQ(opts, fq); err != nil {
@@ -338,14 +369,6 @@ func Open(opts Options) (*Dataplane, error) {
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
 	// empty frontend map and passes untranslated.
-	hs, err := newHASync(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	pc, err := newPressureCtl(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
@@ -354,7 +377,7 @@ func Open(opts Options) (*Dataplane, error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,
+		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
@@ -669,11 +692,15 @@ func (d *Dataplane) stopGC() {
 // finish first, and the catalog journal is compacted into the catalog
 // file (journal.go). A second Close does nothing and returns nil.
 //
-// After Close (or Cleanup), every method that returns an error fails with
-// an error matching ErrClosed and touches no map. Status, Services, Health
-// and Advertisements, which read only the dataplane's memory, keep
-// answering: with the state as it was at Close, or after Cleanup that of
-// an empty dataplane (no services, no interfaces, every VIP withdrawn).
+// Close lets the pin root go: another Open (or the package-level
+// Cleanup) may take it from then on.
+//
+// After Close (or Cleanup), every method that returns an error, but
+// Cleanup, fails with an error matching ErrClosed and touches no map.
+// Status, Services, Health and Advertisements, which read only the
+// dataplane's memory, keep answering: with the state as it was at Close,
+// or after Cleanup that of an empty dataplane (no services, no
+// interfaces, every VIP withdrawn).
 func (d *Dataplane) Close() error {
 	if !d.markClosed() {
 		return nil
@@ -694,21 +721,30 @@ func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	return errors.Join(cerr, d.dp.Close())
+	return errors.Join(cerr, d.dp.Close(), d.lock.Release())
 }
 
-// Cleanup removes everything the dataplane owns: it detaches the VM-edge
-// and north-south programs and the socket hooks, deletes the pin root, the
-// fq qdiscs of edt_manage_fq (on every interface of the node's namespace
-// that has FluxVM's, handle f1d0:) and the catalog (file and journal),
-// and closes.
+// Cleanup removes everything the dataplane owns: it stops the dataplane
+// as Close does, publishes a snapshot with no advertisements, and then
+// removes what the package-level Cleanup removes, with the pin root
+// still held: the VM-edge, north-south, XDP and socket-hook attachments,
+// the pin root (and its parents that Open created, when they are
+// empty), the fq qdiscs of edt_manage_fq (on every interface of the
+// node's namespace that has FluxVM's, handle f1d0:), the catalog (file and
+// journal) and the HA lease file next to it (see Cleanup for why).
 // The advertisement file is not removed: Cleanup publishes a snapshot with
 // no entries, so that routing adapters withdraw every VIP (a missing file
 // would leave them to guess); when that snapshot cannot be written,
 // Cleanup still removes the rest and returns an error saying so.
+//
+// After Close, Cleanup does what the package-level Cleanup does with this
+// dataplane's pin root, catalog and advertisement file: it takes the pin
+// root again (ErrInUse if another Dataplane opened it meanwhile) and
+// removes what the closed dataplane left. So does a second Cleanup, which
+// then finds nothing left to remove.
 func (d *Dataplane) Cleanup() error {
 	if !d.markClosed() {
-		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
+		return Cleanup(d.cleanupOptions())
 	}
 	d.inflight.Wait()
 	d.stopHealth()
@@ -734,33 +770,13 @@ func (d *Dataplane) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	err := d.opts.InNamespace(func() error {
-		for _, ifc := range d.ifaces {
-			for _, h := range hooksOf(ifc.kind) {
-				if err := d.dp.Detach(bpf.Interface{Index: ifc.index}, h); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
-					errs = append(errs, err)
-				}
-			}
-		}
-		return d.dp.Remove()
-	})
-	errs = append(errs, err, removeAllFQ(d.opts))
+	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.lock.Release())
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
 	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
 	d.sock.removed()
 	clear(d.health.observed)
-	if d.opts.CatalogPath != "" {
-		if err := removeCatalogFiles(d.opts.CatalogPath); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if d.ha != nil && d.ha.leasePath != "" {
-		if err := os.Remove(d.ha.leasePath); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			errs = append(errs, fmt.Errorf("ha lease: %w", err))
-		}
-	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}

@@ -27,6 +27,7 @@ var (
 	// ErrNotFound: no such service or VM.
 	ErrNotFound = errors.New("not found")
 	// ErrClosed: the Dataplane was closed (Close or Cleanup); it reads
-	// and changes no map any more (see Dataplane.Close).
+	// and changes no map any more (see Dataplane.Close; Cleanup still
+	// removes what is left).
 	ErrClosed = errors.New("dataplane closed")
 )

@@ -158,7 +158,7 @@ func newHASync(o Options) (*haSync, error) {
 		h.interval = DefaultHAInterval
 	}
 	if o.CatalogPath != "" {
-		h.leasePath = o.CatalogPath + ".ha-lease"
+		h.leasePath = o.CatalogPath + LeaseFileSuffix
 		data, err := os.ReadFile(h.leasePath)
 		switch {
 		case errors.Is(err, fs.ErrNotExist):

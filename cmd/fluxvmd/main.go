@@ -11,9 +11,12 @@
 // the fq qdiscs of edt_manage_fq and the catalog stay, and the next start
 // adopts them without disturbing established flows. The VIP advertisement
 // snapshot (advertisements_path) stays as last published. `cleanup`
-// detaches the programs, removes the pin root, FluxVM's fq qdiscs and the
-// catalog, and publishes an empty advertisement snapshot so that routing
-// adapters withdraw every VIP.
+// (fluxvm.Cleanup) detaches the programs, removes the pin root, FluxVM's
+// fq qdiscs, the catalog and the HA lease file, and publishes an empty
+// advertisement snapshot so that routing adapters withdraw every VIP. It
+// reads only pin_root, catalog_path, advertisements_path and node_name
+// from the file (a file that no longer validates can be cleaned up), and
+// fails, changing nothing, while a fluxvmd runs on the pin root.
 //
 // Tokens come from the files named in the [sandbox.dataplane.service.api]
 // table or from FLUXVM_ADMIN_TOKEN / FLUXVM_READ_TOKEN; an admin token is
@@ -86,6 +89,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	log := slog.New(h)
 
+	if cmd == "cleanup" {
+		return cleanup(*cfgPath, log)
+	}
 	cfg, err := loadConfig(*cfgPath)
 	if err != nil {
 		return err
@@ -109,8 +115,6 @@ func run(ctx context.Context, args []string) error {
 		cfg.CgroupPath = cgroup
 		fmt.Print(describeConfig(cfg.Config))
 		return nil
-	case "cleanup":
-		return cleanup(cfg.Config, log)
 	case "run":
 		return serve(ctx, cfg, log)
 	}
@@ -159,39 +163,28 @@ func describeConfig(cfg fluxvm.Config) string {
 	return b.String()
 }
 
-func cleanup(cfg fluxvm.Config, log *slog.Logger) error {
-	opts := fluxvm.OptionsFrom(cfg)
-	opts.Logger = log
-	opts.GCInterval = -1
-	// Nothing is attached or restored first: removing the pin root
-	// detaches every program the datapath recorded, by ifindex, so a
-	// configured interface that is gone (or renamed) or a catalog that no
-	// longer validates does not stop the cleanup. The catalog (file and
-	// journal) is removed below; with no services the first advertisement snapshot
-	// is already empty.
-	opts.Interfaces = nil
-	opts.NorthSouth.Interfaces = nil
-	// Nor are the socket hooks: removing the pin root detaches them from
-	// whichever cgroup they are on, also on a host whose cgroup v2 mount
-	// has gone.
-	opts.CgroupConnect, opts.CgroupPath = false, ""
-	// Nor is fq installed: Open then removes FluxVM's fq (handle f1d0:)
-	// from every interface, and Cleanup makes sure of it; a kernel without
-	// sch_fq does not stop the cleanup either.
-	opts.EDTManageFQ, opts.EDTInterfaces, opts.EDTHorizonFallback = false, nil, false
-	opts.CatalogPath = ""
-	d, err := fluxvm.Open(opts)
+// cleanup is `fluxvmd cleanup`: fluxvm.Cleanup with the pin root, catalog
+// and advertisement file (and node name) of the configuration file, read
+// without validating the rest of it (fluxvm.ParseCleanupConfig), so that
+// a file edited or downgraded into one that no longer validates can still
+// be cleaned up. Nothing is loaded or attached first. While a dataplane
+// holds the pin root (fluxvmd running) it fails with fluxvm.ErrInUse,
+// naming the holder, and changes nothing.
+func cleanup(path string, log *slog.Logger) error {
+	data, err := fluxvm.ReadConfigFile(path)
 	if err != nil {
 		return err
 	}
-	if err := d.Cleanup(); err != nil {
+	o, err := fluxvm.ParseCleanupConfig(data)
+	if err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	o.Logger = log
+	if err := fluxvm.Cleanup(o); err != nil {
 		return err
 	}
-	if err := fluxvm.RemoveCatalog(cfg.CatalogPath); err != nil {
-		return err
-	}
-	log.Info("fluxvmd: removed the datapath, its pins and the catalog; every VIP is withdrawn",
-		"pin_root", cfg.PinRoot, "advertisements_path", cfg.AdvertisementsPath)
+	log.Info("fluxvmd: removed the datapath, its pins, the catalog and the HA lease; every VIP is withdrawn",
+		"pin_root", o.PinRoot, "catalog_path", o.CatalogPath, "advertisements_path", o.AdvertisementsPath)
 	return nil
 }
 

@@ -11,7 +11,8 @@
 //
 // It needs root (CAP_BPF, CAP_NET_ADMIN) and an existing interface. Stop it
 // with Ctrl-C; the datapath keeps forwarding (run it again, or call
-// Dataplane.Cleanup, to take over or remove the state).
+// fluxvm.Cleanup, to take over or remove the state; a second run while
+// this one holds the pin root fails with fluxvm.ErrInUse).
 package main
 
 import (

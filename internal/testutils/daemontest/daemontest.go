@@ -7,6 +7,8 @@ package daemontest
 
 import (
 	"bytes"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -63,6 +65,8 @@ type Daemon struct {
 	Out   *Output      // what it printed
 	HTTP  *http.Client // dials inside the node namespace
 	Token string       // its admin token
+	// scheme is "https" for StartTLS, else "" (http).
+	scheme string
 }
 
 // Output is a daemon's output, safe to read while it writes.
@@ -72,6 +76,14 @@ type Output = daemonlog.Output
 // l's node namespace and waits until its API answers. It is stopped
 // (Stop) when the test ends.
 func Start(t testing.TB, bin, cfg string, l *lab.Lab, token string) *Daemon {
+	t.Helper()
+	return StartTLS(t, bin, cfg, l, token, nil)
+}
+
+// StartTLS is Start for a daemon whose API serves HTTPS (api.tls_cert_file
+// and tls_key_file): its client trusts the certificates of roots. A nil
+// roots is Start (plain HTTP).
+func StartTLS(t testing.TB, bin, cfg string, l *lab.Lab, token string, roots *x509.CertPool) *Daemon {
 	t.Helper()
 	d := &Daemon{T: t, Out: daemonlog.New(), Token: token}
 	d.Cmd = exec.Command(bin, "-config", cfg)
@@ -84,7 +96,12 @@ func Start(t testing.TB, bin, cfg string, l *lab.Lab, token string) *Daemon {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Stop)
-	d.HTTP = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: l.Node.DialContext}}
+	tr := &http.Transport{DialContext: l.Node.DialContext}
+	if roots != nil {
+		d.scheme = "https"
+		tr.TLSClientConfig = &tls.Config{RootCAs: roots}
+	}
+	d.HTTP = &http.Client{Timeout: 10 * time.Second, Transport: tr}
 	select {
 	case <-d.Out.Serving():
 	case <-time.After(20 * time.Second):
@@ -107,7 +124,11 @@ func (d *Daemon) Request(method, path string, body any) ([]byte, error) {
 		}
 		r = bytes.NewReader(b)
 	}
-	req, err := http.NewRequest(method, "http://"+APIAddr+path, r)
+	scheme := "http"
+	if d.scheme != "" {
+		scheme = d.scheme
+	}
+	req, err := http.NewRequest(method, scheme+"://"+APIAddr+path, r)
 	if err != nil {
 		return nil, err
 	}

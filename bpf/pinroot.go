@@ -1,0 +1,293 @@
+package bpf
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/internal/bpffs"
+)
+
+// ErrInUse reports a pin root that another owner holds (LockPinRoot): a
+// dataplane open on it, in this process or another.
+var ErrInUse = errors.New("pin root in use")
+
+// madeParents prefixes the directory, inside the pin root, that records how
+// many of the pin root's parents LockPinRoot created (madeParents + "2":
+// the parent and the grandparent). bpffs holds no regular files, so the
+// record is a directory; Open and the loader never look at it, RemoveRoot
+// removes those parents again when they are empty.
+const madeParents = "made_parents_"
+
+// PinRootLock is the exclusive hold of a pin root (LockPinRoot). Release
+// lets it go; so does the end of the process.
+type PinRootLock struct {
+	root    string
+	f       *os.File
+	mounted bool
+	made    int // directories LockPinRoot created: the root and its parents
+}
+
+// LockPinRoot checks opts.PinRoot as Open does (absolute, strictly below a
+// bpffs mount; with opts.MountBPFFS it mounts bpffs at /sys/fs/bpf on a
+// machine without one), creates it when missing, and takes an exclusive,
+// non-blocking flock(2) on the directory. Each call opens the directory
+// anew, so a second hold conflicts within one process as across
+// processes. A pin root held already fails with an error matching
+// ErrInUse that names the holder where /proc/locks tells it (a process
+// id and its command, or this process).
+//
+// The lock is on the directory itself: the loader never removes it
+// (schema rebuilds and reloads replace what is inside), and a pin root
+// that RemoveRoot removed and someone recreated meanwhile is noticed (the
+// path no longer names the directory locked) and locked afresh.
+//
+// When LockPinRoot creates parents of the pin root too, it records how
+// many inside the pin root, so that RemoveRoot (also in another process,
+// fluxvmd cleanup) removes them again when they are empty.
+func LockPinRoot(opts Options) (*PinRootLock, error) {
+	root := opts.PinRoot
+	if root == "" {
+		root = DefaultPinRoot
+	}
+	root, mounted, err := checkPinRoot(root, opts.MountBPFFS)
+	if err != nil {
+		return nil, err
+	}
+	for range 3 {
+		made, err := mkdirCounting(root)
+		if err != nil {
+			return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
+		}
+		f, err := os.Open(root)
+		if err != nil {
+			return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
+		}
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			var st unix.Stat_t
+			serr := unix.Fstat(int(f.Fd()), &st)
+			f.Close()
+			if errors.Is(err, unix.EWOULDBLOCK) {
+				who := "another owner"
+				if serr == nil {
+					who = lockHolder(st)
+				}
+				return nil, fmt.Errorf("bpf: pin root %s is held by %s: %w", root, who, ErrInUse)
+			}
+			return nil, fmt.Errorf("bpf: pin root %s: lock: %w", root, err)
+		}
+		if !sameDir(f, root) {
+			// Removed (and perhaps recreated) between the open and the
+			// lock: lock what the path names now.
+			f.Close()
+			continue
+		}
+		if made > 1 {
+			if err := os.Mkdir(filepath.Join(root, madeParents+strconv.Itoa(made-1)), 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+				f.Close()
+				return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
+			}
+		}
+		return &PinRootLock{root: root, f: f, mounted: mounted, made: made}, nil
+	}
+	return nil, fmt.Errorf("bpf: pin root %s: removed and recreated while being locked, three times: %w", root, ErrInUse)
+}
+
+// Root is the pin root held (cleaned, absolute).
+func (l *PinRootLock) Root() string { return l.root }
+
+// MountedBPFFS reports whether LockPinRoot mounted bpffs at /sys/fs/bpf.
+func (l *PinRootLock) MountedBPFFS() bool { return l.mounted }
+
+// Release lets the pin root go. A second Release does nothing.
+func (l *PinRootLock) Release() error {
+	if l == nil || l.f == nil {
+		return nil
+	}
+	err := l.f.Close()
+	l.f = nil
+	return err
+}
+
+// Abandon undoes LockPinRoot for a start that failed: when LockPinRoot
+// created the pin root and nothing was pinned in it since (only the empty
+// directories a datapath makes are there), it removes the pin root and
+// the parents it created, when they are empty; then it releases. A pin
+// root that holds pins, or that existed before, is left as it is.
+func (l *PinRootLock) Abandon() error {
+	if l == nil || l.f == nil {
+		return nil
+	}
+	if l.made > 0 {
+		for _, dir := range []string{mapDir(l.root), linkDir(l.root), filepath.Join(l.root, madeParents+strconv.Itoa(l.made-1))} {
+			os.Remove(dir) // fails when not empty: then so does the root's
+		}
+		p := l.root
+		for range l.made {
+			if p == bpffs.DefaultRoot || os.Remove(p) != nil {
+				break
+			}
+			p = filepath.Dir(p)
+		}
+	}
+	return l.Release()
+}
+
+// mkdirCounting creates dir and its missing parents and returns how many
+// directories it created (0: dir existed).
+func mkdirCounting(dir string) (int, error) {
+	missing := 0
+	for p := dir; ; p = filepath.Dir(p) {
+		if _, err := os.Stat(p); err == nil || p == filepath.Dir(p) {
+			break
+		}
+		missing++
+	}
+	if missing == 0 {
+		return 0, nil
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return 0, err
+	}
+	return missing, nil
+}
+
+// sameDir reports whether path still names the directory open as f.
+func sameDir(f *os.File, path string) bool {
+	var a, b unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &a) != nil || unix.Stat(path, &b) != nil {
+		return false
+	}
+	return a.Dev == b.Dev && a.Ino == b.Ino
+}
+
+// lockHolder names the process holding the flock on the file st
+// describes, from /proc/locks.
+func lockHolder(st unix.Stat_t) string {
+	f, err := os.Open("/proc/locks")
+	if err != nil {
+		return "another owner (/proc/locks unreadable)"
+	}
+	defer f.Close()
+	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(uint64(st.Dev)), unix.Minor(uint64(st.Dev)), st.Ino)
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// "1: FLOCK  ADVISORY  WRITE 1234 00:28:24662 0 EOF"; waiters
+		// have "->" after the number.
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 6 || fields[1] != "FLOCK" || fields[5] != id {
+			continue
+		}
+		pid, err := strconv.Atoi(fields[4])
+		if err != nil || pid <= 0 {
+			continue
+		}
+		if pid == os.Getpid() {
+			return fmt.Sprintf("this process (pid %d): a dataplane on it is open", pid)
+		}
+		if comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil {
+			return fmt.Sprintf("pid %d (%s)", pid, strings.TrimSpace(string(comm)))
+		}
+		return fmt.Sprintf("pid %d", pid)
+	}
+	return "another owner"
+}
+
+// RemoveRoot tears down what a datapath recorded under the pin root root,
+// without loading anything and without a Datapath: it detaches every
+// pinned attachment (TCX, XDP and socket-hook links: unpinned and closed,
+// which detaches them before RemoveRoot returns), deletes our cls_bpf
+// filters (name prefix "fluxvm:") from every interface of the calling
+// thread's network namespace, removes every pin and the pin root, and the
+// parents of the pin root that LockPinRoot created when they are empty. A
+// missing pin root is not an error (the cls_bpf filters are still looked
+// for). Nothing else under the bpffs mount is touched; the caller holds
+// the pin root (LockPinRoot) so that no datapath runs on it.
+func RemoveRoot(root string) error {
+	if !filepath.IsAbs(root) {
+		return fmt.Errorf("bpf: remove %q: %w: not absolute", root, ErrPinRoot)
+	}
+	root = filepath.Clean(root)
+	if root == "/" || root == bpffs.DefaultRoot {
+		return fmt.Errorf("bpf: remove %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
+	}
+	var errs []error
+	if fi, err := os.Stat(root); err == nil {
+		if !fi.IsDir() {
+			return fmt.Errorf("bpf: remove %s: %w: not a directory", root, ErrPinRoot)
+		}
+		if ok, err := bpffs.IsBPFFS(root); err != nil || !ok {
+			return fmt.Errorf("bpf: remove %s: %w: not on bpffs", root, ErrPinRoot)
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("bpf: remove %s: %w", root, err)
+	}
+	// Links first: closing the last descriptor of an unpinned link
+	// detaches it before Close returns; merely removing the pin would
+	// leave the kernel to release it later, so RemoveRoot could return
+	// with the programs still running.
+	links, err := os.ReadDir(linkDir(root))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, err)
+	}
+	for _, e := range links {
+		pin := filepath.Join(linkDir(root), e.Name())
+		if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+			errs = append(errs, l.Unpin(), l.Close())
+		} else if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	errs = append(errs, removeClsBPF())
+	// Unpinning the maps drops the kernel's last references.
+	var made int
+	for _, dir := range []string{linkDir(root), mapDir(root), root} {
+		entries, err := os.ReadDir(dir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+			continue
+		}
+		for _, e := range entries {
+			if dir == root {
+				n, ok := strings.CutPrefix(e.Name(), madeParents)
+				if !ok {
+					continue // not ours: os.Remove(root) below says so
+				}
+				made, _ = strconv.Atoi(n)
+			}
+			if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+		if dir == root {
+			break
+		}
+		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.Remove(root); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("bpf: remove %s (not empty: something else lives there?): %w", root, err))
+	} else {
+		// The parents LockPinRoot made, while they are empty (another
+		// pin root may live beside this one) and above the mount.
+		p := root
+		for range made {
+			p = filepath.Dir(p)
+			if p == bpffs.DefaultRoot || p == "/" || os.Remove(p) != nil {
+				break
+			}
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("bpf: remove %s: %w", root, err)
+	}
+	return nil
+}

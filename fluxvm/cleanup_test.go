@@ -1,0 +1,284 @@
+package fluxvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+)
+
+// TestOpenPinRootInUse: a second Open on the pin root of an open
+// Dataplane (here in the same process; TestCleanupWhileRunning in
+// cmd/fluxvmd is another process) fails with ErrInUse naming the holder,
+// and changes nothing: the first dataplane keeps its service and its VIP
+// keeps answering. (It used to succeed, see no services, hand out
+// service id 1 again and break the first dataplane's VIP.) A failed Open
+// and Close let the pin root go.
+func TestOpenPinRootInUse(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	echo(t, e.dial(t, vip4), "before the second open")
+
+	d2, err := Open(e.opts)
+	if err == nil {
+		d2.Close()
+		t.Fatal("a second Open on the pin root of an open dataplane succeeded")
+	}
+	if !errors.Is(err, ErrInUse) || !errors.Is(err, bpf.ErrInUse) || !strings.Contains(err.Error(), fmt.Sprintf("this process (pid %d)", os.Getpid())) {
+		t.Errorf("second Open: %v; want ErrInUse naming this process", err)
+	}
+	// Nor does Cleanup go ahead.
+	if err := Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); !errors.Is(err, ErrInUse) {
+		t.Errorf("Cleanup while a dataplane is open: %v, want ErrInUse", err)
+	}
+	if files, err := journalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
+		t.Errorf("catalog journal after the refused Cleanup: %v, %v", files, err)
+	}
+	if _, err := os.Stat(filepath.Join(e.opts.Loader.PinRoot, "maps", "fluxvm_meta")); err != nil {
+		t.Errorf("pins after the refused Cleanup: %v", err)
+	}
+	echo(t, e.dial(t, vip4), "after the second open and the refused cleanup")
+	if ss := d.Services(); len(ss) != 1 {
+		t.Errorf("services of the first dataplane: %+v", ss)
+	}
+
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// An Open that fails after taking the pin root lets it go.
+	bad := e.opts
+	bad.Interfaces = append(slices.Clone(e.opts.Interfaces), VMEdgeInterface{Name: "fvnosuch0", VMID: "ghost"})
+	if d2, err := Open(bad); err == nil {
+		d2.Close()
+		t.Fatal("Open with an interface that does not exist succeeded")
+	} else if errors.Is(err, ErrInUse) {
+		t.Fatalf("Open after Close: %v", err)
+	}
+	d2 = e.open(t)
+	if ss := d2.Services(); len(ss) != 1 {
+		t.Errorf("services after reopening: %+v", ss)
+	}
+	echo(t, e.dial(t, vip4), "after reopening")
+}
+
+// TestCleanupStandalone: after Close, Dataplane.Cleanup and the
+// package-level Cleanup (no dataplane running) remove everything: the
+// attachments (both attach modes; cls_bpf used to fail "not attached"),
+// the pin root and the parent of it that Open created, the catalog, the HA
+// lease file next to it, and they publish an empty advertisement
+// snapshot; the VIP no longer answers. A second Cleanup finds nothing and
+// succeeds. (Dataplane.Cleanup after Close failed with ErrClosed, and
+// there was no package-level Cleanup; Cleanup left the parent.)
+func TestCleanupStandalone(t *testing.T) {
+	for _, mode := range []bpf.AttachMode{bpf.AttachTCX, bpf.AttachClsBPF} {
+		for _, how := range []string{"Dataplane.Cleanup", "Cleanup"} {
+			t.Run(string(mode)+"/"+how, func(t *testing.T) {
+				e := newEnv(t)
+				parent := filepath.Join(filepath.Dir(e.opts.Loader.PinRoot), "fluxvm")
+				e.opts.Loader.PinRoot = filepath.Join(parent, "service")
+				e.opts.Loader.AttachMode = mode
+				e.opts.AdvertisementsPath = filepath.Join(t.TempDir(), "adv.json")
+				d := e.open(t)
+				ctx := context.Background()
+				svc := e.service(1, 1, 1)
+				svc.Advertise = false
+				if _, err := d.ApplyService(ctx, svc); err != nil {
+					t.Fatal(err)
+				}
+				echo(t, e.dial(t, vip4), "before cleanup")
+				lease := e.opts.CatalogPath + LeaseFileSuffix
+				if err := os.WriteFile(lease, []byte(`{"epoch":3,"superseded_by":4}`), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				if err := d.Close(); err != nil {
+					t.Fatal(err)
+				}
+				gen := readAdvert(t, e.opts.AdvertisementsPath).Generation
+				cleanup := func() error {
+					if how == "Cleanup" {
+						return Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath,
+							AdvertisementsPath: e.opts.AdvertisementsPath, InNamespace: e.lab.Node.Do})
+					}
+					return d.Cleanup()
+				}
+				if err := cleanup(); err != nil {
+					t.Fatalf("%s after Close: %v", how, err)
+				}
+				for _, p := range []string{e.opts.Loader.PinRoot, parent, e.opts.CatalogPath, lease} {
+					if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+						t.Errorf("%s left after cleanup: %v", p, err)
+					}
+				}
+				if _, err := os.Stat(filepath.Dir(parent)); err != nil {
+					t.Errorf("the directory that held the pin root's parent before Open: %v", err)
+				}
+				assertNothingLeft(t, e)
+				if s := readAdvert(t, e.opts.AdvertisementsPath); len(s.Entries) != 0 || s.Generation < gen {
+					t.Errorf("advertisements after cleanup: generation %d (before %d), %d entries", s.Generation, gen, len(s.Entries))
+				}
+				if c, err := e.cli.DialTCP(netip.AddrPortFrom(vip4, 80), 300*time.Millisecond); err == nil {
+					c.Close()
+					t.Error("the VIP still answers after cleanup")
+				}
+				if err := cleanup(); err != nil {
+					t.Errorf("second %s: %v", how, err)
+				}
+				// The node starts afresh.
+				d2 := e.open(t)
+				if ss := d2.Services(); len(ss) != 0 {
+					t.Errorf("services after cleanup and Open: %+v", ss)
+				}
+			})
+		}
+	}
+}
+
+// TestCleanupBadOptions: paths that are not absolute are refused before
+// anything is removed.
+func TestCleanupBadOptions(t *testing.T) {
+	for _, o := range []CleanupOptions{
+		{PinRoot: "relative/service"},
+		{PinRoot: "/sys/fs/bpf"},
+		{PinRoot: "/sys/fs/bpf/x", CatalogPath: "catalog.json"},
+		{PinRoot: "/sys/fs/bpf/x", AdvertisementsPath: "adv.json"},
+	} {
+		err := Cleanup(o)
+		if !errors.Is(err, ErrInvalid) && !errors.Is(err, bpf.ErrPinRoot) {
+			t.Errorf("Cleanup(%+v): %v, want ErrInvalid or bpf.ErrPinRoot", o, err)
+		}
+	}
+}
+
+// TestParseCleanupConfig: only the keys that say where state lives are
+// read; the rest of the table, valid or not, is ignored.
+func TestParseCleanupConfig(t *testing.T) {
+	o, err := ParseCleanupConfig([]byte(`[sandbox.dataplane.service]
+pin_root = "/sys/fs/bpf/node/service"
+catalog_path = "/var/lib/node/catalog.json"
+node_name = "n1"
+ha_epoch = 1
+map_tier = "XL"
+no_such_key = [1, 2]
+[sandbox.dataplane.service.api]
+listen = 7
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := CleanupOptions{PinRoot: "/sys/fs/bpf/node/service", CatalogPath: "/var/lib/node/catalog.json", AdvertisementsPath: advert.DefaultPath, NodeName: "n1"}
+	if o.PinRoot != want.PinRoot || o.CatalogPath != want.CatalogPath || o.AdvertisementsPath != want.AdvertisementsPath || o.NodeName != want.NodeName {
+		t.Errorf("got %+v, want %+v", o, want)
+	}
+	if o, err := ParseCleanupConfig(nil); err != nil || o.PinRoot != bpf.DefaultPinRoot || o.CatalogPath != DefaultCatalogPath {
+		t.Errorf("empty document: %+v, %v; want the defaults", o, err)
+	}
+	for _, doc := range []string{
+		"[sandbox.dataplane.service]\npin_root = \"service\"\n",
+		"[sandbox.dataplane.service]\ncatalog_path = 3\n",
+		"[sandbox.dataplane.service\n",
+	} {
+		if _, err := ParseCleanupConfig([]byte(doc)); err == nil {
+			t.Errorf("%q accepted", doc)
+		}
+	}
+	var ve *ValidationError
+	if _, err := ParseCleanupConfig([]byte("[sandbox.dataplane.service]\npin_root = \"service\"\n")); !errors.As(err, &ve) || ve.Field != ConfigTable+".pin_root" {
+		t.Errorf("relative pin_root: %v, want a ValidationError naming the key", err)
+	}
+}
+
+// assertNothingLeft fails when an attachment or qdisc of FluxVM is left
+// in the env's node namespace.
+func assertNothingLeft(t *testing.T, e *env) {
+	t.Helper()
+	var left []string
+	err := e.lab.Node.Do(func() (err error) {
+		left, err = testenv.FluxVMLeftovers()
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range left {
+		t.Errorf("left after cleanup: %s", l)
+	}
+}
+
+func readAdvert(t *testing.T, path string) advert.Snapshot {
+	t.Helper()
+	s, err := advert.Read(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestFailedOpenLeavesNoPinRoot: an Open that fails after taking the pin
+// root (here: no object in ObjectDir) removes the pin root and the parent
+// it created for it, and lets it go; one that fails validation first
+// creates nothing.
+func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
+	parent := filepath.Join(testenv.PinRoot(t), "fluxvm")
+	root := filepath.Join(parent, "service")
+	opts := Options{Loader: bpf.Options{PinRoot: root, Tier: bpf.TierS, ObjectDir: t.TempDir()}, GCInterval: -1}
+	if d, err := Open(opts); err == nil {
+		d.Close()
+		t.Fatal("Open without an object succeeded")
+	}
+	if _, err := os.Stat(parent); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the failed Open left %s: %v", parent, err)
+	}
+	opts.Loader.ObjectDir = ""
+	opts.PressureSoftPercent = 101
+	if _, err := Open(opts); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Open with pressure_soft_percent 101: %v, want ErrInvalid", err)
+	}
+	if _, err := os.Stat(parent); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the invalid Open left %s: %v", parent, err)
+	}
+	// Nothing holds the pin root: an Open with good options goes ahead.
+	opts.PressureSoftPercent = 0
+	d, err := Open(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+}
+
+// ExampleParseCleanupConfig reads where a node's state lives from a
+// configuration that ParseConfig refuses (HA without its north-south
+// edge): what fluxvmd cleanup does before fluxvm.Cleanup.
+func ExampleParseCleanupConfig() {
+	doc := []byte(`
+[sandbox.dataplane.service]
+pin_root = "/sys/fs/bpf/node-a/service"
+catalog_path = "/var/lib/fluxvm/node-a.json"
+ha_epoch = 3
+`)
+	_, err := ParseConfig(doc)
+	fmt.Println(err != nil)
+	o, err := ParseCleanupConfig(doc)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(o.PinRoot, o.CatalogPath, o.CatalogPath+LeaseFileSuffix)
+	// A real cleanup: err = Cleanup(o); errors.Is(err, ErrInUse) while a
+	// dataplane holds the pin root.
+	// Output:
+	// true
+	// /sys/fs/bpf/node-a/service /var/lib/fluxvm/node-a.json /var/lib/fluxvm/node-a.json.ha-lease
+}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -40,7 +41,13 @@ func TestProductionReadinessScript(t *testing.T) {
 	_, bpftoolErr := exec.LookPath("bpftool")
 	bin := buildDaemon(t)
 	l, cli, be := clientAndBackend(t)
-	if _, err := l.AddExternal(); err != nil {
+	ext, err := l.AddExternal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// xdp_mode native below: the loader attaches XDP to the uplink only
+	// while its veth peer sends plain frames (bpf.ErrXDPOffload).
+	if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()

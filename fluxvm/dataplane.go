@@ -868,6 +868,8 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 				// Ours from an earlier start would misread them too.
 				if derr := d.dp.DetachXDP(bpf.Interface{Name: name}); derr != nil && !errors.Is(derr, bpf.ErrNotAttached) {
 					err = errors.Join(err, fmt.Errorf("detach our earlier XDP program: %w", derr))
+				} else if known, ok := d.ifaces[name]; ok {
+					known.xdp = bpf.XDPOff
 				}
 			}
 			return err

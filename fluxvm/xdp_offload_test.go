@@ -99,6 +99,8 @@ func tagOnEgress(t *testing.T, vm *lab.VM) {
 // the frame, checksums complete), native XDP attaches, translates the
 // untagged traffic, and passes the tagged frames on with their tag: no
 // backend sees them, and neither XDP nor TC counts them for the service.
+// Tag insertion turned on again, adding the uplink again is refused and
+// takes our XDP program off, the TC hooks kept.
 func TestDataplaneXDPTaggedTraffic(t *testing.T) {
 	e := xdpLabEnv(t)
 	ext := e.lab.External
@@ -234,6 +236,26 @@ func TestDataplaneXDPTaggedTraffic(t *testing.T) {
 		t.Errorf("native XDP: xdp_translated did not move")
 	}
 	taggedNotServed(d, "native XDP")
+
+	// The client's tag insertion on again: adding the uplink again (as a
+	// restart would) is refused and takes our XDP program off; its TC
+	// hooks stay and serve it.
+	if err := ext.NS.Do(func() error {
+		return ethtool.SetFeatures("eth0", map[string]bool{"tx-vlan-hw-insert": true})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.AddNorthSouthInterface(nsUplink); !errors.Is(err, bpf.ErrXDPOffload) || !strings.Contains(err.Error(), "tx-vlan-hw-insert on") {
+		t.Errorf("AddNorthSouthInterface again with the tags beside the frames: %v; want ErrXDPOffload", err)
+	}
+	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
+		t.Errorf("refused again: XDP program %d still on the uplink", id)
+	}
+	if st := ifaceStatus(t, d, nsUplink); st.XDP != "off" || len(st.Hooks) != 2 {
+		t.Errorf("refused again: status %+v; want xdp off, the TC hooks kept", st)
+	}
+	untagged(d, "refused again, TC alone", 2)
+	taggedNotServed(d, "refused again, TC alone")
 }
 
 // TestXDPChecksumPartialFrames proves why the loader keeps XDP off a veth

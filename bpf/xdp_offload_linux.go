@@ -155,6 +155,16 @@ func inNetNSID(nsid int, fn func() error) error {
 		return err
 	}
 	defer target.Close()
+	if err := inNetNS(target, fn); err != nil {
+		return fmt.Errorf("netnsid %d: %w", nsid, err)
+	}
+	return nil
+}
+
+// inNetNS runs fn on a locked OS thread inside the namespace target, and
+// moves the thread back (a thread that cannot move back stays locked:
+// the runtime retires it with its goroutine).
+func inNetNS(target netns.NsHandle, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -165,13 +175,12 @@ func inNetNSID(nsid int, fn func() error) error {
 		}
 		defer orig.Close()
 		if err := netns.Set(target); err != nil {
-			errc <- fmt.Errorf("enter netnsid %d: %w", nsid, err)
+			errc <- fmt.Errorf("enter: %w", err)
 			return
 		}
 		ferr := fn()
 		if err := netns.Set(orig); err != nil {
-			// The thread stays locked: the runtime retires it.
-			errc <- fmt.Errorf("leave netnsid %d: %w", nsid, err)
+			errc <- fmt.Errorf("leave: %w", err)
 			return
 		}
 		runtime.UnlockOSThread()

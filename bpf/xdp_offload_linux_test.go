@@ -4,11 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 
 	"github.com/fluxvm/servicefabric/internal/ethtool"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
@@ -161,6 +165,83 @@ func TestAttachXDPRefusesOffloads(t *testing.T) {
 			if a, err := d.AttachXDP(Interface{Index: idx}, XDPGeneric); err != nil || a.Mode != XDPGeneric {
 				t.Fatalf("attach with the peer's offloads off: %+v, %v", a, err)
 			}
+		})
+	})
+
+	// A namespace with no name, only a process in it (a container's):
+	// found through /proc/<pid>/ns/net.
+	t.Run("peer in a process's namespace", func(t *testing.T) {
+		sleeper := exec.Command("sleep", "120")
+		sleeper.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
+		if err := sleeper.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { sleeper.Process.Kill(); sleeper.Wait() })
+		pid := sleeper.Process.Pid
+		testenv.InNetNS(t, func() {
+			err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fvxrx"}, PeerName: "fvxtx",
+				PeerNamespace: netlink.NsPid(pid)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rx, err := netlink.LinkByName("fvxrx")
+			if err != nil {
+				t.Fatal(err)
+			}
+			idx := rx.Attrs().Index
+			d := openT(t, Options{PinRoot: root, Tier: TierS})
+			refused(t, d, idx, "peer in a process's namespace", []string{"veth peer fvxtx", "in the namespace with nsid", "tx-checksum-ip-generic"}, nil)
+			h, err := netns.GetFromPid(pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Close()
+			if err := inNetNS(h, func() error { return testenv.SendPlainFrames("fvxtx") }); err != nil {
+				t.Fatal(err)
+			}
+			if a, err := d.AttachXDP(Interface{Index: idx}, XDPNative); err != nil || a.Mode != XDPNative {
+				t.Fatalf("attach with the peer's offloads off: %+v, %v", a, err)
+			}
+		})
+	})
+
+	// A namespace held only by a file descriptor: nothing names it, no
+	// process is in it, so its peer cannot be read, which refuses too.
+	t.Run("peer out of sight", func(t *testing.T) {
+		hc := make(chan netns.NsHandle, 1)
+		go func() {
+			runtime.LockOSThread()
+			orig, err := netns.Get()
+			if err != nil {
+				hc <- netns.None()
+				return
+			}
+			h, err := netns.New()
+			if serr := netns.Set(orig); serr != nil || err != nil {
+				hc <- netns.None()
+				return
+			}
+			orig.Close()
+			runtime.UnlockOSThread()
+			hc <- h
+		}()
+		h := <-hc
+		if !h.IsOpen() {
+			t.Fatal("no namespace")
+		}
+		defer h.Close()
+		testenv.InNetNS(t, func() {
+			err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fvxrx"}, PeerName: "fvxtx",
+				PeerNamespace: netlink.NsFd(int(h))})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rx, err := netlink.LinkByName("fvxrx")
+			if err != nil {
+				t.Fatal(err)
+			}
+			d := openT(t, Options{PinRoot: root, Tier: TierS})
+			refused(t, d, rx.Attrs().Index, "peer out of sight", []string{"cannot read the offloads of its veth peer", "in the namespace with nsid", "set xdp_mode off"}, nil)
 		})
 	})
 }

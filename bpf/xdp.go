@@ -33,6 +33,15 @@ const (
 // ErrXDPMode reports a mode other than off, native, generic or auto.
 var ErrXDPMode = errors.New("unknown XDP mode (want off, native, generic or auto)")
 
+// ErrXDPOffload reports an interface whose offloads hide from XDP what
+// the program must see: a VLAN tag kept beside the frame (the driver
+// took it out on receive, or a veth's peer never put it in), which makes
+// a tagged frame read as an untagged one, or a checksum left to the
+// receiver (CHECKSUM_PARTIAL frames from a veth's peer), which the
+// program would patch as a full one. The error names the offload and
+// the ethtool command that turns it off.
+var ErrXDPOffload = errors.New("an offload of the interface hides from XDP what it must see")
+
 // ParseXDPMode accepts "off", "native", "generic" or "auto" in either
 // case; empty is off.
 func ParseXDPMode(s string) (XDPMode, error) {
@@ -110,6 +119,14 @@ func parseXDPPin(name string) (int, bool) {
 // XDPNative, XDPGeneric or XDPAuto (native, and generic where the driver
 // refuses native).
 //
+// The interface's offloads are checked first: where a VLAN tag or a
+// checksum state would be hidden from XDP (see ErrXDPOffload: on a
+// physical NIC rx-vlan-hw-parse or rx-vlan-stag-hw-parse, on a veth its
+// peer's tx-vlan-hw-insert, tx-vlan-stag-hw-insert or transmit checksum
+// offload), AttachXDP fails with ErrXDPOffload naming the offload and
+// the way out, attaches nothing, and detaches our own link if an earlier
+// attach left one there (it would misread those frames too).
+//
 // When our pinned link is already on the interface, its program is
 // replaced in place (link.Update): no packet meets a gap. Only asking for
 // another explicit mode than the one in force detaches and attaches
@@ -128,6 +145,15 @@ func (d *Datapath) AttachXDP(ifc Interface, mode XDPMode) (XDPAttachment, error)
 	name, index, err := ifc.resolve()
 	if err != nil {
 		return XDPAttachment{}, err
+	}
+	if err := d.CheckXDP(Interface{Index: index}); err != nil {
+		if !errors.Is(err, ErrXDPOffload) {
+			return XDPAttachment{Ifname: name, Ifindex: index}, err
+		}
+		if derr := d.DetachXDP(Interface{Index: index}); derr != nil && !errors.Is(derr, ErrNotAttached) {
+			err = errors.Join(err, fmt.Errorf("bpf: detach our earlier xdp link from %s: %w", name, derr))
+		}
+		return XDPAttachment{Ifname: name, Ifindex: index}, err
 	}
 	prog := d.xprogs.FluxvmXdpNs
 	a := XDPAttachment{Ifname: name, Ifindex: index, Program: "fluxvm_xdp_ns"}
@@ -251,11 +277,13 @@ func (d *Datapath) pinnedXDP(l link.Link, index int) (bool, XDPMode) {
 	return true, mode
 }
 
-// CheckXDP fails with ErrForeignProgram, naming the program, when the
-// interface runs an XDP program that is not ours, which AttachXDP would
-// refuse; nil when it runs none or ours. A caller attaching several
-// programs to an interface checks first, so that it attaches none of
-// them where XDP will be refused.
+// CheckXDP fails as AttachXDP would refuse the interface, and changes
+// nothing: with ErrForeignProgram, naming the program, when it runs an
+// XDP program that is not ours; with ErrXDPOffload, naming the offload,
+// when its offloads hide a VLAN tag or a checksum state from XDP. nil
+// when AttachXDP would attach. A caller attaching several programs to an
+// interface checks first, so that it attaches none of them where XDP
+// will be refused.
 func (d *Datapath) CheckXDP(ifc Interface) error {
 	name, index, err := ifc.resolve()
 	if err != nil {
@@ -265,10 +293,13 @@ func (d *Datapath) CheckXDP(ifc Interface) error {
 		ours, _ := d.pinnedXDP(l, index)
 		l.Close()
 		if ours {
-			return nil
+			return xdpOffloadProblem(name, index)
 		}
 	}
-	return foreignXDP(name, index)
+	if err := foreignXDP(name, index); err != nil {
+		return err
+	}
+	return xdpOffloadProblem(name, index)
 }
 
 // XDPMode reports the mode our XDP link runs in on the interface:

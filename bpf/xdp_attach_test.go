@@ -26,6 +26,17 @@ func xdpOn(t *testing.T, index int) (ebpf.ProgramID, XDPMode) {
 	return ebpf.ProgramID(id), mode
 }
 
+// xdpVethPair is testenv.VethPair with the transmit offloads of tx that
+// hide state from XDP off (testenv.SendPlainFrames), so that AttachXDP
+// takes rx.
+func xdpVethPair(tx, rx string) (netlink.Link, netlink.Link, error) {
+	a, b, err := testenv.VethPair(tx, rx)
+	if err == nil {
+		err = testenv.SendPlainFrames(tx)
+	}
+	return a, b, err
+}
+
 // pinnedLinkID is the id of the link pinned at path.
 func pinnedLinkID(t *testing.T, path string) link.ID {
 	t.Helper()
@@ -63,7 +74,7 @@ func foreignXDPProgram(t *testing.T) *ebpf.Program {
 func TestAttachXDP(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	testenv.InNetNS(t, func() {
-		_, rx, err := testenv.VethPair("fvxtx", "fvxrx")
+		_, rx, err := xdpVethPair("fvxtx", "fvxrx")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -179,7 +190,7 @@ func TestAttachXDPAutoFallsBack(t *testing.T) {
 func TestAttachXDPRefusesForeign(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	testenv.InNetNS(t, func() {
-		_, rx, err := testenv.VethPair("fvxtx", "fvxrx")
+		_, rx, err := xdpVethPair("fvxtx", "fvxrx")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -237,7 +248,7 @@ func TestAttachXDPRefusesForeign(t *testing.T) {
 func TestStagedTierChangeXDP(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	testenv.InNetNS(t, func() {
-		_, rx, err := testenv.VethPair("fvxtx", "fvxrx")
+		_, rx, err := xdpVethPair("fvxtx", "fvxrx")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -296,7 +307,7 @@ func TestStagedTierChangeXDP(t *testing.T) {
 func TestOpenAfterXDPInterfaceDeleted(t *testing.T) {
 	root := filepath.Join(testenv.PinRoot(t), "service")
 	testenv.InNetNS(t, func() {
-		gone, _, err := testenv.VethPair("fvxgone", "fvxgone-p")
+		_, gone, err := xdpVethPair("fvxgone-p", "fvxgone")
 		if err != nil {
 			t.Fatal(err)
 		}

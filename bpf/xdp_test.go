@@ -221,6 +221,61 @@ func TestXDPNorthSouth(t *testing.T) {
 	}
 }
 
+// TestXDPTaggedFramesPass: a frame to a north-south VIP that carries its
+// 802.1Q or 802.1ad tag in the frame (a driver without VLAN offload, or
+// a veth whose peer writes tags in) is no packet of the VIP's: XDP
+// passes it byte for byte untouched, learns no flow and counts nothing
+// for the service, and TC's ns_in, which parses it again, passes it to
+// the next program the same way, counted as non_ip. The same frame
+// untagged is translated (the control). A tag the driver kept beside the
+// frame is invisible here: the loader keeps XDP off such interfaces
+// (ErrXDPOffload).
+func TestXDPTaggedFramesPass(t *testing.T) {
+	h := newHarness(t)
+	l := newFIBLab(t, h)
+	xdp := newXDPObjects(t, h, l.out).FluxvmXdpNs
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			for _, tag := range []struct {
+				name string
+				tpid uint16
+			}{{"802.1Q", 0x8100}, {"802.1ad", 0x88a8}} {
+				client := v.clientAt(snatMin + 1)
+				plain := v.frame(client, v.vip, pkt.SYN)
+				tagged := append(append(append([]byte(nil), plain[:12]...), byte(tag.tpid>>8), byte(tag.tpid), 0x00, 0x64), plain[12:]...)
+				before, st := h.counters(), h.stats(sid)
+				if ret, out := h.runXDP(xdp, tagged, l.in); ret != xdpPass || !bytes.Equal(out[:len(tagged)], tagged) {
+					t.Fatalf("%s: verdict %d, packet %x: want XDP_PASS, untouched", tag.name, ret, out)
+				}
+				if ret, out := h.run(h.objs.FluxvmNsIn, tagged); ret != tcNext || !bytes.Equal(out[:len(tagged)], tagged) {
+					t.Fatalf("%s: TC ns_in: verdict %d, packet %x: want the next program's, untouched", tag.name, int32(ret), out)
+				}
+				after := h.counters()
+				if _, ok := h.ct(tuple{client, v.vip, v.proto}); ok {
+					t.Errorf("%s: a flow was learned", tag.name)
+				}
+				if got := h.stats(sid); got != st {
+					t.Errorf("%s: service stats %+v -> %+v", tag.name, st, got)
+				}
+				if got := after[CounterNonIP] - before[CounterNonIP]; got != 1 {
+					t.Errorf("%s: non_ip +%d, want +1 (counted once, by TC)", tag.name, got)
+				}
+				if got := after[CounterXDPTranslated] - before[CounterXDPTranslated]; got != 0 {
+					t.Errorf("%s: xdp_translated +%d", tag.name, got)
+				}
+				// The control: the same frame untagged is translated.
+				if ret, _ := h.runXDP(xdp, plain, l.in); ret != xdpRedirect {
+					t.Fatalf("%s: the untagged frame: verdict %d, want XDP_REDIRECT", tag.name, ret)
+				}
+				h.reset()
+				v.nsSetup(h, 0)
+			}
+		})
+	}
+}
+
 // TestXDPMatchesTC: the same packet sequence through XDP and through TC's
 // fluxvm_ns_in, each on a fresh datapath, leaves the same L3 and L4 bytes
 // and the same flow state (conntrack entry, SNAT mapping), timestamps

@@ -283,6 +283,7 @@ type iface struct {
 	slot            uint32
 	hooks           []HookStatus
 	xdp             bpf.XDPMode // north-south: the XDP mode in force (XDPOff: none)
+	xdpProblem      string      // north-south: why xdp_mode auto left XDP off
 	problem         string
 }
 
@@ -854,7 +855,15 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // else generic); InterfaceStatus.XDP says which mode is in force. An XDP
 // program of another product on the interface fails the call with an
 // error naming it (bpf.ErrForeignProgram) before anything is attached,
-// and stays attached. Should the XDP attach fail otherwise, the TC hooks
+// and stays attached. An offload that hides VLAN tags or checksum state
+// from XDP (bpf.ErrXDPOffload: the driver strips tags on receive, or a
+// veth's peer keeps them beside its frames or leaves checksums to the
+// receiver) fails the call as well, before anything is attached, when
+// xdp_mode is native or generic (the error names the offload and the
+// ethtool command that turns it off); with auto the interface gets the TC
+// hooks alone, InterfaceStatus.XDP is "off" and XDPProblem says why. In
+// both cases an XDP program of ours left there by an earlier start is
+// detached. Should the XDP attach fail otherwise, the TC hooks
 // of an interface new to this Dataplane are detached again. With
 // xdp_mode off, an XDP program of ours left by an earlier start is
 // detached.
@@ -876,9 +885,26 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: it is the VM-edge interface of VM %s: %w", name, other.VMID, ErrConflict)
 	}
 	ifc := &iface{VMEdgeInterface: VMEdgeInterface{Name: name}, kind: InterfaceNorthSouth}
-	// A foreign XDP program is refused before anything is attached.
-	if d.xdpMode() != bpf.XDPOff {
-		if err := d.opts.InNamespace(func() error { return d.dp.CheckXDP(bpf.Interface{Name: name}) }); err != nil {
+	// A foreign XDP program, and offloads that XDP would misread under
+	// an explicit mode, are refused before anything is attached (auto
+	// falls back to TC alone in attachXDP).
+	if mode := d.xdpMode(); mode != bpf.XDPOff {
+		err := d.opts.InNamespace(func() error {
+			err := d.dp.CheckXDP(bpf.Interface{Name: name})
+			if errors.Is(err, bpf.ErrXDPOffload) {
+				if mode == bpf.XDPAuto {
+					return nil
+				}
+				// Ours from an earlier start would misread them too.
+				if derr := d.dp.DetachXDP(bpf.Interface{Name: name}); derr != nil && !errors.Is(derr, bpf.ErrNotAttached) {
+					err = errors.Join(err, fmt.Errorf("detach our earlier XDP program: %w", derr))
+				} else if known, ok := d.ifaces[name]; ok {
+					known.xdp = bpf.XDPOff
+				}
+			}
+			return err
+		})
+		if err != nil {
 			return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
 		}
 	}
@@ -898,7 +924,11 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 	if !slices.Contains(d.opts.NorthSouth.Interfaces, name) {
 		d.opts.NorthSouth.Interfaces = append(slices.Clip(d.opts.NorthSouth.Interfaces), name)
 	}
-	d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode, "xdp", string(ifc.xdp))
+	if ifc.xdpProblem != "" {
+		d.log.Warn("fluxvm: north-south interface attached without XDP (xdp_mode auto)", "interface", name, "mode", ifc.hooks[0].Mode, "reason", ifc.xdpProblem)
+	} else {
+		d.log.Info("fluxvm: north-south interface attached", "interface", name, "mode", ifc.hooks[0].Mode, "xdp", string(ifc.xdp))
+	}
 	return ifc.status(), nil
 }
 
@@ -929,10 +959,13 @@ func (d *Dataplane) xdpMode() bpf.XDPMode {
 
 // attachXDP puts the north-south XDP program on ifc in the configured
 // mode and records the mode in force; with xdp_mode off it removes ours,
-// if an earlier start left it there.
+// if an earlier start left it there. With auto, an interface whose
+// offloads XDP would misread (bpf.ErrXDPOffload) keeps TC alone: XDP off,
+// the reason in ifc.xdpProblem (AttachXDP detached ours).
 func (d *Dataplane) attachXDP(ifc *iface) error {
 	return d.opts.InNamespace(func() error {
 		mode := d.xdpMode()
+		ifc.xdpProblem = ""
 		if mode == bpf.XDPOff {
 			ifc.xdp = bpf.XDPOff
 			if err := d.dp.DetachXDP(bpf.Interface{Index: ifc.index}); err != nil && !errors.Is(err, bpf.ErrNotAttached) {
@@ -941,6 +974,10 @@ func (d *Dataplane) attachXDP(ifc *iface) error {
 			return nil
 		}
 		a, err := d.dp.AttachXDP(bpf.Interface{Index: ifc.index}, mode)
+		if mode == bpf.XDPAuto && errors.Is(err, bpf.ErrXDPOffload) {
+			ifc.xdp, ifc.xdpProblem = bpf.XDPOff, err.Error()
+			return nil
+		}
 		if err != nil {
 			return err
 		}
@@ -1031,7 +1068,7 @@ func (d *Dataplane) removeInterface(name string) error {
 func (i *iface) status() InterfaceStatus {
 	st := InterfaceStatus{Name: i.Name, Kind: i.kind, Index: i.index, VMID: i.VMID, Hooks: slices.Clone(i.hooks), Problem: i.problem}
 	if i.kind == InterfaceNorthSouth {
-		st.XDP = string(i.xdp)
+		st.XDP, st.XDPProblem = string(i.xdp), i.xdpProblem
 		if st.XDP == "" {
 			st.XDP = string(bpf.XDPOff)
 		}

@@ -237,8 +237,13 @@ type InterfaceStatus struct {
 	// XDP is the mode the north-south XDP program actually runs in on a
 	// north-south interface: "native", "generic" or "off" (xdp_mode off,
 	// or not attached); absent on a VM-edge one.
-	XDP     string `json:"xdp,omitempty"`
-	Problem string `json:"problem,omitempty"`
+	XDP string `json:"xdp,omitempty"`
+	// XDPProblem says why XDP is off on a north-south interface although
+	// xdp_mode is auto: an offload that XDP would misread
+	// (bpf.ErrXDPOffload), named with the ethtool command that turns it
+	// off. Empty otherwise.
+	XDPProblem string `json:"xdp_problem,omitempty"`
+	Problem    string `json:"problem,omitempty"`
 }
 
 // HookStatus is one attached hook.

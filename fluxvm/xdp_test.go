@@ -89,6 +89,7 @@ func ifaceStatus(t *testing.T, d *Dataplane, name string) InterfaceStatus {
 // xdp_mode off leave no XDP program; VM edges never get one.
 func TestDataplaneXDP(t *testing.T) {
 	e := newNSEnv(t)
+	e.plainExternal(t)
 
 	// off (the default): nothing.
 	d := e.open(t)
@@ -230,24 +231,19 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 	}
 }
 
-// TestDataplaneXDPTraffic: with native XDP on the uplink, an external
-// client's real TCP and UDP sockets reach the VM backends through an IPv4
-// and an IPv6 VIP, and the datapath counts packets XDP translated.
-// xdpLab is the north-south lab with native XDP on the uplink, the
-// backend edges listed in xdp_egress_interfaces, and a north-south NAT
-// service "edge" (TCP and UDP on port 80) at vip4 and vip6.
-func xdpLab(t *testing.T) (e *env, d *Dataplane, vip4, vip6 netip.Addr) {
+// xdpLabEnv is the north-south lab prepared for XDP on the uplink: the
+// backend edges listed in xdp_egress_interfaces, and an XDP_PASS program
+// on each backend VM's side of its veth. xdp_mode is left off and the
+// external client's offloads at the veth defaults.
+func xdpLabEnv(t *testing.T) *env {
 	t.Helper()
-	e = newNSEnv(t)
-	e.opts.NorthSouth.XDPMode = bpf.XDPNative
+	e := newNSEnv(t)
 	// The backend VMs' edges take XDP frames (see below): XDP may send
 	// to them (xdp_egress_interfaces); to any other interface it leaves
 	// the packet to TC.
 	for _, vm := range e.backends {
 		e.opts.NorthSouth.XDPEgress = append(e.opts.NorthSouth.XDPEgress, vm.NodeIf)
 	}
-	d = e.open(t)
-	ext := e.lab.External
 	// A veth sends redirected XDP frames on only when its peer can take
 	// them (an XDP program there, or GRO, which needs ethtool); otherwise
 	// the kernel drops them (xdp_devmap_xmit reports the drops). Each
@@ -260,14 +256,34 @@ func xdpLab(t *testing.T) (e *env, d *Dataplane, vip4, vip6 netip.Addr) {
 			})
 		})
 	}
-	// The external client's veth leaves the TCP/UDP checksums of its
-	// packets to the receiver (CHECKSUM_PARTIAL: only the pseudo-header
-	// sum is in the packet); XDP sees the bytes, not that state, so its
-	// translated frames would carry bad checksums. A real NIC delivers
-	// complete ones: the client computes them here too.
-	ext.NS.Do(func() error {
-		return forVeths(t, func(l netlink.Link) error { return setTxChecksum(l.Attrs().Name, false) })
-	})
+	return e
+}
+
+// plainExternal turns off the offloads of the external client's veth
+// that keep state beside its frames: its packets' checksums are complete
+// (no CHECKSUM_PARTIAL, which holds only the pseudo-header sum and which
+// XDP cannot see), and a VLAN tag would be in the frame. The loader
+// attaches XDP to the uplink, its peer, only then (bpf.ErrXDPOffload). A
+// real NIC delivers complete checksums.
+func (e *env) plainExternal(t *testing.T) {
+	t.Helper()
+	if err := lab.SendPlainFrames(e.lab.External.NS, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDataplaneXDPTraffic: with native XDP on the uplink, an external
+// client's real TCP and UDP sockets reach the VM backends through an IPv4
+// and an IPv6 VIP, and the datapath counts packets XDP translated.
+// xdpLab is xdpLabEnv opened with native XDP, the external client's
+// offloads off (plainExternal), and a north-south NAT service "edge" (TCP
+// and UDP on port 80) at vip4 and vip6.
+func xdpLab(t *testing.T) (e *env, d *Dataplane, vip4, vip6 netip.Addr) {
+	t.Helper()
+	e = xdpLabEnv(t)
+	e.opts.NorthSouth.XDPMode = bpf.XDPNative
+	e.plainExternal(t)
+	d = e.open(t)
 	vip4, vip6 = netip.MustParseAddr("10.96.3.1"), netip.MustParseAddr("fd00:96:3::1")
 	svc := e.nsService("edge", vip4, vip6, ExposureNorthSouth, ModeNAT, false)
 	svc.Ports = append(svc.Ports, ServicePort{Port: 80, Protocol: UDP})

@@ -516,8 +516,10 @@ PY
   for ifc in "${NS_IFS[@]}"; do
     got="$(jq -r --arg n "$ifc" '.interfaces[]? | select(.name == $n) | .xdp // "off"' <<<"$STATUS")"
     idx="$(jq -r --arg n "$ifc" '.interfaces[]? | select(.name == $n) | .ifindex' <<<"$STATUS")"
+    # Why auto left XDP off there: an offload XDP would misread.
+    xproblem="$(jq -r --arg n "$ifc" '.interfaces[]? | select(.name == $n) | .xdp_problem // empty' <<<"$STATUS")"
     case "$XDP_MODE" in
-      auto) ok_modes="native generic" ;;
+      auto) ok_modes="native generic"; [ -z "$xproblem" ] || ok_modes="off" ;;
       "(no configuration)") ok_modes="off native generic" ;;
       *) ok_modes="$XDP_MODE" ;;
     esac
@@ -525,7 +527,8 @@ PY
       fail "xdp $ifc" "runs ${got:-nothing}, xdp_mode is $XDP_MODE"; continue
     fi
     if [ "$got" = off ]; then
-      if [ -e "$PIN_ROOT/links/xdp_$idx" ]; then fail "xdp $ifc" "xdp_mode off but $PIN_ROOT/links/xdp_$idx is pinned"
+      if [ -e "$PIN_ROOT/links/xdp_$idx" ]; then fail "xdp $ifc" "XDP off but $PIN_ROOT/links/xdp_$idx is pinned"
+      elif [ -n "$xproblem" ]; then warn "xdp $ifc" "off, TC alone (xdp_mode $XDP_MODE): $xproblem"
       elif [ "$HAVE_CONFIG" = 1 ]; then pass "xdp $ifc" "off, as configured"
       else pass "xdp $ifc" "off (the status; no configuration to compare)"; fi
       continue

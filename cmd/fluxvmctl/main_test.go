@@ -269,10 +269,11 @@ func TestTablesDecode(t *testing.T) {
 	node := newFakeNode(t, map[string]answer{
 		"GET /v1/network/services/status": ok(t, fluxvm.Status{
 			SchemaVersion: 6, Generation: 3, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm", Services: 2,
-			SNAT:       fluxvm.SNATStatus{Address4: netip.MustParseAddr("192.0.2.1"), PortMin: 32768, PortMax: 60999},
-			Interfaces: []fluxvm.InterfaceStatus{{Name: "eth0", Kind: "north-south", Index: 2, Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}}, XDP: "native"}},
-			HA:         fluxvm.HAStatus{Enabled: true, Epoch: 9, SupersededBy: 10},
-			LastGC:     &fluxvm.GCResult{At: gcAt, Scanned: 100, Expired: 5},
+			SNAT: fluxvm.SNATStatus{Address4: netip.MustParseAddr("192.0.2.1"), PortMin: 32768, PortMax: 60999},
+			Interfaces: []fluxvm.InterfaceStatus{{Name: "eth0", Kind: "north-south", Index: 2, Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}}, XDP: "native"},
+				{Name: "eth1", Kind: "north-south", Index: 3, Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}}, XDP: "off", XDPProblem: "rx-vlan-hw-parse on"}},
+			HA:     fluxvm.HAStatus{Enabled: true, Epoch: 9, SupersededBy: 10},
+			LastGC: &fluxvm.GCResult{At: gcAt, Scanned: 100, Expired: 5},
 			Pressure: &fluxvm.PressureStatus{SoftPercent: 80, HardPercent: 95, Level: "soft", Rounds: 2, Maps: map[string]fluxvm.MapPressure{
 				"fluxvm_fct4": {Entries: 55000, MaxEntries: 65536, Percent: 83.9}, "fluxvm_nat4": {Percent: 12.5}, "fluxvm_sock_fwd": {Percent: 99}}},
 		}),
@@ -296,7 +297,7 @@ func TestTablesDecode(t *testing.T) {
 			"Schema:           6\n", "Tier:             M\n", "SNAT:             192.0.2.1 ports 32768-60999\n",
 			"HA:               on, epoch 9, FENCED (superseded by epoch 10)\n",
 			"Map pressure:     soft (soft 80%, hard 95%), fullest fluxvm_fct4 83.9%, 2 rounds\n", "Last GC:          2026-11-30T12:00:00Z, 100 scanned, 5 expired\n",
-			"eth0       north-south  2        -   ns_in/tcx  native  -\n"}},
+			"eth0       north-south  2        -   ns_in/tcx  native  -\n", "eth1       north-south  3        -   ns_in/tcx  off     xdp off: rx-vlan-hw-parse on\n"}},
 		{[]string{"advertisements"}, "/v1/network/services/advertisements", "", []string{
 			"Generation:  5\n", "Node:        edge-1\n", "198.51.100.7  198.51.100.7/32  web      -         80/tcp  no          no_ready_backend\n"}},
 		{[]string{"policies"}, "/v1/network/services/policies", "", []string{

@@ -185,7 +185,12 @@ func statusTable(w io.Writer, st fluxvm.Status) {
 		for i, h := range in.Hooks {
 			hooks[i] = h.Hook + "/" + h.Mode
 		}
-		row(w, in.Name, in.Kind, in.Index, dash(in.VMID), dash(strings.Join(hooks, ",")), dash(in.XDP), dash(in.Problem))
+		problem := in.Problem
+		if in.XDPProblem != "" {
+			// Why xdp_mode auto left XDP off there.
+			problem = strings.TrimPrefix(strings.Join([]string{problem, "xdp off: " + in.XDPProblem}, "; "), "; ")
+		}
+		row(w, in.Name, in.Kind, in.Index, dash(in.VMID), dash(strings.Join(hooks, ",")), dash(in.XDP), dash(problem))
 	}
 }
 

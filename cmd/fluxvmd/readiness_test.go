@@ -15,6 +15,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -40,7 +41,13 @@ func TestProductionReadinessScript(t *testing.T) {
 	_, bpftoolErr := exec.LookPath("bpftool")
 	bin := buildDaemon(t)
 	l, cli, be := clientAndBackend(t)
-	if _, err := l.AddExternal(); err != nil {
+	ext, err := l.AddExternal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// xdp_mode native below: the loader attaches XDP to the uplink only
+	// while its veth peer sends plain frames (bpf.ErrXDPOffload).
+	if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
@@ -260,5 +267,55 @@ func TestReadinessScriptTokenQuoting(t *testing.T) {
 	out, _ := cmd.CombinedOutput()
 	if !strings.Contains(string(out), "PASS rest: ") || !strings.Contains(string(out), "PASS auth: ") {
 		t.Errorf("token %q: want PASS rest and PASS auth:\n%s", tok, out)
+	}
+}
+
+// TestReadinessScriptXDPAutoFallback: with xdp_mode auto, an uplink the
+// daemon left with TC alone because an offload would hide VLAN tags from
+// XDP (xdp_problem in the status) is a WARN that says why, not a FAIL;
+// XDP off without a reason still FAILs.
+func TestReadinessScriptXDPAutoFallback(t *testing.T) {
+	for _, tool := range []string{"bash", "curl", "jq"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s not found: the readiness script needs it", tool)
+		}
+	}
+	const problem = "bpf: attach xdp on eth9: its driver takes VLAN tags out of the frames it receives (rx-vlan-hw-parse on)"
+	for _, tc := range []struct {
+		name, problem, want string
+	}{
+		{"with the reason", problem, "WARN xdp eth9: off, TC alone (xdp_mode auto): " + problem + "\n"},
+		{"without a reason", "", "FAIL xdp eth9: runs off, xdp_mode is auto\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, err := json.Marshal(fluxvm.Status{SchemaVersion: 1, Generation: 1, Interfaces: []fluxvm.InterfaceStatus{{
+				Name: "eth9", Kind: fluxvm.InterfaceNorthSouth, Index: 9, XDP: "off", XDPProblem: tc.problem,
+				Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}, {Hook: "ns_out", Mode: "tcx"}}}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(st) }))
+			defer srv.Close()
+			dir := t.TempDir()
+			cfg := filepath.Join(dir, "fluxvmd.toml")
+			conf := fmt.Sprintf("[sandbox.dataplane.service]\npin_root = %q\nnorth_south_interfaces = [\"eth9\"]\nxdp_mode = \"auto\"\n", filepath.Join(dir, "pins"))
+			if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			tokenFile := filepath.Join(dir, "token")
+			if err := os.WriteFile(tokenFile, []byte("tok\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			cmd := exec.Command("bash", readinessScript, "-a", srv.URL, "-c", cfg, "-t", tokenFile, "--timeout", "2")
+			for _, e := range os.Environ() {
+				if !strings.HasPrefix(e, "FLUXVM_") {
+					cmd.Env = append(cmd.Env, e)
+				}
+			}
+			out, _ := cmd.CombinedOutput()
+			if !strings.Contains(string(out), tc.want) {
+				t.Errorf("want %q in:\n%s", tc.want, out)
+			}
+		})
 	}
 }

@@ -337,3 +337,12 @@ func SetChecksumOffload(ns *nsutil.NS, ifname string, tx, rx bool) error {
 		return nil
 	})
 }
+
+// SendPlainFrames turns off the transmit offloads of ifname in ns that
+// keep state beside its frames (testenv.SendPlainFrames: VLAN tag
+// insertion and checksum offload), so that an XDP program on its veth
+// peer sees every frame as it is, and FluxVM's loader attaches XDP there
+// (bpf.ErrXDPOffload).
+func SendPlainFrames(ns *nsutil.NS, ifname string) error {
+	return ns.Do(func() error { return testenv.SendPlainFrames(ifname) })
+}

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+
+	"github.com/fluxvm/servicefabric/internal/ethtool"
 )
 
 // VethPair creates the veth pair a <-> b in the calling thread's network
@@ -58,4 +60,21 @@ func waitOperUp(ifindex int) error {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// SendPlainFrames turns off the transmit offloads of the interface (in
+// the calling thread's namespace) that keep state beside the frames it
+// sends: VLAN tag insertion (tx-vlan-hw-insert, tx-vlan-stag-hw-insert:
+// a tag is then written into the frame) and checksum offload
+// (tx-checksum-ip-generic: checksums are then complete, no
+// CHECKSUM_PARTIAL). On a veth, that is what its peer's XDP program
+// needs to see every frame as it is (bpf.ErrXDPOffload), so the loader
+// attaches XDP to the peer only when they are off. The features it
+// depends on (TSO) go off with the checksum offload.
+func SendPlainFrames(ifname string) error {
+	return ethtool.SetFeatures(ifname, map[string]bool{
+		"tx-vlan-hw-insert":      false,
+		"tx-vlan-stag-hw-insert": false,
+		"tx-checksum-ip-generic": false,
+	})
 }

@@ -235,10 +235,12 @@ func (p *perfRun) setupNS(ctx context.Context) error {
 	}
 	// ext's veth leaves the TCP checksum of what it sends to the
 	// receiver (CHECKSUM_PARTIAL: only the pseudo-header sum is in the
-	// packet). XDP sees the bytes, not that skb state, so the frames it
-	// translates would carry bad checksums; a real NIC delivers complete
-	// ones. ext computes them itself, on all three paths alike.
-	if err := lab.SetChecksumOffload(n.ext.NS, "eth0", false, true); err != nil {
+	// packet) and would keep a VLAN tag beside the frame. XDP sees the
+	// bytes, not that skb state, so the loader refuses XDP on the uplink
+	// while ext's veth does either (bpf.ErrXDPOffload); a real NIC
+	// delivers complete checksums. ext computes them itself, on all
+	// three paths alike.
+	if err := lab.SendPlainFrames(n.ext.NS, "eth0"); err != nil {
 		return err
 	}
 	// A veth hands redirected XDP frames on only when its peer can take

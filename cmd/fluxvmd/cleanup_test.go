@@ -169,6 +169,11 @@ func TestCleanupEveryOption(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			// Native XDP on the uplink needs frames as they are: no VLAN
+			// tag or partial checksum beside them (bpf.ErrXDPOffload).
+			if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
+				t.Fatal(err)
+			}
 			rc := newLogsReceiver(t, l)
 			cg := cgtest.New(t)
 			dir := t.TempDir()

@@ -266,13 +266,45 @@ type iface struct {
 	hooks           []HookStatus
 	xdp             bpf.XDPMode // north-south: the XDP mode in force (XDPOff: none)
 	problem         string
+	// made are the hooks this Dataplane attached itself, and madeXDP its
+	// XDP link, as opposed to those an earlier start attached and it
+	// adopted: what the rollback of a failed Open detaches (detachMade).
+	made    []bpf.Hook
+	madeXDP bool
+}
+
+// keepMade carries what old (the same interface, attached before) made
+// into ifc, which replaces it.
+func (ifc *iface) keepMade(old *iface) {
+	if old == nil {
+		return
+	}
+	for _, h := range old.made {
+		if !slices.Contains(ifc.made, h) {
+			ifc.made = append(ifc.made, h)
+		}
+	}
+	ifc.madeXDP = ifc.madeXDP || old.madeXDP
 }
 
 // Open loads the datapath (adopting the pins as bpf.Open describes),
 // restores the catalog, attaches the configured interfaces, publishes the
 // VIP advertisements of the restored catalog and starts the health
 // checks and the GC timer.
-func Open(opts Options) (*Dataplane, error) {
+//
+// An Open that fails undoes what it made, the last made first, and
+// returns no Dataplane: the interfaces it attached itself are detached,
+// the fq it installed removed, and the catalog journal, the map handles
+// and the goroutines it started closed. What an earlier start left in
+// the pin root (its maps, and the attachments Open found and adopted)
+// stays in place, still forwarding: a restart that fails does not take
+// the running datapath down. When the pin root held no state (a first
+// start), nothing is left: no attachment, no pin, and no pin root, nor
+// the directories above it that Open created. Two things stay once done:
+// the switch of adopted attachments to the new programs and maps (bpf
+// Datapath.Activate; the next Open adopts those), and the socket hooks of
+// an earlier start removed from cgroups no longer configured.
+func Open(opts Options) (_ *Dataplane, err error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -305,24 +337,6 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	// fq goes on edt_interfaces first, all or nothing: a failure of
-	// Open from here on removes it again.
-	fq, err := openFQ(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	opened := false
-	defer func() {
-		if !opened {
-			if err := rollbackFQ(opts, fq); err != nil {
-				opts.Logger.Error("fluxvm: EDT: removing the fq installed by the failed start failed", "err", err)
-			}
-		}
-	}()
-	// Staged: the programs attached by an earlier process keep running on
-	// their maps until the catalog is restored into the new ones (a tier
-	// change or reload creates them empty); a VIP packet never meets an
-	// empty frontend map and passes untranslated.
 	hs, err := newHASync(opts)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
@@ -331,6 +345,37 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+
+	// From here on every step that makes something pushes its undo; a
+	// failure runs them, the last made first (the doc comment above).
+	var undo undoStack
+	defer func() {
+		if err == nil {
+			return
+		}
+		if uerr := undo.run(); uerr != nil {
+			opts.Logger.Error("fluxvm: open: the rollback of the failed start left something behind", "err", uerr)
+			err = errors.Join(err, fmt.Errorf("fluxvm: open: rollback: %w", uerr))
+		}
+	}()
+	// What MkdirAll of the pin root will create, for a first start's
+	// rollback.
+	newDirs := missingDirs(pinRootOf(opts.Loader))
+	// fq goes on edt_interfaces first, all or nothing.
+	fq, err := openFQ(opts)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(func() error {
+		if err := rollbackFQ(opts, fq); err != nil {
+			return fmt.Errorf("EDT: removing the fq installed by the failed start: %w", err)
+		}
+		return nil
+	})
+	// Staged: the programs attached by an earlier process keep running on
+	// their maps until the catalog is restored into the new ones (a tier
+	// change or reload creates them empty); a VIP packet never meets an
+	// empty frontend map and passes untranslated.
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
@@ -338,49 +383,43 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	first := dp.Status().Created
+	undo.push(func() error {
+		if !first {
+			// An earlier start's state: its pins and attachments stay.
+			return dp.Close()
+		}
+		// The pin root held nothing: all that is in it is this Open's.
+		return errors.Join(opts.InNamespace(dp.Remove), removeEmptyDirs(newDirs))
+	})
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
+	undo.push(func() error { d.gcCancel(); return nil })
 	d.initHealth()
+	undo.push(func() error { d.stopHealth(); return nil })
 	if err := d.initAdvertiser(); err != nil {
-		d.health.cancel()
-		dp.Close()
 		return nil, err
 	}
-	if err := d.init(); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
+	if err := d.init(&undo); err != nil {
 		return nil, err
 	}
 	if err := dp.Activate(); err != nil {
-		d.health.cancel()
-		dp.Close()
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	// After Activate, so that hooks pinned by an earlier start already
 	// run the new programs: AttachCgroup finds them and keeps them.
-	if err := d.initSocketLB(cgroupPath); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
+	if err := d.initSocketLB(cgroupPath, &undo); err != nil {
 		return nil, err
 	}
 	if err := d.startHA(); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error { d.stopHA(); return nil })
+	// Nothing fails from here on: the Dataplane owns what Open made.
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
@@ -404,11 +443,12 @@ func Open(opts Options) (*Dataplane, error) {
 		d.pstop, d.pdone = make(chan struct{}), make(chan struct{})
 		go d.pressureLoop(every, d.pstop, d.pdone)
 	}
-	opened = true
 	return d, nil
 }
 
-func (d *Dataplane) init() error {
+// init restores the catalog into the loaded maps and attaches the
+// configured interfaces, pushing onto undo what a failed Open must undo.
+func (d *Dataplane) init(undo *undoStack) error {
 	st := d.dp.Status()
 	d.caps = st.Capacities
 	d.limits = LimitsFor(d.caps)
@@ -447,6 +487,7 @@ func (d *Dataplane) init() error {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d.flowMaps = fm
+	undo.push(func() error { closeMaps(d.flowMaps[:]); return nil })
 	nt, err := nat.New(fm[2], fm[3])
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
@@ -470,6 +511,17 @@ func (d *Dataplane) init() error {
 	if err := d.openPolicies(); err != nil {
 		return err
 	}
+	// restore opens the catalog journal (d.store), also when it fails
+	// after that.
+	undo.push(func() error {
+		if d.store == nil {
+			return nil
+		}
+		if err := d.store.close(); err != nil {
+			return fmt.Errorf("catalog journal: %w", err)
+		}
+		return nil
+	})
 	if err := d.restore(); err != nil {
 		return err
 	}
@@ -480,6 +532,17 @@ func (d *Dataplane) init() error {
 	if err := d.settleBe2fe(); err != nil {
 		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
+	// The interfaces attached so far, when a later one fails: only what
+	// this Open attached itself is detached.
+	undo.push(func() error {
+		var errs []error
+		for _, ifc := range d.ifaces {
+			if err := d.detachMade(ifc); err != nil {
+				errs = append(errs, fmt.Errorf("interface %s: %w", ifc.Name, err))
+			}
+		}
+		return errors.Join(errs...)
+	})
 	for _, vi := range d.opts.Interfaces {
 		if _, err := d.AddInterface(vi); err != nil {
 			return err
@@ -799,13 +862,18 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	}
 	ifc := &iface{VMEdgeInterface: vi, kind: InterfaceVMEdge}
 	if err := d.attach(ifc); err != nil {
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err))
 	}
-	if old, ok := d.ifaces[vi.Name]; ok {
+	old := d.ifaces[vi.Name]
+	if old != nil {
 		ifc.slot = old.slot
 	} else if err := d.registerEdge(ifc); err != nil {
+		if uerr := d.detachMade(ifc); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: statistics: %w", vi.Name, err)
 	}
+	ifc.keepMade(old)
 	d.ifaces[vi.Name] = ifc
 	d.allowXDPEgress(vi.Name)
 	d.log.Info("fluxvm: VM interface attached", "interface", vi.Name, "vm", vi.VMID, "mode", ifc.hooks[0].Mode)
@@ -849,21 +917,21 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 	// A foreign XDP program is refused before anything is attached.
 	if d.xdpMode() != bpf.XDPOff {
 		if err := d.opts.InNamespace(func() error { return d.dp.CheckXDP(bpf.Interface{Name: name}) }); err != nil {
-			return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+			return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 		}
 	}
 	if err := d.attach(ifc); err != nil {
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 	}
 	if err := d.attachXDP(ifc); err != nil {
-		if _, known := d.ifaces[name]; !known {
-			// A new uplink is attached whole or not at all.
-			if uerr := d.detachHooks(ifc); uerr != nil {
-				err = errors.Join(err, fmt.Errorf("undo the TC hooks: %w", uerr))
-			}
+		// An uplink is attached whole or not at all: the TC hooks this
+		// call attached go again (those attached before it stay).
+		if uerr := d.detachMade(ifc); uerr != nil {
+			err = errors.Join(err, fmt.Errorf("undo the TC hooks: %w", uerr))
 		}
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 	}
+	ifc.keepMade(d.ifaces[name])
 	d.ifaces[name] = ifc
 	if !slices.Contains(d.opts.NorthSouth.Interfaces, name) {
 		d.opts.NorthSouth.Interfaces = append(slices.Clip(d.opts.NorthSouth.Interfaces), name)
@@ -914,7 +982,7 @@ func (d *Dataplane) attachXDP(ifc *iface) error {
 		if err != nil {
 			return err
 		}
-		ifc.xdp = a.Mode
+		ifc.xdp, ifc.madeXDP = a.Mode, !a.Reused
 		return nil
 	})
 }
@@ -938,27 +1006,30 @@ func (d *Dataplane) detachHooks(ifc *iface) error {
 	})
 }
 
-// attach puts the programs of ifc's kind on its hooks and records them.
+// attach puts the programs of ifc's kind on its hooks and records them,
+// and in ifc.made those it attached itself (not found attached already).
 func (d *Dataplane) attach(ifc *iface) error {
 	return d.opts.InNamespace(func() error {
-		var done []bpf.Hook
 		for _, h := range hooksOf(ifc.kind) {
 			a, err := d.dp.Attach(bpf.Interface{Name: ifc.Name}, h)
 			if err != nil {
 				// Both hooks or none: a VM edge that translates on
 				// the way out but not back (or the reverse) would
-				// break every flow through it.
-				for _, u := range done {
-					if derr := d.dp.Detach(bpf.Interface{Name: ifc.Name}, u); derr != nil {
+				// break every flow through it. What was attached
+				// before this call (an earlier start's) stays.
+				for _, u := range ifc.made {
+					if derr := d.dp.Detach(bpf.Interface{Index: ifc.index}, u); derr != nil {
 						err = errors.Join(err, fmt.Errorf("undo %s: %w", u, derr))
 					}
 				}
-				ifc.hooks = nil
+				ifc.hooks, ifc.made = nil, nil
 				return err
 			}
-			done = append(done, h)
 			ifc.index = a.Ifindex
 			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
+			if !a.Reused {
+				ifc.made = append(ifc.made, h)
+			}
 		}
 		return nil
 	})

@@ -141,6 +141,14 @@ type Options struct {
 // maps, the catalog of services, the attached VM-edge and north-south
 // interfaces, the SNAT settings and the conntrack GC. It is safe for
 // concurrent use.
+//
+// Only Open makes a usable Dataplane. On one it did not make, a nil
+// *Dataplane or a zero Dataplane{}, no method panics: every method that
+// returns an error fails with one matching ErrClosed (Close and Cleanup
+// too), and Status, Services, Health, Advertisements and HAStatus answer
+// as for an empty dataplane: the zero Status and HAStatus, no services,
+// no health-checked services, and a snapshot of generation 0 without
+// entries.
 type Dataplane struct {
 	mu     sync.Mutex
 	opts   Options
@@ -688,6 +696,20 @@ func (d *Dataplane) markClosed() bool {
 	return true
 }
 
+// unopened reports a Dataplane that Open did not make: a nil *Dataplane
+// or a zero Dataplane{}. Every exported method asks first (opened), and
+// answers as a closed Dataplane's would (see Close), without panicking.
+func (d *Dataplane) unopened() bool { return d == nil || d.dp == nil }
+
+// opened fails with an error matching ErrClosed for a Dataplane that Open
+// did not make (unopened).
+func (d *Dataplane) opened(op string) error {
+	if d.unopened() {
+		return fmt.Errorf("fluxvm: %s: the Dataplane is not open (nil, or not made by Open): %w", op, ErrClosed)
+	}
+	return nil
+}
+
 // checkOpen is the first thing every call that uses a map does, with mu
 // held.
 func (d *Dataplane) checkOpen(op string) error {
@@ -724,6 +746,9 @@ func (d *Dataplane) stopGC() {
 // answering: with the state as it was at Close, or after Cleanup that of
 // an empty dataplane (no services, no interfaces, every VIP withdrawn).
 func (d *Dataplane) Close() error {
+	if err := d.opened("close"); err != nil {
+		return err
+	}
 	if !d.markClosed() {
 		return nil
 	}
@@ -756,6 +781,9 @@ func (d *Dataplane) Close() error {
 // would leave them to guess); when that snapshot cannot be written,
 // Cleanup still removes the rest and returns an error saying so.
 func (d *Dataplane) Cleanup() error {
+	if err := d.opened("cleanup"); err != nil {
+		return err
+	}
 	if !d.markClosed() {
 		return fmt.Errorf("fluxvm: cleanup: %w", ErrClosed)
 	}
@@ -830,6 +858,9 @@ func hooksOf(kind string) []bpf.Hook {
 // attached again with another index (its veth recreated) is what the
 // policies that redirect to it name from then on.
 func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
+	if err := d.opened("add interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	st, err := d.addInterface(vi)
 	if err != nil {
 		return st, err
@@ -902,6 +933,9 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // the dataplane's life, also after RemoveInterface.
 // North-south interfaces have no per-VM statistics slot.
 func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error) {
+	if err := d.opened("add north-south interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	if why := ifnameProblem(name); why != "" {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface: %w", verr(ErrInvalid, "name", "%s", why))
 	}
@@ -1040,6 +1074,9 @@ func (d *Dataplane) attach(ifc *iface) error {
 // L7 policies that redirect to it then fail closed (their new flows drop)
 // until it is attached again.
 func (d *Dataplane) RemoveInterface(name string) error {
+	if err := d.opened("remove interface"); err != nil {
+		return err
+	}
 	if err := d.removeInterface(name); err != nil {
 		return err
 	}
@@ -1086,6 +1123,9 @@ func (i *iface) status() InterfaceStatus {
 // first call after Open, which reads every table once, about 40 µs per
 // table (bpf.Datapath.MapMemory caches what cannot change).
 func (d *Dataplane) Status() Status {
+	if d.unopened() {
+		return Status{}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	st := d.dp.Status()
@@ -1163,6 +1203,9 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // Close cancels it and waits for it to return, and a GC it interrupted,
 // or one called after Close, fails with an error matching ErrClosed.
 func (d *Dataplane) GC(ctx context.Context) (_ GCResult, err error) {
+	if err := d.opened("gc"); err != nil {
+		return GCResult{}, err
+	}
 	ctx, span := d.startSpan(ctx, SpanGC)
 	defer endSpan(span, &err)
 	now, err := conntrack.Now()

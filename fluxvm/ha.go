@@ -58,6 +58,9 @@ func (d *Dataplane) haView(what, service string) (haView, error) {
 // batches after the checkpoint. A superseded edge exports nothing
 // (ha.ErrFenced).
 func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error) {
+	if err := d.opened("export flows"); err != nil {
+		return ha.ExportResult{}, err
+	}
 	_, j, err := d.sourceJournal("export flows of", service)
 	if err != nil {
 		return ha.ExportResult{}, err
@@ -100,6 +103,9 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 // the whole snapshot is applied, this edge's cursor moves to the
 // snapshot's checkpoint: FlowDelta after it continues.
 func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
+	if err := d.opened("import flows"); err != nil {
+		return ha.ImportResult{}, err
+	}
 	h, err := d.haOn("import flows of " + service)
 	if err != nil {
 		return ha.ImportResult{}, err

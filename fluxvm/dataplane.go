@@ -464,8 +464,11 @@ func (d *Dataplane) init(undo *undoStack) error {
 	d.sids = newIDPool(d.caps.Services)
 	d.bids = newIDPool(d.caps.Backends)
 	d.edges = newIDPool(d.caps.Edges)
-	if st.MountedBPFFS {
-		d.log.Warn("fluxvm: mounted bpffs at /sys/fs/bpf; if this process has a private mount namespace (ip netns exec), pins and flows will not survive it")
+	switch {
+	case st.MountWarning != "":
+		d.log.Warn("fluxvm: " + st.MountWarning)
+	case st.MountedBPFFS:
+		d.log.Info("fluxvm: mounted bpffs at /sys/fs/bpf")
 	}
 	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
 		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,

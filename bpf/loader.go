@@ -229,7 +229,10 @@ type staged struct {
 
 // Open loads the datapath, adopting or rebuilding the state in the pin
 // root as Status describes. It never touches anything outside the root.
-func Open(opts Options) (*Datapath, error) {
+// An Open that fails removes the directories it created (the pin root,
+// its maps and links directories, and those above the root), unless
+// something was put in them.
+func Open(opts Options) (_ *Datapath, err error) {
 	if runtime.GOOS != "linux" {
 		return nil, fmt.Errorf("bpf: open: the datapath needs Linux (eBPF, TC), not %s: %w", runtime.GOOS, errors.ErrUnsupported)
 	}
@@ -262,6 +265,19 @@ func Open(opts Options) (*Datapath, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Deepest first: links and maps, the root and what is above it.
+	var made []string
+	for _, dir := range []string{linkDir(root), mapDir(root)} {
+		if len(bpffs.MissingDirs(dir)) > 0 {
+			made = append(made, dir)
+		}
+	}
+	made = append(made, bpffs.MissingDirs(root)...)
+	defer func() {
+		if err != nil {
+			_ = bpffs.RemoveEmptyDirs(made)
+		}
+	}()
 	for _, dir := range []string{root, mapDir(root), linkDir(root)} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("bpf: open: %w", err)

@@ -489,3 +489,32 @@ func TestAttachMissingInterface(t *testing.T) {
 		}
 	})
 }
+
+// TestFailedOpenRemovesItsDirectories: an Open that fails after making
+// the pin root (here on a corrupt XDP object in ObjectDir) removes the
+// directories it made, up to the first that was there, and a directory
+// that was there stays.
+func TestFailedOpenRemovesItsDirectories(t *testing.T) {
+	base := testenv.PinRoot(t)
+	objs := t.TempDir()
+	tc, err := os.ReadFile("fluxvm_service_tier_s_bpfel.o")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(objs, ObjectName(TierS)), tc, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(objs, XDPObjectName(TierS)), []byte("not an ELF object"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(base, "node", "service")
+	if d, err := Open(Options{PinRoot: root, Tier: TierS, ObjectDir: objs}); err == nil {
+		d.Remove()
+		t.Fatal("Open succeeded with a corrupt XDP object")
+	} else if !strings.Contains(err.Error(), XDPObjectName(TierS)) {
+		t.Errorf("Open: %v, want the XDP object's error", err)
+	}
+	if left, err := os.ReadDir(base); err != nil || len(left) != 0 {
+		t.Errorf("left under %s by the failed Open: %v (%v)", base, left, err)
+	}
+}

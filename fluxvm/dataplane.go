@@ -21,6 +21,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/intent"
+	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -368,7 +369,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	}()
 	// What MkdirAll of the pin root will create, for a first start's
 	// rollback.
-	newDirs := missingDirs(pinRootOf(opts.Loader))
+	newDirs := bpffs.MissingDirs(pinRootOf(opts.Loader))
 	// fq goes on edt_interfaces first, all or nothing.
 	fq, err := openFQ(opts)
 	if err != nil {
@@ -398,7 +399,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 			return dp.Close()
 		}
 		// The pin root held nothing: all that is in it is this Open's.
-		return errors.Join(opts.InNamespace(dp.Remove), removeEmptyDirs(newDirs))
+		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
 	})
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq,

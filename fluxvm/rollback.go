@@ -3,10 +3,7 @@ package fluxvm
 import (
 	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"path/filepath"
-	"syscall"
 
 	"github.com/fluxvm/servicefabric/bpf"
 )
@@ -24,35 +21,6 @@ func (u undoStack) run() error {
 	var errs []error
 	for i := len(u) - 1; i >= 0; i-- {
 		errs = append(errs, u[i]())
-	}
-	return errors.Join(errs...)
-}
-
-// missingDirs lists the directories from dir up that do not exist yet,
-// deepest first: those a MkdirAll of dir would create.
-func missingDirs(dir string) []string {
-	if !filepath.IsAbs(dir) {
-		return nil
-	}
-	var out []string
-	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
-		if _, err := os.Lstat(d); !errors.Is(err, fs.ErrNotExist) || d == filepath.Dir(d) {
-			return out
-		}
-		out = append(out, d)
-	}
-}
-
-// removeEmptyDirs removes the directories of dirs (deepest first) that are
-// still there and empty; one that something else now uses stays.
-func removeEmptyDirs(dirs []string) error {
-	var errs []error
-	for _, d := range dirs {
-		err := os.Remove(d)
-		if err == nil || errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST) {
-			continue
-		}
-		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }

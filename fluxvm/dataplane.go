@@ -309,10 +309,11 @@ func (ifc *iface) keepMade(old *iface) {
 // stays in place, still forwarding: a restart that fails does not take
 // the running datapath down. When the pin root held no state (a first
 // start), nothing is left: no attachment, no pin, and no pin root, nor
-// the directories above it that Open created. Two things stay once done:
-// the switch of adopted attachments to the new programs and maps (bpf
-// Datapath.Activate; the next Open adopts those), and the socket hooks of
-// an earlier start removed from cgroups no longer configured.
+// the directories above it that Open created. What cleans up after an
+// earlier start stays done: the switch of adopted attachments to the new
+// programs and maps (bpf Datapath.Activate; the next Open adopts those),
+// its socket hooks removed from cgroups no longer configured, and its fq
+// removed from interfaces no longer in edt_interfaces.
 func Open(opts Options) (_ *Dataplane, err error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -858,7 +859,10 @@ func hooksOf(kind string) []bpf.Hook {
 
 // AddInterface attaches the VM-edge programs to a VM's host-side
 // interface. It is idempotent. An interface that is attached as a
-// north-south interface is a conflict (ErrConflict). An L7 proxy interface
+// north-south interface is a conflict (ErrConflict); one the node's
+// namespace does not have is ErrNotFound (and bpf.ErrNoInterface). A call
+// that fails leaves the interface as it found it: the hooks it attached
+// are detached, those attached before it stay. An L7 proxy interface
 // attached again with another index (its veth recreated) is what the
 // policies that redirect to it name from then on.
 func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
@@ -920,7 +924,8 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // north-south VIPs; replies of remote backends to the SNAT address are
 // translated back) and ns_out on TC egress (replies to the SNAT address
 // that met no ingress hook of ours). It is idempotent. An interface that
-// is attached as a VM edge is a conflict (ErrConflict).
+// is attached as a VM edge is a conflict (ErrConflict); one the node's
+// namespace does not have is ErrNotFound (and bpf.ErrNoInterface).
 //
 // With NorthSouth.XDPMode (xdp_mode) other than off, the north-south XDP
 // program is attached too, after the TC hooks, in that mode (auto: native,
@@ -928,7 +933,8 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // program of another product on the interface fails the call with an
 // error naming it (bpf.ErrForeignProgram) before anything is attached,
 // and stays attached. Should the XDP attach fail otherwise, the TC hooks
-// of an interface new to this Dataplane are detached again. With
+// this call attached are detached again (those attached before it, by
+// this Dataplane or an earlier start, stay). With
 // xdp_mode off, an XDP program of ours left by an earlier start is
 // detached.
 //

@@ -11,7 +11,9 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
@@ -103,33 +105,49 @@ func TestOpenFailsOnMissingInterface(t *testing.T) {
 }
 
 // TestOpenRollsBackFirstStart: an Open of an empty pin root that fails on
-// its second interface leaves nothing: the first interface has no program
-// of ours, the pin root (and the directory above it that Open created)
-// is gone, and no BPF handle stays open in this process.
+// its second interface (missing, or refused half-way through its attach
+// by a foreign cls_bpf filter) leaves nothing: the first interface has no
+// program of ours, nor the second, the pin root (and the directory above
+// it that Open created) is gone, and no BPF handle stays open in this
+// process.
 func TestOpenRollsBackFirstStart(t *testing.T) {
-	for _, mode := range []bpf.AttachMode{bpf.AttachTCX, bpf.AttachClsBPF} {
-		t.Run(string(mode), func(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		mode    bpf.AttachMode
+		foreign bool // the second interface exists, with a foreign egress filter
+	}{
+		{"missing/tcx", bpf.AttachTCX, false},
+		{"missing/cls_bpf", bpf.AttachClsBPF, false},
+		{"foreign filter/cls_bpf", bpf.AttachClsBPF, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			e := newEnv(t)
 			// Two levels Open must create: both go again.
 			parent := filepath.Dir(e.opts.Loader.PinRoot)
 			e.opts.Loader.PinRoot = filepath.Join(parent, "node", "service")
-			e.opts.Loader.AttachMode = mode
-			vm := e.backends[0]
-			e.opts.Interfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, {Name: "nope0", VMID: "vm-nope"}}
+			e.opts.Loader.AttachMode = c.mode
+			vm, second := e.backends[0], VMEdgeInterface{Name: "nope0", VMID: "vm-nope"}
+			if c.foreign {
+				foreignEgressFilter(t, e, e.backends[1])
+				second = VMEdgeInterface{Name: e.backends[1].NodeIf, VMID: e.backends[1].Name}
+			}
+			e.opts.Interfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, second}
 			before := bpfFDs(t)
 			d, err := Open(e.opts)
 			if err == nil {
 				d.Close()
-				t.Fatal("Open succeeded with a missing second interface")
+				t.Fatal("Open succeeded with a second interface that cannot be attached")
 			}
 			if d != nil {
 				t.Errorf("a failed Open returned a Dataplane")
 			}
-			if !errors.Is(err, ErrNotFound) {
-				t.Errorf("Open: %v, want ErrNotFound", err)
+			if want := map[bool]error{false: ErrNotFound, true: bpf.ErrForeignProgram}[c.foreign]; !errors.Is(err, want) {
+				t.Errorf("Open: %v, want %v", err, want)
 			}
-			if got := ourPrograms(t, e.lab, vm); len(got) != 0 {
-				t.Errorf("the first interface keeps %v after the failed Open", got)
+			for _, v := range []*lab.VM{vm, e.backends[1]} {
+				if got := ourPrograms(t, e.lab, v); len(got) != 0 {
+					t.Errorf("%s keeps %v after the failed Open", v.NodeIf, got)
+				}
 			}
 			if _, err := os.Stat(filepath.Join(parent, "node")); !errors.Is(err, fs.ErrNotExist) {
 				t.Errorf("the pin root's directory is still there: %v", err)
@@ -142,13 +160,44 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 				t.Errorf("%d BPF handles open after the failed Open, %d before", after, before)
 			}
 			// Nothing left in the way: the same options, without the
-			// missing interface, open.
+			// second interface, open.
 			e.opts.Interfaces = e.opts.Interfaces[:1]
 			d = e.open(t)
 			if err := d.Cleanup(); err != nil {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// foreignEgressFilter puts another product's cls_bpf filter at priority 1
+// on the egress of vm's node-side interface, where ours would go.
+func foreignEgressFilter(t *testing.T, e *env, vm *lab.VM) {
+	t.Helper()
+	foreign, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: ebpf.SchedCLS, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { foreign.Close() })
+	err = e.lab.Node.Do(func() error {
+		l, err := netlink.LinkByName(vm.NodeIf)
+		if err != nil {
+			return err
+		}
+		if err := netlink.QdiscReplace(&netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{
+			LinkIndex: l.Attrs().Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT,
+		}, QdiscType: "clsact"}); err != nil {
+			return err
+		}
+		return netlink.FilterAdd(&netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{
+			LinkIndex: l.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS, Priority: 1, Protocol: unix.ETH_P_ALL,
+		}, Fd: foreign.FD(), Name: "someone-else", DirectAction: true})
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 

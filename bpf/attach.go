@@ -100,6 +100,9 @@ var (
 	ErrAttachMode     = errors.New("unknown attach mode")
 	ErrForeignProgram = errors.New("a program that FluxVM does not own is in the way")
 	ErrNotAttached    = errors.New("not attached")
+	// ErrNoInterface: the network namespace the call runs in has no
+	// interface by that name (or index).
+	ErrNoInterface = errors.New("no such network interface")
 )
 
 // clsName marks our cls_bpf filters; anything else at our priority is
@@ -113,6 +116,11 @@ type Attachment struct {
 	Hook    Hook
 	Mode    AttachMode
 	Program string
+	// Reused: ours was attached there already (a pinned TCX link, or our
+	// cls_bpf filter) and was kept, running the new program (after
+	// Activate when the datapath is staged); false: this call attached
+	// it. A caller undoing a failed step detaches only what it attached.
+	Reused bool
 }
 
 // Interface names an interface by name or by index (one is enough).
@@ -121,23 +129,40 @@ type Interface struct {
 	Index int
 }
 
+// String names the interface as errors do: its quoted name, its index,
+// or both.
+func (i Interface) String() string {
+	switch {
+	case i.Name != "" && i.Index > 0:
+		return fmt.Sprintf("%q (index %d)", i.Name, i.Index)
+	case i.Index > 0:
+		return fmt.Sprintf("index %d", i.Index)
+	}
+	return strconv.Quote(i.Name)
+}
+
+// resolve finds the interface in the calling thread's network namespace:
+// ErrNoInterface when it has none by that name or index.
 func (i Interface) resolve() (string, int, error) {
-	var (
-		ifc *net.Interface
-		err error
-	)
-	if i.Index > 0 {
-		ifc, err = net.InterfaceByIndex(i.Index)
-	} else {
-		ifc, err = net.InterfaceByName(i.Name)
+	if i.Name == "" && i.Index <= 0 {
+		return "", 0, fmt.Errorf("bpf: interface: neither a name nor an index given: %w", ErrNoInterface)
 	}
+	// The whole table, as net.InterfaceByName reads it too: a miss is
+	// then ErrNoInterface, not an error of the net package's own.
+	ifs, err := net.Interfaces()
 	if err != nil {
-		return "", 0, fmt.Errorf("bpf: interface %+v: %w", i, err)
+		return "", 0, fmt.Errorf("bpf: interface %s: %w", i, err)
 	}
-	if i.Name != "" && i.Index > 0 && ifc.Name != i.Name {
-		return "", 0, fmt.Errorf("bpf: interface index %d is %s, not %s", i.Index, ifc.Name, i.Name)
+	for _, ifc := range ifs {
+		if i.Index > 0 && ifc.Index != i.Index || i.Index <= 0 && ifc.Name != i.Name {
+			continue
+		}
+		if i.Name != "" && i.Index > 0 && ifc.Name != i.Name {
+			return "", 0, fmt.Errorf("bpf: interface index %d is %q, not %q: %w", i.Index, ifc.Name, i.Name, ErrNoInterface)
+		}
+		return ifc.Name, ifc.Index, nil
 	}
-	return ifc.Name, ifc.Index, nil
+	return "", 0, fmt.Errorf("bpf: interface %s: %w", i, ErrNoInterface)
 }
 
 // Attach puts the hook's program first on the interface, in the calling
@@ -161,20 +186,21 @@ func (d *Datapath) Attach(ifc Interface, hook Hook) (Attachment, error) {
 
 	mode := d.opts.AttachMode
 	if mode == "" || mode == AttachTCX {
-		err := d.attachTCX(index, hook, prog)
+		reused, err := d.attachTCX(index, hook, prog)
 		if err == nil {
-			a.Mode = AttachTCX
+			a.Mode, a.Reused = AttachTCX, reused
 			return a, nil
 		}
 		if mode == AttachTCX || !errors.Is(err, ebpf.ErrNotSupported) {
 			return a, err
 		}
 	}
-	if err := attachClsBPF(index, hook, prog, progName); err != nil {
+	reused, err := attachClsBPF(index, hook, prog, progName)
+	if err != nil {
 		return a, err
 	}
 	d.clsAttached = true
-	a.Mode = AttachClsBPF
+	a.Mode, a.Reused = AttachClsBPF, reused
 	return a, nil
 }
 
@@ -182,7 +208,9 @@ func (d *Datapath) linkPin(index int, hook Hook) string {
 	return filepath.Join(linkDir(d.opts.PinRoot), fmt.Sprintf("tcx_%d_%s", index, hook))
 }
 
-func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
+// attachTCX attaches prog to the hook with a pinned link; reused: our
+// pinned link was there already and was kept.
+func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) (reused bool, err error) {
 	pin := d.linkPin(index, hook)
 	if l, err := link.LoadPinnedLink(pin, nil); err == nil {
 		defer l.Close()
@@ -190,12 +218,12 @@ func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
 			// Staged: the link keeps the old program until Activate
 			// points every pinned link at the new ones.
 			if d.staged != nil {
-				return nil
+				return true, nil
 			}
 			if err := l.Update(prog); err != nil {
-				return fmt.Errorf("bpf: attach %s on %d: update link: %w", hook, index, err)
+				return false, fmt.Errorf("bpf: attach %s on %d: update link: %w", hook, index, err)
 			}
-			return nil
+			return true, nil
 		}
 		// The interface behind that pin is gone (its index now names
 		// another one): the stale pin is ours to drop.
@@ -207,13 +235,13 @@ func (d *Datapath) attachTCX(index int, hook Hook, prog *ebpf.Program) error {
 	}
 	l, err := link.AttachTCX(link.TCXOptions{Interface: index, Program: prog, Attach: at, Anchor: link.Head()})
 	if err != nil {
-		return fmt.Errorf("bpf: attach %s on %d (tcx): %w", hook, index, err)
+		return false, fmt.Errorf("bpf: attach %s on %d (tcx): %w", hook, index, err)
 	}
 	defer l.Close()
 	if err := l.Pin(pin); err != nil {
-		return fmt.Errorf("bpf: attach %s on %d: pin link: %w", hook, index, err)
+		return false, fmt.Errorf("bpf: attach %s on %d: pin link: %w", hook, index, err)
 	}
-	return nil
+	return false, nil
 }
 
 // Detach removes our program from the hook of the interface. A program

@@ -22,21 +22,23 @@ func clsParent(hook Hook) uint32 {
 	return netlink.HANDLE_MIN_EGRESS
 }
 
-func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) error {
+// attachClsBPF puts prog on the hook with our filter; reused: ours was
+// there already and was replaced.
+func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) (reused bool, err error) {
 	l, err := netlink.LinkByIndex(index)
 	if err != nil {
-		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+		return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
 	}
 	q := &netlink.GenericQdisc{
 		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
 		QdiscType:  "clsact",
 	}
 	if err := netlink.QdiscAdd(q); err != nil && !errors.Is(err, unix.EEXIST) {
-		return fmt.Errorf("bpf: attach %s on %d: clsact: %w", hook, index, err)
+		return false, fmt.Errorf("bpf: attach %s on %d: clsact: %w", hook, index, err)
 	}
 	f, err := ourFilter(l, hook)
 	if err != nil {
-		return err
+		return false, err
 	}
 	nf := &netlink.BpfFilter{
 		FilterAttrs: netlink.FilterAttrs{
@@ -51,9 +53,9 @@ func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) err
 		err = netlink.FilterAdd(nf)
 	}
 	if err != nil {
-		return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+		return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
 	}
-	return nil
+	return f != nil, nil
 }
 
 // ourFilter returns our filter at priority 1 on the hook, nil when the

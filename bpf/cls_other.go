@@ -13,8 +13,8 @@ import (
 // error matching errors.ErrUnsupported (as Open already does, the kernel
 // being what loads BPF programs).
 
-func attachClsBPF(index int, hook Hook, _ *ebpf.Program, _ string) error {
-	return fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, errors.ErrUnsupported)
+func attachClsBPF(index int, hook Hook, _ *ebpf.Program, _ string) (bool, error) {
+	return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, errors.ErrUnsupported)
 }
 
 func detachClsBPF(index int, hook Hook, name string) error {

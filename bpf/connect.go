@@ -111,6 +111,9 @@ type CgroupAttachment struct {
 	// datapath's programs (link.Update, no gap), or will at Activate when
 	// the datapath was opened staged.
 	Reused bool
+	// New are the hooks this call attached (the others were pinned
+	// already and kept); all of Hooks when nothing was there.
+	New []CgroupHook
 }
 
 // ErrNotCgroupV2 reports a cgroup path that is not a directory of a
@@ -217,6 +220,7 @@ func (d *Datapath) AttachCgroup(path string) (CgroupAttachment, error) {
 			return undo(fmt.Errorf("bpf: attach %s on cgroup %s: pin link: %w", h, path, err))
 		}
 		a.Hooks = append(a.Hooks, h)
+		a.New = append(a.New, h)
 	}
 	return a, nil
 }

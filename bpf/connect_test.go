@@ -62,7 +62,7 @@ func TestAttachCgroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(a.Hooks, CgroupHooks) || a.Reused || a.ID == 0 {
+	if !slices.Equal(a.Hooks, CgroupHooks) || !slices.Equal(a.New, CgroupHooks) || a.Reused || a.ID == 0 {
 		t.Fatalf("attachment %+v", a)
 	}
 	linkIDs := map[CgroupHook]link.ID{}
@@ -84,7 +84,7 @@ func TestAttachCgroup(t *testing.T) {
 	d.Close()
 	d = openT(t, Options{PinRoot: root, Tier: TierS})
 	a2, err := d.AttachCgroup(cg.Path)
-	if err != nil || !a2.Reused {
+	if err != nil || !a2.Reused || len(a2.New) != 0 {
 		t.Fatalf("again: %+v, %v", a2, err)
 	}
 	for _, h := range CgroupHooks {

@@ -167,6 +167,11 @@ type Status struct {
 	// `ip netns exec`), the pins go away with it; run the daemon in the
 	// host's mount namespace to keep state across restarts.
 	MountedBPFFS bool
+	// MountWarning, when Open mounted bpffs in a mount namespace that is
+	// not the host's (PID 1's), says so: the pins vanish when the process
+	// exits, and it says how to run instead (under `ip netns exec`:
+	// `nsenter --net=/run/netns/NAME`). Empty otherwise.
+	MountWarning string
 }
 
 // Datapath is the loaded TC object with its maps pinned under one owned
@@ -224,7 +229,10 @@ type staged struct {
 
 // Open loads the datapath, adopting or rebuilding the state in the pin
 // root as Status describes. It never touches anything outside the root.
-func Open(opts Options) (*Datapath, error) {
+// An Open that fails removes the directories it created (the pin root,
+// its maps and links directories, and those above the root), unless
+// something was put in them.
+func Open(opts Options) (_ *Datapath, err error) {
 	if runtime.GOOS != "linux" {
 		return nil, fmt.Errorf("bpf: open: the datapath needs Linux (eBPF, TC), not %s: %w", runtime.GOOS, errors.ErrUnsupported)
 	}
@@ -257,6 +265,19 @@ func Open(opts Options) (*Datapath, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Deepest first: links and maps, the root and what is above it.
+	var made []string
+	for _, dir := range []string{linkDir(root), mapDir(root)} {
+		if len(bpffs.MissingDirs(dir)) > 0 {
+			made = append(made, dir)
+		}
+	}
+	made = append(made, bpffs.MissingDirs(root)...)
+	defer func() {
+		if err != nil {
+			_ = bpffs.RemoveEmptyDirs(made)
+		}
+	}()
 	for _, dir := range []string{root, mapDir(root), linkDir(root)} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("bpf: open: %w", err)
@@ -265,6 +286,9 @@ func Open(opts Options) (*Datapath, error) {
 
 	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps,
 		HashSeed: opts.HashSeed, MountedBPFFS: mounted}
+	if mounted {
+		st.MountWarning = privateMountWarning(bpffs.MountNamespace())
+	}
 	pinned, prev, flowSeq, err := adoptPins(root, spec, &st)
 	stg := &staged{old: map[string]*ebpf.Map{}}
 	defer func() {
@@ -628,8 +652,7 @@ func checkPinRoot(root string, mount bool) (string, bool, error) {
 				return "", false, fmt.Errorf("bpf: pin root: %w", err)
 			}
 		} else if ok, err := bpffs.IsBPFFS(bpffs.DefaultRoot); err == nil && !ok {
-			return "", false, fmt.Errorf("bpf: pin root %q: %w: no BPF filesystem is mounted at %s (mount one, or set Options.MountBPFFS)",
-				root, ErrPinRoot, bpffs.DefaultRoot)
+			return "", false, fmt.Errorf("bpf: pin root %q: %w: %s", root, ErrPinRoot, noBPFFS(bpffs.MountNamespace()))
 		}
 	}
 	parent := filepath.Dir(root)
@@ -647,6 +670,51 @@ func checkPinRoot(root string, mount bool) (string, bool, error) {
 		return "", false, fmt.Errorf("bpf: pin root %q: %w: %s is not on bpffs", root, ErrPinRoot, parent)
 	}
 	return root, mounted, nil
+}
+
+// mountOption names the option that lets Open mount bpffs, as bpf and
+// fluxvm callers spell it.
+const mountOption = "bpf.Options.MountBPFFS (fluxvm.Options.Loader.MountBPFFS)"
+
+// noBPFFS says that /sys/fs/bpf has no BPF filesystem in the mount
+// namespace ns, and what to do about it. Under `ip netns exec` (a private
+// mount namespace with /sys mounted again) the host's BPF filesystem is
+// only hidden: mounting one here would make the pins vanish at exit, so
+// the advice is to enter the network namespace alone.
+func noBPFFS(ns bpffs.Namespace) string {
+	netns := "/run/netns/NAME"
+	if ns.NetNS != "" {
+		netns = "/run/netns/" + ns.NetNS
+	}
+	vanish := fmt.Sprintf("setting %s would mount one here, which vanishes, with every pin under it, when the process exits", mountOption)
+	switch {
+	case ns.IPNetnsExec:
+		return fmt.Sprintf("no BPF filesystem is mounted at %s in this process's mount namespace: the process runs under `ip netns exec`, which gives it a private /sys that hides the host's; run it under `nsenter --net=%s` instead, which enters the network namespace only; %s",
+			bpffs.DefaultRoot, netns, vanish)
+	case ns.Private:
+		return fmt.Sprintf("no BPF filesystem is mounted at %s in this process's mount namespace, which is not the host's: mount one at %s in the host's mount namespace, or run the process there; %s",
+			bpffs.DefaultRoot, bpffs.DefaultRoot, vanish)
+	}
+	return fmt.Sprintf("no BPF filesystem is mounted at %s: mount one (mount -t bpf bpf %s), or let Open mount it: %s",
+		bpffs.DefaultRoot, bpffs.DefaultRoot, mountOption)
+}
+
+// privateMountWarning is Status.MountWarning for a BPF filesystem Open
+// mounted in the mount namespace ns: empty when that is the host's.
+func privateMountWarning(ns bpffs.Namespace) string {
+	if !ns.Private {
+		return ""
+	}
+	netns := "/run/netns/NAME"
+	if ns.NetNS != "" {
+		netns = "/run/netns/" + ns.NetNS
+	}
+	how := "in the host's mount namespace"
+	if ns.IPNetnsExec {
+		how = fmt.Sprintf("under `nsenter --net=%s` instead of `ip netns exec`, which gives the process a private /sys", netns)
+	}
+	return fmt.Sprintf("the BPF filesystem mounted at %s lives in this process's mount namespace, which is not the host's: the pins, and with them the flows and the attachments, vanish when the process exits; run it %s",
+		bpffs.DefaultRoot, how)
 }
 
 func mapDir(root string) string  { return filepath.Join(root, "maps") }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -293,14 +294,14 @@ func TestAttachTCX(t *testing.T) {
 		}
 		idx := rx.Attrs().Index
 		d := openT(t, Options{PinRoot: root, Tier: TierS})
-		for range 2 { // idempotent
+		for i := range 2 { // idempotent; the second time ours is reused
 			for _, h := range []Hook{HookFromVM, HookToVM} {
 				a, err := d.Attach(Interface{Name: "fvrx"}, h)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if a.Mode != AttachTCX || a.Ifindex != idx || a.Ifname != "fvrx" {
-					t.Errorf("attachment %+v", a)
+				if a.Mode != AttachTCX || a.Ifindex != idx || a.Ifname != "fvrx" || a.Reused != (i == 1) {
+					t.Errorf("attachment %d: %+v", i, a)
 				}
 			}
 		}
@@ -358,13 +359,13 @@ func TestAttachClsBPF(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := openT(t, Options{PinRoot: root, Tier: TierS, AttachMode: AttachClsBPF})
-		for range 2 {
+		for i := range 2 {
 			a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookFromVM)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if a.Mode != AttachClsBPF {
-				t.Errorf("mode %s", a.Mode)
+			if a.Mode != AttachClsBPF || a.Reused != (i == 1) {
+				t.Errorf("attachment %d: %+v", i, a)
 			}
 		}
 		fs, err := netlink.FilterList(rx, netlink.HANDLE_MIN_INGRESS)
@@ -453,4 +454,67 @@ func TestOpenAfterInterfaceDeleted(t *testing.T) {
 			t.Errorf("fvstay ingress runs %v, want the reopened program %d", got, id)
 		}
 	})
+}
+
+// TestAttachMissingInterface: an interface the namespace does not have is
+// named in the error, which matches ErrNoInterface, by name or by index;
+// so is an index that names another interface than the name given.
+func TestAttachMissingInterface(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		_, rx, err := testenv.VethPair("fvtx", "fvrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := openT(t, Options{PinRoot: root, Tier: TierS})
+		for _, c := range []struct {
+			ifc  Interface
+			want string
+		}{
+			{Interface{Name: "nope0"}, `bpf: interface "nope0": no such network interface`},
+			{Interface{Index: 99999}, `bpf: interface index 99999: no such network interface`},
+			{Interface{Name: "nope0", Index: rx.Attrs().Index}, `is "fvrx", not "nope0"`},
+			{Interface{}, "neither a name nor an index"},
+		} {
+			_, err := d.Attach(c.ifc, HookFromVM)
+			if !errors.Is(err, ErrNoInterface) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("Attach(%+v): %v; want ErrNoInterface, saying %q", c.ifc, err, c.want)
+			}
+			if err := d.Detach(c.ifc, HookFromVM); !errors.Is(err, ErrNoInterface) {
+				t.Errorf("Detach(%+v): %v; want ErrNoInterface", c.ifc, err)
+			}
+		}
+		if as, err := d.Attachments(); err != nil || len(as) != 0 {
+			t.Errorf("attachments %+v, %v; want none", as, err)
+		}
+	})
+}
+
+// TestFailedOpenRemovesItsDirectories: an Open that fails after making
+// the pin root (here on a corrupt XDP object in ObjectDir) removes the
+// directories it made, up to the first that was there, and a directory
+// that was there stays.
+func TestFailedOpenRemovesItsDirectories(t *testing.T) {
+	base := testenv.PinRoot(t)
+	objs := t.TempDir()
+	tc, err := os.ReadFile("fluxvm_service_tier_s_bpfel.o")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(objs, ObjectName(TierS)), tc, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(objs, XDPObjectName(TierS)), []byte("not an ELF object"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(base, "node", "service")
+	if d, err := Open(Options{PinRoot: root, Tier: TierS, ObjectDir: objs}); err == nil {
+		d.Remove()
+		t.Fatal("Open succeeded with a corrupt XDP object")
+	} else if !strings.Contains(err.Error(), XDPObjectName(TierS)) {
+		t.Errorf("Open: %v, want the XDP object's error", err)
+	}
+	if left, err := os.ReadDir(base); err != nil || len(left) != 0 {
+		t.Errorf("left under %s by the failed Open: %v (%v)", base, left, err)
+	}
 }

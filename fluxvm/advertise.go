@@ -326,6 +326,9 @@ func (a *advertiser) logChanges(prev, next advert.Snapshot) {
 // and returns the last snapshot published (after Cleanup, the empty one
 // that withdraws every VIP).
 func (d *Dataplane) Advertisements() advert.Snapshot {
+	if d.unopened() {
+		return advert.Snapshot{SchemaVersion: advert.SchemaVersion, Entries: []advert.Entry{}}
+	}
 	a := &d.adv
 	a.mu.Lock()
 	stopped := a.stopped

@@ -20,6 +20,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/intent"
+	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -145,6 +146,14 @@ type Options struct {
 // maps, the catalog of services, the attached VM-edge and north-south
 // interfaces, the SNAT settings and the conntrack GC. It is safe for
 // concurrent use.
+//
+// Only Open makes a usable Dataplane. On one it did not make, a nil
+// *Dataplane or a zero Dataplane{}, no method panics: every method that
+// returns an error fails with one matching ErrClosed (Close and Cleanup
+// too), and Status, Services, Health, Advertisements and HAStatus answer
+// as for an empty dataplane: the zero Status and HAStatus, no services,
+// no health-checked services, and a snapshot of generation 0 without
+// entries.
 type Dataplane struct {
 	mu     sync.Mutex
 	opts   Options
@@ -285,6 +294,25 @@ type iface struct {
 	xdp             bpf.XDPMode // north-south: the XDP mode in force (XDPOff: none)
 	xdpProblem      string      // north-south: why xdp_mode auto left XDP off
 	problem         string
+	// made are the hooks this Dataplane attached itself, and madeXDP its
+	// XDP link, as opposed to those an earlier start attached and it
+	// adopted: what the rollback of a failed Open detaches (detachMade).
+	made    []bpf.Hook
+	madeXDP bool
+}
+
+// keepMade carries what old (the same interface, attached before) made
+// into ifc, which replaces it.
+func (ifc *iface) keepMade(old *iface) {
+	if old == nil {
+		return
+	}
+	for _, h := range old.made {
+		if !slices.Contains(ifc.made, h) {
+			ifc.made = append(ifc.made, h)
+		}
+	}
+	ifc.madeXDP = ifc.madeXDP || old.madeXDP
 }
 
 // Open loads the datapath (adopting the pins as bpf.Open describes),
@@ -298,7 +326,21 @@ type iface struct {
 // another, fails with an error matching ErrInUse that names the holder.
 // A failed Open lets it go, removing it again when Open created it and
 // nothing was pinned.
-func Open(opts Options) (*Dataplane, error) {
+//
+// An Open that fails undoes what it made, the last made first, and
+// returns no Dataplane: the interfaces it attached itself are detached,
+// the fq it installed removed, and the catalog journal, the map handles
+// and the goroutines it started closed. What an earlier start left in
+// the pin root (its maps, and the attachments Open found and adopted)
+// stays in place, still forwarding: a restart that fails does not take
+// the running datapath down. When the pin root held no state (a first
+// start), nothing is left: no attachment, no pin, and no pin root, nor
+// the directories above it that Open created. What cleans up after an
+// earlier start stays done: the switch of adopted attachments to the new
+// programs and maps (bpf Datapath.Activate; the next Open adopts those),
+// its socket hooks removed from cgroups no longer configured, and its fq
+// removed from interfaces no longer in edt_interfaces.
+func Open(opts Options) (_ *Dataplane, err error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -339,6 +381,22 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+
+	// From here on every step that makes something pushes its undo; a
+	// failure runs them, the last made first (the doc comment above).
+	var undo undoStack
+	defer func() {
+		if err == nil {
+			return
+		}
+		if uerr := undo.run(); uerr != nil {
+			opts.Logger.Error("fluxvm: open: the rollback of the failed start left something behind", "err", uerr)
+			err = errors.Join(err, fmt.Errorf("fluxvm: open: rollback: %w", uerr))
+		}
+	}()
+	// What MkdirAll of the pin root will create, for a first start's
+	// rollback (before the lock, which creates the pin root to hold it).
+	newDirs := bpffs.MissingDirs(pinRootOf(opts.Loader))
 	// The pin root is this dataplane's alone, before anything changes:
 	// a second Open on it (in this process or another) fails with
 	// ErrInUse. Close and Cleanup let it go; a failed Open too, removing
@@ -347,25 +405,18 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	opened := false
-	defer func() {
-		if !opened {
-			lk.Abandon()
-		}
-	}()
-	// fq goes on edt_interfaces first, all or nothing: a failure of
-	// Open from here on removes it again.
+	undo.push(lk.Abandon)
+	// fq goes on edt_interfaces first, all or nothing.
 	fq, err := openFQ(opts)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	defer func() {
-		if !opened {
-			if err := rollbackFQ(opts, fq); err != nil {
-				opts.Logger.Error("fluxvm: EDT: removing the fq installed by the failed start failed", "err", err)
-			}
+	undo.push(func() error {
+		if err := rollbackFQ(opts, fq); err != nil {
+			return fmt.Errorf("EDT: removing the fq installed by the failed start: %w", err)
 		}
-	}()
+		return nil
+	})
 	// Staged: the programs attached by an earlier process keep running on
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
@@ -377,49 +428,43 @@ func Open(opts Options) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	first := dp.Status().Created
+	undo.push(func() error {
+		if !first {
+			// An earlier start's state: its pins and attachments stay.
+			return dp.Close()
+		}
+		// The pin root held nothing: all that is in it is this Open's.
+		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
+	})
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
+	undo.push(func() error { d.gcCancel(); return nil })
 	d.initHealth()
+	undo.push(func() error { d.stopHealth(); return nil })
 	if err := d.initAdvertiser(); err != nil {
-		d.health.cancel()
-		dp.Close()
 		return nil, err
 	}
-	if err := d.init(); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
+	if err := d.init(&undo); err != nil {
 		return nil, err
 	}
 	if err := dp.Activate(); err != nil {
-		d.health.cancel()
-		dp.Close()
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	// After Activate, so that hooks pinned by an earlier start already
 	// run the new programs: AttachCgroup finds them and keeps them.
-	if err := d.initSocketLB(cgroupPath); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
+	if err := d.initSocketLB(cgroupPath, &undo); err != nil {
 		return nil, err
 	}
 	if err := d.startHA(); err != nil {
-		d.health.cancel()
-		if d.store != nil {
-			d.store.close()
-		}
-		dp.Close()
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error { d.stopHA(); return nil })
+	// Nothing fails from here on: the Dataplane owns what Open made.
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
@@ -442,11 +487,12 @@ func Open(opts Options) (*Dataplane, error) {
 		d.pstop, d.pdone = make(chan struct{}), make(chan struct{})
 		go d.pressureLoop(every, d.pstop, d.pdone)
 	}
-	opened = true
 	return d, nil
 }
 
-func (d *Dataplane) init() error {
+// init restores the catalog into the loaded maps and attaches the
+// configured interfaces, pushing onto undo what a failed Open must undo.
+func (d *Dataplane) init(undo *undoStack) error {
 	st := d.dp.Status()
 	d.caps = st.Capacities
 	d.limits = LimitsFor(d.caps)
@@ -454,8 +500,11 @@ func (d *Dataplane) init() error {
 	d.sids = newIDPool(d.caps.Services)
 	d.bids = newIDPool(d.caps.Backends)
 	d.edges = newIDPool(d.caps.Edges)
-	if st.MountedBPFFS {
-		d.log.Warn("fluxvm: mounted bpffs at /sys/fs/bpf; if this process has a private mount namespace (ip netns exec), pins and flows will not survive it")
+	switch {
+	case st.MountWarning != "":
+		d.log.Warn("fluxvm: " + st.MountWarning)
+	case st.MountedBPFFS:
+		d.log.Info("fluxvm: mounted bpffs at /sys/fs/bpf")
 	}
 	d.log.Info("fluxvm: datapath loaded", "pin_root", st.PinRoot, "tier", st.Tier.String(),
 		"created", st.Created, "schema_rebuilt", st.SchemaRebuilt, "reloaded", st.Reloaded,
@@ -485,6 +534,7 @@ func (d *Dataplane) init() error {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
 	d.flowMaps = fm
+	undo.push(func() error { closeMaps(d.flowMaps[:]); return nil })
 	nt, err := nat.New(fm[2], fm[3])
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
@@ -508,6 +558,17 @@ func (d *Dataplane) init() error {
 	if err := d.openPolicies(); err != nil {
 		return err
 	}
+	// restore opens the catalog journal (d.store), also when it fails
+	// after that.
+	undo.push(func() error {
+		if d.store == nil {
+			return nil
+		}
+		if err := d.store.close(); err != nil {
+			return fmt.Errorf("catalog journal: %w", err)
+		}
+		return nil
+	})
 	if err := d.restore(); err != nil {
 		return err
 	}
@@ -518,6 +579,17 @@ func (d *Dataplane) init() error {
 	if err := d.settleBe2fe(); err != nil {
 		return fmt.Errorf("fluxvm: restore: %w", err)
 	}
+	// The interfaces attached so far, when a later one fails: only what
+	// this Open attached itself is detached.
+	undo.push(func() error {
+		var errs []error
+		for _, ifc := range d.ifaces {
+			if err := d.detachMade(ifc); err != nil {
+				errs = append(errs, fmt.Errorf("interface %s: %w", ifc.Name, err))
+			}
+		}
+		return errors.Join(errs...)
+	})
 	for _, vi := range d.opts.Interfaces {
 		if _, err := d.AddInterface(vi); err != nil {
 			return err
@@ -663,6 +735,20 @@ func (d *Dataplane) markClosed() bool {
 	return true
 }
 
+// unopened reports a Dataplane that Open did not make: a nil *Dataplane
+// or a zero Dataplane{}. Every exported method asks first (opened), and
+// answers as a closed Dataplane's would (see Close), without panicking.
+func (d *Dataplane) unopened() bool { return d == nil || d.dp == nil }
+
+// opened fails with an error matching ErrClosed for a Dataplane that Open
+// did not make (unopened).
+func (d *Dataplane) opened(op string) error {
+	if d.unopened() {
+		return fmt.Errorf("fluxvm: %s: the Dataplane is not open (nil, or not made by Open): %w", op, ErrClosed)
+	}
+	return nil
+}
+
 // checkOpen is the first thing every call that uses a map does, with mu
 // held.
 func (d *Dataplane) checkOpen(op string) error {
@@ -703,6 +789,9 @@ func (d *Dataplane) stopGC() {
 // or after Cleanup that of an empty dataplane (no services, no
 // interfaces, every VIP withdrawn).
 func (d *Dataplane) Close() error {
+	if err := d.opened("close"); err != nil {
+		return err
+	}
 	if !d.markClosed() {
 		return nil
 	}
@@ -744,6 +833,9 @@ func (d *Dataplane) Close() error {
 // removes what the closed dataplane left. So does a second Cleanup, which
 // then finds nothing left to remove.
 func (d *Dataplane) Cleanup() error {
+	if err := d.opened("cleanup"); err != nil {
+		return err
+	}
 	if !d.markClosed() {
 		return Cleanup(d.cleanupOptions())
 	}
@@ -794,10 +886,16 @@ func hooksOf(kind string) []bpf.Hook {
 
 // AddInterface attaches the VM-edge programs to a VM's host-side
 // interface. It is idempotent. An interface that is attached as a
-// north-south interface is a conflict (ErrConflict). An L7 proxy interface
+// north-south interface is a conflict (ErrConflict); one the node's
+// namespace does not have is ErrNotFound (and bpf.ErrNoInterface). A call
+// that fails leaves the interface as it found it: the hooks it attached
+// are detached, those attached before it stay. An L7 proxy interface
 // attached again with another index (its veth recreated) is what the
 // policies that redirect to it name from then on.
 func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
+	if err := d.opened("add interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	st, err := d.addInterface(vi)
 	if err != nil {
 		return st, err
@@ -830,13 +928,18 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	}
 	ifc := &iface{VMEdgeInterface: vi, kind: InterfaceVMEdge}
 	if err := d.attach(ifc); err != nil {
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add interface %s: %w", vi.Name, err))
 	}
-	if old, ok := d.ifaces[vi.Name]; ok {
+	old := d.ifaces[vi.Name]
+	if old != nil {
 		ifc.slot = old.slot
 	} else if err := d.registerEdge(ifc); err != nil {
+		if uerr := d.detachMade(ifc); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface %s: statistics: %w", vi.Name, err)
 	}
+	ifc.keepMade(old)
 	d.ifaces[vi.Name] = ifc
 	d.allowXDPEgress(vi.Name)
 	d.log.Info("fluxvm: VM interface attached", "interface", vi.Name, "vm", vi.VMID, "mode", ifc.hooks[0].Mode)
@@ -848,7 +951,8 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // north-south VIPs; replies of remote backends to the SNAT address are
 // translated back) and ns_out on TC egress (replies to the SNAT address
 // that met no ingress hook of ours). It is idempotent. An interface that
-// is attached as a VM edge is a conflict (ErrConflict).
+// is attached as a VM edge is a conflict (ErrConflict); one the node's
+// namespace does not have is ErrNotFound (and bpf.ErrNoInterface).
 //
 // With NorthSouth.XDPMode (xdp_mode) other than off, the north-south XDP
 // program is attached too, after the TC hooks, in that mode (auto: native,
@@ -864,7 +968,8 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // hooks alone, InterfaceStatus.XDP is "off" and XDPProblem says why. In
 // both cases an XDP program of ours left there by an earlier start is
 // detached. Should the XDP attach fail otherwise, the TC hooks
-// of an interface new to this Dataplane are detached again. With
+// this call attached are detached again (those attached before it, by
+// this Dataplane or an earlier start, stay). With
 // xdp_mode off, an XDP program of ours left by an earlier start is
 // detached.
 //
@@ -873,6 +978,9 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // the dataplane's life, also after RemoveInterface.
 // North-south interfaces have no per-VM statistics slot.
 func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error) {
+	if err := d.opened("add north-south interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
 	if why := ifnameProblem(name); why != "" {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface: %w", verr(ErrInvalid, "name", "%s", why))
 	}
@@ -905,21 +1013,21 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 			return err
 		})
 		if err != nil {
-			return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+			return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 		}
 	}
 	if err := d.attach(ifc); err != nil {
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 	}
 	if err := d.attachXDP(ifc); err != nil {
-		if _, known := d.ifaces[name]; !known {
-			// A new uplink is attached whole or not at all.
-			if uerr := d.detachHooks(ifc); uerr != nil {
-				err = errors.Join(err, fmt.Errorf("undo the TC hooks: %w", uerr))
-			}
+		// An uplink is attached whole or not at all: the TC hooks this
+		// call attached go again (those attached before it stay).
+		if uerr := d.detachMade(ifc); uerr != nil {
+			err = errors.Join(err, fmt.Errorf("undo the TC hooks: %w", uerr))
 		}
-		return InterfaceStatus{}, fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err)
+		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 	}
+	ifc.keepMade(d.ifaces[name])
 	d.ifaces[name] = ifc
 	if !slices.Contains(d.opts.NorthSouth.Interfaces, name) {
 		d.opts.NorthSouth.Interfaces = append(slices.Clip(d.opts.NorthSouth.Interfaces), name)
@@ -981,7 +1089,7 @@ func (d *Dataplane) attachXDP(ifc *iface) error {
 		if err != nil {
 			return err
 		}
-		ifc.xdp = a.Mode
+		ifc.xdp, ifc.madeXDP = a.Mode, !a.Reused
 		return nil
 	})
 }
@@ -1005,27 +1113,30 @@ func (d *Dataplane) detachHooks(ifc *iface) error {
 	})
 }
 
-// attach puts the programs of ifc's kind on its hooks and records them.
+// attach puts the programs of ifc's kind on its hooks and records them,
+// and in ifc.made those it attached itself (not found attached already).
 func (d *Dataplane) attach(ifc *iface) error {
 	return d.opts.InNamespace(func() error {
-		var done []bpf.Hook
 		for _, h := range hooksOf(ifc.kind) {
 			a, err := d.dp.Attach(bpf.Interface{Name: ifc.Name}, h)
 			if err != nil {
 				// Both hooks or none: a VM edge that translates on
 				// the way out but not back (or the reverse) would
-				// break every flow through it.
-				for _, u := range done {
-					if derr := d.dp.Detach(bpf.Interface{Name: ifc.Name}, u); derr != nil {
+				// break every flow through it. What was attached
+				// before this call (an earlier start's) stays.
+				for _, u := range ifc.made {
+					if derr := d.dp.Detach(bpf.Interface{Index: ifc.index}, u); derr != nil {
 						err = errors.Join(err, fmt.Errorf("undo %s: %w", u, derr))
 					}
 				}
-				ifc.hooks = nil
+				ifc.hooks, ifc.made = nil, nil
 				return err
 			}
-			done = append(done, h)
 			ifc.index = a.Ifindex
 			ifc.hooks = append(ifc.hooks, HookStatus{Hook: h.String(), Mode: string(a.Mode)})
+			if !a.Reused {
+				ifc.made = append(ifc.made, h)
+			}
 		}
 		return nil
 	})
@@ -1036,6 +1147,9 @@ func (d *Dataplane) attach(ifc *iface) error {
 // L7 policies that redirect to it then fail closed (their new flows drop)
 // until it is attached again.
 func (d *Dataplane) RemoveInterface(name string) error {
+	if err := d.opened("remove interface"); err != nil {
+		return err
+	}
 	if err := d.removeInterface(name); err != nil {
 		return err
 	}
@@ -1082,6 +1196,9 @@ func (i *iface) status() InterfaceStatus {
 // first call after Open, which reads every table once, about 40 µs per
 // table (bpf.Datapath.MapMemory caches what cannot change).
 func (d *Dataplane) Status() Status {
+	if d.unopened() {
+		return Status{}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	st := d.dp.Status()
@@ -1160,7 +1277,12 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // or one called after Close, fails with an error matching ErrClosed.
 // The GC timer counts from it: the timer's next GC is due one period
 // after the last GC began, whoever ran it (gctimer.go).
-func (d *Dataplane) GC(ctx context.Context) (GCResult, error) { return d.gc(ctx, false) }
+func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
+	if err := d.opened("gc"); err != nil {
+		return GCResult{}, err
+	}
+	return d.gc(ctx, false)
+}
 
 // gc is GC; timer says the GC timer runs it, whose period adapts to
 // what it found (noteGC).

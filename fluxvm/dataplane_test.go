@@ -20,10 +20,8 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/vishvananda/netlink"
 	"go.uber.org/goleak"
-	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
@@ -332,32 +330,7 @@ func TestAddInterfaceAllOrNothing(t *testing.T) {
 	e.opts.Loader.AttachMode = bpf.AttachClsBPF
 	d := e.open(t)
 	vm := e.backends[0]
-
-	foreign, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Type: ebpf.SchedCLS, License: "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer foreign.Close()
-	err = e.lab.Node.Do(func() error {
-		l, err := netlink.LinkByName(vm.NodeIf)
-		if err != nil {
-			return err
-		}
-		if err := netlink.QdiscReplace(&netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{
-			LinkIndex: l.Attrs().Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT,
-		}, QdiscType: "clsact"}); err != nil {
-			return err
-		}
-		return netlink.FilterAdd(&netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{
-			LinkIndex: l.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS, Priority: 1, Protocol: unix.ETH_P_ALL,
-		}, Fd: foreign.FD(), Name: "someone-else", DirectAction: true})
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	foreignEgressFilter(t, e, vm)
 
 	if _, err := d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err == nil {
 		t.Fatal("AddInterface succeeded over a foreign egress filter")
@@ -367,7 +340,7 @@ func TestAddInterfaceAllOrNothing(t *testing.T) {
 			t.Errorf("half-attached interface recorded: %+v", ifc)
 		}
 	}
-	err = e.lab.Node.Do(func() error {
+	err := e.lab.Node.Do(func() error {
 		l, err := netlink.LinkByName(vm.NodeIf)
 		if err != nil {
 			return err

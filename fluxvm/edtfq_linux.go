@@ -77,7 +77,11 @@ func installFQ(name string) (managedFQ, error) {
 	m := managedFQ{name: name}
 	link, err := netlink.LinkByName(name)
 	if err != nil {
-		return m, fmt.Errorf("edt_interfaces: interface %s: %w", name, err)
+		var nf netlink.LinkNotFoundError
+		if errors.As(err, &nf) {
+			return m, fmt.Errorf("edt_interfaces: interface %q: no such network interface: %w", name, ErrNotFound)
+		}
+		return m, fmt.Errorf("edt_interfaces: interface %q: %w", name, err)
 	}
 	root, err := rootQdisc(link)
 	if err != nil {

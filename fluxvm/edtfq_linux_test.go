@@ -492,6 +492,25 @@ func TestOpenManagesFQ(t *testing.T) {
 		})
 	})
 
+	t.Run("missing interface fails Open, nothing left", func(t *testing.T) {
+		withFQKind(t, "pfifo")
+		opts := e.opts
+		opts.EDTInterfaces = []string{a, "nope0"}
+		d, err := Open(opts)
+		if err == nil {
+			d.Close()
+			t.Fatal("Open succeeded with a missing EDT interface")
+		}
+		if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), `interface "nope0"`) {
+			t.Errorf("Open: %v, want ErrNotFound naming \"nope0\"", err)
+		}
+		inNode(func() {
+			if kind, h := rootOf(t, a); kind != defKind || h != 0 {
+				t.Errorf("%s root %s %#x after the failed Open, want the default", a, kind, h)
+			}
+		})
+	})
+
 	if kernelHasFQ(t) {
 		t.Log("this kernel has sch_fq: the ErrNoFQ and fallback paths are not observable here")
 		return

@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"errors"
 
+	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -24,10 +25,29 @@ var (
 	// ErrLimit: the request would exceed a documented bound or a map
 	// capacity of the loaded tier (intent.ErrLimit).
 	ErrLimit = intent.ErrLimit
-	// ErrNotFound: no such service or VM.
+	// ErrNotFound: no such service or VM, or no such network interface
+	// (AddInterface, AddNorthSouthInterface and Open's interfaces: the
+	// error also matches bpf.ErrNoInterface).
 	ErrNotFound = errors.New("not found")
 	// ErrClosed: the Dataplane was closed (Close or Cleanup); it reads
 	// and changes no map any more (see Dataplane.Close; Cleanup still
 	// removes what is left).
 	ErrClosed = errors.New("dataplane closed")
 )
+
+// ifaceError adds ErrNotFound to the chain of an error that says the node
+// has no such network interface (bpf.ErrNoInterface), keeping its message,
+// so that a missing interface matches the same category as a missing
+// service or VM.
+func ifaceError(err error) error {
+	if err == nil || !errors.Is(err, bpf.ErrNoInterface) || errors.Is(err, ErrNotFound) {
+		return err
+	}
+	return &categorized{err: err, category: ErrNotFound}
+}
+
+// categorized is err with a category of this package in its chain.
+type categorized struct{ err, category error }
+
+func (e *categorized) Error() string   { return e.err.Error() }
+func (e *categorized) Unwrap() []error { return []error{e.err, e.category} }

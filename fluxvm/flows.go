@@ -29,6 +29,9 @@ import (
 // handle after Close), and a read that Close overtakes fails with
 // ErrClosed. After Close it fails with ErrClosed.
 func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
+	if err := d.opened("flows"); err != nil {
+		return nil, err
+	}
 	names, ifnames, ring, seq, err := d.flowSources()
 	if err != nil {
 		return nil, err

@@ -67,6 +67,9 @@ func (d *Dataplane) haView(what, service string) (haView, error) {
 // its journal empty and its seq 0, which an edge holding a lease refuses
 // (ha.ErrStaleEpoch) and an edge without one applies.
 func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error) {
+	if err := d.opened("export flows"); err != nil {
+		return ha.ExportResult{}, err
+	}
 	if err := d.needNorthSouth("export flows of " + service); err != nil {
 		return ha.ExportResult{}, err
 	}
@@ -125,6 +128,9 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 // takes a snapshot of any epoch, and keeps neither its epoch nor its
 // cursor (it has no journal to continue).
 func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
+	if err := d.opened("import flows"); err != nil {
+		return ha.ImportResult{}, err
+	}
 	if err := d.needNorthSouth("import flows of " + service); err != nil {
 		return ha.ImportResult{}, err
 	}

@@ -402,6 +402,9 @@ func (h *haSync) floor(service string) ha.Epoch {
 // since), and the standby loads a snapshot (ExportFlows). A superseded
 // edge serves nothing (ha.ErrFenced).
 func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+	if err := d.opened("flow delta"); err != nil {
+		return ha.Delta{}, err
+	}
 	_, j, err := d.sourceJournal("flow delta of", service)
 	if err != nil {
 		return ha.Delta{}, err
@@ -417,6 +420,9 @@ func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (
 // passes the minimum cursor its standbys replicated. An ack past the last
 // sealed batch wraps ha.ErrCursorAhead.
 func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
+	if err := d.opened("ack flow delta"); err != nil {
+		return ha.JournalStats{}, err
+	}
 	_, j, err := d.sourceJournal("ack flow delta of", service)
 	if err != nil {
 		return ha.JournalStats{}, err
@@ -456,6 +462,9 @@ func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, e
 // lease), ha.ErrResetRequired (load a snapshot: ImportFlows) or ha.ErrGap
 // changes nothing. Deltas are applied one at a time.
 func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
+	if err := d.opened("import flow delta"); err != nil {
+		return HADeltaResult{}, err
+	}
 	h, err := d.haOn("import flow delta of " + service)
 	if err != nil {
 		return HADeltaResult{}, err
@@ -555,6 +564,9 @@ func (d *Dataplane) haBegin(ctx context.Context, what string) (context.Context, 
 // forgets the edge's cursors: as the active, it applies nobody's
 // journal, and should it be a standby again it resyncs from a snapshot.
 func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
+	if err := d.opened("update lease"); err != nil {
+		return HAStatus{}, err
+	}
 	h, err := d.haOn("update lease")
 	if err != nil {
 		return HAStatus{}, err
@@ -620,6 +632,9 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 
 // HAStatus reports flow-state replication.
 func (d *Dataplane) HAStatus() HAStatus {
+	if d.unopened() {
+		return HAStatus{}
+	}
 	h := d.ha
 	if h == nil {
 		return HAStatus{}

@@ -351,6 +351,9 @@ type BackendHealth struct {
 // backends. After Close it reports them as they were at Close; after
 // Cleanup the report is empty.
 func (d *Dataplane) Health() HealthReport {
+	if d.unopened() {
+		return HealthReport{Services: []ServiceHealth{}}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.healthReport()
@@ -396,6 +399,9 @@ func (d *Dataplane) healthReport() HealthReport {
 // ctx ended before every round completed (the checks it cut short are not
 // counted).
 func (d *Dataplane) ReconcileHealth(ctx context.Context) (_ HealthReport, err error) {
+	if err := d.opened("reconcile health"); err != nil {
+		return HealthReport{}, err
+	}
 	ctx, span := d.startSpan(ctx, SpanReconcileHealth)
 	defer endSpan(span, &err)
 	d.mu.Lock()

@@ -76,6 +76,9 @@ type EnvoyRoute struct {
 // service does not exist, has no identity policy, or its policy has no
 // l7 part.
 func (d *Dataplane) Envoy(service string) (EnvoyDocument, error) {
+	if err := d.opened("l7 document"); err != nil {
+		return EnvoyDocument{}, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("l7 document"); err != nil {

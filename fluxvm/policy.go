@@ -372,6 +372,9 @@ func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
 // which it does whenever anything deciding them changed, the ipcache
 // included. It returns once the change is durable in the catalog.
 func (d *Dataplane) ReconcilePolicies(ctx context.Context, ipc IPCache, policies []Policy) (PoliciesStatus, error) {
+	if err := d.opened("reconcile policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	return d.changePolicies(ctx, "reconcile identity policies", nil, func(cur *catalogPolicies) error {
 		cur.IPCache = ipc
 		cur.Policies = policies
@@ -382,6 +385,9 @@ func (d *Dataplane) ReconcilePolicies(ctx context.Context, ipc IPCache, policies
 // ApplyPolicies adds or replaces the policies of the services they name,
 // keeping the others and the ipcache; as ReconcilePolicies otherwise.
 func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (PoliciesStatus, error) {
+	if err := d.opened("apply policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	// Each policy on its own first, so that errors name the caller's
 	// index (policies[2].deny_identities[0]).
 	seen := map[string]int{}
@@ -415,6 +421,9 @@ func (d *Dataplane) ApplyPolicies(ctx context.Context, policies ...Policy) (Poli
 // SetIPCache replaces the ipcache, keeping the policies; as
 // ReconcilePolicies otherwise.
 func (d *Dataplane) SetIPCache(ctx context.Context, ipc IPCache) (PoliciesStatus, error) {
+	if err := d.opened("set ipcache"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	return d.changePolicies(ctx, "set the ipcache", nil, func(cur *catalogPolicies) error {
 		cur.IPCache = ipc
 		return nil
@@ -424,6 +433,9 @@ func (d *Dataplane) SetIPCache(ctx context.Context, ipc IPCache) (PoliciesStatus
 // DeletePolicy removes the identity policy of service: its frontends stop
 // deciding by identity. ErrNotFound when it has none.
 func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
+	if err := d.opened("delete policy"); err != nil {
+		return err
+	}
 	_, err := d.changePolicies(ctx, "delete the identity policy of "+service, nil, func(cur *catalogPolicies) error {
 		i := slices.IndexFunc(cur.Policies, func(q Policy) bool { return q.Service == service })
 		if i < 0 {
@@ -601,6 +613,9 @@ func (d *Dataplane) journalPolicies() (uint64, error) {
 
 // Policies reports the node's identity policy state.
 func (d *Dataplane) Policies() (PoliciesStatus, error) {
+	if err := d.opened("policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("policies"); err != nil {
@@ -612,6 +627,9 @@ func (d *Dataplane) Policies() (PoliciesStatus, error) {
 // Policy reports the identity policy of service: ErrNotFound when it has
 // none.
 func (d *Dataplane) Policy(service string) (PolicyStatus, error) {
+	if err := d.opened("policy"); err != nil {
+		return PolicyStatus{}, err
+	}
 	st, err := d.Policies()
 	if err != nil {
 		return PolicyStatus{}, err

@@ -132,6 +132,9 @@ func (c *pressureCtl) level(p float64) string {
 
 // Pressure reads the fill of the datapath's hash maps now.
 func (d *Dataplane) Pressure() (PressureStatus, error) {
+	if err := d.opened("pressure"); err != nil {
+		return PressureStatus{}, err
+	}
 	// Under mu, as Status: Close cannot release the maps meanwhile.
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -215,6 +218,9 @@ func failureCheck(every time.Duration) time.Duration {
 // a GC, then shedding with growing horizons while a flow map stays above
 // it. A round with nothing over the threshold does nothing.
 func (d *Dataplane) ReconcilePressure(ctx context.Context) (PressureRound, error) {
+	if err := d.opened("reconcile pressure"); err != nil {
+		return PressureRound{}, err
+	}
 	return d.pressureRound(ctx, 0)
 }
 

@@ -34,6 +34,9 @@ import (
 // written, nor while the catalog journal is synced (concurrent changes
 // share one fsync). Applies and deletes of one service run one at a time.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
+	if err := d.opened("apply service"); err != nil {
+		return ServiceStatus{}, err
+	}
 	_, span := d.startSpan(ctx, SpanApplyService, AttrService.String(svc.Name), AttrBackends.Int(len(svc.Backends)))
 	defer endSpan(span, &err)
 	// The dataplane keeps the intent: it must not share the caller's
@@ -146,6 +149,9 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 // translation; their conntrack entries are collected by GC. It returns
 // once the removal is durable in the catalog.
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
+	if err := d.opened("delete service"); err != nil {
+		return err
+	}
 	_, span := d.startSpan(ctx, SpanDeleteService, AttrService.String(name))
 	defer endSpan(span, &err)
 	unlock := d.lockService(name)
@@ -192,6 +198,9 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 // Services lists every service, sorted by name. After Close it lists
 // them as they were at Close; after Cleanup the list is empty.
 func (d *Dataplane) Services() []ServiceStatus {
+	if d.unopened() {
+		return []ServiceStatus{}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make([]ServiceStatus, 0, len(d.services))
@@ -205,6 +214,9 @@ func (d *Dataplane) Services() []ServiceStatus {
 // Service returns one service, or an error matching ErrNotFound (or
 // ErrClosed after Close).
 func (d *Dataplane) Service(name string) (ServiceStatus, error) {
+	if err := d.opened("service"); err != nil {
+		return ServiceStatus{}, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("service " + name); err != nil {

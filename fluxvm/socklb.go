@@ -161,8 +161,9 @@ func (o Options) socketLBCgroup() (string, error) {
 // removes ours from any other cgroup, or, without CgroupConnect, removes
 // every one an earlier start left. Hooks on other cgroups that cannot be
 // removed are logged and reported (SocketLBStatus.StaleCgroups), not an
-// error: they must not stop the node from starting, nor a cleanup.
-func (d *Dataplane) initSocketLB(path string) error {
+// error: they must not stop the node from starting, nor a cleanup. The
+// hooks it attached itself go on undo, for a failed Open.
+func (d *Dataplane) initSocketLB(path string, undo *undoStack) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.sock.enabled = d.opts.CgroupConnect
@@ -173,6 +174,20 @@ func (d *Dataplane) initSocketLB(path string) error {
 	a, err := d.dp.AttachCgroup(path)
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: cgroup_connect: %w", err)
+	}
+	if len(a.New) > 0 {
+		undo.push(func() error {
+			if len(a.New) < len(a.Hooks) {
+				// Some were an earlier start's: the cgroup keeps all
+				// (bpf detaches a cgroup's hooks together).
+				d.log.Warn("fluxvm: open failed: the socket hooks it added beside an earlier start's stay attached", "cgroup", path, "hooks", a.New)
+				return nil
+			}
+			if err := d.dp.DetachCgroupID(a.ID); err != nil {
+				return fmt.Errorf("cgroup_connect: %w", err)
+			}
+			return nil
+		})
 	}
 	d.sock.path, d.sock.id, d.sock.reused = path, a.ID, a.Reused
 	d.sock.hooks = d.sock.hooks[:0]

@@ -14,6 +14,9 @@ import (
 // frontends and CPUs), drops by reason and parser counters. After Close
 // it fails with ErrClosed.
 func (d *Dataplane) Stats() (Stats, error) {
+	if err := d.opened("stats"); err != nil {
+		return Stats{}, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("stats"); err != nil {
@@ -73,6 +76,9 @@ func IsEventCounter(name string) bool {
 // clients sent to VIPs, what came back, and what was dropped. An unknown
 // VM is ErrNotFound; after Close it fails with ErrClosed.
 func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
+	if err := d.opened("vm stats"); err != nil {
+		return VMStats{}, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("stats of VM " + vmID); err != nil {
@@ -171,6 +177,9 @@ func (d *Dataplane) unregisterEdge(ifc *iface) error {
 // delete flows. It is valid until Close; the dataplane's own GC runs on the
 // same view (conntrack.Map.GC runs one at a time).
 func (d *Dataplane) Conntrack() (*conntrack.Map, error) {
+	if err := d.opened("conntrack"); err != nil {
+		return nil, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("conntrack"); err != nil {

@@ -3,6 +3,8 @@ package bpffs
 import (
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -43,4 +45,80 @@ func Ensure(root string) (mounted bool, err error) {
 		return false, fmt.Errorf("bpffs: mount at %s: %w", root, err)
 	}
 	return true, nil
+}
+
+// MountNamespace describes the calling thread's mount namespace. It
+// compares the namespaces' links when PID 1's is readable, and otherwise
+// the mounts both show (/proc/1/mountinfo is readable where its
+// namespace link is not, as in some sandboxes): a copied namespace has
+// mounts of its own, with ids of their own.
+func MountNamespace() Namespace {
+	var ns Namespace
+	self, err := readMounts("/proc/thread-self/mountinfo")
+	if err != nil {
+		return ns
+	}
+	host, err := readMounts("/proc/1/mountinfo")
+	if err != nil {
+		return ns
+	}
+	selfNS, err1 := os.Readlink("/proc/thread-self/ns/mnt")
+	hostNS, err2 := os.Readlink("/proc/1/ns/mnt")
+	if err1 == nil && err2 == nil {
+		ns.Private = selfNS != hostNS
+	} else {
+		ns.Private = self["/"].id != host["/"].id
+	}
+	if !ns.Private {
+		return ns
+	}
+	ns.IPNetnsExec = self["/sys"].dev != "" && self["/sys"].dev != host["/sys"].dev
+	ns.NetNS = netnsName()
+	return ns
+}
+
+// mount is one line of a mountinfo file: the mount's id and its device
+// (major:minor).
+type mount struct{ id, dev string }
+
+// readMounts reads the mounts at / and /sys from a mountinfo file (the
+// last at each point: the one visible there).
+func readMounts(mountinfo string) (map[string]mount, error) {
+	data, err := os.ReadFile(mountinfo)
+	if err != nil {
+		return nil, fmt.Errorf("bpffs: %w", err)
+	}
+	out := map[string]mount{}
+	for _, line := range strings.Split(string(data), "\n") {
+		// ID parent major:minor root mount-point options ...
+		f := strings.Fields(line)
+		if len(f) > 4 && (f[4] == "/" || f[4] == "/sys") {
+			out[f[4]] = mount{id: f[0], dev: f[2]}
+		}
+	}
+	if out["/"].id == "" {
+		return nil, fmt.Errorf("bpffs: %s: no root mount", mountinfo)
+	}
+	return out, nil
+}
+
+// netnsName finds the name under /run/netns (where `ip netns add`
+// pins namespaces) of the calling thread's network namespace; "" when
+// none names it.
+func netnsName() string {
+	var self unix.Stat_t
+	if err := unix.Stat("/proc/thread-self/ns/net", &self); err != nil {
+		return ""
+	}
+	entries, err := os.ReadDir("/run/netns")
+	if err != nil {
+		return ""
+	}
+	for _, e := range entries {
+		var st unix.Stat_t
+		if unix.Stat(filepath.Join("/run/netns", e.Name()), &st) == nil && st.Dev == self.Dev && st.Ino == self.Ino {
+			return e.Name()
+		}
+	}
+	return ""
 }

@@ -16,3 +16,6 @@ func IsBPFFS(path string) (bool, error) { return false, errNoBPFFS }
 
 // Ensure mounts a BPF filesystem on Linux; elsewhere it fails.
 func Ensure(root string) (mounted bool, err error) { return false, errNoBPFFS }
+
+// MountNamespace reports nothing outside Linux.
+func MountNamespace() Namespace { return Namespace{} }

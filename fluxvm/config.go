@@ -596,7 +596,8 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - vm_edge_interfaces: valid, unique interface names (1..15 characters),
 //     non-empty VM ids; north_south_interfaces: valid names, unique, none
 //     also a VM edge; xdp_mode "off" (or empty), "native", "generic" or
-//     "auto";
+//     "auto"; xdp_egress_interfaces: valid, unique names, and xdp_mode
+//     set;
 //   - snat_address: unset or a unicast IPv4 or IPv6 address (no zone, not
 //     loopback or link-local); snat_address_v6: unset or such an IPv6
 //     address, and then snat_address, if set, is IPv4;
@@ -606,7 +607,11 @@ func configKey(k string) string { return ConfigTable + "." + k }
 //   - edt_horizon bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s);
 //     edt_interfaces: valid, unique interface names; edt_manage_fq needs
 //     edt_enabled and edt_interfaces, edt_interfaces and
-//     edt_horizon_fallback need edt_manage_fq (ErrPrerequisite).
+//     edt_horizon_fallback need edt_manage_fq (ErrPrerequisite);
+//   - pressure_soft_percent and pressure_hard_percent 1..100, soft below
+//     hard; pressure_interval 100ms..1h;
+//   - ha_epoch needs north_south_interfaces (ErrPrerequisite);
+//     ha_interval 100ms..1m; ha_journal_max_ops 0..4194304.
 //
 // Validate reads no files: whether they exist is the program's concern.
 // The reference daemon's api sub-table is validated by the daemon.

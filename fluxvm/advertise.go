@@ -326,7 +326,10 @@ func (a *advertiser) logChanges(prev, next advert.Snapshot) {
 // and returns the last snapshot published (after Cleanup, the empty one
 // that withdraws every VIP).
 func (d *Dataplane) Advertisements() advert.Snapshot {
-	if d.unopened() {
+	// The publisher is what answers; it exists from before the datapath
+	// is loaded (initAdvertiser), so ask for it rather than for a
+	// datapath.
+	if d == nil || d.adv.pub == nil {
 		return advert.Snapshot{SchemaVersion: advert.SchemaVersion, Entries: []advert.Entry{}}
 	}
 	a := &d.adv

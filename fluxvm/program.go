@@ -441,11 +441,12 @@ func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable
 // overlap.
 //
 // The tables are the service's own, and its other writers wait: changes
-// of the same name hold its lock (lockService), and a health-driven
-// reprogram waits while d.busy counts the apply. What others may change
-// meanwhile (a policy reconcile, the reverse translation index moved by
-// another service's change, an observed health change) commitEnd reads
-// afresh.
+// of the same name, and identity policy changes that touch it, hold its
+// lock (lockService), and a health-driven reprogram waits while d.busy
+// counts the apply. What others may change meanwhile, commitEnd reads
+// afresh: the reverse translation index (another service's change may
+// move this one's slots down and rewrite its live entry without
+// SvcFlagRevStored: refreshRevStored) and the observed health.
 func (d *Dataplane) commitUnlocked(svc Service, s *service, p *plan, tables []builtTable, others ...*service) error {
 	c, done, err := d.commitStart(svc, s, p, tables, others...)
 	if done || err != nil {

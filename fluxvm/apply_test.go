@@ -2,9 +2,11 @@ package fluxvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -228,4 +230,97 @@ func TestConcurrentAppliesOfOneService(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after a restart", openApplyTest(t, root, path), true)
+}
+
+// TestDeleteEmptiesTablesWithoutTheLock: a delete does not hold the
+// dataplane's lock while its frontends' slots of fluxvm_maglev are
+// emptied (an RCU grace period each). Whoever takes the lock while the
+// delete is in flight may find the service still listed with its
+// frontend entry already gone: a state no holder of the lock could see
+// when the whole delete ran under it. One attempt of five must see it
+// (the poller runs on the test's goroutine, which the scheduler may hold
+// back for the whole window). After each delete everything of the
+// service is gone: entry, table, guard, backends, catalog record.
+func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	path := filepath.Join(t.TempDir(), "catalog.json")
+	d := openApplyTest(t, root, path)
+	ctx := context.Background()
+	name := benchName(0)
+	if _, err := d.ApplyService(ctx, benchService(1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	const attempts = 5
+	seen := false
+	for i := 0; i < attempts && !seen; i++ {
+		st, err := d.ApplyService(ctx, benchService(0, uint32(1+i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := st.Frontends[0]
+		key := feKey{f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()}
+		done := make(chan error, 1)
+		go func() { done <- d.DeleteService(ctx, name) }()
+	poll:
+		for {
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+				break poll
+			default:
+			}
+			d.mu.Lock()
+			listed := d.services[name] != nil
+			_, entry, err := d.lookupFrontend(key)
+			d.mu.Unlock()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if listed && !entry && !seen {
+				seen = true
+				t.Logf("attempt %d: the lock was free while the delete was in flight (service listed, entry gone)", i+1)
+			}
+			runtime.Gosched()
+		}
+		// Everything of it is gone.
+		if _, ok, err := d.lookupFrontend(key); err != nil || ok {
+			t.Errorf("attempt %d: frontend entry after the delete: %v, %v", i+1, ok, err)
+		}
+		var id ebpf.MapID
+		if err := d.dp.Maps().FluxvmMaglev.Lookup(f.ServiceID, &id); !errors.Is(err, ebpf.ErrKeyNotExist) {
+			t.Errorf("attempt %d: maglev slot %d after the delete: %v (map %d)", i+1, f.ServiceID, err, id)
+		}
+		var g bpf.Guard
+		if err := d.dp.Maps().FluxvmSguard.Lookup(f.ServiceID, &g); err != nil || g != (bpf.Guard{}) {
+			t.Errorf("attempt %d: guard after the delete: %+v, %v", i+1, g, err)
+		}
+		d.mu.Lock()
+		_, stillFE := d.frontends[key]
+		d.mu.Unlock()
+		if stillFE {
+			t.Errorf("attempt %d: the dataplane still has frontend %s", i+1, key)
+		}
+		cat, _, _, err := loadCatalog(path, d.log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.ContainsFunc(cat.Services, func(cs catalogService) bool { return cs.Service.Name == name }) {
+			t.Errorf("attempt %d: the catalog on disk still has %s", i+1, name)
+		}
+		// The ids are free again: a GC hands them out.
+		if _, err := d.GC(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !seen {
+		t.Errorf("in %d deletes, nobody holding the lock saw one in flight: the lock is held across the table slots' removal", attempts)
+	}
+	// The other service was never touched.
+	st, err := d.Service(benchName(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkTables(t, "the other service", d, st)
 }

@@ -149,7 +149,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 
 // DeleteService removes a service and its frontends. Its flows lose their
 // translation; their conntrack entries are collected by GC. It returns
-// once the removal is durable in the catalog.
+// once the removal is durable in the catalog. Like ApplyService, it does
+// not hold the dataplane's lock while its tables' slots of fluxvm_maglev
+// are emptied (an RCU grace period each), so deletes and applies of
+// different services run concurrently.
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
 	_, span := d.startSpan(ctx, SpanDeleteService, AttrService.String(name))
 	defer endSpan(span, &err)
@@ -167,7 +170,10 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	}
 	d.inflight.Add(1)
 	defer d.inflight.Done()
-	if err := d.unprogram(s); err != nil {
+	d.busy[name]++ // health reprograms wait for this delete (recordHealth)
+	err = d.unprogramUnlocked(s)
+	d.doneBusy(name)
+	if err != nil {
 		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
@@ -940,9 +946,23 @@ func (d *Dataplane) dropMarker(fe *frontend) error {
 	return d.putMarker(mk)
 }
 
-// removeFrontend takes a frontend out of the datapath: first the entry
-// that makes packets match it, then its table, backends and guard.
+// removeFrontend takes a frontend out of the datapath, with d.mu held:
+// first the entry that makes packets match it (retireFrontend), then its
+// table, then its backends and guard (dropFrontend).
 func (d *Dataplane) removeFrontend(fe *frontend) error {
+	if err := d.retireFrontend(fe); err != nil {
+		return err
+	}
+	if err := swapTable(d.dp.Maps().FluxvmMaglev, fe.sid, nil); err != nil {
+		return err
+	}
+	return d.dropFrontend(fe)
+}
+
+// retireFrontend is the first step of removeFrontend: the entry that
+// makes packets match fe goes, then its policy header, EDT entry and
+// marker. d.mu must be held.
+func (d *Dataplane) retireFrontend(fe *frontend) error {
 	if err := d.deleteFrontend(fe.key); err != nil {
 		return err
 	}
@@ -953,12 +973,14 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 	if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
 		return err
 	}
-	if err := d.dropMarker(fe); err != nil {
-		return err
-	}
-	if err := d.dp.Maps().FluxvmMaglev.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("maglev table: %w", err)
-	}
+	return d.dropMarker(fe)
+}
+
+// dropFrontend is the last step of removeFrontend, once fe's slot of
+// fluxvm_maglev is empty: its backends (and their slots in the reverse
+// translation index) and guard go, and its ids are released. d.mu must
+// be held.
+func (d *Dataplane) dropFrontend(fe *frontend) error {
 	for ep, id := range fe.backends {
 		if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 			return fmt.Errorf("remove backend %s: %w", ep, err)
@@ -1003,6 +1025,42 @@ func (d *Dataplane) unprogram(ss ...*service) error {
 	}
 	for _, fe := range d.frontendsOf(ss[0].intent.Name, ss...) {
 		if err := d.removeFrontend(fe); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unprogramUnlocked is unprogram for DeleteService: called with d.mu
+// held, it retires the frontends of s (their entries go first), releases
+// the lock while their slots of fluxvm_maglev are emptied (each update
+// waits for an RCU grace period: see commitUnlocked), and holds it again
+// to drop their backends and guards and release their ids. Until then
+// the ids stay taken, so no other frontend gets one and puts a table in
+// the slot meanwhile; the frontends stay in d.frontends, so another
+// service's change that wants one of their keys meanwhile is refused
+// with ErrConflict, as it would have been a moment earlier.
+func (d *Dataplane) unprogramUnlocked(s *service) error {
+	fes := d.frontendsOf(s.intent.Name, s)
+	for _, fe := range fes {
+		if err := d.retireFrontend(fe); err != nil {
+			return err
+		}
+	}
+	outer := d.dp.Maps().FluxvmMaglev
+	d.mu.Unlock()
+	var err error
+	for _, fe := range fes {
+		if err = swapTable(outer, fe.sid, nil); err != nil {
+			break
+		}
+	}
+	d.mu.Lock()
+	if err != nil {
+		return err
+	}
+	for _, fe := range fes {
+		if err := d.dropFrontend(fe); err != nil {
 			return err
 		}
 	}

@@ -30,6 +30,7 @@ import (
 // over real HTTP on loopback inside a network namespace of the test. The
 // one-client and eight-client rounds alternate, so that both see the same
 // machine; it prints each round's rates and the medians and their ratio.
+// Last, one client and then eight delete services (SDK), once.
 // It is a benchmark, not a test: it runs only with FLUXVM_APPLYBENCH=1 and
 // never fails on timing.
 //
@@ -165,6 +166,36 @@ func TestApplyConcurrency(t *testing.T) {
 			path.name, services, rounds, ops, spread(one), pct(oneLat, 0.5), pct(oneLat, 0.99),
 			clients, spread(many), pct(manyLat, 0.5), pct(manyLat, 0.99), spread(ratios))
 	}
+
+	// Deletes (SDK), once, since they use the services up: one client
+	// deletes 160 services, then eight clients 80 each.
+	del := func(first, n, per int) (float64, []time.Duration) {
+		lats := make([][]time.Duration, n)
+		var wg sync.WaitGroup
+		start := time.Now()
+		for c := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for k := range per {
+					t0 := time.Now()
+					if err := d.DeleteService(ctx, fluxvm.BenchService(first+c*per+k, 1).Name); err != nil {
+						t.Errorf("delete: %v", err)
+						return
+					}
+					lats[c] = append(lats[c], time.Since(t0))
+				}
+			}()
+		}
+		wg.Wait()
+		el := time.Since(start)
+		all := slices.Concat(lats...)
+		return float64(len(all)) / el.Seconds(), all
+	}
+	d1, l1 := del(0, 1, 160)
+	d8, l8 := del(160, clients, 80)
+	t.Logf("sdk deletes: 1 client %.0f deletes/s (p50 %s), %d clients %.0f deletes/s (p50 %s), ratio %.2f×",
+		d1, pct(l1, 0.5), clients, d8, pct(l8, 0.5), d8/d1)
 }
 
 // spread is the median of v and its range, "median [min–max]".

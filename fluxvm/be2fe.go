@@ -27,14 +27,14 @@ import (
 //     frontend can name the backend (prepareFrontend);
 //   - a frontend keeps its slot index as long as it lists the backend; a
 //     new one is appended; one that stops listing it is taken out only
-//     after no table of it names the backend (commitFrontend's removal
+//     after no table of it names the backend (finishFrontend's removal
 //     loop, removeFrontend), and the later ones move down. Moving down is
 //     safe; moving up past the map's Be2feSlots is not, and never happens;
 //   - only the first bpf.Be2feSlots slots are in the map (Count); a longer
 //     list is marked Be2feFlagOverflow, and a frontend past the slots of
 //     any of its backends has SvcFlagRevStored (revStoredOf), set in its
 //     live frontend entry before a table naming such a backend goes in
-//     (commitFrontend), and cleared once it moved into the slots
+//     (readyFrontend), and cleared once it moved into the slots
 //     everywhere (refreshRevStored);
 //   - Draining and Unhealthy backends stay listed: only leaving the intent
 //     (or the frontend going) takes a slot out.

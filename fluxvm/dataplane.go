@@ -236,7 +236,7 @@ type Dataplane struct {
 
 	beforeGCScan func()                           // tests: runs just before GC's scan
 	afterGCScan  func()                           // tests: runs after GC's scan (whatever its outcome), before its release of ids
-	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitFrontend, d.mu held, just before fe's new table goes in (flags: its new ones)
+	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitStart, d.mu held, just before fe's new table goes in (flags: its new ones)
 
 	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
 }
@@ -691,7 +691,7 @@ func (d *Dataplane) restore() (err error) {
 		}
 	}
 	// Identity policies first: each frontend attaches its service's
-	// policy before its flag goes in (commitFrontend).
+	// policy before its flag goes in (readyFrontend).
 	if err := d.restorePolicies(cat.Policies); err != nil {
 		return err
 	}

@@ -185,7 +185,7 @@ func (d *Dataplane) openPolicies() error {
 
 // restorePolicies compiles the catalog's policy state against the
 // restored services and writes the ipcache, before the services are
-// programmed (commitFrontend attaches each frontend's policy before its
+// programmed (readyFrontend attaches each frontend's policy before its
 // flag, so a restored service enforces its policy from its first packet).
 func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
 	if cp == nil {
@@ -351,7 +351,7 @@ func policyFlags(c *policy.Compiled) uint32 {
 
 // policyFlag attaches service name's enforced policy, if it has one, to
 // datapath service sid and returns the frontend flag that turns it on
-// (commitFrontend puts the flag after this). d.mu must be held.
+// (finishFrontend puts the flag after this). d.mu must be held.
 func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
 	c := d.pol.prog.Policy(name)
 	if policyFlags(c) == 0 {

@@ -29,10 +29,14 @@ import (
 //
 // It returns once the change is programmed and durable in the catalog
 // (journal.go). Applies of different services run concurrently: the
-// dataplane's lock is held to validate and reserve ids and to put the
-// new tables in place, but not while the Maglev tables are built and
-// written, nor while the catalog journal is synced (concurrent changes
-// share one fsync). Applies and deletes of one service run one at a time.
+// dataplane's lock is held to validate and reserve ids and to write the
+// frontend entries, but not while the Maglev tables are built and
+// written, nor while they are swapped into fluxvm_maglev (each swap
+// waits for an RCU grace period in the kernel, which concurrent swaps
+// share), nor while the catalog journal is synced (concurrent changes
+// share one fsync). Applies and deletes of one service run one at a
+// time, in the order they took the service's lock: the last one to
+// return is what the maps hold and what the catalog keeps.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
 	if err := d.opened("apply service"); err != nil {
 		return ServiceStatus{}, err
@@ -97,13 +101,14 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	p, err := d.prepare(svc, s, old)
 	if err == nil {
 		// The new tables are this service's own: build and fill them
-		// without the lock.
+		// without the lock, and put them in place without it too (each
+		// swap waits for the kernel's RCU grace period: commitStart).
 		d.mu.Unlock()
 		var tables []builtTable
 		tables, err = d.buildTables(p)
 		d.mu.Lock()
 		if err == nil {
-			err = d.commit(svc, s, p, tables, old)
+			err = d.commitUnlocked(svc, s, p, tables, old)
 			closeTables(tables)
 		}
 	}
@@ -147,7 +152,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 
 // DeleteService removes a service and its frontends. Its flows lose their
 // translation; their conntrack entries are collected by GC. It returns
-// once the removal is durable in the catalog.
+// once the removal is durable in the catalog. Like ApplyService, it does
+// not hold the dataplane's lock while its tables' slots of fluxvm_maglev
+// are emptied (an RCU grace period each), so deletes and applies of
+// different services run concurrently.
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
 	if err := d.opened("delete service"); err != nil {
 		return err
@@ -168,7 +176,10 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	}
 	d.inflight.Add(1)
 	defer d.inflight.Done()
-	if err := d.unprogram(s); err != nil {
+	d.busy[name]++ // health reprograms wait for this delete (recordHealth)
+	err = d.unprogramUnlocked(s)
+	d.doneBusy(name)
+	if err != nil {
 		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
@@ -429,27 +440,120 @@ func (d *Dataplane) healthOf(svc *Service) []BackendState {
 // changed the effective state of a backend since prepare, it programs svc
 // again from the start (program) instead.
 func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable, others ...*service) error {
+	c, done, err := d.commitStart(svc, s, p, tables, others...)
+	if done || err != nil {
+		return err
+	}
+	if err := swapTables(c.outer, p, tables); err != nil {
+		return err
+	}
+	return d.commitEnd(svc, s, p, tables, c)
+}
+
+// commitUnlocked is commit for ApplyService: called with d.mu held, it
+// releases the lock while the tables are swapped in and holds it again
+// when it returns. A swap into fluxvm_maglev (a map of maps) returns only
+// after an RCU grace period, so that no program still reads the table it
+// replaced: milliseconds, which under d.mu would serialise every apply
+// of the node. Without the lock, the grace periods of concurrent applies
+// overlap.
+//
+// The tables are the service's own, and its other writers wait: changes
+// of the same name, and identity policy changes that touch it, hold its
+// lock (lockService), and a health-driven reprogram waits while d.busy
+// counts the apply. What others may change meanwhile, commitEnd reads
+// afresh: the reverse translation index (another service's change may
+// move this one's slots down and rewrite its live entry without
+// SvcFlagRevStored: refreshRevStored) and the observed health.
+func (d *Dataplane) commitUnlocked(svc Service, s *service, p *plan, tables []builtTable, others ...*service) error {
+	c, done, err := d.commitStart(svc, s, p, tables, others...)
+	if done || err != nil {
+		return err
+	}
+	d.mu.Unlock()
+	err = swapTables(c.outer, p, tables)
+	d.mu.Lock()
+	if err != nil {
+		return err
+	}
 	if !slices.Equal(p.health, d.healthOf(&svc)) {
+		// A health check changed a backend while the lock was free.
 		return d.program(svc, s, others...)
+	}
+	return d.commitEnd(svc, s, p, tables, c)
+}
+
+// commitState is what commitStart hands on to the swaps and commitEnd.
+type commitState struct {
+	outer *ebpf.Map // fluxvm_maglev
+	// pacer is the frontend whose departure clock the service's frontends
+	// share, and clock the departure time its entry starts from (see
+	// pacerClock).
+	pacer uint32
+	clock uint64
+}
+
+// commitStart readies p's frontends for their new tables, with d.mu held
+// (readyFrontend). done reports that it programmed svc from the start
+// instead (program), because a health check changed the effective state
+// of a backend since prepare: nothing is left to do.
+func (d *Dataplane) commitStart(svc Service, s *service, p *plan, tables []builtTable, others ...*service) (c commitState, done bool, err error) {
+	if !slices.Equal(p.health, d.healthOf(&svc)) {
+		return c, true, d.program(svc, s, others...)
 	}
 	// The service's frontends pace on one clock, that of its frontend
 	// with the lowest id (bpf/lib/edt.h), so that max_egress_mbps caps
 	// the service.
-	var pacer uint32
 	for _, pl := range p.frontends {
-		if pacer == 0 || pl.fe.sid < pacer {
-			pacer = pl.fe.sid
+		if c.pacer == 0 || pl.fe.sid < c.pacer {
+			c.pacer = pl.fe.sid
 		}
 	}
-	clock := d.pacerClock(svc, p, pacer)
+	c.clock = d.pacerClock(svc, p, c.pacer)
+	c.outer = d.dp.Maps().FluxvmMaglev
+	for _, pl := range p.frontends {
+		flags, err := d.readyFrontend(svc, pl, c.pacer, c.clock)
+		if err != nil {
+			return c, false, fmt.Errorf("frontend %s: %w", pl.fe.key, err)
+		}
+		if d.beforeSwap != nil {
+			d.beforeSwap(pl.fe, flags)
+		}
+	}
+	return c, false, nil
+}
+
+// commitEnd finishes p with d.mu held, once its tables are in place: the
+// frontend entries, markers and guards (finishFrontend), then the
+// frontends the change drops. It readies each frontend again first, from
+// the state as it is now (what readyFrontend wrote already is left as
+// is), so that it writes the flags of now.
+func (d *Dataplane) commitEnd(svc Service, s *service, p *plan, tables []builtTable, c commitState) error {
 	for i, pl := range p.frontends {
-		if err := d.commitFrontend(svc, s, pl, tables[i], pacer, clock); err != nil {
+		flags, err := d.readyFrontend(svc, pl, c.pacer, c.clock)
+		if err == nil {
+			err = d.finishFrontend(svc, s, pl, tables[i], flags)
+		}
+		if err != nil {
 			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
 		}
 	}
 	for _, fe := range p.remove {
 		if err := d.removeFrontend(fe); err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// swapTables puts the tables of p's frontends in place in outer
+// (fluxvm_maglev), each as a whole: the complete new inner map replaces
+// the old one, or, with no eligible backend, the slot is emptied. It
+// reads nothing that d.mu guards, so it may run without it.
+func swapTables(outer *ebpf.Map, p *plan, tables []builtTable) error {
+	for i, pl := range p.frontends {
+		if err := swapTable(outer, pl.fe.sid, tables[i].inner); err != nil {
+			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
 		}
 	}
 	return nil
@@ -515,18 +619,20 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 	return pl, nil
 }
 
-// commitFrontend puts fe's table in place, then its frontend entry,
-// marker and guard, and removes the backends that left it. pacer is the
-// frontend whose departure clock the service's frontends share, and clock
-// the departure time its entry starts from when it is written (see
-// pacerClock). A frontend
-// past the index slots of one of its backends (revStoredOf) has
-// SvcFlagRevStored in its live entry before the table goes in.
-func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtTable, pacer uint32, clock uint64) error {
+// readyFrontend is what goes before fe's frontend entry is written, and
+// before its new table goes in: its EDT rate, its identity policy's
+// header, and SvcFlagRevStored in its live entry when it is past the
+// index slots of one of its backends (revStoredOf). It returns the flags
+// its entry is to get. pacer is the frontend whose departure clock the
+// service's frontends share, and clock the departure time its entry
+// starts from when it is written (see pacerClock). Running it again
+// writes only what changed since (putEDT, Attach and markRevStored keep
+// what is in place). d.mu must be held.
+func (d *Dataplane) readyFrontend(svc Service, pl planned, pacer uint32, clock uint64) (uint32, error) {
 	fe := pl.fe
 	edt, err := d.edtValueOf(&svc)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if edt.Rate != 0 {
 		edt.Pacer = pacer
@@ -537,27 +643,29 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 	// A paced frontend's rate is in place before its flag (edt.go).
 	if edt.Rate != 0 {
 		if err := d.putEDT(fe, edt); err != nil {
-			return err
+			return 0, err
 		}
 	}
 	// A frontend of a service that enforces an identity policy gets the
 	// policy's header before its flag (policy.go).
 	pflag, err := d.policyFlag(svc.Name, fe.sid)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	flags := svcFlags(&svc) | d.revStoredOf(fe) | pflag
 	if flags&bpf.SvcFlagRevStored != 0 {
 		if err := d.markRevStored(fe); err != nil {
-			return err
+			return 0, err
 		}
 	}
-	if d.beforeSwap != nil {
-		d.beforeSwap(fe, flags)
-	}
-	if err := d.swapTable(fe, t.inner); err != nil {
-		return err
-	}
+	return flags, nil
+}
+
+// finishFrontend writes fe's frontend entry with flags (from
+// readyFrontend), its marker and guard, once its table t is in place, and
+// removes the backends that left it. d.mu must be held.
+func (d *Dataplane) finishFrontend(svc Service, s *service, pl planned, t builtTable, flags uint32) error {
+	fe := pl.fe
 	fe.eligible = t.eligible
 	fe.size = 0
 	if t.inner != nil {
@@ -568,14 +676,16 @@ func (d *Dataplane) commitFrontend(svc Service, s *service, pl planned, t builtT
 		return err
 	}
 	fe.flags, fe.rev, fe.live = flags, val.Revision, true
-	if pflag == 0 {
+	if flags&bpf.SvcFlagPolicy == 0 {
 		// Its policy's header goes only once the flag is off.
 		if err := d.pol.w.Detach([]uint32{fe.sid}); err != nil {
 			return err
 		}
 	}
 	// An unpaced one loses its rate only once its flag is gone.
-	if edt.Rate == 0 {
+	if edt, err := d.edtValueOf(&svc); err != nil {
+		return err
+	} else if edt.Rate == 0 {
 		if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
 			return err
 		}
@@ -713,18 +823,20 @@ func closeTables(ts []builtTable) {
 	}
 }
 
-// swapTable puts fe's table in place: the complete new inner map
-// replaces the old one in a single update, or the slot is emptied when no
-// backend is eligible (inner nil; new flows then drop as no_backend).
-func (d *Dataplane) swapTable(fe *frontend, inner *ebpf.Map) error {
-	outer := d.dp.Maps().FluxvmMaglev
+// swapTable puts the table of datapath service sid in place in outer
+// (fluxvm_maglev): the complete new inner map replaces the old one in a
+// single update, or the slot is emptied when no backend is eligible
+// (inner nil; new flows then drop as no_backend). Either returns only
+// after an RCU grace period (the kernel waits for the programs that may
+// still read the old table), which concurrent callers share.
+func swapTable(outer *ebpf.Map, sid uint32, inner *ebpf.Map) error {
 	if inner == nil {
-		if err := outer.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := outer.Delete(sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
 		}
 		return nil
 	}
-	if err := outer.Put(fe.sid, inner); err != nil {
+	if err := outer.Put(sid, inner); err != nil {
 		return fmt.Errorf("maglev table: swap: %w", err)
 	}
 	return nil
@@ -846,9 +958,23 @@ func (d *Dataplane) dropMarker(fe *frontend) error {
 	return d.putMarker(mk)
 }
 
-// removeFrontend takes a frontend out of the datapath: first the entry
-// that makes packets match it, then its table, backends and guard.
+// removeFrontend takes a frontend out of the datapath, with d.mu held:
+// first the entry that makes packets match it (retireFrontend), then its
+// table, then its backends and guard (dropFrontend).
 func (d *Dataplane) removeFrontend(fe *frontend) error {
+	if err := d.retireFrontend(fe); err != nil {
+		return err
+	}
+	if err := swapTable(d.dp.Maps().FluxvmMaglev, fe.sid, nil); err != nil {
+		return err
+	}
+	return d.dropFrontend(fe)
+}
+
+// retireFrontend is the first step of removeFrontend: the entry that
+// makes packets match fe goes, then its policy header, EDT entry and
+// marker. d.mu must be held.
+func (d *Dataplane) retireFrontend(fe *frontend) error {
 	if err := d.deleteFrontend(fe.key); err != nil {
 		return err
 	}
@@ -859,12 +985,14 @@ func (d *Dataplane) removeFrontend(fe *frontend) error {
 	if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {
 		return err
 	}
-	if err := d.dropMarker(fe); err != nil {
-		return err
-	}
-	if err := d.dp.Maps().FluxvmMaglev.Delete(fe.sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("maglev table: %w", err)
-	}
+	return d.dropMarker(fe)
+}
+
+// dropFrontend is the last step of removeFrontend, once fe's slot of
+// fluxvm_maglev is empty: its backends (and their slots in the reverse
+// translation index) and guard go, and its ids are released. d.mu must
+// be held.
+func (d *Dataplane) dropFrontend(fe *frontend) error {
 	for ep, id := range fe.backends {
 		if err := d.dp.Maps().FluxvmBackends.Put(id, bpf.Backend{}); err != nil {
 			return fmt.Errorf("remove backend %s: %w", ep, err)
@@ -909,6 +1037,42 @@ func (d *Dataplane) unprogram(ss ...*service) error {
 	}
 	for _, fe := range d.frontendsOf(ss[0].intent.Name, ss...) {
 		if err := d.removeFrontend(fe); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unprogramUnlocked is unprogram for DeleteService: called with d.mu
+// held, it retires the frontends of s (their entries go first), releases
+// the lock while their slots of fluxvm_maglev are emptied (each update
+// waits for an RCU grace period: see commitUnlocked), and holds it again
+// to drop their backends and guards and release their ids. Until then
+// the ids stay taken, so no other frontend gets one and puts a table in
+// the slot meanwhile; the frontends stay in d.frontends, so another
+// service's change that wants one of their keys meanwhile is refused
+// with ErrConflict, as it would have been a moment earlier.
+func (d *Dataplane) unprogramUnlocked(s *service) error {
+	fes := d.frontendsOf(s.intent.Name, s)
+	for _, fe := range fes {
+		if err := d.retireFrontend(fe); err != nil {
+			return err
+		}
+	}
+	outer := d.dp.Maps().FluxvmMaglev
+	d.mu.Unlock()
+	var err error
+	for _, fe := range fes {
+		if err = swapTable(outer, fe.sid, nil); err != nil {
+			break
+		}
+	}
+	d.mu.Lock()
+	if err != nil {
+		return err
+	}
+	for _, fe := range fes {
+		if err := d.dropFrontend(fe); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,12 @@
+package fluxvm
+
+// Exported for the external tests of this package (package fluxvm_test),
+// which may import fluxvm/api.
+
+// BenchDataplane is benchDataplane (applyscale_test.go): a tier L
+// dataplane with services 0..n-1 restored from a catalog on disk.
+var BenchDataplane = benchDataplane
+
+// BenchService is benchService: service i with its first backend's
+// weight w.
+var BenchService = benchService

@@ -1,7 +1,14 @@
 package bpf
 
 import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net/netip"
+	"os"
 	"testing"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
@@ -76,4 +83,198 @@ func TestSNATSequentialClients(t *testing.T) {
 			})
 		}
 	}
+}
+
+// BenchmarkSNATNewFlow: the cost of a new north-south (SNAT) IPv4 flow on
+// fluxvm_ns_in while the backend tuple's port range (the default,
+// 61000-65535) is 0%, 50% and 95% taken by other flows' mappings, the
+// same ports for every object (a fixed random permutation of the range:
+// clients with unrelated ports leave no structure for either allocator).
+// Each call is a SYN of a new flow from a client port above the range
+// (32768 upward); after it, unmeasured, the flow's two halves are removed,
+// so every call meets the same fill. At 95%, a share of the flows finds
+// no port in its 32 candidates and drops (snat_failed): those calls are
+// measured too, as what the attempt cost.
+//
+//	go test -run '^$' -bench BenchmarkSNATNewFlow -benchtime 1x ./bpf/
+//
+// FLUXVM_BENCH_CALLS sets the calls per case (default 200000).
+// FLUXVM_BENCH_BASELINE names another build of the tier-M object: its
+// cases then run in the same process, on the same packets, interleaved
+// with ours (BenchmarkDatapath), and each fill reports ours/baseline with
+// a 95% confidence interval over the 10 pairs of blocks (each pair runs
+// both orders); FLUXVM_BENCH_BASELINE_FIRST=1 creates the baseline's maps
+// first (run both orders and take the mean).
+func BenchmarkSNATNewFlow(b *testing.B) {
+	calls := benchCalls(b)
+	var h *harness
+	var cases, base []*benchCase
+	mine := func() {
+		h = newHarnessSized(b, 0)
+		cases = snatNewFlowCases(b, h, "", "")
+	}
+	path := os.Getenv("FLUXVM_BENCH_BASELINE")
+	if path == "" || os.Getenv("FLUXVM_BENCH_BASELINE_FIRST") != "1" {
+		mine()
+	}
+	if path != "" {
+		spec, err := ebpf.LoadCollectionSpec(path)
+		if err != nil {
+			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
+		}
+		base = snatNewFlowCases(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
+		if h == nil {
+			mine()
+		}
+	}
+	if base == nil {
+		measureInterleaved(b, h.th, calls, cases, false)
+		return
+	}
+	ours := cases
+	cases = nil
+	for i := range ours {
+		cases = append(cases, ours[i], base[i])
+	}
+	floor := measureInterleaved(b, h.th, calls, cases, true)
+	for i := 0; i < len(cases); i += 2 {
+		gross, net := pairedRatios(cases[i], cases[i+1], floor)
+		mg, cg := meanCI95(gross)
+		mn, cn := meanCI95(net)
+		b.Logf("%-40s ours/baseline gross %.3f ± %.3f, net %.3f ± %.3f (95%% CI, %d block pairs)",
+			cases[i].name, mg, cg, mn, cn, len(net))
+		b.ReportMetric(mn, "ratio-net/"+cases[i].metric)
+	}
+}
+
+// snatNewFlowCases sets h up for BenchmarkSNATNewFlow and returns its
+// cases, named with prefix (metrics with mprefix).
+func snatNewFlowCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCase {
+	const portMin, portMax = 61000, 65535 // the default range
+	const n = portMax - portMin + 1
+	v := variants()[0]
+	v.nsSetup(h, 0)
+	h.snat(portMin, portMax)
+	h.edge()
+	be := v.backends[0]
+	other := netip.AddrPortFrom(netip.MustParseAddr("10.0.0.200"), 1000)
+	perm := rand.New(rand.NewPCG(33, 3)).Perm(n)
+	installed := 0 // the mappings of perm[:installed] are in the map
+	key := func(j int) tuple { return v.snatKey(be, uint16(portMin+perm[j])) }
+	fill := func(pct int) func() {
+		return func() {
+			want := n * pct / 100
+			for ; installed < want; installed++ {
+				k := key(installed)
+				h.must(h.natMap(k).Put(k.key(), NATValue{
+					Flags: NATFlagSNAT, ServiceId: sid, BackendId: 1,
+					Vip: AddrWords(v.vip.Addr()), Vport: Port(v.vip.Port()),
+					Client: AddrWords(other.Addr()), Cport: Port(other.Port() + uint16(installed)),
+				}))
+			}
+			for ; installed > want; installed-- {
+				k := key(installed - 1)
+				h.must(h.natMap(k).Delete(k.key()))
+			}
+		}
+	}
+	clientPort := func(i int) uint16 { return uint16(32768 + i%28000) }
+	// Undo the call's flow: its conntrack half names its mapping.
+	undo := func(i int, ret uint32) {
+		flow := v.flow(clientPort(i))
+		ct, ok := h.ct(flow)
+		if ret != tcOK || !ok {
+			return
+		}
+		m := v.snatKey(be, Port(ct.NatPort))
+		h.must(h.natMap(m).Delete(m.key()))
+		h.must(h.ctMap(flow).Delete(flow.key()))
+	}
+	// The candidates each case's calls tried and the calls that dropped:
+	// the counters' growth between one case's block and the next's.
+	var cases []*benchCase
+	var tally []*snatTally
+	active, mark := -1, Counters{}
+	settle := func() {
+		if active >= 0 {
+			c := h.counters()
+			tally[active].retries += c[CounterSNATRetry] - mark[CounterSNATRetry]
+			tally[active].failed += h.drops()[DropSNATFailed] - tally[active].drops
+		}
+	}
+	for ci, pct := range []int{0, 50, 95} {
+		ft := &snatTally{}
+		tally = append(tally, ft)
+		c := &benchCase{
+			name:   fmt.Sprintf("%sipv4 tcp snat new flow, range %d%% taken", prefix, pct),
+			metric: fmt.Sprintf("%sv4-snat-new-flow-%d", mprefix, pct),
+			prog:   h.objs.FluxvmNsIn,
+			frame:  func(i int) []byte { return v.fwd(clientPort(i), pkt.SYN) },
+			want:   tcOK,
+			any:    pct > 0, // a full candidate list drops (snat_failed)
+			after:  undo,
+		}
+		fillTo := fill(pct)
+		c.before = func() {
+			settle()
+			fillTo()
+			active, mark, ft.drops = ci, h.counters(), h.drops()[DropSNATFailed]
+			ft.calls = c
+		}
+		cases = append(cases, c)
+	}
+	b.Cleanup(func() {
+		settle()
+		for _, t := range tally {
+			if t.calls != nil && t.calls.n > 0 {
+				b.Logf("%-40s %.2f candidates taken a call, %.2f%% dropped (snat_failed)",
+					t.calls.name, float64(t.retries)/float64(t.calls.n), 100*float64(t.failed)/float64(t.calls.n))
+			}
+		}
+	})
+	return cases
+}
+
+// snatTally is what one case of BenchmarkSNATNewFlow cost in candidates.
+type snatTally struct {
+	calls           *benchCase
+	retries, failed uint64
+	drops           uint64 // snat_failed when the case's current block began
+}
+
+// pairedRatios are ours/base per pair of consecutive blocks (which ran
+// the two in both orders), of the gross means and of the means net of the
+// floor's in the same blocks.
+func pairedRatios(ours, base, floor *benchCase) (gross, net []float64) {
+	mean := func(c *benchCase, k int) float64 {
+		return float64(c.blockSum[k]+c.blockSum[k+1]) / float64(c.blockN[k]+c.blockN[k+1])
+	}
+	for k := 0; k+1 < len(ours.blockSum); k += 2 {
+		o, bs, f := mean(ours, k), mean(base, k), mean(floor, k)
+		gross = append(gross, o/bs)
+		net = append(net, (o-f)/(bs-f))
+	}
+	return gross, net
+}
+
+// meanCI95 is the mean of xs and the half-width of its 95% confidence
+// interval (Student's t; up to 30 samples).
+func meanCI95(xs []float64) (mean, half float64) {
+	// t(0.975, df) for df = 1..30.
+	t := []float64{12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+		2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+		2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042}
+	n := len(xs)
+	if n < 2 || n-1 > len(t) {
+		return math.NaN(), math.NaN()
+	}
+	for _, x := range xs {
+		mean += x
+	}
+	mean /= float64(n)
+	var ss float64
+	for _, x := range xs {
+		ss += (x - mean) * (x - mean)
+	}
+	return mean, t[n-2] * math.Sqrt(ss/float64(n-1)/float64(n))
 }

@@ -27,7 +27,8 @@ import (
 // seen by the backend from the SNAT address and a port of the range of its
 // own; snat_failed counts every SYN that found no port. The allocator
 // before issue 33 (a hash of the tuple, then a random port and its
-// neighbours) connected 247 of 256 (96.5%) on the first SYN here.
+// neighbours) connected 247 and 248 of 256 (96.5%, 96.9%) on the first
+// SYN in two runs here.
 func TestE2ESNATSequentialPorts(t *testing.T) {
 	const portMin, portMax, firstPort = 20000, 20255, 40000
 	const n = portMax - portMin + 1
@@ -91,8 +92,10 @@ func TestE2ESNATSequentialPorts(t *testing.T) {
 		t.Errorf("%d of %d connections established on their first SYN, want at least 99%%; the others:\n%s",
 			first, n, strings.Join(errs, "\n"))
 	}
-	if first < n && failed == 0 {
-		t.Errorf("%d connections needed more than their first SYN, but snat_failed did not count", n-first)
+	// A SYN dropped as snat_failed is retransmitted: its connection
+	// cannot count as established on the first SYN.
+	if first == n && failed != 0 {
+		t.Errorf("snat_failed +%d, but every connection was established on its first SYN", failed)
 	}
 
 	// The backend saw every connection that got through from the SNAT

@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -199,16 +200,24 @@ func snatNewFlowCases(b *testing.B, h *harness, prefix, mprefix string) []*bench
 		}
 	}
 	clientPort := func(i int) uint16 { return uint16(32768 + i%28000) }
-	// Undo the call's flow: its conntrack half names its mapping.
+	// Undo the call's flow: its conntrack half names its mapping. (It
+	// runs on the harness's thread, off the benchmark's goroutine: the
+	// first error is reported at the end.)
+	var undoErr error
 	undo := func(i int, ret uint32) {
+		if ret != tcOK || undoErr != nil {
+			return
+		}
 		flow := v.flow(clientPort(i))
-		ct, ok := h.ct(flow)
-		if ret != tcOK || !ok {
+		var ct CTValue
+		if err := h.ctMap(flow).Lookup(flow.key(), &ct); err != nil {
+			undoErr = fmt.Errorf("flow %d: conntrack: %w", i, err)
 			return
 		}
 		m := v.snatKey(be, Port(ct.NatPort))
-		h.must(h.natMap(m).Delete(m.key()))
-		h.must(h.ctMap(flow).Delete(flow.key()))
+		if err := errors.Join(h.natMap(m).Delete(m.key()), h.ctMap(flow).Delete(flow.key())); err != nil {
+			undoErr = fmt.Errorf("flow %d: %w", i, err)
+		}
 	}
 	// The candidates each case's calls tried and the calls that dropped:
 	// the counters' growth between one case's block and the next's.
@@ -244,6 +253,9 @@ func snatNewFlowCases(b *testing.B, h *harness, prefix, mprefix string) []*bench
 		cases = append(cases, c)
 	}
 	b.Cleanup(func() {
+		if undoErr != nil {
+			b.Errorf("removing a measured flow: %v", undoErr)
+		}
 		settle()
 		for _, t := range tally {
 			if t.calls != nil && t.calls.n > 0 {

@@ -181,6 +181,7 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
 	struct fluxvm_snat_try *t = fluxvm_snat_scratch_get();
 	__be32 addr[4] = {};
+	__u32 sport, off;
 
 	if (!t || !cfg || cfg->port_min == 0 || cfg->port_min > cfg->port_max)
 		return FLUXVM_SNAT_FAILED;
@@ -205,9 +206,19 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	t->range = (__u32)cfg->port_max - t->min + 1;
 	fluxvm_snat_entry(pkt, v6, be, addr, &t->k4, &t->k6, &t->nv);
 
-	/* The client's port folded into the range: below 2^17 before the
-	 * reduction, and below the range after it. */
-	t->cand = ((__u32)bpf_ntohs(pkt->sport) + t->range - t->min % t->range) % t->range;
+	/* The client's port folded into the range, (sport - min) mod range,
+	 * with one division at most (none for a port in the range). */
+	sport = bpf_ntohs(pkt->sport);
+	if (sport >= t->min) {
+		off = sport - t->min;
+		if (off >= t->range)
+			off %= t->range;
+	} else {
+		off = (t->min - sport) % t->range;
+		if (off)
+			off = t->range - off;
+	}
+	t->cand = off;
 	bpf_loop(FLUXVM_SNAT_TRIES, fluxvm_snat_try_one, NULL, 0);
 	if (t->err == -EEXIST)
 		return FLUXVM_SNAT_FAILED;

@@ -172,8 +172,11 @@ type benchCase struct {
 	// the call left in the maps, so that every call meets the same
 	// state), or nil.
 	after func(i int, ret uint32)
-	sum   time.Duration
-	n     int
+	// th is the thread (and network namespace) the case runs on, or nil
+	// for the one measureInterleaved is given.
+	th  *testenv.Thread
+	sum time.Duration
+	n   int
 	// The sum and count of each block, in order (paired comparisons).
 	blockSum []time.Duration
 	blockN   []int
@@ -244,7 +247,11 @@ func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*
 			var ret uint32
 			var err error
 			sum0, n0 := c.sum, c.n
-			th.Do(func() {
+			cth := th
+			if c.th != nil {
+				cth = c.th
+			}
+			cth.Do(func() {
 				for i := blk * per; i < (blk+1)*per; i++ {
 					var d time.Duration
 					if c.ctx != nil {

@@ -242,6 +242,7 @@ func snatNewFlowCases(b *testing.B, h *harness, prefix, mprefix string) []*bench
 			want:   tcOK,
 			any:    pct > 0, // a full candidate list drops (snat_failed)
 			after:  undo,
+			th:     h.th, // each object on its own harness's thread
 		}
 		fillTo := fill(pct)
 		c.before = func() {

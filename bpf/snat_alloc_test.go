@@ -126,6 +126,11 @@ func TestSNATSequentialClients(t *testing.T) {
 // a 95% confidence interval over the 10 pairs of blocks (each pair runs
 // both orders); FLUXVM_BENCH_BASELINE_FIRST=1 creates the baseline's maps
 // first (run both orders and take the mean).
+//
+// FLUXVM_BENCH_SNAT_PORTS picks the client ports: "sequential" (the
+// default: 32768 upward), "scattered" (32768 + i*7919 mod 28000) or
+// "inrange" (61000 upward, inside the range: every object keeps the
+// client's port, so all insert the same keys).
 func BenchmarkSNATNewFlow(b *testing.B) {
 	calls := benchCalls(b)
 	var h *harness
@@ -200,6 +205,15 @@ func snatNewFlowCases(b *testing.B, h *harness, prefix, mprefix string) []*bench
 		}
 	}
 	clientPort := func(i int) uint16 { return uint16(32768 + i%28000) }
+	switch ports := os.Getenv("FLUXVM_BENCH_SNAT_PORTS"); ports {
+	case "", "sequential":
+	case "scattered":
+		clientPort = func(i int) uint16 { return uint16(32768 + i*7919%28000) }
+	case "inrange":
+		clientPort = func(i int) uint16 { return uint16(portMin + i%n) }
+	default:
+		b.Fatalf("FLUXVM_BENCH_SNAT_PORTS=%q: sequential, scattered or inrange", ports)
+	}
 	// Undo the call's flow: its conntrack half names its mapping. (It
 	// runs on the harness's thread, off the benchmark's goroutine: the
 	// first error is reported at the end.)

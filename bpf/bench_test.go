@@ -168,8 +168,18 @@ type benchCase struct {
 	want   uint32
 	any    bool   // any verdict (an ablated variant)
 	before func() // run before each of the case's blocks (map state it needs), or nil
-	sum    time.Duration
-	n      int
+	// after runs after each call on input i, unmeasured (to undo what
+	// the call left in the maps, so that every call meets the same
+	// state), or nil.
+	after func(i int, ret uint32)
+	// th is the thread (and network namespace) the case runs on, or nil
+	// for the one measureInterleaved is given.
+	th  *testenv.Thread
+	sum time.Duration
+	n   int
+	// The sum and count of each block, in order (paired comparisons).
+	blockSum []time.Duration
+	blockN   []int
 }
 
 // measureInterleaved runs every case calls times with Repeat=1 on thread th,
@@ -181,14 +191,16 @@ type benchCase struct {
 // each pair in the other order, since the case that runs first after
 // another kind of case pays for warming the caches (measured: the same
 // object against itself came out 7-8% slower when always run first).
-func measureInterleaved(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool) {
+//
+// It returns the floor's case (its per-block figures net other cases').
+func measureInterleaved(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool) *benchCase {
 	b.Helper()
-	measureInterleavedOn(b, th, calls, cases, pairs, ebpf.SchedCLS)
+	return measureInterleavedOn(b, th, calls, cases, pairs, ebpf.SchedCLS)
 }
 
 // measureInterleavedOn is measureInterleaved with a floor of program type
 // floorType (an empty XDP program for XDP cases).
-func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool, floorType ebpf.ProgramType) {
+func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*benchCase, pairs bool, floorType ebpf.ProgramType) *benchCase {
 	b.Helper()
 	const blocks = 20
 	per := calls / blocks
@@ -234,7 +246,12 @@ func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*
 			}
 			var ret uint32
 			var err error
-			th.Do(func() {
+			sum0, n0 := c.sum, c.n
+			cth := th
+			if c.th != nil {
+				cth = c.th
+			}
+			cth.Do(func() {
 				for i := blk * per; i < (blk+1)*per; i++ {
 					var d time.Duration
 					if c.ctx != nil {
@@ -247,8 +264,12 @@ func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*
 					}
 					c.sum += d
 					c.n++
+					if c.after != nil {
+						c.after(i, ret)
+					}
 				}
 			})
+			c.blockSum, c.blockN = append(c.blockSum, c.sum-sum0), append(c.blockN, c.n-n0)
 			if err != nil || (ret != c.want && !c.any) {
 				b.Fatalf("%s: verdict %d err %v", c.name, int32(ret), err)
 			}
@@ -263,6 +284,7 @@ func measureInterleavedOn(b *testing.B, th *testenv.Thread, calls int, cases []*
 		b.Logf("%-34s %7.1f ns/pkt gross, %7.1f ns/pkt net of the %.1f ns floor (%d calls)", c.name, mean, mean-floor, floor, c.n)
 		b.ReportMetric(mean-floor, "net-ns/"+c.metric)
 	}
+	return cases[0]
 }
 
 // BenchmarkMapFloor measures, the same way as BenchmarkDatapath, the map

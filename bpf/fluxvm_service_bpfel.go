@@ -416,15 +416,17 @@ const (
 )
 
 type serviceFluxvmSnatTry struct {
-	_     structs.HostLayout
-	K4    serviceFluxvmTuple4
-	K6    serviceFluxvmTuple6
-	Nv    serviceFluxvmNatValue
-	Min   uint32
-	Range uint32
-	Cand  uint32
-	V6    uint32
-	Err   int64
+	_      structs.HostLayout
+	K4     serviceFluxvmTuple4
+	K6     serviceFluxvmTuple6
+	Nv     serviceFluxvmNatValue
+	Min    uint32
+	Range  uint32
+	Cand   uint32
+	Stride uint32
+	First  uint32
+	V6     uint32
+	Err    int64
 }
 
 type serviceFluxvmSockKey struct {

@@ -626,7 +626,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_admit(ctx, pkt, v6, sid, ct)))
 		return fluxvm_drop(ret, st, es);
 	ct->flow = fluxvm_flow_reserve(meta, now);
-	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, hash, nat_flags, ct);
+	ret = fluxvm_snat_learn(pkt, v6, be, sid, bid, now, nat_flags, ct);
 	if (ret == FLUXVM_SNAT_FAILED)
 		return fluxvm_drop(FLUXVM_DROP_SNAT_FAILED, st, es);
 	if (ret)

@@ -8,11 +8,24 @@
  * address and port -> SNAT address and port). Allocation inserts that
  * entry with BPF_NOEXIST: the kernel refuses a key that exists, so a port
  * that a live mapping to the same backend tuple holds is never handed out
- * again. A refused candidate counts FLUXVM_CNT_SNAT_RETRIES; the second
- * candidate is random and the following ones its neighbours; after FLUXVM_SNAT_TRIES refusals the flow drops with
- * FLUXVM_DROP_SNAT_FAILED. The first candidate is the client's own port
- * when it lies in the range (so a client keeps its port while there is no
- * clash), else one derived from the flow hash.
+ * again. A refused candidate counts FLUXVM_CNT_SNAT_RETRIES; after
+ * FLUXVM_SNAT_TRIES refusals the flow drops with FLUXVM_DROP_SNAT_FAILED.
+ *
+ * The candidates: first the client's port folded into the range
+ * ((cport - min) mod range: the client's own port when it lies in the
+ * range), then a walk from it by a random odd stride. Folding is a
+ * bijection on any run of consecutive client ports, so clients that open
+ * connections from sequential ports (load generators, clients behind
+ * another NAT) get distinct first candidates and fill a range without a
+ * clash; a hashed start would clash by the birthday bound, and a linear
+ * walk after a clash grows runs of taken ports (primary clustering) that
+ * the bounded tries cannot cross. The stride is drawn at the first clash
+ * only (a free first candidate costs no helper call), anew for every
+ * attempt, so flows that clash on one port walk apart and a retransmitted
+ * SYN tries other ports. When the walk comes back to where it started
+ * (a stride sharing a factor with the range) it moves on by one, so the
+ * candidates of one attempt never repeat; a range of up to
+ * FLUXVM_SNAT_TRIES ports walks by one and is searched completely.
  *
  * The LRU may evict a mapping of a live flow under pressure, and another
  * flow may then take its port. Every packet of a flow with SNAT therefore
@@ -98,7 +111,9 @@ struct fluxvm_snat_try {
 	struct fluxvm_nat_value nv;
 	__u32 min;
 	__u32 range;
-	__u32 cand;
+	__u32 cand;   /* offset into the range of the port being tried */
+	__u32 stride; /* of the walk after the first clash */
+	__u32 first;  /* where the walk's current cycle started */
 	__u32 v6;
 	__s64 err;
 };
@@ -129,10 +144,7 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
 
 	if (!t || !t->range)
 		return 1;
-	/* cand stays below range (the preferred port is an offset into it,
-	 * the others are reduced as they are made), so that the neighbours
-	 * of the random start never wrap around 2^32 into a repeat. */
-	port = bpf_htons((__u16)(t->min + t->cand % t->range));
+	port = bpf_htons((__u16)(t->min + t->cand));
 	t->k4.dport = port;
 	t->k6.dport = port;
 	t->err = t->v6 ? bpf_map_update_elem(&fluxvm_nat6, &t->k6, &t->nv, BPF_NOEXIST)
@@ -140,10 +152,19 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
 	if (t->err != -EEXIST)
 		return 1;
 	fluxvm_count(FLUXVM_CNT_SNAT_RETRIES);
-	/* A random start, then its neighbours: independent of the preferred
-	 * port, and a range of up to FLUXVM_SNAT_TRIES - 1 ports is searched
-	 * completely. */
-	t->cand = (i == 0 ? bpf_get_prandom_u32() : t->cand + 1) % t->range;
+	if (i == 0) {
+		/* An odd stride below the range: coprime with a range that is
+		 * a power of two, and otherwise rarely sharing a factor with
+		 * it (the cycle check below covers that case). */
+		t->stride = t->range > FLUXVM_SNAT_TRIES ? (bpf_get_prandom_u32() % (t->range - 1)) | 1 : 1;
+		t->first = t->cand;
+	}
+	/* Both terms are below the range (at most 65535): no wrap. */
+	t->cand = (t->cand + t->stride) % t->range;
+	if (t->cand == t->first) {
+		t->cand = (t->cand + 1) % t->range;
+		t->first = t->cand;
+	}
 	return 0;
 }
 
@@ -154,12 +175,13 @@ static long fluxvm_snat_try_one(__u32 i, void *arg)
  */
 static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const int v6,
 					     const struct fluxvm_backend *be, __u32 sid, __u32 bid,
-					     __u64 now, __u32 hash, __u8 nat_flags,
+					     __u64 now, __u8 nat_flags,
 					     struct fluxvm_ct_value *nct)
 {
 	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
 	struct fluxvm_snat_try *t = fluxvm_snat_scratch_get();
 	__be32 addr[4] = {};
+	__u32 sport, off;
 
 	if (!t || !cfg || cfg->port_min == 0 || cfg->port_min > cfg->port_max)
 		return FLUXVM_SNAT_FAILED;
@@ -184,9 +206,19 @@ static __always_inline int fluxvm_snat_learn(const struct fluxvm_pkt *pkt, const
 	t->range = (__u32)cfg->port_max - t->min + 1;
 	fluxvm_snat_entry(pkt, v6, be, addr, &t->k4, &t->k6, &t->nv);
 
-	t->cand = bpf_ntohs(pkt->sport);
-	t->cand = t->cand >= t->min && t->cand - t->min < t->range ? t->cand - t->min
-								 : hash % t->range;
+	/* The client's port folded into the range, (sport - min) mod range,
+	 * with one division at most (none for a port in the range). */
+	sport = bpf_ntohs(pkt->sport);
+	if (sport >= t->min) {
+		off = sport - t->min;
+		if (off >= t->range)
+			off %= t->range;
+	} else {
+		off = (t->min - sport) % t->range;
+		if (off)
+			off = t->range - off;
+	}
+	t->cand = off;
 	bpf_loop(FLUXVM_SNAT_TRIES, fluxvm_snat_try_one, NULL, 0);
 	if (t->err == -EEXIST)
 		return FLUXVM_SNAT_FAILED;

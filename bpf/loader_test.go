@@ -375,7 +375,24 @@ func TestAttachClsBPF(t *testing.T) {
 		if name := fs[0].(*netlink.BpfFilter).Name; name != "fluxvm:fluxvm_from_vm" {
 			t.Errorf("filter name %q", name)
 		}
-		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookFromVM); err != nil {
+		// Our filter of the other hook of that direction (a restart that
+		// turned the VM edge into a north-south interface) is replaced,
+		// and the attachment is a new one, not a reuse: its rollback
+		// must detach it. (It used to say reused.)
+		a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookNSIn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.Reused {
+			t.Errorf("ns_in over our from_vm filter: %+v, want not reused", a)
+		}
+		if fs, err := netlink.FilterList(rx, netlink.HANDLE_MIN_INGRESS); err != nil || len(fs) != 1 || fs[0].(*netlink.BpfFilter).Name != "fluxvm:fluxvm_ns_in" {
+			t.Errorf("filters after ns_in over from_vm: %v, %v; want ours of ns_in alone", fs, err)
+		}
+		if a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookNSIn); err != nil || !a.Reused {
+			t.Errorf("ns_in again: %+v, %v; want reused", a, err)
+		}
+		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookNSIn); err != nil {
 			t.Fatal(err)
 		}
 

@@ -26,6 +26,10 @@ var ErrInUse = errors.New("pin root in use")
 // removes those parents again when they are empty.
 const madeParents = "made_parents_"
 
+// mkdirMarker creates the madeParents record (os.Mkdir; a test makes it
+// fail).
+var mkdirMarker = os.Mkdir
+
 // PinRootLock is the exclusive hold of a pin root (LockPinRoot). Release
 // lets it go; so does the end of the process.
 type PinRootLock struct {
@@ -90,9 +94,13 @@ func LockPinRoot(opts Options) (*PinRootLock, error) {
 			continue
 		}
 		if made > 1 {
-			if err := os.Mkdir(filepath.Join(root, madeParents+strconv.Itoa(made-1)), 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+			if err := mkdirMarker(filepath.Join(root, madeParents+strconv.Itoa(made-1)), 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+				// Nothing recorded them: remove what was just made.
+				if os.Remove(root) == nil {
+					removeParents(root, made-1)
+				}
 				f.Close()
-				return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
+				return nil, fmt.Errorf("bpf: pin root %s: recording the parents it created: %w", root, err)
 			}
 		}
 		return &PinRootLock{root: root, f: f, mounted: mounted, made: made}, nil
@@ -129,12 +137,8 @@ func (l *PinRootLock) Abandon() error {
 		for _, dir := range []string{mapDir(l.root), linkDir(l.root), filepath.Join(l.root, madeParents+strconv.Itoa(l.made-1))} {
 			os.Remove(dir) // fails when not empty: then so does the root's
 		}
-		p := l.root
-		for range l.made {
-			if p == bpffs.DefaultRoot || os.Remove(p) != nil {
-				break
-			}
-			p = filepath.Dir(p)
+		if os.Remove(l.root) == nil {
+			removeParents(l.root, l.made-1)
 		}
 	}
 	return l.Release()
@@ -201,37 +205,40 @@ func lockHolder(st unix.Stat_t) string {
 }
 
 // RemoveRoot tears down what a datapath recorded under the pin root root,
-// without loading anything and without a Datapath: it detaches every
-// pinned attachment (TCX, XDP and socket-hook links: unpinned and closed,
-// which detaches them before RemoveRoot returns), deletes our cls_bpf
-// filters (name prefix "fluxvm:") from every interface of the calling
-// thread's network namespace, removes every pin and the pin root, and the
-// parents of the pin root that LockPinRoot created when they are empty. A
-// missing pin root is not an error (the cls_bpf filters are still looked
-// for). Nothing else under the bpffs mount is touched; the caller holds
-// the pin root (LockPinRoot) so that no datapath runs on it.
+// without loading anything and without a Datapath: RemovePins, then
+// RemoveRootDir. A missing pin root is not an error (the cls_bpf filters
+// are still looked for). Nothing else under the bpffs mount is touched;
+// the caller holds the pin root (LockPinRoot) so that no datapath runs on
+// it. A caller that removes more state next to the pin root (a catalog,
+// qdiscs) while it holds the lock calls the two halves itself, with its
+// own work between them: once the pin root directory is gone, another
+// Open can create and lock a new one.
 func RemoveRoot(root string) error {
-	if !filepath.IsAbs(root) {
-		return fmt.Errorf("bpf: remove %q: %w: not absolute", root, ErrPinRoot)
+	err := RemovePins(root)
+	if errors.Is(err, ErrPinRoot) {
+		return err
 	}
-	root = filepath.Clean(root)
-	if root == "/" || root == bpffs.DefaultRoot {
-		return fmt.Errorf("bpf: remove %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
+	return errors.Join(err, RemoveRootDir(root))
+}
+
+// RemovePins detaches every attachment recorded under the pin root root
+// (TCX, XDP and socket-hook links: unpinned and closed, which detaches
+// them before RemovePins returns), deletes our cls_bpf filters (name
+// prefix "fluxvm:") from every interface of the calling thread's network
+// namespace, and removes every pin with the directories that held them.
+// The pin root directory itself stays, empty but for the record of the
+// parents LockPinRoot made: the directory a holder of LockPinRoot has
+// locked, so that no other Open takes the path over while the holder
+// finishes (RemoveRootDir removes it last).
+func RemovePins(root string) error {
+	root, err := removableRoot(root)
+	if err != nil {
+		return err
 	}
 	var errs []error
-	if fi, err := os.Stat(root); err == nil {
-		if !fi.IsDir() {
-			return fmt.Errorf("bpf: remove %s: %w: not a directory", root, ErrPinRoot)
-		}
-		if ok, err := bpffs.IsBPFFS(root); err != nil || !ok {
-			return fmt.Errorf("bpf: remove %s: %w: not on bpffs", root, ErrPinRoot)
-		}
-	} else if !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("bpf: remove %s: %w", root, err)
-	}
 	// Links first: closing the last descriptor of an unpinned link
 	// detaches it before Close returns; merely removing the pin would
-	// leave the kernel to release it later, so RemoveRoot could return
+	// leave the kernel to release it later, so RemovePins could return
 	// with the programs still running.
 	links, err := os.ReadDir(linkDir(root))
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -247,47 +254,92 @@ func RemoveRoot(root string) error {
 	}
 	errs = append(errs, removeClsBPF())
 	// Unpinning the maps drops the kernel's last references.
-	var made int
-	for _, dir := range []string{linkDir(root), mapDir(root), root} {
+	for _, dir := range []string{linkDir(root), mapDir(root)} {
 		entries, err := os.ReadDir(dir)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 			continue
 		}
 		for _, e := range entries {
-			if dir == root {
-				n, ok := strings.CutPrefix(e.Name(), madeParents)
-				if !ok {
-					continue // not ours: os.Remove(root) below says so
-				}
-				made, _ = strconv.Atoi(n)
-			}
 			if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 		}
-		if dir == root {
-			break
-		}
 		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
-		}
-	}
-	if err := os.Remove(root); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("bpf: remove %s (not empty: something else lives there?): %w", root, err))
-	} else {
-		// The parents LockPinRoot made, while they are empty (another
-		// pin root may live beside this one) and above the mount.
-		p := root
-		for range made {
-			p = filepath.Dir(p)
-			if p == bpffs.DefaultRoot || p == "/" || os.Remove(p) != nil {
-				break
-			}
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("bpf: remove %s: %w", root, err)
 	}
 	return nil
+}
+
+// RemoveRootDir removes the pin root directory root, after RemovePins,
+// and the parents of it that LockPinRoot created, while they are empty
+// (another pin root may live beside it) and below the mount. A pin root
+// that still holds something not ours is left, and the error says so; a
+// missing one is not an error.
+func RemoveRootDir(root string) error {
+	root, err := removableRoot(root)
+	if err != nil {
+		return err
+	}
+	entries, err := os.ReadDir(root)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("bpf: remove %s: %w", root, err)
+	}
+	var made int
+	for _, e := range entries {
+		n, ok := strings.CutPrefix(e.Name(), madeParents)
+		if !ok {
+			continue // not ours: os.Remove(root) below says so
+		}
+		made, _ = strconv.Atoi(n)
+		if err := os.Remove(filepath.Join(root, e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("bpf: remove %s: %w", root, err)
+		}
+	}
+	if err := os.Remove(root); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("bpf: remove %s (not empty: something else lives there?): %w", root, err)
+	}
+	removeParents(root, made)
+	return nil
+}
+
+// removeParents removes up to n parents of dir, nearest first, while they
+// are empty and below the mount.
+func removeParents(dir string, n int) {
+	for range n {
+		dir = filepath.Dir(dir)
+		if dir == bpffs.DefaultRoot || dir == "/" || os.Remove(dir) != nil {
+			return
+		}
+	}
+}
+
+// removableRoot checks root for RemovePins and RemoveRootDir: absolute, a
+// directory of its own below the mount, on bpffs when it exists.
+func removableRoot(root string) (string, error) {
+	if !filepath.IsAbs(root) {
+		return "", fmt.Errorf("bpf: remove %q: %w: not absolute", root, ErrPinRoot)
+	}
+	root = filepath.Clean(root)
+	if root == "/" || root == bpffs.DefaultRoot {
+		return "", fmt.Errorf("bpf: remove %q: %w: must be a directory of its own below the mount", root, ErrPinRoot)
+	}
+	if fi, err := os.Stat(root); err == nil {
+		if !fi.IsDir() {
+			return "", fmt.Errorf("bpf: remove %s: %w: not a directory", root, ErrPinRoot)
+		}
+		if ok, err := bpffs.IsBPFFS(root); err != nil || !ok {
+			return "", fmt.Errorf("bpf: remove %s: %w: not on bpffs", root, ErrPinRoot)
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("bpf: remove %s: %w", root, err)
+	}
+	return root, nil
 }

@@ -1,7 +1,6 @@
 package bpf
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"os"
@@ -13,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/internal/bpffs"
+	"github.com/fluxvm/servicefabric/internal/flock"
 )
 
 // ErrInUse reports a pin root that another owner holds (LockPinRoot): a
@@ -74,20 +74,14 @@ func LockPinRoot(opts Options) (*PinRootLock, error) {
 		if err != nil {
 			return nil, fmt.Errorf("bpf: pin root %s: %w", root, err)
 		}
-		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-			var st unix.Stat_t
-			serr := unix.Fstat(int(f.Fd()), &st)
+		if err := flock.Try(f); err != nil {
 			f.Close()
-			if errors.Is(err, unix.EWOULDBLOCK) {
-				who := "another owner"
-				if serr == nil {
-					who = lockHolder(st)
-				}
-				return nil, fmt.Errorf("bpf: pin root %s is held by %s: %w", root, who, ErrInUse)
+			if errors.Is(err, flock.ErrHeld) {
+				return nil, fmt.Errorf("bpf: pin root %s is %w: %w", root, err, ErrInUse)
 			}
 			return nil, fmt.Errorf("bpf: pin root %s: lock: %w", root, err)
 		}
-		if !sameDir(f, root) {
+		if !flock.Same(f, root) {
 			// Removed (and perhaps recreated) between the open and the
 			// lock: lock what the path names now.
 			f.Close()
@@ -161,47 +155,6 @@ func mkdirCounting(dir string) (int, error) {
 		return 0, err
 	}
 	return missing, nil
-}
-
-// sameDir reports whether path still names the directory open as f.
-func sameDir(f *os.File, path string) bool {
-	var a, b unix.Stat_t
-	if unix.Fstat(int(f.Fd()), &a) != nil || unix.Stat(path, &b) != nil {
-		return false
-	}
-	return a.Dev == b.Dev && a.Ino == b.Ino
-}
-
-// lockHolder names the process holding the flock on the file st
-// describes, from /proc/locks.
-func lockHolder(st unix.Stat_t) string {
-	f, err := os.Open("/proc/locks")
-	if err != nil {
-		return "another owner (/proc/locks unreadable)"
-	}
-	defer f.Close()
-	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(uint64(st.Dev)), unix.Minor(uint64(st.Dev)), st.Ino)
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		// "1: FLOCK  ADVISORY  WRITE 1234 00:28:24662 0 EOF"; waiters
-		// have "->" after the number.
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 6 || fields[1] != "FLOCK" || fields[5] != id {
-			continue
-		}
-		pid, err := strconv.Atoi(fields[4])
-		if err != nil || pid <= 0 {
-			continue
-		}
-		if pid == os.Getpid() {
-			return fmt.Sprintf("this process (pid %d): a dataplane on it is open", pid)
-		}
-		if comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil {
-			return fmt.Sprintf("pid %d (%s)", pid, strings.TrimSpace(string(comm)))
-		}
-		return fmt.Sprintf("pid %d", pid)
-	}
-	return "another owner"
 }
 
 // RemoveRoot tears down what a datapath recorded under the pin root root,
@@ -342,4 +295,58 @@ func removableRoot(root string) (string, error) {
 		return "", fmt.Errorf("bpf: remove %s: %w", root, err)
 	}
 	return root, nil
+}
+
+// CheckPinRootVisible tells whether a pin root that this process does not
+// see could exist on the node all the same, hidden from it, as a cleanup
+// must know before it removes a dataplane's other state (its catalog,
+// qdiscs, filters) without holding the pin root. It returns nil when this
+// process runs in the host's (PID 1's) mount namespace, or in another
+// that shows the host's filesystem at the pin root's nearest existing
+// directory and where the host does not see the pin root either: then a
+// pin root missing here is missing on the node, and no dataplane runs on
+// it. Otherwise (a private /sys under `ip netns exec`, a mount namespace
+// with a BPF filesystem of its own, or the host's view unreadable) it
+// returns an error matching ErrPinRoot that says so and how to run
+// instead (`nsenter --net=/run/netns/NAME`, which enters the network
+// namespace only).
+func CheckPinRootVisible(root string) error {
+	if !filepath.IsAbs(root) {
+		return fmt.Errorf("bpf: pin root %q: %w: not absolute", root, ErrPinRoot)
+	}
+	root = filepath.Clean(root)
+	ns := bpffs.MountNamespace()
+	if !ns.Private {
+		return nil
+	}
+	p := root
+	for {
+		if _, err := os.Stat(p); err == nil || p == "/" {
+			break
+		}
+		p = filepath.Dir(p)
+	}
+	host := "/proc/1/root"
+	var here, there unix.Stat_t
+	if unix.Stat(p, &here) == nil && unix.Stat(host+p, &there) == nil && here.Dev == there.Dev {
+		if _, err := os.Stat(host + root); errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+	}
+	return fmt.Errorf("bpf: pin root %s: %w: %s", root, ErrPinRoot, hiddenPinRoot(root, ns))
+}
+
+// hiddenPinRoot says why a pin root missing in the mount namespace ns may
+// exist on the node, and what to do.
+func hiddenPinRoot(root string, ns bpffs.Namespace) string {
+	netns := "/run/netns/NAME"
+	if ns.NetNS != "" {
+		netns = "/run/netns/" + ns.NetNS
+	}
+	if ns.IPNetnsExec {
+		return fmt.Sprintf("this process does not see the node's BPF filesystem: it runs under `ip netns exec`, which gives it a private /sys that hides the host's %s, so a dataplane's pin root there can be neither seen nor held; run it under `nsenter --net=%s` instead, which enters the network namespace only",
+			bpffs.DefaultRoot, netns)
+	}
+	return fmt.Sprintf("this process's mount namespace is not the host's and does not show the node's %s as the host does (or the host's view, /proc/1/root, is unreadable), so a dataplane's pin root %s there can be neither seen nor held; run it in the host's mount namespace (for a network namespace: `nsenter --net=%s`)",
+		bpffs.DefaultRoot, root, netns)
 }

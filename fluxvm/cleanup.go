@@ -148,32 +148,56 @@ func Cleanup(o CleanupOptions) error {
 	if o.AdvertisementsPath != "" && !filepath.IsAbs(o.AdvertisementsPath) {
 		return fmt.Errorf("fluxvm: cleanup: %w", verr(ErrInvalid, "AdvertisementsPath", "%q is not an absolute path", o.AdvertisementsPath))
 	}
-	lk, err := lockForCleanup(o.PinRoot)
+	cl, lk, err := lockForCleanup(o)
 	if err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
-	defer lk.Release()
 	var errs []error
 	if o.AdvertisementsPath != "" {
 		if err := withdrawAll(o); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	errs = append(errs, removeState(o))
+	errs = append(errs, removeState(o), cl.remove(), lk.Release())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
 	return nil
 }
 
-// lockForCleanup holds the pin root for Cleanup. A pin root that does not
-// exist (no bpffs mounted any more, or removed already) needs no lock: no
-// dataplane runs on it; the rest is cleaned up all the same.
-func lockForCleanup(root string) (*bpf.PinRootLock, error) {
-	if _, err := os.Stat(root); errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+// lockForCleanup holds the catalog's lock file (as Open takes it first:
+// it covers the state outside bpffs even where the pin root cannot be
+// held) and the pin root, creating no pin root. A pin root that does not
+// exist needs no lock (no dataplane runs on it; the rest is cleaned up
+// all the same), but only when this process would see it: under `ip
+// netns exec` (a private /sys hiding the node's bpffs), or in another
+// mount namespace that does not show the node's bpffs, a running
+// dataplane's pin root is missing here too, and Cleanup fails with
+// ErrPinRoot and its advice instead (bpf.CheckPinRootVisible), before
+// it changes anything.
+func lockForCleanup(o CleanupOptions) (*catalogLock, *bpf.PinRootLock, error) {
+	_, err := os.Stat(o.PinRoot)
+	missing := errors.Is(err, fs.ErrNotExist)
+	if missing {
+		if err := bpf.CheckPinRootVisible(o.PinRoot); err != nil {
+			return nil, nil, err
+		}
 	}
-	return bpf.LockPinRoot(bpf.Options{PinRoot: root})
+	var cl *catalogLock
+	if _, err := os.Stat(filepath.Dir(o.CatalogPath)); o.CatalogPath != "" && err == nil {
+		// (No directory, no catalog: nothing there to hold.)
+		if cl, err = lockCatalog(o.CatalogPath); err != nil {
+			return nil, nil, err
+		}
+	}
+	if missing {
+		return cl, nil, nil
+	}
+	lk, err := bpf.LockPinRoot(bpf.Options{PinRoot: o.PinRoot})
+	if err != nil {
+		return nil, nil, errors.Join(err, cl.release())
+	}
+	return cl, lk, nil
 }
 
 // withdrawAll publishes a snapshot with no entries.
@@ -188,19 +212,39 @@ func withdrawAll(o CleanupOptions) error {
 	return nil
 }
 
+// cleanupStep, when set (a test), is called after each step of
+// removeState with the step's name.
+var cleanupStep func(step string)
+
 // removeState removes the datapath under o.PinRoot, FluxVM's fq, the
 // catalog and the HA lease file (Cleanup and Dataplane.Cleanup, with the
-// pin root held).
+// pin root held). The pin root directory goes last, just before the
+// caller lets the lock go: once it is gone, a new Open (a restarted
+// daemon) can create and lock a new one, and nothing of the new
+// dataplane's may be removed after that.
 func removeState(o CleanupOptions) error {
+	step := func(name string) {
+		if cleanupStep != nil {
+			cleanupStep(name)
+		}
+	}
 	var errs []error
-	errs = append(errs, o.InNamespace(func() error { return bpf.RemoveRoot(o.PinRoot) }))
+	errs = append(errs, o.InNamespace(func() error { return bpf.RemovePins(o.PinRoot) }))
+	step("pins")
 	errs = append(errs, removeAllFQ(Options{InNamespace: o.InNamespace, Logger: o.Logger}))
+	step("fq")
 	if o.CatalogPath != "" {
 		if err := removeCatalogFiles(o.CatalogPath); err != nil {
 			errs = append(errs, fmt.Errorf("catalog %s: %w", o.CatalogPath, err))
 		}
+		step("catalog")
 		errs = append(errs, removeLease(o.CatalogPath+LeaseFileSuffix, o.Logger))
+		step("lease")
 	}
+	if err := bpf.RemoveRootDir(o.PinRoot); err != nil && !errors.Is(err, bpf.ErrPinRoot) {
+		errs = append(errs, err)
+	}
+	step("pin root")
 	o.Logger.Info("fluxvm: cleanup: removed the datapath, its pins, FluxVM's fq and the catalog",
 		"pin_root", o.PinRoot, "catalog_path", o.CatalogPath)
 	return errors.Join(errs...)

@@ -220,6 +220,9 @@ type Dataplane struct {
 	// lock holds the pin root while the dataplane is open (Close and
 	// Cleanup release it).
 	lock *bpf.PinRootLock
+	// catLock holds the catalog's lock file (CatalogLockSuffix) while
+	// the dataplane is open; nil without a catalog.
+	catLock *catalogLock
 
 	stop chan struct{}
 	done chan struct{}
@@ -394,6 +397,14 @@ func Open(opts Options) (_ *Dataplane, err error) {
 			err = errors.Join(err, fmt.Errorf("fluxvm: open: rollback: %w", uerr))
 		}
 	}()
+	// The catalog's lock file before the pin root, as Cleanup takes
+	// them: it covers the state outside bpffs (catalog, journal, HA
+	// lease) against a cleanup that cannot see or hold the pin root.
+	cl, err := lockCatalog(opts.CatalogPath)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(cl.abandon)
 	// What MkdirAll of the pin root will create, for a first start's
 	// rollback (before the lock, which creates the pin root to hold it).
 	newDirs := bpffs.MissingDirs(pinRootOf(opts.Loader))
@@ -438,7 +449,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
 	})
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk,
+		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
@@ -811,7 +822,7 @@ func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	return errors.Join(cerr, d.dp.Close(), d.lock.Release())
+	return errors.Join(cerr, d.dp.Close(), d.lock.Release(), d.catLock.release())
 }
 
 // Cleanup removes everything the dataplane owns: it stops the dataplane
@@ -863,7 +874,7 @@ func (d *Dataplane) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.lock.Release())
+	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.catLock.remove(), d.lock.Release())
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}

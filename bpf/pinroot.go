@@ -36,7 +36,8 @@ type PinRootLock struct {
 	root    string
 	f       *os.File
 	mounted bool
-	made    int // directories LockPinRoot created: the root and its parents
+	warning string // Status.MountWarning of that mount
+	made    int    // directories LockPinRoot created: the root and its parents
 }
 
 // LockPinRoot checks opts.PinRoot as Open does (absolute, strictly below a
@@ -97,7 +98,11 @@ func LockPinRoot(opts Options) (*PinRootLock, error) {
 				return nil, fmt.Errorf("bpf: pin root %s: recording the parents it created: %w", root, err)
 			}
 		}
-		return &PinRootLock{root: root, f: f, mounted: mounted, made: made}, nil
+		lk := &PinRootLock{root: root, f: f, mounted: mounted, made: made}
+		if mounted {
+			lk.warning = privateMountWarning(bpffs.MountNamespace())
+		}
+		return lk, nil
 	}
 	return nil, fmt.Errorf("bpf: pin root %s: removed and recreated while being locked, three times: %w", root, ErrInUse)
 }
@@ -107,6 +112,29 @@ func (l *PinRootLock) Root() string { return l.root }
 
 // MountedBPFFS reports whether LockPinRoot mounted bpffs at /sys/fs/bpf.
 func (l *PinRootLock) MountedBPFFS() bool { return l.mounted }
+
+// MountWarning is Status.MountWarning for the mount LockPinRoot made:
+// empty when it mounted nothing or mounted in the host's mount namespace.
+func (l *PinRootLock) MountWarning() string { return l.warning }
+
+// Open is Open on the pin root held (opts.PinRoot is the lock's). When
+// LockPinRoot mounted bpffs, the Status says so (MountedBPFFS,
+// MountWarning), as it does when Open mounts: Open itself finds the
+// mount made and mounts nothing.
+func (l *PinRootLock) Open(opts Options) (*Datapath, error) {
+	opts.PinRoot = l.root
+	d, err := Open(opts)
+	if err != nil {
+		return nil, err
+	}
+	if l.mounted {
+		d.status.MountedBPFFS = true
+		if d.status.MountWarning == "" {
+			d.status.MountWarning = l.warning
+		}
+	}
+	return d, nil
+}
 
 // Release lets the pin root go. A second Release does nothing.
 func (l *PinRootLock) Release() error {

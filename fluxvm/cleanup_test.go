@@ -462,3 +462,25 @@ func TestCleanupRemovesPinRootLast(t *testing.T) {
 		}
 	}
 }
+
+// TestOpenMountWarningUnderIPNetnsExec: fluxvm.Open under `ip netns
+// exec` with Loader.MountBPFFS mounts bpffs in the process's private
+// mount namespace (LockPinRoot does, before the loader) and logs the
+// warning that the pins vanish at exit, with the `nsenter --net` advice.
+// The warning was lost when LockPinRoot took the mount over from the
+// loader, which then found bpffs mounted and said nothing.
+func TestOpenMountWarningUnderIPNetnsExec(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ns := testenv.NewNetNS(t, "fvmwx")
+	top := filepath.Join("/sys/fs/bpf", "fluxvm-mountwarn-"+testenv.Suffix())
+	out := runChild(t, ns.Name, childJob{Do: "open", Loader: bpf.Options{PinRoot: filepath.Join(top, "service"), Tier: bpf.TierS, MountBPFFS: true}})
+	if !strings.Contains(out, "open: ok") {
+		t.Fatalf("Open under ip netns exec with MountBPFFS: %s", out)
+	}
+	if !strings.Contains(out, "level=WARN") || !strings.Contains(out, "vanish") || !strings.Contains(out, "nsenter --net=/run/netns/"+ns.Name) {
+		t.Errorf("the log of Open under ip netns exec with MountBPFFS:\n%s\nwant the warning that the pins vanish, with the nsenter advice", out)
+	}
+	if _, err := os.Stat(top); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the child's pin root reached the host's BPF filesystem: %v", err)
+	}
+}

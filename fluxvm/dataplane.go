@@ -435,7 +435,10 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
-	dp, err := bpf.Open(lo)
+	// On the pin root held: when LockPinRoot mounted bpffs, the status
+	// says so (and init logs the warning that the pins vanish at exit
+	// in a private mount namespace).
+	dp, err := lk.Open(lo)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}

@@ -533,6 +533,14 @@ func (d *Dataplane) init(undo *undoStack) error {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
 
+	// The settings go into the meta and SNAT maps, which a restart
+	// adopts: the running datapath reads them at once. A failed Open
+	// puts back what the earlier start had written (a first start's
+	// maps go with it anyway).
+	prev, err := d.dp.ReadMeta()
+	if err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
 	if err := d.dp.UpdateMeta(func(m *bpf.Meta) {
 		_ = d.opts.Timeouts.ApplyTo(m)
 		m.FlowSampleRate = d.opts.FlowSampleRate
@@ -540,6 +548,12 @@ func (d *Dataplane) init(undo *undoStack) error {
 	}); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error {
+		if err := d.dp.UpdateMeta(func(m *bpf.Meta) { restoreOpenMeta(m, prev) }); err != nil {
+			return fmt.Errorf("restoring the earlier start's settings in the meta map: %w", err)
+		}
+		return nil
+	})
 	// The flow views work on handles of their own: a compaction
 	// (compact.go) replaces the datapath's, and the views' old ones stay
 	// open until no operation uses them.
@@ -561,9 +575,19 @@ func (d *Dataplane) init(undo *undoStack) error {
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	var prevSNAT bpf.SNATConfig
+	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &prevSNAT); err != nil {
+		return fmt.Errorf("fluxvm: open: snat config: %w", err)
+	}
 	if err := d.writeSNAT(); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error {
+		if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), prevSNAT); err != nil {
+			return fmt.Errorf("restoring the earlier start's SNAT config: %w", err)
+		}
+		return nil
+	})
 	// The reverse translation index keeps its slot order across the
 	// restore (be2fe.go).
 	if err := d.seedBe2fe(); err != nil {
@@ -623,6 +647,15 @@ func (d *Dataplane) init(undo *undoStack) error {
 	}
 	d.allowXDPEgress("")
 	return nil
+}
+
+// restoreOpenMeta puts back into m the fields Open writes from its
+// options (timeouts, flow sample rate, the HA flag) as prev had them.
+func restoreOpenMeta(m *bpf.Meta, prev bpf.Meta) {
+	m.TimeoutTcpSynS, m.TimeoutTcpEstablishedS, m.TimeoutTcpFinS = prev.TimeoutTcpSynS, prev.TimeoutTcpEstablishedS, prev.TimeoutTcpFinS
+	m.TimeoutTcpRstS, m.TimeoutUdpS = prev.TimeoutTcpRstS, prev.TimeoutUdpS
+	m.FlowSampleRate = prev.FlowSampleRate
+	m.Flags = m.Flags&^bpf.MetaFlagHA | prev.Flags&bpf.MetaFlagHA
 }
 
 // writeSNAT writes the SNAT addresses and port range of the configuration

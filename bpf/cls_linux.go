@@ -62,6 +62,20 @@ func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) (re
 	return f != nil && f.Name == clsPrefix+progName, nil
 }
 
+// ourClsFilterOf reports whether our filter of the hook (running its
+// program, progName) is on interface index.
+func ourClsFilterOf(index int, hook Hook, progName string) (bool, error) {
+	l, err := netlink.LinkByIndex(index)
+	if err != nil {
+		return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+	}
+	f, err := ourFilter(l, hook)
+	if err != nil {
+		return false, err
+	}
+	return f != nil && f.Name == clsPrefix+progName, nil
+}
+
 // ourFilter returns our filter at priority 1 on the hook, nil when the
 // slot is free, and ErrForeignProgram when someone else holds it.
 func ourFilter(l netlink.Link, hook Hook) (*netlink.BpfFilter, error) {

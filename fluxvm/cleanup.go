@@ -107,16 +107,24 @@ func ParseCleanupConfig(data []byte) (CleanupOptions, error) {
 }
 
 // Cleanup removes everything a dataplane on o.PinRoot owns, with no
-// dataplane running and nothing loaded: it takes the pin root as Open does
-// (failing with ErrInUse, naming the holder, while a Dataplane holds it:
-// a running fluxvmd; nothing is changed then), detaches every attachment
+// dataplane running and nothing loaded: it takes the catalog's lock file
+// and the pin root as Open does (failing with ErrInUse, naming the
+// holder, while a Dataplane holds either: a running fluxvmd; nothing is
+// changed then), and refuses with ErrPinRoot, changing nothing, a pin
+// root it does not see while it cannot see the node's bpffs either (run
+// under `ip netns exec`: the error advises `nsenter --net`;
+// bpf.CheckPinRootVisible). It detaches every attachment
 // the datapath recorded (TCX, XDP and socket-hook links, pinned by
 // interface index or cgroup id, so an interface or cgroup renamed or gone
 // does not stop it) and our cls_bpf filters in the node's namespace,
 // removes the pin root (and the parents of it that Open created, when
 // they are empty), FluxVM's fq qdiscs (handle f1d0:) from every interface
 // of the namespace, the catalog with its journal, and the HA lease file
-// next to the catalog, and publishes an empty advertisement snapshot.
+// next to the catalog, and publishes an empty advertisement snapshot. The
+// pin root directory goes last, and then the catalog's lock file: a
+// dataplane opened meanwhile loses nothing. cls_bpf filters and fq are
+// found by name and handle, in the whole network namespace: in cls_bpf
+// mode, one dataplane per network namespace.
 //
 // The HA lease file is removed: it records the newest lease epoch this
 // edge was given and the one that fenced it, and a cleanup is a

@@ -325,7 +325,9 @@ func (ifc *iface) keepMade(old *iface) {
 //
 // The pin root (Loader.PinRoot) is the dataplane's alone from before Open
 // changes anything until Close or Cleanup: Open takes an exclusive lock
-// on it (bpf.LockPinRoot), and a second Open on it, in this process or
+// on it (bpf.LockPinRoot), and before it one on the catalog's lock file
+// (CatalogPath + CatalogLockSuffix, when CatalogPath is set; its
+// directory must exist), and a second Open on either, in this process or
 // another, fails with an error matching ErrInUse that names the holder.
 // A failed Open lets it go, removing it again when Open created it and
 // nothing was pinned.
@@ -338,7 +340,17 @@ func (ifc *iface) keepMade(old *iface) {
 // stays in place, still forwarding: a restart that fails does not take
 // the running datapath down. When the pin root held no state (a first
 // start), nothing is left: no attachment, no pin, and no pin root, nor
-// the directories above it that Open created. What cleans up after an
+// the directories above it that Open created, nor the catalog's lock
+// file. The settings Open writes into the kept meta and SNAT maps
+// (timeouts, flow sample rate, HA flag, SNAT addresses and ports) are
+// put back as the earlier start had them. Two limits: FluxVM's cls_bpf
+// filters are found by name (fluxvm:), not through the pin root, so the
+// rollback of a failed first start, like Cleanup, removes those of the
+// whole network namespace (Cleanup also every fq of handle f1d0:; in
+// cls_bpf mode run one dataplane per network namespace); and an interface whose role
+// changed across the restart (VM edge to north-south, or back) in
+// cls_bpf mode loses the earlier start's filter, which the new hook's
+// replaced, when the restart fails. What cleans up after an
 // earlier start stays done: the switch of adopted attachments to the new
 // programs and maps (bpf Datapath.Activate; the next Open adopts those),
 // its socket hooks removed from cgroups no longer configured, and its fq

@@ -371,9 +371,9 @@ func TestCleanupUnderIPNetnsExec(t *testing.T) {
 // (its lock file, CatalogPath + CatalogLockSuffix): a Cleanup that names
 // it with a pin root of its own (which it can hold: the pin root's lock
 // cannot tell) fails with ErrInUse naming this process and changes
-// nothing. It used to remove the running dataplane's catalog, journal
-// and lease file. After Close, Cleanup removes the lock file with the
-// rest.
+// nothing, nor can an Open of it on another pin root. It used to
+// remove the running dataplane's catalog, journal and lease file. After
+// Close, Cleanup removes the lock file with the rest.
 func TestCleanupCatalogInUse(t *testing.T) {
 	e := newEnv(t)
 	d := e.open(t)
@@ -397,6 +397,18 @@ func TestCleanupCatalogInUse(t *testing.T) {
 	}
 	if _, err := os.Stat(other); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the refused Cleanup made a pin root: %v", err)
+	}
+	// Nor does an Open of that catalog on another pin root.
+	opts := e.opts
+	opts.Loader.PinRoot = other
+	if d2, err := Open(opts); !errors.Is(err, ErrInUse) {
+		if err == nil {
+			d2.Close()
+		}
+		t.Errorf("Open of the catalog of an open dataplane: %v; want ErrInUse", err)
+	}
+	if _, err := os.Stat(other); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused Open made a pin root: %v", err)
 	}
 	echo(t, e.dial(t, vip4), "after the refused cleanup")
 	if err := d.Close(); err != nil {

@@ -161,6 +161,10 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			if after := bpfFDs(t); after != before {
 				t.Errorf("%d BPF handles open after the failed Open, %d before", after, before)
 			}
+			// Nor the catalog's lock file it created.
+			if left, err := os.ReadDir(filepath.Dir(e.opts.CatalogPath)); err != nil || len(left) != 0 {
+				t.Errorf("left next to the catalog: %v (%v)", left, err)
+			}
 			// Nothing left in the way: the same options, without the
 			// second interface, open.
 			e.opts.Interfaces = e.opts.Interfaces[:1]

@@ -107,8 +107,8 @@ func ParseCleanupConfig(data []byte) (CleanupOptions, error) {
 }
 
 // Cleanup removes everything a dataplane on o.PinRoot owns, with no
-// dataplane running and nothing loaded: it takes the catalog's lock file
-// and the pin root as Open does (failing with ErrInUse, naming the
+// dataplane running and nothing loaded: it takes the pin root and the
+// catalog's lock file as Open does (failing with ErrInUse, naming the
 // holder, while a Dataplane holds either: a running fluxvmd; nothing is
 // changed then), and refuses with ErrPinRoot, changing nothing, a pin
 // root it does not see while it cannot see the node's bpffs either (run
@@ -173,37 +173,31 @@ func Cleanup(o CleanupOptions) error {
 	return nil
 }
 
-// lockForCleanup holds the catalog's lock file (as Open takes it first:
-// it covers the state outside bpffs even where the pin root cannot be
-// held) and the pin root, creating no pin root. A pin root that does not
-// exist needs no lock (no dataplane runs on it; the rest is cleaned up
-// all the same), but only when this process would see it: under `ip
-// netns exec` (a private /sys hiding the node's bpffs), or in another
-// mount namespace that does not show the node's bpffs, a running
-// dataplane's pin root is missing here too, and Cleanup fails with
-// ErrPinRoot and its advice instead (bpf.CheckPinRootVisible), before
-// it changes anything.
+// lockForCleanup holds the pin root, creating none, and then the
+// catalog's lock file, as Open takes them (the catalog's covers the
+// state outside bpffs even where the pin root cannot be held). A pin
+// root that does not exist needs no lock (no dataplane runs on it; the
+// rest is cleaned up all the same), but only when this process would see
+// it: under `ip netns exec` (a private /sys hiding the node's bpffs), or
+// in another mount namespace that does not show the node's bpffs, a
+// running dataplane's pin root is missing here too, and Cleanup fails
+// with ErrPinRoot and its advice instead (bpf.CheckPinRootVisible),
+// before it changes anything.
 func lockForCleanup(o CleanupOptions) (*catalogLock, *bpf.PinRootLock, error) {
-	_, err := os.Stat(o.PinRoot)
-	missing := errors.Is(err, fs.ErrNotExist)
-	if missing {
+	var lk *bpf.PinRootLock
+	if _, err := os.Stat(o.PinRoot); errors.Is(err, fs.ErrNotExist) {
 		if err := bpf.CheckPinRootVisible(o.PinRoot); err != nil {
 			return nil, nil, err
 		}
+	} else if lk, err = bpf.LockPinRoot(bpf.Options{PinRoot: o.PinRoot}); err != nil {
+		return nil, nil, err
 	}
 	var cl *catalogLock
 	if _, err := os.Stat(filepath.Dir(o.CatalogPath)); o.CatalogPath != "" && err == nil {
 		// (No directory, no catalog: nothing there to hold.)
 		if cl, err = lockCatalog(o.CatalogPath); err != nil {
-			return nil, nil, err
+			return nil, nil, errors.Join(err, lk.Release())
 		}
-	}
-	if missing {
-		return cl, nil, nil
-	}
-	lk, err := bpf.LockPinRoot(bpf.Options{PinRoot: o.PinRoot})
-	if err != nil {
-		return nil, nil, errors.Join(err, cl.release())
 	}
 	return cl, lk, nil
 }

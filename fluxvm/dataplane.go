@@ -325,7 +325,7 @@ func (ifc *iface) keepMade(old *iface) {
 //
 // The pin root (Loader.PinRoot) is the dataplane's alone from before Open
 // changes anything until Close or Cleanup: Open takes an exclusive lock
-// on it (bpf.LockPinRoot), and before it one on the catalog's lock file
+// on it (bpf.LockPinRoot), and then one on the catalog's lock file
 // (CatalogPath + CatalogLockSuffix, when CatalogPath is set; its
 // directory must exist), and a second Open on either, in this process or
 // another, fails with an error matching ErrInUse that names the holder.
@@ -409,14 +409,6 @@ func Open(opts Options) (_ *Dataplane, err error) {
 			err = errors.Join(err, fmt.Errorf("fluxvm: open: rollback: %w", uerr))
 		}
 	}()
-	// The catalog's lock file before the pin root, as Cleanup takes
-	// them: it covers the state outside bpffs (catalog, journal, HA
-	// lease) against a cleanup that cannot see or hold the pin root.
-	cl, err := lockCatalog(opts.CatalogPath)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	undo.push(cl.abandon)
 	// What MkdirAll of the pin root will create, for a first start's
 	// rollback (before the lock, which creates the pin root to hold it).
 	newDirs := bpffs.MissingDirs(pinRootOf(opts.Loader))
@@ -429,6 +421,14 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	undo.push(lk.Abandon)
+	// Then the catalog's lock file, as Cleanup takes them: it covers the
+	// state outside bpffs (catalog, journal, HA lease) against a cleanup
+	// that cannot see or hold the pin root, or names another one.
+	cl, err := lockCatalog(opts.CatalogPath)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(cl.abandon)
 	// fq goes on edt_interfaces first, all or nothing.
 	fq, err := openFQ(opts)
 	if err != nil {

@@ -195,6 +195,24 @@ func (d *Datapath) Attach(ifc Interface, hook Hook) (Attachment, error) {
 			return a, err
 		}
 	}
+	if d.staged != nil {
+		// Staged: our filter of this hook keeps the old program until
+		// Activate replaces it, as a TCX link keeps it until Activate
+		// switches it.
+		ours, err := ourClsFilterOf(index, hook, progName)
+		if err != nil {
+			return a, err
+		}
+		if ours {
+			if d.staged.cls == nil {
+				d.staged.cls = map[clsHook]bool{}
+			}
+			d.staged.cls[clsHook{index, hook}] = true
+			d.clsAttached = true
+			a.Mode, a.Reused = AttachClsBPF, true
+			return a, nil
+		}
+	}
 	reused, err := attachClsBPF(index, hook, prog, progName)
 	if err != nil {
 		return a, err
@@ -263,6 +281,9 @@ func (d *Datapath) Detach(ifc Interface, hook Hook) error {
 		}
 		// Closing the last reference to an unpinned link detaches it.
 		return nil
+	}
+	if d.staged != nil {
+		delete(d.staged.cls, clsHook{index, hook})
 	}
 	return detachClsBPF(index, hook, name)
 }

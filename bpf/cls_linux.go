@@ -22,8 +22,12 @@ func clsParent(hook Hook) uint32 {
 	return netlink.HANDLE_MIN_EGRESS
 }
 
-// attachClsBPF puts prog on the hook with our filter; reused: ours was
-// there already and was replaced.
+// attachClsBPF puts prog on the hook with our filter; reused: our filter
+// of this hook (running the hook's program) was there already and was
+// replaced. Our filter of the other hook of that direction (from_vm and
+// ns_in share ingress, to_vm and ns_out egress: an interface whose role
+// changed across a restart) is replaced too, but that is a new
+// attachment of this hook, not a reuse.
 func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) (reused bool, err error) {
 	l, err := netlink.LinkByIndex(index)
 	if err != nil {
@@ -55,7 +59,21 @@ func attachClsBPF(index int, hook Hook, prog *ebpf.Program, progName string) (re
 	if err != nil {
 		return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
 	}
-	return f != nil, nil
+	return f != nil && f.Name == clsPrefix+progName, nil
+}
+
+// ourClsFilterOf reports whether our filter of the hook (running its
+// program, progName) is on interface index.
+func ourClsFilterOf(index int, hook Hook, progName string) (bool, error) {
+	l, err := netlink.LinkByIndex(index)
+	if err != nil {
+		return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, err)
+	}
+	f, err := ourFilter(l, hook)
+	if err != nil {
+		return false, err
+	}
+	return f != nil && f.Name == clsPrefix+progName, nil
 }
 
 // ourFilter returns our filter at priority 1 on the hook, nil when the

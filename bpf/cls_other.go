@@ -17,6 +17,10 @@ func attachClsBPF(index int, hook Hook, _ *ebpf.Program, _ string) (bool, error)
 	return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, errors.ErrUnsupported)
 }
 
+func ourClsFilterOf(index int, hook Hook, _ string) (bool, error) {
+	return false, fmt.Errorf("bpf: attach %s on %d (cls_bpf): %w", hook, index, errors.ErrUnsupported)
+}
+
 func detachClsBPF(index int, hook Hook, name string) error {
 	return fmt.Errorf("bpf: detach %s from %s (cls_bpf): %w", hook, name, errors.ErrUnsupported)
 }

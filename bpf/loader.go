@@ -225,6 +225,16 @@ type staged struct {
 	old map[string]*ebpf.Map
 	// since is when the first migration pass began (datapath clock).
 	since uint64
+	// cls are the hooks whose cls_bpf filter of ours Attach found and
+	// left running the old program: Activate replaces them (a filter
+	// has no link to switch, so it is replaced in place then).
+	cls map[clsHook]bool
+}
+
+// clsHook is a hook of an interface (by index) attached by cls_bpf.
+type clsHook struct {
+	index int
+	hook  Hook
 }
 
 // Open loads the datapath, adopting or rebuilding the state in the pin
@@ -444,7 +454,8 @@ func Open(opts Options) (_ *Datapath, err error) {
 
 // Activate completes a staged Open (Options.Staged): it pins the new maps
 // in place of the old ones, points every pinned attachment at the new
-// programs, and copies into the new lifecycle maps the flows that the old
+// programs (and replaces the cls_bpf filters of ours that Attach found
+// with filters of the new programs), and copies into the new lifecycle maps the flows that the old
 // programs learned or changed since Open migrated them (Migration.CaughtUp).
 // Until then the old programs ran on the old maps, so no packet met a
 // half-written map. Activating an active datapath does nothing.
@@ -507,6 +518,15 @@ func (d *Datapath) Activate() error {
 	// their links are pointed at the new programs.
 	if d.status.Links, d.status.SeveredLinks, err = d.updateLinks(); err != nil {
 		return err
+	}
+	// Our cls_bpf filters that Attach found, replaced by filters of the
+	// new programs.
+	for h := range stg.cls {
+		progName, _ := h.hook.program()
+		if _, err := attachClsBPF(h.index, h.hook, d.hookProgram(h.hook), progName); err != nil {
+			return fmt.Errorf("bpf: activate: %w", err)
+		}
+		delete(stg.cls, h)
 	}
 	if err := catch(stg.since); err != nil {
 		return err

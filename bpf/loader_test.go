@@ -375,7 +375,24 @@ func TestAttachClsBPF(t *testing.T) {
 		if name := fs[0].(*netlink.BpfFilter).Name; name != "fluxvm:fluxvm_from_vm" {
 			t.Errorf("filter name %q", name)
 		}
-		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookFromVM); err != nil {
+		// Our filter of the other hook of that direction (a restart that
+		// turned the VM edge into a north-south interface) is replaced,
+		// and the attachment is a new one, not a reuse: its rollback
+		// must detach it. (It used to say reused.)
+		a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookNSIn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.Reused {
+			t.Errorf("ns_in over our from_vm filter: %+v, want not reused", a)
+		}
+		if fs, err := netlink.FilterList(rx, netlink.HANDLE_MIN_INGRESS); err != nil || len(fs) != 1 || fs[0].(*netlink.BpfFilter).Name != "fluxvm:fluxvm_ns_in" {
+			t.Errorf("filters after ns_in over from_vm: %v, %v; want ours of ns_in alone", fs, err)
+		}
+		if a, err := d.Attach(Interface{Index: rx.Attrs().Index}, HookNSIn); err != nil || !a.Reused {
+			t.Errorf("ns_in again: %+v, %v; want reused", a, err)
+		}
+		if err := d.Detach(Interface{Index: rx.Attrs().Index}, HookNSIn); err != nil {
 			t.Fatal(err)
 		}
 
@@ -396,6 +413,70 @@ func TestAttachClsBPF(t *testing.T) {
 		}
 		if fs, _ := netlink.FilterList(rx, netlink.HANDLE_MIN_EGRESS); len(fs) != 1 {
 			t.Errorf("foreign filter disturbed: %v", fs)
+		}
+	})
+}
+
+// TestAttachClsBPFStaged: a staged Open (a restart) that finds our
+// cls_bpf filter of a hook leaves it running the old program until
+// Activate replaces it, as TCX links are switched only then; a staged
+// Open that is never activated (a restart that fails) leaves the old
+// program in place. The filter used to be replaced at Attach, so a
+// failed restart left the new programs running.
+func TestAttachClsBPFStaged(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	testenv.InNetNS(t, func() {
+		_, rx, err := testenv.VethPair("fvsx", "fvsrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ifc := Interface{Index: rx.Attrs().Index}
+		running := func() int {
+			t.Helper()
+			fs, err := netlink.FilterList(rx, netlink.HANDLE_MIN_INGRESS)
+			if err != nil || len(fs) != 1 {
+				t.Fatalf("filters %v, %v; want exactly ours", fs, err)
+			}
+			return fs[0].(*netlink.BpfFilter).Id
+		}
+		progID := func(d *Datapath) int {
+			info, err := d.Programs().FluxvmFromVm.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			id, _ := info.ID()
+			return int(id)
+		}
+		opts := Options{PinRoot: root, Tier: TierS, AttachMode: AttachClsBPF}
+		d := openT(t, opts)
+		if _, err := d.Attach(ifc, HookFromVM); err != nil {
+			t.Fatal(err)
+		}
+		first := progID(d)
+		if got := running(); got != first {
+			t.Fatalf("filter runs program %d, want %d", got, first)
+		}
+		d.Close()
+
+		opts.Staged = true
+		for _, activate := range []bool{false, true} {
+			d := openT(t, opts)
+			a, err := d.Attach(ifc, HookFromVM)
+			if err != nil || !a.Reused {
+				t.Fatalf("staged attach: %+v, %v; want reused", a, err)
+			}
+			if got := running(); got != first {
+				t.Errorf("after a staged Attach the filter runs program %d, want the old one (%d) until Activate", got, first)
+			}
+			if activate {
+				if err := d.Activate(); err != nil {
+					t.Fatal(err)
+				}
+				if got, want := running(), progID(d); got != want || got == first {
+					t.Errorf("after Activate the filter runs program %d, want the new one (%d)", got, want)
+				}
+			}
+			d.Close()
 		}
 	})
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -159,4 +160,39 @@ func TestLockPinRoot(t *testing.T) {
 			t.Errorf("RemoveRoot of the mount: %v, want ErrPinRoot", err)
 		}
 	})
+}
+
+// TestLockPinRootMarkerFails: when the record of the parents LockPinRoot
+// created cannot be made, LockPinRoot fails and removes the pin root and
+// those parents again (it used to leave them, with nothing to say they
+// were its own). The directory that existed before stays.
+func TestLockPinRootMarkerFails(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	base := testenv.PinRoot(t)
+	orig := mkdirMarker
+	t.Cleanup(func() { mkdirMarker = orig })
+	mkdirMarker = func(string, os.FileMode) error { return unix.ENOSPC }
+	root := filepath.Join(base, "a", "b", "service")
+	lk, err := LockPinRoot(Options{PinRoot: root})
+	if err == nil {
+		lk.Release()
+		t.Fatal("LockPinRoot succeeded with the record of its parents failing")
+	}
+	if !errors.Is(err, unix.ENOSPC) {
+		t.Errorf("LockPinRoot: %v, want the record's error", err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "a")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the parents LockPinRoot created are left: %v", err)
+	}
+	if _, err := os.Stat(base); err != nil {
+		t.Errorf("the directory that existed before: %v", err)
+	}
+	mkdirMarker = orig
+	if lk, err = LockPinRoot(Options{PinRoot: root}); err != nil {
+		t.Fatalf("LockPinRoot afterwards: %v", err)
+	}
+	lk.Abandon()
+	if _, err := os.Stat(filepath.Join(base, "a")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("Abandon left the parents: %v", err)
+	}
 }

@@ -107,16 +107,24 @@ func ParseCleanupConfig(data []byte) (CleanupOptions, error) {
 }
 
 // Cleanup removes everything a dataplane on o.PinRoot owns, with no
-// dataplane running and nothing loaded: it takes the pin root as Open does
-// (failing with ErrInUse, naming the holder, while a Dataplane holds it:
-// a running fluxvmd; nothing is changed then), detaches every attachment
+// dataplane running and nothing loaded: it takes the pin root and the
+// catalog's lock file as Open does (failing with ErrInUse, naming the
+// holder, while a Dataplane holds either: a running fluxvmd; nothing is
+// changed then), and refuses with ErrPinRoot, changing nothing, a pin
+// root it does not see while it cannot see the node's bpffs either (run
+// under `ip netns exec`: the error advises `nsenter --net`;
+// bpf.CheckPinRootVisible). It detaches every attachment
 // the datapath recorded (TCX, XDP and socket-hook links, pinned by
 // interface index or cgroup id, so an interface or cgroup renamed or gone
 // does not stop it) and our cls_bpf filters in the node's namespace,
 // removes the pin root (and the parents of it that Open created, when
 // they are empty), FluxVM's fq qdiscs (handle f1d0:) from every interface
 // of the namespace, the catalog with its journal, and the HA lease file
-// next to the catalog, and publishes an empty advertisement snapshot.
+// next to the catalog, and publishes an empty advertisement snapshot. The
+// pin root directory goes last, and then the catalog's lock file: a
+// dataplane opened meanwhile loses nothing. cls_bpf filters and fq are
+// found by name and handle, in the whole network namespace: in cls_bpf
+// mode, one dataplane per network namespace.
 //
 // The HA lease file is removed: it records the newest lease epoch this
 // edge was given and the one that fenced it, and a cleanup is a
@@ -148,32 +156,50 @@ func Cleanup(o CleanupOptions) error {
 	if o.AdvertisementsPath != "" && !filepath.IsAbs(o.AdvertisementsPath) {
 		return fmt.Errorf("fluxvm: cleanup: %w", verr(ErrInvalid, "AdvertisementsPath", "%q is not an absolute path", o.AdvertisementsPath))
 	}
-	lk, err := lockForCleanup(o.PinRoot)
+	cl, lk, err := lockForCleanup(o)
 	if err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
-	defer lk.Release()
 	var errs []error
 	if o.AdvertisementsPath != "" {
 		if err := withdrawAll(o); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	errs = append(errs, removeState(o))
+	errs = append(errs, removeState(o), cl.remove(), lk.Release())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
 	return nil
 }
 
-// lockForCleanup holds the pin root for Cleanup. A pin root that does not
-// exist (no bpffs mounted any more, or removed already) needs no lock: no
-// dataplane runs on it; the rest is cleaned up all the same.
-func lockForCleanup(root string) (*bpf.PinRootLock, error) {
-	if _, err := os.Stat(root); errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+// lockForCleanup holds the pin root, creating none, and then the
+// catalog's lock file, as Open takes them (the catalog's covers the
+// state outside bpffs even where the pin root cannot be held). A pin
+// root that does not exist needs no lock (no dataplane runs on it; the
+// rest is cleaned up all the same), but only when this process would see
+// it: under `ip netns exec` (a private /sys hiding the node's bpffs), or
+// in another mount namespace that does not show the node's bpffs, a
+// running dataplane's pin root is missing here too, and Cleanup fails
+// with ErrPinRoot and its advice instead (bpf.CheckPinRootVisible),
+// before it changes anything.
+func lockForCleanup(o CleanupOptions) (*catalogLock, *bpf.PinRootLock, error) {
+	var lk *bpf.PinRootLock
+	if _, err := os.Stat(o.PinRoot); errors.Is(err, fs.ErrNotExist) {
+		if err := bpf.CheckPinRootVisible(o.PinRoot); err != nil {
+			return nil, nil, err
+		}
+	} else if lk, err = bpf.LockPinRoot(bpf.Options{PinRoot: o.PinRoot}); err != nil {
+		return nil, nil, err
 	}
-	return bpf.LockPinRoot(bpf.Options{PinRoot: root})
+	var cl *catalogLock
+	if _, err := os.Stat(filepath.Dir(o.CatalogPath)); o.CatalogPath != "" && err == nil {
+		// (No directory, no catalog: nothing there to hold.)
+		if cl, err = lockCatalog(o.CatalogPath); err != nil {
+			return nil, nil, errors.Join(err, lk.Release())
+		}
+	}
+	return cl, lk, nil
 }
 
 // withdrawAll publishes a snapshot with no entries.
@@ -188,19 +214,39 @@ func withdrawAll(o CleanupOptions) error {
 	return nil
 }
 
+// cleanupStep, when set (a test), is called after each step of
+// removeState with the step's name.
+var cleanupStep func(step string)
+
 // removeState removes the datapath under o.PinRoot, FluxVM's fq, the
 // catalog and the HA lease file (Cleanup and Dataplane.Cleanup, with the
-// pin root held).
+// pin root held). The pin root directory goes last, just before the
+// caller lets the lock go: once it is gone, a new Open (a restarted
+// daemon) can create and lock a new one, and nothing of the new
+// dataplane's may be removed after that.
 func removeState(o CleanupOptions) error {
+	step := func(name string) {
+		if cleanupStep != nil {
+			cleanupStep(name)
+		}
+	}
 	var errs []error
-	errs = append(errs, o.InNamespace(func() error { return bpf.RemoveRoot(o.PinRoot) }))
+	errs = append(errs, o.InNamespace(func() error { return bpf.RemovePins(o.PinRoot) }))
+	step("pins")
 	errs = append(errs, removeAllFQ(Options{InNamespace: o.InNamespace, Logger: o.Logger}))
+	step("fq")
 	if o.CatalogPath != "" {
 		if err := removeCatalogFiles(o.CatalogPath); err != nil {
 			errs = append(errs, fmt.Errorf("catalog %s: %w", o.CatalogPath, err))
 		}
+		step("catalog")
 		errs = append(errs, removeLease(o.CatalogPath+LeaseFileSuffix, o.Logger))
+		step("lease")
 	}
+	if err := bpf.RemoveRootDir(o.PinRoot); err != nil && !errors.Is(err, bpf.ErrPinRoot) {
+		errs = append(errs, err)
+	}
+	step("pin root")
 	o.Logger.Info("fluxvm: cleanup: removed the datapath, its pins, FluxVM's fq and the catalog",
 		"pin_root", o.PinRoot, "catalog_path", o.CatalogPath)
 	return errors.Join(errs...)

@@ -2,10 +2,13 @@ package fluxvm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -281,4 +284,215 @@ ha_epoch = 3
 	// Output:
 	// true
 	// /sys/fs/bpf/node-a/service /var/lib/fluxvm/node-a.json /var/lib/fluxvm/node-a.json.ha-lease
+}
+
+// runChild runs the test binary as a child (main_test.go) doing job
+// under `ip netns exec netns`, and returns its output.
+func runChild(t *testing.T, netns string, job childJob) string {
+	t.Helper()
+	b, err := json.Marshal(job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", netns, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"="+string(b))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child %s under ip netns exec %s: %v\n%s", job.Do, netns, err, out)
+	}
+	return string(out)
+}
+
+// TestCleanupUnderIPNetnsExec: Cleanup run under `ip netns exec` in the
+// node's namespace (a private /sys: the node's bpffs hidden) while a
+// Dataplane holds the pin root fails with ErrPinRoot and the advice to
+// run under `nsenter --net`, and changes nothing: the catalog and its
+// journal, the HA lease file, the advertisement snapshot, the pins, the
+// cls_bpf filters (the VIP keeps answering) and the lock file stay. It
+// used to see no pin root, take no lock, and remove all but the pins,
+// publishing an empty snapshot and reporting success.
+func TestCleanupUnderIPNetnsExec(t *testing.T) {
+	e := newEnv(t)
+	e.opts.Loader.AttachMode = bpf.AttachClsBPF
+	e.opts.AdvertisementsPath = filepath.Join(t.TempDir(), "adv.json")
+	d := e.open(t)
+	if _, err := d.ApplyService(context.Background(), e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	echo(t, e.dial(t, vip4), "before the cleanup")
+	lease := e.opts.CatalogPath + LeaseFileSuffix
+	if err := os.WriteFile(lease, []byte(`{"epoch":3}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	files := func() map[string]string {
+		out := map[string]string{}
+		for _, dir := range []string{filepath.Dir(e.opts.CatalogPath), filepath.Dir(e.opts.AdvertisementsPath)} {
+			ents, err := os.ReadDir(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, en := range ents {
+				p := filepath.Join(dir, en.Name())
+				b, err := os.ReadFile(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out[p] = string(b)
+			}
+		}
+		return out
+	}
+	before := files()
+	if len(before) < 3 {
+		t.Fatalf("files before the cleanup: %v; want at least the catalog journal, the lease and the advertisements", slices.Collect(maps.Keys(before)))
+	}
+	advice := "nsenter --net=/run/netns/" + e.lab.Node.Name
+	// With the catalog (whose lock file is held too) and without it
+	// (the pin root's visibility alone stops it).
+	for _, catalog := range []string{e.opts.CatalogPath, ""} {
+		out := runChild(t, e.lab.Node.Name, childJob{Do: "cleanup", PinRoot: e.opts.Loader.PinRoot, CatalogPath: catalog, Advertisements: e.opts.AdvertisementsPath})
+		if !strings.Contains(out, "pin root") || !strings.Contains(out, "ip netns exec") || !strings.Contains(out, advice) {
+			t.Errorf("cleanup (catalog %q) under ip netns exec said %q; want a refusal with the advice %q", catalog, out, advice)
+		}
+		if after := files(); !maps.Equal(before, after) {
+			t.Errorf("files changed by the refused cleanup (catalog %q):\nbefore %v\nafter  %v", catalog, slices.Sorted(maps.Keys(before)), slices.Sorted(maps.Keys(after)))
+		}
+		if _, err := os.Stat(filepath.Join(e.opts.Loader.PinRoot, "maps", "fluxvm_meta")); err != nil {
+			t.Errorf("pins after the refused cleanup: %v", err)
+		}
+		echo(t, e.dial(t, vip4), "after the refused cleanup")
+	}
+	if ss := d.Services(); len(ss) != 1 {
+		t.Errorf("services after the refused cleanups: %+v", ss)
+	}
+}
+
+// TestCleanupCatalogInUse: the catalog of an open Dataplane is held
+// (its lock file, CatalogPath + CatalogLockSuffix): a Cleanup that names
+// it with a pin root of its own (which it can hold: the pin root's lock
+// cannot tell) fails with ErrInUse naming this process and changes
+// nothing, nor can an Open of it on another pin root. It used to
+// remove the running dataplane's catalog, journal and lease file. After
+// Close, Cleanup removes the lock file with the rest.
+func TestCleanupCatalogInUse(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	if _, err := d.ApplyService(context.Background(), e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	lease := e.opts.CatalogPath + LeaseFileSuffix
+	if err := os.WriteFile(lease, []byte(`{"epoch":3}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	other := filepath.Join(filepath.Dir(e.opts.Loader.PinRoot), "other")
+	err := Cleanup(CleanupOptions{PinRoot: other, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do})
+	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), fmt.Sprintf("this process (pid %d)", os.Getpid())) {
+		t.Errorf("Cleanup of the catalog of an open dataplane: %v; want ErrInUse naming this process", err)
+	}
+	if files, err := journalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
+		t.Errorf("catalog journal after the refused Cleanup: %v, %v", files, err)
+	}
+	if _, err := os.Stat(lease); err != nil {
+		t.Errorf("lease file after the refused Cleanup: %v", err)
+	}
+	if _, err := os.Stat(other); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused Cleanup made a pin root: %v", err)
+	}
+	// Nor does an Open of that catalog on another pin root.
+	opts := e.opts
+	opts.Loader.PinRoot = other
+	if d2, err := Open(opts); !errors.Is(err, ErrInUse) {
+		if err == nil {
+			d2.Close()
+		}
+		t.Errorf("Open of the catalog of an open dataplane: %v; want ErrInUse", err)
+	}
+	if _, err := os.Stat(other); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused Open made a pin root: %v", err)
+	}
+	echo(t, e.dial(t, vip4), "after the refused cleanup")
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
+		t.Fatal(err)
+	}
+	if ents, err := os.ReadDir(filepath.Dir(e.opts.CatalogPath)); err != nil || len(ents) != 0 {
+		t.Errorf("the catalog's directory after Cleanup: %v, %v; want it empty", ents, err)
+	}
+}
+
+// TestCleanupRemovesPinRootLast: while Cleanup runs, a new Open (a
+// daemon restarted) can take the pin root only after Cleanup removed
+// everything else: the pin root directory is the last thing it removes,
+// so the new dataplane's catalog and lease file stay. Cleanup used to
+// remove the pin root first and then the catalog, the lease file and fq,
+// the new dataplane's by then. (The new Open is played by LockPinRoot
+// and the files it writes, at every step Cleanup takes.)
+func TestCleanupRemovesPinRootLast(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	if _, err := d.ApplyService(context.Background(), e.service(1, 1, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	root, lease := e.opts.Loader.PinRoot, e.opts.CatalogPath+LeaseFileSuffix
+	var newer *bpf.PinRootLock
+	var at string
+	t.Cleanup(func() { cleanupStep = nil })
+	cleanupStep = func(step string) {
+		if newer != nil {
+			return
+		}
+		lk, err := bpf.LockPinRoot(bpf.Options{PinRoot: root})
+		if err != nil {
+			return // held by Cleanup: as it must be
+		}
+		newer, at = lk, step
+		for _, p := range []string{e.opts.CatalogPath, lease} {
+			if err := os.WriteFile(p, []byte(`{"new":true}`), 0o600); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	if err := Cleanup(CleanupOptions{PinRoot: root, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
+		t.Fatal(err)
+	}
+	cleanupStep = nil
+	if newer == nil {
+		t.Fatal("the pin root was never free during or at the end of Cleanup")
+	}
+	t.Cleanup(func() { newer.Release(); bpf.RemoveRoot(root) })
+	if at != "pin root" {
+		t.Errorf("a new Open could take the pin root after step %q of Cleanup; want only after the last (pin root)", at)
+	}
+	for _, p := range []string{e.opts.CatalogPath, lease} {
+		if b, err := os.ReadFile(p); err != nil || string(b) != `{"new":true}` {
+			t.Errorf("the new dataplane's %s after Cleanup: %q, %v", filepath.Base(p), b, err)
+		}
+	}
+}
+
+// TestOpenMountWarningUnderIPNetnsExec: fluxvm.Open under `ip netns
+// exec` with Loader.MountBPFFS mounts bpffs in the process's private
+// mount namespace (LockPinRoot does, before the loader) and logs the
+// warning that the pins vanish at exit, with the `nsenter --net` advice.
+// The warning was lost when LockPinRoot took the mount over from the
+// loader, which then found bpffs mounted and said nothing.
+func TestOpenMountWarningUnderIPNetnsExec(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ns := testenv.NewNetNS(t, "fvmwx")
+	top := filepath.Join("/sys/fs/bpf", "fluxvm-mountwarn-"+testenv.Suffix())
+	out := runChild(t, ns.Name, childJob{Do: "open", Loader: bpf.Options{PinRoot: filepath.Join(top, "service"), Tier: bpf.TierS, MountBPFFS: true}})
+	if !strings.Contains(out, "open: ok") {
+		t.Fatalf("Open under ip netns exec with MountBPFFS: %s", out)
+	}
+	if !strings.Contains(out, "level=WARN") || !strings.Contains(out, "vanish") || !strings.Contains(out, "nsenter --net=/run/netns/"+ns.Name) {
+		t.Errorf("the log of Open under ip netns exec with MountBPFFS:\n%s\nwant the warning that the pins vanish, with the nsenter advice", out)
+	}
+	if _, err := os.Stat(top); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the child's pin root reached the host's BPF filesystem: %v", err)
+	}
 }

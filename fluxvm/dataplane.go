@@ -220,6 +220,9 @@ type Dataplane struct {
 	// lock holds the pin root while the dataplane is open (Close and
 	// Cleanup release it).
 	lock *bpf.PinRootLock
+	// catLock holds the catalog's lock file (CatalogLockSuffix) while
+	// the dataplane is open; nil without a catalog.
+	catLock *catalogLock
 
 	stop chan struct{}
 	done chan struct{}
@@ -322,7 +325,9 @@ func (ifc *iface) keepMade(old *iface) {
 //
 // The pin root (Loader.PinRoot) is the dataplane's alone from before Open
 // changes anything until Close or Cleanup: Open takes an exclusive lock
-// on it (bpf.LockPinRoot), and a second Open on it, in this process or
+// on it (bpf.LockPinRoot), and then one on the catalog's lock file
+// (CatalogPath + CatalogLockSuffix, when CatalogPath is set; its
+// directory must exist), and a second Open on either, in this process or
 // another, fails with an error matching ErrInUse that names the holder.
 // A failed Open lets it go, removing it again when Open created it and
 // nothing was pinned.
@@ -335,7 +340,17 @@ func (ifc *iface) keepMade(old *iface) {
 // stays in place, still forwarding: a restart that fails does not take
 // the running datapath down. When the pin root held no state (a first
 // start), nothing is left: no attachment, no pin, and no pin root, nor
-// the directories above it that Open created. What cleans up after an
+// the directories above it that Open created, nor the catalog's lock
+// file. The settings Open writes into the kept meta and SNAT maps
+// (timeouts, flow sample rate, HA flag, SNAT addresses and ports) are
+// put back as the earlier start had them. Two limits: FluxVM's cls_bpf
+// filters are found by name (fluxvm:), not through the pin root, so the
+// rollback of a failed first start, like Cleanup, removes those of the
+// whole network namespace (Cleanup also every fq of handle f1d0:; in
+// cls_bpf mode run one dataplane per network namespace); and an interface whose role
+// changed across the restart (VM edge to north-south, or back) in
+// cls_bpf mode loses the earlier start's filter, which the new hook's
+// replaced, when the restart fails. What cleans up after an
 // earlier start stays done: the switch of adopted attachments to the new
 // programs and maps (bpf Datapath.Activate; the next Open adopts those),
 // its socket hooks removed from cgroups no longer configured, and its fq
@@ -406,6 +421,14 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	undo.push(lk.Abandon)
+	// Then the catalog's lock file, as Cleanup takes them: it covers the
+	// state outside bpffs (catalog, journal, HA lease) against a cleanup
+	// that cannot see or hold the pin root, or names another one.
+	cl, err := lockCatalog(opts.CatalogPath)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(cl.abandon)
 	// fq goes on edt_interfaces first, all or nothing.
 	fq, err := openFQ(opts)
 	if err != nil {
@@ -424,7 +447,10 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
-	dp, err := bpf.Open(lo)
+	// On the pin root held: when LockPinRoot mounted bpffs, the status
+	// says so (and init logs the warning that the pins vanish at exit
+	// in a private mount namespace).
+	dp, err := lk.Open(lo)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -438,7 +464,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
 	})
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk,
+		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 	}
@@ -519,6 +545,14 @@ func (d *Dataplane) init(undo *undoStack) error {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
 
+	// The settings go into the meta and SNAT maps, which a restart
+	// adopts: the running datapath reads them at once. A failed Open
+	// puts back what the earlier start had written (a first start's
+	// maps go with it anyway).
+	prev, err := d.dp.ReadMeta()
+	if err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
 	if err := d.dp.UpdateMeta(func(m *bpf.Meta) {
 		_ = d.opts.Timeouts.ApplyTo(m)
 		m.FlowSampleRate = d.opts.FlowSampleRate
@@ -526,6 +560,12 @@ func (d *Dataplane) init(undo *undoStack) error {
 	}); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error {
+		if err := d.dp.UpdateMeta(func(m *bpf.Meta) { restoreOpenMeta(m, prev) }); err != nil {
+			return fmt.Errorf("restoring the earlier start's settings in the meta map: %w", err)
+		}
+		return nil
+	})
 	// The flow views work on handles of their own: a compaction
 	// (compact.go) replaces the datapath's, and the views' old ones stay
 	// open until no operation uses them.
@@ -547,9 +587,19 @@ func (d *Dataplane) init(undo *undoStack) error {
 	if err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	var prevSNAT bpf.SNATConfig
+	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &prevSNAT); err != nil {
+		return fmt.Errorf("fluxvm: open: snat config: %w", err)
+	}
 	if err := d.writeSNAT(); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}
+	undo.push(func() error {
+		if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), prevSNAT); err != nil {
+			return fmt.Errorf("restoring the earlier start's SNAT config: %w", err)
+		}
+		return nil
+	})
 	// The reverse translation index keeps its slot order across the
 	// restore (be2fe.go).
 	if err := d.seedBe2fe(); err != nil {
@@ -609,6 +659,15 @@ func (d *Dataplane) init(undo *undoStack) error {
 	}
 	d.allowXDPEgress("")
 	return nil
+}
+
+// restoreOpenMeta puts back into m the fields Open writes from its
+// options (timeouts, flow sample rate, the HA flag) as prev had them.
+func restoreOpenMeta(m *bpf.Meta, prev bpf.Meta) {
+	m.TimeoutTcpSynS, m.TimeoutTcpEstablishedS, m.TimeoutTcpFinS = prev.TimeoutTcpSynS, prev.TimeoutTcpEstablishedS, prev.TimeoutTcpFinS
+	m.TimeoutTcpRstS, m.TimeoutUdpS = prev.TimeoutTcpRstS, prev.TimeoutUdpS
+	m.FlowSampleRate = prev.FlowSampleRate
+	m.Flags = m.Flags&^bpf.MetaFlagHA | prev.Flags&bpf.MetaFlagHA
 }
 
 // writeSNAT writes the SNAT addresses and port range of the configuration
@@ -811,7 +870,7 @@ func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	return errors.Join(cerr, d.dp.Close(), d.lock.Release())
+	return errors.Join(cerr, d.dp.Close(), d.lock.Release(), d.catLock.release())
 }
 
 // Cleanup removes everything the dataplane owns: it stops the dataplane
@@ -863,7 +922,7 @@ func (d *Dataplane) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.lock.Release())
+	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.catLock.remove(), d.lock.Release())
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -16,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -159,6 +161,10 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			if after := bpfFDs(t); after != before {
 				t.Errorf("%d BPF handles open after the failed Open, %d before", after, before)
 			}
+			// Nor the catalog's lock file it created.
+			if left, err := os.ReadDir(filepath.Dir(e.opts.CatalogPath)); err != nil || len(left) != 0 {
+				t.Errorf("left next to the catalog: %v (%v)", left, err)
+			}
 			// Nothing left in the way: the same options, without the
 			// second interface, open.
 			e.opts.Interfaces = e.opts.Interfaces[:1]
@@ -260,4 +266,54 @@ func TestOpenRollbackKeepsEarlierStart(t *testing.T) {
 	}
 	echo(t, conn, "after the failed Open")
 	e.dial(t, vip4).Close()
+}
+
+// TestOpenRollbackRestoresSettings: a restart that fails puts back the
+// settings the earlier start wrote into the adopted meta and SNAT maps,
+// which the running datapath reads: conntrack timeouts, flow sample
+// rate, SNAT port range. (They used to stay, the new settings running
+// under the old start.)
+func TestOpenRollbackRestoresSettings(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	read := func() (bpf.Meta, bpf.SNATConfig) {
+		t.Helper()
+		var m bpf.Meta
+		var s bpf.SNATConfig
+		for name, v := range map[string]any{"fluxvm_meta": &m, "fluxvm_snat": &s} {
+			pm, err := ebpf.LoadPinnedMap(filepath.Join(e.opts.Loader.PinRoot, "maps", name), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = pm.Lookup(uint32(0), v)
+			pm.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		return m, s
+	}
+	metaBefore, snatBefore := read()
+	opts := e.opts
+	opts.Timeouts = conntrack.DefaultTimeouts()
+	opts.Timeouts.TCPEstablished += time.Hour
+	opts.FlowSampleRate = 7
+	opts.NorthSouth.SNATPortMin, opts.NorthSouth.SNATPortMax = 40000, 41000
+	opts.Interfaces = append(slices.Clone(e.opts.Interfaces), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
+	if d2, err := Open(opts); err == nil {
+		d2.Close()
+		t.Fatal("Open succeeded with a missing interface")
+	} else if !errors.Is(err, ErrNotFound) {
+		t.Fatalf("Open: %v, want ErrNotFound (the missing interface)", err)
+	}
+	metaAfter, snatAfter := read()
+	if metaAfter != metaBefore {
+		t.Errorf("meta after the failed restart:\n%+v\nbefore:\n%+v", metaAfter, metaBefore)
+	}
+	if snatAfter != snatBefore {
+		t.Errorf("SNAT config after the failed restart: %+v, before %+v", snatAfter, snatBefore)
+	}
 }

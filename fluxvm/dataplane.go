@@ -273,6 +273,10 @@ type frontend struct {
 	// false until its first commit and once removeFrontend deleted it.
 	live bool
 	rev  uint32
+	// repair: a change failed and could not put back what was there, so
+	// its guard is closed until the service is programmed again
+	// (failClosed).
+	repair bool
 	// edt is its fluxvm_edt entry as written (the departure clock aside),
 	// once edtKnown (edt.go).
 	edt      bpf.EDTValue

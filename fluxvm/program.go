@@ -72,7 +72,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 		}
 	}
 	old := d.services[svc.Name]
-	if old != nil && reflect.DeepEqual(old.intent, svc) {
+	if old != nil && reflect.DeepEqual(old.intent, svc) && d.inPlace(old) {
 		st := d.statusOf(old)
 		span.SetAttributes(AttrChanged.Bool(false), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 		d.mu.Unlock()
@@ -121,7 +121,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 			rerr = d.unprogram(s)
 		}
 		if rerr != nil {
-			d.log.Error("fluxvm: rollback failed; the service's frontends may serve a mix of the old and new intent until it is applied again", "service", svc.Name, "err", rerr)
+			// A mix of the old and new intent must not serve: fail
+			// closed until the service is programmed again.
+			d.failClosed(svc.Name, d.frontendsOf(svc.Name, s, old), rerr)
+			err = fmt.Errorf("%w (and the rollback failed: %w; its frontends are closed until it is applied again)", err, rerr)
 		}
 		d.index.Abort(svc.Name, &fp, oldFP)
 		d.doneBusy(svc.Name)
@@ -130,6 +133,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	}
 	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
+	delete(d.repairs, svc.Name)
 	d.syncEDTNode()
 	d.syncHA()
 	d.doneBusy(svc.Name)
@@ -184,6 +188,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	delete(d.repairs, name)
 	d.syncEDTNode()
 	d.syncHA()
 	d.index.Remove(name, &s.fp)
@@ -246,6 +251,7 @@ func (d *Dataplane) statusOf(s *service) ServiceStatus {
 		st.Frontends = append(st.Frontends, FrontendStatus{
 			VIP: netip.AddrPortFrom(fe.key.vip, fe.key.port), Protocol: protocolOf(fe.key.proto),
 			ServiceID: fe.sid, Eligible: fe.eligible, Backends: len(fe.backends), MaglevSize: fe.size, GuardOpen: fe.guard,
+			RepairPending: fe.repair,
 		})
 	}
 	return st
@@ -327,7 +333,11 @@ func (d *Dataplane) program(svc Service, s *service, others ...*service) error {
 		return err
 	}
 	defer closeTables(tables)
-	return d.commit(svc, s, p, tables, others...)
+	if err := d.commit(svc, s, p, tables, others...); err != nil {
+		return err
+	}
+	delete(d.repairs, svc.Name)
+	return nil
 }
 
 // plan is a change of one service between prepare and commit.
@@ -383,7 +393,7 @@ func (d *Dataplane) prepare(svc Service, s *service, others ...*service) (*plan,
 		return nil, err
 	}
 	wallNow := time.Now()
-	prev := d.frontendsOf(svc.Name, append([]*service{s}, others...)...)
+	prev := d.withRepairs(svc.Name, d.frontendsOf(svc.Name, append([]*service{s}, others...)...))
 	p := &plan{health: d.healthOf(&svc)}
 	keep := map[feKey]bool{}
 	s.frontends = nil
@@ -524,11 +534,26 @@ func (d *Dataplane) commitStart(svc Service, s *service, p *plan, tables []built
 }
 
 // commitEnd finishes p with d.mu held, once its tables are in place: the
-// frontend entries, markers and guards (finishFrontend), then the
-// frontends the change drops. It readies each frontend again first, from
-// the state as it is now (what readyFrontend wrote already is left as
-// is), so that it writes the flags of now.
+// frontend entries, markers and guards (finishFrontends), then the
+// frontends the change drops.
 func (d *Dataplane) commitEnd(svc Service, s *service, p *plan, tables []builtTable, c commitState) error {
+	if err := d.finishFrontends(svc, s, p, tables, c); err != nil {
+		return err
+	}
+	for _, fe := range p.remove {
+		if err := d.removeFrontend(fe); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// finishFrontends writes the frontend entries, markers and guards of p
+// (finishFrontend), with d.mu held, once its tables are in place. It
+// readies each frontend again first, from the state as it is now (what
+// readyFrontend wrote already is left as is), so that it writes the
+// flags of now.
+func (d *Dataplane) finishFrontends(svc Service, s *service, p *plan, tables []builtTable, c commitState) error {
 	for i, pl := range p.frontends {
 		flags, err := d.readyFrontend(svc, pl, c.pacer, c.clock)
 		if err == nil {
@@ -536,11 +561,6 @@ func (d *Dataplane) commitEnd(svc Service, s *service, p *plan, tables []builtTa
 		}
 		if err != nil {
 			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
-		}
-	}
-	for _, fe := range p.remove {
-		if err := d.removeFrontend(fe); err != nil {
-			return err
 		}
 	}
 	return nil
@@ -701,6 +721,7 @@ func (d *Dataplane) finishFrontend(svc Service, s *service, pl planned, t builtT
 	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, g); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
+	fe.repair = false
 
 	// Backends that left the intent go only now that no table names them,
 	// and so do their slots in the reverse translation index.
@@ -830,6 +851,11 @@ func closeTables(ts []builtTable) {
 // after an RCU grace period (the kernel waits for the programs that may
 // still read the old table), which concurrent callers share.
 func swapTable(outer *ebpf.Map, sid uint32, inner *ebpf.Map) error {
+	if swapFault != nil {
+		if err := swapFault(sid, inner); err != nil {
+			return fmt.Errorf("maglev table: %w", err)
+		}
+	}
 	if inner == nil {
 		if err := outer.Delete(sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
@@ -841,6 +867,11 @@ func swapTable(outer *ebpf.Map, sid uint32, inner *ebpf.Map) error {
 	}
 	return nil
 }
+
+// swapFault is for tests alone (nil otherwise): swapTable calls it before
+// it updates slot sid of fluxvm_maglev (inner nil: empties it), and fails
+// with its error, as a failed map update would, without touching the map.
+var swapFault func(sid uint32, inner *ebpf.Map) error
 
 func (d *Dataplane) putFrontend(k feKey, v bpf.SvcValue) error {
 	var err error
@@ -1044,16 +1075,42 @@ func (d *Dataplane) unprogram(ss ...*service) error {
 }
 
 // unprogramUnlocked is unprogram for DeleteService: called with d.mu
-// held, it retires the frontends of s (their entries go first), releases
-// the lock while their slots of fluxvm_maglev are emptied (each update
-// waits for an RCU grace period: see commitUnlocked), and holds it again
-// to drop their backends and guards and release their ids. Until then
-// the ids stay taken, so no other frontend gets one and puts a table in
-// the slot meanwhile; the frontends stay in d.frontends, so another
-// service's change that wants one of their keys meanwhile is refused
-// with ErrConflict, as it would have been a moment earlier.
+// held, it takes the frontends of s out of the datapath with
+// removeUnlocked. When that fails, the service stays (DeleteService
+// fails and keeps it listed and in the catalog), so what already went is
+// put back: s is programmed again with the lock held, as an apply's
+// rollback does; if that fails too, its frontends are closed
+// (failClosed) until it is programmed again.
 func (d *Dataplane) unprogramUnlocked(s *service) error {
-	fes := d.frontendsOf(s.intent.Name, s)
+	err := d.removeUnlocked(d.withRepairs(s.intent.Name, d.frontendsOf(s.intent.Name, s)))
+	if err == nil {
+		return nil
+	}
+	if rerr := d.program(s.intent, s); rerr != nil {
+		d.failClosed(s.intent.Name, d.frontendsOf(s.intent.Name, s), rerr)
+		return fmt.Errorf("%w (and restoring the service failed: %w; its frontends are closed until it is applied again)", err, rerr)
+	}
+	return fmt.Errorf("%w (the service is kept as it was)", err)
+}
+
+// removeUnlocked is removeFrontend for the frontends fes of one service,
+// without d.mu while their slots of fluxvm_maglev are emptied: called
+// with d.mu held, it retires them all (their entries go first), releases
+// the lock while their slots are emptied (each update waits for an RCU
+// grace period: see commitUnlocked), and holds it again to drop their
+// backends and guards and release their ids. Until then the ids stay
+// taken, so no other frontend gets one and puts a table in the slot
+// meanwhile; the frontends stay in d.frontends, so another service's
+// change that wants one of their keys meanwhile is refused with
+// ErrConflict, as it would have been a moment earlier. The caller holds
+// the service's lock and counts itself in d.busy, so no other change of
+// the service runs meanwhile. On an error it returns with d.mu held and
+// the frontends retired, some slots perhaps emptied: the caller programs
+// the service again.
+func (d *Dataplane) removeUnlocked(fes []*frontend) error {
+	if len(fes) == 0 {
+		return nil
+	}
 	for _, fe := range fes {
 		if err := d.retireFrontend(fe); err != nil {
 			return err
@@ -1064,6 +1121,7 @@ func (d *Dataplane) unprogramUnlocked(s *service) error {
 	var err error
 	for _, fe := range fes {
 		if err = swapTable(outer, fe.sid, nil); err != nil {
+			err = fmt.Errorf("frontend %s: %w", fe.key, err)
 			break
 		}
 	}
@@ -1077,6 +1135,62 @@ func (d *Dataplane) unprogramUnlocked(s *service) error {
 		}
 	}
 	return nil
+}
+
+// inPlace reports whether every frontend of s is in the datapath as its
+// last change left it: its entry written (a failed delete may have
+// retired it) and none of the service's frontends closed for repair
+// (failClosed). ApplyService does nothing for an unchanged intent only
+// then. d.mu must be held.
+func (d *Dataplane) inPlace(s *service) bool {
+	if len(d.repairs[s.intent.Name]) > 0 {
+		return false
+	}
+	for _, fe := range s.frontends {
+		if !fe.live || fe.repair {
+			return false
+		}
+	}
+	return true
+}
+
+// withRepairs adds to fes, frontends of service name, those of its
+// frontends closed for repair (d.repairs) that the datapath still has.
+// d.mu must be held.
+func (d *Dataplane) withRepairs(name string, fes []*frontend) []*frontend {
+	for _, fe := range d.repairs[name] {
+		if d.frontends[fe.key] == fe && !slices.Contains(fes, fe) {
+			fes = append(fes, fe)
+		}
+	}
+	return fes
+}
+
+// failClosed is the last resort of a change that failed and could not
+// put back what was there (cause: why not): the frontends fes of service
+// name may hold a mix of tables, entries and backends of two intents, so
+// their guards are closed (their packets drop as guard_closed, new and
+// established flows alike) and they are marked for repair: Status shows
+// them (FrontendStatus.RepairPending), the next apply of the service
+// programs it even with an unchanged intent, and its next health round
+// reprograms it. d.mu must be held.
+func (d *Dataplane) failClosed(name string, fes []*frontend, cause error) {
+	var errs []error
+	if d.repairs == nil {
+		d.repairs = map[string][]*frontend{}
+	}
+	d.repairs[name] = d.withRepairs(name, slices.Clone(fes))
+	for _, fe := range fes {
+		fe.repair, fe.guard = true, false
+		if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
+			errs = append(errs, fmt.Errorf("frontend %s: close guard: %w", fe.key, err))
+		}
+	}
+	if c := d.health.checkers[name]; c != nil {
+		c.unprogrammed = true
+	}
+	d.log.Error("fluxvm: a change failed and putting back what was there failed too; the service's frontends are closed (their packets drop) until it is programmed again",
+		"service", name, "frontends", len(fes), "err", cause, "close_err", errors.Join(errs...))
 }
 
 func removeIfExists(path string) error {

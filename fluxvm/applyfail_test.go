@@ -219,3 +219,71 @@ func TestApplyRollbackFailureFailsClosed(t *testing.T) {
 		t.Errorf("the failed apply's new frontend after the repair: in the dataplane %v, guard %+v (%v)", still, g, err)
 	}
 }
+
+// TestApplyDropsFrontendsWithoutTheLock: an apply that drops a frontend
+// (a port) empties its slot of fluxvm_maglev, an RCU grace period,
+// without the dataplane's lock, as a delete does; afterwards nothing of
+// the frontend is left. When emptying it fails, the apply fails and its
+// rollback puts the service back as it was.
+func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	path := filepath.Join(t.TempDir(), "catalog.json")
+	d := openApplyTest(t, root, path)
+	ctx := context.Background()
+	both := twoPorts(0, 1)
+	st, err := d.ApplyService(ctx, both)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dropped := st.Frontends[1]
+	key := feKey{dropped.VIP.Addr(), dropped.VIP.Port(), dropped.Protocol.Number()}
+
+	// Emptying the slot fails: the apply fails and both ports serve.
+	failSwaps(t, func(sid uint32, inner *ebpf.Map) bool { return sid == dropped.ServiceID && inner == nil })
+	if _, err := d.ApplyService(ctx, benchService(0, 2)); !errors.Is(err, errSwapFault) {
+		t.Fatalf("apply with a failing slot removal: %v, want errSwapFault", err)
+	}
+	checkServing(t, "after the failed apply", d, both)
+
+	var emptied, lockFree bool
+	failSwaps(t, func(sid uint32, inner *ebpf.Map) bool {
+		if sid == dropped.ServiceID && inner == nil {
+			emptied = true
+			// Nobody else takes the lock in this test: if it is free,
+			// the apply does not hold it.
+			if d.mu.TryLock() {
+				lockFree = true
+				d.mu.Unlock()
+			}
+		}
+		return false
+	})
+	one := benchService(0, 2)
+	if _, err := d.ApplyService(ctx, one); err != nil {
+		t.Fatal(err)
+	}
+	if !emptied {
+		t.Fatal("the dropped frontend's slot was never emptied")
+	}
+	if !lockFree {
+		t.Error("the dataplane's lock was held while the dropped frontend's slot was emptied")
+	}
+	checkServing(t, "after the apply", d, one)
+	if _, ok, err := d.lookupFrontend(key); err != nil || ok {
+		t.Errorf("dropped frontend's entry: %v, %v", ok, err)
+	}
+	var id ebpf.MapID
+	if err := d.dp.Maps().FluxvmMaglev.Lookup(dropped.ServiceID, &id); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		t.Errorf("dropped frontend's maglev slot: %v (map %d)", err, id)
+	}
+	var g bpf.Guard
+	if err := d.dp.Maps().FluxvmSguard.Lookup(dropped.ServiceID, &g); err != nil || g != (bpf.Guard{}) {
+		t.Errorf("dropped frontend's guard: %+v, %v", g, err)
+	}
+	d.mu.Lock()
+	_, still := d.frontends[key]
+	d.mu.Unlock()
+	if still {
+		t.Errorf("the dataplane still has frontend %s", key)
+	}
+}

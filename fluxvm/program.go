@@ -23,18 +23,21 @@ import (
 
 // ApplyService creates or updates a service. The request is validated
 // against the whole catalog first, so a rejected request changes nothing.
-// Applying the same intent again changes nothing either. An update never
-// touches conntrack or reverse-NAT state: established flows keep their
-// backends as the selection rules say.
+// Applying the same intent again changes nothing either, unless a failed
+// change left the service's frontends out of place (a failed delete's,
+// or one closed for repair: FrontendStatus.RepairPending): then it
+// programs them again. An update never touches conntrack or reverse-NAT
+// state: established flows keep their backends as the selection rules
+// say.
 //
 // It returns once the change is programmed and durable in the catalog
 // (journal.go). Applies of different services run concurrently: the
 // dataplane's lock is held to validate and reserve ids and to write the
 // frontend entries, but not while the Maglev tables are built and
-// written, nor while they are swapped into fluxvm_maglev (each swap
-// waits for an RCU grace period in the kernel, which concurrent swaps
-// share), nor while the catalog journal is synced (concurrent changes
-// share one fsync). Applies and deletes of one service run one at a
+// written, nor while they are swapped into fluxvm_maglev or the slots of
+// frontends it drops are emptied (each update waits for an RCU grace
+// period in the kernel, which concurrent updates share), nor while the
+// catalog journal is synced (concurrent changes share one fsync). Applies and deletes of one service run one at a
 // time, in the order they took the service's lock: the last one to
 // return is what the maps hold and what the catalog keeps.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
@@ -461,8 +464,9 @@ func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable
 }
 
 // commitUnlocked is commit for ApplyService: called with d.mu held, it
-// releases the lock while the tables are swapped in and holds it again
-// when it returns. A swap into fluxvm_maglev (a map of maps) returns only
+// releases the lock while the tables are swapped in, and again while the
+// slots of the frontends the change drops are emptied (removeUnlocked,
+// as a delete does), and holds it again when it returns. A swap into fluxvm_maglev (a map of maps) returns only
 // after an RCU grace period, so that no program still reads the table it
 // replaced: milliseconds, which under d.mu would serialise every apply
 // of the node. Without the lock, the grace periods of concurrent applies
@@ -490,7 +494,11 @@ func (d *Dataplane) commitUnlocked(svc Service, s *service, p *plan, tables []bu
 		// A health check changed a backend while the lock was free.
 		return d.program(svc, s, others...)
 	}
-	return d.commitEnd(svc, s, p, tables, c)
+	if err := d.finishFrontends(svc, s, p, tables, c); err != nil {
+		return err
+	}
+	// The frontends the change drops go as a delete's do.
+	return d.removeUnlocked(p.remove)
 }
 
 // commitState is what commitStart hands on to the swaps and commitEnd.

@@ -12,6 +12,10 @@ type applyState struct {
 	index *intent.CatalogIndex // catalog totals for incremental validation; under mu
 	store *catalogStore        // the catalog's journal; nil without CatalogPath
 	busy  map[string]int       // services with a change between prepare and commit; under mu
+	// unsaved are the services whose delete answered "removed, but the
+	// catalog was not saved"; a retry of the delete makes it durable
+	// (DeleteService). Under mu.
+	unsaved map[string]bool
 	// repairs are the frontends that failClosed closed, by service,
 	// until the service is programmed again: its next change removes
 	// those it no longer wants, even one the service's record does not

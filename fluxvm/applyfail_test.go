@@ -287,3 +287,64 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 		t.Errorf("the dataplane still has frontend %s", key)
 	}
 }
+
+// TestRetryAfterUnsavedChangeIsDurable: an apply that answered
+// "programmed, but the catalog was not saved" (a failed journal write)
+// and is retried unchanged answers only once the catalog on disk has it
+// (the retry heals the journal with a compaction); the same for a delete
+// that answered "removed, but the catalog was not saved".
+func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	path := filepath.Join(t.TempDir(), "catalog.json")
+	d := openApplyTest(t, root, path)
+	ctx := context.Background()
+	// breakJournal closes the journal file under the store, so that its
+	// next write fails (an apply before opened it).
+	breakJournal := func() {
+		t.Helper()
+		d.store.mu.Lock()
+		defer d.store.mu.Unlock()
+		if d.store.f == nil {
+			t.Fatal("no journal file open")
+		}
+		d.store.f.Close()
+	}
+	name := benchName(0)
+	if _, err := d.ApplyService(ctx, benchService(0, 1)); err != nil {
+		t.Fatal(err)
+	}
+	breakJournal()
+	if _, err := d.ApplyService(ctx, benchService(0, 2)); err == nil || !strings.Contains(err.Error(), "not saved") {
+		t.Fatalf("apply with a failing journal write: %v", err)
+	}
+	if w := inCatalog(t, d, path, name); w != 1 {
+		t.Fatalf("catalog after the unsaved apply: weight %d, want 1", w)
+	}
+	if _, err := d.ApplyService(ctx, benchService(0, 2)); err != nil {
+		t.Fatalf("retried apply: %v", err)
+	}
+	if w := inCatalog(t, d, path, name); w != 2 {
+		t.Errorf("catalog after the retried apply answered: weight %d, want 2", w)
+	}
+
+	for w := range uint32(2) { // the second opens a journal file, whatever the first did
+		if _, err := d.ApplyService(ctx, benchService(1, 1+w)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	breakJournal()
+	if err := d.DeleteService(ctx, name); err == nil || !strings.Contains(err.Error(), "not saved") {
+		t.Fatalf("delete with a failing journal write: %v", err)
+	}
+	if err := d.DeleteService(ctx, name); err != nil {
+		t.Fatalf("retried delete: %v", err)
+	}
+	if w := inCatalog(t, d, path, name); w != 0 {
+		t.Errorf("catalog after the retried delete answered: still has %s (weight %d)", name, w)
+	}
+	// Once it is durable, a delete of it is the delete of a service that
+	// does not exist.
+	if err := d.DeleteService(ctx, name); !errors.Is(err, ErrNotFound) {
+		t.Errorf("third delete: %v, want ErrNotFound", err)
+	}
+}

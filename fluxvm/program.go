@@ -37,9 +37,12 @@ import (
 // written, nor while they are swapped into fluxvm_maglev or the slots of
 // frontends it drops are emptied (each update waits for an RCU grace
 // period in the kernel, which concurrent updates share), nor while the
-// catalog journal is synced (concurrent changes share one fsync). Applies and deletes of one service run one at a
-// time, in the order they took the service's lock: the last one to
-// return is what the maps hold and what the catalog keeps.
+// catalog journal is synced (concurrent changes share one fsync).
+// Applies and deletes of one service run one at a time, in the order
+// they took the service's lock: the last one to return is what the maps
+// hold and what the catalog keeps. An apply that failed with
+// "programmed, but the catalog was not saved", retried unchanged,
+// returns nil only once the catalog is durable again.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
 	if err := d.opened("apply service"); err != nil {
 		return ServiceStatus{}, err
@@ -78,7 +81,14 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	if old != nil && reflect.DeepEqual(old.intent, svc) && d.inPlace(old) {
 		st := d.statusOf(old)
 		span.SetAttributes(AttrChanged.Bool(false), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
+		// Unchanged, but perhaps not saved: the retry of an apply that
+		// answered "programmed, but the catalog was not saved" answers
+		// only once the catalog is durable (catchUp).
+		seq := d.catchUp()
 		d.mu.Unlock()
+		if err := d.settle(seq); err != nil {
+			return st, fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
+		}
 		return st, nil
 	}
 	fp := intent.FootprintOf(&svc)
@@ -136,6 +146,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	}
 	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
+	delete(d.unsaved, svc.Name)
 	delete(d.repairs, svc.Name)
 	d.syncEDTNode()
 	d.syncHA()
@@ -162,7 +173,11 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 // once the removal is durable in the catalog. Like ApplyService, it does
 // not hold the dataplane's lock while its tables' slots of fluxvm_maglev
 // are emptied (an RCU grace period each), so deletes and applies of
-// different services run concurrently.
+// different services run concurrently. If emptying them fails, the
+// service is kept as it was (programmed again) and the error says so.
+// A delete that failed with "removed, but the catalog was not saved",
+// retried, returns nil only once the removal is durable (and
+// ErrNotFound after that).
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
 	if err := d.opened("delete service"); err != nil {
 		return err
@@ -177,6 +192,19 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		return err
 	}
 	s, ok := d.services[name]
+	if !ok && d.unsaved[name] {
+		// The retry of a delete that answered "removed, but the catalog
+		// was not saved": it answers once the removal is durable.
+		seq := d.catchUp()
+		d.mu.Unlock()
+		if err := d.settle(seq); err != nil {
+			return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
+		}
+		d.mu.Lock()
+		delete(d.unsaved, name)
+		d.mu.Unlock()
+		return nil
+	}
 	if !ok {
 		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, ErrNotFound)
@@ -208,6 +236,12 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		jerr = d.persist(seq)
 	}
 	if jerr != nil {
+		d.mu.Lock()
+		if d.unsaved == nil {
+			d.unsaved = map[string]bool{}
+		}
+		d.unsaved[name] = true
+		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, jerr)
 	}
 	d.log.Info("fluxvm: service deleted", "service", name)
@@ -466,11 +500,11 @@ func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable
 // commitUnlocked is commit for ApplyService: called with d.mu held, it
 // releases the lock while the tables are swapped in, and again while the
 // slots of the frontends the change drops are emptied (removeUnlocked,
-// as a delete does), and holds it again when it returns. A swap into fluxvm_maglev (a map of maps) returns only
-// after an RCU grace period, so that no program still reads the table it
-// replaced: milliseconds, which under d.mu would serialise every apply
-// of the node. Without the lock, the grace periods of concurrent applies
-// overlap.
+// as a delete does), and holds it again when it returns. An update of
+// fluxvm_maglev (a map of maps) returns only after an RCU grace period,
+// so that no program still reads the table it replaced: milliseconds,
+// which under d.mu would serialise every apply of the node. Without the
+// lock, the grace periods of concurrent applies overlap.
 //
 // The tables are the service's own, and its other writers wait: changes
 // of the same name, and identity policy changes that touch it, hold its

@@ -3,10 +3,14 @@ package fluxvm
 import (
 	"context"
 	"errors"
+	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -346,5 +350,72 @@ func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
 	// does not exist.
 	if err := d.DeleteService(ctx, name); !errors.Is(err, ErrNotFound) {
 		t.Errorf("third delete: %v, want ErrNotFound", err)
+	}
+}
+
+// TestApplyDropConcurrency measures applies that add and drop a port
+// (every other apply of a service empties the slot of the frontend it
+// drops), by one client going over eight services and by eight clients
+// at once, one service each, in alternating rounds; it prints both rates
+// and their ratio. A benchmark: set FLUXVM_APPLYBENCH=1 to run it
+// (FLUXVM_APPLYBENCH_ROUNDS, default 3). Tier S, catalog on disk.
+func TestApplyDropConcurrency(t *testing.T) {
+	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
+		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
+	}
+	rounds := 3
+	if v := os.Getenv("FLUXVM_APPLYBENCH_ROUNDS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			t.Fatalf("FLUXVM_APPLYBENCH_ROUNDS=%q: want a number of at least 1", v)
+		}
+		rounds = n
+	}
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	ctx := context.Background()
+	const services, per = 8, 20
+	for i := range services {
+		if _, err := d.ApplyService(ctx, benchService(i, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run := func(clients int) float64 {
+		start := time.Now()
+		var wg sync.WaitGroup
+		for c := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range services * per / clients {
+					k, two := c, i%2 == 0
+					if clients == 1 {
+						k, two = i%services, (i/services)%2 == 0
+					}
+					svc := benchService(k, 1)
+					if two {
+						svc = twoPorts(k, 1)
+					}
+					if _, err := d.ApplyService(ctx, svc); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		elapsed := time.Since(start)
+		if t.Failed() {
+			t.FailNow()
+		}
+		// The dropped frontends' ids come back with a GC.
+		if _, err := d.GC(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return float64(services*per) / elapsed.Seconds()
+	}
+	for r := range rounds {
+		one, eight := run(1), run(8)
+		t.Logf("round %d: 1 client %.0f applies/s, 8 clients %.0f applies/s, 8 ÷ 1 = %.2f", r+1, one, eight, eight/one)
 	}
 }

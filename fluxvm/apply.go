@@ -13,9 +13,9 @@ type applyState struct {
 	store *catalogStore        // the catalog's journal; nil without CatalogPath
 	busy  map[string]int       // services with a change between prepare and commit; under mu
 	// unsaved are the services whose delete answered "removed, but the
-	// catalog was not saved"; a retry of the delete makes it durable
-	// (DeleteService). Under mu.
-	unsaved map[string]bool
+	// catalog was not saved", with the seq of its record; a retry of the
+	// delete makes it durable (DeleteService). Under mu.
+	unsaved map[string]uint64
 	// repairs are the frontends that failClosed closed, by service,
 	// until the service is programmed again: its next change removes
 	// those it no longer wants, even one the service's record does not

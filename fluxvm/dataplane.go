@@ -258,6 +258,9 @@ type service struct {
 	applied   time.Time
 	frontends []*frontend
 	fp        intent.Footprint // what it counts in d.index
+	// seq is the catalog journal record of this intent (ApplyService);
+	// 0 when it came from the snapshot at Open, or without a catalog.
+	seq uint64
 }
 
 type frontend struct {

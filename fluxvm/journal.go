@@ -609,17 +609,17 @@ func (d *Dataplane) journal(name string, s *service) (uint64, error) {
 	return seq, nil
 }
 
-// catchUp returns the seq to wait for (settle) so that every change
-// journaled so far is durable, 0 when every one is, and starts a
-// compaction when a failed write broke the journal (it heals it). An
-// unchanged apply, or the retry of a delete that was not saved, calls
-// it: their change may be one whose record failed to reach the disk.
-// d.mu must be held.
-func (d *Dataplane) catchUp() uint64 {
-	if d.store == nil {
+// catchUp returns the seq to wait for (settle) so that the change seq
+// (its journal record) is durable, 0 when it is, and starts a compaction
+// when a failed write broke the journal before it got there (the
+// compaction heals it). An unchanged apply, or the retry of a delete
+// that was not saved, calls it: their change may be one whose record
+// failed to reach the disk. d.mu must be held.
+func (d *Dataplane) catchUp(seq uint64) uint64 {
+	if d.store == nil || seq == 0 {
 		return 0
 	}
-	seq, broken := d.store.behind()
+	seq, broken := d.store.behind(seq)
 	if broken && d.store.wantCompaction() {
 		d.startCompaction()
 	}
@@ -636,20 +636,20 @@ func (d *Dataplane) settle(seq uint64) error {
 		return nil
 	}
 	d.mu.Lock()
-	seq = d.catchUp()
+	seq = d.catchUp(seq)
 	d.mu.Unlock()
 	return d.persist(seq)
 }
 
-// behind returns the seq of the last record appended and whether the
-// journal is broken, or 0 when every record is durable.
-func (s *catalogStore) behind() (seq uint64, broken bool) {
+// behind returns seq and whether the journal is broken, or 0 when the
+// record seq is durable.
+func (s *catalogStore) behind(seq uint64) (uint64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.durable >= s.last && s.err == nil {
+	if s.durable >= seq {
 		return 0, false
 	}
-	return s.last, s.err != nil
+	return seq, s.err != nil
 }
 
 // persist waits until the change seq (from journal) is durable. d.mu

@@ -83,8 +83,8 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 		span.SetAttributes(AttrChanged.Bool(false), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 		// Unchanged, but perhaps not saved: the retry of an apply that
 		// answered "programmed, but the catalog was not saved" answers
-		// only once the catalog is durable (catchUp).
-		seq := d.catchUp()
+		// only once its record, or a snapshot, is durable (catchUp).
+		seq := d.catchUp(old.seq)
 		d.mu.Unlock()
 		if err := d.settle(seq); err != nil {
 			return st, fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
@@ -156,6 +156,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	st := d.statusOf(s)
 	span.SetAttributes(AttrChanged.Bool(true), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 	seq, jerr := d.journal(svc.Name, s)
+	s.seq = seq
 	d.mu.Unlock()
 	if jerr == nil {
 		jerr = d.persist(seq)
@@ -192,10 +193,10 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		return err
 	}
 	s, ok := d.services[name]
-	if !ok && d.unsaved[name] {
+	if seq := d.unsaved[name]; !ok && seq != 0 {
 		// The retry of a delete that answered "removed, but the catalog
 		// was not saved": it answers once the removal is durable.
-		seq := d.catchUp()
+		seq = d.catchUp(seq)
 		d.mu.Unlock()
 		if err := d.settle(seq); err != nil {
 			return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
@@ -238,9 +239,11 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	if jerr != nil {
 		d.mu.Lock()
 		if d.unsaved == nil {
-			d.unsaved = map[string]bool{}
+			d.unsaved = map[string]uint64{}
 		}
-		d.unsaved[name] = true
+		if seq != 0 {
+			d.unsaved[name] = seq
+		}
 		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, jerr)
 	}

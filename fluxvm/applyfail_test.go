@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,6 +16,8 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/health"
+	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -418,4 +421,47 @@ func TestApplyDropConcurrency(t *testing.T) {
 		one, eight := run(1), run(8)
 		t.Logf("round %d: 1 client %.0f applies/s, 8 clients %.0f applies/s, 8 ÷ 1 = %.2f", r+1, one, eight, eight/one)
 	}
+}
+
+// TestHealthRoundRepairsClosedService: a service left closed for repair
+// by a failed apply whose rollback failed too is programmed again by its
+// next health-check round (ReconcileHealth here), without an apply. The
+// checks dial nothing: the prober's dialer answers every check with a
+// connection of its own (net.Pipe), healthy.
+func TestHealthRoundRepairsClosedService(t *testing.T) {
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d.mu.Lock()
+	d.health.prober = health.NewProber(func(context.Context, string, string) (net.Conn, error) {
+		c, peer := net.Pipe()
+		peer.Close()
+		return c, nil
+	}, 4)
+	d.mu.Unlock()
+	ctx := context.Background()
+	svc := twoPorts(0, 1)
+	svc.HealthCheck = &HealthCheck{Kind: "tcp", IntervalMs: intent.MaxHealthIntervalMs}
+	st, err := d.ApplyService(ctx, svc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first round, which starts with the check, is over.
+	if _, err := d.ReconcileHealth(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second := st.Frontends[1].ServiceID
+	failSwaps(t, func(sid uint32, _ *ebpf.Map) bool { return sid == second })
+	changed := svc
+	changed.Backends = slices.Clone(svc.Backends)
+	changed.Backends[0].Weight = u32(2)
+	if _, err := d.ApplyService(ctx, changed); !errors.Is(err, errSwapFault) {
+		t.Fatalf("apply with a failing swap and rollback: %v, want errSwapFault", err)
+	}
+	checkClosed(t, "after the failed apply and rollback", d, svc.Name)
+
+	failSwaps(t, nil)
+	if _, err := d.ReconcileHealth(ctx); err != nil {
+		t.Fatal(err)
+	}
+	checkServing(t, "after a health round", d, svc)
 }

@@ -9,11 +9,20 @@ import (
 // applyState is the state of the apply path that lets changes of
 // different services run concurrently (ApplyService).
 type applyState struct {
-	index    *intent.CatalogIndex // catalog totals for incremental validation; under mu
-	store    *catalogStore        // the catalog's journal; nil without CatalogPath
-	busy     map[string]int       // services with a change between prepare and commit; under mu
-	tables   tablePool            // Maglev tables to build in
-	inflight sync.WaitGroup       // changes under way; Close waits for them
+	index *intent.CatalogIndex // catalog totals for incremental validation; under mu
+	store *catalogStore        // the catalog's journal; nil without CatalogPath
+	busy  map[string]int       // services with a change between prepare and commit; under mu
+	// unsaved are the services whose delete answered "removed, but the
+	// catalog was not saved", with the seq of its record; a retry of the
+	// delete makes it durable (DeleteService). Under mu.
+	unsaved map[string]uint64
+	// repairs are the frontends that failClosed closed, by service,
+	// until the service is programmed again: its next change removes
+	// those it no longer wants, even one the service's record does not
+	// list (a new frontend of an apply whose rollback failed). Under mu.
+	repairs  map[string][]*frontend
+	tables   tablePool      // Maglev tables to build in
+	inflight sync.WaitGroup // changes under way; Close waits for them
 	// compacting counts catalog compactions under way.
 	compacting sync.WaitGroup
 

@@ -261,6 +261,9 @@ type service struct {
 	applied   time.Time
 	frontends []*frontend
 	fp        intent.Footprint // what it counts in d.index
+	// seq is the catalog journal record of this intent (ApplyService);
+	// 0 when it came from the snapshot at Open, or without a catalog.
+	seq uint64
 }
 
 type frontend struct {
@@ -276,6 +279,10 @@ type frontend struct {
 	// false until its first commit and once removeFrontend deleted it.
 	live bool
 	rev  uint32
+	// repair: a change failed and could not put back what was there, so
+	// its guard is closed until the service is programmed again
+	// (failClosed).
+	repair bool
 	// edt is its fluxvm_edt entry as written (the departure clock aside),
 	// once edtKnown (edt.go).
 	edt      bpf.EDTValue

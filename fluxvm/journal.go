@@ -609,6 +609,49 @@ func (d *Dataplane) journal(name string, s *service) (uint64, error) {
 	return seq, nil
 }
 
+// catchUp returns the seq to wait for (settle) so that the change seq
+// (its journal record) is durable, 0 when it is, and starts a compaction
+// when a failed write broke the journal before it got there (the
+// compaction heals it). An unchanged apply, or the retry of a delete
+// that was not saved, calls it: their change may be one whose record
+// failed to reach the disk. d.mu must be held.
+func (d *Dataplane) catchUp(seq uint64) uint64 {
+	if d.store == nil || seq == 0 {
+		return 0
+	}
+	seq, broken := d.store.behind(seq)
+	if broken && d.store.wantCompaction() {
+		d.startCompaction()
+	}
+	return seq
+}
+
+// settle waits until the change seq (from catchUp) is durable. A
+// compaction that captured the catalog before the failed write it was to
+// heal leaves the journal broken: then it starts one more, once. d.mu
+// must not be held.
+func (d *Dataplane) settle(seq uint64) error {
+	err := d.persist(seq)
+	if err == nil {
+		return nil
+	}
+	d.mu.Lock()
+	seq = d.catchUp(seq)
+	d.mu.Unlock()
+	return d.persist(seq)
+}
+
+// behind returns seq and whether the journal is broken, or 0 when the
+// record seq is durable.
+func (s *catalogStore) behind(seq uint64) (uint64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.durable >= seq {
+		return 0, false
+	}
+	return seq, s.err != nil
+}
+
 // persist waits until the change seq (from journal) is durable. d.mu
 // must not be held.
 func (d *Dataplane) persist(seq uint64) error {

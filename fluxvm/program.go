@@ -23,20 +23,26 @@ import (
 
 // ApplyService creates or updates a service. The request is validated
 // against the whole catalog first, so a rejected request changes nothing.
-// Applying the same intent again changes nothing either. An update never
-// touches conntrack or reverse-NAT state: established flows keep their
-// backends as the selection rules say.
+// Applying the same intent again changes nothing either, unless a failed
+// change left the service's frontends out of place (a failed delete's,
+// or one closed for repair: FrontendStatus.RepairPending): then it
+// programs them again. An update never touches conntrack or reverse-NAT
+// state: established flows keep their backends as the selection rules
+// say.
 //
 // It returns once the change is programmed and durable in the catalog
 // (journal.go). Applies of different services run concurrently: the
 // dataplane's lock is held to validate and reserve ids and to write the
 // frontend entries, but not while the Maglev tables are built and
-// written, nor while they are swapped into fluxvm_maglev (each swap
-// waits for an RCU grace period in the kernel, which concurrent swaps
-// share), nor while the catalog journal is synced (concurrent changes
-// share one fsync). Applies and deletes of one service run one at a
-// time, in the order they took the service's lock: the last one to
-// return is what the maps hold and what the catalog keeps.
+// written, nor while they are swapped into fluxvm_maglev or the slots of
+// frontends it drops are emptied (each update waits for an RCU grace
+// period in the kernel, which concurrent updates share), nor while the
+// catalog journal is synced (concurrent changes share one fsync).
+// Applies and deletes of one service run one at a time, in the order
+// they took the service's lock: the last one to return is what the maps
+// hold and what the catalog keeps. An apply that failed with
+// "programmed, but the catalog was not saved", retried unchanged,
+// returns nil only once the catalog is durable again.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
 	if err := d.opened("apply service"); err != nil {
 		return ServiceStatus{}, err
@@ -72,10 +78,17 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 		}
 	}
 	old := d.services[svc.Name]
-	if old != nil && reflect.DeepEqual(old.intent, svc) {
+	if old != nil && reflect.DeepEqual(old.intent, svc) && d.inPlace(old) {
 		st := d.statusOf(old)
 		span.SetAttributes(AttrChanged.Bool(false), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
+		// Unchanged, but perhaps not saved: the retry of an apply that
+		// answered "programmed, but the catalog was not saved" answers
+		// only once its record, or a snapshot, is durable (catchUp).
+		seq := d.catchUp(old.seq)
 		d.mu.Unlock()
+		if err := d.settle(seq); err != nil {
+			return st, fmt.Errorf("fluxvm: apply %s: programmed, but the catalog was not saved: %w", svc.Name, err)
+		}
 		return st, nil
 	}
 	fp := intent.FootprintOf(&svc)
@@ -121,7 +134,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 			rerr = d.unprogram(s)
 		}
 		if rerr != nil {
-			d.log.Error("fluxvm: rollback failed; the service's frontends may serve a mix of the old and new intent until it is applied again", "service", svc.Name, "err", rerr)
+			// A mix of the old and new intent must not serve: fail
+			// closed until the service is programmed again.
+			d.failClosed(svc.Name, d.frontendsOf(svc.Name, s, old), rerr)
+			err = fmt.Errorf("%w (and the rollback failed: %w; its frontends are closed until it is applied again)", err, rerr)
 		}
 		d.index.Abort(svc.Name, &fp, oldFP)
 		d.doneBusy(svc.Name)
@@ -130,6 +146,8 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	}
 	d.index.Commit(svc.Name, &fp, oldFP)
 	d.services[svc.Name] = s
+	delete(d.unsaved, svc.Name)
+	delete(d.repairs, svc.Name)
 	d.syncEDTNode()
 	d.syncHA()
 	d.doneBusy(svc.Name)
@@ -138,6 +156,7 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	st := d.statusOf(s)
 	span.SetAttributes(AttrChanged.Bool(true), AttrRevision.Int64(int64(st.Revision)), AttrFrontends.Int(len(st.Frontends)))
 	seq, jerr := d.journal(svc.Name, s)
+	s.seq = seq
 	d.mu.Unlock()
 	if jerr == nil {
 		jerr = d.persist(seq)
@@ -155,7 +174,11 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 // once the removal is durable in the catalog. Like ApplyService, it does
 // not hold the dataplane's lock while its tables' slots of fluxvm_maglev
 // are emptied (an RCU grace period each), so deletes and applies of
-// different services run concurrently.
+// different services run concurrently. If emptying them fails, the
+// service is kept as it was (programmed again) and the error says so.
+// A delete that failed with "removed, but the catalog was not saved",
+// retried, returns nil only once the removal is durable (and
+// ErrNotFound after that).
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
 	if err := d.opened("delete service"); err != nil {
 		return err
@@ -170,6 +193,19 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		return err
 	}
 	s, ok := d.services[name]
+	if seq := d.unsaved[name]; !ok && seq != 0 {
+		// The retry of a delete that answered "removed, but the catalog
+		// was not saved": it answers once the removal is durable.
+		seq = d.catchUp(seq)
+		d.mu.Unlock()
+		if err := d.settle(seq); err != nil {
+			return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, err)
+		}
+		d.mu.Lock()
+		delete(d.unsaved, name)
+		d.mu.Unlock()
+		return nil
+	}
 	if !ok {
 		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: %w", name, ErrNotFound)
@@ -184,6 +220,7 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	delete(d.services, name)
+	delete(d.repairs, name)
 	d.syncEDTNode()
 	d.syncHA()
 	d.index.Remove(name, &s.fp)
@@ -200,6 +237,14 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 		jerr = d.persist(seq)
 	}
 	if jerr != nil {
+		d.mu.Lock()
+		if d.unsaved == nil {
+			d.unsaved = map[string]uint64{}
+		}
+		if seq != 0 {
+			d.unsaved[name] = seq
+		}
+		d.mu.Unlock()
 		return fmt.Errorf("fluxvm: delete %s: removed, but the catalog was not saved: %w", name, jerr)
 	}
 	d.log.Info("fluxvm: service deleted", "service", name)
@@ -246,6 +291,7 @@ func (d *Dataplane) statusOf(s *service) ServiceStatus {
 		st.Frontends = append(st.Frontends, FrontendStatus{
 			VIP: netip.AddrPortFrom(fe.key.vip, fe.key.port), Protocol: protocolOf(fe.key.proto),
 			ServiceID: fe.sid, Eligible: fe.eligible, Backends: len(fe.backends), MaglevSize: fe.size, GuardOpen: fe.guard,
+			RepairPending: fe.repair,
 		})
 	}
 	return st
@@ -327,7 +373,11 @@ func (d *Dataplane) program(svc Service, s *service, others ...*service) error {
 		return err
 	}
 	defer closeTables(tables)
-	return d.commit(svc, s, p, tables, others...)
+	if err := d.commit(svc, s, p, tables, others...); err != nil {
+		return err
+	}
+	delete(d.repairs, svc.Name)
+	return nil
 }
 
 // plan is a change of one service between prepare and commit.
@@ -383,7 +433,7 @@ func (d *Dataplane) prepare(svc Service, s *service, others ...*service) (*plan,
 		return nil, err
 	}
 	wallNow := time.Now()
-	prev := d.frontendsOf(svc.Name, append([]*service{s}, others...)...)
+	prev := d.withRepairs(svc.Name, d.frontendsOf(svc.Name, append([]*service{s}, others...)...))
 	p := &plan{health: d.healthOf(&svc)}
 	keep := map[feKey]bool{}
 	s.frontends = nil
@@ -451,12 +501,13 @@ func (d *Dataplane) commit(svc Service, s *service, p *plan, tables []builtTable
 }
 
 // commitUnlocked is commit for ApplyService: called with d.mu held, it
-// releases the lock while the tables are swapped in and holds it again
-// when it returns. A swap into fluxvm_maglev (a map of maps) returns only
-// after an RCU grace period, so that no program still reads the table it
-// replaced: milliseconds, which under d.mu would serialise every apply
-// of the node. Without the lock, the grace periods of concurrent applies
-// overlap.
+// releases the lock while the tables are swapped in, and again while the
+// slots of the frontends the change drops are emptied (removeUnlocked,
+// as a delete does), and holds it again when it returns. An update of
+// fluxvm_maglev (a map of maps) returns only after an RCU grace period,
+// so that no program still reads the table it replaced: milliseconds,
+// which under d.mu would serialise every apply of the node. Without the
+// lock, the grace periods of concurrent applies overlap.
 //
 // The tables are the service's own, and its other writers wait: changes
 // of the same name, and identity policy changes that touch it, hold its
@@ -480,7 +531,11 @@ func (d *Dataplane) commitUnlocked(svc Service, s *service, p *plan, tables []bu
 		// A health check changed a backend while the lock was free.
 		return d.program(svc, s, others...)
 	}
-	return d.commitEnd(svc, s, p, tables, c)
+	if err := d.finishFrontends(svc, s, p, tables, c); err != nil {
+		return err
+	}
+	// The frontends the change drops go as a delete's do.
+	return d.removeUnlocked(p.remove)
 }
 
 // commitState is what commitStart hands on to the swaps and commitEnd.
@@ -524,11 +579,26 @@ func (d *Dataplane) commitStart(svc Service, s *service, p *plan, tables []built
 }
 
 // commitEnd finishes p with d.mu held, once its tables are in place: the
-// frontend entries, markers and guards (finishFrontend), then the
-// frontends the change drops. It readies each frontend again first, from
-// the state as it is now (what readyFrontend wrote already is left as
-// is), so that it writes the flags of now.
+// frontend entries, markers and guards (finishFrontends), then the
+// frontends the change drops.
 func (d *Dataplane) commitEnd(svc Service, s *service, p *plan, tables []builtTable, c commitState) error {
+	if err := d.finishFrontends(svc, s, p, tables, c); err != nil {
+		return err
+	}
+	for _, fe := range p.remove {
+		if err := d.removeFrontend(fe); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// finishFrontends writes the frontend entries, markers and guards of p
+// (finishFrontend), with d.mu held, once its tables are in place. It
+// readies each frontend again first, from the state as it is now (what
+// readyFrontend wrote already is left as is), so that it writes the
+// flags of now.
+func (d *Dataplane) finishFrontends(svc Service, s *service, p *plan, tables []builtTable, c commitState) error {
 	for i, pl := range p.frontends {
 		flags, err := d.readyFrontend(svc, pl, c.pacer, c.clock)
 		if err == nil {
@@ -536,11 +606,6 @@ func (d *Dataplane) commitEnd(svc Service, s *service, p *plan, tables []builtTa
 		}
 		if err != nil {
 			return fmt.Errorf("frontend %s: %w", pl.fe.key, err)
-		}
-	}
-	for _, fe := range p.remove {
-		if err := d.removeFrontend(fe); err != nil {
-			return err
 		}
 	}
 	return nil
@@ -701,6 +766,7 @@ func (d *Dataplane) finishFrontend(svc Service, s *service, pl planned, t builtT
 	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, g); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
+	fe.repair = false
 
 	// Backends that left the intent go only now that no table names them,
 	// and so do their slots in the reverse translation index.
@@ -830,6 +896,11 @@ func closeTables(ts []builtTable) {
 // after an RCU grace period (the kernel waits for the programs that may
 // still read the old table), which concurrent callers share.
 func swapTable(outer *ebpf.Map, sid uint32, inner *ebpf.Map) error {
+	if swapFault != nil {
+		if err := swapFault(sid, inner); err != nil {
+			return fmt.Errorf("maglev table: %w", err)
+		}
+	}
 	if inner == nil {
 		if err := outer.Delete(sid); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("maglev table: %w", err)
@@ -841,6 +912,11 @@ func swapTable(outer *ebpf.Map, sid uint32, inner *ebpf.Map) error {
 	}
 	return nil
 }
+
+// swapFault is for tests alone (nil otherwise): swapTable calls it before
+// it updates slot sid of fluxvm_maglev (inner nil: empties it), and fails
+// with its error, as a failed map update would, without touching the map.
+var swapFault func(sid uint32, inner *ebpf.Map) error
 
 func (d *Dataplane) putFrontend(k feKey, v bpf.SvcValue) error {
 	var err error
@@ -1044,16 +1120,42 @@ func (d *Dataplane) unprogram(ss ...*service) error {
 }
 
 // unprogramUnlocked is unprogram for DeleteService: called with d.mu
-// held, it retires the frontends of s (their entries go first), releases
-// the lock while their slots of fluxvm_maglev are emptied (each update
-// waits for an RCU grace period: see commitUnlocked), and holds it again
-// to drop their backends and guards and release their ids. Until then
-// the ids stay taken, so no other frontend gets one and puts a table in
-// the slot meanwhile; the frontends stay in d.frontends, so another
-// service's change that wants one of their keys meanwhile is refused
-// with ErrConflict, as it would have been a moment earlier.
+// held, it takes the frontends of s out of the datapath with
+// removeUnlocked. When that fails, the service stays (DeleteService
+// fails and keeps it listed and in the catalog), so what already went is
+// put back: s is programmed again with the lock held, as an apply's
+// rollback does; if that fails too, its frontends are closed
+// (failClosed) until it is programmed again.
 func (d *Dataplane) unprogramUnlocked(s *service) error {
-	fes := d.frontendsOf(s.intent.Name, s)
+	err := d.removeUnlocked(d.withRepairs(s.intent.Name, d.frontendsOf(s.intent.Name, s)))
+	if err == nil {
+		return nil
+	}
+	if rerr := d.program(s.intent, s); rerr != nil {
+		d.failClosed(s.intent.Name, d.frontendsOf(s.intent.Name, s), rerr)
+		return fmt.Errorf("%w (and restoring the service failed: %w; its frontends are closed until it is applied again)", err, rerr)
+	}
+	return fmt.Errorf("%w (the service is kept as it was)", err)
+}
+
+// removeUnlocked is removeFrontend for the frontends fes of one service,
+// without d.mu while their slots of fluxvm_maglev are emptied: called
+// with d.mu held, it retires them all (their entries go first), releases
+// the lock while their slots are emptied (each update waits for an RCU
+// grace period: see commitUnlocked), and holds it again to drop their
+// backends and guards and release their ids. Until then the ids stay
+// taken, so no other frontend gets one and puts a table in the slot
+// meanwhile; the frontends stay in d.frontends, so another service's
+// change that wants one of their keys meanwhile is refused with
+// ErrConflict, as it would have been a moment earlier. The caller holds
+// the service's lock and counts itself in d.busy, so no other change of
+// the service runs meanwhile. On an error it returns with d.mu held and
+// the frontends retired, some slots perhaps emptied: the caller programs
+// the service again.
+func (d *Dataplane) removeUnlocked(fes []*frontend) error {
+	if len(fes) == 0 {
+		return nil
+	}
 	for _, fe := range fes {
 		if err := d.retireFrontend(fe); err != nil {
 			return err
@@ -1064,6 +1166,7 @@ func (d *Dataplane) unprogramUnlocked(s *service) error {
 	var err error
 	for _, fe := range fes {
 		if err = swapTable(outer, fe.sid, nil); err != nil {
+			err = fmt.Errorf("frontend %s: %w", fe.key, err)
 			break
 		}
 	}
@@ -1077,6 +1180,62 @@ func (d *Dataplane) unprogramUnlocked(s *service) error {
 		}
 	}
 	return nil
+}
+
+// inPlace reports whether every frontend of s is in the datapath as its
+// last change left it: its entry written (a failed delete may have
+// retired it) and none of the service's frontends closed for repair
+// (failClosed). ApplyService does nothing for an unchanged intent only
+// then. d.mu must be held.
+func (d *Dataplane) inPlace(s *service) bool {
+	if len(d.repairs[s.intent.Name]) > 0 {
+		return false
+	}
+	for _, fe := range s.frontends {
+		if !fe.live || fe.repair {
+			return false
+		}
+	}
+	return true
+}
+
+// withRepairs adds to fes, frontends of service name, those of its
+// frontends closed for repair (d.repairs) that the datapath still has.
+// d.mu must be held.
+func (d *Dataplane) withRepairs(name string, fes []*frontend) []*frontend {
+	for _, fe := range d.repairs[name] {
+		if d.frontends[fe.key] == fe && !slices.Contains(fes, fe) {
+			fes = append(fes, fe)
+		}
+	}
+	return fes
+}
+
+// failClosed is the last resort of a change that failed and could not
+// put back what was there (cause: why not): the frontends fes of service
+// name may hold a mix of tables, entries and backends of two intents, so
+// their guards are closed (their packets drop as guard_closed, new and
+// established flows alike) and they are marked for repair: Status shows
+// them (FrontendStatus.RepairPending), the next apply of the service
+// programs it even with an unchanged intent, and its next health round
+// reprograms it. d.mu must be held.
+func (d *Dataplane) failClosed(name string, fes []*frontend, cause error) {
+	var errs []error
+	if d.repairs == nil {
+		d.repairs = map[string][]*frontend{}
+	}
+	d.repairs[name] = d.withRepairs(name, slices.Clone(fes))
+	for _, fe := range fes {
+		fe.repair, fe.guard = true, false
+		if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
+			errs = append(errs, fmt.Errorf("frontend %s: close guard: %w", fe.key, err))
+		}
+	}
+	if c := d.health.checkers[name]; c != nil {
+		c.unprogrammed = true
+	}
+	d.log.Error("fluxvm: a change failed and putting back what was there failed too; the service's frontends are closed (their packets drop) until it is programmed again",
+		"service", name, "frontends", len(fes), "err", cause, "close_err", errors.Join(errs...))
 }
 
 func removeIfExists(path string) error {

@@ -93,6 +93,12 @@ type FrontendStatus struct {
 	// GuardOpen is false while the frontend is being reprogrammed or the
 	// service is disabled: its packets are dropped.
 	GuardOpen bool `json:"guard_open"`
+	// RepairPending is true when a change of the service failed and so
+	// did putting back what was there (a failed map update): the
+	// frontend may hold parts of two intents, so its guard is closed
+	// (fail closed) until the service is programmed again, by its next
+	// apply (the same intent will do) or health-check round.
+	RepairPending bool `json:"repair_pending,omitempty"`
 }
 
 // Status describes the node's dataplane.

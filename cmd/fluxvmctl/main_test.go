@@ -136,7 +136,8 @@ func sampleServices() []fluxvm.ServiceStatus {
 				},
 			},
 			Revision: 7, AppliedAt: applied,
-			Frontends: []fluxvm.FrontendStatus{{VIP: netip.MustParseAddrPort("10.96.0.20:443"), Protocol: fluxvm.TCP, ServiceID: 2, Eligible: 1, Backends: 3, MaglevSize: 251, GuardOpen: true}},
+			Frontends: []fluxvm.FrontendStatus{{VIP: netip.MustParseAddrPort("10.96.0.20:443"), Protocol: fluxvm.TCP, ServiceID: 2, Eligible: 1, Backends: 3, MaglevSize: 251, GuardOpen: true},
+				{VIP: netip.MustParseAddrPort("10.96.0.20:443"), Protocol: fluxvm.UDP, ServiceID: 3, Eligible: 1, Backends: 3, MaglevSize: 251, RepairPending: true}},
 		},
 		{
 			Service: fluxvm.Service{
@@ -203,6 +204,7 @@ func TestTables(t *testing.T) {
 			"\n" +
 			"FRONTEND        PROTO  ID  ELIGIBLE  BACKENDS  MAGLEV  OPEN\n" +
 			"10.96.0.20:443  tcp    2   1         3         251     yes\n" +
+			"10.96.0.20:443  udp    3   1         3         251     no (repair pending)\n" +
 			"\n" +
 			"BACKEND        WEIGHT  ENABLED  STATE     DRAIN UNTIL\n" +
 			"10.1.0.1:8443  1       yes      ready     -\n" +

@@ -125,7 +125,12 @@ func serviceDetail(w io.Writer, st fluxvm.ServiceStatus) {
 	fmt.Fprintln(w)
 	row(w, "FRONTEND", "PROTO", "ID", "ELIGIBLE", "BACKENDS", "MAGLEV", "OPEN")
 	for _, f := range st.Frontends {
-		row(w, f.VIP, f.Protocol, f.ServiceID, f.Eligible, f.Backends, f.MaglevSize, yesNo(f.GuardOpen))
+		open := yesNo(f.GuardOpen)
+		if f.RepairPending {
+			// Closed after a failed change until it is applied again.
+			open = "no (repair pending)"
+		}
+		row(w, f.VIP, f.Protocol, f.ServiceID, f.Eligible, f.Backends, f.MaglevSize, open)
 	}
 
 	fmt.Fprintln(w)

@@ -172,17 +172,46 @@ func clsBPFAttachments() ([]Attachment, error) {
 }
 
 // removeClsBPF deletes every cls_bpf filter of ours (ourClsFilters),
-// whatever program it runs, in the calling thread's network namespace.
+// whatever program it runs, in the calling thread's network namespace,
+// and then the clsact qdisc of each interface it took them from when no
+// filter is left on it (ours made it: attachClsBPF adds one where there
+// is none; a clsact that still holds another program's filter stays).
 func removeClsBPF() error {
 	fs, err := ourClsFilters()
 	if err != nil {
 		return fmt.Errorf("bpf: cls_bpf filters: %w", err)
 	}
 	var errs []error
+	touched := map[int]netlink.Link{}
 	for _, c := range fs {
 		if err := netlink.FilterDel(c.f); err != nil && !errors.Is(err, unix.ENOENT) {
 			errs = append(errs, fmt.Errorf("bpf: detach %s from %s (cls_bpf): %w", c.f.Name, c.link.Attrs().Name, err))
 		}
+		touched[c.link.Attrs().Index] = c.link
+	}
+	for _, l := range touched {
+		if err := removeEmptyClsact(l); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
+}
+
+// removeEmptyClsact deletes l's clsact qdisc when neither of its
+// directions holds a filter.
+func removeEmptyClsact(l netlink.Link) error {
+	for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+		fs, err := netlink.FilterList(l, parent)
+		if err != nil || len(fs) > 0 {
+			return nil // gone already, or someone else's filter is on it
+		}
+	}
+	q := &netlink.GenericQdisc{
+		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: l.Attrs().Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
+		QdiscType:  "clsact",
+	}
+	if err := netlink.QdiscDel(q); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("bpf: remove the empty clsact qdisc of %s: %w", l.Attrs().Name, err)
+	}
+	return nil
 }

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -67,6 +69,21 @@ func TestClsBPFAttachmentsAndRemove(t *testing.T) {
 				if err := d.Detach(Interface{Index: vm.Attrs().Index}, HookNSIn); !errors.Is(err, ErrNotAttached) {
 					t.Errorf("detach ns_in from a VM edge: %v, want ErrNotAttached", err)
 				}
+				// Another program's filter on the uplink's egress: it and
+				// its clsact stay; the VM edge's clsact, ours alone, goes.
+				foreign, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+					Type: ebpf.SchedCLS, License: "GPL",
+					Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer foreign.Close()
+				if err := netlink.FilterAdd(&netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{
+					LinkIndex: up.Attrs().Index, Parent: netlink.HANDLE_MIN_EGRESS, Priority: 2, Protocol: unix.ETH_P_ALL,
+				}, Fd: foreign.FD(), Name: "someone-else", DirectAction: true}); err != nil {
+					t.Fatal(err)
+				}
 				if standalone {
 					d.Close()
 					err = RemoveRoot(root)
@@ -89,9 +106,33 @@ func TestClsBPFAttachmentsAndRemove(t *testing.T) {
 				if _, err := os.Stat(root); !errors.Is(err, os.ErrNotExist) {
 					t.Errorf("pin root left: %v", err)
 				}
+				if hasClsact(t, vm) {
+					t.Errorf("%s: the clsact qdisc of our filters left after %s", vm.Attrs().Name, name)
+				}
+				if !hasClsact(t, up) {
+					t.Errorf("%s: the clsact qdisc holding another program's filter removed", up.Attrs().Name)
+				}
+				if fs, _ := netlink.FilterList(up, netlink.HANDLE_MIN_EGRESS); len(fs) != 1 || fs[0].(*netlink.BpfFilter).Name != "someone-else" {
+					t.Errorf("%s egress filters after %s: %+v, want the other program's alone", up.Attrs().Name, name, fs)
+				}
 			})
 		})
 	}
+}
+
+// hasClsact reports whether l has a clsact qdisc.
+func hasClsact(t *testing.T, l netlink.Link) bool {
+	t.Helper()
+	qs, err := netlink.QdiscList(l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range qs {
+		if q.Type() == "clsact" {
+			return true
+		}
+	}
+	return false
 }
 
 // TestLockPinRoot: a pin root is held once, within one process too; the

@@ -14,7 +14,9 @@ import (
 // calling thread's network namespace (call it inside InNetNS or
 // NetNS.Do): TCX and XDP programs whose name starts with "fluxvm",
 // cls_bpf filters whose name does, and root qdiscs with FluxVM's handle
-// (f1d0:, edt_manage_fq). Empty when a cleanup left nothing.
+// (f1d0:, edt_manage_fq), and clsact qdiscs with no filter left (the
+// cls_bpf attach adds one where there is none). Empty when a cleanup left
+// nothing.
 func FluxVMLeftovers() ([]string, error) {
 	links, err := netlink.LinkList()
 	if err != nil {
@@ -54,6 +56,9 @@ func FluxVMLeftovers() ([]string, error) {
 		for _, q := range qs {
 			if q.Attrs().Parent == netlink.HANDLE_ROOT && q.Attrs().Handle == netlink.MakeHandle(0xf1d0, 0) {
 				out = append(out, fmt.Sprintf("%s: root qdisc %s f1d0:", name, q.Type()))
+			}
+			if q.Type() == "clsact" && emptyClsact(l) {
+				out = append(out, fmt.Sprintf("%s: clsact qdisc with no filter (the cls_bpf attach made it)", name))
 			}
 		}
 	}
@@ -102,4 +107,15 @@ func programName(id ebpf.ProgramID) (string, error) {
 		return "", err
 	}
 	return info.Name, nil
+}
+
+// emptyClsact reports whether neither direction of l's clsact holds a
+// filter.
+func emptyClsact(l netlink.Link) bool {
+	for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+		if fs, err := netlink.FilterList(l, parent); err != nil || len(fs) > 0 {
+			return false
+		}
+	}
+	return true
 }

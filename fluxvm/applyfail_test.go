@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,7 +17,6 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
-	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // errSwapFault is the error of the map updates the tests below make fail.
@@ -129,9 +127,7 @@ func inCatalog(t *testing.T, d *Dataplane, path, name string) uint32 {
 // are closed and pending repair, and an apply of the same intent
 // programs it again instead of answering "unchanged".
 func TestDeleteSwapFailureKeepsService(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, path := newApplyTest(t)
 	ctx := context.Background()
 	svc := twoPorts(0, 3)
 	if _, err := d.ApplyService(ctx, benchService(1, 1)); err != nil {
@@ -183,8 +179,7 @@ func TestDeleteSwapFailureKeepsService(t *testing.T) {
 // apply, of the same intent as before, programs them and opens them, and
 // removes the frontend that the failed apply added.
 func TestApplyRollbackFailureFailsClosed(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	svc := twoPorts(0, 1)
 	st, err := d.ApplyService(ctx, svc)
@@ -233,9 +228,7 @@ func TestApplyRollbackFailureFailsClosed(t *testing.T) {
 // the frontend is left. When emptying it fails, the apply fails and its
 // rollback puts the service back as it was.
 func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	both := twoPorts(0, 1)
 	st, err := d.ApplyService(ctx, both)
@@ -301,9 +294,7 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 // (the retry heals the journal with a compaction); the same for a delete
 // that answered "removed, but the catalog was not saved".
 func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, path := newApplyTest(t)
 	ctx := context.Background()
 	// breakJournal closes the journal file under the store, so that its
 	// next write fails (an apply before opened it).
@@ -374,8 +365,7 @@ func TestApplyDropConcurrency(t *testing.T) {
 		}
 		rounds = n
 	}
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	const services, per = 8, 20
 	for i := range services {
@@ -429,8 +419,7 @@ func TestApplyDropConcurrency(t *testing.T) {
 // checks dial nothing: the prober's dialer answers every check with a
 // connection of its own (net.Pipe), healthy.
 func TestHealthRoundRepairsClosedService(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	d.mu.Lock()
 	d.health.prober = health.NewProber(func(context.Context, string, string) (net.Conn, error) {
 		c, peer := net.Pipe()

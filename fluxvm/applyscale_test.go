@@ -48,13 +48,7 @@ func TestApplyAtScale(t *testing.T) {
 			sizes = append(sizes, n)
 		}
 	}
-	ops := 200
-	if s := os.Getenv("FLUXVM_APPLYBENCH_OPS"); s != "" {
-		var err error
-		if ops, err = strconv.Atoi(s); err != nil || ops < 10 {
-			t.Fatalf("FLUXVM_APPLYBENCH_OPS: %q", s)
-		}
-	}
+	ops := benchEnvInt(t, "FLUXVM_APPLYBENCH_OPS", 200, 10)
 	type row struct {
 		n                            int
 		create, update, del, conc    latencies
@@ -149,6 +143,21 @@ func TestApplyAtScale(t *testing.T) {
 			ratio(last.create, first.create), ratio(last.update, first.update), ratio(last.del, first.del))
 	}
 	t.Log(b.String())
+}
+
+// benchEnvInt is the number in environment variable name, def when it
+// is unset; anything else than a number of at least least fails the test.
+func benchEnvInt(t *testing.T, name string, def, least int) int {
+	t.Helper()
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < least {
+		t.Fatalf("%s: %q (a number of at least %d)", name, s, least)
+	}
+	return n
 }
 
 type latencies []time.Duration

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"slices"
 	"sync"
 	"testing"
@@ -40,9 +39,7 @@ import (
 // FLUXVM_APPLYBENCH_DIR the directory of the catalog (see
 // TestApplyAtScale).
 func TestApplyConcurrency(t *testing.T) {
-	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
-		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
-	}
+	fluxvm.BenchOnly(t)
 	rounds := fluxvm.BenchEnvInt(t, "FLUXVM_APPLYBENCH_ROUNDS", 5, 1)
 	ops := fluxvm.BenchEnvInt(t, "FLUXVM_APPLYBENCH_OPS", 400, 16)
 	const services, clients = 1000, 8
@@ -118,7 +115,7 @@ func TestApplyConcurrency(t *testing.T) {
 	// round runs ops applies by n clients; client c changes services
 	// c, c+n, c+2n, ... in turn. It returns applies/s and the latencies.
 	round := func(apply func(fluxvm.Service) error, n int) (float64, []time.Duration) {
-		return runClients(t, n, ops/n, func(c, k int) func() error {
+		return fluxvm.BenchClients(t, n, ops/n, func(c, k int) func() error {
 			svc := next((c + k*n) % services)
 			return func() error { return apply(svc) }
 		})
@@ -150,7 +147,7 @@ func TestApplyConcurrency(t *testing.T) {
 	// Deletes (SDK), once, since they use the services up: one client
 	// deletes 160 services, then eight clients 80 each.
 	del := func(first, n, per int) (float64, []time.Duration) {
-		return runClients(t, n, per, func(c, k int) func() error {
+		return fluxvm.BenchClients(t, n, per, func(c, k int) func() error {
 			return func() error {
 				if err := d.DeleteService(ctx, fluxvm.BenchService(first+c*per+k, 1).Name); err != nil {
 					return fmt.Errorf("delete: %w", err)
@@ -163,35 +160,6 @@ func TestApplyConcurrency(t *testing.T) {
 	d8, l8 := del(160, clients, 80)
 	t.Logf("sdk deletes: 1 client %.0f deletes/s (p50 %s), %d clients %.0f deletes/s (p50 %s), ratio %.2f×",
 		d1, pct(l1, 0.5), clients, d8, pct(l8, 0.5), d8/d1)
-}
-
-// runClients runs n clients at once, each of them per operations in
-// turn: client c's k-th is op(c, k), and only the function op returns is
-// timed. It returns operations/s and their latencies; an error fails the
-// test and ends that client.
-func runClients(t *testing.T, n, per int, op func(c, k int) func() error) (float64, []time.Duration) {
-	lats := make([][]time.Duration, n)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for c := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for k := range per {
-				timed := op(c, k)
-				t0 := time.Now()
-				if err := timed(); err != nil {
-					t.Errorf("client %d: %v", c, err)
-					return
-				}
-				lats[c] = append(lats[c], time.Since(t0))
-			}
-		}()
-	}
-	wg.Wait()
-	el := time.Since(start)
-	all := slices.Concat(lats...)
-	return float64(len(all)) / el.Seconds(), all
 }
 
 // spread is the median of v and its range, "median [min–max]".

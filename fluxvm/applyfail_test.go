@@ -4,13 +4,9 @@ import (
 	"context"
 	"errors"
 	"net"
-	"os"
 	"slices"
-	"strconv"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -354,17 +350,8 @@ func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
 // and their ratio. A benchmark: set FLUXVM_APPLYBENCH=1 to run it
 // (FLUXVM_APPLYBENCH_ROUNDS, default 3). Tier S, catalog on disk.
 func TestApplyDropConcurrency(t *testing.T) {
-	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
-		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
-	}
-	rounds := 3
-	if v := os.Getenv("FLUXVM_APPLYBENCH_ROUNDS"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 {
-			t.Fatalf("FLUXVM_APPLYBENCH_ROUNDS=%q: want a number of at least 1", v)
-		}
-		rounds = n
-	}
+	benchOnly(t)
+	rounds := benchEnvInt(t, "FLUXVM_APPLYBENCH_ROUNDS", 3, 1)
 	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	const services, per = 8, 20
@@ -374,30 +361,20 @@ func TestApplyDropConcurrency(t *testing.T) {
 		}
 	}
 	run := func(clients int) float64 {
-		start := time.Now()
-		var wg sync.WaitGroup
-		for c := range clients {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range services * per / clients {
-					k, two := c, i%2 == 0
-					if clients == 1 {
-						k, two = i%services, (i/services)%2 == 0
-					}
-					svc := benchService(k, 1)
-					if two {
-						svc = twoPorts(k, 1)
-					}
-					if _, err := d.ApplyService(ctx, svc); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
-		elapsed := time.Since(start)
+		rate, _ := benchClients(t, clients, services*per/clients, func(c, i int) func() error {
+			k, two := c, i%2 == 0
+			if clients == 1 {
+				k, two = i%services, (i/services)%2 == 0
+			}
+			svc := benchService(k, 1)
+			if two {
+				svc = twoPorts(k, 1)
+			}
+			return func() error {
+				_, err := d.ApplyService(ctx, svc)
+				return err
+			}
+		})
 		if t.Failed() {
 			t.FailNow()
 		}
@@ -405,7 +382,7 @@ func TestApplyDropConcurrency(t *testing.T) {
 		if _, err := d.GC(ctx); err != nil {
 			t.Fatal(err)
 		}
-		return float64(services*per) / elapsed.Seconds()
+		return rate
 	}
 	for r := range rounds {
 		one, eight := run(1), run(8)

@@ -18,3 +18,10 @@ var BenchEnvInt = benchEnvInt
 
 // BenchPct is the p-th fraction percentile of latencies l (latencies.pct).
 func BenchPct(l []time.Duration, p float64) time.Duration { return latencies(l).pct(p) }
+
+// BenchOnly is benchOnly: it skips unless FLUXVM_APPLYBENCH=1.
+var BenchOnly = benchOnly
+
+// BenchClients is benchClients: n clients at once, per timed operations
+// each.
+var BenchClients = benchClients

@@ -144,19 +144,26 @@ func TestAttachXDPRefusesOffloads(t *testing.T) {
 		})
 	})
 
+	// vethToNS adds veth fvxrx to the namespace the test runs in, with its
+	// peer fvxtx in namespace peerNS (a netlink.NsFd or netlink.NsPid),
+	// and returns fvxrx's index.
+	vethToNS := func(t *testing.T, peerNS any) int {
+		t.Helper()
+		err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fvxrx"}, PeerName: "fvxtx", PeerNamespace: peerNS})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rx, err := netlink.LinkByName("fvxrx")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rx.Attrs().Index
+	}
+
 	t.Run("peer in another namespace", func(t *testing.T) {
 		peerNS := testenv.NewNetNS(t, "fvxpeer")
 		testenv.InNetNS(t, func() {
-			err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fvxrx"}, PeerName: "fvxtx",
-				PeerNamespace: netlink.NsFd(int(peerNS.Handle()))})
-			if err != nil {
-				t.Fatal(err)
-			}
-			rx, err := netlink.LinkByName("fvxrx")
-			if err != nil {
-				t.Fatal(err)
-			}
-			idx := rx.Attrs().Index
+			idx := vethToNS(t, netlink.NsFd(int(peerNS.Handle())))
 			d := openT(t, Options{PinRoot: root, Tier: TierS})
 			refused(t, d, idx, "peer elsewhere", []string{"veth peer fvxtx", "in the namespace with nsid", "tx-vlan-hw-insert", "in the peer's namespace"}, nil)
 			if err := peerNS.Do(func() error { return testenv.SendPlainFrames("fvxtx") }); err != nil {
@@ -179,16 +186,7 @@ func TestAttachXDPRefusesOffloads(t *testing.T) {
 		t.Cleanup(func() { sleeper.Process.Kill(); sleeper.Wait() })
 		pid := sleeper.Process.Pid
 		testenv.InNetNS(t, func() {
-			err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fvxrx"}, PeerName: "fvxtx",
-				PeerNamespace: netlink.NsPid(pid)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			rx, err := netlink.LinkByName("fvxrx")
-			if err != nil {
-				t.Fatal(err)
-			}
-			idx := rx.Attrs().Index
+			idx := vethToNS(t, netlink.NsPid(pid))
 			d := openT(t, Options{PinRoot: root, Tier: TierS})
 			refused(t, d, idx, "peer in a process's namespace", []string{"veth peer fvxtx", "in the namespace with nsid", "tx-checksum-ip-generic"}, nil)
 			h, err := netns.GetFromPid(pid)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -18,26 +17,19 @@ import (
 	"github.com/fluxvm/servicefabric/maglev"
 )
 
-// openApplyTest opens a tier S dataplane on a pin root of the test, with
-// its catalog at path; open again with the same root and path to restart.
-func openApplyTest(t *testing.T, root, path string) *Dataplane {
+// newApplyTest opens a tier S dataplane on a pin root of the test, with
+// its catalog in a directory of the test; it returns the root and the
+// catalog's path too, to open them again (a restart) or read the catalog.
+func newApplyTest(t *testing.T) (d *Dataplane, root, path string) {
 	t.Helper()
-	d, err := Open(Options{
-		Loader:      bpf.Options{PinRoot: root, Tier: bpf.TierS},
-		CatalogPath: path,
-		GCInterval:  -1,
-		Logger:      slog.New(slog.DiscardHandler),
-	})
-	if err != nil {
-		t.Fatalf("open: %v", err)
-	}
-	t.Cleanup(func() { d.Close() })
-	return d
+	root = filepath.Join(testenv.PinRoot(t), "service")
+	path = filepath.Join(t.TempDir(), "catalog.json")
+	return ixOpen(t, root, path, bpf.TierS), root, path
 }
 
-// kernelTable reads the Maglev table of datapath service sid from the
-// kernel: the inner map behind its slot of fluxvm_maglev, slot by slot.
-func kernelTable(t *testing.T, d *Dataplane, sid uint32) []uint32 {
+// kernelMaglevMap opens the inner map in the kernel behind slot sid of
+// fluxvm_maglev (datapath service sid's Maglev table); the caller closes it.
+func kernelMaglevMap(t *testing.T, d *Dataplane, sid uint32) *ebpf.Map {
 	t.Helper()
 	var id ebpf.MapID
 	if err := d.dp.Maps().FluxvmMaglev.Lookup(sid, &id); err != nil {
@@ -47,6 +39,14 @@ func kernelTable(t *testing.T, d *Dataplane, sid uint32) []uint32 {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return m
+}
+
+// kernelTable reads the Maglev table of datapath service sid from the
+// kernel: the inner map behind its slot of fluxvm_maglev, slot by slot.
+func kernelTable(t *testing.T, d *Dataplane, sid uint32) []uint32 {
+	t.Helper()
+	m := kernelMaglevMap(t, d, sid)
 	defer m.Close()
 	out := make([]uint32, m.MaxEntries())
 	for i := range out {
@@ -99,8 +99,7 @@ func checkTables(t *testing.T, what string, d *Dataplane, st ServiceStatus) {
 // reader runs on its own goroutine, so a scheduler that lets it miss the
 // whole window is possible: one attempt of five must see it.)
 func TestApplySwapsTablesWithoutTheLock(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	prev, err := d.ApplyService(ctx, benchService(0, 1))
 	if err != nil {
@@ -146,9 +145,7 @@ func TestApplySwapsTablesWithoutTheLock(t *testing.T) {
 // dataplane reports, what the kernel's tables hold, what the journal
 // replays to, and what a restart restores.
 func TestConcurrentAppliesOfOneService(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, root, path := newApplyTest(t)
 	ctx := context.Background()
 	const name, clients, per = 0, 8, 5
 	for i := range 4 {
@@ -229,7 +226,7 @@ func TestConcurrentAppliesOfOneService(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	check("after a restart", openApplyTest(t, root, path), true)
+	check("after a restart", ixOpen(t, root, path, bpf.TierS), true)
 }
 
 // TestDeleteEmptiesTablesWithoutTheLock: a delete does not hold the
@@ -242,9 +239,7 @@ func TestConcurrentAppliesOfOneService(t *testing.T) {
 // back for the whole window). After each delete everything of the
 // service is gone: entry, table, guard, backends, catalog record.
 func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, path := newApplyTest(t)
 	ctx := context.Background()
 	name := benchName(0)
 	if _, err := d.ApplyService(ctx, benchService(1, 1)); err != nil {

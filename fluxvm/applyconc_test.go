@@ -8,9 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -41,11 +39,9 @@ import (
 // FLUXVM_APPLYBENCH_DIR the directory of the catalog (see
 // TestApplyAtScale).
 func TestApplyConcurrency(t *testing.T) {
-	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
-		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
-	}
-	rounds := envInt(t, "FLUXVM_APPLYBENCH_ROUNDS", 5, 1)
-	ops := envInt(t, "FLUXVM_APPLYBENCH_OPS", 400, 16)
+	fluxvm.BenchOnly(t)
+	rounds := fluxvm.BenchEnvInt(t, "FLUXVM_APPLYBENCH_ROUNDS", 5, 1)
+	ops := fluxvm.BenchEnvInt(t, "FLUXVM_APPLYBENCH_OPS", 400, 16)
 	const services, clients = 1000, 8
 	var fill time.Duration
 	d, _ := fluxvm.BenchDataplane(t, services, &fill)
@@ -119,29 +115,10 @@ func TestApplyConcurrency(t *testing.T) {
 	// round runs ops applies by n clients; client c changes services
 	// c, c+n, c+2n, ... in turn. It returns applies/s and the latencies.
 	round := func(apply func(fluxvm.Service) error, n int) (float64, []time.Duration) {
-		per := ops / n
-		lats := make([][]time.Duration, n)
-		var wg sync.WaitGroup
-		start := time.Now()
-		for c := range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for k := range per {
-					svc := next((c + k*n) % services)
-					t0 := time.Now()
-					if err := apply(svc); err != nil {
-						t.Errorf("client %d: %v", c, err)
-						return
-					}
-					lats[c] = append(lats[c], time.Since(t0))
-				}
-			}()
-		}
-		wg.Wait()
-		el := time.Since(start)
-		all := slices.Concat(lats...)
-		return float64(len(all)) / el.Seconds(), all
+		return fluxvm.BenchClients(t, n, ops/n, func(c, k int) func() error {
+			svc := next((c + k*n) % services)
+			return func() error { return apply(svc) }
+		})
 	}
 
 	for _, path := range []struct {
@@ -170,27 +147,14 @@ func TestApplyConcurrency(t *testing.T) {
 	// Deletes (SDK), once, since they use the services up: one client
 	// deletes 160 services, then eight clients 80 each.
 	del := func(first, n, per int) (float64, []time.Duration) {
-		lats := make([][]time.Duration, n)
-		var wg sync.WaitGroup
-		start := time.Now()
-		for c := range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for k := range per {
-					t0 := time.Now()
-					if err := d.DeleteService(ctx, fluxvm.BenchService(first+c*per+k, 1).Name); err != nil {
-						t.Errorf("delete: %v", err)
-						return
-					}
-					lats[c] = append(lats[c], time.Since(t0))
+		return fluxvm.BenchClients(t, n, per, func(c, k int) func() error {
+			return func() error {
+				if err := d.DeleteService(ctx, fluxvm.BenchService(first+c*per+k, 1).Name); err != nil {
+					return fmt.Errorf("delete: %w", err)
 				}
-			}()
-		}
-		wg.Wait()
-		el := time.Since(start)
-		all := slices.Concat(lats...)
-		return float64(len(all)) / el.Seconds(), all
+				return nil
+			}
+		})
 	}
 	d1, l1 := del(0, 1, 160)
 	d8, l8 := del(160, clients, 80)
@@ -214,23 +178,5 @@ func spread(v []float64) string {
 }
 
 func pct(l []time.Duration, p float64) time.Duration {
-	if len(l) == 0 {
-		return 0
-	}
-	s := slices.Clone(l)
-	slices.Sort(s)
-	i := int(p*float64(len(s))+0.5) - 1
-	return s[max(0, min(i, len(s)-1))].Round(10 * time.Microsecond)
-}
-
-func envInt(t *testing.T, name string, def, least int) int {
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n < least {
-		t.Fatalf("%s: %q (a number of at least %d)", name, s, least)
-	}
-	return n
+	return fluxvm.BenchPct(l, p).Round(10 * time.Microsecond)
 }

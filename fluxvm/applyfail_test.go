@@ -4,21 +4,15 @@ import (
 	"context"
 	"errors"
 	"net"
-	"os"
-	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
-	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 // errSwapFault is the error of the map updates the tests below make fail.
@@ -129,9 +123,7 @@ func inCatalog(t *testing.T, d *Dataplane, path, name string) uint32 {
 // are closed and pending repair, and an apply of the same intent
 // programs it again instead of answering "unchanged".
 func TestDeleteSwapFailureKeepsService(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, path := newApplyTest(t)
 	ctx := context.Background()
 	svc := twoPorts(0, 3)
 	if _, err := d.ApplyService(ctx, benchService(1, 1)); err != nil {
@@ -183,8 +175,7 @@ func TestDeleteSwapFailureKeepsService(t *testing.T) {
 // apply, of the same intent as before, programs them and opens them, and
 // removes the frontend that the failed apply added.
 func TestApplyRollbackFailureFailsClosed(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	svc := twoPorts(0, 1)
 	st, err := d.ApplyService(ctx, svc)
@@ -233,9 +224,7 @@ func TestApplyRollbackFailureFailsClosed(t *testing.T) {
 // the frontend is left. When emptying it fails, the apply fails and its
 // rollback puts the service back as it was.
 func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	both := twoPorts(0, 1)
 	st, err := d.ApplyService(ctx, both)
@@ -301,9 +290,7 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 // (the retry heals the journal with a compaction); the same for a delete
 // that answered "removed, but the catalog was not saved".
 func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	path := filepath.Join(t.TempDir(), "catalog.json")
-	d := openApplyTest(t, root, path)
+	d, _, path := newApplyTest(t)
 	ctx := context.Background()
 	// breakJournal closes the journal file under the store, so that its
 	// next write fails (an apply before opened it).
@@ -363,19 +350,9 @@ func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
 // and their ratio. A benchmark: set FLUXVM_APPLYBENCH=1 to run it
 // (FLUXVM_APPLYBENCH_ROUNDS, default 3). Tier S, catalog on disk.
 func TestApplyDropConcurrency(t *testing.T) {
-	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
-		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
-	}
-	rounds := 3
-	if v := os.Getenv("FLUXVM_APPLYBENCH_ROUNDS"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 {
-			t.Fatalf("FLUXVM_APPLYBENCH_ROUNDS=%q: want a number of at least 1", v)
-		}
-		rounds = n
-	}
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	benchOnly(t)
+	rounds := benchEnvInt(t, "FLUXVM_APPLYBENCH_ROUNDS", 3, 1)
+	d, _, _ := newApplyTest(t)
 	ctx := context.Background()
 	const services, per = 8, 20
 	for i := range services {
@@ -384,30 +361,20 @@ func TestApplyDropConcurrency(t *testing.T) {
 		}
 	}
 	run := func(clients int) float64 {
-		start := time.Now()
-		var wg sync.WaitGroup
-		for c := range clients {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range services * per / clients {
-					k, two := c, i%2 == 0
-					if clients == 1 {
-						k, two = i%services, (i/services)%2 == 0
-					}
-					svc := benchService(k, 1)
-					if two {
-						svc = twoPorts(k, 1)
-					}
-					if _, err := d.ApplyService(ctx, svc); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
-		elapsed := time.Since(start)
+		rate, _ := benchClients(t, clients, services*per/clients, func(c, i int) func() error {
+			k, two := c, i%2 == 0
+			if clients == 1 {
+				k, two = i%services, (i/services)%2 == 0
+			}
+			svc := benchService(k, 1)
+			if two {
+				svc = twoPorts(k, 1)
+			}
+			return func() error {
+				_, err := d.ApplyService(ctx, svc)
+				return err
+			}
+		})
 		if t.Failed() {
 			t.FailNow()
 		}
@@ -415,7 +382,7 @@ func TestApplyDropConcurrency(t *testing.T) {
 		if _, err := d.GC(ctx); err != nil {
 			t.Fatal(err)
 		}
-		return float64(services*per) / elapsed.Seconds()
+		return rate
 	}
 	for r := range rounds {
 		one, eight := run(1), run(8)
@@ -429,8 +396,7 @@ func TestApplyDropConcurrency(t *testing.T) {
 // checks dial nothing: the prober's dialer answers every check with a
 // connection of its own (net.Pipe), healthy.
 func TestHealthRoundRepairsClosedService(t *testing.T) {
-	root := filepath.Join(testenv.PinRoot(t), "service")
-	d := openApplyTest(t, root, filepath.Join(t.TempDir(), "catalog.json"))
+	d, _, _ := newApplyTest(t)
 	d.mu.Lock()
 	d.health.prober = health.NewProber(func(context.Context, string, string) (net.Conn, error) {
 		c, peer := net.Pipe()

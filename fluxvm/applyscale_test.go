@@ -34,9 +34,7 @@ import (
 // temporary directory, which must be on a disk for fsync to cost what it
 // does on a node).
 func TestApplyAtScale(t *testing.T) {
-	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
-		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
-	}
+	benchOnly(t)
 	sizes := []int{10, 1000, 4095}
 	if s := os.Getenv("FLUXVM_APPLYBENCH_SIZES"); s != "" {
 		sizes = nil
@@ -48,13 +46,7 @@ func TestApplyAtScale(t *testing.T) {
 			sizes = append(sizes, n)
 		}
 	}
-	ops := 200
-	if s := os.Getenv("FLUXVM_APPLYBENCH_OPS"); s != "" {
-		var err error
-		if ops, err = strconv.Atoi(s); err != nil || ops < 10 {
-			t.Fatalf("FLUXVM_APPLYBENCH_OPS: %q", s)
-		}
-	}
+	ops := benchEnvInt(t, "FLUXVM_APPLYBENCH_OPS", 200, 10)
 	type row struct {
 		n                            int
 		create, update, del, conc    latencies
@@ -149,6 +141,58 @@ func TestApplyAtScale(t *testing.T) {
 			ratio(last.create, first.create), ratio(last.update, first.update), ratio(last.del, first.del))
 	}
 	t.Log(b.String())
+}
+
+// benchOnly skips a benchmark of applies unless FLUXVM_APPLYBENCH=1.
+func benchOnly(t *testing.T) {
+	t.Helper()
+	if os.Getenv("FLUXVM_APPLYBENCH") != "1" {
+		t.Skip("a benchmark: set FLUXVM_APPLYBENCH=1 to run it")
+	}
+}
+
+// benchClients runs n clients at once, each of them per operations in
+// turn: client c's k-th is op(c, k), and only the function op returns is
+// timed. It returns operations/s and their latencies; an error fails the
+// test and ends that client.
+func benchClients(t *testing.T, n, per int, op func(c, k int) func() error) (float64, []time.Duration) {
+	lats := make([][]time.Duration, n)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for c := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := range per {
+				timed := op(c, k)
+				t0 := time.Now()
+				if err := timed(); err != nil {
+					t.Errorf("client %d: %v", c, err)
+					return
+				}
+				lats[c] = append(lats[c], time.Since(t0))
+			}
+		}()
+	}
+	wg.Wait()
+	el := time.Since(start)
+	all := slices.Concat(lats...)
+	return float64(len(all)) / el.Seconds(), all
+}
+
+// benchEnvInt is the number in environment variable name, def when it
+// is unset; anything else than a number of at least least fails the test.
+func benchEnvInt(t *testing.T, name string, def, least int) int {
+	t.Helper()
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < least {
+		t.Fatalf("%s: %q (a number of at least %d)", name, s, least)
+	}
+	return n
 }
 
 type latencies []time.Duration

@@ -19,7 +19,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"go.uber.org/goleak"
 
@@ -772,14 +771,7 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 	// The inner map in the kernel behind fe's slot of fluxvm_maglev.
 	kernelSize := func(sid uint32) uint32 {
 		t.Helper()
-		var id ebpf.MapID
-		if err := d.dp.Maps().FluxvmMaglev.Lookup(sid, &id); err != nil {
-			t.Fatalf("maglev slot %d: %v", sid, err)
-		}
-		m, err := ebpf.NewMapFromID(id)
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := kernelMaglevMap(t, d, sid)
 		defer m.Close()
 		return m.MaxEntries()
 	}

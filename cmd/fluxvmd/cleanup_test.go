@@ -165,15 +165,8 @@ func TestCleanupEveryOption(t *testing.T) {
 	for _, mode := range []bpf.AttachMode{bpf.AttachTCX, bpf.AttachClsBPF} {
 		t.Run(string(mode), func(t *testing.T) {
 			l, cli, be := clientAndBackend(t)
-			ext, err := l.AddExternal()
-			if err != nil {
-				t.Fatal(err)
-			}
-			// Native XDP on the uplink needs frames as they are: no VLAN
-			// tag or partial checksum beside them (bpf.ErrXDPOffload).
-			if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
-				t.Fatal(err)
-			}
+			// Native XDP on the uplink needs plain frames.
+			ext := addPlainExternal(t, l)
 			rc := newLogsReceiver(t, l)
 			cg := cgtest.New(t)
 			dir := t.TempDir()

@@ -43,6 +43,22 @@ func clientAndBackend(t *testing.T) (l *lab.Lab, cli, be *lab.VM) {
 	return l, cli, be
 }
 
+// addPlainExternal adds the lab's external host and makes its end of the
+// uplink (eth0) send plain frames, without a VLAN tag or a partial
+// checksum beside them, as native XDP on the uplink needs
+// (bpf.ErrXDPOffload).
+func addPlainExternal(t *testing.T, l *lab.Lab) *lab.VM {
+	t.Helper()
+	ext, err := l.AddExternal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	return ext
+}
+
 // applyWeb applies service web (vip:80/TCP -> be:8080) over REST.
 func applyWeb(t *testing.T, d *daemon, vip netip.Addr, be *lab.VM) {
 	t.Helper()

@@ -15,7 +15,6 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -41,15 +40,9 @@ func TestProductionReadinessScript(t *testing.T) {
 	_, bpftoolErr := exec.LookPath("bpftool")
 	bin := buildDaemon(t)
 	l, cli, be := clientAndBackend(t)
-	ext, err := l.AddExternal()
-	if err != nil {
-		t.Fatal(err)
-	}
 	// xdp_mode native below: the loader attaches XDP to the uplink only
-	// while its veth peer sends plain frames (bpf.ErrXDPOffload).
-	if err := lab.SendPlainFrames(ext.NS, "eth0"); err != nil {
-		t.Fatal(err)
-	}
+	// while its veth peer sends plain frames.
+	addPlainExternal(t, l)
 	dir := t.TempDir()
 	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
 	cfg := filepath.Join(dir, "fluxvmd.toml")

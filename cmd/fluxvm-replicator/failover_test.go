@@ -500,9 +500,12 @@ func TestFailover(t *testing.T) {
 
 	// The standby restarts mid-stream: its cursor is gone, so the next
 	// round resyncs it from a snapshot; the flows stay.
+	// Rounds counted before the stop: the resync may come before start
+	// returns (the replicator polls while the daemon gets ready).
+	from := len(repl.rounds(t))
 	b.d.Stop()
 	b.start(t, fluxvmd)
-	n := repl.waitSnapshot(t, len(repl.rounds(t)), "no cursor")
+	n := repl.waitSnapshot(t, from, "no cursor")
 	for _, f := range flows {
 		if _, err := bct.Lookup(keyOf(f)); err != nil {
 			t.Fatalf("flow %s lost by the standby's restart: %v", keyOf(f), err)

@@ -50,27 +50,7 @@ func BenchmarkDatapath(b *testing.B) {
 		b.Fatalf("FLUXVM_BENCH_HOOK=%q: tc or xdp", hook)
 	}
 
-	// Real tier capacities: a shrunken LRU would measure eviction instead.
-	var h *harness
-	var cases, base []*benchCase
-	mine := func() {
-		h = newHarnessSized(b, 0)
-		cases = datapathCases(b, h, "", "")
-	}
-	path := os.Getenv("FLUXVM_BENCH_BASELINE")
-	if path == "" || os.Getenv("FLUXVM_BENCH_BASELINE_FIRST") != "1" {
-		mine()
-	}
-	if path != "" {
-		spec, err := ebpf.LoadCollectionSpec(path)
-		if err != nil {
-			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
-		}
-		base = datapathCases(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
-		if h == nil {
-			mine()
-		}
-	}
+	h, cases, base := benchAgainstBaseline(b, datapathCases)
 	if base != nil {
 		ours := cases
 		cases = nil
@@ -99,6 +79,34 @@ func BenchmarkDatapath(b *testing.B) {
 
 // datapathCases sets h up for BenchmarkDatapath and returns its cases,
 // named with prefix (metrics with mprefix).
+// benchAgainstBaseline builds the cases of this object on a harness of
+// real tier capacities (a shrunken LRU would measure eviction instead)
+// and, with FLUXVM_BENCH_BASELINE set to another object, the same cases
+// on a harness of that object ("baseline " names, "base-" metrics),
+// created first with FLUXVM_BENCH_BASELINE_FIRST=1 (so that creation
+// order can be swapped between runs).
+func benchAgainstBaseline(b *testing.B, mk func(b *testing.B, h *harness, prefix, mprefix string) []*benchCase) (h *harness, cases, base []*benchCase) {
+	mine := func() {
+		h = newHarnessSized(b, 0)
+		cases = mk(b, h, "", "")
+	}
+	path := os.Getenv("FLUXVM_BENCH_BASELINE")
+	if path == "" || os.Getenv("FLUXVM_BENCH_BASELINE_FIRST") != "1" {
+		mine()
+	}
+	if path != "" {
+		spec, err := ebpf.LoadCollectionSpec(path)
+		if err != nil {
+			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
+		}
+		base = mk(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
+		if h == nil {
+			mine()
+		}
+	}
+	return h, cases, base
+}
+
 func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCase {
 	v4, v6 := variants()[0], variants()[2]
 	v4.setup(h)

@@ -9,8 +9,6 @@ import (
 	"os"
 	"testing"
 
-	"github.com/cilium/ebpf"
-
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 )
 
@@ -133,26 +131,7 @@ func TestSNATSequentialClients(t *testing.T) {
 // client's port, so all insert the same keys).
 func BenchmarkSNATNewFlow(b *testing.B) {
 	calls := benchCalls(b)
-	var h *harness
-	var cases, base []*benchCase
-	mine := func() {
-		h = newHarnessSized(b, 0)
-		cases = snatNewFlowCases(b, h, "", "")
-	}
-	path := os.Getenv("FLUXVM_BENCH_BASELINE")
-	if path == "" || os.Getenv("FLUXVM_BENCH_BASELINE_FIRST") != "1" {
-		mine()
-	}
-	if path != "" {
-		spec, err := ebpf.LoadCollectionSpec(path)
-		if err != nil {
-			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
-		}
-		base = snatNewFlowCases(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
-		if h == nil {
-			mine()
-		}
-	}
+	h, cases, base := benchAgainstBaseline(b, snatNewFlowCases)
 	if base == nil {
 		measureInterleaved(b, h.th, calls, cases, false)
 		return

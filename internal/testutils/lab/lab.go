@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/vishvananda/netlink"
@@ -205,12 +206,67 @@ func (l *Lab) wire(name, nodeIf string, addr4, gw4, addr6, gw6 netip.Addr) (*VM,
 	if err := configure(vh, "lo", netip.Addr{}, 0, netip.Addr{}, 0, nil, nil); err != nil {
 		return vm, fmt.Errorf("lab: %s lo: %w", name, err)
 	}
+	// The kernel marks a veth's carrier up through linkwatch, which may
+	// run up to a second after the link was set up (longer on a loaded
+	// machine), and IPv6 on a link is not ready before that: a neighbour
+	// solicitation arriving earlier goes unanswered, and the next one is
+	// a second later. Wait until both ends are ready, so the first
+	// connection over the link is not a test of linkwatch.
+	for _, e := range []struct {
+		h    *netlink.Handle
+		name string
+	}{{l.nl, nodeIf}, {vh, "eth0"}} {
+		if err := waitLinkReady(e.h, e.name, linkReadyTimeout); err != nil {
+			return vm, fmt.Errorf("lab: %s: %w", name, err)
+		}
+	}
 	link, err := l.nl.LinkByName(nodeIf)
 	if err != nil {
 		return vm, fmt.Errorf("lab: %w", err)
 	}
 	vm.NodeIfIndex = link.Attrs().Index
 	return vm, nil
+}
+
+// linkReadyTimeout bounds waitLinkReady: linkwatch runs within a second,
+// so this leaves room for a loaded machine.
+const linkReadyTimeout = 10 * time.Second
+
+// waitLinkReady waits until ifname is operationally up and IPv6 on it is
+// ready: it holds a link-local address that is no longer tentative
+// (addrconf adds it only once the carrier is seen).
+func waitLinkReady(h *netlink.Handle, ifname string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		ready, err := linkReady(h, ifname)
+		if err != nil || ready {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: not up with a usable IPv6 link-local address within %v", ifname, timeout)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func linkReady(h *netlink.Handle, ifname string) (bool, error) {
+	link, err := h.LinkByName(ifname)
+	if err != nil {
+		return false, err
+	}
+	if link.Attrs().OperState != netlink.OperUp {
+		return false, nil
+	}
+	addrs, err := h.AddrList(link, netlink.FAMILY_V6)
+	if err != nil {
+		return false, fmt.Errorf("%s: addresses: %w", ifname, err)
+	}
+	for _, a := range addrs {
+		if a.IP.IsLinkLocalUnicast() && a.Flags&(unix.IFA_F_TENTATIVE|unix.IFA_F_DADFAILED) == 0 {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // Describe prints the topology: namespaces, interfaces and addresses.

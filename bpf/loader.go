@@ -116,6 +116,14 @@ type Options struct {
 	// change the attached hooks run on empty service maps until the
 	// caller has written them: VIP packets pass untranslated meanwhile.
 	Staged bool
+	// Sizes loads the maps of SizedMaps it gives a size with that many
+	// entries (fluxvm_haq: bytes) instead of the tier's capacity, which
+	// stays their ceiling (sizing.go): a token size for a map nothing can
+	// use yet, grown later by GrowFlowMaps. A pinned conntrack or
+	// reverse-NAT map larger than the size given is kept (up to the
+	// ceiling): no map shrinks below what it held. The zero value loads
+	// every map at the tier's capacity.
+	Sizes Sizes
 }
 
 // Status says what Open found in the pin root and what it did.
@@ -309,6 +317,9 @@ func Open(opts Options) (_ *Datapath, err error) {
 		}
 	}()
 	if err != nil {
+		return nil, err
+	}
+	if err := sizeSpec(spec, opts.Tier, opts.Sizes, pinned); err != nil {
 		return nil, err
 	}
 	closeOld := func() {

@@ -169,6 +169,9 @@ type Dataplane struct {
 	// shared (compact.go).
 	flowMaps [4]*ebpf.Map
 	flowMu   sync.RWMutex
+	// sizing is what the maps sized by need hold and why (sizing.go);
+	// under mu.
+	sizing sizingState
 	// ha is flow-state replication; nil when it is off (hasync.go).
 	ha *haSync
 	// importMu serializes snapshot imports while ha is nil (ha.go; with
@@ -454,6 +457,8 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
+	var sizeReasons map[string]string
+	lo.Sizes, sizeReasons = openSizes(&opts, hs != nil) // maps sized by need (sizing.go)
 	// On the pin root held: when LockPinRoot mounted bpffs, the status
 	// says so (and init logs the warning that the pins vanish at exit
 	// in a private mount namespace).
@@ -474,6 +479,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
+		sizing: sizingState{reason: sizeReasons},
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	undo.push(func() error { d.gcCancel(); return nil })
@@ -1299,6 +1305,7 @@ func (d *Dataplane) Status() Status {
 	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
 	if !d.closed {
 		out.Memory = d.memoryStatus()
+		out.MapSizes = d.mapSizesStatus()
 		if p, err := d.pressureStatus(); err == nil || p.Error != "" {
 			out.Pressure = &p
 		}

@@ -55,6 +55,10 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	svc = svc.Clone()
 	unlock := d.lockService(svc.Name)
 	defer unlock()
+	// The flow maps its frontends need at full size grow first (sizing.go).
+	if err := d.growFor(svc); err != nil {
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
+	}
 	d.mu.Lock()
 	if err := d.checkOpen("apply " + svc.Name); err != nil {
 		d.mu.Unlock()

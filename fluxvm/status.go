@@ -139,6 +139,10 @@ type Status struct {
 	// Pressure is the fill of the datapath's hash maps and the map
 	// pressure controller's last round (pressure.go); absent after Close.
 	Pressure *PressureStatus `json:"pressure,omitempty"`
+	// MapSizes are the maps sized by need: each one's size, the tier's
+	// capacity it grows to, and why it has its size (sizing.go); absent
+	// after Close.
+	MapSizes *MapSizesStatus `json:"map_sizes,omitempty"`
 }
 
 // MemoryStatus is the kernel memory of the datapath's maps, in bytes

@@ -1,0 +1,364 @@
+package fluxvm
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/intent"
+)
+
+// Maps sized by need (docs/operations.md, "Maps sized by need"). The
+// tier's object is loaded as the product description says, its capacities
+// the ceiling; each map below that nothing in the configuration or the
+// catalog can use is loaded at a token size (bpf.Options.Sizes), and the
+// flow maps grow to the ceiling, while traffic runs, in the apply of the
+// first service that needs them (growFor, before it writes anything).
+//
+//	map             full when                                   token size
+//	fluxvm_fct4     an IPv4 frontend is in the catalog          1,024 entries
+//	fluxvm_fct6     an IPv6 frontend is in the catalog          1,024 entries
+//	fluxvm_nat4     an IPv4 frontend is north-south in mode
+//	                nat (SNAT), or a backend endpoint is listed
+//	                by more frontends than fluxvm_be2fe has
+//	                slots (their reverse halves are stored)     1,024 entries
+//	fluxvm_nat6     the same for IPv6                           1,024 entries
+//	fluxvm_sflows   flow_sample_rate is not 0 (Open)            64 slots
+//	fluxvm_haq      ha_epoch is set (Open)                      one page
+//	fluxvm_sock_*   cgroup_connect is on (Open; bpf.Options.SocketLB)
+//
+// No map shrinks: one grown stays at the ceiling after its last user
+// left, and a restart keeps a pinned map larger than what the catalog
+// needs (bpf.Options.Sizes), so a flow it holds is never lost to a
+// resize. Shrinking is not done; a tier change moves every map to the new
+// tier (to its token size where the new tier's need is token and the
+// pinned map held no more).
+
+// Sizing reasons, the prefix of MapSizeStatus.Reason.
+const (
+	SizeToken = "token"
+	SizeFull  = "full"
+)
+
+// MapSizeStatus is one map sized by need: its size now, the tier's
+// capacity it grows to, and why it has its size.
+type MapSizeStatus struct {
+	Map string `json:"map"`
+	// MaxEntries is the map's size now (fluxvm_haq: bytes).
+	MaxEntries uint32 `json:"max_entries"`
+	// Ceiling is the tier's capacity (map_tier): what the map grows to.
+	Ceiling uint32 `json:"ceiling"`
+	// Size is "token" (below the ceiling: nothing configured can use it)
+	// or "full" (at the ceiling).
+	Size string `json:"size"`
+	// Reason says why, e.g. "token: no IPv6 frontend" or "full: IPv6
+	// frontend of service web (grown by its apply)".
+	Reason string `json:"reason"`
+}
+
+// MapGrowth is what the last grow of the flow maps did (an apply that
+// brought their first user).
+type MapGrowth struct {
+	// Service is the apply that grew them.
+	Service string `json:"service"`
+	// Maps are the grown maps: entries carried over (kept) and caught up
+	// (learned by the old programs during the grow); none is dropped.
+	Maps []bpf.FlowMapCompaction `json:"maps"`
+	// Switch is how long the switch held the dataplane's lock, Duration
+	// the whole grow (new maps, copy, program loads, switch, catch-up).
+	Switch   Duration  `json:"switch"`
+	Duration Duration  `json:"duration"`
+	At       time.Time `json:"at"`
+}
+
+// sizeNeed is whether a map sized by need must be at its ceiling, and why.
+type sizeNeed struct {
+	full   bool
+	reason string
+}
+
+// sizingState is what the dataplane knows of its maps' sizes (under mu).
+type sizingState struct {
+	// reason of each map's size now (bpf.SizedMaps), from Open or the
+	// grow that made it so; nil when Open did not size the maps.
+	reason map[string]string
+	// last is the last grow.
+	last *MapGrowth
+}
+
+// sizeNeeds computes, from the node's settings and the catalog svcs,
+// which maps sized by need must be at their ceiling. ha is whether
+// flow-state replication is on.
+func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
+	out := map[string]sizeNeed{
+		"fluxvm_fct4":   {reason: "no IPv4 frontend"},
+		"fluxvm_fct6":   {reason: "no IPv6 frontend"},
+		"fluxvm_nat4":   {reason: "no IPv4 frontend is north-south (SNAT) or stores reverse halves"},
+		"fluxvm_nat6":   {reason: "no IPv6 frontend is north-south (SNAT) or stores reverse halves"},
+		"fluxvm_sflows": {reason: "flow_sample_rate is 0"},
+		"fluxvm_haq":    {reason: "ha_epoch is not set"},
+	}
+	set := func(name, why string) {
+		if !out[name].full {
+			out[name] = sizeNeed{full: true, reason: why}
+		}
+	}
+	if opts.FlowSampleRate > 0 {
+		set("fluxvm_sflows", fmt.Sprintf("flow_sample_rate is %d", opts.FlowSampleRate))
+	}
+	if ha {
+		set("fluxvm_haq", "ha_epoch is set")
+	}
+	fam := func(a netip.Addr) (string, string) {
+		if a.Unmap().Is4() {
+			return "4", "IPv4"
+		}
+		return "6", "IPv6"
+	}
+	// Frontends per backend endpoint: past bpf.Be2feSlots of them, some
+	// frontend's flows store reverse halves (be2fe.go). Every frontend
+	// listing the endpoint counts, whatever its mode and exposure: a
+	// frontend keeps its slot when it stops taking new ones.
+	type epKey struct {
+		ep    netip.AddrPort
+		proto uint8
+	}
+	lists := map[epKey]map[feKey]bool{}
+	for i := range svcs {
+		svc := &svcs[i]
+		for _, w := range wanted(*svc) {
+			f, name := fam(w.key.vip)
+			set("fluxvm_fct"+f, fmt.Sprintf("%s frontend of service %s", name, svc.Name))
+			if svc.IsNorthSouth() && svc.Mode != ModeDSR {
+				set("fluxvm_nat"+f, fmt.Sprintf("%s frontend of service %s is north-south in mode nat (SNAT)", name, svc.Name))
+			}
+			for _, b := range w.backends {
+				k := epKey{netip.AddrPortFrom(b.Address.Unmap(), b.Port), w.key.proto}
+				if lists[k] == nil {
+					lists[k] = map[feKey]bool{}
+				}
+				lists[k][w.key] = true
+				if len(lists[k]) > bpf.Be2feSlots {
+					set("fluxvm_nat"+f, fmt.Sprintf("backend %s is listed by more than %d frontends (service %s): their reverse halves are stored",
+						k.ep, bpf.Be2feSlots, svc.Name))
+				}
+			}
+		}
+	}
+	return out
+}
+
+// tokenSize is the token size of a map sized by need.
+func tokenSize(name string) uint32 {
+	switch name {
+	case "fluxvm_sflows":
+		return bpf.TokenFlowSlots
+	case "fluxvm_haq":
+		return bpf.TokenHAQueueBytes()
+	}
+	return bpf.TokenFlowEntries
+}
+
+// openSizes returns the sizes Open loads the maps with (bpf.Options.Sizes:
+// a token size for each map nothing needs), from the settings and the
+// catalog at CatalogPath, and the reasons. With hooks attached by cls_bpf
+// (AttachMode cls_bpf) a map cannot grow while traffic runs: every map is
+// loaded at its ceiling then.
+func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
+	reason := map[string]string{}
+	if opts.Loader.AttachMode == bpf.AttachClsBPF {
+		for _, name := range bpf.SizedMaps {
+			reason[name] = SizeFull + ": attach_mode cls_bpf (its filters cannot be switched to grown maps)"
+		}
+		return bpf.Sizes{}, reason
+	}
+	var svcs []Service
+	if opts.CatalogPath != "" {
+		cat, _, _, err := loadCatalog(opts.CatalogPath, opts.Logger)
+		if err != nil {
+			// The restore reports it; meanwhile nothing is left small.
+			for _, name := range bpf.SizedMaps {
+				reason[name] = SizeFull + ": the catalog could not be read to size the maps"
+			}
+			return bpf.Sizes{}, reason
+		}
+		for _, cs := range cat.Services {
+			svcs = append(svcs, cs.Service)
+		}
+	}
+	var sizes bpf.Sizes
+	for name, n := range sizeNeeds(opts, ha, svcs) {
+		if n.full {
+			reason[name] = SizeFull + ": " + n.reason
+			continue
+		}
+		sizes.Set(name, tokenSize(name))
+		reason[name] = SizeToken + ": " + n.reason
+	}
+	return sizes, reason
+}
+
+// MapSizesStatus is Status.MapSizes.
+type MapSizesStatus struct {
+	Maps []MapSizeStatus `json:"maps"`
+	// LastGrowth is the last grow since Open, if any.
+	LastGrowth *MapGrowth `json:"last_growth,omitempty"`
+	// Error says why the sizes could not be read.
+	Error string `json:"error,omitempty"`
+}
+
+// mapSizesStatus is Status.MapSizes. d.mu must be held.
+func (d *Dataplane) mapSizesStatus() *MapSizesStatus {
+	sizes, err := d.dp.MapSizes()
+	if err != nil {
+		return &MapSizesStatus{Error: err.Error()}
+	}
+	out := make([]MapSizeStatus, 0, len(sizes))
+	for _, s := range sizes {
+		st := MapSizeStatus{Map: s.Map, MaxEntries: s.MaxEntries, Ceiling: s.Ceiling, Size: SizeToken, Reason: d.sizing.reason[s.Map]}
+		if s.MaxEntries >= s.Ceiling {
+			st.Size = SizeFull
+		}
+		switch {
+		case s.Map == "fluxvm_sock_fwd" || s.Map == "fluxvm_sock_rev":
+			st.Reason = SizeToken + ": cgroup_connect is off"
+			if d.opts.CgroupConnect {
+				st.Reason = SizeFull + ": cgroup_connect is on"
+			}
+		case strings.HasPrefix(st.Reason, SizeToken+":") && s.MaxEntries > tokenSize(s.Map):
+			// A pinned map of an earlier start, larger than the need:
+			// kept, as maps do not shrink.
+			st.Reason = fmt.Sprintf("kept: the pinned map was this large (maps do not shrink); need: %s", strings.TrimPrefix(st.Reason, SizeToken+": "))
+		}
+		out = append(out, st)
+	}
+	return &MapSizesStatus{Maps: out, LastGrowth: d.sizing.last}
+}
+
+// growFor grows the flow maps that the catalog with svc applied needs at
+// their ceiling and does not have there yet, before the apply writes
+// anything: the first IPv6 frontend grows fluxvm_fct6, the first
+// north-south NAT frontend of a family its reverse-NAT map. A request that
+// validation would reject grows nothing. The grow runs while traffic does
+// (bpf.Datapath.GrowFlowMaps: new maps, entries copied, programs reloaded
+// onto them, links switched, caught up): flows keep their entries. d.mu
+// is held around the switch only (see MapGrowth.Switch).
+func (d *Dataplane) growFor(svc Service) error {
+	grow, reasons := d.growPlan(svc)
+	if len(grow) == 0 {
+		return nil
+	}
+	var err error
+	start := time.Now()
+	// GC, shedding and imports write the flow maps through the views the
+	// grow rebinds, and a compaction replaces them too: the grow waits
+	// for them (flowMu before mu, as compactFlows and Close take them).
+	d.flowMu.Lock()
+	defer d.flowMu.Unlock()
+	// Another apply may have grown them meanwhile.
+	if grow, reasons = d.growPlan(svc); len(grow) == 0 {
+		return nil
+	}
+	sizes := map[string]uint32{}
+	for _, name := range grow {
+		sizes[name] = 0 // the ceiling
+	}
+	res, gerr := d.dp.GrowFlowMaps(sizes, &d.mu)
+	if !res.Switched {
+		if gerr != nil {
+			err = fmt.Errorf("grow %v: %w", grow, gerr)
+			return err
+		}
+		return nil
+	}
+	// The views take handles of their own on the new maps; the old ones
+	// close once no operation uses them.
+	d.mu.Lock()
+	fm, cerr := d.cloneFlowMaps()
+	d.mu.Unlock()
+	if cerr != nil {
+		err = fmt.Errorf("grow %v: %w", grow, cerr)
+		return err
+	}
+	waitCT, rerr := d.ct.Rebind(fm[0], fm[1])
+	if rerr != nil {
+		closeMaps(fm[:])
+		err = fmt.Errorf("grow %v: %w", grow, rerr)
+		return err
+	}
+	waitNAT, rerr := d.ct.NAT().Rebind(fm[2], fm[3])
+	if rerr != nil {
+		// The conntrack views are on the new maps already; the NAT views
+		// keep the old ones (still open) until a restart.
+		closeMaps(fm[2:])
+		err = fmt.Errorf("grow %v: %w", grow, rerr)
+		return err
+	}
+	d.flowMaps = fm
+	o4, o6 := waitCT()
+	n4, n6 := waitNAT()
+	closeMaps([]*ebpf.Map{o4, o6, n4, n6})
+	g := &MapGrowth{Service: svc.Name, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
+	d.mu.Lock()
+	for _, name := range grow {
+		d.sizing.reason[name] = SizeFull + ": " + reasons[name] + " (grown by its apply)"
+	}
+	d.sizing.last = g
+	d.mu.Unlock()
+	d.log.Info("fluxvm: flow maps grown to the tier's capacity", "service", svc.Name, "maps", grow,
+		"duration", g.Duration.Duration, "switch", g.Switch.Duration)
+	if gerr != nil {
+		err = fmt.Errorf("grow %v: %w", grow, gerr)
+	}
+	return err
+}
+
+// growPlan returns the flow maps that the catalog with svc applied needs
+// at their ceiling and that are smaller now, with the reasons; none when
+// svc would be rejected or the dataplane is closed.
+func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.checkOpen("apply "+svc.Name) != nil || d.sizing.reason == nil {
+		return nil, nil
+	}
+	if ValidateService(svc, *d.opts.settings()) != nil {
+		return nil, nil
+	}
+	var oldFP *intent.Footprint
+	if old := d.services[svc.Name]; old != nil {
+		oldFP = &old.fp
+	}
+	fp := intent.FootprintOf(&svc)
+	if d.index.Check(&svc, &fp, oldFP, d.limits) != nil {
+		return nil, nil
+	}
+	// The catalog as the apply leaves it, and the service as it was: its
+	// old frontends keep their slots until the apply removed them.
+	svcs := []Service{svc}
+	for _, s := range d.services {
+		svcs = append(svcs, s.intent)
+	}
+	sizes, err := d.dp.MapSizes()
+	if err != nil {
+		return nil, nil
+	}
+	needs := sizeNeeds(&d.opts, d.ha != nil, svcs)
+	var grow []string
+	reasons := map[string]string{}
+	for _, s := range sizes {
+		if !slices.Contains(bpf.FlowMaps, s.Map) || !needs[s.Map].full || s.MaxEntries >= s.Ceiling {
+			continue
+		}
+		grow = append(grow, s.Map)
+		reasons[s.Map] = needs[s.Map].reason
+	}
+	sort.Strings(grow)
+	return grow, reasons
+}

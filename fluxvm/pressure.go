@@ -254,6 +254,13 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 		return out
 	}
 	r.Over = over(st)
+	// A map below its tier's capacity grows instead (sizing.go).
+	if d.growUnderPressure(r.Over) {
+		if st, err = d.Pressure(); err != nil {
+			return r, err
+		}
+		r.Over = over(st)
+	}
 	if len(r.Over) == 0 && failures == 0 {
 		r.Duration = Duration{time.Since(start)}
 		return r, nil

@@ -65,8 +65,9 @@ type MapSizeStatus struct {
 // MapGrowth is what the last grow of the flow maps did (an apply that
 // brought their first user).
 type MapGrowth struct {
-	// Service is the apply that grew them.
-	Service string `json:"service"`
+	// Cause is what grew them: "apply of service NAME" (its first user
+	// arrived) or "map pressure" (a map below its ceiling filled).
+	Cause string `json:"cause"`
 	// Maps are the grown maps: entries carried over (kept) and caught up
 	// (learned by the old programs during the grow); none is dropped.
 	Maps []bpf.FlowMapCompaction `json:"maps"`
@@ -250,11 +251,10 @@ func (d *Dataplane) mapSizesStatus() *MapSizesStatus {
 // onto them, links switched, caught up): flows keep their entries. d.mu
 // is held around the switch only (see MapGrowth.Switch).
 func (d *Dataplane) growFor(svc Service) error {
-	grow, reasons := d.growPlan(svc)
+	grow, _ := d.growPlan(svc)
 	if len(grow) == 0 {
 		return nil
 	}
-	var err error
 	start := time.Now()
 	// GC, shedding and imports write the flow maps through the views the
 	// grow rebinds, and a compaction replaces them too: the grow waits
@@ -262,9 +262,16 @@ func (d *Dataplane) growFor(svc Service) error {
 	d.flowMu.Lock()
 	defer d.flowMu.Unlock()
 	// Another apply may have grown them meanwhile.
-	if grow, reasons = d.growPlan(svc); len(grow) == 0 {
+	grow, reasons := d.growPlan(svc)
+	if len(grow) == 0 {
 		return nil
 	}
+	return d.growMaps("apply of service "+svc.Name, grow, reasons, start)
+}
+
+// growMaps grows the flow maps grow to their ceiling, for what
+// (MapGrowth.Cause), recording reasons. d.flowMu must be held.
+func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]string, start time.Time) (err error) {
 	sizes := map[string]uint32{}
 	for _, name := range grow {
 		sizes[name] = 0 // the ceiling
@@ -304,14 +311,14 @@ func (d *Dataplane) growFor(svc Service) error {
 	o4, o6 := waitCT()
 	n4, n6 := waitNAT()
 	closeMaps([]*ebpf.Map{o4, o6, n4, n6})
-	g := &MapGrowth{Service: svc.Name, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
+	g := &MapGrowth{Cause: what, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
 	d.mu.Lock()
 	for _, name := range grow {
-		d.sizing.reason[name] = SizeFull + ": " + reasons[name] + " (grown by its apply)"
+		d.sizing.reason[name] = SizeFull + ": " + reasons[name] + " (grown by " + what + ")"
 	}
 	d.sizing.last = g
 	d.mu.Unlock()
-	d.log.Info("fluxvm: flow maps grown to the tier's capacity", "service", svc.Name, "maps", grow,
+	d.log.Info("fluxvm: flow maps grown to the tier's capacity", "cause", what, "maps", grow,
 		"duration", g.Duration.Duration, "switch", g.Switch.Duration)
 	if gerr != nil {
 		err = fmt.Errorf("grow %v: %w", grow, gerr)
@@ -361,4 +368,37 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
 	}
 	sort.Strings(grow)
 	return grow, reasons
+}
+
+// growUnderPressure grows to their ceiling the flow maps of over (at or
+// above pressure_soft_percent) that are below it: a map at its token size
+// that fills anyway (an entry the sizing did not foresee, such as a flow
+// imported from an HA peer whose catalog differs) grows rather than have
+// the pressure controller shed or compact its flows. It reports whether it
+// grew one. It does not wait for a GC or an import under way (the next
+// round tries again).
+func (d *Dataplane) growUnderPressure(over []string) bool {
+	d.mu.Lock()
+	sizes, err := d.dp.MapSizes()
+	d.mu.Unlock()
+	if err != nil {
+		return false
+	}
+	var grow []string
+	reasons := map[string]string{}
+	for _, s := range sizes {
+		if slices.Contains(over, s.Map) && slices.Contains(bpf.FlowMaps, s.Map) && s.MaxEntries < s.Ceiling {
+			grow = append(grow, s.Map)
+			reasons[s.Map] = fmt.Sprintf("filled to pressure_soft_percent at %d entries' room", s.MaxEntries)
+		}
+	}
+	if len(grow) == 0 || !d.flowMu.TryLock() {
+		return false
+	}
+	defer d.flowMu.Unlock()
+	if err := d.growMaps("map pressure", grow, reasons, time.Now()); err != nil {
+		d.log.Error("fluxvm: map pressure: growing a map below its tier's capacity failed", "maps", grow, "err", err)
+		return false
+	}
+	return true
 }

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
@@ -63,5 +64,20 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 	const before = 164 << 20
 	if mem.Total > before/2 {
 		t.Errorf("IPv4-only east-west node at tier M holds %.1f MiB of BPF memory, more than half of %d MiB", float64(mem.Total)/(1<<20), before>>20)
+	}
+}
+
+// growForTest grows the flow maps names to their ceiling, as an apply
+// that needs them would.
+func growForTest(t *testing.T, d *Dataplane, names ...string) {
+	t.Helper()
+	d.flowMu.Lock()
+	defer d.flowMu.Unlock()
+	reasons := map[string]string{}
+	for _, n := range names {
+		reasons[n] = "test"
+	}
+	if err := d.growMaps("test", names, reasons, time.Now()); err != nil {
+		t.Fatal(err)
 	}
 }

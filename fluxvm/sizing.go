@@ -348,10 +348,13 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
 	}
 	// The catalog as the apply leaves it, and the service as it was: its
 	// old frontends keep their slots until the apply removed them.
-	svcs := []Service{svc}
+	// svc last, so that the reasons name it where it is the cause.
+	var svcs []Service
 	for _, s := range d.services {
 		svcs = append(svcs, s.intent)
 	}
+	slices.SortFunc(svcs, func(a, b Service) int { return strings.Compare(a.Name, b.Name) })
+	svcs = append(svcs, svc)
 	sizes, err := d.dp.MapSizes()
 	if err != nil {
 		return nil, nil

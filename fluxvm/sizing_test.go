@@ -2,13 +2,19 @@ package fluxvm
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"net/netip"
 	"path/filepath"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -80,4 +86,199 @@ func growForTest(t *testing.T, d *Dataplane, names ...string) {
 	if err := d.growMaps("test", names, reasons, time.Now()); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// udpFlow is a connected UDP socket of a lab VM: one flow, whose backend
+// answers with its name.
+type udpFlow struct{ c net.Conn }
+
+func dialUDP(t *testing.T, vm *lab.VM, addr netip.AddrPort) *udpFlow {
+	t.Helper()
+	var c net.Conn
+	if err := vm.NS.Do(func() (err error) { c, err = net.Dial("udp", addr.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &udpFlow{c}
+}
+
+func (u *udpFlow) ask() (string, error) {
+	u.c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := u.c.Write([]byte("who")); err != nil {
+		return "", err
+	}
+	buf := make([]byte, 512)
+	n, err := u.c.Read(buf)
+	if err != nil {
+		return "", err
+	}
+	name, _, _ := strings.Cut(string(buf[:n]), "\n")
+	return name, nil
+}
+
+// sizeOf returns the MapSizeStatus of map name.
+func sizeOf(t *testing.T, d *Dataplane, name string) MapSizeStatus {
+	t.Helper()
+	ms := d.Status().MapSizes
+	if ms == nil {
+		t.Fatal("no map sizes in status")
+	}
+	for _, s := range ms.Maps {
+		if s.Map == name {
+			return s
+		}
+	}
+	t.Fatalf("%s not in map sizes %+v", name, ms.Maps)
+	return MapSizeStatus{}
+}
+
+// TestGrowKeepsLiveFlows: the maps of a node start at their token sizes,
+// and the applies of their first users grow them while TCP connections
+// and UDP flows run through the lab: the first IPv6 frontend grows
+// fluxvm_fct6, the fifth frontend listing the same backends (whose flows
+// store reverse halves) grows fluxvm_nat4 and fluxvm_nat6. Every flow
+// keeps working across each grow, on its backend, its conntrack entry in
+// place; status says what each map is sized to and why.
+func TestGrowKeepsLiveFlows(t *testing.T) {
+	e := newEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
+		if s := sizeOf(t, d, name); s.Size != SizeToken || s.MaxEntries != bpf.TokenFlowEntries || !strings.HasPrefix(s.Reason, "token: no IPv") {
+			t.Errorf("empty catalog: %+v; want token", s)
+		}
+	}
+	svc := func(name string, vips ...netip.Addr) Service {
+		s := e.service(1, 1, 1)
+		s.Name, s.VIPs = name, vips
+		// The backends of the VIPs' families only.
+		s.Backends = slices.DeleteFunc(s.Backends, func(b Backend) bool {
+			return !slices.ContainsFunc(vips, func(v netip.Addr) bool { return v.Is4() == b.Address.Is4() })
+		})
+		return s
+	}
+	apply := func(s Service) {
+		t.Helper()
+		if _, err := d.ApplyService(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	apply(svc("web4", vip4))
+	if s := sizeOf(t, d, "fluxvm_fct4"); s.Size != SizeFull || !strings.Contains(s.Reason, "service web4") {
+		t.Errorf("after web4: %+v", s)
+	}
+
+	// The live flows: a TCP connection and a UDP flow per family, echoed
+	// by a goroutine through every grow.
+	type flow struct {
+		tcp     *lab.Conn
+		udp     *udpFlow
+		udpName string
+	}
+	var live []*flow
+	addFlow := func(vip netip.Addr) {
+		t.Helper()
+		f := &flow{tcp: e.dial(t, vip), udp: dialUDP(t, e.cli, netip.AddrPortFrom(vip, 80))}
+		echo(t, f.tcp, "first echo")
+		var err error
+		if f.udpName, err = f.udp.ask(); err != nil || f.udpName == "" {
+			t.Fatalf("udp to %s: %q %v", vip, f.udpName, err)
+		}
+		live = append(live, f)
+	}
+	entries := func() map[conntrack.Key]uint32 {
+		t.Helper()
+		es, err := d.ct.List(conntrack.Filter{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[conntrack.Key]uint32{}
+		for _, en := range es {
+			out[en.Key] = en.BackendID
+		}
+		return out
+	}
+	// across runs the applies with the flows talking, then checks each
+	// flow and its conntrack entry.
+	across := func(what string, applies ...Service) {
+		t.Helper()
+		before := entries()
+		stop, errs := make(chan struct{}), make(chan error, 1)
+		var rounds atomic.Int64
+		go func() {
+			defer close(errs)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				for _, f := range live {
+					if err := f.tcp.Echo([]byte("x"), 3*time.Second); err != nil {
+						errs <- fmt.Errorf("tcp via %s: %w", f.tcp.Backend, err)
+						return
+					}
+					if name, err := f.udp.ask(); err != nil || name != f.udpName {
+						errs <- fmt.Errorf("udp: %q, %v; want %q", name, err, f.udpName)
+						return
+					}
+				}
+				rounds.Add(1)
+			}
+		}()
+		for _, s := range applies {
+			apply(s)
+		}
+		close(stop)
+		if err := <-errs; err != nil {
+			t.Fatalf("%s: a live flow broke: %v", what, err)
+		}
+		if rounds.Load() == 0 {
+			t.Errorf("%s: no round of traffic ran", what)
+		}
+		after := entries()
+		for k, bid := range before {
+			if got, ok := after[k]; !ok || got != bid {
+				t.Errorf("%s: conntrack entry %v: backend %d (present %v), was %d", what, k, got, ok, bid)
+			}
+		}
+		for _, f := range live {
+			echo(t, f.tcp, what+": after")
+		}
+	}
+	addFlow(vip4)
+
+	across("first IPv6 frontend", svc("web6", vip6))
+	if s := sizeOf(t, d, "fluxvm_fct6"); s.Size != SizeFull || !strings.Contains(s.Reason, "IPv6 frontend of service web6") {
+		t.Errorf("after web6: %+v", s)
+	}
+	g := d.Status().MapSizes.LastGrowth
+	if g == nil || g.Cause != "apply of service web6" || len(g.Maps) != 1 || g.Maps[0].Map != "fluxvm_fct6" || g.Maps[0].Dropped != 0 {
+		t.Errorf("last growth %+v", g)
+	}
+	for _, name := range []string{"fluxvm_nat4", "fluxvm_nat6"} {
+		if s := sizeOf(t, d, name); s.Size != SizeToken {
+			t.Errorf("after web6: %+v; want token", s)
+		}
+	}
+	addFlow(vip6)
+
+	// Five frontends per family and protocol listing the same backends:
+	// the fifth's flows store reverse halves (web4 and web6 are the first
+	// of theirs, s3 the fifth).
+	var five []Service
+	for i := range 5 {
+		five = append(five, svc(fmt.Sprintf("s%d", i), ixVIP(byte(20+i)), ixVIP6(byte(20+i))))
+	}
+	across("frontends storing reverse halves", five...)
+	for _, name := range []string{"fluxvm_nat4", "fluxvm_nat6"} {
+		if s := sizeOf(t, d, name); s.Size != SizeFull || !strings.Contains(s.Reason, "listed by more than") ||
+			!strings.Contains(s.Reason, "(service s3)") || !strings.HasSuffix(s.Reason, "(grown by apply of service s3)") {
+			t.Errorf("after five: %+v", s)
+		}
+	}
+	// The fifth frontend's flows work, replies translated by their halves.
+	addFlow(ixVIP(23))
+	addFlow(ixVIP6(23))
+	across("nothing to grow", svc("web6", vip6, ixVIP(30)))
 }

@@ -25,52 +25,75 @@ func ewService4(name string, vip netip.Addr) Service {
 	for i := range 3 {
 		s.Backends = append(s.Backends, Backend{Address: netip.AddrFrom4([4]byte{10, 1, 0, byte(10 + i)}), Port: 8080})
 	}
-	for i := range s.Ports {
-		_ = i
-	}
 	return s
 }
 
+// memlockBefore is the locked BPF memory of an IPv4-only east-west node
+// at tier M before the maps were sized by need (TestMemlockIPv4EastWestTierM
+// at 296965f: 163.9 MiB).
+const memlockBefore = 164 << 20
+
 // TestMemlockIPv4EastWestTierM: an IPv4-only east-west node (no north-south
-// edge, no IPv6 frontend, socket LB off) at tier M holds at most half the
-// locked BPF memory it held before maps were sized by need (164 MiB, of
-// which the IPv6 conntrack and NAT maps and the unused IPv4 NAT map were
-// most): the figure is the kernel's memlock of every map, as status
-// reports it (Status.Memory).
+// edge, no IPv6 frontend, socket LB off, flow records and HA off) at tier
+// M holds at most half the locked BPF memory it held before the maps were
+// sized by need: the figure is the kernel's memlock of every map, as
+// status reports it (Status.Memory), after the first apply, after a
+// restart on the same pins, and after a start on new pins with the same
+// catalog (sized from the catalog at Open: nothing grows). It logs the
+// per-map table (docs/benchmarks.md, "issue 34: maps sized by need").
 func TestMemlockIPv4EastWestTierM(t *testing.T) {
-	opts := Options{
-		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierM},
-		CatalogPath: filepath.Join(t.TempDir(), "catalog.json"),
-		GCInterval:  -1,
+	catalog := filepath.Join(t.TempDir(), "catalog.json")
+	root := testenv.PinRoot(t)
+	open := func(pins string) *Dataplane {
+		t.Helper()
+		d, err := Open(Options{
+			Loader:      bpf.Options{PinRoot: filepath.Join(root, pins), Tier: bpf.TierM},
+			CatalogPath: catalog, GCInterval: -1,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
 	}
-	d, err := Open(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	ctx := context.Background()
-	if _, err := d.ApplyService(ctx, ewService4("web", netip.MustParseAddr("10.96.0.10"))); err != nil {
-		t.Fatal(err)
-	}
-	mem := d.Status().Memory
-	if mem == nil || mem.Error != "" {
-		t.Fatalf("memory: %+v", mem)
-	}
-	names := make([]string, 0, len(mem.Maps))
-	for n := range mem.Maps {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	for _, n := range names {
-		if mem.Maps[n] >= 1<<20 {
-			t.Logf("%-22s %8.1f MiB", n, float64(mem.Maps[n])/(1<<20))
+	check := func(what string, d *Dataplane, wantGrowth bool) {
+		t.Helper()
+		st := d.Status()
+		mem := st.Memory
+		if mem == nil || mem.Error != "" {
+			t.Fatalf("%s: memory: %+v", what, mem)
+		}
+		names := make([]string, 0, len(mem.Maps))
+		for n := range mem.Maps {
+			names = append(names, n)
+		}
+		slices.Sort(names)
+		t.Logf("%s:", what)
+		for _, n := range names {
+			if mem.Maps[n] >= 64<<10 {
+				t.Logf("  %-18s %9.2f MiB", n, float64(mem.Maps[n])/(1<<20))
+			}
+		}
+		t.Logf("  total %.1f MiB (Maglev tables %.2f MiB)", float64(mem.Total)/(1<<20), float64(mem.MaglevInner.Bytes)/(1<<20))
+		if mem.Total > memlockBefore/2 {
+			t.Errorf("%s: the IPv4-only east-west node at tier M holds %.1f MiB of BPF memory, more than half of %d MiB",
+				what, float64(mem.Total)/(1<<20), memlockBefore>>20)
+		}
+		if st.MapSizes != nil && (st.MapSizes.LastGrowth != nil) != wantGrowth {
+			t.Errorf("%s: last growth %+v, want one: %v", what, st.MapSizes.LastGrowth, wantGrowth)
 		}
 	}
-	t.Logf("total %.1f MiB (maglev tables %.1f MiB)", float64(mem.Total)/(1<<20), float64(mem.MaglevInner.Bytes)/(1<<20))
-	const before = 164 << 20
-	if mem.Total > before/2 {
-		t.Errorf("IPv4-only east-west node at tier M holds %.1f MiB of BPF memory, more than half of %d MiB", float64(mem.Total)/(1<<20), before>>20)
+	d := open("a")
+	if _, err := d.ApplyService(context.Background(), ewService4("web", netip.MustParseAddr("10.96.0.10"))); err != nil {
+		t.Fatal(err)
 	}
+	check("first apply", d, true)
+	d.Close()
+	d = open("a")
+	check("restart", d, false)
+	d.Close()
+	d = open("b")
+	check("new pins, same catalog", d, false)
+	d.Close()
 }
 
 // growForTest grows the flow maps names to their ceiling, as an apply
@@ -281,4 +304,60 @@ func TestGrowKeepsLiveFlows(t *testing.T) {
 	addFlow(ixVIP(23))
 	addFlow(ixVIP6(23))
 	across("nothing to grow", svc("web6", vip6, ixVIP(30)))
+}
+
+// TestSizeNeeds: which inputs make each map sized by need full.
+func TestSizeNeeds(t *testing.T) {
+	v4, v6 := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00:96::10")
+	b4, b6 := netip.MustParseAddr("10.1.0.10"), netip.MustParseAddr("fd00:1::10")
+	svc := func(name string, exp Exposure, mode Mode, vips ...netip.Addr) Service {
+		s := Service{Name: name, VIPs: vips, Exposure: exp, Mode: mode, Ports: []ServicePort{{Port: 80, Protocol: TCP}}}
+		for _, v := range vips {
+			b := b4
+			if v.Is6() {
+				b = b6
+			}
+			s.Backends = append(s.Backends, Backend{Address: b, Port: 80})
+		}
+		return s
+	}
+	shared := func(n int) []Service {
+		var out []Service
+		for i := range n {
+			out = append(out, svc(fmt.Sprintf("s%d", i), "", "", netip.AddrFrom4([4]byte{10, 96, 1, byte(i)})))
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name string
+		opts Options
+		ha   bool
+		svcs []Service
+		full []string
+	}{
+		{name: "empty"},
+		{name: "IPv4 east-west", svcs: []Service{svc("a", "", "", v4)}, full: []string{"fluxvm_fct4"}},
+		{name: "IPv6 east-west", svcs: []Service{svc("a", ExposureEastWest, ModeNAT, v6)}, full: []string{"fluxvm_fct6"}},
+		{name: "dual-stack north-south nat", svcs: []Service{svc("a", ExposureNorthSouth, "", v4, v6)},
+			full: []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"}},
+		{name: "both exposures nat", svcs: []Service{svc("a", ExposureBoth, ModeNAT, v6)}, full: []string{"fluxvm_fct6", "fluxvm_nat6"}},
+		{name: "north-south dsr", svcs: []Service{svc("a", ExposureNorthSouth, ModeDSR, v4)}, full: []string{"fluxvm_fct4"}},
+		{name: "four frontends share a backend", svcs: shared(4), full: []string{"fluxvm_fct4"}},
+		{name: "five frontends share a backend", svcs: shared(5), full: []string{"fluxvm_fct4", "fluxvm_nat4"}},
+		{name: "flow records", opts: Options{FlowSampleRate: 100}, full: []string{"fluxvm_sflows"}},
+		{name: "HA", ha: true, full: []string{"fluxvm_haq"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			needs := sizeNeeds(&tc.opts, tc.ha, tc.svcs)
+			if len(needs) != len(bpf.SizedMaps) {
+				t.Errorf("needs of %d maps, want %d", len(needs), len(bpf.SizedMaps))
+			}
+			for _, name := range bpf.SizedMaps {
+				n := needs[name]
+				if n.full != slices.Contains(tc.full, name) || n.reason == "" {
+					t.Errorf("%s: full %v (%q), want %v", name, n.full, n.reason, slices.Contains(tc.full, name))
+				}
+			}
+		})
+	}
 }

@@ -140,6 +140,9 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	} {
 		ch <- d
 	}
+	for _, d := range sizingDescs {
+		ch <- d
+	}
 }
 
 // Collect implements prometheus.Collector.
@@ -221,6 +224,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			emit(descMaglevInner, prometheus.GaugeValue, float64(mem.MaglevInner.Count))
 		}
 	}
+	collectMapSizes(ch, st.MapSizes, emit)
 	if p := st.Pressure; p != nil && !p.Unsupported {
 		if p.Error != "" {
 			ch <- prometheus.NewInvalidMetric(descPressure, fmt.Errorf("fluxvm metrics: map pressure: %s", p.Error))

@@ -120,9 +120,9 @@ type Options struct {
 	// entries (fluxvm_haq: bytes) instead of the tier's capacity, which
 	// stays their ceiling (sizing.go): a token size for a map nothing can
 	// use yet, grown later by GrowFlowMaps. A pinned conntrack or
-	// reverse-NAT map larger than the size given is kept (up to the
-	// ceiling): no map shrinks below what it held. The zero value loads
-	// every map at the tier's capacity.
+	// reverse-NAT map larger than the size given that holds entries is
+	// kept (up to the ceiling): no map shrinks below what it held. The
+	// zero value loads every map at the tier's capacity.
 	Sizes Sizes
 }
 

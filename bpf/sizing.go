@@ -148,9 +148,12 @@ func checkSizes(sizes map[string]uint32, ceil map[string]uint32) error {
 
 // sizeSpec sets the max_entries of the maps Options.Sizes names in spec,
 // which holds the tier's capacities: the size wanted, or, for a lifecycle
-// map (conntrack, reverse NAT), the size of the pinned map when that is
-// larger (its entries fit, and a map never shrinks below what it held),
-// at most the tier's capacity. A pinned map of another size is then
+// map (conntrack, reverse NAT) pinned with entries, the size of the
+// pinned map when that is larger (its entries fit, and a map never
+// shrinks below what it held), at most the tier's capacity. A pinned map
+// without entries is no reason to stay large (a node upgraded from
+// objects without sizing has every map at the tier's capacity, the IPv6
+// ones empty on an IPv4-only node): it is replaced at the size wanted. A pinned map of another size is then
 // recreated at this one and its entries migrated (Open), as at a tier
 // change.
 func sizeSpec(spec *ebpf.CollectionSpec, tier Tier, s Sizes, pinned map[string]*ebpf.Map) error {
@@ -170,12 +173,19 @@ func sizeSpec(spec *ebpf.CollectionSpec, tier Tier, s Sizes, pinned map[string]*
 		if ms == nil {
 			return fmt.Errorf("bpf: open: map sizes: object has no map %s", name)
 		}
-		if m := pinned[name]; m != nil && m.Type() == ms.Type && slices.Contains(LifecycleMaps, name) {
+		if m := pinned[name]; m != nil && m.Type() == ms.Type && slices.Contains(LifecycleMaps, name) && !isEmpty(m) {
 			n = max(n, min(m.MaxEntries(), ceil[name]))
 		}
 		ms.MaxEntries = n
 	}
 	return nil
+}
+
+// isEmpty reports whether m holds no entry (false when that cannot be
+// read: the map is then kept as it is).
+func isEmpty(m *ebpf.Map) bool {
+	k := make([]byte, m.KeySize())
+	return errors.Is(m.NextKey(nil, &k), ebpf.ErrKeyNotExist)
 }
 
 // MapSizes reports each map of SizedMaps and the socket LB maps: its size

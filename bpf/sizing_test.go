@@ -110,9 +110,20 @@ func TestSizesKeepAndGrow(t *testing.T) {
 	if got := pinnedMaxEntries(t, root); got != full {
 		t.Errorf("pinned map: %d entries' room, want %d", got, full)
 	}
+	// 4. Emptied, asked at token: nothing to keep, recreated at token.
+	for _, k := range ctKeys(2000) {
+		if err := d.Maps().FluxvmFct4.Delete(k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d.Close()
+	d = openT(t, Options{PinRoot: root, Tier: TierS, Sizes: Sizes{CT4: TokenFlowEntries}})
+	if m := d.Maps().FluxvmFct4; m.MaxEntries() != TokenFlowEntries || count(t, m) != 0 || !slices.Contains(d.Status().NewMaps, "fluxvm_fct4") {
+		t.Errorf("token after an empty full map: %d entries' room, %d entries, new %v; want %d, 0, recreated", m.MaxEntries(), count(t, m), d.Status().NewMaps, TokenFlowEntries)
+	}
 	d.Close()
 
-	// 4. GrowFlowMaps from a token map holding entries.
+	// 5. GrowFlowMaps from a token map holding entries.
 	root = filepath.Join(testenv.PinRoot(t), "service")
 	d = openT(t, Options{PinRoot: root, Tier: TierS, Sizes: Sizes{CT4: TokenFlowEntries, NAT6: TokenFlowEntries}})
 	putCT(t, d, 900)
@@ -165,4 +176,12 @@ func tierMemory(t *testing.T, name string) uint64 {
 	}
 	defer m.Close()
 	return fdinfoMemlock(t, m)
+}
+
+func ctKeys(n int) []Tuple4 {
+	keys := make([]Tuple4, n)
+	for i := range keys {
+		keys[i] = ctKey(i)
+	}
+	return keys
 }

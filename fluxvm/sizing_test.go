@@ -94,6 +94,26 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 	d = open("b")
 	check("new pins, same catalog", d, false)
 	d.Close()
+
+	// A node upgraded from objects without sizing: every map pinned at
+	// the tier's capacity, a flow in fluxvm_fct4. The empty maps are
+	// recreated at their token size; the flow stays.
+	old, err := bpf.Open(bpf.Options{PinRoot: filepath.Join(root, "c"), Tier: bpf.TierM})
+	if err != nil {
+		t.Fatal(err)
+	}
+	flow := bpf.Tuple4{Saddr: 0x0a000001, Daddr: 0x0a60000a, Sport: bpf.Port(40000), Dport: bpf.Port(80), Proto: 6}
+	if err := old.Maps().FluxvmFct4.Put(flow, bpf.CTValue{ServiceId: 1, BackendId: 1, State: uint8(bpf.CTTCPEstablished)}); err != nil {
+		t.Fatal(err)
+	}
+	old.Close()
+	d = open("c")
+	check("upgraded node", d, false)
+	var v bpf.CTValue
+	if err := d.dp.Maps().FluxvmFct4.Lookup(flow, &v); err != nil || v.BackendId != 1 {
+		t.Errorf("upgraded node: the flow's entry: %+v, %v", v, err)
+	}
+	d.Close()
 }
 
 // growForTest grows the flow maps names to their ceiling, as an apply
@@ -304,6 +324,45 @@ func TestGrowKeepsLiveFlows(t *testing.T) {
 	addFlow(ixVIP(23))
 	addFlow(ixVIP6(23))
 	across("nothing to grow", svc("web6", vip6, ixVIP(30)))
+
+	// A restart sizes the maps from the catalog: all four at full from
+	// Open, nothing grows, the flows keep working.
+	reopen := func(what string) {
+		t.Helper()
+		if err := d.Close(); err != nil {
+			t.Fatal(err)
+		}
+		d = e.open(t)
+		if g := d.Status().MapSizes.LastGrowth; g != nil {
+			t.Errorf("%s: grew %+v", what, g)
+		}
+		for _, f := range live {
+			echo(t, f.tcp, what)
+			if name, err := f.udp.ask(); err != nil || name != f.udpName {
+				t.Errorf("%s: udp %q %v, want %q", what, name, err, f.udpName)
+			}
+		}
+	}
+	reopen("restart")
+	for _, name := range []string{"fluxvm_fct4", "fluxvm_fct6", "fluxvm_nat4", "fluxvm_nat6"} {
+		if s := sizeOf(t, d, name); s.Size != SizeFull || !strings.HasPrefix(s.Reason, "full: ") || strings.Contains(s.Reason, "grown") {
+			t.Errorf("restart: %+v; want full from the catalog", s)
+		}
+	}
+	// Without the services that needed them, the maps stay full (no map
+	// shrinks), and status says so.
+	for _, name := range []string{"s0", "s1", "s2", "s3", "s4"} {
+		if err := d.DeleteService(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	live = live[:2]
+	reopen("restart without the shared backends")
+	for _, name := range []string{"fluxvm_nat4", "fluxvm_nat6"} {
+		if s := sizeOf(t, d, name); s.Size != SizeFull || !strings.HasPrefix(s.Reason, "kept: ") {
+			t.Errorf("restart without the shared backends: %+v; want kept full", s)
+		}
+	}
 }
 
 // TestSizeNeeds: which inputs make each map sized by need full.

@@ -2,12 +2,15 @@ package bpf
 
 import (
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
 
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -184,4 +187,28 @@ func ctKeys(n int) []Tuple4 {
 		keys[i] = ctKey(i)
 	}
 	return keys
+}
+
+// TestHaveTCX: the probe agrees with an attach of a TC program by a TCX
+// link to the loopback of a fresh network namespace.
+func TestHaveTCX(t *testing.T) {
+	testenv.InNetNS(t, func() {
+		prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SchedCLS, License: "GPL",
+			Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer prog.Close()
+		lo, err := net.InterfaceByName("lo")
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := link.AttachTCX(link.TCXOptions{Interface: lo.Index, Program: prog, Attach: ebpf.AttachTCXIngress})
+		if err == nil {
+			l.Close()
+		}
+		if got, want := HaveTCX(), err == nil; got != want {
+			t.Errorf("HaveTCX() = %v; attaching by TCX: %v", got, err)
+		}
+	})
 }

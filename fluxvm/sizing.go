@@ -169,13 +169,19 @@ func tokenSize(name string) uint32 {
 // openSizes returns the sizes Open loads the maps with (bpf.Options.Sizes:
 // a token size for each map nothing needs), from the settings and the
 // catalog at CatalogPath, and the reasons. With hooks attached by cls_bpf
-// (AttachMode cls_bpf) a map cannot grow while traffic runs: every map is
-// loaded at its ceiling then.
+// (AttachMode cls_bpf, or the automatic mode on a kernel without TCX) a
+// map cannot grow while traffic runs: every map is loaded at its ceiling
+// then.
 func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
 	reason := map[string]string{}
-	if opts.Loader.AttachMode == bpf.AttachClsBPF {
+	mode := opts.Loader.AttachMode
+	if mode == bpf.AttachClsBPF || mode == "" && !bpf.HaveTCX() {
+		why := "attach_mode cls_bpf"
+		if mode == "" {
+			why = "the kernel has no TCX: hooks attach by cls_bpf"
+		}
 		for _, name := range bpf.SizedMaps {
-			reason[name] = SizeFull + ": attach_mode cls_bpf (its filters cannot be switched to grown maps)"
+			reason[name] = SizeFull + ": " + why + " (its filters cannot be switched to grown maps)"
 		}
 		return bpf.Sizes{}, reason
 	}
@@ -260,18 +266,28 @@ func (d *Dataplane) growFor(svc Service) error {
 	// grow rebinds, and a compaction replaces them too: the grow waits
 	// for them (flowMu before mu, as compactFlows and Close take them).
 	d.flowMu.Lock()
-	defer d.flowMu.Unlock()
 	// Another apply may have grown them meanwhile.
 	grow, reasons := d.growPlan(svc)
 	if len(grow) == 0 {
+		d.flowMu.Unlock()
 		return nil
 	}
 	return d.growMaps("apply of service "+svc.Name, grow, reasons, start)
 }
 
 // growMaps grows the flow maps grow to their ceiling, for what
-// (MapGrowth.Cause), recording reasons. d.flowMu must be held.
+// (MapGrowth.Cause), recording reasons. d.flowMu must be held; growMaps
+// lets it go (before it waits for the views' operations on the old maps
+// to end: a scan's callback may run a GC, which takes it).
 func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]string, start time.Time) (err error) {
+	locked := true
+	unlock := func() {
+		if locked {
+			locked = false
+			d.flowMu.Unlock()
+		}
+	}
+	defer unlock()
 	sizes := map[string]uint32{}
 	for _, name := range grow {
 		sizes[name] = 0 // the ceiling
@@ -304,10 +320,15 @@ func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]stri
 		// The conntrack views are on the new maps already; the NAT views
 		// keep the old ones (still open) until a restart.
 		closeMaps(fm[2:])
+		d.flowMaps[0], d.flowMaps[1] = fm[0], fm[1]
+		unlock()
+		o4, o6 := waitCT()
+		closeMaps([]*ebpf.Map{o4, o6})
 		err = fmt.Errorf("grow %v: %w", grow, rerr)
 		return err
 	}
 	d.flowMaps = fm
+	unlock()
 	o4, o6 := waitCT()
 	n4, n6 := waitNAT()
 	closeMaps([]*ebpf.Map{o4, o6, n4, n6})
@@ -398,7 +419,6 @@ func (d *Dataplane) growUnderPressure(over []string) bool {
 	if len(grow) == 0 || !d.flowMu.TryLock() {
 		return false
 	}
-	defer d.flowMu.Unlock()
 	if err := d.growMaps("map pressure", grow, reasons, time.Now()); err != nil {
 		d.log.Error("fluxvm: map pressure: growing a map below its tier's capacity failed", "maps", grow, "err", err)
 		return false

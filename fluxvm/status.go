@@ -199,9 +199,12 @@ type Capacities struct {
 	Frontends  uint32 `json:"frontends"`
 	Backends   uint32 `json:"backends"`
 	MaglevSize uint32 `json:"maglev_size"`
-	Conntrack  uint32 `json:"conntrack"`
-	NAT        uint32 `json:"nat"`
-	Edges      uint32 `json:"vm_edge_interfaces"`
+	// Conntrack and NAT are the tier's entries per family of the
+	// conntrack and reverse-NAT maps: their ceiling. A map nothing can
+	// use is loaded smaller, and grows to it (Status.MapSizes).
+	Conntrack uint32 `json:"conntrack"`
+	NAT       uint32 `json:"nat"`
+	Edges     uint32 `json:"vm_edge_interfaces"`
 	// Sockets is the entries of each socket LB map (fluxvm_sock_fwd,
 	// fluxvm_sock_rev): sockets whose backend the socket hooks remember.
 	Sockets uint32 `json:"sockets"`

@@ -16,6 +16,7 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+	"github.com/fluxvm/servicefabric/nat"
 )
 
 // ewService4 is an IPv4-only east-west service (NAT mode) on backends that
@@ -417,5 +418,65 @@ func TestSizeNeeds(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestPressureGrowsTokenMap: a map at its token size that fills anyway
+// (here reverse-NAT halves that nothing in this east-west catalog writes)
+// is grown to the tier's capacity by the pressure round, every entry kept,
+// rather than shed or compacted.
+func TestPressureGrowsTokenMap(t *testing.T) {
+	e := newEnv(t)
+	e.opts.PressureSoftPercent, e.opts.PressureHardPercent = 50, 90
+	d := e.open(t)
+	s := e.service(1, 1, 1)
+	s.VIPs = []netip.Addr{vip4}
+	s.Backends = slices.DeleteFunc(s.Backends, func(b Backend) bool { return b.Address.Is6() })
+	if _, err := d.ApplyService(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 600 // 59% of the token map
+	backend := netip.AddrPortFrom(e.backends[0].Addr4, 8080)
+	for i := range n {
+		client := netip.AddrPortFrom(netip.AddrFrom4([4]byte{172, 18, byte(i >> 8), byte(i)}), 40000)
+		if err := d.ct.NAT().Put(nat.Entry{Key: nat.Key{Backend: backend, Client: client, Proto: conntrack.ProtoTCP},
+			VIP: netip.AddrPortFrom(vip4, 80), ServiceID: 1, BackendID: 1, LastSeen: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken {
+		t.Fatalf("before: %+v", s)
+	}
+	r, err := d.ReconcilePressure(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s4 := sizeOf(t, d, "fluxvm_nat4")
+	if s4.Size != SizeFull || !strings.Contains(s4.Reason, "grown by map pressure") {
+		t.Errorf("after the round %+v: %+v; want grown", r, s4)
+	}
+	if g := d.Status().MapSizes.LastGrowth; g == nil || g.Cause != "map pressure" || len(g.Maps) != 1 || g.Maps[0].Kept != n {
+		t.Errorf("last growth %+v; want fluxvm_nat4, %d kept", g, n)
+	}
+	got := 0
+	if err := d.ct.NAT().Scan(nat.Filter{Family: nat.IPv4}, func(es []nat.Entry) error {
+		for _, en := range es {
+			if en.Client.Addr().As4()[1] == 18 {
+				got++
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if got != n {
+		t.Errorf("%d of the %d halves after the grow", got, n)
+	}
+	if r.Shed.Total() != 0 || r.Compaction != nil {
+		t.Errorf("the round shed %+v, compacted %+v", r.Shed, r.Compaction)
 	}
 }

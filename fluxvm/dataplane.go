@@ -1305,10 +1305,10 @@ func (d *Dataplane) Status() Status {
 	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
 	if !d.closed {
 		out.Memory = d.memoryStatus()
-		out.MapSizes = d.mapSizesStatus()
 		if p, err := d.pressureStatus(); err == nil || p.Error != "" {
 			out.Pressure = &p
 		}
+		out.MapSizes = d.mapSizesStatus(out.Pressure)
 	}
 	out.EDT = d.edtStatus()
 	out.HA = d.HAStatus()

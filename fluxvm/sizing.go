@@ -54,6 +54,10 @@ type MapSizeStatus struct {
 	MaxEntries uint32 `json:"max_entries"`
 	// Ceiling is the tier's capacity (map_tier): what the map grows to.
 	Ceiling uint32 `json:"ceiling"`
+	// Entries is what a hash map holds now, as the kernel counts it (the
+	// figure of Status.Pressure); absent for the ring, the queue, and
+	// where the kernel cannot count.
+	Entries *int64 `json:"entries,omitempty"`
 	// Size is "token" (below the ceiling: nothing configured can use it)
 	// or "full" (at the ceiling).
 	Size string `json:"size"`
@@ -220,8 +224,9 @@ type MapSizesStatus struct {
 	Error string `json:"error,omitempty"`
 }
 
-// mapSizesStatus is Status.MapSizes. d.mu must be held.
-func (d *Dataplane) mapSizesStatus() *MapSizesStatus {
+// mapSizesStatus is Status.MapSizes, with the entries of p (nil: none).
+// d.mu must be held.
+func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 	sizes, err := d.dp.MapSizes()
 	if err != nil {
 		return &MapSizesStatus{Error: err.Error()}
@@ -231,6 +236,9 @@ func (d *Dataplane) mapSizesStatus() *MapSizesStatus {
 		st := MapSizeStatus{Map: s.Map, MaxEntries: s.MaxEntries, Ceiling: s.Ceiling, Size: SizeToken, Reason: d.sizing.reason[s.Map]}
 		if s.MaxEntries >= s.Ceiling {
 			st.Size = SizeFull
+		}
+		if mp, ok := p.entries(s.Map); ok {
+			st.Entries = &mp
 		}
 		switch {
 		case s.Map == "fluxvm_sock_fwd" || s.Map == "fluxvm_sock_rev":
@@ -424,4 +432,13 @@ func (d *Dataplane) growUnderPressure(over []string) bool {
 		return false
 	}
 	return true
+}
+
+// entries is the entries of map name in p, if p counted them.
+func (p *PressureStatus) entries(name string) (int64, bool) {
+	if p == nil || p.Unsupported || p.Error != "" {
+		return 0, false
+	}
+	m, ok := p.Maps[name]
+	return m.Entries, ok
 }

@@ -48,7 +48,7 @@ import (
 // capacity (the first IPv6 frontend for fluxvm_fct6, the first north-south
 // NAT frontend of a family, or the first frontend storing reverse halves,
 // for its reverse-NAT map; sizing.go) grows that map first, while traffic
-// runs and without losing a flow: such an apply takes 0.7–1.1 s at tier L
+// runs and without losing a flow: such an apply takes 0.4–1.1 s at tier L
 // (bounded by 1.5 s on the reference machine; docs/benchmarks.md) instead
 // of about 10 ms, holding the dataplane's lock for the switch alone (0.1–0.2
 // ms). Status.MapSizes reports it.

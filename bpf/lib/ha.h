@@ -64,6 +64,7 @@
 #include "maps.h"
 #include "counters.h"
 #include "ct.h"
+#include "svc.h"
 
 /* A north-south (SNAT or DSR) entry's ha_until (see the top of this file
  * and struct fluxvm_ct_value): the field it shares with the L7 proxy's

@@ -33,7 +33,16 @@
 #define FLUXVM_LIB_L7_H
 
 #ifdef FLUXVM_CTX_SKB
-#include "lb.h"
+#include "maps.h"
+#include "parse.h"
+#include "counters.h"
+#include "ct.h"
+#include "svc.h"
+#include "nat.h"
+#include "flows.h"
+#include "policy.h"
+#include "lb_types.h"
+#include "lb_ct.h"
 
 /* What fluxvm_l7_stage returns besides a TC verdict: not for the proxy,
  * the mode's path takes the packet. */

@@ -28,6 +28,7 @@
 #define FLUXVM_LIB_POLICY_H
 
 #include "maps.h"
+#include "parse.h"
 #include "counters.h"
 
 /* Whether a forward path with frontend flags @flags applies a policy. XDP

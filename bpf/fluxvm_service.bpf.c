@@ -102,7 +102,8 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	/* L7 enforce (lib/l7.h): a flow for the proxy goes there; others,
 	 * among them the proxy's own, take the mode's path. */
 	if (mode != FLUXVM_LB_NONE && (flags & FLUXVM_SVC_F_L7)) {
-		verdict = fluxvm_l7_stage(ctx, pkt, (v6 ? 1 : 0) | (edge == FLUXVM_EDGE_NS ? 2 : 0) | ((__u64)sid << 32));
+		verdict = fluxvm_l7_stage(ctx, pkt,
+					  FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS), .sid = sid));
 		if (verdict != FLUXVM_L7_LB)
 			mode = FLUXVM_LB_NONE;
 	}
@@ -127,8 +128,8 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	}
 	/* A client packet to a service dropped: FluxScope records why. */
 	if (verdict == CTX_ACT_DROP)
-		fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
-					   ((__u64)sid << 32));
+		fluxvm_flow_drop(ctx, pkt,
+				 FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS), .sid = sid));
 	return verdict;
 }
 

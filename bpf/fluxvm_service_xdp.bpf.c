@@ -118,7 +118,7 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 		fluxvm_count_parse(FLUXVM_PARSE_OK, &pkt);
 	/* A client packet to a service dropped here: FluxScope records why. */
 	if (verdict == XDP_DROP)
-		fluxvm_flow_drop(ctx, &pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_HOOK_XDP << 8) | ((__u64)sid << 32));
+		fluxvm_flow_drop(ctx, &pkt, FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_HOOK_XDP, .sid = sid));
 	return verdict;
 }
 

@@ -37,18 +37,18 @@ fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
 /*
  * The frontend stage of a fragment (rare: a global function, verified
  * once, off the programs' frames): one addressed to a VIP served here at
- * the edge @how >> 8 is dropped (see the top of this file), counted under
- * its service, whose flow record (fluxvm_flow_drop) records why; @how bit
- * 0: IPv6. A first fragment carries its ports: the frontend of its
+ * the edge @edge is dropped (lb.h says why), counted under its service,
+ * whose flow record (fluxvm_flow_drop) records why. A first fragment carries its ports: the frontend of its
  * destination port names its service. A later one has none: the VIP's
  * marker entry names the VIP's first frontend, as it does for a first
  * fragment to a port not served here. (XDP passes fragments to TC before
  * its frontend stage.)
  */
-__attribute__((noinline)) int fluxvm_lb_fragment(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u32 how)
+__attribute__((noinline)) int fluxvm_lb_fragment(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u32 v6,
+						 __u32 edge)
 {
 	struct fluxvm_svc_value *svc = NULL;
-	int v6 = how & 1, edge = how >> 8, verdict;
+	int verdict;
 	__u32 sid;
 
 	if (!pkt)
@@ -64,8 +64,7 @@ __attribute__((noinline)) int fluxvm_lb_fragment(struct __ctx_buff *ctx, struct 
 		return CTX_ACT_NEXT;
 	sid = svc->service_id;
 	verdict = fluxvm_drop(FLUXVM_DROP_FRAGMENT, fluxvm_stats(sid), fluxvm_edge(ctx));
-	fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
-				   ((__u64)sid << 32));
+	fluxvm_flow_drop(ctx, pkt, FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS), .sid = sid));
 	return verdict;
 }
 #endif
@@ -92,7 +91,7 @@ static __always_inline enum fluxvm_lb_mode fluxvm_lb_frontend(struct __ctx_buff 
 		return FLUXVM_LB_NONE;
 	if (pkt->frag != FLUXVM_FRAG_NONE) {
 #ifdef FLUXVM_CTX_SKB
-		*verdict = fluxvm_lb_fragment(ctx, pkt, (v6 ? 1 : 0) | (edge << 8));
+		*verdict = fluxvm_lb_fragment(ctx, pkt, v6, edge);
 #endif
 		return FLUXVM_LB_NONE;
 	}

@@ -37,6 +37,51 @@ enum fluxvm_lb_mode {
 	FLUXVM_LB_DSR,  /* routed DSR, either edge: fluxvm_lb_dsr */
 };
 
+/*
+ * Named layouts of the packed arguments of global functions. A global
+ * function takes at most five arguments, each a scalar or a pointer (no
+ * struct by value), and a pointer to the caller's stack would cost bytes
+ * the deepest call chains have not got: each layout travels in one
+ * register as the word of its union, built with its FLUXVM_*_ARG macro
+ * and read back through the union by the callee.
+ */
+
+/* What a flow record's functions (fluxvm_flow_open, fluxvm_flow_drop)
+ * and the L7 stage (fluxvm_l7_stage) know of a client packet's path
+ * besides the packet itself. */
+struct fluxvm_flow_info {
+	__u8 v6 : 1;         /* the packet is IPv6 */
+	__u8 audited : 1;    /* fluxvm_flow_open: forwarded under audit_only */
+	__u8 redirected : 1; /* fluxvm_flow_open: handed to the L7 proxy */
+	__u8 hook;           /* enum fluxvm_flow_hook: where it was seen */
+	__u16 bid;           /* fluxvm_flow_open: the backend's id (below the tier's 65,536) */
+	__u32 sid;           /* the datapath service id */
+};
+
+union fluxvm_flow_arg {
+	struct fluxvm_flow_info info;
+	__u64 word;
+};
+
+/* FLUXVM_FLOW_ARG(.v6 = v6, .sid = sid, ...): the word of the fields named. */
+#define FLUXVM_FLOW_ARG(...) (((union fluxvm_flow_arg){ .info = { __VA_ARGS__ } }).word)
+
+/* What the policy decision (fluxvm_policy_decide) knows of a client
+ * packet besides the packet itself. */
+struct fluxvm_policy_info {
+	__u32 v6 : 1;       /* the packet is IPv6 */
+	__u32 ifindex : 31; /* the interface it came in on (L7 enforce's bypass) */
+	__u32 sid;          /* the datapath service whose policy decides */
+};
+
+union fluxvm_policy_arg {
+	struct fluxvm_policy_info info;
+	__u64 word;
+};
+
+/* FLUXVM_POLICY_ARG(.v6 = v6, .sid = sid, ...): the word of the fields named. */
+#define FLUXVM_POLICY_ARG(...) (((union fluxvm_policy_arg){ .info = { __VA_ARGS__ } }).word)
+
 /* Which replies a reply path translates. */
 #define FLUXVM_REPLY_EW 0   /* VM-edge egress: replies to east-west clients */
 #define FLUXVM_REPLY_SNAT 1 /* ingress hooks, north-south egress: replies to the SNAT address */

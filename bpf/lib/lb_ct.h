@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * The conntrack stage of the forward paths: may a flow's entry keep its
- * backend (fluxvm_ct_stage), and the entry a new flow learns
- * (fluxvm_ct_build), with the statistics of a new flow.
+ * backend (fluxvm_ct_stage), the opening every forward mode shares around
+ * it (fluxvm_fwd_open), and the entry a new flow learns (fluxvm_ct_build),
+ * with the statistics of a new flow.
  */
 #ifndef FLUXVM_LIB_LB_CT_H
 #define FLUXVM_LIB_LB_CT_H
@@ -13,6 +14,7 @@
 #include "ct.h"
 #include "svc.h"
 #include "ha.h"
+#include "policy.h"
 #include "lb_types.h"
 
 /*
@@ -42,6 +44,64 @@ fluxvm_ct_stage(const struct fluxvm_ct_value *ct, const struct fluxvm_pkt *pkt, 
 	if (fluxvm_tcp_is_syn(pkt) && ct->state != FLUXVM_CT_TCP_SYN)
 		return FLUXVM_CT_REPICK;
 	return FLUXVM_CT_KEEP;
+}
+
+/* What the opening of a forward path (fluxvm_fwd_open) leaves the mode. */
+struct fluxvm_fwd {
+	struct fluxvm_ct_value *ct;    /* the flow's entry, or NULL */
+	struct fluxvm_backend *be;     /* the entry's backend (FLUXVM_CT_KEEP, FAILOVER, REPICK) */
+	__u64 now;                     /* the path's clock */
+	__u32 bid;                     /* the entry's backend id, read once with be */
+	enum fluxvm_ct_verdict verdict;
+	int touched;                   /* FLUXVM_CT_KEEP: fluxvm_ct_touch's result */
+	int ret;                       /* the path's verdict when the opening ends it */
+};
+
+/*
+ * The opening every forward mode shares, for service @sid (@flags: the
+ * frontend's) in mode @kind (FLUXVM_CT_F_SNAT/DSR bits, as
+ * fluxvm_ct_stage): the service guard, the packet's tuple into *@t4 or
+ * *@t6 (the conntrack key, which the mode keeps using), the clock, the
+ * flow's entry and the conntrack stage. A flow that keeps its backend is
+ * then handed to TC when XDP must not serve it under HA, rechecked
+ * against its service's policy, and touched (a due refresh queued for
+ * HA). Nonzero when the path ends here, its verdict in @o->ret; else
+ * the mode goes on from @o->verdict. Inline: the conntrack-hit path pays
+ * for no call.
+ */
+static __always_inline int fluxvm_fwd_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
+					   __u32 sid, __u32 flags, __u8 kind, struct fluxvm_tuple4 *t4,
+					   struct fluxvm_tuple6 *t6, struct fluxvm_svc_stats_value *st,
+					   struct fluxvm_svc_stats_value *es, struct fluxvm_fwd *o)
+{
+	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
+	void *ct_key = v6 ? (void *)t6 : (void *)t4;
+	int reason;
+
+	o->be = NULL;
+	if (!fluxvm_guard_open(sid)) {
+		o->ret = fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
+		return 1;
+	}
+	fluxvm_pkt_tuple(pkt, v6, t4, t6);
+	o->now = bpf_ktime_get_coarse_ns();
+
+	o->ct = bpf_map_lookup_elem(ct_map, ct_key);
+	o->verdict = fluxvm_ct_stage(o->ct, pkt, sid, kind, o->now, &o->be, &o->bid);
+	if (o->verdict != FLUXVM_CT_KEEP)
+		return 0;
+	/* Under HA, a hit that would queue a record is TC's. */
+	if (fluxvm_ha_xdp_hit(o->ct, pkt, o->now)) {
+		o->ret = CTX_ACT_NEXT;
+		return 1;
+	}
+	if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, o->ct))) {
+		o->ret = fluxvm_drop(reason, st, es);
+		return 1;
+	}
+	o->touched = fluxvm_ct_touch(o->ct, fluxvm_ct_next(o->ct->state, pkt, 0), o->now);
+	fluxvm_ha_touched(o->ct, v6, t4, t6, o->touched);
+	return 0;
 }
 
 /*

@@ -37,30 +37,24 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
-	struct fluxvm_backend *be = NULL;
+	struct fluxvm_backend *be;
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
+	struct fluxvm_fwd o;
 	__u32 bid;
 	__u64 now, flow;
 	int reason;
 
-	if (!fluxvm_guard_open(sid))
-		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
-	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
-	now = bpf_ktime_get_coarse_ns();
-
-	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_DSR, now, &be, &bid);
-	if (verdict == FLUXVM_CT_KEEP) {
-		/* Under HA, a hit that would queue a record is TC's. */
-		if (fluxvm_ha_xdp_hit(ct, pkt, now))
-			return CTX_ACT_NEXT;
-		if (fluxvm_policy_on(flags) && (reason = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
-			return fluxvm_drop(reason, st, es);
-		fluxvm_ha_touched(ct, v6, &t4, &t6, fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now));
+	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_DSR, &t4, &t6, st, es, &o))
+		return o.ret;
+	ct = o.ct;
+	be = o.be;
+	bid = o.bid;
+	now = o.now;
+	verdict = o.verdict;
+	if (verdict == FLUXVM_CT_KEEP)
 		goto deliver;
-	}
 
 	meta = fluxvm_meta_get();
 	/* A new flow under HA: TC learns it and queues its record. */

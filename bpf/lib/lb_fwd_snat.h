@@ -37,30 +37,25 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
 	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
-	struct fluxvm_backend *be = NULL;
+	struct fluxvm_backend *be;
 	enum fluxvm_ct_verdict verdict;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
+	struct fluxvm_fwd o;
 	__be32 nat_addr[4] = {};
 	__be16 nat_port;
 	__u32 bid, hash;
 	__u64 now, flow;
 	int ret;
 
-	if (!fluxvm_guard_open(sid))
-		return fluxvm_drop(FLUXVM_DROP_GUARD_CLOSED, st, es);
-	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
-	now = bpf_ktime_get_coarse_ns();
-
-	ct = bpf_map_lookup_elem(ct_map, ct_key);
-	verdict = fluxvm_ct_stage(ct, pkt, sid, FLUXVM_CT_F_SNAT, now, &be, &bid);
+	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_SNAT, &t4, &t6, st, es, &o))
+		return o.ret;
+	ct = o.ct;
+	be = o.be;
+	bid = o.bid;
+	now = o.now;
+	verdict = o.verdict;
 	if (verdict == FLUXVM_CT_KEEP) {
-		/* Under HA, a hit that would queue a record is TC's. */
-		if (fluxvm_ha_xdp_hit(ct, pkt, now))
-			return CTX_ACT_NEXT;
-		if (fluxvm_policy_on(flags) && (ret = fluxvm_policy_recheck(ctx, pkt, v6, sid, ct)))
-			return fluxvm_drop(ret, st, es);
-		fluxvm_ha_touched(ct, v6, &t4, &t6, fluxvm_ct_touch(ct, fluxvm_ct_next(ct->state, pkt, 0), now));
 		ret = fluxvm_snat_check(pkt, v6, be, ct, sid, bid, now, nat_flags);
 		if (!ret) {
 			__builtin_memcpy(nat_addr, ct->nat_addr, 16);

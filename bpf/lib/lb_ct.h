@@ -46,17 +46,6 @@ fluxvm_ct_stage(const struct fluxvm_ct_value *ct, const struct fluxvm_pkt *pkt, 
 	return FLUXVM_CT_KEEP;
 }
 
-/* What the opening of a forward path (fluxvm_fwd_open) leaves the mode. */
-struct fluxvm_fwd {
-	struct fluxvm_ct_value *ct;    /* the flow's entry, or NULL */
-	struct fluxvm_backend *be;     /* the entry's backend (FLUXVM_CT_KEEP, FAILOVER, REPICK) */
-	__u64 now;                     /* the path's clock */
-	__u32 bid;                     /* the entry's backend id, read once with be */
-	enum fluxvm_ct_verdict verdict;
-	int touched;                   /* FLUXVM_CT_KEEP: fluxvm_ct_touch's result */
-	int ret;                       /* the path's verdict when the opening ends it */
-};
-
 /*
  * The opening every forward mode shares, for service @sid (@flags: the
  * frontend's) in mode @kind (FLUXVM_CT_F_SNAT/DSR bits, as

@@ -29,6 +29,17 @@ enum fluxvm_ct_verdict {
 	FLUXVM_CT_FAILOVER, /* the entry's backend may no longer serve it */
 };
 
+/* What the opening of a forward path (fluxvm_fwd_open) leaves the mode. */
+struct fluxvm_fwd {
+	struct fluxvm_ct_value *ct;    /* the flow's entry, or NULL */
+	struct fluxvm_backend *be;     /* the entry's backend (FLUXVM_CT_KEEP, FAILOVER, REPICK) */
+	__u64 now;                     /* the path's clock */
+	__u32 bid;                     /* the entry's backend id, read once with be */
+	enum fluxvm_ct_verdict verdict;
+	int touched;                   /* FLUXVM_CT_KEEP: fluxvm_ct_touch's result */
+	int ret;                       /* the path's verdict when the opening ends it */
+};
+
 /* The mode of a frontend's path, as the frontend stage finds it. */
 enum fluxvm_lb_mode {
 	FLUXVM_LB_NONE, /* not a service served here, or dropped: see the verdict */

@@ -24,7 +24,8 @@
  * own, instead of once per way of reaching it: the programs below stay far
  * from the verifier's instruction limit and load in a fraction of the time,
  * for the cost of a BPF-to-BPF call. @pkt points at the caller's parse
- * result; the verifier cannot know it is never NULL.
+ * result (in per-CPU scratch, fluxvm_pkt_new); the verifier cannot know
+ * it is never NULL.
  *
  * The hot paths stay inline in their programs: the VM-edge reply path in
  * fluxvm_to_vm, its only user, and the IPv4 east-west NAT path in
@@ -102,7 +103,8 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	/* L7 enforce (lib/l7.h): a flow for the proxy goes there; others,
 	 * among them the proxy's own, take the mode's path. */
 	if (mode != FLUXVM_LB_NONE && (flags & FLUXVM_SVC_F_L7)) {
-		verdict = fluxvm_l7_stage(ctx, pkt, (v6 ? 1 : 0) | (edge == FLUXVM_EDGE_NS ? 2 : 0) | ((__u64)sid << 32));
+		verdict = fluxvm_l7_stage(ctx, pkt,
+					  FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS), .sid = sid));
 		if (verdict != FLUXVM_L7_LB)
 			mode = FLUXVM_LB_NONE;
 	}
@@ -127,8 +129,8 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 	}
 	/* A client packet to a service dropped: FluxScope records why. */
 	if (verdict == CTX_ACT_DROP)
-		fluxvm_flow_drop(ctx, pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS) << 8) |
-					   ((__u64)sid << 32));
+		fluxvm_flow_drop(ctx, pkt,
+				 FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_FWD_HOOK(edge == FLUXVM_EDGE_NS), .sid = sid));
 	return verdict;
 }
 
@@ -138,26 +140,26 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 SEC("tc")
 int fluxvm_from_vm(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt pkt = {};
+	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
 	int ret;
 
-	if (!fluxvm_parse_counted(ctx, &pkt))
+	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
 		return CTX_ACT_NEXT;
 	/* ICMP is never service traffic; errors to the SNAT address are
 	 * translated back (fluxvm_icmp*_snat check the address). */
-	if (pkt.l3_proto == ETH_P_IP) {
-		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, &pkt);
-		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
-		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
-			ret = fluxvm_reply4_snat_in(ctx, &pkt);
+	if (pkt->l3_proto == ETH_P_IP) {
+		if (pkt->l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, pkt);
+		ret = fluxvm_forward(ctx, pkt, 0, FLUXVM_EDGE_VM);
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 0))
+			ret = fluxvm_reply4_snat_in(ctx, pkt);
 		return ret;
 	}
-	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, &pkt);
-	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_VM);
-	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
-		ret = fluxvm_reply6_snat_in(ctx, &pkt);
+	if (pkt->l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, pkt);
+	ret = fluxvm_forward(ctx, pkt, 1, FLUXVM_EDGE_VM);
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 1))
+		ret = fluxvm_reply6_snat_in(ctx, pkt);
 	return ret;
 }
 
@@ -166,21 +168,21 @@ int fluxvm_from_vm(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_to_vm(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt pkt = {};
+	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
 	int ret;
 
-	if (!fluxvm_parse_counted(ctx, &pkt))
+	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
 		return CTX_ACT_NEXT;
-	if (pkt.l3_proto == ETH_P_IP) {
-		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_ew(ctx, &pkt);
-		ret = fluxvm_lb_reply_ew(ctx, &pkt, 0);
-		return ret == FLUXVM_REPLY_STORED ? fluxvm_reply4_stored(ctx, &pkt) : ret;
+	if (pkt->l3_proto == ETH_P_IP) {
+		if (pkt->l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_ew(ctx, pkt);
+		ret = fluxvm_lb_reply_ew(ctx, pkt, 0);
+		return ret == FLUXVM_REPLY_STORED ? fluxvm_reply4_stored(ctx, pkt) : ret;
 	}
-	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_ew(ctx, &pkt);
-	ret = fluxvm_lb_reply_ew(ctx, &pkt, 1);
-	return ret == FLUXVM_REPLY_STORED ? fluxvm_reply6_stored(ctx, &pkt) : ret;
+	if (pkt->l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_ew(ctx, pkt);
+	ret = fluxvm_lb_reply_ew(ctx, pkt, 1);
+	return ret == FLUXVM_REPLY_STORED ? fluxvm_reply6_stored(ctx, pkt) : ret;
 }
 
 /* North-south ingress: clients outside the node reach north-south VIPs
@@ -189,24 +191,24 @@ int fluxvm_to_vm(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_ns_in(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt pkt = {};
+	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
 	int ret;
 
-	if (!fluxvm_parse_counted(ctx, &pkt))
+	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
 		return CTX_ACT_NEXT;
-	if (pkt.l3_proto == ETH_P_IP) {
-		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, &pkt);
-		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_NS);
-		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
-			ret = fluxvm_reply4_snat_in(ctx, &pkt);
+	if (pkt->l3_proto == ETH_P_IP) {
+		if (pkt->l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, pkt);
+		ret = fluxvm_forward(ctx, pkt, 0, FLUXVM_EDGE_NS);
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 0))
+			ret = fluxvm_reply4_snat_in(ctx, pkt);
 		return ret;
 	}
-	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, &pkt);
-	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_NS);
-	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
-		ret = fluxvm_reply6_snat_in(ctx, &pkt);
+	if (pkt->l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, pkt);
+	ret = fluxvm_forward(ctx, pkt, 1, FLUXVM_EDGE_NS);
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 1))
+		ret = fluxvm_reply6_snat_in(ctx, pkt);
 	return ret;
 }
 
@@ -217,22 +219,22 @@ int fluxvm_ns_in(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_ns_out(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt pkt = {};
+	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
 
-	if (!fluxvm_parse_counted(ctx, &pkt))
+	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
 		return CTX_ACT_NEXT;
-	if (pkt.l3_proto == ETH_P_IP) {
-		if (pkt.l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, &pkt);
-		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
-			return fluxvm_edt_ns_active() ? fluxvm_edt_out4(ctx, &pkt) : CTX_ACT_NEXT;
-		return fluxvm_reply4_snat_out(ctx, &pkt);
+	if (pkt->l3_proto == ETH_P_IP) {
+		if (pkt->l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, pkt);
+		if (!fluxvm_is_snat_addr(pkt->daddr, 0))
+			return fluxvm_edt_ns_active() ? fluxvm_edt_out4(ctx, pkt) : CTX_ACT_NEXT;
+		return fluxvm_reply4_snat_out(ctx, pkt);
 	}
-	if (pkt.l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, &pkt);
-	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
-		return fluxvm_edt_ns_active() ? fluxvm_edt_out6(ctx, &pkt) : CTX_ACT_NEXT;
-	return fluxvm_reply6_snat_out(ctx, &pkt);
+	if (pkt->l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, pkt);
+	if (!fluxvm_is_snat_addr(pkt->daddr, 1))
+		return fluxvm_edt_ns_active() ? fluxvm_edt_out6(ctx, pkt) : CTX_ACT_NEXT;
+	return fluxvm_reply6_snat_out(ctx, pkt);
 }
 
 char _license[] SEC("license") = "Dual BSD/GPL";

@@ -224,17 +224,21 @@ struct fluxvm_ct_value {
 	 * learned before generation 5: decided at its next packet). */
 	__u32 policy_rev;
 	/*
-	 * Two uses by kind, never both (a union in all but name, so that the
-	 * generated Go type keeps one field):
-	 *   - FLUXVM_CT_F_L7: the proxy interface the flow goes to (lib/l7.h);
-	 *   - any other kind: ha_until, the second (CLOCK_MONOTONIC, coarse)
-	 *     until which the HA standby holds the flow as last queued
-	 *     (lib/ha.h, FLUXVM_CT_HA_UNTIL); 0: never queued, and always 0
-	 *     in an east-west entry (HA replicates SNAT and DSR flows only).
-	 *     Datapath-only: userspace reads the field of L7 entries alone.
-	 * L7 entries are never replicated, so the two never meet.
+	 * Two uses by kind, never both: L7 entries are never replicated, so
+	 * the two never meet. The generated Go type names the union by its
+	 * first member (L7Ifindex), the same four bytes.
 	 */
-	__u32 l7_ifindex;
+	union {
+		/* FLUXVM_CT_F_L7: the proxy interface the flow goes to
+		 * (lib/l7.h). */
+		__u32 l7_ifindex;
+		/* Any other kind: the second (CLOCK_MONOTONIC, coarse) until
+		 * which the HA standby holds the flow as last queued
+		 * (lib/ha.h); 0: never queued, and always 0 in an east-west
+		 * entry (HA replicates SNAT and DSR flows only). Datapath-only:
+		 * userspace reads the field of L7 entries alone. */
+		__u32 ha_until;
+	};
 };
 _Static_assert(sizeof(struct fluxvm_ct_value) == 64, "fluxvm_ct_value size");
 

@@ -77,7 +77,7 @@ __attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_
 SEC("xdp")
 int fluxvm_xdp_ns(struct xdp_md *ctx)
 {
-	struct fluxvm_pkt pkt = {};
+	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
 	struct fluxvm_svc_value *svc;
 	enum fluxvm_lb_mode mode;
 	__u32 sid = 0, flags = 0;
@@ -86,18 +86,18 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 	/* Parsed without counting: a packet XDP passes is parsed and counted
 	 * again by TC; the parser's counters count it once, where it is
 	 * finished. */
-	if (fluxvm_parse(ctx, &pkt) != FLUXVM_PARSE_OK)
+	if (!pkt || fluxvm_parse(ctx, pkt) != FLUXVM_PARSE_OK)
 		return XDP_PASS;
-	if (pkt.l4_proto != IPPROTO_TCP && pkt.l4_proto != IPPROTO_UDP)
+	if (pkt->l4_proto != IPPROTO_TCP && pkt->l4_proto != IPPROTO_UDP)
 		return XDP_PASS;
-	v6 = pkt.l3_proto != ETH_P_IP;
-	if (pkt.frag != FLUXVM_FRAG_NONE) {
-		svc = fluxvm_frontend(&pkt, v6, 0);
+	v6 = pkt->l3_proto != ETH_P_IP;
+	if (pkt->frag != FLUXVM_FRAG_NONE) {
+		svc = fluxvm_frontend(pkt, v6, 0);
 		if (svc && fluxvm_svc_here(svc, FLUXVM_EDGE_NS))
 			fluxvm_count(FLUXVM_CNT_XDP_PASS_FRAGMENT);
 		return XDP_PASS;
 	}
-	mode = fluxvm_lb_frontend(ctx, &pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict);
+	mode = fluxvm_lb_frontend(ctx, pkt, v6, FLUXVM_EDGE_NS, &sid, &flags, &verdict);
 	/* A service with an identity policy or L7 enforce: TC applies it
 	 * (lib/policy.h, lib/l7.h). */
 	if (mode != FLUXVM_LB_NONE && (flags & (FLUXVM_SVC_F_POLICY | FLUXVM_SVC_F_L7))) {
@@ -106,19 +106,19 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 	}
 	switch (mode) {
 	case FLUXVM_LB_SNAT:
-		verdict = v6 ? fluxvm_xdp_snat6(ctx, &pkt, sid, flags) : fluxvm_lb_snat(ctx, &pkt, 0, sid, flags);
+		verdict = v6 ? fluxvm_xdp_snat6(ctx, pkt, sid, flags) : fluxvm_lb_snat(ctx, pkt, 0, sid, flags);
 		break;
 	case FLUXVM_LB_DSR:
-		verdict = v6 ? fluxvm_xdp_dsr6(ctx, &pkt, sid, flags) : fluxvm_xdp_dsr4(ctx, &pkt, sid, flags);
+		verdict = v6 ? fluxvm_xdp_dsr6(ctx, pkt, sid, flags) : fluxvm_xdp_dsr4(ctx, pkt, sid, flags);
 		break;
 	default:
 		return XDP_PASS;
 	}
 	if (verdict != XDP_PASS)
-		fluxvm_count_parse(FLUXVM_PARSE_OK, &pkt);
+		fluxvm_count_parse(FLUXVM_PARSE_OK, pkt);
 	/* A client packet to a service dropped here: FluxScope records why. */
 	if (verdict == XDP_DROP)
-		fluxvm_flow_drop(ctx, &pkt, (v6 ? 1 : 0) | ((__u64)FLUXVM_HOOK_XDP << 8) | ((__u64)sid << 32));
+		fluxvm_flow_drop(ctx, pkt, FLUXVM_FLOW_ARG(.v6 = !!v6, .hook = FLUXVM_HOOK_XDP, .sid = sid));
 	return verdict;
 }
 

@@ -214,10 +214,10 @@ const (
 	CTFlagAudited = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_AUDITED)
 	// CTFlagL7 marks a flow handed to an L7 proxy (L7 enforce),
 	// untranslated: L7Ifindex is the proxy interface, BackendId is 0. A
-	// kind. In an entry of any other kind, L7Ifindex is the datapath's
-	// own HA bookkeeping (the second until which the standby holds the
-	// flow, lib/ha.h; 0 in an east-west entry, which HA does not
-	// replicate): never read it there.
+	// kind. In an entry of any other kind, L7Ifindex is the other member
+	// of its C union, ha_until, the datapath's own HA bookkeeping (the
+	// second until which the standby holds the flow, lib/ha.h; 0 in an
+	// east-west entry, which HA does not replicate): never read it there.
 	CTFlagL7 = uint8(serviceFluxvmCtFlagsFLUXVM_CT_F_L7)
 )
 

@@ -71,8 +71,21 @@ func TestLayoutsMatchBTF(t *testing.T) {
 			}
 			for i, m := range st.Members {
 				f := fields[i]
-				if !strings.EqualFold(strings.ReplaceAll(m.Name, "_", ""), f.Name) {
-					t.Errorf("field %d: C %s, Go %s", i, m.Name, f.Name)
+				name := m.Name
+				// An anonymous union is one Go field named by its first
+				// member (bpf2go); every member must span the whole
+				// union, so that the field holds each of them.
+				if u, ok := m.Type.(*btf.Union); ok && name == "" {
+					name = u.Members[0].Name
+					for _, um := range u.Members {
+						if sz, err := btf.Sizeof(um.Type); err != nil || uint32(sz) != u.Size || um.Offset != 0 {
+							t.Errorf("union member %s of field %d: size %d at bit %d, want the union's %d at 0 (%v)",
+								um.Name, i, sz, um.Offset, u.Size, err)
+						}
+					}
+				}
+				if !strings.EqualFold(strings.ReplaceAll(name, "_", ""), f.Name) {
+					t.Errorf("field %d: C %s, Go %s", i, name, f.Name)
 				}
 				if uint32(m.Offset.Bytes()) != uint32(f.Offset) {
 					t.Errorf("%s: C offset %d, Go %d", m.Name, m.Offset.Bytes(), f.Offset)

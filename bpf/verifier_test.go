@@ -18,6 +18,9 @@ import (
 const (
 	kernelInsnLimit  = 1_000_000 // BPF_COMPLEXITY_LIMIT_INSNS: processed instructions per load
 	kernelStackLimit = 512       // MAX_BPF_STACK: the deepest call chain's combined frames
+	// stackCeiling is the most a stack budget may be: 64 bytes of the
+	// kernel's 512 stay free for the next feature (issue 34).
+	stackCeiling = 448
 )
 
 // verifierBudget is what one program may cost the verifier.
@@ -38,17 +41,28 @@ type verifierBudget struct {
 //     compile-time gate (docs/architecture.md, "Adding a feature to the
 //     datapath").
 //   - stack is set about 15% above the measured deepest chain, capped at
-//     the kernel's 512 bytes. A program at its budget has no headroom
-//     left (fluxvm_from_vm and fluxvm_to_vm at 480, fluxvm_ns_in at 448,
-//     fluxvm_xdp_ns at the kernel's 512): new state goes to per-CPU
-//     scratch (lib/maps.h), not the stack.
+//     448 bytes (issue 34: 64 of the kernel's 512 kept free). A program
+//     at its budget has no headroom left (fluxvm_from_vm, fluxvm_to_vm
+//     and fluxvm_xdp_ns at 448): new state goes to per-CPU scratch
+//     (lib/maps.h), not the stack.
 //   - Raise a budget only deliberately, in the commit that needs it, with
 //     the new measured figure and the reason in the comment beside it.
 //
 // Measured on 2026-12-07 (kernel 6.18, clang 14), all tiers alike: the
 // figures beside each budget (`go test -v -run TestVerifierBudget ./bpf/`).
-// fluxvm_to_vm is at 99.9% of its budget (issue 34 moves node features
-// to load time to make room). The history below is of 2026-12-01.
+// Issue 34 set the TC and XDP budgets to 80% of the budgets before it
+// (fluxvm_to_vm 45,000 -> 36,000, fluxvm_from_vm 89,000 -> 71,200,
+// fluxvm_ns_in 81,000 -> 64,800, fluxvm_ns_out 34,000 -> 27,200,
+// fluxvm_xdp_ns 57,000 -> 45,600) and their stack to at most 448 bytes,
+// with every feature compiled in. Two changes made the room: the entry
+// programs keep their parse result in per-CPU scratch (lib/parse.h,
+// fluxvm_pkt_new), which takes 48 bytes off every first frame and makes
+// the verifier walk the stages after the parser once instead of once per
+// way through it; and the IPv6 extension-header walk reads its offset
+// back from the parse result (one state per header instead of one per
+// path so far). Before: from_vm 80,901 / 480 bytes, to_vm 44,966 / 480,
+// ns_in 74,804 / 448, ns_out 32,020 / 352, xdp_ns 49,136 / 512.
+// The history below is of 2026-12-01.
 // fluxvm_from_vm grew when the forward path was split by mode (the DSR
 // paths, global functions verified on their own, ~7,100 insns for both
 // families; its inline IPv4 path did not grow) and when east-west replies
@@ -66,10 +80,10 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 		// it); the bypass is decided inside fluxvm_policy_decide, so the
 		// inline IPv4 path is verified once (a flags change ahead of it
 		// cost 8,000 more).
-		"fluxvm_from_vm": {insns: 89_000, stack: 480}, // 80901 insns (L7 stage, HA emit; was 72858); 480 bytes (forward6_nat -> flow_open chain)
-		"fluxvm_to_vm":   {insns: 45_000, stack: 480}, // 44966 insns (EDT, flow counts, HA emit); 480 bytes (reply6_stored -> ha_emit chain)
-		"fluxvm_ns_in":   {insns: 81_000, stack: 448}, // 74804 insns (L7 stage, HA emit, SNAT stride walk; was 65954); 448 bytes (forward6_snat -> flow_open chain)
-		"fluxvm_ns_out":  {insns: 34_000, stack: 384}, // 32020 insns; 352 bytes (reply6_snat_out -> ha_emit chain)
+		"fluxvm_from_vm": {insns: 71_200, stack: 448}, // 68299 insns (was 80901); 448 bytes (forward6_nat -> flow_open chain; was 480)
+		"fluxvm_to_vm":   {insns: 36_000, stack: 448}, // 34035 insns (was 44966); 448 bytes (reply6_stored -> ha_emit chain; was 480)
+		"fluxvm_ns_in":   {insns: 64_800, stack: 448}, // 63883 insns (was 74804); 384 bytes (forward6_snat -> flow_open chain; was 448)
+		"fluxvm_ns_out":  {insns: 27_200, stack: 352}, // 20924 insns (was 32020); 288 bytes (reply6_snat_out -> ha_emit chain; was 352)
 	},
 	// The north-south XDP object (issue 17): its one program, with the
 	// IPv6 SNAT and the DSR paths as global functions.
@@ -82,7 +96,9 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 		// inline IPv4 SNAT path, +8 bytes of its frame, which rounds the
 		// IPv6 SNAT chain from 480 to 512). Nothing more fits on this
 		// chain: new XDP state goes to per-CPU scratch.
-		"fluxvm_xdp_ns": {insns: 57_000, stack: 512}, // 49136 insns (HA pass; was 50200); 512 bytes (xdp_snat6 chain)
+		// Issue 34: 80% of 57,000 and 448 bytes (the parse result in
+		// per-CPU scratch took 48 bytes off the program's frame).
+		"fluxvm_xdp_ns": {insns: 45_600, stack: 448}, // 38846 insns (was 49136); 448 bytes (xdp_snat6 chain; was 512)
 	},
 	// Socket load balancing (issue 18): one program per cgroup hook, each
 	// small (no packet to parse); the IPv6 ones read and write the
@@ -168,9 +184,10 @@ func TestVerifierBudget(t *testing.T) {
 	}
 	for obj, budgets := range verifierBudgets {
 		for prog, b := range budgets {
-			if b.insns > kernelInsnLimit/10 || b.stack > kernelStackLimit {
+			if b.insns > kernelInsnLimit/10 || b.stack > stackCeiling {
 				t.Errorf("verifierBudgets %s/%s = %d insns, %d bytes: a budget stays below a tenth of the kernel's "+
-					"%d instructions and at most %d bytes of stack", obj, prog, b.insns, b.stack, kernelInsnLimit, kernelStackLimit)
+					"%d instructions and at most %d of its %d bytes of stack", obj, prog, b.insns, b.stack, kernelInsnLimit,
+					stackCeiling, kernelStackLimit)
 			}
 			if !seen[obj][prog] {
 				t.Errorf("verifierBudgets has %s/%s, which no object loads: remove the stale entry", obj, prog)

@@ -62,6 +62,27 @@ static __always_inline __u64 fluxvm_timeout_ns(const struct fluxvm_meta_value *m
 	return (__u64)fluxvm_timeout_s(m, state) * 1000000000ULL;
 }
 
+/* The packet's own tuple, as conntrack (forward) and reverse NAT (reply)
+ * key it. */
+static __always_inline void fluxvm_pkt_tuple(const struct fluxvm_pkt *pkt, const int v6,
+					     struct fluxvm_tuple4 *t4,
+					     struct fluxvm_tuple6 *t6)
+{
+	if (v6) {
+		__builtin_memcpy(t6->saddr, pkt->saddr, 16);
+		__builtin_memcpy(t6->daddr, pkt->daddr, 16);
+		t6->sport = pkt->sport;
+		t6->dport = pkt->dport;
+		t6->proto = pkt->l4_proto;
+	} else {
+		t4->saddr = pkt->saddr[0];
+		t4->daddr = pkt->daddr[0];
+		t4->sport = pkt->sport;
+		t4->dport = pkt->dport;
+		t4->proto = pkt->l4_proto;
+	}
+}
+
 static __always_inline int fluxvm_tcp_is_syn(const struct fluxvm_pkt *pkt)
 {
 	return pkt->l4_proto == IPPROTO_TCP &&

@@ -39,7 +39,9 @@
 
 #include "maps.h"
 #include "counters.h"
-#include "flows.h" /* lb.h includes this file after it (fluxvm_pkt_tuple) */
+#include "flows.h"
+
+#ifdef FLUXVM_CTX_SKB /* EDT is a TC egress feature */
 
 /* Longer packets are paced as this long, so that len * ns_per_byte fits
  * in 64 bits at the lowest rate (1 Mbit/s: 8000 ns a byte, Q32). */
@@ -169,5 +171,7 @@ static __always_inline int fluxvm_edt_ns_out(struct __ctx_buff *ctx, const struc
 	}
 	return ret ? ret : CTX_ACT_NEXT;
 }
+
+#endif /* FLUXVM_CTX_SKB */
 
 #endif /* FLUXVM_LIB_EDT_H */

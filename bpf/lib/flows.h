@@ -46,6 +46,7 @@
 #include "counters.h"
 #include "svc.h"
 #include "ct.h"
+#include "lb_types.h"
 
 #define FLUXVM_FLOW_DROP_BURST 64
 #define FLUXVM_FLOW_DROP_RATE 64 /* records a second, node-wide */
@@ -272,11 +273,10 @@ static __always_inline __u32 fluxvm_flow_reserve(const struct fluxvm_meta_value 
 
 /*
  * Write the record of a new flow forwarded to a backend, its id @id
- * reserved by fluxvm_flow_reserve on this CPU: its id, or 0. @info packs
- * the family (bit 0: IPv6), whether the policy audited the flow (bit 1:
- * verdict audited, else forwarded), the hook (bits 8-15), the backend id (bits
- * 16-31; ids are below the tier's 65,536) and the service id (bits
- * 32-63). A global function: the verifier checks it once, not once per
+ * reserved by fluxvm_flow_reserve on this CPU: its id, or 0. @info is the
+ * word of a union fluxvm_flow_arg: the family, the verdict (audited,
+ * redirected to the L7 proxy, else forwarded), the hook, the backend id
+ * (ids are below the tier's 65,536) and the service id. A global function: the verifier checks it once, not once per
  * forward path. Its four arguments fit the four registers a call keeps,
  * so its frame stays within the 32 bytes the XDP program's deepest call
  * chain has left of the 512-byte stack.
@@ -292,14 +292,13 @@ __attribute__((noinline))
 int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info, __u32 id)
 {
 	struct fluxvm_scratch *scr = fluxvm_scratch_get();
+	union fluxvm_flow_arg a = { .word = info };
 
 	if (!pkt || !scr || (__u32)scr->flow_seq != id)
 		return 0;
-	return (int)fluxvm_flow_new(ctx, pkt, info & 1, (info >> 8) & 0xff, scr->flow_now,
-				    (__u32)(info >> 32), (__u32)(info >> 16) & 0xffff,
-				    /* audited (bit 1), or redirected to the L7
-				     * proxy (bit 2), or forwarded */
-				    (info & 2) ? FLUXVM_FLOW_AUDITED : (info & 4) ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED,
+	return (int)fluxvm_flow_new(ctx, pkt, a.info.v6, a.info.hook, scr->flow_now, a.info.sid, a.info.bid,
+				    a.info.audited ? FLUXVM_FLOW_AUDITED :
+				    a.info.redirected ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED,
 				    scr->flow_seq);
 }
 
@@ -315,8 +314,8 @@ static __always_inline void fluxvm_flow_learn(struct __ctx_buff *ctx, struct flu
 	if (!id)
 		return;
 	id = (__u32)fluxvm_flow_open(ctx, pkt,
-				     (v6 ? 1 : 0) | (audited ? 2 : 0) | ((__u64)hook << 8) |
-				     ((__u64)(bid & 0xffff) << 16) | ((__u64)sid << 32),
+				     FLUXVM_FLOW_ARG(.v6 = !!v6, .audited = !!audited, .hook = hook,
+						     .bid = (__u16)bid, .sid = sid),
 				     id);
 	/* The backend, here: a BPF call takes five arguments at most. */
 	f = fluxvm_flow_get(id);
@@ -368,8 +367,8 @@ static __always_inline int fluxvm_flow_budget_take(__u64 now)
  * A client packet to a service was dropped on a forward path (the reason
  * is the last one this CPU counted, lib/counters.h): into its flow's
  * record when its conntrack entry has one, else into a new record with
- * verdict dropped, within the node's budget. @info packs the family
- * (bit 0: IPv6), the hook (bits 8-15) and the service id (bits 32-63).
+ * verdict dropped, within the node's budget. @info is the word of a
+ * union fluxvm_flow_arg: the family, the hook and the service id.
  * Drops are the rare path: a global function, and a conntrack lookup of
  * its own.
  */
@@ -381,8 +380,10 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 	struct fluxvm_tuple6 t6 = {};
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_flow *f = NULL;
+	union fluxvm_flow_arg a = { .word = info };
+	__u32 sid = a.info.sid;
 	__u64 now;
-	int v6 = info & 1;
+	int v6 = a.info.v6;
 
 	if (!pkt || !meta || !meta->flow_sample_rate)
 		return 0;
@@ -391,16 +392,16 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 	ct = v6 ? bpf_map_lookup_elem(&fluxvm_fct6, &t6) : bpf_map_lookup_elem(&fluxvm_fct4, &t4);
 	/* The tuple's conntrack entry is this flow's only if it is of this
 	 * service (a VIP and port given to another service, a tuple reused). */
-	if (ct && ct->service_id == (__u32)(info >> 32))
+	if (ct && ct->service_id == sid)
 		f = fluxvm_flow_get(ct->flow);
-	if (f && f->service_id != (__u32)(info >> 32))
+	if (f && f->service_id != sid)
 		f = NULL;
 	if (!f) {
 		if (!fluxvm_flow_budget_take(now)) {
 			fluxvm_count(FLUXVM_CNT_FLOW_DROP_LIMITED);
 			return 0;
 		}
-		f = fluxvm_flow_get(fluxvm_flow_new(ctx, pkt, v6, (info >> 8) & 0xff, now, (__u32)(info >> 32), 0,
+		f = fluxvm_flow_get(fluxvm_flow_new(ctx, pkt, v6, a.info.hook, now, sid, 0,
 						    FLUXVM_FLOW_DROPPED, fluxvm_flow_next_seq()));
 		if (!f)
 			return 0;

@@ -29,8 +29,8 @@
  * The refresh rule. Every record carries hold_s, half the timeout T of
  * the entry's state, and the standby keeps the flow until the entry's
  * deadline D plus hold_s (ha.Drainer adds it to the TTL). The entry keeps
- * that second in ha_until (FLUXVM_CT_HA_UNTIL, the l7_ifindex field of an
- * SNAT or DSR entry). A refresh is due when the entry's deadline, pushed by a
+ * that second in ha_until (FLUXVM_CT_HA_UNTIL; in a union with the
+ * l7_ifindex of L7 entries, which are never replicated). A refresh is due when the entry's deadline, pushed by a
  * hit (now + T), passes ha_until. So, with a record lost to nothing:
  *   - the standby's copy never expires before the active's entry: after
  *     every write D <= ha_until <= the standby's deadline (ha_until is
@@ -64,11 +64,12 @@
 #include "maps.h"
 #include "counters.h"
 #include "ct.h"
+#include "svc.h"
 
 /* A north-south (SNAT or DSR) entry's ha_until (see the top of this file
- * and struct fluxvm_ct_value): the field it shares with the L7 proxy's
- * ifindex. */
-#define FLUXVM_CT_HA_UNTIL(ct) ((ct)->l7_ifindex)
+ * and struct fluxvm_ct_value, whose union it shares with the L7 proxy's
+ * ifindex). */
+#define FLUXVM_CT_HA_UNTIL(ct) ((ct)->ha_until)
 
 /* Whether HA replication is on. */
 static __always_inline int fluxvm_ha_on(const struct fluxvm_meta_value *meta)

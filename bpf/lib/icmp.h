@@ -42,6 +42,7 @@
 #include "nat.h"
 #include "snat.h"
 #include "rev.h"
+#include "lb_types.h"
 
 #ifndef IPPROTO_ICMPV6
 #define IPPROTO_ICMPV6 58

@@ -33,7 +33,16 @@
 #define FLUXVM_LIB_L7_H
 
 #ifdef FLUXVM_CTX_SKB
-#include "lb.h"
+#include "maps.h"
+#include "parse.h"
+#include "counters.h"
+#include "ct.h"
+#include "svc.h"
+#include "nat.h"
+#include "flows.h"
+#include "policy.h"
+#include "lb_types.h"
+#include "lb_ct.h"
 
 /* What fluxvm_l7_stage returns besides a TC verdict: not for the proxy,
  * the mode's path takes the packet. */
@@ -64,8 +73,8 @@ static __always_inline int fluxvm_l7_send(struct __ctx_buff *ctx, const struct f
 
 /*
  * The L7 stage of a packet to a VIP of a service with FLUXVM_SVC_F_L7:
- * @info packs the family (bit 0: IPv6), the edge (bit 1: north-south) and
- * the service id (bits 32-63). Returns a TC verdict (the packet handed to
+ * @info is the word of a union fluxvm_flow_arg: the family, the hook of
+ * the edge and the service id. Returns a TC verdict (the packet handed to
  * the proxy, or dropped: the caller records the drop), or FLUXVM_L7_LB
  * (the proxy's own packets among them). A global function, its keys in per-CPU scratch: the
  * forward paths' call chains are near the 512-byte stack.
@@ -73,14 +82,15 @@ static __always_inline int fluxvm_l7_send(struct __ctx_buff *ctx, const struct f
 __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
-	__u32 sid = (__u32)(info >> 32), ifindex;
+	union fluxvm_flow_arg a = { .word = info };
+	__u32 sid = a.info.sid, ifindex;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
 	struct fluxvm_backend *old = NULL;
 	struct fluxvm_spol_value *hdr;
 	struct fluxvm_meta_value *meta;
 	struct fluxvm_ct_value *ct;
 	void *ct_map, *ct_key;
-	int v6 = info & 1, reason;
+	int v6 = a.info.v6, reason;
 	__u64 now;
 
 	if (!s || !pkt)
@@ -149,8 +159,9 @@ __attribute__((noinline)) int fluxvm_l7_stage(struct __ctx_buff *ctx, struct flu
 	if (old)
 		fluxvm_nat_forget(pkt, v6, old); /* takes the scratch's keys: the last use of ct_key is above */
 	if (ct->flow && fluxvm_flow_open(ctx, pkt,
-					 (v6 ? 1 : 0) | 4 | ((ct->flags & FLUXVM_CT_F_AUDITED) ? 2 : 0) |
-						 ((__u64)FLUXVM_FWD_HOOK(info & 2) << 8) | ((__u64)sid << 32),
+					 FLUXVM_FLOW_ARG(.v6 = !!v6, .redirected = 1,
+							 .audited = !!(ct->flags & FLUXVM_CT_F_AUDITED),
+							 .hook = a.info.hook, .sid = sid),
 					 ct->flow))
 		fluxvm_count(FLUXVM_CNT_FLOW_RECORDED);
 	fluxvm_count_new_flow(st, es, 0);

@@ -8,6 +8,7 @@
 #define FLUXVM_LIB_MAPS_H
 
 #include "common.h"
+#include "pkt_types.h"
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -247,8 +248,14 @@ struct {
  * take its own stack slots in every frame that inlines it. A program runs
  * to completion on its CPU, so one slot per CPU is enough; the fields are
  * separate so that no two users in one packet's path overlap.
+ *
+ * The entry programs keep their parse result here too (pkt, lib/parse.h,
+ * fluxvm_pkt_new): off every call chain's first frame, and read from
+ * memory the verifier does not track, so that it walks the stages after
+ * the parser once rather than once per way through it.
  */
 struct fluxvm_scratch {
+	struct fluxvm_pkt pkt;           /* the entry program's parse result */
 	struct fluxvm_ct_value nct;      /* a conntrack entry being created */
 	struct fluxvm_tuple4 k4;         /* a reverse-NAT entry being learned (nat.h) */
 	struct fluxvm_tuple6 k6;

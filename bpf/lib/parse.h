@@ -26,6 +26,7 @@
 #define FLUXVM_LIB_PARSE_H
 
 #include "counters.h"
+#include "pkt_types.h"
 
 #define FLUXVM_IPV6_MAX_EXTHDRS 8
 #define FLUXVM_MAX_L4_OFF 512
@@ -44,27 +45,6 @@ enum fluxvm_parse_result {
 	FLUXVM_PARSE_TRUNCATED,
 	FLUXVM_PARSE_MALFORMED,
 	FLUXVM_PARSE_LIMIT,
-};
-
-enum fluxvm_frag {
-	FLUXVM_FRAG_NONE = 0,
-	FLUXVM_FRAG_FIRST = 1, /* offset 0, more follow: the L4 header is here */
-	FLUXVM_FRAG_LATER = 2, /* offset > 0: no L4 header, ports unknown */
-};
-
-struct fluxvm_pkt {
-	__u16 l3_off;     /* IP header, from the packet's start (ctx_data) */
-	__u16 l4_off;     /* upper-layer header, from the packet's start */
-	__u16 l3_end;     /* end of the IP payload (trailing L2 padding excluded) */
-	__u16 l3_proto;   /* ETH_P_IP or ETH_P_IPV6, host order */
-	__u8 l4_proto;    /* upper-layer protocol after all extension headers */
-	__u8 frag;        /* enum fluxvm_frag */
-	__u8 exthdrs;     /* IPv6 extension headers walked */
-	__u8 tcp_flags;   /* byte 13 of the TCP header */
-	__be16 sport;
-	__be16 dport;
-	__be32 saddr[4];  /* IPv4 uses saddr[0] */
-	__be32 daddr[4];
 };
 
 /*
@@ -200,7 +180,11 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 			len = ((__u32)h[1] + 1) * 8;
 		}
 		nh = h[0];
-		off += len;
+		/* The offset goes through @pkt and is read back: the verifier
+		 * then knows only its bounds (not one range per way through
+		 * the headers so far), and walks the next header once. */
+		pkt->l4_off = off + len;
+		off = *(volatile __u16 *)&pkt->l4_off;
 		pkt->exthdrs++;
 		if (off > end)
 			return FLUXVM_PARSE_TRUNCATED;
@@ -331,6 +315,18 @@ static __always_inline void fluxvm_count_parse(int ret, struct fluxvm_pkt *pkt)
 		fluxvm_count(FLUXVM_CNT_UDP);
 	else
 		fluxvm_count(FLUXVM_CNT_L4_OTHER);
+}
+
+/* An entry program's parse result, zeroed, in this CPU's scratch (maps.h);
+ * NULL when the scratch cannot be had. */
+static __always_inline struct fluxvm_pkt *fluxvm_pkt_new(void)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+
+	if (!s)
+		return NULL;
+	__builtin_memset(&s->pkt, 0, sizeof(s->pkt));
+	return &s->pkt;
 }
 
 /* Parse and count: what every entry program does first. Returns 1 when

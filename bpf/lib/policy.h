@@ -28,7 +28,9 @@
 #define FLUXVM_LIB_POLICY_H
 
 #include "maps.h"
+#include "parse.h"
 #include "counters.h"
+#include "lb_types.h"
 
 /* Whether a forward path with frontend flags @flags applies a policy. XDP
  * passes the packets of services with a policy on to TC (its call chain
@@ -50,8 +52,8 @@ enum fluxvm_policy_verdict {
 
 /*
  * Decide a flow of client packet @pkt under the policy of the datapath
- * service in bits 32-63 of @info (bit 0: IPv6; bits 1-31: the interface
- * the packet came in on): the policy's revision in
+ * service of @info (the word of a union fluxvm_policy_arg: the service,
+ * the family, the interface the packet came in on): the policy's revision in
  * bits 32-63 of the result, the verdict (enum fluxvm_policy_verdict) in
  * the low byte; a denied or audited flow is counted here (node-wide and
  * for the service). The header is read once:
@@ -68,12 +70,13 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	struct fluxvm_svc_stats_value *st;
 	struct fluxvm_spol_value *v;
 	struct fluxvm_sid_value *id;
+	union fluxvm_policy_arg a = { .word = info };
 	__u32 rev;
 	__u8 action, flags;
 
 	if (!s || !pkt)
 		return FLUXVM_PV_MISSING;
-	s->pk.id = (__u32)(info >> 32);
+	s->pk.id = a.info.sid;
 	s->pk.identity = FLUXVM_SPOL_HEADER;
 	v = bpf_map_lookup_elem(&fluxvm_spol, &s->pk);
 	if (!v)
@@ -83,12 +86,12 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	flags = v->flags;
 	/* L7 enforce's bypass (lib/l7.h): the proxy's own flows to the VIP
 	 * carry requests whose clients were decided on their way in. */
-	if ((flags & FLUXVM_POLICY_F_L7) && (__u32)info >> 1 == v->proxy_ifindex)
+	if ((flags & FLUXVM_POLICY_F_L7) && a.info.ifindex == v->proxy_ifindex)
 		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
 	s->pk.id = v->rules;
 	/* The source's identity: the ipcache's longest prefix covering it,
 	 * or 0 (unknown). */
-	if (info & 1) {
+	if (a.info.v6) {
 		s->sk6.prefixlen = 128;
 		__builtin_memcpy(s->sk6.addr, pkt->saddr, 16);
 		id = bpf_map_lookup_elem(&fluxvm_sid6, &s->sk6);
@@ -104,7 +107,7 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	if (action == FLUXVM_POLICY_ALLOW)
 		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
 	/* Denied (or audited): counted for the service too. */
-	s->stats_key = (__u32)(info >> 32);
+	s->stats_key = a.info.sid;
 	st = bpf_map_lookup_elem(&fluxvm_svc_stats, &s->stats_key);
 	if (!(flags & FLUXVM_POLICY_F_AUDIT)) {
 		if (st)
@@ -136,7 +139,7 @@ static __always_inline int fluxvm_policy_reason(__u64 pv)
 static __always_inline int fluxvm_policy_admit(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
 					       __u32 sid, struct fluxvm_ct_value *ct)
 {
-	__u64 pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)ctx_ifindex(ctx) << 1) | ((__u64)sid << 32));
+	__u64 pv = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid));
 	int reason = fluxvm_policy_reason(pv);
 
 	if (reason)
@@ -172,7 +175,7 @@ static __always_inline int fluxvm_policy_recheck(struct __ctx_buff *ctx, struct 
 	if (hdr && hdr->revision == ct->policy_rev)
 		return 0;
 	fluxvm_count(FLUXVM_CNT_POLICY_RECHECKED);
-	pv = fluxvm_policy_decide(pkt, (v6 ? 1 : 0) | ((__u64)ctx_ifindex(ctx) << 1) | ((__u64)sid << 32));
+	pv = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid));
 	reason = fluxvm_policy_reason(pv);
 	if (reason == FLUXVM_DROP_POLICY_DENIED)
 		fluxvm_count(FLUXVM_CNT_POLICY_REVOKED);

@@ -1,0 +1,138 @@
+package bpf
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+)
+
+// maxHeaderLines is the longest a header under lib/ may be: one stage or
+// feature per header, readable top to bottom (docs/architecture.md).
+const maxHeaderLines = 500
+
+// headerContexts are the packet contexts every header must compile in:
+// TC (skb) and XDP. A header with nothing for one context (ha.h's queue,
+// lb_send_xdp.h) compiles to nothing there.
+var headerContexts = []struct {
+	name    string
+	prelude string
+}{
+	{"skb", ""},
+	{"xdp", "#define FLUXVM_CTX_XDP 1\n"},
+}
+
+// libHeaders returns the headers under lib/ (the context layer, lib/ctx/,
+// included), relative to this directory.
+func libHeaders(t *testing.T) []string {
+	t.Helper()
+	var hs []string
+	err := filepath.WalkDir("lib", func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && strings.HasSuffix(p, ".h") {
+			hs = append(hs, p)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) == 0 {
+		t.Fatal("no headers under lib/")
+	}
+	slices.Sort(hs)
+	return hs
+}
+
+// bpfCFlags returns the compiler flags of the TC object's go:generate line
+// in gen.go (everything after its "--"), so the headers are checked as
+// they are built.
+func bpfCFlags(t *testing.T) []string {
+	t.Helper()
+	src, err := os.ReadFile("gen.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(bytes.NewReader(src))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "//go:generate") || !strings.Contains(line, " fluxvm_service.bpf.c -- ") {
+			continue
+		}
+		_, flags, _ := strings.Cut(line, " fluxvm_service.bpf.c -- ")
+		return strings.Fields(flags)
+	}
+	t.Fatal("gen.go has no go:generate line for fluxvm_service.bpf.c")
+	return nil
+}
+
+// requireClang returns the path of clang, or skips (fails under
+// FLUXVM_REQUIRE_PRIVILEGED=1, as CI sets) when it or the libbpf headers
+// are missing.
+func requireClang(t *testing.T) string {
+	t.Helper()
+	problem := ""
+	clang, err := exec.LookPath("clang")
+	if err != nil {
+		problem = "clang not found (apt-get install clang)"
+	} else if _, err := os.Stat("/usr/include/bpf/bpf_helpers.h"); err != nil {
+		problem = "libbpf headers not found (apt-get install libbpf-dev)"
+	}
+	if problem == "" {
+		return clang
+	}
+	if testenv.Required() {
+		t.Fatalf("%s: the BPF headers cannot be checked (%s=1 is set, so this fails instead of skipping)", problem, testenv.RequireEnv)
+	}
+	t.Skipf("%s: skipping the BPF header checks (set %s=1 to make this a failure)", problem, testenv.RequireEnv)
+	return ""
+}
+
+// TestHeadersStandalone compiles every header under lib/ on its own after
+// the context layer (lib/common.h), in each packet context: a header that
+// uses a function, type or constant of another must include it, so none
+// depends on what an entry object happened to include before it.
+func TestHeadersStandalone(t *testing.T) {
+	clang := requireClang(t)
+	flags := bpfCFlags(t)
+	for _, h := range libHeaders(t) {
+		if strings.HasPrefix(h, filepath.Join("lib", "ctx")+string(filepath.Separator)) {
+			continue // the context layer itself, included by common.h
+		}
+		for _, c := range headerContexts {
+			t.Run(c.name+"/"+filepath.Base(h), func(t *testing.T) {
+				t.Parallel()
+				tu := fmt.Sprintf("%s#include \"lib/common.h\"\n#include %q\n", c.prelude, filepath.ToSlash(h))
+				args := append([]string{"-target", "bpf", "-fsyntax-only", "-I", "."}, flags...)
+				args = append(args, "-x", "c", "-")
+				cmd := exec.Command(clang, args...)
+				cmd.Stdin = strings.NewReader(tu)
+				if out, err := cmd.CombinedOutput(); err != nil {
+					t.Errorf("%s does not compile on its own in the %s context (it must include what it uses): %v\n%s",
+						h, c.name, err, out)
+				}
+			})
+		}
+	}
+}
+
+// TestHeaderLength keeps every header under lib/ at most maxHeaderLines
+// long: a header past it holds more than one stage and is split.
+func TestHeaderLength(t *testing.T) {
+	for _, h := range libHeaders(t) {
+		src, err := os.ReadFile(h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := bytes.Count(src, []byte("\n")); n > maxHeaderLines {
+			t.Errorf("%s is %d lines, over %d: split it by stage (types in a header of their own)", h, n, maxHeaderLines)
+		}
+	}
+}

@@ -116,6 +116,15 @@ type Options struct {
 	// change the attached hooks run on empty service maps until the
 	// caller has written them: VIP packets pass untranslated meanwhile.
 	Staged bool
+	// OmitFeatures are the node-level features (Features) left out of
+	// the loaded programs: not verified, no cost per packet, and no
+	// effect whatever the maps say. The zero value omits none: every
+	// feature is loaded and switched at run time as before (the meta
+	// map's HA flag and flow sample rate, the services' pacing), so an
+	// embedder who sets nothing loses nothing. Turning one on again is
+	// a new Open (Staged keeps the flows); package fluxvm omits every
+	// feature its configuration does not use (features.go).
+	OmitFeatures Features
 }
 
 // Status says what Open found in the pin root and what it did.
@@ -156,6 +165,9 @@ type Status struct {
 	// KeptMaps and NewMaps name the maps reused from the pins and the maps
 	// created by this Open.
 	KeptMaps, NewMaps []string
+	// Features are the node-level features the loaded programs hold
+	// (Options.OmitFeatures left out of AllFeatures).
+	Features Features
 	// Links lists the pinned attachments whose program was updated.
 	Links []string
 	// SeveredLinks lists pinned attachments whose interface no longer
@@ -264,6 +276,9 @@ func Open(opts Options) (_ *Datapath, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := setFeatures(spec, opts, "TC", true); err != nil {
+		return nil, err
+	}
 	if !opts.SocketLB {
 		for _, name := range []string{"fluxvm_sock_fwd", "fluxvm_sock_rev"} {
 			if m := spec.Maps[name]; m != nil {
@@ -295,7 +310,7 @@ func Open(opts Options) (_ *Datapath, err error) {
 	}
 
 	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps,
-		HashSeed: opts.HashSeed, MountedBPFFS: mounted}
+		HashSeed: opts.HashSeed, MountedBPFFS: mounted, Features: loadedFeatures(opts)}
 	if mounted {
 		st.MountWarning = privateMountWarning(bpffs.MountNamespace())
 	}
@@ -332,6 +347,9 @@ func Open(opts Options) (_ *Datapath, err error) {
 	}
 	var create []string
 	for name, ms := range spec.Maps {
+		if dataSection(name) {
+			continue // the collection creates it, with the features set
+		}
 		if m, ok := pinned[name]; ok && compatible(m, ms) {
 			maps[name] = m
 			continue
@@ -645,6 +663,9 @@ func loadSpec(opts Options) (*ebpf.CollectionSpec, error) {
 		return nil, err
 	}
 	for name, want := range embedded.Maps {
+		if dataSection(name) {
+			continue // setFeatures checks the features
+		}
 		got := spec.Maps[name]
 		if got == nil || got.Type != want.Type || got.KeySize != want.KeySize || got.ValueSize != want.ValueSize || got.MaxEntries != want.MaxEntries {
 			return nil, fmt.Errorf("bpf: %s: map %s: %w", ObjectName(opts.Tier), name, ErrObjectMismatch)

@@ -67,9 +67,13 @@ var verifierBudgets = map[string]map[string]verifierBudget{
 		// inline IPv4 path is verified once (a flags change ahead of it
 		// cost 8,000 more).
 		"fluxvm_from_vm": {insns: 89_000, stack: 480}, // 80901 insns (L7 stage, HA emit; was 72858); 480 bytes (forward6_nat -> flow_open chain)
-		"fluxvm_to_vm":   {insns: 45_000, stack: 480}, // 44966 insns (EDT, flow counts, HA emit); 480 bytes (reply6_stored -> ha_emit chain)
 		"fluxvm_ns_in":   {insns: 81_000, stack: 448}, // 74804 insns (L7 stage, HA emit, SNAT stride walk; was 65954); 448 bytes (forward6_snat -> flow_open chain)
 		"fluxvm_ns_out":  {insns: 34_000, stack: 384}, // 32020 insns; 352 bytes (reply6_snat_out -> ha_emit chain)
+		// Raised from 45,000 for issue 34's load-time features: their
+		// guards cost 435 insns with every feature loaded (the zero
+		// bpf.Options); a node loads only what it configures, and
+		// without EDT to_vm verifies ~38,800 (TestFeatureVerifierCost).
+		"fluxvm_to_vm": {insns: 46_000, stack: 480}, // 45401 insns (EDT, flow counts, HA emit; was 44966); 480 bytes (reply6_stored -> ha_emit chain)
 	},
 	// The north-south XDP object (issue 17): its one program, with the
 	// IPv6 SNAT and the DSR paths as global functions.

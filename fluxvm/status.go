@@ -230,7 +230,7 @@ type LoadStatus struct {
 	// Features are the node-level features loaded into the programs
 	// (load-time constants, bpf.Features): "ha", "flow_records", "edt";
 	// the others are not in the verified programs, and turning one on
-	// takes a restart with its setting (docs/configuration.md,
+	// takes a restart with its setting (docs/operations.md,
 	// "Load-time features").
 	Features []string `json:"features"`
 }

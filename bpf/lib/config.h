@@ -40,7 +40,7 @@
  *          edt_enabled.
  * Per-service state (a service's policy, its L7 part, host routing, DSR,
  * its pacing rate) stays in maps the control plane writes at run time:
- * see docs/configuration.md, "Load-time features".
+ * see docs/operations.md, "Load-time features".
  */
 #ifndef FLUXVM_LIB_CONFIG_H
 #define FLUXVM_LIB_CONFIG_H

@@ -10,6 +10,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/flows"
+	"github.com/fluxvm/servicefabric/ha"
 )
 
 // TestOmitFeatures: Open loads exactly the features its options use
@@ -143,4 +144,84 @@ func TestFeaturesReloadKeepsFlows(t *testing.T) {
 	}
 	echo(t, c, "after the reloads")
 	t.Logf("%d round trips on one connection across three reloads", ok)
+}
+
+// TestFeaturesHAReloadKeepsFlows: flow-state replication turned on and off
+// by restarts with and without ha_epoch, on a north-south edge, while an
+// external client's TCP connection through the uplink to a north-south
+// (SNAT) VIP echoes all along: the connection survives each reload on its
+// backend and its SNAT translation, and only the programs loaded with HA
+// queue records of new north-south flows (ha_emitted).
+func TestFeaturesHAReloadKeepsFlows(t *testing.T) {
+	e := newNSEnv(t)
+	d := e.open(t)
+	ctx := context.Background()
+	vip := netip.MustParseAddr("10.96.3.1")
+	svc := e.nsService("edge", vip, netip.MustParseAddr("fd00:96:3::1"), ExposureNorthSouth, ModeNAT, false)
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	emitted := func(d *Dataplane) uint64 {
+		t.Helper()
+		st, err := d.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, ok := st.Parser["ha_emitted"]
+		if !ok {
+			t.Fatalf("no ha_emitted counter in %v", st.Parser)
+		}
+		return n
+	}
+	newFlowEmits := func(d *Dataplane) bool {
+		t.Helper()
+		before := emitted(d)
+		c, err := e.lab.External.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+		if err != nil {
+			t.Fatalf("external client to %s:80: %v", vip, err)
+		}
+		echo(t, c, "a new north-south flow")
+		c.Close()
+		return emitted(d) > before
+	}
+	if got := d.Status().Load.Features; len(got) != 0 {
+		t.Fatalf("features without ha_epoch: %q, want none", got)
+	}
+	if newFlowEmits(d) {
+		t.Fatal("HA not loaded, yet a new north-south flow queued a record")
+	}
+	c, err := e.lab.External.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	echo(t, c, "before the reloads")
+	loop := startEchoLoop(c)
+	for i, epoch := range []ha.Epoch{3, 0, 4} {
+		d.Close()
+		e.opts.HA = HAOptions{}
+		if epoch != 0 {
+			e.opts.HA = HAOptions{Epoch: epoch, Interval: MinHAInterval}
+		}
+		d = e.open(t)
+		want := []string{}
+		if epoch != 0 {
+			want = []string{"ha"}
+		}
+		if got := d.Status().Load.Features; !slices.Equal(got, want) {
+			t.Errorf("reload %d (ha_epoch %d): features %q, want %q", i, epoch, got, want)
+		}
+		n := loop.ok.Load()
+		if !waitFor(5*time.Second, func() bool { return loop.ok.Load() >= n+3 || loop.failed.Load() != 0 }) || loop.failed.Load() != 0 {
+			t.Fatalf("reload %d (ha_epoch %d): the connection stopped echoing (%d round trips, %d failed)", i, epoch, loop.ok.Load(), loop.failed.Load())
+		}
+		if got := newFlowEmits(d); got != (epoch != 0) {
+			t.Errorf("reload %d (ha_epoch %d): a new north-south flow queued a record: %v", i, epoch, got)
+		}
+	}
+	ok, failed, err := loop.finish()
+	if failed != 0 || ok == 0 {
+		t.Fatalf("echo loop across the reloads: %d round trips, %d failed (%v)", ok, failed, err)
+	}
+	echo(t, c, "after the reloads")
 }

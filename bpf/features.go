@@ -163,3 +163,31 @@ func (f Features) Names() []string {
 	}
 	return names
 }
+
+// ErrFeatureNotLoaded: a setting switches on a feature that the loaded
+// programs do not hold (Options.OmitFeatures). It would do nothing: the
+// datapath must be opened again with the feature.
+var ErrFeatureNotLoaded = errors.New("datapath feature not loaded")
+
+// checkMetaFeatures refuses a meta update from prev to next that switches
+// on a feature the programs were loaded without: the HA flag, or a flow
+// sample rate where there was none. A setting already on (carried over
+// from an earlier start's meta entry) may stay, and any may go off.
+// Before Activate (a staged Open) nothing is refused: the programs of the
+// earlier start still run on the maps this Open kept, and may hold the
+// feature (a failed start puts their settings back through here).
+func (d *Datapath) checkMetaFeatures(prev, next Meta) error {
+	if d.staged != nil {
+		return nil
+	}
+	loaded := d.status.Features
+	if next.Flags&MetaFlagHA != 0 && prev.Flags&MetaFlagHA == 0 && !loaded.Has(FeatureHA) {
+		return fmt.Errorf("bpf: update meta: HA replication switched on, but the programs were loaded without %s (Options.OmitFeatures): open the datapath again with it: %w",
+			FeatureHA, ErrFeatureNotLoaded)
+	}
+	if next.FlowSampleRate != 0 && prev.FlowSampleRate == 0 && !loaded.Has(FeatureFlowRecords) {
+		return fmt.Errorf("bpf: update meta: flow sample rate %d, but the programs were loaded without %s (Options.OmitFeatures): open the datapath again with it: %w",
+			next.FlowSampleRate, FeatureFlowRecords, ErrFeatureNotLoaded)
+	}
+	return nil
+}

@@ -330,6 +330,17 @@ func TestOpenFeatures(t *testing.T) {
 	d := open(FeatureHA | FeatureEDT)
 	loaded(d, FeatureFlowRecords)
 	putCT(t, d, 10)
+	// A setting the programs cannot honour is refused, not ignored: HA
+	// switched on without FeatureHA. Flow records, loaded, may be.
+	if err := d.UpdateMeta(func(m *Meta) { m.Flags |= MetaFlagHA; m.TimeoutUdpS = 7 }); !errors.Is(err, ErrFeatureNotLoaded) {
+		t.Errorf("HA flag without FeatureHA: %v, want ErrFeatureNotLoaded", err)
+	}
+	if m, err := d.ReadMeta(); err != nil || m.Flags&MetaFlagHA != 0 || m.TimeoutUdpS == 7 {
+		t.Errorf("meta after the refused update: %+v, %v; want it unchanged", m, err)
+	}
+	if err := d.UpdateMeta(func(m *Meta) { m.FlowSampleRate = 5 }); err != nil {
+		t.Errorf("flow sample rate with flow records loaded: %v", err)
+	}
 	d.Close()
 
 	d = open(0)
@@ -351,6 +362,16 @@ func TestOpenFeatures(t *testing.T) {
 	}
 	d = open(AllFeatures)
 	loaded(d, 0)
+	// The rate carried over from the earlier start may stay, or go.
+	if err := d.UpdateMeta(func(m *Meta) { m.TimeoutUdpS = 9 }); err != nil {
+		t.Errorf("an update keeping the carried-over rate: %v", err)
+	}
+	if err := d.UpdateMeta(func(m *Meta) { m.FlowSampleRate = 0 }); err != nil {
+		t.Errorf("flow records off: %v", err)
+	}
+	if err := d.UpdateMeta(func(m *Meta) { m.FlowSampleRate = 1 }); !errors.Is(err, ErrFeatureNotLoaded) {
+		t.Errorf("flow records on again without FeatureFlowRecords: %v, want ErrFeatureNotLoaded", err)
+	}
 	if n := count(t, d.Maps().FluxvmFct4); n != 10 {
 		t.Errorf("conntrack entries after the refused open and a reopen: %d, want 10", n)
 	}

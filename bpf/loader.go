@@ -618,7 +618,10 @@ func (d *Datapath) ReadMeta() (Meta, error) {
 
 // UpdateMeta changes the tunable fields of the meta map (timeouts, flags)
 // with f. Identity fields (schema, generation, tier, hash seed) keep their
-// values whatever f does to them.
+// values whatever f does to them. Once active, switching on the HA flag
+// or a flow sample rate that the loaded programs cannot honour
+// (Options.OmitFeatures) is refused with ErrFeatureNotLoaded, changing
+// nothing.
 func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	m, err := d.ReadMeta()
 	if err != nil {
@@ -627,6 +630,9 @@ func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	keep := m
 	f(&m)
 	m.SchemaVersion, m.ProgramGeneration, m.Tier, m.HashSeed = keep.SchemaVersion, keep.ProgramGeneration, keep.Tier, keep.HashSeed
+	if err := d.checkMetaFeatures(keep, m); err != nil {
+		return err
+	}
 	if err := d.Maps().FluxvmMeta.Put(uint32(0), m); err != nil {
 		return fmt.Errorf("bpf: update meta: %w", err)
 	}

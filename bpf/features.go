@@ -3,6 +3,7 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -51,11 +52,13 @@ var ErrUnknownFeature = errors.New("unknown datapath feature")
 
 // featureVars are the C variables of the features (lib/config.h), in the
 // order of their bits.
-var featureVars = []struct {
+type featureVar struct {
 	f    Features
 	name string // Features.String
 	v    string // the C variable
-}{
+}
+
+var featureVars = []featureVar{
 	{FeatureHA, "ha", "fluxvm_feature_ha"},
 	{FeatureFlowRecords, "flow_records", "fluxvm_feature_flows"},
 	{FeatureEDT, "edt", "fluxvm_feature_edt"},
@@ -190,4 +193,26 @@ func (d *Datapath) checkMetaFeatures(prev, next Meta) error {
 			next.FlowSampleRate, FeatureFlowRecords, ErrFeatureNotLoaded)
 	}
 	return nil
+}
+
+// ParseFeatures reads a set of features as String writes it: names
+// separated by commas ("ha,edt"), "none" or "" for the empty set, "all"
+// for AllFeatures.
+func ParseFeatures(s string) (Features, error) {
+	switch s = strings.TrimSpace(s); s {
+	case "", "none":
+		return 0, nil
+	case "all":
+		return AllFeatures, nil
+	}
+	var f Features
+	for _, name := range strings.Split(s, ",") {
+		name = strings.TrimSpace(name)
+		i := slices.IndexFunc(featureVars, func(fv featureVar) bool { return fv.name == name })
+		if i < 0 {
+			return 0, fmt.Errorf("bpf: feature %q (ha, flow_records, edt): %w", name, ErrUnknownFeature)
+		}
+		f |= featureVars[i].f
+	}
+	return f, nil
 }

@@ -282,6 +282,17 @@ func TestSetFeatures(t *testing.T) {
 	if got := Features(0).String(); got != "none" {
 		t.Errorf("String(0) = %q", got)
 	}
+	for _, f := range []Features{0, FeatureHA, FeatureEDT | FeatureFlowRecords, AllFeatures} {
+		if got, err := ParseFeatures(f.String()); err != nil || got != f {
+			t.Errorf("ParseFeatures(%q) = %s, %v; want %s", f.String(), got, err, f)
+		}
+	}
+	if got, err := ParseFeatures("all"); err != nil || got != AllFeatures {
+		t.Errorf("ParseFeatures(all) = %s, %v", got, err)
+	}
+	if _, err := ParseFeatures("ha,l7"); !errors.Is(err, ErrUnknownFeature) {
+		t.Errorf("ParseFeatures(ha,l7): %v, want ErrUnknownFeature", err)
+	}
 }
 
 // TestOpenFeatures: Open sets the features in the TC and XDP objects it
@@ -375,4 +386,28 @@ func TestOpenFeatures(t *testing.T) {
 	if n := count(t, d.Maps().FluxvmFct4); n != 10 {
 		t.Errorf("conntrack entries after the refused open and a reopen: %d, want 10", n)
 	}
+}
+
+// benchOmit applies the features named by environment variable env
+// (ParseFeatures: "all", "ha,edt", ...) to spec as omitted, for
+// BenchmarkDatapath: FLUXVM_BENCH_OMIT for this object's harness,
+// FLUXVM_BENCH_BASELINE_OMIT for the baseline's (which may be the same
+// object: FLUXVM_BENCH_BASELINE=bpf/fluxvm_service_bpfel.o), so that one
+// run measures what the features cost a packet while loaded and switched
+// off (the benchmark's meta map turns none on).
+func benchOmit(b testing.TB, env string, spec *ebpf.CollectionSpec) *ebpf.CollectionSpec {
+	b.Helper()
+	s := os.Getenv(env)
+	if s == "" {
+		return spec
+	}
+	omit, err := ParseFeatures(s)
+	if err != nil {
+		b.Fatalf("%s: %v", env, err)
+	}
+	if err := setFeatures(spec, Options{OmitFeatures: omit}, env, true); err != nil {
+		b.Fatalf("%s: %v", env, err)
+	}
+	b.Logf("%s: features loaded %s", env, AllFeatures&^omit)
+	return spec
 }

@@ -67,7 +67,7 @@ static __always_inline int fluxvm_edt_pace(struct __ctx_buff *ctx, __u32 sid, __
 	int i;
 
 	/* Not loaded: no rate (the mask rather than a branch of its own,
-	 * which costs the verifier some 500 insns in fluxvm_to_vm). */
+	 * which cost fluxvm_to_vm's verification 467 insns more). */
 	e = bpf_map_lookup_elem(&fluxvm_edt, &sid);
 	if (!e || !(e->rate & FLUXVM_FEATURE_MASK(edt)))
 		return 0;

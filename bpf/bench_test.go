@@ -87,7 +87,11 @@ func BenchmarkDatapath(b *testing.B) {
 // order can be swapped between runs).
 func benchAgainstBaseline(b *testing.B, mk func(b *testing.B, h *harness, prefix, mprefix string) []*benchCase) (h *harness, cases, base []*benchCase) {
 	mine := func() {
-		h = newHarnessSized(b, 0)
+		spec, err := loadService()
+		if err != nil {
+			b.Fatal(err)
+		}
+		h = newHarnessSpec(b, benchOmit(b, "FLUXVM_BENCH_OMIT", spec), 0)
 		cases = mk(b, h, "", "")
 	}
 	path := os.Getenv("FLUXVM_BENCH_BASELINE")
@@ -99,7 +103,7 @@ func benchAgainstBaseline(b *testing.B, mk func(b *testing.B, h *harness, prefix
 		if err != nil {
 			b.Fatalf("FLUXVM_BENCH_BASELINE: %v", err)
 		}
-		base = mk(b, newHarnessSpec(b, spec, 0), "baseline ", "base-")
+		base = mk(b, newHarnessSpec(b, benchOmit(b, "FLUXVM_BENCH_BASELINE_OMIT", spec), 0), "baseline ", "base-")
 		if h == nil {
 			mine()
 		}

@@ -577,41 +577,44 @@ type serviceFluxvmTuple6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceMapFluxvmBackends    = "fluxvm_backends"
-	serviceMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceMapFluxvmCounters    = "fluxvm_counters"
-	serviceMapFluxvmDrops       = "fluxvm_drops"
-	serviceMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceMapFluxvmEdt         = "fluxvm_edt"
-	serviceMapFluxvmFct4        = "fluxvm_fct4"
-	serviceMapFluxvmFct6        = "fluxvm_fct6"
-	serviceMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceMapFluxvmHaq         = "fluxvm_haq"
-	serviceMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
-	serviceMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceMapFluxvmMeta        = "fluxvm_meta"
-	serviceMapFluxvmNat4        = "fluxvm_nat4"
-	serviceMapFluxvmNat6        = "fluxvm_nat6"
-	serviceMapFluxvmScratch     = "fluxvm_scratch"
-	serviceMapFluxvmSflows      = "fluxvm_sflows"
-	serviceMapFluxvmSguard      = "fluxvm_sguard"
-	serviceMapFluxvmSid4        = "fluxvm_sid4"
-	serviceMapFluxvmSid6        = "fluxvm_sid6"
-	serviceMapFluxvmSnat        = "fluxvm_snat"
-	serviceMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceMapFluxvmSpol        = "fluxvm_spol"
-	serviceMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceProgFluxvmFromVm     = "fluxvm_from_vm"
-	serviceProgFluxvmNsIn       = "fluxvm_ns_in"
-	serviceProgFluxvmNsOut      = "fluxvm_ns_out"
-	serviceProgFluxvmToVm       = "fluxvm_to_vm"
+	serviceMapFluxvmBackends     = "fluxvm_backends"
+	serviceMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceMapFluxvmCounters     = "fluxvm_counters"
+	serviceMapFluxvmDrops        = "fluxvm_drops"
+	serviceMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceMapFluxvmEdt          = "fluxvm_edt"
+	serviceMapFluxvmFct4         = "fluxvm_fct4"
+	serviceMapFluxvmFct6         = "fluxvm_fct6"
+	serviceMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceMapFluxvmHaq          = "fluxvm_haq"
+	serviceMapFluxvmIcmpScratch  = "fluxvm_icmp_scratch"
+	serviceMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceMapFluxvmMeta         = "fluxvm_meta"
+	serviceMapFluxvmNat4         = "fluxvm_nat4"
+	serviceMapFluxvmNat6         = "fluxvm_nat6"
+	serviceMapFluxvmScratch      = "fluxvm_scratch"
+	serviceMapFluxvmSflows       = "fluxvm_sflows"
+	serviceMapFluxvmSguard       = "fluxvm_sguard"
+	serviceMapFluxvmSid4         = "fluxvm_sid4"
+	serviceMapFluxvmSid6         = "fluxvm_sid6"
+	serviceMapFluxvmSnat         = "fluxvm_snat"
+	serviceMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceMapFluxvmSpol         = "fluxvm_spol"
+	serviceMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceProgFluxvmFromVm      = "fluxvm_from_vm"
+	serviceProgFluxvmNsIn        = "fluxvm_ns_in"
+	serviceProgFluxvmNsOut       = "fluxvm_ns_out"
+	serviceProgFluxvmToVm        = "fluxvm_to_vm"
+	serviceVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadService returns the embedded CollectionSpec for service.
@@ -703,6 +706,9 @@ type serviceMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceObjects contains all objects after they have been loaded into the kernel.
@@ -798,6 +804,9 @@ func (m *serviceMaps) Close() error {
 //
 // It can be passed to loadServiceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // servicePrograms contains all programs after they have been loaded into the kernel.

@@ -16,41 +16,44 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceTierLMapFluxvmBackends    = "fluxvm_backends"
-	serviceTierLMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceTierLMapFluxvmCounters    = "fluxvm_counters"
-	serviceTierLMapFluxvmDrops       = "fluxvm_drops"
-	serviceTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceTierLMapFluxvmEdt         = "fluxvm_edt"
-	serviceTierLMapFluxvmFct4        = "fluxvm_fct4"
-	serviceTierLMapFluxvmFct6        = "fluxvm_fct6"
-	serviceTierLMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceTierLMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceTierLMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceTierLMapFluxvmHaq         = "fluxvm_haq"
-	serviceTierLMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
-	serviceTierLMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceTierLMapFluxvmMeta        = "fluxvm_meta"
-	serviceTierLMapFluxvmNat4        = "fluxvm_nat4"
-	serviceTierLMapFluxvmNat6        = "fluxvm_nat6"
-	serviceTierLMapFluxvmScratch     = "fluxvm_scratch"
-	serviceTierLMapFluxvmSflows      = "fluxvm_sflows"
-	serviceTierLMapFluxvmSguard      = "fluxvm_sguard"
-	serviceTierLMapFluxvmSid4        = "fluxvm_sid4"
-	serviceTierLMapFluxvmSid6        = "fluxvm_sid6"
-	serviceTierLMapFluxvmSnat        = "fluxvm_snat"
-	serviceTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceTierLMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceTierLMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceTierLMapFluxvmSpol        = "fluxvm_spol"
-	serviceTierLMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceTierLMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceTierLProgFluxvmFromVm     = "fluxvm_from_vm"
-	serviceTierLProgFluxvmNsIn       = "fluxvm_ns_in"
-	serviceTierLProgFluxvmNsOut      = "fluxvm_ns_out"
-	serviceTierLProgFluxvmToVm       = "fluxvm_to_vm"
+	serviceTierLMapFluxvmBackends     = "fluxvm_backends"
+	serviceTierLMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceTierLMapFluxvmCounters     = "fluxvm_counters"
+	serviceTierLMapFluxvmDrops        = "fluxvm_drops"
+	serviceTierLMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceTierLMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceTierLMapFluxvmEdt          = "fluxvm_edt"
+	serviceTierLMapFluxvmFct4         = "fluxvm_fct4"
+	serviceTierLMapFluxvmFct6         = "fluxvm_fct6"
+	serviceTierLMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceTierLMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceTierLMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceTierLMapFluxvmHaq          = "fluxvm_haq"
+	serviceTierLMapFluxvmIcmpScratch  = "fluxvm_icmp_scratch"
+	serviceTierLMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceTierLMapFluxvmMeta         = "fluxvm_meta"
+	serviceTierLMapFluxvmNat4         = "fluxvm_nat4"
+	serviceTierLMapFluxvmNat6         = "fluxvm_nat6"
+	serviceTierLMapFluxvmScratch      = "fluxvm_scratch"
+	serviceTierLMapFluxvmSflows       = "fluxvm_sflows"
+	serviceTierLMapFluxvmSguard       = "fluxvm_sguard"
+	serviceTierLMapFluxvmSid4         = "fluxvm_sid4"
+	serviceTierLMapFluxvmSid6         = "fluxvm_sid6"
+	serviceTierLMapFluxvmSnat         = "fluxvm_snat"
+	serviceTierLMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceTierLMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceTierLMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceTierLMapFluxvmSpol         = "fluxvm_spol"
+	serviceTierLMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceTierLMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceTierLMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceTierLProgFluxvmFromVm      = "fluxvm_from_vm"
+	serviceTierLProgFluxvmNsIn        = "fluxvm_ns_in"
+	serviceTierLProgFluxvmNsOut       = "fluxvm_ns_out"
+	serviceTierLProgFluxvmToVm        = "fluxvm_to_vm"
+	serviceTierLVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceTierLVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceTierLVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadServiceTierL returns the embedded CollectionSpec for serviceTierL.
@@ -142,6 +145,9 @@ type serviceTierLMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierLVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceTierLObjects contains all objects after they have been loaded into the kernel.
@@ -237,6 +243,9 @@ func (m *serviceTierLMaps) Close() error {
 //
 // It can be passed to loadServiceTierLObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierLVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceTierLPrograms contains all programs after they have been loaded into the kernel.

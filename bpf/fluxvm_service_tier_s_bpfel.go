@@ -16,41 +16,44 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceTierSMapFluxvmBackends    = "fluxvm_backends"
-	serviceTierSMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceTierSMapFluxvmCounters    = "fluxvm_counters"
-	serviceTierSMapFluxvmDrops       = "fluxvm_drops"
-	serviceTierSMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceTierSMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceTierSMapFluxvmEdt         = "fluxvm_edt"
-	serviceTierSMapFluxvmFct4        = "fluxvm_fct4"
-	serviceTierSMapFluxvmFct6        = "fluxvm_fct6"
-	serviceTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceTierSMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceTierSMapFluxvmHaq         = "fluxvm_haq"
-	serviceTierSMapFluxvmIcmpScratch = "fluxvm_icmp_scratch"
-	serviceTierSMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceTierSMapFluxvmMeta        = "fluxvm_meta"
-	serviceTierSMapFluxvmNat4        = "fluxvm_nat4"
-	serviceTierSMapFluxvmNat6        = "fluxvm_nat6"
-	serviceTierSMapFluxvmScratch     = "fluxvm_scratch"
-	serviceTierSMapFluxvmSflows      = "fluxvm_sflows"
-	serviceTierSMapFluxvmSguard      = "fluxvm_sguard"
-	serviceTierSMapFluxvmSid4        = "fluxvm_sid4"
-	serviceTierSMapFluxvmSid6        = "fluxvm_sid6"
-	serviceTierSMapFluxvmSnat        = "fluxvm_snat"
-	serviceTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceTierSMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceTierSMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceTierSMapFluxvmSpol        = "fluxvm_spol"
-	serviceTierSMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceTierSMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceTierSProgFluxvmFromVm     = "fluxvm_from_vm"
-	serviceTierSProgFluxvmNsIn       = "fluxvm_ns_in"
-	serviceTierSProgFluxvmNsOut      = "fluxvm_ns_out"
-	serviceTierSProgFluxvmToVm       = "fluxvm_to_vm"
+	serviceTierSMapFluxvmBackends     = "fluxvm_backends"
+	serviceTierSMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceTierSMapFluxvmCounters     = "fluxvm_counters"
+	serviceTierSMapFluxvmDrops        = "fluxvm_drops"
+	serviceTierSMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceTierSMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceTierSMapFluxvmEdt          = "fluxvm_edt"
+	serviceTierSMapFluxvmFct4         = "fluxvm_fct4"
+	serviceTierSMapFluxvmFct6         = "fluxvm_fct6"
+	serviceTierSMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceTierSMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceTierSMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceTierSMapFluxvmHaq          = "fluxvm_haq"
+	serviceTierSMapFluxvmIcmpScratch  = "fluxvm_icmp_scratch"
+	serviceTierSMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceTierSMapFluxvmMeta         = "fluxvm_meta"
+	serviceTierSMapFluxvmNat4         = "fluxvm_nat4"
+	serviceTierSMapFluxvmNat6         = "fluxvm_nat6"
+	serviceTierSMapFluxvmScratch      = "fluxvm_scratch"
+	serviceTierSMapFluxvmSflows       = "fluxvm_sflows"
+	serviceTierSMapFluxvmSguard       = "fluxvm_sguard"
+	serviceTierSMapFluxvmSid4         = "fluxvm_sid4"
+	serviceTierSMapFluxvmSid6         = "fluxvm_sid6"
+	serviceTierSMapFluxvmSnat         = "fluxvm_snat"
+	serviceTierSMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceTierSMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceTierSMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceTierSMapFluxvmSpol         = "fluxvm_spol"
+	serviceTierSMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceTierSMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceTierSMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceTierSProgFluxvmFromVm      = "fluxvm_from_vm"
+	serviceTierSProgFluxvmNsIn        = "fluxvm_ns_in"
+	serviceTierSProgFluxvmNsOut       = "fluxvm_ns_out"
+	serviceTierSProgFluxvmToVm        = "fluxvm_to_vm"
+	serviceTierSVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceTierSVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceTierSVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadServiceTierS returns the embedded CollectionSpec for serviceTierS.
@@ -142,6 +145,9 @@ type serviceTierSMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTierSVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceTierSObjects contains all objects after they have been loaded into the kernel.
@@ -237,6 +243,9 @@ func (m *serviceTierSMaps) Close() error {
 //
 // It can be passed to loadServiceTierSObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTierSVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceTierSPrograms contains all programs after they have been loaded into the kernel.

@@ -16,40 +16,43 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceXdpMapFluxvmBackends    = "fluxvm_backends"
-	serviceXdpMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceXdpMapFluxvmCounters    = "fluxvm_counters"
-	serviceXdpMapFluxvmDrops       = "fluxvm_drops"
-	serviceXdpMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceXdpMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceXdpMapFluxvmEdt         = "fluxvm_edt"
-	serviceXdpMapFluxvmFct4        = "fluxvm_fct4"
-	serviceXdpMapFluxvmFct6        = "fluxvm_fct6"
-	serviceXdpMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceXdpMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceXdpMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceXdpMapFluxvmHaq         = "fluxvm_haq"
-	serviceXdpMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceXdpMapFluxvmMeta        = "fluxvm_meta"
-	serviceXdpMapFluxvmNat4        = "fluxvm_nat4"
-	serviceXdpMapFluxvmNat6        = "fluxvm_nat6"
-	serviceXdpMapFluxvmNh          = "fluxvm_nh"
-	serviceXdpMapFluxvmNhCtl       = "fluxvm_nh_ctl"
-	serviceXdpMapFluxvmScratch     = "fluxvm_scratch"
-	serviceXdpMapFluxvmSflows      = "fluxvm_sflows"
-	serviceXdpMapFluxvmSguard      = "fluxvm_sguard"
-	serviceXdpMapFluxvmSid4        = "fluxvm_sid4"
-	serviceXdpMapFluxvmSid6        = "fluxvm_sid6"
-	serviceXdpMapFluxvmSnat        = "fluxvm_snat"
-	serviceXdpMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceXdpMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceXdpMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceXdpMapFluxvmSpol        = "fluxvm_spol"
-	serviceXdpMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceXdpMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceXdpMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceXdpMapFluxvmXdpTx       = "fluxvm_xdp_tx"
-	serviceXdpProgFluxvmXdpNs      = "fluxvm_xdp_ns"
+	serviceXdpMapFluxvmBackends     = "fluxvm_backends"
+	serviceXdpMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceXdpMapFluxvmCounters     = "fluxvm_counters"
+	serviceXdpMapFluxvmDrops        = "fluxvm_drops"
+	serviceXdpMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceXdpMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceXdpMapFluxvmEdt          = "fluxvm_edt"
+	serviceXdpMapFluxvmFct4         = "fluxvm_fct4"
+	serviceXdpMapFluxvmFct6         = "fluxvm_fct6"
+	serviceXdpMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceXdpMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceXdpMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceXdpMapFluxvmHaq          = "fluxvm_haq"
+	serviceXdpMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceXdpMapFluxvmMeta         = "fluxvm_meta"
+	serviceXdpMapFluxvmNat4         = "fluxvm_nat4"
+	serviceXdpMapFluxvmNat6         = "fluxvm_nat6"
+	serviceXdpMapFluxvmNh           = "fluxvm_nh"
+	serviceXdpMapFluxvmNhCtl        = "fluxvm_nh_ctl"
+	serviceXdpMapFluxvmScratch      = "fluxvm_scratch"
+	serviceXdpMapFluxvmSflows       = "fluxvm_sflows"
+	serviceXdpMapFluxvmSguard       = "fluxvm_sguard"
+	serviceXdpMapFluxvmSid4         = "fluxvm_sid4"
+	serviceXdpMapFluxvmSid6         = "fluxvm_sid6"
+	serviceXdpMapFluxvmSnat         = "fluxvm_snat"
+	serviceXdpMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceXdpMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceXdpMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceXdpMapFluxvmSpol         = "fluxvm_spol"
+	serviceXdpMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceXdpMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceXdpMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceXdpMapFluxvmXdpTx        = "fluxvm_xdp_tx"
+	serviceXdpProgFluxvmXdpNs       = "fluxvm_xdp_ns"
+	serviceXdpVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceXdpVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceXdpVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadServiceXdp returns the embedded CollectionSpec for serviceXdp.
@@ -140,6 +143,9 @@ type serviceXdpMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceXdpVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpObjects contains all objects after they have been loaded into the kernel.
@@ -239,6 +245,9 @@ func (m *serviceXdpMaps) Close() error {
 //
 // It can be passed to loadServiceXdpObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceXdpVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpPrograms contains all programs after they have been loaded into the kernel.

@@ -16,40 +16,43 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceXdpTierLMapFluxvmBackends    = "fluxvm_backends"
-	serviceXdpTierLMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceXdpTierLMapFluxvmCounters    = "fluxvm_counters"
-	serviceXdpTierLMapFluxvmDrops       = "fluxvm_drops"
-	serviceXdpTierLMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceXdpTierLMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceXdpTierLMapFluxvmEdt         = "fluxvm_edt"
-	serviceXdpTierLMapFluxvmFct4        = "fluxvm_fct4"
-	serviceXdpTierLMapFluxvmFct6        = "fluxvm_fct6"
-	serviceXdpTierLMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceXdpTierLMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceXdpTierLMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceXdpTierLMapFluxvmHaq         = "fluxvm_haq"
-	serviceXdpTierLMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceXdpTierLMapFluxvmMeta        = "fluxvm_meta"
-	serviceXdpTierLMapFluxvmNat4        = "fluxvm_nat4"
-	serviceXdpTierLMapFluxvmNat6        = "fluxvm_nat6"
-	serviceXdpTierLMapFluxvmNh          = "fluxvm_nh"
-	serviceXdpTierLMapFluxvmNhCtl       = "fluxvm_nh_ctl"
-	serviceXdpTierLMapFluxvmScratch     = "fluxvm_scratch"
-	serviceXdpTierLMapFluxvmSflows      = "fluxvm_sflows"
-	serviceXdpTierLMapFluxvmSguard      = "fluxvm_sguard"
-	serviceXdpTierLMapFluxvmSid4        = "fluxvm_sid4"
-	serviceXdpTierLMapFluxvmSid6        = "fluxvm_sid6"
-	serviceXdpTierLMapFluxvmSnat        = "fluxvm_snat"
-	serviceXdpTierLMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceXdpTierLMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceXdpTierLMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceXdpTierLMapFluxvmSpol        = "fluxvm_spol"
-	serviceXdpTierLMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceXdpTierLMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceXdpTierLMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceXdpTierLMapFluxvmXdpTx       = "fluxvm_xdp_tx"
-	serviceXdpTierLProgFluxvmXdpNs      = "fluxvm_xdp_ns"
+	serviceXdpTierLMapFluxvmBackends     = "fluxvm_backends"
+	serviceXdpTierLMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceXdpTierLMapFluxvmCounters     = "fluxvm_counters"
+	serviceXdpTierLMapFluxvmDrops        = "fluxvm_drops"
+	serviceXdpTierLMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceXdpTierLMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceXdpTierLMapFluxvmEdt          = "fluxvm_edt"
+	serviceXdpTierLMapFluxvmFct4         = "fluxvm_fct4"
+	serviceXdpTierLMapFluxvmFct6         = "fluxvm_fct6"
+	serviceXdpTierLMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceXdpTierLMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceXdpTierLMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceXdpTierLMapFluxvmHaq          = "fluxvm_haq"
+	serviceXdpTierLMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceXdpTierLMapFluxvmMeta         = "fluxvm_meta"
+	serviceXdpTierLMapFluxvmNat4         = "fluxvm_nat4"
+	serviceXdpTierLMapFluxvmNat6         = "fluxvm_nat6"
+	serviceXdpTierLMapFluxvmNh           = "fluxvm_nh"
+	serviceXdpTierLMapFluxvmNhCtl        = "fluxvm_nh_ctl"
+	serviceXdpTierLMapFluxvmScratch      = "fluxvm_scratch"
+	serviceXdpTierLMapFluxvmSflows       = "fluxvm_sflows"
+	serviceXdpTierLMapFluxvmSguard       = "fluxvm_sguard"
+	serviceXdpTierLMapFluxvmSid4         = "fluxvm_sid4"
+	serviceXdpTierLMapFluxvmSid6         = "fluxvm_sid6"
+	serviceXdpTierLMapFluxvmSnat         = "fluxvm_snat"
+	serviceXdpTierLMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceXdpTierLMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceXdpTierLMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceXdpTierLMapFluxvmSpol         = "fluxvm_spol"
+	serviceXdpTierLMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceXdpTierLMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceXdpTierLMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceXdpTierLMapFluxvmXdpTx        = "fluxvm_xdp_tx"
+	serviceXdpTierLProgFluxvmXdpNs       = "fluxvm_xdp_ns"
+	serviceXdpTierLVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceXdpTierLVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceXdpTierLVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadServiceXdpTierL returns the embedded CollectionSpec for serviceXdpTierL.
@@ -140,6 +143,9 @@ type serviceXdpTierLMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceXdpTierLVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpTierLObjects contains all objects after they have been loaded into the kernel.
@@ -239,6 +245,9 @@ func (m *serviceXdpTierLMaps) Close() error {
 //
 // It can be passed to loadServiceXdpTierLObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceXdpTierLVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpTierLPrograms contains all programs after they have been loaded into the kernel.

@@ -16,40 +16,43 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	serviceXdpTierSMapFluxvmBackends    = "fluxvm_backends"
-	serviceXdpTierSMapFluxvmBe2fe       = "fluxvm_be2fe"
-	serviceXdpTierSMapFluxvmCounters    = "fluxvm_counters"
-	serviceXdpTierSMapFluxvmDrops       = "fluxvm_drops"
-	serviceXdpTierSMapFluxvmEdgeSlots   = "fluxvm_edge_slots"
-	serviceXdpTierSMapFluxvmEdgeStats   = "fluxvm_edge_stats"
-	serviceXdpTierSMapFluxvmEdt         = "fluxvm_edt"
-	serviceXdpTierSMapFluxvmFct4        = "fluxvm_fct4"
-	serviceXdpTierSMapFluxvmFct6        = "fluxvm_fct6"
-	serviceXdpTierSMapFluxvmFlowBudget  = "fluxvm_flow_budget"
-	serviceXdpTierSMapFluxvmFlowSeq     = "fluxvm_flow_seq"
-	serviceXdpTierSMapFluxvmHadrop      = "fluxvm_hadrop"
-	serviceXdpTierSMapFluxvmHaq         = "fluxvm_haq"
-	serviceXdpTierSMapFluxvmMaglev      = "fluxvm_maglev"
-	serviceXdpTierSMapFluxvmMeta        = "fluxvm_meta"
-	serviceXdpTierSMapFluxvmNat4        = "fluxvm_nat4"
-	serviceXdpTierSMapFluxvmNat6        = "fluxvm_nat6"
-	serviceXdpTierSMapFluxvmNh          = "fluxvm_nh"
-	serviceXdpTierSMapFluxvmNhCtl       = "fluxvm_nh_ctl"
-	serviceXdpTierSMapFluxvmScratch     = "fluxvm_scratch"
-	serviceXdpTierSMapFluxvmSflows      = "fluxvm_sflows"
-	serviceXdpTierSMapFluxvmSguard      = "fluxvm_sguard"
-	serviceXdpTierSMapFluxvmSid4        = "fluxvm_sid4"
-	serviceXdpTierSMapFluxvmSid6        = "fluxvm_sid6"
-	serviceXdpTierSMapFluxvmSnat        = "fluxvm_snat"
-	serviceXdpTierSMapFluxvmSnatScratch = "fluxvm_snat_scratch"
-	serviceXdpTierSMapFluxvmSockFwd     = "fluxvm_sock_fwd"
-	serviceXdpTierSMapFluxvmSockRev     = "fluxvm_sock_rev"
-	serviceXdpTierSMapFluxvmSpol        = "fluxvm_spol"
-	serviceXdpTierSMapFluxvmSvc4        = "fluxvm_svc4"
-	serviceXdpTierSMapFluxvmSvc6        = "fluxvm_svc6"
-	serviceXdpTierSMapFluxvmSvcStats    = "fluxvm_svc_stats"
-	serviceXdpTierSMapFluxvmXdpTx       = "fluxvm_xdp_tx"
-	serviceXdpTierSProgFluxvmXdpNs      = "fluxvm_xdp_ns"
+	serviceXdpTierSMapFluxvmBackends     = "fluxvm_backends"
+	serviceXdpTierSMapFluxvmBe2fe        = "fluxvm_be2fe"
+	serviceXdpTierSMapFluxvmCounters     = "fluxvm_counters"
+	serviceXdpTierSMapFluxvmDrops        = "fluxvm_drops"
+	serviceXdpTierSMapFluxvmEdgeSlots    = "fluxvm_edge_slots"
+	serviceXdpTierSMapFluxvmEdgeStats    = "fluxvm_edge_stats"
+	serviceXdpTierSMapFluxvmEdt          = "fluxvm_edt"
+	serviceXdpTierSMapFluxvmFct4         = "fluxvm_fct4"
+	serviceXdpTierSMapFluxvmFct6         = "fluxvm_fct6"
+	serviceXdpTierSMapFluxvmFlowBudget   = "fluxvm_flow_budget"
+	serviceXdpTierSMapFluxvmFlowSeq      = "fluxvm_flow_seq"
+	serviceXdpTierSMapFluxvmHadrop       = "fluxvm_hadrop"
+	serviceXdpTierSMapFluxvmHaq          = "fluxvm_haq"
+	serviceXdpTierSMapFluxvmMaglev       = "fluxvm_maglev"
+	serviceXdpTierSMapFluxvmMeta         = "fluxvm_meta"
+	serviceXdpTierSMapFluxvmNat4         = "fluxvm_nat4"
+	serviceXdpTierSMapFluxvmNat6         = "fluxvm_nat6"
+	serviceXdpTierSMapFluxvmNh           = "fluxvm_nh"
+	serviceXdpTierSMapFluxvmNhCtl        = "fluxvm_nh_ctl"
+	serviceXdpTierSMapFluxvmScratch      = "fluxvm_scratch"
+	serviceXdpTierSMapFluxvmSflows       = "fluxvm_sflows"
+	serviceXdpTierSMapFluxvmSguard       = "fluxvm_sguard"
+	serviceXdpTierSMapFluxvmSid4         = "fluxvm_sid4"
+	serviceXdpTierSMapFluxvmSid6         = "fluxvm_sid6"
+	serviceXdpTierSMapFluxvmSnat         = "fluxvm_snat"
+	serviceXdpTierSMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
+	serviceXdpTierSMapFluxvmSockFwd      = "fluxvm_sock_fwd"
+	serviceXdpTierSMapFluxvmSockRev      = "fluxvm_sock_rev"
+	serviceXdpTierSMapFluxvmSpol         = "fluxvm_spol"
+	serviceXdpTierSMapFluxvmSvc4         = "fluxvm_svc4"
+	serviceXdpTierSMapFluxvmSvc6         = "fluxvm_svc6"
+	serviceXdpTierSMapFluxvmSvcStats     = "fluxvm_svc_stats"
+	serviceXdpTierSMapFluxvmXdpTx        = "fluxvm_xdp_tx"
+	serviceXdpTierSProgFluxvmXdpNs       = "fluxvm_xdp_ns"
+	serviceXdpTierSVarFluxvmFeatureEdt   = "fluxvm_feature_edt"
+	serviceXdpTierSVarFluxvmFeatureFlows = "fluxvm_feature_flows"
+	serviceXdpTierSVarFluxvmFeatureHa    = "fluxvm_feature_ha"
 )
 
 // loadServiceXdpTierS returns the embedded CollectionSpec for serviceXdpTierS.
@@ -140,6 +143,9 @@ type serviceXdpTierSMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceXdpTierSVariableSpecs struct {
+	FluxvmFeatureEdt   *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpTierSObjects contains all objects after they have been loaded into the kernel.
@@ -239,6 +245,9 @@ func (m *serviceXdpTierSMaps) Close() error {
 //
 // It can be passed to loadServiceXdpTierSObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceXdpTierSVariables struct {
+	FluxvmFeatureEdt   *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa    *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 }
 
 // serviceXdpTierSPrograms contains all programs after they have been loaded into the kernel.

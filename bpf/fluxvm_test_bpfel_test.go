@@ -51,6 +51,9 @@ const (
 	serviceTestProgFluxvmNsIn           = "fluxvm_ns_in"
 	serviceTestProgFluxvmNsOut          = "fluxvm_ns_out"
 	serviceTestProgFluxvmToVm           = "fluxvm_to_vm"
+	serviceTestVarFluxvmFeatureEdt      = "fluxvm_feature_edt"
+	serviceTestVarFluxvmFeatureFlows    = "fluxvm_feature_flows"
+	serviceTestVarFluxvmFeatureHa       = "fluxvm_feature_ha"
 	serviceTestVarFluxvmTestCsum        = "fluxvm_test_csum"
 	serviceTestVarFluxvmTestCsumUpdates = "fluxvm_test_csum_updates"
 	serviceTestVarFluxvmTestRecycle     = "fluxvm_test_recycle"
@@ -149,6 +152,9 @@ type serviceTestMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type serviceTestVariableSpecs struct {
+	FluxvmFeatureEdt      *ebpf.VariableSpec `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows    *ebpf.VariableSpec `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa       *ebpf.VariableSpec `ebpf:"fluxvm_feature_ha"`
 	FluxvmTestCsum        *ebpf.VariableSpec `ebpf:"fluxvm_test_csum"`
 	FluxvmTestCsumUpdates *ebpf.VariableSpec `ebpf:"fluxvm_test_csum_updates"`
 	FluxvmTestRecycle     *ebpf.VariableSpec `ebpf:"fluxvm_test_recycle"`
@@ -251,6 +257,9 @@ func (m *serviceTestMaps) Close() error {
 //
 // It can be passed to loadServiceTestObjects or ebpf.CollectionSpec.LoadAndAssign.
 type serviceTestVariables struct {
+	FluxvmFeatureEdt      *ebpf.Variable `ebpf:"fluxvm_feature_edt"`
+	FluxvmFeatureFlows    *ebpf.Variable `ebpf:"fluxvm_feature_flows"`
+	FluxvmFeatureHa       *ebpf.Variable `ebpf:"fluxvm_feature_ha"`
 	FluxvmTestCsum        *ebpf.Variable `ebpf:"fluxvm_test_csum"`
 	FluxvmTestCsumUpdates *ebpf.Variable `ebpf:"fluxvm_test_csum_updates"`
 	FluxvmTestRecycle     *ebpf.Variable `ebpf:"fluxvm_test_recycle"`

@@ -124,6 +124,15 @@ type Options struct {
 	// kept (up to the ceiling): no map shrinks below what it held. The
 	// zero value loads every map at the tier's capacity.
 	Sizes Sizes
+	// OmitFeatures are the node-level features (Features) left out of
+	// the loaded programs: not verified, no cost per packet, and no
+	// effect whatever the maps say. The zero value omits none: every
+	// feature is loaded and switched at run time as before (the meta
+	// map's HA flag and flow sample rate, the services' pacing), so an
+	// embedder who sets nothing loses nothing. Turning one on again is
+	// a new Open (Staged keeps the flows); package fluxvm omits every
+	// feature its configuration does not use (features.go).
+	OmitFeatures Features
 }
 
 // Status says what Open found in the pin root and what it did.
@@ -164,6 +173,9 @@ type Status struct {
 	// KeptMaps and NewMaps name the maps reused from the pins and the maps
 	// created by this Open.
 	KeptMaps, NewMaps []string
+	// Features are the node-level features the loaded programs hold
+	// (Options.OmitFeatures left out of AllFeatures).
+	Features Features
 	// Links lists the pinned attachments whose program was updated.
 	Links []string
 	// SeveredLinks lists pinned attachments whose interface no longer
@@ -272,6 +284,9 @@ func Open(opts Options) (_ *Datapath, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := setFeatures(spec, opts, "TC", true); err != nil {
+		return nil, err
+	}
 	if !opts.SocketLB {
 		for _, name := range []string{"fluxvm_sock_fwd", "fluxvm_sock_rev"} {
 			if m := spec.Maps[name]; m != nil {
@@ -303,7 +318,7 @@ func Open(opts Options) (_ *Datapath, err error) {
 	}
 
 	st := Status{PinRoot: root, SchemaVersion: SchemaVersion, Generation: ProgramGeneration, Tier: opts.Tier, Capacities: caps,
-		HashSeed: opts.HashSeed, MountedBPFFS: mounted}
+		HashSeed: opts.HashSeed, MountedBPFFS: mounted, Features: loadedFeatures(opts)}
 	if mounted {
 		st.MountWarning = privateMountWarning(bpffs.MountNamespace())
 	}
@@ -343,6 +358,9 @@ func Open(opts Options) (_ *Datapath, err error) {
 	}
 	var create []string
 	for name, ms := range spec.Maps {
+		if dataSection(name) {
+			continue // the collection creates it, with the features set
+		}
 		if m, ok := pinned[name]; ok && compatible(m, ms) {
 			maps[name] = m
 			continue
@@ -611,7 +629,10 @@ func (d *Datapath) ReadMeta() (Meta, error) {
 
 // UpdateMeta changes the tunable fields of the meta map (timeouts, flags)
 // with f. Identity fields (schema, generation, tier, hash seed) keep their
-// values whatever f does to them.
+// values whatever f does to them. Once active, switching on the HA flag
+// or a flow sample rate that the loaded programs cannot honour
+// (Options.OmitFeatures) is refused with ErrFeatureNotLoaded, changing
+// nothing.
 func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	m, err := d.ReadMeta()
 	if err != nil {
@@ -620,6 +641,9 @@ func (d *Datapath) UpdateMeta(f func(*Meta)) error {
 	keep := m
 	f(&m)
 	m.SchemaVersion, m.ProgramGeneration, m.Tier, m.HashSeed = keep.SchemaVersion, keep.ProgramGeneration, keep.Tier, keep.HashSeed
+	if err := d.checkMetaFeatures(keep, m); err != nil {
+		return err
+	}
 	if err := d.Maps().FluxvmMeta.Put(uint32(0), m); err != nil {
 		return fmt.Errorf("bpf: update meta: %w", err)
 	}
@@ -656,6 +680,9 @@ func loadSpec(opts Options) (*ebpf.CollectionSpec, error) {
 		return nil, err
 	}
 	for name, want := range embedded.Maps {
+		if dataSection(name) {
+			continue // setFeatures checks the features
+		}
 		got := spec.Maps[name]
 		if got == nil || got.Type != want.Type || got.KeySize != want.KeySize || got.ValueSize != want.ValueSize || got.MaxEntries != want.MaxEntries {
 			return nil, fmt.Errorf("bpf: %s: map %s: %w", ObjectName(opts.Tier), name, ErrObjectMismatch)

@@ -70,6 +70,9 @@ func TestOpenFreshAndRestart(t *testing.T) {
 		t.Errorf("meta %+v", meta)
 	}
 	for name := range d.Spec().Maps {
+		if dataSection(name) {
+			continue // .rodata (load-time features) belongs to the load, not the pins
+		}
 		if _, err := os.Stat(filepath.Join(root, "maps", name)); err != nil {
 			t.Errorf("map %s not pinned: %v", name, err)
 		}

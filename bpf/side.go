@@ -41,9 +41,12 @@ func loadSide(opts Options, coll *ebpf.Collection, what string,
 			}
 		}
 	}
+	if err := setFeatures(s, opts, what, false); err != nil {
+		return nil, err
+	}
 	repl := map[string]*ebpf.Map{}
 	for name, ms := range s.Maps {
-		if m := coll.Maps[name]; m != nil {
+		if m := coll.Maps[name]; m != nil && !dataSection(name) {
 			ms.MaxEntries = m.MaxEntries()
 			repl[name] = m
 		}

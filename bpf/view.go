@@ -48,6 +48,9 @@ func OpenView(root string) (*View, error) {
 	}
 	v := &View{root: root, all: make(map[string]*ebpf.Map, len(spec.Maps))}
 	for name := range spec.Maps {
+		if dataSection(name) {
+			continue
+		}
 		m, err := ebpf.LoadPinnedMap(filepath.Join(mapDir(root), name), &ebpf.LoadPinOptions{ReadOnly: true})
 		if errors.Is(err, os.ErrNotExist) {
 			// The root holds a datapath (its map directory exists)

@@ -391,6 +391,10 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	if err := opts.checkEDT(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
+	omit, err := opts.omitFeatures() // load-time features (features.go)
+	if err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	// Socket load balancing is refused before anything is loaded or
 	// attached: on a host without cgroup v2, or a cgroup_path that is not
 	// a cgroup v2 directory.
@@ -459,6 +463,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo.SocketLB = opts.CgroupConnect
 	var sizeReasons map[string]string
 	lo.Sizes, sizeReasons = openSizes(&opts, hs != nil) // maps sized by need (sizing.go)
+	lo.OmitFeatures = omit
 	// On the pin root held: when LockPinRoot mounted bpffs, the status
 	// says so (and init logs the warning that the pins vanish at exit
 	// in a private mount namespace).
@@ -554,6 +559,7 @@ func (d *Dataplane) init(undo *undoStack) error {
 	}
 	d.log.Info("fluxvm: seeds", "hash_seed", st.HashSeed, "maglev_seed", d.opts.MaglevSeed)
 	d.log.Info("fluxvm: flow records", "flow_sample_rate", d.opts.FlowSampleRate)
+	d.log.Info("fluxvm: datapath features loaded", "features", st.Features.String())
 	if len(st.SeveredLinks) > 0 {
 		d.log.Warn("fluxvm: attachments of interfaces that no longer exist were removed", "links", st.SeveredLinks)
 	}
@@ -1281,7 +1287,7 @@ func (d *Dataplane) Status() Status {
 			Created: st.Created, SchemaRebuilt: st.SchemaRebuilt, PreviousSchema: st.PreviousSchema,
 			Reloaded: st.Reloaded, PreviousGeneration: st.PreviousGeneration, TierChanged: st.TierChanged,
 			Migrated: st.Migrated, NotMigrated: st.NotMigrated, Migrations: slices.Clone(st.Migrations),
-			HashSeedChanged: st.HashSeedChanged,
+			HashSeedChanged: st.HashSeedChanged, Features: st.Features.Names(),
 		},
 		Seeds:         SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
 		Services:      len(d.services),

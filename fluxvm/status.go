@@ -234,6 +234,12 @@ type LoadStatus struct {
 	// (Status.Seeds), established flows keep their backends.
 	HashSeedChanged  bool    `json:"hash_seed_changed"`
 	PreviousHashSeed *uint64 `json:"previous_hash_seed,omitempty"`
+	// Features are the node-level features loaded into the programs
+	// (load-time constants, bpf.Features): "ha", "flow_records", "edt";
+	// the others are not in the verified programs, and turning one on
+	// takes a restart with its setting (docs/operations.md,
+	// "Load-time features").
+	Features []string `json:"features"`
 }
 
 // InterfaceStatus is one VM-edge or north-south interface and how its

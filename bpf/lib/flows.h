@@ -42,6 +42,7 @@
 #ifndef FLUXVM_LIB_FLOWS_H
 #define FLUXVM_LIB_FLOWS_H
 
+#include "config.h"
 #include "maps.h"
 #include "counters.h"
 #include "svc.h"
@@ -52,13 +53,15 @@
 #define FLUXVM_FLOW_DROP_RATE 64 /* records a second, node-wide */
 #define FLUXVM_FLOW_DROP_NS (1000000000ULL / FLUXVM_FLOW_DROP_RATE)
 
-/* The record of flow @id while the ring holds it, or NULL. */
+/* The record of flow @id while the ring holds it, or NULL; always NULL
+ * while flow records are not loaded (FLUXVM_FEATURE_ON(flows)), so that
+ * every path that counts into a record is dead code then. */
 static __always_inline struct fluxvm_flow *fluxvm_flow_get(__u32 id)
 {
 	__u32 slot = id & (FLUXVM_FLOW_SLOTS - 1);
 	struct fluxvm_flow *f;
 
-	if (!id)
+	if (!FLUXVM_FEATURE_ON(flows) || !id)
 		return NULL;
 	f = bpf_map_lookup_elem(&fluxvm_sflows, &slot);
 	if (!f || (__u32)f->seq != id)
@@ -103,7 +106,7 @@ static __always_inline void fluxvm_flow_uncount_reply(const struct fluxvm_pkt *p
 	struct fluxvm_flow *f;
 	void *map, *key;
 
-	if (!scr)
+	if (!FLUXVM_FEATURE_ON(flows) || !scr)
 		return;
 	map = fluxvm_ct_key_scratch(scr, pkt, v6, 1, &key);
 	ct = bpf_map_lookup_elem(map, key);
@@ -121,7 +124,7 @@ static __always_inline void fluxvm_flow_uncount_reply(const struct fluxvm_pkt *p
  * into the record; @now 0: taken back (the path counted it, then could not
  * send it). A global function, called for recorded flows only: its
  * verifier cost is paid once, not in every state of the reply paths. */
-__attribute__((noinline)) int fluxvm_flow_reply(struct __ctx_buff *ctx, __u32 id, __u32 sid, __u64 now)
+__attribute__((noinline)) int fluxvm_flow_reply_count(struct __ctx_buff *ctx, __u32 id, __u32 sid, __u64 now)
 {
 	struct fluxvm_flow *f = fluxvm_flow_get(id);
 	__u32 len = ctx_full_len(ctx);
@@ -140,6 +143,9 @@ __attribute__((noinline)) int fluxvm_flow_reply(struct __ctx_buff *ctx, __u32 id
 	f->last_ns = now;
 	return 0;
 }
+/* The call, only while flow records are loaded. */
+#define fluxvm_flow_reply(ctx, id, sid, now) \
+	(FLUXVM_FEATURE_ON(flows) ? fluxvm_flow_reply_count((ctx), (id), (sid), (now)) : 0)
 #endif
 
 /* The flow of a forward path's conntrack entry @ct for fluxvm_flow_sent:
@@ -180,10 +186,15 @@ static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, __u
 	return ret;
 }
 
-/* Whether a new flow gets a record, by the node's sample rate. */
+/* Whether a new flow gets a record, by the node's sample rate; never
+ * while flow records are not loaded. */
 static __always_inline int fluxvm_flow_sampled(const struct fluxvm_meta_value *meta)
 {
-	__u32 n = meta ? meta->flow_sample_rate : 0;
+	__u32 n;
+
+	if (!FLUXVM_FEATURE_ON(flows))
+		return 0;
+	n = meta ? meta->flow_sample_rate : 0;
 
 	return n == 1 || (n > 1 && bpf_get_prandom_u32() % n == 0);
 }
@@ -385,7 +396,7 @@ __attribute__((noinline)) int fluxvm_flow_drop(struct __ctx_buff *ctx, struct fl
 	__u64 now;
 	int v6 = a.info.v6;
 
-	if (!pkt || !meta || !meta->flow_sample_rate)
+	if (!FLUXVM_FEATURE_ON(flows) || !pkt || !meta || !meta->flow_sample_rate)
 		return 0;
 	now = bpf_ktime_get_coarse_ns();
 	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);

@@ -61,6 +61,7 @@
 #ifndef FLUXVM_LIB_HA_H
 #define FLUXVM_LIB_HA_H
 
+#include "config.h"
 #include "maps.h"
 #include "counters.h"
 #include "ct.h"
@@ -71,9 +72,13 @@
  * ifindex). */
 #define FLUXVM_CT_HA_UNTIL(ct) ((ct)->ha_until)
 
-/* Whether HA replication is on. */
+/* Whether HA replication is on: loaded (FLUXVM_FEATURE_ON(ha), a
+ * constant: with it off, no HA code is verified) and switched on in the
+ * meta map. */
 static __always_inline int fluxvm_ha_on(const struct fluxvm_meta_value *meta)
 {
+	if (!FLUXVM_FEATURE_ON(ha))
+		return 0;
 	return meta && (meta->flags & FLUXVM_META_F_HA);
 }
 
@@ -192,7 +197,7 @@ __attribute__((noinline)) int fluxvm_ha_emit(struct fluxvm_ct_value *ct, struct 
 #define fluxvm_ha_touched(ct, v6, t4, t6, touched)                                           \
 	do {                                                                                 \
 		int __t = (touched);                                                         \
-		if (__t)                                                                     \
+		if (__t && FLUXVM_FEATURE_ON(ha))                                            \
 			fluxvm_ha_emit((ct), FLUXVM_HA_K4(v6, t4), FLUXVM_HA_K6(v6, t6),     \
 				       __t == FLUXVM_CT_TOUCH_STATE ? FLUXVM_HA_TRANSITION   \
 								    : FLUXVM_HA_REFRESH);    \

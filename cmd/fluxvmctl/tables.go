@@ -144,10 +144,24 @@ func serviceDetail(w io.Writer, st fluxvm.ServiceStatus) {
 	}
 }
 
+// featuresSummary lists the load-time features in the programs: "none"
+// when the list is empty, "-" when the node does not say (a daemon from
+// before load-time features).
+func featuresSummary(fs []string) string {
+	switch {
+	case fs == nil:
+		return "-"
+	case len(fs) == 0:
+		return "none"
+	}
+	return strings.Join(fs, ", ")
+}
+
 func statusTable(w io.Writer, st fluxvm.Status) {
 	row(w, "Schema:", st.SchemaVersion)
 	row(w, "Generation:", st.Generation)
 	row(w, "Tier:", st.Tier)
+	row(w, "Features:", featuresSummary(st.Load.Features))
 	row(w, "Pin root:", st.PinRoot)
 	row(w, "Services:", st.Services)
 	snat := "-"

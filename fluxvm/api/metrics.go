@@ -4,11 +4,13 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
@@ -40,6 +42,7 @@ var (
 	descServices     = desc("services", "Services in the node's catalog.")
 	descInfo         = desc("dataplane_info", "Loaded datapath: BPF schema version, program generation and map tier (value 1).",
 		"schema_version", "program_generation", "map_tier")
+	descFeature    = desc("datapath_feature_loaded", "Node-level features (ha, flow_records, edt) by whether the loaded programs hold them: 1, or 0 when left out at load (a change takes a restart).", "feature")
 	descGCTime     = desc("conntrack_gc_last_run_timestamp_seconds", "Unix time of the last conntrack GC.")
 	descGCDuration = desc("conntrack_gc_last_duration_seconds", "Duration of the last conntrack GC.")
 	descGCEntries  = desc("conntrack_gc_last_entries", "Entries the last conntrack GC scanned or removed, by result.", "result")
@@ -88,6 +91,7 @@ type collector struct{ src MetricsSource }
 //	fluxvm_service_edt_rate_bytes               gauge {service}: pacing rate of a paced service, bytes/s
 //	fluxvm_service_edt_horizon_drops_total      counter {service}: packets dropped beyond the EDT horizon
 //	fluxvm_edt_enabled                          gauge: 1 when edt_enabled is on
+//	fluxvm_datapath_feature_loaded              gauge {feature: ha, flow_records, edt}: 1 loaded, 0 left out
 //	fluxvm_edt_horizon_seconds                  gauge: edt_horizon
 //	fluxvm_edt_interface_mode                   gauge 1 {interface, mode: fq, horizon-policing}
 //	fluxvm_datapath_parser_packets_total        counter {kind}
@@ -132,7 +136,7 @@ func NewCollector(src MetricsSource) prometheus.Collector { return collector{src
 func (collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descPackets, descBytes, descReplyPackets, descReplyBytes, descNewFlows, descFailovers,
-		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo,
+		descServiceDrops, descDrops, descParser, descEvents, descStatsUp, descServices, descInfo, descFeature,
 		descGCTime, descGCDuration, descGCEntries, descHealth, descAdvertVIPs, descAdvertGen, descAdvertError,
 		descMapMemory, descMaglevInner, descPressure, descXDPMode, descXDPRoutes, descXDPRouteInv,
 		descSockEnabled, descSockHooks, descSockDestroyed, descSockRuns, descSockSupported,
@@ -190,6 +194,11 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	emit(descInfo, prometheus.GaugeValue, 1,
 		strconv.FormatUint(uint64(st.SchemaVersion), 10), strconv.FormatUint(uint64(st.Generation), 10), st.Tier)
+	if st.Load.Features != nil { // nil: not opened
+		for _, f := range bpf.AllFeatures.Names() {
+			emit(descFeature, prometheus.GaugeValue, b2f(slices.Contains(st.Load.Features, f)), f)
+		}
+	}
 	if gc := st.LastGC; gc != nil {
 		emit(descGCTime, prometheus.GaugeValue, float64(gc.At.UnixNano())/1e9)
 		emit(descGCDuration, prometheus.GaugeValue, gc.Duration.Seconds())

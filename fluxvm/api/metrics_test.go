@@ -47,6 +47,7 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 		{Name: "tap-vm1", Kind: fluxvm.InterfaceVMEdge},
 	}
 	dp.status.XDPRouteCache = fluxvm.XDPRouteCacheStatus{Enabled: true, Invalidations: 5}
+	dp.status.Load.Features = []string{"edt"}
 	yes := true
 	dp.status.SocketLB = fluxvm.SocketLBStatus{
 		Enabled: true, CgroupPath: "/sys/fs/cgroup/unified", CgroupID: 1,
@@ -152,6 +153,11 @@ fluxvm_socket_lb_destroy_supported 1
 # HELP fluxvm_dataplane_info Loaded datapath: BPF schema version, program generation and map tier (value 1).
 # TYPE fluxvm_dataplane_info gauge
 fluxvm_dataplane_info{map_tier="M",program_generation="8",schema_version="4"} 1
+# HELP fluxvm_datapath_feature_loaded Node-level features (ha, flow_records, edt) by whether the loaded programs hold them: 1, or 0 when left out at load (a change takes a restart).
+# TYPE fluxvm_datapath_feature_loaded gauge
+fluxvm_datapath_feature_loaded{feature="edt"} 1
+fluxvm_datapath_feature_loaded{feature="flow_records"} 0
+fluxvm_datapath_feature_loaded{feature="ha"} 0
 # HELP fluxvm_conntrack_gc_last_run_timestamp_seconds Unix time of the last conntrack GC.
 # TYPE fluxvm_conntrack_gc_last_run_timestamp_seconds gauge
 fluxvm_conntrack_gc_last_run_timestamp_seconds 1.7672256005e+09

@@ -254,8 +254,8 @@ struct {
  * theirs on the stack: through a pointer into this map, their inlined
  * IPv4 paths held it in one of the four registers a call keeps and
  * measured 3-9% slower (docs/benchmarks.md, issue 34). Memory the
- * verifier does not track also stops its walk from multiplying: the IPv6
- * extension walk's offset passes through here (walk_off).
+ * verifier does not track also stops its walk from multiplying: in TC
+ * the IPv6 extension walk's offset passes through here (walk_off).
  */
 struct fluxvm_scratch {
 	struct fluxvm_pkt pkt;           /* the entry program's parse result */
@@ -271,7 +271,8 @@ struct fluxvm_scratch {
 	struct bpf_fib_lookup fib;       /* fib.h */
 	struct bpf_redir_neigh nh;
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
-	__u32 walk_off;                  /* the IPv6 extension walk's offset (parse.h) */
+	__u16 walk_off;                  /* the IPv6 extension walk's offset in TC (parse.h) */
+	__u16 pad;
 	__u64 flow_seq;                  /* the seq a new flow's record reserved (flows.h) */
 	__u64 flow_now;                  /* and the clock of the path that reserved it */
 	/* Identity policy's lookup keys (policy.h), off the forward paths'

@@ -115,7 +115,9 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 {
 	__u32 off = pkt->l3_off;
 	struct ipv6hdr *ip6 = fluxvm_hdr(ctx, off, sizeof(*ip6));
+#ifdef FLUXVM_CTX_SKB
 	struct fluxvm_scratch *scr = NULL;
+#endif
 	__u32 end;
 	__u8 nh;
 	int i;
@@ -184,14 +186,21 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 		/* The offset goes through per-CPU scratch and is read back:
 		 * the verifier, which does not track map memory, then knows
 		 * only its bounds (not one range per way through the headers
-		 * so far), and walks the next header once. Only a packet
-		 * with extension headers pays for the lookup; the parse
-		 * result itself stays on the caller's stack, where the hot
-		 * paths read it without holding a pointer in a register. */
+		 * so far), and walks the next header once. In TC only a
+		 * packet with extension headers pays for the lookup: the
+		 * parse result stays on the caller's stack, where the hot
+		 * paths read it without holding a pointer in a register.
+		 * XDP keeps its parse result in scratch (fluxvm_pkt_new) and
+		 * reads the offset back from it. */
+#ifdef FLUXVM_CTX_SKB
 		if (!scr && !(scr = fluxvm_scratch_get()))
 			return FLUXVM_PARSE_LIMIT;
 		scr->walk_off = off + len;
-		off = *(volatile __u32 *)&scr->walk_off;
+		off = *(volatile __u16 *)&scr->walk_off;
+#else
+		pkt->l4_off = off + len;
+		off = *(volatile __u16 *)&pkt->l4_off;
+#endif
 		pkt->exthdrs++;
 		if (off > end)
 			return FLUXVM_PARSE_TRUNCATED;

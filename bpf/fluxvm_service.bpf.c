@@ -24,8 +24,14 @@
  * own, instead of once per way of reaching it: the programs below stay far
  * from the verifier's instruction limit and load in a fraction of the time,
  * for the cost of a BPF-to-BPF call. @pkt points at the caller's parse
- * result (in per-CPU scratch, fluxvm_pkt_new); the verifier cannot know
- * it is never NULL.
+ * result; the verifier cannot know it is never NULL.
+ *
+ * The parse result is on each program's stack, not in per-CPU scratch:
+ * the inlined hot paths then address it from the frame pointer, while a
+ * pointer into scratch took one of the four registers a call keeps
+ * (3-9% on the IPv4 conntrack-hit and reply paths, docs/benchmarks.md).
+ * The 448-byte stack limit is kept by the IPv6 global paths' keys in
+ * scratch instead (fluxvm_scratch_tuple6).
  *
  * The hot paths stay inline in their programs: the VM-edge reply path in
  * fluxvm_to_vm, its only user, and the IPv4 east-west NAT path in
@@ -140,26 +146,26 @@ static __always_inline int fluxvm_forward(struct __ctx_buff *ctx, struct fluxvm_
 SEC("tc")
 int fluxvm_from_vm(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
+	struct fluxvm_pkt pkt = {};
 	int ret;
 
-	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return CTX_ACT_NEXT;
 	/* ICMP is never service traffic; errors to the SNAT address are
 	 * translated back (fluxvm_icmp*_snat check the address). */
-	if (pkt->l3_proto == ETH_P_IP) {
-		if (pkt->l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, pkt);
-		ret = fluxvm_forward(ctx, pkt, 0, FLUXVM_EDGE_VM);
-		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 0))
-			ret = fluxvm_reply4_snat_in(ctx, pkt);
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, &pkt);
+		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_VM);
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
-	if (pkt->l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, pkt);
-	ret = fluxvm_forward(ctx, pkt, 1, FLUXVM_EDGE_VM);
-	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 1))
-		ret = fluxvm_reply6_snat_in(ctx, pkt);
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, &pkt);
+	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_VM);
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
 
@@ -168,21 +174,21 @@ int fluxvm_from_vm(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_to_vm(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
+	struct fluxvm_pkt pkt = {};
 	int ret;
 
-	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return CTX_ACT_NEXT;
-	if (pkt->l3_proto == ETH_P_IP) {
-		if (pkt->l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_ew(ctx, pkt);
-		ret = fluxvm_lb_reply_ew(ctx, pkt, 0);
-		return ret == FLUXVM_REPLY_STORED ? fluxvm_reply4_stored(ctx, pkt) : ret;
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_ew(ctx, &pkt);
+		ret = fluxvm_lb_reply_ew(ctx, &pkt, 0);
+		return ret == FLUXVM_REPLY_STORED ? fluxvm_reply4_stored(ctx, &pkt) : ret;
 	}
-	if (pkt->l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_ew(ctx, pkt);
-	ret = fluxvm_lb_reply_ew(ctx, pkt, 1);
-	return ret == FLUXVM_REPLY_STORED ? fluxvm_reply6_stored(ctx, pkt) : ret;
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_ew(ctx, &pkt);
+	ret = fluxvm_lb_reply_ew(ctx, &pkt, 1);
+	return ret == FLUXVM_REPLY_STORED ? fluxvm_reply6_stored(ctx, &pkt) : ret;
 }
 
 /* North-south ingress: clients outside the node reach north-south VIPs
@@ -191,24 +197,24 @@ int fluxvm_to_vm(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_ns_in(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
+	struct fluxvm_pkt pkt = {};
 	int ret;
 
-	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return CTX_ACT_NEXT;
-	if (pkt->l3_proto == ETH_P_IP) {
-		if (pkt->l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, pkt);
-		ret = fluxvm_forward(ctx, pkt, 0, FLUXVM_EDGE_NS);
-		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 0))
-			ret = fluxvm_reply4_snat_in(ctx, pkt);
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, &pkt);
+		ret = fluxvm_forward(ctx, &pkt, 0, FLUXVM_EDGE_NS);
+		if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 0))
+			ret = fluxvm_reply4_snat_in(ctx, &pkt);
 		return ret;
 	}
-	if (pkt->l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, pkt);
-	ret = fluxvm_forward(ctx, pkt, 1, FLUXVM_EDGE_NS);
-	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt->daddr, 1))
-		ret = fluxvm_reply6_snat_in(ctx, pkt);
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, &pkt);
+	ret = fluxvm_forward(ctx, &pkt, 1, FLUXVM_EDGE_NS);
+	if (ret == CTX_ACT_NEXT && fluxvm_is_snat_addr(pkt.daddr, 1))
+		ret = fluxvm_reply6_snat_in(ctx, &pkt);
 	return ret;
 }
 
@@ -219,22 +225,22 @@ int fluxvm_ns_in(struct __ctx_buff *ctx)
 SEC("tc")
 int fluxvm_ns_out(struct __ctx_buff *ctx)
 {
-	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
+	struct fluxvm_pkt pkt = {};
 
-	if (!pkt || !fluxvm_parse_counted(ctx, pkt))
+	if (!fluxvm_parse_counted(ctx, &pkt))
 		return CTX_ACT_NEXT;
-	if (pkt->l3_proto == ETH_P_IP) {
-		if (pkt->l4_proto == IPPROTO_ICMP)
-			return fluxvm_icmp4_snat(ctx, pkt);
-		if (!fluxvm_is_snat_addr(pkt->daddr, 0))
-			return fluxvm_edt_ns_active() ? fluxvm_edt_out4(ctx, pkt) : CTX_ACT_NEXT;
-		return fluxvm_reply4_snat_out(ctx, pkt);
+	if (pkt.l3_proto == ETH_P_IP) {
+		if (pkt.l4_proto == IPPROTO_ICMP)
+			return fluxvm_icmp4_snat(ctx, &pkt);
+		if (!fluxvm_is_snat_addr(pkt.daddr, 0))
+			return fluxvm_edt_ns_active() ? fluxvm_edt_out4(ctx, &pkt) : CTX_ACT_NEXT;
+		return fluxvm_reply4_snat_out(ctx, &pkt);
 	}
-	if (pkt->l4_proto == IPPROTO_ICMPV6)
-		return fluxvm_icmp6_snat(ctx, pkt);
-	if (!fluxvm_is_snat_addr(pkt->daddr, 1))
-		return fluxvm_edt_ns_active() ? fluxvm_edt_out6(ctx, pkt) : CTX_ACT_NEXT;
-	return fluxvm_reply6_snat_out(ctx, pkt);
+	if (pkt.l4_proto == IPPROTO_ICMPV6)
+		return fluxvm_icmp6_snat(ctx, &pkt);
+	if (!fluxvm_is_snat_addr(pkt.daddr, 1))
+		return fluxvm_edt_ns_active() ? fluxvm_edt_out6(ctx, &pkt) : CTX_ACT_NEXT;
+	return fluxvm_reply6_snat_out(ctx, &pkt);
 }
 
 char _license[] SEC("license") = "Dual BSD/GPL";

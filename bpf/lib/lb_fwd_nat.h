@@ -35,9 +35,10 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 					 const int v6, __u32 sid, __u32 flags)
 {
 	struct fluxvm_tuple4 t4 = {};
-	struct fluxvm_tuple6 t6 = {};
+	/* IPv6 (a global path): the key in per-CPU scratch, off the frame. */
+	struct fluxvm_tuple6 *t6 = v6 ? fluxvm_scratch_tuple6(0) : NULL;
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
-	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
+	void *ct_key = v6 ? (void *)t6 : (void *)&t4;
 	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
 	struct fluxvm_backend *be, *old_be = NULL;
@@ -49,7 +50,9 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	__u64 now, flow;
 	int reason;
 
-	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, 0, &t4, &t6, st, es, &o))
+	if (v6 && !t6)
+		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
+	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, 0, &t4, t6, st, es, &o))
 		return o.ret;
 	ct = o.ct;
 	be = o.be;
@@ -71,7 +74,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 		old_be = be;
 
 	meta = fluxvm_meta_get();
-	be = fluxvm_select(sid, v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+	be = fluxvm_select(sid, v6 ? fluxvm_hash6(t6, meta ? meta->hash_seed : 0)
 				   : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0),
 			   &bid, st, es);
 	if (!be)
@@ -98,7 +101,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	 * conntrack half and could be taken for a live flow. */
 	if (old_be && (old_be != be || !(flags & FLUXVM_SVC_F_REV_STORED)))
 		fluxvm_nat_forget(pkt, v6, old_be);
-	fluxvm_ha_learned(meta, ct, v6, &t4, &t6);
+	fluxvm_ha_learned(meta, ct, v6, &t4, t6);
 	fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(0), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 

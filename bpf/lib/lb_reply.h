@@ -62,10 +62,11 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 					   const int kind, const int ingress)
 {
 	struct fluxvm_tuple4 t4 = {}, c4 = {};
-	struct fluxvm_tuple6 t6 = {}, c6 = {};
+	struct fluxvm_tuple6 c6 = {};
 	void *nat_map = v6 ? (void *)&fluxvm_nat6 : (void *)&fluxvm_nat4;
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
-	void *key = v6 ? (void *)&t6 : (void *)&t4;
+	struct fluxvm_tuple6 *t6 = NULL;
+	void *key = &t4;
 	void *ct_key = v6 ? (void *)&c6 : (void *)&c4;
 	struct fluxvm_svc_stats_value *st, *es;
 	struct fluxvm_nat_value *nat;
@@ -85,7 +86,15 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	if (kind == FLUXVM_REPLY_SNAT && !fluxvm_is_snat_addr(pkt->daddr, v6))
 		return CTX_ACT_NEXT;
 
-	fluxvm_pkt_tuple(pkt, v6, &t4, &t6);
+	/* IPv6: the reverse-NAT key in per-CPU scratch, off the frame of
+	 * the global paths this runs in (the deepest call chains). */
+	if (v6) {
+		t6 = fluxvm_scratch_tuple6(1);
+		if (!t6)
+			return CTX_ACT_NEXT;
+		key = t6;
+	}
+	fluxvm_pkt_tuple(pkt, v6, &t4, t6);
 	nat = bpf_map_lookup_elem(nat_map, key);
 	if (!nat)
 		return CTX_ACT_NEXT;

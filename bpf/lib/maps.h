@@ -249,10 +249,13 @@ struct {
  * to completion on its CPU, so one slot per CPU is enough; the fields are
  * separate so that no two users in one packet's path overlap.
  *
- * The entry programs keep their parse result here too (pkt, lib/parse.h,
- * fluxvm_pkt_new): off every call chain's first frame, and read from
- * memory the verifier does not track, so that it walks the stages after
- * the parser once rather than once per way through it.
+ * The XDP program keeps its parse result here too (pkt, lib/parse.h,
+ * fluxvm_pkt_new), off its call chains' first frame. The TC programs keep
+ * theirs on the stack: through a pointer into this map, their inlined
+ * IPv4 paths held it in one of the four registers a call keeps and
+ * measured 3-9% slower (docs/benchmarks.md, issue 34). Memory the
+ * verifier does not track also stops its walk from multiplying: in TC
+ * the IPv6 extension walk's offset passes through here (walk_off).
  */
 struct fluxvm_scratch {
 	struct fluxvm_pkt pkt;           /* the entry program's parse result */
@@ -260,10 +263,16 @@ struct fluxvm_scratch {
 	struct fluxvm_tuple4 k4;         /* a reverse-NAT entry being learned (nat.h) */
 	struct fluxvm_tuple6 k6;
 	struct fluxvm_nat_value nv;
+	/* The IPv6 keys of two global paths, off their frames (the deepest
+	 * call chains): an IPv6 NAT forward's conntrack key (lb_fwd_nat.h)
+	 * and an IPv6 reply's reverse-NAT key (lb_reply.h). */
+	struct fluxvm_tuple6 fk6;
+	struct fluxvm_tuple6 rk6;
 	struct bpf_fib_lookup fib;       /* fib.h */
 	struct bpf_redir_neigh nh;
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
-	__u32 pad;
+	__u16 walk_off;                  /* the IPv6 extension walk's offset in TC (parse.h) */
+	__u16 pad;
 	__u64 flow_seq;                  /* the seq a new flow's record reserved (flows.h) */
 	__u64 flow_now;                  /* and the clock of the path that reserved it */
 	/* Identity policy's lookup keys (policy.h), off the forward paths'
@@ -307,6 +316,22 @@ static __always_inline struct fluxvm_scratch *fluxvm_scratch_get(void)
 	__u32 zero = 0;
 
 	return bpf_map_lookup_elem(&fluxvm_scratch, &zero);
+}
+
+/* An IPv6 tuple in this CPU's scratch: the forward key (fk6) or, with
+ * @reply, the reply key (rk6). Only its padding is zeroed: the caller
+ * fills every other field (fluxvm_pkt_tuple) before using it as a key.
+ * NULL when the scratch cannot be had. */
+static __always_inline struct fluxvm_tuple6 *fluxvm_scratch_tuple6(const int reply)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+	struct fluxvm_tuple6 *t;
+
+	if (!s)
+		return NULL;
+	t = reply ? &s->rk6 : &s->fk6;
+	__builtin_memset(t->pad, 0, sizeof(t->pad));
+	return t;
 }
 
 #endif /* FLUXVM_LIB_MAPS_H */

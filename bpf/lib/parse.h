@@ -115,6 +115,9 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 {
 	__u32 off = pkt->l3_off;
 	struct ipv6hdr *ip6 = fluxvm_hdr(ctx, off, sizeof(*ip6));
+#ifdef FLUXVM_CTX_SKB
+	struct fluxvm_scratch *scr = NULL;
+#endif
 	__u32 end;
 	__u8 nh;
 	int i;
@@ -180,11 +183,24 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 			len = ((__u32)h[1] + 1) * 8;
 		}
 		nh = h[0];
-		/* The offset goes through @pkt and is read back: the verifier
-		 * then knows only its bounds (not one range per way through
-		 * the headers so far), and walks the next header once. */
+		/* The offset goes through per-CPU scratch and is read back:
+		 * the verifier, which does not track map memory, then knows
+		 * only its bounds (not one range per way through the headers
+		 * so far), and walks the next header once. In TC only a
+		 * packet with extension headers pays for the lookup: the
+		 * parse result stays on the caller's stack, where the hot
+		 * paths read it without holding a pointer in a register.
+		 * XDP keeps its parse result in scratch (fluxvm_pkt_new) and
+		 * reads the offset back from it. */
+#ifdef FLUXVM_CTX_SKB
+		if (!scr && !(scr = fluxvm_scratch_get()))
+			return FLUXVM_PARSE_LIMIT;
+		scr->walk_off = off + len;
+		off = *(volatile __u16 *)&scr->walk_off;
+#else
 		pkt->l4_off = off + len;
 		off = *(volatile __u16 *)&pkt->l4_off;
+#endif
 		pkt->exthdrs++;
 		if (off > end)
 			return FLUXVM_PARSE_TRUNCATED;
@@ -317,8 +333,9 @@ static __always_inline void fluxvm_count_parse(int ret, struct fluxvm_pkt *pkt)
 		fluxvm_count(FLUXVM_CNT_L4_OTHER);
 }
 
-/* An entry program's parse result, zeroed, in this CPU's scratch (maps.h);
- * NULL when the scratch cannot be had. */
+/* The XDP program's parse result, zeroed, in this CPU's scratch (maps.h),
+ * off its deepest call chain's first frame; NULL when the scratch cannot
+ * be had. (The TC programs keep theirs on the stack: see maps.h.) */
 static __always_inline struct fluxvm_pkt *fluxvm_pkt_new(void)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();

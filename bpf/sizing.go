@@ -54,7 +54,7 @@ type Sizes struct {
 	// loaded one, so a smaller ring would lose most records. Open refuses
 	// it otherwise (ErrMapSize).
 	FlowSlots uint32
-	HAQueue    uint32 // fluxvm_haq: bytes, a power of two pages
+	HAQueue   uint32 // fluxvm_haq: bytes, a power of two pages
 }
 
 // Map returns the sizes by map name, without the maps at 0.

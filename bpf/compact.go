@@ -237,6 +237,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	// 3. The programs, on the new maps and every other map as it is (the
 	// side objects' own maps, such as XDP's next-hop cache, too).
 	repl := maps.Clone(d.coll.Maps)
+	maps.DeleteFunc(repl, func(name string, _ *ebpf.Map) bool { return dataSection(name) })
 	maps.Copy(repl, fresh)
 	coll, err := ebpf.NewCollectionWithOptions(d.spec, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
@@ -260,7 +261,9 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	transplant := func(c, old *ebpf.Collection) map[string]*ebpf.Map {
 		clones := map[string]*ebpf.Map{}
 		for name, m := range old.Maps {
-			if _, rebuilt := fresh[name]; rebuilt || c.Maps[name] == nil {
+			// A data section (.rodata: the load-time features) is the
+			// new load's own, as its programs use it.
+			if _, rebuilt := fresh[name]; rebuilt || c.Maps[name] == nil || dataSection(name) {
 				continue
 			}
 			clones[name] = c.Maps[name]
@@ -412,14 +415,16 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	for _, m := range fresh {
 		m.Close() // pinned, and held by the new collections
 	}
-	for _, c := range []*ebpf.Collection{oldXColl, oldCColl} {
-		// Their clones of the TC object's maps (their own maps live on in
-		// the new collections).
+	for _, c := range []*ebpf.Collection{oldColl, oldXColl, oldCColl} {
+		// The side objects' clones of the TC object's maps, and every
+		// object's data sections (their own maps live on in the new
+		// collections).
 		for name, m := range c.Maps {
-			if xm := xcoll.Maps[name]; xm != m {
-				if cm := ccoll.Maps[name]; cm != m {
-					m.Close()
-				}
+			if _, rebuilt := oldMaps[name]; rebuilt {
+				continue
+			}
+			if coll.Maps[name] != m && xcoll.Maps[name] != m && ccoll.Maps[name] != m {
+				m.Close()
 			}
 		}
 	}

@@ -411,3 +411,63 @@ func benchOmit(b testing.TB, env string, spec *ebpf.CollectionSpec) *ebpf.Collec
 	b.Logf("%s: features loaded %s", env, AllFeatures&^omit)
 	return spec
 }
+
+// TestFeaturesAfterRebuild: a GrowFlowMaps and a CompactFlowMaps reload
+// the programs with the features Open loaded (HA omitted stays omitted),
+// and each collection's data section is the one its programs use (not the
+// previous load's).
+func TestFeaturesAfterRebuild(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS, OmitFeatures: FeatureHA, Sizes: Sizes{CT4: TokenFlowEntries}})
+	putCT(t, d, 100)
+	check := func(when string) {
+		t.Helper()
+		for what, c := range map[string]*ebpf.Collection{"TC": d.coll, "XDP": d.xcoll} {
+			ro := c.Maps[".rodata"]
+			if ro == nil {
+				t.Fatalf("%s: %s object has no .rodata", when, what)
+			}
+			info, err := ro.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			roID, _ := info.ID()
+			for name, p := range c.Programs {
+				pi, err := p.Info()
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids, _ := pi.MapIDs()
+				if !slices.Contains(ids, roID) {
+					t.Errorf("%s: %s program %s does not use its collection's .rodata (map %d; it uses %v)", when, what, name, roID, ids)
+				}
+			}
+			for _, fv := range featureVars {
+				var v uint8
+				if err := c.Variables[fv.v].Get(&v); err != nil {
+					t.Fatalf("%s: %s %s: %v", when, what, fv.v, err)
+				}
+				if (v == 1) == (fv.f == FeatureHA) {
+					t.Errorf("%s: %s object: %s = %d, want HA omitted, the rest loaded", when, what, fv.v, v)
+				}
+			}
+		}
+		if got := d.Status().Features; got != AllFeatures&^FeatureHA {
+			t.Errorf("%s: Status.Features = %s", when, got)
+		}
+	}
+	check("open")
+	if res, err := d.GrowFlowMaps(map[string]uint32{"fluxvm_fct4": 0}, nil); err != nil || !res.Switched {
+		t.Fatalf("grow: %+v, %v", res, err)
+	}
+	check("after GrowFlowMaps")
+	if res, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 50}}); err != nil || !res.Switched {
+		t.Fatalf("compact: %+v, %v", res, err)
+	}
+	check("after CompactFlowMaps")
+	// The HA flag still does nothing the programs would act on: refused.
+	if err := d.UpdateMeta(func(m *Meta) { m.Flags |= MetaFlagHA }); !errors.Is(err, ErrFeatureNotLoaded) {
+		t.Errorf("HA flag after the rebuilds: %v, want ErrFeatureNotLoaded", err)
+	}
+}

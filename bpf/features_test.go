@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"maps"
@@ -469,5 +470,61 @@ func TestFeaturesAfterRebuild(t *testing.T) {
 	// The HA flag still does nothing the programs would act on: refused.
 	if err := d.UpdateMeta(func(m *Meta) { m.Flags |= MetaFlagHA }); !errors.Is(err, ErrFeatureNotLoaded) {
 		t.Errorf("HA flag after the rebuilds: %v, want ErrFeatureNotLoaded", err)
+	}
+}
+
+// TestOldSideObjectFeatures: an XDP object in ObjectDir built before
+// load-time features (no feature variables: every feature in its code)
+// loads while no feature is omitted, and is refused (ErrObjectMismatch)
+// when one is, rather than run every feature while Status.Features says
+// some are left out. The socket LB object declares none: it loads either
+// way.
+func TestOldSideObjectFeatures(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	objs := t.TempDir()
+	for name, src := range map[string]string{ObjectName(TierS): "fluxvm_service_tier_s_bpfel.o", XDPObjectName(TierS): "fluxvm_service_xdp_tier_s_bpfel.o"} {
+		b, err := os.ReadFile(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name == XDPObjectName(TierS) {
+			// The same code, its feature variables renamed away (same
+			// length: the ELF and BTF string tables keep their layout).
+			n := bytes.Count(b, []byte("fluxvm_feature_"))
+			if n == 0 {
+				t.Fatal("XDP object names no feature variable")
+			}
+			b = bytes.ReplaceAll(b, []byte("fluxvm_feature_"), []byte("fluxvm_featurX_"))
+		}
+		if err := os.WriteFile(filepath.Join(objs, name), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		omit Features
+		err  bool
+	}{
+		{omit: 0},
+		{omit: FeatureHA, err: true},
+		{omit: AllFeatures, err: true},
+	} {
+		root := filepath.Join(testenv.PinRoot(t), "service")
+		d, err := Open(Options{PinRoot: root, Tier: TierS, ObjectDir: objs, OmitFeatures: tc.omit})
+		if tc.err {
+			if !errors.Is(err, ErrObjectMismatch) {
+				if d != nil {
+					d.Close()
+				}
+				t.Errorf("omit %s with a featureless XDP object: %v, want ErrObjectMismatch", tc.omit, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("omit %s with a featureless XDP object: %v", tc.omit, err)
+		}
+		if got := d.Status().Features; got != AllFeatures {
+			t.Errorf("Status.Features = %s, want all", got)
+		}
+		d.Close()
 	}
 }

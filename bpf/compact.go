@@ -92,6 +92,11 @@ type CompactOptions struct {
 	// part, run without it. Without it the caller must not use the
 	// Datapath during the whole call.
 	Switch sync.Locker
+	// all (GrowFlowMaps) keeps every entry the walk of a map returns, up
+	// to its new map's size, whatever Keep says: a walk under live writes
+	// may return more entries than the map held when the grow counted
+	// them, and a grow drops none by rank.
+	all bool
 }
 
 // FlowMapCompaction is what CompactFlowMaps did to one flow map.
@@ -169,7 +174,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		if !slices.Contains(FlowMaps, name) {
 			return res, fmt.Errorf("bpf: compact: %s is not a flow map (%v)", name, FlowMaps)
 		}
-		if keep < 0 || uint32(keep) > d.coll.Maps[name].MaxEntries() {
+		if !o.all && (keep < 0 || uint32(keep) > d.coll.Maps[name].MaxEntries()) {
 			return res, fmt.Errorf("bpf: compact: %s: keep %d outside 0..%d", name, keep, d.coll.Maps[name].MaxEntries())
 		}
 		names = append(names, name)
@@ -221,7 +226,11 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 			return abort(fmt.Errorf("create %s: %w", name, err))
 		}
 		fresh[name] = nm
-		mc, dk, err := rankedCopy(name, old, nm, o.Keep[name])
+		keep := o.Keep[name]
+		if o.all {
+			keep = int(nm.MaxEntries())
+		}
+		mc, dk, err := rankedCopy(name, old, nm, keep)
 		if err != nil {
 			return abort(fmt.Errorf("%s: %w", name, err))
 		}

@@ -262,12 +262,12 @@ func (d *Datapath) GrowFlowMaps(sizes map[string]uint32, switchLock sync.Locker)
 		}
 		prev[name] = d.spec.Maps[name].MaxEntries
 		d.spec.Maps[name].MaxEntries = n
-		keep[name] = int(cur) // every entry: a map holds at most its size
+		keep[name] = int(n) // every entry (CompactOptions.all)
 	}
 	if len(keep) == 0 {
 		return Compaction{}, nil
 	}
-	res, err := d.CompactFlowMaps(CompactOptions{Keep: keep, Switch: switchLock})
+	res, err := d.CompactFlowMaps(CompactOptions{Keep: keep, Switch: switchLock, all: true})
 	if !res.Switched {
 		for name, n := range prev {
 			d.spec.Maps[name].MaxEntries = n

@@ -12,6 +12,10 @@ type applyState struct {
 	index *intent.CatalogIndex // catalog totals for incremental validation; under mu
 	store *catalogStore        // the catalog's journal; nil without CatalogPath
 	busy  map[string]int       // services with a change between prepare and commit; under mu
+	// reserved are the intents of applies between their reservation
+	// (CatalogIndex.Reserve) and their commit or abort, by service: the
+	// maps sized by need count them (needGrowth). Under mu.
+	reserved map[string]Service
 	// unsaved are the services whose delete answered "removed, but the
 	// catalog was not saved", with the seq of its record; a retry of the
 	// delete makes it durable (DeleteService). Under mu.

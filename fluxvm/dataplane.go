@@ -724,6 +724,7 @@ func (d *Dataplane) restore() (err error) {
 	defer endSpan(span, &err)
 	d.index = intent.NewCatalogIndex()
 	d.busy = map[string]int{}
+	d.reserved = map[string]Service{}
 	if d.opts.CatalogPath == "" {
 		return nil
 	}

@@ -375,6 +375,19 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
 	if d.index.Check(&svc, &fp, oldFP, d.limits) != nil {
 		return nil, nil
 	}
+	return d.needGrowth(svc)
+}
+
+// needGrowth returns the flow maps that the catalog needs at their
+// ceiling once svc is applied and that are smaller now, with the reasons.
+// The catalog counted is every committed service, every apply reserved
+// and not yet committed or aborted (d.reserved: applies of different
+// services run concurrently, and two of them may together cross a
+// threshold neither crosses alone), and svc. d.mu must be held.
+func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]string) {
+	if d.sizing.reason == nil {
+		return nil, nil
+	}
 	// The catalog as the apply leaves it, and the service as it was: its
 	// old frontends keep their slots until the apply removed them.
 	// svc last, so that the reasons name it where it is the cause.
@@ -382,7 +395,12 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
 	for _, s := range d.services {
 		svcs = append(svcs, s.intent)
 	}
-	slices.SortFunc(svcs, func(a, b Service) int { return strings.Compare(a.Name, b.Name) })
+	for name, s := range d.reserved {
+		if name != svc.Name {
+			svcs = append(svcs, s)
+		}
+	}
+	slices.SortStableFunc(svcs, func(a, b Service) int { return strings.Compare(a.Name, b.Name) })
 	svcs = append(svcs, svc)
 	sizes, err := d.dp.MapSizes()
 	if err != nil {

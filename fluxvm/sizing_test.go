@@ -480,3 +480,54 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 		t.Errorf("the round shed %+v, compacted %+v", r.Shed, r.Compaction)
 	}
 }
+
+// TestConcurrentAppliesGrowReverseNAT: three services list one backend;
+// the fourth and fifth, also listing it, are applied at the same time.
+// Neither alone passes bpf.Be2feSlots frontends, both together do: once
+// both are committed, fluxvm_nat4 is at its ceiling (the fifth frontend's
+// flows store reverse halves), whichever apply saw the other. Many
+// rounds, each on a new dataplane.
+func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
+	root := testenv.PinRoot(t)
+	backend := Backend{Address: netip.MustParseAddr("10.1.0.10"), Port: 8080}
+	svc := func(i int) Service {
+		return Service{Name: fmt.Sprintf("s%d", i), VIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 1, byte(i)})},
+			Ports: []ServicePort{{Port: 80, Protocol: TCP}}, Backends: []Backend{backend}}
+	}
+	ctx := context.Background()
+	for round := range 12 {
+		d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, GCInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i <= 3; i++ {
+			if _, err := d.ApplyService(ctx, svc(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken {
+			d.Close()
+			t.Fatalf("round %d: fluxvm_nat4 before: %+v, want token", round, s)
+		}
+		start := make(chan struct{})
+		errs := make(chan error, 2)
+		for i := 4; i <= 5; i++ {
+			go func() {
+				<-start
+				_, err := d.ApplyService(ctx, svc(i))
+				errs <- err
+			}()
+		}
+		close(start)
+		for range 2 {
+			if err := <-errs; err != nil {
+				t.Errorf("round %d: %v", round, err)
+			}
+		}
+		s := sizeOf(t, d, "fluxvm_nat4")
+		d.Close()
+		if s.Size != SizeFull {
+			t.Fatalf("round %d: five frontends list %s, fluxvm_nat4 is %+v; want it at its ceiling", round, backend.Address, s)
+		}
+	}
+}

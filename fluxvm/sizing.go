@@ -1,6 +1,7 @@
 package fluxvm
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -95,6 +96,10 @@ type sizingState struct {
 	reason map[string]string
 	// last is the last grow.
 	last *MapGrowth
+	// viewsStale: a rebind of the flow views after a grow failed, they
+	// may write replaced maps; the next apply or pressure round rebinds
+	// them (rebindStale).
+	viewsStale bool
 }
 
 // sizeNeeds computes, from the node's settings and the catalog svcs,
@@ -265,6 +270,9 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 // onto them, links switched, caught up): flows keep their entries. d.mu
 // is held around the switch only (see MapGrowth.Switch).
 func (d *Dataplane) growFor(svc Service) error {
+	if err := d.rebindStale(false); err != nil {
+		return err
+	}
 	grow, _ := d.growPlan(svc)
 	if len(grow) == 0 {
 		return nil
@@ -309,37 +317,12 @@ func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]stri
 		return nil
 	}
 	// The views take handles of their own on the new maps; the old ones
-	// close once no operation uses them.
-	d.mu.Lock()
-	fm, cerr := d.cloneFlowMaps()
-	d.mu.Unlock()
-	if cerr != nil {
-		err = fmt.Errorf("grow %v: %w", grow, cerr)
-		return err
-	}
-	waitCT, rerr := d.ct.Rebind(fm[0], fm[1])
-	if rerr != nil {
-		closeMaps(fm[:])
-		err = fmt.Errorf("grow %v: %w", grow, rerr)
-		return err
-	}
-	waitNAT, rerr := d.ct.NAT().Rebind(fm[2], fm[3])
-	if rerr != nil {
-		// The conntrack views are on the new maps already; the NAT views
-		// keep the old ones (still open) until a restart.
-		closeMaps(fm[2:])
-		d.flowMaps[0], d.flowMaps[1] = fm[0], fm[1]
-		unlock()
-		o4, o6 := waitCT()
-		closeMaps([]*ebpf.Map{o4, o6})
-		err = fmt.Errorf("grow %v: %w", grow, rerr)
-		return err
-	}
-	d.flowMaps = fm
+	// close once no operation uses them. Should that fail, the datapath
+	// runs on the grown maps while the views write the old ones: the next
+	// apply or pressure round rebinds them (rebindStale).
+	release, rerr := d.rebindFlowViews()
 	unlock()
-	o4, o6 := waitCT()
-	n4, n6 := waitNAT()
-	closeMaps([]*ebpf.Map{o4, o6, n4, n6})
+	release()
 	g := &MapGrowth{Cause: what, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
 	d.mu.Lock()
 	for _, name := range grow {
@@ -349,10 +332,121 @@ func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]stri
 	d.mu.Unlock()
 	d.log.Info("fluxvm: flow maps grown to the tier's capacity", "cause", what, "maps", grow,
 		"duration", g.Duration.Duration, "switch", g.Switch.Duration)
-	if gerr != nil {
-		err = fmt.Errorf("grow %v: %w", grow, gerr)
+	if err = errors.Join(gerr, rerr); err != nil {
+		err = fmt.Errorf("grow %v: %w", grow, err)
 	}
 	return err
+}
+
+// rebindFlowViews points the flow views (conntrack, reverse NAT) at the
+// datapath's flow maps where a grow or a compaction replaced them: each
+// pair whose handles are not of the maps the datapath runs on gets new
+// ones. d.flowMu must be held; release closes the views' old handles once
+// no operation uses them and must be called without it (a scan's callback
+// may run a GC, which takes it). After an error the views not rebound
+// keep their old maps and d.viewsStale says so.
+func (d *Dataplane) rebindFlowViews() (release func(), err error) {
+	var waits []func() (*ebpf.Map, *ebpf.Map)
+	release = func() {
+		for _, w := range waits {
+			o1, o2 := w()
+			closeMaps([]*ebpf.Map{o1, o2})
+		}
+	}
+	d.mu.Lock()
+	m := d.dp.Maps()
+	cur := [4]*ebpf.Map{m.FluxvmFct4, m.FluxvmFct6, m.FluxvmNat4, m.FluxvmNat6}
+	var stale [2]bool
+	for i, c := range cur {
+		if !sameMap(d.flowMaps[i], c) {
+			stale[i/2] = true
+		}
+	}
+	var fm [4]*ebpf.Map
+	for i := range cur {
+		if err == nil && stale[i/2] {
+			fm[i], err = cur[i].Clone()
+		}
+	}
+	d.mu.Unlock()
+	if err == nil && rebindFault != nil {
+		err = rebindFault()
+	}
+	if err != nil {
+		closeMaps(fm[:])
+		d.setViewsStale(true)
+		return release, fmt.Errorf("flow map handles: %w", err)
+	}
+	rebind := []func(a, b *ebpf.Map) (func() (*ebpf.Map, *ebpf.Map), error){d.ct.Rebind, d.ct.NAT().Rebind}
+	for p, r := range rebind {
+		if !stale[p] {
+			continue
+		}
+		w, rerr := r(fm[2*p], fm[2*p+1])
+		if rerr != nil {
+			closeMaps(fm[2*p:])
+			d.setViewsStale(true)
+			return release, rerr
+		}
+		waits = append(waits, w)
+		d.flowMaps[2*p], d.flowMaps[2*p+1] = fm[2*p], fm[2*p+1]
+	}
+	d.setViewsStale(false)
+	return release, nil
+}
+
+// rebindFault, when set (tests), fails rebindFlowViews after the clones.
+var rebindFault func() error
+
+// setViewsStale records whether the flow views may be on replaced maps.
+func (d *Dataplane) setViewsStale(v bool) {
+	d.mu.Lock()
+	d.sizing.viewsStale = v
+	d.mu.Unlock()
+}
+
+// rebindStale rebinds the flow views if a rebind after a grow failed
+// (rebindFlowViews). try: only if no GC or import holds d.flowMu (the
+// pressure round); else it waits for them (an apply).
+func (d *Dataplane) rebindStale(try bool) error {
+	d.mu.Lock()
+	stale := d.sizing.viewsStale
+	d.mu.Unlock()
+	if !stale {
+		return nil
+	}
+	if try {
+		if !d.flowMu.TryLock() {
+			return nil
+		}
+	} else {
+		d.flowMu.Lock()
+	}
+	release, err := d.rebindFlowViews()
+	d.flowMu.Unlock()
+	release()
+	if err != nil {
+		return fmt.Errorf("rebind the flow views to the grown maps: %w", err)
+	}
+	return nil
+}
+
+// sameMap reports whether a and b are handles of one kernel map.
+func sameMap(a, b *ebpf.Map) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	ia, err := a.Info()
+	if err != nil {
+		return false
+	}
+	ib, err := b.Info()
+	if err != nil {
+		return false
+	}
+	ida, ok := ia.ID()
+	idb, ok2 := ib.ID()
+	return ok && ok2 && ida == idb
 }
 
 // growPlan returns the flow maps that the catalog with svc applied needs
@@ -428,6 +522,9 @@ func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]string) {
 // grew one. It does not wait for a GC or an import under way (the next
 // round tries again).
 func (d *Dataplane) growUnderPressure(over []string) bool {
+	if err := d.rebindStale(true); err != nil {
+		d.log.Error("fluxvm: map pressure: the flow views are on replaced maps", "err", err)
+	}
 	d.mu.Lock()
 	sizes, err := d.dp.MapSizes()
 	d.mu.Unlock()

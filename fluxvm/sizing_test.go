@@ -531,3 +531,67 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 		}
 	}
 }
+
+// TestGrowRebindFailure: a grow whose rebind of the flow views fails (an
+// injected error) leaves the datapath on the grown maps and the apply
+// failing; the views then write the old map. The apply retried rebinds
+// them: what the views write lands in the maps the datapath runs on.
+func TestGrowRebindFailure(t *testing.T) {
+	d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, GCInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	backend := Backend{Address: netip.MustParseAddr("10.1.0.10"), Port: 8080}
+	svc := func(i int) Service {
+		return Service{Name: fmt.Sprintf("s%d", i), VIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 1, byte(i)})},
+			Ports: []ServicePort{{Port: 80, Protocol: TCP}}, Backends: []Backend{backend}}
+	}
+	ctx := context.Background()
+	for i := 1; i <= 4; i++ {
+		if _, err := d.ApplyService(ctx, svc(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// put writes a reverse-NAT half through the views and reports whether
+	// the datapath's fluxvm_nat4 holds it.
+	put := func(i int) bool {
+		t.Helper()
+		client := netip.AddrPortFrom(netip.AddrFrom4([4]byte{172, 18, 0, byte(i)}), 40000)
+		e := nat.Entry{Key: nat.Key{Backend: netip.AddrPortFrom(backend.Address, 8080), Client: client, Proto: conntrack.ProtoTCP},
+			VIP: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 1, 1}), 80), ServiceID: 1, BackendID: 1, LastSeen: now}
+		if err := d.ct.NAT().Put(e); err != nil {
+			t.Fatal(err)
+		}
+		k := bpf.Tuple4{}
+		var v bpf.NATValue
+		it := d.dp.Maps().FluxvmNat4.Iterate()
+		n := 0
+		for it.Next(&k, &v) {
+			n++
+		}
+		return n == i
+	}
+	rebindFault = func() error { return fmt.Errorf("injected") }
+	_, err = d.ApplyService(ctx, svc(5))
+	rebindFault = nil
+	if err == nil || !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("apply with the rebind failing: %v, want the injected error", err)
+	}
+	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeFull {
+		t.Fatalf("fluxvm_nat4 after the grow: %+v", s)
+	}
+	if put(1) {
+		t.Fatal("the views wrote the grown map although their rebind failed: the injection did nothing")
+	}
+	if _, err := d.ApplyService(ctx, svc(5)); err != nil {
+		t.Fatalf("apply retried: %v", err)
+	}
+	if !put(1) {
+		t.Error("after the retried apply the views still write the replaced fluxvm_nat4")
+	}
+}

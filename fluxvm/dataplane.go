@@ -461,7 +461,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
-	var sizeReasons map[string]string
+	var sizeReasons map[string]sizeReason
 	lo.Sizes, sizeReasons = openSizes(&opts, hs != nil) // maps sized by need (sizing.go)
 	lo.OmitFeatures = omit
 	// On the pin root held: when LockPinRoot mounted bpffs, the status

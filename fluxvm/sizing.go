@@ -65,6 +65,14 @@ type MapSizeStatus struct {
 	// Reason says why, e.g. "token: no IPv6 frontend" or "full: IPv6
 	// frontend of service web (grown by its apply)".
 	Reason string `json:"reason"`
+	// ReasonCode is the reason as a fixed code (the reason label of
+	// fluxvm_map_size_info): token: no_ipv4_frontend, no_ipv6_frontend,
+	// no_reverse_nat, flow_records_off, ha_off, cgroup_connect_off; full:
+	// ipv4_frontend, ipv6_frontend, north_south_nat,
+	// stored_reverse_halves, flow_records_on, ha_on, cgroup_connect_on,
+	// cls_bpf (hooks attached by cls_bpf), catalog_unreadable,
+	// grown_by_pressure; kept (a pinned map larger than the need).
+	ReasonCode string `json:"reason_code"`
 }
 
 // MapGrowth is what the last grow of the flow maps did (an apply that
@@ -83,17 +91,25 @@ type MapGrowth struct {
 	At       time.Time `json:"at"`
 }
 
-// sizeNeed is whether a map sized by need must be at its ceiling, and why.
+// sizeNeed is whether a map sized by need must be at its ceiling, and why
+// (reason: prose; code: MapSizeStatus.ReasonCode).
 type sizeNeed struct {
 	full   bool
 	reason string
+	code   string
+}
+
+// sizeReason is why a map has its size now: MapSizeStatus.Reason and
+// ReasonCode.
+type sizeReason struct {
+	text, code string
 }
 
 // sizingState is what the dataplane knows of its maps' sizes (under mu).
 type sizingState struct {
 	// reason of each map's size now (bpf.SizedMaps), from Open or the
 	// grow that made it so; nil when Open did not size the maps.
-	reason map[string]string
+	reason map[string]sizeReason
 	// last is the last grow.
 	last *MapGrowth
 	// viewsStale: a rebind of the flow views after a grow failed, they
@@ -107,23 +123,23 @@ type sizingState struct {
 // flow-state replication is on.
 func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
 	out := map[string]sizeNeed{
-		"fluxvm_fct4":   {reason: "no IPv4 frontend"},
-		"fluxvm_fct6":   {reason: "no IPv6 frontend"},
-		"fluxvm_nat4":   {reason: "no IPv4 frontend is north-south (SNAT) or stores reverse halves"},
-		"fluxvm_nat6":   {reason: "no IPv6 frontend is north-south (SNAT) or stores reverse halves"},
-		"fluxvm_sflows": {reason: "flow_sample_rate is 0"},
-		"fluxvm_haq":    {reason: "ha_epoch is not set"},
+		"fluxvm_fct4":   {reason: "no IPv4 frontend", code: "no_ipv4_frontend"},
+		"fluxvm_fct6":   {reason: "no IPv6 frontend", code: "no_ipv6_frontend"},
+		"fluxvm_nat4":   {reason: "no IPv4 frontend is north-south (SNAT) or stores reverse halves", code: "no_reverse_nat"},
+		"fluxvm_nat6":   {reason: "no IPv6 frontend is north-south (SNAT) or stores reverse halves", code: "no_reverse_nat"},
+		"fluxvm_sflows": {reason: "flow_sample_rate is 0", code: "flow_records_off"},
+		"fluxvm_haq":    {reason: "ha_epoch is not set", code: "ha_off"},
 	}
-	set := func(name, why string) {
+	set := func(name, code, why string) {
 		if !out[name].full {
-			out[name] = sizeNeed{full: true, reason: why}
+			out[name] = sizeNeed{full: true, reason: why, code: code}
 		}
 	}
 	if opts.FlowSampleRate > 0 {
-		set("fluxvm_sflows", fmt.Sprintf("flow_sample_rate is %d", opts.FlowSampleRate))
+		set("fluxvm_sflows", "flow_records_on", fmt.Sprintf("flow_sample_rate is %d", opts.FlowSampleRate))
 	}
 	if ha {
-		set("fluxvm_haq", "ha_epoch is set")
+		set("fluxvm_haq", "ha_on", "ha_epoch is set")
 	}
 	fam := func(a netip.Addr) (string, string) {
 		if a.Unmap().Is4() {
@@ -131,6 +147,7 @@ func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
 		}
 		return "6", "IPv6"
 	}
+	feCode := map[string]string{"4": "ipv4_frontend", "6": "ipv6_frontend"}
 	// Frontends per backend endpoint: past bpf.Be2feSlots of them, some
 	// frontend's flows store reverse halves (be2fe.go). Every frontend
 	// listing the endpoint counts, whatever its mode and exposure: a
@@ -144,9 +161,9 @@ func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
 		svc := &svcs[i]
 		for _, w := range wanted(*svc) {
 			f, name := fam(w.key.vip)
-			set("fluxvm_fct"+f, fmt.Sprintf("%s frontend of service %s", name, svc.Name))
+			set("fluxvm_fct"+f, feCode[f], fmt.Sprintf("%s frontend of service %s", name, svc.Name))
 			if svc.IsNorthSouth() && svc.Mode != ModeDSR {
-				set("fluxvm_nat"+f, fmt.Sprintf("%s frontend of service %s is north-south in mode nat (SNAT)", name, svc.Name))
+				set("fluxvm_nat"+f, "north_south_nat", fmt.Sprintf("%s frontend of service %s is north-south in mode nat (SNAT)", name, svc.Name))
 			}
 			for _, b := range w.backends {
 				k := epKey{netip.AddrPortFrom(b.Address.Unmap(), b.Port), w.key.proto}
@@ -155,7 +172,7 @@ func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
 				}
 				lists[k][w.key] = true
 				if len(lists[k]) > bpf.Be2feSlots {
-					set("fluxvm_nat"+f, fmt.Sprintf("backend %s is listed by more than %d frontends (service %s): their reverse halves are stored",
+					set("fluxvm_nat"+f, "stored_reverse_halves", fmt.Sprintf("backend %s is listed by more than %d frontends (service %s): their reverse halves are stored",
 						k.ep, bpf.Be2feSlots, svc.Name))
 				}
 			}
@@ -181,8 +198,8 @@ func tokenSize(name string) uint32 {
 // (AttachMode cls_bpf, or the automatic mode on a kernel without TCX) a
 // map cannot grow while traffic runs: every map is loaded at its ceiling
 // then.
-func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
-	reason := map[string]string{}
+func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]sizeReason) {
+	reason := map[string]sizeReason{}
 	mode := opts.Loader.AttachMode
 	if mode == bpf.AttachClsBPF || mode == "" && !bpf.HaveTCX() {
 		why := "attach_mode cls_bpf"
@@ -190,7 +207,7 @@ func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
 			why = "the kernel has no TCX: hooks attach by cls_bpf"
 		}
 		for _, name := range bpf.SizedMaps {
-			reason[name] = SizeFull + ": " + why + " (its filters cannot be switched to grown maps)"
+			reason[name] = sizeReason{SizeFull + ": " + why + " (its filters cannot be switched to grown maps)", "cls_bpf"}
 		}
 		return bpf.Sizes{}, reason
 	}
@@ -200,7 +217,7 @@ func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
 		if err != nil {
 			// The restore reports it; meanwhile nothing is left small.
 			for _, name := range bpf.SizedMaps {
-				reason[name] = SizeFull + ": the catalog could not be read to size the maps"
+				reason[name] = sizeReason{SizeFull + ": the catalog could not be read to size the maps", "catalog_unreadable"}
 			}
 			return bpf.Sizes{}, reason
 		}
@@ -211,11 +228,11 @@ func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]string) {
 	var sizes bpf.Sizes
 	for name, n := range sizeNeeds(opts, ha, svcs) {
 		if n.full {
-			reason[name] = SizeFull + ": " + n.reason
+			reason[name] = sizeReason{SizeFull + ": " + n.reason, n.code}
 			continue
 		}
 		sizes.Set(name, tokenSize(name))
-		reason[name] = SizeToken + ": " + n.reason
+		reason[name] = sizeReason{SizeToken + ": " + n.reason, n.code}
 	}
 	return sizes, reason
 }
@@ -238,7 +255,8 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 	}
 	out := make([]MapSizeStatus, 0, len(sizes))
 	for _, s := range sizes {
-		st := MapSizeStatus{Map: s.Map, MaxEntries: s.MaxEntries, Ceiling: s.Ceiling, Size: SizeToken, Reason: d.sizing.reason[s.Map]}
+		r := d.sizing.reason[s.Map]
+		st := MapSizeStatus{Map: s.Map, MaxEntries: s.MaxEntries, Ceiling: s.Ceiling, Size: SizeToken, Reason: r.text, ReasonCode: r.code}
 		if s.MaxEntries >= s.Ceiling {
 			st.Size = SizeFull
 		}
@@ -247,13 +265,14 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 		}
 		switch {
 		case s.Map == "fluxvm_sock_fwd" || s.Map == "fluxvm_sock_rev":
-			st.Reason = SizeToken + ": cgroup_connect is off"
+			st.Reason, st.ReasonCode = SizeToken+": cgroup_connect is off", "cgroup_connect_off"
 			if d.opts.CgroupConnect {
-				st.Reason = SizeFull + ": cgroup_connect is on"
+				st.Reason, st.ReasonCode = SizeFull+": cgroup_connect is on", "cgroup_connect_on"
 			}
 		case strings.HasPrefix(st.Reason, SizeToken+":") && s.MaxEntries > tokenSize(s.Map):
 			// A pinned map of an earlier start, larger than the need:
 			// kept, as maps do not shrink.
+			st.ReasonCode = "kept"
 			st.Reason = fmt.Sprintf("kept: the pinned map was this large (maps do not shrink); need: %s", strings.TrimPrefix(st.Reason, SizeToken+": "))
 		}
 		out = append(out, st)
@@ -295,7 +314,7 @@ func (d *Dataplane) growFor(svc Service) error {
 // (MapGrowth.Cause), recording reasons. d.flowMu must be held; growMaps
 // lets it go (before it waits for the views' operations on the old maps
 // to end: a scan's callback may run a GC, which takes it).
-func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]string, start time.Time) (err error) {
+func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]sizeNeed, start time.Time) (err error) {
 	locked := true
 	unlock := func() {
 		if locked {
@@ -326,7 +345,7 @@ func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]stri
 	g := &MapGrowth{Cause: what, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
 	d.mu.Lock()
 	for _, name := range grow {
-		d.sizing.reason[name] = SizeFull + ": " + reasons[name] + " (grown by " + what + ")"
+		d.sizing.reason[name] = sizeReason{SizeFull + ": " + reasons[name].reason + " (grown by " + what + ")", reasons[name].code}
 	}
 	d.sizing.last = g
 	d.mu.Unlock()
@@ -452,7 +471,7 @@ func sameMap(a, b *ebpf.Map) bool {
 // growPlan returns the flow maps that the catalog with svc applied needs
 // at their ceiling and that are smaller now, with the reasons; none when
 // svc would be rejected or the dataplane is closed.
-func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
+func (d *Dataplane) growPlan(svc Service) ([]string, map[string]sizeNeed) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.checkOpen("apply "+svc.Name) != nil || d.sizing.reason == nil {
@@ -478,7 +497,7 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]string) {
 // and not yet committed or aborted (d.reserved: applies of different
 // services run concurrently, and two of them may together cross a
 // threshold neither crosses alone), and svc. d.mu must be held.
-func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]string) {
+func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]sizeNeed) {
 	if d.sizing.reason == nil {
 		return nil, nil
 	}
@@ -502,13 +521,13 @@ func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]string) {
 	}
 	needs := sizeNeeds(&d.opts, d.ha != nil, svcs)
 	var grow []string
-	reasons := map[string]string{}
+	reasons := map[string]sizeNeed{}
 	for _, s := range sizes {
 		if !slices.Contains(bpf.FlowMaps, s.Map) || !needs[s.Map].full || s.MaxEntries >= s.Ceiling {
 			continue
 		}
 		grow = append(grow, s.Map)
-		reasons[s.Map] = needs[s.Map].reason
+		reasons[s.Map] = needs[s.Map]
 	}
 	sort.Strings(grow)
 	return grow, reasons
@@ -520,7 +539,10 @@ func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]string) {
 // imported from an HA peer whose catalog differs) grows rather than have
 // the pressure controller shed or compact its flows. It reports whether it
 // grew one. It does not wait for a GC or an import under way (the next
-// round tries again).
+// round tries again). Only a pressure round runs it: with the
+// controller's timer off (Options.PressureInterval) nothing but
+// ReconcilePressure grows such a map, which evicts its oldest entries
+// meanwhile (an LRU).
 func (d *Dataplane) growUnderPressure(over []string) bool {
 	if err := d.rebindStale(true); err != nil {
 		d.log.Error("fluxvm: map pressure: the flow views are on replaced maps", "err", err)
@@ -532,11 +554,12 @@ func (d *Dataplane) growUnderPressure(over []string) bool {
 		return false
 	}
 	var grow []string
-	reasons := map[string]string{}
+	reasons := map[string]sizeNeed{}
 	for _, s := range sizes {
 		if slices.Contains(over, s.Map) && slices.Contains(bpf.FlowMaps, s.Map) && s.MaxEntries < s.Ceiling {
 			grow = append(grow, s.Map)
-			reasons[s.Map] = fmt.Sprintf("filled to pressure_soft_percent at %d entries' room", s.MaxEntries)
+			reasons[s.Map] = sizeNeed{full: true, code: "grown_by_pressure",
+				reason: fmt.Sprintf("filled to pressure_soft_percent at %d entries' room", s.MaxEntries)}
 		}
 	}
 	if len(grow) == 0 || !d.flowMu.TryLock() {

@@ -122,9 +122,9 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 func growForTest(t *testing.T, d *Dataplane, names ...string) {
 	t.Helper()
 	d.flowMu.Lock() // growMaps lets it go
-	reasons := map[string]string{}
+	reasons := map[string]sizeNeed{}
 	for _, n := range names {
-		reasons[n] = "test"
+		reasons[n] = sizeNeed{full: true, reason: "test", code: "test"}
 	}
 	if err := d.growMaps("test", names, reasons, time.Now()); err != nil {
 		t.Fatal(err)
@@ -413,7 +413,7 @@ func TestSizeNeeds(t *testing.T) {
 			}
 			for _, name := range bpf.SizedMaps {
 				n := needs[name]
-				if n.full != slices.Contains(tc.full, name) || n.reason == "" {
+				if n.full != slices.Contains(tc.full, name) || n.reason == "" || n.code == "" {
 					t.Errorf("%s: full %v (%q), want %v", name, n.full, n.reason, slices.Contains(tc.full, name))
 				}
 			}
@@ -448,7 +448,7 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken {
+	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken || s.ReasonCode != "no_reverse_nat" {
 		t.Fatalf("before: %+v", s)
 	}
 	r, err := d.ReconcilePressure(context.Background())
@@ -456,7 +456,7 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 		t.Fatal(err)
 	}
 	s4 := sizeOf(t, d, "fluxvm_nat4")
-	if s4.Size != SizeFull || !strings.Contains(s4.Reason, "grown by map pressure") || s4.Entries == nil || *s4.Entries < n {
+	if s4.Size != SizeFull || !strings.Contains(s4.Reason, "grown by map pressure") || s4.ReasonCode != "grown_by_pressure" || s4.Entries == nil || *s4.Entries < n {
 		t.Errorf("after the round %+v: %+v; want grown, holding the %d halves", r, s4, n)
 	}
 	if g := d.Status().MapSizes.LastGrowth; g == nil || g.Cause != "map pressure" || len(g.Maps) != 1 || g.Maps[0].Kept != n {
@@ -526,7 +526,7 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 		}
 		s := sizeOf(t, d, "fluxvm_nat4")
 		d.Close()
-		if s.Size != SizeFull {
+		if s.Size != SizeFull || s.ReasonCode != "stored_reverse_halves" {
 			t.Fatalf("round %d: five frontends list %s, fluxvm_nat4 is %+v; want it at its ceiling", round, backend.Address, s)
 		}
 	}

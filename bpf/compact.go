@@ -429,8 +429,8 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		// object's data sections (their own maps live on in the new
 		// collections).
 		for name, m := range c.Maps {
-			if _, rebuilt := oldMaps[name]; rebuilt {
-				continue
+			if oldMaps[name] == m {
+				continue // closed above
 			}
 			if coll.Maps[name] != m && xcoll.Maps[name] != m && ccoll.Maps[name] != m {
 				m.Close()

@@ -70,7 +70,8 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	grows := 0
 grow:
 	grows++
-	if err := d.growFor(svc); err != nil {
+	planned, err := d.growFor(svc)
+	if err != nil {
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	d.mu.Lock()
@@ -126,18 +127,22 @@ grow:
 	// have brought, with this one, a map's first need (a fifth frontend
 	// listing a backend): no apply commits a frontend the maps as loaded
 	// cannot serve. The reservation below is made under the same lock,
-	// so of two such applies the second sees the first.
-	if need, _ := d.needGrowth(svc); len(need) > 0 {
-		d.mu.Unlock()
-		if grows < 3 {
-			goto grow
+	// so of two such applies the second sees the first. Without a
+	// reservation since the plan there is nothing new to count.
+	if d.reservations != planned {
+		if need, _ := d.needGrowth(svc); len(need) > 0 {
+			d.mu.Unlock()
+			if grows < 3 {
+				goto grow
+			}
+			return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: maps %v still below their need after growing them", svc.Name, need)
 		}
-		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: maps %v still below their need after growing them", svc.Name, need)
 	}
 	d.revision++
 	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC(), fp: fp}
 	d.index.Reserve(svc.Name, &fp, oldFP)
 	d.reserved[svc.Name] = svc
+	d.reservations++
 	d.inflight.Add(1)
 	defer d.inflight.Done()
 	d.busy[svc.Name]++ // health reprograms wait for this apply (recordHealth)

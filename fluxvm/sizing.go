@@ -287,14 +287,16 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 // validation would reject grows nothing. The grow runs while traffic does
 // (bpf.Datapath.GrowFlowMaps: new maps, entries copied, programs reloaded
 // onto them, links switched, caught up): flows keep their entries. d.mu
-// is held around the switch only (see MapGrowth.Switch).
-func (d *Dataplane) growFor(svc Service) error {
+// is held around the switch only (see MapGrowth.Switch). seq is the
+// d.reservations its plan counted: an apply that reserves at the same
+// count has nothing new to count (reserveChanged).
+func (d *Dataplane) growFor(svc Service) (seq uint64, err error) {
 	if err := d.rebindStale(false); err != nil {
-		return err
+		return 0, err
 	}
-	grow, _ := d.growPlan(svc)
+	grow, _, seq := d.growPlan(svc)
 	if len(grow) == 0 {
-		return nil
+		return seq, nil
 	}
 	start := time.Now()
 	// GC, shedding and imports write the flow maps through the views the
@@ -302,12 +304,12 @@ func (d *Dataplane) growFor(svc Service) error {
 	// for them (flowMu before mu, as compactFlows and Close take them).
 	d.flowMu.Lock()
 	// Another apply may have grown them meanwhile.
-	grow, reasons := d.growPlan(svc)
+	grow, reasons, seq := d.growPlan(svc)
 	if len(grow) == 0 {
 		d.flowMu.Unlock()
-		return nil
+		return seq, nil
 	}
-	return d.growMaps("apply of service "+svc.Name, grow, reasons, start)
+	return seq, d.growMaps("apply of service "+svc.Name, grow, reasons, start)
 }
 
 // growMaps grows the flow maps grow to their ceiling, for what
@@ -470,15 +472,17 @@ func sameMap(a, b *ebpf.Map) bool {
 
 // growPlan returns the flow maps that the catalog with svc applied needs
 // at their ceiling and that are smaller now, with the reasons; none when
-// svc would be rejected or the dataplane is closed.
-func (d *Dataplane) growPlan(svc Service) ([]string, map[string]sizeNeed) {
+// svc would be rejected or the dataplane is closed. seq is
+// d.reservations when it looked.
+func (d *Dataplane) growPlan(svc Service) (_ []string, _ map[string]sizeNeed, seq uint64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	seq = d.reservations
 	if d.checkOpen("apply "+svc.Name) != nil || d.sizing.reason == nil {
-		return nil, nil
+		return nil, nil, seq
 	}
 	if ValidateService(svc, *d.opts.settings()) != nil {
-		return nil, nil
+		return nil, nil, seq
 	}
 	var oldFP *intent.Footprint
 	if old := d.services[svc.Name]; old != nil {
@@ -486,9 +490,10 @@ func (d *Dataplane) growPlan(svc Service) ([]string, map[string]sizeNeed) {
 	}
 	fp := intent.FootprintOf(&svc)
 	if d.index.Check(&svc, &fp, oldFP, d.limits) != nil {
-		return nil, nil
+		return nil, nil, seq
 	}
-	return d.needGrowth(svc)
+	grow, reasons := d.needGrowth(svc)
+	return grow, reasons, seq
 }
 
 // needGrowth returns the flow maps that the catalog needs at their

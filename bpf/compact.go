@@ -92,6 +92,11 @@ type CompactOptions struct {
 	// part, run without it. Without it the caller must not use the
 	// Datapath during the whole call.
 	Switch sync.Locker
+	// all (GrowFlowMaps) keeps every entry the walk of a map returns, up
+	// to its new map's size, whatever Keep says: a walk under live writes
+	// may return more entries than the map held when the grow counted
+	// them, and a grow drops none by rank.
+	all bool
 }
 
 // FlowMapCompaction is what CompactFlowMaps did to one flow map.
@@ -169,7 +174,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 		if !slices.Contains(FlowMaps, name) {
 			return res, fmt.Errorf("bpf: compact: %s is not a flow map (%v)", name, FlowMaps)
 		}
-		if keep < 0 || uint32(keep) > d.coll.Maps[name].MaxEntries() {
+		if !o.all && (keep < 0 || uint32(keep) > d.coll.Maps[name].MaxEntries()) {
 			return res, fmt.Errorf("bpf: compact: %s: keep %d outside 0..%d", name, keep, d.coll.Maps[name].MaxEntries())
 		}
 		names = append(names, name)
@@ -221,7 +226,11 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 			return abort(fmt.Errorf("create %s: %w", name, err))
 		}
 		fresh[name] = nm
-		mc, dk, err := rankedCopy(name, old, nm, o.Keep[name])
+		keep := o.Keep[name]
+		if o.all {
+			keep = int(nm.MaxEntries())
+		}
+		mc, dk, err := rankedCopy(name, old, nm, keep)
 		if err != nil {
 			return abort(fmt.Errorf("%s: %w", name, err))
 		}
@@ -237,6 +246,7 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	// 3. The programs, on the new maps and every other map as it is (the
 	// side objects' own maps, such as XDP's next-hop cache, too).
 	repl := maps.Clone(d.coll.Maps)
+	maps.DeleteFunc(repl, func(name string, _ *ebpf.Map) bool { return dataSection(name) })
 	maps.Copy(repl, fresh)
 	coll, err := ebpf.NewCollectionWithOptions(d.spec, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
@@ -260,7 +270,9 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	transplant := func(c, old *ebpf.Collection) map[string]*ebpf.Map {
 		clones := map[string]*ebpf.Map{}
 		for name, m := range old.Maps {
-			if _, rebuilt := fresh[name]; rebuilt || c.Maps[name] == nil {
+			// A data section (.rodata: the load-time features) is the
+			// new load's own, as its programs use it.
+			if _, rebuilt := fresh[name]; rebuilt || c.Maps[name] == nil || dataSection(name) {
 				continue
 			}
 			clones[name] = c.Maps[name]
@@ -412,14 +424,16 @@ func (d *Datapath) CompactFlowMaps(o CompactOptions) (res Compaction, err error)
 	for _, m := range fresh {
 		m.Close() // pinned, and held by the new collections
 	}
-	for _, c := range []*ebpf.Collection{oldXColl, oldCColl} {
-		// Their clones of the TC object's maps (their own maps live on in
-		// the new collections).
+	for _, c := range []*ebpf.Collection{oldColl, oldXColl, oldCColl} {
+		// The side objects' clones of the TC object's maps, and every
+		// object's data sections (their own maps live on in the new
+		// collections).
 		for name, m := range c.Maps {
-			if xm := xcoll.Maps[name]; xm != m {
-				if cm := ccoll.Maps[name]; cm != m {
-					m.Close()
-				}
+			if oldMaps[name] == m {
+				continue // closed above
+			}
+			if coll.Maps[name] != m && xcoll.Maps[name] != m && ccoll.Maps[name] != m {
+				m.Close()
 			}
 		}
 	}

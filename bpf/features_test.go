@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"maps"
@@ -410,4 +411,146 @@ func benchOmit(b testing.TB, env string, spec *ebpf.CollectionSpec) *ebpf.Collec
 	}
 	b.Logf("%s: features loaded %s", env, AllFeatures&^omit)
 	return spec
+}
+
+// TestFeaturesAfterRebuild: a GrowFlowMaps and a CompactFlowMaps reload
+// the programs with the features Open loaded (HA omitted stays omitted),
+// and each collection's data section is the one its programs use (not the
+// previous load's).
+func TestFeaturesAfterRebuild(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	root := filepath.Join(testenv.PinRoot(t), "service")
+	d := openT(t, Options{PinRoot: root, Tier: TierS, OmitFeatures: FeatureHA, Sizes: Sizes{CT4: TokenFlowEntries}})
+	putCT(t, d, 100)
+	check := func(when string) {
+		t.Helper()
+		for what, c := range map[string]*ebpf.Collection{"TC": d.coll, "XDP": d.xcoll} {
+			ro := c.Maps[".rodata"]
+			if ro == nil {
+				t.Fatalf("%s: %s object has no .rodata", when, what)
+			}
+			info, err := ro.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			roID, _ := info.ID()
+			for name, p := range c.Programs {
+				pi, err := p.Info()
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids, _ := pi.MapIDs()
+				if !slices.Contains(ids, roID) {
+					t.Errorf("%s: %s program %s does not use its collection's .rodata (map %d; it uses %v)", when, what, name, roID, ids)
+				}
+			}
+			for _, fv := range featureVars {
+				var v uint8
+				if err := c.Variables[fv.v].Get(&v); err != nil {
+					t.Fatalf("%s: %s %s: %v", when, what, fv.v, err)
+				}
+				if (v == 1) == (fv.f == FeatureHA) {
+					t.Errorf("%s: %s object: %s = %d, want HA omitted, the rest loaded", when, what, fv.v, v)
+				}
+			}
+		}
+		if got := d.Status().Features; got != AllFeatures&^FeatureHA {
+			t.Errorf("%s: Status.Features = %s", when, got)
+		}
+	}
+	check("open")
+	// A rebuild replaces handles one for one: the old loads' data
+	// sections and the side objects' clones of the rebuilt maps go.
+	fds := bpfHandles(t)
+	if res, err := d.GrowFlowMaps(map[string]uint32{"fluxvm_fct4": 0}, nil); err != nil || !res.Switched {
+		t.Fatalf("grow: %+v, %v", res, err)
+	}
+	check("after GrowFlowMaps")
+	if n := bpfHandles(t); n != fds {
+		t.Errorf("after GrowFlowMaps: %d BPF handles open, %d before", n, fds)
+	}
+	if res, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 50}}); err != nil || !res.Switched {
+		t.Fatalf("compact: %+v, %v", res, err)
+	}
+	check("after CompactFlowMaps")
+	if n := bpfHandles(t); n != fds {
+		t.Errorf("after CompactFlowMaps: %d BPF handles open, %d before", n, fds)
+	}
+	// The HA flag still does nothing the programs would act on: refused.
+	if err := d.UpdateMeta(func(m *Meta) { m.Flags |= MetaFlagHA }); !errors.Is(err, ErrFeatureNotLoaded) {
+		t.Errorf("HA flag after the rebuilds: %v, want ErrFeatureNotLoaded", err)
+	}
+}
+
+// TestOldSideObjectFeatures: an XDP object in ObjectDir built before
+// load-time features (no feature variables: every feature in its code)
+// loads while no feature is omitted, and is refused (ErrObjectMismatch)
+// when one is, rather than run every feature while Status.Features says
+// some are left out. The socket LB object declares none: it loads either
+// way.
+func TestOldSideObjectFeatures(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	objs := t.TempDir()
+	for name, src := range map[string]string{ObjectName(TierS): "fluxvm_service_tier_s_bpfel.o", XDPObjectName(TierS): "fluxvm_service_xdp_tier_s_bpfel.o"} {
+		b, err := os.ReadFile(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name == XDPObjectName(TierS) {
+			// The same code, its feature variables renamed away (same
+			// length: the ELF and BTF string tables keep their layout).
+			n := bytes.Count(b, []byte("fluxvm_feature_"))
+			if n == 0 {
+				t.Fatal("XDP object names no feature variable")
+			}
+			b = bytes.ReplaceAll(b, []byte("fluxvm_feature_"), []byte("fluxvm_featurX_"))
+		}
+		if err := os.WriteFile(filepath.Join(objs, name), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		omit Features
+		err  bool
+	}{
+		{omit: 0},
+		{omit: FeatureHA, err: true},
+		{omit: AllFeatures, err: true},
+	} {
+		root := filepath.Join(testenv.PinRoot(t), "service")
+		d, err := Open(Options{PinRoot: root, Tier: TierS, ObjectDir: objs, OmitFeatures: tc.omit})
+		if tc.err {
+			if !errors.Is(err, ErrObjectMismatch) {
+				if d != nil {
+					d.Close()
+				}
+				t.Errorf("omit %s with a featureless XDP object: %v, want ErrObjectMismatch", tc.omit, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("omit %s with a featureless XDP object: %v", tc.omit, err)
+		}
+		if got := d.Status().Features; got != AllFeatures {
+			t.Errorf("Status.Features = %s, want all", got)
+		}
+		d.Close()
+	}
+}
+
+// bpfHandles counts the BPF objects (maps, programs, links) the test
+// process has open.
+func bpfHandles(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, "anon_inode:bpf") {
+			n++
+		}
+	}
+	return n
 }

@@ -122,7 +122,9 @@ type Options struct {
 	// use yet, grown later by GrowFlowMaps. A pinned conntrack or
 	// reverse-NAT map larger than the size given that holds entries is
 	// kept (up to the ceiling): no map shrinks below what it held. The
-	// zero value loads every map at the tier's capacity.
+	// zero value loads every map at the tier's capacity. A fluxvm_sflows
+	// below its capacity needs FeatureFlowRecords in OmitFeatures
+	// (Sizes.FlowSlots), or Open fails with ErrMapSize.
 	Sizes Sizes
 	// OmitFeatures are the node-level features (Features) left out of
 	// the loaded programs: not verified, no cost per packet, and no
@@ -334,7 +336,7 @@ func Open(opts Options) (_ *Datapath, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := sizeSpec(spec, opts.Tier, opts.Sizes, pinned); err != nil {
+	if err := sizeSpec(spec, opts.Tier, opts.Sizes, loadedFeatures(opts), pinned); err != nil {
 		return nil, err
 	}
 	closeOld := func() {

@@ -19,13 +19,16 @@ import (
 // the TC object is the TC object's instance, so state one writes is the
 // other's. The object is file(tier) from ObjectDir when that directory has
 // it, else the embedded one (spec): an object directory installed before
-// the side object existed keeps working.
+// the side object existed keeps working. One built before load-time
+// features loads only if no feature the embedded object declares is
+// omitted (ErrObjectMismatch otherwise), as the TC object.
 func loadSide(opts Options, coll *ebpf.Collection, what string,
 	spec func(Tier) (*ebpf.CollectionSpec, error), file func(Tier) string) (*ebpf.Collection, error) {
 	s, err := spec(opts.Tier)
 	if err != nil {
 		return nil, err
 	}
+	emb := s
 	if opts.ObjectDir != "" {
 		path := filepath.Join(opts.ObjectDir, file(opts.Tier))
 		f, err := os.Open(path)
@@ -39,6 +42,15 @@ func loadSide(opts Options, coll *ebpf.Collection, what string,
 			if err != nil {
 				return nil, fmt.Errorf("bpf: %s: %w", path, err)
 			}
+		}
+	}
+	// An object from ObjectDir built before load-time features has every
+	// feature in its code: it cannot omit one the embedded object of
+	// this release declares (Status.Features would not be true).
+	on := loadedFeatures(opts)
+	for _, fv := range featureVars {
+		if !on.Has(fv.f) && emb.Variables[fv.v] != nil && s.Variables[fv.v] == nil {
+			return nil, fmt.Errorf("bpf: open: %s object has no load-time features, cannot omit %s: %w", what, fv.name, ErrObjectMismatch)
 		}
 	}
 	if err := setFeatures(s, opts, what, false); err != nil {

@@ -48,8 +48,13 @@ func TokenHAQueueBytes() uint32 { return uint32(os.Getpagesize()) }
 type Sizes struct {
 	CT4, CT6   uint32 // fluxvm_fct4, fluxvm_fct6: entries
 	NAT4, NAT6 uint32 // fluxvm_nat4, fluxvm_nat6: entries
-	FlowSlots  uint32 // fluxvm_sflows: slots, a power of two
-	HAQueue    uint32 // fluxvm_haq: bytes, a power of two pages
+	// FlowSlots is fluxvm_sflows's slots, a power of two. Below the
+	// ceiling only with FeatureFlowRecords omitted (Options.OmitFeatures):
+	// the programs pick a record's slot by the compiled size, not the
+	// loaded one, so a smaller ring would lose most records. Open refuses
+	// it otherwise (ErrMapSize).
+	FlowSlots uint32
+	HAQueue   uint32 // fluxvm_haq: bytes, a power of two pages
 }
 
 // Map returns the sizes by map name, without the maps at 0.
@@ -124,8 +129,9 @@ func Ceilings(t Tier) (map[string]uint32, error) {
 	return c, nil
 }
 
-// checkSizes validates Options.Sizes against the tier's ceilings.
-func checkSizes(sizes map[string]uint32, ceil map[string]uint32) error {
+// checkSizes validates Options.Sizes against the tier's ceilings and the
+// features loaded (on).
+func checkSizes(sizes map[string]uint32, ceil map[string]uint32, on Features) error {
 	var errs []error
 	for name, n := range sizes {
 		c, ok := ceil[name]
@@ -136,6 +142,11 @@ func checkSizes(sizes map[string]uint32, ceil map[string]uint32) error {
 			errs = append(errs, fmt.Errorf("%s: %w: %d entries, more than the tier's capacity %d", name, ErrMapSize, n, c))
 		case name == "fluxvm_sflows" && bits.OnesCount32(n) != 1:
 			errs = append(errs, fmt.Errorf("%s: %w: %d slots, not a power of two", name, ErrMapSize, n))
+		case name == "fluxvm_sflows" && n < c && on.Has(FeatureFlowRecords):
+			// flows.h picks the slot as id & (FLUXVM_FLOW_SLOTS-1), the
+			// compiled size: records past a smaller ring are lost.
+			errs = append(errs, fmt.Errorf("%s: %w: %d slots, fewer than the compiled %d while %s is loaded (omit it: Options.OmitFeatures)",
+				name, ErrMapSize, n, c, FeatureFlowRecords))
 		case name == "fluxvm_haq" && (bits.OnesCount32(n) != 1 || n < TokenHAQueueBytes()):
 			errs = append(errs, fmt.Errorf("%s: %w: %d bytes, not a power of two pages", name, ErrMapSize, n))
 		}
@@ -156,7 +167,7 @@ func checkSizes(sizes map[string]uint32, ceil map[string]uint32) error {
 // ones empty on an IPv4-only node): it is replaced at the size wanted. A pinned map of another size is then
 // recreated at this one and its entries migrated (Open), as at a tier
 // change.
-func sizeSpec(spec *ebpf.CollectionSpec, tier Tier, s Sizes, pinned map[string]*ebpf.Map) error {
+func sizeSpec(spec *ebpf.CollectionSpec, tier Tier, s Sizes, on Features, pinned map[string]*ebpf.Map) error {
 	sizes := s.Map()
 	if len(sizes) == 0 {
 		return nil
@@ -165,7 +176,7 @@ func sizeSpec(spec *ebpf.CollectionSpec, tier Tier, s Sizes, pinned map[string]*
 	if err != nil {
 		return err
 	}
-	if err := checkSizes(sizes, ceil); err != nil {
+	if err := checkSizes(sizes, ceil, on); err != nil {
 		return err
 	}
 	for name, n := range sizes {
@@ -251,12 +262,12 @@ func (d *Datapath) GrowFlowMaps(sizes map[string]uint32, switchLock sync.Locker)
 		}
 		prev[name] = d.spec.Maps[name].MaxEntries
 		d.spec.Maps[name].MaxEntries = n
-		keep[name] = int(cur) // every entry: a map holds at most its size
+		keep[name] = int(n) // every entry (CompactOptions.all)
 	}
 	if len(keep) == 0 {
 		return Compaction{}, nil
 	}
-	res, err := d.CompactFlowMaps(CompactOptions{Keep: keep, Switch: switchLock})
+	res, err := d.CompactFlowMaps(CompactOptions{Keep: keep, Switch: switchLock, all: true})
 	if !res.Switched {
 		for name, n := range prev {
 			d.spec.Maps[name].MaxEntries = n

@@ -23,19 +23,25 @@ func TestOpenSizes(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		sizes Sizes
+		omit  Features
 		want  map[string]uint32 // by map; others at the ceiling
 		err   bool
 	}{
 		{name: "tier", sizes: Sizes{}, want: map[string]uint32{}},
 		{name: "token", sizes: Sizes{CT6: TokenFlowEntries, NAT4: TokenFlowEntries, NAT6: TokenFlowEntries, FlowSlots: TokenFlowSlots, HAQueue: page},
+			omit: FeatureFlowRecords,
 			want: map[string]uint32{"fluxvm_fct6": TokenFlowEntries, "fluxvm_nat4": TokenFlowEntries, "fluxvm_nat6": TokenFlowEntries, "fluxvm_sflows": TokenFlowSlots, "fluxvm_haq": page}},
 		{name: "over the ceiling", sizes: Sizes{CT4: 1 << 20}, err: true},
-		{name: "ring not a power of two", sizes: Sizes{FlowSlots: 100}, err: true},
+		{name: "ring not a power of two", sizes: Sizes{FlowSlots: 100}, omit: FeatureFlowRecords, err: true},
+		// The programs pick a record's slot by the compiled size: a
+		// smaller ring with flow records loaded would lose most records.
+		{name: "small ring with flow records", sizes: Sizes{FlowSlots: TokenFlowSlots}, err: true},
+		{name: "small ring with flow records, HA omitted", sizes: Sizes{FlowSlots: TokenFlowSlots}, omit: FeatureHA, err: true},
 		{name: "queue not pages", sizes: Sizes{HAQueue: 1000}, err: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			root := filepath.Join(testenv.PinRoot(t), "service")
-			d, err := Open(Options{PinRoot: root, Tier: TierS, Sizes: tc.sizes})
+			d, err := Open(Options{PinRoot: root, Tier: TierS, Sizes: tc.sizes, OmitFeatures: tc.omit})
 			if tc.err {
 				if !errors.Is(err, ErrMapSize) {
 					t.Fatalf("open: %v, want ErrMapSize", err)

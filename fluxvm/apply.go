@@ -12,6 +12,14 @@ type applyState struct {
 	index *intent.CatalogIndex // catalog totals for incremental validation; under mu
 	store *catalogStore        // the catalog's journal; nil without CatalogPath
 	busy  map[string]int       // services with a change between prepare and commit; under mu
+	// reserved are the intents of applies between their reservation
+	// (CatalogIndex.Reserve) and their commit or abort, by service: the
+	// maps sized by need count them (needGrowth). Under mu.
+	reserved map[string]Service
+	// reservations counts the reservations made (under mu): an apply
+	// whose grow plan saw the same count sees the catalog it planned for
+	// or a smaller one (commits, aborts and deletes add no need).
+	reservations uint64
 	// unsaved are the services whose delete answered "removed, but the
 	// catalog was not saved", with the seq of its record; a retry of the
 	// delete makes it durable (DeleteService). Under mu.

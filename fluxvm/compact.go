@@ -153,13 +153,15 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	d.mu.Unlock()
 	if cerr != nil {
 		// The views keep the old maps (still open): what they write is
-		// lost, but nothing breaks; a restart rebinds.
+		// lost until the next apply or pressure round rebinds them.
+		d.setViewsStale(true)
 		return done(errors.Join(err, fmt.Errorf("flow map handles: %w", cerr)))
 	}
 	wait, rerr := d.ct.Rebind(c4, c6)
 	if rerr != nil {
 		c4.Close()
 		c6.Close()
+		d.setViewsStale(true)
 		return done(errors.Join(err, rerr))
 	}
 	d.flowMaps[0], d.flowMaps[1] = c4, c6

@@ -461,7 +461,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	lo := opts.Loader
 	lo.Staged = true
 	lo.SocketLB = opts.CgroupConnect
-	var sizeReasons map[string]string
+	var sizeReasons map[string]sizeReason
 	lo.Sizes, sizeReasons = openSizes(&opts, hs != nil) // maps sized by need (sizing.go)
 	lo.OmitFeatures = omit
 	// On the pin root held: when LockPinRoot mounted bpffs, the status
@@ -724,6 +724,7 @@ func (d *Dataplane) restore() (err error) {
 	defer endSpan(span, &err)
 	d.index = intent.NewCatalogIndex()
 	d.busy = map[string]int{}
+	d.reserved = map[string]Service{}
 	if d.opts.CatalogPath == "" {
 		return nil
 	}

@@ -51,7 +51,9 @@ import (
 // runs and without losing a flow: such an apply takes 0.4–1.1 s at tier L
 // (bounded by 1.5 s on the reference machine; docs/benchmarks.md) instead
 // of about 10 ms, holding the dataplane's lock for the switch alone (0.1–0.2
-// ms). Status.MapSizes reports it.
+// ms). Status.MapSizes reports it. Applies under way count: of two
+// concurrent applies that together bring a map's first need, one grows it
+// before it commits.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
 	if err := d.opened("apply service"); err != nil {
 		return ServiceStatus{}, err
@@ -65,7 +67,11 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	unlock := d.lockService(svc.Name)
 	defer unlock()
 	// The flow maps its frontends need at full size grow first (sizing.go).
-	if err := d.growFor(svc); err != nil {
+	grows := 0
+grow:
+	grows++
+	planned, err := d.growFor(svc)
+	if err != nil {
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	d.mu.Lock()
@@ -117,9 +123,26 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
+	// An apply of another service reserved since growFor looked may
+	// have brought, with this one, a map's first need (a fifth frontend
+	// listing a backend): no apply commits a frontend the maps as loaded
+	// cannot serve. The reservation below is made under the same lock,
+	// so of two such applies the second sees the first. Without a
+	// reservation since the plan there is nothing new to count.
+	if d.reservations != planned {
+		if need, _ := d.needGrowth(svc); len(need) > 0 {
+			d.mu.Unlock()
+			if grows < 3 {
+				goto grow
+			}
+			return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: maps %v still below their need after growing them", svc.Name, need)
+		}
+	}
 	d.revision++
 	s := &service{intent: svc, revision: d.revision, applied: time.Now().UTC(), fp: fp}
 	d.index.Reserve(svc.Name, &fp, oldFP)
+	d.reserved[svc.Name] = svc
+	d.reservations++
 	d.inflight.Add(1)
 	defer d.inflight.Done()
 	d.busy[svc.Name]++ // health reprograms wait for this apply (recordHealth)
@@ -153,11 +176,13 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 			err = fmt.Errorf("%w (and the rollback failed: %w; its frontends are closed until it is applied again)", err, rerr)
 		}
 		d.index.Abort(svc.Name, &fp, oldFP)
+		delete(d.reserved, svc.Name)
 		d.doneBusy(svc.Name)
 		d.mu.Unlock()
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	d.index.Commit(svc.Name, &fp, oldFP)
+	delete(d.reserved, svc.Name)
 	d.services[svc.Name] = s
 	delete(d.unsaved, svc.Name)
 	delete(d.repairs, svc.Name)

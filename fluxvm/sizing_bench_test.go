@@ -80,7 +80,7 @@ func BenchmarkApplyGrow(b *testing.B) {
 				}
 				if len(tc.pre) > 0 {
 					d.flowMu.Lock() // growMaps lets it go
-					err := d.growMaps("bench", tc.pre, map[string]string{}, time.Now())
+					err := d.growMaps("bench", tc.pre, map[string]sizeNeed{}, time.Now())
 					if err != nil {
 						b.Fatal(err)
 					}

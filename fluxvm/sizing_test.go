@@ -122,9 +122,9 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 func growForTest(t *testing.T, d *Dataplane, names ...string) {
 	t.Helper()
 	d.flowMu.Lock() // growMaps lets it go
-	reasons := map[string]string{}
+	reasons := map[string]sizeNeed{}
 	for _, n := range names {
-		reasons[n] = "test"
+		reasons[n] = sizeNeed{full: true, reason: "test", code: "test"}
 	}
 	if err := d.growMaps("test", names, reasons, time.Now()); err != nil {
 		t.Fatal(err)
@@ -413,7 +413,7 @@ func TestSizeNeeds(t *testing.T) {
 			}
 			for _, name := range bpf.SizedMaps {
 				n := needs[name]
-				if n.full != slices.Contains(tc.full, name) || n.reason == "" {
+				if n.full != slices.Contains(tc.full, name) || n.reason == "" || n.code == "" {
 					t.Errorf("%s: full %v (%q), want %v", name, n.full, n.reason, slices.Contains(tc.full, name))
 				}
 			}
@@ -448,7 +448,7 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken {
+	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken || s.ReasonCode != "no_reverse_nat" {
 		t.Fatalf("before: %+v", s)
 	}
 	r, err := d.ReconcilePressure(context.Background())
@@ -456,7 +456,7 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 		t.Fatal(err)
 	}
 	s4 := sizeOf(t, d, "fluxvm_nat4")
-	if s4.Size != SizeFull || !strings.Contains(s4.Reason, "grown by map pressure") || s4.Entries == nil || *s4.Entries < n {
+	if s4.Size != SizeFull || !strings.Contains(s4.Reason, "grown by map pressure") || s4.ReasonCode != "grown_by_pressure" || s4.Entries == nil || *s4.Entries < n {
 		t.Errorf("after the round %+v: %+v; want grown, holding the %d halves", r, s4, n)
 	}
 	if g := d.Status().MapSizes.LastGrowth; g == nil || g.Cause != "map pressure" || len(g.Maps) != 1 || g.Maps[0].Kept != n {
@@ -478,5 +478,120 @@ func TestPressureGrowsTokenMap(t *testing.T) {
 	}
 	if r.Shed.Total() != 0 || r.Compaction != nil {
 		t.Errorf("the round shed %+v, compacted %+v", r.Shed, r.Compaction)
+	}
+}
+
+// TestConcurrentAppliesGrowReverseNAT: three services list one backend;
+// the fourth and fifth, also listing it, are applied at the same time.
+// Neither alone passes bpf.Be2feSlots frontends, both together do: once
+// both are committed, fluxvm_nat4 is at its ceiling (the fifth frontend's
+// flows store reverse halves), whichever apply saw the other. Many
+// rounds, each on a new dataplane.
+func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
+	root := testenv.PinRoot(t)
+	backend := Backend{Address: netip.MustParseAddr("10.1.0.10"), Port: 8080}
+	svc := func(i int) Service {
+		return Service{Name: fmt.Sprintf("s%d", i), VIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 1, byte(i)})},
+			Ports: []ServicePort{{Port: 80, Protocol: TCP}}, Backends: []Backend{backend}}
+	}
+	ctx := context.Background()
+	for round := range 12 {
+		d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, GCInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i <= 3; i++ {
+			if _, err := d.ApplyService(ctx, svc(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeToken {
+			d.Close()
+			t.Fatalf("round %d: fluxvm_nat4 before: %+v, want token", round, s)
+		}
+		start := make(chan struct{})
+		errs := make(chan error, 2)
+		for i := 4; i <= 5; i++ {
+			go func() {
+				<-start
+				_, err := d.ApplyService(ctx, svc(i))
+				errs <- err
+			}()
+		}
+		close(start)
+		for range 2 {
+			if err := <-errs; err != nil {
+				t.Errorf("round %d: %v", round, err)
+			}
+		}
+		s := sizeOf(t, d, "fluxvm_nat4")
+		d.Close()
+		if s.Size != SizeFull || s.ReasonCode != "stored_reverse_halves" {
+			t.Fatalf("round %d: five frontends list %s, fluxvm_nat4 is %+v; want it at its ceiling", round, backend.Address, s)
+		}
+	}
+}
+
+// TestGrowRebindFailure: a grow whose rebind of the flow views fails (an
+// injected error) leaves the datapath on the grown maps and the apply
+// failing; the views then write the old map. The apply retried rebinds
+// them: what the views write lands in the maps the datapath runs on.
+func TestGrowRebindFailure(t *testing.T) {
+	d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, GCInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	backend := Backend{Address: netip.MustParseAddr("10.1.0.10"), Port: 8080}
+	svc := func(i int) Service {
+		return Service{Name: fmt.Sprintf("s%d", i), VIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 1, byte(i)})},
+			Ports: []ServicePort{{Port: 80, Protocol: TCP}}, Backends: []Backend{backend}}
+	}
+	ctx := context.Background()
+	for i := 1; i <= 4; i++ {
+		if _, err := d.ApplyService(ctx, svc(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// put writes a reverse-NAT half through the views and reports whether
+	// the datapath's fluxvm_nat4 holds it.
+	put := func(i int) bool {
+		t.Helper()
+		client := netip.AddrPortFrom(netip.AddrFrom4([4]byte{172, 18, 0, byte(i)}), 40000)
+		e := nat.Entry{Key: nat.Key{Backend: netip.AddrPortFrom(backend.Address, 8080), Client: client, Proto: conntrack.ProtoTCP},
+			VIP: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 1, 1}), 80), ServiceID: 1, BackendID: 1, LastSeen: now}
+		if err := d.ct.NAT().Put(e); err != nil {
+			t.Fatal(err)
+		}
+		k := bpf.Tuple4{}
+		var v bpf.NATValue
+		it := d.dp.Maps().FluxvmNat4.Iterate()
+		n := 0
+		for it.Next(&k, &v) {
+			n++
+		}
+		return n == i
+	}
+	rebindFault = func() error { return fmt.Errorf("injected") }
+	_, err = d.ApplyService(ctx, svc(5))
+	rebindFault = nil
+	if err == nil || !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("apply with the rebind failing: %v, want the injected error", err)
+	}
+	if s := sizeOf(t, d, "fluxvm_nat4"); s.Size != SizeFull {
+		t.Fatalf("fluxvm_nat4 after the grow: %+v", s)
+	}
+	if put(1) {
+		t.Fatal("the views wrote the grown map although their rebind failed: the injection did nothing")
+	}
+	if _, err := d.ApplyService(ctx, svc(5)); err != nil {
+		t.Fatalf("apply retried: %v", err)
+	}
+	if !put(1) {
+		t.Error("after the retried apply the views still write the replaced fluxvm_nat4")
 	}
 }

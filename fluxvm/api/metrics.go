@@ -124,6 +124,12 @@ type collector struct{ src MetricsSource }
 //	                                            the Maglev tables summed under map="fluxvm_maglev_inner"
 //	fluxvm_maglev_inner_maps                    gauge: Maglev tables in the datapath
 //	fluxvm_map_pressure                         gauge {map}: fill of each hash map, 0..1 (Status.Pressure)
+//	fluxvm_map_max_entries                      gauge {map}: size now of each map sized by need (Status.MapSizes)
+//	fluxvm_map_ceiling_entries                  gauge {map}: the tier's capacity it grows to
+//	fluxvm_map_size_info                        gauge 1 {map, size: token, full, reason: a fixed code
+//	                                            (MapSizeStatus.ReasonCode: no_ipv6_frontend, north_south_nat,
+//	                                            stored_reverse_halves, kept, grown_by_pressure, ...)}
+//	fluxvm_map_last_growth_seconds              gauge {part: total, switch}: the last grow of the flow maps
 //
 // The GC series appear once the dataplane has run a GC. When Stats fails,
 // the status series are still served, fluxvm_datapath_stats_up is 0 and

@@ -12,7 +12,7 @@ import (
 var (
 	descMapMaxEntries = desc("map_max_entries", "Size of each map sized by need (fluxvm_haq: bytes): a token size while nothing configured can use it, the tier's capacity once it grew (Status.MapSizes).", "map")
 	descMapCeiling    = desc("map_ceiling_entries", "Tier's capacity of each map sized by need: what it grows to.", "map")
-	descMapSize       = desc("map_size_info", "Why each map sized by need has its size (value 1): size token or full, and the reason as status gives it.", "map", "size", "reason")
+	descMapSize       = desc("map_size_info", "Why each map sized by need has its size (value 1): size token or full, and the reason as a fixed code (MapSizeStatus.ReasonCode; status has the prose).", "map", "size", "reason")
 	descMapGrowths    = desc("map_last_growth_seconds", "Duration of the last grow of the flow maps since the dataplane opened (the apply of their first user, or map pressure), by part: total or switch (under the dataplane's lock).", "part")
 
 	sizingDescs = []*prometheus.Desc{descMapMaxEntries, descMapCeiling, descMapSize, descMapGrowths}
@@ -31,7 +31,7 @@ func collectMapSizes(ch chan<- prometheus.Metric, st *fluxvm.MapSizesStatus,
 	for _, m := range st.Maps {
 		emit(descMapMaxEntries, prometheus.GaugeValue, float64(m.MaxEntries), m.Map)
 		emit(descMapCeiling, prometheus.GaugeValue, float64(m.Ceiling), m.Map)
-		emit(descMapSize, prometheus.GaugeValue, 1, m.Map, m.Size, m.Reason)
+		emit(descMapSize, prometheus.GaugeValue, 1, m.Map, m.Size, m.ReasonCode)
 	}
 	if g := st.LastGrowth; g != nil {
 		emit(descMapGrowths, prometheus.GaugeValue, g.Duration.Seconds(), "total")

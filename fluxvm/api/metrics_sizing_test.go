@@ -18,8 +18,8 @@ func TestCollectorMapSizes(t *testing.T) {
 	dp := newFake()
 	dp.status.MapSizes = &fluxvm.MapSizesStatus{
 		Maps: []fluxvm.MapSizeStatus{
-			{Map: "fluxvm_fct4", MaxEntries: 262144, Ceiling: 262144, Size: fluxvm.SizeFull, Reason: "full: IPv4 frontend of service web"},
-			{Map: "fluxvm_fct6", MaxEntries: 1024, Ceiling: 262144, Size: fluxvm.SizeToken, Reason: "token: no IPv6 frontend"},
+			{Map: "fluxvm_fct4", MaxEntries: 262144, Ceiling: 262144, Size: fluxvm.SizeFull, Reason: "full: IPv4 frontend of service web", ReasonCode: "ipv4_frontend"},
+			{Map: "fluxvm_fct6", MaxEntries: 1024, Ceiling: 262144, Size: fluxvm.SizeToken, Reason: "token: no IPv6 frontend", ReasonCode: "no_ipv6_frontend"},
 		},
 		LastGrowth: &fluxvm.MapGrowth{Cause: "apply of service web", Maps: []bpf.FlowMapCompaction{{Map: "fluxvm_fct4"}},
 			Switch: fluxvm.Duration{Duration: 250 * time.Microsecond}, Duration: fluxvm.Duration{Duration: 800 * time.Millisecond}},
@@ -37,10 +37,10 @@ fluxvm_map_last_growth_seconds{part="total"} 0.8
 # TYPE fluxvm_map_max_entries gauge
 fluxvm_map_max_entries{map="fluxvm_fct4"} 262144
 fluxvm_map_max_entries{map="fluxvm_fct6"} 1024
-# HELP fluxvm_map_size_info Why each map sized by need has its size (value 1): size token or full, and the reason as status gives it.
+# HELP fluxvm_map_size_info Why each map sized by need has its size (value 1): size token or full, and the reason as a fixed code (MapSizeStatus.ReasonCode; status has the prose).
 # TYPE fluxvm_map_size_info gauge
-fluxvm_map_size_info{map="fluxvm_fct4",reason="full: IPv4 frontend of service web",size="full"} 1
-fluxvm_map_size_info{map="fluxvm_fct6",reason="token: no IPv6 frontend",size="token"} 1
+fluxvm_map_size_info{map="fluxvm_fct4",reason="ipv4_frontend",size="full"} 1
+fluxvm_map_size_info{map="fluxvm_fct6",reason="no_ipv6_frontend",size="token"} 1
 `
 	names := []string{"fluxvm_map_max_entries", "fluxvm_map_ceiling_entries", "fluxvm_map_size_info", "fluxvm_map_last_growth_seconds"}
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want), names...); err != nil {

@@ -461,19 +461,19 @@ func TestFeaturesAfterRebuild(t *testing.T) {
 	check("open")
 	// A rebuild replaces handles one for one: the old loads' data
 	// sections and the side objects' clones of the rebuilt maps go.
-	fds := bpfHandles(t)
+	fds := testenv.BPFHandles(t)
 	if res, err := d.GrowFlowMaps(map[string]uint32{"fluxvm_fct4": 0}, nil); err != nil || !res.Switched {
 		t.Fatalf("grow: %+v, %v", res, err)
 	}
 	check("after GrowFlowMaps")
-	if n := bpfHandles(t); n != fds {
+	if n := testenv.BPFHandles(t); n != fds {
 		t.Errorf("after GrowFlowMaps: %d BPF handles open, %d before", n, fds)
 	}
 	if res, err := d.CompactFlowMaps(CompactOptions{Keep: map[string]int{"fluxvm_fct4": 50}}); err != nil || !res.Switched {
 		t.Fatalf("compact: %+v, %v", res, err)
 	}
 	check("after CompactFlowMaps")
-	if n := bpfHandles(t); n != fds {
+	if n := testenv.BPFHandles(t); n != fds {
 		t.Errorf("after CompactFlowMaps: %d BPF handles open, %d before", n, fds)
 	}
 	// The HA flag still does nothing the programs would act on: refused.
@@ -536,21 +536,4 @@ func TestOldSideObjectFeatures(t *testing.T) {
 		}
 		d.Close()
 	}
-}
-
-// bpfHandles counts the BPF objects (maps, programs, links) the test
-// process has open.
-func bpfHandles(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, e := range ents {
-		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, "anon_inode:bpf") {
-			n++
-		}
-	}
-	return n
 }

@@ -63,22 +63,6 @@ func ourPrograms(t *testing.T, l *lab.Lab, vm *lab.VM) []string {
 	return out
 }
 
-// bpfFDs counts this process's open BPF objects (maps, programs, links).
-func bpfFDs(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, e := range ents {
-		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, "anon_inode:bpf") {
-			n++
-		}
-	}
-	return n
-}
-
 // TestOpenFailsOnMissingInterface: an interface that does not exist is
 // named in Open's error, which matches ErrNotFound (and
 // bpf.ErrNoInterface); AddInterface and AddNorthSouthInterface say the
@@ -134,7 +118,7 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 				second = VMEdgeInterface{Name: e.backends[1].NodeIf, VMID: e.backends[1].Name}
 			}
 			e.opts.Interfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, second}
-			before := bpfFDs(t)
+			before := testenv.BPFHandles(t)
 			d, err := Open(e.opts)
 			if err == nil {
 				d.Close()
@@ -158,7 +142,7 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			if err != nil || len(left) != 0 {
 				t.Errorf("left under %s: %v (%v)", parent, left, err)
 			}
-			if after := bpfFDs(t); after != before {
+			if after := testenv.BPFHandles(t); after != before {
 				t.Errorf("%d BPF handles open after the failed Open, %d before", after, before)
 			}
 			// Nor the catalog's lock file it created.
@@ -245,7 +229,7 @@ func TestOpenRollbackKeepsEarlierStart(t *testing.T) {
 	opts := e.opts
 	opts.Interfaces = append(slices.Clone(e.opts.Interfaces),
 		VMEdgeInterface{Name: extra.NodeIf, VMID: extra.Name}, VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
-	before := bpfFDs(t)
+	before := testenv.BPFHandles(t)
 	if d2, err := Open(opts); err == nil {
 		d2.Close()
 		t.Fatal("Open succeeded with a missing interface")
@@ -261,7 +245,7 @@ func TestOpenRollbackKeepsEarlierStart(t *testing.T) {
 	if got := pins(); !slices.Equal(got, pinsBefore) {
 		t.Errorf("pins after the failed Open:\n%v\nbefore:\n%v", got, pinsBefore)
 	}
-	if after := bpfFDs(t); after != before {
+	if after := testenv.BPFHandles(t); after != before {
 		t.Errorf("%d BPF handles open after the failed Open, %d before", after, before)
 	}
 	echo(t, conn, "after the failed Open")

@@ -33,3 +33,21 @@ func FdinfoMemlock(tb testing.TB, fd int) uint64 {
 	tb.Fatalf("testenv: fdinfo of fd %d has no memlock line (%v)", fd, sc.Err())
 	return 0
 }
+
+// BPFHandles counts the BPF objects (maps, programs, links) this process
+// has open, from /proc/self/fd: a leak check around an operation that
+// must close what it replaced.
+func BPFHandles(tb testing.TB) int {
+	tb.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(target, "anon_inode:bpf") {
+			n++
+		}
+	}
+	return n
+}

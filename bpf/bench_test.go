@@ -36,6 +36,11 @@ import (
 // with FLUXVM_BENCH_BASELINE_FIRST=1, which creates the baseline's first;
 // take the mean of the two ratios.
 //
+// FLUXVM_BENCH_ON=ha, flow_records or edt switches that feature on, in
+// ours only, before the cases' flows are set up (see benchSwitchOn): with
+// FLUXVM_BENCH_BASELINE set to this same object, each case's
+// ours/baseline is then the price of the switch, on against off.
+//
 // FLUXVM_BENCH_HOOK=xdp measures the north-south XDP object instead, under
 // the same case names (see benchmarkDatapathXDP): the XDP-against-XDP
 // side of ../shared/tools/katrancmp, which runs this benchmark.
@@ -57,13 +62,17 @@ func BenchmarkDatapath(b *testing.B) {
 		for i := range ours {
 			cases = append(cases, ours[i], base[i])
 		}
+		check := benchSwitchOn(b, h, cases)
 		measureInterleaved(b, h.th, calls, cases, true)
+		check()
 		for i := 0; i < len(cases); i += 2 {
 			r := float64(cases[i].sum) / float64(cases[i].n) / (float64(cases[i+1].sum) / float64(cases[i+1].n))
 			b.Logf("%-34s ours/baseline %.3f (gross)", cases[i].name, r)
 		}
 	} else {
+		check := benchSwitchOn(b, h, cases)
 		measureInterleaved(b, h.th, calls, cases, false)
+		check()
 	}
 	for name, p := range map[string]*ebpf.Program{"from_vm": h.objs.FluxvmFromVm, "to_vm": h.objs.FluxvmToVm} {
 		info, err := p.Info()
@@ -116,6 +125,9 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 	v4.setup(h)
 	v6.setupAt(h, sid+1, 11) // a service and backends of its own
 	h.edge()                 // per-interface statistics on, as on a configured VM edge
+	if prefix == "" {
+		benchSwitch(b, h, sid, sid+1)
+	}
 	// Two flows that already exist: the conntrack-hit case.
 	if ret, _ := h.run(h.objs.FluxvmFromVm, v4.fwd(40000, pkt.SYN)); ret != tcOK {
 		b.Fatal("v4 flow not set up")
@@ -154,6 +166,77 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 		c.name, c.metric = prefix+c.name, mprefix+c.metric
 	}
 	return cases
+}
+
+// benchSwitch turns on, in h, the run-time switch FLUXVM_BENCH_ON names
+// (none when unset): ha sets meta's MetaFlagHA, flow_records a
+// flow_sample_rate of 1 (every new flow recorded, its hits counted into
+// the record), edt paces the services sids at MaxEDTRate (every reply
+// stamped with a departure time; the rate is high enough that no reply
+// of the benchmark meets the horizon).
+func benchSwitch(b *testing.B, h *harness, sids ...uint32) {
+	b.Helper()
+	switch on := os.Getenv("FLUXVM_BENCH_ON"); on {
+	case "":
+	case "ha":
+		h.haOn(true)
+	case "flow_records":
+		h.flowSampling(1)
+	case "edt":
+		for _, s := range sids {
+			h.edt(s, MaxEDTRate, MaxEDTHorizon)
+		}
+	default:
+		b.Fatalf("FLUXVM_BENCH_ON=%q: ha, flow_records or edt", on)
+	}
+}
+
+// benchSwitchOn returns the check, run after the measurement, that the
+// switch FLUXVM_BENCH_ON turned on in h (benchSwitch) was exercised by
+// BenchmarkDatapath's cases: every new flow recorded (flow_records), the
+// replies stamped (edt). HA replicates north-south flows alone: the
+// east-west cases queue nothing (checked), so HA on prices the flag's
+// test there; BenchmarkHA measures the north-south queueing.
+func benchSwitchOn(b *testing.B, h *harness, cases []*benchCase) func() {
+	b.Helper()
+	on := os.Getenv("FLUXVM_BENCH_ON")
+	c0 := h.counters()
+	newFlows := func() (n uint64) {
+		for _, c := range cases {
+			if c.metric == "v4-new-flow" || c.metric == "v6-new-flow" {
+				n += uint64(c.n)
+			}
+		}
+		return n
+	}
+	return func() {
+		b.Helper()
+		c1 := h.counters()
+		switch on {
+		case "ha":
+			var m Meta
+			h.must(h.objs.FluxvmMeta.Lookup(uint32(0), &m))
+			if m.Flags&MetaFlagHA == 0 {
+				b.Fatal("FLUXVM_BENCH_ON=ha: meta's HA flag is off after the run")
+			}
+			if e := c1[CounterHAEmitted] - c0[CounterHAEmitted]; e != 0 {
+				b.Fatalf("FLUXVM_BENCH_ON=ha: ha_emitted +%d, want 0 (east-west flows are not replicated)", e)
+			}
+			b.Logf("FLUXVM_BENCH_ON=ha: east-west flows queue nothing: the price of the flag's test alone")
+		case "flow_records":
+			n := newFlows()
+			if r := c1[CounterFlowRecorded] - c0[CounterFlowRecorded]; n == 0 || r < n {
+				b.Fatalf("FLUXVM_BENCH_ON=flow_records: flow_recorded +%d, want every one of the %d new flows", r, n)
+			}
+		case "edt":
+			v4, v6 := variants()[0], variants()[2]
+			for _, f := range [][]byte{v4.reply(v4.backends[0], 40000, pkt.ACK), v6.reply(v6.backends[0], 40000, pkt.ACK)} {
+				if ret, _, ts := h.runTstamp(h.objs.FluxvmToVm, f, 0); ret != tcOK || ts == 0 {
+					b.Fatalf("FLUXVM_BENCH_ON=edt: a reply left with verdict %d, tstamp %d: want TC_ACT_OK, stamped", int32(ret), ts)
+				}
+			}
+		}
+	}
 }
 
 // benchCalls is the number of calls per case: FLUXVM_BENCH_CALLS or 200000.

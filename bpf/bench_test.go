@@ -39,7 +39,8 @@ import (
 // FLUXVM_BENCH_ON=ha, flow_records or edt switches that feature on, in
 // ours only, before the cases' flows are set up (see benchSwitchOn): with
 // FLUXVM_BENCH_BASELINE set to this same object, each case's
-// ours/baseline is then the price of the switch, on against off.
+// ours/baseline is then the price of the switch, on against off (TC
+// only).
 //
 // FLUXVM_BENCH_HOOK=xdp measures the north-south XDP object instead, under
 // the same case names (see benchmarkDatapathXDP): the XDP-against-XDP
@@ -49,6 +50,9 @@ func BenchmarkDatapath(b *testing.B) {
 	switch hook := os.Getenv("FLUXVM_BENCH_HOOK"); hook {
 	case "", "tc":
 	case "xdp":
+		if on := os.Getenv("FLUXVM_BENCH_ON"); on != "" {
+			b.Fatalf("FLUXVM_BENCH_ON=%q: TC only (FLUXVM_BENCH_HOOK=xdp switches nothing on)", on)
+		}
 		benchmarkDatapathXDP(b, calls)
 		return
 	default:

@@ -30,8 +30,9 @@
  * the inlined hot paths then address it from the frame pointer, while a
  * pointer into scratch took one of the four registers a call keeps
  * (3-9% on the IPv4 conntrack-hit and reply paths, docs/benchmarks.md).
- * The 448-byte stack limit is kept by the IPv6 global paths' keys in
- * scratch instead (fluxvm_scratch_tuple6).
+ * The 448-byte stack limit is kept by the IPv6 reply's key in scratch
+ * instead (fluxvm_scratch_tuple6); the IPv6 NAT forward's conntrack key
+ * is on its frame, within 448 bytes since fluxvm_flow_open's frame is 32.
  *
  * The hot paths stay inline in their programs: the VM-edge reply path in
  * fluxvm_to_vm, its only user, and the IPv4 east-west NAT path in

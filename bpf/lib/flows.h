@@ -223,18 +223,10 @@ static __always_inline __u64 fluxvm_flow_next_seq(void)
  * function's frame stays small (the XDP program's call chain is near the
  * 512-byte stack).
  */
-static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
-					     const int v6, __u8 hook, __u64 now, __u32 sid, __u32 bid,
-					     __u8 verdict, __u64 seq)
+static __always_inline __u32 fluxvm_flow_fill(struct fluxvm_flow *f, struct __ctx_buff *ctx,
+					      const struct fluxvm_pkt *pkt, const int v6, __u8 hook, __u64 now,
+					      __u32 sid, __u32 bid, __u8 verdict, __u64 seq)
 {
-	__u32 slot = (__u32)seq & (FLUXVM_FLOW_SLOTS - 1);
-	struct fluxvm_flow *f;
-
-	if (!(__u32)seq)
-		return 0;
-	f = bpf_map_lookup_elem(&fluxvm_sflows, &slot);
-	if (!f)
-		return 0;
 	__builtin_memset(f, 0, sizeof(*f));
 	f->seq = seq;
 	if (v6) {
@@ -256,6 +248,21 @@ static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struc
 	f->backend_id = bid;
 	f->verdict = verdict;
 	return (__u32)seq;
+}
+
+static __always_inline __u32 fluxvm_flow_new(struct __ctx_buff *ctx, const struct fluxvm_pkt *pkt,
+					     const int v6, __u8 hook, __u64 now, __u32 sid, __u32 bid,
+					     __u8 verdict, __u64 seq)
+{
+	__u32 slot = (__u32)seq & (FLUXVM_FLOW_SLOTS - 1);
+	struct fluxvm_flow *f;
+
+	if (!(__u32)seq)
+		return 0;
+	f = bpf_map_lookup_elem(&fluxvm_sflows, &slot);
+	if (!f)
+		return 0;
+	return fluxvm_flow_fill(f, ctx, pkt, v6, hook, now, sid, bid, verdict, seq);
 }
 
 /*
@@ -304,13 +311,23 @@ int fluxvm_flow_open(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, __u64 info,
 {
 	struct fluxvm_scratch *scr = fluxvm_scratch_get();
 	union fluxvm_flow_arg a = { .word = info };
+	struct fluxvm_flow *f;
+	__u32 slot;
 
-	if (!pkt || !scr || (__u32)scr->flow_seq != id)
+	if (!pkt || !scr || !id || (__u32)scr->flow_seq != id)
 		return 0;
-	return (int)fluxvm_flow_new(ctx, pkt, a.info.v6, a.info.hook, scr->flow_now, a.info.sid, a.info.bid,
-				    a.info.audited ? FLUXVM_FLOW_AUDITED :
-				    a.info.redirected ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED,
-				    scr->flow_seq);
+	slot = id & (FLUXVM_FLOW_SLOTS - 1);
+	f = bpf_map_lookup_elem(&fluxvm_sflows, &slot);
+	if (!f)
+		return 0;
+	/* The seq and clock read back from scratch after the lookup, not
+	 * kept across it: nothing spills, and the frame stays within 32
+	 * bytes (the IPv6 NAT forward's chain, fluxvm_forward6_nat, needs
+	 * the rest of the 448). */
+	return (int)fluxvm_flow_fill(f, ctx, pkt, a.info.v6, a.info.hook, scr->flow_now, a.info.sid, a.info.bid,
+				     a.info.audited ? FLUXVM_FLOW_AUDITED :
+				     a.info.redirected ? FLUXVM_FLOW_REDIRECTED : FLUXVM_FLOW_FORWARDED,
+				     scr->flow_seq);
 }
 
 /* The record of new flow @id (fluxvm_flow_reserve; 0: not sampled), once

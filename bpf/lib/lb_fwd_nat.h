@@ -35,8 +35,8 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 					 const int v6, __u32 sid, __u32 flags)
 {
 	struct fluxvm_tuple4 t4 = {};
-	/* IPv6 (a global path): the key in per-CPU scratch, off the frame. */
-	struct fluxvm_tuple6 *t6 = v6 ? fluxvm_scratch_tuple6(0) : NULL;
+	struct fluxvm_tuple6 k6 = {};
+	struct fluxvm_tuple6 *t6 = v6 ? &k6 : NULL;
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
 	void *ct_key = v6 ? (void *)t6 : (void *)&t4;
 	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
@@ -50,8 +50,6 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	__u64 now, flow;
 	int reason;
 
-	if (v6 && !t6)
-		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, 0, &t4, t6, st, es, &o))
 		return o.ret;
 	ct = o.ct;

@@ -89,7 +89,7 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 	/* IPv6: the reverse-NAT key in per-CPU scratch, off the frame of
 	 * the global paths this runs in (the deepest call chains). */
 	if (v6) {
-		t6 = fluxvm_scratch_tuple6(1);
+		t6 = fluxvm_scratch_tuple6();
 		if (!t6)
 			return CTX_ACT_NEXT;
 		key = t6;

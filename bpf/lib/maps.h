@@ -263,11 +263,14 @@ struct fluxvm_scratch {
 	struct fluxvm_tuple4 k4;         /* a reverse-NAT entry being learned (nat.h) */
 	struct fluxvm_tuple6 k6;
 	struct fluxvm_nat_value nv;
-	/* The IPv6 keys of two global paths, off their frames (the deepest
-	 * call chains): an IPv6 NAT forward's conntrack key (lb_fwd_nat.h)
-	 * and an IPv6 reply's reverse-NAT key (lb_reply.h). */
-	struct fluxvm_tuple6 fk6;
+	/* An IPv6 reply's reverse-NAT key (lb_reply.h), off the frames of
+	 * its global paths (fluxvm_to_vm's call chain through
+	 * fluxvm_reply6_stored would reach 480 bytes with it). */
 	struct fluxvm_tuple6 rk6;
+	/* Unused (the IPv6 NAT forward's key, now on its frame): kept so
+	 * that the fields below keep their offsets, and the programs'
+	 * entry code its bytes. */
+	struct fluxvm_tuple6 unused6;
 	struct bpf_fib_lookup fib;       /* fib.h */
 	struct bpf_redir_neigh nh;
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
@@ -318,18 +321,17 @@ static __always_inline struct fluxvm_scratch *fluxvm_scratch_get(void)
 	return bpf_map_lookup_elem(&fluxvm_scratch, &zero);
 }
 
-/* An IPv6 tuple in this CPU's scratch: the forward key (fk6) or, with
- * @reply, the reply key (rk6). Only its padding is zeroed: the caller
- * fills every other field (fluxvm_pkt_tuple) before using it as a key.
- * NULL when the scratch cannot be had. */
-static __always_inline struct fluxvm_tuple6 *fluxvm_scratch_tuple6(const int reply)
+/* The IPv6 reply key (rk6) in this CPU's scratch. Only its padding is
+ * zeroed: the caller fills every other field (fluxvm_pkt_tuple) before
+ * using it as a key. NULL when the scratch cannot be had. */
+static __always_inline struct fluxvm_tuple6 *fluxvm_scratch_tuple6(void)
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	struct fluxvm_tuple6 *t;
 
 	if (!s)
 		return NULL;
-	t = reply ? &s->rk6 : &s->fk6;
+	t = &s->rk6;
 	__builtin_memset(t->pad, 0, sizeof(t->pad));
 	return t;
 }

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -225,7 +226,10 @@ vm_edge_interfaces = [ %s ]
 	for _, cli := range clients {
 		made = append(made, udpFlow(t, cli, netip.AddrPortFrom(vip, 80), []int{64, 512, 900}, byName))
 	}
-	drop := dropFlow(t, clients[0], netip.AddrPortFrom(deadVIP, 80), 45678)
+	// The dropped SYN's client port lies below the namespaces' ephemeral
+	// range (32768-60999), so that no connection above can have taken it
+	// (flows are keyed by client socket).
+	drop := dropFlow(t, clients[0], netip.AddrPortFrom(deadVIP, 80), 20345)
 	made = append(made, drop)
 	trafficDone := time.Now()
 	want := map[flowKey]*labFlow{}
@@ -419,6 +423,12 @@ func dropFlow(t *testing.T, cli *lab.VM, vip netip.AddrPort, port uint16) *labFl
 		if err == nil {
 			c.Close()
 			return fmt.Errorf("%s answered, though no backend is ready", vip)
+		}
+		// Only a timeout means the SYN left and was dropped; any other
+		// error (the port taken, a refusal) is not the flow this wants.
+		var ne net.Error
+		if !errors.As(err, &ne) || !ne.Timeout() {
+			return fmt.Errorf("dial %s from %s: %w, want a timeout (the SYN dropped)", vip, f.client, err)
 		}
 		return nil
 	})

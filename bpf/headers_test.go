@@ -14,8 +14,9 @@ import (
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
-// maxHeaderLines is the longest a header under lib/ may be: one stage or
-// feature per header, readable top to bottom (docs/architecture.md).
+// maxHeaderLines is the longest a header may be (under lib/, and the
+// layouts shared with Go in this directory): one stage, feature or concern
+// per header, readable top to bottom (docs/architecture.md).
 const maxHeaderLines = 500
 
 // headerContexts are the packet contexts every header must compile in:
@@ -45,6 +46,22 @@ func libHeaders(t *testing.T) []string {
 	}
 	if len(hs) == 0 {
 		t.Fatal("no headers under lib/")
+	}
+	slices.Sort(hs)
+	return hs
+}
+
+// abiHeaders returns the headers in this directory: the layouts shared
+// with Go (fluxvm_service_v6.bpf.h and the types headers it includes) and
+// the map capacities (fluxvm_service_maps.bpf.h).
+func abiHeaders(t *testing.T) []string {
+	t.Helper()
+	hs, err := filepath.Glob("*.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(hs, "fluxvm_service_v6.bpf.h") {
+		t.Fatalf("no fluxvm_service_v6.bpf.h among the headers in bpf/: %v", hs)
 	}
 	slices.Sort(hs)
 	return hs
@@ -96,37 +113,47 @@ func requireClang(t *testing.T) string {
 }
 
 // TestHeadersStandalone compiles every header under lib/ on its own after
-// the context layer (lib/common.h), in each packet context: a header that
-// uses a function, type or constant of another must include it, so none
-// depends on what an entry object happened to include before it.
+// the context layer (lib/common.h), in each packet context, and every
+// header in this directory (the layouts shared with Go) with nothing
+// before it: a header that uses a function, type or constant of another
+// must include it, so none depends on what an entry object happened to
+// include before it.
 func TestHeadersStandalone(t *testing.T) {
 	clang := requireClang(t)
 	flags := bpfCFlags(t)
+	compile := func(t *testing.T, h, context, tu string) {
+		t.Parallel()
+		args := append([]string{"-target", "bpf", "-fsyntax-only", "-I", "."}, flags...)
+		args = append(args, "-x", "c", "-")
+		cmd := exec.Command(clang, args...)
+		cmd.Stdin = strings.NewReader(tu)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("%s does not compile on its own in the %s context (it must include what it uses): %v\n%s",
+				h, context, err, out)
+		}
+	}
+	for _, h := range abiHeaders(t) {
+		t.Run("abi/"+h, func(t *testing.T) {
+			compile(t, h, "abi (nothing before it)", fmt.Sprintf("#include %q\n", h))
+		})
+	}
 	for _, h := range libHeaders(t) {
 		if strings.HasPrefix(h, filepath.Join("lib", "ctx")+string(filepath.Separator)) {
 			continue // the context layer itself, included by common.h
 		}
 		for _, c := range headerContexts {
 			t.Run(c.name+"/"+filepath.Base(h), func(t *testing.T) {
-				t.Parallel()
-				tu := fmt.Sprintf("%s#include \"lib/common.h\"\n#include %q\n", c.prelude, filepath.ToSlash(h))
-				args := append([]string{"-target", "bpf", "-fsyntax-only", "-I", "."}, flags...)
-				args = append(args, "-x", "c", "-")
-				cmd := exec.Command(clang, args...)
-				cmd.Stdin = strings.NewReader(tu)
-				if out, err := cmd.CombinedOutput(); err != nil {
-					t.Errorf("%s does not compile on its own in the %s context (it must include what it uses): %v\n%s",
-						h, c.name, err, out)
-				}
+				compile(t, h, c.name, fmt.Sprintf("%s#include \"lib/common.h\"\n#include %q\n", c.prelude, filepath.ToSlash(h)))
 			})
 		}
 	}
 }
 
-// TestHeaderLength keeps every header under lib/ at most maxHeaderLines
-// long: a header past it holds more than one stage and is split.
+// TestHeaderLength keeps every header under lib/ and in this directory at
+// most maxHeaderLines long: a header past it holds more than one stage (or,
+// for the layouts shared with Go, more than one concern) and is split.
 func TestHeaderLength(t *testing.T) {
-	for _, h := range libHeaders(t) {
+	for _, h := range append(abiHeaders(t), libHeaders(t)...) {
 		src, err := os.ReadFile(h)
 		if err != nil {
 			t.Fatal(err)

@@ -14,7 +14,7 @@ import (
 )
 
 // The reverse translation index, fluxvm_be2fe (layout and datapath use in
-// bpf/fluxvm_service_v6.bpf.h; docs/architecture.md, "Reverse translation
+// bpf/fluxvm_abi_ct.bpf.h; docs/architecture.md, "Reverse translation
 // index"): for every backend endpoint (address, port, protocol), the
 // frontends that list it, in a stable order. A reply backend:port ->
 // client:cport of an east-west flow finds its flow through the slot of

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * FluxScope: flow records in fluxvm_sflows (fluxvm_service_v6.bpf.h), a
+ * FluxScope: flow records in fluxvm_sflows (fluxvm_abi_node.bpf.h), a
  * ring every hook that learns or forwards flows writes.
  *
  * A new flow gets a record when sampled (meta flow_sample_rate N: 1 in N
@@ -149,37 +149,40 @@ __attribute__((noinline)) int fluxvm_flow_reply_count(struct __ctx_buff *ctx, __
 #endif
 
 /* The flow of a forward path's conntrack entry @ct for fluxvm_flow_sent:
- * its record id, and (bit 32) whether the policy audited it, in one
- * register. Not in XDP, which passes every packet of a service with a
- * policy to TC (and whose deepest frame has no 8 bytes to spare). */
-#ifdef FLUXVM_CTX_XDP
-#define FLUXVM_FLOW_OF(ct) ((__u64)(ct)->flow)
-#else
-#define FLUXVM_FLOW_OF(ct)                                                      \
-	((__u64)(ct)->flow | ((__u64)!!((ct)->flags & FLUXVM_CT_F_AUDITED) << 32))
+ * its record id, and whether the policy audited it. Never audited in XDP,
+ * which passes every packet of a service with a policy to TC: its paths
+ * do not read the entry's flags for it. */
+static __always_inline union fluxvm_flow_ref fluxvm_flow_of(const struct fluxvm_ct_value *ct)
+{
+	union fluxvm_flow_ref r = { .info = { .id = ct->flow } };
+
+#ifndef FLUXVM_CTX_XDP
+	r.info.audited = !!(ct->flags & FLUXVM_CT_F_AUDITED);
 #endif
+	return r;
+}
 
 /*
- * A forward path's verdict @ret for a packet of flow @flow
- * (FLUXVM_FLOW_OF: the record id, and whether the flow is audited) of
- * service @sid: counted into the flow's record when the packet is sent
+ * A forward path's verdict @ret for a packet of flow @flow (fluxvm_flow_of)
+ * of service @sid: counted into the flow's record when the packet is sent
  * (not dropped, nor passed on: XDP leaves it to TC, which counts it). The
  * first packet counted sets the record's verdict back to forwarded (or
  * audited) where drops after the learn stage (fluxvm_flow_drop) had set
  * it to dropped: the verdict is touched only while nothing was counted
  * forwarded, off the hot path.
  */
-static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, __u64 flow, __u32 sid, __u64 now)
+static __always_inline int fluxvm_flow_sent(struct __ctx_buff *ctx, int ret, union fluxvm_flow_ref flow, __u32 sid,
+					    __u64 now)
 {
 	struct fluxvm_flow *f;
 
-	if (!(__u32)flow || ret == CTX_ACT_DROP || ret == CTX_ACT_NEXT)
+	if (!flow.info.id || ret == CTX_ACT_DROP || ret == CTX_ACT_NEXT)
 		return ret;
-	f = fluxvm_flow_get((__u32)flow);
+	f = fluxvm_flow_get(flow.info.id);
 	if (!f || f->service_id != sid)
 		return ret;
 	if (!f->fwd_packets)
-		f->verdict = (flow >> 32) ? FLUXVM_FLOW_AUDITED : FLUXVM_FLOW_FORWARDED;
+		f->verdict = flow.info.audited ? FLUXVM_FLOW_AUDITED : FLUXVM_FLOW_FORWARDED;
 	f->fwd_packets++;
 	f->fwd_bytes += ctx_full_len(ctx);
 	f->last_ns = now;

@@ -43,7 +43,8 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_fwd o;
 	__u32 bid;
-	__u64 now, flow;
+	union fluxvm_flow_ref flow;
+	__u64 now;
 	int reason;
 
 	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_DSR, &t4, &t6, st, es, &o))
@@ -80,7 +81,7 @@ static __always_inline int fluxvm_lb_dsr(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = FLUXVM_FLOW_OF(ct);
+	flow = fluxvm_flow_of(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_dsr_forward(ctx, pkt, v6, be, bid, now, st, es), flow, sid, now);
 }
 

@@ -47,7 +47,8 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	struct fluxvm_ct_value *ct;
 	struct fluxvm_fwd o;
 	__u32 bid;
-	__u64 now, flow;
+	union fluxvm_flow_ref flow;
+	__u64 now;
 	int reason;
 
 	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, 0, &t4, t6, st, es, &o))
@@ -104,7 +105,7 @@ static __always_inline int fluxvm_lb_nat(struct __ctx_buff *ctx, struct fluxvm_p
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = FLUXVM_FLOW_OF(ct);
+	flow = fluxvm_flow_of(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, NULL, 0, nat_flags, st, es),
 				flow, sid, now);
 }

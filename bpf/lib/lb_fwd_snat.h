@@ -45,7 +45,8 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	__be32 nat_addr[4] = {};
 	__be16 nat_port;
 	__u32 bid, hash;
-	__u64 now, flow;
+	union fluxvm_flow_ref flow;
+	__u64 now;
 	int ret;
 
 	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_SNAT, &t4, &t6, st, es, &o))
@@ -109,7 +110,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	fluxvm_count_new_flow(st, es, verdict == FLUXVM_CT_FAILOVER);
 
 deliver:
-	flow = FLUXVM_FLOW_OF(ct);
+	flow = fluxvm_flow_of(ct);
 	return fluxvm_flow_sent(ctx, fluxvm_nat_deliver(ctx, pkt, v6, be, bid, now, nat_addr, nat_port, nat_flags, st, es),
 				flow, sid, now);
 }

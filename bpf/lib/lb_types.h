@@ -49,12 +49,14 @@ enum fluxvm_lb_mode {
 };
 
 /*
- * Named layouts of the packed arguments of global functions. A global
- * function takes at most five arguments, each a scalar or a pointer (no
- * struct by value), and a pointer to the caller's stack would cost bytes
- * the deepest call chains have not got: each layout travels in one
- * register as the word of its union, built with its FLUXVM_*_ARG macro
- * and read back through the union by the callee.
+ * Named layouts of values packed into one register: the arguments and
+ * results of global functions, and what a forward path keeps across its
+ * send stage. A global function takes at most five arguments, each a
+ * scalar or a pointer (no struct by value), and returns a scalar, and a
+ * pointer to the caller's stack would cost bytes the deepest call chains
+ * have not got: each layout travels in one register as the word of its
+ * union, built with its FLUXVM_* macro (or accessor) and read back by name
+ * through the union on the other side.
  */
 
 /* What a flow record's functions (fluxvm_flow_open, fluxvm_flow_drop)
@@ -92,6 +94,45 @@ union fluxvm_policy_arg {
 
 /* FLUXVM_POLICY_ARG(.v6 = v6, .sid = sid, ...): the word of the fields named. */
 #define FLUXVM_POLICY_ARG(...) (((union fluxvm_policy_arg){ .info = { __VA_ARGS__ } }).word)
+
+/* What a policy does with a flow. */
+enum fluxvm_policy_verdict {
+	FLUXVM_PV_MISSING = 0, /* no header: fail closed */
+	FLUXVM_PV_ALLOW = 1,
+	FLUXVM_PV_DENY = 2,
+	FLUXVM_PV_AUDIT = 3, /* denied, forwarded under audit_only */
+};
+
+/* What the policy decision (fluxvm_policy_decide) returns. Fields of one
+ * 64-bit unit: the caller reads each as a mask or a shift of the
+ * register (byte and word fields would split it, and cost instructions). */
+struct fluxvm_policy_decision {
+	__u64 verdict : 8; /* enum fluxvm_policy_verdict */
+	__u64 pad : 24;
+	__u64 rev : 32;    /* the revision of the policy that decided; 0: FLUXVM_PV_MISSING */
+};
+
+union fluxvm_policy_result {
+	struct fluxvm_policy_decision d;
+	__u64 word;
+};
+
+/* FLUXVM_POLICY_RESULT(.verdict = v, .rev = rev): the word of the fields
+ * named, the rest zero. */
+#define FLUXVM_POLICY_RESULT(...) (((union fluxvm_policy_result){ .d = { __VA_ARGS__ } }).word)
+
+/* The flow of a forward path's packet, as the path's send stage counts it
+ * (fluxvm_flow_sent): read from the flow's conntrack entry before the send
+ * stage (fluxvm_flow_of) and kept in one register across it. */
+struct fluxvm_flow_ref_info {
+	__u32 id;      /* its record's id (fluxvm_ct_value.flow); 0: none */
+	__u32 audited; /* the policy forwarded the flow under audit_only; always 0 in XDP */
+};
+
+union fluxvm_flow_ref {
+	struct fluxvm_flow_ref_info info;
+	__u64 word;
+};
 
 /* Which replies a reply path translates. */
 #define FLUXVM_REPLY_EW 0   /* VM-edge egress: replies to east-west clients */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * Identity-aware service policy (maps: fluxvm_service_v6.bpf.h).
+ * Identity-aware service policy (maps: fluxvm_abi_policy.bpf.h).
  *
  * A service with FLUXVM_SVC_F_POLICY decides every new flow by the identity
  * of its source: the ipcache's longest prefix covering the source address
@@ -41,22 +41,13 @@
 #define fluxvm_policy_on(flags) ((flags) & FLUXVM_SVC_F_POLICY)
 #endif
 
-/* What a policy does with a flow: the low byte of fluxvm_policy_decide's
- * result. */
-enum fluxvm_policy_verdict {
-	FLUXVM_PV_MISSING = 0, /* no header: fail closed */
-	FLUXVM_PV_ALLOW = 1,
-	FLUXVM_PV_DENY = 2,
-	FLUXVM_PV_AUDIT = 3, /* denied, forwarded under audit_only */
-};
-
 /*
  * Decide a flow of client packet @pkt under the policy of the datapath
  * service of @info (the word of a union fluxvm_policy_arg: the service,
- * the family, the interface the packet came in on): the policy's revision in
- * bits 32-63 of the result, the verdict (enum fluxvm_policy_verdict) in
- * the low byte; a denied or audited flow is counted here (node-wide and
- * for the service). The header is read once:
+ * the family, the interface the packet came in on): the word of a union
+ * fluxvm_policy_result, the verdict (enum fluxvm_policy_verdict) and the
+ * policy's revision; a denied or audited flow is counted here (node-wide
+ * and for the service). The header is read once:
  * its rule set and revision belong together (userspace replaces a header
  * in one update; fluxvm_spol is not preallocated, so a replaced header
  * stays readable until we are done). A global function, verified once for
@@ -75,19 +66,19 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	__u8 action, flags;
 
 	if (!s || !pkt)
-		return FLUXVM_PV_MISSING;
+		return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_MISSING);
 	s->pk.id = a.info.sid;
 	s->pk.identity = FLUXVM_SPOL_HEADER;
 	v = bpf_map_lookup_elem(&fluxvm_spol, &s->pk);
 	if (!v)
-		return FLUXVM_PV_MISSING;
+		return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_MISSING);
 	rev = v->revision;
 	action = v->action;
 	flags = v->flags;
 	/* L7 enforce's bypass (lib/l7.h): the proxy's own flows to the VIP
 	 * carry requests whose clients were decided on their way in. */
 	if ((flags & FLUXVM_POLICY_F_L7) && a.info.ifindex == v->proxy_ifindex)
-		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
+		return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_ALLOW, .rev = rev);
 	s->pk.id = v->rules;
 	/* The source's identity: the ipcache's longest prefix covering it,
 	 * or 0 (unknown). */
@@ -105,27 +96,27 @@ __attribute__((noinline)) __u64 fluxvm_policy_decide(struct fluxvm_pkt *pkt, __u
 	if (v)
 		action = v->action;
 	if (action == FLUXVM_POLICY_ALLOW)
-		return ((__u64)rev << 32) | FLUXVM_PV_ALLOW;
+		return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_ALLOW, .rev = rev);
 	/* Denied (or audited): counted for the service too. */
 	s->stats_key = a.info.sid;
 	st = bpf_map_lookup_elem(&fluxvm_svc_stats, &s->stats_key);
 	if (!(flags & FLUXVM_POLICY_F_AUDIT)) {
 		if (st)
 			st->policy_denied++;
-		return ((__u64)rev << 32) | FLUXVM_PV_DENY;
+		return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_DENY, .rev = rev);
 	}
 	if (st)
 		st->policy_audited++;
 	fluxvm_count(FLUXVM_CNT_POLICY_AUDITED);
-	return ((__u64)rev << 32) | FLUXVM_PV_AUDIT;
+	return FLUXVM_POLICY_RESULT(.verdict = FLUXVM_PV_AUDIT, .rev = rev);
 }
 
-/* The drop reason of a decision, or 0 when the flow may go on. */
-static __always_inline int fluxvm_policy_reason(__u64 pv)
+/* The drop reason of a decision @pv, or 0 when the flow may go on. */
+static __always_inline int fluxvm_policy_reason(union fluxvm_policy_result pv)
 {
-	if ((__u8)pv == FLUXVM_PV_ALLOW || (__u8)pv == FLUXVM_PV_AUDIT)
+	if (pv.d.verdict == FLUXVM_PV_ALLOW || pv.d.verdict == FLUXVM_PV_AUDIT)
 		return 0;
-	return (__u8)pv == FLUXVM_PV_DENY ? FLUXVM_DROP_POLICY_DENIED : FLUXVM_DROP_POLICY_MISSING;
+	return pv.d.verdict == FLUXVM_PV_DENY ? FLUXVM_DROP_POLICY_DENIED : FLUXVM_DROP_POLICY_MISSING;
 }
 
 /*
@@ -139,13 +130,15 @@ static __always_inline int fluxvm_policy_reason(__u64 pv)
 static __always_inline int fluxvm_policy_admit(struct __ctx_buff *ctx, struct fluxvm_pkt *pkt, const int v6,
 					       __u32 sid, struct fluxvm_ct_value *ct)
 {
-	__u64 pv = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid));
+	union fluxvm_policy_result pv = {
+		.word = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid)),
+	};
 	int reason = fluxvm_policy_reason(pv);
 
 	if (reason)
 		return reason;
-	ct->policy_rev = pv >> 32;
-	if ((__u8)pv == FLUXVM_PV_AUDIT)
+	ct->policy_rev = pv.d.rev;
+	if (pv.d.verdict == FLUXVM_PV_AUDIT)
 		ct->flags |= FLUXVM_CT_F_AUDITED;
 	return 0;
 }
@@ -164,7 +157,7 @@ static __always_inline int fluxvm_policy_recheck(struct __ctx_buff *ctx, struct 
 {
 	struct fluxvm_scratch *s = fluxvm_scratch_get();
 	struct fluxvm_spol_value *hdr;
-	__u64 pv;
+	union fluxvm_policy_result pv;
 	int reason;
 
 	if (!s)
@@ -175,14 +168,14 @@ static __always_inline int fluxvm_policy_recheck(struct __ctx_buff *ctx, struct 
 	if (hdr && hdr->revision == ct->policy_rev)
 		return 0;
 	fluxvm_count(FLUXVM_CNT_POLICY_RECHECKED);
-	pv = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid));
+	pv.word = fluxvm_policy_decide(pkt, FLUXVM_POLICY_ARG(.v6 = !!v6, .ifindex = ctx_ifindex(ctx), .sid = sid));
 	reason = fluxvm_policy_reason(pv);
 	if (reason == FLUXVM_DROP_POLICY_DENIED)
 		fluxvm_count(FLUXVM_CNT_POLICY_REVOKED);
 	if (reason)
 		return reason;
-	ct->policy_rev = pv >> 32;
-	if ((__u8)pv == FLUXVM_PV_AUDIT)
+	ct->policy_rev = pv.d.rev;
+	if (pv.d.verdict == FLUXVM_PV_AUDIT)
 		ct->flags |= FLUXVM_CT_F_AUDITED;
 	else
 		ct->flags &= ~FLUXVM_CT_F_AUDITED;

@@ -45,17 +45,27 @@ import (
 // rate counter zeroed before each block so that every new flow takes
 // its full path, below its flood limit) and passthrough (not a VIP).
 //
-// FLUXVM_PAIR_ROUNDS rounds (default 40); in each, every row runs a block
-// of FLUXVM_PAIR_CALLS calls (default 4500) on each side, the two blocks
-// back to back, which side goes first alternating from round to round.
-// Every call runs once (Repeat=1) on a fresh copy of its input and the
+// Both sides are loaded afresh FLUXVM_PAIR_LOADS times (default 8), one
+// after the other, and each load runs FLUXVM_PAIR_ROUNDS rounds (default
+// 20): in each round, every row runs a block of FLUXVM_PAIR_CALLS calls
+// (default 9000) on each side, the two blocks back to back, which side
+// goes first alternating from round to round, each side's empty program
+// (XDP for Katran, TC or XDP for ours) measured just before. Every call
+// runs once (Repeat=1) on a fresh copy of its input and the
 // kernel-reported durations are averaged (BenchmarkDatapath's method);
-// each side's empty program (XDP for Katran, TC or XDP for ours) is
-// measured in the same round and subtracted. A round's ratio is ours
-// net over Katran's net; each row reports the median, the geometric mean
-// and its 95% confidence interval (Student's t over the log ratios).
-// After the run both sides' counters must show that every row took the
-// path it is named after.
+// a round's floor, the mean of its three empty-program blocks, is
+// subtracted. A round's ratio is ours net over Katran's net, a load's
+// the ratio of its rounds' mean nets. Each row reports the rounds'
+// median and geometric mean, the loads' ratios, and their geometric mean
+// with its 95% confidence interval (Student's t over the loads' log
+// ratios): a load draws map memory and hash seeds afresh, which moves
+// the ratio by several percent between loads (the A/A check below) and
+// within a load not at all, so the rounds of one load would give too
+// narrow an interval. With the defaults a load makes 180,000 new flows,
+// as many as BenchmarkDatapath's 200,000 calls fill ours' conntrack to;
+// at most 3/4 of the tier's conntrack is allowed, or inserts would
+// evict. After each load both sides' counters must show that every row
+// took the path it is named after.
 //
 // With FLUXVM_BENCH_HOOK=xdp ours' rows run with a context (the
 // interface the frames arrive on, for the FIB), Katran's and both floors
@@ -91,42 +101,54 @@ func BenchmarkKatranPair(b *testing.B) {
 	if err != nil {
 		b.Fatalf("FLUXVM_BENCH_OMIT: %v", err)
 	}
-	rounds := benchEnvInt(b, "FLUXVM_PAIR_ROUNDS", 40)
-	calls := benchEnvInt(b, "FLUXVM_PAIR_CALLS", 4500)
-	if rounds < 3 {
-		b.Fatalf("FLUXVM_PAIR_ROUNDS=%d: at least 3 for an interval", rounds)
+	loads := benchEnvInt(b, "FLUXVM_PAIR_LOADS", 8)
+	rounds := benchEnvInt(b, "FLUXVM_PAIR_ROUNDS", 20)
+	calls := benchEnvInt(b, "FLUXVM_PAIR_CALLS", 9000)
+	if loads*rounds < 3 {
+		b.Fatalf("FLUXVM_PAIR_LOADS x FLUXVM_PAIR_ROUNDS = %d: at least 3 rounds for an interval", loads*rounds)
 	}
-
-	ours := oursPairSide(b, "ours", hook, omit, rounds*calls)
-	var other *pairSide
-	if aa {
-		other = oursPairSide(b, "ours-b", hook, omit, rounds*calls)
-		if hook == "tc" {
-			// On one thread, as Katran runs on ours' (ours' XDP rows
-			// need their own lab's interface).
-			other.th = ours.th
-		}
-	} else {
-		other = katranPairSide(b, obj, ours, benchEnvInt(b, "FLUXVM_KATRAN_LRU", katranDefaultLRU))
-	}
-	b.Logf("%s: %s", ours.name, ours.desc)
-	b.Logf("%s: %s", other.name, other.desc)
+	lru := benchEnvInt(b, "FLUXVM_KATRAN_LRU", katranDefaultLRU)
 	b.Logf("ours: features loaded %s (FLUXVM_BENCH_OMIT=%s: the benchmark's default configuration, optional node features off unless told otherwise)", AllFeatures&^omit, omitEnv)
-	b.Logf("%d rounds x %d calls per block, hook %s, load %s", rounds, calls, hook, pairLoadavg())
+	b.Logf("%d loads x %d rounds x %d calls per block, hook %s", loads, rounds, calls, hook)
 
-	sides := [2]*pairSide{other, ours}
-	for _, s := range sides {
-		s.before()
-	}
+	var res []pairRound
+	var names [2]string
 	b.ResetTimer()
-	start := time.Now()
-	res := measurePairs(b, sides, rounds, calls)
-	b.StopTimer()
-	b.Logf("measured in %.1fs, load %s", time.Since(start).Seconds(), pairLoadavg())
-	for _, s := range sides {
-		s.verify(b, rounds*calls)
+	for l := range loads {
+		b.StopTimer()
+		ours := oursPairSide(b, "ours", hook, omit, rounds*calls)
+		var other *pairSide
+		if aa {
+			other = oursPairSide(b, "ours-b", hook, omit, rounds*calls)
+			if hook == "tc" {
+				// On one thread, as Katran runs on ours' (ours' XDP
+				// rows need their own lab's interface).
+				other.th = ours.th
+			}
+		} else {
+			other = katranPairSide(b, obj, ours, lru)
+		}
+		if l == 0 {
+			b.Logf("%s: %s", ours.name, ours.desc)
+			b.Logf("%s: %s", other.name, other.desc)
+		}
+		sides := [2]*pairSide{other, ours}
+		names = [2]string{other.name, ours.name}
+		for _, s := range sides {
+			s.before()
+		}
+		start, load := time.Now(), pairLoadavg()
+		b.StartTimer()
+		lr := measurePairs(b, sides, rounds, calls, l)
+		b.StopTimer()
+		for _, s := range sides {
+			s.verify(b, rounds*calls)
+			s.close()
+		}
+		b.Logf("load %d measured in %.1fs, load average %s", l+1, time.Since(start).Seconds(), load)
+		res = append(res, lr...)
 	}
-	reportPairs(b, sides, res, hook)
+	reportPairs(b, names, res, loads, hook)
 }
 
 // pairRows are the rows of BenchmarkKatranPair, in order.
@@ -145,11 +167,15 @@ type pairSide struct {
 	// unless every row took the path it is named after.
 	before func()
 	verify func(b *testing.B, calls int)
+	// close frees what the side loaded (the next load's maps take its
+	// memory).
+	close func()
 }
 
 // pairRound is one round of BenchmarkKatranPair: per side, the floor's
 // mean and each row's mean gross duration per call, in ns.
 type pairRound struct {
+	load  int // the load (both sides loaded afresh) it ran on
 	first int // the side that ran first in every pair
 	floor [2]float64
 	gross [2][]float64
@@ -234,6 +260,12 @@ func oursPairSide(b *testing.B, name, hook string, omit Features, total int) *pa
 	capacity := h.objs.FluxvmFct4.MaxEntries()
 	if uint64(total) > uint64(capacity)*3/4 {
 		b.Fatalf("%d new flows (FLUXVM_PAIR_ROUNDS x FLUXVM_PAIR_CALLS) in a conntrack map of %d: at most 3/4 of it, or inserts would evict", total, capacity)
+	}
+	s.close = func() {
+		h.objs.Close()
+		for _, c := range append(s.rows, s.floor) {
+			c.prog.Close()
+		}
 	}
 	s.desc = fmt.Sprintf("the %s object at tier-M capacities (conntrack %d entries), rows %q, %q, %q, %s",
 		hook, capacity, s.rows[0].name, s.rows[1].name, s.rows[2].name, s.floor.name)
@@ -346,6 +378,7 @@ type (
 
 // katranLB is Katran's balancer loaded with one VIP.
 type katranLB struct {
+	coll     *ebpf.Collection
 	prog     *ebpf.Program
 	stats    *ebpf.Map
 	lrus     []*ebpf.Map
@@ -400,7 +433,7 @@ func loadKatran(b *testing.B, path string, vip netip.AddrPort, reals []netip.Add
 		b.Fatalf("load Katran: %v", err)
 	}
 	b.Cleanup(coll.Close)
-	k := &katranLB{prog: coll.Programs["balancer_ingress"], stats: coll.Maps["stats"], reals: map[netip.Addr]bool{}, gateway: [6]byte{0x02, 0, 0, 0, 0, 0xfe}}
+	k := &katranLB{coll: coll, prog: coll.Programs["balancer_ingress"], stats: coll.Maps["stats"], reals: map[netip.Addr]bool{}, gateway: [6]byte{0x02, 0, 0, 0, 0, 0xfe}}
 	if k.prog == nil {
 		b.Fatalf("%s: no program balancer_ingress", path)
 	}
@@ -561,6 +594,13 @@ func katranPairSide(b *testing.B, path string, ours *pairSide, lruTotal int) *pa
 		}
 		s.rows = append(s.rows, kc)
 	}
+	s.close = func() {
+		k.coll.Close()
+		for _, m := range k.lrus {
+			m.Close()
+		}
+		s.floor.prog.Close()
+	}
 	var miss0, fallback0 katranStats
 	s.before = func() {
 		miss0, fallback0 = k.stat(b, katranStatLRUMiss), k.stat(b, katranStatFallback)
@@ -602,7 +642,7 @@ func katranPairSide(b *testing.B, path string, ours *pairSide, lruTotal int) *pa
 // back to back, side 0 first in even rounds and side 1 first in odd
 // ones; a round's floor is the mean of its three floor blocks. The new
 // row's i-th call in round r runs input r*calls+i (a new flow each).
-func measurePairs(b *testing.B, sides [2]*pairSide, rounds, calls int) []pairRound {
+func measurePairs(b *testing.B, sides [2]*pairSide, rounds, calls, load int) []pairRound {
 	b.Helper()
 	var res []pairRound
 	inputs := make([][]byte, calls)
@@ -643,7 +683,7 @@ func measurePairs(b *testing.B, sides [2]*pairSide, rounds, calls int) []pairRou
 		return float64(sum) / float64(n)
 	}
 	for r := range rounds {
-		rd := pairRound{first: r % 2}
+		rd := pairRound{load: load, first: r % 2}
 		order := [2]int{rd.first, 1 - rd.first}
 		for _, si := range order {
 			rd.gross[si] = make([]float64, len(pairRows))
@@ -664,9 +704,15 @@ func measurePairs(b *testing.B, sides [2]*pairSide, rounds, calls int) []pairRou
 }
 
 // reportPairs logs each round and, per row, both sides' medians and the
-// ratio side 1 / side 0 (ours over the other): median, geometric mean and
-// its 95% interval; then the PAIR line.
-func reportPairs(b *testing.B, sides [2]*pairSide, res []pairRound, hook string) {
+// ratio side 1 / side 0 (ours over the other): per round (median, and
+// geometric mean with the interval the rounds would give if they were
+// independent), and per load (the ratio of the load's mean nets), then
+// the PAIR line: with more than one load, the geometric mean of the
+// loads' ratios and its 95% interval, Student's t over their logs. Each
+// load draws the maps' memory and hash seeds afresh, which moves its
+// ratio by several percent (the A/A check) where the rounds of one load
+// cannot see it. With one load, the rounds' geometric mean and interval.
+func reportPairs(b *testing.B, names [2]string, res []pairRound, loads int, hook string) {
 	b.Helper()
 	ratio := func(r pairRound, row int) float64 { return r.net(1, row) / r.net(0, row) }
 	for i, r := range res {
@@ -674,8 +720,8 @@ func reportPairs(b *testing.B, sides [2]*pairSide, res []pairRound, hook string)
 		for row, name := range pairRows {
 			parts = append(parts, fmt.Sprintf("%s %.1f/%.1f=%.2f", name, r.net(1, row), r.net(0, row), ratio(r, row)))
 		}
-		b.Logf("round %2d (%s first) floors %s %.1f %s %.1f; net ns %s/%s: %s", i+1, sides[r.first].name,
-			sides[0].name, r.floor[0], sides[1].name, r.floor[1], sides[1].name, sides[0].name, strings.Join(parts, ", "))
+		b.Logf("load %d round %2d (%s first) floors %s %.1f %s %.1f; net ns %s/%s: %s", r.load+1, i+1, names[r.first],
+			names[0], r.floor[0], names[1], r.floor[1], names[1], names[0], strings.Join(parts, ", "))
 	}
 	col := func(f func(pairRound) float64) []float64 {
 		xs := make([]float64, len(res))
@@ -684,33 +730,55 @@ func reportPairs(b *testing.B, sides [2]*pairSide, res []pairRound, hook string)
 		}
 		return xs
 	}
+	what := fmt.Sprintf("Student's t over the log ratios of the %d loads", loads)
+	if loads == 1 {
+		what = fmt.Sprintf("Student's t over the %d rounds' log ratios, one load", len(res))
+	}
 	line := fmt.Sprintf("PAIR %s", pairRows[0])
 	for row, name := range pairRows {
-		for si := range sides {
-			b.Logf("%-12s %-7s median ns gross %7.1f, floor %6.1f, net %7.1f", name, sides[si].name,
+		for si := range names {
+			b.Logf("%-12s %-7s median ns gross %7.1f, floor %6.1f, net %7.1f", name, names[si],
 				pairMedian(col(func(r pairRound) float64 { return r.gross[si][row] })),
 				pairMedian(col(func(r pairRound) float64 { return r.floor[si] })),
 				pairMedian(col(func(r pairRound) float64 { return r.net(si, row) })))
 		}
 		rs := col(func(r pairRound) float64 { return ratio(r, row) })
-		gm, lo, hi := geoMeanCI95(rs)
-		b.Logf("%-12s %s/%s per round: median %.3f, geometric mean %.3f, 95%% CI [%.3f, %.3f] (t-interval over the log ratios, %d rounds; range %.2f-%.2f)",
-			name, sides[1].name, sides[0].name, pairMedian(rs), gm, lo, hi, len(rs), slices.Min(rs), slices.Max(rs))
+		// Per load: the ratio of its rounds' mean nets (a net at or
+		// below its floor, which the short rows meet when a floor block
+		// is disturbed, has no log ratio but adds to a mean).
+		type sums struct{ ours, other float64 }
+		perLoad := make([]sums, loads)
 		var byFirst [2][]float64
 		for i, r := range res {
+			perLoad[r.load].ours += r.net(1, row)
+			perLoad[r.load].other += r.net(0, row)
 			byFirst[r.first] = append(byFirst[r.first], rs[i])
+		}
+		var loadRatios []float64
+		var loadList []string
+		for _, p := range perLoad {
+			loadRatios = append(loadRatios, p.ours/p.other)
+			loadList = append(loadList, fmt.Sprintf("%.3f", p.ours/p.other))
+		}
+		rgm, rlo, rhi := geoMeanCI95(rs)
+		gm, lo, hi := rgm, rlo, rhi
+		if loads > 1 {
+			gm, lo, hi = geoMeanCI95(loadRatios)
 		}
 		g0, _, _ := geoMeanCI95(byFirst[0])
 		g1, _, _ := geoMeanCI95(byFirst[1])
-		b.Logf("%-12s geometric mean in the rounds %s ran first %.3f, %s first %.3f (the order's effect)", name, sides[0].name, g0, sides[1].name, g1)
+		b.Logf("%-12s %s/%s per round: median %.3f (range %.2f-%.2f), geometric mean %.3f [%.3f, %.3f] (t over the %d rounds as if independent; NaN: a net at or below its floor); with %s first %.3f, with %s first %.3f",
+			name, names[1], names[0], pairMedian(rs), slices.Min(rs), slices.Max(rs), rgm, rlo, rhi, len(rs), names[0], g0, names[1], g1)
+		b.Logf("%-12s %s/%s per load (ratio of its rounds' mean nets): %s; geometric mean %.3f, 95%% CI [%.3f, %.3f] (%s)",
+			name, names[1], names[0], strings.Join(loadList, ", "), gm, lo, hi, what)
 		if row == 0 {
-			line += fmt.Sprintf(" %s/%s=%.2f [%.2f,%.2f]", sides[1].name, sides[0].name, gm, lo, hi)
+			line += fmt.Sprintf(" %s/%s=%.2f [%.2f,%.2f]", names[1], names[0], gm, lo, hi)
 		} else {
 			line += fmt.Sprintf(" %s=%.2f [%.2f,%.2f]", name, gm, lo, hi)
 		}
 		b.ReportMetric(gm, "ratio/"+name)
 	}
-	b.Logf("%s (%s; geometric means of %d paired rounds, 95%% CI)", line, hook, len(res))
+	b.Logf("%s (%s; geometric means, 95%% CI: %s)", line, hook, what)
 }
 
 // pairMedian of xs (NaN for none).

@@ -10,8 +10,9 @@
 # nothing is written into Katran's tree or this one. NAME=VALUE arguments
 # are set in the benchmark's environment, for example
 #   FLUXVM_BENCH_HOOK=xdp        our north-south XDP object (default: TC)
-#   FLUXVM_PAIR_ROUNDS=40        paired rounds
-#   FLUXVM_PAIR_CALLS=4500       calls per block (each side, each row)
+#   FLUXVM_PAIR_LOADS=8          fresh loads of both sides (the interval is over them)
+#   FLUXVM_PAIR_ROUNDS=20        paired rounds per load
+#   FLUXVM_PAIR_CALLS=9000       calls per block (each side, each row)
 #   FLUXVM_BENCH_OMIT=all        ours' load-time features left out ("none": every one loaded)
 #   FLUXVM_KATRAN_LRU=8000000    Katran's connection table, split over the CPUs
 #   FLUXVM_PAIR_XDP_CTX_FLOOR=1  XDP: ours' floor run with ours' context
@@ -19,7 +20,7 @@
 # Environment: CLANG (default clang), GO (default go).
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0"; }
+usage() { sed -n '2,20p' "$0"; }
 [ $# -ge 1 ] || { usage >&2; exit 2; }
 case "$1" in -h|--help) usage; exit 0 ;; esac
 ksrc=$(cd "$1" && pwd)

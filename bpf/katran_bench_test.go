@@ -108,7 +108,11 @@ func BenchmarkKatranPair(b *testing.B) {
 		b.Fatalf("FLUXVM_PAIR_LOADS x FLUXVM_PAIR_ROUNDS = %d: at least 3 rounds for an interval", loads*rounds)
 	}
 	lru := benchEnvInt(b, "FLUXVM_KATRAN_LRU", katranDefaultLRU)
-	b.Logf("ours: features loaded %s (FLUXVM_BENCH_OMIT=%s: the benchmark's default configuration, optional node features off unless told otherwise)", AllFeatures&^omit, omitEnv)
+	how := "the default: optional node features off"
+	if omit != AllFeatures {
+		how = "not the default, which leaves every optional node feature out"
+	}
+	b.Logf("ours: load-time features loaded: %s (FLUXVM_BENCH_OMIT=%s, %s)", AllFeatures&^omit, omitEnv, how)
 	b.Logf("%d loads x %d rounds x %d calls per block, hook %s", loads, rounds, calls, hook)
 
 	var res []pairRound

@@ -3,6 +3,7 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -386,9 +387,30 @@ func BenchmarkXDP(b *testing.B) {
 // xdpBenchCases sets up BenchmarkXDP's lab and cases (the empty program
 // with the context first).
 func xdpBenchCases(b *testing.B, calls int) (*harness, []*benchCase) {
-	h := newHarnessSized(b, 0)
+	return xdpBenchCasesOmit(b, calls, 0)
+}
+
+// xdpBenchCasesOmit is xdpBenchCases with the load-time features omit
+// left out of both objects (BenchmarkKatranPair; 0 loads them as built).
+func xdpBenchCasesOmit(b *testing.B, calls int, omit Features) (*harness, []*benchCase) {
+	spec, err := loadService()
+	if err != nil {
+		b.Fatal(err)
+	}
+	xspec, err := loadServiceXdp()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if omit != 0 {
+		if err := errors.Join(setFeatures(spec, Options{OmitFeatures: omit}, "TC", true),
+			setFeatures(xspec, Options{OmitFeatures: omit}, "XDP", false)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	h := newHarnessSpec(b, spec, 0)
 	l := newFIBLab(b, h)
-	xo := newXDPObjects(b, h, l.out)
+	var xo serviceXdpObjects
+	h.loadXDP(b, xspec, &xo, l.out)
 	xdp := xo.FluxvmXdpNs
 	// The next-hop cache on, as the control plane runs it.
 	if err := xo.FluxvmNhCtl.Put(uint32(0), nhLease(b, 1, time.Hour)); err != nil {

@@ -11,11 +11,14 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -465,6 +468,365 @@ func TestGrowKeepsEveryEntry(t *testing.T) {
 				if s.MaxEntries != want {
 					t.Errorf("MapSizes: %s at %d, want %d", s.Map, s.MaxEntries, want)
 				}
+			}
+		})
+	}
+}
+
+// harnessOn is a harness over the maps of d (the TC object's), to program
+// services the way the datapath tests do. Only its control-plane writes
+// (services, backends, Maglev tables, the reverse index) may be used: its
+// handles of the flow maps are those of before any grow.
+func harnessOn(t *testing.T, d *Datapath) *harness {
+	t.Helper()
+	h := &harness{t: t, th: testenv.NewThread(t), spec: d.spec,
+		fes: map[uint32][]harnessFrontend{}, bes: map[uint32]harnessBackend{}, stored: map[uint32]bool{}}
+	if err := assignNamed(&h.objs.serviceMaps, d.coll.Maps, nil); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// runProg runs prog on frame in th's namespace, for goroutines that are
+// not the test's.
+func runProg(th *testenv.Thread, prog *ebpf.Program, frame []byte) (uint32, []byte, error) {
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+256), Repeat: 1}
+	var ret uint32
+	var err error
+	th.Do(func() { ret, err = prog.Run(&opts) })
+	return ret, opts.DataOut, err
+}
+
+// endpointsOf decodes the source and destination of frame (zero when it
+// does not decode).
+func endpointsOf(frame []byte) (src, dst netip.AddrPort) {
+	p := pkt.Decode(frame)
+	if p.NetworkLayer() == nil || p.TransportLayer() == nil {
+		return src, dst
+	}
+	nf, tf := p.NetworkLayer().NetworkFlow(), p.TransportLayer().TransportFlow()
+	sa, _ := netip.AddrFromSlice(nf.Src().Raw())
+	da, _ := netip.AddrFromSlice(nf.Dst().Raw())
+	return netip.AddrPortFrom(sa.Unmap(), binary.BigEndian.Uint16(tf.Src().Raw())),
+		netip.AddrPortFrom(da.Unmap(), binary.BigEndian.Uint16(tf.Dst().Raw()))
+}
+
+// switchGate is the lock a grow holds around its switch (the Switch of
+// CompactOptions): a read-write lock whose readers run the programs, as
+// the packets of a TCX link do (after the link update returns, none
+// reaches the old program). atSwitchh runs when the grow asks for it,
+// before it is granted: after the copy and the catch-up passes before the
+// switch, when only the pass after it can carry what the old program
+// learns.
+type switchGate struct {
+	mu        sync.RWMutex
+	atSwitchh func()
+}
+
+func (g *switchGate) Lock() {
+	if g.atSwitchh != nil {
+		g.atSwitchh()
+	}
+	g.mu.Lock()
+}
+
+func (g *switchGate) Unlock() { g.mu.Unlock() }
+
+// TestGrowWhileProgramWrites: each flow map, at its token size with 512
+// entries of the fixture, grows while the real program (fluxvm_from_vm,
+// BPF_PROG_TEST_RUN) learns new flows of an east-west service on it, one
+// every millisecond, from before the grow starts to after it ends: the
+// conntrack maps by any flow, the reverse-NAT maps by the flows of a
+// frontend whose reverse halves are stored. A few more flows are learned
+// by the old program at the last moment before the switch.
+//
+// What GrowFlowMaps documents (and docs/operations.md, "Maps sized by
+// need"): no flow is lost. The flows the old program learned during the
+// copy and the program loads are caught up before the switch, those of
+// the last moment after it; the new program learns into the new map. So
+// the bound asserted is zero: the new map holds every entry the old map
+// ended with, byte for byte, and every flow the new program learned,
+// nothing else; every flow the old program learned has its replies
+// translated by the new program. (The docs' one loss is of a packet, not
+// an entry: a reply that reaches the new program in the moments between
+// the switch and the last catch-up, before its flow is copied, goes out
+// untranslated.)
+func TestGrowWhileProgramWrites(t *testing.T) {
+	ceil, err := Ceilings(TierS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now, err := monotonicCoarse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v4, v6 variant
+	for _, v := range variants() {
+		switch v.name {
+		case "ipv4_tcp":
+			v4 = v
+		case "ipv6_tcp":
+			v6 = v
+		}
+	}
+	const (
+		prefill = 512
+		budget  = 400 // flows the old program learns, at most: the token map holds them with the prefill
+		last    = 5   // learned by the old program at the switch
+		after   = 20  // learned by the new program, at least
+	)
+	for _, tc := range []struct {
+		name  string
+		v     variant
+		sizes Sizes
+		// rev: the frontend stores reverse halves (its flows write the
+		// reverse-NAT map).
+		rev bool
+	}{
+		{"fluxvm_fct4", v4, Sizes{CT4: TokenFlowEntries}, false},
+		{"fluxvm_fct6", v6, Sizes{CT6: TokenFlowEntries}, false},
+		{"fluxvm_nat4", v4, Sizes{NAT4: TokenFlowEntries}, true},
+		{"fluxvm_nat6", v6, Sizes{NAT6: TokenFlowEntries}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name, v := tc.name, tc.v
+			root := filepath.Join(testenv.PinRoot(t), "service")
+			d := openT(t, Options{PinRoot: root, Tier: TierS, Sizes: tc.sizes})
+			h := harnessOn(t, d)
+			// The programs run on the CPU the prefill ran on (onOneCPU):
+			// the token map, an LRU, then holds all it is given.
+			var perr error
+			h.th.Do(func() {
+				var set unix.CPUSet
+				set.Set(0)
+				perr = unix.SchedSetaffinity(0, &set)
+			})
+			if perr != nil {
+				t.Fatal(perr)
+			}
+			v.setup(h)
+			if tc.rev {
+				h.revStored(sid)
+			}
+			// The entry a flow from the client's port writes into the
+			// map under test.
+			keyOf := func(port uint16) string {
+				tp := v.flow(port)
+				if tc.rev {
+					tp = v.natKey(v.backends[0], port)
+				}
+				kb, err := binary.Append(nil, binary.NativeEndian, tp.key())
+				if err != nil {
+					t.Fatal(err)
+				}
+				return string(kb)
+			}
+			fixture := growFixtures(t, name, prefill, now)
+			putRaw(t, d.Map(name), fixture)
+			old, err := d.Map(name).Clone() // the old map, read after the grow
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer old.Close()
+			p0 := d.Programs().FluxvmFromVm
+
+			type learned struct {
+				port uint16
+				old  bool
+			}
+			var (
+				mu       sync.Mutex
+				flows    []learned
+				oldN     int
+				newN     int
+				werr     error
+				stop     = make(chan struct{})
+				done     = make(chan struct{})
+				atSwitch int
+			)
+			learn := func(prog *ebpf.Program, port uint16) error {
+				ret, out, err := runProg(h.th, prog, v.fwd(port, pkt.SYN))
+				if err == nil && ret != tcOK {
+					err = fmt.Errorf("verdict %d", int32(ret))
+				}
+				if _, dst := endpointsOf(out); err == nil && dst != v.backends[0] {
+					err = fmt.Errorf("forwarded to %v, want %v", dst, v.backends[0])
+				}
+				if err != nil {
+					return fmt.Errorf("flow from port %d: %w", port, err)
+				}
+				return nil
+			}
+			// Ports: 20000+ by the writer, 10000+ at the switch.
+			gate := &switchGate{atSwitchh: func() {
+				p := d.Programs().FluxvmFromVm
+				if p != p0 {
+					t.Error("at the switch: the programs were switched already")
+					return
+				}
+				for i := range last {
+					if err := learn(p, uint16(10000+i)); err != nil {
+						t.Errorf("at the switch: %v", err)
+						continue
+					}
+					mu.Lock()
+					flows = append(flows, learned{uint16(10000 + i), true})
+					atSwitch++
+					mu.Unlock()
+				}
+			}}
+			go func() {
+				defer close(done)
+				port := uint16(20000)
+				deadline := time.Now().Add(30 * time.Second)
+				for time.Now().Before(deadline) {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					gate.mu.RLock()
+					p := d.Programs().FluxvmFromVm
+					isOld := p == p0
+					mu.Lock()
+					full := isOld && oldN >= budget
+					mu.Unlock()
+					var err error
+					if !full {
+						err = learn(p, port)
+					}
+					gate.mu.RUnlock()
+					if err != nil {
+						mu.Lock()
+						werr = err
+						mu.Unlock()
+						return
+					}
+					if !full {
+						mu.Lock()
+						flows = append(flows, learned{port, isOld})
+						if isOld {
+							oldN++
+						} else {
+							newN++
+						}
+						mu.Unlock()
+						port++
+					}
+					time.Sleep(time.Millisecond)
+				}
+			}()
+			// The writer starts first.
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+				mu.Lock()
+				n, err := oldN, werr
+				mu.Unlock()
+				if err != nil || n >= 10 || time.Now().After(deadline) {
+					break
+				}
+			}
+			res, gerr := d.GrowFlowMaps(map[string]uint32{name: 0}, gate)
+			// And goes on on the new program.
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+				mu.Lock()
+				n, err := newN, werr
+				mu.Unlock()
+				if err != nil || n >= after || time.Now().After(deadline) {
+					break
+				}
+			}
+			close(stop)
+			<-done
+			if gerr != nil {
+				t.Fatal(gerr)
+			}
+			if werr != nil {
+				t.Fatalf("the program: %v", werr)
+			}
+			if atSwitch != last || newN < after || oldN < 10 {
+				t.Fatalf("learned %d flows on the old program (%d at the switch), %d on the new: want at least 10, %d, %d",
+					oldN+atSwitch, atSwitch, newN, last, after)
+			}
+
+			oldEntries := dumpRaw(t, old)
+			newEntries := dumpRaw(t, d.Map(name))
+			if m := d.Map(name); m.MaxEntries() != ceil[name] {
+				t.Errorf("grown map: %d entries' room, want %d", m.MaxEntries(), ceil[name])
+			}
+			reportDiff(t, "the pinned map against the datapath's", diffRaw(dumpRaw(t, loadPinned(t, root, name)), newEntries))
+			// The old map: the prefill as written, and every flow the old
+			// program learned (none evicted).
+			var oldKeys, newKeys []string
+			for _, f := range flows {
+				if f.old {
+					oldKeys = append(oldKeys, keyOf(f.port))
+				} else {
+					newKeys = append(newKeys, keyOf(f.port))
+				}
+			}
+			if len(oldEntries) != prefill+len(oldKeys) {
+				t.Errorf("the old map holds %d entries, want the %d of the prefill and the %d the old program learned", len(oldEntries), prefill, len(oldKeys))
+			}
+			for k, val := range fixture {
+				if !bytes.Equal(oldEntries[k], val) {
+					t.Fatalf("the old map lost or changed a prefilled entry %x: %x", k, oldEntries[k])
+				}
+			}
+			// The new map: the old map's every entry byte for byte, and
+			// the flows the new program learned; nothing else.
+			want := maps.Clone(oldEntries)
+			for _, k := range newKeys {
+				if _, ok := newEntries[k]; !ok {
+					t.Errorf("flow %x the new program learned is not in the new map", k)
+					continue
+				}
+				if _, dup := want[k]; dup {
+					t.Errorf("flow %x in the old map too", k)
+				}
+				want[k] = newEntries[k]
+			}
+			reportDiff(t, "the grown map", diffRaw(newEntries, want))
+			var lost []string
+			for _, k := range oldKeys {
+				if _, ok := newEntries[k]; !ok {
+					lost = append(lost, fmt.Sprintf("%x", k))
+				}
+			}
+			if len(lost) != 0 {
+				t.Errorf("%d of the %d flows the old program learned are not in the new map: %v", len(lost), len(oldKeys), lost[:min(len(lost), 3)])
+			}
+			if len(res.Maps) != 1 {
+				t.Fatalf("grow: %+v", res)
+			}
+			mc := res.Maps[0]
+			caught := len(oldEntries) - mc.Kept
+			if !res.Switched || mc.Map != name || mc.Dropped != 0 || mc.Kept < prefill || mc.Kept > len(oldEntries) || mc.CaughtUp < caught {
+				t.Errorf("grow: %+v; want none dropped, %d..%d kept, at least %d caught up", mc, prefill, len(oldEntries), caught)
+			}
+			// The last moment's flows came by the catch-up after the
+			// switch; some of the others by the passes before it.
+			if caught < last {
+				t.Errorf("%d of the old program's flows caught up, want at least the %d of the switch", caught, last)
+			}
+			t.Logf("%s: %d prefilled, %d learned by the old program (%d caught up), %d by the new; switch %v",
+				name, prefill, len(oldKeys), caught, len(newKeys), res.SwitchTime)
+
+			// Replies of every flow the old program learned are
+			// translated by the new one.
+			to := d.Programs().FluxvmToVm
+			var untranslated []string
+			for _, f := range flows {
+				if !f.old {
+					continue
+				}
+				ret, out, err := runProg(h.th, to, v.reply(v.backends[0], f.port, pkt.SYNACK))
+				if src, _ := endpointsOf(out); err != nil || ret != tcOK || src != v.vip {
+					untranslated = append(untranslated, fmt.Sprintf("port %d: verdict %d, from %v (%v)", f.port, int32(ret), src, err))
+				}
+			}
+			if len(untranslated) != 0 {
+				t.Errorf("%d replies of the old program's flows not translated by the new one (want TC_ACT_OK from the VIP): %v",
+					len(untranslated), untranslated[:min(len(untranslated), 3)])
 			}
 		})
 	}

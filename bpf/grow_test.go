@@ -400,11 +400,18 @@ func TestGrowKeepsEveryEntry(t *testing.T) {
 			if !res.Switched || len(res.Maps) != len(tc.grow) {
 				t.Fatalf("grow: %+v; want %v switched", res, tc.grow)
 			}
-			progMaps, err := d.Programs().FluxvmFromVm.Info()
-			if err != nil {
-				t.Fatal(err)
+			// The maps each program of the three objects (TC, XDP,
+			// socket LB) uses.
+			progMaps := map[string][]ebpf.MapID{}
+			for _, c := range []*ebpf.Collection{d.coll, d.xcoll, d.ccoll} {
+				for pn, p := range c.Programs {
+					info, err := p.Info()
+					if err != nil {
+						t.Fatal(err)
+					}
+					progMaps[pn], _ = info.MapIDs()
+				}
 			}
-			progIDs, _ := progMaps.MapIDs()
 			for i, name := range tc.grow {
 				mc := res.Maps[i]
 				pinned := loadPinned(t, root, name)
@@ -423,8 +430,13 @@ func TestGrowKeepsEveryEntry(t *testing.T) {
 				if mapID(t, d.Map(name)) != newID {
 					t.Errorf("%s: the datapath holds map %d, the pin names %d", name, mapID(t, d.Map(name)), newID)
 				}
-				if !slices.Contains(progIDs, newID) || slices.Contains(progIDs, ids[name]) {
-					t.Errorf("%s: fluxvm_from_vm uses maps %v; want %d, not %d", name, progIDs, newID, ids[name])
+				if !slices.Contains(progMaps["fluxvm_from_vm"], newID) {
+					t.Errorf("%s: fluxvm_from_vm uses maps %v, not the new %d", name, progMaps["fluxvm_from_vm"], newID)
+				}
+				for pn, used := range progMaps {
+					if slices.Contains(used, ids[name]) {
+						t.Errorf("%s: program %s still uses the old map %d", name, pn, ids[name])
+					}
 				}
 			}
 			// Everything else as it was: the flow maps not grown (same

@@ -3,6 +3,7 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -247,9 +248,7 @@ func onOneCPU(t *testing.T, fn func() error) {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
-		var set unix.CPUSet
-		set.Set(0)
-		if err := unix.SchedSetaffinity(0, &set); err != nil {
+		if err := bindToOneCPU(); err != nil {
 			errc <- err
 			return
 		}
@@ -258,6 +257,23 @@ func onOneCPU(t *testing.T, fn func() error) {
 	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
+}
+
+// bindToOneCPU binds the calling thread to the first CPU the process may
+// run on (the same CPU on every call).
+func bindToOneCPU() error {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return err
+	}
+	for cpu := range 1024 {
+		if set.IsSet(cpu) {
+			set.Zero()
+			set.Set(cpu)
+			return unix.SchedSetaffinity(0, &set)
+		}
+	}
+	return errors.New("no CPU in the affinity mask")
 }
 
 // putRaw writes entries into m, on one CPU, and requires m to hold them
@@ -608,11 +624,7 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 			// The programs run on the CPU the prefill ran on (onOneCPU):
 			// the token map, an LRU, then holds all it is given.
 			var perr error
-			h.th.Do(func() {
-				var set unix.CPUSet
-				set.Set(0)
-				perr = unix.SchedSetaffinity(0, &set)
-			})
+			h.th.Do(func() { perr = bindToOneCPU() })
 			if perr != nil {
 				t.Fatal(perr)
 			}

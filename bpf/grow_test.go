@@ -542,18 +542,18 @@ func endpointsOf(frame []byte) (src, dst netip.AddrPort) {
 // switchGate is the lock a grow holds around its switch (the Switch of
 // CompactOptions): a read-write lock whose readers run the programs, as
 // the packets of a TCX link do (after the link update returns, none
-// reaches the old program). atSwitchh runs when the grow asks for it,
+// reaches the old program). atSwitch runs when the grow asks for it,
 // before it is granted: after the copy and the catch-up passes before the
 // switch, when only the pass after it can carry what the old program
 // learns.
 type switchGate struct {
-	mu        sync.RWMutex
-	atSwitchh func()
+	mu       sync.RWMutex
+	atSwitch func()
 }
 
 func (g *switchGate) Lock() {
-	if g.atSwitchh != nil {
-		g.atSwitchh()
+	if g.atSwitch != nil {
+		g.atSwitch()
 	}
 	g.mu.Lock()
 }
@@ -601,7 +601,7 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 		prefill = 512
 		budget  = 400 // flows the old program learns, at most: the token map holds them with the prefill
 		last    = 5   // learned by the old program at the switch
-		after   = 20  // learned by the new program, at least
+		after   = 40  // learned by the new program, at least
 	)
 	for _, tc := range []struct {
 		name  string
@@ -682,7 +682,7 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 				return nil
 			}
 			// Ports: 20000+ by the writer, 10000+ at the switch.
-			gate := &switchGate{atSwitchh: func() {
+			gate := &switchGate{atSwitch: func() {
 				p := d.Programs().FluxvmFromVm
 				if p != p0 {
 					t.Error("at the switch: the programs were switched already")
@@ -699,9 +699,43 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 					mu.Unlock()
 				}
 			}}
+			// handshake completes, on program set progs, the handshake of a
+			// flow the same programs learned: the backend's SYN-ACK
+			// (translated back from the VIP), the client's ACK (moves the
+			// entry to established).
+			handshake := func(progs *Programs, port uint16, synack bool) error {
+				if synack {
+					ret, out, err := runProg(h.th, progs.FluxvmToVm, v.reply(v.backends[0], port, pkt.SYNACK))
+					if src, _ := endpointsOf(out); err == nil && (ret != tcOK || src != v.vip) {
+						err = fmt.Errorf("verdict %d, from %v", int32(ret), src)
+					}
+					if err != nil {
+						return fmt.Errorf("SYN-ACK to port %d: %w", port, err)
+					}
+					return nil
+				}
+				ret, out, err := runProg(h.th, progs.FluxvmFromVm, v.fwd(port, pkt.ACK))
+				if _, dst := endpointsOf(out); err == nil && (ret != tcOK || dst != v.backends[0]) {
+					err = fmt.Errorf("verdict %d, to %v", int32(ret), dst)
+				}
+				if err != nil {
+					return fmt.Errorf("ACK from port %d: %w", port, err)
+				}
+				return nil
+			}
+			var handshakes [2]int // completed on the new, the old programs
 			go func() {
 				defer close(done)
 				port := uint16(20000)
+				// The writer's flows in order, and the next to answer and
+				// to acknowledge: 10 and 20 flows later, so that each
+				// change of an entry lands a few ticks of the coarse
+				// clock after its previous version (a change in the same
+				// tick as the version the copy read has the same
+				// last-seen time, and the catch-up does not tell it from
+				// it: see catchUpEntry).
+				var mine []learned
+				synackAt, ackAt := 0, 0
 				deadline := time.Now().Add(30 * time.Second)
 				for time.Now().Before(deadline) {
 					select {
@@ -710,7 +744,8 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 					default:
 					}
 					gate.mu.RLock()
-					p := d.Programs().FluxvmFromVm
+					progs := d.Programs()
+					p := progs.FluxvmFromVm
 					isOld := p == p0
 					mu.Lock()
 					full := isOld && oldN >= budget
@@ -718,6 +753,29 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 					var err error
 					if !full {
 						err = learn(p, port)
+						if err == nil {
+							mine = append(mine, learned{port, isOld})
+						}
+					}
+					for err == nil && synackAt < len(mine)-10 {
+						f := mine[synackAt]
+						synackAt++
+						if f.old == isOld {
+							err = handshake(progs, f.port, true)
+							break
+						}
+					}
+					for err == nil && ackAt < len(mine)-20 {
+						f := mine[ackAt]
+						ackAt++
+						if f.old == isOld {
+							if err = handshake(progs, f.port, false); err == nil && isOld {
+								handshakes[1]++
+							} else if err == nil {
+								handshakes[0]++
+							}
+							break
+						}
 					}
 					gate.mu.RUnlock()
 					if err != nil {
@@ -832,8 +890,8 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 			if caught < last {
 				t.Errorf("%d of the old program's flows caught up, want at least the %d of the switch", caught, last)
 			}
-			t.Logf("%s: %d prefilled, %d learned by the old program (%d caught up), %d by the new; switch %v",
-				name, prefill, len(oldKeys), caught, len(newKeys), res.SwitchTime)
+			t.Logf("%s: %d prefilled, %d learned by the old program (%d caught up, %d handshakes completed), %d by the new (%d); switch %v",
+				name, prefill, len(oldKeys), caught, handshakes[1], len(newKeys), handshakes[0], res.SwitchTime)
 
 			// Replies of every flow the old program learned are
 			// translated by the new one.

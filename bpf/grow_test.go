@@ -61,8 +61,9 @@ func growFixture(name string, i int, now uint64) (key, value any) {
 	now = max(now, 3600e9)
 	v6 := name == "fluxvm_fct6" || name == "fluxvm_nat6"
 	proto := uint8(ipTCP)
+	// Every state with every kind of flow (below, i%6).
 	states := []CTState{CTTCPEstablished, CTTCPSyn, CTUDP, CTTCPFin, CTTCPRst, CTTCPEstablished}
-	state := states[i%len(states)]
+	state := states[i/6%len(states)]
 	if state == CTUDP {
 		proto = ipUDP
 	}
@@ -394,11 +395,27 @@ func TestGrowKeepsEveryEntry(t *testing.T) {
 					t.Fatalf("%s holds %d of the %d entries written", name, len(got), TokenFlowEntries)
 				}
 			}
-			ids := map[string]ebpf.MapID{}
+			// Every map of the three objects (TC, XDP, socket LB) by
+			// object and name; the TC object's by name alone too.
+			objMaps := func() map[string]*ebpf.Map {
+				out := map[string]*ebpf.Map{}
+				for obj, c := range map[string]*ebpf.Collection{"tc": d.coll, "xdp": d.xcoll, "connect": d.ccoll} {
+					for name, m := range c.Maps {
+						if !dataSection(name) {
+							out[obj+"/"+name] = m
+						}
+					}
+				}
+				return out
+			}
+			ids, objIDs := map[string]ebpf.MapID{}, map[string]ebpf.MapID{}
 			for name, m := range d.coll.Maps {
 				if !dataSection(name) {
 					ids[name] = mapID(t, m)
 				}
+			}
+			for name, m := range objMaps() {
+				objIDs[name] = mapID(t, m)
 			}
 			metaBefore, err := d.ReadMeta()
 			if err != nil {
@@ -469,11 +486,19 @@ func TestGrowKeepsEveryEntry(t *testing.T) {
 				}
 				reportDiff(t, name+" (not grown)", diffRaw(dumpRaw(t, m), fixtures[name]))
 			}
-			for name, id := range ids {
-				if slices.Contains(tc.grow, name) {
+			after := objMaps()
+			if len(after) != len(objIDs) {
+				t.Errorf("%d maps in the objects after the grow, %d before", len(after), len(objIDs))
+			}
+			for name, id := range objIDs {
+				_, base, _ := strings.Cut(name, "/")
+				if slices.Contains(tc.grow, base) {
+					if m := after[name]; m != nil && mapID(t, m) == id {
+						t.Errorf("%s: still the old map %d", name, id)
+					}
 					continue
 				}
-				if m := d.Map(name); m == nil || mapID(t, m) != id {
+				if m := after[name]; m == nil || mapID(t, m) != id {
 					t.Errorf("%s: another map after the grow (was %d)", name, id)
 				}
 			}

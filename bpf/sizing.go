@@ -230,9 +230,14 @@ func (d *Datapath) MapSizes() ([]MapSize, error) {
 // programs keep using the old one, the programs (TC, XDP, socket LB)
 // loaded anew onto it, the pins and every pinned attachment switched (link
 // updates, no gap), and what the old programs learned or changed in the
-// meantime copied before and after the switch (catch-up), so that no flow
-// is lost. The result's Maps say, per grown map, the entries carried over
-// (Kept) and caught up; none is dropped.
+// meantime copied before and after the switch (catch-up), so that no
+// entry is lost: each arrives byte for byte. (A reply that reaches the
+// new programs between the switch and the last catch-up, to a flow
+// learned in the last moments before the switch, finds no entry yet and
+// goes out untranslated; a change made in the same tick of the coarse
+// clock as the version copied has its last-seen time, and the catch-up
+// keeps the version copied.) The result's Maps say, per grown map, the
+// entries carried over (Kept) and caught up; none is dropped.
 //
 // switchLock, as CompactOptions.Switch, is held around the switch alone.
 // It fails with ErrCompactUnsupported where CompactFlowMaps does (hooks

@@ -111,6 +111,10 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_HOOK_NS_IN": uint64(FlowHookNSIn), "FLUXVM_HOOK_NS_OUT": uint64(FlowHookNSOut),
 		"FLUXVM_HOOK_XDP": uint64(FlowHookXDP),
 	},
+	"fluxvm_fe_state": {
+		"FLUXVM_FE_UNKNOWN": uint64(FeUnknown), "FLUXVM_FE_EMPTY": uint64(FeEmpty),
+		"FLUXVM_FE_ONE": uint64(FeOne), "FLUXVM_FE_SHARED": uint64(FeShared),
+	},
 	"fluxvm_guard_state": {"FLUXVM_GUARD_CLOSED": uint64(GuardClosed), "FLUXVM_GUARD_OPEN": uint64(GuardOpen)},
 	"fluxvm_backend_state": {
 		"FLUXVM_BE_UNUSED":    uint64(BackendUnused),

@@ -53,6 +53,7 @@ func newSeamHarness(t *testing.T) (*harness, *seams) {
 	}
 	h.objs = objs.serviceObjects
 	t.Cleanup(func() { h.objs.Close() })
+	h.indexFrontends()
 	s := objs.seams
 	return h, &s
 }

@@ -660,7 +660,7 @@ func TestFlowRecordsFragmentService(t *testing.T) {
 			w := AddrWords(vip2.Addr())
 			val := SvcValue{ServiceId: sid2, Revision: 1}
 			if vip2.Addr().Is4() {
-				h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Port: Port(vip2.Port()), Proto: v.proto}, val))
+				h.must(h.fe.Put(SvcKey4{Vip: w[0], Port: Port(vip2.Port()), Proto: v.proto}, val))
 			} else {
 				h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Port: Port(vip2.Port()), Proto: v.proto}, val))
 			}

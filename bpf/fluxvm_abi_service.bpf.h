@@ -54,6 +54,42 @@ struct fluxvm_svc_value {
 };
 _Static_assert(sizeof(struct fluxvm_svc_value) == 24, "fluxvm_svc_value size");
 
+/*
+ * The IPv4 frontend index (fluxvm_fe4, an array of FLUXVM_FE4_SLOTS):
+ * fluxvm_svc4 direct-mapped by a hash of its key, so that the frontend
+ * stage of most IPv4 packets reads one array slot, which the verifier
+ * inlines, instead of calling into the hash map (lib/lb_frontend.h says
+ * what that saves). fluxvm_svc4 stays the truth: a slot either answers
+ * for every key that hashes to it, or sends the lookup to fluxvm_svc4.
+ * Written by the loader alone (bpf/feindex.go), after fluxvm_svc4 when a
+ * frontend is added, before it when one is removed.
+ *
+ * A slot is read without a lock while the loader may be rewriting it, so
+ * it carries a check over its first 16 bytes (fluxvm_fe4_check in
+ * lib/lb_frontend.h, feCheck in Go): a slot read half old, half new fails
+ * it and the lookup goes to fluxvm_svc4. A slot never written (all zero)
+ * is FLUXVM_FE_UNKNOWN, so a new or unfilled index costs speed, never a
+ * wrong answer.
+ */
+enum fluxvm_fe_state {
+	FLUXVM_FE_UNKNOWN = 0, /* ask fluxvm_svc4 */
+	FLUXVM_FE_EMPTY = 1,   /* no frontend hashes here: the key is no frontend */
+	FLUXVM_FE_ONE = 2,     /* exactly one frontend hashes here: this key and value */
+	FLUXVM_FE_SHARED = 3,  /* more than one did since the index was built: ask fluxvm_svc4 */
+};
+
+struct fluxvm_fe4_slot {
+	__be32 vip;        /* FLUXVM_FE_ONE: the key, as in fluxvm_svc4_key */
+	__be16 port;
+	__u8 proto;
+	__u8 state;        /* enum fluxvm_fe_state */
+	__u32 service_id;  /* FLUXVM_FE_ONE: the fluxvm_svc_value's */
+	__u32 flags;
+	__u32 check;       /* of the 16 bytes above */
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_fe4_slot) == 24, "fluxvm_fe4_slot size");
+
 /* Service guard (fluxvm_sguard, array by service id). Zero is closed, so a
  * service whose guard was never written fails closed. */
 enum fluxvm_guard_state {

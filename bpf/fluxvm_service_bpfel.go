@@ -202,6 +202,27 @@ const (
 	serviceFluxvmFamilyFLUXVM_AF_INET6 serviceFluxvmFamily = 6
 )
 
+type serviceFluxvmFe4Slot struct {
+	_         structs.HostLayout
+	Vip       uint32
+	Port      uint16
+	Proto     uint8
+	State     uint8
+	ServiceId uint32
+	Flags     uint32
+	Check     uint32
+	Pad       uint32
+}
+
+type serviceFluxvmFeState uint32
+
+const (
+	serviceFluxvmFeStateFLUXVM_FE_UNKNOWN serviceFluxvmFeState = 0
+	serviceFluxvmFeStateFLUXVM_FE_EMPTY   serviceFluxvmFeState = 1
+	serviceFluxvmFeStateFLUXVM_FE_ONE     serviceFluxvmFeState = 2
+	serviceFluxvmFeStateFLUXVM_FE_SHARED  serviceFluxvmFeState = 3
+)
+
 type serviceFluxvmFlow struct {
 	_          structs.HostLayout
 	Seq        uint64
@@ -586,6 +607,7 @@ const (
 	serviceMapFluxvmEdt          = "fluxvm_edt"
 	serviceMapFluxvmFct4         = "fluxvm_fct4"
 	serviceMapFluxvmFct6         = "fluxvm_fct6"
+	serviceMapFluxvmFe4          = "fluxvm_fe4"
 	serviceMapFluxvmFlowBudget   = "fluxvm_flow_budget"
 	serviceMapFluxvmFlowSeq      = "fluxvm_flow_seq"
 	serviceMapFluxvmHadrop       = "fluxvm_hadrop"
@@ -678,6 +700,7 @@ type serviceMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -740,6 +763,7 @@ type serviceMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -775,6 +799,7 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

@@ -25,6 +25,7 @@ const (
 	serviceConnectMapFluxvmEdt               = "fluxvm_edt"
 	serviceConnectMapFluxvmFct4              = "fluxvm_fct4"
 	serviceConnectMapFluxvmFct6              = "fluxvm_fct6"
+	serviceConnectMapFluxvmFe4               = "fluxvm_fe4"
 	serviceConnectMapFluxvmFlowBudget        = "fluxvm_flow_budget"
 	serviceConnectMapFluxvmFlowSeq           = "fluxvm_flow_seq"
 	serviceConnectMapFluxvmHadrop            = "fluxvm_hadrop"
@@ -122,6 +123,7 @@ type serviceConnectMapSpecs struct {
 	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -179,6 +181,7 @@ type serviceConnectMaps struct {
 	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -212,6 +215,7 @@ func (m *serviceConnectMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

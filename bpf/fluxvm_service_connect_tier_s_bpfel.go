@@ -25,6 +25,7 @@ const (
 	serviceConnectTierSMapFluxvmEdt               = "fluxvm_edt"
 	serviceConnectTierSMapFluxvmFct4              = "fluxvm_fct4"
 	serviceConnectTierSMapFluxvmFct6              = "fluxvm_fct6"
+	serviceConnectTierSMapFluxvmFe4               = "fluxvm_fe4"
 	serviceConnectTierSMapFluxvmFlowBudget        = "fluxvm_flow_budget"
 	serviceConnectTierSMapFluxvmFlowSeq           = "fluxvm_flow_seq"
 	serviceConnectTierSMapFluxvmHadrop            = "fluxvm_hadrop"
@@ -122,6 +123,7 @@ type serviceConnectTierSMapSpecs struct {
 	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -179,6 +181,7 @@ type serviceConnectTierSMaps struct {
 	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -212,6 +215,7 @@ func (m *serviceConnectTierSMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

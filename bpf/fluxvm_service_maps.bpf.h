@@ -67,6 +67,19 @@ enum fluxvm_built_tier {
  */
 #define FLUXVM_MAX_FRONTENDS (4 * FLUXVM_MAX_SERVICES)
 
+/* The IPv4 frontend index (fluxvm_fe4): four slots per frontend, a power
+ * of two (FLUXVM_MAX_SERVICES is one), so that at most about a fifth of a
+ * full table's frontends share a slot with another. */
+#define FLUXVM_FE4_SLOTS (4 * FLUXVM_MAX_FRONTENDS)
+#if FLUXVM_MAP_TIER == FLUXVM_TIER_S
+#define FLUXVM_FE4_BITS 12
+#elif FLUXVM_MAP_TIER == FLUXVM_TIER_M
+#define FLUXVM_FE4_BITS 14
+#else
+#define FLUXVM_FE4_BITS 16
+#endif
+_Static_assert(FLUXVM_FE4_SLOTS == 1 << FLUXVM_FE4_BITS, "FLUXVM_FE4_BITS");
+
 /* Identity policy (lib/policy.h): prefixes a family in the ipcache's
  * tries; the policy map holds the rules, a header per datapath service,
  * and room for one policy's new rule set (two lists of 1,024 identities)

@@ -25,6 +25,7 @@ const (
 	serviceTierLMapFluxvmEdt          = "fluxvm_edt"
 	serviceTierLMapFluxvmFct4         = "fluxvm_fct4"
 	serviceTierLMapFluxvmFct6         = "fluxvm_fct6"
+	serviceTierLMapFluxvmFe4          = "fluxvm_fe4"
 	serviceTierLMapFluxvmFlowBudget   = "fluxvm_flow_budget"
 	serviceTierLMapFluxvmFlowSeq      = "fluxvm_flow_seq"
 	serviceTierLMapFluxvmHadrop       = "fluxvm_hadrop"
@@ -117,6 +118,7 @@ type serviceTierLMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -179,6 +181,7 @@ type serviceTierLMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -214,6 +217,7 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

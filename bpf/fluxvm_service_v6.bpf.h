@@ -57,6 +57,7 @@ struct fluxvm_abi_enums {
 	enum fluxvm_abi_const abi_const;
 	enum fluxvm_family family;
 	enum fluxvm_svc_flags svc_flags;
+	enum fluxvm_fe_state fe_state;
 	enum fluxvm_guard_state guard_state;
 	enum fluxvm_backend_state backend_state;
 	enum fluxvm_ct_state ct_state;

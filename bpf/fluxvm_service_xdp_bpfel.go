@@ -25,6 +25,7 @@ const (
 	serviceXdpMapFluxvmEdt          = "fluxvm_edt"
 	serviceXdpMapFluxvmFct4         = "fluxvm_fct4"
 	serviceXdpMapFluxvmFct6         = "fluxvm_fct6"
+	serviceXdpMapFluxvmFe4          = "fluxvm_fe4"
 	serviceXdpMapFluxvmFlowBudget   = "fluxvm_flow_budget"
 	serviceXdpMapFluxvmFlowSeq      = "fluxvm_flow_seq"
 	serviceXdpMapFluxvmHadrop       = "fluxvm_hadrop"
@@ -113,6 +114,7 @@ type serviceXdpMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -177,6 +179,7 @@ type serviceXdpMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -214,6 +217,7 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

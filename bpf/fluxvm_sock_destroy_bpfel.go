@@ -25,6 +25,7 @@ const (
 	sockDestroyMapFluxvmEdt             = "fluxvm_edt"
 	sockDestroyMapFluxvmFct4            = "fluxvm_fct4"
 	sockDestroyMapFluxvmFct6            = "fluxvm_fct6"
+	sockDestroyMapFluxvmFe4             = "fluxvm_fe4"
 	sockDestroyMapFluxvmFlowBudget      = "fluxvm_flow_budget"
 	sockDestroyMapFluxvmFlowSeq         = "fluxvm_flow_seq"
 	sockDestroyMapFluxvmHadrop          = "fluxvm_hadrop"
@@ -106,6 +107,7 @@ type sockDestroyMapSpecs struct {
 	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -163,6 +165,7 @@ type sockDestroyMaps struct {
 	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -196,6 +199,7 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

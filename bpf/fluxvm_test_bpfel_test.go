@@ -25,6 +25,7 @@ const (
 	serviceTestMapFluxvmEdt             = "fluxvm_edt"
 	serviceTestMapFluxvmFct4            = "fluxvm_fct4"
 	serviceTestMapFluxvmFct6            = "fluxvm_fct6"
+	serviceTestMapFluxvmFe4             = "fluxvm_fe4"
 	serviceTestMapFluxvmFlowBudget      = "fluxvm_flow_budget"
 	serviceTestMapFluxvmFlowSeq         = "fluxvm_flow_seq"
 	serviceTestMapFluxvmHadrop          = "fluxvm_hadrop"
@@ -124,6 +125,7 @@ type serviceTestMapSpecs struct {
 	FluxvmEdt         *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -193,6 +195,7 @@ type serviceTestMaps struct {
 	FluxvmEdt         *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4        *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6        *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4         *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget  *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq     *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop      *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -228,6 +231,7 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

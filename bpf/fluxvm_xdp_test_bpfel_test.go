@@ -25,6 +25,7 @@ const (
 	xdpTestMapFluxvmEdt         = "fluxvm_edt"
 	xdpTestMapFluxvmFct4        = "fluxvm_fct4"
 	xdpTestMapFluxvmFct6        = "fluxvm_fct6"
+	xdpTestMapFluxvmFe4         = "fluxvm_fe4"
 	xdpTestMapFluxvmFlowBudget  = "fluxvm_flow_budget"
 	xdpTestMapFluxvmFlowSeq     = "fluxvm_flow_seq"
 	xdpTestMapFluxvmHadrop      = "fluxvm_hadrop"
@@ -108,6 +109,7 @@ type xdpTestMapSpecs struct {
 	FluxvmEdt        *ebpf.MapSpec `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.MapSpec `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.MapSpec `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.MapSpec `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.MapSpec `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.MapSpec `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.MapSpec `ebpf:"fluxvm_hadrop"`
@@ -167,6 +169,7 @@ type xdpTestMaps struct {
 	FluxvmEdt        *ebpf.Map `ebpf:"fluxvm_edt"`
 	FluxvmFct4       *ebpf.Map `ebpf:"fluxvm_fct4"`
 	FluxvmFct6       *ebpf.Map `ebpf:"fluxvm_fct6"`
+	FluxvmFe4        *ebpf.Map `ebpf:"fluxvm_fe4"`
 	FluxvmFlowBudget *ebpf.Map `ebpf:"fluxvm_flow_budget"`
 	FluxvmFlowSeq    *ebpf.Map `ebpf:"fluxvm_flow_seq"`
 	FluxvmHadrop     *ebpf.Map `ebpf:"fluxvm_hadrop"`
@@ -200,6 +203,7 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmEdt,
 		m.FluxvmFct4,
 		m.FluxvmFct6,
+		m.FluxvmFe4,
 		m.FluxvmFlowBudget,
 		m.FluxvmFlowSeq,
 		m.FluxvmHadrop,

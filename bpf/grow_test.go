@@ -537,6 +537,7 @@ func harnessOn(t *testing.T, d *Datapath) *harness {
 	if err := assignNamed(&h.objs.serviceMaps, d.coll.Maps, nil); err != nil {
 		t.Fatal(err)
 	}
+	h.fe = d.fe
 	return h
 }
 

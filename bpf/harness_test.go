@@ -35,6 +35,9 @@ type harness struct {
 	bes map[uint32]harnessBackend
 	// Frontends placed past the index's slots (revStored).
 	stored map[uint32]bool
+	// fe writes fluxvm_svc4 and its index, as the loader does: every
+	// test runs the frontend stage through the index.
+	fe *FrontendIndex
 }
 
 type harnessFrontend struct {
@@ -90,7 +93,21 @@ func newHarnessSpec(t testing.TB, spec *ebpf.CollectionSpec, ctEntries uint32) *
 		t.Fatalf("load: %v", err)
 	}
 	t.Cleanup(func() { h.objs.Close() })
+	h.indexFrontends()
 	return h
+}
+
+// indexFrontends gives the harness the writer of its fluxvm_svc4 and
+// frontend index, and builds the index, as Open does.
+func (h *harness) indexFrontends() {
+	h.t.Helper()
+	var err error
+	if h.fe, err = NewFrontendIndex(h.objs.FluxvmSvc4, h.objs.FluxvmFe4); err != nil {
+		h.t.Fatal(err)
+	}
+	if _, err := h.fe.Rebuild(); err != nil {
+		h.t.Fatal(err)
+	}
 }
 
 // reset empties every map, so that one loaded object (verification is the
@@ -122,6 +139,9 @@ func (h *harness) reset() {
 				h.t.Fatalf("reset %s: %v", name, err)
 			}
 		}
+	}
+	if _, err := h.fe.Rebuild(); err != nil {
+		h.t.Fatal(err)
 	}
 	clear(h.fes)
 	clear(h.bes)
@@ -165,8 +185,8 @@ func (h *harness) service(sid uint32, vip netip.AddrPort, proto uint8) {
 	marker := SvcValue{ServiceId: sid, Flags: SvcFlagVIPMarker, Revision: 1}
 	if vip.Addr().Is4() {
 		w := AddrWords(vip.Addr())
-		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Port: Port(vip.Port()), Proto: proto}, val))
-		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Proto: proto}, marker))
+		h.must(h.fe.Put(SvcKey4{Vip: w[0], Port: Port(vip.Port()), Proto: proto}, val))
+		h.must(h.fe.Put(SvcKey4{Vip: w[0], Proto: proto}, marker))
 	} else {
 		w := AddrWords(vip.Addr())
 		h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Port: Port(vip.Port()), Proto: proto}, val))
@@ -196,7 +216,7 @@ func (h *harness) revStored(sid uint32) {
 	for _, fe := range h.fes[sid] {
 		val := SvcValue{ServiceId: sid, Flags: SvcFlagRevStored, Revision: 1}
 		if fe.vip.Addr().Is4() {
-			h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
+			h.must(h.fe.Put(SvcKey4{Vip: AddrWords(fe.vip.Addr())[0], Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
 		} else {
 			h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: AddrWords(fe.vip.Addr()), Port: Port(fe.vip.Port()), Proto: fe.proto}, val))
 		}

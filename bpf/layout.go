@@ -241,6 +241,20 @@ const (
 // the flow drops with DropSNATFailed.
 const SNATTries = int(serviceFluxvmAbiConstFLUXVM_SNAT_TRIES)
 
+// Fe4Slot.State (C enum fluxvm_fe_state): what a slot of the IPv4
+// frontend index says (feindex.go).
+const (
+	// FeUnknown: never written; the datapath asks fluxvm_svc4.
+	FeUnknown = uint8(serviceFluxvmFeStateFLUXVM_FE_UNKNOWN)
+	// FeEmpty: no frontend hashes to the slot.
+	FeEmpty = uint8(serviceFluxvmFeStateFLUXVM_FE_EMPTY)
+	// FeOne: exactly one frontend does, the slot's key and value.
+	FeOne = uint8(serviceFluxvmFeStateFLUXVM_FE_ONE)
+	// FeShared: several did since the last rebuild; the datapath asks
+	// fluxvm_svc4.
+	FeShared = uint8(serviceFluxvmFeStateFLUXVM_FE_SHARED)
+)
+
 // Guard.State (C enum fluxvm_guard_state).
 const (
 	// GuardOpen is the guard state that lets a service forward; every

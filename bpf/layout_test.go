@@ -26,6 +26,7 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_svc4_key", 8, SvcKey4{}},
 		{"fluxvm_svc6_key", 20, SvcKey6{}},
 		{"fluxvm_svc_value", 24, SvcValue{}},
+		{"fluxvm_fe4_slot", 24, Fe4Slot{}},
 		{"fluxvm_guard", 8, Guard{}},
 		{"fluxvm_backend", 32, Backend{}},
 		{"fluxvm_tuple4", 16, Tuple4{}},

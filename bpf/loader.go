@@ -178,6 +178,9 @@ type Status struct {
 	// Features are the node-level features the loaded programs hold
 	// (Options.OmitFeatures left out of AllFeatures).
 	Features Features
+	// FrontendIndex is what Open's rebuild of the IPv4 frontend index
+	// found (feindex.go).
+	FrontendIndex FrontendIndexStats
 	// Links lists the pinned attachments whose program was updated.
 	Links []string
 	// SeveredLinks lists pinned attachments whose interface no longer
@@ -224,6 +227,8 @@ type Datapath struct {
 	// and cprogs its programs, typed (ConnectPrograms).
 	ccoll  *ebpf.Collection
 	cprogs ConnectPrograms
+	// fe writes fluxvm_svc4 and its index (feindex.go).
+	fe *FrontendIndex
 	// sd is the socket iterator of DestroyStaleUDPSockets (sockdestroy.go).
 	sd sockDestroy
 	// mc is the map iterator of MapEntries (mapcount.go).
@@ -473,6 +478,16 @@ func Open(opts Options) (_ *Datapath, err error) {
 	if err := d.writeMeta(prev); err != nil {
 		d.Close()
 		return nil, err
+	}
+	// Before any program of this load runs: the index answers for
+	// fluxvm_svc4 as it is (kept frontends, or none).
+	if d.fe, err = NewFrontendIndex(d.maps.FluxvmSvc4, d.maps.FluxvmFe4); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("bpf: open: %w", err)
+	}
+	if d.status.FrontendIndex, err = d.fe.Rebuild(); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("bpf: open: %w", err)
 	}
 	if !opts.Staged {
 		if err := d.Activate(); err != nil {

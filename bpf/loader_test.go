@@ -79,7 +79,7 @@ func TestOpenFreshAndRestart(t *testing.T) {
 	}
 	putCT(t, d, 10)
 	svc := SvcKey4{Vip: 0x0a60000a, Port: Port(80), Proto: ipTCP}
-	if err := d.Maps().FluxvmSvc4.Put(svc, SvcValue{ServiceId: 1}); err != nil {
+	if err := d.PutFrontend4(svc, SvcValue{ServiceId: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.UpdateMeta(func(m *Meta) { m.TimeoutUdpS = 99; m.HashSeed = 1 }); err != nil {

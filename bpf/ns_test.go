@@ -54,8 +54,8 @@ func (h *harness) svcFlags(sid uint32, vip netip.AddrPort, proto uint8, flags ui
 	marker := SvcValue{ServiceId: sid, Flags: SvcFlagVIPMarker | flags&(SvcFlagNorthSouth|SvcFlagNoEastWest), Revision: 1}
 	w := AddrWords(vip.Addr())
 	if vip.Addr().Is4() {
-		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Port: Port(vip.Port()), Proto: proto}, val))
-		h.must(h.objs.FluxvmSvc4.Put(SvcKey4{Vip: w[0], Proto: proto}, marker))
+		h.must(h.fe.Put(SvcKey4{Vip: w[0], Port: Port(vip.Port()), Proto: proto}, val))
+		h.must(h.fe.Put(SvcKey4{Vip: w[0], Proto: proto}, marker))
 		return
 	}
 	h.must(h.objs.FluxvmSvc6.Put(SvcKey6{Vip: w, Port: Port(vip.Port()), Proto: proto}, val))

@@ -476,7 +476,7 @@ func TestSocketLBAssociations(t *testing.T) {
 
 	// Service A deleted: the socket talks to the backend's address.
 	w := AddrWords(sockVIP4.Addr())
-	s.h.must(s.h.objs.FluxvmSvc4.Delete(SvcKey4{Vip: w[0], Port: Port(sockVIP4.Port()), Proto: 17}))
+	s.h.must(s.h.fe.Delete(SvcKey4{Vip: w[0], Port: Port(sockVIP4.Port()), Proto: 17}))
 	send("to the backend itself", be, be.String())
 	s.h.service(1, sockVIP4, 17)
 

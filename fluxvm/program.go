@@ -960,7 +960,7 @@ func (d *Dataplane) putFrontend(k feKey, v bpf.SvcValue) error {
 	var err error
 	if k.vip.Is4() {
 		w := bpf.AddrWords(k.vip)
-		err = d.dp.Maps().FluxvmSvc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto}, v)
+		err = d.dp.PutFrontend4(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto}, v)
 	} else {
 		err = d.dp.Maps().FluxvmSvc6.Put(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto}, v)
 	}
@@ -992,7 +992,7 @@ func (d *Dataplane) deleteFrontend(k feKey) error {
 	var err error
 	if k.vip.Is4() {
 		w := bpf.AddrWords(k.vip)
-		err = d.dp.Maps().FluxvmSvc4.Delete(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto})
+		err = d.dp.DeleteFrontend4(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(k.port), Proto: k.proto})
 	} else {
 		err = d.dp.Maps().FluxvmSvc6.Delete(bpf.SvcKey6{Vip: bpf.AddrWords(k.vip), Port: bpf.Port(k.port), Proto: k.proto})
 	}

@@ -17,6 +17,14 @@ struct {
 	__uint(max_entries, FLUXVM_MAX_FRONTENDS);
 } fluxvm_svc4 SEC(".maps");
 
+/* The IPv4 frontend index (fluxvm_abi_service.bpf.h, lib/lb_frontend.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct fluxvm_fe4_slot);
+	__uint(max_entries, FLUXVM_FE4_SLOTS);
+} fluxvm_fe4 SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct fluxvm_svc6_key);

@@ -58,11 +58,16 @@ static __always_inline __u32 fluxvm_maglev_pick(__u32 sid, __u32 hash)
 #define FLUXVM_EDGE_VM 0 /* VM-edge ingress: east-west clients */
 #define FLUXVM_EDGE_NS 1 /* north-south ingress: clients outside the node */
 
-static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, const int edge)
+static __always_inline int fluxvm_svc_flags_here(__u32 flags, const int edge)
 {
 	if (edge == FLUXVM_EDGE_NS)
-		return svc->flags & FLUXVM_SVC_F_NORTH_SOUTH;
-	return !(svc->flags & FLUXVM_SVC_F_NO_EAST_WEST);
+		return flags & FLUXVM_SVC_F_NORTH_SOUTH;
+	return !(flags & FLUXVM_SVC_F_NO_EAST_WEST);
+}
+
+static __always_inline int fluxvm_svc_here(const struct fluxvm_svc_value *svc, const int edge)
+{
+	return fluxvm_svc_flags_here(svc->flags, edge);
 }
 
 static __always_inline int fluxvm_guard_open(__u32 sid)

@@ -35,6 +35,8 @@ type Object struct {
 	Maps     bpf.Maps
 	Programs bpf.Programs
 	tables   map[string]*ebpf.Map // Maglev tables by backend list
+	// fe writes fluxvm_svc4 and its index, as the loader does.
+	fe *bpf.FrontendIndex
 	// What fluxvm_be2fe is written from, as the control plane keeps it.
 	fes map[uint32]frontend // by service id
 	bes map[uint32]backend  // by backend id
@@ -71,6 +73,13 @@ func Load(tier bpf.Tier, sz Sizes) (*Object, error) {
 		return nil, fmt.Errorf("bpftest: load: %w", err)
 	}
 	o.Maps, o.Programs = objs.Maps, objs.Programs
+	if o.fe, err = bpf.NewFrontendIndex(o.Maps.FluxvmSvc4, o.Maps.FluxvmFe4); err == nil {
+		_, err = o.fe.Rebuild()
+	}
+	if err != nil {
+		o.Close()
+		return nil, fmt.Errorf("bpftest: %w", err)
+	}
 	return o, nil
 }
 
@@ -93,7 +102,7 @@ func (o *Object) Service(sid uint32, vip netip.AddrPort, proto uint8, flags uint
 	w := bpf.AddrWords(vip.Addr())
 	var err error
 	if vip.Addr().Is4() {
-		err = o.Maps.FluxvmSvc4.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val)
+		err = o.fe.Put(bpf.SvcKey4{Vip: w[0], Port: bpf.Port(vip.Port()), Proto: proto}, val)
 	} else {
 		err = o.Maps.FluxvmSvc6.Put(bpf.SvcKey6{Vip: w, Port: bpf.Port(vip.Port()), Proto: proto}, val)
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
+	"slices"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -43,7 +44,10 @@ func feWord(k SvcKey4) uint64 {
 
 // feSlotOf is the slot of key word w in an index of 1<<bits slots.
 func feSlotOf(w uint64, bits uint) uint32 {
-	return uint32((w * feHashMul) >> (64 - bits))
+	x := w * feHashMul
+	x ^= x >> 29
+	x *= feCheckMul0
+	return uint32(x >> (64 - bits))
 }
 
 // feCheck is the check of a slot's first 16 bytes, loaded as w0 and w1.
@@ -96,11 +100,21 @@ type FrontendIndexStats struct {
 
 // FrontendIndex writes fluxvm_svc4 and the IPv4 frontend index
 // (fluxvm_fe4) of one object together; its methods are safe for
-// concurrent use. Nothing else may write either map.
+// concurrent use. Nothing else may write either map. It keeps which keys
+// of fluxvm_svc4 hash to each slot, read by Rebuild and kept by Put and
+// Delete, so that every slot it writes says exactly what fluxvm_svc4
+// holds: a slot two frontends shared answers again for the one left when
+// the other goes.
 type FrontendIndex struct {
 	mu        sync.Mutex
 	svc4, fe4 *ebpf.Map
 	bits      uint
+	// built: Rebuild ran, and keys is what fluxvm_svc4 holds. Before,
+	// Put and Delete write fluxvm_svc4 alone and leave every slot as it
+	// is (they cannot know which other keys share it).
+	built bool
+	keys  map[SvcKey4]SvcValue
+	slots map[uint32][]SvcKey4 // the keys of each slot that has any
 }
 
 // NewFrontendIndex returns the writer of svc4 (fluxvm_svc4) and its
@@ -116,15 +130,23 @@ func NewFrontendIndex(svc4, fe4 *ebpf.Map) (*FrontendIndex, error) {
 
 // Put writes the IPv4 frontend k -> v into fluxvm_svc4, then its slot of
 // the index. A failed slot write leaves fluxvm_svc4 written and the slot
-// as it was (right for every other key, stale for k until the next
-// Rebuild or Put of k), and says so.
+// as it was (right for every other key, the old answer for k until the
+// next write of the slot or Rebuild), and says so.
 func (x *FrontendIndex) Put(k SvcKey4, v SvcValue) error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if err := x.svc4.Put(k, v); err != nil {
 		return fmt.Errorf("bpf: frontend: %w", err)
 	}
-	return x.update(k, &v)
+	if !x.built {
+		return nil
+	}
+	idx := feSlotOf(feWord(k), x.bits)
+	if _, ok := x.keys[k]; !ok {
+		x.slots[idx] = append(x.slots[idx], k)
+	}
+	x.keys[k] = v
+	return x.write(idx)
 }
 
 // Delete removes the IPv4 frontend k: its slot of the index first, then
@@ -132,8 +154,16 @@ func (x *FrontendIndex) Put(k SvcKey4, v SvcValue) error {
 func (x *FrontendIndex) Delete(k SvcKey4) error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if err := x.update(k, nil); err != nil {
-		return err
+	if _, ok := x.keys[k]; x.built && ok {
+		idx := feSlotOf(feWord(k), x.bits)
+		delete(x.keys, k)
+		x.slots[idx] = slices.DeleteFunc(x.slots[idx], func(o SvcKey4) bool { return o == k })
+		if len(x.slots[idx]) == 0 {
+			delete(x.slots, idx)
+		}
+		if err := x.write(idx); err != nil {
+			return err
+		}
 	}
 	if err := x.svc4.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("bpf: frontend: %w", err)
@@ -141,92 +171,89 @@ func (x *FrontendIndex) Delete(k SvcKey4) error {
 	return nil
 }
 
-// update moves k's slot to what it must say once k maps to *v (v nil:
-// once k is gone). A slot never written stays so (keys of fluxvm_svc4
-// the index does not know may hash there); a shared slot stays shared
-// until the next Rebuild.
-func (x *FrontendIndex) update(k SvcKey4, v *SvcValue) error {
-	idx := feSlotOf(feWord(k), x.bits)
-	var cur Fe4Slot
-	if err := x.fe4.Lookup(idx, &cur); err != nil {
-		return fmt.Errorf("bpf: frontend index: slot %d: %w", idx, err)
+// slot is what slot idx must say for the keys that hash to it.
+func (x *FrontendIndex) slot(idx uint32) Fe4Slot {
+	switch ks := x.slots[idx]; len(ks) {
+	case 0:
+		return feSlot(FeEmpty, SvcKey4{}, SvcValue{})
+	case 1:
+		return feSlot(FeOne, ks[0], x.keys[ks[0]])
+	default:
+		return feSlot(FeShared, SvcKey4{}, SvcValue{})
 	}
-	st := cur.State
-	if !feValid(cur) {
-		st = FeShared
-	}
-	var next Fe4Slot
-	switch {
-	case st == FeUnknown || st == FeShared:
-		return nil
-	case v == nil && st == FeOne && cur.feKey() == k:
-		next = feSlot(FeEmpty, k, SvcValue{})
-	case v == nil:
-		return nil
-	case st == FeEmpty || (st == FeOne && cur.feKey() == k):
-		next = feSlot(FeOne, k, *v)
-	default: // another key's slot
-		next = feSlot(FeShared, k, SvcValue{})
-	}
-	if next == cur {
-		return nil
-	}
-	if err := x.fe4.Put(idx, next); err != nil {
+}
+
+func (x *FrontendIndex) write(idx uint32) error {
+	if err := x.fe4.Put(idx, x.slot(idx)); err != nil {
 		return fmt.Errorf("bpf: frontend index: slot %d: %w", idx, err)
 	}
 	return nil
 }
 
-// Rebuild rewrites every slot of the index from fluxvm_svc4 as it is now.
+// Stats says what the index holds now (zero before Rebuild).
+func (x *FrontendIndex) Stats() FrontendIndexStats {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	st := FrontendIndexStats{Slots: int(x.fe4.MaxEntries()), Frontends: len(x.keys)}
+	for _, ks := range x.slots {
+		if len(ks) == 1 {
+			st.One++
+		} else {
+			st.Shared++
+			st.Sharing += len(ks)
+		}
+	}
+	return st
+}
+
+// Rebuild reads fluxvm_svc4 and rewrites every slot of the index from it.
 // Programs running on a kept index meet each slot old or new, both right
 // for the frontends of the moment.
 func (x *FrontendIndex) Rebuild() (FrontendIndexStats, error) {
 	x.mu.Lock()
-	defer x.mu.Unlock()
-	n := int(x.fe4.MaxEntries())
-	slots := make([]Fe4Slot, n)
-	count := make([]int, n)
-	st := FrontendIndexStats{Slots: n}
+	keys := map[SvcKey4]SvcValue{}
+	slots := map[uint32][]SvcKey4{}
 	var (
 		k SvcKey4
 		v SvcValue
 	)
 	it := x.svc4.Iterate()
 	for it.Next(&k, &v) {
-		st.Frontends++
-		i := feSlotOf(feWord(k), x.bits)
-		if count[i]++; count[i] == 1 {
-			slots[i] = feSlot(FeOne, k, v)
-		}
+		keys[k] = v
+		idx := feSlotOf(feWord(k), x.bits)
+		slots[idx] = append(slots[idx], k)
 	}
 	if err := it.Err(); err != nil {
-		return st, fmt.Errorf("bpf: frontend index: read fluxvm_svc4: %w", err)
+		x.mu.Unlock()
+		return FrontendIndexStats{}, fmt.Errorf("bpf: frontend index: read fluxvm_svc4: %w", err)
 	}
-	keys := make([]uint32, n)
-	for i := range slots {
-		keys[i] = uint32(i)
-		switch c := count[i]; {
-		case c == 0:
-			slots[i] = feSlot(FeEmpty, SvcKey4{}, SvcValue{})
-		case c == 1:
-			st.One++
-		default:
-			slots[i] = feSlot(FeShared, SvcKey4{}, SvcValue{})
-			st.Shared++
-			st.Sharing += c
+	x.keys, x.slots, x.built = keys, slots, true
+	n := x.fe4.MaxEntries()
+	idxs := make([]uint32, n)
+	vals := make([]Fe4Slot, n)
+	for i := range n {
+		idxs[i], vals[i] = i, x.slot(i)
+	}
+	err := x.writeAll(idxs, vals)
+	x.mu.Unlock()
+	if err != nil {
+		return FrontendIndexStats{}, err
+	}
+	return x.Stats(), nil
+}
+
+func (x *FrontendIndex) writeAll(idxs []uint32, vals []Fe4Slot) error {
+	if _, err := x.fe4.BatchUpdate(idxs, vals, nil); err == nil {
+		return nil
+	} else if !errors.Is(err, ebpf.ErrNotSupported) {
+		return fmt.Errorf("bpf: frontend index: write: %w", err)
+	}
+	for i := range idxs {
+		if err := x.fe4.Put(idxs[i], vals[i]); err != nil {
+			return fmt.Errorf("bpf: frontend index: write slot %d: %w", idxs[i], err)
 		}
 	}
-	if _, err := x.fe4.BatchUpdate(keys, slots, nil); err != nil {
-		if !errors.Is(err, ebpf.ErrNotSupported) {
-			return st, fmt.Errorf("bpf: frontend index: write: %w", err)
-		}
-		for i := range slots {
-			if err := x.fe4.Put(keys[i], slots[i]); err != nil {
-				return st, fmt.Errorf("bpf: frontend index: write slot %d: %w", i, err)
-			}
-		}
-	}
-	return st, nil
+	return nil
 }
 
 // PutFrontend4 writes the IPv4 frontend k -> v and its index slot

@@ -86,11 +86,24 @@ func TestFrontendIndex(t *testing.T) {
 			{"a slot never written asks fluxvm_svc4", func(t *testing.T) {
 				h.feWrite(key, Fe4Slot{})
 				expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
-				// Put leaves it so: other keys of fluxvm_svc4 may hash there.
+				// The next write of the frontend writes the slot again.
 				h.must(h.fe.Put(key, SvcValue{ServiceId: sid, Revision: 2}))
-				if s := h.feRead(key); s != (Fe4Slot{}) {
-					t.Errorf("Put wrote a slot never written: %+v", s)
+				if s := h.feRead(key); s.State != FeOne || s.feKey() != key {
+					t.Errorf("slot after Put: %+v, want this frontend's", s)
 				}
+				// An index never built leaves slots alone: it cannot know
+				// which other keys of fluxvm_svc4 share them.
+				fresh, err := NewFrontendIndex(h.objs.FluxvmSvc4, h.objs.FluxvmFe4)
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.feWrite(key, Fe4Slot{})
+				h.must(fresh.Put(key, SvcValue{ServiceId: sid, Revision: 3}))
+				h.must(fresh.Delete(feKeyOf(v.vip, 99)))
+				if s := h.feRead(key); s != (Fe4Slot{}) {
+					t.Errorf("an index never built wrote a slot: %+v", s)
+				}
+				expectForward(t, h, v, 40001, pkt.SYN, v.backends[0])
 			}},
 			{"a torn slot asks fluxvm_svc4", func(t *testing.T) {
 				// Another service's answer with a check that does not
@@ -114,21 +127,17 @@ func TestFrontendIndex(t *testing.T) {
 				}
 				expectForward(t, h, v, 40000, pkt.SYN, v.backends[0])
 				expectForward(t, h, second, 40001, pkt.SYN, second.backends[0])
-				// Removing one leaves the slot shared (the index does not
-				// know the other is alone), until a rebuild.
+				if st := h.fe.Stats(); st.Shared != 1 || st.Sharing != 2 {
+					t.Errorf("stats %+v, want one slot shared by two", st)
+				}
+				// The other one leaves: the slot answers for this one again.
 				h.must(h.fe.Delete(feKeyOf(other, v.proto)))
 				expectUntouched(t, h, "from_vm", second.fwd(40002, pkt.SYN))
-				if s := h.feRead(key); s.State != FeShared {
-					t.Errorf("slot after one of two frontends left: %+v, want shared", s)
-				}
-				expectForward(t, h, v, 40003, pkt.SYN, v.backends[0])
-				if _, err := h.fe.Rebuild(); err != nil {
-					t.Fatal(err)
-				}
 				if s := h.feRead(key); s.State != FeOne || s.feKey() != key {
-					t.Errorf("slot after the rebuild: %+v, want this frontend's", s)
+					t.Errorf("slot after one of two frontends left: %+v, want this frontend's", s)
 				}
-				expectForward(t, h, v, 40004, pkt.SYN, v.backends[0])
+				h.must(h.objs.FluxvmSvc4.Delete(key)) // only the index knows it now
+				expectForward(t, h, v, 40003, pkt.SYN, v.backends[0])
 			}},
 			{"a changed frontend is followed", func(t *testing.T) {
 				// The frontend moves to another service: new flows follow.

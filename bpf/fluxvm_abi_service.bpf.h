@@ -75,7 +75,7 @@ enum fluxvm_fe_state {
 	FLUXVM_FE_UNKNOWN = 0, /* ask fluxvm_svc4 */
 	FLUXVM_FE_EMPTY = 1,   /* no frontend hashes here: the key is no frontend */
 	FLUXVM_FE_ONE = 2,     /* exactly one frontend hashes here: this key and value */
-	FLUXVM_FE_SHARED = 3,  /* more than one did since the index was built: ask fluxvm_svc4 */
+	FLUXVM_FE_SHARED = 3,  /* more than one frontend hashes here: ask fluxvm_svc4 */
 };
 
 struct fluxvm_fe4_slot {

@@ -250,8 +250,7 @@ const (
 	FeEmpty = uint8(serviceFluxvmFeStateFLUXVM_FE_EMPTY)
 	// FeOne: exactly one frontend does, the slot's key and value.
 	FeOne = uint8(serviceFluxvmFeStateFLUXVM_FE_ONE)
-	// FeShared: several did since the last rebuild; the datapath asks
-	// fluxvm_svc4.
+	// FeShared: several do; the datapath asks fluxvm_svc4.
 	FeShared = uint8(serviceFluxvmFeStateFLUXVM_FE_SHARED)
 )
 

@@ -44,9 +44,9 @@ fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
  * (docs/benchmarks.md, issue 34 point 5).
  *
  * The key's 8 bytes as one word (vip, port, protocol; the state byte
- * zero), as fluxvm_svc4_key lays them out; the slot is the top
- * FLUXVM_FE4_BITS bits of a multiplicative hash of it. The loader
- * computes both the same way (bpf/feindex.go).
+ * zero), as fluxvm_svc4_key lays them out, and its slot
+ * (fluxvm_fe4_slot_of). The loader computes both the same way
+ * (bpf/feindex.go).
  */
 #define FLUXVM_FE_HASH_MUL 0x9E3779B97F4A7C15ULL
 #define FLUXVM_FE_CHECK_MUL0 0xC2B2AE3D27D4EB4FULL
@@ -55,6 +55,18 @@ fluxvm_frontend(const struct fluxvm_pkt *pkt, const int v6, __be16 port)
 static __always_inline __u64 fluxvm_fe4_word(__be32 vip, __be16 port, __u8 proto)
 {
 	return (__u64)vip | (__u64)port << 32 | (__u64)proto << 48;
+}
+
+/* The slot of key word @key: multiply, fold the high bits down, multiply
+ * again, and take the top FLUXVM_FE4_BITS bits. One multiply alone would
+ * make keys that differ in the VIP only collide at every port together. */
+static __always_inline __u32 fluxvm_fe4_slot_of(__u64 key)
+{
+	__u64 x = key * FLUXVM_FE_HASH_MUL;
+
+	x ^= x >> 29;
+	x *= FLUXVM_FE_CHECK_MUL0;
+	return (__u32)(x >> (64 - FLUXVM_FE4_BITS));
 }
 
 /* The check of a slot's first 16 bytes, @w0 and @w1 as loaded. */
@@ -71,7 +83,7 @@ static __always_inline __u32 fluxvm_fe4_check(__u64 w0, __u64 w1)
  */
 static __always_inline int fluxvm_fe4_lookup(__u64 key, __u32 *sid, __u32 *flags, int *found)
 {
-	__u32 idx = (__u32)((key * FLUXVM_FE_HASH_MUL) >> (64 - FLUXVM_FE4_BITS));
+	__u32 idx = fluxvm_fe4_slot_of(key);
 	struct fluxvm_fe4_slot *slot = bpf_map_lookup_elem(&fluxvm_fe4, &idx);
 	__u64 w0, w1;
 	__u32 check;

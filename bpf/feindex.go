@@ -263,3 +263,6 @@ func (d *Datapath) PutFrontend4(k SvcKey4, v SvcValue) error { return d.fe.Put(k
 // DeleteFrontend4 removes the IPv4 frontend k and updates its index slot
 // (FrontendIndex.Delete).
 func (d *Datapath) DeleteFrontend4(k SvcKey4) error { return d.fe.Delete(k) }
+
+// FrontendIndexStats says what the IPv4 frontend index holds now.
+func (d *Datapath) FrontendIndexStats() FrontendIndexStats { return d.fe.Stats() }

@@ -1294,6 +1294,7 @@ func (d *Dataplane) Status() Status {
 		Services:      len(d.services),
 		SNAT:          d.snatStatus(),
 		XDPRouteCache: d.routes.routeCache(),
+		FrontendIndex: d.dp.FrontendIndexStats(),
 		LastGC:        d.lastGC,
 		SocketLB:      d.sock.status(),
 		// advertiser.status takes only the advertiser's own lock.

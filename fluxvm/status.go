@@ -119,7 +119,13 @@ type Status struct {
 	// XDPRouteCache is the north-south XDP program's route cache: on or
 	// off and why, and how often the node's routing changes emptied it.
 	XDPRouteCache XDPRouteCacheStatus `json:"xdp_route_cache"`
-	LastGC        *GCResult           `json:"last_gc,omitempty"`
+	// FrontendIndex is what the IPv4 frontend index (fluxvm_fe4) holds:
+	// its slots, the IPv4 frontends, the slots that answer for their one
+	// frontend, and the slots (and frontends) shared by several, whose
+	// packets the datapath looks up in fluxvm_svc4 (a hash-map call) as
+	// every IPv6 frontend's (docs/architecture.md, "Forward path").
+	FrontendIndex bpf.FrontendIndexStats `json:"frontend_index"`
+	LastGC        *GCResult              `json:"last_gc,omitempty"`
 	// SocketLB is socket load balancing (cgroup_connect): the cgroup and
 	// hooks attached, and the worker that terminates connected UDP
 	// sockets of gone backends.

@@ -143,3 +143,65 @@ func TestStatusMemory(t *testing.T) {
 		t.Errorf("memory section after Close: %+v", st.Memory)
 	}
 }
+
+// TestStatusFrontendIndex: status counts what the IPv4 frontend index
+// holds as services come and go, one entry for each IPv4 frontend of
+// fluxvm_svc4 (VIP markers included), every one of them answered by its
+// slot or counted as sharing one.
+func TestStatusFrontendIndex(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	d, err := Open(Options{
+		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		GCInterval: -1,
+		Logger:     slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	ctx := context.Background()
+	check := func(what string) {
+		t.Helper()
+		n := 0
+		var (
+			k bpf.SvcKey4
+			v bpf.SvcValue
+		)
+		it := d.dp.Maps().FluxvmSvc4.Iterate()
+		for it.Next(&k, &v) {
+			n++
+		}
+		if err := it.Err(); err != nil {
+			t.Fatal(err)
+		}
+		st := d.Status().FrontendIndex
+		if st.Slots != 4096 || st.Frontends != n || st.One+st.Sharing != n || (st.Shared == 0) != (st.Sharing == 0) {
+			t.Errorf("%s: frontend index %+v; fluxvm_svc4 holds %d IPv4 frontends", what, st, n)
+		}
+	}
+	check("empty")
+	svc := Service{Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.1.1"), netip.MustParseAddr("fd00:96::1")},
+		Ports:    []ServicePort{{Port: 80, Protocol: TCP}, {Port: 53, Protocol: UDP}},
+		Backends: []Backend{{Address: netip.MustParseAddr("10.200.0.1"), Port: 8080}, {Address: netip.MustParseAddr("fd00:200::1"), Port: 8080}}}
+	if _, err := d.ApplyService(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	check("one service")
+	if st := d.Status().FrontendIndex; st.Frontends != 4 {
+		t.Errorf("frontends %d, want 4 (two ports and two VIP markers of the IPv4 VIP)", st.Frontends)
+	}
+	if err := d.DeleteService(ctx, "web"); err != nil {
+		t.Fatal(err)
+	}
+	check("after the delete")
+	raw, err := json.Marshal(d.Status())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		FE map[string]int `json:"frontend_index"`
+	}
+	if err := json.Unmarshal(raw, &doc); err != nil || doc.FE["slots"] != 4096 {
+		t.Errorf("frontend_index in JSON: %s", raw)
+	}
+}

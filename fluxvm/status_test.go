@@ -18,15 +18,7 @@ import (
 // every map, and of every Maglev table found through the service ids the
 // frontends report, as services come and go.
 func TestStatusMemory(t *testing.T) {
-	d, err := Open(Options{
-		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		GCInterval: -1,
-		Logger:     slog.New(slog.DiscardHandler),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := openStatusT(t)
 	ctx := context.Background()
 
 	// want computes the memory section from the kernel: each map's fdinfo,
@@ -150,15 +142,7 @@ func TestStatusMemory(t *testing.T) {
 // slot or counted as sharing one.
 func TestStatusFrontendIndex(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	d, err := Open(Options{
-		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		GCInterval: -1,
-		Logger:     slog.New(slog.DiscardHandler),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	d := openStatusT(t)
 	ctx := context.Background()
 	check := func(what string) {
 		t.Helper()
@@ -204,4 +188,20 @@ func TestStatusFrontendIndex(t *testing.T) {
 	if err := json.Unmarshal(raw, &doc); err != nil || doc.FE["slots"] != 4096 {
 		t.Errorf("frontend_index in JSON: %s", raw)
 	}
+}
+
+// openStatusT opens a tier-S dataplane without GC or logs for the status
+// tests.
+func openStatusT(t *testing.T) *Dataplane {
+	t.Helper()
+	d, err := Open(Options{
+		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		GCInterval: -1,
+		Logger:     slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
 }

@@ -171,6 +171,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"HookStatus":             reflect.TypeFor[fluxvm.HookStatus](),
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
 		"XDPRouteCacheStatus":    reflect.TypeFor[fluxvm.XDPRouteCacheStatus](),
+		"FrontendIndexStatus":    reflect.TypeFor[bpf.FrontendIndexStats](),
 		"SocketLBStatus":         reflect.TypeFor[fluxvm.SocketLBStatus](),
 		"SocketDestroyStatus":    reflect.TypeFor[fluxvm.SocketDestroyStatus](),
 		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),

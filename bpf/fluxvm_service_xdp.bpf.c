@@ -48,22 +48,15 @@
 #include "lib/parse.h"
 #include "lib/lb.h"
 
-/* The IPv6 and DSR paths as global functions, as in the TC object:
- * verified once each; the IPv4 SNAT path stays inline (the hot one). */
+/* The IPv6 paths as global functions, as in the TC object: verified once
+ * each; the IPv4 SNAT and DSR paths stay inline (the hot ones: a call
+ * costs a conntrack hit a few ns, docs/benchmarks.md, issue 34). */
 __attribute__((noinline)) int fluxvm_xdp_snat6(struct xdp_md *ctx, struct fluxvm_pkt *pkt,
 					       __u32 sid, __u32 flags)
 {
 	if (!pkt)
 		return XDP_PASS;
 	return fluxvm_lb_snat(ctx, pkt, 1, sid, flags);
-}
-
-__attribute__((noinline)) int fluxvm_xdp_dsr4(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid,
-					      __u32 flags)
-{
-	if (!pkt)
-		return XDP_PASS;
-	return fluxvm_lb_dsr(ctx, pkt, 0, sid, flags | FLUXVM_LB_AT_NS);
 }
 
 __attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_pkt *pkt, __u32 sid,
@@ -109,7 +102,8 @@ int fluxvm_xdp_ns(struct xdp_md *ctx)
 		verdict = v6 ? fluxvm_xdp_snat6(ctx, pkt, sid, flags) : fluxvm_lb_snat(ctx, pkt, 0, sid, flags);
 		break;
 	case FLUXVM_LB_DSR:
-		verdict = v6 ? fluxvm_xdp_dsr6(ctx, pkt, sid, flags) : fluxvm_xdp_dsr4(ctx, pkt, sid, flags);
+		verdict = v6 ? fluxvm_xdp_dsr6(ctx, pkt, sid, flags)
+			     : fluxvm_lb_dsr(ctx, pkt, 0, sid, flags | FLUXVM_LB_AT_NS);
 		break;
 	default:
 		return XDP_PASS;

@@ -23,9 +23,17 @@ static __always_inline struct fluxvm_svc_stats_value *fluxvm_stats(__u32 service
 	return bpf_map_lookup_elem(&fluxvm_svc_stats, &service_id);
 }
 
+/* The per-interface statistics of the VM edge @ctx arrived on, or NULL.
+ * XDP runs on north-south interfaces only, which never have a VM-edge
+ * slot (fluxvm: an interface is one kind or the other), so it skips the
+ * lookup. */
 static __always_inline struct fluxvm_svc_stats_value *
 fluxvm_edge(struct __ctx_buff *ctx)
 {
+#ifdef FLUXVM_CTX_XDP
+	(void)ctx;
+	return NULL;
+#endif
 	__u32 ifindex = ctx_ifindex(ctx);
 	__u32 key = ifindex & FLUXVM_EDGE_SLOT_MASK;
 	struct fluxvm_edge_slot *s = bpf_map_lookup_elem(&fluxvm_edge_slots, &key);

@@ -70,7 +70,9 @@ __attribute__((noinline)) int fluxvm_xdp_dsr6(struct xdp_md *ctx, struct fluxvm_
 SEC("xdp")
 int fluxvm_xdp_ns(struct xdp_md *ctx)
 {
-	struct fluxvm_pkt *pkt = fluxvm_pkt_new();
+	/* On the frame, as in TC (maps.h says why). */
+	struct fluxvm_pkt p = {};
+	struct fluxvm_pkt *pkt = &p;
 	struct fluxvm_svc_value *svc;
 	enum fluxvm_lb_mode mode;
 	__u32 sid = 0, flags = 0;

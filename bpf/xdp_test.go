@@ -480,7 +480,11 @@ func xdpBenchCasesOmit(b *testing.B, calls int, omit Features) (*harness, []*ben
 			}
 			// Whatever maps the build has beyond the program and the
 			// devmap; its next-hop cache, if it has one, on as ours.
-			coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: h.xdpReplacements(spec)})
+			// Its own per-CPU scratch: a work area whose layout is the
+			// build's own (it holds no state between packets).
+			repl := h.xdpReplacements(spec)
+			delete(repl, "fluxvm_scratch")
+			coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
 			if err != nil {
 				b.Fatalf("FLUXVM_BENCH_XDP_VARIANTS %s: %v", name, err)
 			}

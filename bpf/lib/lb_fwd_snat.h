@@ -32,9 +32,15 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 					  const int v6, __u32 sid, __u32 flags)
 {
 	struct fluxvm_tuple4 t4 = {};
-	struct fluxvm_tuple6 t6 = {};
+#ifdef FLUXVM_CTX_XDP
+	/* In scratch (maps.h): this function's IPv6 copy is the deepest of
+	 * the XDP program's chains. */
+	struct fluxvm_tuple6 *t6 = v6 ? fluxvm_scratch_fwd6() : NULL;
+#else
+	struct fluxvm_tuple6 t6s = {}, *t6 = &t6s;
+#endif
 	void *ct_map = v6 ? (void *)&fluxvm_fct6 : (void *)&fluxvm_fct4;
-	void *ct_key = v6 ? (void *)&t6 : (void *)&t4;
+	void *ct_key = v6 ? (void *)t6 : (void *)&t4;
 	__u8 nat_flags = (flags & FLUXVM_SVC_F_HOST_ROUTING) ? FLUXVM_NAT_F_HOST_ROUTING : 0;
 	struct fluxvm_svc_stats_value *st = fluxvm_stats(sid), *es = fluxvm_edge(ctx);
 	struct fluxvm_backend *be;
@@ -49,7 +55,11 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	__u64 now;
 	int ret;
 
-	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_SNAT, &t4, &t6, st, es, &o))
+#ifdef FLUXVM_CTX_XDP
+	if (v6 && !t6)
+		return CTX_ACT_NEXT;
+#endif
+	if (fluxvm_fwd_open(ctx, pkt, v6, sid, flags, FLUXVM_CT_F_SNAT, &t4, t6, st, es, &o))
 		return o.ret;
 	ct = o.ct;
 	be = o.be;
@@ -75,7 +85,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 	/* A new flow under HA: TC learns it and queues its record. */
 	if (fluxvm_ha_xdp_pass(meta))
 		return CTX_ACT_NEXT;
-	hash = v6 ? fluxvm_hash6(&t6, meta ? meta->hash_seed : 0)
+	hash = v6 ? fluxvm_hash6(t6, meta ? meta->hash_seed : 0)
 		  : fluxvm_hash4(&t4, meta ? meta->hash_seed : 0);
 	be = fluxvm_select(sid, hash, &bid, st, es);
 	if (!be)
@@ -102,7 +112,7 @@ static __always_inline int fluxvm_lb_snat(struct __ctx_buff *ctx, struct fluxvm_
 		fluxvm_snat_forget(pkt, v6, be, ct);
 		return fluxvm_drop(FLUXVM_DROP_CT_UPDATE, st, es);
 	}
-	fluxvm_ha_learned(meta, ct, v6, &t4, &t6);
+	fluxvm_ha_learned(meta, ct, v6, &t4, t6);
 	if (ct->flow) {
 		fluxvm_flow_learn(ctx, pkt, v6, ct->flow, FLUXVM_FWD_HOOK(1), sid, bid, be, ct->flags & FLUXVM_CT_F_AUDITED);
 		fluxvm_flow_snat(ct->flow, nat_addr, nat_port);

@@ -257,16 +257,14 @@ struct {
  * to completion on its CPU, so one slot per CPU is enough; the fields are
  * separate so that no two users in one packet's path overlap.
  *
- * The XDP program keeps its parse result here too (pkt, lib/parse.h,
- * fluxvm_pkt_new), off its call chains' first frame. The TC programs keep
- * theirs on the stack: through a pointer into this map, their inlined
- * IPv4 paths held it in one of the four registers a call keeps and
- * measured 3-9% slower (docs/benchmarks.md, issue 34). Memory the
- * verifier does not track also stops its walk from multiplying: in TC
- * the IPv6 extension walk's offset passes through here (walk_off).
+ * The parse result (struct fluxvm_pkt) is not here: every program keeps
+ * it on its own frame. Through a pointer into this map, the inlined IPv4
+ * paths held it in one of the four registers a call keeps and measured
+ * 3-9% slower in TC, ~3% in XDP (docs/benchmarks.md, issue 34). Memory
+ * the verifier does not track also stops its walk from multiplying: the
+ * IPv6 extension walk's offset passes through here (walk_off).
  */
 struct fluxvm_scratch {
-	struct fluxvm_pkt pkt;           /* the entry program's parse result */
 	struct fluxvm_ct_value nct;      /* a conntrack entry being created */
 	struct fluxvm_tuple4 k4;         /* a reverse-NAT entry being learned (nat.h) */
 	struct fluxvm_tuple6 k6;
@@ -275,10 +273,11 @@ struct fluxvm_scratch {
 	 * its global paths (fluxvm_to_vm's call chain through
 	 * fluxvm_reply6_stored would reach 480 bytes with it). */
 	struct fluxvm_tuple6 rk6;
-	/* Unused (the IPv6 NAT forward's key, now on its frame): kept so
-	 * that the fields below keep their offsets, and the programs'
-	 * entry code its bytes. */
-	struct fluxvm_tuple6 unused6;
+	/* XDP's IPv6 SNAT forward key (lb_fwd_snat.h), off the frame of
+	 * fluxvm_xdp_snat6, the deepest of the XDP program's call chains
+	 * once its parse result is on its own frame. TC keeps this key on
+	 * its frame. */
+	struct fluxvm_tuple6 xfwd6;
 	struct bpf_fib_lookup fib;       /* fib.h */
 	struct bpf_redir_neigh nh;
 	__u32 drop_reason;               /* the last drop this CPU counted (counters.h), for flows.h */
@@ -327,6 +326,18 @@ static __always_inline struct fluxvm_scratch *fluxvm_scratch_get(void)
 	__u32 zero = 0;
 
 	return bpf_map_lookup_elem(&fluxvm_scratch, &zero);
+}
+
+/* XDP's IPv6 SNAT forward key (xfwd6) in this CPU's scratch, zeroed;
+ * NULL when the scratch cannot be had. */
+static __always_inline struct fluxvm_tuple6 *fluxvm_scratch_fwd6(void)
+{
+	struct fluxvm_scratch *s = fluxvm_scratch_get();
+
+	if (!s)
+		return NULL;
+	__builtin_memset(&s->xfwd6, 0, sizeof(s->xfwd6));
+	return &s->xfwd6;
 }
 
 /* The IPv6 reply key (rk6) in this CPU's scratch. Only its padding is

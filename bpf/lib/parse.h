@@ -190,8 +190,9 @@ static __always_inline int fluxvm_parse_ipv6(struct __ctx_buff *ctx,
 		 * packet with extension headers pays for the lookup: the
 		 * parse result stays on the caller's stack, where the hot
 		 * paths read it without holding a pointer in a register.
-		 * XDP keeps its parse result in scratch (fluxvm_pkt_new) and
-		 * reads the offset back from it. */
+		 * XDP, whose parse result is on its frame too, reads the
+		 * offset back from it: its walk verifies within its budget
+		 * so (the scratch way did not, in the XDP test object). */
 #ifdef FLUXVM_CTX_SKB
 		if (!scr && !(scr = fluxvm_scratch_get()))
 			return FLUXVM_PARSE_LIMIT;
@@ -331,19 +332,6 @@ static __always_inline void fluxvm_count_parse(int ret, struct fluxvm_pkt *pkt)
 		fluxvm_count(FLUXVM_CNT_UDP);
 	else
 		fluxvm_count(FLUXVM_CNT_L4_OTHER);
-}
-
-/* The XDP program's parse result, zeroed, in this CPU's scratch (maps.h),
- * off its deepest call chain's first frame; NULL when the scratch cannot
- * be had. (The TC programs keep theirs on the stack: see maps.h.) */
-static __always_inline struct fluxvm_pkt *fluxvm_pkt_new(void)
-{
-	struct fluxvm_scratch *s = fluxvm_scratch_get();
-
-	if (!s)
-		return NULL;
-	__builtin_memset(&s->pkt, 0, sizeof(s->pkt));
-	return &s->pkt;
 }
 
 /* Parse and count: what every entry program does first. Returns 1 when

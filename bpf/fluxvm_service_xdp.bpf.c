@@ -29,7 +29,7 @@
  * The route toward a flow's backend comes from the next-hop cache
  * (lib/nh.h) when the control plane keeps it on, else from the FIB.
  *
- * Known limits: an established flow costs 0.83-0.84 times Katran's
+ * Known limits: an established flow costs 0.73-0.75 times Katran's
  * (docs/benchmarks.md, issue 34); XDP forwards by the FIB as TC's
  * host_routing does, so the stack's forwarding path (netfilter FORWARD,
  * egress qdiscs) is bypassed for what XDP sends; a frame whose VLAN tag

@@ -54,12 +54,21 @@ import (
 // ms). Status.MapSizes reports it. Applies under way count: of two
 // concurrent applies that together bring a map's first need, one grows it
 // before it commits.
+//
+// ctx bounds the wait: an apply whose context ends before its new tables
+// are committed changes no service (a map grown for it stays grown) and
+// returns an error wrapping the context's (errors.Is(err,
+// context.Canceled)); one that reached the commit finishes, catalog
+// included, and returns its outcome.
 func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceStatus, err error) {
 	if err := d.opened("apply service"); err != nil {
 		return ServiceStatus{}, err
 	}
 	_, span := d.startSpan(ctx, SpanApplyService, AttrService.String(svc.Name), AttrBackends.Int(len(svc.Backends)))
 	defer endSpan(span, &err)
+	if err := ctx.Err(); err != nil {
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
+	}
 	// The dataplane keeps the intent: it must not share the caller's
 	// slices and pointers, or a caller that edits its copy afterwards
 	// would change the stored intent behind our back.
@@ -70,6 +79,11 @@ func (d *Dataplane) ApplyService(ctx context.Context, svc Service) (_ ServiceSta
 	grows := 0
 grow:
 	grows++
+	// Cancelled while it waited for the service's lock, or while a map
+	// grew: nothing of the service has changed yet.
+	if err := ctx.Err(); err != nil {
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
+	}
 	planned, err := d.growFor(svc)
 	if err != nil {
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
@@ -78,6 +92,10 @@ grow:
 	if err := d.checkOpen("apply " + svc.Name); err != nil {
 		d.mu.Unlock()
 		return ServiceStatus{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		d.mu.Unlock()
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	// The service alone first, so that its errors name its own fields
 	// (backends[0].port), then the catalog it would join.
@@ -156,10 +174,15 @@ grow:
 		var tables []builtTable
 		tables, err = d.buildTables(p)
 		d.mu.Lock()
+		// The last moment a cancelled apply is undone (the old intent
+		// put back below); from the commit on it finishes.
+		if err == nil {
+			err = ctx.Err()
+		}
 		if err == nil {
 			err = d.commitUnlocked(svc, s, p, tables, old)
-			closeTables(tables)
 		}
+		closeTables(tables)
 	}
 	if err != nil {
 		// Put back what was there, so that maps and catalog agree.
@@ -216,19 +239,30 @@ grow:
 // service is kept as it was (programmed again) and the error says so.
 // A delete that failed with "removed, but the catalog was not saved",
 // retried, returns nil only once the removal is durable (and
-// ErrNotFound after that).
+// ErrNotFound after that). A delete whose context ends before it starts
+// removing (while it waits for the service's lock, say) removes nothing
+// and returns an error wrapping the context's; once removing, it
+// finishes.
 func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) {
 	if err := d.opened("delete service"); err != nil {
 		return err
 	}
 	_, span := d.startSpan(ctx, SpanDeleteService, AttrService.String(name))
 	defer endSpan(span, &err)
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
+	}
 	unlock := d.lockService(name)
 	defer unlock()
 	d.mu.Lock()
 	if err := d.checkOpen("delete " + name); err != nil {
 		d.mu.Unlock()
 		return err
+	}
+	// Cancelled while it waited for the service's lock: nothing removed.
+	if err := ctx.Err(); err != nil {
+		d.mu.Unlock()
+		return fmt.Errorf("fluxvm: delete %s: %w", name, err)
 	}
 	s, ok := d.services[name]
 	if seq := d.unsaved[name]; !ok && seq != 0 {

@@ -363,14 +363,7 @@ func loadPinned(t *testing.T, root, name string) *ebpf.Map {
 // the other flow maps and every other map are the same objects with the
 // same entries.
 func TestGrowKeepsEveryEntry(t *testing.T) {
-	ceil, err := Ceilings(TierS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	now, err := monotonicCoarse()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ceil, now := growTestStart(t)
 	fixtures := map[string]rawEntries{}
 	for _, name := range FlowMaps {
 		fixtures[name] = growFixtures(t, name, TokenFlowEntries, now)
@@ -609,14 +602,7 @@ func (g *switchGate) Unlock() { g.mu.Unlock() }
 // the version the copy read is not caught up (the writer spaces its
 // changes two ticks apart).
 func TestGrowWhileProgramWrites(t *testing.T) {
-	ceil, err := Ceilings(TierS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	now, err := monotonicCoarse()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ceil, now := growTestStart(t)
 	var v4, v6 variant
 	for _, v := range variants() {
 		switch v.name {
@@ -947,4 +933,19 @@ func TestGrowWhileProgramWrites(t *testing.T) {
 			}
 		})
 	}
+}
+
+// growTestStart is what the grow tests start from: tier S's ceilings and
+// the coarse clock now.
+func growTestStart(t *testing.T) (map[string]uint32, uint64) {
+	t.Helper()
+	ceil, err := Ceilings(TierS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now, err := monotonicCoarse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ceil, now
 }

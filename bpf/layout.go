@@ -269,6 +269,31 @@ const (
 	FamilyIPv6 = uint8(serviceFluxvmFamilyFLUXVM_AF_INET6)
 )
 
+// Family is an address family as the SDK's packages name it (conntrack
+// and nat select entries by it; their Family is this type): its values
+// are the layouts' FamilyIPv4 and FamilyIPv6, and the zero Family, in a
+// filter, selects both.
+type Family uint8
+
+// The families.
+const (
+	IPv4 = Family(FamilyIPv4)
+	IPv6 = Family(FamilyIPv6)
+)
+
+// String is "ipv4", "ipv6", "any" (the zero Family) or "family(N)".
+func (f Family) String() string {
+	switch f {
+	case 0:
+		return "any"
+	case IPv4:
+		return "ipv4"
+	case IPv6:
+		return "ipv6"
+	}
+	return fmt.Sprintf("family(%d)", uint8(f))
+}
+
 // BackendState is Backend.State (C enum fluxvm_backend_state).
 type BackendState uint8
 

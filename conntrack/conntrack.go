@@ -35,16 +35,15 @@ const (
 	ProtoUDP = nat.ProtoUDP
 )
 
-// Family is an address family, as a Filter selects it.
-type Family uint8
+// Family is an address family, as a Filter selects it: the SDK's one
+// Family type (bpf.Family), shared with nat.
+type Family = bpf.Family
 
 // Families; the zero Family in a Filter selects both.
 const (
-	IPv4 = Family(bpf.FamilyIPv4)
-	IPv6 = Family(bpf.FamilyIPv6)
+	IPv4 = bpf.IPv4
+	IPv6 = bpf.IPv6
 )
-
-func (f Family) String() string { return nat.Family(f).String() }
 
 // Key names a conntrack entry: the flow as the client sent it, from Client
 // to the service's VIP. IPv4-mapped IPv6 addresses are taken as IPv4, the

@@ -36,26 +36,15 @@ const (
 	ProtoUDP = 17
 )
 
-// Family is an address family, as a Filter selects it.
-type Family uint8
+// Family is an address family, as a Filter selects it: the SDK's one
+// Family type (bpf.Family), shared with conntrack.
+type Family = bpf.Family
 
 // Families; the zero Family in a Filter selects both.
 const (
-	IPv4 = Family(bpf.FamilyIPv4)
-	IPv6 = Family(bpf.FamilyIPv6)
+	IPv4 = bpf.IPv4
+	IPv6 = bpf.IPv6
 )
-
-func (f Family) String() string {
-	switch f {
-	case 0:
-		return "any"
-	case IPv4:
-		return "ipv4"
-	case IPv6:
-		return "ipv6"
-	}
-	return fmt.Sprintf("family(%d)", uint8(f))
-}
 
 // Key names a reverse-NAT entry: a reply as it leaves the backend, from
 // Backend to Client. IPv4-mapped IPv6 addresses are taken as IPv4, the

@@ -30,7 +30,6 @@ const (
 	feHashMul   = 0x9E3779B97F4A7C15
 	feCheckMul0 = 0xC2B2AE3D27D4EB4F
 	feCheckMul1 = 0x165667B19E3779F9
-	feKeyMask   = 1<<56 - 1
 )
 
 // Fe4Slot is a slot of the IPv4 frontend index (struct fluxvm_fe4_slot).
@@ -63,16 +62,18 @@ func feSlot(st uint8, k SvcKey4, v SvcValue) Fe4Slot {
 		s.Vip, s.Port, s.Proto = k.Vip, k.Port, k.Proto
 		s.ServiceId, s.Flags = v.ServiceId, v.Flags
 	}
-	w0 := uint64(s.Vip) | uint64(s.Port)<<32 | uint64(s.Proto)<<48 | uint64(s.State)<<56
-	s.Check = feCheck(w0, uint64(s.ServiceId)|uint64(s.Flags)<<32)
+	s.Check = s.check()
 	return s
 }
 
-// feValid reports whether s carries a correct check.
-func feValid(s Fe4Slot) bool {
-	w0 := uint64(s.Vip) | uint64(s.Port)<<32 | uint64(s.Proto)<<48 | uint64(s.State)<<56
-	return s.Check == feCheck(w0, uint64(s.ServiceId)|uint64(s.Flags)<<32)
+// check is the check s's first 16 bytes call for, loaded as the datapath
+// loads them.
+func (s Fe4Slot) check() uint32 {
+	return feCheck(feWord(s.feKey())|uint64(s.State)<<56, uint64(s.ServiceId)|uint64(s.Flags)<<32)
 }
+
+// feValid reports whether s carries a correct check.
+func feValid(s Fe4Slot) bool { return s.Check == s.check() }
 
 // feKey is the key a FeOne slot holds.
 func (s Fe4Slot) feKey() SvcKey4 { return SvcKey4{Vip: s.Vip, Port: s.Port, Proto: s.Proto} }

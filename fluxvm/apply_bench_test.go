@@ -42,8 +42,8 @@ func BenchmarkApply(b *testing.B) {
 	for _, catalog := range []string{"disk", "memory"} {
 		b.Run("catalog="+catalog, func(b *testing.B) {
 			opts := Options{
-				Loader:     bpf.Options{PinRoot: filepath.Join(root, catalog), Tier: bpf.TierS},
-				GCInterval: -1,
+				Loader:              bpf.Options{PinRoot: filepath.Join(root, catalog), Tier: bpf.TierS},
+				ConntrackGCInterval: -1,
 			}
 			if catalog == "disk" {
 				opts.CatalogPath = filepath.Join(b.TempDir(), "catalog.json")

@@ -275,10 +275,10 @@ func benchDataplane(t *testing.T, n int, fill *time.Duration) (*Dataplane, strin
 	}
 	start := time.Now()
 	d, err := Open(Options{
-		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierL},
-		CatalogPath: path,
-		GCInterval:  -1,
-		Logger:      slog.New(slog.DiscardHandler),
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierL},
+		CatalogPath:         path,
+		ConntrackGCInterval: -1,
+		Logger:              slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatalf("open: %v", err)

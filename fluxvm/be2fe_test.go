@@ -47,10 +47,10 @@ var tcp80 = []ServicePort{{Port: 80, Protocol: TCP}}
 func ixOpen(t *testing.T, root, catalog string, tier bpf.Tier) *Dataplane {
 	t.Helper()
 	d, err := Open(Options{
-		Loader:      bpf.Options{PinRoot: root, Tier: tier},
-		CatalogPath: catalog,
-		GCInterval:  -1,
-		Logger:      slog.New(slog.DiscardHandler),
+		Loader:              bpf.Options{PinRoot: root, Tier: tier},
+		CatalogPath:         catalog,
+		ConntrackGCInterval: -1,
+		Logger:              slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatalf("open: %v", err)

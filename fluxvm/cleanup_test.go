@@ -237,7 +237,7 @@ func readAdvert(t *testing.T, path string) advert.Snapshot {
 func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 	parent := filepath.Join(testenv.PinRoot(t), "fluxvm")
 	root := filepath.Join(parent, "service")
-	opts := Options{Loader: bpf.Options{PinRoot: root, Tier: bpf.TierS, ObjectDir: t.TempDir()}, GCInterval: -1}
+	opts := Options{Loader: bpf.Options{PinRoot: root, Tier: bpf.TierS, ObjectDir: t.TempDir()}, ConntrackGCInterval: -1}
 	if d, err := Open(opts); err == nil {
 		d.Close()
 		t.Fatal("Open without an object succeeded")
@@ -246,7 +246,7 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 		t.Errorf("the failed Open left %s: %v", parent, err)
 	}
 	opts.Loader.ObjectDir = ""
-	opts.PressureSoftPercent = 101
+	opts.Pressure.SoftPercent = 101
 	if _, err := Open(opts); !errors.Is(err, ErrInvalid) {
 		t.Errorf("Open with pressure_soft_percent 101: %v, want ErrInvalid", err)
 	}
@@ -254,7 +254,7 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 		t.Errorf("the invalid Open left %s: %v", parent, err)
 	}
 	// Nothing holds the pin root: an Open with good options goes ahead.
-	opts.PressureSoftPercent = 0
+	opts.Pressure.SoftPercent = 0
 	d, err := Open(opts)
 	if err != nil {
 		t.Fatal(err)

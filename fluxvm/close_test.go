@@ -18,7 +18,7 @@ import (
 // timer and be found.
 func TestCloseEndsGoroutines(t *testing.T) {
 	e := newEnv(t)
-	e.opts.GCInterval = time.Hour
+	e.opts.ConntrackGCInterval = time.Hour
 	e.opts.AdvertisementsPath = filepath.Join(t.TempDir(), "service-advertisements.json")
 	leaks := goleak.IgnoreCurrent()
 	d := e.open(t)

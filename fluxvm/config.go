@@ -18,8 +18,6 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
-	"github.com/fluxvm/servicefabric/ha"
-	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -210,7 +208,7 @@ type Config struct {
 	// often). Default 2s, range MinPressureInterval..MaxPressureInterval.
 	PressureInterval Duration `toml:"pressure_interval"`
 	// ConntrackGCInterval is how often userspace garbage-collects
-	// conntrack and reverse-NAT entries (Options.GCInterval: the period
+	// conntrack and reverse-NAT entries (Options.ConntrackGCInterval: the period
 	// adapts around it and counts from the last GC, also across
 	// restarts). Default 30s, range 1s..1h.
 	ConntrackGCInterval Duration `toml:"conntrack_gc_interval"`
@@ -655,34 +653,27 @@ func (c *Config) validate() error {
 	case filepath.IsAbs(c.CatalogPath) && filepath.Clean(ap) == filepath.Clean(c.CatalogPath):
 		bad(ErrConflict, "advertisements_path", "%q is also catalog_path; the snapshot needs a file of its own", ap)
 	}
-	if why := nodeNameProblem(c.NodeName); why != "" {
-		bad(ErrInvalid, "node_name", "%s", why)
-	}
-	if n := c.HealthCheckConcurrency; n < 0 || n > MaxHealthCheckConcurrency {
-		bad(ErrInvalid, "health_check_concurrency", "%d is outside 0..%d (0: the default, %d)", n, MaxHealthCheckConcurrency, health.DefaultConcurrency)
-	}
-	if n := c.FlowSampleRate; n > MaxFlowSampleRate {
-		bad(ErrInvalid, "flow_sample_rate", "%d is outside 0..%d (0: off, N: 1 in N new flows)", n, MaxFlowSampleRate)
-	}
-	switch soft, hard := c.PressureSoftPercent, c.PressureHardPercent; {
-	case soft < 1 || soft > 100:
-		bad(ErrInvalid, "pressure_soft_percent", "%d is outside 1..100", soft)
-	case hard < 1 || hard > 100:
-		bad(ErrInvalid, "pressure_hard_percent", "%d is outside 1..100", hard)
-	case soft >= hard:
-		bad(ErrConflict, "pressure_soft_percent", "%d is not below pressure_hard_percent (%d)", soft, hard)
-	}
-	if d := c.PressureInterval.Duration; d < MinPressureInterval || d > MaxPressureInterval {
-		bad(ErrInvalid, "pressure_interval", "%v is outside %v..%v", d, MinPressureInterval, MaxPressureInterval)
-	}
-	if c.HAEpoch != 0 && len(c.NorthSouthInterfaces) == 0 {
-		bad(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
-	}
-	if d := c.HAInterval.Duration; d < MinHAInterval || d > MaxHAInterval {
-		bad(ErrInvalid, "ha_interval", "%v is outside %v..%v", d, MinHAInterval, MaxHAInterval)
-	}
-	if n := c.HAJournalMaxOps; n < 0 || n > MaxHAJournalOps {
-		bad(ErrInvalid, "ha_journal_max_ops", "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
+	// What a file must state: a key set to 0 where Options' zero means
+	// "the default" is refused (leave the key out for the default), and
+	// the GC runs within the file's bounds (the library takes shorter
+	// periods, for tests).
+	for _, z := range []struct {
+		k     string
+		zero  bool
+		v     any
+		valid string
+	}{
+		{"pressure_soft_percent", c.PressureSoftPercent == 0, 0, "1..100"},
+		{"pressure_hard_percent", c.PressureHardPercent == 0, 0, "1..100"},
+		{"pressure_interval", c.PressureInterval.Duration <= 0, c.PressureInterval.Duration, fmt.Sprintf("%v..%v", MinPressureInterval, MaxPressureInterval)},
+		{"ha_interval", c.HAInterval.Duration == 0, 0, fmt.Sprintf("%v..%v", MinHAInterval, MaxHAInterval)},
+		{"edt_horizon", c.EDTHorizon.Duration == 0, 0, fmt.Sprintf("%v..%v", bpf.MinEDTHorizon, bpf.MaxEDTHorizon)},
+		{"snat_port_min", c.SNATPortMin == 0, 0, fmt.Sprintf("%d..%d", MinSNATPort, MaxSNATPort)},
+		{"snat_port_max", c.SNATPortMax == 0, 0, fmt.Sprintf("%d..%d", MinSNATPort, MaxSNATPort)},
+	} {
+		if z.zero {
+			bad(ErrInvalid, z.k, "%v is outside %s (leave the key out for the default)", z.v, z.valid)
+		}
 	}
 	if d := c.ConntrackGCInterval.Duration; d < MinConntrackGCInterval || d > MaxConntrackGCInterval {
 		bad(ErrInvalid, "conntrack_gc_interval", "%v is outside %v..%v", d, MinConntrackGCInterval, MaxConntrackGCInterval)
@@ -704,152 +695,14 @@ func (c *Config) validate() error {
 			bad(ErrInvalid, t.k, "%v is not a whole number of seconds (the datapath keeps seconds)", t.d)
 		}
 	}
-	names := make(map[string]string)
-	for i, ifc := range c.VMEdgeInterfaces {
-		at := fmt.Sprintf("vm_edge_interfaces[%d]", i)
-		if why := ifnameProblem(ifc.Name); why != "" {
-			bad(ErrInvalid, at+".name", "%s", why)
-		} else if prev, dup := names[ifc.Name]; dup {
-			bad(ErrConflict, at+".name", "%q is already %s", ifc.Name, prev)
-		} else {
-			names[ifc.Name] = at
-		}
-		if why := vmIDProblem(ifc.VMID); why != "" {
-			bad(ErrInvalid, at+".vm_id", "%s", why)
-		}
+	// Every other rule is Options' (one source of truth), naming keys.
+	if err := OptionsFrom(*c).check(configNames, checkConfig); err != nil {
+		errs = append(errs, err)
 	}
-	for i, n := range c.NorthSouthInterfaces {
-		at := fmt.Sprintf("north_south_interfaces[%d]", i)
-		if why := ifnameProblem(n); why != "" {
-			bad(ErrInvalid, at, "%s", why)
-		} else if prev, dup := names[n]; dup {
-			bad(ErrConflict, at, "%q is already %s", n, prev)
-		} else {
-			names[n] = at
-		}
-	}
-	c.validateXDP(bad)
-	c.validateSNAT(bad)
-	c.validateSocketLB(bad)
-	c.validateEDT(bad)
 	for _, e := range intent.CheckNode(c.Node()) {
 		bad(e.Kind, e.Field, "%s", e.Reason)
 	}
 	return errors.Join(errs...)
-}
-
-func (c *Config) validateSNAT(bad func(category error, k, format string, args ...any)) {
-	if c.SNATAddress.IsValid() {
-		if why := snatAddrProblem(c.SNATAddress); why != "" {
-			bad(ErrInvalid, "snat_address", "%s", why)
-		} else if c.SNATAddressV6.IsValid() && c.SNATAddress.Is6() {
-			bad(ErrConflict, "snat_address", "%s is IPv6, and so is snat_address_v6 (%s): with snat_address_v6 set, snat_address is the IPv4 SNAT address", c.SNATAddress, c.SNATAddressV6)
-		}
-	}
-	if c.SNATAddressV6.IsValid() {
-		if why := snatAddrProblem(c.SNATAddressV6); why != "" {
-			bad(ErrInvalid, "snat_address_v6", "%s", why)
-		} else if !c.SNATAddressV6.Is6() {
-			bad(ErrInvalid, "snat_address_v6", "%s is not an IPv6 address; put the IPv4 SNAT address in snat_address", c.SNATAddressV6)
-		}
-	}
-	minOK, maxOK := true, true
-	for _, p := range []struct {
-		k  string
-		v  int
-		ok *bool
-	}{{"snat_port_min", c.SNATPortMin, &minOK}, {"snat_port_max", c.SNATPortMax, &maxOK}} {
-		if p.v < MinSNATPort || p.v > MaxSNATPort {
-			bad(ErrInvalid, p.k, "%d is outside %d..%d", p.v, MinSNATPort, MaxSNATPort)
-			*p.ok = false
-		}
-	}
-	if minOK && maxOK && c.SNATPortMin > c.SNATPortMax {
-		bad(ErrInvalid, "snat_port_min", "%d is above snat_port_max (%d)", c.SNATPortMin, c.SNATPortMax)
-	}
-}
-
-// checkNorthSouth checks the SNAT, XDP and socket LB keys of the settings Open applies
-// (Options.NorthSouth, through Options.settings: it need not have passed
-// Validate as a whole; a port range left 0..0 takes the defaults, as
-// SNATConfig does).
-func (c *Config) checkNorthSouth() error {
-	cc := *c
-	if cc.SNATPortMin == 0 && cc.SNATPortMax == 0 {
-		cc.SNATPortMin, cc.SNATPortMax = DefaultSNATPortMin, DefaultSNATPortMax
-	}
-	var errs []error
-	bad := func(category error, k, format string, args ...any) {
-		errs = append(errs, verr(category, configKey(k), format, args...))
-	}
-	cc.validateXDP(bad)
-	cc.validateSNAT(bad)
-	cc.validateSocketLB(bad)
-	return errors.Join(errs...)
-}
-
-func (c *Config) validateEDT(bad func(category error, k, format string, args ...any)) {
-	if h := c.EDTHorizon.Duration; h < bpf.MinEDTHorizon || h > bpf.MaxEDTHorizon {
-		bad(ErrInvalid, "edt_horizon", "%v is outside %v..%v", h, bpf.MinEDTHorizon, bpf.MaxEDTHorizon)
-	}
-	seen := map[string]int{}
-	for i, n := range c.EDTInterfaces {
-		at := fmt.Sprintf("edt_interfaces[%d]", i)
-		if why := ifnameProblem(n); why != "" {
-			bad(ErrInvalid, at, "%s", why)
-		} else if prev, dup := seen[n]; dup {
-			bad(ErrConflict, at, "%q is already edt_interfaces[%d]", n, prev)
-		} else {
-			seen[n] = i
-		}
-	}
-	if c.EDTManageFQ {
-		if !c.EDTEnabled {
-			bad(ErrPrerequisite, "edt_manage_fq", "requires edt_enabled = true")
-		}
-		if len(c.EDTInterfaces) == 0 {
-			bad(ErrPrerequisite, "edt_manage_fq", "requires edt_interfaces: the interfaces whose root qdisc FluxVM may manage")
-		}
-	} else {
-		if len(c.EDTInterfaces) > 0 {
-			bad(ErrPrerequisite, "edt_interfaces", "set, but edt_manage_fq is false: set edt_manage_fq = true too, or leave this empty")
-		}
-		if c.EDTHorizonFallback {
-			bad(ErrPrerequisite, "edt_horizon_fallback", "set, but edt_manage_fq is false: it only says what to do when fq cannot be installed")
-		}
-	}
-}
-
-func (c *Config) validateSocketLB(bad func(category error, k, format string, args ...any)) {
-	if c.CgroupPath == "" {
-		return
-	}
-	if !filepath.IsAbs(c.CgroupPath) {
-		bad(ErrInvalid, "cgroup_path", "%q is not an absolute path", c.CgroupPath)
-	}
-	if !c.CgroupConnect {
-		bad(ErrInvalid, "cgroup_path", "set, but cgroup_connect is false: set cgroup_connect = true too, or leave this empty")
-	}
-}
-
-func (c *Config) validateXDP(bad func(category error, k, format string, args ...any)) {
-	switch c.XDPMode {
-	case "", bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto:
-	default:
-		bad(ErrInvalid, "xdp_mode", "%q is not an XDP mode (want %q, %q, %q or %q)", c.XDPMode, bpf.XDPOff, bpf.XDPNative, bpf.XDPGeneric, bpf.XDPAuto)
-	}
-	seen := map[string]bool{}
-	for _, n := range c.XDPEgressInterfaces {
-		if why := ifnameProblem(n); why != "" {
-			bad(ErrInvalid, "xdp_egress_interfaces", "%q: %s", n, why)
-		} else if seen[n] {
-			bad(ErrInvalid, "xdp_egress_interfaces", "%q is listed twice", n)
-		}
-		seen[n] = true
-	}
-	if len(c.XDPEgressInterfaces) > 0 && (c.XDPMode == "" || c.XDPMode == bpf.XDPOff) {
-		bad(ErrInvalid, "xdp_egress_interfaces", "set, but xdp_mode is off: set xdp_mode too, or leave this empty")
-	}
 }
 
 // snatAddrProblem says what is wrong with a as an SNAT address, or "".

@@ -476,16 +476,18 @@ func TestSNATConfig(t *testing.T) {
 	if v := zero.SNATConfig(); v.PortMin != DefaultSNATPortMin || v.PortMax != DefaultSNATPortMax || v.Flags != 0 {
 		t.Errorf("zero config: %+v", v)
 	}
-	if err := zero.checkNorthSouth(); err != nil {
-		t.Errorf("zero config: %v", err)
+	// Options name their own fields.
+	var ns NorthSouth
+	if err := ns.Validate(); err != nil {
+		t.Errorf("zero north-south: %v", err)
 	}
-	zero.SNATAddressV6 = v4
+	ns.SNATAddressV6 = v4
 	var ve *ValidationError
-	if err := zero.checkNorthSouth(); !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.snat_address_v6" {
-		t.Errorf("IPv4 snat_address_v6: %v", err)
+	if err := ns.Validate(); !errors.As(err, &ve) || ve.Field != "NorthSouth.SNATAddressV6" {
+		t.Errorf("IPv4 SNATAddressV6: %v", err)
 	}
-	zero = Config{SNATPortMin: 70000, SNATPortMax: 1}
-	if err := zero.checkNorthSouth(); !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.snat_port_min" {
+	ns = NorthSouth{SNATPortMin: 70000, SNATPortMax: 1}
+	if err := ns.Validate(); !errors.As(err, &ve) || ve.Field != "NorthSouth.SNATPortMin" {
 		t.Errorf("bad ports: %v", err)
 	}
 }
@@ -525,7 +527,7 @@ func TestXDPModeOptions(t *testing.T) {
 	}
 	err := NorthSouth{XDPMode: "fast"}.Validate()
 	var ve *ValidationError
-	if !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "sandbox.dataplane.service.xdp_mode" {
+	if !errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != "NorthSouth.XDPMode" {
 		t.Errorf("NorthSouth{XDPMode: fast}.Validate() = %v, want ErrInvalid on xdp_mode", err)
 	}
 }
@@ -538,13 +540,13 @@ func TestSocketLBOptions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o := OptionsFrom(c); !o.CgroupConnect || o.CgroupPath != "/sys/fs/cgroup/unified/agents" {
+	if o := OptionsFrom(c).SocketLB; !o.CgroupConnect || o.CgroupPath != "/sys/fs/cgroup/unified/agents" {
 		t.Errorf("OptionsFrom: cgroup_connect %v, cgroup_path %q", o.CgroupConnect, o.CgroupPath)
 	}
 	if o := OptionsFrom(Config{FlowSampleRate: 7}); o.FlowSampleRate != 7 {
 		t.Errorf("OptionsFrom: flow_sample_rate %d, want 7", o.FlowSampleRate)
 	}
-	if o := OptionsFrom(DefaultConfig()); o.CgroupConnect || o.CgroupPath != "" {
+	if o := OptionsFrom(DefaultConfig()).SocketLB; o.CgroupConnect || o.CgroupPath != "" {
 		t.Errorf("defaults: cgroup_connect %v, cgroup_path %q; want off", o.CgroupConnect, o.CgroupPath)
 	}
 	pins := filepath.Join(t.TempDir(), "never-created")

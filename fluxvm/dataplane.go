@@ -24,124 +24,6 @@ import (
 	"github.com/fluxvm/servicefabric/nat"
 )
 
-// Options configure a Dataplane.
-type Options struct {
-	// NorthSouth is the node's north-south edge: its uplinks, attached at
-	// Open, and the SNAT addresses and port range written to the
-	// datapath. Validation of north-south services depends on it.
-	NorthSouth NorthSouth
-	// EDTEnabled allows services to ask for egress pacing
-	// (Service.MaxEgressMbps); validation refuses them otherwise.
-	EDTEnabled bool
-	// EDTHorizon is edt_horizon: 0 means DefaultEDTHorizon, otherwise
-	// bpf.MinEDTHorizon..bpf.MaxEDTHorizon.
-	EDTHorizon time.Duration
-	// EDTManageFQ, EDTInterfaces and EDTHorizonFallback are
-	// edt_manage_fq, edt_interfaces and edt_horizon_fallback: Open
-	// installs fq as the root qdisc of each of EDTInterfaces whose root
-	// is the kernel's default (on a multi-queue device, under each class
-	// of an mq); Close keeps it, with the rest of the datapath, the next
-	// Open adopts it or removes it from interfaces no longer listed, and
-	// Cleanup deletes it (edtfq.go).
-	EDTManageFQ        bool
-	EDTInterfaces      []string
-	EDTHorizonFallback bool
-	// Loader configures the BPF loader (pin root, tier, object dir,
-	// attach mode, flow-hash seed: see bpf.Options.HashSeed).
-	Loader bpf.Options
-	// CatalogPath is where the node-local catalog is kept; empty keeps it
-	// in memory only.
-	CatalogPath string
-	// AdvertisementsPath is the file the VIP advertisement snapshot is
-	// published to (atomically; see package advert and
-	// docs/advertisements.md). Empty keeps the advertisements in memory
-	// only: Advertisements() and GET /v1/network/services/advertisements
-	// still report them, with a generation of their own, but no file is
-	// written, so no routing adapter on the node can follow them.
-	// OptionsFrom sets it from advertisements_path (default
-	// advert.DefaultPath).
-	AdvertisementsPath string
-	// NodeName is the node field of the advertisement snapshot; optional.
-	NodeName string
-	// GCInterval is the conntrack GC period; 0 means DefaultConntrackGCInterval and
-	// a negative value turns the timer off (GC then runs on demand only).
-	// The timer's period adapts around it (an eighth of it, at least
-	// MinConntrackGCInterval, up to twice it), and its next GC is due one
-	// period after the last GC began, whoever ran it: the timer, GC, a
-	// pressure round, or an earlier process on the same pins
-	// (bpf.GCMark), so restarts do not postpone it.
-	GCInterval time.Duration
-	// Timeouts are the conntrack timeouts; zero means the defaults.
-	Timeouts conntrack.Timeouts
-	// MaglevSeed seeds the Maglev tables (maglev.Config.Seed). It must
-	// be the same on every node that should compute the same tables (an
-	// HA pair), as must Loader.HashSeed. Open rebuilds every table with
-	// it, so a change takes effect at Open and moves only new flows:
-	// established ones keep their backends through conntrack. Both
-	// seeds are in Status.Seeds.
-	MaglevSeed uint64
-	// FlowSampleRate is flow_sample_rate: 0 (the default) records no
-	// flows; N gives 1 in N new flows a FluxScope record (Flows), and
-	// client packets dropped are recorded within the datapath's
-	// node-wide budget (64 at once, refilled at 64 a second, shared by
-	// every CPU). At most MaxFlowSampleRate. Open writes it to the datapath's
-	// meta map every time, so a restart, a generation reload or a tier
-	// change (which recreate the maps) keeps it, and a change takes
-	// effect at the next Open.
-	FlowSampleRate uint32
-	// HA configures flow-state replication to a standby edge (hasync.go);
-	// the zero value leaves it off.
-	HA HAOptions
-	// PressureSoftPercent and PressureHardPercent are
-	// pressure_soft_percent and pressure_hard_percent (pressure.go): 0
-	// takes DefaultPressureSoftPercent and DefaultPressureHardPercent;
-	// otherwise 1..100, soft below hard. PressureInterval is how often
-	// the controller reads the levels (0: DefaultPressureInterval, or
-	// off when GCInterval is negative; negative: off, ReconcilePressure
-	// only).
-	PressureSoftPercent, PressureHardPercent int
-	PressureInterval                         time.Duration
-	// Interfaces are the VM-edge interfaces attached when the dataplane
-	// opens (Config.NorthSouthInterfaces are attached too).
-	Interfaces []VMEdgeInterface
-	// InNamespace, when set, runs interface operations (attach, detach,
-	// lookups by name) inside the node's network namespace. Default: the
-	// calling thread's namespace.
-	InNamespace func(func() error) error
-	// Logger receives operational messages; default slog.Default().
-	Logger *slog.Logger
-	// TracerProvider, when set, receives a span for each piece of the
-	// dataplane's control-plane work: ApplyService, DeleteService, the
-	// catalog's restore at Open, every GC round (timer or on demand) and
-	// ReconcileHealth (the Span* and Attr* constants name them and what
-	// they carry). A span is a child of the span in the caller's context,
-	// so the REST API's request span (api.Options.TracerProvider) holds
-	// the apply it asked for. nil: no spans (a no-op provider). The
-	// dataplane never shuts the provider down: its owner does, after
-	// Close.
-	TracerProvider trace.TracerProvider
-	// HealthConcurrency bounds how many health checks (TCP connects, see
-	// Service.HealthCheck) run at once across all services; 0 means
-	// health.DefaultConcurrency (32).
-	HealthConcurrency int
-	// CgroupConnect turns socket load balancing on (cgroup_connect): Open
-	// attaches the socket hooks to the cgroup v2 directory CgroupPath
-	// (empty: the root of the cgroup v2 hierarchy, every process of the
-	// node) with links pinned under the pin root, and a background worker
-	// terminates connected UDP sockets whose backend can no longer serve
-	// them (socklb.go). False removes our socket hooks left by an earlier
-	// start. Status.SocketLB reports both.
-	CgroupConnect bool
-	// CgroupPath is cgroup_path: absolute, only with CgroupConnect.
-	CgroupPath string
-
-	// Tests: sockDestroy replaces the datapath's DestroyStaleUDPSockets
-	// in the destroy worker, and sockDestroyEvery its period (0:
-	// DefaultSocketDestroyInterval; negative: no timer).
-	sockDestroy      func() (int, error)
-	sockDestroyEvery time.Duration
-}
-
 // Dataplane is the node's Service Fabric: the datapath with its pinned
 // maps, the catalog of services, the attached VM-edge and north-south
 // interfaces, the SNAT settings and the conntrack GC. It is safe for
@@ -366,35 +248,13 @@ func (ifc *iface) keepMade(old *iface) {
 // its socket hooks removed from cgroups no longer configured, and its fq
 // removed from interfaces no longer in edt_interfaces.
 func Open(opts Options) (_ *Dataplane, err error) {
-	if opts.Logger == nil {
-		opts.Logger = slog.Default()
-	}
-	if opts.InNamespace == nil {
-		opts.InNamespace = func(f func() error) error { return f() }
-	}
-	if opts.GCInterval == 0 {
-		opts.GCInterval = DefaultConntrackGCInterval
-	}
-	if opts.Timeouts == (conntrack.Timeouts{}) {
-		opts.Timeouts = conntrack.DefaultTimeouts()
-	}
-	if err := opts.Timeouts.Validate(); err != nil {
+	// Options validate themselves and fill their own defaults: from here
+	// on each setting in force is in one field (options.go).
+	if err := opts.check(optionsNames, checkAll); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	if err := opts.NorthSouth.Validate(); err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	if opts.FlowSampleRate > MaxFlowSampleRate {
-		return nil, fmt.Errorf("fluxvm: open: %w", verr(ErrInvalid, "FlowSampleRate",
-			"%d is outside 0..%d (0: off, N: 1 in N new flows)", opts.FlowSampleRate, MaxFlowSampleRate))
-	}
-	if err := opts.checkEDT(); err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
-	omit, err := opts.omitFeatures() // load-time features (features.go)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
+	opts = opts.WithDefaults()
+	omit := opts.omitFeatures() // load-time features (features.go)
 	// Socket load balancing is refused before anything is loaded or
 	// attached: on a host without cgroup v2, or a cgroup_path that is not
 	// a cgroup v2 directory.
@@ -460,7 +320,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	// empty frontend map and passes untranslated.
 	lo := opts.Loader
 	lo.Staged = true
-	lo.SocketLB = opts.CgroupConnect
+	lo.SocketLB = opts.SocketLB.CgroupConnect
 	var sizeReasons map[string]sizeReason
 	lo.Sizes, sizeReasons = openSizes(&opts, hs != nil) // maps sized by need (sizing.go)
 	lo.OmitFeatures = omit
@@ -518,16 +378,11 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	d.startAdvertiser()
 	d.startHealth()
 	d.startSocketDestroy()
-	if opts.GCInterval > 0 {
+	if opts.ConntrackGCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
-		go d.gcLoop(d.resumeGC(opts.GCInterval))
+		go d.gcLoop(d.resumeGC(opts.ConntrackGCInterval))
 	}
-	// GC on demand only (a negative GCInterval) leaves the controller's
-	// timer off too, unless PressureInterval asks for it.
-	if every := opts.PressureInterval; every > 0 || (every == 0 && opts.GCInterval > 0) {
-		if every == 0 {
-			every = DefaultPressureInterval
-		}
+	if every := opts.Pressure.Interval; every > 0 {
 		d.pstop, d.pdone = make(chan struct{}), make(chan struct{})
 		go d.pressureLoop(every, d.pstop, d.pdone)
 	}
@@ -659,7 +514,7 @@ func (d *Dataplane) init(undo *undoStack) error {
 		}
 		return errors.Join(errs...)
 	})
-	for _, vi := range d.opts.Interfaces {
+	for _, vi := range d.opts.VMEdgeInterfaces {
 		if _, err := d.AddInterface(vi); err != nil {
 			return err
 		}

@@ -61,11 +61,11 @@ func newEnv(t *testing.T) *env {
 		ifs = append(ifs, VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 	}
 	e.opts = Options{
-		Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		CatalogPath: filepath.Join(t.TempDir(), "catalog.json"),
-		GCInterval:  -1,
-		Interfaces:  ifs,
-		InNamespace: l.Node.Do,
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
+		ConntrackGCInterval: -1,
+		Interfaces:          ifs,
+		InNamespace:         l.Node.Do,
 	}
 	return e
 }

@@ -188,8 +188,8 @@ func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
 
 // edtStatus is the node's EDT status. d.mu must be held.
 func (d *Dataplane) edtStatus() EDTStatus {
-	out := EDTStatus{Enabled: d.opts.EDTEnabled, Horizon: Duration{d.opts.edtHorizon()}}
-	if !d.opts.EDTEnabled || d.closed {
+	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{d.opts.edtHorizon()}}
+	if !d.opts.EDT.Enabled || d.closed {
 		return out
 	}
 	managed := map[string]managedFQ{}
@@ -201,7 +201,7 @@ func (d *Dataplane) edtStatus() EDTStatus {
 	for _, ifc := range d.ifaces {
 		names[ifc.Name] = true
 	}
-	for _, n := range d.opts.EDTInterfaces {
+	for _, n := range d.opts.EDT.Interfaces {
 		names[n] = true
 	}
 	_ = d.opts.InNamespace(func() error {

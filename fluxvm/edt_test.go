@@ -149,8 +149,8 @@ func wantEDTNode(t *testing.T, d *Dataplane, what string, n uint64) {
 // change).
 func TestEDTApply(t *testing.T) {
 	e := newNSEnv(t)
-	e.opts.EDTEnabled = true
-	e.opts.EDTHorizon = 50 * time.Millisecond
+	e.opts.EDT.Enabled = true
+	e.opts.EDT.Horizon = 50 * time.Millisecond
 	d := e.open(t)
 	ctx := context.Background()
 	wantEDTNode(t, d, "empty catalog", 0)
@@ -159,7 +159,7 @@ func TestEDTApply(t *testing.T) {
 	ew := e.service(1, 1, 1) // both families, TCP and UDP: 4 frontends
 	ns := e.nsService("edge", ns4, ns6, ExposureNorthSouth, ModeNAT, false)
 	at := func(mbps uint32) bpf.EDTValue {
-		v, err := bpf.NewEDTValue(bpf.MbpsToEDTRate(mbps), e.opts.EDTHorizon)
+		v, err := bpf.NewEDTValue(bpf.MbpsToEDTRate(mbps), e.opts.EDT.Horizon)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -369,7 +369,7 @@ func TestEDTApply(t *testing.T) {
 	// edt_enabled turned off under a catalog with paced services: the
 	// restore refuses it, naming the prerequisite.
 	d.Close()
-	e.opts.EDTEnabled = false
+	e.opts.EDT.Enabled = false
 	if d2, err := Open(e.opts); !errors.Is(err, ErrPrerequisite) || !strings.Contains(err.Error(), "max_egress_mbps") {
 		if d2 != nil {
 			d2.Close()

@@ -24,7 +24,7 @@ func TestDataplaneEDTNorthSouth(t *testing.T) {
 		t.Skip("a 12 s traffic test")
 	}
 	e := newNSEnv(t)
-	e.opts.EDTEnabled = true
+	e.opts.EDT.Enabled = true
 	d := e.open(t)
 	for _, vm := range e.backends {
 		stop, err := vm.ServeBulk(9000)

@@ -116,8 +116,8 @@ func fqInForce(qs []qdiscInfo) (root string, fq bool, other []string) {
 // listed with the reason.
 func openFQ(opts Options) ([]managedFQ, error) {
 	keep := map[string]bool{}
-	if opts.EDTEnabled && opts.EDTManageFQ {
-		for _, n := range opts.EDTInterfaces {
+	if opts.EDT.Enabled && opts.EDT.ManageFQ {
+		for _, n := range opts.EDT.Interfaces {
 			keep[n] = true
 		}
 	}
@@ -136,10 +136,10 @@ func openFQ(opts Options) ([]managedFQ, error) {
 	}
 	var out []managedFQ
 	err := opts.InNamespace(func() error {
-		for _, name := range opts.EDTInterfaces {
+		for _, name := range opts.EDT.Interfaces {
 			m, err := installFQ(name)
 			if err != nil {
-				if !errors.Is(err, ErrNoFQ) || !opts.EDTHorizonFallback {
+				if !errors.Is(err, ErrNoFQ) || !opts.EDT.HorizonFallback {
 					return err
 				}
 				m.problem = err.Error()

@@ -328,10 +328,10 @@ func kernelHasFQ(t *testing.T) bool {
 // then reports horizon-policing in the status.
 func TestOpenManagesFQ(t *testing.T) {
 	e := newEnv(t)
-	e.opts.EDTEnabled = true
-	e.opts.EDTManageFQ = true
+	e.opts.EDT.Enabled = true
+	e.opts.EDT.ManageFQ = true
 	a, b := e.backends[0].NodeIf, e.backends[1].NodeIf
-	e.opts.EDTInterfaces = []string{a, b}
+	e.opts.EDT.Interfaces = []string{a, b}
 	inNode := func(f func()) {
 		t.Helper()
 		if err := e.lab.Node.Do(func() error { f(); return nil }); err != nil {
@@ -412,13 +412,13 @@ func TestOpenManagesFQ(t *testing.T) {
 		// A start without b in edt_interfaces removes ours from b; one
 		// without edt_manage_fq, from every interface.
 		opts := e.opts
-		opts.EDTInterfaces = []string{a}
+		opts.EDT.Interfaces = []string{a}
 		if d, err = Open(opts); err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		wantRoots("b no longer listed", a)
-		opts.EDTManageFQ, opts.EDTInterfaces = false, nil
+		opts.EDT.ManageFQ, opts.EDT.Interfaces = false, nil
 		if d, err = Open(opts); err != nil {
 			t.Fatal(err)
 		}
@@ -440,7 +440,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		withFQKind(t, "pfifo")
 		// An earlier start left ours on a.
 		opts := e.opts
-		opts.EDTInterfaces = []string{a}
+		opts.EDT.Interfaces = []string{a}
 		d, err := Open(opts)
 		if err != nil {
 			t.Fatal(err)
@@ -495,7 +495,7 @@ func TestOpenManagesFQ(t *testing.T) {
 	t.Run("missing interface fails Open, nothing left", func(t *testing.T) {
 		withFQKind(t, "pfifo")
 		opts := e.opts
-		opts.EDTInterfaces = []string{a, "nope0"}
+		opts.EDT.Interfaces = []string{a, "nope0"}
 		d, err := Open(opts)
 		if err == nil {
 			d.Close()
@@ -523,7 +523,7 @@ func TestOpenManagesFQ(t *testing.T) {
 	})
 	t.Run("no sch_fq with fallback", func(t *testing.T) {
 		opts := e.opts
-		opts.EDTHorizonFallback = true
+		opts.EDT.HorizonFallback = true
 		d, err := Open(opts)
 		if err != nil {
 			t.Fatal(err)

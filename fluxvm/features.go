@@ -26,17 +26,13 @@ import (
 // neededFeatures are the features o uses: HA with a lease epoch, flow
 // records with a sample rate, EDT when pacing is allowed.
 func (o Options) neededFeatures() bpf.Features {
-	return bpf.FeaturesFor(o.HA.Epoch != 0, o.FlowSampleRate != 0, o.EDTEnabled)
+	return bpf.FeaturesFor(o.HA.Epoch != 0, o.FlowSampleRate != 0, o.EDT.Enabled)
 }
 
 // omitFeatures is what Open leaves out of the programs: every feature o
 // does not use, and whatever Loader.OmitFeatures adds. Omitting one that
-// o uses is refused (ErrInvalid): the feature would be configured and do
-// nothing.
-func (o Options) omitFeatures() (bpf.Features, error) {
-	need := o.neededFeatures()
-	if clash := o.Loader.OmitFeatures & need; clash != 0 {
-		return 0, verr(ErrInvalid, "Loader.OmitFeatures", "omits %s, which the options use (ha_epoch, flow_sample_rate, edt_enabled)", clash)
-	}
-	return o.Loader.OmitFeatures | bpf.AllFeatures&^need, nil
+// o uses is refused by Validate (ErrInvalid): the feature would be
+// configured and do nothing.
+func (o Options) omitFeatures() bpf.Features {
+	return o.Loader.OmitFeatures | bpf.AllFeatures&^o.neededFeatures()
 }

@@ -25,17 +25,19 @@ func TestOmitFeatures(t *testing.T) {
 		wantErr  error
 	}{
 		{"nothing configured", Options{}, bpf.AllFeatures, nil},
-		{"ha_epoch", Options{HA: HAOptions{Epoch: 3}}, bpf.FeatureFlowRecords | bpf.FeatureEDT, nil},
+		{"ha_epoch", Options{HA: HAOptions{Epoch: 3}, NorthSouth: NorthSouth{Interfaces: []string{"up0"}}}, bpf.FeatureFlowRecords | bpf.FeatureEDT, nil},
 		{"flow_sample_rate", Options{FlowSampleRate: 100}, bpf.FeatureHA | bpf.FeatureEDT, nil},
-		{"edt_enabled", Options{EDTEnabled: true}, bpf.FeatureHA | bpf.FeatureFlowRecords, nil},
-		{"all", Options{HA: HAOptions{Epoch: 1}, FlowSampleRate: 1, EDTEnabled: true}, 0, nil},
+		{"edt_enabled", Options{EDT: EDTOptions{Enabled: true}}, bpf.FeatureHA | bpf.FeatureFlowRecords, nil},
+		{"edt_enabled, deprecated field", Options{EDTEnabled: true}, bpf.FeatureHA | bpf.FeatureFlowRecords, nil},
+		{"all", Options{HA: HAOptions{Epoch: 1}, NorthSouth: NorthSouth{Interfaces: []string{"up0"}}, FlowSampleRate: 1, EDT: EDTOptions{Enabled: true}}, 0, nil},
 		{"embedder omits one not used", Options{FlowSampleRate: 1, Loader: bpf.Options{OmitFeatures: bpf.FeatureEDT}},
 			bpf.FeatureHA | bpf.FeatureEDT, nil},
 		{"embedder omits one used", Options{FlowSampleRate: 1, Loader: bpf.Options{OmitFeatures: bpf.FeatureFlowRecords}},
 			0, ErrInvalid},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := tc.opts.omitFeatures()
+			err := tc.opts.Validate()
+			got := tc.opts.WithDefaults().omitFeatures()
 			if !errors.Is(err, tc.wantErr) || (err == nil && got != tc.wantOmit) {
 				t.Errorf("omitFeatures = %s, %v; want %s, %v", got, err, tc.wantOmit, tc.wantErr)
 			}
@@ -115,7 +117,7 @@ func TestFeaturesReloadKeepsFlows(t *testing.T) {
 		{"flow records on with a tier change", 1, false, bpf.TierM, []string{"flow_records"}, true},
 	} {
 		d.Close()
-		e.opts.FlowSampleRate, e.opts.EDTEnabled, e.opts.Loader.Tier = step.rate, step.edt, step.tier
+		e.opts.FlowSampleRate, e.opts.EDT.Enabled, e.opts.Loader.Tier = step.rate, step.edt, step.tier
 		d = e.open(t)
 		wantFeatures(d, step.name, step.want...)
 		if st := d.Status(); st.Load.TierChanged != (step.tier == bpf.TierM) {

@@ -8,7 +8,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 )
 
-// The conntrack GC timer (conntrack_gc_interval, Options.GCInterval).
+// The conntrack GC timer (conntrack_gc_interval, Options.ConntrackGCInterval).
 //
 // Its next GC is due one period after the last GC began, whoever ran it:
 // the timer itself, GC on demand (POST …/conntrack/gc), a pressure round,

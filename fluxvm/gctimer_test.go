@@ -30,10 +30,10 @@ func newGCNode(t *testing.T, every time.Duration) *gcNode {
 	t.Helper()
 	th := testenv.NewThread(t)
 	return &gcNode{opts: Options{
-		Loader:           bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		GCInterval:       every,
-		PressureInterval: -1, // only the GC timer and the test run GCs
-		Logger:           slog.New(slog.DiscardHandler),
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		ConntrackGCInterval: every,
+		Pressure:            PressureOptions{Interval: -1}, // only the GC timer and the test run GCs
+		Logger:              slog.New(slog.DiscardHandler),
 		InNamespace: func(f func() error) error {
 			var err error
 			th.Do(func() { err = f() })

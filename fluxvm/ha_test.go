@@ -301,8 +301,8 @@ func TestHAOptions(t *testing.T) {
 		{HAOptions{Epoch: 1}, nil, ErrPrerequisite},
 		{HAOptions{Epoch: 1, Interval: time.Millisecond}, []string{"uplink"}, ErrInvalid},
 		{HAOptions{Epoch: 1, Interval: time.Hour}, []string{"uplink"}, ErrInvalid},
-		{HAOptions{Epoch: 1, MaxOps: -1}, []string{"uplink"}, ErrInvalid},
-		{HAOptions{Epoch: 1, MaxOps: MaxHAJournalOps + 1}, []string{"uplink"}, ErrInvalid},
+		{HAOptions{Epoch: 1, JournalMaxOps: -1}, []string{"uplink"}, ErrInvalid},
+		{HAOptions{Epoch: 1, JournalMaxOps: MaxHAJournalOps + 1}, []string{"uplink"}, ErrInvalid},
 	} {
 		if _, err := Open(Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
 			t.Errorf("Open with %+v: %v, want %v", tc.ha, err, tc.want)

@@ -36,8 +36,10 @@ type HAOptions struct {
 	// Interval is how often the journals seal a batch (0:
 	// DefaultHAInterval): what a failover can lose.
 	Interval time.Duration
-	// MaxOps bounds each journal's history (ha.JournalOptions.MaxOps; 0:
-	// ha.DefaultMaxOps).
+	// JournalMaxOps is ha_journal_max_ops: it bounds each journal's
+	// history (ha.JournalOptions.MaxOps; 0: ha.DefaultMaxOps).
+	JournalMaxOps int
+	// Deprecated: use JournalMaxOps.
 	MaxOps int
 }
 
@@ -143,20 +145,8 @@ func newHASync(o Options) (*haSync, error) {
 	if o.HA.Epoch == 0 {
 		return nil, nil
 	}
-	if len(o.NorthSouth.Interfaces) == 0 {
-		return nil, verr(ErrPrerequisite, "ha_epoch", "flow-state replication needs the north-south edge: set north_south_interfaces")
-	}
-	if d := o.HA.Interval; d != 0 && (d < MinHAInterval || d > MaxHAInterval) {
-		return nil, verr(ErrInvalid, "HA.Interval", "%v is outside %v..%v (0: the default, %v)", d, MinHAInterval, MaxHAInterval, DefaultHAInterval)
-	}
-	if n := o.HA.MaxOps; n < 0 || n > MaxHAJournalOps {
-		return nil, verr(ErrInvalid, "HA.MaxOps", "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
-	}
-	h := &haSync{interval: o.HA.Interval, jopts: ha.JournalOptions{MaxOps: o.HA.MaxOps}, epoch: o.HA.Epoch,
+	h := &haSync{interval: o.HA.Interval, jopts: ha.JournalOptions{MaxOps: o.HA.JournalMaxOps}, epoch: o.HA.Epoch,
 		journals: map[string]*ha.Journal{}, sids: map[uint32]string{}, cursors: map[string]ha.Cursor{}, unknown: map[uint32]uint64{}}
-	if h.interval == 0 {
-		h.interval = DefaultHAInterval
-	}
 	if o.CatalogPath != "" {
 		h.leasePath = o.CatalogPath + LeaseFileSuffix
 		data, err := os.ReadFile(h.leasePath)

@@ -30,7 +30,7 @@ import (
 // service through the same path as ApplyService (tables swapped whole,
 // the guard left as it is). One round per service runs at a time, whether
 // started by the timer or by ReconcileHealth; all rounds share one
-// health.Prober, so at most Options.HealthConcurrency checks run at once
+// health.Prober, so at most Options.HealthCheckConcurrency checks run at once
 // on the node.
 //
 // Removing a service or its health_check stops its checks and drops its
@@ -74,7 +74,7 @@ func (c *checker) thresholds() health.Thresholds {
 // catalog is restored.
 func (d *Dataplane) initHealth() {
 	d.health.ctx, d.health.cancel = context.WithCancel(context.Background())
-	d.health.prober = health.NewProber(d.dialNode, d.opts.HealthConcurrency)
+	d.health.prober = health.NewProber(d.dialNode, d.opts.HealthCheckConcurrency)
 	d.health.checkers = map[string]*checker{}
 	d.health.observed = map[string]map[netip.AddrPort]*health.Status{}
 }

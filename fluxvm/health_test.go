@@ -83,7 +83,7 @@ func signalDials(d *Dataplane, ep netip.AddrPort) <-chan struct{} {
 		return d.dialNode(ctx, network, address)
 	}
 	d.mu.Lock()
-	d.health.prober = health.NewProber(dial, d.opts.HealthConcurrency)
+	d.health.prober = health.NewProber(dial, d.opts.HealthCheckConcurrency)
 	d.mu.Unlock()
 	return ch
 }

@@ -400,9 +400,9 @@ func TestDataplaneCatalogSurvivesCrash(t *testing.T) {
 	open := func(catalog string) *Dataplane {
 		t.Helper()
 		d, err := Open(Options{
-			Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-			CatalogPath: catalog,
-			GCInterval:  -1,
+			Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+			CatalogPath:         catalog,
+			ConntrackGCInterval: -1,
 		})
 		if err != nil {
 			t.Fatalf("open: %v", err)

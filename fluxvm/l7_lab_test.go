@@ -199,12 +199,12 @@ func TestL7EnforceLab(t *testing.T) {
 		ifs = append(ifs, VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 	}
 	d, err := Open(Options{
-		Loader:         bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		CatalogPath:    filepath.Join(t.TempDir(), "catalog.json"),
-		GCInterval:     -1,
-		Interfaces:     ifs,
-		InNamespace:    l.Node.Do,
-		FlowSampleRate: 1,
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
+		ConntrackGCInterval: -1,
+		Interfaces:          ifs,
+		InNamespace:         l.Node.Do,
+		FlowSampleRate:      1,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -45,7 +45,7 @@ func childMain(job string) int {
 		err := Cleanup(CleanupOptions{PinRoot: j.PinRoot, CatalogPath: j.CatalogPath, AdvertisementsPath: j.Advertisements})
 		fmt.Printf("cleanup: %v\n", err)
 	case "open":
-		d, err := Open(Options{Loader: j.Loader, GCInterval: -1, Logger: slog.New(slog.NewTextHandler(os.Stdout, nil))})
+		d, err := Open(Options{Loader: j.Loader, ConntrackGCInterval: -1, Logger: slog.New(slog.NewTextHandler(os.Stdout, nil))})
 		if err != nil {
 			fmt.Printf("open: %v\n", err)
 			return 0

@@ -260,7 +260,7 @@ func (d *Dataplane) policyInput(in catalogPolicies, strict map[string]bool) poli
 func (d *Dataplane) proxyInterface(name string) (uint32, error) {
 	ifc := d.ifaces[name]
 	if ifc == nil || ifc.kind != InterfaceVMEdge {
-		return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.Interfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
+		return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.VMEdgeInterfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
 			name, ErrPrerequisite)
 	}
 	i, err := d.proxyIfindex(name)

@@ -448,17 +448,9 @@ const maxPressureBackoff = 32
 
 // newPressureCtl checks the thresholds of o.
 func newPressureCtl(o Options) (*pressureCtl, error) {
-	c := &pressureCtl{soft: o.PressureSoftPercent, hard: o.PressureHardPercent}
-	if c.soft == 0 {
-		c.soft = DefaultPressureSoftPercent
-	}
-	if c.hard == 0 {
-		c.hard = DefaultPressureHardPercent
-	}
-	if c.soft < 1 || c.soft > 100 || c.hard < 1 || c.hard > 100 || c.soft >= c.hard {
-		return nil, verr(ErrInvalid, "PressureSoftPercent", "soft %d%% and hard %d%%: each 1..100, soft below hard", c.soft, c.hard)
-	}
-	return c, nil
+	// Options.Validate has checked the thresholds, WithDefaults filled
+	// them.
+	return &pressureCtl{soft: o.Pressure.SoftPercent, hard: o.Pressure.HardPercent}, nil
 }
 
 // stopPressure stops the controller's loop and waits for it (a round in

@@ -71,7 +71,7 @@ func TestMapPressure(t *testing.T) {
 // the soft threshold and brings it below by itself.
 func TestMapPressureLoop(t *testing.T) {
 	e := newEnv(t)
-	e.opts.PressureInterval = 100 * time.Millisecond
+	e.opts.Pressure.Interval = 100 * time.Millisecond
 	d := e.open(t)
 	_, _, fill := pressureFill(t, e, d)
 	to := conntrack.DefaultTimeouts()
@@ -104,7 +104,7 @@ func TestMapPressureLoop(t *testing.T) {
 // reads the two failure counters every failureCheck (250 ms).
 func TestMapPressureWakesOnInsertFailure(t *testing.T) {
 	e := newEnv(t)
-	e.opts.PressureInterval = 5 * time.Second
+	e.opts.Pressure.Interval = 5 * time.Second
 	d := e.open(t)
 	time.Sleep(300 * time.Millisecond) // the loop has read the counters once
 	// The datapath counts a failed conntrack insert in fluxvm_drops;
@@ -438,7 +438,7 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 func TestCompactionJournalsDeletes(t *testing.T) {
 	e := newNSEnv(t)
 	e.opts.HA = HAOptions{Epoch: 3, Interval: MinHAInterval}
-	e.opts.PressureInterval = time.Hour // the test's rounds only
+	e.opts.Pressure.Interval = time.Hour // the test's rounds only
 	d := e.open(t)
 	ctx := context.Background()
 	svc := e.service(1, 0, 0)

@@ -61,11 +61,11 @@ func newSeedNode(t *testing.T, s seeds) *seedNode {
 func (n *seedNode) open(t *testing.T, s seeds) {
 	t.Helper()
 	d, err := Open(Options{
-		Loader:      bpf.Options{PinRoot: n.root, Tier: bpf.TierS, HashSeed: s.hash},
-		MaglevSeed:  s.maglev,
-		CatalogPath: n.catalog,
-		GCInterval:  -1,
-		Logger:      slog.New(slog.DiscardHandler),
+		Loader:              bpf.Options{PinRoot: n.root, Tier: bpf.TierS, HashSeed: s.hash},
+		MaglevSeed:          s.maglev,
+		CatalogPath:         n.catalog,
+		ConntrackGCInterval: -1,
+		Logger:              slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatalf("open: %v", err)

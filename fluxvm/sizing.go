@@ -266,7 +266,7 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 		switch {
 		case s.Map == "fluxvm_sock_fwd" || s.Map == "fluxvm_sock_rev":
 			st.Reason, st.ReasonCode = SizeToken+": cgroup_connect is off", "cgroup_connect_off"
-			if d.opts.CgroupConnect {
+			if d.opts.SocketLB.CgroupConnect {
 				st.Reason, st.ReasonCode = SizeFull+": cgroup_connect is on", "cgroup_connect_on"
 			}
 		case strings.HasPrefix(st.Reason, SizeToken+":") && s.MaxEntries > tokenSize(s.Map):
@@ -545,7 +545,7 @@ func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]sizeNeed) {
 // the pressure controller shed or compact its flows. It reports whether it
 // grew one. It does not wait for a GC or an import under way (the next
 // round tries again). Only a pressure round runs it: with the
-// controller's timer off (Options.PressureInterval) nothing but
+// controller's timer off (Options.Pressure.Interval) nothing but
 // ReconcilePressure grows such a map, which evicts its oldest entries
 // meanwhile (an LRU).
 func (d *Dataplane) growUnderPressure(over []string) bool {

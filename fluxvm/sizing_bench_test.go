@@ -61,9 +61,9 @@ func BenchmarkApplyGrow(b *testing.B) {
 			for i := 0; b.Loop(); i++ {
 				b.StopTimer()
 				opts := Options{
-					Loader:      bpf.Options{PinRoot: filepath.Join(root, fmt.Sprintf("s%d", i)), Tier: tier},
-					CatalogPath: filepath.Join(b.TempDir(), "catalog.json"),
-					GCInterval:  -1,
+					Loader:              bpf.Options{PinRoot: filepath.Join(root, fmt.Sprintf("s%d", i)), Tier: tier},
+					CatalogPath:         filepath.Join(b.TempDir(), "catalog.json"),
+					ConntrackGCInterval: -1,
 				}
 				d, err := Open(opts)
 				if err != nil {

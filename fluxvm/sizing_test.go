@@ -49,7 +49,7 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 		t.Helper()
 		d, err := Open(Options{
 			Loader:      bpf.Options{PinRoot: filepath.Join(root, pins), Tier: bpf.TierM},
-			CatalogPath: catalog, GCInterval: -1,
+			CatalogPath: catalog, ConntrackGCInterval: -1,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -427,7 +427,7 @@ func TestSizeNeeds(t *testing.T) {
 // rather than shed or compacted.
 func TestPressureGrowsTokenMap(t *testing.T) {
 	e := newEnv(t)
-	e.opts.PressureSoftPercent, e.opts.PressureHardPercent = 50, 90
+	e.opts.Pressure.SoftPercent, e.opts.Pressure.HardPercent = 50, 90
 	d := e.open(t)
 	s := e.service(1, 1, 1)
 	s.VIPs = []netip.Addr{vip4}
@@ -496,7 +496,7 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 	}
 	ctx := context.Background()
 	for round := range 12 {
-		d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, GCInterval: -1})
+		d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, ConntrackGCInterval: -1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -537,7 +537,7 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 // failing; the views then write the old map. The apply retried rebinds
 // them: what the views write lands in the maps the datapath runs on.
 func TestGrowRebindFailure(t *testing.T) {
-	d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, GCInterval: -1})
+	d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, ConntrackGCInterval: -1})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ import (
 
 // Socket load balancing (cgroup_connect).
 //
-// With Options.CgroupConnect, Open attaches the socket hooks of the
+// With Options.SocketLB.CgroupConnect, Open attaches the socket hooks of the
 // datapath (bpf.CgroupHooks: connect4/6, sendmsg4/6, recvmsg4/6,
 // getpeername4/6) to one cgroup v2 directory, with links pinned under the
 // pin root: they keep serving while the process is down, and the next
@@ -119,30 +119,23 @@ func (s *socketLB) removed() {
 // cgroup2.ErrNotCgroupV2 (bpf.ErrNotCgroupV2) when the directory is not a
 // cgroup v2 one. It changes nothing (fluxvmd check-config uses it).
 func (c *Config) SocketLBCgroup() (string, error) {
-	path, err := Options{CgroupConnect: c.CgroupConnect, CgroupPath: c.CgroupPath}.socketLBCgroup()
+	path, err := Options{SocketLB: SocketLBOptions{CgroupConnect: c.CgroupConnect, CgroupPath: c.CgroupPath}}.socketLBCgroup()
 	if err != nil {
 		return "", fmt.Errorf("fluxvm: config: %w", err)
 	}
 	return path, nil
 }
 
-// socketLBCgroup checks the socket LB settings of o and, with
-// CgroupConnect, returns the cgroup v2 directory to attach to: CgroupPath,
+// socketLBCgroup, for options that passed Validate, returns with
+// CgroupConnect the cgroup v2 directory to attach to: CgroupPath,
 // or the root of the hierarchy. A host without cgroup v2 fails with an
 // error wrapping cgroup2.ErrNoCgroupV2, a path that is not a cgroup v2
 // directory with one wrapping cgroup2.ErrNotCgroupV2.
 func (o Options) socketLBCgroup() (string, error) {
-	var errs []error
-	o.settings().validateSocketLB(func(category error, k, format string, args ...any) {
-		errs = append(errs, verr(category, configKey(k), format, args...))
-	})
-	if err := errors.Join(errs...); err != nil {
-		return "", err
-	}
-	if !o.CgroupConnect {
+	if !o.SocketLB.CgroupConnect {
 		return "", nil
 	}
-	path := o.CgroupPath
+	path := o.SocketLB.CgroupPath
 	if path == "" {
 		root, err := cgroup2.Root()
 		if err != nil {
@@ -166,8 +159,8 @@ func (o Options) socketLBCgroup() (string, error) {
 func (d *Dataplane) initSocketLB(path string, undo *undoStack) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.sock.enabled = d.opts.CgroupConnect
-	if !d.opts.CgroupConnect {
+	d.sock.enabled = d.opts.SocketLB.CgroupConnect
+	if !d.opts.SocketLB.CgroupConnect {
 		d.detachOtherCgroups(0)
 		return nil
 	}
@@ -227,7 +220,7 @@ func (d *Dataplane) detachOtherCgroups(keep uint64) {
 
 // startSocketDestroy starts the destroy worker when socket LB is on.
 func (d *Dataplane) startSocketDestroy() {
-	if !d.opts.CgroupConnect {
+	if !d.opts.SocketLB.CgroupConnect {
 		return
 	}
 	run := d.opts.sockDestroy

@@ -142,11 +142,10 @@ func TestSocketLBAttach(t *testing.T) {
 	ns := testenv.NewNetNS(t, "fvsock")
 	pinRoot := filepath.Join(testenv.PinRoot(t), "service")
 	opts := Options{
-		Loader:        bpf.Options{PinRoot: pinRoot, Tier: bpf.TierS},
-		GCInterval:    -1,
-		InNamespace:   ns.Do,
-		CgroupConnect: true,
-		CgroupPath:    cgA,
+		Loader:              bpf.Options{PinRoot: pinRoot, Tier: bpf.TierS},
+		ConntrackGCInterval: -1,
+		InNamespace:         ns.Do,
+		SocketLB:            SocketLBOptions{CgroupConnect: true, CgroupPath: cgA},
 	}
 	idA, idB := cgroupInode(t, cgA), cgroupInode(t, cgB)
 
@@ -215,7 +214,7 @@ func TestSocketLBAttach(t *testing.T) {
 	// A path that is not a cgroup v2 directory: refused before anything
 	// changes; the hooks on cgroup A stay as they were.
 	bad := opts
-	bad.CgroupPath = t.TempDir()
+	bad.SocketLB.CgroupPath = t.TempDir()
 	if d, err := Open(bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !errors.Is(err, bpf.ErrNotCgroupV2) {
 		if d != nil {
 			d.Close()
@@ -223,7 +222,7 @@ func TestSocketLBAttach(t *testing.T) {
 		t.Fatalf("open on a tmpfs directory: %v, want ErrNotCgroupV2", err)
 	}
 	if v1 := cgroupV1Dir(t); v1 != "" {
-		bad.CgroupPath = v1
+		bad.SocketLB.CgroupPath = v1
 		if d, err := Open(bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !strings.Contains(fmt.Sprint(err), "cgroup v1") {
 			if d != nil {
 				d.Close()
@@ -237,7 +236,7 @@ func TestSocketLBAttach(t *testing.T) {
 
 	// Another cgroup_path: the hooks move.
 	moved := opts
-	moved.CgroupPath = cgB
+	moved.SocketLB.CgroupPath = cgB
 	d = open(moved)
 	check("moved to cgroup B", d, cgB, idB, false)
 	if progs := cgroupPrograms(t, cgA); len(progs) != 0 {
@@ -249,7 +248,7 @@ func TestSocketLBAttach(t *testing.T) {
 
 	// cgroup_connect off removes them.
 	off := opts
-	off.CgroupConnect, off.CgroupPath = false, ""
+	off.SocketLB.CgroupConnect, off.SocketLB.CgroupPath = false, ""
 	d = open(off)
 	if st := d.Status().SocketLB; st.Enabled || len(st.Hooks) != 0 || st.CgroupID != 0 || len(st.StaleCgroups) != 0 {
 		t.Errorf("cgroup_connect off: status %+v", st)
@@ -310,12 +309,11 @@ func TestSocketLBDestroyAfterBackendChanges(t *testing.T) {
 	cg := testCgroup(t, "sock-d")
 	ns := testenv.NewNetNS(t, "fvsockd")
 	opts := Options{
-		Loader:           bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		GCInterval:       -1,
-		InNamespace:      ns.Do,
-		CgroupConnect:    true,
-		CgroupPath:       cg,
-		sockDestroyEvery: -1,
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		ConntrackGCInterval: -1,
+		InNamespace:         ns.Do,
+		SocketLB:            SocketLBOptions{CgroupConnect: true, CgroupPath: cg},
+		sockDestroyEvery:    -1,
 	}
 	d, err := Open(opts)
 	if err != nil {

@@ -195,9 +195,9 @@ func TestStatusFrontendIndex(t *testing.T) {
 func openStatusT(t *testing.T) *Dataplane {
 	t.Helper()
 	d, err := Open(Options{
-		Loader:     bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		GCInterval: -1,
-		Logger:     slog.New(slog.DiscardHandler),
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		ConntrackGCInterval: -1,
+		Logger:              slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -45,11 +45,11 @@ func TestSpans(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	opts := Options{
-		Loader:         bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-		CatalogPath:    filepath.Join(t.TempDir(), "catalog.json"),
-		GCInterval:     -1,
-		Logger:         slog.New(slog.DiscardHandler),
-		TracerProvider: tp,
+		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
+		ConntrackGCInterval: -1,
+		Logger:              slog.New(slog.DiscardHandler),
+		TracerProvider:      tp,
 	}
 	d, err := Open(opts)
 	if err != nil {

@@ -46,11 +46,11 @@ func TestSnapshotRoutesWithoutHA(t *testing.T) {
 	open := func(northSouth bool) (*fluxvm.Dataplane, http.Handler) {
 		t.Helper()
 		o := fluxvm.Options{
-			Loader:      bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
-			CatalogPath: filepath.Join(t.TempDir(), "catalog.json"),
-			GCInterval:  -1,
-			Interfaces:  []fluxvm.VMEdgeInterface{{Name: cli.NodeIf, VMID: cli.Name}, {Name: be.NodeIf, VMID: be.Name}},
-			InNamespace: l.Node.Do,
+			Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
+			CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
+			ConntrackGCInterval: -1,
+			Interfaces:          []fluxvm.VMEdgeInterface{{Name: cli.NodeIf, VMID: cli.Name}, {Name: be.NodeIf, VMID: be.Name}},
+			InNamespace:         l.Node.Do,
 		}
 		svc := fluxvm.Service{Name: "web", VIPs: []netip.Addr{vip}, Ports: []fluxvm.ServicePort{{Port: 80, Protocol: fluxvm.TCP}},
 			Backends: []fluxvm.Backend{{Address: be.Addr4, Port: 8080}}}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 )
 
@@ -233,7 +234,7 @@ func removeState(o CleanupOptions) error {
 	var errs []error
 	errs = append(errs, o.InNamespace(func() error { return bpf.RemovePins(o.PinRoot) }))
 	step("pins")
-	errs = append(errs, removeAllFQ(Options{InNamespace: o.InNamespace, Logger: o.Logger}))
+	errs = append(errs, edt.RemoveAll(edt.Config{InNamespace: o.InNamespace, Logger: o.Logger}))
 	step("fq")
 	if o.CatalogPath != "" {
 		if err := removeCatalogFiles(o.CatalogPath); err != nil {

@@ -19,6 +19,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
@@ -84,18 +85,14 @@ type Dataplane struct {
 	bids      *idPool
 	edges     *idPool
 	ifaces    map[string]*iface
-	fq        []managedFQ // edt_interfaces as Open left them (edtfq.go)
+	pacing    *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
-	// edtNode is the Rate of the node's fluxvm_edt entry as written, once
-	// edtNodeKnown: the paced north-south services (edt.go).
-	edtNode      uint64
-	edtNodeKnown bool
-	sock         socketLB     // socket load balancing (socklb.go)
-	health       healthChecks // active health checks (health.go)
-	adv          advertiser   // VIP advertisements (advertise.go)
-	pol          policyState  // identity policies (policy.go)
+	sock      socketLB     // socket load balancing (socklb.go)
+	health    healthChecks // active health checks (health.go)
+	adv       advertiser   // VIP advertisements (advertise.go)
+	pol       policyState  // identity policies (policy.go)
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -304,16 +301,18 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	}
 	undo.push(cl.abandon)
 	// fq goes on edt_interfaces first, all or nothing.
-	fq, err := openFQ(opts)
+	pacing, err := edt.New(edt.Config{
+		Enabled: opts.EDT.Enabled, Horizon: opts.EDT.Horizon, ManageFQ: opts.EDT.ManageFQ,
+		Interfaces: opts.EDT.Interfaces, HorizonFallback: opts.EDT.HorizonFallback,
+		InNamespace: opts.InNamespace, Logger: opts.Logger,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	undo.push(func() error {
-		if err := rollbackFQ(opts, fq); err != nil {
-			return fmt.Errorf("EDT: removing the fq installed by the failed start: %w", err)
-		}
-		return nil
-	})
+	if err := pacing.Start(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(pacing.Rollback)
 	// Staged: the programs attached by an earlier process keep running on
 	// their maps until the catalog is restored into the new ones (a tier
 	// change or reload creates them empty); a VIP packet never meets an
@@ -341,7 +340,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
 	})
 	d := &Dataplane{
-		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, fq: fq, lock: lk, catLock: cl,
+		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, pacing: pacing, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
 		sizing: sizingState{reason: sizeReasons},
@@ -738,6 +737,7 @@ func (d *Dataplane) Close() error {
 	d.stopSocketDestroy()
 	d.stopRouteWatch()
 	d.stopAdvertiser()
+	d.pacing.Close()
 	cerr := d.closeCatalog()
 	// A compaction finishes first (it holds flowMu to its end).
 	d.flowMu.Lock()
@@ -782,6 +782,7 @@ func (d *Dataplane) Cleanup() error {
 	d.stopRouteWatch()
 	d.adv.submit([]advert.Entry{})
 	d.stopAdvertiser()
+	d.pacing.Close()
 	var errs []error
 	d.compacting.Wait()
 	if d.store != nil {

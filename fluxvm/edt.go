@@ -2,13 +2,29 @@ package fluxvm
 
 import (
 	"fmt"
-	"sort"
-	"strings"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 )
 
-// EDT pacing, the control plane's side (the datapath's is bpf/lib/edt.h).
+// ErrNoFQ is returned (wrapped) by Open when edt_manage_fq cannot install
+// fq because the kernel has no fq qdisc (rtnetlink answers ENOENT: an
+// unknown qdisc kind), unless edt_horizon_fallback is set: the interface
+// then runs in horizon-policing mode, and Status.EDT says why. Any other
+// failure to install fq fails Open, fallback or not.
+var ErrNoFQ = edt.ErrNoFQ
+
+// EDT modes of an interface, as EDTInterfaceStatus.Mode reports them
+// (package edt: ModeFQ, ModeHorizonPolicing).
+const (
+	EDTModeFQ              = edt.ModeFQ
+	EDTModeHorizonPolicing = edt.ModeHorizonPolicing
+)
+
+// EDT pacing, the control plane's side (the datapath's is bpf/lib/edt.h):
+// the node's part (fq, the node entry, the interfaces' modes) is the
+// component fluxvm/internal/edt (d.pacing); what follows is each
+// frontend's entry, which the services' programming writes.
 //
 // A service with max_egress_mbps has, for each of its frontends (each has
 // a service id of its own, and fluxvm_edt is indexed by service id), a
@@ -28,24 +44,9 @@ import (
 // (pacerClock), and a restart onto kept maps rewrites nothing (putEDT).
 
 // edtValueOf is the fluxvm_edt entry of each frontend of svc: the zero
-// value when svc is not paced. Validation keeps max_egress_mbps within
-// the bounds bpf.NewEDTValue accepts and the horizon within its own, so an
-// error here means a Service that skipped validation.
+// value when svc is not paced (edt.Pacing.ValueOf).
 func (d *Dataplane) edtValueOf(svc *Service) (bpf.EDTValue, error) {
-	if svc.MaxEgressMbps == 0 {
-		return bpf.EDTValue{}, nil
-	}
-	v, err := bpf.NewEDTValue(bpf.MbpsToEDTRate(svc.MaxEgressMbps), d.opts.edtHorizon())
-	if err != nil {
-		return bpf.EDTValue{}, fmt.Errorf("max_egress_mbps %d: %w", svc.MaxEgressMbps, err)
-	}
-	return v, nil
-}
-
-// sameRate reports whether two fluxvm_edt entries pace alike: rate and
-// horizon (the pacer and the clock aside).
-func sameRate(a, b bpf.EDTValue) bool {
-	return a.Rate == b.Rate && a.NsPerByte == b.NsPerByte && a.HorizonNs == b.HorizonNs
+	return d.pacing.ValueOf(svc.MaxEgressMbps)
 }
 
 // putEDT writes fe's fluxvm_edt entry, unless it holds v already (a
@@ -76,7 +77,7 @@ func (d *Dataplane) putEDT(fe *frontend, v bpf.EDTValue) error {
 	if fe.edtKnown && fe.edt == v {
 		return nil
 	}
-	if fe.edtKnown && v.Rate != 0 && sameRate(fe.edt, v) {
+	if fe.edtKnown && v.Rate != 0 && edt.SameRate(fe.edt, v) {
 		var cur bpf.EDTValue
 		if err := m.Lookup(fe.sid, &cur); err == nil {
 			clock = max(clock, cur.LastDeparture)
@@ -115,7 +116,7 @@ func (d *Dataplane) pacerClock(svc Service, p *plan, pacer uint32) uint64 {
 			old = fe
 		}
 	}
-	if old == nil || old.edt.Pacer == 0 || old.edt.Pacer == pacer || !sameRate(old.edt, want) {
+	if old == nil || old.edt.Pacer == 0 || old.edt.Pacer == pacer || !edt.SameRate(old.edt, want) {
 		return 0
 	}
 	var cur bpf.EDTValue
@@ -141,15 +142,9 @@ func (d *Dataplane) pacedNorthSouth() uint64 {
 // the catalog, after every change of it and at every Open (the maps may
 // be new). d.mu must be held.
 func (d *Dataplane) writeEDTNode() error {
-	n := d.pacedNorthSouth()
-	if d.edtNodeKnown && d.edtNode == n {
-		return nil
-	}
-	if err := d.dp.Maps().FluxvmEdt.Put(bpf.EDTNodeKey, bpf.EDTValue{Rate: n}); err != nil {
-		return fmt.Errorf("edt node entry: %w", err)
-	}
-	d.edtNode, d.edtNodeKnown = n, true
-	return nil
+	return d.pacing.SyncNode(d.pacedNorthSouth(), func(n uint64) error {
+		return d.dp.Maps().FluxvmEdt.Put(bpf.EDTNodeKey, bpf.EDTValue{Rate: n})
+	})
 }
 
 // syncEDTNode is writeEDTNode after a service changed: the change is
@@ -189,48 +184,13 @@ func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
 // edtStatus is the node's EDT status. d.mu must be held.
 func (d *Dataplane) edtStatus() EDTStatus {
 	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{d.opts.edtHorizon()}}
-	if !d.opts.EDT.Enabled || d.closed {
+	if d.pacing == nil || d.closed {
 		return out
 	}
-	managed := map[string]managedFQ{}
-	names := map[string]bool{}
-	for _, m := range d.fq {
-		managed[m.name] = m
-		names[m.name] = true
-	}
+	attached := make([]string, 0, len(d.ifaces))
 	for _, ifc := range d.ifaces {
-		names[ifc.Name] = true
+		attached = append(attached, ifc.Name)
 	}
-	for _, n := range d.opts.EDT.Interfaces {
-		names[n] = true
-	}
-	_ = d.opts.InNamespace(func() error {
-		for n := range names {
-			st := EDTInterfaceStatus{Name: n, Mode: EDTModeHorizonPolicing}
-			m, isManaged := managed[n]
-			st.Managed = isManaged && m.installed
-			st.PreviousQdisc = m.previous
-			qs, err := qdiscsOf(n)
-			kind, fq, other := fqInForce(qs)
-			st.Qdisc = kind
-			switch {
-			case err != nil:
-				st.Reason = fmt.Sprintf("root qdisc unknown: %v", err)
-			case fq:
-				st.Mode = EDTModeFQ
-			case m.problem != "":
-				st.Reason = m.problem
-			case kind == "":
-				st.Reason = "no root qdisc: paced packets leave at once, and the horizon polices the rate"
-			case kind == "mq":
-				st.Reason = fmt.Sprintf("root qdisc is mq, and not every TX queue's is fq (%s): paced packets leave at once, and the horizon polices the rate", strings.Join(other, ", "))
-			default:
-				st.Reason = fmt.Sprintf("root qdisc is %s, not fq: paced packets leave at once, and the horizon polices the rate", kind)
-			}
-			out.Interfaces = append(out.Interfaces, st)
-		}
-		return nil
-	})
-	sort.Slice(out.Interfaces, func(i, j int) bool { return out.Interfaces[i].Name < out.Interfaces[j].Name })
+	out.Interfaces = d.pacing.Interfaces(attached)
 	return out
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/errs"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -12,7 +13,8 @@ import (
 //
 // ErrInvalid, ErrUnsupported, ErrConflict and ErrLimit are those of
 // package intent (the same values, so errors.Is holds with either name);
-// ErrNotFound and ErrClosed are a running dataplane's.
+// ErrNotFound and ErrClosed are a running dataplane's (package
+// fluxvm/internal/errs, which its components share).
 var (
 	// ErrInvalid: the request is malformed or out of range (intent.ErrInvalid).
 	ErrInvalid = intent.ErrInvalid
@@ -28,11 +30,11 @@ var (
 	// ErrNotFound: no such service or VM, or no such network interface
 	// (AddInterface, AddNorthSouthInterface and Open's interfaces: the
 	// error also matches bpf.ErrNoInterface).
-	ErrNotFound = errors.New("not found")
+	ErrNotFound = errs.ErrNotFound
 	// ErrClosed: the Dataplane was closed (Close or Cleanup); it reads
 	// and changes no map any more (see Dataplane.Close; Cleanup still
 	// removes what is left).
-	ErrClosed = errors.New("dataplane closed")
+	ErrClosed = errs.ErrClosed
 )
 
 // ifaceError adds ErrNotFound to the chain of an error that says the node

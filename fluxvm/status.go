@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 )
 
 // ServiceStatus is a service as the node has it: the stored intent and
@@ -54,26 +55,7 @@ type EDTStatus struct {
 }
 
 // EDTInterfaceStatus is how paced packets leave one interface.
-type EDTInterfaceStatus struct {
-	Name string `json:"name"`
-	// Mode is "fq" (EDTModeFQ) when fq holds each paced packet until its
-	// departure time: the interface's root qdisc is fq, or it is mq and
-	// every one of its classes (TX queues) has fq; else
-	// "horizon-policing" (EDTModeHorizonPolicing).
-	Mode string `json:"mode"`
-	// Reason says why the mode is horizon-policing.
-	Reason string `json:"reason,omitempty"`
-	// Qdisc is the kind of the interface's root qdisc, read now.
-	Qdisc string `json:"qdisc,omitempty"`
-	// Managed: the interface is in edt_interfaces, and FluxVM installed
-	// (or adopted) its fq root (on a multi-queue device, an mq with fq
-	// under each class). Close keeps it; a later Open that no longer
-	// lists the interface, and Cleanup, delete it.
-	Managed bool `json:"managed"`
-	// PreviousQdisc is the kernel's default root qdisc that the managed
-	// fq replaced, and which the kernel restores when it goes.
-	PreviousQdisc string `json:"previous_qdisc,omitempty"`
-}
+type EDTInterfaceStatus = edt.InterfaceStatus
 
 // FrontendStatus is one datapath service: one VIP, port and protocol.
 type FrontendStatus struct {

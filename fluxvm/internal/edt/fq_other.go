@@ -1,6 +1,6 @@
 //go:build !linux
 
-package fluxvm
+package edt
 
 import "fmt"
 

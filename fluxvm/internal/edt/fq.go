@@ -1,4 +1,4 @@
-package fluxvm
+package edt
 
 import (
 	"errors"
@@ -11,37 +11,47 @@ import (
 // into pacing. Without it, a paced packet leaves at once and the horizon
 // polices the rate instead (lib/edt.h).
 
-// ErrNoFQ is returned (wrapped) by Open when edt_manage_fq cannot install
+// ErrNoFQ is returned (wrapped) by Start when edt_manage_fq cannot install
 // fq because the kernel has no fq qdisc (rtnetlink answers ENOENT: an
 // unknown qdisc kind), unless edt_horizon_fallback is set: the interface
-// then runs in horizon-policing mode, and Status.EDT says why. Any other
-// failure to install fq fails Open, fallback or not.
+// then runs in horizon-policing mode, and its status says why. Any other
+// failure to install fq fails Start, fallback or not.
 var ErrNoFQ = errors.New("the kernel has no sch_fq (CONFIG_NET_SCH_FQ)")
 
-// EDT modes of an interface, as EDTInterfaceStatus.Mode reports them.
+// EDT modes of an interface, as InterfaceStatus.Mode reports them.
 const (
-	// EDTModeFQ: the interface's root qdisc is fq, which holds each
+	// ModeFQ: the interface's root qdisc is fq, which holds each
 	// paced packet until its departure time; the horizon bounds how long.
-	EDTModeFQ = "fq"
-	// EDTModeHorizonPolicing: no fq holds the packets, they leave at
+	ModeFQ = "fq"
+	// ModeHorizonPolicing: no fq holds the packets, they leave at
 	// once; a paced service's packets beyond its horizon are dropped,
 	// which bounds its rate to max_egress_mbps plus a burst of a
 	// horizon's worth.
-	EDTModeHorizonPolicing = "horizon-policing"
+	ModeHorizonPolicing = "horizon-policing"
 )
 
 // fqKind is the qdisc kind edt_manage_fq installs: "fq". Tests set a kind
 // every kernel has ("pfifo") to exercise install and restore on a kernel
-// without sch_fq.
+// without sch_fq (SetQdiscKind).
 var fqKind = "fq"
 
-// fqHandle is the handle of the root qdisc edt_manage_fq installs
-// (0xf1d0:): fq, or on a multi-queue device an mq with fq under each of
-// its classes. By it a later start recognises the root as FluxVM's, to
-// adopt it, or to remove it from an interface no longer managed.
-const fqHandleMajor = 0xf1d0
+// SetQdiscKind makes edt_manage_fq install kind instead of fq until the
+// returned func restores it. For tests, on kernels without sch_fq; not
+// safe while a dataplane opens or reports its status.
+func SetQdiscKind(kind string) (restore func()) {
+	prev := fqKind
+	fqKind = kind
+	return func() { fqKind = prev }
+}
 
-// managedFQ is one interface of edt_interfaces as Open left it.
+// HandleMajor is the major number of the handle of the root qdisc
+// edt_manage_fq installs (0xf1d0:): fq, or on a multi-queue device an mq
+// with fq under each of its classes. By it a later start recognises the
+// root as FluxVM's, to adopt it, or to remove it from an interface no
+// longer managed.
+const HandleMajor = 0xf1d0
+
+// managedFQ is one interface of edt_interfaces as Start left it.
 type managedFQ struct {
 	name string
 	// installed: our root is in place (we installed it, or adopted the
@@ -114,20 +124,20 @@ func fqInForce(qs []qdiscInfo) (root string, fq bool, other []string) {
 // is removed again (an adopted one stays). A kernel without fq (ErrNoFQ)
 // is an error unless edt_horizon_fallback is set; the interface is then
 // listed with the reason.
-func openFQ(opts Options) ([]managedFQ, error) {
+func (c Config) openFQ() ([]managedFQ, error) {
 	keep := map[string]bool{}
-	if opts.EDT.Enabled && opts.EDT.ManageFQ {
-		for _, n := range opts.EDT.Interfaces {
+	if c.Enabled && c.ManageFQ {
+		for _, n := range c.Interfaces {
 			keep[n] = true
 		}
 	}
-	_ = opts.InNamespace(func() error {
+	_ = c.InNamespace(func() error {
 		removed, err := removeStrayFQ(keep)
 		for _, n := range removed {
-			opts.Logger.Info("fluxvm: EDT: fq of an earlier start removed: the interface is no longer managed (edt_manage_fq, edt_interfaces)", "interface", n)
+			c.Logger.Info("edt: fq of an earlier start removed: the interface is no longer managed (edt_manage_fq, edt_interfaces)", "interface", n)
 		}
 		if err != nil {
-			opts.Logger.Error("fluxvm: EDT: removing the fq of an earlier start from interfaces no longer managed failed", "err", err)
+			c.Logger.Error("edt: removing the fq of an earlier start from interfaces no longer managed failed", "err", err)
 		}
 		return nil
 	})
@@ -135,27 +145,27 @@ func openFQ(opts Options) ([]managedFQ, error) {
 		return nil, nil
 	}
 	var out []managedFQ
-	err := opts.InNamespace(func() error {
-		for _, name := range opts.EDT.Interfaces {
+	err := c.InNamespace(func() error {
+		for _, name := range c.Interfaces {
 			m, err := installFQ(name)
 			if err != nil {
-				if !errors.Is(err, ErrNoFQ) || !opts.EDT.HorizonFallback {
+				if !errors.Is(err, ErrNoFQ) || !c.HorizonFallback {
 					return err
 				}
 				m.problem = err.Error()
-				opts.Logger.Warn("fluxvm: EDT: fq could not be installed; the interface runs in horizon-policing mode (edt_horizon_fallback)", "interface", name, "err", err)
+				c.Logger.Warn("edt: fq could not be installed; the interface runs in horizon-policing mode (edt_horizon_fallback)", "interface", name, "err", err)
 			} else if m.adopted {
-				opts.Logger.Info("fluxvm: EDT: fq of an earlier start adopted", "interface", name, "kind", fqKind)
+				c.Logger.Info("edt: fq of an earlier start adopted", "interface", name, "kind", fqKind)
 			} else {
-				opts.Logger.Info("fluxvm: EDT: fq installed", "interface", name, "kind", fqKind, "replaced", m.previous)
+				c.Logger.Info("edt: fq installed", "interface", name, "kind", fqKind, "replaced", m.previous)
 			}
 			out = append(out, m)
 		}
 		return nil
 	})
 	if err != nil {
-		if rerr := rollbackFQ(opts, out); rerr != nil {
-			opts.Logger.Error("fluxvm: EDT: removing the fq installed before the failure failed", "err", rerr)
+		if rerr := c.rollbackFQ(out); rerr != nil {
+			c.Logger.Error("edt: removing the fq installed before the failure failed", "err", rerr)
 		}
 		return nil, err
 	}
@@ -165,9 +175,9 @@ func openFQ(opts Options) ([]managedFQ, error) {
 // rollbackFQ deletes the fq that a failed Open installed (not the ones
 // it adopted), so that the kernel restores each interface's default root
 // qdisc.
-func rollbackFQ(opts Options, fq []managedFQ) error {
+func (c Config) rollbackFQ(fq []managedFQ) error {
 	var errs []error
-	err := opts.InNamespace(func() error {
+	err := c.InNamespace(func() error {
 		for _, m := range fq {
 			if m.adopted {
 				continue
@@ -185,14 +195,16 @@ func rollbackFQ(opts Options, fq []managedFQ) error {
 	return nil
 }
 
-// removeAllFQ deletes our root qdisc (handle f1d0:) from every interface
-// of the node's namespace (Cleanup): the kernel restores each one's
-// default root.
-func removeAllFQ(opts Options) error {
-	err := opts.InNamespace(func() error {
+// RemoveAll deletes our root qdisc (handle f1d0:) from every interface
+// of the node's namespace (c.InNamespace; the dataplane's Cleanup): the
+// kernel restores each one's default root. Only c.InNamespace and
+// c.Logger are used.
+func RemoveAll(c Config) error {
+	c = c.withDefaults()
+	err := c.InNamespace(func() error {
 		removed, err := removeStrayFQ(nil)
 		for _, n := range removed {
-			opts.Logger.Info("fluxvm: EDT: fq removed", "interface", n)
+			c.Logger.Info("edt: fq removed", "interface", n)
 		}
 		return err
 	})

@@ -1,4 +1,4 @@
-package fluxvm
+package edt
 
 import (
 	"errors"
@@ -6,6 +6,9 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/fluxvm/servicefabric/fluxvm/internal/errs"
+	"github.com/fluxvm/servicefabric/intent"
 )
 
 // infoOf is what mode detection needs of a qdisc.
@@ -79,7 +82,7 @@ func installFQ(name string) (managedFQ, error) {
 	if err != nil {
 		var nf netlink.LinkNotFoundError
 		if errors.As(err, &nf) {
-			return m, fmt.Errorf("edt_interfaces: interface %q: no such network interface: %w", name, ErrNotFound)
+			return m, fmt.Errorf("edt_interfaces: interface %q: no such network interface: %w", name, errs.ErrNotFound)
 		}
 		return m, fmt.Errorf("edt_interfaces: interface %q: %w", name, err)
 	}
@@ -87,7 +90,7 @@ func installFQ(name string) (managedFQ, error) {
 	if err != nil {
 		return m, fmt.Errorf("edt_interfaces: %w", err)
 	}
-	ours := netlink.MakeHandle(fqHandleMajor, 0)
+	ours := netlink.MakeHandle(HandleMajor, 0)
 	mq := false
 	if root != nil {
 		a := root.Attrs()
@@ -100,10 +103,10 @@ func installFQ(name string) (managedFQ, error) {
 			return m, fillMQ(link)
 		case a.Handle != 0 && root.Type() == "mq":
 			return m, fmt.Errorf("edt_interfaces: interface %s has a root qdisc configured by someone else (mq, handle %s); FluxVM replaces only the kernel's default root qdisc: install fq on its classes yourself (tc qdisc replace dev %s parent %s1 fq, and so on for each TX queue), or take the interface out of edt_interfaces: %w",
-				name, netlink.HandleStr(a.Handle), name, netlink.HandleStr(a.Handle), ErrConflict)
+				name, netlink.HandleStr(a.Handle), name, netlink.HandleStr(a.Handle), intent.ErrConflict)
 		case a.Handle != 0:
 			return m, fmt.Errorf("edt_interfaces: interface %s has a root qdisc configured by someone else (%s, handle %s); FluxVM replaces only the kernel's default root qdisc: install fq there yourself, or take the interface out of edt_interfaces: %w",
-				name, root.Type(), netlink.HandleStr(a.Handle), ErrConflict)
+				name, root.Type(), netlink.HandleStr(a.Handle), intent.ErrConflict)
 		}
 		m.previous = root.Type()
 		mq = root.Type() == "mq"
@@ -147,7 +150,7 @@ func fillMQ(link netlink.Link) error {
 	}
 	for _, q := range qs {
 		a := q.Attrs()
-		if a.Parent == netlink.HANDLE_ROOT || a.Parent>>16 != fqHandleMajor || a.Parent&0xffff == 0 || q.Type() == fqKind {
+		if a.Parent == netlink.HANDLE_ROOT || a.Parent>>16 != HandleMajor || a.Parent&0xffff == 0 || q.Type() == fqKind {
 			continue
 		}
 		child := &netlink.GenericQdisc{
@@ -189,7 +192,7 @@ func removeOurRoot(name string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if root == nil || root.Attrs().Handle != netlink.MakeHandle(fqHandleMajor, 0) {
+	if root == nil || root.Attrs().Handle != netlink.MakeHandle(HandleMajor, 0) {
 		return false, nil
 	}
 	if err := netlink.QdiscDel(root); err != nil {

@@ -1,4 +1,4 @@
-package fluxvm
+package edt
 
 import (
 	"slices"

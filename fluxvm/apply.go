@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"sync"
 
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -10,7 +11,7 @@ import (
 // different services run concurrently (ApplyService).
 type applyState struct {
 	index *intent.CatalogIndex // catalog totals for incremental validation; under mu
-	store *catalogStore        // the catalog's journal; nil without CatalogPath
+	store *catalog.Store       // the catalog's journal; nil without CatalogPath
 	busy  map[string]int       // services with a change between prepare and commit; under mu
 	// reserved are the intents of applies between their reservation
 	// (CatalogIndex.Reserve) and their commit or abort, by service: the
@@ -31,8 +32,6 @@ type applyState struct {
 	repairs  map[string][]*frontend
 	tables   tablePool      // Maglev tables to build in
 	inflight sync.WaitGroup // changes under way; Close waits for them
-	// compacting counts catalog compactions under way.
-	compacting sync.WaitGroup
 
 	namesMu sync.Mutex
 	names   map[string]*nameLock

@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/maglev"
 )
@@ -212,7 +213,7 @@ func TestConcurrentAppliesOfOneService(t *testing.T) {
 	check("after the applies", d, true)
 
 	// The journal as a node killed now would replay it.
-	cat, _, _, err := loadCatalog(path, d.log)
+	cat, err := catalog.Read(path, d.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +298,7 @@ func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
 		if stillFE {
 			t.Errorf("attempt %d: the dataplane still has frontend %s", i+1, key)
 		}
-		cat, _, _, err := loadCatalog(path, d.log)
+		cat, err := catalog.Read(path, d.log)
 		if err != nil {
 			t.Fatal(err)
 		}

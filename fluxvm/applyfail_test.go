@@ -11,6 +11,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
 )
@@ -103,8 +104,8 @@ func checkClosed(t *testing.T, what string, d *Dataplane, name string) {
 // service name's weight, or 0 when it has no such service.
 func inCatalog(t *testing.T, d *Dataplane, path, name string) uint32 {
 	t.Helper()
-	d.compacting.Wait()
-	cat, _, _, err := loadCatalog(path, d.log)
+	d.store.WaitCompaction()
+	cat, err := catalog.Read(path, d.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,12 +297,9 @@ func TestRetryAfterUnsavedChangeIsDurable(t *testing.T) {
 	// next write fails (an apply before opened it).
 	breakJournal := func() {
 		t.Helper()
-		d.store.mu.Lock()
-		defer d.store.mu.Unlock()
-		if d.store.f == nil {
-			t.Fatal("no journal file open")
+		if err := d.store.FailNextWrite(); err != nil {
+			t.Fatal(err)
 		}
-		d.store.f.Close()
 	}
 	name := benchName(0)
 	if _, err := d.ApplyService(ctx, benchService(0, 1)); err != nil {

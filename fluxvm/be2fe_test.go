@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -361,7 +362,7 @@ func setPinnedGeneration(t *testing.T, root string, gen uint32) {
 // dropFromCatalog removes service name from the (closed) catalog file.
 func dropFromCatalog(t *testing.T, path, name string) {
 	t.Helper()
-	cat, err := readCatalog(path)
+	cat, err := catalog.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -370,7 +371,7 @@ func dropFromCatalog(t *testing.T, path, name string) {
 	if len(cat.Services) != n-1 {
 		t.Fatalf("catalog %s has no service %s", path, name)
 	}
-	if _, err := writeSnapshot(path, cat); err != nil {
+	if _, err := catalog.WriteFile(path, cat); err != nil {
 		t.Fatal(err)
 	}
 }

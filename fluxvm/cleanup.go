@@ -14,6 +14,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 )
@@ -167,7 +168,7 @@ func Cleanup(o CleanupOptions) error {
 			errs = append(errs, err)
 		}
 	}
-	errs = append(errs, removeState(o), cl.remove(), lk.Release())
+	errs = append(errs, removeState(o), cl.Remove(), lk.Release())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
@@ -184,7 +185,7 @@ func Cleanup(o CleanupOptions) error {
 // running dataplane's pin root is missing here too, and Cleanup fails
 // with ErrPinRoot and its advice instead (bpf.CheckPinRootVisible),
 // before it changes anything.
-func lockForCleanup(o CleanupOptions) (*catalogLock, *bpf.PinRootLock, error) {
+func lockForCleanup(o CleanupOptions) (*catalog.Lock, *bpf.PinRootLock, error) {
 	var lk *bpf.PinRootLock
 	if _, err := os.Stat(o.PinRoot); errors.Is(err, fs.ErrNotExist) {
 		if err := bpf.CheckPinRootVisible(o.PinRoot); err != nil {
@@ -193,10 +194,10 @@ func lockForCleanup(o CleanupOptions) (*catalogLock, *bpf.PinRootLock, error) {
 	} else if lk, err = bpf.LockPinRoot(bpf.Options{PinRoot: o.PinRoot}); err != nil {
 		return nil, nil, err
 	}
-	var cl *catalogLock
+	var cl *catalog.Lock
 	if _, err := os.Stat(filepath.Dir(o.CatalogPath)); o.CatalogPath != "" && err == nil {
 		// (No directory, no catalog: nothing there to hold.)
-		if cl, err = lockCatalog(o.CatalogPath); err != nil {
+		if cl, err = catalog.TakeLock(o.CatalogPath); err != nil {
 			return nil, nil, errors.Join(err, lk.Release())
 		}
 	}
@@ -237,7 +238,7 @@ func removeState(o CleanupOptions) error {
 	errs = append(errs, edt.RemoveAll(edt.Config{InNamespace: o.InNamespace, Logger: o.Logger}))
 	step("fq")
 	if o.CatalogPath != "" {
-		if err := removeCatalogFiles(o.CatalogPath); err != nil {
+		if err := catalog.Remove(o.CatalogPath); err != nil {
 			errs = append(errs, fmt.Errorf("catalog %s: %w", o.CatalogPath, err))
 		}
 		step("catalog")

@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -48,7 +49,7 @@ func TestOpenPinRootInUse(t *testing.T) {
 	if err := Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); !errors.Is(err, ErrInUse) {
 		t.Errorf("Cleanup while a dataplane is open: %v, want ErrInUse", err)
 	}
-	if files, err := journalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
+	if files, err := catalog.JournalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
 		t.Errorf("catalog journal after the refused Cleanup: %v, %v", files, err)
 	}
 	if _, err := os.Stat(filepath.Join(e.opts.Loader.PinRoot, "maps", "fluxvm_meta")); err != nil {
@@ -389,7 +390,7 @@ func TestCleanupCatalogInUse(t *testing.T) {
 	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), fmt.Sprintf("this process (pid %d)", os.Getpid())) {
 		t.Errorf("Cleanup of the catalog of an open dataplane: %v; want ErrInUse naming this process", err)
 	}
-	if files, err := journalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
+	if files, err := catalog.JournalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
 		t.Errorf("catalog journal after the refused Cleanup: %v, %v", files, err)
 	}
 	if _, err := os.Stat(lease); err != nil {

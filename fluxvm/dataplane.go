@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
 	"slices"
 	"sort"
 	"sync"
@@ -19,6 +18,7 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
@@ -104,7 +104,7 @@ type Dataplane struct {
 	lock *bpf.PinRootLock
 	// catLock holds the catalog's lock file (CatalogLockSuffix) while
 	// the dataplane is open; nil without a catalog.
-	catLock *catalogLock
+	catLock *catalog.Lock
 
 	stop chan struct{}
 	done chan struct{}
@@ -123,7 +123,7 @@ type Dataplane struct {
 	afterGCScan  func()                           // tests: runs after GC's scan (whatever its outcome), before its release of ids
 	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitStart, d.mu held, just before fe's new table goes in (flags: its new ones)
 
-	applyState // concurrent applies, the catalog journal (apply.go, journal.go)
+	applyState // concurrent applies, the catalog's store (apply.go)
 }
 
 type feKey struct {
@@ -295,11 +295,11 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	// Then the catalog's lock file, as Cleanup takes them: it covers the
 	// state outside bpffs (catalog, journal, HA lease) against a cleanup
 	// that cannot see or hold the pin root, or names another one.
-	cl, err := lockCatalog(opts.CatalogPath)
+	cl, err := catalog.TakeLock(opts.CatalogPath)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	undo.push(cl.abandon)
+	undo.push(cl.Abandon)
 	// fq goes on edt_interfaces first, all or nothing.
 	pacing, err := edt.New(edt.Config{
 		Enabled: opts.EDT.Enabled, Horizon: opts.EDT.Horizon, ManageFQ: opts.EDT.ManageFQ,
@@ -487,7 +487,7 @@ func (d *Dataplane) init(undo *undoStack) error {
 		if d.store == nil {
 			return nil
 		}
-		if err := d.store.close(); err != nil {
+		if err := d.store.Drop(); err != nil {
 			return fmt.Errorf("catalog journal: %w", err)
 		}
 		return nil
@@ -559,11 +559,12 @@ func (d *Dataplane) writeSNAT() error {
 	return nil
 }
 
-// restore re-applies the catalog (the snapshot and its journal,
-// journal.go) with the ids it recorded. After a plain restart every
-// write repeats what the adopted maps already hold; after a generation
-// reload or tier change it reprograms the recreated maps. A journal that
-// held changes is then compacted into the snapshot.
+// restore re-applies the catalog (the snapshot and its journal, package
+// fluxvm/internal/catalog) with the ids it recorded. After a plain
+// restart every write repeats what the adopted maps already hold; after
+// a generation reload or tier change it reprograms the recreated maps. A
+// journal that held changes is then compacted into the snapshot, and the
+// store starts compacting in the background.
 //
 // A service whose name has become reserved since it was applied (the
 // catalog of an older version, or edited by hand) is restored with a
@@ -582,7 +583,11 @@ func (d *Dataplane) restore() (err error) {
 	if d.opts.CatalogPath == "" {
 		return nil
 	}
-	cat, nextGen, dirty, err := loadCatalog(d.opts.CatalogPath, d.log)
+	st, err := d.openCatalog()
+	if err != nil {
+		return err
+	}
+	cat, dirty, err := st.Load()
 	if err != nil {
 		return err
 	}
@@ -638,15 +643,13 @@ func (d *Dataplane) restore() (err error) {
 	if err := d.writePolicies(d.pol.prog); err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
-	d.store = openStore(d.opts.CatalogPath, d.log, cat.Seq, nextGen)
-	if fi, err := os.Stat(d.opts.CatalogPath); err == nil {
-		d.store.snapSize = fi.Size()
-	}
+	d.store = st
 	if dirty {
-		if err := d.compactNow(); err != nil {
+		if err := st.Compact(); err != nil {
 			return fmt.Errorf("fluxvm: restore catalog: %w", err)
 		}
 	}
+	st.Start()
 	span.SetAttributes(AttrServices.Int(len(cat.Services)))
 	d.log.Info("fluxvm: catalog restored", "services", len(cat.Services), "journal_seq", cat.Seq)
 	return nil
@@ -710,7 +713,8 @@ func (d *Dataplane) stopGC() {
 // so do the fq qdiscs edt_manage_fq installed (the next Open adopts them)
 // and the advertisement file, as last published. Changes under way
 // finish first, and the catalog journal is compacted into the catalog
-// file (journal.go). A second Close does nothing and returns nil.
+// file (package fluxvm/internal/catalog). A second Close does nothing and
+// returns nil.
 //
 // Close lets the pin root go: another Open (or the package-level
 // Cleanup) may take it from then on.
@@ -745,7 +749,7 @@ func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	return errors.Join(cerr, d.dp.Close(), d.lock.Release(), d.catLock.release())
+	return errors.Join(cerr, d.dp.Close(), d.lock.Release(), d.catLock.Release())
 }
 
 // Cleanup removes everything the dataplane owns: it stops the dataplane
@@ -784,9 +788,8 @@ func (d *Dataplane) Cleanup() error {
 	d.stopAdvertiser()
 	d.pacing.Close()
 	var errs []error
-	d.compacting.Wait()
 	if d.store != nil {
-		d.store.close()
+		d.store.Drop()
 	}
 	// The goroutine's last publish only logs a failure; try once more
 	// here, so that Cleanup fails when adapters were not told to withdraw.
@@ -798,7 +801,7 @@ func (d *Dataplane) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
-	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.catLock.remove(), d.lock.Release())
+	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.catLock.Remove(), d.lock.Release())
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}

@@ -595,22 +595,6 @@ func (d *Dataplane) writePolicies(prog *policy.Program) (err error) {
 	return d.pol.w.Prune(prog, func(sid uint32) bool { return keep[sid] })
 }
 
-// journalPolicies records the policy state in the catalog. d.mu must be
-// held.
-func (d *Dataplane) journalPolicies() (uint64, error) {
-	if d.store == nil {
-		return 0, nil
-	}
-	seq, err := d.store.append(journalRecord{Policies: d.pol.saved()})
-	if err != nil {
-		return 0, err
-	}
-	if d.store.wantCompaction() {
-		d.startCompaction()
-	}
-	return seq, nil
-}
-
 // Policies reports the node's identity policy state.
 func (d *Dataplane) Policies() (PoliciesStatus, error) {
 	if err := d.opened("policies"); err != nil {

@@ -31,7 +31,7 @@ import (
 // say.
 //
 // It returns once the change is programmed and durable in the catalog
-// (journal.go). Applies of different services run concurrently: the
+// (package fluxvm/internal/catalog). Applies of different services run concurrently: the
 // dataplane's lock is held to validate and reserve ids and to write the
 // frontend entries, but not while the Maglev tables are built and
 // written, nor while they are swapped into fluxvm_maglev or the slots of

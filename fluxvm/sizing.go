@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -213,7 +214,7 @@ func openSizes(opts *Options, ha bool) (bpf.Sizes, map[string]sizeReason) {
 	}
 	var svcs []Service
 	if opts.CatalogPath != "" {
-		cat, _, _, err := loadCatalog(opts.CatalogPath, opts.Logger)
+		cat, err := catalog.Read(opts.CatalogPath, opts.Logger)
 		if err != nil {
 			// The restore reports it; meanwhile nothing is left small.
 			for _, name := range bpf.SizedMaps {

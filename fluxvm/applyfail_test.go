@@ -11,7 +11,6 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -398,11 +397,11 @@ func TestApplyDropConcurrency(t *testing.T) {
 func TestHealthRoundRepairsClosedService(t *testing.T) {
 	d, _, _ := newApplyTest(t)
 	d.mu.Lock()
-	d.health.prober = health.NewProber(func(context.Context, string, string) (net.Conn, error) {
+	d.testHealthDial = func(context.Context, string, string) (net.Conn, error) {
 		c, peer := net.Pipe()
 		peer.Close()
 		return c, nil
-	}, 4)
+	}
 	d.mu.Unlock()
 	ctx := context.Background()
 	svc := twoPorts(0, 1)

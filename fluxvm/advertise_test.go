@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io/fs"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,43 +18,16 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/fluxvm/servicefabric/advert"
+	"github.com/fluxvm/servicefabric/internal/testutils/adverttest"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 var (
 	advVIP4 = netip.MustParseAddr("203.0.113.10")
 	advVIP6 = netip.MustParseAddr("2001:db8::10")
-	advBE4a = netip.MustParseAddrPort("10.200.2.2:8080")
-	advBE4b = netip.MustParseAddrPort("10.200.3.2:8080")
-	advBE6  = netip.MustParseAddrPort("[fd00:200:2::2]:8080")
 )
 
 func ptrBool(v bool) *bool { return &v }
-
-// decisions maps "vip service" to "advertised" or the reason.
-func decisions(entries []advert.Entry) map[string]string {
-	out := map[string]string{}
-	for _, e := range entries {
-		v := "advertised"
-		if !e.Advertised {
-			v = string(e.Reason)
-		}
-		out[e.VIP.String()+" "+e.Service] = v
-	}
-	return out
-}
-
-func mapsEqual(a, b map[string]string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for k, v := range a {
-		if w, ok := b[k]; !ok || w != v {
-			return false
-		}
-	}
-	return true
-}
 
 func snapshotsEqual(a, b advert.Snapshot) bool {
 	x, _ := json.Marshal(a)
@@ -116,7 +90,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	}
 	s := read("apply")
 	want := map[string]string{vip4.String() + " web": "advertised", vip6.String() + " web": "advertised"}
-	if got := decisions(s.Entries); !mapsEqual(got, want) {
+	if got := adverttest.Decisions(s.Entries); !maps.Equal(got, want) {
 		t.Fatalf("after apply %v, want %v (the east-west service has no entry)", got, want)
 	}
 	gen := s.Generation
@@ -124,8 +98,8 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	// vm3 (refused) becomes unhealthy; vm2 is still ready: nothing
 	// changes, nothing is rewritten.
 	reconcile(t, d, 2)
-	if s := read("vm3 unhealthy"); s.Generation != gen || !mapsEqual(decisions(s.Entries), want) {
-		t.Errorf("vm3 unhealthy: gen %d (was %d) %v", s.Generation, gen, decisions(s.Entries))
+	if s := read("vm3 unhealthy"); s.Generation != gen || !maps.Equal(adverttest.Decisions(s.Entries), want) {
+		t.Errorf("vm3 unhealthy: gen %d (was %d) %v", s.Generation, gen, adverttest.Decisions(s.Entries))
 	}
 	// vm2 moves to port 8081 too: after health, no backend is ready.
 	// (A copy: the dataplane keeps the slices of the intent it was given.)
@@ -138,13 +112,13 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	}
 	// Just applied: the new endpoints start unknown, which counts as
 	// ready.
-	if s := read("moved"); !mapsEqual(decisions(s.Entries), want) {
-		t.Errorf("moved, not yet checked: %v", decisions(s.Entries))
+	if s := read("moved"); !maps.Equal(adverttest.Decisions(s.Entries), want) {
+		t.Errorf("moved, not yet checked: %v", adverttest.Decisions(s.Entries))
 	}
 	rep := reconcile(t, d, 2)
 	s = read("all unhealthy")
 	withdrawn := map[string]string{vip4.String() + " web": "no ready backend", vip6.String() + " web": "no ready backend"}
-	if got := decisions(s.Entries); !mapsEqual(got, withdrawn) || s.Generation <= gen {
+	if got := adverttest.Decisions(s.Entries); !maps.Equal(got, withdrawn) || s.Generation <= gen {
 		t.Fatalf("all unhealthy: gen %d (was %d) %v, want %v; health %+v", s.Generation, gen, got, withdrawn, rep)
 	}
 	gen = s.Generation
@@ -156,8 +130,8 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	}
 	t.Cleanup(func() { srv.Close() })
 	reconcile(t, d, 2)
-	if s := read("vm3 back"); !mapsEqual(decisions(s.Entries), want) || s.Generation != gen+1 {
-		t.Errorf("vm3 back: gen %d (was %d) %v", s.Generation, gen, decisions(s.Entries))
+	if s := read("vm3 back"); !maps.Equal(adverttest.Decisions(s.Entries), want) || s.Generation != gen+1 {
+		t.Errorf("vm3 back: gen %d (was %d) %v", s.Generation, gen, adverttest.Decisions(s.Entries))
 	}
 
 	// advertise=false, then disabled.
@@ -165,14 +139,14 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	if got := decisions(read("advertise=false").Entries); got[vip4.String()+" web"] != "advertise=false" {
+	if got := adverttest.Decisions(read("advertise=false").Entries); got[vip4.String()+" web"] != "advertise=false" {
 		t.Errorf("advertise=false: %v", got)
 	}
 	svc.Advertise, svc.Enabled = true, ptrBool(false)
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	if got := decisions(read("disabled").Entries); got[vip6.String()+" web"] != "service disabled" {
+	if got := adverttest.Decisions(read("disabled").Entries); got[vip6.String()+" web"] != "service disabled" {
 		t.Errorf("disabled: %v", got)
 	}
 	// Exposure both, enabled: advertised again.
@@ -181,7 +155,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 		t.Fatal(err)
 	}
 	s = read("both")
-	if got := decisions(s.Entries); !mapsEqual(got, want) {
+	if got := adverttest.Decisions(s.Entries); !maps.Equal(got, want) {
 		t.Errorf("both: %v", got)
 	}
 	// The same intent again: no rewrite.
@@ -210,8 +184,8 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	closed = true
 	advertiserStopped(t, d)
 	goleak.VerifyNone(t, append(labServers(), leaks)...)
-	if s := read("closed"); s.Generation != gen || !mapsEqual(decisions(s.Entries), want) {
-		t.Errorf("after Close: gen %d %v", s.Generation, decisions(s.Entries))
+	if s := read("closed"); s.Generation != gen || !maps.Equal(adverttest.Decisions(s.Entries), want) {
+		t.Errorf("after Close: gen %d %v", s.Generation, adverttest.Decisions(s.Entries))
 	}
 	st1, _ = os.Stat(path)
 	d, err = Open(e.opts)

@@ -96,8 +96,8 @@ type Dataplane struct {
 	edtNode      uint64
 	edtNodeKnown bool
 	sock         socketLB                   // socket load balancing (socklb.go)
-	health       *healthchecks.Checks       // active health checks (health.go)
-	adv          *advertisements.Advertiser // VIP advertisements (advertise.go)
+	health       *healthchecks.Checks       // active health checks (internal/health; health.go)
+	adv          *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
 	// testHealthDial, set by tests before the first check, replaces
 	// dialNode for the health checks.
 	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)

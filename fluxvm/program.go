@@ -720,7 +720,7 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 			fe.backends[ep] = id
 		}
 		state, drain := bpf.BackendReady, uint64(0)
-		// The intent state, with the health overlay (health.go).
+		// The intent state, with the health overlay (internal/health).
 		switch d.effectiveState(&svc, &b) {
 		case BackendDraining:
 			state = bpf.BackendDraining

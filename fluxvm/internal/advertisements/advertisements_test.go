@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"iter"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/intent"
+	"github.com/fluxvm/servicefabric/internal/testutils/adverttest"
 )
 
 // fakeServices is the View of a dataplane without a datapath: a catalog
@@ -107,19 +109,6 @@ func advService(name string) intent.Service {
 
 func ptrBool(v bool) *bool { return &v }
 
-// decisions maps "vip service" to "advertised" or the reason.
-func decisions(entries []advert.Entry) map[string]string {
-	out := map[string]string{}
-	for _, e := range entries {
-		v := "advertised"
-		if !e.Advertised {
-			v = string(e.Reason)
-		}
-		out[e.VIP.String()+" "+e.Service] = v
-	}
-	return out
-}
-
 func TestAdvertEntries(t *testing.T) {
 	unhealthy := func(d *fakeServices, svc string, eps ...netip.AddrPort) {
 		m := map[netip.AddrPort]bool{}
@@ -184,7 +173,7 @@ func TestAdvertEntries(t *testing.T) {
 				}
 				return
 			}
-			if g := decisions(got); !mapsEqual(g, tt.want) {
+			if g := adverttest.Decisions(got); !maps.Equal(g, tt.want) {
 				t.Errorf("decisions %v, want %v", g, tt.want)
 			}
 			for _, e := range got {
@@ -194,18 +183,6 @@ func TestAdvertEntries(t *testing.T) {
 			}
 		})
 	}
-}
-
-func mapsEqual(a, b map[string]string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for k, v := range a {
-		if w, ok := b[k]; !ok || w != v {
-			return false
-		}
-	}
-	return true
 }
 
 // TestMemPublisher checks that the in-memory snapshot follows the file
@@ -313,7 +290,7 @@ func TestAdvertiserFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if dec := decisions(s.Entries); dec["203.0.113.10 web"] != "advertise=false" || dec["2001:db8::10 web"] != "advertise=false" {
+	if dec := adverttest.Decisions(s.Entries); dec["203.0.113.10 web"] != "advertise=false" || dec["2001:db8::10 web"] != "advertise=false" {
 		t.Errorf("after Close the file has %v, want the last set (advertise=false)", dec)
 	}
 	gen := s.Generation

@@ -51,14 +51,18 @@ type fakeNet struct {
 	dials  int
 	active int
 	hang   bool
+	gate   chan struct{} // when set, every dial waits for it to close
 }
 
 func (n *fakeNet) dial(ctx context.Context, _, address string) (net.Conn, error) {
 	n.mu.Lock()
 	n.dials++
 	n.active++
-	up, hang := n.up[address], n.hang
+	up, hang, gate := n.up[address], n.hang, n.gate
 	n.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
 	defer func() {
 		n.mu.Lock()
 		n.active--
@@ -573,5 +577,50 @@ func TestNewRejects(t *testing.T) {
 		if _, err := New(tt.cfg, tt.deps); err == nil {
 			t.Errorf("%s: accepted", tt.name)
 		}
+	}
+}
+
+// TestRoundWithoutFacadeLock: a round probes and records while the
+// facade's lock (the view's) is held elsewhere, by an apply or an export
+// say; only its Changed, which reprograms, waits for that lock.
+func TestRoundWithoutFacadeLock(t *testing.T) {
+	hs := newHarness(t, checkedService("web", intent.HealthCheck{UnhealthyThreshold: 1, HealthyThreshold: 1}, beA, beB))
+	hs.net.set(beB, true)
+	inCall := make(chan struct{}, 1)
+	hs.mu.Lock()
+	hs.inCall = inCall
+	hs.mu.Unlock()
+	gate := make(chan struct{})
+	hs.net.mu.Lock()
+	hs.net.gate = gate
+	hs.net.mu.Unlock()
+	hs.h.Start() // its first rounds wait in their dials
+	hs.view.mu.Lock()
+	close(gate)
+	// The first round, started by Start, records beA down with the
+	// lock held.
+	for deadline := time.Now().Add(10 * time.Second); hs.h.Status().Unhealthy != 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			hs.view.mu.Unlock()
+			t.Fatalf("the round did not record while the facade's lock was held: %+v", hs.h.Status())
+		}
+	}
+	if got := hs.h.EffectiveState(hs.view.services["web"], &hs.view.services["web"].Backends[0]); got != intent.BackendUnhealthy {
+		t.Errorf("effective state %s during the hold, want unhealthy", got)
+	}
+	select {
+	case <-inCall: // Changed started: it now waits for the lock
+	case <-time.After(10 * time.Second):
+		t.Fatal("Changed not called")
+	}
+	if ch := hs.takeChanges(); len(ch) != 0 {
+		t.Errorf("Changed finished while the facade's lock was held: %+v", ch)
+	}
+	hs.view.mu.Unlock()
+	if err := hs.h.Close(); err != nil { // waits for Changed
+		t.Fatal(err)
+	}
+	if ch := hs.takeChanges(); len(ch) != 1 || !slices.Equal(ch[0].Backends, []netip.AddrPort{beA}) {
+		t.Errorf("changes %+v", ch)
 	}
 }

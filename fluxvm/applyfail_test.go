@@ -12,7 +12,6 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
-	"github.com/fluxvm/servicefabric/health"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -396,11 +395,11 @@ func TestApplyDropConcurrency(t *testing.T) {
 func TestHealthRoundRepairsClosedService(t *testing.T) {
 	d, _, _ := newApplyTest(t)
 	d.mu.Lock()
-	d.health.prober = health.NewProber(func(context.Context, string, string) (net.Conn, error) {
+	d.testHealthDial = func(context.Context, string, string) (net.Conn, error) {
 		c, peer := net.Pipe()
 		peer.Close()
 		return c, nil
-	}, 4)
+	}
 	d.mu.Unlock()
 	ctx := context.Background()
 	svc := twoPorts(0, 1)

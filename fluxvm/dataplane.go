@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"slices"
 	"sort"
@@ -18,8 +19,10 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/advertisements"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
@@ -89,10 +92,13 @@ type Dataplane struct {
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
-	sock      socketLB     // socket load balancing (socklb.go)
-	health    healthChecks // active health checks (health.go)
-	adv       advertiser   // VIP advertisements (advertise.go)
-	pol       policyState  // identity policies (policy.go)
+	sock      socketLB                   // socket load balancing (socklb.go)
+	health    *healthchecks.Checks       // active health checks (internal/health; health.go)
+	adv       *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
+	// testHealthDial, set by tests before the first check, replaces
+	// dialNode for the health checks.
+	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)
+	pol            policyState // identity policies (policy.go)
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -347,11 +353,14 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	undo.push(func() error { d.gcCancel(); return nil })
-	d.initHealth()
-	undo.push(func() error { d.stopHealth(); return nil })
-	if err := d.initAdvertiser(); err != nil {
+	if d.health, err = d.newHealth(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	undo.push(d.health.Close)
+	if d.adv, err = d.newAdvertiser(); err != nil {
 		return nil, err
 	}
+	undo.push(d.adv.Close)
 	if err := d.init(&undo); err != nil {
 		return nil, err
 	}
@@ -375,7 +384,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	d.startRouteWatch()
 	d.mu.Unlock()
 	d.startAdvertiser()
-	d.startHealth()
+	d.health.Start()
 	d.startSocketDestroy()
 	if opts.ConntrackGCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
@@ -734,13 +743,13 @@ func (d *Dataplane) Close() error {
 	}
 	// Changes under way finish (and are journaled) first.
 	d.inflight.Wait()
-	d.stopHealth()
+	d.health.Close()
 	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
 	d.stopSocketDestroy()
 	d.stopRouteWatch()
-	d.stopAdvertiser()
+	d.adv.Close()
 	d.pacing.Close()
 	cerr := d.closeCatalog()
 	// A compaction finishes first (it holds flowMu to its end).
@@ -778,14 +787,14 @@ func (d *Dataplane) Cleanup() error {
 		return Cleanup(d.cleanupOptions())
 	}
 	d.inflight.Wait()
-	d.stopHealth()
+	d.health.Close()
 	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
 	d.stopSocketDestroy()
 	d.stopRouteWatch()
-	d.adv.submit([]advert.Entry{})
-	d.stopAdvertiser()
+	d.adv.Submit([]advert.Entry{})
+	d.adv.Close()
 	d.pacing.Close()
 	var errs []error
 	if d.store != nil {
@@ -793,7 +802,7 @@ func (d *Dataplane) Cleanup() error {
 	}
 	// The goroutine's last publish only logs a failure; try once more
 	// here, so that Cleanup fails when adapters were not told to withdraw.
-	if err := d.adv.flush(); err != nil {
+	if err := d.adv.Flush(); err != nil {
 		errs = append(errs, fmt.Errorf("advertisements: the empty snapshot that withdraws every VIP was not published: %w", err))
 	}
 	d.flowMu.Lock()
@@ -807,7 +816,6 @@ func (d *Dataplane) Cleanup() error {
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
 	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
 	d.sock.removed()
-	clear(d.health.observed)
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
@@ -1156,8 +1164,8 @@ func (d *Dataplane) Status() Status {
 		FrontendIndex: d.dp.FrontendIndexStats(),
 		LastGC:        d.lastGC,
 		SocketLB:      d.sock.status(),
-		// advertiser.status takes only the advertiser's own lock.
-		Advertisements: d.adv.status(),
+		// Advertiser.Status takes only the advertiser's own lock.
+		Advertisements: d.adv.Status(),
 	}
 	if st.TierChanged {
 		out.Load.PreviousTier = st.PreviousTier.String()

@@ -16,44 +16,6 @@ import (
 	"github.com/fluxvm/servicefabric/health"
 )
 
-// TestEffectiveState is the overlay rule: only a Ready backend of a
-// health-checked service that is observed Unhealthy changes.
-func TestEffectiveState(t *testing.T) {
-	ep := netip.MustParseAddrPort("10.200.2.2:8080")
-	check := &HealthCheck{Kind: "tcp"}
-	tests := []struct {
-		intent   BackendState
-		check    *HealthCheck
-		observed health.State // "" = not tracked
-		want     BackendState
-	}{
-		{BackendReady, check, "", BackendReady},
-		{BackendReady, check, health.Unknown, BackendReady},
-		{BackendReady, check, health.Healthy, BackendReady},
-		{BackendReady, check, health.Unhealthy, BackendUnhealthy},
-		{"", check, health.Unhealthy, BackendUnhealthy},
-		{BackendReady, nil, health.Unhealthy, BackendReady}, // check removed: overlay ignored
-		{BackendDraining, check, health.Unhealthy, BackendDraining},
-		{BackendDraining, check, health.Healthy, BackendDraining},
-		{BackendUnhealthy, check, health.Healthy, BackendUnhealthy},
-		{BackendUnhealthy, check, health.Unknown, BackendUnhealthy},
-	}
-	for _, tt := range tests {
-		d := &Dataplane{}
-		d.health.observed = map[string]map[netip.AddrPort]*health.Status{}
-		if tt.observed != "" {
-			st := health.NewStatus(time.Now())
-			st.State = tt.observed
-			d.health.observed["web"] = map[netip.AddrPort]*health.Status{ep: &st}
-		}
-		svc := Service{Name: "web", HealthCheck: tt.check}
-		b := Backend{Address: ep.Addr(), Port: ep.Port(), State: tt.intent}
-		if got := d.effectiveState(&svc, &b); got != tt.want {
-			t.Errorf("intent %q, check %v, observed %q: %s, want %s", tt.intent, tt.check != nil, tt.observed, got, tt.want)
-		}
-	}
-}
-
 // healthService is a TCP service on both VIPs with vm2 (listening on
 // 8080) and vm3 on port 8081 (nothing listens: refused), both families.
 func (e *env) healthService(hc *HealthCheck) Service {
@@ -67,10 +29,10 @@ func (e *env) healthService(hc *HealthCheck) Service {
 	return s
 }
 
-// signalDials gives d a prober that dials as Open's does and sends on the
-// returned channel (without blocking) whenever a check of ep starts. Call
-// it before applying a service with a health check: rounds read the
-// prober without d.mu.
+// signalDials gives d a health-check dialer that dials as Open's does and
+// sends on the returned channel (without blocking) whenever a check of ep
+// starts. Call it before applying a service with a health check: rounds
+// read the dialer without d.mu.
 func signalDials(d *Dataplane, ep netip.AddrPort) <-chan struct{} {
 	ch := make(chan struct{}, 1)
 	dial := func(ctx context.Context, network, address string) (net.Conn, error) {
@@ -83,7 +45,7 @@ func signalDials(d *Dataplane, ep netip.AddrPort) <-chan struct{} {
 		return d.dialNode(ctx, network, address)
 	}
 	d.mu.Lock()
-	d.health.prober = health.NewProber(dial, d.opts.HealthCheckConcurrency)
+	d.testHealthDial = dial
 	d.mu.Unlock()
 	return ch
 }
@@ -255,10 +217,8 @@ func TestDataplaneHealthOverlay(t *testing.T) {
 	if rep := d.Health(); len(rep.Services) != 0 {
 		t.Errorf("report after removing the check: %+v", rep)
 	}
-	d.mu.Lock()
-	n, m := len(d.health.checkers), len(d.health.observed)
-	d.mu.Unlock()
-	if n != 0 || m != 0 {
+	st := d.health.Status()
+	if n, m := st.Checked, st.Observed; n != 0 || m != 0 {
 		t.Errorf("%d checkers, %d overlays left after removing the check", n, m)
 	}
 
@@ -272,10 +232,8 @@ func TestDataplaneHealthOverlay(t *testing.T) {
 	if err := d.DeleteService(ctx, "web"); err != nil {
 		t.Fatal(err)
 	}
-	d.mu.Lock()
-	n, m = len(d.health.checkers), len(d.health.observed)
-	d.mu.Unlock()
-	if n != 0 || m != 0 {
+	st = d.health.Status()
+	if n, m := st.Checked, st.Observed; n != 0 || m != 0 {
 		t.Errorf("%d checkers, %d overlays left after the delete", n, m)
 	}
 

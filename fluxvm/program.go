@@ -720,7 +720,7 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 			fe.backends[ep] = id
 		}
 		state, drain := bpf.BackendReady, uint64(0)
-		// The intent state, with the health overlay (health.go).
+		// The intent state, with the health overlay (internal/health).
 		switch d.effectiveState(&svc, &b) {
 		case BackendDraining:
 			state = bpf.BackendDraining
@@ -1303,9 +1303,7 @@ func (d *Dataplane) failClosed(name string, fes []*frontend, cause error) {
 			errs = append(errs, fmt.Errorf("frontend %s: close guard: %w", fe.key, err))
 		}
 	}
-	if c := d.health.checkers[name]; c != nil {
-		c.unprogrammed = true
-	}
+	d.health.Retry(name)
 	d.log.Error("fluxvm: a change failed and putting back what was there failed too; the service's frontends are closed (their packets drop) until it is programmed again",
 		"service", name, "frontends", len(fes), "err", cause, "close_err", errors.Join(errs...))
 }

@@ -64,7 +64,7 @@ func newEnv(t *testing.T) *env {
 		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
 		ConntrackGCInterval: -1,
-		Interfaces:          ifs,
+		VMEdgeInterfaces:    ifs,
 		InNamespace:         l.Node.Do,
 	}
 	return e

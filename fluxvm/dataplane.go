@@ -23,6 +23,8 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
@@ -46,8 +48,9 @@ type Dataplane struct {
 	log    *slog.Logger
 	tracer trace.Tracer
 	dp     *bpf.Datapath
-	// routes keeps the XDP next-hop cache true (xdproutes.go).
-	routes *routeWatch
+	// routes keeps the XDP next-hop cache true (xdproutes.go); set by
+	// Open, then only read.
+	routes *xdproutes.Watch
 	ct     *conntrack.Map
 	// flowMaps are ct's own handles of fluxvm_fct4, fct6, nat4, nat6.
 	// flowMu: a compaction holds it (Lock) while it replaces the flow
@@ -92,7 +95,7 @@ type Dataplane struct {
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
-	sock      socketLB                   // socket load balancing (socklb.go)
+	sock      *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
 	health    *healthchecks.Checks       // active health checks (internal/health; health.go)
 	adv       *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
 	// testHealthDial, set by tests before the first check, replaces
@@ -372,6 +375,9 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	if err := d.initSocketLB(cgroupPath, &undo); err != nil {
 		return nil, err
 	}
+	if err := d.initRouteWatch(); err != nil {
+		return nil, err
+	}
 	if err := d.startHA(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -380,12 +386,10 @@ func Open(opts Options) (_ *Dataplane, err error) {
 	if st := dp.Status(); st.TierChanged || len(st.Migrations) > 0 {
 		d.log.Info("fluxvm: lifecycle maps migrated", "migrated", st.Migrated, "not_migrated", st.NotMigrated, "detail", st.Migrations)
 	}
-	d.mu.Lock()
-	d.startRouteWatch()
-	d.mu.Unlock()
+	d.routes.Start()
 	d.startAdvertiser()
 	d.health.Start()
-	d.startSocketDestroy()
+	d.sock.Start()
 	if opts.ConntrackGCInterval > 0 {
 		d.stop, d.done = make(chan struct{}), make(chan struct{})
 		go d.gcLoop(d.resumeGC(opts.ConntrackGCInterval))
@@ -747,8 +751,8 @@ func (d *Dataplane) Close() error {
 	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
-	d.stopSocketDestroy()
-	d.stopRouteWatch()
+	d.sock.Close()
+	d.routes.Close() // its only error is the close of its netlink socket
 	d.adv.Close()
 	d.pacing.Close()
 	cerr := d.closeCatalog()
@@ -791,8 +795,8 @@ func (d *Dataplane) Cleanup() error {
 	d.stopPressure()
 	d.stopGC()
 	d.stopHA()
-	d.stopSocketDestroy()
-	d.stopRouteWatch()
+	d.sock.Close()
+	d.routes.Close() // its only error is the close of its netlink socket
 	d.adv.Submit([]advert.Entry{})
 	d.adv.Close()
 	d.pacing.Close()
@@ -815,7 +819,7 @@ func (d *Dataplane) Cleanup() error {
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
 	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
-	d.sock.removed()
+	d.sock.Removed()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
 	}
@@ -1160,10 +1164,10 @@ func (d *Dataplane) Status() Status {
 		Seeds:         SeedStatus{FlowHash: st.HashSeed, Maglev: d.opts.MaglevSeed},
 		Services:      len(d.services),
 		SNAT:          d.snatStatus(),
-		XDPRouteCache: d.routes.routeCache(),
+		XDPRouteCache: d.routes.Status(),
 		FrontendIndex: d.dp.FrontendIndexStats(),
 		LastGC:        d.lastGC,
-		SocketLB:      d.sock.status(),
+		SocketLB:      d.sock.Status(),
 		// Advertiser.Status takes only the advertiser's own lock.
 		Advertisements: d.adv.Status(),
 	}

@@ -50,6 +50,18 @@ func testCgroup(t *testing.T, name string) string {
 	return dir
 }
 
+// eventually polls cond for up to 5 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
 // cgroupAttachTypes are the attach types of bpf.CgroupHooks, in order.
 var cgroupAttachTypes = map[bpf.CgroupHook]ebpf.AttachType{
 	bpf.HookConnect4: ebpf.AttachCGroupInet4Connect, bpf.HookConnect6: ebpf.AttachCGroupInet6Connect,

@@ -1,4 +1,4 @@
-package fluxvm
+package xdproutes
 
 import (
 	"errors"
@@ -35,42 +35,74 @@ const (
 	routeRescanEvery = time.Second
 )
 
-// startRouteWatch subscribes to the node's rtnetlink notifications (in
-// the node's namespace), reads its rules and routes once, takes the
-// lease on the XDP route cache where they allow it, and keeps the cache
-// true until stopRouteWatch. With xdp_mode off it only records why the
-// cache is off. d.mu held.
-func (d *Dataplane) startRouteWatch() {
-	w := &routeWatch{fd: -1}
-	d.routes = w
-	if d.xdpMode() == "off" {
-		w.status.Reason = "xdp_mode is off"
+// hostSystem hears of the node's routing over rtnetlink.
+func hostSystem() system {
+	return system{
+		idle: "the route watch has not started",
+		open: func() (events, error) {
+			fd, err := routeSocket()
+			if err != nil {
+				return nil, err
+			}
+			return netlinkEvents(fd), nil
+		},
+		scan:        scanRouting,
+		rescanEvery: routeRescanEvery,
+		renewEvery:  cacheRenew,
+	}
+}
+
+// Start subscribes to the node's rtnetlink notifications (in the node's
+// namespace), reads its rules and routes once, takes the lease on the XDP
+// route cache where they allow it, and keeps the cache true until Close,
+// from a goroutine of its own. With xdp_mode off it does nothing (Status
+// says why). Once; not after Close.
+func (w *Watch) Start() {
+	if w == nil || w.cfg.XDPOff || !w.begin() {
 		return
 	}
+	var ev events
 	var reason string
-	err := d.opts.InNamespace(func() error {
-		fd, err := routeSocket()
-		if err != nil {
+	err := w.inNS(func() (err error) {
+		if ev, err = w.sys.open(); err != nil {
 			return err
 		}
-		w.fd = fd
 		// Subscribed first, read second: a change in between is heard.
-		reason, w.compat, err = scanRouting()
+		reason, w.compat, err = w.sys.scan()
 		return err
 	})
 	if err != nil {
-		if w.fd >= 0 {
-			unix.Close(w.fd)
-			w.fd = -1
+		if ev != nil {
+			ev.close()
 		}
-		d.log.Warn("fluxvm: XDP route cache off", "err", err)
-		d.setRouteCache(w, "the node's routing cannot be watched: "+err.Error())
+		w.log.Warn("fluxvm: XDP route cache off", "err", err)
+		w.setCache("the node's routing cannot be watched: " + err.Error())
 		return
 	}
-	d.setRouteCache(w, reason)
-	w.stop, w.done = make(chan struct{}), make(chan struct{})
-	go d.routeWatchLoop(w)
+	w.setCache(reason)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed { // Close came first: it found nothing to stop
+		ev.close()
+		return
+	}
+	w.ev, w.stop, w.done = ev, make(chan struct{}), make(chan struct{})
+	go w.loop(ev, w.stop, w.done)
 }
+
+// netlinkEvents reads notifications from the rtnetlink socket fd.
+type netlinkEvents int
+
+func (fd netlinkEvents) recv(buf []byte, wait bool) (int, error) {
+	flags := unix.MSG_DONTWAIT
+	if wait {
+		flags = 0 // the socket's receive timeout
+	}
+	n, _, err := unix.Recvfrom(int(fd), buf, flags)
+	return n, err
+}
+
+func (fd netlinkEvents) close() error { return unix.Close(int(fd)) }
 
 // routeSocket is a NETLINK_ROUTE socket in the current namespace joined
 // to routeWatchGroups, whose reads time out so that a stop is heard.
@@ -103,42 +135,25 @@ func routeSocket() (int, error) {
 	return fd, nil
 }
 
-// stopRouteWatch ends the watch, waits for it and turns the cache off:
-// nothing keeps it true any more. Without d.mu, before the datapath is
-// closed.
-func (d *Dataplane) stopRouteWatch() {
-	d.mu.Lock()
-	w := d.routes
-	d.mu.Unlock()
-	if w == nil || w.stop == nil {
-		return
-	}
-	close(w.stop)
-	<-w.done
-	unix.Close(w.fd)
-	d.setRouteCache(w, "the dataplane is closed")
-}
-
-// routeWatchLoop reads notifications until stopped. Any routing change
-// empties the cache at once (without d.mu: the watch stops before the
-// datapath closes); one that may make a route depend on more than the
+// loop reads notifications until stopped. Any routing change empties the
+// cache at once; one that may make a route depend on more than the
 // backend (a rule, a multipath, TOS or source route, lost notifications)
 // turns it off at once, until a full read of the rules and routes, at
-// most one a second, finds it may be on. The lease is renewed every
-// second while on.
-func (d *Dataplane) routeWatchLoop(w *routeWatch) {
-	defer close(w.done)
+// most one every rescanEvery, finds it may be on. The lease is renewed
+// every renewEvery while on.
+func (w *Watch) loop(ev events, stop <-chan struct{}, done chan<- struct{}) {
+	defer close(done)
 	buf := make([]byte, 1<<16)
 	var lastScan, lastRenew time.Time
 	rescan := false
 	for {
 		select {
-		case <-w.stop:
+		case <-stop:
 			return
 		default:
 		}
 		var c routeChange
-		n, _, err := unix.Recvfrom(w.fd, buf, 0)
+		n, err := ev.recv(buf, true)
 		for err == nil || errors.Is(err, unix.ENOBUFS) {
 			if err != nil {
 				// Notifications were lost: whatever they said.
@@ -147,32 +162,32 @@ func (d *Dataplane) routeWatchLoop(w *routeWatch) {
 				c.add(classifyRouting(buf[:n], w.routeReason(), w.compat))
 			}
 			// What else is queued, in one batch.
-			n, _, err = unix.Recvfrom(w.fd, buf, unix.MSG_DONTWAIT)
+			n, err = ev.recv(buf, false)
 		}
 		if !errors.Is(err, unix.EAGAIN) && !errors.Is(err, unix.EINTR) {
-			d.log.Warn("fluxvm: XDP route cache off: the route watch failed", "err", err)
-			d.setRouteCache(w, "the route watch failed: "+err.Error())
+			w.log.Warn("fluxvm: XDP route cache off: the route watch failed", "err", err)
+			w.setCache("the route watch failed: " + err.Error())
 			return
 		}
 		switch {
 		case c.off:
-			if w.routeCache().Enabled {
-				d.setRouteCache(w, "reading the node's rules and routes again after a change")
+			if w.Status().Enabled {
+				w.setCache("reading the node's rules and routes again after a change")
 			}
 			rescan = true
 		case c.heard:
-			d.invalidateXDPRoutes()
+			w.Invalidate()
 		}
 		if c.rescan {
 			rescan = true
 		}
 		now := time.Now()
-		if rescan && now.Sub(lastScan) >= routeRescanEvery {
+		if rescan && now.Sub(lastScan) >= w.sys.rescanEvery {
 			lastScan = now
 			var reason string
 			var compat bool
-			err := d.opts.InNamespace(func() (err error) {
-				reason, compat, err = scanRouting()
+			err := w.inNS(func() (err error) {
+				reason, compat, err = w.sys.scan()
 				return err
 			})
 			if err == nil {
@@ -183,14 +198,14 @@ func (d *Dataplane) routeWatchLoop(w *routeWatch) {
 			} else {
 				rescan = false
 			}
-			d.setRouteCache(w, reason)
+			w.setCache(reason)
 			lastRenew = now
 			continue
 		}
-		if w.routeCache().Enabled && now.Sub(lastRenew) >= routeCacheRenew {
+		if w.Status().Enabled && now.Sub(lastRenew) >= w.sys.renewEvery {
 			lastRenew = now
-			if err := d.dp.SetXDPRouteCache(routeCacheLease); err != nil {
-				d.log.Warn("fluxvm: XDP route cache: renew the lease", "err", err)
+			if err := w.dp.SetXDPRouteCache(cacheLease); err != nil {
+				w.log.Warn("fluxvm: XDP route cache: renew the lease", "err", err)
 			}
 		}
 	}
@@ -198,7 +213,7 @@ func (d *Dataplane) routeWatchLoop(w *routeWatch) {
 
 // routeReason is why the cache is off because of the node's routing, or
 // "" (on, or off for another reason).
-func (w *routeWatch) routeReason() string {
+func (w *Watch) routeReason() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if strings.HasPrefix(w.status.Reason, routeReasonPrefix) {

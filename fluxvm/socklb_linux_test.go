@@ -50,18 +50,6 @@ func testCgroup(t *testing.T, name string) string {
 	return dir
 }
 
-// eventually polls cond for up to 5 s.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 // cgroupAttachTypes are the attach types of bpf.CgroupHooks, in order.
 var cgroupAttachTypes = map[bpf.CgroupHook]ebpf.AttachType{
 	bpf.HookConnect4: ebpf.AttachCGroupInet4Connect, bpf.HookConnect6: ebpf.AttachCGroupInet6Connect,
@@ -335,7 +323,7 @@ func TestSocketLBDestroyAfterBackendChanges(t *testing.T) {
 	runs := func() uint64 { return d.Status().SocketLB.Destroy.Runs }
 	settle := func(what string, want uint64) {
 		t.Helper()
-		eventually(t, fmt.Sprintf("%s: run %d", what, want), func() bool { return runs() >= want })
+		testenv.Eventually(t, fmt.Sprintf("%s: run %d", what, want), func() bool { return runs() >= want })
 		time.Sleep(50 * time.Millisecond)
 		if got := runs(); got != want {
 			t.Fatalf("%s: %d runs, want %d", what, got, want)
@@ -393,7 +381,7 @@ func TestSocketLBDestroyAfterBackendChanges(t *testing.T) {
 	if _, err := d.ReconcileHealth(ctx); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the health check's Unhealthy to trigger a run", func() bool { return runs() >= 5 })
+	testenv.Eventually(t, "the health check's Unhealthy to trigger a run", func() bool { return runs() >= 5 })
 	if h := d.Health(); len(h.Services) != 1 || len(h.Services[0].Backends) != 1 || h.Services[0].Backends[0].Observed != "unhealthy" {
 		t.Errorf("health %+v, want the backend observed unhealthy", h)
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -251,18 +252,6 @@ func TestNew(t *testing.T) {
 	}
 }
 
-// eventually polls cond for up to 5 s.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 // worker is an LB with a destroy function the test controls.
 func worker(t *testing.T, every time.Duration, run func() (int, error)) *LB {
 	t.Helper()
@@ -288,29 +277,30 @@ func TestDestroyCoalesces(t *testing.T) {
 		return 2, nil
 	})
 	t.Cleanup(func() { close(release) }) // before Close: a failure does not hang
-	l.Request()
-	l.Start()
-	eventually(t, "the first run", func() bool { return runs.Load() == 1 })
-	release <- struct{}{}
-	eventually(t, "the first run to be recorded", func() bool { return l.Status().Destroy.Runs == 1 })
-	time.Sleep(20 * time.Millisecond)
-	if n := runs.Load(); n != 1 {
-		t.Fatalf("%d runs after a request before Start and Start, want 1", n)
+	// finish lets the run under way end, and checks that n runs were
+	// made and recorded, and no more.
+	finish := func(what string, n int32) {
+		t.Helper()
+		release <- struct{}{}
+		testenv.Eventually(t, what+": run recorded", func() bool { return l.Status().Destroy.Runs == uint64(n) })
+		time.Sleep(20 * time.Millisecond)
+		if got := runs.Load(); got != n {
+			t.Fatalf("%s: %d runs, want %d", what, got, n)
+		}
 	}
 	l.Request()
-	eventually(t, "the second run", func() bool { return runs.Load() == 2 })
+	l.Start()
+	testenv.Eventually(t, "the first run", func() bool { return runs.Load() == 1 })
+	finish("a request before Start, and Start", 1)
+	l.Request()
+	testenv.Eventually(t, "the second run", func() bool { return runs.Load() == 2 })
 	// The second run is blocked: ten requests meanwhile make one more run.
 	for range 10 {
 		l.Request()
 	}
 	release <- struct{}{}
-	eventually(t, "the third run", func() bool { return runs.Load() == 3 })
-	release <- struct{}{}
-	eventually(t, "the third run to be recorded", func() bool { return l.Status().Destroy.Runs == 3 })
-	time.Sleep(20 * time.Millisecond)
-	if n := runs.Load(); n != 3 {
-		t.Fatalf("%d runs after a burst of requests during a run, want 3", n)
-	}
+	testenv.Eventually(t, "the third run", func() bool { return runs.Load() == 3 })
+	finish("a burst of requests during a run", 3)
 	st := l.Status().Destroy
 	if st.Destroyed != 6 || st.LastDestroyed != 2 || st.Supported == nil || !*st.Supported || st.LastRun.IsZero() || st.LastError != "" {
 		t.Errorf("status %+v", st)
@@ -318,7 +308,7 @@ func TestDestroyCoalesces(t *testing.T) {
 	// One more request, one more run.
 	l.Request()
 	release <- struct{}{}
-	eventually(t, "the fourth run to be recorded", func() bool { return l.Status().Destroy.Runs == 4 })
+	testenv.Eventually(t, "the fourth run to be recorded", func() bool { return l.Status().Destroy.Runs == 4 })
 }
 
 // TestDestroyPeriod: with a period the worker runs on its own; with none
@@ -357,7 +347,7 @@ func TestDestroyErrors(t *testing.T) {
 		return 0, fmt.Errorf("bpf: destroy stale UDP sockets: %w", bpf.ErrSockDestroyUnsupported)
 	})
 	l.Start()
-	eventually(t, "the refusal", func() bool { st := l.Status().Destroy; return st.Supported != nil && !*st.Supported })
+	testenv.Eventually(t, "the refusal", func() bool { st := l.Status().Destroy; return st.Supported != nil && !*st.Supported })
 	for range 5 {
 		l.Request()
 		time.Sleep(5 * time.Millisecond)
@@ -378,12 +368,12 @@ func TestDestroyErrors(t *testing.T) {
 		return 1, nil
 	})
 	l.Start()
-	eventually(t, "the failed run", func() bool { return l.Status().Destroy.Runs == 1 })
+	testenv.Eventually(t, "the failed run", func() bool { return l.Status().Destroy.Runs == 1 })
 	if st := l.Status().Destroy; st.LastError != fail.Error() || st.Supported != nil {
 		t.Errorf("after a failure: status %+v", st)
 	}
 	l.Request()
-	eventually(t, "the retry", func() bool { return l.Status().Destroy.Runs == 2 })
+	testenv.Eventually(t, "the retry", func() bool { return l.Status().Destroy.Runs == 2 })
 	if st := l.Status().Destroy; st.LastError != "" || st.Supported == nil || !*st.Supported || st.Destroyed != 1 {
 		t.Errorf("after a success: status %+v", st)
 	}
@@ -403,7 +393,7 @@ func TestDestroyClose(t *testing.T) {
 	var once sync.Once
 	t.Cleanup(func() { once.Do(func() { close(release) }) }) // before Close: a failure does not hang
 	l.Start()
-	eventually(t, "the first run", func() bool { return runs.Load() == 1 })
+	testenv.Eventually(t, "the first run", func() bool { return runs.Load() == 1 })
 	closed := make(chan struct{})
 	go func() { l.Close(); close(closed) }()
 	select {
@@ -464,7 +454,7 @@ func TestDestroyDefault(t *testing.T) {
 	}
 	l.Start()
 	defer l.Close()
-	eventually(t, "the first run", func() bool { return l.Status().Destroy.Runs == 1 })
+	testenv.Eventually(t, "the first run", func() bool { return l.Status().Destroy.Runs == 1 })
 	f.mu.Lock()
 	calls := f.destroys
 	f.mu.Unlock()

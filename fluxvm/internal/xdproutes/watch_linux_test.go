@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -408,7 +409,7 @@ func TestStart(t *testing.T) {
 			dp.mu.Lock()
 			leases := append([]time.Duration(nil), dp.leases...)
 			dp.mu.Unlock()
-			if !equalDurations(leases, tc.leases) {
+			if !slices.Equal(leases, tc.leases) {
 				t.Errorf("leases %v, want %v", leases, tc.leases)
 			}
 			if ev.closed != tc.evClosed {
@@ -440,16 +441,4 @@ func TestStart(t *testing.T) {
 	if _, err := New(Config{}, Deps{}); err == nil {
 		t.Error("New without a datapath succeeded")
 	}
-}
-
-func equalDurations(a, b []time.Duration) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }

@@ -343,7 +343,7 @@ func TestOpenManagesFQ(t *testing.T) {
 
 	t.Run("installed, kept at Close, adopted, removed", func(t *testing.T) {
 		withFQKind(t, "pfifo")
-		d, err := Open(e.opts)
+		d, err := Open(context.Background(), e.opts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -397,7 +397,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		wantRoots("after Close", a, b)
 
 		// The next start adopts it.
-		d, err = Open(e.opts)
+		d, err = Open(context.Background(), e.opts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -413,24 +413,24 @@ func TestOpenManagesFQ(t *testing.T) {
 		// without edt_manage_fq, from every interface.
 		opts := e.opts
 		opts.EDTInterfaces = []string{a}
-		if d, err = Open(opts); err != nil {
+		if d, err = Open(context.Background(), opts); err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		wantRoots("b no longer listed", a)
 		opts.EDTManageFQ, opts.EDTInterfaces = false, nil
-		if d, err = Open(opts); err != nil {
+		if d, err = Open(context.Background(), opts); err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		wantRoots("edt_manage_fq off")
 
 		// Cleanup removes it.
-		if d, err = Open(e.opts); err != nil {
+		if d, err = Open(context.Background(), e.opts); err != nil {
 			t.Fatal(err)
 		}
 		wantRoots("installed again", a, b)
-		if err := d.Cleanup(); err != nil {
+		if err := d.Cleanup(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		wantRoots("after Cleanup")
@@ -441,13 +441,13 @@ func TestOpenManagesFQ(t *testing.T) {
 		// An earlier start left ours on a.
 		opts := e.opts
 		opts.EDTInterfaces = []string{a}
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		inNode(func() { configureRoot(t, b) })
-		if d, err := Open(e.opts); err == nil {
+		if d, err := Open(context.Background(), e.opts); err == nil {
 			d.Close()
 			t.Fatal("Open succeeded over a configured root qdisc")
 		}
@@ -477,7 +477,7 @@ func TestOpenManagesFQ(t *testing.T) {
 				}
 			})
 		})
-		d, err := Open(e.opts)
+		d, err := Open(context.Background(), e.opts)
 		if err == nil {
 			d.Close()
 			t.Fatal("Open succeeded over a configured root qdisc")
@@ -496,7 +496,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		withFQKind(t, "pfifo")
 		opts := e.opts
 		opts.EDTInterfaces = []string{a, "nope0"}
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err == nil {
 			d.Close()
 			t.Fatal("Open succeeded with a missing EDT interface")
@@ -516,7 +516,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		return
 	}
 	t.Run("no sch_fq fails Open", func(t *testing.T) {
-		_, err := Open(e.opts)
+		_, err := Open(context.Background(), e.opts)
 		if !errors.Is(err, ErrNoFQ) {
 			t.Fatalf("Open: %v, want ErrNoFQ", err)
 		}
@@ -524,7 +524,7 @@ func TestOpenManagesFQ(t *testing.T) {
 	t.Run("no sch_fq with fallback", func(t *testing.T) {
 		opts := e.opts
 		opts.EDTHorizonFallback = true
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err != nil {
 			t.Fatal(err)
 		}

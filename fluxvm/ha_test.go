@@ -35,7 +35,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta("web", "", 0, 0); err != nil || !delta.ResetRequired {
+	if delta, err := d.FlowDelta(context.Background(), "web", "", 0, 0); err != nil || !delta.ResetRequired {
 		t.Fatalf("delta for a standby with no state: %+v, %v; want reset_required", delta, err)
 	}
 	var conns []*lab.Conn
@@ -88,7 +88,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ImportFlows(ctx, "nosuch", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ErrNotFound) {
 		t.Errorf("import into a service that does not exist: %v", err)
 	}
-	if _, err := d.UpdateLease(HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
+	if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("lease older than the edge's: %v, want ErrStaleEpoch", err)
 	}
 	// The same flows from a source without a lease (epoch 0, no
@@ -151,7 +151,7 @@ func TestExportImportFlows(t *testing.T) {
 	var delta ha.Delta
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		delta, err = d.FlowDelta("web", cur.Journal, cur.Seq, 0)
+		delta, err = d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -174,10 +174,10 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ImportFlowDelta(ctx, "web", delta); !errors.Is(err, ha.ErrGap) {
 		t.Errorf("the same delta again: %v, want ErrGap", err)
 	}
-	if js, err := d.AckFlowDelta("web", delta.To); err != nil || js.Acked != delta.To || js.Batches != 0 {
+	if js, err := d.AckFlowDelta(context.Background(), "web", delta.To); err != nil || js.Acked != delta.To || js.Batches != 0 {
 		t.Errorf("ack %d: %+v, %v; want the history trimmed", delta.To, js, err)
 	}
-	if _, err := d.AckFlowDelta("web", delta.To+100); !errors.Is(err, ha.ErrCursorAhead) {
+	if _, err := d.AckFlowDelta(context.Background(), "web", delta.To+100); !errors.Is(err, ha.ErrCursorAhead) {
 		t.Errorf("ack past the journal: %v, want ErrCursorAhead", err)
 	}
 
@@ -201,7 +201,7 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	deleted := 0
 	for deadline := time.Now().Add(5 * time.Second); deleted < len(late) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		dd, err := d.FlowDelta("web", delta.Journal, delta.To, 0)
+		dd, err := d.FlowDelta(context.Background(), "web", delta.Journal, delta.To, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -226,7 +226,7 @@ func TestExportImportFlows(t *testing.T) {
 	go func() {
 		defer close(leased)
 		pw.Write(snap.Bytes()[:cut])
-		if _, err := d.UpdateLease(HALease{Epoch: 4}); err != nil {
+		if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 4}); err != nil {
 			t.Errorf("lease 4 under an import: %v", err)
 		}
 		pw.Write(snap.Bytes()[cut:])
@@ -243,7 +243,7 @@ func TestExportImportFlows(t *testing.T) {
 	}
 
 	// A newer lease: the edge's own epoch is the floor of what it takes.
-	if st, err := d.UpdateLease(HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
+	if st, err := d.UpdateLease(context.Background(), HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
 		t.Fatalf("lease 5: %+v, %v", st, err)
 	}
 	if _, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ha.ErrStaleEpoch) {
@@ -260,10 +260,10 @@ func TestExportImportFlows(t *testing.T) {
 		t.Errorf("delta of epoch 3 at lease 5: %v, want ErrStaleEpoch", err)
 	}
 	// Superseded: nothing is served.
-	if st, err := d.UpdateLease(HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
+	if st, err := d.UpdateLease(context.Background(), HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
 		t.Fatalf("superseded by 7: %+v, %v", st, err)
 	}
-	if _, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); !errors.Is(err, ha.ErrFenced) {
+	if _, err := d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0); !errors.Is(err, ha.ErrFenced) {
 		t.Errorf("delta of a superseded edge: %v, want ErrFenced", err)
 	}
 	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
@@ -282,10 +282,10 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	// Taking over: a lease past the one that fenced the edge serves again,
 	// a new journal incarnation.
-	if _, err := d.UpdateLease(HALease{Epoch: 8}); err != nil {
+	if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 8}); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
+	if delta, err := d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
 		t.Errorf("delta after the takeover: %+v, %v; want reset_required at epoch 8", delta, err)
 	}
 }
@@ -304,7 +304,7 @@ func TestHAOptions(t *testing.T) {
 		{HAOptions{Epoch: 1, MaxOps: -1}, []string{"uplink"}, ErrInvalid},
 		{HAOptions{Epoch: 1, MaxOps: MaxHAJournalOps + 1}, []string{"uplink"}, ErrInvalid},
 	} {
-		if _, err := Open(Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
+		if _, err := Open(context.Background(), Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
 			t.Errorf("Open with %+v: %v, want %v", tc.ha, err, tc.want)
 		}
 	}
@@ -314,7 +314,7 @@ func TestHAOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	var ve *ValidationError
-	if _, err := d.FlowDelta("web", "", 0, 0); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
+	if _, err := d.FlowDelta(context.Background(), "web", "", 0, 0); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
 		t.Errorf("delta with HA off: %v, want ErrPrerequisite naming ha_epoch", err)
 	}
 	if st := d.HAStatus(); st.Enabled {
@@ -387,17 +387,17 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 	}
 	// What needs the journal says so, naming ha_epoch.
 	for name, call := range map[string]func() error{
-		"delta":        func() error { _, err := a.FlowDelta("web", "", 0, 0); return err },
-		"ack":          func() error { _, err := a.AckFlowDelta("web", 1); return err },
+		"delta":        func() error { _, err := a.FlowDelta(context.Background(), "web", "", 0, 0); return err },
+		"ack":          func() error { _, err := a.AckFlowDelta(context.Background(), "web", 1); return err },
 		"delta import": func() error { _, err := a.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web"}); return err },
-		"lease":        func() error { _, err := a.UpdateLease(HALease{Epoch: 1}); return err },
+		"lease":        func() error { _, err := a.UpdateLease(context.Background(), HALease{Epoch: 1}); return err },
 	} {
 		var ve *ValidationError
 		if err := call(); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
 			t.Errorf("%s without HA: %v; want ErrPrerequisite naming ha_epoch", name, err)
 		}
 	}
-	if err := a.Cleanup(); err != nil {
+	if err := a.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 

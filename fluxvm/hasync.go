@@ -400,12 +400,14 @@ func (h *haSync) floor(service string) ha.Epoch {
 // batch (ha.Journal.Since): or ResetRequired when the journal cannot
 // continue it (another incarnation, none yet, or history acked or dropped
 // since), and the standby loads a snapshot (ExportFlows). A superseded
-// edge serves nothing (ha.ErrFenced).
-func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
-	if err := d.opened("flow delta"); err != nil {
+// edge serves nothing (ha.ErrFenced). A ctx that ended before the read
+// fails with an error wrapping ctx's, and no journal is made for the
+// service.
+func (d *Dataplane) FlowDelta(ctx context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+	if err := d.begin(ctx, "flow delta"); err != nil {
 		return ha.Delta{}, err
 	}
-	_, j, err := d.sourceJournal("flow delta of", service)
+	_, j, err := d.sourceJournal(ctx, "flow delta of", service)
 	if err != nil {
 		return ha.Delta{}, err
 	}
@@ -418,14 +420,18 @@ func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (
 
 // AckFlowDelta trims service's journal up to seq: the control plane
 // passes the minimum cursor its standbys replicated. An ack past the last
-// sealed batch wraps ha.ErrCursorAhead.
-func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
-	if err := d.opened("ack flow delta"); err != nil {
+// sealed batch wraps ha.ErrCursorAhead. A ctx that ended before the trim
+// fails with an error wrapping ctx's and trims nothing.
+func (d *Dataplane) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
+	if err := d.begin(ctx, "ack flow delta"); err != nil {
 		return ha.JournalStats{}, err
 	}
-	_, j, err := d.sourceJournal("ack flow delta of", service)
+	_, j, err := d.sourceJournal(ctx, "ack flow delta of", service)
 	if err != nil {
 		return ha.JournalStats{}, err
+	}
+	if err := ctxErr(ctx, "ack flow delta of "+service); err != nil {
+		return j.Stats(), err
 	}
 	if err := j.Ack(seq); err != nil {
 		return j.Stats(), fmt.Errorf("fluxvm: ack flow delta of %s: %w", service, err)
@@ -435,7 +441,7 @@ func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, e
 
 // sourceJournal is service's journal on this edge (created when the
 // service has none yet).
-func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, error) {
+func (d *Dataplane) sourceJournal(ctx context.Context, what, service string) (*haSync, *ha.Journal, error) {
 	h, err := d.haOn(what + " " + service)
 	if err != nil {
 		return nil, nil, err
@@ -448,6 +454,10 @@ func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, e
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	// Cancelled while it waited for the locks: no journal is made.
+	if err := ctxErr(ctx, what+" "+service); err != nil {
+		return nil, nil, err
+	}
 	j, err := h.journal(service)
 	if err != nil {
 		return nil, nil, fmt.Errorf("fluxvm: %s %s: %w", what, service, err)
@@ -563,8 +573,15 @@ func (d *Dataplane) haBegin(ctx context.Context, what string) (context.Context, 
 // batch, before a snapshot-diff's deletes, and moves no cursor) and
 // forgets the edge's cursors: as the active, it applies nobody's
 // journal, and should it be a standby again it resyncs from a snapshot.
-func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
-	if err := d.opened("update lease"); err != nil {
+//
+// A ctx that ended before the update takes effect (on entry, or while
+// the call waited for another lease update) changes nothing and fails
+// with an error wrapping ctx's. Past that point (the import under way
+// cancelled, the lease file written) the call finishes, whatever ctx
+// says: a lease half recorded would leave the edge's epoch and its
+// journals disagreeing.
+func (d *Dataplane) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
+	if err := d.begin(ctx, "update lease"); err != nil {
 		return HAStatus{}, err
 	}
 	h, err := d.haOn("update lease")
@@ -576,6 +593,10 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	}
 	h.leaseMu.Lock()
 	defer h.leaseMu.Unlock()
+	// Cancelled while it waited for another update: nothing changed.
+	if err := ctxErr(ctx, "update lease"); err != nil {
+		return HAStatus{}, err
+	}
 	h.mu.Lock()
 	prevEpoch, prevFenced := h.epoch, h.fencedBy
 	if l.Epoch != 0 && l.Epoch < prevEpoch {

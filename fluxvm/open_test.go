@@ -70,7 +70,7 @@ func ourPrograms(t *testing.T, l *lab.Lab, vm *lab.VM) []string {
 func TestOpenFailsOnMissingInterface(t *testing.T) {
 	e := newEnv(t)
 	e.opts.Interfaces = []VMEdgeInterface{{Name: "nope0", VMID: "vm-nope"}}
-	_, err := Open(e.opts)
+	_, err := Open(context.Background(), e.opts)
 	if !errors.Is(err, ErrNotFound) || !errors.Is(err, bpf.ErrNoInterface) || !strings.Contains(err.Error(), `interface "nope0"`) {
 		t.Fatalf("Open with a missing interface: %v; want an error naming \"nope0\" and matching ErrNotFound and bpf.ErrNoInterface", err)
 	}
@@ -80,11 +80,11 @@ func TestOpenFailsOnMissingInterface(t *testing.T) {
 
 	e.opts.Interfaces = nil
 	d := e.open(t)
-	_, err = d.AddInterface(VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
+	_, err = d.AddInterface(context.Background(), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
 	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), `interface "nope0"`) {
 		t.Errorf("AddInterface(nope0): %v; want ErrNotFound naming it", err)
 	}
-	_, err = d.AddNorthSouthInterface("nope1")
+	_, err = d.AddNorthSouthInterface(context.Background(), "nope1")
 	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), `interface "nope1"`) {
 		t.Errorf("AddNorthSouthInterface(nope1): %v; want ErrNotFound naming it", err)
 	}
@@ -119,7 +119,7 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			}
 			e.opts.Interfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, second}
 			before := testenv.BPFHandles(t)
-			d, err := Open(e.opts)
+			d, err := Open(context.Background(), e.opts)
 			if err == nil {
 				d.Close()
 				t.Fatal("Open succeeded with a second interface that cannot be attached")
@@ -153,7 +153,7 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			// second interface, open.
 			e.opts.Interfaces = e.opts.Interfaces[:1]
 			d = e.open(t)
-			if err := d.Cleanup(); err != nil {
+			if err := d.Cleanup(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -230,7 +230,7 @@ func TestOpenRollbackKeepsEarlierStart(t *testing.T) {
 	opts.Interfaces = append(slices.Clone(e.opts.Interfaces),
 		VMEdgeInterface{Name: extra.NodeIf, VMID: extra.Name}, VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
 	before := testenv.BPFHandles(t)
-	if d2, err := Open(opts); err == nil {
+	if d2, err := Open(context.Background(), opts); err == nil {
 		d2.Close()
 		t.Fatal("Open succeeded with a missing interface")
 	} else if !errors.Is(err, ErrNotFound) {
@@ -287,7 +287,7 @@ func TestOpenRollbackRestoresSettings(t *testing.T) {
 	opts.FlowSampleRate = 7
 	opts.NorthSouth.SNATPortMin, opts.NorthSouth.SNATPortMax = 40000, 41000
 	opts.Interfaces = append(slices.Clone(e.opts.Interfaces), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
-	if d2, err := Open(opts); err == nil {
+	if d2, err := Open(context.Background(), opts); err == nil {
 		d2.Close()
 		t.Fatal("Open succeeded with a missing interface")
 	} else if !errors.Is(err, ErrNotFound) {

@@ -611,9 +611,11 @@ func (d *Dataplane) journalPolicies() (uint64, error) {
 	return seq, nil
 }
 
-// Policies reports the node's identity policy state.
-func (d *Dataplane) Policies() (PoliciesStatus, error) {
-	if err := d.opened("policies"); err != nil {
+// Policies reports the node's identity policy state (its counters read
+// from the datapath). A ctx that ended before the read fails with an
+// error wrapping ctx's.
+func (d *Dataplane) Policies(ctx context.Context) (PoliciesStatus, error) {
+	if err := d.begin(ctx, "policies"); err != nil {
 		return PoliciesStatus{}, err
 	}
 	d.mu.Lock()
@@ -621,16 +623,20 @@ func (d *Dataplane) Policies() (PoliciesStatus, error) {
 	if err := d.checkOpen("policies"); err != nil {
 		return PoliciesStatus{}, err
 	}
+	if err := ctxErr(ctx, "policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	return d.policiesStatus(), nil
 }
 
 // Policy reports the identity policy of service: ErrNotFound when it has
-// none.
-func (d *Dataplane) Policy(service string) (PolicyStatus, error) {
-	if err := d.opened("policy"); err != nil {
+// none. A ctx that ended before the read fails with an error wrapping
+// ctx's.
+func (d *Dataplane) Policy(ctx context.Context, service string) (PolicyStatus, error) {
+	if err := d.begin(ctx, "policy"); err != nil {
 		return PolicyStatus{}, err
 	}
-	st, err := d.Policies()
+	st, err := d.Policies(ctx)
 	if err != nil {
 		return PolicyStatus{}, err
 	}

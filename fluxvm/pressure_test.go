@@ -82,7 +82,7 @@ func TestMapPressureLoop(t *testing.T) {
 	fill(50000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		st, err := d.Pressure()
+		st, err := d.Pressure(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -118,7 +118,7 @@ func TestMapPressureWakesOnInsertFailure(t *testing.T) {
 	}
 	start := time.Now()
 	for {
-		st, err := d.Pressure()
+		st, err := d.Pressure(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,7 +182,7 @@ func pressureFill(t *testing.T, e *env, d *Dataplane) (*lab.Conn, *conntrack.Map
 
 func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map, n int) {
 	ctx := context.Background()
-	st, err := d.Pressure()
+	st, err := d.Pressure(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,7 +274,7 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 			t.Fatal(err)
 		}
 	}
-	if st, err := d.Pressure(); err != nil || st.Level != PressureHard {
+	if st, err := d.Pressure(context.Background()); err != nil || st.Level != PressureHard {
 		t.Fatalf("at %.1f%%: level %s, %v; want hard", st.Maps["fluxvm_fct4"].Percent, st.Level, err)
 	}
 	recent, old, halves := 0, 0, 0

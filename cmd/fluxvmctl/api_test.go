@@ -44,14 +44,14 @@ func (d *stubDataplane) Status() fluxvm.Status {
 	return fluxvm.Status{SchemaVersion: 6, Tier: "S", Pressure: &fluxvm.PressureStatus{SoftPercent: 80, HardPercent: 95, Level: "ok",
 		Maps: map[string]fluxvm.MapPressure{"fluxvm_fct4": {Entries: 10, MaxEntries: 100, Percent: 10}}}}
 }
-func (d *stubDataplane) Stats() (fluxvm.Stats, error)    { return fluxvm.Stats{}, nil }
-func (d *stubDataplane) Health() fluxvm.HealthReport     { return fluxvm.HealthReport{} }
-func (d *stubDataplane) Advertisements() advert.Snapshot { return advert.Snapshot{SchemaVersion: 1} }
-func (d *stubDataplane) HAStatus() fluxvm.HAStatus       { return fluxvm.HAStatus{} }
-func (d *stubDataplane) Flows(int, flows.Filter) ([]flows.Record, error) {
+func (d *stubDataplane) Stats(context.Context) (fluxvm.Stats, error) { return fluxvm.Stats{}, nil }
+func (d *stubDataplane) Health() fluxvm.HealthReport                 { return fluxvm.HealthReport{} }
+func (d *stubDataplane) Advertisements() advert.Snapshot             { return advert.Snapshot{SchemaVersion: 1} }
+func (d *stubDataplane) HAStatus() fluxvm.HAStatus                   { return fluxvm.HAStatus{} }
+func (d *stubDataplane) Flows(context.Context, int, flows.Filter) ([]flows.Record, error) {
 	return nil, nil
 }
-func (d *stubDataplane) Policies() (fluxvm.PoliciesStatus, error) {
+func (d *stubDataplane) Policies(context.Context) (fluxvm.PoliciesStatus, error) {
 	return fluxvm.PoliciesStatus{}, nil
 }
 func (d *stubDataplane) GC(context.Context) (fluxvm.GCResult, error) {
@@ -86,7 +86,7 @@ func (d *stubDataplane) Envoy(name string) (fluxvm.EnvoyDocument, error) {
 	}
 	return fluxvm.EnvoyDocument{Service: name, Mode: fluxvm.L7Observe, Protocol: fluxvm.L7HTTP, Revision: 3}, nil
 }
-func (d *stubDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
+func (d *stubDataplane) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	return fluxvm.HAStatus{Enabled: true, Epoch: l.Epoch, SupersededBy: l.SupersededBy}, nil
 }
 
@@ -110,7 +110,7 @@ func (d *stubDataplane) ImportFlows(_ context.Context, name string, r io.Reader,
 	}
 	return res, err
 }
-func (d *stubDataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (d *stubDataplane) FlowDelta(_ context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
 	if journal == "" {
 		return ha.Delta{Service: service, Journal: "j1", Epoch: 4, From: seq, To: seq, ResetRequired: true}, nil
 	}
@@ -125,7 +125,7 @@ func (d *stubDataplane) ImportFlowDelta(_ context.Context, _ string, dl ha.Delta
 	}
 	return fluxvm.HADeltaResult{Cursor: ha.Cursor{Journal: dl.Journal, Seq: dl.To, Epoch: dl.Epoch}, Applied: ha.ImportResult{Flows: uint64(n)}}, nil
 }
-func (d *stubDataplane) AckFlowDelta(_ string, seq uint64) (ha.JournalStats, error) {
+func (d *stubDataplane) AckFlowDelta(_ context.Context, _ string, seq uint64) (ha.JournalStats, error) {
 	return ha.JournalStats{Journal: "j1", Epoch: 4, LastSeq: seq + 2, Acked: seq}, nil
 }
 

@@ -58,6 +58,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -180,7 +181,7 @@ func cleanup(path string, log *slog.Logger) error {
 		return fmt.Errorf("config %s: %w", path, err)
 	}
 	o.Logger = log
-	if err := fluxvm.Cleanup(o); err != nil {
+	if err := fluxvm.Cleanup(context.Background(), o); err != nil {
 		return err
 	}
 	log.Info("fluxvmd: removed the datapath, its pins, the catalog and the HA lease; every VIP is withdrawn",
@@ -218,7 +219,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 		}()
 		opts.TracerProvider = tr.tp
 	}
-	d, err := fluxvm.Open(opts)
+	d, err := fluxvm.Open(ctx, opts)
 	if err != nil {
 		return err
 	}
@@ -234,7 +235,11 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	var exporter api.FlowExporter
 	var fx *flowExport
 	if cfg.OTLPConfig.Endpoint != "" {
-		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), d.Flows, log)
+		// The export's last round runs after ctx ended (the shutdown
+		// flushes what settled): its reads outlive ctx.
+		readCtx := context.WithoutCancel(ctx)
+		read := func(limit int, f flows.Filter) ([]flows.Record, error) { return d.Flows(readCtx, limit, f) }
+		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), read, log)
 		if err != nil {
 			return err
 		}

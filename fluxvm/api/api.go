@@ -36,10 +36,10 @@ type Dataplane interface {
 	// Status describes the dataplane (schema, tier, interfaces, last GC).
 	Status() fluxvm.Status
 	// Stats reads the datapath counters.
-	Stats() (fluxvm.Stats, error)
+	Stats(ctx context.Context) (fluxvm.Stats, error)
 	// VMStats reads the counters of one VM's edge interfaces; it wraps
 	// fluxvm.ErrNotFound for an unknown VM.
-	VMStats(vmID string) (fluxvm.VMStats, error)
+	VMStats(ctx context.Context, vmID string) (fluxvm.VMStats, error)
 	// GC runs one conntrack garbage collection now.
 	GC(ctx context.Context) (fluxvm.GCResult, error)
 	// Health reports the observed health of the backends of every
@@ -57,13 +57,13 @@ type Dataplane interface {
 	// Flows returns up to limit FluxScope flow records that f keeps,
 	// newest first; a limit outside 1..flows.MaxLimit wraps
 	// flows.ErrLimit.
-	Flows(limit int, f flows.Filter) ([]flows.Record, error)
+	Flows(ctx context.Context, limit int, f flows.Filter) ([]flows.Record, error)
 	// Policies reports the node's identity policy state (ipcache,
 	// compiled policies, counters).
-	Policies() (fluxvm.PoliciesStatus, error)
+	Policies(ctx context.Context) (fluxvm.PoliciesStatus, error)
 	// Policy reports the identity policy of one service; it wraps
 	// fluxvm.ErrNotFound when the service has none.
-	Policy(service string) (fluxvm.PolicyStatus, error)
+	Policy(ctx context.Context, service string) (fluxvm.PolicyStatus, error)
 	// ApplyPolicies adds or replaces the policies of the services they
 	// name as one reconcile, keeping the others and the ipcache; with no
 	// policy it recompiles and rewrites the current state.
@@ -105,7 +105,7 @@ type Dataplane interface {
 	// cursor (journal, seq), at most maxOps ops but at least one batch,
 	// or a delta saying ResetRequired when the journal cannot continue
 	// the cursor. A seq past the journal wraps ha.ErrCursorAhead.
-	FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error)
+	FlowDelta(ctx context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error)
 	// ImportFlowDelta applies a delta of the peer's journal to service
 	// after checking that it continues this edge's cursor (else
 	// ha.ErrStaleEpoch, ha.ErrResetRequired, ha.ErrGap, ha.ErrInvalidOp
@@ -113,11 +113,11 @@ type Dataplane interface {
 	ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (fluxvm.HADeltaResult, error)
 	// AckFlowDelta trims service's journal up to seq; past the last
 	// sealed batch wraps ha.ErrCursorAhead.
-	AckFlowDelta(service string, seq uint64) (ha.JournalStats, error)
+	AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error)
 	// UpdateLease records a lease update of the control plane: an epoch
 	// older than the edge's wraps ha.ErrStaleEpoch, an empty one
 	// fluxvm.ErrInvalid.
-	UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error)
+	UpdateLease(ctx context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error)
 	// HAStatus reports replication (Enabled false when it is off).
 	HAStatus() fluxvm.HAStatus
 }

@@ -223,7 +223,7 @@ func (f *fakeDataplane) ImportFlows(ctx context.Context, service string, r io.Re
 	return res, nil
 }
 
-func (f *fakeDataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (f *fakeDataplane) FlowDelta(_ context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.deltaReads = append(f.ha.deltaReads, deltaRead{journal, seq, maxOps})
@@ -267,7 +267,7 @@ func (f *fakeDataplane) ImportFlowDelta(_ context.Context, service string, d ha.
 	return fluxvm.HADeltaResult{Cursor: c, Applied: res}, nil
 }
 
-func (f *fakeDataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
+func (f *fakeDataplane) AckFlowDelta(_ context.Context, service string, seq uint64) (ha.JournalStats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.haCheck("ack flow delta of", service); err != nil {
@@ -286,7 +286,7 @@ func (f *fakeDataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStat
 	return st, nil
 }
 
-func (f *fakeDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
+func (f *fakeDataplane) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.leases = append(f.ha.leases, l)

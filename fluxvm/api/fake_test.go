@@ -68,7 +68,7 @@ type flowRead struct {
 
 // Flows returns the fake's records that f keeps (by service, verdict and
 // backend address; since by LastSeen), at most limit.
-func (f *fakeDataplane) Flows(limit int, flt flows.Filter) ([]flows.Record, error) {
+func (f *fakeDataplane) Flows(_ context.Context, limit int, flt flows.Filter) ([]flows.Record, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.flowReads = append(f.flowReads, flowRead{limit, flt})
@@ -174,13 +174,13 @@ func (f *fakeDataplane) Status() fluxvm.Status {
 	return st
 }
 
-func (f *fakeDataplane) Stats() (fluxvm.Stats, error) {
+func (f *fakeDataplane) Stats(context.Context) (fluxvm.Stats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.stats, f.statsErr
 }
 
-func (f *fakeDataplane) VMStats(vmID string) (fluxvm.VMStats, error) {
+func (f *fakeDataplane) VMStats(_ context.Context, vmID string) (fluxvm.VMStats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	s, ok := f.vms[vmID]
@@ -272,13 +272,13 @@ func (f *fakeDataplane) policiesLocked() fluxvm.PoliciesStatus {
 	return st
 }
 
-func (f *fakeDataplane) Policies() (fluxvm.PoliciesStatus, error) {
+func (f *fakeDataplane) Policies(context.Context) (fluxvm.PoliciesStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.policiesLocked(), nil
 }
 
-func (f *fakeDataplane) Policy(service string) (fluxvm.PolicyStatus, error) {
+func (f *fakeDataplane) Policy(_ context.Context, service string) (fluxvm.PolicyStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, p := range f.policiesLocked().Policies {

@@ -215,7 +215,7 @@ func (h *handler) getDelta(w http.ResponseWriter, r *http.Request) error {
 		}
 		maxOps = n
 	}
-	d, err := h.dp.FlowDelta(name, q.Get("journal"), seq, maxOps)
+	d, err := h.dp.FlowDelta(r.Context(), name, q.Get("journal"), seq, maxOps)
 	if err != nil {
 		return err
 	}
@@ -273,7 +273,7 @@ func (h *handler) ackDelta(w http.ResponseWriter, r *http.Request) error {
 		e.field = "seq"
 		return e
 	}
-	st, err := h.dp.AckFlowDelta(name, *req.Seq)
+	st, err := h.dp.AckFlowDelta(r.Context(), name, *req.Seq)
 	if err != nil {
 		return err
 	}
@@ -297,7 +297,7 @@ func (h *handler) updateLease(w http.ResponseWriter, r *http.Request) error {
 	if err := decodeStrictNoRepeat(body, &l); err != nil {
 		return err
 	}
-	st, err := h.dp.UpdateLease(l)
+	st, err := h.dp.UpdateLease(r.Context(), l)
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -17,7 +18,7 @@ import (
 // MetricsSource is the part of [Dataplane] the metrics collector reads.
 type MetricsSource interface {
 	Status() fluxvm.Status
-	Stats() (fluxvm.Stats, error)
+	Stats(ctx context.Context) (fluxvm.Stats, error)
 	Health() fluxvm.HealthReport
 }
 
@@ -259,7 +260,8 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 
-	stats, err := c.src.Stats()
+	// A scrape has no context of its own (prometheus.Collector).
+	stats, err := c.src.Stats(context.Background())
 	if err != nil {
 		emit(descStatsUp, prometheus.GaugeValue, 0)
 		ch <- prometheus.NewInvalidMetric(descPackets, fmt.Errorf("fluxvm metrics: read stats: %w", err))

@@ -23,7 +23,7 @@ type policyReconcileRequest struct{}
 
 // listPolicies answers GET /v1/network/services/policies.
 func (h *handler) listPolicies(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.Policies()
+	st, err := h.dp.Policies(r.Context())
 	if err != nil {
 		return err
 	}
@@ -161,7 +161,7 @@ func (h *handler) getPolicy(w http.ResponseWriter, r *http.Request) error {
 	if fluxvm.IsReservedName(name) {
 		return errReservedRoute(r, name)
 	}
-	st, err := h.dp.Policy(name)
+	st, err := h.dp.Policy(r.Context(), name)
 	if err != nil {
 		return err
 	}

@@ -216,7 +216,7 @@ func (h *handler) status(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (h *handler) stats(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.Stats()
+	st, err := h.dp.Stats(r.Context())
 	if err != nil {
 		return err
 	}
@@ -334,7 +334,7 @@ func (h *handler) advertisements(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (h *handler) vmStats(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.VMStats(r.PathValue("id"))
+	st, err := h.dp.VMStats(r.Context(), r.PathValue("id"))
 	if err != nil {
 		return err
 	}

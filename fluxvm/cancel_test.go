@@ -119,7 +119,7 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		{"policies", func(ctx context.Context) error { return ignore(d.Policies(ctx)) }, dataplane},
 		{"policy", func(ctx context.Context) error { return ignore(d.Policy(ctx, "web")) }, dataplane},
 		// A delta or an ack makes the service's journal when it has none.
-		{"flow delta", func(ctx context.Context) error { return ignore(d.FlowDelta(ctx, "web", "", 0, 0)) }, dataplane},
+		{"flow delta", func(ctx context.Context) error { return ignore(d.FlowDelta(ctx, "web", FlowDeltaRequest{})) }, dataplane},
 		{"ack flow delta", func(ctx context.Context) error { return ignore(d.AckFlowDelta(ctx, "web", 0)) }, dataplane},
 		{"update lease", func(ctx context.Context) error { return ignore(d.UpdateLease(ctx, HALease{Epoch: 4})) }, lease},
 		{"cleanup", func(ctx context.Context) error { return d.Cleanup(ctx) }, nil},

@@ -416,9 +416,11 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		}},
 		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure(context.Background()) }},
 		"ReconcilePressure": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcilePressure(ctx) }},
-		"FlowDelta":         {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.FlowDelta(context.Background(), "web", "", 0, 0) }},
-		"AckFlowDelta":      {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta(context.Background(), "web", 1) }},
-		"UpdateLease":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(context.Background(), HALease{Epoch: 9}) }},
+		"FlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.FlowDelta(context.Background(), "web", FlowDeltaRequest{})
+		}},
+		"AckFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta(context.Background(), "web", 1) }},
+		"UpdateLease":  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(context.Background(), HALease{Epoch: 9}) }},
 		"ImportFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})
 		}},

@@ -35,7 +35,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta(context.Background(), "web", "", 0, 0); err != nil || !delta.ResetRequired {
+	if delta, err := d.FlowDelta(context.Background(), "web", FlowDeltaRequest{}); err != nil || !delta.ResetRequired {
 		t.Fatalf("delta for a standby with no state: %+v, %v; want reset_required", delta, err)
 	}
 	var conns []*lab.Conn
@@ -151,7 +151,7 @@ func TestExportImportFlows(t *testing.T) {
 	var delta ha.Delta
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		delta, err = d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0)
+		delta, err = d.FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -201,7 +201,7 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	deleted := 0
 	for deadline := time.Now().Add(5 * time.Second); deleted < len(late) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		dd, err := d.FlowDelta(context.Background(), "web", delta.Journal, delta.To, 0)
+		dd, err := d.FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: delta.Journal, Seq: delta.To})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -263,7 +263,7 @@ func TestExportImportFlows(t *testing.T) {
 	if st, err := d.UpdateLease(context.Background(), HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
 		t.Fatalf("superseded by 7: %+v, %v", st, err)
 	}
-	if _, err := d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0); !errors.Is(err, ha.ErrFenced) {
+	if _, err := d.FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq}); !errors.Is(err, ha.ErrFenced) {
 		t.Errorf("delta of a superseded edge: %v, want ErrFenced", err)
 	}
 	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
@@ -285,7 +285,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 8}); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta(context.Background(), "web", cur.Journal, cur.Seq, 0); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
+	if delta, err := d.FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq}); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
 		t.Errorf("delta after the takeover: %+v, %v; want reset_required at epoch 8", delta, err)
 	}
 }
@@ -314,7 +314,7 @@ func TestHAOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	var ve *ValidationError
-	if _, err := d.FlowDelta(context.Background(), "web", "", 0, 0); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
+	if _, err := d.FlowDelta(context.Background(), "web", FlowDeltaRequest{}); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
 		t.Errorf("delta with HA off: %v, want ErrPrerequisite naming ha_epoch", err)
 	}
 	if st := d.HAStatus(); st.Enabled {
@@ -387,7 +387,7 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 	}
 	// What needs the journal says so, naming ha_epoch.
 	for name, call := range map[string]func() error{
-		"delta":        func() error { _, err := a.FlowDelta(context.Background(), "web", "", 0, 0); return err },
+		"delta":        func() error { _, err := a.FlowDelta(context.Background(), "web", FlowDeltaRequest{}); return err },
 		"ack":          func() error { _, err := a.AckFlowDelta(context.Background(), "web", 1); return err },
 		"delta import": func() error { _, err := a.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web"}); return err },
 		"lease":        func() error { _, err := a.UpdateLease(context.Background(), HALease{Epoch: 1}); return err },

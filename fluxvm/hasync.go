@@ -395,15 +395,31 @@ func (h *haSync) floor(service string) ha.Epoch {
 	return max(h.cursors[service].Epoch, h.epoch, h.pending)
 }
 
+// FlowDeltaRequest is what a standby asks FlowDelta for: the batches of
+// a service's journal after its cursor. The zero value asks for the whole
+// journal of a standby with no state yet (the answer says
+// ResetRequired: it loads a snapshot first).
+type FlowDeltaRequest struct {
+	// Journal is the journal incarnation the standby's cursor follows
+	// (ha.Cursor.Journal; "" when it follows none yet).
+	Journal string
+	// Seq is the last batch of that journal the standby applied
+	// (ha.Cursor.Seq; 0: none).
+	Seq uint64
+	// MaxOps bounds the ops of the answer, which holds at least one
+	// batch all the same; 0 or less: no bound.
+	MaxOps int
+}
+
 // FlowDelta returns the batches of service's journal after the cursor
-// (journal, seq) a standby holds, at most maxOps ops but at least one
-// batch (ha.Journal.Since): or ResetRequired when the journal cannot
-// continue it (another incarnation, none yet, or history acked or dropped
-// since), and the standby loads a snapshot (ExportFlows). A superseded
-// edge serves nothing (ha.ErrFenced). A ctx that ended before the read
-// fails with an error wrapping ctx's, and no journal is made for the
-// service.
-func (d *Dataplane) FlowDelta(ctx context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+// (req.Journal, req.Seq) a standby holds, at most req.MaxOps ops but at
+// least one batch (ha.Journal.Since): or ResetRequired when the journal
+// cannot continue it (another incarnation, none yet, or history acked or
+// dropped since), and the standby loads a snapshot (ExportFlows). A
+// superseded edge serves nothing (ha.ErrFenced). A ctx that ended before
+// the read fails with an error wrapping ctx's, and no journal is made for
+// the service.
+func (d *Dataplane) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
 	if err := d.begin(ctx, "flow delta"); err != nil {
 		return ha.Delta{}, err
 	}
@@ -411,7 +427,7 @@ func (d *Dataplane) FlowDelta(ctx context.Context, service, journal string, seq 
 	if err != nil {
 		return ha.Delta{}, err
 	}
-	delta, err := j.Since(seq, journal, maxOps)
+	delta, err := j.Since(req.Seq, req.Journal, req.MaxOps)
 	if err != nil {
 		return ha.Delta{}, fmt.Errorf("fluxvm: flow delta of %s: %w", service, err)
 	}

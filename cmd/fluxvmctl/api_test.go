@@ -110,7 +110,8 @@ func (d *stubDataplane) ImportFlows(_ context.Context, name string, r io.Reader,
 	}
 	return res, err
 }
-func (d *stubDataplane) FlowDelta(_ context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (d *stubDataplane) FlowDelta(_ context.Context, service string, req fluxvm.FlowDeltaRequest) (ha.Delta, error) {
+	journal, seq, maxOps := req.Journal, req.Seq, req.MaxOps
 	if journal == "" {
 		return ha.Delta{Service: service, Journal: "j1", Epoch: 4, From: seq, To: seq, ResetRequired: true}, nil
 	}

@@ -102,10 +102,11 @@ type Dataplane interface {
 	// ha.ErrStaleEpoch.
 	ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error)
 	// FlowDelta returns the batches of service's journal after the
-	// cursor (journal, seq), at most maxOps ops but at least one batch,
+	// cursor (req.Journal, req.Seq), at most req.MaxOps ops but at least
+	// one batch,
 	// or a delta saying ResetRequired when the journal cannot continue
 	// the cursor. A seq past the journal wraps ha.ErrCursorAhead.
-	FlowDelta(ctx context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error)
+	FlowDelta(ctx context.Context, service string, req fluxvm.FlowDeltaRequest) (ha.Delta, error)
 	// ImportFlowDelta applies a delta of the peer's journal to service
 	// after checking that it continues this edge's cursor (else
 	// ha.ErrStaleEpoch, ha.ErrResetRequired, ha.ErrGap, ha.ErrInvalidOp

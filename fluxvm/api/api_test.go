@@ -731,7 +731,7 @@ var (
 	authDelta = func() string {
 		f := newFake()
 		f.services["web"] = fluxvm.ServiceStatus{}
-		d, err := f.FlowDelta(context.Background(), "web", "j1", 0, 2)
+		d, err := f.FlowDelta(context.Background(), "web", fluxvm.FlowDeltaRequest{Journal: "j1", MaxOps: 2})
 		if err != nil {
 			panic(err)
 		}

@@ -223,7 +223,8 @@ func (f *fakeDataplane) ImportFlows(ctx context.Context, service string, r io.Re
 	return res, nil
 }
 
-func (f *fakeDataplane) FlowDelta(_ context.Context, service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (f *fakeDataplane) FlowDelta(_ context.Context, service string, req fluxvm.FlowDeltaRequest) (ha.Delta, error) {
+	journal, seq, maxOps := req.Journal, req.Seq, req.MaxOps
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.deltaReads = append(f.ha.deltaReads, deltaRead{journal, seq, maxOps})

@@ -215,7 +215,7 @@ func (h *handler) getDelta(w http.ResponseWriter, r *http.Request) error {
 		}
 		maxOps = n
 	}
-	d, err := h.dp.FlowDelta(r.Context(), name, q.Get("journal"), seq, maxOps)
+	d, err := h.dp.FlowDelta(r.Context(), name, fluxvm.FlowDeltaRequest{Journal: q.Get("journal"), Seq: seq, MaxOps: maxOps})
 	if err != nil {
 		return err
 	}

@@ -558,7 +558,7 @@ func deltaBody(t *testing.T, edit func(d *ha.Delta)) string {
 	t.Helper()
 	f := newFake()
 	f.services["web"] = fluxvm.ServiceStatus{}
-	d, err := f.FlowDelta(context.Background(), "web", "j1", 0, 3)
+	d, err := f.FlowDelta(context.Background(), "web", fluxvm.FlowDeltaRequest{Journal: "j1", MaxOps: 3})
 	if err != nil {
 		t.Fatal(err)
 	}

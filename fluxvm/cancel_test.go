@@ -73,7 +73,7 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 				st.Programs[fmt.Sprint(n, at)] = e.tcxPrograms(t, n, at)
 			}
 		}
-		h := d.HAStatus()
+		h := d.HA().Status()
 		st.Epoch, st.Superseded, st.Journals, st.Cursors = h.Epoch, h.SupersededBy, h.Journals, h.Cursors
 		_, err := os.Stat(e.opts.Loader.PinRoot)
 		st.PinRoot = err == nil
@@ -95,7 +95,6 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 	}
 	dataplane := func() func() { d.mu.Lock(); return d.mu.Unlock }
 	lease := func() func() { d.ha.leaseMu.Lock(); return d.ha.leaseMu.Unlock }
-	ignore := func(_ any, err error) error { return err }
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
 	for _, c := range []struct {
@@ -103,25 +102,25 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		call func(ctx context.Context) error
 		hold func() func() // nil: the call waits for nothing before it commits
 	}{
-		{"apply of a change", func(ctx context.Context) error { return ignore(d.ApplyService(ctx, changed)) }, services},
-		{"apply of a new service", func(ctx context.Context) error { return ignore(d.ApplyService(ctx, other)) }, services},
-		{"apply unchanged", func(ctx context.Context) error { return ignore(d.ApplyService(ctx, web)) }, services},
+		{"apply of a change", func(ctx context.Context) error { return errOf(d.ApplyService(ctx, changed)) }, services},
+		{"apply of a new service", func(ctx context.Context) error { return errOf(d.ApplyService(ctx, other)) }, services},
+		{"apply unchanged", func(ctx context.Context) error { return errOf(d.ApplyService(ctx, web)) }, services},
 		{"delete", func(ctx context.Context) error { return d.DeleteService(ctx, "web") }, services},
 		{"add interface", func(ctx context.Context) error {
-			return ignore(d.AddInterface(ctx, VMEdgeInterface{Name: spare, VMID: "spare"}))
+			return errOf(d.AddInterface(ctx, VMEdgeInterface{Name: spare, VMID: "spare"}))
 		}, dataplane},
-		{"add north-south interface", func(ctx context.Context) error { return ignore(d.AddNorthSouthInterface(ctx, spare)) }, dataplane},
+		{"add north-south interface", func(ctx context.Context) error { return errOf(d.AddNorthSouthInterface(ctx, spare)) }, dataplane},
 		{"remove interface", func(ctx context.Context) error { return d.RemoveInterface(ctx, client) }, dataplane},
-		{"stats", func(ctx context.Context) error { return ignore(d.Stats(ctx)) }, dataplane},
-		{"vm stats", func(ctx context.Context) error { return ignore(d.VMStats(ctx, e.cli.Name)) }, dataplane},
-		{"flows", func(ctx context.Context) error { return ignore(d.Flows(ctx, 10, flows.Filter{})) }, dataplane},
-		{"pressure", func(ctx context.Context) error { return ignore(d.Pressure(ctx)) }, dataplane},
-		{"policies", func(ctx context.Context) error { return ignore(d.Policies(ctx)) }, dataplane},
-		{"policy", func(ctx context.Context) error { return ignore(d.Policy(ctx, "web")) }, dataplane},
+		{"stats", func(ctx context.Context) error { return errOf(d.Stats(ctx)) }, dataplane},
+		{"vm stats", func(ctx context.Context) error { return errOf(d.VMStats(ctx, e.cli.Name)) }, dataplane},
+		{"flows", func(ctx context.Context) error { return errOf(d.Flows(ctx, 10, flows.Filter{})) }, dataplane},
+		{"pressure", func(ctx context.Context) error { return errOf(d.Pressure(ctx)) }, dataplane},
+		{"policies", func(ctx context.Context) error { return errOf(d.Policies(ctx)) }, dataplane},
+		{"policy", func(ctx context.Context) error { return errOf(d.Policy(ctx, "web")) }, dataplane},
 		// A delta or an ack makes the service's journal when it has none.
-		{"flow delta", func(ctx context.Context) error { return ignore(d.FlowDelta(ctx, "web", FlowDeltaRequest{})) }, dataplane},
-		{"ack flow delta", func(ctx context.Context) error { return ignore(d.AckFlowDelta(ctx, "web", 0)) }, dataplane},
-		{"update lease", func(ctx context.Context) error { return ignore(d.UpdateLease(ctx, HALease{Epoch: 4})) }, lease},
+		{"flow delta", func(ctx context.Context) error { return errOf(d.HA().FlowDelta(ctx, "web", FlowDeltaRequest{})) }, dataplane},
+		{"ack flow delta", func(ctx context.Context) error { return errOf(d.HA().AckFlowDelta(ctx, "web", 0)) }, dataplane},
+		{"update lease", func(ctx context.Context) error { return errOf(d.HA().UpdateLease(ctx, HALease{Epoch: 4})) }, lease},
 		{"cleanup", func(ctx context.Context) error { return d.Cleanup(ctx) }, nil},
 		{"package cleanup", func(ctx context.Context) error {
 			return Cleanup(ctx, CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath})
@@ -176,7 +175,7 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 	if _, err := d.ApplyService(context.Background(), changed); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 4}); err != nil {
+	if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 4}); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.RemoveInterface(context.Background(), client); err != nil {
@@ -187,3 +186,6 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		t.Errorf("the calls with a live context did not all take effect: %+v", got)
 	}
 }
+
+// errOf is the error of a call's two results.
+func errOf[T any](_ T, err error) error { return err }

@@ -1373,7 +1373,7 @@ func (d *Dataplane) Status() Status {
 		out.MapSizes = d.mapSizesStatus(out.Pressure)
 	}
 	out.EDT = d.edtStatus()
-	out.HA = d.HAStatus()
+	out.HA = d.HA().Status()
 	return out
 }
 

@@ -416,17 +416,37 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		}},
 		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure(context.Background()) }},
 		"ReconcilePressure": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcilePressure(ctx) }},
+		// The deprecated wrappers, and HA's calls themselves.
 		"FlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.FlowDelta(context.Background(), "web", FlowDeltaRequest{})
 		}},
 		"AckFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta(context.Background(), "web", 1) }},
-		"UpdateLease":  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(context.Background(), HALease{Epoch: 9}) }},
+		"UpdateLease": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.UpdateLease(context.Background(), HALease{Epoch: 9})
+		}},
 		"ImportFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})
 		}},
 		"HAStatus": {call: func(e *env, d *Dataplane) (any, error) { return d.HAStatus(), nil }, check: func(res any, _ bool) string {
 			if st := res.(HAStatus); st.Enabled {
 				return fmt.Sprintf("replication on in a dataplane opened without it: %+v", st)
+			}
+			return ""
+		}},
+		"HA": {call: func(e *env, d *Dataplane) (any, error) { return d.HA(), nil }, check: func(res any, _ bool) string {
+			h := res.(HA)
+			for name, err := range map[string]error{
+				"FlowDelta":       errOf(h.FlowDelta(ctx, "web", FlowDeltaRequest{})),
+				"AckFlowDelta":    errOf(h.AckFlowDelta(ctx, "web", 1)),
+				"UpdateLease":     errOf(h.UpdateLease(ctx, HALease{Epoch: 9})),
+				"ImportFlowDelta": errOf(h.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})),
+			} {
+				if !errors.Is(err, ErrClosed) {
+					return fmt.Sprintf("HA().%s: %v, want ErrClosed", name, err)
+				}
+			}
+			if st := h.Status(); st.Enabled {
+				return fmt.Sprintf("HA().Status: replication on in a dataplane opened without it: %+v", st)
 			}
 			return ""
 		}},

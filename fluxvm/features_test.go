@@ -94,7 +94,7 @@ func TestFeaturesReloadKeepsFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, paced); !errors.Is(err, ErrPrerequisite) {
 		t.Errorf("pacing while EDT is not loaded: %v, want ErrPrerequisite", err)
 	}
-	if _, err := d.UpdateLease(context.Background(), HALease{Epoch: 2}); !errors.Is(err, ErrPrerequisite) {
+	if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 2}); !errors.Is(err, ErrPrerequisite) {
 		t.Errorf("a lease while HA is not loaded: %v, want ErrPrerequisite", err)
 	}
 

@@ -419,7 +419,8 @@ type FlowDeltaRequest struct {
 // superseded edge serves nothing (ha.ErrFenced). A ctx that ended before
 // the read fails with an error wrapping ctx's, and no journal is made for
 // the service.
-func (d *Dataplane) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
+func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
+	d := r.d
 	if err := d.begin(ctx, "flow delta"); err != nil {
 		return ha.Delta{}, err
 	}
@@ -438,7 +439,8 @@ func (d *Dataplane) FlowDelta(ctx context.Context, service string, req FlowDelta
 // passes the minimum cursor its standbys replicated. An ack past the last
 // sealed batch wraps ha.ErrCursorAhead. A ctx that ended before the trim
 // fails with an error wrapping ctx's and trims nothing.
-func (d *Dataplane) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
+func (r HA) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
+	d := r.d
 	if err := d.begin(ctx, "ack flow delta"); err != nil {
 		return ha.JournalStats{}, err
 	}
@@ -486,9 +488,14 @@ func (d *Dataplane) sourceJournal(ctx context.Context, what, service string) (*h
 // continues this edge's cursor: an error wrapping ha.ErrStaleEpoch (data
 // of an epoch older than the newest this edge accepted or its own
 // lease), ha.ErrResetRequired (load a snapshot: ImportFlows) or ha.ErrGap
-// changes nothing. Deltas are applied one at a time.
-func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
-	if err := d.opened("import flow delta"); err != nil {
+// changes nothing. Deltas are applied one at a time. A ctx that ended
+// before the delta is applied (on entry, or while the call waited for
+// another import) applies nothing, moves no cursor and fails with an
+// error wrapping ctx's; one that ends while the batches are applied stops
+// the apply at its next op (ha.Apply), keeping the cursor where it was.
+func (r HA) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
+	d := r.d
+	if err := d.begin(ctx, "import flow delta"); err != nil {
 		return HADeltaResult{}, err
 	}
 	h, err := d.haOn("import flow delta of " + service)
@@ -509,6 +516,10 @@ func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta h
 	}
 	ctx, end := h.beginImport(ctx)
 	defer end()
+	// Cancelled while it waited for another import: nothing applied.
+	if err := ctxErr(ctx, "import flow delta of "+service); err != nil {
+		return HADeltaResult{}, err
+	}
 	h.mu.Lock()
 	c := h.cursors[service]
 	check := c
@@ -596,7 +607,8 @@ func (d *Dataplane) haBegin(ctx context.Context, what string) (context.Context, 
 // cancelled, the lease file written) the call finishes, whatever ctx
 // says: a lease half recorded would leave the edge's epoch and its
 // journals disagreeing.
-func (d *Dataplane) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
+func (r HA) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
+	d := r.d
 	if err := d.begin(ctx, "update lease"); err != nil {
 		return HAStatus{}, err
 	}
@@ -638,7 +650,7 @@ func (d *Dataplane) UpdateLease(ctx context.Context, l HALease) (HAStatus, error
 	}
 	h.mu.Unlock()
 	if epoch == prevEpoch && fenced == prevFenced {
-		return d.HAStatus(), nil
+		return r.Status(), nil
 	}
 	if err := h.saveLease(leaseFile{Epoch: epoch, SupersededBy: fenced}, d.log); err != nil {
 		h.mu.Lock()
@@ -664,11 +676,14 @@ func (d *Dataplane) UpdateLease(ctx context.Context, l HALease) (HAStatus, error
 	}
 	h.mu.Unlock()
 	d.log.Info("fluxvm: HA lease updated", "epoch", epoch, "previous_epoch", prevEpoch, "superseded_by", fenced)
-	return d.HAStatus(), nil
+	return r.Status(), nil
 }
 
-// HAStatus reports flow-state replication.
-func (d *Dataplane) HAStatus() HAStatus {
+// Status reports flow-state replication (Enabled false when it is off,
+// and the zero HAStatus on a Dataplane Open did not make). It reads no
+// kernel state and takes no context.
+func (r HA) Status() HAStatus {
+	d := r.d
 	if d.unopened() {
 		return HAStatus{}
 	}

@@ -486,7 +486,7 @@ func TestCompactionJournalsDeletes(t *testing.T) {
 	put(0, 57300, conntrack.EastWest, time.Minute)
 	put(57300, 5000, conntrack.EastWest, 80*time.Second)
 	put(62300, 2000, conntrack.DSR, 90*time.Second)
-	before := d.HAStatus().GCDeletes
+	before := d.HA().Status().GCDeletes
 	r, err := d.ReconcilePressure(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -501,7 +501,7 @@ func TestCompactionJournalsDeletes(t *testing.T) {
 	if m.Dropped < 7000 || m.DroppedBy["established"] != m.Dropped {
 		t.Errorf("compaction %+v: want the 7,000 oldest flows and more dropped, all established", m)
 	}
-	if n := d.HAStatus().GCDeletes - before; n != 2000 {
+	if n := d.HA().Status().GCDeletes - before; n != 2000 {
 		t.Errorf("%d deletes journaled, want the 2,000 dropped DSR flows (east-west ones are not replicated)", n)
 	}
 	echo(t, c, "after the compaction")

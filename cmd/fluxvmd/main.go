@@ -262,7 +262,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	if tr != nil {
 		tp = tr.tp
 	}
-	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp, ipcacheSource(cfg.IPCacheFile))
+	srv, err := newAPIServer(api.RolesOf(d), cfg.API, admin, read, log, exporter, tp, ipcacheSource(cfg.IPCacheFile))
 	if err != nil {
 		return err
 	}
@@ -337,13 +337,13 @@ const (
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
 // The REST requests are traced with tp when it is not nil; ipc is the
 // ipcache source of POST …/policies/reconcile (nil without ipcache_file).
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider,
+func newAPIServer(roles api.Roles, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider,
 	ipc api.IPCacheSource) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
-	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
+	handler, err := api.New(roles, api.Options{AdminTokens: admin, ReadTokens: read,
 		MaxBodyBytes: a.MaxBodyBytes, MaxSnapshotBytes: a.MaxSnapshotBytes, MaxDeltaBytes: a.MaxDeltaBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp, IPCacheSource: ipc})
 	if err != nil {
 		return nil, err

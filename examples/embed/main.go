@@ -96,7 +96,7 @@ func main() {
 	if token == "" {
 		log.Fatal("set FLUXVM_ADMIN_TOKEN")
 	}
-	h, err := api.New(d, api.Options{AdminTokens: []string{token}})
+	h, err := api.New(api.RolesOf(d), api.Options{AdminTokens: []string{token}})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -12,11 +12,13 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/policy"
 )
 
-// fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
+// fakeDataplane is an in-memory dataplane for handler tests: every role
+// but Replication (fakeReplication, fake_ha_test.go). Errors set in
 // its fields are returned by the matching method.
 type fakeDataplane struct {
 	mu         sync.Mutex
@@ -86,6 +88,11 @@ func (f *fakeDataplane) Flows(_ context.Context, limit int, flt flows.Filter) ([
 		}
 	}
 	return out, nil
+}
+
+// roles are every role of the fake: f itself, and its replication.
+func (f *fakeDataplane) roles() api.Roles {
+	return api.Roles{Services: f, Observer: f, Admin: f, Flows: f, Policies: f, Snapshots: f, Replication: fakeReplication{f}}
 }
 
 func newFake() *fakeDataplane {

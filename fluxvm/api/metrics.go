@@ -15,10 +15,14 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
-// MetricsSource is the part of [Dataplane] the metrics collector reads.
+// MetricsSource is the part of [Observer] the metrics collector reads.
 type MetricsSource interface {
+	// Status describes the dataplane (schema, tier, interfaces, last GC).
 	Status() fluxvm.Status
+	// Stats reads the datapath counters.
 	Stats(ctx context.Context) (fluxvm.Stats, error)
+	// Health reports the observed health of the backends of every
+	// service with a health check.
 	Health() fluxvm.HealthReport
 }
 

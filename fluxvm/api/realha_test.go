@@ -66,7 +66,7 @@ func TestSnapshotRoutesWithoutHA(t *testing.T) {
 		if _, err := d.ApplyService(context.Background(), svc); err != nil {
 			t.Fatal(err)
 		}
-		h, err := api.New(d, api.Options{AdminTokens: []string{adminToken}, ReadTokens: []string{readToken}})
+		h, err := api.New(api.RolesOf(d), api.Options{AdminTokens: []string{adminToken}, ReadTokens: []string{readToken}})
 		if err != nil {
 			t.Fatal(err)
 		}

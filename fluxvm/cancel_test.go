@@ -32,6 +32,9 @@ type cancelState struct {
 	Superseded ha.Epoch
 	Journals   map[string]ha.JournalStats
 	Cursors    map[string]ha.Cursor
+	Policies   []string // service and revision of each policy
+	IPCache    uint32   // the ipcache's revision
+	LastGC     bool     // a GC round is recorded
 	PinRoot    bool
 }
 
@@ -56,6 +59,13 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 	if _, err := d.ApplyService(context.Background(), web); err != nil {
 		t.Fatal(err)
 	}
+	webPolicy := Policy{Service: "web", DefaultAction: PolicyDeny, AllowIdentities: []Identity{7777}}
+	if _, err := d.ApplyPolicies(context.Background(), webPolicy); err != nil {
+		t.Fatal(err)
+	}
+	otherPolicy := webPolicy
+	otherPolicy.AllowIdentities = []Identity{7777, 8888}
+	ipc := IPCache{Entries: []IPCacheEntry{{Prefix: netip.MustParsePrefix("10.0.0.0/8"), Identity: 7777}}}
 	snapshot := func() cancelState {
 		t.Helper()
 		st := cancelState{Revisions: map[string]uint64{}, Programs: map[string][]string{}}
@@ -63,7 +73,7 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 			st.Revisions[s.Service.Name] = s.Revision
 		}
 		status := d.Status()
-		st.Frontends = status.FrontendIndex.Frontends
+		st.Frontends, st.LastGC = status.FrontendIndex.Frontends, status.LastGC != nil
 		for _, i := range status.Interfaces {
 			st.Interfaces = append(st.Interfaces, fmt.Sprintf("%s %s %v", i.Name, i.Kind, i.Hooks))
 		}
@@ -75,13 +85,21 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		}
 		h := d.HA().Status()
 		st.Epoch, st.Superseded, st.Journals, st.Cursors = h.Epoch, h.SupersededBy, h.Journals, h.Cursors
-		_, err := os.Stat(e.opts.Loader.PinRoot)
+		pol, err := d.Policies(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pol.Policies {
+			st.Policies = append(st.Policies, fmt.Sprintf("%s %d", p.Service, p.Revision))
+		}
+		st.IPCache = pol.IPCacheRevision
+		_, err = os.Stat(e.opts.Loader.PinRoot)
 		st.PinRoot = err == nil
 		return st
 	}
 	want := snapshot()
-	if len(want.Journals) != 0 || !want.PinRoot || len(want.Interfaces) != len(e.opts.Interfaces)+1 {
-		t.Fatalf("the state before: %+v; want no journal yet, the pin root, %d interfaces", want, len(e.opts.Interfaces)+1)
+	if len(want.Journals) != 0 || !want.PinRoot || len(want.Interfaces) != len(e.opts.Interfaces)+1 || len(want.Policies) != 1 {
+		t.Fatalf("the state before: %+v; want no journal yet, the pin root, %d interfaces, web's policy", want, len(e.opts.Interfaces)+1)
 	}
 	changed := web.Clone()
 	changed.Ports = append(changed.Ports, ServicePort{Port: 443, Protocol: TCP})
@@ -121,6 +139,15 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		{"flow delta", func(ctx context.Context) error { return errOf(d.HA().FlowDelta(ctx, "web", FlowDeltaRequest{})) }, dataplane},
 		{"ack flow delta", func(ctx context.Context) error { return errOf(d.HA().AckFlowDelta(ctx, "web", 0)) }, dataplane},
 		{"update lease", func(ctx context.Context) error { return errOf(d.HA().UpdateLease(ctx, HALease{Epoch: 4})) }, lease},
+		{"apply policies", func(ctx context.Context) error { return errOf(d.ApplyPolicies(ctx, otherPolicy)) }, dataplane},
+		{"set ipcache", func(ctx context.Context) error { return errOf(d.SetIPCache(ctx, ipc)) }, dataplane},
+		{"reconcile policies", func(ctx context.Context) error {
+			return errOf(d.ReconcilePolicies(ctx, ipc, []Policy{otherPolicy}))
+		}, dataplane},
+		{"delete policy", func(ctx context.Context) error { return d.DeletePolicy(ctx, "web") }, dataplane},
+		{"gc", func(ctx context.Context) error { return errOf(d.GC(ctx)) }, nil},
+		{"reconcile health", func(ctx context.Context) error { return errOf(d.ReconcileHealth(ctx)) }, nil},
+		{"reconcile pressure", func(ctx context.Context) error { return errOf(d.ReconcilePressure(ctx)) }, nil},
 		{"cleanup", func(ctx context.Context) error { return d.Cleanup(ctx) }, nil},
 		{"package cleanup", func(ctx context.Context) error {
 			return Cleanup(ctx, CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath})

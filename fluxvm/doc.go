@@ -3,7 +3,21 @@
 // [OptionsFrom]), restores the catalog of services, and the returned
 // [Dataplane] applies and deletes services ([Dataplane.ApplyService]),
 // runs the conntrack GC, the health checks and the VIP advertisements,
-// and reads statistics and FluxScope flow records.
+// and reads statistics and FluxScope flow records. Flow-state
+// replication (journals, deltas, leases) is behind [Dataplane.HA].
+//
+// # Contexts
+//
+// Every call that does I/O takes a context.Context first (the reports
+// that answer from memory, Status, Services, Service, Health,
+// Advertisements and HA().Status, take none). A context that
+// ended before the call changes anything makes it change nothing and
+// return an error wrapping the context's (errors.Is(err,
+// context.Canceled)); each call checks it on entry and again after every
+// wait for a lock, up to its commit. A call with a point of no return
+// (Open's switch of the attachments, Cleanup's first removal, a lease
+// written, a policy state written) says so in its doc comment and
+// finishes from there whatever the context says.
 //
 // # Tracing
 //

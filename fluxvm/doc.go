@@ -9,9 +9,10 @@
 // # Contexts
 //
 // Every call that does I/O takes a context.Context first. The reports
-// that cannot fail take none: Services, Service, Health, Advertisements
-// and HA().Status answer from memory, and Status too but for its Memory
-// part (a bounded read of the maps' sizes). A context that
+// that answer from the dataplane's memory take none: Services, Service,
+// Health, Advertisements, Envoy, Conntrack (a handle), HA().Status, and
+// Status but for its Memory part (a bounded read of the maps' sizes). A
+// context that
 // ended before the call changes anything makes it change nothing and
 // return an error wrapping the context's (errors.Is(err,
 // context.Canceled)); each call checks it on entry and again after every

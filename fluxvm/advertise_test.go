@@ -47,7 +47,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "service-advertisements.json")
 	e.opts.AdvertisementsPath = path
 	e.opts.NodeName = "lab-node"
-	d, err := Open(e.opts)
+	d, err := Open(context.Background(), e.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 		t.Errorf("after Close: gen %d %v", s.Generation, adverttest.Decisions(s.Entries))
 	}
 	st1, _ = os.Stat(path)
-	d, err = Open(e.opts)
+	d, err = Open(context.Background(), e.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,7 +214,7 @@ func TestDataplaneAdvertisements(t *testing.T) {
 	// after whatever the apply and the health checks published (a check
 	// that flaps under a loaded machine publishes too).
 	before := read("applied again").Generation
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	closed = true
@@ -256,7 +256,7 @@ func TestOpenAdvertisementsUnreadable(t *testing.T) {
 	e := newEnv(t)
 	dir := t.TempDir()
 	e.opts.AdvertisementsPath = dir // a directory in the file's place
-	_, err := Open(e.opts)
+	_, err := Open(context.Background(), e.opts)
 	if err == nil || !strings.Contains(err.Error(), "advertisements") {
 		t.Fatalf("Open = %v, want an advertisements error", err)
 	}
@@ -274,14 +274,14 @@ func TestCleanupReportsUnpublishedWithdrawal(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "run")
 	path := filepath.Join(dir, "service-advertisements.json")
 	e.opts.AdvertisementsPath = path
-	d, err := Open(e.opts)
+	d, err := Open(context.Background(), e.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cleaned := false
 	t.Cleanup(func() {
 		if !cleaned {
-			d.Cleanup()
+			d.Cleanup(context.Background())
 		}
 	})
 	svc := e.nsService("web", advVIP4, advVIP6, ExposureNorthSouth, ModeNAT, false)
@@ -300,7 +300,7 @@ func TestCleanupReportsUnpublishedWithdrawal(t *testing.T) {
 	if err := os.WriteFile(dir, []byte("not a directory"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	err = d.Cleanup()
+	err = d.Cleanup(context.Background())
 	cleaned = true
 	if err == nil || !strings.Contains(err.Error(), "advertisements") {
 		t.Errorf("Cleanup = %v, want an error saying the withdrawal was not published", err)

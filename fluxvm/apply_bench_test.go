@@ -48,12 +48,12 @@ func BenchmarkApply(b *testing.B) {
 			if catalog == "disk" {
 				opts.CatalogPath = filepath.Join(b.TempDir(), "catalog.json")
 			}
-			d, err := Open(opts)
+			d, err := Open(context.Background(), opts)
 			if err != nil {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() {
-				if err := d.Cleanup(); err != nil {
+				if err := d.Cleanup(context.Background()); err != nil {
 					b.Error(err)
 				}
 			})

@@ -63,7 +63,7 @@ func TestApplyConcurrency(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	h, err := api.New(d, api.Options{AdminTokens: []string{"bench-admin"}})
+	h, err := api.New(api.RolesOf(d), api.Options{AdminTokens: []string{"bench-admin"}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -274,7 +274,7 @@ func benchDataplane(t *testing.T, n int, fill *time.Duration) (*Dataplane, strin
 		t.Fatal(err)
 	}
 	start := time.Now()
-	d, err := Open(Options{
+	d, err := Open(context.Background(), Options{
 		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierL},
 		CatalogPath:         path,
 		ConntrackGCInterval: -1,
@@ -284,7 +284,7 @@ func benchDataplane(t *testing.T, n int, fill *time.Duration) (*Dataplane, strin
 		t.Fatalf("open: %v", err)
 	}
 	*fill = time.Since(start)
-	t.Cleanup(func() { d.Cleanup() })
+	t.Cleanup(func() { d.Cleanup(context.Background()) })
 	return d, dir
 }
 

@@ -47,7 +47,7 @@ var tcp80 = []ServicePort{{Port: 80, Protocol: TCP}}
 // test's testenv.PinRoot) with catalog catalog.
 func ixOpen(t *testing.T, root, catalog string, tier bpf.Tier) *Dataplane {
 	t.Helper()
-	d, err := Open(Options{
+	d, err := Open(context.Background(), Options{
 		Loader:              bpf.Options{PinRoot: root, Tier: tier},
 		CatalogPath:         catalog,
 		ConntrackGCInterval: -1,

@@ -2,6 +2,7 @@ package fluxvm
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -139,7 +140,15 @@ func ParseCleanupConfig(data []byte) (CleanupOptions, error) {
 // A pin root, catalog or file that does not exist is not an error, so
 // Cleanup can be repeated. Every step is tried; the error joins those
 // that failed.
-func Cleanup(o CleanupOptions) error {
+//
+// A ctx that ended before Cleanup removes anything (on entry, or while it
+// took the locks) changes nothing and fails with an error wrapping ctx's.
+// Once it removes, it is past its point of no return and finishes every
+// step whatever ctx says (a half-removed datapath is worse than either).
+func Cleanup(ctx context.Context, o CleanupOptions) error {
+	if err := ctxErr(ctx, "cleanup"); err != nil {
+		return err
+	}
 	if o.PinRoot == "" {
 		o.PinRoot = bpf.DefaultPinRoot
 	}
@@ -161,6 +170,9 @@ func Cleanup(o CleanupOptions) error {
 	cl, lk, err := lockForCleanup(o)
 	if err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)
+	}
+	if err := ctxErr(ctx, "cleanup"); err != nil {
+		return errors.Join(err, cl.Abandon(), lk.Release())
 	}
 	var errs []error
 	if o.AdvertisementsPath != "" {

@@ -37,7 +37,7 @@ func TestOpenPinRootInUse(t *testing.T) {
 	}
 	echo(t, e.dial(t, vip4), "before the second open")
 
-	d2, err := Open(e.opts)
+	d2, err := Open(context.Background(), e.opts)
 	if err == nil {
 		d2.Close()
 		t.Fatal("a second Open on the pin root of an open dataplane succeeded")
@@ -46,7 +46,7 @@ func TestOpenPinRootInUse(t *testing.T) {
 		t.Errorf("second Open: %v; want ErrInUse naming this process", err)
 	}
 	// Nor does Cleanup go ahead.
-	if err := Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); !errors.Is(err, ErrInUse) {
+	if err := Cleanup(context.Background(), CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); !errors.Is(err, ErrInUse) {
 		t.Errorf("Cleanup while a dataplane is open: %v, want ErrInUse", err)
 	}
 	if files, err := catalog.JournalFiles(e.opts.CatalogPath); err != nil || len(files) == 0 {
@@ -65,8 +65,8 @@ func TestOpenPinRootInUse(t *testing.T) {
 	}
 	// An Open that fails after taking the pin root lets it go.
 	bad := e.opts
-	bad.Interfaces = append(slices.Clone(e.opts.Interfaces), VMEdgeInterface{Name: "fvnosuch0", VMID: "ghost"})
-	if d2, err := Open(bad); err == nil {
+	bad.VMEdgeInterfaces = append(slices.Clone(e.opts.VMEdgeInterfaces), VMEdgeInterface{Name: "fvnosuch0", VMID: "ghost"})
+	if d2, err := Open(context.Background(), bad); err == nil {
 		d2.Close()
 		t.Fatal("Open with an interface that does not exist succeeded")
 	} else if errors.Is(err, ErrInUse) {
@@ -114,10 +114,10 @@ func TestCleanupStandalone(t *testing.T) {
 				gen := readAdvert(t, e.opts.AdvertisementsPath).Generation
 				cleanup := func() error {
 					if how == "Cleanup" {
-						return Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath,
+						return Cleanup(context.Background(), CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath,
 							AdvertisementsPath: e.opts.AdvertisementsPath, InNamespace: e.lab.Node.Do})
 					}
-					return d.Cleanup()
+					return d.Cleanup(context.Background())
 				}
 				if err := cleanup(); err != nil {
 					t.Fatalf("%s after Close: %v", how, err)
@@ -160,7 +160,7 @@ func TestCleanupBadOptions(t *testing.T) {
 		{PinRoot: "/sys/fs/bpf/x", CatalogPath: "catalog.json"},
 		{PinRoot: "/sys/fs/bpf/x", AdvertisementsPath: "adv.json"},
 	} {
-		err := Cleanup(o)
+		err := Cleanup(context.Background(), o)
 		if !errors.Is(err, ErrInvalid) && !errors.Is(err, bpf.ErrPinRoot) {
 			t.Errorf("Cleanup(%+v): %v, want ErrInvalid or bpf.ErrPinRoot", o, err)
 		}
@@ -239,7 +239,7 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 	parent := filepath.Join(testenv.PinRoot(t), "fluxvm")
 	root := filepath.Join(parent, "service")
 	opts := Options{Loader: bpf.Options{PinRoot: root, Tier: bpf.TierS, ObjectDir: t.TempDir()}, ConntrackGCInterval: -1}
-	if d, err := Open(opts); err == nil {
+	if d, err := Open(context.Background(), opts); err == nil {
 		d.Close()
 		t.Fatal("Open without an object succeeded")
 	}
@@ -248,7 +248,7 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 	}
 	opts.Loader.ObjectDir = ""
 	opts.Pressure.SoftPercent = 101
-	if _, err := Open(opts); !errors.Is(err, ErrInvalid) {
+	if _, err := Open(context.Background(), opts); !errors.Is(err, ErrInvalid) {
 		t.Errorf("Open with pressure_soft_percent 101: %v, want ErrInvalid", err)
 	}
 	if _, err := os.Stat(parent); !errors.Is(err, os.ErrNotExist) {
@@ -256,7 +256,7 @@ func TestFailedOpenLeavesNoPinRoot(t *testing.T) {
 	}
 	// Nothing holds the pin root: an Open with good options goes ahead.
 	opts.Pressure.SoftPercent = 0
-	d, err := Open(opts)
+	d, err := Open(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -386,7 +386,7 @@ func TestCleanupCatalogInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	other := filepath.Join(filepath.Dir(e.opts.Loader.PinRoot), "other")
-	err := Cleanup(CleanupOptions{PinRoot: other, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do})
+	err := Cleanup(context.Background(), CleanupOptions{PinRoot: other, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do})
 	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), fmt.Sprintf("this process (pid %d)", os.Getpid())) {
 		t.Errorf("Cleanup of the catalog of an open dataplane: %v; want ErrInUse naming this process", err)
 	}
@@ -402,7 +402,7 @@ func TestCleanupCatalogInUse(t *testing.T) {
 	// Nor does an Open of that catalog on another pin root.
 	opts := e.opts
 	opts.Loader.PinRoot = other
-	if d2, err := Open(opts); !errors.Is(err, ErrInUse) {
+	if d2, err := Open(context.Background(), opts); !errors.Is(err, ErrInUse) {
 		if err == nil {
 			d2.Close()
 		}
@@ -415,7 +415,7 @@ func TestCleanupCatalogInUse(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if err := Cleanup(CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
+	if err := Cleanup(context.Background(), CleanupOptions{PinRoot: e.opts.Loader.PinRoot, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
 		t.Fatal(err)
 	}
 	if ents, err := os.ReadDir(filepath.Dir(e.opts.CatalogPath)); err != nil || len(ents) != 0 {
@@ -458,7 +458,7 @@ func TestCleanupRemovesPinRootLast(t *testing.T) {
 			}
 		}
 	}
-	if err := Cleanup(CleanupOptions{PinRoot: root, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
+	if err := Cleanup(context.Background(), CleanupOptions{PinRoot: root, CatalogPath: e.opts.CatalogPath, InNamespace: e.lab.Node.Do}); err != nil {
 		t.Fatal(err)
 	}
 	cleanupStep = nil

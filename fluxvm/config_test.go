@@ -1,6 +1,7 @@
 package fluxvm
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -560,9 +561,9 @@ func TestSocketLBOptions(t *testing.T) {
 		{"not a cgroup v2 directory", Options{CgroupConnect: true, CgroupPath: t.TempDir()}, cgroup2.ErrNotCgroupV2},
 	} {
 		tc.opts.Loader.PinRoot = pins
-		d, err := Open(tc.opts)
+		d, err := Open(context.Background(), tc.opts)
 		if err == nil {
-			d.Cleanup()
+			d.Cleanup(context.Background())
 			t.Errorf("%s: Open succeeded", tc.name)
 			continue
 		}

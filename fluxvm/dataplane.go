@@ -253,7 +253,19 @@ func (ifc *iface) keepMade(old *iface) {
 // programs and maps (bpf Datapath.Activate; the next Open adopts those),
 // its socket hooks removed from cgroups no longer configured, and its fq
 // removed from interfaces no longer in edt_interfaces.
-func Open(opts Options) (_ *Dataplane, err error) {
+//
+// ctx bounds the start: a ctx that ended before Open began makes nothing
+// and fails with an error wrapping ctx's; one that ends while it loads
+// (it is checked after the pin root is taken, after the maps are loaded
+// and after the catalog is restored) fails it the same way, rolled back
+// as any failed Open. The point of no return is the switch of the
+// attachments to the new programs (bpf Datapath.Activate): from there
+// Open finishes and returns the Dataplane, whatever ctx says. ctx bounds
+// the start only; the Dataplane's life ends with Close.
+func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
+	if err := ctxErr(ctx, "open"); err != nil {
+		return nil, err
+	}
 	// Options validate themselves and fill their own defaults: from here
 	// on each setting in force is in one field (options.go).
 	if err := opts.check(optionsNames, checkAll); err != nil {
@@ -301,6 +313,9 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
 	undo.push(lk.Abandon)
+	if err := ctxErr(ctx, "open"); err != nil {
+		return nil, err
+	}
 	// Then the catalog's lock file, as Cleanup takes them: it covers the
 	// state outside bpffs (catalog, journal, HA lease) against a cleanup
 	// that cannot see or hold the pin root, or names another one.
@@ -348,6 +363,9 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		// The pin root held nothing: all that is in it is this Open's.
 		return errors.Join(opts.InNamespace(dp.Remove), bpffs.RemoveEmptyDirs(newDirs))
 	})
+	if err := ctxErr(ctx, "open"); err != nil {
+		return nil, err
+	}
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, pacing: pacing, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
@@ -364,7 +382,12 @@ func Open(opts Options) (_ *Dataplane, err error) {
 		return nil, err
 	}
 	undo.push(d.adv.Close)
-	if err := d.init(&undo); err != nil {
+	if err := d.init(ctx, &undo); err != nil {
+		return nil, err
+	}
+	// The last moment a cancelled Open is rolled back: Activate switches
+	// the attachments of an earlier start to the new programs.
+	if err := ctxErr(ctx, "open"); err != nil {
 		return nil, err
 	}
 	if err := dp.Activate(); err != nil {
@@ -403,7 +426,7 @@ func Open(opts Options) (_ *Dataplane, err error) {
 
 // init restores the catalog into the loaded maps and attaches the
 // configured interfaces, pushing onto undo what a failed Open must undo.
-func (d *Dataplane) init(undo *undoStack) error {
+func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	st := d.dp.Status()
 	d.caps = st.Capacities
 	d.limits = LimitsFor(d.caps)
@@ -527,12 +550,12 @@ func (d *Dataplane) init(undo *undoStack) error {
 		return errors.Join(errs...)
 	})
 	for _, vi := range d.opts.VMEdgeInterfaces {
-		if _, err := d.AddInterface(vi); err != nil {
+		if _, err := d.AddInterface(ctx, vi); err != nil {
 			return err
 		}
 	}
 	for _, name := range d.opts.NorthSouth.Interfaces {
-		if _, err := d.AddNorthSouthInterface(name); err != nil {
+		if _, err := d.AddNorthSouthInterface(ctx, name); err != nil {
 			return err
 		}
 	}
@@ -783,12 +806,18 @@ func (d *Dataplane) Close() error {
 // root again (ErrInUse if another Dataplane opened it meanwhile) and
 // removes what the closed dataplane left. So does a second Cleanup, which
 // then finds nothing left to remove.
-func (d *Dataplane) Cleanup() error {
-	if err := d.opened("cleanup"); err != nil {
+//
+// A ctx that ended before Cleanup begins changes nothing (the dataplane
+// stays open) and fails with an error wrapping ctx's. Once it began
+// (the dataplane marked closed) it is past its point of no return: it
+// removes everything and finishes whatever ctx says, since a cleanup left
+// half done would leave attachments running on maps no one owns.
+func (d *Dataplane) Cleanup(ctx context.Context) error {
+	if err := d.begin(ctx, "cleanup"); err != nil {
 		return err
 	}
 	if !d.markClosed() {
-		return Cleanup(d.cleanupOptions())
+		return Cleanup(ctx, d.cleanupOptions())
 	}
 	d.inflight.Wait()
 	d.health.Close()
@@ -842,11 +871,15 @@ func hooksOf(kind string) []bpf.Hook {
 // are detached, those attached before it stay. An L7 proxy interface
 // attached again with another index (its veth recreated) is what the
 // policies that redirect to it name from then on.
-func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
-	if err := d.opened("add interface"); err != nil {
+//
+// A ctx that ended before the hooks are attached (on entry, or while the
+// call waited for the dataplane's lock) attaches nothing and fails with
+// an error wrapping ctx's; once attaching, the call finishes.
+func (d *Dataplane) AddInterface(ctx context.Context, vi VMEdgeInterface) (InterfaceStatus, error) {
+	if err := d.begin(ctx, "add interface"); err != nil {
 		return InterfaceStatus{}, err
 	}
-	st, err := d.addInterface(vi)
+	st, err := d.addInterface(ctx, vi)
 	if err != nil {
 		return st, err
 	}
@@ -856,7 +889,7 @@ func (d *Dataplane) AddInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	return st, nil
 }
 
-func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
+func (d *Dataplane) addInterface(ctx context.Context, vi VMEdgeInterface) (InterfaceStatus, error) {
 	if vi.Name == "" || vi.VMID == "" {
 		return InterfaceStatus{}, fmt.Errorf("fluxvm: add interface: %w", &ValidationError{Field: "interface", Reason: "name and vm_id are required"})
 	}
@@ -866,6 +899,9 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("add interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
+	if err := ctxErr(ctx, "add interface "+vi.Name); err != nil {
 		return InterfaceStatus{}, err
 	}
 	if other, ok := d.ifaces[vi.Name]; ok {
@@ -927,8 +963,13 @@ func (d *Dataplane) addInterface(vi VMEdgeInterface) (InterfaceStatus, error) {
 // validation of services (exposure north-south or both) for the rest of
 // the dataplane's life, also after RemoveInterface.
 // North-south interfaces have no per-VM statistics slot.
-func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error) {
-	if err := d.opened("add north-south interface"); err != nil {
+//
+// A ctx that ended before the hooks are attached (on entry, while the
+// call waited for the dataplane's lock, or during the XDP checks) attaches
+// nothing and fails with an error wrapping ctx's; once attaching, the
+// call finishes.
+func (d *Dataplane) AddNorthSouthInterface(ctx context.Context, name string) (InterfaceStatus, error) {
+	if err := d.begin(ctx, "add north-south interface"); err != nil {
 		return InterfaceStatus{}, err
 	}
 	if why := ifnameProblem(name); why != "" {
@@ -937,6 +978,9 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("add north-south interface"); err != nil {
+		return InterfaceStatus{}, err
+	}
+	if err := ctxErr(ctx, "add north-south interface "+name); err != nil {
 		return InterfaceStatus{}, err
 	}
 	if other, ok := d.ifaces[name]; ok && other.kind != InterfaceNorthSouth {
@@ -965,6 +1009,9 @@ func (d *Dataplane) AddNorthSouthInterface(name string) (InterfaceStatus, error)
 		if err != nil {
 			return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
 		}
+	}
+	if err := ctxErr(ctx, "add north-south interface "+name); err != nil {
+		return InterfaceStatus{}, err
 	}
 	if err := d.attach(ifc); err != nil {
 		return InterfaceStatus{}, ifaceError(fmt.Errorf("fluxvm: add north-south interface %s: %w", name, err))
@@ -1096,11 +1143,15 @@ func (d *Dataplane) attach(ifc *iface) error {
 // interface (on a north-south one, the TC hooks and our XDP program). The
 // L7 policies that redirect to it then fail closed (their new flows drop)
 // until it is attached again.
-func (d *Dataplane) RemoveInterface(name string) error {
-	if err := d.opened("remove interface"); err != nil {
+//
+// A ctx that ended before the hooks are detached (on entry, or while the
+// call waited for the dataplane's lock) detaches nothing and fails with
+// an error wrapping ctx's; once detaching, the call finishes.
+func (d *Dataplane) RemoveInterface(ctx context.Context, name string) error {
+	if err := d.begin(ctx, "remove interface"); err != nil {
 		return err
 	}
-	if err := d.removeInterface(name); err != nil {
+	if err := d.removeInterface(ctx, name); err != nil {
 		return err
 	}
 	if err := d.refreshProxies(name); err != nil {
@@ -1109,10 +1160,13 @@ func (d *Dataplane) RemoveInterface(name string) error {
 	return nil
 }
 
-func (d *Dataplane) removeInterface(name string) error {
+func (d *Dataplane) removeInterface(ctx context.Context, name string) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("remove interface"); err != nil {
+		return err
+	}
+	if err := ctxErr(ctx, "remove interface "+name); err != nil {
 		return err
 	}
 	ifc, ok := d.ifaces[name]
@@ -1190,7 +1244,7 @@ func (d *Dataplane) Status() Status {
 		out.MapSizes = d.mapSizesStatus(out.Pressure)
 	}
 	out.EDT = d.edtStatus()
-	out.HA = d.HAStatus()
+	out.HA = d.HA().Status()
 	return out
 }
 

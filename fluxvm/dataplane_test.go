@@ -72,7 +72,7 @@ func newEnv(t *testing.T) *env {
 
 func (e *env) open(t *testing.T) *Dataplane {
 	t.Helper()
-	d, err := Open(e.opts)
+	d, err := Open(context.Background(), e.opts)
 	if err != nil {
 		t.Fatalf("open: %v", err)
 	}
@@ -159,21 +159,21 @@ func TestDataplaneServesAVIP(t *testing.T) {
 		}
 	}
 
-	stats, err := d.Stats()
+	stats, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if c := stats.Services["web"]; c.NewFlows < 160 || c.Packets == 0 || c.ReplyPackets == 0 {
 		t.Errorf("service stats %+v", c)
 	}
-	vs, err := d.VMStats("vm1")
+	vs, err := d.VMStats(context.Background(), "vm1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	if vs.Counters.NewFlows < 160 || vs.Counters.Packets == 0 || vs.Counters.ReplyPackets == 0 {
 		t.Errorf("VM stats %+v", vs)
 	}
-	if _, err := d.VMStats("nope"); !errors.Is(err, ErrNotFound) {
+	if _, err := d.VMStats(context.Background(), "nope"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("unknown VM: %v", err)
 	}
 	status := d.Status()
@@ -309,7 +309,7 @@ func TestDataplaneDeleteAndCleanup(t *testing.T) {
 	if _, err := e.cli.DialTCP(netip.AddrPortFrom(vip4, 80), 300*time.Millisecond); err == nil {
 		t.Error("the VIP still answers after delete")
 	}
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	for _, p := range []string{e.opts.Loader.PinRoot, e.opts.CatalogPath} {
@@ -325,13 +325,13 @@ func TestDataplaneDeleteAndCleanup(t *testing.T) {
 // not recorded.
 func TestAddInterfaceAllOrNothing(t *testing.T) {
 	e := newEnv(t)
-	e.opts.Interfaces = nil
+	e.opts.VMEdgeInterfaces = nil
 	e.opts.Loader.AttachMode = bpf.AttachClsBPF
 	d := e.open(t)
 	vm := e.backends[0]
 	foreignEgressFilter(t, e, vm)
 
-	if _, err := d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err == nil {
+	if _, err := d.AddInterface(context.Background(), VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err == nil {
 		t.Fatal("AddInterface succeeded over a foreign egress filter")
 	}
 	for _, ifc := range d.Status().Interfaces {
@@ -382,17 +382,21 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"DeleteService": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.DeleteService(ctx, "web") }},
 		"AddInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			vm := e.backends[0]
-			return d.AddInterface(VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
+			return d.AddInterface(context.Background(), VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 		}},
-		"AddNorthSouthInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AddNorthSouthInterface("uplink") }},
-		"RemoveInterface":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.RemoveInterface(e.backends[0].NodeIf) }},
-		"GC":                     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.GC(ctx) }},
-		"ReconcileHealth":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcileHealth(ctx) }},
-		"Stats":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Stats() }},
-		"VMStats":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.VMStats(e.backends[0].Name) }},
-		"Service":                {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
-		"Conntrack":              {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Conntrack() }},
-		"Flows":                  {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Flows(1, flows.Filter{}) }},
+		"AddNorthSouthInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.AddNorthSouthInterface(context.Background(), "uplink")
+		}},
+		"RemoveInterface": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return nil, d.RemoveInterface(context.Background(), e.backends[0].NodeIf)
+		}},
+		"GC":              {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.GC(ctx) }},
+		"ReconcileHealth": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcileHealth(ctx) }},
+		"Stats":           {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Stats(context.Background()) }},
+		"VMStats":         {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.VMStats(context.Background(), e.backends[0].Name) }},
+		"Service":         {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Service("web") }},
+		"Conntrack":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Conntrack() }},
+		"Flows":           {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Flows(context.Background(), 1, flows.Filter{}) }},
 		"ReconcilePolicies": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ReconcilePolicies(ctx, IPCache{}, []Policy{{Service: "web", DefaultAction: PolicyDeny}})
 		}},
@@ -401,8 +405,8 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		}},
 		"SetIPCache":   {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.SetIPCache(ctx, IPCache{}) }},
 		"DeletePolicy": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return nil, d.DeletePolicy(ctx, "web") }},
-		"Policies":     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policies() }},
-		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy("web") }},
+		"Policies":     {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policies(context.Background()) }},
+		"Policy":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Policy(context.Background(), "web") }},
 		"Envoy":        {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Envoy("web") }},
 		"ExportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ExportFlows(ctx, "web", io.Discard)
@@ -410,11 +414,16 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		"ImportFlows": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlows(ctx, "web", strings.NewReader(""), false)
 		}},
-		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure() }},
+		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure(context.Background()) }},
 		"ReconcilePressure": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcilePressure(ctx) }},
-		"FlowDelta":         {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.FlowDelta("web", "", 0, 0) }},
-		"AckFlowDelta":      {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta("web", 1) }},
-		"UpdateLease":       {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.UpdateLease(HALease{Epoch: 9}) }},
+		// The deprecated wrappers, and HA's calls themselves.
+		"FlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.FlowDelta(context.Background(), "web", FlowDeltaRequest{})
+		}},
+		"AckFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.AckFlowDelta(context.Background(), "web", 1) }},
+		"UpdateLease": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.UpdateLease(context.Background(), HALease{Epoch: 9})
+		}},
 		"ImportFlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})
 		}},
@@ -424,7 +433,24 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 			}
 			return ""
 		}},
-		"Cleanup": {call: func(e *env, d *Dataplane) (any, error) { return d.Cleanup(), nil }, check: func(res any, _ bool) string {
+		"HA": {call: func(e *env, d *Dataplane) (any, error) { return d.HA(), nil }, check: func(res any, _ bool) string {
+			h := res.(HA)
+			for name, err := range map[string]error{
+				"FlowDelta":       errOf(h.FlowDelta(ctx, "web", FlowDeltaRequest{})),
+				"AckFlowDelta":    errOf(h.AckFlowDelta(ctx, "web", 1)),
+				"UpdateLease":     errOf(h.UpdateLease(ctx, HALease{Epoch: 9})),
+				"ImportFlowDelta": errOf(h.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web", Journal: "j", Epoch: 9})),
+			} {
+				if !errors.Is(err, ErrClosed) {
+					return fmt.Sprintf("HA().%s: %v, want ErrClosed", name, err)
+				}
+			}
+			if st := h.Status(); st.Enabled {
+				return fmt.Sprintf("HA().Status: replication on in a dataplane opened without it: %+v", st)
+			}
+			return ""
+		}},
+		"Cleanup": {call: func(e *env, d *Dataplane) (any, error) { return d.Cleanup(context.Background()), nil }, check: func(res any, _ bool) string {
 			if res != nil {
 				return fmt.Sprintf("Cleanup (of what is left): %v", res)
 			}
@@ -494,7 +520,7 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 			if how == "Close" {
 				err = d.Close()
 			} else {
-				err = d.Cleanup()
+				err = d.Cleanup(context.Background())
 			}
 			if err != nil {
 				t.Fatal(err)

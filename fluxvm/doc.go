@@ -3,7 +3,23 @@
 // [OptionsFrom]), restores the catalog of services, and the returned
 // [Dataplane] applies and deletes services ([Dataplane.ApplyService]),
 // runs the conntrack GC, the health checks and the VIP advertisements,
-// and reads statistics and FluxScope flow records.
+// and reads statistics and FluxScope flow records. Flow-state
+// replication (journals, deltas, leases) is behind [Dataplane.HA].
+//
+// # Contexts
+//
+// Every call that does I/O takes a context.Context first. The reports
+// that answer from the dataplane's memory take none: Services, Service,
+// Health, Advertisements, Envoy, Conntrack (a handle), HA().Status, and
+// Status but for its Memory part (a bounded read of the maps' sizes). A
+// context that
+// ended before the call changes anything makes it change nothing and
+// return an error wrapping the context's (errors.Is(err,
+// context.Canceled)); each call checks it on entry and again after every
+// wait for a lock, up to its commit. A call with a point of no return
+// (Open's switch of the attachments, Cleanup's first removal, a lease
+// written, a policy state written) says so in its doc comment and
+// finishes from there whatever the context says.
 //
 // # Tracing
 //

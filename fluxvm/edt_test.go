@@ -240,7 +240,7 @@ func TestEDTApply(t *testing.T) {
 	if st, err = d.Service("edge"); err != nil || st.EDT == nil || *st.EDT != want {
 		t.Errorf("edge EDT status %+v (%v), want %+v", st.EDT, err, want)
 	}
-	stats, err := d.Stats()
+	stats, err := d.Stats(context.Background())
 	if err != nil || stats.EDT["edge"] != want || len(stats.EDT) != 1 {
 		t.Errorf("Stats().EDT %+v (%v), want edge %+v alone", stats.EDT, err, want)
 	}
@@ -370,7 +370,7 @@ func TestEDTApply(t *testing.T) {
 	// restore refuses it, naming the prerequisite.
 	d.Close()
 	e.opts.EDT.Enabled = false
-	if d2, err := Open(e.opts); !errors.Is(err, ErrPrerequisite) || !strings.Contains(err.Error(), "max_egress_mbps") {
+	if d2, err := Open(context.Background(), e.opts); !errors.Is(err, ErrPrerequisite) || !strings.Contains(err.Error(), "max_egress_mbps") {
 		if d2 != nil {
 			d2.Close()
 		}

@@ -61,7 +61,7 @@ func TestDataplaneEDTNorthSouth(t *testing.T) {
 	a, b := dl[0].Bytes(), dl[1].Bytes()
 	time.Sleep(8 * time.Second)
 	got := [2]float64{float64(dl[0].Bytes()-a) * 8 / 8 / 1e6, float64(dl[1].Bytes()-b) * 8 / 8 / 1e6}
-	st, err := d.Stats()
+	st, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -44,7 +44,7 @@ func TestOpenManagesFQ(t *testing.T) {
 
 	t.Run("installed, kept at Close, adopted, removed", func(t *testing.T) {
 		withFQKind(t, "pfifo")
-		d, err := Open(e.opts)
+		d, err := Open(context.Background(), e.opts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -98,7 +98,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		wantRoots("after Close", a, b)
 
 		// The next start adopts it.
-		d, err = Open(e.opts)
+		d, err = Open(context.Background(), e.opts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,24 +114,24 @@ func TestOpenManagesFQ(t *testing.T) {
 		// without edt_manage_fq, from every interface.
 		opts := e.opts
 		opts.EDT.Interfaces = []string{a}
-		if d, err = Open(opts); err != nil {
+		if d, err = Open(context.Background(), opts); err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		wantRoots("b no longer listed", a)
 		opts.EDT.ManageFQ, opts.EDT.Interfaces = false, nil
-		if d, err = Open(opts); err != nil {
+		if d, err = Open(context.Background(), opts); err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		wantRoots("edt_manage_fq off")
 
 		// Cleanup removes it.
-		if d, err = Open(e.opts); err != nil {
+		if d, err = Open(context.Background(), e.opts); err != nil {
 			t.Fatal(err)
 		}
 		wantRoots("installed again", a, b)
-		if err := d.Cleanup(); err != nil {
+		if err := d.Cleanup(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		wantRoots("after Cleanup")
@@ -142,13 +142,13 @@ func TestOpenManagesFQ(t *testing.T) {
 		// An earlier start left ours on a.
 		opts := e.opts
 		opts.EDT.Interfaces = []string{a}
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err != nil {
 			t.Fatal(err)
 		}
 		d.Close()
 		inNode(func() { qdisctest.ConfigureRoot(t, b) })
-		if d, err := Open(e.opts); err == nil {
+		if d, err := Open(context.Background(), e.opts); err == nil {
 			d.Close()
 			t.Fatal("Open succeeded over a configured root qdisc")
 		}
@@ -169,7 +169,7 @@ func TestOpenManagesFQ(t *testing.T) {
 				qdisctest.DeleteRoot(t, b)
 			})
 		})
-		d, err := Open(e.opts)
+		d, err := Open(context.Background(), e.opts)
 		if err == nil {
 			d.Close()
 			t.Fatal("Open succeeded over a configured root qdisc")
@@ -188,7 +188,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		withFQKind(t, "pfifo")
 		opts := e.opts
 		opts.EDT.Interfaces = []string{a, "nope0"}
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err == nil {
 			d.Close()
 			t.Fatal("Open succeeded with a missing EDT interface")
@@ -208,7 +208,7 @@ func TestOpenManagesFQ(t *testing.T) {
 		return
 	}
 	t.Run("no sch_fq fails Open", func(t *testing.T) {
-		_, err := Open(e.opts)
+		_, err := Open(context.Background(), e.opts)
 		if !errors.Is(err, ErrNoFQ) {
 			t.Fatalf("Open: %v, want ErrNoFQ", err)
 		}
@@ -216,7 +216,7 @@ func TestOpenManagesFQ(t *testing.T) {
 	t.Run("no sch_fq with fallback", func(t *testing.T) {
 		opts := e.opts
 		opts.EDT.HorizonFallback = true
-		d, err := Open(opts)
+		d, err := Open(context.Background(), opts)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -68,7 +68,7 @@ func TestFeaturesReloadKeepsFlows(t *testing.T) {
 	}
 	recorded := func(d *Dataplane, client string) bool {
 		t.Helper()
-		recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+		recs, err := d.Flows(context.Background(), flows.MaxLimit, flows.Filter{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -96,7 +96,7 @@ func TestFeaturesReloadKeepsFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, paced); !errors.Is(err, ErrPrerequisite) {
 		t.Errorf("pacing while EDT is not loaded: %v, want ErrPrerequisite", err)
 	}
-	if _, err := d.UpdateLease(HALease{Epoch: 2}); !errors.Is(err, ErrPrerequisite) {
+	if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 2}); !errors.Is(err, ErrPrerequisite) {
 		t.Errorf("a lease while HA is not loaded: %v, want ErrPrerequisite", err)
 	}
 
@@ -165,7 +165,7 @@ func TestFeaturesHAReloadKeepsFlows(t *testing.T) {
 	}
 	emitted := func(d *Dataplane) uint64 {
 		t.Helper()
-		st, err := d.Stats()
+		st, err := d.Stats(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}

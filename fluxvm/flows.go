@@ -1,6 +1,7 @@
 package fluxvm
 
 import (
+	"context"
 	"fmt"
 	"net"
 
@@ -27,9 +28,11 @@ import (
 // once the dataplane is known to be still open: Options.InNamespace is
 // never called once Close began (an embedder may close its namespace
 // handle after Close), and a read that Close overtakes fails with
-// ErrClosed. After Close it fails with ErrClosed.
-func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
-	if err := d.opened("flows"); err != nil {
+// ErrClosed. After Close it fails with ErrClosed. A ctx that ends before
+// the read, or while it reads the ring, fails with an error wrapping
+// ctx's (a read changes nothing; the ring's read is not interrupted).
+func (d *Dataplane) Flows(ctx context.Context, limit int, f flows.Filter) ([]flows.Record, error) {
+	if err := d.begin(ctx, "flows"); err != nil {
 		return nil, err
 	}
 	names, ifnames, ring, seq, err := d.flowSources()
@@ -59,12 +62,18 @@ func (d *Dataplane) Flows(limit int, f flows.Filter) ([]flows.Record, error) {
 			return n
 		},
 	}
+	if err := ctxErr(ctx, "flows"); err != nil {
+		return nil, err
+	}
 	out, err := r.Read(limit, f)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: %w", err)
 	}
 	if closedErr != nil {
 		return nil, closedErr
+	}
+	if err := ctxErr(ctx, "flows"); err != nil {
+		return nil, err
 	}
 	return out, nil
 }

@@ -16,7 +16,7 @@ import (
 // flowOf returns the record of the flow from client, or fails.
 func flowOf(t *testing.T, d *Dataplane, f flows.Filter, client netip.AddrPort) flows.Record {
 	t.Helper()
-	recs, err := d.Flows(flows.MaxLimit, f)
+	recs, err := d.Flows(context.Background(), flows.MaxLimit, f)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,12 +89,12 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 	// Filters: by service, backend, verdict, since.
 	flowOf(t, d, flows.Filter{Service: "web", Backend: backend, Verdict: flows.Forwarded, Since: start.Add(-time.Second)}, client)
 	for _, f := range []flows.Filter{{Service: "other"}, {Verdict: flows.Dropped}, {Since: time.Now().Add(time.Hour)}} {
-		if recs, err := d.Flows(100, f); err != nil || len(recs) != 0 {
+		if recs, err := d.Flows(context.Background(), 100, f); err != nil || len(recs) != 0 {
 			t.Errorf("filter %+v: %d records, %v; want none", f, len(recs), err)
 		}
 	}
 	for _, n := range []int{0, flows.MaxLimit + 1} {
-		if _, err := d.Flows(n, flows.Filter{}); !errors.Is(err, flows.ErrLimit) {
+		if _, err := d.Flows(context.Background(), n, flows.Filter{}); !errors.Is(err, flows.ErrLimit) {
 			t.Errorf("limit %d: %v, want flows.ErrLimit", n, err)
 		}
 	}
@@ -111,7 +111,7 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 		c.Close()
 		t.Fatalf("a service without a ready backend answered (%s)", c.Backend)
 	}
-	recs, err := d.Flows(10, flows.Filter{Service: "dead"})
+	recs, err := d.Flows(context.Background(), 10, flows.Filter{Service: "dead"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +124,7 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 		r.VIP != netip.AddrPortFrom(dead.VIPs[0], 80) || r.Client.Addr() != e.cli.Addr4 || r.Forward.Packets != 0 {
 		t.Errorf("drop record %+v: want dropped, no_backend, no backend, from %s to %s:80", r, e.cli.Addr4, dead.VIPs[0])
 	}
-	if dropped, err := d.Flows(10, flows.Filter{Verdict: flows.Dropped}); err != nil || len(dropped) != len(recs) {
+	if dropped, err := d.Flows(context.Background(), 10, flows.Filter{Verdict: flows.Dropped}); err != nil || len(dropped) != len(recs) {
 		t.Errorf("verdict dropped: %d records, %v; want the %d of dead", len(dropped), err, len(recs))
 	}
 
@@ -136,7 +136,7 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 	go func() {
 		var err error
 		for err == nil {
-			_, err = d.Flows(flows.MaxLimit, flows.Filter{Verdict: flows.Dropped})
+			_, err = d.Flows(context.Background(), flows.MaxLimit, flows.Filter{Verdict: flows.Dropped})
 		}
 		reads <- err
 	}()
@@ -145,7 +145,7 @@ func TestFlowsRecordsLabTraffic(t *testing.T) {
 	if err := <-reads; !errors.Is(err, ErrClosed) {
 		t.Errorf("a read racing Close: %v, want ErrClosed", err)
 	}
-	if _, err := d.Flows(1, flows.Filter{}); !errors.Is(err, ErrClosed) {
+	if _, err := d.Flows(context.Background(), 1, flows.Filter{}); !errors.Is(err, ErrClosed) {
 		t.Errorf("flows after close: %v, want ErrClosed", err)
 	}
 	e.opts.FlowSampleRate = 3
@@ -190,21 +190,21 @@ func TestFlowsOffRecordsNothing(t *testing.T) {
 		c.Close()
 		t.Fatal("a service without a ready backend answered")
 	}
-	st, err := d.Stats()
+	st, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Drops["no_backend"] == 0 {
 		t.Fatalf("no no_backend drop counted: %v", st.Drops)
 	}
-	recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+	recs, err := d.Flows(context.Background(), flows.MaxLimit, flows.Filter{})
 	if err != nil || len(recs) != 0 {
 		t.Errorf("flow_sample_rate 0: %d records, %v; want none: %+v", len(recs), err, recs)
 	}
 }
 
 func TestOpenRefusesFlowSampleRateAboveMax(t *testing.T) {
-	_, err := Open(Options{FlowSampleRate: MaxFlowSampleRate + 1})
+	_, err := Open(context.Background(), Options{FlowSampleRate: MaxFlowSampleRate + 1})
 	var ve *ValidationError
 	if !errors.As(err, &ve) || !errors.Is(err, ErrInvalid) || ve.Field != "FlowSampleRate" {
 		t.Errorf("Open with rate %d: %v, want a validation error of FlowSampleRate", MaxFlowSampleRate+1, err)
@@ -267,7 +267,7 @@ func TestFlowsNoNamespaceAfterClose(t *testing.T) {
 			c.Close()
 		}
 	}
-	recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+	recs, err := d.Flows(context.Background(), flows.MaxLimit, flows.Filter{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -289,7 +289,7 @@ func TestFlowsNoNamespaceAfterClose(t *testing.T) {
 	mu.Lock()
 	armed = true
 	mu.Unlock()
-	recs, err = d.Flows(flows.MaxLimit, flows.Filter{})
+	recs, err = d.Flows(context.Background(), flows.MaxLimit, flows.Filter{})
 	<-closeDone
 	mu.Lock()
 	late := lateCalls
@@ -301,7 +301,7 @@ func TestFlowsNoNamespaceAfterClose(t *testing.T) {
 		t.Errorf("the read Close overtook: %v, want ErrClosed or records", err)
 	}
 	t.Logf("the read Close overtook: %d records, %v", len(recs), err)
-	if _, err := d.Flows(1, flows.Filter{}); !errors.Is(err, ErrClosed) {
+	if _, err := d.Flows(context.Background(), 1, flows.Filter{}); !errors.Is(err, ErrClosed) {
 		t.Errorf("Flows after Close: %v, want ErrClosed", err)
 	}
 }

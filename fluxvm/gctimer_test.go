@@ -44,7 +44,7 @@ func newGCNode(t *testing.T, every time.Duration) *gcNode {
 
 func (n *gcNode) open(t *testing.T) *Dataplane {
 	t.Helper()
-	d, err := Open(n.opts)
+	d, err := Open(context.Background(), n.opts)
 	if err != nil {
 		t.Fatalf("open: %v", err)
 	}
@@ -220,7 +220,7 @@ func TestGCTimerCountsFromLastGC(t *testing.T) {
 	if timer.Expired != 1 || n.present(t, k) {
 		t.Errorf("the timer's GC %+v: want the expired flow removed", timer)
 	}
-	p, err := d.Pressure()
+	p, err := d.Pressure(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -76,7 +76,7 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	var j *ha.Journal
 	if d.ha != nil {
 		var err error
-		if _, j, err = d.sourceJournal("export flows of", service); err != nil {
+		if _, j, err = d.sourceJournal(ctx, "export flows of", service); err != nil {
 			return ha.ExportResult{}, err
 		}
 	}

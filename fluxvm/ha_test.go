@@ -35,7 +35,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, svc); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta("web", "", 0, 0); err != nil || !delta.ResetRequired {
+	if delta, err := d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{}); err != nil || !delta.ResetRequired {
 		t.Fatalf("delta for a standby with no state: %+v, %v; want reset_required", delta, err)
 	}
 	var conns []*lab.Conn
@@ -59,7 +59,7 @@ func TestExportImportFlows(t *testing.T) {
 	if err != nil || exp.Flows < uint64(len(conns)) {
 		t.Fatalf("export: %+v, %v; want at least %d flows", exp, err, len(conns))
 	}
-	st := d.HAStatus()
+	st := d.HA().Status()
 	// East-west flows queue nothing: the journal is there, empty.
 	if !st.Enabled || st.Epoch != 3 || st.Journals["web"].Journal == "" || st.Queue.Read != 0 {
 		t.Fatalf("status after the export: %+v; want epoch 3, a journal, nothing queued", st)
@@ -88,7 +88,7 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ImportFlows(ctx, "nosuch", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ErrNotFound) {
 		t.Errorf("import into a service that does not exist: %v", err)
 	}
-	if _, err := d.UpdateLease(HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
+	if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 2}); !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("lease older than the edge's: %v, want ErrStaleEpoch", err)
 	}
 	// The same flows from a source without a lease (epoch 0, no
@@ -126,7 +126,7 @@ func TestExportImportFlows(t *testing.T) {
 	if err != nil || res.Written != exp.Flows || res.Header.Epoch != 3 {
 		t.Fatalf("import: %+v, %v; want %d flows written", res, err, exp.Flows)
 	}
-	cur := d.HAStatus().Cursors["web"]
+	cur := d.HA().Status().Cursors["web"]
 	if cur.Journal != res.Header.Journal || cur.Seq != res.Header.Seq || cur.Epoch != 3 || cur.Journal == "" {
 		t.Fatalf("cursor after the import %+v, want the snapshot's checkpoint %s/%d", cur, res.Header.Journal, res.Header.Seq)
 	}
@@ -151,7 +151,7 @@ func TestExportImportFlows(t *testing.T) {
 	var delta ha.Delta
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		delta, err = d.FlowDelta("web", cur.Journal, cur.Seq, 0)
+		delta, err = d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -167,17 +167,17 @@ func TestExportImportFlows(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	dr, err := d.ImportFlowDelta(ctx, "web", delta)
+	dr, err := d.HA().ImportFlowDelta(ctx, "web", delta)
 	if err != nil || dr.Cursor.Seq != delta.To || dr.Applied.Written < 3 {
 		t.Fatalf("delta import: %+v, %v; want the cursor at %d and the late flows written", dr, err, delta.To)
 	}
-	if _, err := d.ImportFlowDelta(ctx, "web", delta); !errors.Is(err, ha.ErrGap) {
+	if _, err := d.HA().ImportFlowDelta(ctx, "web", delta); !errors.Is(err, ha.ErrGap) {
 		t.Errorf("the same delta again: %v, want ErrGap", err)
 	}
-	if js, err := d.AckFlowDelta("web", delta.To); err != nil || js.Acked != delta.To || js.Batches != 0 {
+	if js, err := d.HA().AckFlowDelta(context.Background(), "web", delta.To); err != nil || js.Acked != delta.To || js.Batches != 0 {
 		t.Errorf("ack %d: %+v, %v; want the history trimmed", delta.To, js, err)
 	}
-	if _, err := d.AckFlowDelta("web", delta.To+100); !errors.Is(err, ha.ErrCursorAhead) {
+	if _, err := d.HA().AckFlowDelta(context.Background(), "web", delta.To+100); !errors.Is(err, ha.ErrCursorAhead) {
 		t.Errorf("ack past the journal: %v, want ErrCursorAhead", err)
 	}
 
@@ -192,16 +192,16 @@ func TestExportImportFlows(t *testing.T) {
 	if _, err := d.ApplyService(ctx, s1); err != nil {
 		t.Fatal(err)
 	}
-	gcDeletes := d.HAStatus().GCDeletes
+	gcDeletes := d.HA().Status().GCDeletes
 	if r, err := d.GC(ctx); err != nil || r.BackendGone < len(late) {
 		t.Fatalf("GC after the backend went: %+v, %v", r, err)
 	}
-	if n := d.HAStatus().GCDeletes - gcDeletes; n != uint64(len(late)) {
+	if n := d.HA().Status().GCDeletes - gcDeletes; n != uint64(len(late)) {
 		t.Errorf("GC journaled %d deletes, want the %d north-south flows of the backend gone", n, len(late))
 	}
 	deleted := 0
 	for deadline := time.Now().Add(5 * time.Second); deleted < len(late) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		dd, err := d.FlowDelta("web", delta.Journal, delta.To, 0)
+		dd, err := d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: delta.Journal, Seq: delta.To})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -226,7 +226,7 @@ func TestExportImportFlows(t *testing.T) {
 	go func() {
 		defer close(leased)
 		pw.Write(snap.Bytes()[:cut])
-		if _, err := d.UpdateLease(HALease{Epoch: 4}); err != nil {
+		if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 4}); err != nil {
 			t.Errorf("lease 4 under an import: %v", err)
 		}
 		pw.Write(snap.Bytes()[cut:])
@@ -238,12 +238,12 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	pr.Close()
 	<-leased
-	if st := d.HAStatus(); st.Epoch != 4 || len(st.Cursors) != 0 {
+	if st := d.HA().Status(); st.Epoch != 4 || len(st.Cursors) != 0 {
 		t.Errorf("after the cancelled import: epoch %d, cursors %+v", st.Epoch, st.Cursors)
 	}
 
 	// A newer lease: the edge's own epoch is the floor of what it takes.
-	if st, err := d.UpdateLease(HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
+	if st, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 5}); err != nil || st.Epoch != 5 {
 		t.Fatalf("lease 5: %+v, %v", st, err)
 	}
 	if _, err := d.ImportFlows(ctx, "web", bytes.NewReader(snap.Bytes()), false); !errors.Is(err, ha.ErrStaleEpoch) {
@@ -251,19 +251,19 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	// A delta of the old active (epoch 3), still up and partitioned, is
 	// refused as well; the takeover forgot the edge's cursors.
-	if st := d.HAStatus(); len(st.Cursors) != 0 {
+	if st := d.HA().Status(); len(st.Cursors) != 0 {
 		t.Errorf("cursors after the lease advanced: %+v", st.Cursors)
 	}
 	old := ha.Delta{Service: "web", Journal: delta.Journal, Epoch: 3, From: delta.To, To: delta.To + 1,
 		Batches: []ha.Batch{{Seq: delta.To + 1, Epoch: 3, Ops: []ha.Op{{Kind: ha.OpDelete, Key: conntrack.Key{Client: netip.MustParseAddrPort("10.250.0.2:1000"), VIP: netip.AddrPortFrom(vip4, 80), Proto: 6}}}}}}
-	if _, err := d.ImportFlowDelta(ctx, "web", old); !errors.Is(err, ha.ErrStaleEpoch) {
+	if _, err := d.HA().ImportFlowDelta(ctx, "web", old); !errors.Is(err, ha.ErrStaleEpoch) {
 		t.Errorf("delta of epoch 3 at lease 5: %v, want ErrStaleEpoch", err)
 	}
 	// Superseded: nothing is served.
-	if st, err := d.UpdateLease(HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
+	if st, err := d.HA().UpdateLease(context.Background(), HALease{SupersededBy: 7}); err != nil || st.SupersededBy != 7 {
 		t.Fatalf("superseded by 7: %+v, %v", st, err)
 	}
-	if _, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); !errors.Is(err, ha.ErrFenced) {
+	if _, err := d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq}); !errors.Is(err, ha.ErrFenced) {
 		t.Errorf("delta of a superseded edge: %v, want ErrFenced", err)
 	}
 	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
@@ -274,7 +274,7 @@ func TestExportImportFlows(t *testing.T) {
 		t.Fatal(err)
 	}
 	d = e.open(t)
-	if st := d.HAStatus(); st.Epoch != 5 || st.SupersededBy != 7 || len(st.Cursors) != 0 {
+	if st := d.HA().Status(); st.Epoch != 5 || st.SupersededBy != 7 || len(st.Cursors) != 0 {
 		t.Errorf("after a restart: %+v; want lease 5 superseded by 7, no cursor", st)
 	}
 	if _, err := d.ExportFlows(ctx, "web", io.Discard); !errors.Is(err, ha.ErrFenced) {
@@ -282,10 +282,10 @@ func TestExportImportFlows(t *testing.T) {
 	}
 	// Taking over: a lease past the one that fenced the edge serves again,
 	// a new journal incarnation.
-	if _, err := d.UpdateLease(HALease{Epoch: 8}); err != nil {
+	if _, err := d.HA().UpdateLease(context.Background(), HALease{Epoch: 8}); err != nil {
 		t.Fatal(err)
 	}
-	if delta, err := d.FlowDelta("web", cur.Journal, cur.Seq, 0); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
+	if delta, err := d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: cur.Journal, Seq: cur.Seq}); err != nil || !delta.ResetRequired || delta.Epoch != 8 {
 		t.Errorf("delta after the takeover: %+v, %v; want reset_required at epoch 8", delta, err)
 	}
 }
@@ -304,7 +304,7 @@ func TestHAOptions(t *testing.T) {
 		{HAOptions{Epoch: 1, JournalMaxOps: -1}, []string{"uplink"}, ErrInvalid},
 		{HAOptions{Epoch: 1, JournalMaxOps: MaxHAJournalOps + 1}, []string{"uplink"}, ErrInvalid},
 	} {
-		if _, err := Open(Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
+		if _, err := Open(context.Background(), Options{HA: tc.ha, NorthSouth: NorthSouth{Interfaces: tc.ns}}); !errors.Is(err, tc.want) {
 			t.Errorf("Open with %+v: %v, want %v", tc.ha, err, tc.want)
 		}
 	}
@@ -314,10 +314,10 @@ func TestHAOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	var ve *ValidationError
-	if _, err := d.FlowDelta("web", "", 0, 0); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
+	if _, err := d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{}); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
 		t.Errorf("delta with HA off: %v, want ErrPrerequisite naming ha_epoch", err)
 	}
-	if st := d.HAStatus(); st.Enabled {
+	if st := d.HA().Status(); st.Enabled {
 		t.Errorf("status with HA off: %+v", st)
 	}
 	// Snapshots need the north-south edge, which this node lacks: refused
@@ -387,17 +387,17 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 	}
 	// What needs the journal says so, naming ha_epoch.
 	for name, call := range map[string]func() error{
-		"delta":        func() error { _, err := a.FlowDelta("web", "", 0, 0); return err },
-		"ack":          func() error { _, err := a.AckFlowDelta("web", 1); return err },
-		"delta import": func() error { _, err := a.ImportFlowDelta(ctx, "web", ha.Delta{Service: "web"}); return err },
-		"lease":        func() error { _, err := a.UpdateLease(HALease{Epoch: 1}); return err },
+		"delta":        func() error { _, err := a.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{}); return err },
+		"ack":          func() error { _, err := a.HA().AckFlowDelta(context.Background(), "web", 1); return err },
+		"delta import": func() error { _, err := a.HA().ImportFlowDelta(ctx, "web", ha.Delta{Service: "web"}); return err },
+		"lease":        func() error { _, err := a.HA().UpdateLease(context.Background(), HALease{Epoch: 1}); return err },
 	} {
 		var ve *ValidationError
 		if err := call(); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_epoch" {
 			t.Errorf("%s without HA: %v; want ErrPrerequisite naming ha_epoch", name, err)
 		}
 	}
-	if err := a.Cleanup(); err != nil {
+	if err := a.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 
@@ -422,7 +422,7 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 	if err != nil || res.Written != exp.Flows || res.Header.Epoch != 0 || res.NoBackend != 0 || res.ForeignSNAT != 0 {
 		t.Fatalf("import without HA: %+v, %v; want the %d flows written", res, err, exp.Flows)
 	}
-	if st := b.HAStatus(); st.Enabled || len(st.Cursors) != 0 {
+	if st := b.HA().Status(); st.Enabled || len(st.Cursors) != 0 {
 		t.Errorf("status after an import without HA: %+v; want off, no cursor", st)
 	}
 	snat := 0
@@ -456,7 +456,7 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 	if r, err := b.ImportFlows(ctx, "web", &leased, false); err != nil || r.Header.Epoch != 9 {
 		t.Errorf("a leased edge's snapshot into an edge without a lease: %+v, %v", r, err)
 	}
-	if st := b.HAStatus(); len(st.Cursors) != 0 {
+	if st := b.HA().Status(); len(st.Cursors) != 0 {
 		t.Errorf("cursors after it: %+v", st.Cursors)
 	}
 }

@@ -385,21 +385,40 @@ func (h *haSync) floor(service string) ha.Epoch {
 	return max(h.cursors[service].Epoch, h.epoch, h.pending)
 }
 
+// FlowDeltaRequest is what a standby asks FlowDelta for: the batches of
+// a service's journal after its cursor. The zero value asks for the whole
+// journal of a standby with no state yet (the answer says
+// ResetRequired: it loads a snapshot first).
+type FlowDeltaRequest struct {
+	// Journal is the journal incarnation the standby's cursor follows
+	// (ha.Cursor.Journal; "" when it follows none yet).
+	Journal string
+	// Seq is the last batch of that journal the standby applied
+	// (ha.Cursor.Seq; 0: none).
+	Seq uint64
+	// MaxOps bounds the ops of the answer, which holds at least one
+	// batch all the same; 0 or less: no bound.
+	MaxOps int
+}
+
 // FlowDelta returns the batches of service's journal after the cursor
-// (journal, seq) a standby holds, at most maxOps ops but at least one
-// batch (ha.Journal.Since): or ResetRequired when the journal cannot
-// continue it (another incarnation, none yet, or history acked or dropped
-// since), and the standby loads a snapshot (ExportFlows). A superseded
-// edge serves nothing (ha.ErrFenced).
-func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
-	if err := d.opened("flow delta"); err != nil {
+// (req.Journal, req.Seq) a standby holds, at most req.MaxOps ops but at
+// least one batch (ha.Journal.Since): or ResetRequired when the journal
+// cannot continue it (another incarnation, none yet, or history acked or
+// dropped since), and the standby loads a snapshot (ExportFlows). A
+// superseded edge serves nothing (ha.ErrFenced). A ctx that ended before
+// the read fails with an error wrapping ctx's, and no journal is made for
+// the service.
+func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
+	d := r.d
+	if err := d.begin(ctx, "flow delta"); err != nil {
 		return ha.Delta{}, err
 	}
-	_, j, err := d.sourceJournal("flow delta of", service)
+	_, j, err := d.sourceJournal(ctx, "flow delta of", service)
 	if err != nil {
 		return ha.Delta{}, err
 	}
-	delta, err := j.Since(seq, journal, maxOps)
+	delta, err := j.Since(req.Seq, req.Journal, req.MaxOps)
 	if err != nil {
 		return ha.Delta{}, fmt.Errorf("fluxvm: flow delta of %s: %w", service, err)
 	}
@@ -408,14 +427,19 @@ func (d *Dataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (
 
 // AckFlowDelta trims service's journal up to seq: the control plane
 // passes the minimum cursor its standbys replicated. An ack past the last
-// sealed batch wraps ha.ErrCursorAhead.
-func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
-	if err := d.opened("ack flow delta"); err != nil {
+// sealed batch wraps ha.ErrCursorAhead. A ctx that ended before the trim
+// fails with an error wrapping ctx's and trims nothing.
+func (r HA) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
+	d := r.d
+	if err := d.begin(ctx, "ack flow delta"); err != nil {
 		return ha.JournalStats{}, err
 	}
-	_, j, err := d.sourceJournal("ack flow delta of", service)
+	_, j, err := d.sourceJournal(ctx, "ack flow delta of", service)
 	if err != nil {
 		return ha.JournalStats{}, err
+	}
+	if err := ctxErr(ctx, "ack flow delta of "+service); err != nil {
+		return j.Stats(), err
 	}
 	if err := j.Ack(seq); err != nil {
 		return j.Stats(), fmt.Errorf("fluxvm: ack flow delta of %s: %w", service, err)
@@ -425,7 +449,7 @@ func (d *Dataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, e
 
 // sourceJournal is service's journal on this edge (created when the
 // service has none yet).
-func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, error) {
+func (d *Dataplane) sourceJournal(ctx context.Context, what, service string) (*haSync, *ha.Journal, error) {
 	h, err := d.haOn(what + " " + service)
 	if err != nil {
 		return nil, nil, err
@@ -438,6 +462,10 @@ func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, e
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	// Cancelled while it waited for the locks: no journal is made.
+	if err := ctxErr(ctx, what+" "+service); err != nil {
+		return nil, nil, err
+	}
 	j, err := h.journal(service)
 	if err != nil {
 		return nil, nil, fmt.Errorf("fluxvm: %s %s: %w", what, service, err)
@@ -450,9 +478,14 @@ func (d *Dataplane) sourceJournal(what, service string) (*haSync, *ha.Journal, e
 // continues this edge's cursor: an error wrapping ha.ErrStaleEpoch (data
 // of an epoch older than the newest this edge accepted or its own
 // lease), ha.ErrResetRequired (load a snapshot: ImportFlows) or ha.ErrGap
-// changes nothing. Deltas are applied one at a time.
-func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
-	if err := d.opened("import flow delta"); err != nil {
+// changes nothing. Deltas are applied one at a time. A ctx that ended
+// before the delta is applied (on entry, or while the call waited for
+// another import) applies nothing, moves no cursor and fails with an
+// error wrapping ctx's; one that ends while the batches are applied stops
+// the apply at its next op (ha.Apply), keeping the cursor where it was.
+func (r HA) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
+	d := r.d
+	if err := d.begin(ctx, "import flow delta"); err != nil {
 		return HADeltaResult{}, err
 	}
 	h, err := d.haOn("import flow delta of " + service)
@@ -473,6 +506,10 @@ func (d *Dataplane) ImportFlowDelta(ctx context.Context, service string, delta h
 	}
 	ctx, end := h.beginImport(ctx)
 	defer end()
+	// Cancelled while it waited for another import: nothing applied.
+	if err := ctxErr(ctx, "import flow delta of "+service); err != nil {
+		return HADeltaResult{}, err
+	}
 	h.mu.Lock()
 	c := h.cursors[service]
 	check := c
@@ -553,8 +590,16 @@ func (d *Dataplane) haBegin(ctx context.Context, what string) (context.Context, 
 // batch, before a snapshot-diff's deletes, and moves no cursor) and
 // forgets the edge's cursors: as the active, it applies nobody's
 // journal, and should it be a standby again it resyncs from a snapshot.
-func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
-	if err := d.opened("update lease"); err != nil {
+//
+// A ctx that ended before the update takes effect (on entry, or while
+// the call waited for another lease update) changes nothing and fails
+// with an error wrapping ctx's. Past that point (the import under way
+// cancelled, the lease file written) the call finishes, whatever ctx
+// says: a lease half recorded would leave the edge's epoch and its
+// journals disagreeing.
+func (r HA) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
+	d := r.d
+	if err := d.begin(ctx, "update lease"); err != nil {
 		return HAStatus{}, err
 	}
 	h, err := d.haOn("update lease")
@@ -566,6 +611,10 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	}
 	h.leaseMu.Lock()
 	defer h.leaseMu.Unlock()
+	// Cancelled while it waited for another update: nothing changed.
+	if err := ctxErr(ctx, "update lease"); err != nil {
+		return HAStatus{}, err
+	}
 	h.mu.Lock()
 	prevEpoch, prevFenced := h.epoch, h.fencedBy
 	if l.Epoch != 0 && l.Epoch < prevEpoch {
@@ -591,7 +640,7 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	}
 	h.mu.Unlock()
 	if epoch == prevEpoch && fenced == prevFenced {
-		return d.HAStatus(), nil
+		return r.Status(), nil
 	}
 	if err := h.saveLease(leaseFile{Epoch: epoch, SupersededBy: fenced}, d.log); err != nil {
 		h.mu.Lock()
@@ -617,11 +666,14 @@ func (d *Dataplane) UpdateLease(l HALease) (HAStatus, error) {
 	}
 	h.mu.Unlock()
 	d.log.Info("fluxvm: HA lease updated", "epoch", epoch, "previous_epoch", prevEpoch, "superseded_by", fenced)
-	return d.HAStatus(), nil
+	return r.Status(), nil
 }
 
-// HAStatus reports flow-state replication.
-func (d *Dataplane) HAStatus() HAStatus {
+// Status reports flow-state replication (Enabled false when it is off,
+// and the zero HAStatus on a Dataplane Open did not make). It reads no
+// kernel state and takes no context.
+func (r HA) Status() HAStatus {
+	d := r.d
 	if d.unopened() {
 		return HAStatus{}
 	}

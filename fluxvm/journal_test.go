@@ -40,7 +40,7 @@ func TestDataplaneCatalogSurvivesCrash(t *testing.T) {
 	path := filepath.Join(dir, "catalog.json")
 	open := func(catalog string) *Dataplane {
 		t.Helper()
-		d, err := Open(Options{
+		d, err := Open(context.Background(), Options{
 			Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 			CatalogPath:         catalog,
 			ConntrackGCInterval: -1,

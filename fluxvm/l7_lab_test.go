@@ -198,11 +198,11 @@ func TestL7EnforceLab(t *testing.T) {
 	for _, vm := range l.VMs {
 		ifs = append(ifs, VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name})
 	}
-	d, err := Open(Options{
+	d, err := Open(context.Background(), Options{
 		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
 		ConntrackGCInterval: -1,
-		Interfaces:          ifs,
+		VMEdgeInterfaces:    ifs,
 		InNamespace:         l.Node.Do,
 		FlowSampleRate:      1,
 	})
@@ -241,7 +241,7 @@ func TestL7EnforceLab(t *testing.T) {
 	c := httpClient(cli, 3*time.Second)
 	counters := func() PolicyCounters {
 		t.Helper()
-		st, err := d.Policies()
+		st, err := d.Policies(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -313,7 +313,7 @@ func TestL7EnforceLab(t *testing.T) {
 	if n := c1.L7Redirected - c0.L7Redirected; n != uint64(conns) {
 		t.Errorf("l7_redirected +%d for %d client connections", n, conns)
 	}
-	if p, err := d.Policy("web"); err != nil || p.Counters.L7Redirected != uint64(conns) || p.Counters.Denied == 0 {
+	if p, err := d.Policy(context.Background(), "web"); err != nil || p.Counters.L7Redirected != uint64(conns) || p.Counters.Denied == 0 {
 		t.Errorf("the service's policy counters %+v (%v): want %d redirected and the denied identity's SYNs", p.Counters, err, conns)
 	}
 	if c1.L7Bypass == c0.L7Bypass {
@@ -332,7 +332,7 @@ func TestL7EnforceLab(t *testing.T) {
 		t.Errorf("backends served %d requests, the client got %d answers", total, served)
 	}
 	// FluxScope records the client's flows as redirected.
-	recs, err := d.Flows(4096, flows.Filter{Service: "web", Verdict: flows.Redirected})
+	recs, err := d.Flows(context.Background(), 4096, flows.Filter{Service: "web", Verdict: flows.Redirected})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -372,7 +372,7 @@ func TestL7EnforceLab(t *testing.T) {
 func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	e := newEnv(t)
 	px := e.lab.AddVMForTest(t, 9)
-	e.opts.Interfaces = append(e.opts.Interfaces, VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
+	e.opts.VMEdgeInterfaces = append(e.opts.VMEdgeInterfaces, VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
 	d := e.open(t)
 	ctx := context.Background()
 	svc := e.service(1, 1, 1)
@@ -391,7 +391,7 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	}
 	proxyIndex := func(d *Dataplane) uint32 {
 		t.Helper()
-		p, err := d.Policy("web")
+		p, err := d.Policy(context.Background(), "web")
 		if err != nil || p.ProxyIfindex == nil {
 			t.Fatalf("policy %+v, %v: want a proxy index", p, err)
 		}
@@ -414,7 +414,7 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	if err := nl.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "pxsame"}}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.AddInterface(VMEdgeInterface{Name: "pxsame", VMID: "same"}); err != nil {
+	if _, err := d.AddInterface(context.Background(), VMEdgeInterface{Name: "pxsame", VMID: "same"}); err != nil {
 		t.Fatal(err)
 	}
 	bad := web
@@ -469,7 +469,7 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 	// A restart without it: the policy is kept, failing closed, and
 	// policy changes go on.
 	d.Close()
-	e.opts.Interfaces = e.opts.Interfaces[:len(e.opts.Interfaces)-1]
+	e.opts.VMEdgeInterfaces = e.opts.VMEdgeInterfaces[:len(e.opts.VMEdgeInterfaces)-1]
 	d = e.open(t)
 	if got := proxyIndex(d); got != 0 {
 		t.Errorf("proxy index %d after a restart without the interface, want 0", got)
@@ -478,14 +478,14 @@ func TestL7ProxyInterfaceLifecycle(t *testing.T) {
 		t.Fatalf("an ipcache change after the restart: %v", err)
 	}
 	// The new veth attached: the policy names it; detached, no more.
-	st, err := d.AddInterface(VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
+	st, err := d.AddInterface(context.Background(), VMEdgeInterface{Name: px.NodeIf, VMID: px.Name})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := proxyIndex(d); got != uint32(st.Index) || st.Index == px.NodeIfIndex {
 		t.Errorf("proxy index %d after the new veth was attached (index %d, the old one %d)", got, st.Index, px.NodeIfIndex)
 	}
-	if err := d.RemoveInterface(px.NodeIf); err != nil {
+	if err := d.RemoveInterface(context.Background(), px.NodeIf); err != nil {
 		t.Fatal(err)
 	}
 	if got := proxyIndex(d); got != 0 {

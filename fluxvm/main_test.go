@@ -1,6 +1,7 @@
 package fluxvm
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -42,10 +43,10 @@ func childMain(job string) int {
 	}
 	switch j.Do {
 	case "cleanup":
-		err := Cleanup(CleanupOptions{PinRoot: j.PinRoot, CatalogPath: j.CatalogPath, AdvertisementsPath: j.Advertisements})
+		err := Cleanup(context.Background(), CleanupOptions{PinRoot: j.PinRoot, CatalogPath: j.CatalogPath, AdvertisementsPath: j.Advertisements})
 		fmt.Printf("cleanup: %v\n", err)
 	case "open":
-		d, err := Open(Options{Loader: j.Loader, ConntrackGCInterval: -1, Logger: slog.New(slog.NewTextHandler(os.Stdout, nil))})
+		d, err := Open(context.Background(), Options{Loader: j.Loader, ConntrackGCInterval: -1, Logger: slog.New(slog.NewTextHandler(os.Stdout, nil))})
 		if err != nil {
 			fmt.Printf("open: %v\n", err)
 			return 0

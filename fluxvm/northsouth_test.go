@@ -290,28 +290,28 @@ func TestDataplaneNorthSouth(t *testing.T) {
 
 	// Interfaces: adding again is idempotent, names are checked, the two
 	// kinds do not mix, and RemoveInterface detaches either kind.
-	if st, err := d.AddNorthSouthInterface(nsUplink); err != nil || st.Kind != InterfaceNorthSouth || len(st.Hooks) != 2 {
+	if st, err := d.AddNorthSouthInterface(context.Background(), nsUplink); err != nil || st.Kind != InterfaceNorthSouth || len(st.Hooks) != 2 {
 		t.Errorf("adding the uplink again: %+v %v", st, err)
 	}
 	if got := e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress); len(got) != 1 {
 		t.Errorf("uplink ingress after a second add: %v", got)
 	}
-	if _, err := d.AddNorthSouthInterface(e.cli.NodeIf); !errors.Is(err, ErrConflict) {
+	if _, err := d.AddNorthSouthInterface(context.Background(), e.cli.NodeIf); !errors.Is(err, ErrConflict) {
 		t.Errorf("a VM edge as north-south interface: %v", err)
 	}
-	if _, err := d.AddInterface(VMEdgeInterface{Name: nsUplink, VMID: "x"}); !errors.Is(err, ErrConflict) {
+	if _, err := d.AddInterface(context.Background(), VMEdgeInterface{Name: nsUplink, VMID: "x"}); !errors.Is(err, ErrConflict) {
 		t.Errorf("the uplink as VM edge: %v", err)
 	}
-	if _, err := d.AddNorthSouthInterface("bad/name"); !errors.Is(err, ErrInvalid) || !containsField(err, "name") {
+	if _, err := d.AddNorthSouthInterface(context.Background(), "bad/name"); !errors.Is(err, ErrInvalid) || !containsField(err, "name") {
 		t.Errorf("invalid name: %v", err)
 	}
-	if _, err := d.AddNorthSouthInterface("nosuch0"); err == nil {
+	if _, err := d.AddNorthSouthInterface(context.Background(), "nosuch0"); err == nil {
 		t.Error("attached to an interface that does not exist")
 	}
-	if _, err := d.VMStats(""); !errors.Is(err, ErrNotFound) {
+	if _, err := d.VMStats(context.Background(), ""); !errors.Is(err, ErrNotFound) {
 		t.Errorf("VMStats of the empty VM id (north-south interfaces have none): %v", err)
 	}
-	if err := d.RemoveInterface(nsUplink); err != nil {
+	if err := d.RemoveInterface(context.Background(), nsUplink); err != nil {
 		t.Fatal(err)
 	}
 	if got := e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress); len(got) != 0 {
@@ -325,7 +325,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 			t.Errorf("removed uplink still in status: %+v", ifc)
 		}
 	}
-	if _, err := d.AddNorthSouthInterface(nsUplink); err != nil {
+	if _, err := d.AddNorthSouthInterface(context.Background(), nsUplink); err != nil {
 		t.Fatal(err)
 	}
 
@@ -347,7 +347,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 	}
 
 	// Cleanup detaches both kinds.
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	for _, ifc := range []string{nsUplink, e.cli.NodeIf} {
@@ -417,7 +417,7 @@ func TestDataplaneNorthSouthNAT(t *testing.T) {
 	if snats == 0 {
 		t.Error("no IPv4 SNAT mapping in fluxvm_nat4")
 	}
-	stats, err := d.Stats()
+	stats, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -69,8 +69,8 @@ func ourPrograms(t *testing.T, l *lab.Lab, vm *lab.VM) []string {
 // same.
 func TestOpenFailsOnMissingInterface(t *testing.T) {
 	e := newEnv(t)
-	e.opts.Interfaces = []VMEdgeInterface{{Name: "nope0", VMID: "vm-nope"}}
-	_, err := Open(e.opts)
+	e.opts.VMEdgeInterfaces = []VMEdgeInterface{{Name: "nope0", VMID: "vm-nope"}}
+	_, err := Open(context.Background(), e.opts)
 	if !errors.Is(err, ErrNotFound) || !errors.Is(err, bpf.ErrNoInterface) || !strings.Contains(err.Error(), `interface "nope0"`) {
 		t.Fatalf("Open with a missing interface: %v; want an error naming \"nope0\" and matching ErrNotFound and bpf.ErrNoInterface", err)
 	}
@@ -78,13 +78,13 @@ func TestOpenFailsOnMissingInterface(t *testing.T) {
 		t.Errorf("Open with a missing interface: %v: Go's struct syntax or the net package's wording", err)
 	}
 
-	e.opts.Interfaces = nil
+	e.opts.VMEdgeInterfaces = nil
 	d := e.open(t)
-	_, err = d.AddInterface(VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
+	_, err = d.AddInterface(context.Background(), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
 	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), `interface "nope0"`) {
 		t.Errorf("AddInterface(nope0): %v; want ErrNotFound naming it", err)
 	}
-	_, err = d.AddNorthSouthInterface("nope1")
+	_, err = d.AddNorthSouthInterface(context.Background(), "nope1")
 	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), `interface "nope1"`) {
 		t.Errorf("AddNorthSouthInterface(nope1): %v; want ErrNotFound naming it", err)
 	}
@@ -117,9 +117,9 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 				foreignEgressFilter(t, e, e.backends[1])
 				second = VMEdgeInterface{Name: e.backends[1].NodeIf, VMID: e.backends[1].Name}
 			}
-			e.opts.Interfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, second}
+			e.opts.VMEdgeInterfaces = []VMEdgeInterface{{Name: vm.NodeIf, VMID: vm.Name}, second}
 			before := testenv.BPFHandles(t)
-			d, err := Open(e.opts)
+			d, err := Open(context.Background(), e.opts)
 			if err == nil {
 				d.Close()
 				t.Fatal("Open succeeded with a second interface that cannot be attached")
@@ -151,9 +151,9 @@ func TestOpenRollsBackFirstStart(t *testing.T) {
 			}
 			// Nothing left in the way: the same options, without the
 			// second interface, open.
-			e.opts.Interfaces = e.opts.Interfaces[:1]
+			e.opts.VMEdgeInterfaces = e.opts.VMEdgeInterfaces[:1]
 			d = e.open(t)
-			if err := d.Cleanup(); err != nil {
+			if err := d.Cleanup(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -227,10 +227,10 @@ func TestOpenRollbackKeepsEarlierStart(t *testing.T) {
 	}
 
 	opts := e.opts
-	opts.Interfaces = append(slices.Clone(e.opts.Interfaces),
+	opts.VMEdgeInterfaces = append(slices.Clone(e.opts.VMEdgeInterfaces),
 		VMEdgeInterface{Name: extra.NodeIf, VMID: extra.Name}, VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
 	before := testenv.BPFHandles(t)
-	if d2, err := Open(opts); err == nil {
+	if d2, err := Open(context.Background(), opts); err == nil {
 		d2.Close()
 		t.Fatal("Open succeeded with a missing interface")
 	} else if !errors.Is(err, ErrNotFound) {
@@ -286,8 +286,8 @@ func TestOpenRollbackRestoresSettings(t *testing.T) {
 	opts.Timeouts.TCPEstablished += time.Hour
 	opts.FlowSampleRate = 7
 	opts.NorthSouth.SNATPortMin, opts.NorthSouth.SNATPortMax = 40000, 41000
-	opts.Interfaces = append(slices.Clone(e.opts.Interfaces), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
-	if d2, err := Open(opts); err == nil {
+	opts.VMEdgeInterfaces = append(slices.Clone(e.opts.VMEdgeInterfaces), VMEdgeInterface{Name: "nope0", VMID: "vm-nope"})
+	if d2, err := Open(context.Background(), opts); err == nil {
 		d2.Close()
 		t.Fatal("Open succeeded with a missing interface")
 	} else if !errors.Is(err, ErrNotFound) {

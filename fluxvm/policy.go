@@ -450,9 +450,18 @@ func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
 // changePolicies compiles the state edit makes of the current one and
 // applies it. The proxy interfaces of the policies of services named, and
 // of those the edit adds or alters, must resolve (strictProxies).
+//
+// A ctx that ends before the new state is written into the datapath (on
+// entry, or while the change waits for another, for the dataplane's lock
+// or for the locks of the services it touches) changes nothing and fails
+// with an error wrapping ctx's; from the write on, the change finishes,
+// catalog included.
 func (d *Dataplane) changePolicies(ctx context.Context, what string, named []string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
 	_, span := d.startSpan(ctx, SpanReconcilePolicies)
 	defer endSpan(span, &err)
+	if err := ctxErr(ctx, what); err != nil {
+		return PoliciesStatus{}, err
+	}
 	// One change at a time; and the services whose policy it may change
 	// are locked as their applies lock them, so that no apply is between
 	// its check of the policy (ApplyService) and its commit meanwhile.
@@ -460,6 +469,10 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 	defer d.pol.mu.Unlock()
 	d.mu.Lock()
 	if err := d.checkOpen(what); err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, err
+	}
+	if err := ctxErr(ctx, what); err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, err
 	}
@@ -494,6 +507,11 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 	if err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
+	}
+	// The last moment a cancelled change leaves everything as it was.
+	if err := ctxErr(ctx, what); err != nil {
+		d.mu.Unlock()
+		return PoliciesStatus{}, err
 	}
 	old := d.pol.prog
 	if err := d.writePolicies(prog); err != nil {
@@ -595,9 +613,11 @@ func (d *Dataplane) writePolicies(prog *policy.Program) (err error) {
 	return d.pol.w.Prune(prog, func(sid uint32) bool { return keep[sid] })
 }
 
-// Policies reports the node's identity policy state.
-func (d *Dataplane) Policies() (PoliciesStatus, error) {
-	if err := d.opened("policies"); err != nil {
+// Policies reports the node's identity policy state (its counters read
+// from the datapath). A ctx that ended before the read fails with an
+// error wrapping ctx's.
+func (d *Dataplane) Policies(ctx context.Context) (PoliciesStatus, error) {
+	if err := d.begin(ctx, "policies"); err != nil {
 		return PoliciesStatus{}, err
 	}
 	d.mu.Lock()
@@ -605,16 +625,20 @@ func (d *Dataplane) Policies() (PoliciesStatus, error) {
 	if err := d.checkOpen("policies"); err != nil {
 		return PoliciesStatus{}, err
 	}
+	if err := ctxErr(ctx, "policies"); err != nil {
+		return PoliciesStatus{}, err
+	}
 	return d.policiesStatus(), nil
 }
 
 // Policy reports the identity policy of service: ErrNotFound when it has
-// none.
-func (d *Dataplane) Policy(service string) (PolicyStatus, error) {
-	if err := d.opened("policy"); err != nil {
+// none. A ctx that ended before the read fails with an error wrapping
+// ctx's.
+func (d *Dataplane) Policy(ctx context.Context, service string) (PolicyStatus, error) {
+	if err := d.begin(ctx, "policy"); err != nil {
 		return PolicyStatus{}, err
 	}
-	st, err := d.Policies()
+	st, err := d.Policies(ctx)
 	if err != nil {
 		return PolicyStatus{}, err
 	}

@@ -59,7 +59,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	}
 	// The identity tries' fill in the pressure status: the prefixes
 	// written (the kernel does not count an LPM trie's entries).
-	if ps, err := d.Pressure(); err != nil {
+	if ps, err := d.Pressure(context.Background()); err != nil {
 		t.Fatal(err)
 	} else if s4, s6 := ps.Maps["fluxvm_sid4"], ps.Maps["fluxvm_sid6"]; s4.Entries != 1 || s6.Entries != 1 || s4.MaxEntries == 0 {
 		t.Errorf("pressure of the identity tries: %+v, %+v; want one prefix each", s4, s6)
@@ -82,7 +82,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	if allowed(vip6) || udp(vip6) || e.sawPeer(e.cli.Addr6) {
 		t.Fatal("identity 2001 (the client's IPv6) reached a backend")
 	}
-	if st, _ := d.Policies(); st.Counters.Denied == 0 {
+	if st, _ := d.Policies(context.Background()); st.Counters.Denied == 0 {
 		t.Errorf("no policy_denied drops counted: %+v", st.Counters)
 	}
 
@@ -95,7 +95,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	if err := c.Echo([]byte("after"), 500*time.Millisecond); err == nil {
 		t.Fatal("an open connection of a revoked identity went on")
 	}
-	st, _ = d.Policies()
+	st, _ = d.Policies(context.Background())
 	if st.Counters.Revoked == 0 || st.Counters.Rechecked == 0 {
 		t.Errorf("counters %+v: want the revoked flow counted", st.Counters)
 	}
@@ -106,7 +106,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	if !allowed(vip6) {
 		t.Error("audit_only dropped a denied identity")
 	}
-	if st, _ := d.Policies(); st.Counters.Audited == 0 {
+	if st, _ := d.Policies(context.Background()); st.Counters.Audited == 0 {
 		t.Errorf("counters %+v: want audited flows", st.Counters)
 	}
 	if _, err := d.ApplyPolicies(ctx, web); err != nil {
@@ -116,7 +116,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	// A restart restores the policy from the catalog before any packet.
 	d.Close()
 	d = e.open(t)
-	if p, err := d.Policy("web"); err != nil || !slices.Equal(p.AllowIdentities, web.AllowIdentities) || p.Frontends != 4 {
+	if p, err := d.Policy(context.Background(), "web"); err != nil || !slices.Equal(p.AllowIdentities, web.AllowIdentities) || p.Frontends != 4 {
 		t.Fatalf("after a restart: %+v, %v", p, err)
 	}
 	if !allowed(vip4) || allowed(vip6) {
@@ -142,7 +142,7 @@ func TestPolicyLabTraffic(t *testing.T) {
 	if _, err := d.ApplyPolicies(ctx, Policy{Service: "nosuch", DefaultAction: PolicyAllow}); err == nil {
 		t.Error("a policy for a service that does not exist was accepted")
 	}
-	if st, _ := d.Policies(); len(st.Policies) != 0 {
+	if st, _ := d.Policies(context.Background()); len(st.Policies) != 0 {
 		t.Errorf("policies after the failed apply: %+v", st.Policies)
 	}
 }
@@ -315,14 +315,14 @@ func TestApplyServiceKeepsItsPolicyFitting(t *testing.T) {
 	if _, err := d.ApplyPolicies(ctx, enforce); !errors.Is(err, ErrPrerequisite) {
 		t.Fatalf("enforce toward loopback (no VM-edge interface): %v, want ErrPrerequisite", err)
 	}
-	if st, _ := d.Policies(); len(st.Policies) != 0 {
+	if st, _ := d.Policies(context.Background()); len(st.Policies) != 0 {
 		t.Fatalf("policies after the refused applies: %+v", st.Policies)
 	}
 	enforce.L7.ProxyInterface = e.backends[2].NodeIf
 	if _, err := d.ApplyPolicies(ctx, enforce); err != nil {
 		t.Fatal(err)
 	}
-	if p, _ := d.Policy("web"); p.ProxyIfindex == nil || *p.ProxyIfindex != uint32(e.backends[2].NodeIfIndex) {
+	if p, _ := d.Policy(context.Background(), "web"); p.ProxyIfindex == nil || *p.ProxyIfindex != uint32(e.backends[2].NodeIfIndex) {
 		t.Errorf("proxy ifindex %v, want %d", p.ProxyIfindex, e.backends[2].NodeIfIndex)
 	}
 	// The Envoy document: a listener per VIP (port 80, TCP), the six

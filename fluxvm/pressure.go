@@ -130,15 +130,19 @@ func (c *pressureCtl) level(p float64) string {
 	return PressureOK
 }
 
-// Pressure reads the fill of the datapath's hash maps now.
-func (d *Dataplane) Pressure() (PressureStatus, error) {
-	if err := d.opened("pressure"); err != nil {
+// Pressure reads the fill of the datapath's hash maps now. A ctx that
+// ended before the read fails with an error wrapping ctx's.
+func (d *Dataplane) Pressure(ctx context.Context) (PressureStatus, error) {
+	if err := d.begin(ctx, "pressure"); err != nil {
 		return PressureStatus{}, err
 	}
 	// Under mu, as Status: Close cannot release the maps meanwhile.
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("pressure"); err != nil {
+		return PressureStatus{}, err
+	}
+	if err := ctxErr(ctx, "pressure"); err != nil {
 		return PressureStatus{}, err
 	}
 	return d.pressureStatus()
@@ -230,7 +234,7 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	defer c.mu.Unlock()
 	start := time.Now()
 	r := PressureRound{At: start.UTC(), InsertFailures: failures}
-	st, err := d.Pressure()
+	st, err := d.Pressure(ctx)
 	if err != nil {
 		if !st.Unsupported || failures == 0 {
 			return r, err
@@ -256,7 +260,7 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	r.Over = over(st)
 	// A map below its tier's capacity grows instead (sizing.go).
 	if d.growUnderPressure(r.Over) {
-		if st, err = d.Pressure(); err != nil {
+		if st, err = d.Pressure(ctx); err != nil {
 			return r, err
 		}
 		r.Over = over(st)
@@ -280,7 +284,7 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	reach := to.TCPEstablished / 2
 	horizons := []time.Duration{min(max(to.TCPFin, to.TCPRst), reach), min(min(to.UDP, to.TCPSyn)*3/4, reach)}
 	for _, h := range horizons {
-		if st, err = d.Pressure(); err != nil {
+		if st, err = d.Pressure(ctx); err != nil {
 			return r, err
 		}
 		if len(over(st)) == 0 {
@@ -298,7 +302,7 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 	}
 	// Still at the hard threshold: the hard action (compact.go), then a
 	// GC for the reverse-NAT halves of the flows it left out.
-	if st, err = d.Pressure(); err == nil {
+	if st, err = d.Pressure(ctx); err == nil {
 		if keep := d.compactionPlan(st); len(keep) > 0 {
 			pc, cerr := d.compactFlows(keep)
 			r.Compaction = pc
@@ -318,7 +322,7 @@ func (d *Dataplane) pressureRound(ctx context.Context, failures uint64) (Pressur
 			}
 		}
 	}
-	if st, err = d.Pressure(); err == nil {
+	if st, err = d.Pressure(ctx); err == nil {
 		r.After = map[string]float64{}
 		for _, name := range pressureMaps {
 			r.After[name] = st.Maps[name].Percent
@@ -411,7 +415,7 @@ func (d *Dataplane) pressureLoop(every time.Duration, stop <-chan struct{}, done
 		if !levels && failed == 0 {
 			continue
 		}
-		st, err := d.Pressure()
+		st, err := d.Pressure(context.Background())
 		if err != nil {
 			if errors.Is(err, ErrClosed) {
 				return

@@ -82,7 +82,7 @@ func TestMapPressureLoop(t *testing.T) {
 	fill(50000, conntrack.ProtoTCP, bpf.CTTCPEstablished, time.Minute, to.TCPEstablished)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		st, err := d.Pressure()
+		st, err := d.Pressure(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -118,7 +118,7 @@ func TestMapPressureWakesOnInsertFailure(t *testing.T) {
 	}
 	start := time.Now()
 	for {
-		st, err := d.Pressure()
+		st, err := d.Pressure(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,7 +182,7 @@ func pressureFill(t *testing.T, e *env, d *Dataplane) (*lab.Conn, *conntrack.Map
 
 func testMapPressure(t *testing.T, d *Dataplane, c *lab.Conn, ct *conntrack.Map, n int) {
 	ctx := context.Background()
-	st, err := d.Pressure()
+	st, err := d.Pressure(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,7 +274,7 @@ func testHardPressure(t *testing.T, e *env, d *Dataplane, c *lab.Conn, ct *connt
 			t.Fatal(err)
 		}
 	}
-	if st, err := d.Pressure(); err != nil || st.Level != PressureHard {
+	if st, err := d.Pressure(context.Background()); err != nil || st.Level != PressureHard {
 		t.Fatalf("at %.1f%%: level %s, %v; want hard", st.Maps["fluxvm_fct4"].Percent, st.Level, err)
 	}
 	recent, old, halves := 0, 0, 0
@@ -486,7 +486,7 @@ func TestCompactionJournalsDeletes(t *testing.T) {
 	put(0, 57300, conntrack.EastWest, time.Minute)
 	put(57300, 5000, conntrack.EastWest, 80*time.Second)
 	put(62300, 2000, conntrack.DSR, 90*time.Second)
-	before := d.HAStatus().GCDeletes
+	before := d.HA().Status().GCDeletes
 	r, err := d.ReconcilePressure(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -501,7 +501,7 @@ func TestCompactionJournalsDeletes(t *testing.T) {
 	if m.Dropped < 7000 || m.DroppedBy["established"] != m.Dropped {
 		t.Errorf("compaction %+v: want the 7,000 oldest flows and more dropped, all established", m)
 	}
-	if n := d.HAStatus().GCDeletes - before; n != 2000 {
+	if n := d.HA().Status().GCDeletes - before; n != 2000 {
 		t.Errorf("%d deletes journaled, want the 2,000 dropped DSR flows (east-west ones are not replicated)", n)
 	}
 	echo(t, c, "after the compaction")

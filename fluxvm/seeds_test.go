@@ -60,7 +60,7 @@ func newSeedNode(t *testing.T, s seeds) *seedNode {
 // open (re)opens the node's dataplane with the seeds.
 func (n *seedNode) open(t *testing.T, s seeds) {
 	t.Helper()
-	d, err := Open(Options{
+	d, err := Open(context.Background(), Options{
 		Loader:              bpf.Options{PinRoot: n.root, Tier: bpf.TierS, HashSeed: s.hash},
 		MaglevSeed:          s.maglev,
 		CatalogPath:         n.catalog,

@@ -65,7 +65,7 @@ func BenchmarkApplyGrow(b *testing.B) {
 					CatalogPath:         filepath.Join(b.TempDir(), "catalog.json"),
 					ConntrackGCInterval: -1,
 				}
-				d, err := Open(opts)
+				d, err := Open(context.Background(), opts)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -103,7 +103,7 @@ func BenchmarkApplyGrow(b *testing.B) {
 				} else if tc.grows != 0 {
 					b.Fatal("nothing grew")
 				}
-				if err := d.Cleanup(); err != nil {
+				if err := d.Cleanup(context.Background()); err != nil {
 					b.Fatal(err)
 				}
 				b.StartTimer()

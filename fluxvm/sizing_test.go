@@ -47,7 +47,7 @@ func TestMemlockIPv4EastWestTierM(t *testing.T) {
 	root := testenv.PinRoot(t)
 	open := func(pins string) *Dataplane {
 		t.Helper()
-		d, err := Open(Options{
+		d, err := Open(context.Background(), Options{
 			Loader:      bpf.Options{PinRoot: filepath.Join(root, pins), Tier: bpf.TierM},
 			CatalogPath: catalog, ConntrackGCInterval: -1,
 		})
@@ -496,7 +496,7 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 	}
 	ctx := context.Background()
 	for round := range 12 {
-		d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, ConntrackGCInterval: -1})
+		d, err := Open(context.Background(), Options{Loader: bpf.Options{PinRoot: filepath.Join(root, fmt.Sprint(round)), Tier: bpf.TierS}, ConntrackGCInterval: -1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -537,7 +537,7 @@ func TestConcurrentAppliesGrowReverseNAT(t *testing.T) {
 // failing; the views then write the old map. The apply retried rebinds
 // them: what the views write lands in the maps the datapath runs on.
 func TestGrowRebindFailure(t *testing.T) {
-	d, err := Open(Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, ConntrackGCInterval: -1})
+	d, err := Open(context.Background(), Options{Loader: bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "a"), Tier: bpf.TierS}, ConntrackGCInterval: -1})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -151,7 +151,7 @@ func TestSocketLBAttach(t *testing.T) {
 
 	open := func(o Options) *Dataplane {
 		t.Helper()
-		d, err := Open(o)
+		d, err := Open(context.Background(), o)
 		if err != nil {
 			t.Fatalf("open: %v", err)
 		}
@@ -215,7 +215,7 @@ func TestSocketLBAttach(t *testing.T) {
 	// changes; the hooks on cgroup A stay as they were.
 	bad := opts
 	bad.SocketLB.CgroupPath = t.TempDir()
-	if d, err := Open(bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !errors.Is(err, bpf.ErrNotCgroupV2) {
+	if d, err := Open(context.Background(), bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !errors.Is(err, bpf.ErrNotCgroupV2) {
 		if d != nil {
 			d.Close()
 		}
@@ -223,7 +223,7 @@ func TestSocketLBAttach(t *testing.T) {
 	}
 	if v1 := cgroupV1Dir(t); v1 != "" {
 		bad.SocketLB.CgroupPath = v1
-		if d, err := Open(bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !strings.Contains(fmt.Sprint(err), "cgroup v1") {
+		if d, err := Open(context.Background(), bad); !errors.Is(err, cgroup2.ErrNotCgroupV2) || !strings.Contains(fmt.Sprint(err), "cgroup v1") {
 			if d != nil {
 				d.Close()
 			}
@@ -266,7 +266,7 @@ func TestSocketLBAttach(t *testing.T) {
 	// Cleanup removes them.
 	d = open(opts)
 	check("on again", d, cgA, idA, false)
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if progs := cgroupPrograms(t, cgA); len(progs) != 0 {
@@ -315,11 +315,11 @@ func TestSocketLBDestroyAfterBackendChanges(t *testing.T) {
 		SocketLB:            SocketLBOptions{CgroupConnect: true, CgroupPath: cg},
 		sockDestroyEvery:    -1,
 	}
-	d, err := Open(opts)
+	d, err := Open(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { d.Cleanup() })
+	t.Cleanup(func() { d.Cleanup(context.Background()) })
 	runs := func() uint64 { return d.Status().SocketLB.Destroy.Runs }
 	settle := func(what string, want uint64) {
 		t.Helper()

@@ -1,6 +1,7 @@
 package fluxvm
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"github.com/fluxvm/servicefabric/conntrack"
@@ -12,14 +13,18 @@ import (
 
 // Stats reads the datapath counters: per service (summed over its
 // frontends and CPUs), drops by reason and parser counters. After Close
-// it fails with ErrClosed.
-func (d *Dataplane) Stats() (Stats, error) {
-	if err := d.opened("stats"); err != nil {
+// it fails with ErrClosed; a ctx that ended before the read (or while it
+// waited for the dataplane's lock) fails with an error wrapping ctx's.
+func (d *Dataplane) Stats(ctx context.Context) (Stats, error) {
+	if err := d.begin(ctx, "stats"); err != nil {
 		return Stats{}, err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("stats"); err != nil {
+		return Stats{}, err
+	}
+	if err := ctxErr(ctx, "stats"); err != nil {
 		return Stats{}, err
 	}
 	out := Stats{Services: map[string]Counters{}, Drops: map[string]uint64{}, Parser: map[string]uint64{}}
@@ -74,14 +79,18 @@ func IsEventCounter(name string) bool {
 
 // VMStats sums the service counters of a VM's edge interfaces: what its
 // clients sent to VIPs, what came back, and what was dropped. An unknown
-// VM is ErrNotFound; after Close it fails with ErrClosed.
-func (d *Dataplane) VMStats(vmID string) (VMStats, error) {
-	if err := d.opened("vm stats"); err != nil {
+// VM is ErrNotFound; after Close it fails with ErrClosed. A ctx that
+// ended before the read fails with an error wrapping ctx's.
+func (d *Dataplane) VMStats(ctx context.Context, vmID string) (VMStats, error) {
+	if err := d.begin(ctx, "vm stats"); err != nil {
 		return VMStats{}, err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.checkOpen("stats of VM " + vmID); err != nil {
+		return VMStats{}, err
+	}
+	if err := ctxErr(ctx, "stats of VM "+vmID); err != nil {
 		return VMStats{}, err
 	}
 	out := VMStats{VMID: vmID}

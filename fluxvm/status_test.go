@@ -194,7 +194,7 @@ func TestStatusFrontendIndex(t *testing.T) {
 // tests.
 func openStatusT(t *testing.T) *Dataplane {
 	t.Helper()
-	d, err := Open(Options{
+	d, err := Open(context.Background(), Options{
 		Loader:              bpf.Options{PinRoot: filepath.Join(testenv.PinRoot(t), "service"), Tier: bpf.TierS},
 		ConntrackGCInterval: -1,
 		Logger:              slog.New(slog.DiscardHandler),

@@ -51,11 +51,11 @@ func TestSpans(t *testing.T) {
 		Logger:              slog.New(slog.DiscardHandler),
 		TracerProvider:      tp,
 	}
-	d, err := Open(opts)
+	d, err := Open(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { d.Cleanup() }()
+	defer func() { d.Cleanup(context.Background()) }()
 	ctx := context.Background()
 	svc := Service{
 		Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
@@ -146,7 +146,7 @@ func TestSpans(t *testing.T) {
 	}
 	rec2 := tracetest.NewSpanRecorder()
 	opts.TracerProvider = sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec2))
-	d, err = Open(opts)
+	d, err = Open(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}

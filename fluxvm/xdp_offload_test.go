@@ -112,7 +112,7 @@ func TestDataplaneXDPTaggedTraffic(t *testing.T) {
 
 	stats := func(d *Dataplane) Stats {
 		t.Helper()
-		st, err := d.Stats()
+		st, err := d.Stats(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -173,7 +173,7 @@ func TestDataplaneXDPTaggedTraffic(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.opts.NorthSouth.XDPMode = bpf.XDPNative
-	d, err := Open(e.opts)
+	d, err := Open(context.Background(), e.opts)
 	if err == nil {
 		t.Errorf("Open with xdp_mode native over a peer that keeps tags beside its frames: no error")
 		// What XDP does with the tagged traffic when it is attached
@@ -245,7 +245,7 @@ func TestDataplaneXDPTaggedTraffic(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.AddNorthSouthInterface(nsUplink); !errors.Is(err, bpf.ErrXDPOffload) || !strings.Contains(err.Error(), "tx-vlan-hw-insert on") {
+	if _, err := d.AddNorthSouthInterface(context.Background(), nsUplink); !errors.Is(err, bpf.ErrXDPOffload) || !strings.Contains(err.Error(), "tx-vlan-hw-insert on") {
 		t.Errorf("AddNorthSouthInterface again with the tags beside the frames: %v; want ErrXDPOffload", err)
 	}
 	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
@@ -279,7 +279,7 @@ func TestXDPChecksumPartialFrames(t *testing.T) {
 	egress := e.opts.NorthSouth.XDPEgress
 	e.opts.NorthSouth.XDPEgress = nil // xdp_mode off takes none
 	d := e.open(t)
-	if _, err := d.AddNorthSouthInterface(nsUplink); err != nil {
+	if _, err := d.AddNorthSouthInterface(context.Background(), nsUplink); err != nil {
 		t.Fatal(err)
 	}
 	vip := netip.MustParseAddr("10.96.6.1")
@@ -374,7 +374,7 @@ func settled(t *testing.T, d *Dataplane) Stats {
 
 func (d *Dataplane) mustStats(t *testing.T) Stats {
 	t.Helper()
-	st, err := d.Stats()
+	st, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -140,7 +140,7 @@ func TestDataplaneXDP(t *testing.T) {
 
 	// RemoveInterface takes XDP and TC away; adding it again attaches
 	// both.
-	if err := d.RemoveInterface(nsUplink); err != nil {
+	if err := d.RemoveInterface(context.Background(), nsUplink); err != nil {
 		t.Fatal(err)
 	}
 	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
@@ -149,7 +149,7 @@ func TestDataplaneXDP(t *testing.T) {
 	if n := len(e.tcxPrograms(t, nsUplink, ebpf.AttachTCXIngress)); n != 0 {
 		t.Errorf("%d TC ingress programs after RemoveInterface", n)
 	}
-	st, err := d.AddNorthSouthInterface(nsUplink)
+	st, err := d.AddNorthSouthInterface(context.Background(), nsUplink)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,7 +158,7 @@ func TestDataplaneXDP(t *testing.T) {
 	}
 
 	// Cleanup removes it with the rest.
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if id, _ := e.xdpOnUplink(t, nsUplink); id != 0 {
@@ -197,7 +197,7 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 	}
 
 	e.opts.NorthSouth.XDPMode = bpf.XDPAuto
-	d, err := Open(e.opts)
+	d, err := Open(context.Background(), e.opts)
 	if err == nil {
 		d.Close()
 	}
@@ -205,7 +205,7 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 
 	e.opts.NorthSouth.Interfaces = nil
 	d = e.open(t)
-	_, err = d.AddNorthSouthInterface(nsUplink)
+	_, err = d.AddNorthSouthInterface(context.Background(), nsUplink)
 	refused("AddNorthSouthInterface", err)
 	for _, st := range d.Status().Interfaces {
 		if st.Name == nsUplink {
@@ -216,14 +216,14 @@ func TestDataplaneXDPRefusesForeign(t *testing.T) {
 
 	e.opts.NorthSouth.XDPMode = bpf.XDPOff
 	d = e.open(t)
-	st, err := d.AddNorthSouthInterface(nsUplink)
+	st, err := d.AddNorthSouthInterface(context.Background(), nsUplink)
 	if err != nil || st.XDP != "off" {
 		t.Fatalf("xdp_mode off: %+v, %v", st, err)
 	}
 	if id, _ := e.xdpOnUplink(t, nsUplink); id != fid {
 		t.Errorf("xdp_mode off: the uplink runs %d, want the foreign program %d left alone", id, fid)
 	}
-	if err := d.RemoveInterface(nsUplink); err != nil {
+	if err := d.RemoveInterface(context.Background(), nsUplink); err != nil {
 		t.Fatal(err)
 	}
 	if id, _ := e.xdpOnUplink(t, nsUplink); id != fid {
@@ -298,7 +298,7 @@ func TestDataplaneXDPTraffic(t *testing.T) {
 	ext := e.lab.External
 	read := func() Stats {
 		t.Helper()
-		st, err := d.Stats()
+		st, err := d.Stats(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -432,7 +432,7 @@ func TestDataplaneXDPRestartKeepsConnections(t *testing.T) {
 		}
 	}
 	echo("before the restart")
-	before, err := d.Stats()
+	before, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -442,7 +442,7 @@ func TestDataplaneXDPRestartKeepsConnections(t *testing.T) {
 	echo("while no dataplane runs")
 	d = e.open(t)
 	echo("after the restart")
-	after, err := d.Stats()
+	after, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -626,7 +626,7 @@ func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
 		}
 		e.opts.NorthSouth.XDPMode = mode
 		e.opts.NorthSouth.Interfaces = []string{nsUplink}
-		d, err := Open(e.opts)
+		d, err := Open(context.Background(), e.opts)
 		if err == nil {
 			d.Close()
 		}
@@ -634,7 +634,7 @@ func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
 
 		e.opts.NorthSouth.Interfaces = nil
 		d = e.open(t)
-		_, err = d.AddNorthSouthInterface(nsUplink)
+		_, err = d.AddNorthSouthInterface(context.Background(), nsUplink)
 		refused("AddNorthSouthInterface", err)
 		d.Close()
 		rising("after the refusals with xdp_mode " + string(mode))
@@ -661,7 +661,7 @@ func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
 	for _, vip := range []netip.Addr{vip4, vip6} {
 		vc, err := ext.DialTCP(netip.AddrPortFrom(vip, 80), 3*time.Second)
 		if err != nil {
-			st, _ := d.Stats()
+			st, _ := d.Stats(context.Background())
 			t.Fatalf("external client to %s:80 through TC: %v\nparser %v\ndrops %v", vip, err, st.Parser, st.Drops)
 		}
 		for i := range 5 {
@@ -674,7 +674,7 @@ func TestDataplaneXDPForeignKeepsTraffic(t *testing.T) {
 			t.Errorf("%s udp from outside through TC: %q %v", vip, name, err)
 		}
 	}
-	stats, err := d.Stats()
+	stats, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

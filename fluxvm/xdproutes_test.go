@@ -53,7 +53,7 @@ func TestDataplaneXDPRouteCache(t *testing.T) {
 	}
 	translated := func() uint64 {
 		t.Helper()
-		st, err := d.Stats()
+		st, err := d.Stats(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -19,13 +19,26 @@ import (
 )
 
 // stubDataplane answers the read routes and the argument-less mutations
-// of the real REST handler; the methods it does not override panic (the
-// embedded interface is nil), so a command calling another route fails
-// the test.
+// of the real REST handler (stubHA its replication routes); the methods
+// it does not override panic (the embedded role interfaces are nil), so a
+// command calling another route fails the test.
 type stubDataplane struct {
-	api.Dataplane
+	api.ServiceStore
+	api.Observer
+	api.Admin
+	api.FlowReader
+	api.PolicyStore
+	api.Snapshots
 	services []fluxvm.ServiceStatus
 }
+
+// roles are the stub's roles, stubHA for replication.
+func (d *stubDataplane) roles() api.Roles {
+	return api.Roles{Services: d, Observer: d, Admin: d, Flows: d, Policies: d, Snapshots: d, Replication: stubHA{}}
+}
+
+// stubHA is the replication of stubDataplane.
+type stubHA struct{}
 
 func (d *stubDataplane) Services() []fluxvm.ServiceStatus { return d.services }
 func (d *stubDataplane) Service(name string) (fluxvm.ServiceStatus, error) {
@@ -44,14 +57,14 @@ func (d *stubDataplane) Status() fluxvm.Status {
 	return fluxvm.Status{SchemaVersion: 6, Tier: "S", Pressure: &fluxvm.PressureStatus{SoftPercent: 80, HardPercent: 95, Level: "ok",
 		Maps: map[string]fluxvm.MapPressure{"fluxvm_fct4": {Entries: 10, MaxEntries: 100, Percent: 10}}}}
 }
-func (d *stubDataplane) Stats() (fluxvm.Stats, error)    { return fluxvm.Stats{}, nil }
-func (d *stubDataplane) Health() fluxvm.HealthReport     { return fluxvm.HealthReport{} }
-func (d *stubDataplane) Advertisements() advert.Snapshot { return advert.Snapshot{SchemaVersion: 1} }
-func (d *stubDataplane) HAStatus() fluxvm.HAStatus       { return fluxvm.HAStatus{} }
-func (d *stubDataplane) Flows(int, flows.Filter) ([]flows.Record, error) {
+func (d *stubDataplane) Stats(context.Context) (fluxvm.Stats, error) { return fluxvm.Stats{}, nil }
+func (d *stubDataplane) Health() fluxvm.HealthReport                 { return fluxvm.HealthReport{} }
+func (d *stubDataplane) Advertisements() advert.Snapshot             { return advert.Snapshot{SchemaVersion: 1} }
+func (stubHA) Status() fluxvm.HAStatus                               { return fluxvm.HAStatus{} }
+func (d *stubDataplane) Flows(context.Context, int, flows.Filter) ([]flows.Record, error) {
 	return nil, nil
 }
-func (d *stubDataplane) Policies() (fluxvm.PoliciesStatus, error) {
+func (d *stubDataplane) Policies(context.Context) (fluxvm.PoliciesStatus, error) {
 	return fluxvm.PoliciesStatus{}, nil
 }
 func (d *stubDataplane) GC(context.Context) (fluxvm.GCResult, error) {
@@ -86,7 +99,7 @@ func (d *stubDataplane) Envoy(name string) (fluxvm.EnvoyDocument, error) {
 	}
 	return fluxvm.EnvoyDocument{Service: name, Mode: fluxvm.L7Observe, Protocol: fluxvm.L7HTTP, Revision: 3}, nil
 }
-func (d *stubDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
+func (stubHA) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	return fluxvm.HAStatus{Enabled: true, Epoch: l.Epoch, SupersededBy: l.SupersededBy}, nil
 }
 
@@ -110,7 +123,8 @@ func (d *stubDataplane) ImportFlows(_ context.Context, name string, r io.Reader,
 	}
 	return res, err
 }
-func (d *stubDataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (stubHA) FlowDelta(_ context.Context, service string, req fluxvm.FlowDeltaRequest) (ha.Delta, error) {
+	journal, seq, maxOps := req.Journal, req.Seq, req.MaxOps
 	if journal == "" {
 		return ha.Delta{Service: service, Journal: "j1", Epoch: 4, From: seq, To: seq, ResetRequired: true}, nil
 	}
@@ -118,14 +132,14 @@ func (d *stubDataplane) FlowDelta(service, journal string, seq uint64, maxOps in
 	return ha.Delta{Service: service, Journal: journal, Epoch: 4, From: seq, To: seq + 1,
 		Batches: []ha.Batch{{Seq: seq + 1, Epoch: 4, Ops: ops[:min(maxOps, len(ops))]}}}, nil
 }
-func (d *stubDataplane) ImportFlowDelta(_ context.Context, _ string, dl ha.Delta) (fluxvm.HADeltaResult, error) {
+func (stubHA) ImportFlowDelta(_ context.Context, _ string, dl ha.Delta) (fluxvm.HADeltaResult, error) {
 	n := 0
 	for _, b := range dl.Batches {
 		n += len(b.Ops)
 	}
 	return fluxvm.HADeltaResult{Cursor: ha.Cursor{Journal: dl.Journal, Seq: dl.To, Epoch: dl.Epoch}, Applied: ha.ImportResult{Flows: uint64(n)}}, nil
 }
-func (d *stubDataplane) AckFlowDelta(_ string, seq uint64) (ha.JournalStats, error) {
+func (stubHA) AckFlowDelta(_ context.Context, _ string, seq uint64) (ha.JournalStats, error) {
 	return ha.JournalStats{Journal: "j1", Epoch: 4, LastSeq: seq + 2, Acked: seq}, nil
 }
 
@@ -140,7 +154,7 @@ func (stubExporter) Export(_ context.Context, recs []flows.Record) (otlp.Report,
 // their routes, methods, bodies and tokens are the ones it serves, and
 // its access levels and error bodies reach the CLI as documented.
 func TestRealHandler(t *testing.T) {
-	h, err := api.New(&stubDataplane{services: sampleServices()}, api.Options{AdminTokens: []string{"admin-token"}, ReadTokens: []string{"read-token"}})
+	h, err := api.New((&stubDataplane{services: sampleServices()}).roles(), api.Options{AdminTokens: []string{"admin-token"}, ReadTokens: []string{"read-token"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -187,7 +201,7 @@ func TestRealHandler(t *testing.T) {
 // pressure, lease, transfer, telemetry) against the real api.New
 // handler.
 func TestRealHandlerMore(t *testing.T) {
-	h, err := api.New(&stubDataplane{services: sampleServices()}, api.Options{AdminTokens: []string{"admin-token"}, ReadTokens: []string{"read-token"}, Exporter: stubExporter{}})
+	h, err := api.New((&stubDataplane{services: sampleServices()}).roles(), api.Options{AdminTokens: []string{"admin-token"}, ReadTokens: []string{"read-token"}, Exporter: stubExporter{}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -58,6 +58,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
@@ -180,7 +181,7 @@ func cleanup(path string, log *slog.Logger) error {
 		return fmt.Errorf("config %s: %w", path, err)
 	}
 	o.Logger = log
-	if err := fluxvm.Cleanup(o); err != nil {
+	if err := fluxvm.Cleanup(context.Background(), o); err != nil {
 		return err
 	}
 	log.Info("fluxvmd: removed the datapath, its pins, the catalog and the HA lease; every VIP is withdrawn",
@@ -218,7 +219,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 		}()
 		opts.TracerProvider = tr.tp
 	}
-	d, err := fluxvm.Open(opts)
+	d, err := fluxvm.Open(ctx, opts)
 	if err != nil {
 		return err
 	}
@@ -234,7 +235,11 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	var exporter api.FlowExporter
 	var fx *flowExport
 	if cfg.OTLPConfig.Endpoint != "" {
-		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), d.Flows, log)
+		// The export's last round runs after ctx ended (the shutdown
+		// flushes what settled): its reads outlive ctx.
+		readCtx := context.WithoutCancel(ctx)
+		read := func(limit int, f flows.Filter) ([]flows.Record, error) { return d.Flows(readCtx, limit, f) }
+		fx, err = startFlowExport(cfg.OTLPConfig.exporterConfig(cfg.NodeName), read, log)
 		if err != nil {
 			return err
 		}
@@ -257,7 +262,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger) error {
 	if tr != nil {
 		tp = tr.tp
 	}
-	srv, err := newAPIServer(d, cfg.API, admin, read, log, exporter, tp, ipcacheSource(cfg.IPCacheFile))
+	srv, err := newAPIServer(api.RolesOf(d), cfg.API, admin, read, log, exporter, tp, ipcacheSource(cfg.IPCacheFile))
 	if err != nil {
 		return err
 	}
@@ -332,13 +337,13 @@ const (
 // newAPIServer returns the daemon's REST server for dp, not yet serving.
 // The REST requests are traced with tp when it is not nil; ipc is the
 // ipcache source of POST …/policies/reconcile (nil without ipcache_file).
-func newAPIServer(dp api.Dataplane, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider,
+func newAPIServer(roles api.Roles, a APIConfig, admin, read []string, log *slog.Logger, x api.FlowExporter, tp trace.TracerProvider,
 	ipc api.IPCacheSource) (*http.Server, error) {
 	bodyTimeout := a.BodyTimeout.Duration
 	if bodyTimeout == 0 {
 		bodyTimeout = DefaultAPIBodyTimeout
 	}
-	handler, err := api.New(dp, api.Options{AdminTokens: admin, ReadTokens: read,
+	handler, err := api.New(roles, api.Options{AdminTokens: admin, ReadTokens: read,
 		MaxBodyBytes: a.MaxBodyBytes, MaxSnapshotBytes: a.MaxSnapshotBytes, MaxDeltaBytes: a.MaxDeltaBytes, BodyTimeout: bodyTimeout, Logger: log, Exporter: x, TracerProvider: tp, IPCacheSource: ipc})
 	if err != nil {
 		return nil, err

@@ -20,15 +20,20 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
 
-// noDataplane is an api.Dataplane that must not be reached: the requests
-// of these tests end before the handler would call it.
-type noDataplane struct{ api.Dataplane }
+// noDataplane are roles that must not be reached (every one a nil
+// interface): the requests of these tests end before the handler would
+// call them.
+var noDataplane = api.Roles{
+	Services: struct{ api.ServiceStore }{}, Observer: struct{ api.Observer }{}, Admin: struct{ api.Admin }{},
+	Flows: struct{ api.FlowReader }{}, Policies: struct{ api.PolicyStore }{}, Snapshots: struct{ api.Snapshots }{},
+	Replication: struct{ api.Replication }{},
+}
 
 // startAPIServer serves the daemon's REST server, as newAPIServer builds
 // it from a with the test's token, on a loopback port.
 func startAPIServer(t *testing.T, a APIConfig) (*http.Server, string) {
 	t.Helper()
-	srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
+	srv, err := newAPIServer(noDataplane, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +53,7 @@ func TestAPIServerLimits(t *testing.T) {
 	for _, body := range []time.Duration{DefaultAPIBodyTimeout, 5 * time.Second} {
 		a := defaultAPIConfig()
 		a.BodyTimeout = fluxvm.Duration{Duration: body}
-		srv, err := newAPIServer(noDataplane{}, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
+		srv, err := newAPIServer(noDataplane, a, []string{token}, nil, slog.New(slog.DiscardHandler), nil, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -63,14 +63,14 @@ func main() {
 	}
 	opts := fluxvm.OptionsFrom(cfg)
 	opts.Logger = slog.Default()
-	d, err := fluxvm.Open(opts)
+	d, err := fluxvm.Open(context.Background(), opts)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer d.Close()
 
 	// Interfaces come from the embedder, as VMs start and stop.
-	if _, err := d.AddInterface(fluxvm.VMEdgeInterface{Name: *ifname, VMID: *vmID}); err != nil {
+	if _, err := d.AddInterface(context.Background(), fluxvm.VMEdgeInterface{Name: *ifname, VMID: *vmID}); err != nil {
 		log.Fatal(err)
 	}
 	if *svcFile != "" {
@@ -96,7 +96,7 @@ func main() {
 	if token == "" {
 		log.Fatal("set FLUXVM_ADMIN_TOKEN")
 	}
-	h, err := api.New(d, api.Options{AdminTokens: []string{token}})
+	h, err := api.New(api.RolesOf(d), api.Options{AdminTokens: []string{token}})
 	if err != nil {
 		log.Fatal(err)
 	}

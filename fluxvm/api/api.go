@@ -12,115 +12,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/flows/otlp"
-	"github.com/fluxvm/servicefabric/fluxvm"
-	"github.com/fluxvm/servicefabric/ha"
 )
-
-// Dataplane is what the handler needs from the node's service dataplane.
-// *fluxvm.Dataplane implements it. Implementations must be safe for
-// concurrent use: the handler calls them from many requests at once.
-type Dataplane interface {
-	// ApplyService validates and applies one service (create or replace)
-	// and returns what the node made of it.
-	ApplyService(ctx context.Context, svc fluxvm.Service) (fluxvm.ServiceStatus, error)
-	// DeleteService removes a service; it wraps fluxvm.ErrNotFound when
-	// there is no such service.
-	DeleteService(ctx context.Context, name string) error
-	// Services lists every service.
-	Services() []fluxvm.ServiceStatus
-	// Service returns one service; it wraps fluxvm.ErrNotFound when absent.
-	Service(name string) (fluxvm.ServiceStatus, error)
-	// Status describes the dataplane (schema, tier, interfaces, last GC).
-	Status() fluxvm.Status
-	// Stats reads the datapath counters.
-	Stats() (fluxvm.Stats, error)
-	// VMStats reads the counters of one VM's edge interfaces; it wraps
-	// fluxvm.ErrNotFound for an unknown VM.
-	VMStats(vmID string) (fluxvm.VMStats, error)
-	// GC runs one conntrack garbage collection now.
-	GC(ctx context.Context) (fluxvm.GCResult, error)
-	// Health reports the observed health of the backends of every
-	// service with a health check.
-	Health() fluxvm.HealthReport
-	// ReconcileHealth runs one round of every health check now and
-	// returns the report.
-	ReconcileHealth(ctx context.Context) (fluxvm.HealthReport, error)
-	// ReconcilePressure runs one round of the map pressure controller
-	// now and returns what it did.
-	ReconcilePressure(ctx context.Context) (fluxvm.PressureRound, error)
-	// Advertisements returns the current VIP advertisement snapshot, the
-	// document the node's snapshot file holds.
-	Advertisements() advert.Snapshot
-	// Flows returns up to limit FluxScope flow records that f keeps,
-	// newest first; a limit outside 1..flows.MaxLimit wraps
-	// flows.ErrLimit.
-	Flows(limit int, f flows.Filter) ([]flows.Record, error)
-	// Policies reports the node's identity policy state (ipcache,
-	// compiled policies, counters).
-	Policies() (fluxvm.PoliciesStatus, error)
-	// Policy reports the identity policy of one service; it wraps
-	// fluxvm.ErrNotFound when the service has none.
-	Policy(service string) (fluxvm.PolicyStatus, error)
-	// ApplyPolicies adds or replaces the policies of the services they
-	// name as one reconcile, keeping the others and the ipcache; with no
-	// policy it recompiles and rewrites the current state.
-	ApplyPolicies(ctx context.Context, policies ...fluxvm.Policy) (fluxvm.PoliciesStatus, error)
-	// SetIPCache replaces the ipcache, recompiling every policy.
-	SetIPCache(ctx context.Context, ipc fluxvm.IPCache) (fluxvm.PoliciesStatus, error)
-	// DeletePolicy removes the identity policy of a service; it wraps
-	// fluxvm.ErrNotFound when the service has none.
-	DeletePolicy(ctx context.Context, service string) error
-	// Envoy returns the document an Envoy/xDS adapter configures a
-	// service's L7 proxy from; it wraps fluxvm.ErrNotFound when the
-	// service has no policy with an l7 part.
-	Envoy(service string) (fluxvm.EnvoyDocument, error)
-
-	// Flow-state transfer and replication (HA). ExportFlows and
-	// ImportFlows need the north-south edge only (else a
-	// fluxvm.ValidationError of kind fluxvm.ErrPrerequisite naming
-	// north_south_interfaces); with replication off (no ha_epoch),
-	// FlowDelta, ImportFlowDelta, AckFlowDelta and UpdateLease wrap one
-	// naming ha_epoch. An unknown service wraps fluxvm.ErrNotFound, a
-	// closed dataplane fluxvm.ErrClosed, and the conditions of
-	// replication the errors of package ha.
-
-	// ExportFlows streams a snapshot of service's flows (package ha's
-	// self-checking stream) to w, as it scans: the route writes it
-	// straight into the response. Without replication the snapshot
-	// carries epoch 0 and no journal cursor. A superseded edge wraps
-	// ha.ErrFenced.
-	ExportFlows(ctx context.Context, service string, w io.Writer) (ha.ExportResult, error)
-	// ImportFlows applies a snapshot stream read from r to service,
-	// chunk by verified chunk (an error leaves the chunks before it
-	// applied); prune also deletes the service's flows the snapshot
-	// lacks. A stream it cannot read wraps ha.ErrFormat, ha.ErrCorrupt
-	// or ha.ErrTruncated; one of another service ha.ErrService; on an
-	// edge holding a lease, one of an older epoch (or of none, epoch 0)
-	// ha.ErrStaleEpoch.
-	ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error)
-	// FlowDelta returns the batches of service's journal after the
-	// cursor (journal, seq), at most maxOps ops but at least one batch,
-	// or a delta saying ResetRequired when the journal cannot continue
-	// the cursor. A seq past the journal wraps ha.ErrCursorAhead.
-	FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error)
-	// ImportFlowDelta applies a delta of the peer's journal to service
-	// after checking that it continues this edge's cursor (else
-	// ha.ErrStaleEpoch, ha.ErrResetRequired, ha.ErrGap, ha.ErrInvalidOp
-	// or ha.ErrNoEpoch, and nothing changes).
-	ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (fluxvm.HADeltaResult, error)
-	// AckFlowDelta trims service's journal up to seq; past the last
-	// sealed batch wraps ha.ErrCursorAhead.
-	AckFlowDelta(service string, seq uint64) (ha.JournalStats, error)
-	// UpdateLease records a lease update of the control plane: an epoch
-	// older than the edge's wraps ha.ErrStaleEpoch, an empty one
-	// fluxvm.ErrInvalid.
-	UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error)
-	// HAStatus reports replication (Enabled false when it is off).
-	HAStatus() fluxvm.HAStatus
-}
 
 // FlowExporter sends flow records to a telemetry receiver now, as POST
 // /v1/network/services/telemetry/export asks. *otlp.Exporter implements
@@ -223,7 +117,7 @@ type Options struct {
 	TracerProvider trace.TracerProvider
 	// IPCacheSource, when set, is read by POST
 	// /v1/network/services/policies/reconcile, and what it returns is
-	// applied (Dataplane.SetIPCache) before every policy is recompiled;
+	// applied (PolicyStore.SetIPCache) before every policy is recompiled;
 	// the reference daemon reads its ipcache_file. An error of the
 	// source (or an ipcache that intent.ValidateIPCache refuses) answers
 	// 422 missing_prerequisite with its message, and nothing changes.
@@ -232,16 +126,17 @@ type Options struct {
 	IPCacheSource IPCacheSource
 }
 
-// New returns the REST handler for dp. It fails when dp is nil, when no
-// token is configured, when a token is empty, malformed or configured both
+// New returns the REST handler for the dataplane's roles (RolesOf(d) for
+// a *fluxvm.Dataplane d). It fails when a role is nil, when no token is
+// configured, when a token is empty, malformed or configured both
 // as admin and read token, when MaxBodyBytes, MaxSnapshotBytes,
 // MaxDeltaBytes or BodyTimeout is negative,
 // or when the
 // collector cannot be registered in opts.Registry (for example because it
 // already holds one).
-func New(dp Dataplane, opts Options) (http.Handler, error) {
-	if dp == nil {
-		return nil, errors.New("api: nil dataplane")
+func New(roles Roles, opts Options) (http.Handler, error) {
+	if err := roles.check(); err != nil {
+		return nil, fmt.Errorf("api: %w", err)
 	}
 	auth, err := newAuthenticator(opts.AdminTokens, opts.ReadTokens)
 	if err != nil {
@@ -282,7 +177,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	if err := reg.Register(NewCollector(dp)); err != nil {
+	if err := reg.Register(NewCollector(roles.Observer)); err != nil {
 		return nil, fmt.Errorf("api: register metrics collector: %w", err)
 	}
 	if src, ok := opts.Exporter.(OTLPStatsSource); ok {
@@ -292,7 +187,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 	}
 
 	h := &handler{
-		dp:          dp,
+		roles:       roles,
 		auth:        auth,
 		maxBody:     maxBody,
 		maxSnapshot: maxSnapshot,
@@ -313,7 +208,7 @@ func New(dp Dataplane, opts Options) (http.Handler, error) {
 
 // handler is the http.Handler returned by New.
 type handler struct {
-	dp          Dataplane
+	roles       Roles
 	auth        *authenticator
 	maxBody     int64
 	maxSnapshot int64

@@ -20,8 +20,11 @@ import (
 	"github.com/fluxvm/servicefabric/ha"
 )
 
-// The node's dataplane is what the handler serves.
-var _ api.Dataplane = (*fluxvm.Dataplane)(nil)
+// The node's dataplane is what the handler serves: every role, its HA()
+// replication.
+var _ = api.Roles{Services: (*fluxvm.Dataplane)(nil), Observer: (*fluxvm.Dataplane)(nil), Admin: (*fluxvm.Dataplane)(nil),
+	Flows: (*fluxvm.Dataplane)(nil), Policies: (*fluxvm.Dataplane)(nil), Snapshots: (*fluxvm.Dataplane)(nil),
+	Replication: fluxvm.HA{}}
 
 const (
 	adminToken = "admin-secret-token"
@@ -58,7 +61,7 @@ func newEnv(t testing.TB, opts ...func(*api.Options)) *testEnv {
 		f(&o)
 	}
 	dp := newFake()
-	h, err := api.New(dp, o)
+	h, err := api.New(dp.roles(), o)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -162,10 +165,12 @@ func decodeOK[T any](t *testing.T, w *httptest.ResponseRecorder, status int) T {
 }
 
 func TestNewOptions(t *testing.T) {
-	dp := newFake()
+	dp := newFake().roles()
+	noReplication := dp
+	noReplication.Replication = nil
 	for _, tc := range []struct {
 		name string
-		dp   api.Dataplane
+		dp   api.Roles
 		opts api.Options
 		ok   bool
 	}{
@@ -185,7 +190,8 @@ func TestNewOptions(t *testing.T) {
 		{"snapshot and delta limits", dp, api.Options{AdminTokens: []string{"a"}, MaxSnapshotBytes: 1 << 30, MaxDeltaBytes: 1 << 10}, true},
 		{"body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: time.Second}, true},
 		{"negative body timeout", dp, api.Options{AdminTokens: []string{"a"}, BodyTimeout: -time.Second}, false},
-		{"nil dataplane", nil, api.Options{AdminTokens: []string{"a"}}, false},
+		{"no role", api.Roles{}, api.Options{AdminTokens: []string{"a"}}, false},
+		{"a role missing", noReplication, api.Options{AdminTokens: []string{"a"}}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h, err := api.New(tc.dp, tc.opts)
@@ -731,7 +737,7 @@ var (
 	authDelta = func() string {
 		f := newFake()
 		f.services["web"] = fluxvm.ServiceStatus{}
-		d, err := f.FlowDelta("web", "j1", 0, 2)
+		d, err := fakeReplication{f}.FlowDelta(context.Background(), "web", fluxvm.FlowDeltaRequest{Journal: "j1", MaxOps: 2})
 		if err != nil {
 			panic(err)
 		}

@@ -5,9 +5,13 @@
 // # Model
 //
 // The handler owns no state. It authenticates the caller, decodes and
-// bounds the request, and calls the node's dataplane through the small
-// [Dataplane] interface, which *fluxvm.Dataplane implements. Tests and
-// embedders with their own dataplane can pass any implementation.
+// bounds the request, and calls the node's dataplane through small role
+// interfaces, one per part of the surface ([ServiceStore], [Observer], [Admin],
+// [FlowReader], [PolicyStore], [Snapshots], [Replication]), which [New]
+// takes as [Roles]: *fluxvm.Dataplane implements them all but
+// Replication, which its HA() value implements, and [RolesOf] fills them
+// from one. Tests and embedders with their own dataplane implement the
+// roles they need.
 //
 // # Routes
 //

@@ -12,12 +12,13 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/api"
 )
 
-// demoDataplane stands in for the *fluxvm.Dataplane an embedder gets from
-// fluxvm.Open (which needs root). Embedding the interface leaves the
-// methods the example does not call unimplemented.
-type demoDataplane struct{ api.Dataplane }
+// demoServices stands in for the *fluxvm.Dataplane an embedder gets from
+// fluxvm.Open (which needs root; with one, api.RolesOf(d) gives every
+// role). Embedding the role interface leaves the methods the example does
+// not call unimplemented.
+type demoServices struct{ api.ServiceStore }
 
-func (demoDataplane) Services() []fluxvm.ServiceStatus {
+func (demoServices) Services() []fluxvm.ServiceStatus {
 	return []fluxvm.ServiceStatus{{
 		Service: fluxvm.Service{
 			Name:  "web",
@@ -31,7 +32,14 @@ func (demoDataplane) Services() []fluxvm.ServiceStatus {
 // An embedder mounts the REST handler under a prefix of its own server,
 // next to its own routes.
 func Example_mount() {
-	fabric, err := api.New(demoDataplane{}, api.Options{
+	// The routes the example calls need the Services role alone; the
+	// others are there, unimplemented.
+	roles := api.Roles{
+		Services: demoServices{}, Observer: struct{ api.Observer }{}, Admin: struct{ api.Admin }{},
+		Flows: struct{ api.FlowReader }{}, Policies: struct{ api.PolicyStore }{},
+		Snapshots: struct{ api.Snapshots }{}, Replication: struct{ api.Replication }{},
+	}
+	fabric, err := api.New(roles, api.Options{
 		AdminTokens: []string{"admin-token"},
 		ReadTokens:  []string{"read-token"},
 	})

@@ -96,6 +96,10 @@ func (f *fakeDataplane) haCheck(what, service string) error {
 	return nil
 }
 
+// fakeReplication is the Replication role of a fake dataplane: its
+// journal, cursor and lease in f.ha, its services those of f.
+type fakeReplication struct{ *fakeDataplane }
+
 // fakeFlow is the i-th flow of a fake snapshot.
 func fakeFlow(i int) ha.Flow {
 	return ha.Flow{
@@ -223,7 +227,8 @@ func (f *fakeDataplane) ImportFlows(ctx context.Context, service string, r io.Re
 	return res, nil
 }
 
-func (f *fakeDataplane) FlowDelta(service, journal string, seq uint64, maxOps int) (ha.Delta, error) {
+func (f fakeReplication) FlowDelta(_ context.Context, service string, req fluxvm.FlowDeltaRequest) (ha.Delta, error) {
+	journal, seq, maxOps := req.Journal, req.Seq, req.MaxOps
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.deltaReads = append(f.ha.deltaReads, deltaRead{journal, seq, maxOps})
@@ -246,7 +251,7 @@ func (f *fakeDataplane) FlowDelta(service, journal string, seq uint64, maxOps in
 	return d, nil
 }
 
-func (f *fakeDataplane) ImportFlowDelta(_ context.Context, service string, d ha.Delta) (fluxvm.HADeltaResult, error) {
+func (f fakeReplication) ImportFlowDelta(_ context.Context, service string, d ha.Delta) (fluxvm.HADeltaResult, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.deltaImports = append(f.ha.deltaImports, d)
@@ -267,7 +272,7 @@ func (f *fakeDataplane) ImportFlowDelta(_ context.Context, service string, d ha.
 	return fluxvm.HADeltaResult{Cursor: c, Applied: res}, nil
 }
 
-func (f *fakeDataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStats, error) {
+func (f fakeReplication) AckFlowDelta(_ context.Context, service string, seq uint64) (ha.JournalStats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.haCheck("ack flow delta of", service); err != nil {
@@ -286,7 +291,7 @@ func (f *fakeDataplane) AckFlowDelta(service string, seq uint64) (ha.JournalStat
 	return st, nil
 }
 
-func (f *fakeDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
+func (f fakeReplication) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.ha.leases = append(f.ha.leases, l)
@@ -311,7 +316,7 @@ func (f *fakeDataplane) UpdateLease(l fluxvm.HALease) (fluxvm.HAStatus, error) {
 	return f.haStatusLocked(), nil
 }
 
-func (f *fakeDataplane) HAStatus() fluxvm.HAStatus {
+func (f fakeReplication) Status() fluxvm.HAStatus {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.haStatusLocked()

@@ -12,11 +12,13 @@ import (
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/fluxvm/api"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/policy"
 )
 
-// fakeDataplane is an in-memory Dataplane for handler tests. Errors set in
+// fakeDataplane is an in-memory dataplane for handler tests: every role
+// but Replication (fakeReplication, fake_ha_test.go). Errors set in
 // its fields are returned by the matching method.
 type fakeDataplane struct {
 	mu         sync.Mutex
@@ -68,7 +70,7 @@ type flowRead struct {
 
 // Flows returns the fake's records that f keeps (by service, verdict and
 // backend address; since by LastSeen), at most limit.
-func (f *fakeDataplane) Flows(limit int, flt flows.Filter) ([]flows.Record, error) {
+func (f *fakeDataplane) Flows(_ context.Context, limit int, flt flows.Filter) ([]flows.Record, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.flowReads = append(f.flowReads, flowRead{limit, flt})
@@ -86,6 +88,11 @@ func (f *fakeDataplane) Flows(limit int, flt flows.Filter) ([]flows.Record, erro
 		}
 	}
 	return out, nil
+}
+
+// roles are every role of the fake: f itself, and its replication.
+func (f *fakeDataplane) roles() api.Roles {
+	return api.Roles{Services: f, Observer: f, Admin: f, Flows: f, Policies: f, Snapshots: f, Replication: fakeReplication{f}}
 }
 
 func newFake() *fakeDataplane {
@@ -174,13 +181,13 @@ func (f *fakeDataplane) Status() fluxvm.Status {
 	return st
 }
 
-func (f *fakeDataplane) Stats() (fluxvm.Stats, error) {
+func (f *fakeDataplane) Stats(context.Context) (fluxvm.Stats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.stats, f.statsErr
 }
 
-func (f *fakeDataplane) VMStats(vmID string) (fluxvm.VMStats, error) {
+func (f *fakeDataplane) VMStats(_ context.Context, vmID string) (fluxvm.VMStats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	s, ok := f.vms[vmID]
@@ -272,13 +279,13 @@ func (f *fakeDataplane) policiesLocked() fluxvm.PoliciesStatus {
 	return st
 }
 
-func (f *fakeDataplane) Policies() (fluxvm.PoliciesStatus, error) {
+func (f *fakeDataplane) Policies(context.Context) (fluxvm.PoliciesStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.policiesLocked(), nil
 }
 
-func (f *fakeDataplane) Policy(service string) (fluxvm.PolicyStatus, error) {
+func (f *fakeDataplane) Policy(_ context.Context, service string) (fluxvm.PolicyStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, p := range f.policiesLocked().Policies {

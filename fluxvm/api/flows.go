@@ -101,7 +101,7 @@ func (h *handler) flows(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	recs, err := h.dp.Flows(limit, f)
+	recs, err := h.roles.Flows.Flows(r.Context(), limit, f)
 	if err != nil {
 		return err
 	}
@@ -123,7 +123,7 @@ func (h *handler) exportFlows(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	recs, err := h.dp.Flows(limit, flows.Filter{})
+	recs, err := h.roles.Flows.Flows(r.Context(), limit, flows.Filter{})
 	if err != nil {
 		return err
 	}

@@ -85,7 +85,7 @@ func (e *exportWriter) Write(p []byte) (int, error) {
 }
 
 // exportConntrack answers GET /v1/network/services/{name}/conntrack/export:
-// the snapshot stream of Dataplane.ExportFlows, written to the response as
+// the snapshot stream of Snapshots.ExportFlows, written to the response as
 // it is produced (never held whole). An error before its first byte is
 // the usual JSON error answer. One after it cannot change the status: the
 // connection is aborted (http.ErrAbortHandler) so that the answer ends
@@ -98,7 +98,7 @@ func (h *handler) exportConntrack(w http.ResponseWriter, r *http.Request) error 
 		return err
 	}
 	ew := &exportWriter{w: w, service: name}
-	res, err := h.dp.ExportFlows(r.Context(), name, ew)
+	res, err := h.roles.Snapshots.ExportFlows(r.Context(), name, ew)
 	if err != nil {
 		if !ew.started {
 			return err
@@ -144,7 +144,7 @@ func (b *readErrBody) Read(p []byte) (int, error) {
 
 // importConntrack answers POST /v1/network/services/{name}/conntrack/import:
 // the body, an application/octet-stream snapshot of at most
-// Options.MaxSnapshotBytes, is read by Dataplane.ImportFlows as it
+// Options.MaxSnapshotBytes, is read by Snapshots.ImportFlows as it
 // arrives. prune=true also deletes the service's flows the snapshot lacks.
 func (h *handler) importConntrack(w http.ResponseWriter, r *http.Request) error {
 	name, err := haService(r)
@@ -156,7 +156,7 @@ func (h *handler) importConntrack(w http.ResponseWriter, r *http.Request) error 
 		return err
 	}
 	body := &readErrBody{r: r.Body}
-	res, err := h.dp.ImportFlows(r.Context(), name, body, prune)
+	res, err := h.roles.Snapshots.ImportFlows(r.Context(), name, body, prune)
 	if err != nil {
 		if body.err != nil {
 			// The body broke off: its cause is the answer (413, 408, ...).
@@ -215,7 +215,7 @@ func (h *handler) getDelta(w http.ResponseWriter, r *http.Request) error {
 		}
 		maxOps = n
 	}
-	d, err := h.dp.FlowDelta(name, q.Get("journal"), seq, maxOps)
+	d, err := h.roles.Replication.FlowDelta(r.Context(), name, fluxvm.FlowDeltaRequest{Journal: q.Get("journal"), Seq: seq, MaxOps: maxOps})
 	if err != nil {
 		return err
 	}
@@ -238,7 +238,7 @@ func (h *handler) importDelta(w http.ResponseWriter, r *http.Request) error {
 		e.field = "service"
 		return e
 	}
-	res, err := h.dp.ImportFlowDelta(r.Context(), name, d)
+	res, err := h.roles.Replication.ImportFlowDelta(r.Context(), name, d)
 	if err != nil {
 		return err
 	}
@@ -273,7 +273,7 @@ func (h *handler) ackDelta(w http.ResponseWriter, r *http.Request) error {
 		e.field = "seq"
 		return e
 	}
-	st, err := h.dp.AckFlowDelta(name, *req.Seq)
+	st, err := h.roles.Replication.AckFlowDelta(r.Context(), name, *req.Seq)
 	if err != nil {
 		return err
 	}
@@ -283,7 +283,7 @@ func (h *handler) ackDelta(w http.ResponseWriter, r *http.Request) error {
 
 // haStatus answers GET /v1/network/services/ha.
 func (h *handler) haStatus(w http.ResponseWriter, r *http.Request) error {
-	h.writeJSON(w, r, http.StatusOK, h.dp.HAStatus())
+	h.writeJSON(w, r, http.StatusOK, h.roles.Replication.Status())
 	return nil
 }
 
@@ -297,7 +297,7 @@ func (h *handler) updateLease(w http.ResponseWriter, r *http.Request) error {
 	if err := decodeStrictNoRepeat(body, &l); err != nil {
 		return err
 	}
-	st, err := h.dp.UpdateLease(l)
+	st, err := h.roles.Replication.UpdateLease(r.Context(), l)
 	if err != nil {
 		return err
 	}

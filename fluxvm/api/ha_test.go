@@ -106,7 +106,7 @@ func TestHAStatusAndLease(t *testing.T) {
 			}
 		})
 	}
-	if st := e.dp.HAStatus(); st.Epoch != 4 || st.SupersededBy != 9 {
+	if st := (fakeReplication{e.dp}).Status(); st.Epoch != 4 || st.SupersededBy != 9 {
 		t.Errorf("a refused lease changed the state: %+v", st)
 	}
 
@@ -558,7 +558,7 @@ func deltaBody(t *testing.T, edit func(d *ha.Delta)) string {
 	t.Helper()
 	f := newFake()
 	f.services["web"] = fluxvm.ServiceStatus{}
-	d, err := f.FlowDelta("web", "j1", 0, 3)
+	d, err := fakeReplication{f}.FlowDelta(context.Background(), "web", fluxvm.FlowDeltaRequest{Journal: "j1", MaxOps: 3})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -14,10 +15,14 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm"
 )
 
-// MetricsSource is the part of [Dataplane] the metrics collector reads.
+// MetricsSource is the part of [Observer] the metrics collector reads.
 type MetricsSource interface {
+	// Status describes the dataplane (schema, tier, interfaces, last GC).
 	Status() fluxvm.Status
-	Stats() (fluxvm.Stats, error)
+	// Stats reads the datapath counters.
+	Stats(ctx context.Context) (fluxvm.Stats, error)
+	// Health reports the observed health of the backends of every
+	// service with a health check.
 	Health() fluxvm.HealthReport
 }
 
@@ -259,7 +264,8 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 
-	stats, err := c.src.Stats()
+	// A scrape has no context of its own (prometheus.Collector).
+	stats, err := c.src.Stats(context.Background())
 	if err != nil {
 		emit(descStatsUp, prometheus.GaugeValue, 0)
 		ch <- prometheus.NewInvalidMetric(descPackets, fmt.Errorf("fluxvm metrics: read stats: %w", err))

@@ -394,7 +394,7 @@ func TestMetricsRegistry(t *testing.T) {
 		}
 	}
 	// The same registry cannot take a second dataplane collector.
-	if _, err := api.New(newFake(), api.Options{AdminTokens: []string{"a"}, Registry: reg}); err == nil {
+	if _, err := api.New(newFake().roles(), api.Options{AdminTokens: []string{"a"}, Registry: reg}); err == nil {
 		t.Error("New registered a second collector in the same registry")
 	}
 }

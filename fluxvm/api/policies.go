@@ -14,7 +14,7 @@ import (
 // IPCacheSource returns the node's ipcache as its owner keeps it (the
 // reference daemon: the file named by ipcache_file, read again on every
 // call). POST /v1/network/services/policies/reconcile calls it and applies
-// what it returns (Dataplane.SetIPCache) before answering.
+// what it returns (PolicyStore.SetIPCache) before answering.
 type IPCacheSource func(ctx context.Context) (fluxvm.IPCache, error)
 
 // policyReconcileRequest is the body of POST
@@ -23,7 +23,7 @@ type policyReconcileRequest struct{}
 
 // listPolicies answers GET /v1/network/services/policies.
 func (h *handler) listPolicies(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.Policies()
+	st, err := h.roles.Policies.Policies(r.Context())
 	if err != nil {
 		return err
 	}
@@ -33,7 +33,7 @@ func (h *handler) listPolicies(w http.ResponseWriter, r *http.Request) error {
 
 // applyPolicies answers POST /v1/network/services/policies: the body is
 // one policy object or a JSON array of them, applied as one reconcile
-// (Dataplane.ApplyPolicies). Every policy is checked on its own first, so
+// (PolicyStore.ApplyPolicies). Every policy is checked on its own first, so
 // that an error names the field of the request ("[2].deny_identities[0]"
 // in an array): a malformed or invalid policy is 400, one service named
 // twice 409, a policy of a service the node does not have 422
@@ -85,14 +85,14 @@ func (h *handler) applyPolicies(w http.ResponseWriter, r *http.Request) error {
 				Reason: fmt.Sprintf("service %q already has the policy %s of this request", p.Service, field(j, ""))}
 		}
 		seen[p.Service] = i
-		if _, err := h.dp.Service(p.Service); err != nil {
+		if _, err := h.roles.Services.Service(p.Service); err != nil {
 			if errors.Is(err, fluxvm.ErrNotFound) {
 				return errNoService(field(i, "service"), p.Service)
 			}
 			return err
 		}
 	}
-	st, err := h.dp.ApplyPolicies(r.Context(), list...)
+	st, err := h.roles.Policies.ApplyPolicies(r.Context(), list...)
 	if err != nil {
 		return err
 	}
@@ -141,12 +141,12 @@ func (h *handler) reconcilePolicies(w http.ResponseWriter, r *http.Request) erro
 			}
 			return e
 		}
-		st, err = h.dp.SetIPCache(r.Context(), ipc)
+		st, err = h.roles.Policies.SetIPCache(r.Context(), ipc)
 		if err != nil {
 			return err
 		}
 	} else {
-		st, err = h.dp.ApplyPolicies(r.Context())
+		st, err = h.roles.Policies.ApplyPolicies(r.Context())
 		if err != nil {
 			return err
 		}
@@ -161,7 +161,7 @@ func (h *handler) getPolicy(w http.ResponseWriter, r *http.Request) error {
 	if fluxvm.IsReservedName(name) {
 		return errReservedRoute(r, name)
 	}
-	st, err := h.dp.Policy(name)
+	st, err := h.roles.Policies.Policy(r.Context(), name)
 	if err != nil {
 		return err
 	}
@@ -177,7 +177,7 @@ func (h *handler) deletePolicy(w http.ResponseWriter, r *http.Request) error {
 		// Validation refuses a policy for a reserved name: none exists.
 		return errReservedRoute(r, name)
 	}
-	if err := h.dp.DeletePolicy(r.Context(), name); err != nil {
+	if err := h.roles.Policies.DeletePolicy(r.Context(), name); err != nil {
 		return err
 	}
 	w.Header().Del("Content-Type")
@@ -219,7 +219,7 @@ func (h *handler) getEnvoy(w http.ResponseWriter, r *http.Request) error {
 	if fluxvm.IsReservedName(name) {
 		return errReservedRoute(r, name)
 	}
-	doc, err := h.dp.Envoy(name)
+	doc, err := h.roles.Policies.Envoy(name)
 	if err != nil {
 		return err
 	}

@@ -58,7 +58,7 @@ func TestSnapshotRoutesWithoutHA(t *testing.T) {
 			o.NorthSouth = fluxvm.NorthSouth{Interfaces: []string{"uplink"}, SNATAddress: netip.MustParseAddr("10.250.0.100"), SNATPortMin: 62000, SNATPortMax: 62999}
 			svc.Exposure = fluxvm.ExposureBoth
 		}
-		d, err := fluxvm.Open(o)
+		d, err := fluxvm.Open(context.Background(), o)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -66,7 +66,7 @@ func TestSnapshotRoutesWithoutHA(t *testing.T) {
 		if _, err := d.ApplyService(context.Background(), svc); err != nil {
 			t.Fatal(err)
 		}
-		h, err := api.New(d, api.Options{AdminTokens: []string{adminToken}, ReadTokens: []string{readToken}})
+		h, err := api.New(api.RolesOf(d), api.Options{AdminTokens: []string{adminToken}, ReadTokens: []string{readToken}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -94,7 +94,7 @@ func TestSnapshotRoutesWithoutHA(t *testing.T) {
 	if body.n != 0 {
 		t.Errorf("an import refused for its prerequisite read %d bytes", body.n)
 	}
-	if err := d.Cleanup(); err != nil {
+	if err := d.Cleanup(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 

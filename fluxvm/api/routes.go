@@ -147,7 +147,7 @@ func (h *handler) writeJSON(w http.ResponseWriter, r *http.Request, status int, 
 }
 
 func (h *handler) listServices(w http.ResponseWriter, r *http.Request) error {
-	list := h.dp.Services()
+	list := h.roles.Services.Services()
 	if list == nil {
 		list = []fluxvm.ServiceStatus{}
 	}
@@ -164,7 +164,7 @@ func (h *handler) applyService(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	st, err := h.dp.ApplyService(r.Context(), svc)
+	st, err := h.roles.Services.ApplyService(r.Context(), svc)
 	if err != nil {
 		return err
 	}
@@ -185,7 +185,7 @@ func (h *handler) getService(w http.ResponseWriter, r *http.Request) error {
 	if fluxvm.IsReservedName(name) {
 		return errReservedRoute(r, name)
 	}
-	st, err := h.dp.Service(name)
+	st, err := h.roles.Services.Service(name)
 	if err != nil {
 		return err
 	}
@@ -199,7 +199,7 @@ func (h *handler) getService(w http.ResponseWriter, r *http.Request) error {
 // route that does not exist.
 func (h *handler) deleteService(w http.ResponseWriter, r *http.Request) error {
 	name := r.PathValue("name")
-	if err := h.dp.DeleteService(r.Context(), name); err != nil {
+	if err := h.roles.Services.DeleteService(r.Context(), name); err != nil {
 		if fluxvm.IsReservedName(name) && errors.Is(err, fluxvm.ErrNotFound) {
 			return errReservedRoute(r, name)
 		}
@@ -211,12 +211,12 @@ func (h *handler) deleteService(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (h *handler) status(w http.ResponseWriter, r *http.Request) error {
-	h.writeJSON(w, r, http.StatusOK, h.dp.Status())
+	h.writeJSON(w, r, http.StatusOK, h.roles.Observer.Status())
 	return nil
 }
 
 func (h *handler) stats(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.Stats()
+	st, err := h.roles.Observer.Stats(r.Context())
 	if err != nil {
 		return err
 	}
@@ -254,7 +254,7 @@ func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
 	if err := emptyBody(r, &gcRequest{}); err != nil {
 		return err
 	}
-	res, err := h.dp.GC(r.Context())
+	res, err := h.roles.Admin.GC(r.Context())
 	if err != nil {
 		return err
 	}
@@ -263,7 +263,7 @@ func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (h *handler) health(w http.ResponseWriter, r *http.Request) error {
-	h.writeJSON(w, r, http.StatusOK, healthReport(h.dp.Health()))
+	h.writeJSON(w, r, http.StatusOK, healthReport(h.roles.Observer.Health()))
 	return nil
 }
 
@@ -275,7 +275,7 @@ func (h *handler) reconcileHealth(w http.ResponseWriter, r *http.Request) error 
 	if err := emptyBody(r, &reconcileRequest{}); err != nil {
 		return err
 	}
-	rep, err := h.dp.ReconcileHealth(r.Context())
+	rep, err := h.roles.Admin.ReconcileHealth(r.Context())
 	if err != nil {
 		return err
 	}
@@ -290,7 +290,7 @@ func (h *handler) reconcilePressure(w http.ResponseWriter, r *http.Request) erro
 	if err := emptyBody(r, &reconcileRequest{}); err != nil {
 		return err
 	}
-	round, err := h.dp.ReconcilePressure(r.Context())
+	round, err := h.roles.Admin.ReconcilePressure(r.Context())
 	if err != nil {
 		return err
 	}
@@ -315,7 +315,7 @@ func healthReport(rep fluxvm.HealthReport) fluxvm.HealthReport {
 // the file holds it (package advert): indented JSON and a final newline,
 // entries never null.
 func (h *handler) advertisements(w http.ResponseWriter, r *http.Request) error {
-	s := h.dp.Advertisements()
+	s := h.roles.Observer.Advertisements()
 	if s.Entries == nil {
 		s.Entries = []advert.Entry{}
 	}
@@ -334,7 +334,7 @@ func (h *handler) advertisements(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (h *handler) vmStats(w http.ResponseWriter, r *http.Request) error {
-	st, err := h.dp.VMStats(r.PathValue("id"))
+	st, err := h.roles.Observer.VMStats(r.Context(), r.PathValue("id"))
 	if err != nil {
 		return err
 	}

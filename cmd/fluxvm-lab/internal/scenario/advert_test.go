@@ -169,7 +169,7 @@ func TestE2EAdvertisementsFollowHealth(t *testing.T) {
 			t.Errorf("scenario env close: %v", err)
 		}
 	})
-	h, err := api.New(e.DP, api.Options{ReadTokens: []string{"read-token"}})
+	h, err := api.New(api.RolesOf(e.DP), api.Options{ReadTokens: []string{"read-token"}})
 	if err != nil {
 		t.Fatal(err)
 	}

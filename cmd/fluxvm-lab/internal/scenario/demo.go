@@ -199,7 +199,7 @@ func Demo(ctx context.Context, w io.Writer, o DemoOptions) (err error) {
 // bytes both ways), read with Dataplane.Flows, the call behind GET
 // /v1/network/services/flows.
 func printTopFlows(w io.Writer, d *fluxvm.Dataplane, top int) error {
-	recs, err := d.Flows(flows.MaxLimit, flows.Filter{})
+	recs, err := d.Flows(context.Background(), flows.MaxLimit, flows.Filter{})
 	if err != nil {
 		return err
 	}
@@ -337,14 +337,14 @@ func connect(ctx context.Context, w io.Writer, env *Env, n int, progress bool) (
 }
 
 func printStats(w io.Writer, d *fluxvm.Dataplane) error {
-	st, err := d.Stats()
+	st, err := d.Stats(context.Background())
 	if err != nil {
 		return err
 	}
 	c := st.Services["web"]
 	fmt.Fprintf(w, "   service stats: %d packets / %d bytes in, %d packets / %d bytes back, %d new flows, %d failovers, %d drops\n",
 		c.Packets, c.Bytes, c.ReplyPackets, c.ReplyBytes, c.NewFlows, c.Failovers, c.Drops)
-	vm, err := d.VMStats("vm1")
+	vm, err := d.VMStats(context.Background(), "vm1")
 	if err != nil {
 		return err
 	}

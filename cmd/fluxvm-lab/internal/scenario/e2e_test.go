@@ -381,7 +381,7 @@ func TestE2EDistributionFollowsWeights(t *testing.T) {
 			e2eShares(t, e, got, n, weights)
 		})
 	}
-	st, err := e.DP.Stats()
+	st, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -550,7 +550,7 @@ func TestE2EDrainingUntilDeadline(t *testing.T) {
 		e2eOnly(t, "drained "+fam.name+" tcp", tcp, "vm3", "vm4")
 		e2eOnly(t, "drained "+fam.name+" udp", udp, "vm3", "vm4")
 	}
-	stats, err := e.DP.Stats()
+	stats, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -619,7 +619,7 @@ func TestE2EUnhealthyFailsOver(t *testing.T) {
 		e2eOnly(t, "unhealthy "+fam.name+" tcp", tcp, "vm3", "vm4")
 		e2eOnly(t, "unhealthy "+fam.name+" udp", udp, "vm3", "vm4")
 	}
-	stats, err := e.DP.Stats()
+	stats, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -674,7 +674,7 @@ func TestE2EDataplaneRestartKeepsOpenFlows(t *testing.T) {
 		}
 	}
 	check("before restart")
-	before, err := e.DP.Stats()
+	before, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -685,7 +685,7 @@ func TestE2EDataplaneRestartKeepsOpenFlows(t *testing.T) {
 	e.DP = nil // Env.Close still removes the pins and namespaces
 	check("without a dataplane process")
 
-	d, err := fluxvm.Open(e.Options)
+	d, err := fluxvm.Open(context.Background(), e.Options)
 	if err != nil {
 		t.Fatalf("reopen: %v", err)
 	}
@@ -700,7 +700,7 @@ func TestE2EDataplaneRestartKeepsOpenFlows(t *testing.T) {
 	}
 	check("after restart")
 
-	after, err := d.Stats()
+	after, err := d.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1043,7 +1043,7 @@ func TestE2EPolicyBehindServiceChain(t *testing.T) {
 			t.Errorf("the policy program saw %d more packets to %s from VIP flows", end[a]-seen[a], a)
 		}
 	}
-	vs, err := e.DP.VMStats(e.Client.Name)
+	vs, err := e.DP.VMStats(context.Background(), e.Client.Name)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@
 package scenario
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -107,7 +108,7 @@ func NewEnvConfig(n int, log *slog.Logger, configure func(*fluxvm.Config)) (e *E
 	e.Options.Loader.Tier = bpf.TierS
 	e.Options.InNamespace = e.Lab.Node.Do
 	e.Options.Logger = log
-	if e.DP, err = fluxvm.Open(e.Options); err != nil {
+	if e.DP, err = fluxvm.Open(context.Background(), e.Options); err != nil {
 		return e, err
 	}
 	return e, nil
@@ -148,7 +149,7 @@ func (e *Env) Backend(name string) (*lab.VM, int, error) {
 func (e *Env) Close() error {
 	var errs []error
 	if e.DP != nil {
-		errs = append(errs, e.DP.Cleanup())
+		errs = append(errs, e.DP.Cleanup(context.Background()))
 		e.DP = nil
 	}
 	for _, s := range e.servers {

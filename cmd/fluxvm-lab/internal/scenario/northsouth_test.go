@@ -9,6 +9,7 @@ package scenario
 // routed DSR (the backend holds the VIP and answers the client directly).
 
 import (
+	"context"
 	"net/netip"
 	"slices"
 	"testing"
@@ -90,7 +91,7 @@ func nsPeers(e *Env) map[netip.Addr][]netip.AddrPort {
 // nsCounters reads the datapath's event counters by name.
 func nsCounters(t *testing.T, e *Env) map[string]uint64 {
 	t.Helper()
-	st, err := e.DP.Stats()
+	st, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,7 +232,7 @@ func TestE2ERemoteBackend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.DP.AddNorthSouthInterface("uplink2"); err != nil {
+	if _, err := e.DP.AddNorthSouthInterface(context.Background(), "uplink2"); err != nil {
 		t.Fatal(err)
 	}
 	srv, err := far.Serve(BackendPort)

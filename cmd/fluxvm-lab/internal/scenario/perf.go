@@ -754,7 +754,7 @@ type perfCounts struct {
 
 // datapathCounts reads them through the SDK (fluxvm.Dataplane.Stats).
 func (p *perfRun) datapathCounts() (perfCounts, error) {
-	st, err := p.env.DP.Stats()
+	st, err := p.env.DP.Stats(context.Background())
 	if err != nil {
 		return perfCounts{}, err
 	}
@@ -895,7 +895,7 @@ func (p *perfRun) bpfTime() (time.Duration, uint64, error) {
 // them back, for PathBare.
 func (p *perfRun) detach() error {
 	for _, vm := range p.env.Lab.VMs {
-		if err := p.env.DP.RemoveInterface(vm.NodeIf); err != nil {
+		if err := p.env.DP.RemoveInterface(context.Background(), vm.NodeIf); err != nil {
 			return err
 		}
 	}
@@ -905,7 +905,7 @@ func (p *perfRun) detach() error {
 func (p *perfRun) attach() error {
 	var errs []error
 	for _, vm := range p.env.Lab.VMs {
-		if _, err := p.env.DP.AddInterface(fluxvm.VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err != nil {
+		if _, err := p.env.DP.AddInterface(context.Background(), fluxvm.VMEdgeInterface{Name: vm.NodeIf, VMID: vm.Name}); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -302,7 +302,7 @@ func (p *perfRun) setXDP(on bool) error {
 	if on {
 		o.NorthSouth.XDPMode, o.NorthSouth.XDPEgress = bpf.XDPNative, []string{n.backend.NodeIf}
 	}
-	dp, err := fluxvm.Open(o)
+	dp, err := fluxvm.Open(context.Background(), o)
 	if err != nil {
 		p.env.DP = nil // closed; Env.Close removes the pins
 		return fmt.Errorf("reopen with xdp_mode %s: %w", o.NorthSouth.XDPMode, err)

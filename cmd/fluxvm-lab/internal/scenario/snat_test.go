@@ -4,6 +4,7 @@ package scenario
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -115,7 +116,7 @@ func TestE2ESNATSequentialPorts(t *testing.T) {
 // nsStats reads the dataplane's statistics.
 func nsStats(t *testing.T, e *Env) fluxvm.Stats {
 	t.Helper()
-	st, err := e.DP.Stats()
+	st, err := e.DP.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}

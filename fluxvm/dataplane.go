@@ -22,6 +22,7 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/advertisements"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	flowview "github.com/fluxvm/servicefabric/fluxvm/internal/flows"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
@@ -89,12 +90,12 @@ type Dataplane struct {
 	be2fe     map[bpf.Be2feKey][]be2feSlot // the reverse translation index (be2fe.go)
 	sids      *idPool
 	bids      *idPool
-	edges     *idPool
 	ifaces    map[string]*iface
 	pacing    *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
 	snat      bpf.SNATConfig
 	revision  uint64
 	lastGC    *GCResult
+	scope     *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)
 	sock      *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
 	health    *healthchecks.Checks       // active health checks (internal/health; health.go)
 	adv       *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
@@ -433,7 +434,9 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	d.inner = d.dp.Spec().Maps["fluxvm_maglev"].InnerMap
 	d.sids = newIDPool(d.caps.Services)
 	d.bids = newIDPool(d.caps.Backends)
-	d.edges = newIDPool(d.caps.Edges)
+	if err := d.newScope(); err != nil {
+		return err
+	}
 	switch {
 	case st.MountWarning != "":
 		d.log.Warn("fluxvm: " + st.MountWarning)
@@ -778,6 +781,7 @@ func (d *Dataplane) Close() error {
 	d.routes.Close() // its only error is the close of its netlink socket
 	d.adv.Close()
 	d.pacing.Close()
+	d.scope.Close()
 	cerr := d.closeCatalog()
 	// A compaction finishes first (it holds flowMu to its end).
 	d.flowMu.Lock()
@@ -829,6 +833,7 @@ func (d *Dataplane) Cleanup(ctx context.Context) error {
 	d.adv.Submit([]advert.Entry{})
 	d.adv.Close()
 	d.pacing.Close()
+	d.scope.Close()
 	var errs []error
 	if d.store != nil {
 		d.store.Drop()

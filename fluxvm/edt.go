@@ -156,29 +156,28 @@ func (d *Dataplane) syncEDTNode() {
 	}
 }
 
-// serviceEDT is s's pacing with its counters, or nil when it is not
-// paced. A counter that cannot be read is left 0 (Stats reports the
-// error). d.mu must be held.
+// serviceEDT is s's pacing with its counters (summed by the flows
+// component), or nil when it is not paced. Counters that cannot be read
+// are left 0 (Stats reports the error). d.mu must be held.
 func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
+	out := d.edtSettings(s)
+	if out == nil || d.closed {
+		return out
+	}
+	if c, err := d.scope.Service(s.serviceIDs()); err == nil {
+		out.Bytes, out.HorizonDrops = c.ReplyBytes, c.HorizonDrops
+	}
+	return out
+}
+
+// edtSettings is s's pacing without its counters, or nil when it is not
+// paced.
+func (d *Dataplane) edtSettings(s *service) *ServiceEDTStatus {
 	m := s.intent.MaxEgressMbps
 	if m == 0 {
 		return nil
 	}
-	out := &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
-	if d.closed {
-		return out
-	}
-	for _, fe := range s.frontends {
-		var per []bpf.ServiceStats
-		if err := d.dp.Maps().FluxvmSvcStats.Lookup(fe.sid, &per); err != nil {
-			continue
-		}
-		for _, p := range per {
-			out.Bytes += p.ReplyBytes
-			out.HorizonDrops += p.EdtDrops
-		}
-	}
-	return out
+	return &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
 }
 
 // edtStatus is the node's EDT status. d.mu must be held.

@@ -6,6 +6,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	flowview "github.com/fluxvm/servicefabric/fluxvm/internal/flows"
 )
 
 // ServiceStatus is a service as the node has it: the stored intent and
@@ -259,16 +260,9 @@ type HookStatus struct {
 	Mode string `json:"mode"` // "tcx" or "cls_bpf"
 }
 
-// Counters are packet and byte totals of the datapath.
-type Counters struct {
-	Packets      uint64 `json:"packets"`
-	Bytes        uint64 `json:"bytes"`
-	ReplyPackets uint64 `json:"reply_packets"`
-	ReplyBytes   uint64 `json:"reply_bytes"`
-	NewFlows     uint64 `json:"new_flows"`
-	Failovers    uint64 `json:"failovers"`
-	Drops        uint64 `json:"drops"`
-}
+// Counters are packet and byte totals of the datapath (package
+// fluxvm/internal/flows sums them).
+type Counters = flowview.Counters
 
 // Stats are the node's datapath statistics.
 type Stats struct {
@@ -292,11 +286,7 @@ type Stats struct {
 }
 
 // VMStats are the service statistics of one VM's edge interfaces.
-type VMStats struct {
-	VMID       string   `json:"vm_id"`
-	Interfaces []string `json:"interfaces"`
-	Counters   Counters `json:"counters"`
-}
+type VMStats = flowview.VMStats
 
 // GCResult reports one conntrack garbage collection.
 type GCResult struct {

@@ -196,8 +196,8 @@ func newRig(t *testing.T) *rig {
 	t.Helper()
 	tcp := []intent.ServicePort{{Port: 80, Protocol: intent.TCP}}
 	s := &fakeServices{t: t, closed: map[uint32]bool{},
-		svcs: map[string]*intent.Service{"web": {Name: "web", Ports: tcp}, "db": {Name: "db", Ports: tcp}},
-		fes:  []*Frontend{{Service: "web", SID: 1, Flags: bpf.SvcFlagRevStored}, {Service: "web", SID: 2}, {Service: "db", SID: 3}},
+		svcs:   map[string]*intent.Service{"web": {Name: "web", Ports: tcp}, "db": {Name: "db", Ports: tcp}},
+		fes:    []*Frontend{{Service: "web", SID: 1, Flags: bpf.SvcFlagRevStored}, {Service: "web", SID: 2}, {Service: "db", SID: 3}},
 		vmedge: map[string]int{"fxproxy0": 7}, devices: map[string]uint32{"fxproxy0": 7}}
 	w := &fakeWriter{t: t, svc: s, heads: map[uint32]policy.Compiled{}}
 	s.w = w

@@ -424,7 +424,10 @@ func TestDelete(t *testing.T) {
 					t.Errorf("frontend %d keeps flags %#x", fe.SID, fe.Flags)
 				}
 			}
-			last := r.journal[len(r.journal)-1]
+			if len(r.journal) != 2 {
+				t.Fatalf("%d journal records, want 2", len(r.journal))
+			}
+			last := r.journal[1]
 			if len(last.Policies) != 1 || last.Policies[0].Service != "db" || r.e.Has("web") || len(r.e.ProxyNames()) != 0 {
 				t.Errorf("journal %+v, has web %v, proxies %v", last, r.e.Has("web"), r.e.ProxyNames())
 			}

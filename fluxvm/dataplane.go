@@ -23,6 +23,7 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
 	"github.com/fluxvm/servicefabric/intent"
@@ -101,7 +102,10 @@ type Dataplane struct {
 	// testHealthDial, set by tests before the first check, replaces
 	// dialNode for the health checks.
 	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)
-	pol            policyState // identity policies (policy.go)
+	pol            *policies.Enforcer // identity policies (internal/policies; policy.go)
+	// polMu serialises policy changes: taken before the service locks
+	// and d.mu (changePolicies).
+	polMu sync.Mutex
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -561,7 +565,7 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	}
 	// A restored L7 policy whose proxy interface is not attached now
 	// fails closed (the restore resolved it by its device alone).
-	for _, name := range d.proxyNames() {
+	for _, name := range d.pol.ProxyNames() {
 		if err := d.refreshProxies(name); err != nil {
 			return fmt.Errorf("fluxvm: open: %w", err)
 		}
@@ -666,8 +670,8 @@ func (d *Dataplane) restore() (err error) {
 	}
 	// Identity policies first: each frontend attaches its service's
 	// policy before its flag goes in (readyFrontend).
-	if err := d.restorePolicies(cat.Policies); err != nil {
-		return err
+	if err := d.pol.Restore(cat.Policies); err != nil {
+		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	for _, cs := range cat.Services {
 		if err := d.program(cs.Service, d.services[cs.Service.Name]); err != nil {
@@ -676,7 +680,7 @@ func (d *Dataplane) restore() (err error) {
 	}
 	// What a previous process left in the policy maps and nothing uses
 	// now goes (after a plain restart the maps were kept).
-	if err := d.writePolicies(d.pol.prog); err != nil {
+	if err := d.pol.Write(); err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	d.store = st

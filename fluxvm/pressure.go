@@ -171,11 +171,12 @@ func (d *Dataplane) pressureStatus() (PressureStatus, error) {
 	// iterator; only the control plane writes them, so what it wrote is
 	// what they hold.
 	m := d.dp.Maps()
+	v4, v6 := d.pol.IPCacheSizes()
 	for _, t := range []struct {
 		name string
 		m    *ebpf.Map
 		n    int
-	}{{"fluxvm_sid4", m.FluxvmSid4, len(d.pol.prog.IPv4)}, {"fluxvm_sid6", m.FluxvmSid6, len(d.pol.prog.IPv6)}} {
+	}{{"fluxvm_sid4", m.FluxvmSid4, v4}, {"fluxvm_sid6", m.FluxvmSid6, v6}} {
 		if t.m != nil {
 			f := bpf.MapFill{Entries: int64(t.n), MaxEntries: t.m.MaxEntries()}
 			st.Maps[t.name] = MapPressure{Entries: f.Entries, MaxEntries: f.MaxEntries, Percent: f.Percent()}

@@ -629,7 +629,7 @@ func (d *Dataplane) HAStatus() HAStatus {
 	if h == nil {
 		return HAStatus{}
 	}
-	st := HAStatus{Enabled: true, Interval: Duration{h.interval}}
+	st := HAStatus{Enabled: true, Interval: Duration{Duration: h.interval}}
 	if h.drainer != nil {
 		st.Queue.Read, st.Queue.Skipped, st.Queue.Dropped, _ = h.drainer.Stats()
 	}

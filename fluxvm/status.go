@@ -297,16 +297,3 @@ type VMStats struct {
 	Interfaces []string `json:"interfaces"`
 	Counters   Counters `json:"counters"`
 }
-
-// GCResult reports one conntrack garbage collection.
-type GCResult struct {
-	At       time.Time     `json:"at"`
-	Duration time.Duration `json:"duration_ns"`
-	Scanned  int           `json:"scanned"`
-	Expired  int           `json:"expired"`
-	Drained  int           `json:"drained"`
-	// BackendGone counts flows whose backend was removed.
-	BackendGone int `json:"backend_gone"`
-	Orphans     int `json:"orphans_removed"`
-	Repaired    int `json:"repaired"`
-}

@@ -1207,7 +1207,7 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // Close cancels it and waits for it to return, and a GC it interrupted,
 // or one called after Close, fails with an error matching ErrClosed.
 // The GC timer counts from it: the timer's next GC is due one period
-// after the last GC began, whoever ran it (gctimer.go).
+// after the last GC began, whoever ran it (fluxvm/internal/gctimer).
 func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	if err := d.opened("gc"); err != nil {
 		return GCResult{}, err

@@ -71,7 +71,7 @@ func TestMapPressureLoop(t *testing.T) {
 
 // TestMapPressureWakesOnInsertFailure: a failed datapath insert wakes a
 // round well before the next reading of the levels (5 s here): the loop
-// reads the two failure counters every failureCheck (250 ms).
+// reads the two failure counters every pressure.FailureCheck (250 ms).
 func TestMapPressureWakesOnInsertFailure(t *testing.T) {
 	e := newEnv(t)
 	e.opts.Pressure.Interval = 5 * time.Second

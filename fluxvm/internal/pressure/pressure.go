@@ -26,12 +26,13 @@
 // Dataplane interface of its Deps, which the facade implements: read the
 // levels, run a GC, shed, grow, compact.
 //
-// Lock order: the facade may call Status with its own lock (d.mu) held;
-// this component's locks are taken after it, never before. A round holds
-// the component's round lock while it calls the Dataplane (which takes
-// d.mu as it needs): the facade never takes the round lock while holding
-// d.mu (it calls Round and Close without it). No Dataplane method is
-// called with stMu held.
+// Lock order: the facade may call StatusOf and Level with its own lock
+// (d.mu) held; this component's status lock is taken after it, never
+// before. Status, Round, Start and Close call the Dataplane (which takes
+// d.mu as it needs): the facade calls them without d.mu. A round holds
+// the component's round lock while it calls the Dataplane; the facade
+// never waits for that lock while holding d.mu. No Dataplane method is
+// called with the status lock held.
 package pressure
 
 import (

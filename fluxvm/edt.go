@@ -164,7 +164,7 @@ func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
 	if m == 0 {
 		return nil
 	}
-	out := &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
+	out := &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{Duration: d.opts.edtHorizon()}}
 	if d.closed {
 		return out
 	}
@@ -183,7 +183,7 @@ func (d *Dataplane) serviceEDT(s *service) *ServiceEDTStatus {
 
 // edtStatus is the node's EDT status. d.mu must be held.
 func (d *Dataplane) edtStatus() EDTStatus {
-	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{d.opts.edtHorizon()}}
+	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{Duration: d.opts.edtHorizon()}}
 	if d.pacing == nil || d.closed {
 		return out
 	}

@@ -86,7 +86,7 @@ func (d *Dataplane) catalogSnapshot() catalogFile {
 		cat.Services = append(cat.Services, catalogServiceOf(s))
 	}
 	sort.Slice(cat.Services, func(i, j int) bool { return cat.Services[i].Service.Name < cat.Services[j].Service.Name })
-	cat.Policies = d.pol.saved()
+	cat.Policies = d.pol.Saved()
 	return cat
 }
 
@@ -115,12 +115,6 @@ func (d *Dataplane) journal(name string, s *service) (uint64, error) {
 		r = catalog.Record{Put: &cs}
 	}
 	return d.appendRecord(r)
-}
-
-// journalPolicies records the policy state in the catalog. d.mu must be
-// held.
-func (d *Dataplane) journalPolicies() (uint64, error) {
-	return d.appendRecord(catalog.Record{Policies: d.pol.saved()})
 }
 
 func (d *Dataplane) appendRecord(r catalog.Record) (uint64, error) {

@@ -37,69 +37,25 @@ import (
 // Maglev, policy) is untouched. A flow left out whose client still sends
 // is learned again at its next packet, by Maglev onto the same backend
 // unless membership changed.
+//
+// The controller (package fluxvm/internal/pressure) decides which map
+// keeps how many entries and when to try again after a failure; this
+// file does the compaction, which touches the flow maps, their views and
+// d.flowMu.
 
-// PressureCompaction is what a round's hard action did.
-type PressureCompaction struct {
-	// Maps are the flow maps rebuilt, with what each kept and dropped.
-	Maps []bpf.FlowMapCompaction `json:"maps,omitempty"`
-	// Links are the pinned attachments switched to the reloaded programs.
-	Links []string `json:"links,omitempty"`
-	// Switch is how long the switch held the dataplane's lock (applies,
-	// status and health transitions waited that long, not the whole
-	// Duration: the copy and the program loads run without it).
-	Switch Duration `json:"switch,omitzero"`
-	// Deferred says why the round could not compact now (a GC or an HA
-	// import was writing the flow maps); the next round tries again.
-	Deferred string `json:"deferred,omitempty"`
-	// Error is why the compaction failed (the maps stay as they were
-	// unless it says the generation marker stays cleared).
-	Error    string   `json:"error,omitempty"`
-	Duration Duration `json:"duration"`
-}
-
-// compactionPlan returns the conntrack maps a hard round rebuilds, with
-// the entries each keeps: a family's fluxvm_fct map when it or its
-// reverse-NAT map is at or above the hard threshold and it holds more than
-// it would keep, kept to one point below the soft one (the flows learned
-// while it is rebuilt, copied after the switch, do not put it straight
-// back above).
-func (d *Dataplane) compactionPlan(st PressureStatus) map[string]int {
-	c := d.pressure
-	keep := map[string]int{}
-	for _, fam := range [][2]string{{"fluxvm_fct4", "fluxvm_nat4"}, {"fluxvm_fct6", "fluxvm_nat6"}} {
-		ct, nt := st.Maps[fam[0]], st.Maps[fam[1]]
-		if c.level(ct.Percent) != PressureHard && c.level(nt.Percent) != PressureHard {
-			continue
-		}
-		if k := int(int64(ct.MaxEntries) * int64(c.soft-1) / 100); ct.Entries > int64(k) {
-			keep[fam[0]] = k
-		}
-	}
-	return keep
-}
-
-// compactRetry is how long the controller waits after a compaction that
-// failed before it tries another (each costs a copy of the map and a
-// program load).
-const compactRetry = time.Minute
-
-// compactFlows runs the hard action on the maps of keep.
+// compactFlows runs the hard action on the maps of keep (the
+// controller's plan, pressure.Controller.Plan); its error is the
+// compaction's failure (the controller waits pressure.CompactRetry
+// before it tries again).
 func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, error) {
 	start := time.Now()
 	pc := &PressureCompaction{}
 	done := func(err error) (*PressureCompaction, error) {
-		pc.Duration = Duration{time.Since(start)}
+		pc.Duration = Duration{Duration: time.Since(start)}
 		if err != nil {
 			pc.Error = err.Error()
-			d.pressure.compactFailed.Store(time.Now().UnixNano())
-			return pc, fmt.Errorf("fluxvm: pressure: compact: %w", err)
 		}
-		return pc, nil
-	}
-	if at := d.pressure.compactFailed.Load(); at != 0 && time.Since(time.Unix(0, at)) < compactRetry {
-		pc.Deferred = fmt.Sprintf("the last compaction failed %v ago; the next is tried %v after it",
-			time.Since(time.Unix(0, at)).Round(time.Second), compactRetry)
-		return pc, nil
+		return pc, err
 	}
 	// GC, shedding and imports write the flow maps through the views the
 	// compaction rebinds: it waits for none of them (a slow import would
@@ -136,7 +92,7 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 	var dropped []drop
 	res, err := d.dp.CompactFlowMaps(bpf.CompactOptions{Keep: keep, Switch: &d.mu,
 		Dropped: func(_ string, k, v []byte) { dropped = append(dropped, drop{k, v}) }})
-	pc.Maps, pc.Links, pc.Switch = res.Maps, res.Links, Duration{res.SwitchTime}
+	pc.Maps, pc.Links, pc.Switch = res.Maps, res.Links, Duration{Duration: res.SwitchTime}
 	if !res.Switched {
 		return done(err)
 	}

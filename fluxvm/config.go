@@ -1,12 +1,12 @@
 package fluxvm
 
 import (
-	"fmt"
 	"net/netip"
 	"time"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/duration"
 )
 
 // ConfigTable is the TOML table that holds the node's Service Fabric
@@ -74,21 +74,9 @@ const (
 
 // Duration is a time.Duration written in TOML as a Go duration string
 // ("30s", "6h", "1m30s"). A bare number is rejected: it would be
-// ambiguous about its unit.
-type Duration struct{ time.Duration }
-
-// UnmarshalText parses a Go duration string.
-func (d *Duration) UnmarshalText(b []byte) error {
-	v, err := time.ParseDuration(string(b))
-	if err != nil {
-		return fmt.Errorf("%q is not a duration; write a string such as \"30s\", \"6h\" or \"1m30s\"", b)
-	}
-	d.Duration = v
-	return nil
-}
-
-// MarshalText formats d as a Go duration string.
-func (d Duration) MarshalText() ([]byte, error) { return []byte(d.Duration.String()), nil }
+// ambiguous about its unit. (Package fluxvm/internal/duration's, which
+// the components' status types use too.)
+type Duration = duration.Duration
 
 // VMEdgeInterface is one VM-edge interface (the host side of a VM's tap
 // or veth) on which the TC programs are attached, and the VM it belongs
@@ -320,18 +308,18 @@ func DefaultConfig() Config {
 		PinRoot:               bpf.DefaultPinRoot,
 		CatalogPath:           DefaultCatalogPath,
 		AdvertisementsPath:    advert.DefaultPath,
-		HAInterval:            Duration{DefaultHAInterval},
+		HAInterval:            Duration{Duration: DefaultHAInterval},
 		PressureSoftPercent:   DefaultPressureSoftPercent,
 		PressureHardPercent:   DefaultPressureHardPercent,
-		PressureInterval:      Duration{DefaultPressureInterval},
-		ConntrackGCInterval:   Duration{DefaultConntrackGCInterval},
-		TCPSynTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second},
-		TCPEstablishedTimeout: Duration{time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second},
-		TCPFinTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPFin) * time.Second},
-		TCPRstTimeout:         Duration{time.Duration(bpf.DefaultTimeoutTCPRst) * time.Second},
-		UDPTimeout:            Duration{time.Duration(bpf.DefaultTimeoutUDP) * time.Second},
+		PressureInterval:      Duration{Duration: DefaultPressureInterval},
+		ConntrackGCInterval:   Duration{Duration: DefaultConntrackGCInterval},
+		TCPSynTimeout:         Duration{Duration: time.Duration(bpf.DefaultTimeoutTCPSyn) * time.Second},
+		TCPEstablishedTimeout: Duration{Duration: time.Duration(bpf.DefaultTimeoutTCPEstablished) * time.Second},
+		TCPFinTimeout:         Duration{Duration: time.Duration(bpf.DefaultTimeoutTCPFin) * time.Second},
+		TCPRstTimeout:         Duration{Duration: time.Duration(bpf.DefaultTimeoutTCPRst) * time.Second},
+		UDPTimeout:            Duration{Duration: time.Duration(bpf.DefaultTimeoutUDP) * time.Second},
 		SNATPortMin:           DefaultSNATPortMin,
 		SNATPortMax:           DefaultSNATPortMax,
-		EDTHorizon:            Duration{DefaultEDTHorizon},
+		EDTHorizon:            Duration{Duration: DefaultEDTHorizon},
 	}
 }

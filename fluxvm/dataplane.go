@@ -10,7 +10,6 @@ import (
 	"slices"
 	"sort"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -23,7 +22,10 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	flowview "github.com/fluxvm/servicefabric/fluxvm/internal/flows"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/gctimer"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/pressure"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
 	"github.com/fluxvm/servicefabric/intent"
@@ -67,22 +69,14 @@ type Dataplane struct {
 	// importMu serializes snapshot imports while ha is nil (ha.go; with
 	// HA on, haSync.targetMu does).
 	importMu sync.Mutex
-	// pressure is the map pressure controller (pressure.go); pstop and
-	// pdone stop and await its loop.
-	pressure     *pressureCtl
-	pstop, pdone chan struct{}
-	// gcEvery is the GC timer's current period (it adapts: noteGC),
-	// gcBase the configured one (0: no timer), gcLast when the last GC
-	// began on the datapath's clock, whoever ran it: the timer, GC on
-	// demand, a pressure round, or an earlier process (resumeGC reads it
-	// from the pinned bpf.GCMark). The timer's next GC is due at
-	// gcLast+gcEvery.
-	gcEvery atomic.Int64
-	gcLast  atomic.Int64
-	gcBase  time.Duration
-	caps    bpf.Capacities
-	limits  Limits
-	inner   *ebpf.MapSpec
+	// pressure is the map pressure controller (fluxvm/internal/pressure;
+	// pressure.go), gcTimer the conntrack GC timer
+	// (fluxvm/internal/gctimer; gctimer.go), told of every GC.
+	pressure *pressure.Controller
+	gcTimer  *gctimer.Timer
+	caps     bpf.Capacities
+	limits   Limits
+	inner    *ebpf.MapSpec
 
 	services  map[string]*service
 	frontends map[feKey]*frontend
@@ -102,7 +96,10 @@ type Dataplane struct {
 	// testHealthDial, set by tests before the first check, replaces
 	// dialNode for the health checks.
 	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)
-	pol            policyState // identity policies (policy.go)
+	pol            *policies.Enforcer // identity policies (internal/policies; policy.go)
+	// polMu serialises policy changes: taken before the service locks
+	// and d.mu (changePolicies).
+	polMu sync.Mutex
 
 	// legacyNames are the services restored from the catalog with a name
 	// that is now reserved (ReservedNames): they keep serving and can be
@@ -116,8 +113,6 @@ type Dataplane struct {
 	// the dataplane is open; nil without a catalog.
 	catLock *catalog.Lock
 
-	stop chan struct{}
-	done chan struct{}
 	// closed is set (under mu) by Close and Cleanup: every later call
 	// that reads or writes a map fails with ErrClosed instead of using
 	// maps being released.
@@ -285,10 +280,6 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	pc, err := newPressureCtl(opts)
-	if err != nil {
-		return nil, fmt.Errorf("fluxvm: open: %w", err)
-	}
 
 	// From here on every step that makes something pushes its undo; a
 	// failure runs them, the last made first (the doc comment above).
@@ -370,11 +361,17 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, pacing: pacing, lock: lk, catLock: cl,
 		services: map[string]*service{}, frontends: map[feKey]*frontend{},
-		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs, pressure: pc,
+		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs,
 		sizing: sizingState{reason: sizeReasons},
 	}
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	undo.push(func() error { d.gcCancel(); return nil })
+	if d.gcTimer, err = d.newGCTimer(opts.ConntrackGCInterval); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
+	if d.pressure, err = d.newPressure(); err != nil {
+		return nil, fmt.Errorf("fluxvm: open: %w", err)
+	}
 	if d.health, err = d.newHealth(); err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -414,14 +411,8 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 	d.startAdvertiser()
 	d.health.Start()
 	d.sock.Start()
-	if opts.ConntrackGCInterval > 0 {
-		d.stop, d.done = make(chan struct{}), make(chan struct{})
-		go d.gcLoop(d.resumeGC(opts.ConntrackGCInterval))
-	}
-	if every := opts.Pressure.Interval; every > 0 {
-		d.pstop, d.pdone = make(chan struct{}), make(chan struct{})
-		go d.pressureLoop(every, d.pstop, d.pdone)
-	}
+	d.gcTimer.Start()
+	d.pressure.Start()
 	return d, nil
 }
 
@@ -564,7 +555,7 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	}
 	// A restored L7 policy whose proxy interface is not attached now
 	// fails closed (the restore resolved it by its device alone).
-	for _, name := range d.proxyNames() {
+	for _, name := range d.pol.ProxyNames() {
 		if err := d.refreshProxies(name); err != nil {
 			return fmt.Errorf("fluxvm: open: %w", err)
 		}
@@ -669,8 +660,8 @@ func (d *Dataplane) restore() (err error) {
 	}
 	// Identity policies first: each frontend attaches its service's
 	// policy before its flag goes in (readyFrontend).
-	if err := d.restorePolicies(cat.Policies); err != nil {
-		return err
+	if err := d.pol.Restore(cat.Policies); err != nil {
+		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	for _, cs := range cat.Services {
 		if err := d.program(cs.Service, d.services[cs.Service.Name]); err != nil {
@@ -679,7 +670,7 @@ func (d *Dataplane) restore() (err error) {
 	}
 	// What a previous process left in the policy maps and nothing uses
 	// now goes (after a plain restart the maps were kept).
-	if err := d.writePolicies(d.pol.prog); err != nil {
+	if err := d.pol.Write(); err != nil {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	d.store = st
@@ -737,11 +728,7 @@ func (d *Dataplane) checkOpen(op string) error {
 // timer's or a manual one; markClosed cancelled their scans), so that no
 // scan uses the maps Close releases. Call it after markClosed, without mu.
 func (d *Dataplane) stopGC() {
-	if d.stop != nil {
-		close(d.stop)
-		<-d.done
-		d.stop = nil
-	}
+	d.gcTimer.Close()
 	d.gcRuns.Wait()
 }
 
@@ -774,7 +761,7 @@ func (d *Dataplane) Close() error {
 	// Changes under way finish (and are journaled) first.
 	d.inflight.Wait()
 	d.health.Close()
-	d.stopPressure()
+	d.pressure.Close()
 	d.stopGC()
 	d.stopHA()
 	d.sock.Close()
@@ -825,7 +812,7 @@ func (d *Dataplane) Cleanup(ctx context.Context) error {
 	}
 	d.inflight.Wait()
 	d.health.Close()
-	d.stopPressure()
+	d.pressure.Close()
 	d.stopGC()
 	d.stopHA()
 	d.sock.Close()
@@ -1287,7 +1274,7 @@ func (d *Dataplane) snatStatus() SNATStatus {
 // Close cancels it and waits for it to return, and a GC it interrupted,
 // or one called after Close, fails with an error matching ErrClosed.
 // The GC timer counts from it: the timer's next GC is due one period
-// after the last GC began, whoever ran it (gctimer.go).
+// after the last GC began, whoever ran it (fluxvm/internal/gctimer).
 func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 	if err := d.opened("gc"); err != nil {
 		return GCResult{}, err
@@ -1296,7 +1283,7 @@ func (d *Dataplane) GC(ctx context.Context) (GCResult, error) {
 }
 
 // gc is GC; timer says the GC timer runs it, whose period adapts to
-// what it found (noteGC).
+// what it found (gctimer.Timer.Note).
 func (d *Dataplane) gc(ctx context.Context, timer bool) (_ GCResult, err error) {
 	ctx, span := d.startSpan(ctx, SpanGC)
 	defer endSpan(span, &err)
@@ -1347,7 +1334,7 @@ func (d *Dataplane) gc(ctx context.Context, timer bool) (_ GCResult, err error) 
 		AttrGCCollected.Int(res.Expired+res.Drained+res.BackendGone+res.Orphans))
 	d.mu.Lock()
 	d.lastGC = &res
-	d.noteGC(now, res, timer)
+	d.gcTimer.Note(now, res, timer)
 	// Flows naming the ids quarantined before the scan are gone now.
 	d.sids.releaseQuarantinedBefore(smark)
 	if d.bids.releaseQuarantinedBefore(bmark) > 0 {

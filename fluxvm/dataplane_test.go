@@ -664,8 +664,14 @@ func testGCDuringClose(t *testing.T, timer bool) {
 	d.afterGCScan = func() { inScan.Add(-1) }
 	if timer {
 		// The GC timer, as Open starts it, ticking faster than a scan.
-		d.stop, d.done = make(chan struct{}), make(chan struct{})
-		go d.gcLoop(d.resumeGC(max(r.Duration/4, time.Millisecond)))
+		gt, err := d.newGCTimer(max(r.Duration/4, time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.mu.Lock()
+		d.gcTimer = gt
+		d.mu.Unlock()
+		gt.Start()
 	}
 
 	const workers = 3

@@ -177,12 +177,12 @@ func (d *Dataplane) edtSettings(s *service) *ServiceEDTStatus {
 	if m == 0 {
 		return nil
 	}
-	return &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{d.opts.edtHorizon()}}
+	return &ServiceEDTStatus{MaxEgressMbps: m, RateBytesPerSec: bpf.MbpsToEDTRate(m), Horizon: Duration{Duration: d.opts.edtHorizon()}}
 }
 
 // edtStatus is the node's EDT status. d.mu must be held.
 func (d *Dataplane) edtStatus() EDTStatus {
-	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{d.opts.edtHorizon()}}
+	out := EDTStatus{Enabled: d.opts.EDT.Enabled, Horizon: Duration{Duration: d.opts.edtHorizon()}}
 	if d.pacing == nil || d.closed {
 		return out
 	}

@@ -236,7 +236,7 @@ func TestEDTApply(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want := ServiceEDTStatus{MaxEgressMbps: 5, RateBytesPerSec: 625_000, Horizon: Duration{50 * time.Millisecond}, Bytes: 3000, HorizonDrops: 6}
+	want := ServiceEDTStatus{MaxEgressMbps: 5, RateBytesPerSec: 625_000, Horizon: Duration{Duration: 50 * time.Millisecond}, Bytes: 3000, HorizonDrops: 6}
 	if st, err = d.Service("edge"); err != nil || st.EDT == nil || *st.EDT != want {
 		t.Errorf("edge EDT status %+v (%v), want %+v", st.EDT, err, want)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/gctimer"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -344,13 +345,21 @@ func TestResumeGC(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			d.resumeGC(base)
-			if every := time.Duration(d.gcEvery.Load()); every != tc.every {
+			// The timer's GC (due at once when overdue) does not run:
+			// the mark stays as the start left it.
+			gt, err := gctimer.New(gctimer.Config{Base: base, Min: MinConntrackGCInterval},
+				gctimer.Deps{Marks: d.dp, GC: func(context.Context) (GCResult, error) { return GCResult{}, ErrClosed }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			gt.Start()
+			defer gt.Close()
+			if every := gt.Status().Interval; every != tc.every {
 				t.Errorf("period %v, want %v", every, tc.every)
 			}
 			// The clock has moved on since now: the wait is at most
 			// what was asked, and not by much less.
-			if w := d.gcWait(); w > tc.wait || w < tc.wait-time.Second/2 {
+			if w := gt.Wait(); w > tc.wait || w < tc.wait-time.Second/2 {
 				t.Errorf("first GC in %v, want about %v", w, tc.wait)
 			}
 			m, err := d.dp.GCMark()

@@ -681,7 +681,7 @@ func (r HA) Status() HAStatus {
 	if h == nil {
 		return HAStatus{}
 	}
-	st := HAStatus{Enabled: true, Interval: Duration{h.interval}}
+	st := HAStatus{Enabled: true, Interval: Duration{Duration: h.interval}}
 	if h.drainer != nil {
 		st.Queue.Read, st.Queue.Skipped, st.Queue.Dropped, _ = h.drainer.Stats()
 	}

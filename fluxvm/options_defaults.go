@@ -152,7 +152,7 @@ func (o Options) settings() *Config {
 		XDPMode:              o.NorthSouth.XDPMode,
 		XDPEgressInterfaces:  o.NorthSouth.XDPEgress,
 		EDTEnabled:           o.EDT.Enabled,
-		EDTHorizon:           Duration{o.edtHorizon()},
+		EDTHorizon:           Duration{Duration: o.edtHorizon()},
 		EDTManageFQ:          o.EDT.ManageFQ,
 		EDTInterfaces:        o.EDT.Interfaces,
 		EDTHorizonFallback:   o.EDT.HorizonFallback,

@@ -2,16 +2,25 @@ package fluxvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"reflect"
 	"slices"
-	"strings"
-	"sync"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/policy"
 )
+
+// Identity policy, L7 enforce included: package fluxvm/internal/policies
+// (policies.Enforcer, d.pol) holds the compiled state and writes the
+// policy maps; this file wires it to the dataplane. The facade serialises
+// policy changes (polMu, then the locks of the services they touch, then
+// d.mu) and calls the component under d.mu: its locks come after d.mu, and
+// the views it calls back (policyView) run under the caller's d.mu and
+// take no lock. Programming attaches a frontend's policy before its flag
+// (readyFrontend: Enforcer.Attach) and detaches it after (Detach).
 
 // Identity policy types (aliases of package intent's).
 type (
@@ -36,331 +45,52 @@ const (
 	L7GRPC          = intent.L7GRPC
 )
 
-// PolicyStatus is the compiled state of one service's identity policy.
-type PolicyStatus struct {
-	Service string `json:"service"`
-	// Enabled false: kept, but not enforced (no frontend has it).
-	Enabled bool `json:"enabled"`
-	// Revision is what the datapath keeps in the conntrack entry of every
-	// flow the policy admitted; a flow admitted under another revision is
-	// decided again at its next packet.
-	Revision        uint32       `json:"revision"`
-	DefaultAction   PolicyAction `json:"default_action"`
-	AllowIdentities []Identity   `json:"allow_identities"`
-	DenyIdentities  []Identity   `json:"deny_identities"`
-	AuditOnly       bool         `json:"audit_only"`
-	// Rules is how many identity rules the datapath holds for it: the
-	// identities whose verdict differs from the default.
-	Rules int `json:"rules"`
-	// Unresolved are the listed identities no ipcache entry has: no
-	// source has them now, so their rules match nothing.
-	Unresolved []Identity `json:"unresolved_identities"`
-	// Frontends is how many datapath frontends enforce it.
-	Frontends int       `json:"frontends"`
-	L7        *L7Policy `json:"l7,omitempty"`
-	// ProxyIfindex is, under L7 enforce, the ifindex of the proxy
-	// interface new flows are handed to; 0 while it is missing (new
-	// flows drop until a reconcile finds it).
-	ProxyIfindex *uint32 `json:"proxy_ifindex,omitempty"`
-	// Counters are this service's, over its frontends.
-	Counters PolicyServiceCounters `json:"counters"`
-}
+// The identity policy status types (package fluxvm/internal/policies').
+type (
+	// PoliciesStatus is the node's identity policy state.
+	PoliciesStatus = policies.Status
+	// PolicyStatus is the compiled state of one service's identity
+	// policy.
+	PolicyStatus = policies.PolicyStatus
+	// PolicyServiceCounters count what one service's policy did, over
+	// its frontends, since each was programmed.
+	PolicyServiceCounters = policies.ServiceCounters
+	// PolicyCounters count what policies did, over every service.
+	PolicyCounters = policies.NodeCounters
+)
 
-// PolicyServiceCounters count what one service's policy did, over its
-// frontends, since each was programmed.
-type PolicyServiceCounters struct {
-	// Denied counts denied decisions: new flows, and packets of
-	// established flows denied at a recheck (revoked).
-	Denied uint64 `json:"denied"`
-	// Audited counts flows audit_only forwarded though denied.
-	Audited uint64 `json:"audited"`
-	// L7Redirected counts new flows handed to the L7 proxy.
-	L7Redirected uint64 `json:"l7_redirected"`
-}
-
-func (c *PolicyServiceCounters) add(o PolicyServiceCounters) {
-	c.Denied += o.Denied
-	c.Audited += o.Audited
-	c.L7Redirected += o.L7Redirected
-}
-
-// frontendPolicyCounters reads datapath service sid's policy counts
-// (zero when they cannot be read: the status is best effort).
-func (d *Dataplane) frontendPolicyCounters(sid uint32) PolicyServiceCounters {
-	var per []bpf.ServiceStats
-	var c PolicyServiceCounters
-	if err := d.dp.Maps().FluxvmSvcStats.Lookup(sid, &per); err != nil {
-		return c
-	}
-	for _, p := range per {
-		c.add(PolicyServiceCounters{Denied: p.PolicyDenied, Audited: p.PolicyAudited, L7Redirected: p.L7Redirected})
-	}
-	return c
-}
-
-// PoliciesStatus is the node's identity policy state.
-type PoliciesStatus struct {
-	// IPCachePrefixes is the number of ipcache entries; IPCacheRevision
-	// digests them (part of every policy's revision).
-	IPCachePrefixes int    `json:"ipcache_prefixes"`
-	IPCacheRevision uint32 `json:"ipcache_revision"`
-	// Policies, sorted by service.
-	Policies []PolicyStatus `json:"policies"`
-	// Counters are node-wide, since the datapath was loaded.
-	Counters PolicyCounters `json:"counters"`
-}
-
-// PolicyCounters count what policies did, over every service.
-type PolicyCounters struct {
-	Denied    uint64 `json:"denied"`    // packets dropped: identity denied
-	Missing   uint64 `json:"missing"`   // packets dropped: a policy's maps not written (fail closed)
-	Audited   uint64 `json:"audited"`   // flows denied but forwarded (audit_only)
-	Rechecked uint64 `json:"rechecked"` // packets of established flows decided again (revision moved)
-	Revoked   uint64 `json:"revoked"`   // of those, denied
-	// L7Redirected counts new flows L7 enforce handed to a proxy;
-	// L7Bypass packets the proxies sent on to their VIPs (load-balanced
-	// as usual). A loop would show as redirected flows beyond the
-	// clients' connections.
-	L7Redirected uint64 `json:"l7_redirected"`
-	L7Bypass     uint64 `json:"l7_bypass"`
-}
-
-// policyState is the dataplane's identity policy state; under d.mu.
-type policyState struct {
-	// mu serialises policy changes (taken before the service locks and
-	// d.mu; see changePolicies).
-	mu   sync.Mutex
-	w    *policy.Writer
-	comp policy.Compiler
-	// in is what the last reconcile compiled, prog the result (an empty
-	// Program until one is set), set whether one ever was (the catalog
-	// records the state only then).
-	in   catalogPolicies
-	prog *policy.Program
-	set  bool
-}
-
-// saved is the state the catalog records, or nil.
-func (p *policyState) saved() *catalogPolicies {
-	if !p.set {
-		return nil
-	}
-	c := catalogPolicies{IPCache: IPCache{Entries: slices.Clone(p.in.IPCache.Entries)}, IDs: map[string]uint32{}}
-	for _, pol := range p.in.Policies {
-		c.Policies = append(c.Policies, pol.Clone())
-	}
-	for _, cp := range p.prog.Policies {
-		c.IDs[cp.Service] = cp.ID
-	}
-	return &c
-}
-
-// withIDs is a Program that only names the policy ids of ids, for the
-// compiler to keep them.
-func withIDs(ids map[string]uint32) *policy.Program {
-	p := &policy.Program{}
-	for name, id := range ids {
-		p.Policies = append(p.Policies, policy.Compiled{Service: name, ID: id})
-	}
-	slices.SortFunc(p.Policies, func(a, b policy.Compiled) int { return strings.Compare(a.Service, b.Service) })
-	return p
-}
-
-// openPolicies sets up the policy state over the loaded maps, with the
-// compiler's bounds from the object.
+// openPolicies makes the identity policy component over the loaded
+// maps (the Writer adopts what they hold), with the compiler's bounds
+// from the object.
 func (d *Dataplane) openPolicies() error {
 	m := d.dp.Maps()
 	w, err := policy.NewWriter(policy.Maps{SID4: m.FluxvmSid4, SID6: m.FluxvmSid6, Policies: m.FluxvmSpol})
 	if err != nil {
 		return fmt.Errorf("fluxvm: %w", err)
 	}
-	// fluxvm_spol holds every rule, a header per datapath service, and
-	// room for one policy's second rule set (bpf/fluxvm_service_maps.bpf.h).
-	rules := int(m.FluxvmSpol.MaxEntries()) - int(d.caps.Services) - 2*intent.MaxPolicyIdentities
-	d.pol.w = w
-	d.pol.comp = policy.Compiler{Limits: policy.Limits{Policies: int(d.caps.Services), Rules: rules}}
-	d.pol.prog = &policy.Program{}
-	return nil
-}
-
-// restorePolicies compiles the catalog's policy state against the
-// restored services and writes the ipcache, before the services are
-// programmed (readyFrontend attaches each frontend's policy before its
-// flag, so a restored service enforces its policy from its first packet).
-func (d *Dataplane) restorePolicies(cp *catalogPolicies) error {
-	if cp == nil {
-		return nil
-	}
-	// A policy whose service the catalog lacks (its delete was recorded,
-	// the policy's removal not) cannot be compiled: it goes, with a
-	// warning, rather than keep the node from starting.
-	kept := cp.Policies[:0:0]
-	for _, pol := range cp.Policies {
-		if d.services[pol.Service] == nil {
-			d.log.Warn("fluxvm: restore: dropped the identity policy of a service the catalog no longer has", "service", pol.Service)
-			continue
-		}
-		kept = append(kept, pol)
-	}
-	cp.Policies = kept
-	// The interfaces are not attached yet (Open attaches them next, and
-	// refreshProxies corrects an index then): a proxy interface resolves
-	// by its device alone here, so that a restart leaves the adopted
-	// headers as they were. One that cannot be used is 0: new flows drop
-	// rather than reach the backends unproxied.
-	in := d.policyInput(*cp, nil)
-	in.Interface = func(name string) (uint32, error) {
-		i, err := d.proxyIfindex(name)
-		if err != nil {
-			d.log.Warn("fluxvm: restore: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it is attached",
-				"interface", name, "err", err)
-			return 0, nil
-		}
-		return i, nil
-	}
-	prog, err := d.pol.comp.Compile(in, withIDs(cp.IDs))
+	view := policyView{d}
+	d.pol, err = policies.New(policies.Config{Services: int(d.caps.Services), PolicyEntries: int(m.FluxvmSpol.MaxEntries()),
+		InNamespace: d.opts.InNamespace, Logger: d.log},
+		policies.Deps{Writer: w, Services: view, Interfaces: view, Journal: d.journalPolicies,
+			Counters: policies.MapCounters{ServiceStats: m.FluxvmSvcStats, Drops: m.FluxvmDrops, Counters: m.FluxvmCounters}})
 	if err != nil {
-		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
+		return fmt.Errorf("fluxvm: %w", err)
 	}
-	if err := d.pol.w.SetIPCache(prog); err != nil {
-		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
-	}
-	d.pol.in, d.pol.prog, d.pol.set = *cp, prog, true
 	return nil
-}
-
-// policyInput is in as the compiler takes it, services from the catalog.
-// The proxy interfaces of enforce policies the change adds or alters
-// (strict) must resolve and be VM-edge interfaces of the dataplane; those
-// of the policies it keeps resolve as they can: a proxy interface gone
-// since must not block every other policy change (or a service's
-// delete), and its services' new flows drop meanwhile (index 0).
-func (d *Dataplane) policyInput(in catalogPolicies, strict map[string]bool) policy.Input {
-	return policy.Input{IPCache: in.IPCache, Policies: in.Policies, Service: func(name string) *intent.Service {
-		if s := d.services[name]; s != nil {
-			return &s.intent
-		}
-		return nil
-	}, Interface: func(name string) (uint32, error) {
-		i, err := d.proxyInterface(name)
-		if err != nil && !strict[name] {
-			d.log.Warn("fluxvm: L7 enforce: the proxy interface cannot be used; new flows of its services drop until it is attached",
-				"interface", name, "err", err)
-			return 0, nil
-		}
-		return i, err
-	}}
-}
-
-// proxyInterface is the index of L7 proxy interface name: a VM-edge
-// interface of the dataplane, attached under the index it has now (a
-// veth recreated but not attached again has none of our programs: the
-// proxy's own connections would not be load-balanced), and a pair whose
-// peer is in another namespace. d.mu must be held.
-func (d *Dataplane) proxyInterface(name string) (uint32, error) {
-	ifc := d.ifaces[name]
-	if ifc == nil || ifc.kind != InterfaceVMEdge {
-		return 0, fmt.Errorf("interface %q is not a VM-edge interface of the dataplane: %w: attach it (Options.VMEdgeInterfaces, AddInterface) so that the proxy's own connections to the VIP are load-balanced",
-			name, ErrPrerequisite)
-	}
-	i, err := d.proxyIfindex(name)
-	if err != nil {
-		return 0, err
-	}
-	if int(i) != ifc.index {
-		return 0, fmt.Errorf("interface %q has index %d, but the dataplane attached index %d: %w: attach it again (AddInterface)",
-			name, i, ifc.index, ErrPrerequisite)
-	}
-	return i, nil
-}
-
-// strictProxies names the proxy interfaces of the enabled enforce
-// policies of next that cur does not have as they are, or whose services
-// the caller named (an explicit apply resolves what it applies).
-func strictProxies(cur, next []Policy, named []string) map[string]bool {
-	out := map[string]bool{}
-	for _, p := range next {
-		if p.L7 == nil || p.L7.Mode != L7Enforce || !p.IsEnabled() {
-			continue
-		}
-		i := slices.IndexFunc(cur, func(q Policy) bool { return q.Service == p.Service })
-		if i < 0 || !reflect.DeepEqual(cur[i], p) || slices.Contains(named, p.Service) {
-			out[p.L7.ProxyInterface] = true
-		}
-	}
-	return out
-}
-
-// proxyIfindex resolves an L7 proxy interface in the dataplane's
-// namespace.
-func (d *Dataplane) proxyIfindex(name string) (uint32, error) {
-	var i uint32
-	err := d.opts.InNamespace(func() error {
-		var err error
-		i, err = proxyIfindex(name)
-		return err
-	})
-	return i, err
-}
-
-// proxyNames are the proxy interfaces the policies redirect to.
-func (d *Dataplane) proxyNames() []string {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	var out []string
-	for _, c := range d.pol.prog.Policies {
-		if c.Redirects() && !slices.Contains(out, c.L7.ProxyInterface) {
-			out = append(out, c.L7.ProxyInterface)
-		}
-	}
-	return out
 }
 
 // refreshProxies recompiles the policies when one redirects to interface
-// name with another index than it would now (the proxy's veth was
-// attached again under a new index, or detached: 0): their headers then
-// name the new one.
+// name with another index than it would now (policies.Enforcer.Stale):
+// their headers then name the new one.
 func (d *Dataplane) refreshProxies(name string) error {
 	d.mu.Lock()
-	want, _ := d.proxyInterface(name)
-	stale := false
-	for _, c := range d.pol.prog.Policies {
-		if c.Redirects() && c.L7.ProxyInterface == name && c.ProxyIfindex != want {
-			stale = true
-		}
-	}
+	stale := d.pol.Stale(name)
 	d.mu.Unlock()
 	if !stale {
 		return nil
 	}
 	_, err := d.changePolicies(context.Background(), "refresh the L7 proxy interface "+name, nil, func(*catalogPolicies) error { return nil })
 	return err
-}
-
-// policyFlags are the frontend flags that turn policy c on (none for nil
-// or a disabled policy).
-func policyFlags(c *policy.Compiled) uint32 {
-	switch {
-	case c == nil || !c.Enabled:
-		return 0
-	case c.Redirects():
-		return bpf.SvcFlagPolicy | bpf.SvcFlagL7
-	}
-	return bpf.SvcFlagPolicy
-}
-
-// policyFlag attaches service name's enforced policy, if it has one, to
-// datapath service sid and returns the frontend flag that turns it on
-// (finishFrontend puts the flag after this). d.mu must be held.
-func (d *Dataplane) policyFlag(name string, sid uint32) (uint32, error) {
-	c := d.pol.prog.Policy(name)
-	if policyFlags(c) == 0 {
-		return 0, nil
-	}
-	if err := d.pol.w.Attach(c, []uint32{sid}); err != nil {
-		return 0, err
-	}
-	return policyFlags(c), nil
 }
 
 // ReconcilePolicies replaces the node's ipcache and every identity policy
@@ -448,15 +178,16 @@ func (d *Dataplane) DeletePolicy(ctx context.Context, service string) error {
 }
 
 // changePolicies compiles the state edit makes of the current one and
-// applies it. The proxy interfaces of the policies of services named, and
-// of those the edit adds or alters, must resolve (strictProxies).
+// applies it (policies.Enforcer.Change). The proxy interfaces of the
+// policies of services named, and of those the edit adds or alters, must
+// resolve.
 //
 // A ctx that ends before the new state is written into the datapath (on
 // entry, or while the change waits for another, for the dataplane's lock
 // or for the locks of the services it touches) changes nothing and fails
 // with an error wrapping ctx's; from the write on, the change finishes,
 // catalog included.
-func (d *Dataplane) changePolicies(ctx context.Context, what string, named []string, edit func(*catalogPolicies) error) (_ PoliciesStatus, err error) {
+func (d *Dataplane) changePolicies(ctx context.Context, what string, named []string, edit policies.Edit) (_ PoliciesStatus, err error) {
 	_, span := d.startSpan(ctx, SpanReconcilePolicies)
 	defer endSpan(span, &err)
 	if err := ctxErr(ctx, what); err != nil {
@@ -465,8 +196,8 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 	// One change at a time; and the services whose policy it may change
 	// are locked as their applies lock them, so that no apply is between
 	// its check of the policy (ApplyService) and its commit meanwhile.
-	d.pol.mu.Lock()
-	defer d.pol.mu.Unlock()
+	d.polMu.Lock()
+	defer d.polMu.Unlock()
 	d.mu.Lock()
 	if err := d.checkOpen(what); err != nil {
 		d.mu.Unlock()
@@ -476,21 +207,12 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 		d.mu.Unlock()
 		return PoliciesStatus{}, err
 	}
-	next, err := d.nextPolicies(edit)
-	var names []string
-	if err == nil {
-		for _, s := range [][]Policy{d.pol.in.Policies, next.Policies} {
-			for _, p := range s {
-				names = append(names, p.Service)
-			}
-		}
-	}
+	names, err := d.pol.Involved(edit)
 	d.mu.Unlock()
 	if err != nil {
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
-	slices.Sort(names)
-	for _, name := range slices.Compact(names) {
+	for _, name := range names {
 		defer d.lockService(name)()
 	}
 	d.mu.Lock()
@@ -498,40 +220,28 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 		d.mu.Unlock()
 		return PoliciesStatus{}, err
 	}
-	// Again: a DeleteService may have dropped a policy meanwhile.
-	if next, err = d.nextPolicies(edit); err != nil {
-		d.mu.Unlock()
-		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
-	}
-	prog, err := d.pol.comp.Compile(d.policyInput(next, strictProxies(d.pol.in.Policies, next.Policies, named)), d.pol.prog)
-	if err != nil {
-		d.mu.Unlock()
-		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
-	}
 	// The last moment a cancelled change leaves everything as it was.
 	if err := ctxErr(ctx, what); err != nil {
 		d.mu.Unlock()
 		return PoliciesStatus{}, err
 	}
-	old := d.pol.prog
-	if err := d.writePolicies(prog); err != nil {
-		// Put back what was there, so that maps and catalog agree.
-		if rerr := d.writePolicies(old); rerr != nil {
-			d.log.Error("fluxvm: identity policy rollback failed; reconcile again", "err", rerr)
-		}
+	// Change edits the state again: a DeleteService may have dropped a
+	// policy meanwhile.
+	seq, err := d.pol.Change(edit, named)
+	if err != nil && !errors.Is(err, policies.ErrUnsaved) {
 		d.mu.Unlock()
 		return PoliciesStatus{}, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
-	d.pol.in, d.pol.prog, d.pol.set = next, prog, true
-	st := d.policiesStatus()
-	span.SetAttributes(AttrPolicies.Int(len(prog.Policies)), AttrRevision.Int64(int64(prog.IPCacheRevision)))
-	seq, jerr := d.journalPolicies()
+	st := d.pol.Status()
+	span.SetAttributes(AttrPolicies.Int(len(st.Policies)), AttrRevision.Int64(int64(st.IPCacheRevision)))
 	d.mu.Unlock()
-	if jerr == nil {
-		jerr = d.persist(seq)
+	if err == nil {
+		if perr := d.persist(seq); perr != nil {
+			err = fmt.Errorf("%w: %w", policies.ErrUnsaved, perr)
+		}
 	}
-	if jerr != nil {
-		return st, fmt.Errorf("fluxvm: %s: applied, but the catalog was not saved: %w", what, jerr)
+	if err != nil {
+		return st, fmt.Errorf("fluxvm: %s: %w", what, err)
 	}
 	unresolved := 0
 	for _, p := range st.Policies {
@@ -540,77 +250,6 @@ func (d *Dataplane) changePolicies(ctx context.Context, what string, named []str
 	d.log.Info("fluxvm: identity policies applied", "policies", len(st.Policies), "ipcache_prefixes", st.IPCachePrefixes,
 		"unresolved_identities", unresolved)
 	return st, nil
-}
-
-// writePolicies puts prog into the datapath: the ipcache, each enforced
-// policy's rules and headers before its frontends' flag, the flag off a
-// frontend whose service no longer enforces one before its header goes,
-// then what nothing uses. d.mu must be held.
-func (d *Dataplane) writePolicies(prog *policy.Program) (err error) {
-	// An ipcache change is not one map update: the guards of the services
-	// that enforce a policy, before or after, stay closed while the
-	// identities and the rules change, so that no packet is decided by a
-	// mix of old and new (they drop meanwhile: fail closed).
-	if d.pol.w.IPCacheChanges(prog) {
-		var closed []*frontend
-		defer func() {
-			for _, fe := range closed {
-				g := bpf.Guard{Revision: fe.rev}
-				if fe.guard {
-					g.State = bpf.GuardOpen
-				}
-				if gerr := d.dp.Maps().FluxvmSguard.Put(fe.sid, g); gerr != nil && err == nil {
-					err = fmt.Errorf("reopen guard: %w", gerr)
-				}
-			}
-		}()
-		for name, s := range d.services {
-			old, next := d.pol.prog.Policy(name), prog.Policy(name)
-			if (old == nil || !old.Enabled) && (next == nil || !next.Enabled) {
-				continue
-			}
-			for _, fe := range s.frontends {
-				if !fe.live || !fe.guard {
-					continue
-				}
-				if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
-					return fmt.Errorf("close guard: %w", err)
-				}
-				closed = append(closed, fe)
-			}
-		}
-	}
-	if err := d.pol.w.SetIPCache(prog); err != nil {
-		return err
-	}
-	keep := map[uint32]bool{}
-	for name, s := range d.services {
-		c := prog.Policy(name)
-		on := policyFlags(c)
-		for _, fe := range s.frontends {
-			if !fe.live {
-				continue
-			}
-			// The header first (enforce's proxy interface in it), then
-			// the flags: a frontend never has SvcFlagL7 before its
-			// header does.
-			flags := fe.flags &^ (bpf.SvcFlagPolicy | bpf.SvcFlagL7)
-			if on != 0 {
-				if err := d.pol.w.Attach(c, []uint32{fe.sid}); err != nil {
-					return err
-				}
-				flags |= on
-				keep[fe.sid] = true
-			}
-			if flags != fe.flags {
-				if err := d.putFrontend(fe.key, bpf.SvcValue{ServiceId: fe.sid, Flags: flags, Revision: fe.rev}); err != nil {
-					return err
-				}
-				fe.flags = flags
-			}
-		}
-	}
-	return d.pol.w.Prune(prog, func(sid uint32) bool { return keep[sid] })
 }
 
 // Policies reports the node's identity policy state (its counters read
@@ -628,7 +267,7 @@ func (d *Dataplane) Policies(ctx context.Context) (PoliciesStatus, error) {
 	if err := ctxErr(ctx, "policies"); err != nil {
 		return PoliciesStatus{}, err
 	}
-	return d.policiesStatus(), nil
+	return d.pol.Status(), nil
 }
 
 // Policy reports the identity policy of service: ErrNotFound when it has
@@ -650,85 +289,99 @@ func (d *Dataplane) Policy(ctx context.Context, service string) (PolicyStatus, e
 	return PolicyStatus{}, fmt.Errorf("fluxvm: policy of %q: %w", service, ErrNotFound)
 }
 
-// policiesStatus is the policy state now. d.mu must be held.
-func (d *Dataplane) policiesStatus() PoliciesStatus {
-	prog := d.pol.prog
-	st := PoliciesStatus{IPCachePrefixes: len(prog.IPv4) + len(prog.IPv6), IPCacheRevision: prog.IPCacheRevision,
-		Policies: []PolicyStatus{}}
-	for _, c := range prog.Policies {
-		ps := PolicyStatus{Service: c.Service, Enabled: c.Enabled, Revision: c.Revision, DefaultAction: c.Default,
-			AllowIdentities: slices.Clone(c.Policy.AllowIdentities), DenyIdentities: slices.Clone(c.Policy.DenyIdentities),
-			AuditOnly: c.AuditOnly, Rules: len(c.Rules), Unresolved: slices.Clone(c.Unresolved), L7: c.Policy.Clone().L7}
-		if c.Redirects() {
-			i := c.ProxyIfindex
-			ps.ProxyIfindex = &i
-		}
-		if ps.AllowIdentities == nil {
-			ps.AllowIdentities = []Identity{}
-		}
-		if ps.DenyIdentities == nil {
-			ps.DenyIdentities = []Identity{}
-		}
-		if ps.Unresolved == nil {
-			ps.Unresolved = []Identity{}
-		}
-		if s := d.services[c.Service]; s != nil {
-			for _, fe := range s.frontends {
-				if fe.live && fe.flags&bpf.SvcFlagPolicy != 0 {
-					ps.Frontends++
-				}
-				if fe.live {
-					ps.Counters.add(d.frontendPolicyCounters(fe.sid))
-				}
+// journalPolicies records the policy state st in the catalog
+// (policies.Deps.Journal). d.mu must be held.
+func (d *Dataplane) journalPolicies(st *catalogPolicies) (uint64, error) {
+	return d.appendRecord(catalog.Record{Policies: st})
+}
+
+// policyView is the view of the services and interfaces the policy
+// component declares (policies.Services, policies.Interfaces). Its
+// methods run under the caller's d.mu and take no lock.
+type policyView struct{ d *Dataplane }
+
+// Service is the intent of service name, or nil.
+func (v policyView) Service(name string) *Service {
+	if s := v.d.services[name]; s != nil {
+		return &s.intent
+	}
+	return nil
+}
+
+// Frontends are the live frontends of every service.
+func (v policyView) Frontends() []policies.Frontend {
+	var out []policies.Frontend
+	for name, s := range v.d.services {
+		for _, fe := range s.frontends {
+			if fe.live {
+				out = append(out, policies.Frontend{Service: name, SID: fe.sid, Flags: fe.flags})
 			}
 		}
-		st.Policies = append(st.Policies, ps)
 	}
-	if drops, err := bpf.ReadDrops(d.dp.Maps().FluxvmDrops); err == nil {
-		st.Counters.Denied, st.Counters.Missing = drops[bpf.DropPolicyDenied], drops[bpf.DropPolicyMissing]
-	}
-	if c, err := bpf.ReadCounters(d.dp.Maps().FluxvmCounters); err == nil {
-		st.Counters.Audited, st.Counters.Rechecked, st.Counters.Revoked =
-			c[bpf.CounterPolicyAudited], c[bpf.CounterPolicyRechecked], c[bpf.CounterPolicyRevoked]
-		st.Counters.L7Redirected, st.Counters.L7Bypass = c[bpf.CounterL7Redirected], c[bpf.CounterL7Bypass]
-	}
-	return st
+	return out
 }
 
-// dropPolicyOf removes the policy of service name, deleted with its
-// frontends, from the policy state and the maps, and journals the state.
-// d.mu must be held.
-func (d *Dataplane) dropPolicyOf(name string) (uint64, error) {
-	var next catalogPolicies
-	if cur := d.pol.saved(); cur != nil {
-		next = *cur
+// SetPolicyFlags writes the live entry of frontend sid of service with
+// on as its policy flags.
+func (v policyView) SetPolicyFlags(service string, sid uint32, on uint32) error {
+	s := v.d.services[service]
+	if s == nil {
+		return fmt.Errorf("service %q: %w", service, ErrNotFound)
 	}
-	next.Policies = slices.DeleteFunc(next.Policies, func(p Policy) bool { return p.Service == name })
-	prog, err := d.pol.comp.Compile(d.policyInput(next, nil), d.pol.prog)
-	if err != nil {
-		return 0, fmt.Errorf("identity policies without %s: %w", name, err)
+	for _, fe := range s.frontends {
+		if fe.sid != sid || !fe.live {
+			continue
+		}
+		flags := fe.flags&^(bpf.SvcFlagPolicy|bpf.SvcFlagL7) | on
+		if err := v.d.putFrontend(fe.key, bpf.SvcValue{ServiceId: fe.sid, Flags: flags, Revision: fe.rev}); err != nil {
+			return err
+		}
+		fe.flags = flags
+		return nil
 	}
-	if err := d.writePolicies(prog); err != nil {
-		return 0, err
-	}
-	d.pol.in, d.pol.prog = next, prog
-	return d.journalPolicies()
+	return fmt.Errorf("service %q: frontend %d: %w", service, sid, ErrNotFound)
 }
 
-// nextPolicies is the policy state edit makes of the current one, sorted,
-// sharing nothing with the caller's input. d.mu must be held.
-func (d *Dataplane) nextPolicies(edit func(*catalogPolicies) error) (catalogPolicies, error) {
-	var next catalogPolicies
-	if cur := d.pol.saved(); cur != nil {
-		next = *cur
+// CloseGuards closes the guards of the live guarded frontends of
+// services; reopen opens them again (as open as their guard says).
+func (v policyView) CloseGuards(services []string) (func() error, error) {
+	var closed []*frontend
+	reopen := func() error {
+		var errs []error
+		for _, fe := range closed {
+			g := bpf.Guard{Revision: fe.rev}
+			if fe.guard {
+				g.State = bpf.GuardOpen
+			}
+			if err := v.d.dp.Maps().FluxvmSguard.Put(fe.sid, g); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		return errors.Join(errs...)
 	}
-	if err := edit(&next); err != nil {
-		return catalogPolicies{}, err
+	for _, name := range services {
+		s := v.d.services[name]
+		if s == nil {
+			continue
+		}
+		for _, fe := range s.frontends {
+			if !fe.live || !fe.guard {
+				continue
+			}
+			if err := v.d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
+				return nil, errors.Join(err, reopen())
+			}
+			closed = append(closed, fe)
+		}
 	}
-	next.IPCache.Entries = slices.Clone(next.IPCache.Entries)
-	for i := range next.Policies {
-		next.Policies[i] = next.Policies[i].Clone()
+	return reopen, nil
+}
+
+// VMEdge is the index VM-edge interface name is attached under.
+func (v policyView) VMEdge(name string) (int, bool) {
+	ifc := v.d.ifaces[name]
+	if ifc == nil || ifc.kind != InterfaceVMEdge {
+		return 0, false
 	}
-	slices.SortFunc(next.Policies, func(a, b Policy) int { return strings.Compare(a.Service, b.Service) })
-	return next, nil
+	return ifc.index, true
 }

@@ -262,15 +262,7 @@ func TestPolicyIDsSurviveRestart(t *testing.T) {
 	if _, err := d.ApplyPolicies(ctx, Policy{Service: "alpha", DefaultAction: PolicyDeny, AllowIdentities: []Identity{1001}}); err != nil {
 		t.Fatal(err)
 	}
-	ids := func(d *Dataplane) map[string]uint32 {
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		m := map[string]uint32{}
-		for _, c := range d.pol.prog.Policies {
-			m[c.Service] = c.ID
-		}
-		return m
-	}
+	ids := func(d *Dataplane) map[string]uint32 { return d.pol.Saved().IDs }
 	before := ids(d)
 	if before["beta"] != 1 || before["alpha"] != 2 {
 		t.Fatalf("ids %v: want beta 1, alpha 2", before)

@@ -17,36 +17,6 @@ import (
 	"github.com/fluxvm/servicefabric/nat"
 )
 
-func TestNextGCInterval(t *testing.T) {
-	const base = 30 * time.Second
-	for _, tc := range []struct {
-		name    string
-		cur     time.Duration
-		scanned int
-		removed int
-		want    time.Duration
-	}{
-		{"bulk expiry halves", base, 1000, 100, 15 * time.Second},
-		{"bulk expiry stops at an eighth", 4 * time.Second, 1000, 500, base / 8},
-		{"idle doubles", base, 1000, 0, 2 * base},
-		{"idle stops at twice", 2 * base, 1000, 0, 2 * base},
-		{"empty table is idle", base, 0, 0, 2 * base},
-		{"some expiry goes back up", 10 * time.Second, 1000, 5, 20 * time.Second},
-		{"some expiry goes back down", 2 * base, 1000, 5, base},
-		{"steady", base, 1000, 5, base},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			if got := nextGCInterval(base, tc.cur, GCResult{Scanned: tc.scanned, Expired: tc.removed}); got != tc.want {
-				t.Errorf("next after %v: %v, want %v", tc.cur, got, tc.want)
-			}
-		})
-	}
-	// A short configured period never goes below the GC's minimum.
-	if got := nextGCInterval(time.Second, time.Second, GCResult{Scanned: 10, Expired: 10}); got != time.Second {
-		t.Errorf("1s period under bulk expiry: %v", got)
-	}
-}
-
 // TestMapPressure fills a tier-S conntrack map (65,536 IPv4 entries) past
 // the soft threshold with flows of every state, pinned to the service's
 // real frontend and backend: a round sheds the closed TCP flows first
@@ -101,7 +71,7 @@ func TestMapPressureLoop(t *testing.T) {
 
 // TestMapPressureWakesOnInsertFailure: a failed datapath insert wakes a
 // round well before the next reading of the levels (5 s here): the loop
-// reads the two failure counters every failureCheck (250 ms).
+// reads the two failure counters every pressure.FailureCheck (250 ms).
 func TestMapPressureWakesOnInsertFailure(t *testing.T) {
 	e := newEnv(t)
 	e.opts.Pressure.Interval = 5 * time.Second

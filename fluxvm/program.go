@@ -108,11 +108,9 @@ grow:
 		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: %w", svc.Name, err)
 	}
 	// Its identity policy must still fit it (L7 enforce: NAT, TCP only).
-	if c := d.pol.prog.Policy(svc.Name); c != nil {
-		if err := intent.ValidatePolicyFor(c.Policy, &svc); err != nil {
-			d.mu.Unlock()
-			return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: the service's identity policy would no longer fit it (change or delete the policy first): %w", svc.Name, err)
-		}
+	if err := d.pol.Check(&svc); err != nil {
+		d.mu.Unlock()
+		return ServiceStatus{}, fmt.Errorf("fluxvm: apply %s: the service's identity policy would no longer fit it (change or delete the policy first): %w", svc.Name, err)
 	}
 	old := d.services[svc.Name]
 	if old != nil && reflect.DeepEqual(old.intent, svc) && d.inPlace(old) {
@@ -301,8 +299,8 @@ func (d *Dataplane) DeleteService(ctx context.Context, name string) (err error) 
 	d.advertise()
 	seq, jerr := d.journal(name, nil)
 	// Its identity policy goes with it (a policy names a service).
-	if jerr == nil && d.pol.prog.Policy(name) != nil {
-		seq, jerr = d.dropPolicyOf(name)
+	if jerr == nil && d.pol.Has(name) {
+		seq, jerr = d.pol.Drop(name)
 	}
 	d.mu.Unlock()
 	if jerr == nil {
@@ -785,7 +783,7 @@ func (d *Dataplane) readyFrontend(svc Service, pl planned, pacer uint32, clock u
 	}
 	// A frontend of a service that enforces an identity policy gets the
 	// policy's header before its flag (policy.go).
-	pflag, err := d.policyFlag(svc.Name, fe.sid)
+	pflag, err := d.pol.Attach(svc.Name, fe.sid)
 	if err != nil {
 		return 0, err
 	}
@@ -815,7 +813,7 @@ func (d *Dataplane) finishFrontend(svc Service, s *service, pl planned, t builtT
 	fe.flags, fe.rev, fe.live = flags, val.Revision, true
 	if flags&bpf.SvcFlagPolicy == 0 {
 		// Its policy's header goes only once the flag is off.
-		if err := d.pol.w.Detach([]uint32{fe.sid}); err != nil {
+		if err := d.pol.Detach(fe.sid); err != nil {
 			return err
 		}
 	}
@@ -1127,7 +1125,7 @@ func (d *Dataplane) retireFrontend(fe *frontend) error {
 		return err
 	}
 	fe.live = false
-	if err := d.pol.w.Detach([]uint32{fe.sid}); err != nil {
+	if err := d.pol.Detach(fe.sid); err != nil {
 		return err
 	}
 	if err := d.putEDT(fe, bpf.EDTValue{}); err != nil {

@@ -261,7 +261,7 @@ func (d *Dataplane) mapSizesStatus(p *PressureStatus) *MapSizesStatus {
 		if s.MaxEntries >= s.Ceiling {
 			st.Size = SizeFull
 		}
-		if mp, ok := p.entries(s.Map); ok {
+		if mp, ok := pressureEntries(p, s.Map); ok {
 			st.Entries = &mp
 		}
 		switch {
@@ -345,7 +345,7 @@ func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]size
 	release, rerr := d.rebindFlowViews()
 	unlock()
 	release()
-	g := &MapGrowth{Cause: what, Maps: res.Maps, Switch: Duration{res.SwitchTime}, Duration: Duration{time.Since(start)}, At: time.Now().UTC()}
+	g := &MapGrowth{Cause: what, Maps: res.Maps, Switch: Duration{Duration: res.SwitchTime}, Duration: Duration{Duration: time.Since(start)}, At: time.Now().UTC()}
 	d.mu.Lock()
 	for _, name := range grow {
 		d.sizing.reason[name] = sizeReason{SizeFull + ": " + reasons[name].reason + " (grown by " + what + ")", reasons[name].code}
@@ -578,8 +578,8 @@ func (d *Dataplane) growUnderPressure(over []string) bool {
 	return true
 }
 
-// entries is the entries of map name in p, if p counted them.
-func (p *PressureStatus) entries(name string) (int64, bool) {
+// pressureEntries is the entries of map name in p, if p counted them.
+func pressureEntries(p *PressureStatus, name string) (int64, bool) {
 	if p == nil || p.Unsupported || p.Error != "" {
 		return 0, false
 	}

@@ -126,7 +126,7 @@ type Status struct {
 	// journals this edge serves and the cursors of what it applied.
 	HA HAStatus `json:"ha"`
 	// Pressure is the fill of the datapath's hash maps and the map
-	// pressure controller's last round (pressure.go); absent after Close.
+	// pressure controller's last round (fluxvm/internal/pressure); absent after Close.
 	Pressure *PressureStatus `json:"pressure,omitempty"`
 	// MapSizes are the maps sized by need: each one's size, the tier's
 	// capacity it grows to, and why it has its size (sizing.go); absent
@@ -287,16 +287,3 @@ type Stats struct {
 
 // VMStats are the service statistics of one VM's edge interfaces.
 type VMStats = flowview.VMStats
-
-// GCResult reports one conntrack garbage collection.
-type GCResult struct {
-	At       time.Time     `json:"at"`
-	Duration time.Duration `json:"duration_ns"`
-	Scanned  int           `json:"scanned"`
-	Expired  int           `json:"expired"`
-	Drained  int           `json:"drained"`
-	// BackendGone counts flows whose backend was removed.
-	BackendGone int `json:"backend_gone"`
-	Orphans     int `json:"orphans_removed"`
-	Repaired    int `json:"repaired"`
-}

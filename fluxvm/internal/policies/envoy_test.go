@@ -1,10 +1,12 @@
-package fluxvm
+package policies
 
 import (
 	"encoding/json"
 	"net/netip"
 	"reflect"
 	"testing"
+
+	"github.com/fluxvm/servicefabric/intent"
 )
 
 // TestEnvoyDocument: the document has a listener per VIP and TCP port,
@@ -14,30 +16,30 @@ import (
 func TestEnvoyDocument(t *testing.T) {
 	w0, w3 := uint32(0), uint32(3)
 	off := false
-	svc := Service{
+	svc := intent.Service{
 		Name:  "shop",
 		VIPs:  []netip.Addr{netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00:96::10")},
-		Ports: []ServicePort{{Port: 80, Protocol: TCP}, {Port: 53, Protocol: UDP}, {Port: 8443, Protocol: TCP}},
-		Backends: []Backend{
+		Ports: []intent.ServicePort{{Port: 80, Protocol: intent.TCP}, {Port: 53, Protocol: intent.UDP}, {Port: 8443, Protocol: intent.TCP}},
+		Backends: []intent.Backend{
 			{Address: netip.MustParseAddr("10.40.1.21"), Port: 8080, Weight: &w3},
 			{Address: netip.MustParseAddr("10.40.1.22"), Port: 8080},
-			{Address: netip.MustParseAddr("10.40.1.23"), Port: 8080, State: BackendDraining},
+			{Address: netip.MustParseAddr("10.40.1.23"), Port: 8080, State: intent.BackendDraining},
 			{Address: netip.MustParseAddr("10.40.1.24"), Port: 8080, Weight: &w0},
 			{Address: netip.MustParseAddr("10.40.1.25"), Port: 8080, Enabled: &off},
 			{Address: netip.MustParseAddr("10.40.1.26"), Port: 8080}, // unhealthy by its check
 		},
 	}
-	health := func(b *Backend) BackendState {
+	health := func(b *intent.Backend) intent.BackendState {
 		if b.Address == netip.MustParseAddr("10.40.1.26") {
-			return BackendUnhealthy
+			return intent.BackendUnhealthy
 		}
 		return b.EffectiveState()
 	}
-	l7 := &L7Policy{Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "fxproxy0",
+	l7 := &intent.L7Policy{Mode: intent.L7Enforce, Protocol: intent.L7HTTP, ProxyInterface: "fxproxy0",
 		Authorities: []string{"shop.example.internal"}, PathPrefixes: []string{"/api/", "/healthz"}}
 	doc := envoyDocument(&svc, l7, 77, health)
 	want := EnvoyDocument{
-		Service: "shop", Mode: L7Enforce, Protocol: L7HTTP, ProxyInterface: "fxproxy0", Revision: 77,
+		Service: "shop", Mode: intent.L7Enforce, Protocol: intent.L7HTTP, ProxyInterface: "fxproxy0", Revision: 77,
 		Listeners: []EnvoyListener{
 			{Name: "shop-10.96.0.10-80", Address: svc.VIPs[0], Port: 80},
 			{Name: "shop-10.96.0.10-8443", Address: svc.VIPs[0], Port: 8443},
@@ -56,7 +58,7 @@ func TestEnvoyDocument(t *testing.T) {
 		b, _ := json.MarshalIndent(want, "", " ")
 		t.Fatalf("document\n%s\nwant\n%s", a, b)
 	}
-	any := envoyDocument(&svc, &L7Policy{Mode: L7Observe, Protocol: L7GRPC}, 1, health)
+	any := envoyDocument(&svc, &intent.L7Policy{Mode: intent.L7Observe, Protocol: intent.L7GRPC}, 1, health)
 	vh := any.Routes.VirtualHosts[0]
 	if !any.Cluster.HTTP2 || !reflect.DeepEqual(vh.Domains, []string{"*"}) || len(vh.Routes) != 1 || vh.Routes[0].Prefix != "/" {
 		t.Errorf("grpc without authorities or prefixes: %+v", any)

@@ -1,4 +1,4 @@
-package fluxvm
+package policies
 
 import (
 	"fmt"
@@ -8,12 +8,12 @@ import (
 	"github.com/fluxvm/servicefabric/intent"
 )
 
-// proxyIfindex resolves an L7 enforce policy's proxy interface. The
-// datapath hands flows over with bpf_redirect_peer, which only a device
-// whose peer is in another namespace takes (a veth or netkit pair):
-// anything else is refused here rather than dropped in silence by the
-// kernel later.
-func proxyIfindex(name string) (uint32, error) {
+// ProxyDevice resolves an L7 enforce policy's proxy interface in the
+// calling thread's network namespace. The datapath hands flows over with
+// bpf_redirect_peer, which only a device whose peer is in another
+// namespace takes (a veth or netkit pair): anything else is refused here
+// rather than dropped in silence by the kernel later.
+func ProxyDevice(name string) (uint32, error) {
 	link, err := netlink.LinkByName(name)
 	if err != nil {
 		return 0, fmt.Errorf("interface %q: %w", name, err)

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package fluxvm
+package policies
 
 import (
 	"fmt"
@@ -8,7 +8,7 @@ import (
 	"github.com/fluxvm/servicefabric/intent"
 )
 
-// proxyIfindex: L7 enforce needs Linux's veth and bpf_redirect_peer.
-func proxyIfindex(name string) (uint32, error) {
+// ProxyDevice: L7 enforce needs Linux's veth and bpf_redirect_peer.
+func ProxyDevice(name string) (uint32, error) {
 	return 0, fmt.Errorf("interface %q: %w: L7 enforce needs Linux", name, intent.ErrUnsupported)
 }

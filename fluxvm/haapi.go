@@ -39,11 +39,7 @@ func (d *Dataplane) HA() HA { return HA{d: d} }
 // the read fails with an error wrapping ctx's, and no journal is made for
 // the service.
 func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
-	d := r.d
-	if err := d.begin(ctx, "flow delta"); err != nil {
-		return ha.Delta{}, err
-	}
-	j, err := d.sourceJournal(ctx, "flow delta of", service)
+	j, err := r.journal(ctx, "flow delta", service)
 	if err != nil {
 		return ha.Delta{}, err
 	}
@@ -54,16 +50,20 @@ func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest)
 	return delta, nil
 }
 
+// journal is service's journal for op, a call of the source side.
+func (r HA) journal(ctx context.Context, op, service string) (*ha.Journal, error) {
+	if err := r.d.begin(ctx, op); err != nil {
+		return nil, err
+	}
+	return r.d.sourceJournal(ctx, op+" of", service)
+}
+
 // AckFlowDelta trims service's journal up to seq: the control plane
 // passes the minimum cursor its standbys replicated. An ack past the last
 // sealed batch wraps ha.ErrCursorAhead. A ctx that ended before the trim
 // fails with an error wrapping ctx's and trims nothing.
 func (r HA) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
-	d := r.d
-	if err := d.begin(ctx, "ack flow delta"); err != nil {
-		return ha.JournalStats{}, err
-	}
-	j, err := d.sourceJournal(ctx, "ack flow delta of", service)
+	j, err := r.journal(ctx, "ack flow delta", service)
 	if err != nil {
 		return ha.JournalStats{}, err
 	}

@@ -289,14 +289,11 @@ func (s *Sync) Start() error {
 // idempotent.
 func (s *Sync) Close() error {
 	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil
-	}
+	already := s.closed
 	s.closed = true
 	cancel, done, dr := s.cancel, s.done, s.drainer
 	s.mu.Unlock()
-	if cancel == nil {
+	if already || cancel == nil { // closed before, or never started
 		return nil
 	}
 	cancel()

@@ -122,7 +122,7 @@ func (l *haLink) Services() iter.Seq2[string, []uint32] {
 // syncHA.
 func (l *haLink) settle() {
 	l.d.mu.Lock()
-	l.d.mu.Unlock() //nolint:staticcheck // an empty critical section: waiting is the point
+	l.d.mu.Unlock() // nothing to do under it: waiting for it is the point
 }
 
 // newDrainer opens the reader of the datapath's mutation queue.

@@ -112,7 +112,7 @@ func TestCancelledContextChangesNothing(t *testing.T) {
 		return func() { unlock(); unlockOther() }
 	}
 	dataplane := func() func() { d.mu.Lock(); return d.mu.Unlock }
-	lease := func() func() { d.ha.leaseMu.Lock(); return d.ha.leaseMu.Unlock }
+	lease := func() func() { return d.ha.HoldLease() }
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
 	for _, c := range []struct {

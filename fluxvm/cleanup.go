@@ -3,7 +3,6 @@ package fluxvm
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -17,6 +16,7 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/hasync"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 )
 
@@ -269,12 +269,11 @@ func removeState(o CleanupOptions) error {
 // removeLease removes the HA lease file at path, logging the epochs it
 // forgets.
 func removeLease(path string, log *slog.Logger) error {
-	data, err := os.ReadFile(path)
+	lf, err := hasync.ReadLease(path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	var lf leaseFile
-	if err == nil && json.Unmarshal(data, &lf) == nil {
+	if err == nil {
 		log.Warn("fluxvm: cleanup: HA lease file removed: this edge no longer remembers its lease; the control plane gives it one when it rejoins",
 			"file", path, "epoch", lf.Epoch, "superseded_by", lf.SupersededBy)
 	}

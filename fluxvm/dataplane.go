@@ -23,6 +23,7 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	flowview "github.com/fluxvm/servicefabric/fluxvm/internal/flows"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/gctimer"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/hasync"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/pressure"
@@ -64,10 +65,11 @@ type Dataplane struct {
 	// sizing is what the maps sized by need hold and why (sizing.go);
 	// under mu.
 	sizing sizingState
-	// ha is flow-state replication; nil when it is off (hasync.go).
-	ha *haSync
+	// ha is flow-state replication (fluxvm/internal/hasync); nil when it
+	// is off.
+	ha *hasync.Sync
 	// importMu serializes snapshot imports while ha is nil (ha.go; with
-	// HA on, haSync.targetMu does).
+	// HA on, the component does).
 	importMu sync.Mutex
 	// pressure is the map pressure controller (fluxvm/internal/pressure;
 	// pressure.go), gcTimer the conntrack GC timer
@@ -276,7 +278,7 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
-	hs, err := newHASync(opts)
+	hs, hl, err := newHASync(opts)
 	if err != nil {
 		return nil, fmt.Errorf("fluxvm: open: %w", err)
 	}
@@ -364,6 +366,7 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs,
 		sizing: sizingState{reason: sizeReasons},
 	}
+	hl.d = d // what the HA component reads of the dataplane (hasync.go)
 	d.gcCtx, d.gcCancel = context.WithCancel(context.Background())
 	undo.push(func() error { d.gcCancel(); return nil })
 	if d.gcTimer, err = d.newGCTimer(opts.ConntrackGCInterval); err != nil {

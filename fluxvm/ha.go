@@ -2,10 +2,12 @@ package fluxvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/netip"
 
+	"github.com/fluxvm/servicefabric/fluxvm/internal/hasync"
 	"github.com/fluxvm/servicefabric/ha"
 )
 
@@ -76,7 +78,7 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	var j *ha.Journal
 	if d.ha != nil {
 		var err error
-		if _, j, err = d.sourceJournal(ctx, "export flows of", service); err != nil {
+		if j, err = d.sourceJournal(ctx, "export flows of", service); err != nil {
 			return ha.ExportResult{}, err
 		}
 	}
@@ -159,35 +161,15 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 		}
 		return res, nil
 	}
-	ctx, end := h.beginImport(ctx)
-	defer end()
-	t.Accept = func(hd ha.Header) error {
-		h.mu.Lock()
-		floor := h.floor(service)
-		h.mu.Unlock()
-		if hd.Epoch == 0 {
-			return fmt.Errorf("snapshot of a source without a lease (epoch 0: it runs without ha_epoch), this edge holds a lease and takes epoch %d or newer: %w", floor, ha.ErrStaleEpoch)
-		}
-		if hd.Epoch < floor {
-			return fmt.Errorf("snapshot of epoch %d, this edge accepted %d: %w", hd.Epoch, floor, ha.ErrStaleEpoch)
-		}
-		return nil
+	res, err := h.ImportSnapshot(ctx, service, func(ctx context.Context, accept func(ha.Header) error) (ha.ImportResult, error) {
+		t.Accept = accept
+		return ha.Import(ctx, r, t)
+	})
+	if errors.Is(err, hasync.ErrCursorStays) {
+		return res, fmt.Errorf("fluxvm: import flows of %s: %w", service, err)
 	}
-	res, err := ha.Import(ctx, r, t)
 	if err != nil {
 		return res, fmt.Errorf("fluxvm: %w", err)
-	}
-	if res.Header.Journal != "" {
-		h.mu.Lock()
-		c := h.cursors[service]
-		err := c.Reset(res.Header.Journal, res.Header.Seq, res.Header.Epoch)
-		h.mu.Unlock()
-		if err == nil {
-			err = d.setCursor(service, c)
-		}
-		if err != nil {
-			return res, fmt.Errorf("fluxvm: import flows of %s: applied, but the cursor stays: %w", service, err)
-		}
 	}
 	return res, nil
 }

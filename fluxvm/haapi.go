@@ -2,6 +2,7 @@ package fluxvm
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/fluxvm/servicefabric/ha"
 )
@@ -28,6 +29,136 @@ type HA struct {
 // HA returns the dataplane's flow-state replication (see HA). It is
 // valid on any Dataplane, nil included.
 func (d *Dataplane) HA() HA { return HA{d: d} }
+
+// FlowDelta returns the batches of service's journal after the cursor
+// (req.Journal, req.Seq) a standby holds, at most req.MaxOps ops but at
+// least one batch (ha.Journal.Since): or ResetRequired when the journal
+// cannot continue it (another incarnation, none yet, or history acked or
+// dropped since), and the standby loads a snapshot (ExportFlows). A
+// superseded edge serves nothing (ha.ErrFenced). A ctx that ended before
+// the read fails with an error wrapping ctx's, and no journal is made for
+// the service.
+func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest) (ha.Delta, error) {
+	j, err := r.journal(ctx, "flow delta", service)
+	if err != nil {
+		return ha.Delta{}, err
+	}
+	delta, err := j.Since(req.Seq, req.Journal, req.MaxOps)
+	if err != nil {
+		return ha.Delta{}, fmt.Errorf("fluxvm: flow delta of %s: %w", service, err)
+	}
+	return delta, nil
+}
+
+// journal is service's journal for op, a call of the source side.
+func (r HA) journal(ctx context.Context, op, service string) (*ha.Journal, error) {
+	if err := r.d.begin(ctx, op); err != nil {
+		return nil, err
+	}
+	return r.d.sourceJournal(ctx, op+" of", service)
+}
+
+// AckFlowDelta trims service's journal up to seq: the control plane
+// passes the minimum cursor its standbys replicated. An ack past the last
+// sealed batch wraps ha.ErrCursorAhead. A ctx that ended before the trim
+// fails with an error wrapping ctx's and trims nothing.
+func (r HA) AckFlowDelta(ctx context.Context, service string, seq uint64) (ha.JournalStats, error) {
+	j, err := r.journal(ctx, "ack flow delta", service)
+	if err != nil {
+		return ha.JournalStats{}, err
+	}
+	if err := ctxErr(ctx, "ack flow delta of "+service); err != nil {
+		return j.Stats(), err
+	}
+	if err := j.Ack(seq); err != nil {
+		return j.Stats(), fmt.Errorf("fluxvm: ack flow delta of %s: %w", service, err)
+	}
+	return j.Stats(), nil
+}
+
+// ImportFlowDelta applies a delta of service's journal on its peer (what
+// FlowDelta there returned) to this edge, after checking that it
+// continues this edge's cursor: an error wrapping ha.ErrStaleEpoch (data
+// of an epoch older than the newest this edge accepted or its own
+// lease), ha.ErrResetRequired (load a snapshot: ImportFlows) or ha.ErrGap
+// changes nothing. Deltas are applied one at a time. A ctx that ended
+// before the delta is applied (on entry, or while the call waited for
+// another import) applies nothing, moves no cursor and fails with an
+// error wrapping ctx's; one that ends while the batches are applied stops
+// the apply at its next op (ha.Apply), keeping the cursor where it was.
+func (r HA) ImportFlowDelta(ctx context.Context, service string, delta ha.Delta) (HADeltaResult, error) {
+	d := r.d
+	if err := d.begin(ctx, "import flow delta"); err != nil {
+		return HADeltaResult{}, err
+	}
+	h, err := d.haOn("import flow delta of " + service)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	ctx, done, err := d.haBegin(ctx, "import flow delta of "+service)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	// Writes into the flow maps: not while a compaction replaces them.
+	d.flowMu.RLock()
+	defer d.flowMu.RUnlock()
+	defer done()
+	t, err := d.haTarget("import flow delta of", service, false)
+	if err != nil {
+		return HADeltaResult{}, err
+	}
+	res, err := h.ImportDelta(ctx, service, delta, func(ctx context.Context, delta ha.Delta) (ha.ImportResult, error) {
+		return ha.Apply(ctx, delta, t)
+	})
+	if err != nil {
+		return res, fmt.Errorf("fluxvm: import flow delta of %s: %w", service, err)
+	}
+	return res, nil
+}
+
+// UpdateLease records what the control plane says about leases (see
+// HALease) and keeps it next to the catalog, so that a restart does not
+// go back to an older ha_epoch. Nothing changes when the update is
+// refused. A lease that advances cancels an import from the peer under
+// way (it is the edge's old active's: it stops at its next chunk or
+// batch, before a snapshot-diff's deletes, and moves no cursor) and
+// forgets the edge's cursors: as the active, it applies nobody's
+// journal, and should it be a standby again it resyncs from a snapshot.
+//
+// A ctx that ended before the update takes effect (on entry, or while
+// the call waited for another lease update) changes nothing and fails
+// with an error wrapping ctx's. Past that point (the import under way
+// cancelled, the lease file written) the call finishes, whatever ctx
+// says: a lease half recorded would leave the edge's epoch and its
+// journals disagreeing.
+func (r HA) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
+	d := r.d
+	if err := d.begin(ctx, "update lease"); err != nil {
+		return HAStatus{}, err
+	}
+	h, err := d.haOn("update lease")
+	if err != nil {
+		return HAStatus{}, err
+	}
+	if l.Epoch == 0 && l.SupersededBy == 0 {
+		return HAStatus{}, verr(ErrInvalid, "lease", "neither an epoch nor a superseding epoch")
+	}
+	if _, err := h.UpdateLease(ctx, l); err != nil {
+		return HAStatus{}, fmt.Errorf("fluxvm: update lease: %w", err)
+	}
+	return r.Status(), nil
+}
+
+// Status reports flow-state replication (Enabled false when it is off,
+// and the zero HAStatus on a Dataplane Open did not make). It reads no
+// kernel state and takes no context.
+func (r HA) Status() HAStatus {
+	d := r.d
+	if d.unopened() || d.ha == nil {
+		return HAStatus{}
+	}
+	return haStatusOf(d.ha.Status())
+}
 
 // FlowDelta is d.HA().FlowDelta.
 //

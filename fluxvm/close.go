@@ -82,17 +82,7 @@ func (d *Dataplane) Close() error {
 	if !d.markClosed() {
 		return nil
 	}
-	// Changes under way finish (and are journaled) first.
-	d.inflight.Wait()
-	d.health.Close()
-	d.pressure.Close()
-	d.stopGC()
-	d.stopHA()
-	d.sock.Close()
-	d.routes.Close() // its only error is the close of its netlink socket
-	d.adv.Close()
-	d.pacing.Close()
-	d.scope.Close()
+	d.stopComponents(false)
 	cerr := d.closeCatalog()
 	// A compaction finishes first (it holds flowMu to its end).
 	d.flowMu.Lock()
@@ -101,6 +91,31 @@ func (d *Dataplane) Close() error {
 	defer d.mu.Unlock()
 	closeMaps(d.flowMaps[:])
 	return errors.Join(cerr, d.dp.Close(), d.lock.Release(), d.catLock.Release())
+}
+
+// stopComponents stops the components, in one ordered list, once the
+// changes under way have finished (and are journaled): first those that
+// act on their own (health rounds, pressure rounds, the GC timer, the HA
+// drainer, the socket destroyer, the route watch), then the publisher of
+// the advertisements (with withdraw, after it was given the empty
+// snapshot that withdraws every VIP: Cleanup), then those that only
+// answer calls. The catalog, the maps and the locks go after it, in
+// Close and Cleanup. Call it once, after markClosed, without d.mu.
+func (d *Dataplane) stopComponents(withdraw bool) {
+	d.inflight.Wait()
+	d.health.Close()
+	d.pressure.Close()
+	d.stopGC()
+	d.stopHA()
+	d.sock.Close()
+	d.routes.Close() // its only error is the close of its netlink socket
+	if withdraw {
+		d.adv.Submit([]advert.Entry{})
+	}
+	d.adv.Close()
+	d.pacing.Close()
+	d.scope.Close()
+	d.pol.Close()
 }
 
 // Cleanup removes everything the dataplane owns: it stops the dataplane
@@ -134,17 +149,7 @@ func (d *Dataplane) Cleanup(ctx context.Context) error {
 	if !d.markClosed() {
 		return Cleanup(ctx, d.cleanupOptions())
 	}
-	d.inflight.Wait()
-	d.health.Close()
-	d.pressure.Close()
-	d.stopGC()
-	d.stopHA()
-	d.sock.Close()
-	d.routes.Close() // its only error is the close of its netlink socket
-	d.adv.Submit([]advert.Entry{})
-	d.adv.Close()
-	d.pacing.Close()
-	d.scope.Close()
+	d.stopComponents(true)
 	var errs []error
 	if d.store != nil {
 		d.store.Drop()

@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fluxvm/servicefabric/bpf"
-	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
@@ -56,26 +54,8 @@ func TestExportHeldOthersComplete(t *testing.T) {
 	}
 	// Flows enough for several chunks: established ones of web's IPv4
 	// TCP frontend, written as the datapath would.
-	d.mu.Lock()
-	fe := d.frontends[feKey{vip4, 80, 6}]
-	sid, bid := fe.sid, fe.backends[netip.AddrPortFrom(e.backends[0].Addr4, 8080)]
-	d.mu.Unlock()
-	now, err := conntrack.Now()
-	if err != nil {
-		t.Fatal(err)
-	}
 	const synthetic = 3 * ha.ChunkFlows
-	keys := make([]bpf.Tuple4, synthetic)
-	vals := make([]bpf.CTValue, synthetic)
-	for i := range keys {
-		client := netip.AddrFrom4([4]byte{10, 3, byte(i >> 8), byte(i)})
-		keys[i] = bpf.Tuple4{Saddr: bpf.AddrWords(client)[0], Daddr: bpf.AddrWords(vip4)[0], Sport: bpf.Port(40000), Dport: bpf.Port(80), Proto: 6}
-		vals[i] = bpf.CTValue{ServiceId: sid, BackendId: bid, CreatedNs: uint64(now), LastSeenNs: uint64(now),
-			DeadlineNs: uint64(now + time.Hour), State: uint8(bpf.CTTCPEstablished)}
-	}
-	if _, err := d.dp.Maps().FluxvmFct4.BatchUpdate(keys, vals, nil); err != nil {
-		t.Fatal(err)
-	}
+	fillFlows4(t, e, d, synthetic, 3)
 	var conns []*lab.Conn
 	for i := range 8 {
 		c := e.dial(t, []netip.Addr{vip4, vip6}[i%2])

@@ -615,31 +615,10 @@ func testGCDuringClose(t *testing.T, timer bool) {
 	if _, err := d.ApplyService(ctx, e.service(1, 1, 1)); err != nil {
 		t.Fatal(err)
 	}
-	d.mu.Lock()
-	fe := d.frontends[feKey{vip4, 80, 6}]
-	sid, bid := fe.sid, fe.backends[netip.AddrPortFrom(e.backends[0].Addr4, 8080)]
-	d.mu.Unlock()
-
 	// Fill fluxvm_fct4 with live flows of the service: every GC scans
 	// them all (and the first one repairs their reverse-NAT halves).
-	now, err := conntrack.Now()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ct4 := d.dp.Maps().FluxvmFct4
-	n := min(int(ct4.MaxEntries()), 16384)
-	keys := make([]bpf.Tuple4, n)
-	vals := make([]bpf.CTValue, n)
-	vip := bpf.AddrWords(vip4)[0]
-	for i := range keys {
-		client := netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)})
-		keys[i] = bpf.Tuple4{Saddr: bpf.AddrWords(client)[0], Daddr: vip, Sport: bpf.Port(40000), Dport: bpf.Port(80), Proto: 6}
-		vals[i] = bpf.CTValue{ServiceId: sid, BackendId: bid, CreatedNs: uint64(now), LastSeenNs: uint64(now),
-			DeadlineNs: uint64(now + time.Hour), State: uint8(bpf.CTTCPEstablished)}
-	}
-	if _, err := ct4.BatchUpdate(keys, vals, nil); err != nil {
-		t.Fatal(err)
-	}
+	n := min(int(d.dp.Maps().FluxvmFct4.MaxEntries()), 16384)
+	fillFlows4(t, e, d, n, 1)
 	if _, err := d.GC(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -883,4 +862,30 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 	echo(t, c, "after the table grew")
 	c2 := e.dial(t, vip4)
 	echo(t, c2, "new flow through the grown table")
+}
+
+// fillFlows4 writes n live, established flows of web's IPv4 TCP
+// frontend on the first backend into fluxvm_fct4, as the datapath would,
+// from the clients 10.<net>.x.y.
+func fillFlows4(t *testing.T, e *env, d *Dataplane, n int, net byte) {
+	t.Helper()
+	d.mu.Lock()
+	fe := d.frontends[feKey{vip4, 80, 6}]
+	sid, bid := fe.sid, fe.backends[netip.AddrPortFrom(e.backends[0].Addr4, 8080)]
+	d.mu.Unlock()
+	now, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := make([]bpf.Tuple4, n)
+	vals := make([]bpf.CTValue, n)
+	for i := range keys {
+		client := netip.AddrFrom4([4]byte{10, net, byte(i >> 8), byte(i)})
+		keys[i] = bpf.Tuple4{Saddr: bpf.AddrWords(client)[0], Daddr: bpf.AddrWords(vip4)[0], Sport: bpf.Port(40000), Dport: bpf.Port(80), Proto: 6}
+		vals[i] = bpf.CTValue{ServiceId: sid, BackendId: bid, CreatedNs: uint64(now), LastSeenNs: uint64(now),
+			DeadlineNs: uint64(now + time.Hour), State: uint8(bpf.CTTCPEstablished)}
+	}
+	if _, err := d.dp.Maps().FluxvmFct4.BatchUpdate(keys, vals, nil); err != nil {
+		t.Fatal(err)
+	}
 }

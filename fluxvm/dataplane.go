@@ -23,6 +23,7 @@ import (
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/pressure"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
 	"github.com/fluxvm/servicefabric/intent"
@@ -78,8 +79,8 @@ type Dataplane struct {
 	frontends map[feKey]*frontend
 	markers   map[markerKey][]*frontend
 	be2fe     map[bpf.Be2feKey][]be2feSlot // the reverse translation index (be2fe.go)
-	sids      *idPool
-	bids      *idPool
+	sids      *services.IDs
+	bids      *services.IDs
 	ifaces    map[string]*iface
 	pacing    *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
 	snat      bpf.SNATConfig

@@ -9,6 +9,7 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
 )
@@ -225,8 +226,8 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	d.caps = st.Capacities
 	d.limits = LimitsFor(d.caps)
 	d.inner = d.dp.Spec().Maps["fluxvm_maglev"].InnerMap
-	d.sids = newIDPool(d.caps.Services)
-	d.bids = newIDPool(d.caps.Backends)
+	d.sids = services.NewIDs(d.caps.Services)
+	d.bids = services.NewIDs(d.caps.Backends)
 	if err := d.newScope(); err != nil {
 		return err
 	}

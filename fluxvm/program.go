@@ -415,11 +415,11 @@ func (d *Dataplane) checkIDs(svc Service) error {
 			}
 		}
 	}
-	if needS > d.sids.available() {
-		return fmt.Errorf("%w: %d new frontends, %d service ids free in tier %s", ErrLimit, needS, d.sids.available(), d.dp.Status().Tier)
+	if needS > d.sids.Available() {
+		return fmt.Errorf("%w: %d new frontends, %d service ids free in tier %s", ErrLimit, needS, d.sids.Available(), d.dp.Status().Tier)
 	}
-	if needB > d.bids.available() {
-		return fmt.Errorf("%w: %d new backend entries, %d backend ids free in tier %s", ErrLimit, needB, d.bids.available(), d.dp.Status().Tier)
+	if needB > d.bids.Available() {
+		return fmt.Errorf("%w: %d new backend entries, %d backend ids free in tier %s", ErrLimit, needB, d.bids.Available(), d.dp.Status().Tier)
 	}
 	return nil
 }
@@ -515,12 +515,12 @@ func (d *Dataplane) prepare(svc Service, s *service, others ...*service) (*plan,
 		}
 		if fe == nil {
 			fe = &frontend{key: w.key, service: svc.Name, backends: map[netip.AddrPort]uint32{}}
-			if fe.sid = d.sids.get(); fe.sid == 0 {
+			if fe.sid = d.sids.Get(); fe.sid == 0 {
 				return p, fmt.Errorf("frontend %s: %w: no service id left", w.key, ErrLimit)
 			}
 			// A recycled id starts with zero counters and a closed guard.
 			if err := d.resetServiceSlot(fe.sid); err != nil {
-				d.sids.release(fe.sid)
+				d.sids.Release(fe.sid)
 				return p, fmt.Errorf("frontend %s: %w", w.key, err)
 			}
 			fe.edtKnown = true // resetServiceSlot zeroed it
@@ -712,7 +712,7 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 		pl.listed[ep] = true
 		id := fe.backends[ep]
 		if id == 0 {
-			if id = d.bids.get(); id == 0 {
+			if id = d.bids.Get(); id == 0 {
 				return pl, fmt.Errorf("%w: no backend id left", ErrLimit)
 			}
 			fe.backends[ep] = id
@@ -849,7 +849,7 @@ func (d *Dataplane) finishFrontend(svc Service, s *service, pl planned, t builtT
 				return err
 			}
 			delete(fe.backends, ep)
-			d.bids.release(id)
+			d.bids.Release(id)
 			d.staleSockets()
 		}
 	}
@@ -1149,14 +1149,14 @@ func (d *Dataplane) dropFrontend(fe *frontend) error {
 		// Forget it as it goes, so that a retry after a failure further
 		// on never releases an id twice.
 		delete(fe.backends, ep)
-		d.bids.release(id)
+		d.bids.Release(id)
 		d.staleSockets()
 	}
 	if err := d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{}); err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
 	delete(d.frontends, fe.key)
-	d.sids.release(fe.sid)
+	d.sids.Release(fe.sid)
 	return nil
 }
 

@@ -84,12 +84,12 @@ func (d *Dataplane) restore() (err error) {
 	for _, cs := range cat.Services {
 		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: intent.FootprintOf(&cs.Service)}
 		for _, cf := range cs.Frontends {
-			if !d.sids.reserve(cf.ServiceID) {
+			if !d.sids.Reserve(cf.ServiceID) {
 				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
 			}
 			fe := &frontend{key: feKey{cf.VIP, cf.Port, cf.Protocol.Number()}, sid: cf.ServiceID, service: cs.Service.Name, backends: map[netip.AddrPort]uint32{}}
 			for _, cb := range cf.Backends {
-				if !d.bids.reserve(cb.BackendID) {
+				if !d.bids.Reserve(cb.BackendID) {
 					return fmt.Errorf("fluxvm: restore catalog: backend id %d of %s: %w", cb.BackendID, cs.Service.Name, ErrConflict)
 				}
 				fe.backends[cb.Endpoint] = cb.BackendID

@@ -80,12 +80,12 @@ func checkIndex(t *testing.T, d *Dataplane, what string, want map[string][]strin
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	got := map[string][]string{}
-	for k, list := range d.be2fe {
+	for k, list := range d.be2fe.All() {
 		ks := ixEndpointKey(netip.AddrPortFrom(bpf.Addr(k.Addr, k.Family), bpf.Port(k.Port)), k.Proto)
 		for _, s := range list {
-			got[ks] = append(got[ks], s.fe.String())
-			if s.seeded {
-				t.Errorf("%s: %s: slot of %s still seeded", what, ks, s.fe)
+			got[ks] = append(got[ks], s.Frontend.String())
+			if s.Seeded {
+				t.Errorf("%s: %s: slot of %s still seeded", what, ks, s.Frontend)
 			}
 		}
 	}
@@ -177,7 +177,7 @@ func checkFindable(t *testing.T, d *Dataplane) func(*frontend, uint32) {
 		}
 		for ep, bid := range fe.backends {
 			var v bpf.Be2feValue
-			if err := d.dp.Maps().FluxvmBe2fe.Lookup(be2feKeyOf(fe, ep), &v); err != nil {
+			if err := d.dp.Maps().FluxvmBe2fe.Lookup(bpf.MakeBe2feKey(ep, fe.key.proto), &v); err != nil {
 				t.Errorf("swap of %s: %s: no index entry: %v", fe.key, ep, err)
 				continue
 			}
@@ -416,7 +416,7 @@ func TestReverseIndexFull(t *testing.T) {
 	slotsOf := func() int {
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		return len(d.be2fe)
+		return d.be2fe.Len()
 	}
 
 	// New: its first endpoint fits, its second does not.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 
 	"github.com/fluxvm/servicefabric/advert"
-	"github.com/fluxvm/servicefabric/bpf"
 )
 
 // markClosed sets closed and reports whether this call did (false: the
@@ -168,7 +167,7 @@ func (d *Dataplane) Cleanup(ctx context.Context) error {
 	// What Status, Services and Health report from now on: nothing is
 	// left.
 	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
-	d.be2fe = map[bpf.Be2feKey][]be2feSlot{}
+	d.be2fe.Reset()
 	d.sock.Removed()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)

@@ -78,7 +78,7 @@ type Dataplane struct {
 	services  map[string]*service
 	frontends map[feKey]*frontend
 	markers   map[markerKey][]*frontend
-	be2fe     map[bpf.Be2feKey][]be2feSlot // the reverse translation index (be2fe.go)
+	be2fe     *services.ReverseIndex // the reverse translation index (internal/services; be2fe.go)
 	sids      *services.IDs
 	bids      *services.IDs
 	ifaces    map[string]*iface

@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/intent"
 	"github.com/fluxvm/servicefabric/maglev"
 )
@@ -706,7 +707,7 @@ func (d *Dataplane) prepareFrontend(svc Service, fe *frontend, backends []Backen
 	// A frontend still served east-west with NAT lists new backends too
 	// while it changes to DSR or north-south only: until the commit writes
 	// its new flags, its flows are learned as east-west flows.
-	idx := indexed(&svc) || fe.live && fe.flags&(bpf.SvcFlagNoEastWest|bpf.SvcFlagDSR) == 0
+	idx := indexed(&svc) || fe.live && services.Indexed(fe.flags)
 	for _, b := range backends {
 		ep := b.Endpoint()
 		pl.listed[ep] = true

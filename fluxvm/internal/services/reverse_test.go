@@ -145,3 +145,22 @@ func TestReverseIndexFull(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+// TestIndexed: east-west NAT frontends are listed; north-south-only and
+// DSR ones are not.
+func TestIndexed(t *testing.T) {
+	for _, tc := range []struct {
+		flags uint32
+		want  bool
+	}{
+		{0, true},
+		{bpf.SvcFlagRevStored, true},
+		{bpf.SvcFlagNoEastWest, false},
+		{bpf.SvcFlagDSR, false},
+		{bpf.SvcFlagDSR | bpf.SvcFlagNoEastWest, false},
+	} {
+		if got := Indexed(tc.flags); got != tc.want {
+			t.Errorf("Indexed(%#x) = %v, want %v", tc.flags, got, tc.want)
+		}
+	}
+}

@@ -21,6 +21,7 @@ func TestSeedSettle(t *testing.T) {
 		catalog bool
 		pinned  map[bpf.Be2feKey]bpf.Be2feValue
 		have    map[bpf.Be2feKey]bpf.Be2feValue // the map Settle finds; nil: pinned
+		before  [][2]byte                       // Add(fe(f), ep(e)) before Seed
 		restore [][2]byte                       // Add(fe(f), ep(e)) in catalog order
 		want    listed
 		seeded  []byte // frontends whose slots stay seeded
@@ -48,6 +49,12 @@ func TestSeedSettle(t *testing.T) {
 			pinned:  map[bpf.Be2feKey]bpf.Be2feValue{key(1): value(1, 1, 2)},
 			restore: [][2]byte{{2, 1}},
 			want:    listed{1: {1, 2}}, seeded: []byte{1}},
+		{name: "seeding replaces the model; an unknown family is skipped, a frontend named twice listed once",
+			pinned: map[bpf.Be2feKey]bpf.Be2feValue{key(1): value(1, 1), key(2): dup,
+				{Family: 0, Port: bpf.Port(8080), Proto: 6}: value(1, 2)},
+			have:   map[bpf.Be2feKey]bpf.Be2feValue{key(1): value(1, 1), key(2): dup},
+			before: [][2]byte{{3, 3}},
+			want:   listed{1: {1}, 2: {1, 2}}, seeded: []byte{1, 2}, writes: 1},
 		{name: "after a reload the map is new: Settle writes the whole model",
 			catalog: true,
 			pinned:  map[bpf.Be2feKey]bpf.Be2feValue{key(1): value(1, 2, 1), key(2): value(2, 1)},
@@ -74,7 +81,12 @@ func TestSeedSettle(t *testing.T) {
 			if have == nil {
 				have = tc.pinned
 			}
-			m.entries = maps.Clone(have)
+			for _, r := range tc.before {
+				if err := x.Add(fe(r[0]), uint32(r[0]), ep(r[1]), bidOf(r[0], r[1]), true); err != nil {
+					t.Fatal(err)
+				}
+			}
+			m.entries, m.writes = maps.Clone(have), 0
 			x.Seed(maps.All(tc.pinned))
 			for _, r := range tc.restore {
 				if err := x.Add(fe(r[0]), uint32(r[0]), ep(r[1]), bidOf(r[0], r[1]), true); err != nil {

@@ -4,6 +4,7 @@ import (
 	"sync"
 
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -24,49 +25,15 @@ type applyState struct {
 	// unsaved are the services whose delete answered "removed, but the
 	// catalog was not saved", with the seq of its record; a retry of the
 	// delete makes it durable (DeleteService). Under mu.
-	unsaved map[string]uint64
-	// repairs are the frontends that failClosed closed, by service,
-	// until the service is programmed again: its next change removes
-	// those it no longer wants, even one the service's record does not
-	// list (a new frontend of an apply whose rollback failed). Under mu.
-	repairs  map[string][]*frontend
-	tables   tablePool      // Maglev tables to build in
+	unsaved  map[string]uint64
 	inflight sync.WaitGroup // changes under way; Close waits for them
-
-	namesMu sync.Mutex
-	names   map[string]*nameLock
-}
-
-// nameLock serialises the changes of one service.
-type nameLock struct {
-	mu   sync.Mutex
-	refs int
+	// names serialise the changes of each service; taken before mu.
+	names services.NameLocks
 }
 
 // lockService takes the lock of service name and returns its unlock. It
 // is taken before d.mu, never while holding it.
-func (d *Dataplane) lockService(name string) func() {
-	d.namesMu.Lock()
-	if d.names == nil {
-		d.names = map[string]*nameLock{}
-	}
-	l := d.names[name]
-	if l == nil {
-		l = &nameLock{}
-		d.names[name] = l
-	}
-	l.refs++
-	d.namesMu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
-		d.namesMu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(d.names, name)
-		}
-		d.namesMu.Unlock()
-	}
-}
+func (d *Dataplane) lockService(name string) func() { return d.names.Lock(name) }
 
 // doneBusy ends what ApplyService's d.busy[name]++ began. d.mu must be
 // held.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 	"github.com/fluxvm/servicefabric/maglev"
 )
@@ -69,11 +70,11 @@ func checkTables(t *testing.T, what string, d *Dataplane, st ServiceStatus) {
 	}
 	for _, f := range st.Frontends {
 		d.mu.Lock()
-		fe := d.frontends[feKey{f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()}]
+		fe := d.prog.Frontend(feKey(f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()))
 		var mb []maglev.Backend
 		for _, b := range st.Service.Backends {
 			if fe != nil && b.IsEnabled() && b.Address.Is4() == f.VIP.Addr().Is4() {
-				mb = append(mb, maglev.Backend{ID: fe.backends[b.Endpoint()], Addr: b.Address.Unmap(), Port: b.Port,
+				mb = append(mb, maglev.Backend{ID: fe.BackendID(b.Endpoint()), Addr: b.Address.Unmap(), Port: b.Port,
 					Proto: f.Protocol.Number(), Weight: b.EffectiveWeight(), Ready: true})
 			}
 		}
@@ -110,7 +111,7 @@ func TestApplySwapsTablesWithoutTheLock(t *testing.T) {
 	for i := range attempts {
 		seen := make(chan uint64, 1)
 		var once sync.Once
-		d.beforeSwap = func(fe *frontend, _ uint32) {
+		d.beforeSwap = func(fe *services.Frontend, _ uint32) {
 			once.Do(func() {
 				go func() {
 					st, err := d.Service(benchName(0))
@@ -254,7 +255,7 @@ func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
 			t.Fatal(err)
 		}
 		f := st.Frontends[0]
-		key := feKey{f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()}
+		key := feKey(f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number())
 		done := make(chan error, 1)
 		go func() { done <- d.DeleteService(ctx, name) }()
 	poll:
@@ -269,7 +270,7 @@ func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
 			}
 			d.mu.Lock()
 			listed := d.services[name] != nil
-			_, entry, err := d.lookupFrontend(key)
+			_, entry, err := lookupFrontend(d, key)
 			d.mu.Unlock()
 			if err != nil {
 				t.Fatal(err)
@@ -281,7 +282,7 @@ func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
 			runtime.Gosched()
 		}
 		// Everything of it is gone.
-		if _, ok, err := d.lookupFrontend(key); err != nil || ok {
+		if _, ok, err := lookupFrontend(d, key); err != nil || ok {
 			t.Errorf("attempt %d: frontend entry after the delete: %v, %v", i+1, ok, err)
 		}
 		var id ebpf.MapID
@@ -293,7 +294,7 @@ func TestDeleteEmptiesTablesWithoutTheLock(t *testing.T) {
 			t.Errorf("attempt %d: guard after the delete: %+v, %v", i+1, g, err)
 		}
 		d.mu.Lock()
-		_, stillFE := d.frontends[key]
+		stillFE := d.prog.Frontend(key) != nil
 		d.mu.Unlock()
 		if stillFE {
 			t.Errorf("attempt %d: the dataplane still has frontend %s", i+1, key)

@@ -18,7 +18,7 @@ import (
 // errSwapFault is the error of the map updates the tests below make fail.
 var errSwapFault = errors.New("injected fluxvm_maglev update failure")
 
-// failSwaps makes swapTable fail with errSwapFault for the updates f
+// failSwaps makes the table swaps (datapathMaps.SwapTable) fail with errSwapFault for the updates f
 // picks (inner nil: the slot is emptied), until the test ends or it is
 // called again with nil.
 func failSwaps(t *testing.T, f func(sid uint32, inner *ebpf.Map) bool) {
@@ -48,7 +48,7 @@ func twoPorts(i int, w uint32) Service {
 // entry exists, and its guard.
 func kernelFrontend(t *testing.T, d *Dataplane, f FrontendStatus) (entry bool, g bpf.Guard) {
 	t.Helper()
-	_, entry, err := d.lookupFrontend(feKey{f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()})
+	_, entry, err := lookupFrontend(d, feKey(f.VIP.Addr(), f.VIP.Port(), f.Protocol.Number()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,14 +195,14 @@ func TestApplyRollbackFailureFailsClosed(t *testing.T) {
 		t.Errorf("the error does not say that the rollback failed: %v", err)
 	}
 
-	added := feKey{svc.VIPs[0], 8443, TCP.Number()}
+	added := feKey(svc.VIPs[0], 8443, TCP.Number())
 	d.mu.Lock()
-	fe := d.frontends[added]
+	fe := d.prog.Frontend(added)
 	d.mu.Unlock()
 	if fe == nil {
 		t.Fatal("the failed apply left no trace of its new frontend: the fault did not hit where the test expects")
 	}
-	sid := fe.sid
+	sid := fe.ID()
 
 	failSwaps(t, nil)
 	if _, err := d.ApplyService(ctx, svc); err != nil {
@@ -210,7 +210,7 @@ func TestApplyRollbackFailureFailsClosed(t *testing.T) {
 	}
 	checkServing(t, "after the repairing apply", d, svc)
 	d.mu.Lock()
-	_, still := d.frontends[added]
+	still := d.prog.Frontend(added) != nil
 	d.mu.Unlock()
 	var g bpf.Guard
 	if err := d.dp.Maps().FluxvmSguard.Lookup(sid, &g); still || err != nil || g != (bpf.Guard{}) {
@@ -232,7 +232,7 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	dropped := st.Frontends[1]
-	key := feKey{dropped.VIP.Addr(), dropped.VIP.Port(), dropped.Protocol.Number()}
+	key := feKey(dropped.VIP.Addr(), dropped.VIP.Port(), dropped.Protocol.Number())
 
 	// Emptying the slot fails: the apply fails and both ports serve.
 	failSwaps(t, func(sid uint32, inner *ebpf.Map) bool { return sid == dropped.ServiceID && inner == nil })
@@ -265,7 +265,7 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 		t.Error("the dataplane's lock was held while the dropped frontend's slot was emptied")
 	}
 	checkServing(t, "after the apply", d, one)
-	if _, ok, err := d.lookupFrontend(key); err != nil || ok {
+	if _, ok, err := lookupFrontend(d, key); err != nil || ok {
 		t.Errorf("dropped frontend's entry: %v, %v", ok, err)
 	}
 	var id ebpf.MapID
@@ -277,7 +277,7 @@ func TestApplyDropsFrontendsWithoutTheLock(t *testing.T) {
 		t.Errorf("dropped frontend's guard: %+v, %v", g, err)
 	}
 	d.mu.Lock()
-	_, still := d.frontends[key]
+	still := d.prog.Frontend(key) != nil
 	d.mu.Unlock()
 	if still {
 		t.Errorf("the dataplane still has frontend %s", key)

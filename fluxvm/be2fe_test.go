@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
@@ -65,7 +66,7 @@ func ixEndpointKey(ep netip.AddrPort, proto uint8) string {
 }
 
 func ixFrontend(vip netip.Addr, port uint16, proto Protocol) string {
-	return feKey{vip, port, proto.Number()}.String()
+	return feKey(vip, port, proto.Number()).String()
 }
 
 // checkIndex checks the reverse translation index against want (backend
@@ -80,12 +81,12 @@ func checkIndex(t *testing.T, d *Dataplane, what string, want map[string][]strin
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	got := map[string][]string{}
-	for k, list := range d.be2fe.All() {
+	for k, list := range d.prog.Index().All() {
 		ks := ixEndpointKey(netip.AddrPortFrom(bpf.Addr(k.Addr, k.Family), bpf.Port(k.Port)), k.Proto)
 		for _, s := range list {
-			got[ks] = append(got[ks], s.Frontend.String())
+			got[ks] = append(got[ks], s.Key.String())
 			if s.Seeded {
-				t.Errorf("%s: %s: slot of %s still seeded", what, ks, s.Frontend)
+				t.Errorf("%s: %s: slot of %s still seeded", what, ks, s.Key)
 			}
 		}
 	}
@@ -124,19 +125,19 @@ func checkIndex(t *testing.T, d *Dataplane, what string, want map[string][]strin
 				}
 				continue
 			}
-			fk := feKey{bpf.Addr(s.Vip, k.Family), bpf.Port(s.Vport), k.Proto}
+			fk := feKey(bpf.Addr(s.Vip, k.Family), bpf.Port(s.Vport), k.Proto)
 			if fk.String() != w[i] {
 				t.Errorf("%s: %s: slot %d names %s, want %s", what, ks, i, fk, w[i])
 				continue
 			}
-			fe := d.frontends[fk]
-			if fe == nil || s.ServiceId != fe.sid || s.BackendId != fe.backends[ep] || s.BackendId == 0 {
+			fe := d.prog.Frontend(fk)
+			if fe == nil || s.ServiceId != fe.ID() || s.BackendId != fe.BackendID(ep) || s.BackendId == 0 {
 				t.Errorf("%s: %s: slot %d %+v does not name the frontend's ids (%+v)", what, ks, i, s, fe)
 				continue
 			}
 			var be bpf.Backend
 			if err := d.dp.Maps().FluxvmBackends.Lookup(s.BackendId, &be); err != nil ||
-				netip.AddrPortFrom(bpf.Addr(be.Addr, be.Family), bpf.Port(be.Port)) != ep || be.ServiceId != fe.sid {
+				netip.AddrPortFrom(bpf.Addr(be.Addr, be.Family), bpf.Port(be.Port)) != ep || be.ServiceId != fe.ID() {
 				t.Errorf("%s: %s: slot %d: backend %d is %+v (%v)", what, ks, i, s.BackendId, be, err)
 			}
 		}
@@ -148,18 +149,18 @@ func checkIndex(t *testing.T, d *Dataplane, what string, want map[string][]strin
 		t.Errorf("%s: %d map entries, want %d", what, n, len(want))
 	}
 
-	for _, fe := range d.frontends {
-		v, ok, err := d.lookupFrontend(fe.key)
+	for _, fe := range d.prog.Frontends() {
+		v, ok, err := lookupFrontend(d, fe.Key())
 		if err != nil || !ok {
-			t.Errorf("%s: frontend %s: entry %v %v", what, fe.key, ok, err)
+			t.Errorf("%s: frontend %s: entry %v %v", what, fe.Key(), ok, err)
 			continue
 		}
-		if has, w := v.Flags&bpf.SvcFlagRevStored != 0, slices.Contains(revStored, fe.key.String()); has != w {
-			t.Errorf("%s: frontend %s: SvcFlagRevStored %v, want %v (flags %#x)", what, fe.key, has, w, v.Flags)
+		if has, w := v.Flags&bpf.SvcFlagRevStored != 0, slices.Contains(revStored, fe.Key().String()); has != w {
+			t.Errorf("%s: frontend %s: SvcFlagRevStored %v, want %v (flags %#x)", what, fe.Key(), has, w, v.Flags)
 		}
 	}
 	for _, r := range revStored {
-		if !slices.ContainsFunc(slices.Collect(maps.Keys(d.frontends)), func(k feKey) bool { return k.String() == r }) {
+		if !slices.ContainsFunc(slices.Collect(maps.Keys(maps.Collect(d.prog.Frontends()))), func(k services.Key) bool { return k.String() == r }) {
 			t.Errorf("%s: frontend %s: not programmed", what, r)
 		}
 	}
@@ -170,26 +171,26 @@ func checkIndex(t *testing.T, d *Dataplane, what string, want map[string][]strin
 // is in the first slots of the endpoint's map entry with its ids, or the
 // entry overflows and fe's live frontend entry, if it has one, makes its
 // flows store reverse-NAT halves.
-func checkFindable(t *testing.T, d *Dataplane) func(*frontend, uint32) {
-	return func(fe *frontend, flags uint32) {
+func checkFindable(t *testing.T, d *Dataplane) func(*services.Frontend, uint32) {
+	return func(fe *services.Frontend, flags uint32) {
 		if flags&(bpf.SvcFlagDSR|bpf.SvcFlagNoEastWest) != 0 {
 			return
 		}
-		for ep, bid := range fe.backends {
+		for ep, bid := range fe.Backends() {
 			var v bpf.Be2feValue
-			if err := d.dp.Maps().FluxvmBe2fe.Lookup(bpf.MakeBe2feKey(ep, fe.key.proto), &v); err != nil {
-				t.Errorf("swap of %s: %s: no index entry: %v", fe.key, ep, err)
+			if err := d.dp.Maps().FluxvmBe2fe.Lookup(bpf.MakeBe2feKey(ep, fe.Key().Proto), &v); err != nil {
+				t.Errorf("swap of %s: %s: no index entry: %v", fe.Key(), ep, err)
 				continue
 			}
-			want := bpf.Be2feSlot{Vip: bpf.AddrWords(fe.key.vip), Vport: bpf.Port(fe.key.port), ServiceId: fe.sid, BackendId: bid}
+			want := bpf.Be2feSlot{Vip: bpf.AddrWords(fe.Key().VIP), Vport: bpf.Port(fe.Key().Port), ServiceId: fe.ID(), BackendId: bid}
 			if slices.Contains(v.Slots[:min(int(v.Count), bpf.Be2feSlots)], want) {
 				continue
 			}
 			if v.Flags&bpf.Be2feFlagOverflow == 0 {
-				t.Errorf("swap of %s: %s: not in the entry %+v, which does not overflow", fe.key, ep, v)
+				t.Errorf("swap of %s: %s: not in the entry %+v, which does not overflow", fe.Key(), ep, v)
 			}
-			if sv, ok, err := d.lookupFrontend(fe.key); err != nil || ok && sv.Flags&bpf.SvcFlagRevStored == 0 {
-				t.Errorf("swap of %s: %s: past the slots, and the live frontend entry %+v lacks SvcFlagRevStored (%v)", fe.key, ep, sv, err)
+			if sv, ok, err := lookupFrontend(d, fe.Key()); err != nil || ok && sv.Flags&bpf.SvcFlagRevStored == 0 {
+				t.Errorf("swap of %s: %s: past the slots, and the live frontend entry %+v lacks SvcFlagRevStored (%v)", fe.Key(), ep, sv, err)
 			}
 		}
 	}
@@ -416,7 +417,7 @@ func TestReverseIndexFull(t *testing.T) {
 	slotsOf := func() int {
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		return d.be2fe.Len()
+		return d.prog.Index().Len()
 	}
 
 	// New: its first endpoint fits, its second does not.
@@ -429,7 +430,7 @@ func TestReverseIndexFull(t *testing.T) {
 	if _, err := d.Service("y"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("service y after the failed apply: %v", err)
 	}
-	if _, ok, _ := d.lookupFrontend(feKey{ixVIP(8), 80, 6}); ok {
+	if _, ok, _ := lookupFrontend(d, feKey(ixVIP(8), 80, 6)); ok {
 		t.Error("the failed apply left y's frontend entry")
 	}
 	if n := slotsOf(); n != 1 {
@@ -449,7 +450,7 @@ func TestReverseIndexFull(t *testing.T) {
 	if st, err := d.Service("x"); err != nil || st.Revision != xst.Revision || len(st.Frontends) != 1 || st.Frontends[0].ServiceID != xst.Frontends[0].ServiceID {
 		t.Errorf("x after the failed update: %+v %v, want %+v", st, err, xst)
 	}
-	if _, ok, _ := d.lookupFrontend(feKey{ixVIP6(9), 80, 6}); ok {
+	if _, ok, _ := lookupFrontend(d, feKey(ixVIP6(9), 80, 6)); ok {
 		t.Error("the failed update left its new frontend entry")
 	}
 	if n := slotsOf(); n != 1 {
@@ -574,4 +575,15 @@ func TestReverseIndexWithoutCatalog(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkIndex(t, d, "applied again", want)
+}
+
+// lookupFrontend reads the frontend entry of k as the services component
+// writes it; ok is false when there is none.
+func lookupFrontend(d *Dataplane, k services.Key) (bpf.SvcValue, bool, error) {
+	return datapathMaps{d: d}.Lookup(k)
+}
+
+// feKey names the frontend (vip, port, proto).
+func feKey(vip netip.Addr, port uint16, proto uint8) services.Key {
+	return services.Key{VIP: vip, Port: port, Proto: proto}
 }

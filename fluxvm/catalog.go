@@ -92,11 +92,12 @@ func (d *Dataplane) catalogSnapshot() catalogFile {
 
 // catalogServiceOf is s as the catalog records it. d.mu must be held.
 func catalogServiceOf(s *service) catalogService {
-	cs := catalogService{Service: s.intent, Revision: s.revision, AppliedAt: s.applied}
-	for _, fe := range s.frontends {
-		cf := catalogFrontend{VIP: fe.key.vip, Port: fe.key.port, Protocol: protocolOf(fe.key.proto), ServiceID: fe.sid,
-			Backends: make([]catalogBackend, 0, len(fe.backends))}
-		for ep, id := range fe.backends {
+	cs := catalogService{Service: s.Intent, Revision: s.Revision, AppliedAt: s.Applied}
+	for _, fe := range s.Frontends {
+		k := fe.Key()
+		cf := catalogFrontend{VIP: k.VIP, Port: k.Port, Protocol: protocolOf(k.Proto), ServiceID: fe.ID(),
+			Backends: make([]catalogBackend, 0, fe.BackendCount())}
+		for ep, id := range fe.Backends() {
 			cf.Backends = append(cf.Backends, catalogBackend{Endpoint: ep, BackendID: id})
 		}
 		slices.SortFunc(cf.Backends, func(a, b catalogBackend) int { return int(a.BackendID) - int(b.BackendID) })

@@ -166,8 +166,8 @@ func (d *Dataplane) Cleanup(ctx context.Context) error {
 	errs = append(errs, d.dp.Close(), removeState(d.cleanupOptions()), d.catLock.Remove(), d.lock.Release())
 	// What Status, Services and Health report from now on: nothing is
 	// left.
-	d.services, d.frontends, d.markers, d.ifaces = map[string]*service{}, map[feKey]*frontend{}, map[markerKey][]*frontend{}, map[string]*iface{}
-	d.be2fe.Reset()
+	d.services, d.ifaces = map[string]*service{}, map[string]*iface{}
+	d.prog.Reset()
 	d.sock.Removed()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("fluxvm: cleanup: %w", err)

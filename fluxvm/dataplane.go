@@ -4,10 +4,8 @@ import (
 	"context"
 	"log/slog"
 	"net"
-	"net/netip"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"go.opentelemetry.io/otel/trace"
@@ -26,7 +24,6 @@ import (
 	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/socklb"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/xdproutes"
-	"github.com/fluxvm/servicefabric/intent"
 )
 
 // Dataplane is the node's Service Fabric: the datapath with its pinned
@@ -73,23 +70,21 @@ type Dataplane struct {
 	gcTimer  *gctimer.Timer
 	caps     bpf.Capacities
 	limits   Limits
-	inner    *ebpf.MapSpec
 
-	services  map[string]*service
-	frontends map[feKey]*frontend
-	markers   map[markerKey][]*frontend
-	be2fe     *services.ReverseIndex // the reverse translation index (internal/services; be2fe.go)
-	sids      *services.IDs
-	bids      *services.IDs
-	ifaces    map[string]*iface
-	pacing    *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
-	snat      bpf.SNATConfig
-	revision  uint64
-	lastGC    *GCResult
-	scope     *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)
-	sock      *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
-	health    *healthchecks.Checks       // active health checks (internal/health; health.go)
-	adv       *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
+	services map[string]*service
+	// prog programs the services' frontends, backends and Maglev tables
+	// and keeps what it wrote (fluxvm/internal/services; programmer.go);
+	// its state is under mu.
+	prog     *services.Programmer
+	ifaces   map[string]*iface
+	pacing   *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
+	snat     bpf.SNATConfig
+	revision uint64
+	lastGC   *GCResult
+	scope    *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)
+	sock     *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
+	health   *healthchecks.Checks       // active health checks (internal/health; health.go)
+	adv      *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
 	// testHealthDial, set by tests before the first check, replaces
 	// dialNode for the health checks.
 	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)
@@ -121,57 +116,16 @@ type Dataplane struct {
 	gcCancel context.CancelFunc
 	gcRuns   sync.WaitGroup
 
-	beforeGCScan func()                           // tests: runs just before GC's scan
-	afterGCScan  func()                           // tests: runs after GC's scan (whatever its outcome), before its release of ids
-	beforeSwap   func(fe *frontend, flags uint32) // tests: runs in commitStart, d.mu held, just before fe's new table goes in (flags: its new ones)
+	beforeGCScan func()                                    // tests: runs just before GC's scan
+	afterGCScan  func()                                    // tests: runs after GC's scan (whatever its outcome), before its release of ids
+	beforeSwap   func(fe *services.Frontend, flags uint32) // tests: runs with d.mu held just before fe's new table goes in (flags: its new ones)
 
 	applyState // concurrent applies, the catalog's store (apply.go)
 }
 
-type feKey struct {
-	vip   netip.Addr
-	port  uint16
-	proto uint8
-}
-
-type markerKey struct {
-	vip   netip.Addr
-	proto uint8
-}
-
-type service struct {
-	intent    Service
-	revision  uint64
-	applied   time.Time
-	frontends []*frontend
-	fp        intent.Footprint // what it counts in d.index
-	// seq is the catalog journal record of this intent (ApplyService);
-	// 0 when it came from the snapshot at Open, or without a catalog.
-	seq uint64
-}
-
-type frontend struct {
-	key      feKey
-	sid      uint32
-	service  string
-	backends map[netip.AddrPort]uint32
-	eligible int
-	size     uint32 // slots of its Maglev table in place; 0: none
-	guard    bool
-	flags    uint32 // SvcValue flags (svcFlags, revStoredOf)
-	// live: its frontend entry is written, with flags and revision rev;
-	// false until its first commit and once removeFrontend deleted it.
-	live bool
-	rev  uint32
-	// repair: a change failed and could not put back what was there, so
-	// its guard is closed until the service is programmed again
-	// (failClosed).
-	repair bool
-	// edt is its fluxvm_edt entry as written (the departure clock aside),
-	// once edtKnown (edt.go).
-	edt      bpf.EDTValue
-	edtKnown bool
-}
+// service is a service as programmed (services.Service): its intent,
+// revision, frontends and catalog record.
+type service = services.Service
 
 type iface struct {
 	VMEdgeInterface // VMID is empty on a north-south interface

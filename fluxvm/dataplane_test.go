@@ -870,8 +870,8 @@ func TestMaglevTablesSizedByBackends(t *testing.T) {
 func fillFlows4(t *testing.T, e *env, d *Dataplane, n int, net byte) {
 	t.Helper()
 	d.mu.Lock()
-	fe := d.frontends[feKey{vip4, 80, 6}]
-	sid, bid := fe.sid, fe.backends[netip.AddrPortFrom(e.backends[0].Addr4, 8080)]
+	fe := d.prog.Frontend(feKey(vip4, 80, 6))
+	sid, bid := fe.ID(), fe.BackendID(netip.AddrPortFrom(e.backends[0].Addr4, 8080))
 	d.mu.Unlock()
 	now, err := conntrack.Now()
 	if err != nil {

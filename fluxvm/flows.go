@@ -54,9 +54,9 @@ func (d *Dataplane) flowNames() (flowview.Names, error) {
 	if err := d.checkOpen("flows"); err != nil {
 		return flowview.Names{}, err
 	}
-	names := flowview.Names{Services: make(map[uint32]string, len(d.frontends)), Interfaces: make(map[int]string, len(d.ifaces))}
-	for _, fe := range d.frontends {
-		names.Services[fe.sid] = fe.service
+	names := flowview.Names{Services: make(map[uint32]string, d.prog.Len()), Interfaces: make(map[int]string, len(d.ifaces))}
+	for _, fe := range d.prog.Frontends() {
+		names.Services[fe.ID()] = fe.Service()
 	}
 	for name, ifc := range d.ifaces {
 		if ifc.index != 0 {

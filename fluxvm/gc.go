@@ -44,7 +44,7 @@ func (d *Dataplane) gc(ctx context.Context, timer bool) (_ GCResult, err error) 
 	// Added under mu while open: Close's wait (stopGC) comes after.
 	d.gcRuns.Add(1)
 	defer d.gcRuns.Done()
-	smark, bmark := d.sids.QuarantineMark(), d.bids.QuarantineMark()
+	smark, bmark := d.prog.ServiceIDs().QuarantineMark(), d.prog.BackendIDs().QuarantineMark()
 	d.mu.Unlock()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -76,8 +76,8 @@ func (d *Dataplane) gc(ctx context.Context, timer bool) (_ GCResult, err error) 
 	d.lastGC = &res
 	d.gcTimer.Note(now, res, timer)
 	// Flows naming the ids quarantined before the scan are gone now.
-	d.sids.ReleaseQuarantinedBefore(smark)
-	if d.bids.ReleaseQuarantinedBefore(bmark) > 0 {
+	d.prog.ServiceIDs().ReleaseQuarantinedBefore(smark)
+	if d.prog.BackendIDs().ReleaseQuarantinedBefore(bmark) > 0 {
 		// A backend id may name another backend from now on: XDP must
 		// not reuse a route it cached under it.
 		d.invalidateXDPRoutes()

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 
 	"github.com/fluxvm/servicefabric/fluxvm/internal/hasync"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/ha"
 )
 
@@ -16,7 +17,7 @@ import (
 // ids, and its backends' ids by address per frontend.
 type haView struct {
 	sids     []uint32
-	frontend map[feKey]uint32
+	frontend map[services.Key]uint32
 	backends map[uint32]map[netip.AddrPort]uint32
 	byID     map[uint32]netip.AddrPort
 }
@@ -31,19 +32,19 @@ func (d *Dataplane) haView(what, service string) (haView, error) {
 	if s == nil {
 		return haView{}, fmt.Errorf("fluxvm: %s %q: no such service: %w", what, service, ErrNotFound)
 	}
-	v := haView{frontend: map[feKey]uint32{}, backends: map[uint32]map[netip.AddrPort]uint32{}, byID: map[uint32]netip.AddrPort{}}
-	for _, fe := range s.frontends {
-		if !fe.live {
+	v := haView{frontend: map[services.Key]uint32{}, backends: map[uint32]map[netip.AddrPort]uint32{}, byID: map[uint32]netip.AddrPort{}}
+	for _, fe := range s.Frontends {
+		if !fe.Live() {
 			continue
 		}
-		v.sids = append(v.sids, fe.sid)
-		v.frontend[fe.key] = fe.sid
-		bs := make(map[netip.AddrPort]uint32, len(fe.backends))
-		for ap, id := range fe.backends {
+		v.sids = append(v.sids, fe.ID())
+		v.frontend[fe.Key()] = fe.ID()
+		bs := make(map[netip.AddrPort]uint32, fe.BackendCount())
+		for ap, id := range fe.Backends() {
 			bs[ap] = id
 			v.byID[id] = ap
 		}
-		v.backends[fe.sid] = bs
+		v.backends[fe.ID()] = bs
 	}
 	if len(v.sids) == 0 {
 		return haView{}, fmt.Errorf("fluxvm: %s %q: the service has no frontend programmed: %w", what, service, ErrNotFound)
@@ -204,7 +205,7 @@ func (d *Dataplane) haTarget(what, service string, prune bool) (ha.Target, error
 	}
 	return ha.Target{CT: d.ct, Service: service, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat,
 		Frontend: func(vip netip.AddrPort, proto uint8) (uint32, bool) {
-			sid, ok := v.frontend[feKey{vip: vip.Addr().Unmap(), port: vip.Port(), proto: proto}]
+			sid, ok := v.frontend[services.Key{VIP: vip.Addr().Unmap(), Port: vip.Port(), Proto: proto}]
 			return sid, ok
 		},
 		BackendID: func(sid uint32, addr netip.AddrPort) (uint32, bool) {

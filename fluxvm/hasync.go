@@ -106,9 +106,9 @@ func (l *haLink) Services() iter.Seq2[string, []uint32] {
 	return func(yield func(string, []uint32) bool) {
 		for name, s := range l.d.services {
 			var sids []uint32
-			for _, fe := range s.frontends {
-				if fe.live {
-					sids = append(sids, fe.sid)
+			for _, fe := range s.Frontends {
+				if fe.Live() {
+					sids = append(sids, fe.ID())
 				}
 			}
 			if !yield(name, sids) {

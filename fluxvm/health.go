@@ -62,7 +62,7 @@ func (d *Dataplane) dialNode(ctx context.Context, network, address string) (net.
 func (d *Dataplane) syncHealth(name string) {
 	var svc *Service
 	if s := d.services[name]; s != nil {
-		svc = &s.intent
+		svc = &s.Intent
 	}
 	d.health.Sync(name, svc)
 }
@@ -86,7 +86,7 @@ func (d *Dataplane) reprogramHealth(ch healthchecks.Change) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	s := d.services[ch.Service]
-	if s == nil || !ch.Affects(&s.intent) {
+	if s == nil || !ch.Affects(&s.Intent) {
 		return nil
 	}
 	if d.busy[ch.Service] > 0 {
@@ -95,7 +95,7 @@ func (d *Dataplane) reprogramHealth(ch healthchecks.Change) error {
 		// Until then the next round retries.
 		return errApplyUnderWay
 	}
-	if err := d.program(s.intent, s); err != nil {
+	if err := d.prog.Program(s.Intent, s); err != nil {
 		d.log.Error("fluxvm: reprogramming after a health change failed; the next round retries", "service", ch.Service, "err", err)
 		return err
 	}
@@ -114,7 +114,7 @@ func (v servicesView) HealthChecked() iter.Seq[*Service] {
 		v.d.mu.Lock()
 		defer v.d.mu.Unlock()
 		for _, s := range v.d.services {
-			if s.intent.HealthCheck != nil && !yield(&s.intent) {
+			if s.Intent.HealthCheck != nil && !yield(&s.Intent) {
 				return
 			}
 		}
@@ -126,7 +126,7 @@ func (v servicesView) HealthChecked() iter.Seq[*Service] {
 func (v servicesView) Services() iter.Seq[*Service] {
 	return func(yield func(*Service) bool) {
 		for _, s := range v.d.services {
-			if !yield(&s.intent) {
+			if !yield(&s.Intent) {
 				return
 			}
 		}

@@ -92,9 +92,9 @@ func datapathState(t *testing.T, d *Dataplane, ep netip.AddrPort) []uint8 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	var out []uint8
-	for _, fe := range d.frontends {
-		id, ok := fe.backends[ep]
-		if !ok {
+	for _, fe := range d.prog.Frontends() {
+		id := fe.BackendID(ep)
+		if id == 0 {
 			continue
 		}
 		var v bpf.Backend
@@ -337,11 +337,9 @@ func TestHealthReprogramRetried(t *testing.T) {
 	down := netip.AddrPortFrom(e.backends[1].Addr4, 8081)
 	// Every new Maglev table fails to be created from now on.
 	d.mu.Lock()
-	good := d.inner
-	bad := good.Copy()
-	bad.MaxEntries = 0
-	d.inner = bad
+	newTableFault = func() error { return errors.New("no table (test)") }
 	d.mu.Unlock()
+	t.Cleanup(func() { newTableFault = nil })
 	for i := 0; ; i++ {
 		rep := reconcile(t, d, 1)
 		if backendHealth(t, rep, down).Observed == health.Unhealthy {
@@ -352,10 +350,10 @@ func TestHealthReprogramRetried(t *testing.T) {
 		}
 	}
 	d.mu.Lock()
-	d.inner = good
+	newTableFault = nil
 	var sid, downID uint32
-	for _, fe := range d.frontends {
-		sid, downID = fe.sid, fe.backends[down]
+	for _, fe := range d.prog.Frontends() {
+		sid, downID = fe.ID(), fe.BackendID(down)
 	}
 	d.mu.Unlock()
 	rep := reconcile(t, d, 1)

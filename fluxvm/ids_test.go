@@ -21,8 +21,8 @@ func TestGCKeepsIDsReleasedDuringTheScan(t *testing.T) {
 	gone := svc.Backends[0].Endpoint()
 	var goneIDs []uint32
 	d.mu.Lock()
-	for _, fe := range d.frontends {
-		if id := fe.backends[gone]; id != 0 {
+	for _, fe := range d.prog.Frontends() {
+		if id := fe.BackendID(gone); id != 0 {
 			goneIDs = append(goneIDs, id)
 		}
 	}
@@ -46,7 +46,7 @@ func TestGCKeepsIDsReleasedDuringTheScan(t *testing.T) {
 		defer d.mu.Unlock()
 		var out []bool
 		for _, id := range goneIDs {
-			out = append(out, d.bids.Used(id))
+			out = append(out, d.prog.BackendIDs().Used(id))
 		}
 		return out
 	}

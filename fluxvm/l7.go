@@ -45,7 +45,7 @@ func (d *Dataplane) Envoy(service string) (EnvoyDocument, error) {
 	if s == nil {
 		return EnvoyDocument{}, fmt.Errorf("fluxvm: l7 document of %q: no such service: %w", service, ErrNotFound)
 	}
-	doc, err := d.pol.Envoy(&s.intent, func(b *Backend) BackendState { return d.effectiveState(&s.intent, b) })
+	doc, err := d.pol.Envoy(&s.Intent, func(b *Backend) BackendState { return d.effectiveState(&s.Intent, b) })
 	if err != nil {
 		return EnvoyDocument{}, fmt.Errorf("fluxvm: l7 document of %q: %w", service, err)
 	}

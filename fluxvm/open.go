@@ -9,7 +9,6 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
-	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/internal/bpffs"
 	"github.com/fluxvm/servicefabric/nat"
 )
@@ -162,8 +161,7 @@ func Open(ctx context.Context, opts Options) (_ *Dataplane, err error) {
 	}
 	d := &Dataplane{
 		opts: opts, log: opts.Logger, tracer: tracerOf(opts.TracerProvider), dp: dp, pacing: pacing, lock: lk, catLock: cl,
-		services: map[string]*service{}, frontends: map[feKey]*frontend{},
-		markers: map[markerKey][]*frontend{}, ifaces: map[string]*iface{}, ha: hs,
+		services: map[string]*service{}, ifaces: map[string]*iface{}, ha: hs,
 		sizing: sizingState{reason: sizeReasons},
 	}
 	hl.d = d // what the HA component reads of the dataplane (hasync.go)
@@ -225,9 +223,9 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	st := d.dp.Status()
 	d.caps = st.Capacities
 	d.limits = LimitsFor(d.caps)
-	d.inner = d.dp.Spec().Maps["fluxvm_maglev"].InnerMap
-	d.sids = services.NewIDs(d.caps.Services)
-	d.bids = services.NewIDs(d.caps.Backends)
+	if err := d.newProgrammer(); err != nil {
+		return err
+	}
 	if err := d.newScope(); err != nil {
 		return err
 	}

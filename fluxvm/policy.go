@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/policies"
 	"github.com/fluxvm/servicefabric/intent"
@@ -303,7 +302,7 @@ type policyView struct{ d *Dataplane }
 // Service is the intent of service name, or nil.
 func (v policyView) Service(name string) *Service {
 	if s := v.d.services[name]; s != nil {
-		return &s.intent
+		return &s.Intent
 	}
 	return nil
 }
@@ -312,9 +311,9 @@ func (v policyView) Service(name string) *Service {
 func (v policyView) Frontends() []policies.Frontend {
 	var out []policies.Frontend
 	for name, s := range v.d.services {
-		for _, fe := range s.frontends {
-			if fe.live {
-				out = append(out, policies.Frontend{Service: name, SID: fe.sid, Flags: fe.flags})
+		for _, fe := range s.Frontends {
+			if fe.Live() {
+				out = append(out, policies.Frontend{Service: name, SID: fe.ID(), Flags: fe.Flags()})
 			}
 		}
 	}
@@ -322,59 +321,25 @@ func (v policyView) Frontends() []policies.Frontend {
 }
 
 // SetPolicyFlags writes the live entry of frontend sid of service with
-// on as its policy flags.
+// on as its policy flags (services.Programmer.SetPolicyFlags).
 func (v policyView) SetPolicyFlags(service string, sid uint32, on uint32) error {
 	s := v.d.services[service]
 	if s == nil {
 		return fmt.Errorf("service %q: %w", service, ErrNotFound)
 	}
-	for _, fe := range s.frontends {
-		if fe.sid != sid || !fe.live {
-			continue
-		}
-		flags := fe.flags&^(bpf.SvcFlagPolicy|bpf.SvcFlagL7) | on
-		if err := v.d.putFrontend(fe.key, bpf.SvcValue{ServiceId: fe.sid, Flags: flags, Revision: fe.rev}); err != nil {
-			return err
-		}
-		fe.flags = flags
-		return nil
-	}
-	return fmt.Errorf("service %q: frontend %d: %w", service, sid, ErrNotFound)
+	return v.d.prog.SetPolicyFlags(s, sid, on)
 }
 
 // CloseGuards closes the guards of the live guarded frontends of
-// services; reopen opens them again (as open as their guard says).
-func (v policyView) CloseGuards(services []string) (func() error, error) {
-	var closed []*frontend
-	reopen := func() error {
-		var errs []error
-		for _, fe := range closed {
-			g := bpf.Guard{Revision: fe.rev}
-			if fe.guard {
-				g.State = bpf.GuardOpen
-			}
-			if err := v.d.dp.Maps().FluxvmSguard.Put(fe.sid, g); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		return errors.Join(errs...)
-	}
-	for _, name := range services {
-		s := v.d.services[name]
-		if s == nil {
-			continue
-		}
-		for _, fe := range s.frontends {
-			if !fe.live || !fe.guard {
-				continue
-			}
-			if err := v.d.dp.Maps().FluxvmSguard.Put(fe.sid, bpf.Guard{Revision: fe.rev}); err != nil {
-				return nil, errors.Join(err, reopen())
-			}
-			closed = append(closed, fe)
+// services; reopen opens them again (services.Programmer.CloseGuards).
+func (v policyView) CloseGuards(names []string) (func() error, error) {
+	var ss []*service
+	for _, name := range names {
+		if s := v.d.services[name]; s != nil {
+			ss = append(ss, s)
 		}
 	}
-	return reopen, nil
+	return v.d.prog.CloseGuards(ss)
 }
 
 // VMEdge is the index VM-edge interface name is attached under.

@@ -33,6 +33,7 @@ func (d *Dataplane) Status() Status {
 		SNAT:          d.snatStatus(),
 		XDPRouteCache: d.routes.Status(),
 		FrontendIndex: d.dp.FrontendIndexStats(),
+		Programmed:    d.prog.Status(),
 		LastGC:        d.lastGC,
 		SocketLB:      d.sock.Status(),
 		// Advertiser.Status takes only the advertiser's own lock.

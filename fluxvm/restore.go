@@ -6,6 +6,7 @@ import (
 	"net/netip"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 	"github.com/fluxvm/servicefabric/intent"
 )
 
@@ -82,23 +83,18 @@ func (d *Dataplane) restore() (err error) {
 		return fmt.Errorf("fluxvm: restore catalog %s: %w", d.opts.CatalogPath, err)
 	}
 	for _, cs := range cat.Services {
-		s := &service{intent: cs.Service, revision: cs.Revision, applied: cs.AppliedAt, fp: intent.FootprintOf(&cs.Service)}
+		s := &service{Intent: cs.Service, Revision: cs.Revision, Applied: cs.AppliedAt, Footprint: intent.FootprintOf(&cs.Service)}
 		for _, cf := range cs.Frontends {
-			if !d.sids.Reserve(cf.ServiceID) {
-				return fmt.Errorf("fluxvm: restore catalog: service id %d of %s: %w", cf.ServiceID, cs.Service.Name, ErrConflict)
-			}
-			fe := &frontend{key: feKey{cf.VIP, cf.Port, cf.Protocol.Number()}, sid: cf.ServiceID, service: cs.Service.Name, backends: map[netip.AddrPort]uint32{}}
+			backends := make(map[netip.AddrPort]uint32, len(cf.Backends))
 			for _, cb := range cf.Backends {
-				if !d.bids.Reserve(cb.BackendID) {
-					return fmt.Errorf("fluxvm: restore catalog: backend id %d of %s: %w", cb.BackendID, cs.Service.Name, ErrConflict)
-				}
-				fe.backends[cb.Endpoint] = cb.BackendID
+				backends[cb.Endpoint] = cb.BackendID
 			}
-			d.frontends[fe.key] = fe
-			s.frontends = append(s.frontends, fe)
+			if err := d.prog.Adopt(s, services.Key{VIP: cf.VIP, Port: cf.Port, Proto: cf.Protocol.Number()}, cf.ServiceID, backends); err != nil {
+				return fmt.Errorf("fluxvm: restore catalog: %w", err)
+			}
 		}
 		d.services[cs.Service.Name] = s
-		d.index.Add(cs.Service.Name, &s.fp)
+		d.index.Add(cs.Service.Name, &s.Footprint)
 		if cs.Revision > d.revision {
 			d.revision = cs.Revision
 		}
@@ -109,7 +105,7 @@ func (d *Dataplane) restore() (err error) {
 		return fmt.Errorf("fluxvm: restore identity policies: %w", err)
 	}
 	for _, cs := range cat.Services {
-		if err := d.program(cs.Service, d.services[cs.Service.Name]); err != nil {
+		if err := d.prog.Program(cs.Service, d.services[cs.Service.Name]); err != nil {
 			return fmt.Errorf("fluxvm: restore %s: %w", cs.Service.Name, err)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/catalog"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 )
 
 // Maps sized by need (docs/operations.md, "Maps sized by need"). The
@@ -151,21 +152,21 @@ func sizeNeeds(opts *Options, ha bool, svcs []Service) map[string]sizeNeed {
 		ep    netip.AddrPort
 		proto uint8
 	}
-	lists := map[epKey]map[feKey]bool{}
+	lists := map[epKey]map[services.Key]bool{}
 	for i := range svcs {
 		svc := &svcs[i]
-		for _, w := range wanted(*svc) {
-			f, name := fam(w.key.vip)
+		for _, w := range services.Wanted(svc) {
+			f, name := fam(w.Key.VIP)
 			set("fluxvm_fct"+f, feCode[f], fmt.Sprintf("%s frontend of service %s", name, svc.Name))
 			if svc.IsNorthSouth() && svc.Mode != ModeDSR {
 				set("fluxvm_nat"+f, "north_south_nat", fmt.Sprintf("%s frontend of service %s is north-south in mode nat (SNAT)", name, svc.Name))
 			}
-			for _, b := range w.backends {
-				k := epKey{netip.AddrPortFrom(b.Address.Unmap(), b.Port), w.key.proto}
+			for _, b := range w.Backends {
+				k := epKey{netip.AddrPortFrom(b.Address.Unmap(), b.Port), w.Key.Proto}
 				if lists[k] == nil {
-					lists[k] = map[feKey]bool{}
+					lists[k] = map[services.Key]bool{}
 				}
-				lists[k][w.key] = true
+				lists[k][w.Key] = true
 				if len(lists[k]) > bpf.Be2feSlots {
 					set("fluxvm_nat"+f, "stored_reverse_halves", fmt.Sprintf("backend %s is listed by more than %d frontends (service %s): their reverse halves are stored",
 						k.ep, bpf.Be2feSlots, svc.Name))

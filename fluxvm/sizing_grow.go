@@ -223,7 +223,7 @@ func (d *Dataplane) growPlan(svc Service) (_ []string, _ map[string]sizeNeed, se
 	}
 	var oldFP *intent.Footprint
 	if old := d.services[svc.Name]; old != nil {
-		oldFP = &old.fp
+		oldFP = &old.Footprint
 	}
 	fp := intent.FootprintOf(&svc)
 	if d.index.Check(&svc, &fp, oldFP, d.limits) != nil {
@@ -248,7 +248,7 @@ func (d *Dataplane) needGrowth(svc Service) ([]string, map[string]sizeNeed) {
 	// svc last, so that the reasons name it where it is the cause.
 	var svcs []Service
 	for _, s := range d.services {
-		svcs = append(svcs, s.intent)
+		svcs = append(svcs, s.Intent)
 	}
 	for name, s := range d.reserved {
 		if name != svc.Name {

@@ -76,7 +76,7 @@ func (d *Dataplane) statsView(ctx context.Context) (map[string][]uint32, map[str
 	ids := make(map[string][]uint32, len(d.services))
 	var paced map[string]ServiceEDTStatus
 	for name, s := range d.services {
-		ids[name] = s.serviceIDs()
+		ids[name] = s.ServiceIDs()
 		if e := d.edtSettings(s); e != nil {
 			if paced == nil {
 				paced = map[string]ServiceEDTStatus{}
@@ -85,15 +85,6 @@ func (d *Dataplane) statsView(ctx context.Context) (map[string][]uint32, map[str
 		}
 	}
 	return ids, paced, nil
-}
-
-// serviceIDs are the service ids of s's frontends.
-func (s *service) serviceIDs() []uint32 {
-	ids := make([]uint32, len(s.frontends))
-	for i, fe := range s.frontends {
-		ids[i] = fe.sid
-	}
-	return ids
 }
 
 // IsEventCounter reports whether a name in Stats.Parser is a datapath

@@ -7,6 +7,8 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
 	flowview "github.com/fluxvm/servicefabric/fluxvm/internal/flows"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/idpool"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/services"
 )
 
 // ServiceStatus is a service as the node has it: the stored intent and
@@ -108,7 +110,13 @@ type Status struct {
 	// packets the datapath looks up in fluxvm_svc4 (a hash-map call) as
 	// every IPv6 frontend's (docs/architecture.md, "Forward path").
 	FrontendIndex bpf.FrontendIndexStats `json:"frontend_index"`
-	LastGC        *GCResult              `json:"last_gc,omitempty"`
+	// Programmed is what the services' programming holds in the
+	// datapath: frontends (and those pending repair), the service and
+	// backend id pools (free, in quarantine until a GC), the backend
+	// endpoints of the reverse translation index and those past its
+	// slots.
+	Programmed ProgrammedStatus `json:"programmed"`
+	LastGC     *GCResult        `json:"last_gc,omitempty"`
 	// SocketLB is socket load balancing (cgroup_connect): the cgroup and
 	// hooks attached, and the worker that terminates connected UDP
 	// sockets of gone backends.
@@ -262,6 +270,13 @@ type HookStatus struct {
 
 // Counters are packet and byte totals of the datapath (package
 // fluxvm/internal/flows sums them).
+// ProgrammedStatus is Status.Programmed (fluxvm/internal/services), and
+// IDPoolStats one of its id pools.
+type (
+	ProgrammedStatus = services.Status
+	IDPoolStats      = idpool.Stats
+)
+
 type Counters = flowview.Counters
 
 // Stats are the node's datapath statistics.

@@ -174,10 +174,27 @@ func TestStatusFrontendIndex(t *testing.T) {
 	if st := d.Status().FrontendIndex; st.Frontends != 4 {
 		t.Errorf("frontends %d, want 4 (two ports and two VIP markers of the IPv4 VIP)", st.Frontends)
 	}
+	// Programmed counts the four (VIP, port, protocol) frontends, their
+	// ids, and the backend endpoints listed: each backend for TCP and
+	// for UDP.
+	if p := d.Status().Programmed; p.Frontends != 4 || p.ServiceIDs.Free != p.ServiceIDs.Capacity-4 ||
+		p.BackendIDs.Free != p.BackendIDs.Capacity-4 || p.IndexedEndpoints != 4 || p.RepairPending != 0 {
+		t.Errorf("programmed after the apply: %+v", p)
+	}
 	if err := d.DeleteService(ctx, "web"); err != nil {
 		t.Fatal(err)
 	}
 	check("after the delete")
+	// The ids wait in quarantine for a GC, then are free again.
+	if p := d.Status().Programmed; p.Frontends != 0 || p.ServiceIDs.Quarantined != 4 || p.BackendIDs.Quarantined != 4 || p.IndexedEndpoints != 0 {
+		t.Errorf("programmed after the delete: %+v", p)
+	}
+	if _, err := d.GC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if p := d.Status().Programmed; p.ServiceIDs.Quarantined != 0 || p.ServiceIDs.Free != p.ServiceIDs.Capacity {
+		t.Errorf("programmed after a GC: %+v", p)
+	}
 	raw, err := json.Marshal(d.Status())
 	if err != nil {
 		t.Fatal(err)

@@ -172,6 +172,8 @@ func TestOpenAPISchemas(t *testing.T) {
 		"SNATStatus":             reflect.TypeFor[fluxvm.SNATStatus](),
 		"XDPRouteCacheStatus":    reflect.TypeFor[fluxvm.XDPRouteCacheStatus](),
 		"FrontendIndexStatus":    reflect.TypeFor[bpf.FrontendIndexStats](),
+		"ProgrammedStatus":       reflect.TypeFor[fluxvm.ProgrammedStatus](),
+		"IDPoolStats":            reflect.TypeFor[fluxvm.IDPoolStats](),
 		"SocketLBStatus":         reflect.TypeFor[fluxvm.SocketLBStatus](),
 		"SocketDestroyStatus":    reflect.TypeFor[fluxvm.SocketDestroyStatus](),
 		"SeedStatus":             reflect.TypeFor[fluxvm.SeedStatus](),

@@ -1,20 +1,32 @@
-// Package services is the services' programming of the fluxvm dataplane,
-// moved out of package fluxvm one coherent part at a time (issue 35).
-// It holds, so far:
+// Package services is the services' programming of the fluxvm dataplane:
+// the Programmer writes each service's frontends, backends and Maglev
+// tables into the datapath and keeps what it wrote (the frontends with
+// their ids, the VIP markers, the reverse translation index, the
+// frontends closed for repair).
 //
-//   - IDs (ids.go): the pools of datapath service and backend ids, with
-//     the quarantine a released id waits in until a conntrack GC has
-//     scanned the flows that may still name it;
-//   - ReverseIndex (reverse.go): the reverse translation index, which
-//     frontends list a backend endpoint in fluxvm_be2fe, in a stable slot
-//     order, and which frontends are past the map's slots and so need
-//     SvcFlagRevStored in their frontend entries.
+// A change runs in steps that keep the maps consistent for every packet:
+// Prepare (ids, backends, index slots), BuildTables (no lock: new inner
+// maps), CommitUnlocked (tables swapped in whole without the lock, then
+// entries, markers and guards; dropped backends and frontends last).
+// Program runs them all with the lock held; UnprogramUnlocked removes a
+// service. The order and its reasons are docs/architecture.md's "Apply
+// path".
 //
-// Both are plain data structures owned by the dataplane (the facade) and
-// used only under its lock (d.mu): they are called with the facade's
-// lock held, have no lock of their own and start no goroutine, so they
-// need no Start or Close. What they write goes through the small
-// interfaces they declare (Map, Frontends): the facade passes its bpf
-// maps; the tests pass fakes and need no root. They never call back into
-// the facade beyond those interfaces.
+// Lock: the Programmer's state is guarded by the dataplane's lock (the
+// facade's d.mu, Deps.Lock), which every caller holds; CommitUnlocked and
+// RemoveUnlocked release it while they wait for RCU grace periods (the
+// facade keeps the service's other writers off meanwhile: NameLocks and
+// its count of changes under way). The Programmer never takes another
+// lock of the facade; the components it calls (Deps.Policy, Pacing,
+// State) take their own, after it.
+//
+// The rest of the dataplane reads the frontends through their methods
+// (Frontend.ID, Live, Backends...), a read-only view; the identity policy
+// component changes their flags and guards only through SetPolicyFlags
+// and CloseGuards.
+//
+// Its parts: the id pools (fluxvm/internal/idpool), the reverse
+// translation index (fluxvm/internal/revindex), and the EDT entry rules
+// (fluxvm/internal/edt). What it writes goes through Maps; the facade
+// passes the loaded datapath's, the tests pass fakes and need no root.
 package services

@@ -1,163 +1,267 @@
 package services
 
 import (
-	"maps"
+	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/fluxvm/servicefabric/bpf"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/edt"
+	"github.com/fluxvm/servicefabric/fluxvm/internal/revindex"
+	"github.com/fluxvm/servicefabric/intent"
 )
 
-// fakeMap is fluxvm_be2fe in memory: its entries, how many writes it
-// took, and the error its next write returns (fail), if any.
-type fakeMap struct {
-	entries map[bpf.Be2feKey]bpf.Be2feValue
-	writes  int
-	fail    error
+// fakeMaps are the datapath maps in memory, with the log of every write
+// in order ("backend 3", "table 1", "frontend 10.96.0.1:80/tcp" ...),
+// and the lock's state at each table swap.
+type fakeMaps struct {
+	frontends map[Key]bpf.SvcValue
+	backends  map[uint32]bpf.Backend
+	guards    map[uint32]bpf.Guard
+	edt       map[uint32]bpf.EDTValue
+	tables    map[uint32]*fakeTable
+	index     *fakeIndexMap
+	log       []string
+	lock      *fakeLock
+	// lockedSwaps counts the swaps made with the lock held.
+	lockedSwaps int
+	// failSwap, when set, fails the next swap of that service id.
+	failSwap uint32
 }
 
-func (m *fakeMap) Put(key, value any) error {
-	if err := m.failed(); err != nil {
-		return err
+func newFakeMaps() *fakeMaps {
+	return &fakeMaps{frontends: map[Key]bpf.SvcValue{}, backends: map[uint32]bpf.Backend{}, guards: map[uint32]bpf.Guard{},
+		edt: map[uint32]bpf.EDTValue{}, tables: map[uint32]*fakeTable{}, index: &fakeIndexMap{entries: map[bpf.Be2feKey]bpf.Be2feValue{}}}
+}
+
+func (m *fakeMaps) logf(format string, args ...any) {
+	m.log = append(m.log, fmt.Sprintf(format, args...))
+}
+
+func (m *fakeMaps) Lookup(k Key) (bpf.SvcValue, bool, error) {
+	v, ok := m.frontends[k]
+	return v, ok, nil
+}
+
+func (m *fakeMaps) Put(k Key, v bpf.SvcValue) error {
+	m.logf("frontend %s", k)
+	m.frontends[k] = v
+	return nil
+}
+
+func (m *fakeMaps) DeleteFrontend(k Key) error {
+	m.logf("delete frontend %s", k)
+	delete(m.frontends, k)
+	return nil
+}
+
+func (m *fakeMaps) PutBackend(id uint32, b bpf.Backend) error {
+	if b == (bpf.Backend{}) {
+		m.logf("clear backend %d", id)
+	} else {
+		m.logf("backend %d", id)
 	}
+	m.backends[id] = b
+	return nil
+}
+
+func (m *fakeMaps) PutGuard(sid uint32, g bpf.Guard) error {
+	m.logf("guard %d %d", sid, g.State)
+	m.guards[sid] = g
+	return nil
+}
+
+func (m *fakeMaps) ResetStats(sid uint32) error { return nil }
+
+func (m *fakeMaps) LookupEDT(sid uint32) (bpf.EDTValue, error) {
+	v, ok := m.edt[sid]
+	if !ok {
+		return v, ebpf.ErrKeyNotExist
+	}
+	return v, nil
+}
+
+func (m *fakeMaps) PutEDT(sid uint32, v bpf.EDTValue) error {
+	m.edt[sid] = v
+	return nil
+}
+
+func (m *fakeMaps) Index() revindex.Map { return m.index }
+
+func (m *fakeMaps) NewTable(size uint32, entries []uint32) (Table, error) {
+	return &fakeTable{size: size, entries: slices.Clone(entries)}, nil
+}
+
+func (m *fakeMaps) SwapTable(sid uint32, t Table) error {
+	if m.lock != nil && m.lock.held {
+		m.lockedSwaps++
+	}
+	if sid == m.failSwap {
+		m.failSwap = 0
+		return fmt.Errorf("swap of %d failed (test)", sid)
+	}
+	if t == nil {
+		m.logf("empty table %d", sid)
+		delete(m.tables, sid)
+		return nil
+	}
+	m.logf("table %d", sid)
+	m.tables[sid] = t.(*fakeTable)
+	return nil
+}
+
+// fakeTable is an inner map: its size and backend ids by slot.
+type fakeTable struct {
+	size    uint32
+	entries []uint32
+}
+
+func (t *fakeTable) Close() error { return nil }
+
+// fakeIndexMap is fluxvm_be2fe in memory.
+type fakeIndexMap struct {
+	entries map[bpf.Be2feKey]bpf.Be2feValue
+}
+
+func (m *fakeIndexMap) Put(key, value any) error {
 	m.entries[key.(bpf.Be2feKey)] = value.(bpf.Be2feValue)
 	return nil
 }
 
-func (m *fakeMap) Delete(key any) error {
-	if err := m.failed(); err != nil {
-		return err
-	}
-	k := key.(bpf.Be2feKey)
-	if _, ok := m.entries[k]; !ok {
-		return ebpf.ErrKeyNotExist
-	}
-	delete(m.entries, k)
+func (m *fakeIndexMap) Delete(key any) error {
+	delete(m.entries, key.(bpf.Be2feKey))
 	return nil
 }
 
-func (m *fakeMap) failed() error {
-	m.writes++
-	err := m.fail
-	m.fail = nil
-	return err
+func (m *fakeIndexMap) MaxEntries() uint32 { return 1024 }
+
+// fakeLock is the facade's lock, whose state the fake maps read.
+type fakeLock struct {
+	mu   sync.Mutex
+	held bool
+	// onUnlock runs (once) when the lock is released.
+	onUnlock func()
 }
 
-func (m *fakeMap) MaxEntries() uint32 { return 64 }
-
-// fakeFrontends are the frontend entries in memory, and the writes they
-// took in order.
-type fakeFrontends struct {
-	entries map[Frontend]bpf.SvcValue
-	puts    []Frontend
-	fail    error
-}
-
-func (f *fakeFrontends) Lookup(k Frontend) (bpf.SvcValue, bool, error) {
-	v, ok := f.entries[k]
-	return v, ok, nil
-}
-
-func (f *fakeFrontends) Put(k Frontend, v bpf.SvcValue) error {
-	if f.fail != nil {
-		return f.fail
+func (l *fakeLock) Lock() { l.mu.Lock(); l.held = true }
+func (l *fakeLock) Unlock() {
+	l.held = false
+	l.mu.Unlock()
+	if f := l.onUnlock; f != nil {
+		l.onUnlock = nil
+		f()
 	}
-	f.entries[k] = v
-	f.puts = append(f.puts, k)
+}
+
+// fakePolicy attaches nothing, and logs detaches.
+type fakePolicy struct{ detached []uint32 }
+
+func (p *fakePolicy) Attach(string, uint32) (uint32, error) { return 0, nil }
+func (p *fakePolicy) Detach(sid uint32) error {
+	p.detached = append(p.detached, sid)
 	return nil
 }
 
-// newTestIndex is an index over fresh fakes.
-func newTestIndex(t *testing.T, catalog bool) (*ReverseIndex, *fakeMap, *fakeFrontends) {
+// rig is a Programmer over fakes, with health states to overlay.
+type rig struct {
+	p       *Programmer
+	m       *fakeMaps
+	lock    *fakeLock
+	states  map[netip.AddrPort]intent.BackendState
+	retried []string
+}
+
+func newRig(t *testing.T, caps bpf.Capacities) *rig {
 	t.Helper()
-	m := &fakeMap{entries: map[bpf.Be2feKey]bpf.Be2feValue{}}
-	fes := &fakeFrontends{entries: map[Frontend]bpf.SvcValue{}}
-	x, err := NewReverseIndex(ReverseConfig{Catalog: catalog}, ReverseDeps{
-		Map:       func() Map { return m },
-		Tier:      func() bpf.Tier { return bpf.TierS },
-		Frontends: fes,
+	r := &rig{m: newFakeMaps(), lock: &fakeLock{}, states: map[netip.AddrPort]intent.BackendState{}}
+	r.m.lock = r.lock
+	pacing, err := edt.New(edt.Config{Enabled: true, Horizon: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if caps.MaglevSize == 0 {
+		caps.MaglevSize = 1021
+	}
+	r.p, err = New(Config{Capacities: caps, MaglevSeed: 7}, Deps{
+		Maps: r.m, Lock: r.lock, Pacing: pacing, Policy: &fakePolicy{},
+		State: func(svc *intent.Service, b *intent.Backend) intent.BackendState {
+			if s, ok := r.states[b.Endpoint()]; ok {
+				return s
+			}
+			return b.EffectiveState()
+		},
+		Retry: func(name string) { r.retried = append(r.retried, name) },
+		Tier:  func() bpf.Tier { return bpf.TierS },
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return x, m, fes
+	r.lock.Lock()
+	t.Cleanup(func() {
+		if r.lock.held {
+			r.lock.Unlock()
+		}
+	})
+	return r
 }
 
-// Frontends and backend endpoints of the tests: fe(n) is 10.96.0.n:80/tcp
-// with service id n; the backend id of fe(n) for ep(m) is 10n+m.
-func fe(n byte) Frontend { return Frontend{netip.AddrFrom4([4]byte{10, 96, 0, n}), 80, 6} }
-func ep(m byte) netip.AddrPort {
-	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 0, m}), 8080)
-}
-func bidOf(f, e byte) uint32 { return uint32(10*f + e) }
-
-// listed is a want: backend endpoint ep(m) (TCP) -> the numbers of the
-// frontends listing it, in slot order.
-type listed map[byte][]byte
-
-// checkListed checks the model and the map against want: the model's
-// lists name exactly those frontends in that order, with their ids, and
-// seeded only if listed in seeded; the map has exactly one entry per endpoint, with the first
-// Be2feSlots of them, the count, and the overflow flag past them.
-func checkListed(t *testing.T, x *ReverseIndex, m *fakeMap, want listed, seeded ...byte) {
+// apply programs svc as an apply does (Prepare, BuildTables without
+// the lock, CommitUnlocked), into s (new when nil), and returns s.
+func (r *rig) apply(t *testing.T, svc intent.Service, s *Service) (*Service, error) {
 	t.Helper()
-	got := map[bpf.Be2feKey][]Slot{}
-	maps.Insert(got, x.All())
-	if len(got) != len(want) || x.Len() != len(want) {
-		t.Errorf("model lists %d endpoints (Len %d), want %d: %v", len(got), x.Len(), len(want), got)
+	old := s
+	s = &Service{Intent: svc, Revision: 1}
+	if old != nil {
+		s.Revision = old.Revision + 1
 	}
-	if len(m.entries) != len(want) {
-		t.Errorf("map holds %d entries, want %d: %v", len(m.entries), len(want), m.entries)
+	pl, err := r.p.Prepare(svc, s, old)
+	if err != nil {
+		return s, err
 	}
-	for e, fs := range want {
-		k := bpf.MakeBe2feKey(ep(e), 6)
-		list := got[k]
-		if len(list) != len(fs) {
-			t.Errorf("ep%d: model %v, want frontends %v", e, list, fs)
-			continue
-		}
-		for i, f := range fs {
-			if w := (Slot{Frontend: fe(f), ServiceID: uint32(f), BackendID: bidOf(f, e), Seeded: slices.Contains(seeded, f)}); list[i] != w {
-				t.Errorf("ep%d: model slot %d %+v, want %+v", e, i, list[i], w)
-			}
-		}
-		v, ok := m.entries[k]
-		if !ok {
-			t.Errorf("ep%d: no map entry", e)
-			continue
-		}
-		if n := min(len(fs), bpf.Be2feSlots); int(v.Count) != n {
-			t.Errorf("ep%d: count %d, want %d", e, v.Count, n)
-		}
-		if over := v.Flags&bpf.Be2feFlagOverflow != 0; over != (len(fs) > bpf.Be2feSlots) {
-			t.Errorf("ep%d: overflow %v with %d frontends", e, over, len(fs))
-		}
-		for i, s := range v.Slots {
-			var w bpf.Be2feSlot
-			if i < len(fs) {
-				f := fs[i]
-				w = bpf.Be2feSlot{Vip: bpf.AddrWords(fe(f).VIP), Vport: bpf.Port(80), ServiceId: uint32(f), BackendId: bidOf(f, e)}
-			}
-			if s != w {
-				t.Errorf("ep%d: map slot %d %+v, want %+v", e, i, s, w)
-			}
-		}
+	r.lock.Unlock()
+	tables, err := r.p.BuildTables(pl)
+	r.lock.Lock()
+	if err != nil {
+		return s, err
 	}
+	defer tables.Close()
+	return s, r.p.CommitUnlocked(svc, s, pl, tables, old)
 }
 
-// value is a map value written independently of ValueOf: endpoint ep(e)
-// listing frontends fs, all in slots (the caller keeps them at most
-// Be2feSlots).
-func value(e byte, fs ...byte) bpf.Be2feValue {
-	v := bpf.Be2feValue{Count: uint8(len(fs))}
-	for i, f := range fs {
-		v.Slots[i] = bpf.Be2feSlot{Vip: bpf.AddrWords(fe(f).VIP), Vport: bpf.Port(80), ServiceId: uint32(f), BackendId: bidOf(f, e)}
+// svc is service name with VIP 10.96.0.vip, the given ports (TCP) and
+// backends 10.200.0.b:8080.
+func svc(name string, vip byte, ports []uint16, backends ...byte) intent.Service {
+	s := intent.Service{Name: name, VIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 0, vip})}}
+	for _, p := range ports {
+		s.Ports = append(s.Ports, intent.ServicePort{Port: p, Protocol: intent.TCP})
 	}
-	return v
+	for _, b := range backends {
+		s.Backends = append(s.Backends, intent.Backend{Address: netip.AddrFrom4([4]byte{10, 200, 0, b}), Port: 8080})
+	}
+	return s
 }
 
-// key is the map key of ep(e), TCP.
-func key(e byte) bpf.Be2feKey { return bpf.MakeBe2feKey(ep(e), 6) }
+func bep(b byte) netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 200, 0, b}), 8080)
+}
+
+func fk(vip byte, port uint16) Key {
+	return Key{VIP: netip.AddrFrom4([4]byte{10, 96, 0, vip}), Port: port, Proto: 6}
+}
+
+// before fails unless the log has an entry starting with a before one
+// starting with b.
+func (m *fakeMaps) before(t *testing.T, a, b string) {
+	t.Helper()
+	ia := slices.IndexFunc(m.log, func(s string) bool { return strings.HasPrefix(s, a) })
+	ib := slices.IndexFunc(m.log, func(s string) bool { return strings.HasPrefix(s, b) })
+	if ia < 0 || ib < 0 || ia > ib {
+		t.Errorf("want %q before %q in the writes: %q", a, b, m.log)
+	}
+}

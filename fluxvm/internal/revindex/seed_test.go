@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"maps"

@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"errors"
@@ -99,7 +99,7 @@ func TestReverseIndex(t *testing.T) {
 				m.fail, m.writes = o.fail, 0
 				var (
 					err     error
-					recheck []Frontend
+					recheck []Key
 				)
 				if o.remove {
 					recheck, err = x.Remove(fe(o.f), ep(o.e))
@@ -113,7 +113,7 @@ func TestReverseIndex(t *testing.T) {
 				if !errors.Is(err, o.wantErr) || (err == nil) != (o.wantErr == nil) {
 					t.Fatalf("step %d: %v, want %v", i, err, o.wantErr)
 				}
-				var want []Frontend
+				var want []Key
 				for _, f := range o.recheck {
 					want = append(want, fe(f))
 				}

@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"errors"
@@ -25,7 +25,7 @@ import (
 //   - east-west NAT frontends list their backends (Indexed); north-south
 //     only and DSR ones take no new slot, but keep the ones they have;
 //   - a frontend's slot is written before any table of the frontend can
-//     name the backend (the facade's prepareFrontend calls Add);
+//     name the backend (the services component's Prepare calls Add);
 //   - a frontend keeps its slot index as long as it lists the backend; a
 //     new one is appended; one that stops listing it is taken out (Remove)
 //     only after no table of it names the backend, and the later ones
@@ -45,8 +45,8 @@ import (
 // pinned then (Seed) and the restore appends what the catalog adds; slots
 // the catalog does not confirm go afterwards (Settle).
 
-// Frontend names a frontend: its VIP, port and IP protocol.
-type Frontend struct {
+// Key names a frontend: its VIP, port and IP protocol.
+type Key struct {
 	VIP   netip.Addr
 	Port  uint16
 	Proto uint8
@@ -54,7 +54,7 @@ type Frontend struct {
 
 // String is "vip:port/tcp" or "vip:port/udp", as the facade names a
 // frontend.
-func (f Frontend) String() string {
+func (f Key) String() string {
 	p := intent.TCP
 	if f.Proto == 17 {
 		p = intent.UDP
@@ -64,7 +64,7 @@ func (f Frontend) String() string {
 
 // Slot is one frontend listing a backend endpoint.
 type Slot struct {
-	Frontend  Frontend
+	Key       Key
 	ServiceID uint32 // the frontend's service id
 	BackendID uint32 // the backend's id in that frontend
 	// Seeded: read from the pinned map by Seed and not confirmed by Add
@@ -82,16 +82,17 @@ type Map interface {
 }
 
 // Frontends reads and writes the frontend entries (fluxvm_svc4/6) for
-// SvcFlagRevStored: the facade's own writers, called with its lock held.
+// SvcFlagRevStored: the services component's writers, called with the
+// dataplane's lock held.
 type Frontends interface {
 	// Lookup reads the entry of f; ok is false when there is none.
-	Lookup(f Frontend) (v bpf.SvcValue, ok bool, err error)
+	Lookup(f Key) (v bpf.SvcValue, ok bool, err error)
 	// Put writes the entry of f.
-	Put(f Frontend, v bpf.SvcValue) error
+	Put(f Key, v bpf.SvcValue) error
 }
 
-// ReverseConfig is how the index settles after a restore.
-type ReverseConfig struct {
+// Config is how the index settles after a restore.
+type Config struct {
 	// Catalog: the facade restores a catalog, so Settle drops the seeded
 	// slots the restore did not confirm. False (no catalog: nothing is
 	// restored, and the frontends the adopted maps still serve are
@@ -101,8 +102,8 @@ type ReverseConfig struct {
 	Catalog bool
 }
 
-// ReverseDeps is what the index writes through.
-type ReverseDeps struct {
+// Deps is what the index writes through.
+type Deps struct {
 	// Map returns fluxvm_be2fe of the datapath in force.
 	Map func() Map
 	// Tier names the loaded tier in the error of a full map.
@@ -111,21 +112,21 @@ type ReverseDeps struct {
 	Frontends Frontends
 }
 
-// ReverseIndex is the model of fluxvm_be2fe: for each backend endpoint,
+// Index is the model of fluxvm_be2fe: for each backend endpoint,
 // the frontends listing it in slot order, also past the map's slots.
-// Called with the facade's lock held; it has no lock of its own.
-type ReverseIndex struct {
-	cfg   ReverseConfig
-	deps  ReverseDeps
+// Called with the dataplane's lock held; it has no lock of its own.
+type Index struct {
+	cfg   Config
+	deps  Deps
 	lists map[bpf.Be2feKey][]Slot
 }
 
-// NewReverseIndex returns an empty index; it writes nothing.
-func NewReverseIndex(cfg ReverseConfig, deps ReverseDeps) (*ReverseIndex, error) {
+// New returns an empty index; it writes nothing.
+func New(cfg Config, deps Deps) (*Index, error) {
 	if deps.Map == nil || deps.Tier == nil || deps.Frontends == nil {
 		return nil, errors.New("reverse translation index: Map, Tier and Frontends are required")
 	}
-	return &ReverseIndex{cfg: cfg, deps: deps, lists: map[bpf.Be2feKey][]Slot{}}, nil
+	return &Index{cfg: cfg, deps: deps, lists: map[bpf.Be2feKey][]Slot{}}, nil
 }
 
 // KeyOf is the index key of backend endpoint ep of a frontend of protocol
@@ -142,7 +143,7 @@ func ValueOf(list []Slot) bpf.Be2feValue {
 		v.Flags |= bpf.Be2feFlagOverflow
 	}
 	for i, s := range list[:n] {
-		v.Slots[i] = bpf.Be2feSlot{Vip: bpf.AddrWords(s.Frontend.VIP), Vport: bpf.Port(s.Frontend.Port), ServiceId: s.ServiceID, BackendId: s.BackendID}
+		v.Slots[i] = bpf.Be2feSlot{Vip: bpf.AddrWords(s.Key.VIP), Vport: bpf.Port(s.Key.Port), ServiceId: s.ServiceID, BackendId: s.BackendID}
 	}
 	return v
 }
@@ -156,23 +157,35 @@ func Indexed(flags uint32) bool {
 	return flags&(bpf.SvcFlagNoEastWest|bpf.SvcFlagDSR) == 0
 }
 
-func slotIndex(list []Slot, f Frontend) int {
-	return slices.IndexFunc(list, func(s Slot) bool { return s.Frontend == f })
+func slotIndex(list []Slot, f Key) int {
+	return slices.IndexFunc(list, func(s Slot) bool { return s.Key == f })
 }
 
 // Len is the number of backend endpoints listed.
-func (x *ReverseIndex) Len() int { return len(x.lists) }
+func (x *Index) Len() int { return len(x.lists) }
+
+// Overflowed is how many endpoints are listed by more frontends than the
+// map's slots (Be2feFlagOverflow).
+func (x *Index) Overflowed() int {
+	n := 0
+	for _, l := range x.lists {
+		if len(l) > bpf.Be2feSlots {
+			n++
+		}
+	}
+	return n
+}
 
 // All yields every backend endpoint's list, in no order; a list is not
 // to be changed.
-func (x *ReverseIndex) All() iter.Seq2[bpf.Be2feKey, []Slot] { return maps.All(x.lists) }
+func (x *Index) All() iter.Seq2[bpf.Be2feKey, []Slot] { return maps.All(x.lists) }
 
 // Reset empties the model (Cleanup removed the map); it writes nothing.
-func (x *ReverseIndex) Reset() { x.lists = map[bpf.Be2feKey][]Slot{} }
+func (x *Index) Reset() { x.lists = map[bpf.Be2feKey][]Slot{} }
 
 // set makes the list of k new, writing the map first when its value
 // changes; on a failed write the model keeps the old list.
-func (x *ReverseIndex) set(k bpf.Be2feKey, old, new []Slot) error {
+func (x *Index) set(k bpf.Be2feKey, old, new []Slot) error {
 	if ValueOf(old) != ValueOf(new) {
 		if err := x.write(k, new); err != nil {
 			return err
@@ -187,7 +200,7 @@ func (x *ReverseIndex) set(k bpf.Be2feKey, old, new []Slot) error {
 }
 
 // write writes the map entry of list (none when it is empty).
-func (x *ReverseIndex) write(k bpf.Be2feKey, list []Slot) error {
+func (x *Index) write(k bpf.Be2feKey, list []Slot) error {
 	m := x.deps.Map()
 	if len(list) == 0 {
 		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
@@ -210,10 +223,10 @@ func (x *ReverseIndex) write(k bpf.Be2feKey, list []Slot) error {
 // confirmed), else it is appended if listNew. A frontend that needs no
 // slot (Indexed) keeps the one it has: flows it learned before a change
 // of mode or exposure may still need it.
-func (x *ReverseIndex) Add(f Frontend, sid uint32, ep netip.AddrPort, bid uint32, listNew bool) error {
+func (x *Index) Add(f Key, sid uint32, ep netip.AddrPort, bid uint32, listNew bool) error {
 	k := KeyOf(ep, f.Proto)
 	old := x.lists[k]
-	s := Slot{Frontend: f, ServiceID: sid, BackendID: bid}
+	s := Slot{Key: f, ServiceID: sid, BackendID: bid}
 	i := slotIndex(old, f)
 	if i >= 0 && old[i] == s || i < 0 && !listNew {
 		return nil
@@ -235,7 +248,7 @@ func (x *ReverseIndex) Add(f Frontend, sid uint32, ep netip.AddrPort, bid uint32
 // move down) and returns the frontends whose SvcFlagRevStored may be due
 // to go (RefreshRevStored): the one that moved into the last slot, if
 // any, and f itself. Nothing when f was not listed.
-func (x *ReverseIndex) Remove(f Frontend, ep netip.AddrPort) (recheck []Frontend, err error) {
+func (x *Index) Remove(f Key, ep netip.AddrPort) (recheck []Key, err error) {
 	k := KeyOf(ep, f.Proto)
 	old := x.lists[k]
 	i := slotIndex(old, f)
@@ -246,14 +259,14 @@ func (x *ReverseIndex) Remove(f Frontend, ep netip.AddrPort) (recheck []Frontend
 		return nil, fmt.Errorf("backend %s: %w", ep, err)
 	}
 	if i < bpf.Be2feSlots && len(old) > bpf.Be2feSlots {
-		recheck = append(recheck, old[bpf.Be2feSlots].Frontend)
+		recheck = append(recheck, old[bpf.Be2feSlots].Key)
 	}
 	return append(recheck, f), nil
 }
 
 // PastSlots reports whether f is past the map's slots in the list of any
 // of its backend endpoints eps: its flows must store reverse-NAT halves.
-func (x *ReverseIndex) PastSlots(f Frontend, eps iter.Seq[netip.AddrPort]) bool {
+func (x *Index) PastSlots(f Key, eps iter.Seq[netip.AddrPort]) bool {
 	for ep := range eps {
 		if slotIndex(x.lists[KeyOf(ep, f.Proto)], f) >= bpf.Be2feSlots {
 			return true

@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"fmt"
@@ -8,9 +8,9 @@ import (
 	"github.com/fluxvm/servicefabric/bpf"
 )
 
-// Entry is what the facade knows of a frontend's entry in fluxvm_svc4/6.
+// Entry is what the services component knows of a frontend's entry in fluxvm_svc4/6.
 type Entry struct {
-	Frontend  Frontend
+	Key       Key
 	ServiceID uint32
 	Revision  uint32
 	// Flags are the entry's flags as written, while Live.
@@ -21,7 +21,7 @@ type Entry struct {
 
 // RevStoredOf is bpf.SvcFlagRevStored if f is past the slots of the list
 // of any of its backend endpoints eps, else 0.
-func (x *ReverseIndex) RevStoredOf(f Frontend, eps iter.Seq[netip.AddrPort]) uint32 {
+func (x *Index) RevStoredOf(f Key, eps iter.Seq[netip.AddrPort]) uint32 {
 	if x.PastSlots(f, eps) {
 		return bpf.SvcFlagRevStored
 	}
@@ -33,16 +33,16 @@ func (x *ReverseIndex) RevStoredOf(f Frontend, eps iter.Seq[netip.AddrPort]) uin
 // says (after slots moved down), and returns the flags the entry has
 // then (e.Flags when it was not rewritten). A frontend not live yet gets
 // the flag with its first write.
-func (x *ReverseIndex) RefreshRevStored(e Entry, eps iter.Seq[netip.AddrPort]) (uint32, error) {
+func (x *Index) RefreshRevStored(e Entry, eps iter.Seq[netip.AddrPort]) (uint32, error) {
 	if !e.Live {
 		return e.Flags, nil
 	}
-	want := e.Flags&^bpf.SvcFlagRevStored | x.RevStoredOf(e.Frontend, eps)
+	want := e.Flags&^bpf.SvcFlagRevStored | x.RevStoredOf(e.Key, eps)
 	if want == e.Flags {
 		return e.Flags, nil
 	}
-	if err := x.deps.Frontends.Put(e.Frontend, bpf.SvcValue{ServiceId: e.ServiceID, Flags: want, Revision: e.Revision}); err != nil {
-		return e.Flags, fmt.Errorf("frontend %s: %w", e.Frontend, err)
+	if err := x.deps.Frontends.Put(e.Key, bpf.SvcValue{ServiceId: e.ServiceID, Flags: want, Revision: e.Revision}); err != nil {
+		return e.Flags, fmt.Errorf("frontend %s: %w", e.Key, err)
 	}
 	return want, nil
 }
@@ -53,21 +53,21 @@ func (x *ReverseIndex) RefreshRevStored(e Entry, eps iter.Seq[netip.AddrPort]) (
 // from the first packet. An entry written by an earlier process (a
 // restart) counts as live too. It returns the flags of e's entry as this
 // process knows it (e.Flags unless e is Live and was rewritten).
-func (x *ReverseIndex) MarkRevStored(e Entry) (uint32, error) {
+func (x *Index) MarkRevStored(e Entry) (uint32, error) {
 	if e.Live {
 		if e.Flags&bpf.SvcFlagRevStored != 0 {
 			return e.Flags, nil
 		}
 		v := bpf.SvcValue{ServiceId: e.ServiceID, Flags: e.Flags | bpf.SvcFlagRevStored, Revision: e.Revision}
-		if err := x.deps.Frontends.Put(e.Frontend, v); err != nil {
+		if err := x.deps.Frontends.Put(e.Key, v); err != nil {
 			return e.Flags, err
 		}
 		return v.Flags, nil
 	}
-	v, ok, err := x.deps.Frontends.Lookup(e.Frontend)
+	v, ok, err := x.deps.Frontends.Lookup(e.Key)
 	if err != nil || !ok || v.Flags&bpf.SvcFlagRevStored != 0 {
 		return e.Flags, err
 	}
 	v.Flags |= bpf.SvcFlagRevStored
-	return e.Flags, x.deps.Frontends.Put(e.Frontend, v)
+	return e.Flags, x.deps.Frontends.Put(e.Key, v)
 }

@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"maps"
@@ -21,9 +21,9 @@ func TestRevStored(t *testing.T) {
 		other = bpf.SvcFlagDSR // a flag of the entry that must be kept
 	)
 	live := func(flags uint32) Entry {
-		return Entry{Frontend: fe(5), ServiceID: 5, Revision: 7, Flags: flags, Live: true}
+		return Entry{Key: fe(5), ServiceID: 5, Revision: 7, Flags: flags, Live: true}
 	}
-	notLive := Entry{Frontend: fe(5), ServiceID: 5, Revision: 7, Flags: other}
+	notLive := Entry{Key: fe(5), ServiceID: 5, Revision: 7, Flags: other}
 	stored := func(flags uint32) *bpf.SvcValue { return &bpf.SvcValue{ServiceId: 5, Flags: flags, Revision: 3} }
 	for _, tc := range []struct {
 		name    string

@@ -1,4 +1,4 @@
-package services
+package revindex
 
 import (
 	"iter"
@@ -15,7 +15,7 @@ import (
 // pinned index (first start, or a pin of another layout or schema, which
 // the facade ignores) call it with none: the restore then lists the
 // frontends in catalog order.
-func (x *ReverseIndex) Seed(pinned iter.Seq2[bpf.Be2feKey, bpf.Be2feValue]) {
+func (x *Index) Seed(pinned iter.Seq2[bpf.Be2feKey, bpf.Be2feValue]) {
 	x.Reset()
 	for k, v := range pinned {
 		if k.Family != bpf.FamilyIPv4 && k.Family != bpf.FamilyIPv6 {
@@ -23,9 +23,9 @@ func (x *ReverseIndex) Seed(pinned iter.Seq2[bpf.Be2feKey, bpf.Be2feValue]) {
 		}
 		var list []Slot
 		for _, s := range v.Slots[:min(int(v.Count), bpf.Be2feSlots)] {
-			f := Frontend{bpf.Addr(s.Vip, k.Family), bpf.Port(s.Vport), k.Proto}
+			f := Key{bpf.Addr(s.Vip, k.Family), bpf.Port(s.Vport), k.Proto}
 			if slotIndex(list, f) < 0 {
-				list = append(list, Slot{Frontend: f, ServiceID: s.ServiceId, BackendID: s.BackendId, Seeded: true})
+				list = append(list, Slot{Key: f, ServiceID: s.ServiceId, BackendID: s.BackendId, Seeded: true})
 			}
 		}
 		if len(list) > 0 {
@@ -34,13 +34,13 @@ func (x *ReverseIndex) Seed(pinned iter.Seq2[bpf.Be2feKey, bpf.Be2feValue]) {
 	}
 }
 
-// Settle ends the restore: with a catalog (ReverseConfig.Catalog) the
+// Settle ends the restore: with a catalog (Config.Catalog) the
 // seeded slots the restore did not confirm go (the later ones move down);
 // then the map, whose entries now are have, is made to hold exactly the
 // model (after a reload or a tier change it is new, and the restore wrote
-// only the entries it changed). The facade then refreshes
+// only the entries it changed). The services component then refreshes
 // SvcFlagRevStored of the frontends that have it (RefreshRevStored).
-func (x *ReverseIndex) Settle(have map[bpf.Be2feKey]bpf.Be2feValue) error {
+func (x *Index) Settle(have map[bpf.Be2feKey]bpf.Be2feValue) error {
 	for k, list := range x.lists {
 		if !x.cfg.Catalog {
 			break

@@ -1,4 +1,4 @@
-package services
+package idpool
 
 import (
 	"slices"
@@ -120,7 +120,7 @@ func TestIDs(t *testing.T) {
 			used 1`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := NewIDs(tc.max)
+			p := New(tc.max)
 			marks := map[string]uint64{}
 			for line := range strings.Lines(strings.TrimSpace(tc.script)) {
 				f := strings.Fields(line)

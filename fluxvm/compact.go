@@ -64,13 +64,7 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 		pc.Deferred = "a GC or an HA import is writing the flow maps"
 		return pc, nil
 	}
-	locked := true
-	unlock := func() {
-		if locked {
-			locked = false
-			d.flowMu.Unlock()
-		}
-	}
+	unlock := unlockOnce(&d.flowMu)
 	defer unlock()
 	d.mu.Lock()
 	err := d.checkOpen("compact flow maps")

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"sync"
 
 	"github.com/fluxvm/servicefabric/bpf"
 )
@@ -59,4 +60,12 @@ func (d *Dataplane) detachMade(ifc *iface) error {
 	}
 	ifc.made, ifc.madeXDP = nil, false
 	return err
+}
+
+// unlockOnce returns a func that unlocks l the first time it is called
+// and does nothing after: for a lock a function lets go early on some
+// paths and by a defer on the others.
+func unlockOnce(l sync.Locker) func() {
+	var once sync.Once
+	return func() { once.Do(l.Unlock) }
 }

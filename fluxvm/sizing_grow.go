@@ -54,13 +54,7 @@ func (d *Dataplane) growFor(svc Service) (seq uint64, err error) {
 // lets it go (before it waits for the views' operations on the old maps
 // to end: a scan's callback may run a GC, which takes it).
 func (d *Dataplane) growMaps(what string, grow []string, reasons map[string]sizeNeed, start time.Time) (err error) {
-	locked := true
-	unlock := func() {
-		if locked {
-			locked = false
-			d.flowMu.Unlock()
-		}
-	}
+	unlock := unlockOnce(&d.flowMu)
 	defer unlock()
 	sizes := map[string]uint32{}
 	for _, name := range grow {

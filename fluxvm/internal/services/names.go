@@ -42,10 +42,3 @@ func (n *NameLocks) Lock(name string) (unlock func()) {
 		n.mu.Unlock()
 	}
 }
-
-// Held is how many names are locked or waited for now.
-func (n *NameLocks) Held() int {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return len(n.names)
-}

@@ -21,7 +21,7 @@ func init() {
 				fs.PrintDefaults()
 			}
 			o := scenario.DefaultPerfOptions()
-			fs.IntVar(&o.Rounds, "rounds", o.Rounds, "measurement rounds; each rotates the order of the paths (1..50)")
+			fs.IntVar(&o.Rounds, "rounds", o.Rounds, "measurement rounds; each rotates the order of the paths (1..500; about 100 resolve 2%, see docs/lab-perf.md)")
 			fs.DurationVar(&o.Duration, "duration", o.Duration, "duration of one measurement: one workload on one path (50ms..60s)")
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
@@ -30,6 +30,11 @@ func init() {
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
+			fs.Func("goal", "a goal on a paired ratio, a/b:metric>=x or a/b:metric<=x (metric conns, cpu/conn, bulk or cpu/GB), e.g. sock-lb/vip:conns>=1.03; met only when the ratio's 95% CI lies wholly on its side; repeatable; issue 36's goals are always judged", func(v string) error {
+				g, err := scenario.ParsePerfGoal(v)
+				o.Goals = append(o.Goals, g)
+				return err
+			})
 			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
 			}

@@ -4,6 +4,8 @@ package scenario
 
 import (
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -22,71 +24,90 @@ func (p *perfRun) openBPFStats() error {
 	return p.openBPFProgs()
 }
 
-// openBPFProgs opens the programs attached to the client's VM edge (each
-// program is one object on every edge, so its statistics cover all of
-// them) and, with north-south paths, those on the uplink: its TC
-// programs and the XDP program while one runs. A reopened dataplane
-// runs new objects: setXDP calls it again.
+// openBPFProgs opens every program of ours: each program attached in the
+// lab's node namespace, where nothing but our dataplane attaches any (TCX
+// ingress and egress and XDP, on every interface: the VM edges, the
+// uplink), and the socket hooks on the hooked cgroup. A program is one
+// object on all the interfaces it is attached to, so it is counted once
+// (by id) and its statistics cover all of them. Programs that the
+// datapath reaches by tail call run inside their caller's statistics.
+// A reopened dataplane runs new objects: setXDP calls it again.
 func (p *perfRun) openBPFProgs() error {
 	for _, pr := range p.progs {
 		pr.Close()
 	}
-	p.progs = nil
+	p.progs, p.progNames = nil, nil
+	seen := map[ebpf.ProgramID]bool{}
+	keep := func(pr *ebpf.Program, where string) error {
+		info, err := pr.Info()
+		if err != nil {
+			pr.Close()
+			return fmt.Errorf("BPF statistics: program on %s: %w", where, err)
+		}
+		id, _ := info.ID()
+		if seen[id] {
+			pr.Close()
+			return nil
+		}
+		seen[id] = true
+		p.progs = append(p.progs, pr)
+		p.progNames = append(p.progNames, info.Name+"@"+where)
+		return nil
+	}
+	add := func(id ebpf.ProgramID, where string) error {
+		pr, err := ebpf.NewProgramFromID(id)
+		if err != nil {
+			return fmt.Errorf("BPF statistics: program %d on %s: %w", id, where, err)
+		}
+		return keep(pr, where)
+	}
 	if p.sock != nil {
 		sp, err := p.sock.sockProgs()
-		p.progs = append(p.progs, sp...)
+		for _, pr := range sp {
+			if kerr := keep(pr, "cgroup"); err == nil {
+				err = kerr
+			}
+		}
 		if err != nil {
 			return err
 		}
 	}
-	return p.env.Lab.Node.Do(func() error {
-		targets := []struct {
-			name  string
-			index int
-		}{{p.env.Client.NodeIf, p.env.Client.NodeIfIndex}}
-		if p.ns != nil {
-			targets = append(targets, struct {
-				name  string
-				index int
-			}{p.ns.ext.NodeIf, p.ns.ext.NodeIfIndex})
+	err := p.env.Lab.Node.Do(func() error {
+		links, err := netlink.LinkList()
+		if err != nil {
+			return err
 		}
-		for _, t := range targets {
-			n := len(p.progs)
-			for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
-				q, err := link.QueryPrograms(link.QueryOptions{Target: t.index, Attach: at})
+		for _, l := range links {
+			at := l.Attrs()
+			for _, t := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+				q, err := link.QueryPrograms(link.QueryOptions{Target: at.Index, Attach: t})
 				if err != nil {
-					return fmt.Errorf("BPF statistics need TCX attachment: query %s: %w", t.name, err)
+					return fmt.Errorf("BPF statistics need TCX attachment: query %s: %w", at.Name, err)
 				}
 				for _, ap := range q.Programs {
-					pr, err := ebpf.NewProgramFromID(ap.ID)
-					if err != nil {
+					if err := add(ap.ID, at.Name); err != nil {
 						return err
 					}
-					p.progs = append(p.progs, pr)
 				}
 			}
-			if len(p.progs) == n {
-				return fmt.Errorf("BPF statistics: no program on %s", t.name)
+			if x := at.Xdp; x != nil && x.ProgId != 0 {
+				if err := add(ebpf.ProgramID(x.ProgId), at.Name+"/xdp"); err != nil {
+					return err
+				}
 			}
 		}
-		if p.ns == nil || !p.ns.xdp {
-			return nil
-		}
-		l, err := netlink.LinkByName(perfUplink)
-		if err != nil {
-			return err
-		}
-		x := l.Attrs().Xdp
-		if x == nil || x.ProgId == 0 {
-			return fmt.Errorf("BPF statistics: no XDP program on %s", perfUplink)
-		}
-		pr, err := ebpf.NewProgramFromID(ebpf.ProgramID(x.ProgId))
-		if err != nil {
-			return err
-		}
-		p.progs = append(p.progs, pr)
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(p.progNames, func(n string) bool { return strings.HasSuffix(n, "@"+p.env.Client.NodeIf) }) {
+		return fmt.Errorf("BPF statistics: no program on %s", p.env.Client.NodeIf)
+	}
+	if p.ns != nil && p.ns.xdp && !slices.ContainsFunc(p.progNames, func(n string) bool { return strings.HasSuffix(n, "@"+perfUplink+"/xdp") }) {
+		return fmt.Errorf("BPF statistics: no XDP program on %s", perfUplink)
+	}
+	return nil
 }
 
 // bpfTime sums the run time and runs of the datapath programs (zero

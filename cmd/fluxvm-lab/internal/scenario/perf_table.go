@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
+	"time"
 )
 
 // samples returns the samples of one path and workload (any workload if
@@ -75,14 +76,16 @@ func (p *perfRun) table() string {
 	for _, s := range r.Samples {
 		rounds = max(rounds, s.Round)
 	}
+	const method = "spread = (max-min)/median; a/b = paired ratio (geometric mean of the per-round ratios) with its 95% CI below (Student t on the log-ratios)"
 	switch clean := r.Clean(); {
 	case clean == 0:
-		fmt.Fprintf(&b, "results: median of %d round(s), ALL disturbed by other processes; spread = (max-min)/median\n", rounds)
+		fmt.Fprintf(&b, "results: median of %d round(s), ALL disturbed by other processes; %s\n", rounds, method)
 	case clean < rounds:
-		fmt.Fprintf(&b, "results: median of %d undisturbed round(s) of %d; spread = (max-min)/median\n", clean, rounds)
+		fmt.Fprintf(&b, "results: median of %d undisturbed round(s) of %d; %s\n", clean, rounds, method)
 	default:
-		fmt.Fprintf(&b, "results: median of %d round(s); spread = (max-min)/median\n", rounds)
+		fmt.Fprintf(&b, "results: median of %d round(s); %s\n", rounds, method)
 	}
+	fmt.Fprintf(&b, "CPU: machine-wide (all CPUs, irq and softirq included; less steal and other processes' user time); its parts softirq+irq, client worker and lab process (servers, dataplane, in-process clients) overlap: a softirq is charged to the process it interrupted\n")
 	var ew, ns, sock []PerfPath
 	for _, path := range r.Paths {
 		switch {
@@ -102,7 +105,7 @@ func (p *perfRun) table() string {
 		ew = nil
 	}
 	if len(ew) > 0 {
-		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}})
+		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}, {"direct/bare", PathDirect, PathBare}})
 	}
 	if r.Clean() < p.o.Rounds {
 		fmt.Fprintf(&b, "note: only %d of the %d rounds asked for ran undisturbed by other processes; expect noise\n", r.Clean(), p.o.Rounds)
@@ -135,10 +138,63 @@ func (p *perfRun) table() string {
 		p.nsComparisons(&b)
 		b.WriteString(p.nsSummary())
 	}
+	p.goals(&b)
 	return b.String()
 }
 
-// tableOf writes the table of some paths with ratio columns.
+// perfRow is a row of a results table: a figure of one workload's
+// samples, and (with ci) a row of spreads and paired intervals below it.
+type perfRow struct {
+	name   string
+	wl     PerfWorkload
+	f      func(PerfSample) float64
+	format func(float64) string
+	ci     bool
+	only   func(PerfPath) bool // the paths that have the figure; nil: all
+}
+
+func perfFormat(prec int, scale float64) func(float64) string {
+	return func(v float64) string { return strconv.FormatFloat(v/scale, 'f', prec, 64) }
+}
+
+// rows are the rows of the results tables of this run.
+func (p *perfRun) rows() []perfRow {
+	worker := func(path PerfPath) bool { return p.workerFor(path) != nil }
+	us := func(f func(PerfSample) time.Duration) func(PerfSample) float64 {
+		return func(s PerfSample) float64 { return float64(f(s)) / 1e3 }
+	}
+	rows := []perfRow{
+		{"connections/s", WorkloadConns, PerfSample.Rate, perfFormat(0, 1), true, nil},
+		{"conn latency p50 µs", WorkloadConns, us(func(s PerfSample) time.Duration { return s.P50 }), perfFormat(0, 1), false, nil},
+		{"conn latency p99 µs", WorkloadConns, us(func(s PerfSample) time.Duration { return s.P99 }), perfFormat(0, 1), false, nil},
+		{"conn CPU µs/conn", WorkloadConns, PerfSample.CPUPerUnit, perfFormat(1, 1), true, nil},
+		{"  softirq+irq µs/conn", WorkloadConns, PerfSample.SoftIRQPerUnit, perfFormat(1, 1), true, nil},
+		{"  client worker µs/conn", WorkloadConns, PerfSample.ClientPerUnit, perfFormat(1, 1), true, worker},
+		{"  lab process µs/conn", WorkloadConns, PerfSample.LabPerUnit, perfFormat(1, 1), true, nil},
+		{"bulk Gbit/s", WorkloadBulk, PerfSample.Rate, perfFormat(2, 1e9), true, nil},
+		{"bulk CPU ms/GB", WorkloadBulk, PerfSample.CPUPerUnit, perfFormat(1, 1e3), true, nil},
+		{"  softirq+irq ms/GB", WorkloadBulk, PerfSample.SoftIRQPerUnit, perfFormat(1, 1e3), true, nil},
+		{"  client worker ms/GB", WorkloadBulk, PerfSample.ClientPerUnit, perfFormat(1, 1e3), true, worker},
+		{"  lab process ms/GB", WorkloadBulk, PerfSample.LabPerUnit, perfFormat(1, 1e3), true, nil},
+	}
+	if p.o.BPFStats {
+		rows = append(rows,
+			perfRow{"conn datapath BPF µs/conn", WorkloadConns, PerfSample.BPFPerUnit, perfFormat(2, 1), true, nil},
+			perfRow{"conn datapath BPF ns/run", WorkloadConns, PerfSample.BPFPerRun, perfFormat(0, 1), true, nil},
+			perfRow{"conn datapath BPF runs/conn", WorkloadConns, PerfSample.BPFRunsPerConn, perfFormat(1, 1), false, nil},
+			perfRow{"bulk datapath BPF ms/GB", WorkloadBulk, PerfSample.BPFPerUnit, perfFormat(2, 1e3), true, nil},
+			perfRow{"bulk datapath BPF ns/run", WorkloadBulk, PerfSample.BPFPerRun, perfFormat(0, 1), true, nil},
+			perfRow{"bulk datapath BPF runs/MB", WorkloadBulk, PerfSample.BPFRunsPerConn, perfFormat(1, 1), false, nil})
+	}
+	rows = append(rows, perfRow{"others' CPU share %", "", func(s PerfSample) float64 { return s.Others * 100 }, perfFormat(0, 1), false, nil})
+	if p.o.ConnsOnly {
+		rows = slices.DeleteFunc(rows, func(rw perfRow) bool { return rw.wl == WorkloadBulk })
+	}
+	return rows
+}
+
+// tableOf writes the table of some paths with ratio columns: in each
+// ratio column the paired ratio, and below it its 95% CI.
 func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRatio) {
 	r := p.rep
 	tw := tabwriter.NewWriter(b, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -151,144 +207,113 @@ func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRat
 	}
 	head = append(head, "")
 	fmt.Fprintln(tw, strings.Join(head, "\t"))
-	blank := make([]string, len(ratios)+1)
-	type row struct {
-		name   string
-		wl     PerfWorkload
-		f      func(PerfSample) float64
-		format func(float64) string
-	}
-	rows := []row{
-		{"connections/s", WorkloadConns, PerfSample.Rate, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn latency p50 µs", WorkloadConns, func(s PerfSample) float64 { return float64(s.P50) / 1e3 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn latency p99 µs", WorkloadConns, func(s PerfSample) float64 { return float64(s.P99) / 1e3 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn CPU µs/conn", WorkloadConns, PerfSample.CPUPerUnit, func(v float64) string { return strconv.FormatFloat(v, 'f', 1, 64) }},
-		{"bulk Gbit/s", WorkloadBulk, PerfSample.Rate, func(v float64) string { return strconv.FormatFloat(v/1e9, 'f', 2, 64) }},
-		{"bulk CPU ms/GB", WorkloadBulk, PerfSample.CPUPerUnit, func(v float64) string { return strconv.FormatFloat(v/1e3, 'f', 1, 64) }},
-		{"conn datapath BPF µs/conn", WorkloadConns, PerfSample.BPFPerUnit, func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }},
-		{"bulk datapath BPF ms/GB", WorkloadBulk, PerfSample.BPFPerUnit, func(v float64) string { return strconv.FormatFloat(v/1e3, 'f', 2, 64) }},
-		{"others' CPU share %", "", func(s PerfSample) float64 { return s.Others * 100 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-	}
-	for _, rw := range rows {
-		if strings.Contains(rw.name, "BPF") && !p.o.BPFStats || rw.wl == WorkloadBulk && p.o.ConnsOnly {
+	for _, rw := range p.rows() {
+		has := func(path PerfPath) bool { return rw.only == nil || rw.only(path) }
+		if !slices.ContainsFunc(paths, has) {
 			continue
 		}
 		cells := []string{rw.name, ""}
-		spread := []string{"  spread", ""}
-		med := map[PerfPath]float64{}
+		spread := []string{"  spread | 95% CI", ""}
 		for _, path := range paths {
 			m, lo, hi, ok := r.Median(path, rw.wl, rw.f)
-			if !ok {
-				cells = append(cells, "-")
-				spread = append(spread, "")
-				continue
-			}
-			med[path] = m
-			cells = append(cells, rw.format(m))
-			if m > 0 {
-				spread = append(spread, fmt.Sprintf("%.1f%%", (hi-lo)/m*100))
-			} else {
-				spread = append(spread, "")
+			switch {
+			case !ok || !has(path):
+				cells, spread = append(cells, "-"), append(spread, "")
+			case m > 0:
+				cells, spread = append(cells, rw.format(m)), append(spread, fmt.Sprintf("%.1f%%", (hi-lo)/m*100))
+			default:
+				cells, spread = append(cells, rw.format(m)), append(spread, "")
 			}
 		}
-		if rw.wl == "" {
-			cells = append(cells, blank...)
-		} else {
-			for _, rt := range ratios {
-				if med[rt.b] == 0 {
-					cells = append(cells, "-")
-				} else {
-					cells = append(cells, fmt.Sprintf("%.3f", med[rt.a]/med[rt.b]))
-				}
+		for _, rt := range ratios {
+			iv, ok := r.PairedInterval(rt.a, rt.b, rw.wl, rw.f)
+			switch {
+			case rw.wl == "":
+				cells, spread = append(cells, ""), append(spread, "")
+			case !ok || !has(rt.a) || !has(rt.b):
+				cells, spread = append(cells, "-"), append(spread, "")
+			case !iv.Resolved():
+				cells, spread = append(cells, fmt.Sprintf("%.3f", iv.Ratio)), append(spread, "n<2")
+			default:
+				cells, spread = append(cells, fmt.Sprintf("%.3f", iv.Ratio)), append(spread, fmt.Sprintf("[%.3f,%.3f]", iv.Lo, iv.Hi))
 			}
-			cells = append(cells, "")
 		}
-		fmt.Fprintln(tw, strings.Join(cells, "\t"))
-		if strings.Contains(rw.name, "latency") || rw.wl == "" {
-			continue
+		fmt.Fprintln(tw, strings.Join(append(cells, ""), "\t"))
+		if rw.ci {
+			fmt.Fprintln(tw, strings.Join(append(spread, ""), "\t"))
 		}
-		fmt.Fprintln(tw, strings.Join(append(spread, blank...), "\t"))
 	}
 	tw.Flush()
 }
 
+// pairedCell is "label ±x% [lo, hi] paired (±y% medians)": the paired
+// ratio of a over b with its 95% CI, then the ratio of the medians; with
+// a goal (g.A set), its verdict after "text". ok is false without pairs.
+func (r *PerfReport) pairedCell(label string, a, b PerfPath, wl PerfWorkload, f func(PerfSample) float64, text string, g PerfGoal) (string, bool) {
+	iv, ok1 := r.PairedInterval(a, b, wl, f)
+	ma, _, _, ok2 := r.Median(a, wl, f)
+	mb, _, _, ok3 := r.Median(b, wl, f)
+	if !ok1 || !ok2 || !ok3 || mb == 0 {
+		return "", false
+	}
+	c := fmt.Sprintf("%s %s paired (%+6.1f%% medians)", label, fmtInterval(iv), (ma/mb-1)*100)
+	if g.A != "" {
+		c += fmt.Sprintf(": %s %s", text, g.Judge(iv))
+	}
+	return c, true
+}
+
 // targets writes the east-west targets: within 5% of direct, ahead of
-// nftables. They are judged on the paired figure, the median of the
-// per-round ratios: the two measurements of a pair are seconds apart, so
-// drift of the machine's speed between rounds cancels out of it, which
-// it does not from the ratio of the medians (printed first, and in the
-// table).
+// nftables. They are judged on the paired ratio's 95% CI (PerfGoal.Judge):
+// met or MISSED only when the interval lies wholly on one side of the
+// bound, unresolved otherwise. The ratio of the medians is printed too.
 func (p *perfRun) targets(b *strings.Builder) {
 	r := p.rep
-	verdict := func(ok bool) string {
-		if ok {
-			return "met"
-		}
-		return "MISSED"
-	}
 	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-	}{{"connections/s", WorkloadConns}, {"bulk throughput", WorkloadBulk}} {
-		v, _, _, ok1 := r.Median(PathVIP, t.wl, PerfSample.Rate)
-		d, _, _, ok2 := r.Median(PathDirect, t.wl, PerfSample.Rate)
-		n, _, _, ok3 := r.Median(PathNFT, t.wl, PerfSample.Rate)
-		if !ok1 || !ok2 || !ok3 || d == 0 || n == 0 {
-			continue
+		name   string
+		m      PerfMetric
+		nftTxt string
+	}{
+		{"target connections/s:   ", MetricConns, "ahead"},
+		{"target bulk throughput: ", MetricBulk, "ahead"},
+		{"cost   CPU/connection:  ", MetricConnCPU, "cheaper"},
+		{"cost   CPU/GB:          ", MetricBulkCPU, "cheaper"},
+	} {
+		pm := perfMetricOf(t.m)
+		atLeast := t.m == MetricConns || t.m == MetricBulk
+		direct := PerfGoal{PathVIP, PathDirect, t.m, atLeast, 0.95}
+		if !atLeast {
+			direct.Bound = 1.05
 		}
-		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.Rate)
-		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.Rate)
-		fmt.Fprintf(b, "target %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): ahead %s\n",
-			t.name+":", (pd-1)*100, (v/d-1)*100, verdict(pd >= 0.95), (pn-1)*100, (v/n-1)*100, verdict(pn > 1))
-	}
-	// The same targets on the CPU cost.
-	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-	}{{"CPU/connection:", WorkloadConns}, {"CPU/GB:", WorkloadBulk}} {
-		v, _, _, ok1 := r.Median(PathVIP, t.wl, PerfSample.CPUPerUnit)
-		d, _, _, ok2 := r.Median(PathDirect, t.wl, PerfSample.CPUPerUnit)
-		n, _, _, ok3 := r.Median(PathNFT, t.wl, PerfSample.CPUPerUnit)
-		if !ok1 || !ok2 || !ok3 || d == 0 || n == 0 {
-			continue
+		cd, ok1 := r.pairedCell("vip vs direct", PathVIP, PathDirect, pm.wl, pm.f, "within 5%", direct)
+		cn, ok2 := r.pairedCell("vip vs nft", PathVIP, PathNFT, pm.wl, pm.f, t.nftTxt, PerfGoal{PathVIP, PathNFT, t.m, atLeast, 1})
+		if ok1 && ok2 {
+			fmt.Fprintf(b, "%s %s  %s\n", t.name, cd, cn)
 		}
-		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.CPUPerUnit)
-		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.CPUPerUnit)
-		fmt.Fprintf(b, "cost   %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): cheaper %s\n",
-			t.name, (pd-1)*100, (v/d-1)*100, verdict(pd <= 1.05), (pn-1)*100, (v/n-1)*100, verdict(pn < 1))
 	}
 }
 
-// nsComparisons writes the north-south paired ratios (no targets yet):
-// XDP against TC, XDP against direct, TC against direct, on the rates and
-// on the CPU cost.
-func (p *perfRun) nsComparisons(b *strings.Builder) {
-	r := p.rep
-	pairs := []perfRatio{{"xdp vs tc", PathNSXDP, PathNSTC}, {"xdp vs direct", PathNSXDP, PathNSDirect}, {"tc vs direct", PathNSTC, PathNSDirect}}
-	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-		f    func(PerfSample) float64
-	}{
-		{"connections/s:", WorkloadConns, PerfSample.Rate},
-		{"bulk throughput:", WorkloadBulk, PerfSample.Rate},
-		{"CPU/connection:", WorkloadConns, PerfSample.CPUPerUnit},
-		{"CPU/GB:", WorkloadBulk, PerfSample.CPUPerUnit},
-	} {
+// comparisons writes paired ratios without targets: one line per metric,
+// one cell per pair.
+func (p *perfRun) comparisons(b *strings.Builder, prefix string, pairs []perfRatio) {
+	for _, pm := range perfMetrics {
 		var parts []string
 		for _, pr := range pairs {
-			pd, ok1 := r.PairedRatio(pr.a, pr.b, t.wl, t.f)
-			a, _, _, ok2 := r.Median(pr.a, t.wl, t.f)
-			c, _, _, ok3 := r.Median(pr.b, t.wl, t.f)
-			if !ok1 || !ok2 || !ok3 || c == 0 {
-				continue
+			if c, ok := p.rep.pairedCell(pr.name, pr.a, pr.b, pm.wl, pm.f, "", PerfGoal{}); ok {
+				parts = append(parts, c)
 			}
-			parts = append(parts, fmt.Sprintf("%s %+6.1f%% paired (%+6.1f%% medians)", pr.name, (pd-1)*100, (a/c-1)*100))
 		}
 		if len(parts) > 0 {
-			fmt.Fprintf(b, "ns %-17s %s\n", t.name, strings.Join(parts, "  "))
+			fmt.Fprintf(b, "%s %-17s %s\n", prefix, pm.long+":", strings.Join(parts, "  "))
 		}
 	}
+}
+
+// nsComparisons writes the north-south paired ratios (their goals are
+// Issue36Goals): XDP against TC, XDP against direct, TC against direct,
+// on the rates and on the CPU cost.
+func (p *perfRun) nsComparisons(b *strings.Builder) {
+	p.comparisons(b, "ns", []perfRatio{{"xdp vs tc", PathNSXDP, PathNSTC}, {"xdp vs direct", PathNSXDP, PathNSDirect}, {"tc vs direct", PathNSTC, PathNSDirect}})
 }
 
 // PairedRatio is the median over the rounds of f(a)/f(b), each ratio

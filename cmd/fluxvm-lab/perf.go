@@ -56,6 +56,17 @@ the paths; ratios are paired within rounds), after checking that every
 path is translated by what it claims and by nothing else. Needs root (and
 nft for the east-west paths).
 
+Every ratio a/b is the geometric mean of the per-round ratios with its 95%
+confidence interval (Student t on the log-ratios) below it; a target or
+goal (issue 36's, and -goal) is met or MISSED only when the interval lies
+wholly on one side of its bound, and unresolved otherwise: resolving 2%
+takes on the order of 100 rounds (docs/lab-perf.md). CPU is machine-wide,
+softirq included, less steal and other processes' user time, with its
+parts: softirq+irq, the client worker (its cgroup) and the lab process
+(servers, dataplane, in-process clients). -bpf-stats adds our programs'
+run time per connection, per GB and per run (one packet through one
+program).
+
 East-west paths (client VM vm1 to backend VM vm2), the default:
   bare       the backend's address, datapath programs detached
   direct     the backend's address, programs attached (the baseline)
@@ -81,7 +92,7 @@ who translates. Every sock-lb measurement must raise the datapath counter
 sock_rewritten at least once per connection and leave the TC services' new
 flows and nftables alone; every other one must leave sock_rewritten alone.
 Target: sock-lb within 2% of direct on connections/s and ahead of vip
-(paired). The cgroups and the workers are removed on exit and on Ctrl-C.
+(paired, judged on the interval). The cgroups and the workers are removed on exit and on Ctrl-C.
 North-south paths (external client ext through the node's uplink to
 backend VM vm3; -paths north-south, or all):
   ns-direct  the backend's address, TC programs on the uplink, xdp_mode off

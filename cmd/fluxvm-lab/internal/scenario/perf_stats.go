@@ -31,6 +31,26 @@ type PerfInterval struct {
 	// Lo and Hi bound the 95% confidence interval of Ratio; both are
 	// Ratio when N < 2 (no interval: see Resolved).
 	Lo, Hi float64
+	// SD is the sample standard deviation of the per-round log-ratios
+	// (0 when N < 2): the noise of one pair, which PairsFor turns into
+	// the pairs a given resolution needs.
+	SD float64
+}
+
+// PairsFor is about how many pairs put the interval's ends within a
+// factor 1±rel of the ratio, at the noise of this run (SD): n with
+// t(0.975, n−1)·SD/√n ≤ ln(1+rel). 0 when the run has no interval.
+func (iv PerfInterval) PairsFor(rel float64) int {
+	if !iv.Resolved() || !(rel > 0) {
+		return 0
+	}
+	target := math.Log1p(rel)
+	for n := 2; n < 100000; n++ {
+		if studentT975(n-1)*iv.SD/math.Sqrt(float64(n)) <= target {
+			return n
+		}
+	}
+	return 100000
 }
 
 // Resolved reports whether the interval exists (two pairs at least).
@@ -63,7 +83,8 @@ func pairedLogInterval(a, b []float64) (iv PerfInterval, ok bool) {
 	for _, v := range d {
 		ss += (v - mean) * (v - mean)
 	}
-	half := studentT975(len(d)-1) * math.Sqrt(ss/(n-1)) / math.Sqrt(n)
+	iv.SD = math.Sqrt(ss / (n - 1))
+	half := studentT975(len(d)-1) * iv.SD / math.Sqrt(n)
 	iv.Lo, iv.Hi = math.Exp(mean-half), math.Exp(mean+half)
 	return iv, true
 }
@@ -310,8 +331,12 @@ func (p *perfRun) goals(b *strings.Builder) {
 		if !g.AtLeast {
 			side = "at most"
 		}
-		lines = append(lines, fmt.Sprintf("goal %-28s %s/%s %s %s %.3f: %.3f [%.3f, %.3f], n=%d: %s",
-			g.String(), g.A, g.B, pm.name, side, g.Bound, iv.Ratio, iv.Lo, iv.Hi, iv.N, g.Judge(iv)))
+		l := fmt.Sprintf("goal %-28s %s/%s %s %s %.3f: %.3f [%.3f, %.3f], n=%d: %s",
+			g.String(), g.A, g.B, pm.name, side, g.Bound, iv.Ratio, iv.Lo, iv.Hi, iv.N, g.Judge(iv))
+		if iv.Resolved() {
+			l += fmt.Sprintf(" (log-ratio sd %.3f: ±2%% takes ~%d pairs)", iv.SD, iv.PairsFor(0.02))
+		}
+		lines = append(lines, l)
 	}
 	if len(lines) == 0 {
 		return

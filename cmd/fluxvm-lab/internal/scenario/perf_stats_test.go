@@ -55,6 +55,9 @@ func TestPairedLogInterval(t *testing.T) {
 				t.Errorf("%s: %s %.12f, want %.12f", c.name, v.what, v.got, v.want)
 			}
 		}
+		if c.name == "four rounds" && math.Abs(iv.SD-0.12383682181902173) > 1e-12 {
+			t.Errorf("%s: sd %.12f, want 0.123836821819", c.name, iv.SD)
+		}
 		if iv.Resolved() != (c.n >= 2) {
 			t.Errorf("%s: resolved %v with %d pairs", c.name, iv.Resolved(), c.n)
 		}
@@ -90,6 +93,32 @@ func TestPairedInterval(t *testing.T) {
 	}
 	if _, ok := r.PairedInterval(PathVIP, PathNFT, WorkloadConns, PerfSample.Rate); ok {
 		t.Errorf("an interval against a path never measured")
+	}
+}
+
+// TestPairsFor: the pairs a resolution takes are the fewest whose
+// interval is that narrow at the run's noise.
+func TestPairsFor(t *testing.T) {
+	for _, c := range []struct {
+		sd, rel  float64
+		min, max int
+	}{
+		{0.1238, 0.02, 140, 170}, // about (1.98·sd/ln 1.02)²
+		{0.05, 0.02, 20, 30},
+		{0, 0.02, 2, 2},
+	} {
+		iv := PerfInterval{N: 5, SD: c.sd}
+		n := iv.PairsFor(c.rel)
+		if n < c.min || n > c.max {
+			t.Errorf("sd %v rel %v: %d pairs, want %d..%d", c.sd, c.rel, n, c.min, c.max)
+		}
+		half := func(n int) float64 { return studentT975(n-1) * c.sd / math.Sqrt(float64(n)) }
+		if half(n) > math.Log1p(c.rel) || (n > 2 && half(n-1) <= math.Log1p(c.rel)) {
+			t.Errorf("sd %v rel %v: %d pairs is not the fewest that resolve it", c.sd, c.rel, n)
+		}
+	}
+	if n := (PerfInterval{N: 1, SD: 0.1}).PairsFor(0.02); n != 0 {
+		t.Errorf("one pair: %d, want 0 (no noise estimate)", n)
 	}
 }
 

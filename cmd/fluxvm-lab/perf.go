@@ -30,6 +30,7 @@ func init() {
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
+			fs.BoolVar(&o.ConnsOnly, "conns-only", o.ConnsOnly, "measure only the short-connection workload in the rounds (the checks still run both): for profiles of the connection path")
 			fs.Func("goal", "a goal on a paired ratio, a/b:metric>=x or a/b:metric<=x (metric conns, cpu/conn, bulk or cpu/GB), e.g. sock-lb/vip:conns>=1.03; met only when the ratio's 95% CI lies wholly on its side; repeatable; issue 36's goals are always judged", func(v string) error {
 				g, err := scenario.ParsePerfGoal(v)
 				o.Goals = append(o.Goals, g)

@@ -276,15 +276,16 @@ func TestPerfOptionsValidate(t *testing.T) {
 		t.Fatalf("defaults: %v", err)
 	}
 	for name, mut := range map[string]func(*PerfOptions){
-		"rounds":     func(o *PerfOptions) { o.Rounds = 0 },
-		"duration":   func(o *PerfOptions) { o.Duration = time.Millisecond },
-		"workers":    func(o *PerfOptions) { o.Workers = 1000 },
-		"streams":    func(o *PerfOptions) { o.Streams = 0 },
-		"max conns":  func(o *PerfOptions) { o.MaxConns = 0 },
-		"max others": func(o *PerfOptions) { o.MaxOthers = 1.5 },
-		"path":       func(o *PerfOptions) { o.Paths = []PerfPath{"xdp"} },
-		"path twice": func(o *PerfOptions) { o.Paths = []PerfPath{PathNSTC, PathNSTC} },
-		"no path":    func(o *PerfOptions) { o.Paths, o.Bare = []PerfPath{PathBare}, false },
+		"rounds":      func(o *PerfOptions) { o.Rounds = 0 },
+		"rounds high": func(o *PerfOptions) { o.Rounds = 501 },
+		"duration":    func(o *PerfOptions) { o.Duration = time.Millisecond },
+		"workers":     func(o *PerfOptions) { o.Workers = 1000 },
+		"streams":     func(o *PerfOptions) { o.Streams = 0 },
+		"max conns":   func(o *PerfOptions) { o.MaxConns = 0 },
+		"max others":  func(o *PerfOptions) { o.MaxOthers = 1.5 },
+		"path":        func(o *PerfOptions) { o.Paths = []PerfPath{"xdp"} },
+		"path twice":  func(o *PerfOptions) { o.Paths = []PerfPath{PathNSTC, PathNSTC} },
+		"no path":     func(o *PerfOptions) { o.Paths, o.Bare = []PerfPath{PathBare}, false },
 	} {
 		o := DefaultPerfOptions()
 		mut(&o)

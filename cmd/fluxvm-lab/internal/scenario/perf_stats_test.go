@@ -291,4 +291,9 @@ func TestPerfTableIntervals(t *testing.T) {
 	if strings.Contains(tab, "client worker µs") {
 		t.Errorf("a client worker row without workers:\n%s", tab)
 	}
+	// Without nft, no vip/nft column.
+	p.rep.Paths = []PerfPath{PathBare, PathDirect, PathVIP}
+	if tab := p.table(); strings.Contains(tab, "vip/nft") || !strings.Contains(tab, "direct/bare") {
+		t.Errorf("ratio columns without nft:\n%s", tab)
+	}
 }

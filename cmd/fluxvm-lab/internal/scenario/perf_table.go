@@ -197,6 +197,9 @@ func (p *perfRun) rows() []perfRow {
 // ratio column the paired ratio, and below it its 95% CI.
 func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRatio) {
 	r := p.rep
+	ratios = slices.DeleteFunc(slices.Clone(ratios), func(rt perfRatio) bool {
+		return !slices.Contains(paths, rt.a) || !slices.Contains(paths, rt.b)
+	})
 	tw := tabwriter.NewWriter(b, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head := []string{"", ""}
 	for _, path := range paths {

@@ -251,13 +251,13 @@ type PerfSample struct {
 	// sock_fail_open_* counters rose (left to TC).
 	SockRewritten, SockFailOpen uint64
 	// CPU is the machine-wide CPU time the measurement cost: the
-	// machine's busy time (all CPUs: user, system, irq, softirq) less
-	// steal and less other processes' user time (perf_cpu.go says why
-	// not their system time). It covers client, servers, kernel threads
-	// and every softirq (TC and XDP run there), wherever it ran. It
-	// depends less than the rates on what else the machine runs, though
-	// not at all less on how fast the hypervisor runs the vCPUs; it is
-	// tick-sampled (USER_HZ).
+	// machine's busy time (wall time × CPUs less idle, iowait and steal:
+	// user, system, irq, softirq) less other processes' user time
+	// (perf_cpu.go says why not their system time). It covers client,
+	// servers, kernel threads and every softirq (TC and XDP run there),
+	// wherever it ran. It depends less than the rates on what else the
+	// machine runs, though not at all less on how fast the hypervisor
+	// runs the vCPUs.
 	CPU time.Duration
 	// SoftIRQ is the machine's irq and softirq time during the
 	// measurement (part of CPU), and OthersSys other processes' system
@@ -830,7 +830,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	cpu0, t0 := readCPU(skip...), time.Now()
+	cpu0 := readCPU(skip...)
 	switch {
 	case wk != nil:
 		s, err = wk.run(ctx, perfWorkerRequest{Workload: wl, Source: p.source(path), Target: p.target(path, wl), Want: p.backendFor(path).Name,
@@ -843,7 +843,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	s.account(cpu0, readCPU(skip...), time.Since(t0), ncpu())
+	s.account(cpu0, readCPU(skip...), ncpu())
 	proc1, err := readProcCPU(cg)
 	if err != nil {
 		return s, err

@@ -4,18 +4,22 @@ package scenario
 
 // The CPU accounting of a Perf measurement (issue 36).
 //
-// Machine-wide: /proc/stat, in USER_HZ ticks. Its softirq and irq columns
-// hold the softirq work wherever it ran: in ksoftirqd, on irq exit or at
-// local_bh_enable in a process's context. What kernel (6.18 here, with
-// CONFIG_TICK_CPU_ACCOUNTING and without CONFIG_IRQ_TIME_ACCOUNTING)
-// charges to a process as system time also includes every tick that found
-// a softirq running on top of it: the TC and XDP programs of our
-// datapath run there, on top of whatever process the CPU was running,
-// another engineer's compiler too. So the machine-wide figure subtracts
-// other processes' USER time only (a tick in user mode is never softirq);
-// their system time stays in it (PerfSample.OthersSys says how much), and
-// work moved into softirq cannot look like a gain. Steal is the
-// hypervisor's and is subtracted.
+// Machine-wide: /proc/stat. Its idle and iowait columns come, with
+// CONFIG_NO_HZ_IDLE (set here), from the idle entry and exit times, not
+// from ticks: the busy time of all CPUs, wall time × CPUs less idle,
+// iowait and steal, carries no sampling noise (only the 10 ms unit of the
+// file). The other columns are tick-sampled (CONFIG_TICK_CPU_ACCOUNTING,
+// HZ 250, printed in USER_HZ): the softirq and irq columns hold the
+// softirq work wherever it ran (ksoftirqd, irq exit, local_bh_enable in a
+// process's context), give or take the sampling. Without
+// CONFIG_IRQ_TIME_ACCOUNTING (not set here) the kernel also charges to a
+// process as system time every tick that found a softirq running on top
+// of it: the TC and XDP programs of our datapath run there, on top of
+// whatever process the CPU was running, another engineer's compiler too.
+// So the machine-wide figure subtracts other processes' USER time only (a
+// tick in user mode is never softirq); their system time stays in it
+// (PerfSample.OthersSys says how much), and work moved into softirq
+// cannot look like a gain. Steal is the hypervisor's and is subtracted.
 //
 // Per process: the lab process (servers, in-process clients, the
 // dataplane) by getrusage(RUSAGE_SELF), and a worker client by its
@@ -114,7 +118,8 @@ func (s PerfSample) BPFRunsPerConn() float64 {
 // cpuSnap is a reading of the machine's CPU accounting, in USER_HZ ticks
 // (100 per second on every Linux architecture Go supports).
 type cpuSnap struct {
-	busy       uint64 // all CPUs: user, nice, system, irq, softirq, steal
+	at         time.Time // when /proc/stat was read
+	idle       uint64    // all CPUs: idle and iowait
 	steal      uint64
 	irq        uint64 // all CPUs: irq and softirq
 	othersUser uint64 // user and children's user time of other processes
@@ -129,13 +134,14 @@ func parseProcStat(b []byte, c *cpuSnap) error {
 	if len(f) < 9 || f[0] != "cpu" {
 		return fmt.Errorf("/proc/stat: first line %q", line)
 	}
-	for _, i := range []int{1, 2, 3, 6, 7, 8} { // user nice system irq softirq steal
+	for _, i := range []int{4, 5, 6, 7, 8} { // idle iowait irq softirq steal
 		v, err := strconv.ParseUint(f[i], 10, 64)
 		if err != nil {
 			return fmt.Errorf("/proc/stat: %w", err)
 		}
-		c.busy += v
 		switch i {
+		case 4, 5:
+			c.idle += v
 		case 6, 7:
 			c.irq += v
 		case 8:
@@ -175,11 +181,11 @@ func parsePidStat(b []byte) (user, sys uint64, kthread, ok bool) {
 // out of it: their work here is mostly the workload's own (ksoftirqd,
 // RCU, kworkers).
 func readCPU(skip ...int) cpuSnap {
+	c := cpuSnap{at: time.Now()}
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil {
 		return cpuSnap{}
 	}
-	var c cpuSnap
 	if parseProcStat(b, &c) != nil {
 		return cpuSnap{}
 	}
@@ -211,20 +217,24 @@ func readCPU(skip ...int) cpuSnap {
 func grew(a, b uint64) uint64 { return max(a, b) - a }
 
 // account sets s.CPU, s.SoftIRQ, s.OthersSys and s.Others from readings
-// before and after it, on a machine of ncpu CPUs.
-func (s *PerfSample) account(a, b cpuSnap, elapsed time.Duration, ncpu int) {
-	if !a.ok || !b.ok || elapsed <= 0 || ncpu <= 0 {
+// before and after it, on a machine of ncpu CPUs: the busy time is the
+// wall time between the readings on all CPUs less idle (with iowait) and
+// steal.
+func (s *PerfSample) account(a, b cpuSnap, ncpu int) {
+	wall := b.at.Sub(a.at)
+	if !a.ok || !b.ok || wall <= 0 || ncpu <= 0 {
 		return
 	}
 	tick := 10 * time.Millisecond
-	steal := grew(a.steal, b.steal)
-	user, sys := grew(a.othersUser, b.othersUser), grew(a.othersSys, b.othersSys)
-	if busy := grew(a.busy, b.busy); busy > steal+user {
-		s.CPU = time.Duration(busy-steal-user) * tick
-	}
+	total := wall * time.Duration(ncpu)
+	steal := time.Duration(grew(a.steal, b.steal)) * tick
+	user := time.Duration(grew(a.othersUser, b.othersUser)) * tick
+	sys := time.Duration(grew(a.othersSys, b.othersSys)) * tick
+	busy := total - time.Duration(grew(a.idle, b.idle))*tick - steal
+	s.CPU = max(busy-user, 0)
 	s.SoftIRQ = time.Duration(grew(a.irq, b.irq)) * tick
-	s.OthersSys = time.Duration(sys) * tick
-	s.Others = float64(time.Duration(steal+user+sys)*tick) / float64(elapsed) / float64(ncpu)
+	s.OthersSys = sys
+	s.Others = min(float64(steal+user+sys)/float64(total), 1)
 }
 
 // procCPU is the CPU time of the lab process (getrusage RUSAGE_SELF, its

@@ -179,31 +179,34 @@ func TestParsePerfGoal(t *testing.T) {
 	}
 }
 
-// TestPerfAccount: the machine-wide CPU keeps the softirqs, also those
-// the kernel charged to other processes' system time, and subtracts
-// their user time and steal only.
+// TestPerfAccount: the machine-wide CPU is the wall time on all CPUs less
+// idle and steal, and keeps the softirqs, also those the kernel charged
+// to other processes' system time: it subtracts their user time only.
 func TestPerfAccount(t *testing.T) {
-	a := cpuSnap{busy: 1000, steal: 10, irq: 100, othersUser: 500, othersSys: 200, ok: true}
+	t0 := time.Unix(1000, 0)
+	a := cpuSnap{at: t0, idle: 1000, steal: 10, irq: 100, othersUser: 500, othersSys: 200, ok: true}
 	for _, c := range []struct {
 		name           string
 		a, b           cpuSnap
-		elapsed        time.Duration
 		cpu, irq, osys time.Duration
 		others         float64
 	}{
+		// 2 s on 2 CPUs: 4 s, of which 1 s idle, 0.1 s steal, 1 s
+		// others' user time.
 		{"softirq charged to others stays ours", a,
-			cpuSnap{busy: 1400, steal: 20, irq: 250, othersUser: 600, othersSys: 300, ok: true},
-			2 * time.Second, 2900 * time.Millisecond, 1500 * time.Millisecond, time.Second, 0.525},
+			cpuSnap{at: t0.Add(2 * time.Second), idle: 1100, steal: 20, irq: 250, othersUser: 600, othersSys: 300, ok: true},
+			1900 * time.Millisecond, 1500 * time.Millisecond, time.Second, 0.525},
 		{"a process gone unreaped counts nothing", a,
-			cpuSnap{busy: 1400, steal: 10, irq: 100, othersUser: 400, othersSys: 100, ok: true},
-			2 * time.Second, 4 * time.Second, 0, 0, 0},
+			cpuSnap{at: t0.Add(2 * time.Second), idle: 1000, steal: 10, irq: 100, othersUser: 400, othersSys: 100, ok: true},
+			4 * time.Second, 0, 0, 0},
 		{"others took it all", a,
-			cpuSnap{busy: 1100, steal: 10, irq: 100, othersUser: 700, othersSys: 200, ok: true},
-			time.Second, 0, 0, 0, 1},
-		{"no reading", a, cpuSnap{busy: 2000}, time.Second, 0, 0, 0, 0},
+			cpuSnap{at: t0.Add(time.Second), idle: 1000, steal: 10, irq: 100, othersUser: 800, othersSys: 200, ok: true},
+			0, 0, 0, 1},
+		{"no time passed", a, a, 0, 0, 0, 0},
+		{"no reading", a, cpuSnap{at: t0.Add(time.Second), idle: 2000}, 0, 0, 0, 0},
 	} {
 		var s PerfSample
-		s.account(c.a, c.b, c.elapsed, 2)
+		s.account(c.a, c.b, 2)
 		if s.CPU != c.cpu || s.SoftIRQ != c.irq || s.OthersSys != c.osys || math.Abs(s.Others-c.others) > 1e-12 {
 			t.Errorf("%s: CPU %s softirq %s others' sys %s others %.3f; want %s %s %s %.3f",
 				c.name, s.CPU, s.SoftIRQ, s.OthersSys, s.Others, c.cpu, c.irq, c.osys, c.others)
@@ -223,7 +226,7 @@ func TestPerfAccount(t *testing.T) {
 func TestParseCPUFiles(t *testing.T) {
 	var c cpuSnap
 	err := parseProcStat([]byte("cpu  100 2 30 4000 5 6 7 8 9 10\ncpu0 1 2 3 4 5 6 7 8 9 10\n"), &c)
-	if err != nil || c.busy != 100+2+30+6+7+8 || c.irq != 13 || c.steal != 8 {
+	if err != nil || c.idle != 4000+5 || c.irq != 13 || c.steal != 8 {
 		t.Errorf("/proc/stat: %+v, %v", c, err)
 	}
 	if parseProcStat([]byte("intr 1 2 3\n"), &c) == nil {

@@ -9,10 +9,11 @@
 # round is done, `perf record -e cpu-clock -a -g` samples every CPU for N
 # seconds (default 10) inside its rounds (after the checks and the lab's
 # setup, which are left out). Then, per path, the kernel functions by
-# self time, and `perf diff` of OTHER against BASE, by kernel function,
-# sorted by the change of their share. cpu-clock needs no hardware
-# counters. The machine's other processes are sampled too: run it on a
-# quiet machine, and compare shares of kernel functions, not totals.
+# self time as a share of our non-idle samples (the lab and its workers,
+# ksoftirqd, softirqs on idle CPUs: other processes' samples, and the
+# softirqs that ran on top of them, are left out), and the difference of
+# OTHER against BASE by kernel function, largest change first. cpu-clock
+# needs no hardware counters.
 # Needs root, nft and perf (apt-get install linux-perf). Short runs only;
 # not part of any test or CI run. Output and data in a directory under /tmp
 # (printed; kept).
@@ -41,6 +42,10 @@ fi
 command -v perf >/dev/null || { echo "profile-service-fabric-perf.sh: perf not found (apt-get install linux-perf)" >&2; exit 1; }
 out=$(mktemp -d /tmp/fluxvm-profile.XXXXXX)
 go build -o "$out/fluxvm-lab" ./cmd/fluxvm-lab
+# Our processes: the lab and its workers, ksoftirqd, and swapper (softirqs
+# on idle CPUs).
+comms=fluxvm-lab,swapper
+for c in $(seq 0 $(( $(nproc) - 1 ))); do comms="$comms,ksoftirqd/$c"; done
 lab=
 trap '[ -n "$lab" ] && kill -INT "$lab" 2>/dev/null; wait 2>/dev/null || true' EXIT INT TERM
 # Rounds of one 2 s measurement (4 s with -bulk): enough to outlast the
@@ -62,19 +67,27 @@ for path in "${paths[@]}"; do
   perf record -q -e cpu-clock -a -g -o "$out/$path.data" -- sleep "$secs" 2>"$out/$path.record.log"
   wait "$lab"
   lab=
-  perf report -i "$out/$path.data" --no-children --sort sym --stdio -q -g none --percent-limit 0.3 2>/dev/null |
-    grep -F '[k]' >"$out/$path.kernel.txt" || true
-  echo "== $path: kernel functions by self share of all samples (top 15; $out/$path.kernel.txt)"
+  # Our samples only: the lab and its workers (comm fluxvm-lab), and the
+  # softirqs that ran in ksoftirqd or on idle CPUs (swapper); idle itself
+  # left out. Shares are of what is left, in percent.
+  perf report -i "$out/$path.data" --no-children --sort sym --stdio -q -g none --percent-limit 0 \
+    --comms "$comms" 2>/dev/null |
+    awk '$1 ~ /%$/ && $3 !~ /safe_halt|^default_idle|poll_idle|cpu_idle_poll|haltpoll/ {
+      v = $1; sub(/%/, "", v); tot += v; n++; pct[n] = v; kind[n] = $2; sym[n] = $3 }
+      END { for (i = 1; i <= n; i++) if (kind[i] == "[k]") printf "%7.2f%%  %s\n", 100 * pct[i] / tot, sym[i] }' |
+    sort -rn >"$out/$path.kernel.txt"
+  echo "== $path: kernel functions by share of our non-idle samples (top 15; $out/$path.kernel.txt)"
   head -15 "$out/$path.kernel.txt"
   grep -E '^(results|  *connections/s|  *conn CPU)' "$out/$path.log" || true
 done
 base=${paths[0]} other=${paths[1]}
-# perf diff: baseline share, then the change in points; kernel functions
-# only, largest changes first.
-perf diff --sort sym -q "$out/$base.data" "$out/$other.data" 2>/dev/null |
-  grep -F '[k]' | awk '$2 ~ /^[+-][0-9.]+%$/ { d = $2; sub(/%/, "", d); a = d < 0 ? -d : d; print a "\t" $0 }' |
-  sort -rn | cut -f2- >"$out/diff.txt" || true
-echo "== $other against $base: kernel functions by change of share (top 25; $out/diff.txt)"
-echo "   baseline  delta  function"
+# The difference of the shares, by kernel function, largest first.
+awk 'FNR == NR { v = $1; sub(/%/, "", v); a[$2] = v; next }
+  { v = $1; sub(/%/, "", v); b[$2] = v }
+  END { for (s in a) if (!(s in b)) b[s] = 0
+        for (s in b) { d = b[s] - (s in a ? a[s] : 0); printf "%.2f\t%7.2f%%  %7.2f%%  %+7.2f  %s\n", d < 0 ? -d : d, (s in a ? a[s] : 0), b[s], d, s } }' \
+  "$out/$base.kernel.txt" "$out/$other.kernel.txt" | sort -rn | cut -f2- >"$out/diff.txt"
+echo "== $other against $base: kernel functions by change of share, in points (top 25; $out/diff.txt)"
+printf "%8s  %8s  %7s  %s\n" "$base" "$other" "change" "function"
 head -25 "$out/diff.txt"
 echo "data: $out"

@@ -270,9 +270,11 @@ type PerfSample struct {
 	Lab, Client  time.Duration
 	ClientWorker bool
 	// BPF is the run time of our datapath programs during the
-	// measurement (PerfOptions.BPFStats), and BPFRuns how often they ran.
-	BPF     time.Duration
-	BPFRuns uint64
+	// measurement (PerfOptions.BPFStats), and BPFRuns how often they ran;
+	// BPFProgs splits them by program name (the programs that ran).
+	BPF      time.Duration
+	BPFRuns  uint64
+	BPFProgs map[string]PerfProgTime
 	// Others is the share of the machine's CPU time (all CPUs) that
 	// other processes (not kernel threads) and steal took during the
 	// measurement: how much the rest of a shared machine competed.
@@ -816,7 +818,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	bpf0, runs0, err := p.bpfTime()
+	bpf0, err := p.bpfTime()
 	if err != nil {
 		return s, err
 	}
@@ -849,11 +851,11 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 		return s, err
 	}
 	s.accountProcs(proc0, proc1, wk != nil)
-	bpf1, runs1, err := p.bpfTime()
+	bpf1, err := p.bpfTime()
 	if err != nil {
 		return s, err
 	}
-	s.BPF, s.BPFRuns = bpf1-bpf0, runs1-runs0
+	s.accountBPF(bpf0, bpf1)
 	s.Round, s.Path, s.Workload = round, path, wl
 	c1, err := p.datapathCounts()
 	if err != nil {

@@ -110,18 +110,50 @@ func (p *perfRun) openBPFProgs() error {
 	return nil
 }
 
-// bpfTime sums the run time and runs of the datapath programs (zero
+// PerfProgTime is one program's run time and runs during a measurement.
+type PerfProgTime struct {
+	Time time.Duration
+	Runs uint64
+}
+
+// bpfReading is a reading of our programs' statistics, by program name
+// (programs of one name, such as the objects of a reopened dataplane,
+// add up).
+type bpfReading map[string]PerfProgTime
+
+// bpfTime reads the run time and runs of every program of ours (empty
 // without BPFStats).
-func (p *perfRun) bpfTime() (time.Duration, uint64, error) {
-	var rt time.Duration
-	var n uint64
-	for _, pr := range p.progs {
+func (p *perfRun) bpfTime() (bpfReading, error) {
+	r := bpfReading{}
+	for i, pr := range p.progs {
 		st, err := pr.Stats()
 		if err != nil {
-			return 0, 0, err
+			return nil, err
 		}
-		rt += st.Runtime
-		n += st.RunCount
+		name, _, _ := strings.Cut(p.progNames[i], "@")
+		t := r[name]
+		t.Time += st.Runtime
+		t.Runs += st.RunCount
+		r[name] = t
 	}
-	return rt, n, nil
+	return r, nil
+}
+
+// accountBPF sets s.BPF, s.BPFRuns and s.BPFProgs from readings before
+// and after the measurement: the programs that ran, by name.
+func (s *PerfSample) accountBPF(a, b bpfReading) {
+	s.BPF, s.BPFRuns, s.BPFProgs = 0, 0, nil
+	for name, tb := range b {
+		ta := a[name]
+		if tb.Runs <= ta.Runs {
+			continue
+		}
+		d := PerfProgTime{Time: max(tb.Time-ta.Time, 0), Runs: tb.Runs - ta.Runs}
+		if s.BPFProgs == nil {
+			s.BPFProgs = map[string]PerfProgTime{}
+		}
+		s.BPFProgs[name] = d
+		s.BPF += d.Time
+		s.BPFRuns += d.Runs
+	}
 }

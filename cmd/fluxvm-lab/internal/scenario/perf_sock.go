@@ -516,7 +516,7 @@ func (p *perfRun) sockHeader() {
 		hooked, s.sock.hello.PID, s.hooked, s.other.hello.PID, s.plain)
 	p.printf("  the lab process keeps the servers and reads counters and CPU around each request; the workers' CPU counts as the measurement's\n")
 	if p.o.BPFStats {
-		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb and sock-direct run connect4 and getpeername4 per connection)\n", s.hooked)
+		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb and sock-direct run connect4, getpeername4 and sock_release per connection)\n", s.hooked)
 	}
 }
 
@@ -611,8 +611,9 @@ func (p *perfRun) sockDiag(b *strings.Builder) {
 
 // sockProgs opens the socket hooks attached to the hooked cgroup, for the
 // BPF run-time statistics: with them, a path's BPF time covers the hooks
-// its connections ran (sock-lb: connect4 and getpeername4, which Go's
-// dial calls; the others: none) besides the TC programs.
+// its connections ran (sock-lb and sock-direct: connect4, getpeername4,
+// which Go's dial calls, and sock_release for every socket that closes;
+// the others: none) besides the TC programs.
 func (s *perfSock) sockProgs() ([]*ebpf.Program, error) {
 	f, err := os.Open(s.hooked)
 	if err != nil {
@@ -625,6 +626,7 @@ func (s *perfSock) sockProgs() ([]*ebpf.Program, error) {
 		ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
 		ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
 		ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
+		ebpf.AttachCgroupInetSockRelease,
 	} {
 		q, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: at})
 		if err != nil {

@@ -300,3 +300,55 @@ func TestPerfTableIntervals(t *testing.T) {
 		t.Errorf("ratio columns without nft:\n%s", tab)
 	}
 }
+
+// TestPerfAccountBPF: a sample's BPF time is split by program; programs
+// that did not run are left out, and the totals are their sums.
+func TestPerfAccountBPF(t *testing.T) {
+	a := bpfReading{"fluxvm_from_vm": {Time: time.Second, Runs: 1000}, "fluxvm_sock_connect4": {Time: 5 * time.Millisecond, Runs: 10}}
+	b := bpfReading{"fluxvm_from_vm": {Time: time.Second + 3*time.Millisecond, Runs: 1011}, "fluxvm_sock_connect4": {Time: 5 * time.Millisecond, Runs: 10},
+		"fluxvm_to_vm": {Time: time.Millisecond, Runs: 4}}
+	var s PerfSample
+	s.accountBPF(a, b)
+	want := map[string]PerfProgTime{"fluxvm_from_vm": {3 * time.Millisecond, 11}, "fluxvm_to_vm": {time.Millisecond, 4}}
+	if len(s.BPFProgs) != len(want) || s.BPF != 4*time.Millisecond || s.BPFRuns != 15 {
+		t.Fatalf("BPF %s in %d runs, by program %v; want 4ms in 15, %v", s.BPF, s.BPFRuns, s.BPFProgs, want)
+	}
+	for name, w := range want {
+		if s.BPFProgs[name] != w {
+			t.Errorf("%s: %+v, want %+v", name, s.BPFProgs[name], w)
+		}
+	}
+}
+
+// TestPerfBPFProgTable: the per-program table has a row per program that
+// ran and a cell per path, 0 where it did not run there.
+func TestPerfBPFProgTable(t *testing.T) {
+	o := DefaultPerfOptions()
+	o.BPFStats = true
+	sample := func(round int, path PerfPath, progs map[string]PerfProgTime) PerfSample {
+		return PerfSample{Round: round, Path: path, Workload: WorkloadConns, OK: 1000, Elapsed: time.Second, BPFProgs: progs}
+	}
+	var samples []PerfSample
+	for r := 1; r <= 3; r++ {
+		samples = append(samples,
+			sample(r, PathDirect, map[string]PerfProgTime{"fluxvm_from_vm": {2 * time.Millisecond, 11000}}),
+			sample(r, PathSockLB, map[string]PerfProgTime{"fluxvm_from_vm": {time.Duration(r) * time.Millisecond, 11000}, "fluxvm_sock_connect4": {500 * time.Microsecond, 1000}}))
+	}
+	p := &perfRun{o: o, rep: &PerfReport{Options: o, Paths: []PerfPath{PathDirect, PathSockLB}, Samples: samples}}
+	var b strings.Builder
+	p.bpfProgTable(&b)
+	lines := map[string]string{}
+	for _, l := range strings.Split(b.String(), "\n") {
+		if f := strings.Fields(l); len(f) > 0 {
+			lines[f[0]] = strings.Join(f[1:], " ")
+		}
+	}
+	for name, want := range map[string]string{
+		"fluxvm_from_vm":       "2.00 (11.0) 2.00 (11.0)", // sock-lb: median of 1, 2, 3 ms
+		"fluxvm_sock_connect4": "0.00 (0.0) 0.50 (1.0)",
+	} {
+		if lines[name] != want {
+			t.Errorf("%s: %q, want %q in:\n%s", name, lines[name], want, b.String())
+		}
+	}
+}

@@ -138,6 +138,9 @@ func (p *perfRun) table() string {
 		p.nsComparisons(&b)
 		b.WriteString(p.nsSummary())
 	}
+	if p.o.BPFStats {
+		p.bpfProgTable(&b)
+	}
 	p.goals(&b)
 	return b.String()
 }
@@ -339,4 +342,45 @@ func (r *PerfReport) PairedRatio(a, b PerfPath, w PerfWorkload, f func(PerfSampl
 		return (v[len(v)/2-1] + v[len(v)/2]) / 2, true
 	}
 	return v[len(v)/2], true
+}
+
+// bpfProgTable writes our programs' run time per connection by program
+// and path: the median over the rounds of µs per connection, and in
+// brackets of runs per connection (0 where a program did not run).
+func (p *perfRun) bpfProgTable(b *strings.Builder) {
+	r := p.rep
+	var names []string
+	for _, s := range r.Samples {
+		for name := range s.BPFProgs {
+			if s.Round > 0 && s.Workload == WorkloadConns && !slices.Contains(names, name) {
+				names = append(names, name)
+			}
+		}
+	}
+	if len(names) == 0 {
+		return
+	}
+	slices.Sort(names)
+	fmt.Fprintf(b, "BPF per program, conns: µs per connection (runs per connection), median over the rounds:\n")
+	tw := tabwriter.NewWriter(b, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, strings.Join(append(append([]string{""}, pathNames(r.Paths)...), ""), "\t"))
+	for _, name := range names {
+		cells := []string{name}
+		for _, path := range r.Paths {
+			us, _, _, ok1 := r.Median(path, WorkloadConns, func(s PerfSample) float64 { return s.perUnit(s.BPFProgs[name].Time) })
+			runs, _, _, ok2 := r.Median(path, WorkloadConns, func(s PerfSample) float64 {
+				if s.OK == 0 {
+					return 0
+				}
+				return float64(s.BPFProgs[name].Runs) / float64(s.OK)
+			})
+			if !ok1 || !ok2 {
+				cells = append(cells, "-")
+				continue
+			}
+			cells = append(cells, fmt.Sprintf("%.2f (%.1f)", us, runs))
+		}
+		fmt.Fprintln(tw, strings.Join(append(cells, ""), "\t"))
+	}
+	tw.Flush()
 }

@@ -493,10 +493,15 @@ func TestPerfSocketDiag(t *testing.T) {
 					t.Errorf("%s on %s round %d: client worker %v, client CPU %s, lab CPU %s, BPF %s in %d runs (%d ok)",
 						wl, p, s.Round, s.ClientWorker, s.Client, s.Lab, s.BPF, s.BPFRuns, s.OK)
 				}
+				// The connect hook runs once per connection from the
+				// hooked worker, never from the plain one.
+				if c := s.BPFProgs["fluxvm_sock_connect4"].Runs; p.sockPath() != (c >= uint64(s.OK)) || !p.sockPath() && c != 0 {
+					t.Errorf("%s on %s round %d: connect4 ran %d times for %d connections", wl, p, s.Round, c, s.OK)
+				}
 			}
 		}
 	}
-	for _, want := range []string{"client worker µs/conn", "lab process µs/conn", "softirq+irq µs/conn", "conn datapath BPF ns/run",
+	for _, want := range []string{"client worker µs/conn", "lab process µs/conn", "softirq+irq µs/conn", "conn datapath BPF ns/run", "BPF per program", "fluxvm_sock_connect4", "fluxvm_sock_release",
 		"spread | 95% CI", "goal sock-lb/vip:conns>=1.03", "goal sock-lb/direct:conns>=0.98", ", n=2: "} {
 		if !strings.Contains(rep.Table, want) {
 			t.Errorf("table has no %q:\n%s", want, rep.Table)

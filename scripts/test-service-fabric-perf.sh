@@ -10,7 +10,7 @@
 #
 # -smoke (or SMOKE=1): one round of 500 ms per path and workload.
 # Flags: -paths -rounds -duration -workers -streams -max-conns -bare
-# -max-others -bpf-stats (see
+# -max-others -bpf-stats -goal (see
 # `go run ./cmd/fluxvm-lab perf -h`); later flags override the defaults.
 # Needs root and nft. Everything runs in namespaces the lab creates and
 # removes, also on Ctrl-C.

@@ -21,7 +21,7 @@ func init() {
 				fs.PrintDefaults()
 			}
 			o := scenario.DefaultPerfOptions()
-			fs.IntVar(&o.Rounds, "rounds", o.Rounds, "measurement rounds; each rotates the order of the paths (1..50)")
+			fs.IntVar(&o.Rounds, "rounds", o.Rounds, "measurement rounds; each rotates the order of the paths (1..500; about 100 resolve 2%, see docs/lab-perf.md)")
 			fs.DurationVar(&o.Duration, "duration", o.Duration, "duration of one measurement: one workload on one path (50ms..60s)")
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
@@ -30,6 +30,12 @@ func init() {
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
+			fs.BoolVar(&o.ConnsOnly, "conns-only", o.ConnsOnly, "measure only the short-connection workload in the rounds (the checks still run both): for profiles of the connection path")
+			fs.Func("goal", "a goal on a paired ratio, a/b:metric>=x or a/b:metric<=x (metric conns, cpu/conn, bulk or cpu/GB), e.g. sock-lb/vip:conns>=1.03; met only when the ratio's 95% CI lies wholly on its side; repeatable; issue 36's goals are always judged", func(v string) error {
+				g, err := scenario.ParsePerfGoal(v)
+				o.Goals = append(o.Goals, g)
+				return err
+			})
 			if help, err := parseArgs(fs, args); help || err != nil {
 				return err
 			}
@@ -50,6 +56,17 @@ paths in one lab, in interleaved rounds (each round rotates the order of
 the paths; ratios are paired within rounds), after checking that every
 path is translated by what it claims and by nothing else. Needs root (and
 nft for the east-west paths).
+
+Every ratio a/b is the geometric mean of the per-round ratios with its 95%
+confidence interval (Student t on the log-ratios) below it; a target or
+goal (issue 36's, and -goal) is met or MISSED only when the interval lies
+wholly on one side of its bound, and unresolved otherwise: resolving 2%
+takes on the order of 100 rounds (docs/lab-perf.md). CPU is machine-wide,
+softirq included, less steal and other processes' user time, with its
+parts: softirq+irq, the client worker (its cgroup) and the lab process
+(servers, dataplane, in-process clients). -bpf-stats adds our programs'
+run time per connection, per GB and per run (one packet through one
+program).
 
 East-west paths (client VM vm1 to backend VM vm2), the default:
   bare       the backend's address, datapath programs detached
@@ -76,7 +93,7 @@ who translates. Every sock-lb measurement must raise the datapath counter
 sock_rewritten at least once per connection and leave the TC services' new
 flows and nftables alone; every other one must leave sock_rewritten alone.
 Target: sock-lb within 2% of direct on connections/s and ahead of vip
-(paired). The cgroups and the workers are removed on exit and on Ctrl-C.
+(paired, judged on the interval). The cgroups and the workers are removed on exit and on Ctrl-C.
 North-south paths (external client ext through the node's uplink to
 backend VM vm3; -paths north-south, or all):
   ns-direct  the backend's address, TC programs on the uplink, xdp_mode off

@@ -28,6 +28,7 @@ type Server struct {
 	mu    sync.Mutex
 	conn  map[net.Conn]bool
 	peers []netip.AddrPort
+	seen  map[netip.AddrPort]bool // the set of peers: a lookup per connection, not a scan
 }
 
 // Serve starts a Server on port (TCP and UDP, both address families).
@@ -64,13 +65,14 @@ func (s *Server) sawPeer(a net.Addr) {
 	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !slices.Contains(s.peers, ap) {
+	if !s.seen[ap] {
+		s.seen[ap] = true
 		s.peers = append(s.peers, ap)
 	}
 }
 
 func (vm *VM) serve(addr string) (*Server, error) {
-	s := &Server{vm: vm, conn: map[net.Conn]bool{}}
+	s := &Server{vm: vm, conn: map[net.Conn]bool{}, seen: map[netip.AddrPort]bool{}}
 	err := vm.NS.Do(func() (err error) {
 		if s.ln, err = net.Listen("tcp", addr); err != nil {
 			return err

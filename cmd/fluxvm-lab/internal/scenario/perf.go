@@ -3,36 +3,22 @@
 package scenario
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
-	"net"
 	"net/netip"
 	"os"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
-	"syscall"
-	"text/tabwriter"
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
-	"golang.org/x/sys/unix"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
-	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 )
 
 // PerfPath is one way from a client to a backend in Perf. The east-west
@@ -102,7 +88,8 @@ const (
 // PerfOptions configure Perf.
 type PerfOptions struct {
 	// Rounds is how often every path is measured; each round rotates
-	// the order of the paths. 1..50.
+	// the order of the paths. 1..500 (the paired intervals that resolve
+	// 2% need on the order of 100; see docs/lab-perf.md).
 	Rounds int
 	// Duration of one measurement (one workload on one path). 50ms..60s.
 	Duration time.Duration
@@ -134,6 +121,10 @@ type PerfOptions struct {
 	// machine-wide and add two clock reads to every BPF program run,
 	// ours included, so they are off by default. Needs TCX attachment.
 	BPFStats bool
+	// Goals are bounds on paired ratios to judge besides Issue36Goals
+	// (ParsePerfGoal reads one); a goal whose paths the run does not
+	// measure is left out of the report.
+	Goals []PerfGoal
 	// ConnsOnly measures only WorkloadConns in the rounds (the checks
 	// before them still run both workloads): what the SLO gate needs.
 	ConnsOnly bool
@@ -157,8 +148,8 @@ func DefaultPerfOptions() PerfOptions {
 // Validate checks the bounds documented on PerfOptions.
 func (o PerfOptions) Validate() error {
 	switch {
-	case o.Rounds < 1 || o.Rounds > 50:
-		return fmt.Errorf("scenario: perf: rounds %d not in 1..50", o.Rounds)
+	case o.Rounds < 1 || o.Rounds > 500:
+		return fmt.Errorf("scenario: perf: rounds %d not in 1..500", o.Rounds)
 	case o.Duration < 50*time.Millisecond || o.Duration > time.Minute:
 		return fmt.Errorf("scenario: perf: duration %s not in 50ms..60s", o.Duration)
 	case o.Workers < 1 || o.Workers > 256:
@@ -257,139 +248,35 @@ type PerfSample struct {
 	// socket hooks addressed to a backend), SockFailOpen how much the
 	// sock_fail_open_* counters rose (left to TC).
 	SockRewritten, SockFailOpen uint64
-	// CPU is the CPU time the measurement cost: the machine's busy time
-	// (all CPUs) less what other processes and the hypervisor (steal)
-	// took. It covers client, servers, kernel threads and the softirqs
-	// that run on otherwise idle CPUs. It depends less than the rates on
-	// what else the machine runs, though not at all less on how fast the
-	// hypervisor runs the vCPUs; it is tick-sampled (USER_HZ).
+	// CPU is the machine-wide CPU time the measurement cost: the
+	// machine's busy time (wall time × CPUs less idle, iowait and steal:
+	// user, system, irq, softirq) less other processes' user time
+	// (perf_cpu.go says why not their system time). It covers client,
+	// servers, kernel threads and every softirq (TC and XDP run there),
+	// wherever it ran. It depends less than the rates on what else the
+	// machine runs, though not at all less on how fast the hypervisor
+	// runs the vCPUs.
 	CPU time.Duration
+	// SoftIRQ is the machine's irq and softirq time during the
+	// measurement (part of CPU), and OthersSys other processes' system
+	// time (in CPU too: it may hold our softirqs).
+	SoftIRQ, OthersSys time.Duration
+	// Lab is the lab process's CPU time (servers, dataplane, and the
+	// client unless ClientWorker), Client the client worker's (its
+	// cgroup's usage; with ClientWorker only). Both are scheduler run
+	// time, softirqs that ran on top of them included.
+	Lab, Client  time.Duration
+	ClientWorker bool
 	// BPF is the run time of our datapath programs during the
-	// measurement (PerfOptions.BPFStats), and BPFRuns how often they ran.
-	BPF     time.Duration
-	BPFRuns uint64
+	// measurement (PerfOptions.BPFStats), and BPFRuns how often they ran;
+	// BPFProgs splits them by program name (the programs that ran).
+	BPF      time.Duration
+	BPFRuns  uint64
+	BPFProgs map[string]PerfProgTime
 	// Others is the share of the machine's CPU time (all CPUs) that
 	// other processes (not kernel threads) and steal took during the
 	// measurement: how much the rest of a shared machine competed.
 	Others float64
-}
-
-// CPUPerUnit is CPU time in µs per connection (conns) or per GB (bulk).
-func (s PerfSample) CPUPerUnit() float64 {
-	if s.Workload == WorkloadBulk {
-		if s.Bytes == 0 {
-			return 0
-		}
-		return float64(s.CPU) / 1e3 / (float64(s.Bytes) / 1e9)
-	}
-	if s.OK == 0 {
-		return 0
-	}
-	return float64(s.CPU) / 1e3 / float64(s.OK)
-}
-
-// cpuSnap is a reading of the machine's CPU accounting, in USER_HZ ticks
-// (100 per second on every Linux architecture Go supports).
-type cpuSnap struct {
-	busy   uint64 // all CPUs: user, nice, system, irq, softirq, steal
-	steal  uint64
-	others uint64 // user and children time of other processes
-	ok     bool
-}
-
-// readCPU reads /proc/stat and every other process's /proc/<pid>/stat
-// (other than ours and than skip: the perf workers, whose CPU time is the
-// measurement's).
-// A process that ends is reaped by a parent whose children time then
-// grows by all of it, so the sum over the processes alive at each
-// reading grows by exactly what ran in between. Kernel threads are left
-// out of it: their work here is mostly the workload's own (ksoftirqd,
-// RCU, kworkers).
-func readCPU(skip ...int) cpuSnap {
-	b, err := os.ReadFile("/proc/stat")
-	if err != nil {
-		return cpuSnap{}
-	}
-	line, _, _ := strings.Cut(string(b), "\n")
-	f := strings.Fields(line)
-	if len(f) < 9 || f[0] != "cpu" {
-		return cpuSnap{}
-	}
-	var c cpuSnap
-	for _, i := range []int{1, 2, 3, 6, 7, 8} { // user nice system irq softirq steal
-		v, err := strconv.ParseUint(f[i], 10, 64)
-		if err != nil {
-			return cpuSnap{}
-		}
-		c.busy += v
-		if i == 8 {
-			c.steal = v
-		}
-	}
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return cpuSnap{}
-	}
-	self := os.Getpid()
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == self || pid == 2 || slices.Contains(skip, pid) {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue // gone meanwhile
-		}
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 {
-			continue
-		}
-		// After the command: state ppid ... utime(14) stime cutime cstime.
-		r := strings.Fields(string(b[i+1:]))
-		if len(r) < 15 || r[1] == "2" {
-			continue
-		}
-		for _, v := range r[11:15] {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			if n > 0 {
-				c.others += uint64(n)
-			}
-		}
-	}
-	c.ok = true
-	return c
-}
-
-// account sets s.CPU and s.Others from readings before and after it.
-func (s *PerfSample) account(a, b cpuSnap, elapsed time.Duration) {
-	if !a.ok || !b.ok || elapsed <= 0 {
-		return
-	}
-	tick := 10 * time.Millisecond
-	others := (b.steal - a.steal) + max(b.others, a.others) - a.others
-	if busy := b.busy - a.busy; busy > others {
-		s.CPU = time.Duration(busy-others) * tick
-	}
-	s.Others = float64(time.Duration(others)*tick) / float64(elapsed) / float64(runtime.NumCPU())
-}
-
-// BPFPerUnit is our programs' run time in µs per connection (conns) or
-// per GB (bulk).
-func (s PerfSample) BPFPerUnit() float64 {
-	c := s
-	c.CPU = s.BPF
-	return c.CPUPerUnit()
-}
-
-// Rate is connections per second (conns) or bits per second (bulk).
-func (s PerfSample) Rate() float64 {
-	if s.Elapsed <= 0 {
-		return 0
-	}
-	if s.Workload == WorkloadBulk {
-		return float64(s.Bytes) * 8 / s.Elapsed.Seconds()
-	}
-	return float64(s.OK) / s.Elapsed.Seconds()
 }
 
 // PerfCheck is one verification Perf makes before measuring: that each
@@ -414,55 +301,6 @@ type PerfReport struct {
 	WorkerPIDs []int
 	// Table is the printed results table.
 	Table string
-}
-
-// samples returns the samples of one path and workload (any workload if
-// w is empty) that the results use, in round order: those of undisturbed
-// rounds, or of all rounds when every round was disturbed.
-func (r *PerfReport) samples(p PerfPath, w PerfWorkload) []PerfSample {
-	all := r.Clean() == 0
-	var out []PerfSample
-	for _, s := range r.Samples {
-		if s.Path == p && (s.Workload == w || w == "") && s.Round > 0 && (all || !s.Disturbed) {
-			out = append(out, s)
-		}
-	}
-	return out
-}
-
-// Clean counts the rounds that were not disturbed.
-func (r *PerfReport) Clean() int {
-	rounds := map[int]bool{}
-	for _, s := range r.Samples {
-		if s.Round > 0 {
-			rounds[s.Round] = rounds[s.Round] || s.Disturbed
-		}
-	}
-	n := 0
-	for _, d := range rounds {
-		if !d {
-			n++
-		}
-	}
-	return n
-}
-
-// Median returns the median, minimum and maximum over the rounds of
-// f(sample) for a path and workload; ok is false without samples.
-func (r *PerfReport) Median(p PerfPath, w PerfWorkload, f func(PerfSample) float64) (med, lo, hi float64, ok bool) {
-	var v []float64
-	for _, s := range r.samples(p, w) {
-		v = append(v, f(s))
-	}
-	if len(v) == 0 {
-		return 0, 0, 0, false
-	}
-	slices.Sort(v)
-	med = v[len(v)/2]
-	if len(v)%2 == 0 {
-		med = (v[len(v)/2-1] + v[len(v)/2]) / 2
-	}
-	return med, v[0], v[len(v)-1], true
 }
 
 // Perf measures the same workloads through the paths of o.Paths in one
@@ -540,15 +378,18 @@ type perfRun struct {
 	o        PerfOptions
 	bpfStats io.Closer
 	progs    []*ebpf.Program
-	w        io.Writer
-	env      *Env
-	backend  *lab.VM
-	nft      *nftRunner
-	sink     *perfSink
-	dialer   *perfDialer
-	ns       *perfNS   // nil without north-south paths
-	sock     *perfSock // nil without PathSockLB
-	rep      *PerfReport
+	// progNames are progs' names and where they are attached
+	// (name@interface, name@interface/xdp, name@cgroup).
+	progNames []string
+	w         io.Writer
+	env       *Env
+	backend   *lab.VM
+	nft       *nftRunner
+	sink      *perfSink
+	dialer    *perfDialer
+	ns        *perfNS   // nil without north-south paths
+	sock      *perfSock // nil without PathSockLB
+	rep       *PerfReport
 }
 
 func (p *perfRun) printf(format string, a ...any) { fmt.Fprintf(p.w, format, a...) }
@@ -798,99 +639,6 @@ func (p *perfRun) conntrackCount() (int, error) {
 	return n, err
 }
 
-// openBPFStats turns the kernel's BPF run-time statistics on and opens
-// the datapath programs (openBPFProgs).
-func (p *perfRun) openBPFStats() error {
-	var err error
-	if p.bpfStats, err = ebpf.EnableStats(unix.BPF_STATS_RUN_TIME); err != nil {
-		return fmt.Errorf("BPF run-time statistics: %w", err)
-	}
-	return p.openBPFProgs()
-}
-
-// openBPFProgs opens the programs attached to the client's VM edge (each
-// program is one object on every edge, so its statistics cover all of
-// them) and, with north-south paths, those on the uplink: its TC
-// programs and the XDP program while one runs. A reopened dataplane
-// runs new objects: setXDP calls it again.
-func (p *perfRun) openBPFProgs() error {
-	for _, pr := range p.progs {
-		pr.Close()
-	}
-	p.progs = nil
-	if p.sock != nil {
-		sp, err := p.sock.sockProgs()
-		p.progs = append(p.progs, sp...)
-		if err != nil {
-			return err
-		}
-	}
-	return p.env.Lab.Node.Do(func() error {
-		targets := []struct {
-			name  string
-			index int
-		}{{p.env.Client.NodeIf, p.env.Client.NodeIfIndex}}
-		if p.ns != nil {
-			targets = append(targets, struct {
-				name  string
-				index int
-			}{p.ns.ext.NodeIf, p.ns.ext.NodeIfIndex})
-		}
-		for _, t := range targets {
-			n := len(p.progs)
-			for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
-				q, err := link.QueryPrograms(link.QueryOptions{Target: t.index, Attach: at})
-				if err != nil {
-					return fmt.Errorf("BPF statistics need TCX attachment: query %s: %w", t.name, err)
-				}
-				for _, ap := range q.Programs {
-					pr, err := ebpf.NewProgramFromID(ap.ID)
-					if err != nil {
-						return err
-					}
-					p.progs = append(p.progs, pr)
-				}
-			}
-			if len(p.progs) == n {
-				return fmt.Errorf("BPF statistics: no program on %s", t.name)
-			}
-		}
-		if p.ns == nil || !p.ns.xdp {
-			return nil
-		}
-		l, err := netlink.LinkByName(perfUplink)
-		if err != nil {
-			return err
-		}
-		x := l.Attrs().Xdp
-		if x == nil || x.ProgId == 0 {
-			return fmt.Errorf("BPF statistics: no XDP program on %s", perfUplink)
-		}
-		pr, err := ebpf.NewProgramFromID(ebpf.ProgramID(x.ProgId))
-		if err != nil {
-			return err
-		}
-		p.progs = append(p.progs, pr)
-		return nil
-	})
-}
-
-// bpfTime sums the run time and runs of the datapath programs (zero
-// without BPFStats).
-func (p *perfRun) bpfTime() (time.Duration, uint64, error) {
-	var rt time.Duration
-	var n uint64
-	for _, pr := range p.progs {
-		st, err := pr.Stats()
-		if err != nil {
-			return 0, 0, err
-		}
-		rt += st.Runtime
-		n += st.RunCount
-	}
-	return rt, n, nil
-}
-
 // detach and attach take the datapath programs off the VM edges and put
 // them back, for PathBare.
 func (p *perfRun) detach() error {
@@ -910,92 +658,6 @@ func (p *perfRun) attach() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-func (p *perfRun) header() {
-	st := p.env.DP.Status()
-	mode := "?"
-	if len(st.Interfaces) > 0 && len(st.Interfaces[0].Hooks) > 0 {
-		mode = st.Interfaces[0].Hooks[0].Mode
-	}
-	var uts syscall.Utsname
-	_ = syscall.Uname(&uts)
-	p.printf("fluxvm-lab perf: %d rounds x %s per measurement, %d connection workers, %d bulk stream(s)\n",
-		p.o.Rounds, p.o.Duration, p.o.Workers, p.o.Streams)
-	p.printf("host: %d CPUs, GOMAXPROCS %d, kernel %s; datapath tier %s, attach %s; node netns %s\n",
-		runtime.NumCPU(), runtime.GOMAXPROCS(0), perfUTS(uts.Release[:]), st.Tier, mode, p.env.Lab.Node.Name)
-	if p.o.eastWest() {
-		p.printf("east-west paths (client vm1, one backend %s in vm2; conns / bulk destination):\n", p.backend.Addr4)
-		for _, path := range p.rep.Paths {
-			if !path.northSouth() {
-				p.printf("  %-*s from %s to %s\n", p.pathWidth(), path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
-			}
-		}
-	}
-	if p.sock != nil {
-		p.sockHeader()
-	}
-	if p.ns != nil {
-		p.printf("north-south paths (external client ext behind the node's %s, one backend %s in vm3; SNAT %s; conns / bulk destination):\n",
-			perfUplink, p.ns.backend.Addr4, perfNSSNAT4)
-		for _, path := range p.rep.Paths {
-			if path.northSouth() {
-				p.printf("  %-*s from %s to %s\n", p.pathWidth(), path, p.source(path), perfDescribe(path, p.target(path, WorkloadConns), p.target(path, WorkloadBulk)))
-			}
-		}
-		p.printf("  ext computes its TX checksums (offload off) and vm3's eth0 runs an XDP_PASS program, for all three (XDP needs both)\n")
-		p.printf("  one dataplane has one xdp_mode: it is switched between measurements by reopening the dataplane (SDK Close + Open), never during one\n")
-	}
-	if p.o.BPFStats {
-		p.printf("BPF run-time statistics are on for this run: every BPF program on the machine, ours included, does two more clock reads per run\n")
-	}
-	p.printf("workloads: conns = connect, read identity, 4-byte echo, close (%d workers, at most %d per measurement); bulk = %d stream(s) into a sink\n\n",
-		p.o.Workers, p.o.MaxConns, p.o.Streams)
-}
-
-// pathWidth is the width of the path names in the header: 9, or the
-// longest path's.
-func (p *perfRun) pathWidth() int {
-	w := 9
-	for _, path := range p.rep.Paths {
-		w = max(w, len(path))
-	}
-	return w
-}
-
-func perfDescribe(path PerfPath, echo, sink string) string {
-	switch path {
-	case PathBare:
-		return fmt.Sprintf("%s / %s, routed by the node, datapath programs detached", echo, sink)
-	case PathDirect:
-		return fmt.Sprintf("%s / %s, routed by the node, datapath programs attached (baseline)", echo, sink)
-	case PathVIP:
-		return fmt.Sprintf("%s / %s, our VIP: Maglev in the TC programs, one backend", echo, sink)
-	case PathNFT:
-		return fmt.Sprintf("%s / %s, kube-proxy style nftables DNAT (table loaded for these measurements only)", echo, sink)
-	case PathSockLB:
-		return fmt.Sprintf("%s / %s, our VIP addressed to the backend at connect by the socket hooks (client in the hooked cgroup), no per-packet NAT", echo, sink)
-	case PathSockDirect:
-		return fmt.Sprintf("%s / %s, the backend's address from sock-lb's worker in the hooked cgroup: the hooks run, rewrite nothing (diagnostic)", echo, sink)
-	case PathNSDirect:
-		return fmt.Sprintf("%s / %s, routed by the node, TC programs on the uplink, xdp_mode off (baseline)", echo, sink)
-	case PathNSTC:
-		return fmt.Sprintf("%s / %s, north-south VIP: DNAT+SNAT in the TC programs, xdp_mode off", echo, sink)
-	case PathNSXDP:
-		return fmt.Sprintf("%s / %s, the same VIP with xdp_mode native: the XDP program translates and redirects", echo, sink)
-	}
-	return string(path)
-}
-
-func perfUTS(b []int8) string {
-	var s []byte
-	for _, c := range b {
-		if c == 0 {
-			break
-		}
-		s = append(s, byte(c))
-	}
-	return string(s)
 }
 
 func (p *perfRun) run(ctx context.Context) error {
@@ -1067,13 +729,22 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	bpf0, runs0, err := p.bpfTime()
+	bpf0, err := p.bpfTime()
 	if err != nil {
 		return s, err
 	}
 	skip := p.workerPIDs()
-	cpu0, t0 := readCPU(skip...), time.Now()
-	switch wk := p.workerFor(path); {
+	wk := p.workerFor(path)
+	var cg string
+	if wk != nil {
+		cg = wk.dir
+	}
+	proc0, err := readProcCPU(cg)
+	if err != nil {
+		return s, err
+	}
+	cpu0 := readCPU(skip...)
+	switch {
 	case wk != nil:
 		s, err = wk.run(ctx, perfWorkerRequest{Workload: wl, Source: p.source(path), Target: p.target(path, wl), Want: p.backendFor(path).Name,
 			Workers: p.o.Workers, Streams: p.o.Streams, Duration: d, MaxConns: maxConns})
@@ -1085,12 +756,17 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	if err != nil {
 		return s, err
 	}
-	s.account(cpu0, readCPU(skip...), time.Since(t0))
-	bpf1, runs1, err := p.bpfTime()
+	s.account(cpu0, readCPU(skip...), ncpu())
+	proc1, err := readProcCPU(cg)
 	if err != nil {
 		return s, err
 	}
-	s.BPF, s.BPFRuns = bpf1-bpf0, runs1-runs0
+	s.accountProcs(proc0, proc1, wk != nil)
+	bpf1, err := p.bpfTime()
+	if err != nil {
+		return s, err
+	}
+	s.accountBPF(bpf0, bpf1)
 	s.Round, s.Path, s.Workload = round, path, wl
 	c1, err := p.datapathCounts()
 	if err != nil {
@@ -1123,915 +799,4 @@ func (p *perfRun) checkSample(s PerfSample) error {
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
 	}
 	return errors.Join(checkSockSample(s), checkNSSample(s))
-}
-
-func (p *perfRun) printSample(s PerfSample) {
-	tag := "checks"
-	if s.Round > 0 {
-		tag = fmt.Sprintf("round %d", s.Round)
-	}
-	var fig string
-	if s.Workload == WorkloadBulk {
-		fig = fmt.Sprintf("%8.2f Gbit/s  %.0f ms CPU/GB; %d stream(s), %.1f MB", s.Rate()/1e9, s.CPUPerUnit()/1e3, s.OK, float64(s.Bytes)/1e6)
-	} else {
-		fig = fmt.Sprintf("%8.0f conn/s  %.1f µs CPU/conn; p50 %s p99 %s, %d connections", s.Rate(), s.CPUPerUnit(), perfMicros(s.P50), perfMicros(s.P99), s.OK)
-	}
-	via := ""
-	switch s.Path {
-	case PathVIP:
-		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
-	case PathNFT:
-		via = fmt.Sprintf("; nftables new conns %d", s.NFTConns)
-	case PathNSTC, PathNSXDP:
-		via = fmt.Sprintf("; datapath new flows %d", s.DatapathFlows)
-	case PathSockLB, PathSockDirect:
-		via = fmt.Sprintf("; sock_rewritten +%d; datapath new flows %d", s.SockRewritten, s.DatapathFlows)
-	}
-	if s.SockFailOpen > 0 || (s.SockRewritten > 0 && !s.Path.sockPath()) {
-		via += fmt.Sprintf("; sock_rewritten +%d, sock_fail_open_* +%d", s.SockRewritten, s.SockFailOpen)
-	}
-	if s.Path.northSouth() {
-		via += fmt.Sprintf("; xdp_translated +%d", s.XDPTranslated)
-		if s.XDPPassed > 0 {
-			via += fmt.Sprintf(" (xdp_pass_* +%d)", s.XDPPassed)
-		}
-	}
-	if s.Drops > 0 {
-		via += fmt.Sprintf("; datapath drops +%d (snat_failed +%d)", s.Drops, s.SNATFailed)
-	}
-	if p.o.BPFStats {
-		unit := "µs/conn"
-		v := s.BPFPerUnit()
-		if s.Workload == WorkloadBulk {
-			unit, v = "ms/GB", v/1e3
-		}
-		via += fmt.Sprintf("; BPF %.2f %s (%d runs)", v, unit, s.BPFRuns)
-	}
-	failed := fmt.Sprintf("; others %.0f%%", s.Others*100)
-	if s.Failed > 0 {
-		failed += fmt.Sprintf("; %d FAILED (%s)", s.Failed, s.FirstError)
-	}
-	width := 6
-	if p.ns != nil || p.sock != nil {
-		width = 9
-	}
-	for _, path := range p.rep.Paths {
-		width = max(width, len(path))
-	}
-	p.printf("%-11s %-5s %-*s %s%s%s\n", tag, s.Workload, width, s.Path, fig, via, failed)
-}
-
-func perfMicros(d time.Duration) string {
-	return strconv.FormatFloat(float64(d)/float64(time.Microsecond), 'f', 0, 64) + "µs"
-}
-
-// verify proves, with a short burst of both workloads per path, that
-// PathVIP is translated by our datapath and never seen by netfilter
-// (neither at the start of prerouting nor by the nftables services),
-// that PathNFT is translated by nftables and not by our datapath, that
-// PathDirect is translated by neither, and that netfilter conntrack does
-// nothing in the node while the nftables table is not loaded. The bursts
-// also warm every path up. With north-south paths it proves what
-// nsChecks says of them.
-func (p *perfRun) verify(ctx context.Context) error {
-	burst := min(p.o.Duration, 500*time.Millisecond)
-	const burstConns = 200
-	if p.o.eastWest() {
-		n := "three"
-		if p.sock != nil {
-			n = "four"
-			if slices.Contains(p.rep.Paths, PathSockDirect) {
-				n = "five"
-			}
-		}
-		p.printf("checks (nftables table and a prerouting probe loaded for all %s paths):\n", n)
-		if err := p.verifyEastWest(ctx, burst, burstConns); err != nil {
-			return err
-		}
-	}
-	if p.ns != nil {
-		p.printf("checks of the north-south paths (xdp_mode switched as each path needs):\n")
-		if err := p.nsChecks(ctx, burst, burstConns); err != nil {
-			return err
-		}
-	}
-	var failed []string
-	for _, c := range p.rep.Checks {
-		mark := "ok  "
-		if !c.OK {
-			mark = "FAIL"
-			failed = append(failed, c.Name)
-		}
-		p.printf("  %s %s: %s\n", mark, c.Name, c.Detail)
-	}
-	p.printf("\n")
-	if len(failed) > 0 {
-		return fmt.Errorf("checks failed: %s", strings.Join(failed, "; "))
-	}
-	return nil
-}
-
-// verifyEastWest makes the checks of the east-west paths.
-func (p *perfRun) verifyEastWest(ctx context.Context, burst time.Duration, burstConns int) (err error) {
-	if err := p.loadNFT(ctx); err != nil {
-		return err
-	}
-	defer func() {
-		if uerr := p.unloadNFT(); uerr != nil {
-			err = errors.Join(err, uerr)
-		}
-	}()
-	probe := probeRuleset(nftProbeTable, map[string]netip.Addr{probeOurVIP: VIP4, probeNFTVIP: NFTVIP4})
-	if err := p.nft.apply(ctx, probe); err != nil {
-		return err
-	}
-	checked := []PerfPath{PathDirect, PathVIP, PathNFT}
-	if p.sock != nil {
-		checked = append(checked, PathSockLB)
-		if slices.Contains(p.rep.Paths, PathSockDirect) {
-			checked = append(checked, PathSockDirect)
-		}
-	}
-	for _, path := range checked {
-		c0, err := p.datapathCounts()
-		if err != nil {
-			return err
-		}
-		m0, err := p.nft.counters(ctx)
-		if err != nil {
-			return err
-		}
-		b, err := p.checkBurst(ctx, path, burst, burstConns)
-		if err != nil {
-			return err
-		}
-		flows, okConns := b.flows, b.ok
-		c1, err := p.datapathCounts()
-		if err != nil {
-			return err
-		}
-		rew := c1.sockRewritten - c0.sockRewritten
-		// The burst's last packets (a FIN, a reset) may reach the
-		// prerouting probe after its connections returned: wait until
-		// the counters hold still, so that they count to this path and
-		// not to the next one.
-		m1, err := p.nft.counters(ctx)
-		for settle := 0; err == nil && settle < 20; settle++ {
-			time.Sleep(100 * time.Millisecond)
-			var again map[string]uint64
-			if again, err = p.nft.counters(ctx); err == nil {
-				if maps.Equal(again, m1) {
-					break
-				}
-				m1 = again
-			}
-		}
-		if err != nil {
-			return err
-		}
-		delta := func(table, name string) (uint64, error) {
-			a, err := nftCounter(m0, table, name)
-			if err != nil {
-				return 0, err
-			}
-			b, err := nftCounter(m1, table, name)
-			return b - a, err
-		}
-		var d [4]uint64
-		for i, c := range []struct{ t, n string }{
-			{nftProbeTable, probeOurVIP}, {nftProbeTable, probeNFTVIP}, {nftTable, nftEchoCount}, {nftTable, nftSinkCount},
-		} {
-			if d[i], err = delta(c.t, c.n); err != nil {
-				return err
-			}
-		}
-		toOurs, toNFT, nftSvc := d[0], d[1], d[2]+d[3]
-		var c PerfCheck
-		switch path {
-		case PathDirect:
-			c = PerfCheck{Name: "direct is translated by neither",
-				OK: flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0 && rew == 0}
-		case PathVIP:
-			c = PerfCheck{Name: "vip is translated by our datapath before netfilter sees it",
-				OK: flows >= okConns && nftSvc == 0 && toOurs == 0 && rew == 0}
-		case PathNFT:
-			c = PerfCheck{Name: "nft is translated by nftables, passed on untouched by our datapath",
-				OK: flows == 0 && nftSvc >= okConns && toNFT > 0 && rew == 0}
-		case PathSockLB:
-			c = PerfCheck{Name: "sock-lb is addressed to the backend at connect by the socket hooks; TC and netfilter translate nothing",
-				OK: rew >= okConns && flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
-		case PathSockDirect:
-			c = PerfCheck{Name: "sock-direct passes the socket hooks untouched; translated by nothing",
-				OK: rew == 0 && flows == 0 && nftSvc == 0 && toOurs == 0 && toNFT == 0}
-		}
-		c.Detail = fmt.Sprintf("%d connections; datapath new flows %d; nftables service chains %d; prerouting packets to %s %d, to %s %d",
-			okConns, flows, nftSvc, VIP4, toOurs, NFTVIP4, toNFT)
-		if p.sock != nil {
-			c.Detail += fmt.Sprintf("; sock_rewritten +%d", rew)
-		}
-		p.rep.Checks = append(p.rep.Checks, c)
-	}
-	if err := p.unloadNFT(); err != nil {
-		return err
-	}
-	// Without the table, netfilter conntrack must not track anything in
-	// the node: the direct and vip paths do not pay for it.
-	ct0, err := p.conntrackCount()
-	if err != nil {
-		return err
-	}
-	var conns int
-	for _, path := range []PerfPath{PathDirect, PathVIP} {
-		s, err := p.measure(ctx, 0, path, WorkloadConns, burst, burstConns, true)
-		if err != nil {
-			return err
-		}
-		conns += s.OK
-	}
-	ct1, err := p.conntrackCount()
-	if err != nil {
-		return err
-	}
-	p.rep.Checks = append(p.rep.Checks, PerfCheck{
-		Name:   "netfilter conntrack is idle in the node without the nftables table",
-		OK:     ct1 <= ct0 && conns > 0,
-		Detail: fmt.Sprintf("%d direct and vip connections; node conntrack entries %d before, %d after", conns, ct0, ct1),
-	})
-	return nil
-}
-
-// perfRatio is a ratio column of a results table: a over b.
-type perfRatio struct {
-	name string
-	a, b PerfPath
-}
-
-// table formats medians over the rounds with spreads and ratios: one
-// table of the east-west paths, one of the north-south paths, each with
-// its targets or comparisons below.
-func (p *perfRun) table() string {
-	r := p.rep
-	var b strings.Builder
-	rounds := 0
-	for _, s := range r.Samples {
-		rounds = max(rounds, s.Round)
-	}
-	switch clean := r.Clean(); {
-	case clean == 0:
-		fmt.Fprintf(&b, "results: median of %d round(s), ALL disturbed by other processes; spread = (max-min)/median\n", rounds)
-	case clean < rounds:
-		fmt.Fprintf(&b, "results: median of %d undisturbed round(s) of %d; spread = (max-min)/median\n", clean, rounds)
-	default:
-		fmt.Fprintf(&b, "results: median of %d round(s); spread = (max-min)/median\n", rounds)
-	}
-	var ew, ns, sock []PerfPath
-	for _, path := range r.Paths {
-		switch {
-		case path.northSouth():
-			ns = append(ns, path)
-		case path.sockPath():
-		default:
-			ew = append(ew, path)
-		}
-		if slices.Contains(SocketDiagPaths, path) && slices.ContainsFunc(r.Paths, PerfPath.sockPath) {
-			sock = append(sock, path)
-		}
-	}
-	// With sock-lb, the east-west table is printed when it has more
-	// than the socket table shows.
-	if len(sock) > 0 && !slices.ContainsFunc(ew, func(p PerfPath) bool { return !slices.Contains(SocketDiagPaths, p) }) {
-		ew = nil
-	}
-	if len(ew) > 0 {
-		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}})
-	}
-	if r.Clean() < p.o.Rounds {
-		fmt.Fprintf(&b, "note: only %d of the %d rounds asked for ran undisturbed by other processes; expect noise\n", r.Clean(), p.o.Rounds)
-	}
-	if len(ew) > 0 {
-		p.targets(&b)
-	}
-	if len(sock) > 0 {
-		if len(ew) > 0 {
-			fmt.Fprintf(&b, "\n")
-		}
-		hooked := "sock-lb's"
-		if slices.Contains(r.Paths, PathSockDirect) {
-			hooked = "sock-lb's and sock-direct's"
-		}
-		fmt.Fprintf(&b, "socket LB (vm1 -> vm2; every client a worker process, %s in the hooked cgroup):\n", hooked)
-		ratios := []perfRatio{{"sock-lb/direct", PathSockLB, PathDirect}, {"sock-lb/vip", PathSockLB, PathVIP}}
-		if slices.Contains(r.Paths, PathSockDirect) {
-			ratios = append(ratios, perfRatio{"sock-direct/direct", PathSockDirect, PathDirect}, perfRatio{"sock-lb/sock-direct", PathSockLB, PathSockDirect})
-		}
-		p.tableOf(&b, sock, ratios)
-		p.sockTargets(&b)
-	}
-	if len(ns) > 0 {
-		if len(ew) > 0 {
-			fmt.Fprintf(&b, "\n")
-		}
-		fmt.Fprintf(&b, "north-south (external client ext -> vm3 through the uplink):\n")
-		p.tableOf(&b, ns, []perfRatio{{"xdp/tc", PathNSXDP, PathNSTC}, {"xdp/direct", PathNSXDP, PathNSDirect}, {"tc/direct", PathNSTC, PathNSDirect}})
-		p.nsComparisons(&b)
-		b.WriteString(p.nsSummary())
-	}
-	return b.String()
-}
-
-// tableOf writes the table of some paths with ratio columns.
-func (p *perfRun) tableOf(b *strings.Builder, paths []PerfPath, ratios []perfRatio) {
-	r := p.rep
-	tw := tabwriter.NewWriter(b, 0, 0, 2, ' ', tabwriter.AlignRight)
-	head := []string{"", ""}
-	for _, path := range paths {
-		head = append(head, string(path))
-	}
-	for _, rt := range ratios {
-		head = append(head, rt.name)
-	}
-	head = append(head, "")
-	fmt.Fprintln(tw, strings.Join(head, "\t"))
-	blank := make([]string, len(ratios)+1)
-	type row struct {
-		name   string
-		wl     PerfWorkload
-		f      func(PerfSample) float64
-		format func(float64) string
-	}
-	rows := []row{
-		{"connections/s", WorkloadConns, PerfSample.Rate, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn latency p50 µs", WorkloadConns, func(s PerfSample) float64 { return float64(s.P50) / 1e3 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn latency p99 µs", WorkloadConns, func(s PerfSample) float64 { return float64(s.P99) / 1e3 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-		{"conn CPU µs/conn", WorkloadConns, PerfSample.CPUPerUnit, func(v float64) string { return strconv.FormatFloat(v, 'f', 1, 64) }},
-		{"bulk Gbit/s", WorkloadBulk, PerfSample.Rate, func(v float64) string { return strconv.FormatFloat(v/1e9, 'f', 2, 64) }},
-		{"bulk CPU ms/GB", WorkloadBulk, PerfSample.CPUPerUnit, func(v float64) string { return strconv.FormatFloat(v/1e3, 'f', 1, 64) }},
-		{"conn datapath BPF µs/conn", WorkloadConns, PerfSample.BPFPerUnit, func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }},
-		{"bulk datapath BPF ms/GB", WorkloadBulk, PerfSample.BPFPerUnit, func(v float64) string { return strconv.FormatFloat(v/1e3, 'f', 2, 64) }},
-		{"others' CPU share %", "", func(s PerfSample) float64 { return s.Others * 100 }, func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) }},
-	}
-	for _, rw := range rows {
-		if strings.Contains(rw.name, "BPF") && !p.o.BPFStats || rw.wl == WorkloadBulk && p.o.ConnsOnly {
-			continue
-		}
-		cells := []string{rw.name, ""}
-		spread := []string{"  spread", ""}
-		med := map[PerfPath]float64{}
-		for _, path := range paths {
-			m, lo, hi, ok := r.Median(path, rw.wl, rw.f)
-			if !ok {
-				cells = append(cells, "-")
-				spread = append(spread, "")
-				continue
-			}
-			med[path] = m
-			cells = append(cells, rw.format(m))
-			if m > 0 {
-				spread = append(spread, fmt.Sprintf("%.1f%%", (hi-lo)/m*100))
-			} else {
-				spread = append(spread, "")
-			}
-		}
-		if rw.wl == "" {
-			cells = append(cells, blank...)
-		} else {
-			for _, rt := range ratios {
-				if med[rt.b] == 0 {
-					cells = append(cells, "-")
-				} else {
-					cells = append(cells, fmt.Sprintf("%.3f", med[rt.a]/med[rt.b]))
-				}
-			}
-			cells = append(cells, "")
-		}
-		fmt.Fprintln(tw, strings.Join(cells, "\t"))
-		if strings.Contains(rw.name, "latency") || rw.wl == "" {
-			continue
-		}
-		fmt.Fprintln(tw, strings.Join(append(spread, blank...), "\t"))
-	}
-	tw.Flush()
-}
-
-// targets writes the east-west targets: within 5% of direct, ahead of
-// nftables. They are judged on the paired figure, the median of the
-// per-round ratios: the two measurements of a pair are seconds apart, so
-// drift of the machine's speed between rounds cancels out of it, which
-// it does not from the ratio of the medians (printed first, and in the
-// table).
-func (p *perfRun) targets(b *strings.Builder) {
-	r := p.rep
-	verdict := func(ok bool) string {
-		if ok {
-			return "met"
-		}
-		return "MISSED"
-	}
-	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-	}{{"connections/s", WorkloadConns}, {"bulk throughput", WorkloadBulk}} {
-		v, _, _, ok1 := r.Median(PathVIP, t.wl, PerfSample.Rate)
-		d, _, _, ok2 := r.Median(PathDirect, t.wl, PerfSample.Rate)
-		n, _, _, ok3 := r.Median(PathNFT, t.wl, PerfSample.Rate)
-		if !ok1 || !ok2 || !ok3 || d == 0 || n == 0 {
-			continue
-		}
-		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.Rate)
-		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.Rate)
-		fmt.Fprintf(b, "target %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): ahead %s\n",
-			t.name+":", (pd-1)*100, (v/d-1)*100, verdict(pd >= 0.95), (pn-1)*100, (v/n-1)*100, verdict(pn > 1))
-	}
-	// The same targets on the CPU cost.
-	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-	}{{"CPU/connection:", WorkloadConns}, {"CPU/GB:", WorkloadBulk}} {
-		v, _, _, ok1 := r.Median(PathVIP, t.wl, PerfSample.CPUPerUnit)
-		d, _, _, ok2 := r.Median(PathDirect, t.wl, PerfSample.CPUPerUnit)
-		n, _, _, ok3 := r.Median(PathNFT, t.wl, PerfSample.CPUPerUnit)
-		if !ok1 || !ok2 || !ok3 || d == 0 || n == 0 {
-			continue
-		}
-		pd, _ := r.PairedRatio(PathVIP, PathDirect, t.wl, PerfSample.CPUPerUnit)
-		pn, _ := r.PairedRatio(PathVIP, PathNFT, t.wl, PerfSample.CPUPerUnit)
-		fmt.Fprintf(b, "cost   %-16s vip vs direct %+6.1f%% paired (%+6.1f%% medians): within 5%% %-6s  vip vs nft %+6.1f%% paired (%+6.1f%% medians): cheaper %s\n",
-			t.name, (pd-1)*100, (v/d-1)*100, verdict(pd <= 1.05), (pn-1)*100, (v/n-1)*100, verdict(pn < 1))
-	}
-}
-
-// nsComparisons writes the north-south paired ratios (no targets yet):
-// XDP against TC, XDP against direct, TC against direct, on the rates and
-// on the CPU cost.
-func (p *perfRun) nsComparisons(b *strings.Builder) {
-	r := p.rep
-	pairs := []perfRatio{{"xdp vs tc", PathNSXDP, PathNSTC}, {"xdp vs direct", PathNSXDP, PathNSDirect}, {"tc vs direct", PathNSTC, PathNSDirect}}
-	for _, t := range []struct {
-		name string
-		wl   PerfWorkload
-		f    func(PerfSample) float64
-	}{
-		{"connections/s:", WorkloadConns, PerfSample.Rate},
-		{"bulk throughput:", WorkloadBulk, PerfSample.Rate},
-		{"CPU/connection:", WorkloadConns, PerfSample.CPUPerUnit},
-		{"CPU/GB:", WorkloadBulk, PerfSample.CPUPerUnit},
-	} {
-		var parts []string
-		for _, pr := range pairs {
-			pd, ok1 := r.PairedRatio(pr.a, pr.b, t.wl, t.f)
-			a, _, _, ok2 := r.Median(pr.a, t.wl, t.f)
-			c, _, _, ok3 := r.Median(pr.b, t.wl, t.f)
-			if !ok1 || !ok2 || !ok3 || c == 0 {
-				continue
-			}
-			parts = append(parts, fmt.Sprintf("%s %+6.1f%% paired (%+6.1f%% medians)", pr.name, (pd-1)*100, (a/c-1)*100))
-		}
-		if len(parts) > 0 {
-			fmt.Fprintf(b, "ns %-17s %s\n", t.name, strings.Join(parts, "  "))
-		}
-	}
-}
-
-// PairedRatio is the median over the rounds of f(a)/f(b), each ratio
-// taken within one round; ok is false without a pair.
-func (r *PerfReport) PairedRatio(a, b PerfPath, w PerfWorkload, f func(PerfSample) float64) (ratio float64, ok bool) {
-	as, bs := r.samples(a, w), r.samples(b, w)
-	var v []float64
-	for _, x := range as {
-		for _, y := range bs {
-			if x.Round == y.Round && f(y) != 0 {
-				v = append(v, f(x)/f(y))
-			}
-		}
-	}
-	if len(v) == 0 {
-		return 0, false
-	}
-	slices.Sort(v)
-	if len(v)%2 == 0 {
-		return (v[len(v)/2-1] + v[len(v)/2]) / 2, true
-	}
-	return v[len(v)/2], true
-}
-
-// perfRunConns runs the short-connection workload from workers goroutines
-// for d or maxConns connections, whichever ends first.
-func perfRunConns(ctx context.Context, dl *perfDialer, src netip.Addr, addr, want string, workers int, d time.Duration, maxConns int) (PerfSample, error) {
-	var (
-		budget   atomic.Int64
-		mu       sync.Mutex
-		lat      []time.Duration
-		conn     []time.Duration
-		s        PerfSample
-		fatal    error
-		wg       sync.WaitGroup
-		firstErr string
-	)
-	budget.Store(int64(maxConns))
-	start := time.Now()
-	deadline := start.Add(d)
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var my, myConn []time.Duration
-			var ok, failed int
-			var ferr string
-			buf := make([]byte, 256)
-			for ctx.Err() == nil && time.Now().Before(deadline) && budget.Add(-1) >= 0 {
-				t0 := time.Now()
-				dt, err := perfOneConn(ctx, dl, src, addr, want, buf)
-				if errors.Is(err, errStrayThread) {
-					mu.Lock()
-					fatal = err
-					mu.Unlock()
-					// Returning while locked retires the
-					// thread that is in the wrong namespace.
-					return
-				}
-				if err != nil {
-					if ctx.Err() != nil {
-						break
-					}
-					failed++
-					if ferr == "" {
-						ferr = err.Error()
-					}
-					continue
-				}
-				ok++
-				my = append(my, time.Since(t0))
-				myConn = append(myConn, dt)
-			}
-			mu.Lock()
-			lat = append(lat, my...)
-			conn = append(conn, myConn...)
-			s.OK += ok
-			s.Failed += failed
-			if firstErr == "" {
-				firstErr = ferr
-			}
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
-	s.Elapsed = time.Since(start)
-	s.FirstError = firstErr
-	if fatal != nil {
-		return s, fatal
-	}
-	if err := ctx.Err(); err != nil {
-		return s, err
-	}
-	if len(lat) > 0 {
-		slices.Sort(lat)
-		s.P50 = lat[len(lat)/2]
-		s.P99 = lat[min(len(lat)-1, len(lat)*99/100)]
-		slices.Sort(conn)
-		s.ConnectP50 = conn[len(conn)/2]
-		s.ConnectP99 = conn[min(len(conn)-1, len(conn)*99/100)]
-	}
-	return s, nil
-}
-
-// perfOneConn is one short connection: connect, read the server's identity
-// line (it must be want), write 4 bytes, read them back, close.
-func perfOneConn(ctx context.Context, dl *perfDialer, src netip.Addr, addr, want string, buf []byte) (connect time.Duration, err error) {
-	t0 := time.Now()
-	c, err := dl.dial(ctx, src, addr)
-	if err != nil {
-		return 0, err
-	}
-	connect = time.Since(t0)
-	defer c.Close()
-	if err := c.SetDeadline(time.Now().Add(perfOpTimeout)); err != nil {
-		return connect, err
-	}
-	n := 0
-	for {
-		m, err := c.Read(buf[n:])
-		n += m
-		if i := bytes.IndexByte(buf[:n], '\n'); i >= 0 {
-			if string(buf[:i]) != want || i+1 != n {
-				return connect, fmt.Errorf("identity %q, want %q", buf[:n], want+"\n")
-			}
-			break
-		}
-		if err != nil {
-			return connect, fmt.Errorf("identity: %w", err)
-		}
-		if n == len(buf) {
-			return connect, fmt.Errorf("identity too long: %q", buf[:n])
-		}
-	}
-	ping := []byte("ping")
-	if _, err := c.Write(ping); err != nil {
-		return connect, err
-	}
-	if _, err := io.ReadFull(c, buf[:len(ping)]); err != nil {
-		return connect, fmt.Errorf("echo: %w", err)
-	}
-	if !bytes.Equal(buf[:len(ping)], ping) {
-		return connect, fmt.Errorf("echo %q, want %q", buf[:len(ping)], ping)
-	}
-	return connect, nil
-}
-
-// perfRunBulk runs streams parallel streams into the sink for d.
-func perfRunBulk(ctx context.Context, dl *perfDialer, src netip.Addr, addr string, streams int, d time.Duration) (PerfSample, error) {
-	type result struct {
-		bytes   int64
-		elapsed time.Duration
-		err     error
-	}
-	res := make([]result, streams)
-	conns := make([]net.Conn, streams)
-	var s PerfSample
-	for i := range streams {
-		// Dial on a goroutine of its own: a failed return to the
-		// home namespace must retire its thread, not ours.
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			conns[i], res[i].err = dl.dial(ctx, src, addr)
-		}()
-		<-done
-		if errors.Is(res[i].err, errStrayThread) {
-			perfCloseAll(conns)
-			return s, res[i].err
-		}
-	}
-	var wg sync.WaitGroup
-	start := time.Now()
-	deadline := start.Add(d)
-	for i := range streams {
-		if res[i].err != nil {
-			continue
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			res[i].bytes, res[i].err = perfStream(ctx, conns[i], deadline)
-			res[i].elapsed = time.Since(start)
-		}()
-	}
-	wg.Wait()
-	perfCloseAll(conns)
-	for _, r := range res {
-		if r.err != nil {
-			s.Failed++
-			if s.FirstError == "" {
-				s.FirstError = r.err.Error()
-			}
-			continue
-		}
-		s.OK++
-		s.Bytes += r.bytes
-		s.Elapsed = max(s.Elapsed, r.elapsed)
-	}
-	return s, ctx.Err()
-}
-
-func perfCloseAll(cs []net.Conn) {
-	for _, c := range cs {
-		if c != nil {
-			c.Close()
-		}
-	}
-}
-
-// perfStream writes into a sink connection until deadline, ends its half and
-// returns the byte count the sink reports.
-func perfStream(ctx context.Context, c net.Conn, deadline time.Time) (int64, error) {
-	buf := make([]byte, 256<<10)
-	var sent int64
-	for ctx.Err() == nil && time.Now().Before(deadline) {
-		if err := c.SetWriteDeadline(time.Now().Add(perfOpTimeout)); err != nil {
-			return 0, err
-		}
-		n, err := c.Write(buf)
-		sent += int64(n)
-		if err != nil {
-			return 0, err
-		}
-	}
-	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		return 0, err
-	}
-	if err := c.SetReadDeadline(time.Now().Add(perfFinalTimeout)); err != nil {
-		return 0, err
-	}
-	var count [8]byte
-	if _, err := io.ReadFull(c, count[:]); err != nil {
-		return 0, fmt.Errorf("sink count: %w", err)
-	}
-	got := int64(binary.BigEndian.Uint64(count[:]))
-	if got != sent {
-		return got, fmt.Errorf("sink received %d bytes of %d", got, sent)
-	}
-	return got, nil
-}
-
-// perfSink is a TCP listener in a VM that reads each connection to its end
-// and then answers with the number of bytes it read (8 bytes, big endian).
-type perfSink struct {
-	ln    net.Listener
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns map[net.Conn]bool
-}
-
-func startPerfSink(vm *lab.VM, port uint16) (*perfSink, error) {
-	s := &perfSink{conns: map[net.Conn]bool{}}
-	err := vm.NS.Do(func() (err error) {
-		s.ln, err = net.Listen("tcp4", ":"+strconv.Itoa(int(port)))
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("sink on %s: %w", vm.Name, err)
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		for {
-			c, err := s.ln.Accept()
-			if err != nil {
-				return
-			}
-			s.mu.Lock()
-			s.conns[c] = true
-			s.mu.Unlock()
-			s.wg.Add(1)
-			go func() {
-				defer s.wg.Done()
-				defer func() {
-					s.mu.Lock()
-					delete(s.conns, c)
-					s.mu.Unlock()
-					c.Close()
-				}()
-				buf := make([]byte, 256<<10)
-				var n int64
-				for {
-					m, err := c.Read(buf)
-					n += int64(m)
-					if err == io.EOF {
-						break
-					}
-					if err != nil {
-						return
-					}
-				}
-				var count [8]byte
-				binary.BigEndian.PutUint64(count[:], uint64(n))
-				c.SetWriteDeadline(time.Now().Add(perfOpTimeout))
-				c.Write(count[:])
-			}()
-		}
-	}()
-	return s, nil
-}
-
-// perfAddAddrs adds IPv4 addresses (/24) to the VM's eth0.
-func perfAddAddrs(vm *lab.VM, addrs ...netip.Addr) error {
-	h, err := netlink.NewHandleAt(vm.NS.Handle())
-	if err != nil {
-		return fmt.Errorf("netlink in %s: %w", vm.Name, err)
-	}
-	defer h.Close()
-	l, err := h.LinkByName("eth0")
-	if err != nil {
-		return fmt.Errorf("%s eth0: %w", vm.Name, err)
-	}
-	for _, a := range addrs {
-		ipn := &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(24, 32)}
-		if err := h.AddrAdd(l, &netlink.Addr{IPNet: ipn}); err != nil {
-			return fmt.Errorf("add %s to %s: %w", a, vm.Name, err)
-		}
-	}
-	return nil
-}
-
-func (s *perfSink) close() {
-	s.ln.Close()
-	s.mu.Lock()
-	for c := range s.conns {
-		c.Close()
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
-}
-
-// errStrayThread means a dialing thread could not return to the home
-// namespace; the goroutine that saw it must end so that the runtime
-// retires the thread.
-var errStrayThread = errors.New("scenario: could not leave the client namespace")
-
-// perfDialer dials TCP connections whose sockets belong to a VM's network
-// namespace. A socket belongs to the namespace of the thread that created
-// it, so dial enters ns on a locked thread for socket(2) only and leaves
-// in the dialer's Control hook, before connect(2) can park the goroutine:
-// everything else runs on ordinary goroutines and threads, as a client
-// inside the VM would, without a thread handoff per blocking call.
-type perfDialer struct {
-	ns   *nsutil.NS
-	home netns.NsHandle
-}
-
-func newPerfDialer(ns *nsutil.NS) (*perfDialer, error) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	home, err := netns.Get()
-	if err != nil {
-		return nil, fmt.Errorf("current netns: %w", err)
-	}
-	return &perfDialer{ns: ns, home: home}, nil
-}
-
-func (d *perfDialer) close() {
-	if d.ns != nil {
-		d.home.Close()
-	}
-}
-
-// dial connects from src to addr (IPv4 "a.b.c.d:port") in the namespace.
-// The port is chosen at connect(2) (IP_BIND_ADDRESS_NO_PORT), as without
-// a bind, so ports are shared between destinations. On errStrayThread the
-// calling goroutine stays locked to its thread and must end. A dialer
-// without ns (a perf worker's, which runs in the client's namespace)
-// dials with the same options and switches nothing.
-func (d *perfDialer) dial(ctx context.Context, src netip.Addr, addr string) (net.Conn, error) {
-	if d.ns == nil {
-		return d.dialerFrom(src, func() error { return nil }).DialContext(ctx, "tcp4", addr)
-	}
-	runtime.LockOSThread()
-	if err := netns.Set(d.ns.Handle()); err != nil {
-		runtime.UnlockOSThread()
-		return nil, fmt.Errorf("enter %s: %w", d.ns.Name, err)
-	}
-	inside := true
-	var leaveErr error
-	leave := func() error {
-		if inside {
-			inside = false
-			if leaveErr = netns.Set(d.home); leaveErr == nil {
-				runtime.UnlockOSThread()
-			}
-		}
-		return leaveErr
-	}
-	nd := d.dialerFrom(src, leave)
-	c, err := nd.DialContext(ctx, "tcp4", addr)
-	if lerr := leave(); lerr != nil {
-		if c != nil {
-			c.Close()
-		}
-		return nil, fmt.Errorf("%w: %v", errStrayThread, lerr)
-	}
-	return c, err
-}
-
-// dialerFrom is the net.Dialer of dial: from src, its port chosen at
-// connect(2), leave called after socket(2), before bind(2) and connect(2).
-func (d *perfDialer) dialerFrom(src netip.Addr, leave func() error) *net.Dialer {
-	return &net.Dialer{
-		Timeout:   perfOpTimeout,
-		KeepAlive: -1,
-		LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0)),
-		ControlContext: func(_ context.Context, _, _ string, rc syscall.RawConn) error {
-			var serr error
-			if err := rc.Control(func(fd uintptr) {
-				serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_BIND_ADDRESS_NO_PORT, 1)
-			}); err != nil {
-				serr = err
-			}
-			return errors.Join(leave(), serr)
-		},
-	}
-}
-
-// checkSums are the counts of a check burst on one path, both workloads.
-type checkSums struct {
-	flows, ok, xdp, passEgress uint64
-}
-
-// checkBurst runs a short burst of both workloads on path, prints them
-// and sums what the checks read; a workload that moved nothing fails.
-func (p *perfRun) checkBurst(ctx context.Context, path PerfPath, burst time.Duration, burstConns int) (checkSums, error) {
-	var b checkSums
-	for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
-		s, err := p.measure(ctx, 0, path, wl, burst, burstConns, false)
-		if err != nil {
-			return b, err
-		}
-		p.printSample(s)
-		if s.OK == 0 {
-			return b, fmt.Errorf("check: %s on %s moved no traffic (%s)", wl, path, s.FirstError)
-		}
-		b.flows += s.DatapathFlows
-		b.ok += uint64(s.OK)
-		b.xdp += s.XDPTranslated
-		b.passEgress += s.XDPPassEgress
-	}
-	return b, nil
 }

@@ -317,7 +317,10 @@ func (p *perfRun) setXDP(on bool) error {
 	}
 	// The reopened dataplane runs new program objects.
 	if p.o.BPFStats {
-		return p.openBPFProgs()
+		if err := p.openBPFProgs(); err != nil {
+			return err
+		}
+		p.printf("%-11s BPF statistics now over: %s\n", "", strings.Join(p.progNames, ", "))
 	}
 	return nil
 }

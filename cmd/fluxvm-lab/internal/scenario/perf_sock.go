@@ -192,6 +192,7 @@ func perfWorker(in io.Reader, out io.Writer) error {
 // perfWorkerProc is a running worker, seen from the lab process.
 type perfWorkerProc struct {
 	name   string
+	dir    string // its cgroup, where it is alone
 	cmd    *exec.Cmd
 	in     io.WriteCloser
 	out    *bufio.Scanner
@@ -213,7 +214,7 @@ func startPerfWorker(name, dir string, ns *nsutil.NS) (*perfWorkerProc, error) {
 		return nil, err
 	}
 	defer cgfd.Close()
-	w := &perfWorkerProc{name: name, done: make(chan struct{})}
+	w := &perfWorkerProc{name: name, dir: dir, done: make(chan struct{})}
 	w.cmd = exec.Command(exe)
 	w.cmd.Env = append(os.Environ(), PerfWorkerEnv+"=1")
 	w.cmd.Stderr = &w.stderr
@@ -515,7 +516,7 @@ func (p *perfRun) sockHeader() {
 		hooked, s.sock.hello.PID, s.hooked, s.other.hello.PID, s.plain)
 	p.printf("  the lab process keeps the servers and reads counters and CPU around each request; the workers' CPU counts as the measurement's\n")
 	if p.o.BPFStats {
-		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb and sock-direct run connect4 and getpeername4 per connection)\n", s.hooked)
+		p.printf("  the BPF rows count the socket hooks on %s besides the TC programs (sock-lb and sock-direct run connect4, getpeername4 and sock_release per connection)\n", s.hooked)
 	}
 }
 
@@ -544,47 +545,30 @@ func checkSockSample(s PerfSample) error {
 }
 
 // sockTargets writes the socket-LB targets: connections/s within 2% of
-// direct and ahead of the TC path (vip), on the paired figures; bulk and
-// the CPU costs are compared without a target.
+// direct and ahead of the TC path (vip), judged on the paired ratios' 95%
+// CI (PerfGoal.Judge); bulk and the CPU costs are compared without a
+// target (Issue36Goals has more).
 func (p *perfRun) sockTargets(b *strings.Builder) {
 	r := p.rep
-	verdict := func(ok bool) string {
-		if ok {
-			return "met"
-		}
-		return "MISSED"
-	}
-	type cmp struct {
-		d, v, pd, pv float64
-		ok           bool
-	}
-	get := func(wl PerfWorkload, f func(PerfSample) float64) cmp {
-		s, _, _, ok1 := r.Median(PathSockLB, wl, f)
-		d, _, _, ok2 := r.Median(PathDirect, wl, f)
-		v, _, _, ok3 := r.Median(PathVIP, wl, f)
-		pd, ok4 := r.PairedRatio(PathSockLB, PathDirect, wl, f)
-		pv, ok5 := r.PairedRatio(PathSockLB, PathVIP, wl, f)
-		if !ok1 || !ok2 || !ok3 || !ok4 || !ok5 || d == 0 || v == 0 {
-			return cmp{}
-		}
-		return cmp{d: s / d, v: s / v, pd: pd, pv: pv, ok: true}
-	}
-	if c := get(WorkloadConns, PerfSample.Rate); c.ok {
-		fmt.Fprintf(b, "target sock-lb connections/s:   vs direct %+6.1f%% paired (%+6.1f%% medians): within 2%% %-6s  vs vip %+6.1f%% paired (%+6.1f%% medians): ahead %s\n",
-			(c.pd-1)*100, (c.d-1)*100, verdict(c.pd >= 0.98), (c.pv-1)*100, (c.v-1)*100, verdict(c.pv > 1))
+	pm := perfMetricOf(MetricConns)
+	cd, ok1 := r.pairedCell("vs direct", PathSockLB, PathDirect, pm.wl, pm.f, "within 2%", PerfGoal{PathSockLB, PathDirect, MetricConns, true, 0.98})
+	cv, ok2 := r.pairedCell("vs vip", PathSockLB, PathVIP, pm.wl, pm.f, "ahead", PerfGoal{PathSockLB, PathVIP, MetricConns, true, 1})
+	if ok1 && ok2 {
+		fmt.Fprintf(b, "target sock-lb connections/s:     %s  %s\n", cd, cv)
 	}
 	for _, t := range []struct {
 		name string
-		wl   PerfWorkload
-		f    func(PerfSample) float64
+		m    PerfMetric
 	}{
-		{"compare sock-lb bulk throughput:", WorkloadBulk, PerfSample.Rate},
-		{"cost    sock-lb CPU/connection: ", WorkloadConns, PerfSample.CPUPerUnit},
-		{"cost    sock-lb CPU/GB:         ", WorkloadBulk, PerfSample.CPUPerUnit},
+		{"compare sock-lb bulk throughput:", MetricBulk},
+		{"cost    sock-lb CPU/connection: ", MetricConnCPU},
+		{"cost    sock-lb CPU/GB:         ", MetricBulkCPU},
 	} {
-		if c := get(t.wl, t.f); c.ok {
-			fmt.Fprintf(b, "%s vs direct %+6.1f%% paired (%+6.1f%% medians)               vs vip %+6.1f%% paired (%+6.1f%% medians)\n",
-				t.name, (c.pd-1)*100, (c.d-1)*100, (c.pv-1)*100, (c.v-1)*100)
+		pm := perfMetricOf(t.m)
+		cd, ok1 := r.pairedCell("vs direct", PathSockLB, PathDirect, pm.wl, pm.f, "", PerfGoal{})
+		cv, ok2 := r.pairedCell("vs vip", PathSockLB, PathVIP, pm.wl, pm.f, "", PerfGoal{})
+		if ok1 && ok2 {
+			fmt.Fprintf(b, "%s %s  %s\n", t.name, cd, cv)
 		}
 	}
 	if slices.Contains(r.Paths, PathSockDirect) {
@@ -610,33 +594,10 @@ func (p *perfRun) sockTargets(b *strings.Builder) {
 // sock-lb against sock-direct that of the rewrite. No targets.
 func (p *perfRun) sockDiag(b *strings.Builder) {
 	r := p.rep
-	for _, pr := range []perfRatio{
-		{"hooks   (sock-direct vs direct):", PathSockDirect, PathDirect},
-		{"rewrite (sock-lb vs sock-direct):", PathSockLB, PathSockDirect},
-	} {
-		var cells []string
-		for _, t := range []struct {
-			name string
-			wl   PerfWorkload
-			f    func(PerfSample) float64
-		}{
-			{"conn/s", WorkloadConns, PerfSample.Rate},
-			{"CPU/conn", WorkloadConns, PerfSample.CPUPerUnit},
-			{"bulk", WorkloadBulk, PerfSample.Rate},
-			{"CPU/GB", WorkloadBulk, PerfSample.CPUPerUnit},
-		} {
-			a, _, _, ok1 := r.Median(pr.a, t.wl, t.f)
-			c, _, _, ok2 := r.Median(pr.b, t.wl, t.f)
-			pd, ok3 := r.PairedRatio(pr.a, pr.b, t.wl, t.f)
-			if !ok1 || !ok2 || !ok3 || c == 0 {
-				continue
-			}
-			cells = append(cells, fmt.Sprintf("%s %+5.1f%% paired (%+5.1f%% medians)", t.name, (pd-1)*100, (a/c-1)*100))
-		}
-		if len(cells) > 0 {
-			fmt.Fprintf(b, "diag %s %s\n", pr.name, strings.Join(cells, "  "))
-		}
-	}
+	p.comparisons(b, "diag", []perfRatio{
+		{"hooks (sock-direct vs direct)", PathSockDirect, PathDirect},
+		{"rewrite (sock-lb vs sock-direct)", PathSockLB, PathSockDirect},
+	})
 	var rew, conns, failOpen uint64
 	for _, s := range r.Samples {
 		if s.Round > 0 && s.Path == PathSockDirect {
@@ -650,8 +611,9 @@ func (p *perfRun) sockDiag(b *strings.Builder) {
 
 // sockProgs opens the socket hooks attached to the hooked cgroup, for the
 // BPF run-time statistics: with them, a path's BPF time covers the hooks
-// its connections ran (sock-lb: connect4 and getpeername4, which Go's
-// dial calls; the others: none) besides the TC programs.
+// its connections ran (sock-lb and sock-direct: connect4, getpeername4,
+// which Go's dial calls, and sock_release for every socket that closes;
+// the others: none) besides the TC programs.
 func (s *perfSock) sockProgs() ([]*ebpf.Program, error) {
 	f, err := os.Open(s.hooked)
 	if err != nil {
@@ -664,6 +626,7 @@ func (s *perfSock) sockProgs() ([]*ebpf.Program, error) {
 		ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
 		ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
 		ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
+		ebpf.AttachCgroupInetSockRelease,
 	} {
 		q, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: at})
 		if err != nil {

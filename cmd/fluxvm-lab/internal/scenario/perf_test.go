@@ -122,6 +122,7 @@ func TestPerfNorthSouth(t *testing.T) {
 	o.Workers = 2
 	o.MaxConns = 2000
 	o.MaxOthers = 0
+	o.BPFStats = true
 	var out bytes.Buffer
 	rep, err := Perf(ctx, &out, o)
 	t.Logf("output:\n%s", out.String())
@@ -155,6 +156,12 @@ func TestPerfNorthSouth(t *testing.T) {
 			}
 			if s.NFTConns != 0 || s.SNATFailed != 0 {
 				t.Errorf("%s on %s: nftables counted %d, snat_failed +%d", wl, p, s.NFTConns, s.SNATFailed)
+			}
+			// Issue 36: the programs of ours on the uplink (XDP too,
+			// after each reopen) ran at least once per connection; the
+			// client runs in the lab process.
+			if s.BPF <= 0 || s.BPFRuns < uint64(s.OK) || s.ClientWorker || s.Lab <= 0 {
+				t.Errorf("%s on %s: BPF %s in %d runs (%d ok), client worker %v, lab CPU %s", wl, p, s.BPF, s.BPFRuns, s.OK, s.ClientWorker, s.Lab)
 			}
 			switch p {
 			case PathNSXDP:
@@ -269,15 +276,16 @@ func TestPerfOptionsValidate(t *testing.T) {
 		t.Fatalf("defaults: %v", err)
 	}
 	for name, mut := range map[string]func(*PerfOptions){
-		"rounds":     func(o *PerfOptions) { o.Rounds = 0 },
-		"duration":   func(o *PerfOptions) { o.Duration = time.Millisecond },
-		"workers":    func(o *PerfOptions) { o.Workers = 1000 },
-		"streams":    func(o *PerfOptions) { o.Streams = 0 },
-		"max conns":  func(o *PerfOptions) { o.MaxConns = 0 },
-		"max others": func(o *PerfOptions) { o.MaxOthers = 1.5 },
-		"path":       func(o *PerfOptions) { o.Paths = []PerfPath{"xdp"} },
-		"path twice": func(o *PerfOptions) { o.Paths = []PerfPath{PathNSTC, PathNSTC} },
-		"no path":    func(o *PerfOptions) { o.Paths, o.Bare = []PerfPath{PathBare}, false },
+		"rounds":      func(o *PerfOptions) { o.Rounds = 0 },
+		"rounds high": func(o *PerfOptions) { o.Rounds = 501 },
+		"duration":    func(o *PerfOptions) { o.Duration = time.Millisecond },
+		"workers":     func(o *PerfOptions) { o.Workers = 1000 },
+		"streams":     func(o *PerfOptions) { o.Streams = 0 },
+		"max conns":   func(o *PerfOptions) { o.MaxConns = 0 },
+		"max others":  func(o *PerfOptions) { o.MaxOthers = 1.5 },
+		"path":        func(o *PerfOptions) { o.Paths = []PerfPath{"xdp"} },
+		"path twice":  func(o *PerfOptions) { o.Paths = []PerfPath{PathNSTC, PathNSTC} },
+		"no path":     func(o *PerfOptions) { o.Paths, o.Bare = []PerfPath{PathBare}, false },
 	} {
 		o := DefaultPerfOptions()
 		mut(&o)
@@ -462,16 +470,45 @@ func TestPerfSocketDiag(t *testing.T) {
 	defer cancel()
 	o := DefaultPerfOptions()
 	o.Paths, _ = ParsePerfPaths("socket-diag")
-	o.Rounds = 1
+	o.Rounds = 2 // two pairs: an interval
 	o.Duration = 100 * time.Millisecond
 	o.Workers = 2
 	o.MaxConns = 1000
 	o.MaxOthers = 0
+	o.BPFStats = true
 	var out bytes.Buffer
 	rep, err := Perf(ctx, &out, o)
 	t.Logf("output:\n%s", out.String())
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Issue 36: every client is a worker whose CPU is read from its
+	// cgroup, beside the lab process's; our programs ran (TC on every
+	// path, the socket hooks too on the hooked ones) and their run time
+	// was read.
+	for _, p := range rep.Paths {
+		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
+			for _, s := range rep.samples(p, wl) {
+				if !s.ClientWorker || s.Client <= 0 || s.Lab <= 0 || s.BPF <= 0 || s.BPFRuns < uint64(s.OK) {
+					t.Errorf("%s on %s round %d: client worker %v, client CPU %s, lab CPU %s, BPF %s in %d runs (%d ok)",
+						wl, p, s.Round, s.ClientWorker, s.Client, s.Lab, s.BPF, s.BPFRuns, s.OK)
+				}
+				// The connect hook runs once per connection from the
+				// hooked worker, never from the plain one.
+				if c := s.BPFProgs["fluxvm_sock_connect4"].Runs; p.sockPath() != (c >= uint64(s.OK)) || !p.sockPath() && c != 0 {
+					t.Errorf("%s on %s round %d: connect4 ran %d times for %d connections", wl, p, s.Round, c, s.OK)
+				}
+			}
+		}
+	}
+	for _, want := range []string{"client worker µs/conn", "lab process µs/conn", "softirq+irq µs/conn", "conn datapath BPF ns/run", "BPF per program", "fluxvm_sock_connect4", "fluxvm_sock_release",
+		"spread | 95% CI", "goal sock-lb/vip:conns>=1.03", "goal sock-lb/direct:conns>=0.98", ", n=2: "} {
+		if !strings.Contains(rep.Table, want) {
+			t.Errorf("table has no %q:\n%s", want, rep.Table)
+		}
+	}
+	if !strings.Contains(out.String(), "@cgroup") || !strings.Contains(out.String(), "ours, counted") {
+		t.Errorf("the output does not list the socket hooks among the programs counted")
 	}
 	if got := strings.Join(pathNames(rep.Paths), ","); got != "direct,vip,sock-direct,sock-lb" {
 		t.Errorf("paths %s, want direct,vip,sock-direct,sock-lb", got)
@@ -487,22 +524,22 @@ func TestPerfSocketDiag(t *testing.T) {
 	for _, p := range []PerfPath{PathSockDirect, PathSockLB} {
 		for _, wl := range []PerfWorkload{WorkloadConns, WorkloadBulk} {
 			ss := rep.samples(p, wl)
-			if len(ss) != 1 {
-				t.Errorf("%s on %s: %d samples, want 1", wl, p, len(ss))
-				continue
+			if len(ss) != o.Rounds {
+				t.Errorf("%s on %s: %d samples, want %d", wl, p, len(ss), o.Rounds)
 			}
-			s := ss[0]
-			if s.OK == 0 || s.Failed != 0 || s.NFTConns != 0 || s.SockFailOpen != 0 || s.DatapathFlows != 0 {
-				t.Errorf("%s on %s: %d ok, %d failed (%s), nftables %d, sock_fail_open_* +%d, datapath new flows %d",
-					wl, p, s.OK, s.Failed, s.FirstError, s.NFTConns, s.SockFailOpen, s.DatapathFlows)
-			}
-			if rewritten := s.SockRewritten >= uint64(s.OK); (p == PathSockLB) != rewritten || (p == PathSockDirect && s.SockRewritten != 0) {
-				t.Errorf("%s on %s: %d ok, sock_rewritten +%d", wl, p, s.OK, s.SockRewritten)
+			for _, s := range ss {
+				if s.OK == 0 || s.Failed != 0 || s.NFTConns != 0 || s.SockFailOpen != 0 || s.DatapathFlows != 0 {
+					t.Errorf("%s on %s: %d ok, %d failed (%s), nftables %d, sock_fail_open_* +%d, datapath new flows %d",
+						wl, p, s.OK, s.Failed, s.FirstError, s.NFTConns, s.SockFailOpen, s.DatapathFlows)
+				}
+				if rewritten := s.SockRewritten >= uint64(s.OK); (p == PathSockLB) != rewritten || (p == PathSockDirect && s.SockRewritten != 0) {
+					t.Errorf("%s on %s: %d ok, sock_rewritten +%d", wl, p, s.OK, s.SockRewritten)
+				}
 			}
 		}
 	}
 	for _, row := range []string{"sock-lb/direct", "sock-lb/vip", "sock-direct/direct", "sock-lb/sock-direct",
-		"target sock-lb connections/s:", "diag hooks   (sock-direct vs direct):", "diag rewrite (sock-lb vs sock-direct):",
+		"target sock-lb connections/s:", "diag connections/s:", "hooks (sock-direct vs direct)", "rewrite (sock-lb vs sock-direct)",
 		"sock-lb over all rounds:", "sock-direct over all rounds:"} {
 		if !strings.Contains(rep.Table, row) {
 			t.Errorf("table has no %q:\n%s", row, rep.Table)

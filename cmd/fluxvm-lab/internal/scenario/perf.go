@@ -783,6 +783,15 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	return s, nil
 }
 
+// strayFlows is how many new flows a measurement of ok connections may
+// count for a translator that is not its path's: late packets of the
+// connections measured just before it (a FIN or an ACK retransmitted
+// after their close, which the datapath or nftables learns as a new
+// flow; seen once in 15 rounds of 12,000 connections), at most one in a
+// thousand. A path that is translated counts one per connection. The
+// bursts of the checks before the rounds allow none.
+func strayFlows(ok uint64) uint64 { return ok / 1000 }
+
 // checkSample fails the run when a measurement did not go through the
 // path it claims, or moved nothing.
 func (p *perfRun) checkSample(s PerfSample) error {
@@ -790,12 +799,13 @@ func (p *perfRun) checkSample(s PerfSample) error {
 		return fmt.Errorf("%s on %s moved no traffic (%d failed: %s)", s.Workload, s.Path, s.Failed, s.FirstError)
 	}
 	ok := uint64(s.OK)
+	stray := strayFlows(ok)
 	switch {
-	case s.Path == PathVIP && (s.DatapathFlows < ok || s.NFTConns != 0):
+	case s.Path == PathVIP && (s.DatapathFlows < ok || s.NFTConns > stray):
 		return fmt.Errorf("%s on %s: %d connections, but the datapath counted %d new flows and nftables %d", s.Workload, s.Path, s.OK, s.DatapathFlows, s.NFTConns)
-	case s.Path == PathNFT && (s.NFTConns < ok || s.DatapathFlows != 0):
+	case s.Path == PathNFT && (s.NFTConns < ok || s.DatapathFlows > stray):
 		return fmt.Errorf("%s on %s: %d connections, but nftables counted %d and the datapath %d new flows", s.Workload, s.Path, s.OK, s.NFTConns, s.DatapathFlows)
-	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect || s.Path == PathSockDirect) && (s.DatapathFlows != 0 || s.NFTConns != 0):
+	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect || s.Path == PathSockDirect) && (s.DatapathFlows > stray || s.NFTConns > stray):
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
 	}
 	return errors.Join(checkSockSample(s), checkNSSample(s))

@@ -352,3 +352,36 @@ func TestPerfBPFProgTable(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckSampleStrays: a measurement of a path no translator serves
+// may count late flows of the paths before it, one in a thousand
+// connections at most; more, and the path was translated.
+func TestCheckSampleStrays(t *testing.T) {
+	var p perfRun
+	for _, tt := range []struct {
+		path         PerfPath
+		ok           int
+		flows, nft   uint64
+		sockRewrites uint64
+		fail         bool
+	}{
+		{PathSockDirect, 12000, 0, 0, 0, false},
+		{PathSockDirect, 12000, 1, 0, 0, false},
+		{PathSockDirect, 12000, 12, 0, 0, false},
+		{PathSockDirect, 12000, 13, 0, 0, true},
+		{PathDirect, 500, 1, 0, 0, true},
+		{PathDirect, 12000, 0, 13, 0, true},
+		{PathBare, 2000, 2, 2, 0, false},
+		{PathVIP, 12000, 11999, 0, 0, true},
+		{PathVIP, 12000, 12000, 3, 0, false},
+		{PathNFT, 12000, 13, 12000, 0, true},
+		{PathSockLB, 12000, 1, 0, 12000, false},
+		{PathSockLB, 12000, 13, 0, 12000, true},
+		{PathSockDirect, 12000, 0, 0, 1, true},
+	} {
+		s := PerfSample{Path: tt.path, Workload: WorkloadConns, OK: tt.ok, DatapathFlows: tt.flows, NFTConns: tt.nft, SockRewritten: tt.sockRewrites}
+		if err := p.checkSample(s); (err != nil) != tt.fail {
+			t.Errorf("%s, %d connections, %d datapath flows, %d nftables: %v, want failure %v", tt.path, tt.ok, tt.flows, tt.nft, err, tt.fail)
+		}
+	}
+}

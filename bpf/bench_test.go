@@ -153,6 +153,7 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 	}
 	other := v4.frame(v4.clientAt(40000), netip.AddrPortFrom(v4.other, 80), pkt.ACK)
 	otherReply := v4.frame(netip.AddrPortFrom(v4.other, 80), v4.clientAt(40000), pkt.ACK)
+	directReply := v4.reply(v4.backends[0], 40001, pkt.ACK)
 
 	cases := []*benchCase{
 		{name: "pass-through (not a service)", metric: "pass", prog: h.objs.FluxvmFromVm, frame: func(int) []byte { return other }, want: tcNext},
@@ -165,6 +166,11 @@ func datapathCases(b *testing.B, h *harness, prefix, mprefix string) []*benchCas
 		{name: "ipv4 tcp reply", metric: "v4-reply", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return v4.reply(v4.backends[0], 40000, pkt.ACK) }, want: tcOK},
 		{name: "ipv6 tcp reply", metric: "v6-reply", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return v6.reply(v6.backends[0], 40000, pkt.ACK) }, want: tcOK},
 		{name: "reply pass-through (not a flow)", metric: "reply-pass", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return otherReply }, want: tcNext},
+		// A backend endpoint's packet to a client that never went
+		// through the VIP (the lab's direct path: a connection straight
+		// to an address a frontend lists): the endpoint is indexed, no
+		// slot finds a flow, nor does a stored half.
+		{name: "reply pass-through (backend, no flow)", metric: "reply-pass-be", prog: h.objs.FluxvmToVm, frame: func(int) []byte { return directReply }, want: tcNext},
 	}
 	for _, c := range cases {
 		c.name, c.metric = prefix+c.name, mprefix+c.metric

@@ -190,9 +190,10 @@ static __always_inline int fluxvm_icmp_flow(const struct fluxvm_icmp_quote *q, c
 
 	if (!snat) {
 		struct fluxvm_rev r = {};
+		__u64 now = 0;
 
 		if (fluxvm_rev_find(q->dst, q->dport, q->src, q->sport, q->proto, v6, 0,
-				    bpf_ktime_get_coarse_ns(), &k4, &k6, &r)) {
+				    &now, &k4, &k6, &r)) {
 			__builtin_memcpy(x->vip, r.vip, 16);
 			x->vport = r.vport;
 			x->cport = q->sport;

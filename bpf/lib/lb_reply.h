@@ -242,12 +242,12 @@ static __always_inline int fluxvm_lb_reply_ew(struct __ctx_buff *ctx, struct flu
 		return CTX_ACT_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
 		return CTX_ACT_NEXT;
-	now = bpf_ktime_get_coarse_ns();
 	synack = pkt->l4_proto == IPPROTO_TCP &&
 		 (pkt->tcp_flags & (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK)) == (FLUXVM_TCP_SYN | FLUXVM_TCP_ACK);
 	r.indexed = 0;
+	now = 0; /* read by fluxvm_rev_find once the index lists the source */
 	ct = fluxvm_rev_find(pkt->saddr, pkt->sport, pkt->daddr, pkt->dport, pkt->l4_proto, v6,
-			     synack, now, &c4, &c6, &r);
+			     synack, &now, &c4, &c6, &r);
 	if (!ct)
 		return r.indexed ? FLUXVM_REPLY_STORED : CTX_ACT_NEXT;
 	st = fluxvm_stats(r.service_id);

@@ -46,9 +46,12 @@ static __always_inline int fluxvm_rev_rank(const struct fluxvm_ct_value *ct, int
  * Find the east-west flow of a reply from @backend:@bport to
  * @client:@cport (@proto; both addresses of family @v6; @synack for a TCP
  * SYN-ACK): its conntrack entry (client -> VIP), with the frontend in @r,
- * or NULL. @t4/@t6 are left holding the found entry's key. Entries of SNAT
- * or DSR flows are never a match: those flows' replies are not east-west
- * replies.
+ * or NULL. @t4/@t6 are left holding the found entry's key. Entries of
+ * SNAT or DSR flows are never a match: those flows' replies are not
+ * east-west replies. *@now is the clock the flows' deadlines are judged
+ * by; when 0, it is read here once the index lists @backend, so that a
+ * packet from any other source (most packets to a VM) pays one index miss
+ * and no helper call.
  *
  * When the client used one port toward two VIPs that share the backend,
  * two slots find an entry (the backend cannot tell the two apart: it sees
@@ -58,7 +61,7 @@ static __always_inline int fluxvm_rev_rank(const struct fluxvm_ct_value *ct, int
  */
 static __always_inline struct fluxvm_ct_value *
 fluxvm_rev_find(const __be32 *backend, __be16 bport, const __be32 *client, __be16 cport,
-		__u8 proto, const int v6, int synack, __u64 now, struct fluxvm_tuple4 *t4,
+		__u8 proto, const int v6, int synack, __u64 *now, struct fluxvm_tuple4 *t4,
 		struct fluxvm_tuple6 *t6, struct fluxvm_rev *r)
 {
 	struct fluxvm_be2fe_key k = { .port = bport, .proto = proto };
@@ -80,6 +83,8 @@ fluxvm_rev_find(const __be32 *backend, __be16 bport, const __be32 *client, __be1
 		return NULL;
 	r->indexed = 1;
 	n = idx->count;
+	if (!*now)
+		*now = bpf_ktime_get_coarse_ns();
 
 	if (v6) {
 		__builtin_memcpy(t6->saddr, client, 16);
@@ -108,7 +113,7 @@ fluxvm_rev_find(const __be32 *backend, __be16 bport, const __be32 *client, __be1
 		if (!ct || ct->service_id != s->service_id || ct->backend_id != s->backend_id ||
 		    (ct->flags & (FLUXVM_CT_F_SNAT | FLUXVM_CT_F_DSR)))
 			continue;
-		rank = fluxvm_rev_rank(ct, synack, now);
+		rank = fluxvm_rev_rank(ct, synack, *now);
 		if (rank < best_rank || (rank == best_rank && ct->created_ns <= best_created))
 			continue;
 		best = ct;

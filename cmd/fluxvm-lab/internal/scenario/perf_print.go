@@ -66,26 +66,23 @@ func (p *perfRun) pathWidth() int {
 	return w
 }
 
+// perfDescriptions say what carries each path's traffic, after its
+// destinations in the run's header.
+var perfDescriptions = map[PerfPath]string{
+	PathBare:       "routed by the node, datapath programs detached",
+	PathDirect:     "routed by the node, datapath programs attached (baseline)",
+	PathVIP:        "our VIP: Maglev in the TC programs, one backend",
+	PathNFT:        "kube-proxy style nftables DNAT (table loaded for these measurements only)",
+	PathSockLB:     "our VIP addressed to the backend at connect by the socket hooks (client in the hooked cgroup), no per-packet NAT",
+	PathSockDirect: "the backend's address from sock-lb's worker in the hooked cgroup: the hooks run, rewrite nothing (diagnostic)",
+	PathNSDirect:   "routed by the node, TC programs on the uplink, xdp_mode off (baseline)",
+	PathNSTC:       "north-south VIP: DNAT+SNAT in the TC programs, xdp_mode off",
+	PathNSXDP:      "the same VIP with xdp_mode native: the XDP program translates and redirects",
+}
+
 func perfDescribe(path PerfPath, echo, sink string) string {
-	switch path {
-	case PathBare:
-		return fmt.Sprintf("%s / %s, routed by the node, datapath programs detached", echo, sink)
-	case PathDirect:
-		return fmt.Sprintf("%s / %s, routed by the node, datapath programs attached (baseline)", echo, sink)
-	case PathVIP:
-		return fmt.Sprintf("%s / %s, our VIP: Maglev in the TC programs, one backend", echo, sink)
-	case PathNFT:
-		return fmt.Sprintf("%s / %s, kube-proxy style nftables DNAT (table loaded for these measurements only)", echo, sink)
-	case PathSockLB:
-		return fmt.Sprintf("%s / %s, our VIP addressed to the backend at connect by the socket hooks (client in the hooked cgroup), no per-packet NAT", echo, sink)
-	case PathSockDirect:
-		return fmt.Sprintf("%s / %s, the backend's address from sock-lb's worker in the hooked cgroup: the hooks run, rewrite nothing (diagnostic)", echo, sink)
-	case PathNSDirect:
-		return fmt.Sprintf("%s / %s, routed by the node, TC programs on the uplink, xdp_mode off (baseline)", echo, sink)
-	case PathNSTC:
-		return fmt.Sprintf("%s / %s, north-south VIP: DNAT+SNAT in the TC programs, xdp_mode off", echo, sink)
-	case PathNSXDP:
-		return fmt.Sprintf("%s / %s, the same VIP with xdp_mode native: the XDP program translates and redirects", echo, sink)
+	if d, ok := perfDescriptions[path]; ok {
+		return fmt.Sprintf("%s / %s, %s", echo, sink, d)
 	}
 	return string(path)
 }

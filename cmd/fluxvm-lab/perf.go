@@ -26,7 +26,7 @@ func init() {
 			fs.IntVar(&o.Workers, "workers", o.Workers, "parallel workers of the short-connection workload (1..256)")
 			fs.IntVar(&o.Streams, "streams", o.Streams, "parallel streams of the bulk workload (1..16)")
 			fs.IntVar(&o.MaxConns, "max-conns", o.MaxConns, "connections per measurement at most (1..10000000)")
-			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, direct, vip, nft (east-west: client VM to backend VM), sock-lb (the VIP from a client in a cgroup with the socket-LB hooks), sock-direct (diagnostic: the backend's address from that client), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, socket (direct, vip, sock-lb), socket-diag (socket and sock-direct), north-south, all (without sock-direct)")
+			paths := fs.String("paths", "east-west", "paths to measure, comma-separated: bare, noop, direct, vip, nft (east-west: client VM to backend VM), sock-lb (the VIP from a client in a cgroup with the socket-LB hooks), sock-direct (diagnostic: the backend's address from that client), ns-direct, ns-tc, ns-xdp (north-south: external client through the uplink, direct, VIP with TC only, the same VIP with XDP native), or the groups east-west, socket (direct, vip, sock-lb), socket-diag (socket and sock-direct), attach-diag (bare, noop, direct), north-south, all (without the diagnostic sock-direct and noop)")
 			fs.BoolVar(&o.Bare, "bare", o.Bare, "keep the bare path (direct with the datapath programs detached) when -paths has it")
 			fs.Float64Var(&o.MaxOthers, "max-others", o.MaxOthers, "repeat a round (at most -rounds times) when other processes used more than this share of the CPUs during it; 0 keeps all (0..1)")
 			fs.BoolVar(&o.BPFStats, "bpf-stats", o.BPFStats, "report the datapath programs' own run time (turns on the kernel's machine-wide BPF statistics for the run)")
@@ -73,6 +73,10 @@ East-west paths (client VM vm1 to backend VM vm2), the default:
   direct     the backend's address, programs attached (the baseline)
   vip        our VIP, translated by the TC programs
   nft        a kube-proxy style nftables DNAT VIP
+  noop       (diagnostic; -paths attach-diag = bare,noop,direct) the
+             backend's address with a do-nothing program at our hooks
+             instead of ours: noop/bare is what a TC hook costs the kernel,
+             direct/noop what our programs add to it
 Socket LB (-paths socket = direct,vip,sock-lb, or all):
   sock-lb    our VIP from a client process in a cgroup with the socket-LB
              hooks (cgroup connect4/6, sendmsg, recvmsg, getpeername): the

@@ -248,6 +248,10 @@ type PerfSample struct {
 	// socket hooks addressed to a backend), SockFailOpen how much the
 	// sock_fail_open_* counters rose (left to TC).
 	SockRewritten, SockFailOpen uint64
+	// Parsed is how many IP packets our programs parsed during the
+	// measurement (the datapath counters ipv4 and ipv6): none on the
+	// paths without them (PathBare, PathNoop).
+	Parsed uint64
 	// CPU is the machine-wide CPU time the measurement cost: the
 	// machine's busy time (wall time × CPUs less idle, iowait and steal:
 	// user, system, irq, softirq) less other processes' user time
@@ -425,6 +429,8 @@ func (p *perfRun) source(path PerfPath) netip.Addr {
 	switch path {
 	case PathBare:
 		return perfSourceBare
+	case PathNoop:
+		return perfSourceNoop
 	case PathVIP:
 		return perfSourceVIP
 	case PathNFT:
@@ -502,7 +508,7 @@ func (p *perfRun) setup(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("client sysctls: %w", err)
 	}
-	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare, perfSourceSock, perfSourceSockDirect); err != nil {
+	if err := perfAddAddrs(p.env.Client, perfSourceVIP, perfSourceNFT, perfSourceBare, perfSourceSock, perfSourceSockDirect, perfSourceNoop); err != nil {
 		return err
 	}
 	if p.sink, err = startPerfSink(p.backend, SinkPort); err != nil {
@@ -585,12 +591,19 @@ func (p *perfRun) nftConns(ctx context.Context) (uint64, error) {
 	return sum, nil
 }
 
+// The datapath counters of parsed IP packets (bpf.CounterIPv4, IPv6).
+const (
+	cntParsedIPv4 = "ipv4"
+	cntParsedIPv6 = "ipv6"
+)
+
 // perfCounts is a reading of the datapath counters Perf checks.
 type perfCounts struct {
 	flows                     uint64 // new flows of all of Perf's services
 	xdp, xdpPassed, xdpEgress uint64
 	drops, snatFailed         uint64
 	sockRewritten, sockOpen   uint64
+	parsed                    uint64 // IP packets our programs parsed
 }
 
 // datapathCounts reads them through the SDK (fluxvm.Dataplane.Stats).
@@ -613,6 +626,7 @@ func (p *perfRun) datapathCounts() (perfCounts, error) {
 	}
 	c.snatFailed = st.Drops["snat_failed"]
 	c.sockRewritten = st.Parser[cntSockRewritten]
+	c.parsed = st.Parser[cntParsedIPv4] + st.Parser[cntParsedIPv6]
 	for n, v := range st.Parser {
 		if strings.HasPrefix(n, cntSockFailOpen) {
 			c.sockOpen += v
@@ -706,6 +720,12 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 			return s, errors.Join(err, p.attach())
 		}
 		defer func() { err = errors.Join(err, p.attach()) }()
+	case path == PathNoop:
+		undo, err := p.attachNoop()
+		if err != nil {
+			return s, err
+		}
+		defer func() { err = errors.Join(err, undo()) }()
 	case path == PathNFT:
 		if err := p.loadNFT(ctx); err != nil {
 			return s, err
@@ -780,6 +800,7 @@ func (p *perfRun) measure(ctx context.Context, round int, path PerfPath, wl Perf
 	s.XDPTranslated, s.XDPPassed, s.XDPPassEgress = c1.xdp-c0.xdp, c1.xdpPassed-c0.xdpPassed, c1.xdpEgress-c0.xdpEgress
 	s.Drops, s.SNATFailed = c1.drops-c0.drops, c1.snatFailed-c0.snatFailed
 	s.SockRewritten, s.SockFailOpen = c1.sockRewritten-c0.sockRewritten, c1.sockOpen-c0.sockOpen
+	s.Parsed = c1.parsed - c0.parsed
 	return s, nil
 }
 
@@ -805,8 +826,12 @@ func (p *perfRun) checkSample(s PerfSample) error {
 		return fmt.Errorf("%s on %s: %d connections, but the datapath counted %d new flows and nftables %d", s.Workload, s.Path, s.OK, s.DatapathFlows, s.NFTConns)
 	case s.Path == PathNFT && (s.NFTConns < ok || s.DatapathFlows > stray):
 		return fmt.Errorf("%s on %s: %d connections, but nftables counted %d and the datapath %d new flows", s.Workload, s.Path, s.OK, s.NFTConns, s.DatapathFlows)
-	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNSDirect || s.Path == PathSockDirect) && (s.DatapathFlows > stray || s.NFTConns > stray):
+	case (s.Path == PathDirect || s.Path == PathBare || s.Path == PathNoop || s.Path == PathNSDirect || s.Path == PathSockDirect) && (s.DatapathFlows > stray || s.NFTConns > stray):
 		return fmt.Errorf("%s on %s was translated: %d datapath flows, %d nftables connections", s.Workload, s.Path, s.DatapathFlows, s.NFTConns)
+	case (s.Path == PathBare || s.Path == PathNoop) && s.Parsed > stray:
+		return fmt.Errorf("%s on %s: our programs parsed %d packets; they should have been detached", s.Workload, s.Path, s.Parsed)
+	case (s.Path == PathDirect || s.Path == PathVIP) && s.Parsed < ok:
+		return fmt.Errorf("%s on %s: %d connections, but our programs parsed only %d packets", s.Workload, s.Path, s.OK, s.Parsed)
 	}
 	return errors.Join(checkSockSample(s), checkNSSample(s))
 }

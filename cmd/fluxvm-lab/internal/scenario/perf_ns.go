@@ -97,8 +97,8 @@ func (p PerfPath) xdpWanted() (on, ok bool) {
 
 // ParsePerfPaths parses a comma-separated list of paths and groups
 // ("east-west" or "ew", "north-south" or "ns", "socket" or "sock": the
-// SocketPaths, "socket-diag": the SocketDiagPaths, "all": every path but
-// the diagnostic ones) into paths in table order, without repeats.
+// SocketPaths, "socket-diag": the SocketDiagPaths, "attach-diag": the
+// AttachDiagPaths, "all": every path but the diagnostic ones) into paths in table order, without repeats.
 func ParsePerfPaths(s string) ([]PerfPath, error) {
 	want := map[PerfPath]bool{}
 	for _, f := range strings.Split(s, ",") {
@@ -118,6 +118,10 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 			for _, p := range SocketDiagPaths {
 				want[p] = true
 			}
+		case "attach-diag":
+			for _, p := range AttachDiagPaths {
+				want[p] = true
+			}
 		case "east-west", "ew":
 			for _, p := range EastWestPaths {
 				want[p] = true
@@ -129,7 +133,7 @@ func ParsePerfPaths(s string) ([]PerfPath, error) {
 		default:
 			p := PerfPath(f)
 			if !slices.Contains(allPerfPaths(), p) {
-				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, socket, socket-diag, all)", f, strings.Join(pathNames(allPerfPaths()), ", "))
+				return nil, fmt.Errorf("scenario: perf: unknown path %q (want %s, or east-west, north-south, socket, socket-diag, attach-diag, all)", f, strings.Join(pathNames(allPerfPaths()), ", "))
 			}
 			want[p] = true
 		}

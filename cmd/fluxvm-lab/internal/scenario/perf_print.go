@@ -70,6 +70,7 @@ func (p *perfRun) pathWidth() int {
 // destinations in the run's header.
 var perfDescriptions = map[PerfPath]string{
 	PathBare:       "routed by the node, datapath programs detached",
+	PathNoop:       "routed by the node, a do-nothing program at the datapath's hooks instead of ours (diagnostic)",
 	PathDirect:     "routed by the node, datapath programs attached (baseline)",
 	PathVIP:        "our VIP: Maglev in the TC programs, one backend",
 	PathNFT:        "kube-proxy style nftables DNAT (table loaded for these measurements only)",

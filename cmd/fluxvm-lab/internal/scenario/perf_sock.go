@@ -75,7 +75,7 @@ var SocketDiagPaths = []PerfPath{PathDirect, PathVIP, PathSockDirect, PathSockLB
 
 // allPerfPaths are all paths in table order.
 func allPerfPaths() []PerfPath {
-	return slices.Concat(EastWestPaths, []PerfPath{PathSockDirect, PathSockLB}, NorthSouthPaths)
+	return slices.Concat([]PerfPath{PathBare, PathNoop}, EastWestPaths[1:], []PerfPath{PathSockDirect, PathSockLB}, NorthSouthPaths)
 }
 
 // sockPath reports whether a path's client is the worker in the hooked
@@ -83,8 +83,8 @@ func allPerfPaths() []PerfPath {
 func (p PerfPath) sockPath() bool { return p == PathSockLB || p == PathSockDirect }
 
 // diagnostic reports whether a path is only measured when named (or by
-// its group), not by "all".
-func (p PerfPath) diagnostic() bool { return p == PathSockDirect }
+// its group), not by "all": PathSockDirect and PathNoop.
+func (p PerfPath) diagnostic() bool { return p == PathSockDirect || p == PathNoop }
 
 // perfSourceSock is sock-lb's client address on vm1's eth0, and
 // perfSourceSockDirect sock-direct's.

@@ -105,7 +105,7 @@ func (p *perfRun) table() string {
 		ew = nil
 	}
 	if len(ew) > 0 {
-		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}, {"direct/bare", PathDirect, PathBare}})
+		p.tableOf(&b, ew, []perfRatio{{"vip/direct", PathVIP, PathDirect}, {"vip/nft", PathVIP, PathNFT}, {"direct/bare", PathDirect, PathBare}, {"direct/noop", PathDirect, PathNoop}, {"noop/bare", PathNoop, PathBare}})
 	}
 	if r.Clean() < p.o.Rounds {
 		fmt.Fprintf(&b, "note: only %d of the %d rounds asked for ran undisturbed by other processes; expect noise\n", r.Clean(), p.o.Rounds)

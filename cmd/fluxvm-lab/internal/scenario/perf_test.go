@@ -239,6 +239,8 @@ func TestParsePerfPaths(t *testing.T) {
 		"sock-lb":           "sock-lb",
 		"ns-xdp, direct,ns": "direct,ns-direct,ns-tc,ns-xdp",
 		"vip,vip":           "vip",
+		"attach-diag":       "bare,noop,direct",
+		"noop,all":          "bare,noop,direct,vip,nft,sock-lb,ns-direct,ns-tc,ns-xdp",
 	} {
 		got, err := ParsePerfPaths(in)
 		if err != nil || strings.Join(pathNames(got), ",") != want {

@@ -80,6 +80,7 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_SNAT_TRIES":     uint64(SNATTries),
 		"FLUXVM_EDGE_SLOT_MASK": uint64(EdgeSlotMask),
 		"FLUXVM_BE2FE_SLOTS":    uint64(Be2feSlots),
+		"FLUXVM_SNAT_PEERS_MAX": uint64(SNATPeersMax),
 	},
 	"fluxvm_family": {"FLUXVM_AF_INET": uint64(FamilyIPv4), "FLUXVM_AF_INET6": uint64(FamilyIPv6)},
 	"fluxvm_svc_flags": {
@@ -135,7 +136,7 @@ var goEnums = map[string]map[string]uint64{
 		"FLUXVM_CT_F_L7": uint64(CTFlagL7)},
 	"fluxvm_be2fe_flags": {"FLUXVM_BE2FE_F_OVERFLOW": uint64(Be2feFlagOverflow)},
 	"fluxvm_nat_flags":   {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
-	"fluxvm_snat_flags":  {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6)},
+	"fluxvm_snat_flags":  {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6), "FLUXVM_SNAT_F_PEERS": uint64(SNATFlagPeers)},
 	"fluxvm_timeout_default": {
 		"FLUXVM_TIMEOUT_TCP_SYN_S":         uint64(DefaultTimeoutTCPSyn),
 		"FLUXVM_TIMEOUT_TCP_ESTABLISHED_S": uint64(DefaultTimeoutTCPEstablished),

@@ -17,6 +17,7 @@ enum fluxvm_abi_const {
 	FLUXVM_SNAT_TRIES = 32,     /* candidate ports for one new SNAT mapping */
 	FLUXVM_EDGE_SLOT_MASK = 0xffff, /* ifindex -> fluxvm_edge_slots key */
 	FLUXVM_BE2FE_SLOTS = 4,     /* frontends per fluxvm_be2fe entry */
+	FLUXVM_SNAT_PEERS_MAX = 64, /* entries of fluxvm_snat_peers */
 };
 
 /*

@@ -173,6 +173,7 @@ _Static_assert(sizeof(struct fluxvm_be2fe_value) == 116, "fluxvm_be2fe_value siz
 enum fluxvm_snat_flags {
 	FLUXVM_SNAT_F_V4 = 1U << 0, /* addr4 is set */
 	FLUXVM_SNAT_F_V6 = 1U << 1, /* addr6 is set */
+	FLUXVM_SNAT_F_PEERS = 1U << 2, /* fluxvm_snat_peers may list addresses */
 };
 
 struct fluxvm_snat_cfg {
@@ -184,6 +185,30 @@ struct fluxvm_snat_cfg {
 	__u32 pad;
 };
 _Static_assert(sizeof(struct fluxvm_snat_cfg) == 32, "fluxvm_snat_cfg size");
+
+/*
+ * The SNAT addresses of the other edges of this node's group
+ * (fluxvm_snat_peers, at most FLUXVM_SNAT_PEERS_MAX): the flows
+ * translated to them that replication brought here keep their
+ * translation (the conntrack entry holds its SNAT address and port), and
+ * replies to them are translated back here as replies to the node's own
+ * address are, so that any edge continues any edge's flow. New flows take
+ * the node's own address only. Looked up only while fluxvm_snat_cfg has
+ * FLUXVM_SNAT_F_PEERS, so a node outside a group pays nothing for it.
+ * The value is reserved (zero).
+ */
+struct fluxvm_snat_peer_key {
+	__be32 addr[4]; /* IPv4 uses addr[0], the rest zero */
+	__u8 family;    /* enum fluxvm_family */
+	__u8 pad[3];
+};
+_Static_assert(sizeof(struct fluxvm_snat_peer_key) == 20, "fluxvm_snat_peer_key size");
+
+struct fluxvm_snat_peer_value {
+	__u32 flags; /* reserved, zero */
+	__u32 pad;
+};
+_Static_assert(sizeof(struct fluxvm_snat_peer_value) == 8, "fluxvm_snat_peer_value size");
 
 /* Conntrack timeouts in seconds where fluxvm_meta_value holds 0. */
 enum fluxvm_timeout_default {

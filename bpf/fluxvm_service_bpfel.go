@@ -20,6 +20,7 @@ const (
 	serviceFluxvmAbiConstFLUXVM_SNAT_TRIES     serviceFluxvmAbiConst = 32
 	serviceFluxvmAbiConstFLUXVM_EDGE_SLOT_MASK serviceFluxvmAbiConst = 65535
 	serviceFluxvmAbiConstFLUXVM_BE2FE_SLOTS    serviceFluxvmAbiConst = 4
+	serviceFluxvmAbiConstFLUXVM_SNAT_PEERS_MAX serviceFluxvmAbiConst = 64
 )
 
 type serviceFluxvmBackend struct {
@@ -432,9 +433,23 @@ type serviceFluxvmSnatCfg struct {
 type serviceFluxvmSnatFlags uint32
 
 const (
-	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V4 serviceFluxvmSnatFlags = 1
-	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V6 serviceFluxvmSnatFlags = 2
+	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V4    serviceFluxvmSnatFlags = 1
+	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_V6    serviceFluxvmSnatFlags = 2
+	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_PEERS serviceFluxvmSnatFlags = 4
 )
+
+type serviceFluxvmSnatPeerKey struct {
+	_      structs.HostLayout
+	Addr   [4]uint32
+	Family uint8
+	Pad    [3]uint8
+}
+
+type serviceFluxvmSnatPeerValue struct {
+	_     structs.HostLayout
+	Flags uint32
+	Pad   uint32
+}
 
 type serviceFluxvmSnatTry struct {
 	_      structs.HostLayout
@@ -623,6 +638,7 @@ const (
 	serviceMapFluxvmSid4         = "fluxvm_sid4"
 	serviceMapFluxvmSid6         = "fluxvm_sid6"
 	serviceMapFluxvmSnat         = "fluxvm_snat"
+	serviceMapFluxvmSnatPeers    = "fluxvm_snat_peers"
 	serviceMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
 	serviceMapFluxvmSockFwd      = "fluxvm_sock_fwd"
 	serviceMapFluxvmSockRev      = "fluxvm_sock_rev"
@@ -716,6 +732,7 @@ type serviceMapSpecs struct {
 	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
@@ -779,6 +796,7 @@ type serviceMaps struct {
 	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
@@ -815,6 +833,7 @@ func (m *serviceMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,

@@ -40,6 +40,7 @@ const (
 	serviceConnectTierLMapFluxvmSid4              = "fluxvm_sid4"
 	serviceConnectTierLMapFluxvmSid6              = "fluxvm_sid6"
 	serviceConnectTierLMapFluxvmSnat              = "fluxvm_snat"
+	serviceConnectTierLMapFluxvmSnatPeers         = "fluxvm_snat_peers"
 	serviceConnectTierLMapFluxvmSockFwd           = "fluxvm_sock_fwd"
 	serviceConnectTierLMapFluxvmSockRev           = "fluxvm_sock_rev"
 	serviceConnectTierLMapFluxvmSpol              = "fluxvm_spol"
@@ -138,6 +139,7 @@ type serviceConnectTierLMapSpecs struct {
 	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
@@ -196,6 +198,7 @@ type serviceConnectTierLMaps struct {
 	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
@@ -230,6 +233,7 @@ func (m *serviceConnectTierLMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
 		m.FluxvmSpol,

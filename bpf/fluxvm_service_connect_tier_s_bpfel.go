@@ -40,6 +40,7 @@ const (
 	serviceConnectTierSMapFluxvmSid4              = "fluxvm_sid4"
 	serviceConnectTierSMapFluxvmSid6              = "fluxvm_sid6"
 	serviceConnectTierSMapFluxvmSnat              = "fluxvm_snat"
+	serviceConnectTierSMapFluxvmSnatPeers         = "fluxvm_snat_peers"
 	serviceConnectTierSMapFluxvmSockFwd           = "fluxvm_sock_fwd"
 	serviceConnectTierSMapFluxvmSockRev           = "fluxvm_sock_rev"
 	serviceConnectTierSMapFluxvmSpol              = "fluxvm_spol"
@@ -138,6 +139,7 @@ type serviceConnectTierSMapSpecs struct {
 	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
@@ -196,6 +198,7 @@ type serviceConnectTierSMaps struct {
 	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
@@ -230,6 +233,7 @@ func (m *serviceConnectTierSMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
 		m.FluxvmSpol,

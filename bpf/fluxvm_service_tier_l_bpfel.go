@@ -41,6 +41,7 @@ const (
 	serviceTierLMapFluxvmSid4         = "fluxvm_sid4"
 	serviceTierLMapFluxvmSid6         = "fluxvm_sid6"
 	serviceTierLMapFluxvmSnat         = "fluxvm_snat"
+	serviceTierLMapFluxvmSnatPeers    = "fluxvm_snat_peers"
 	serviceTierLMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
 	serviceTierLMapFluxvmSockFwd      = "fluxvm_sock_fwd"
 	serviceTierLMapFluxvmSockRev      = "fluxvm_sock_rev"
@@ -134,6 +135,7 @@ type serviceTierLMapSpecs struct {
 	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
@@ -197,6 +199,7 @@ type serviceTierLMaps struct {
 	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
@@ -233,6 +236,7 @@ func (m *serviceTierLMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,

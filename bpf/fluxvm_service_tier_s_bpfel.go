@@ -41,6 +41,7 @@ const (
 	serviceTierSMapFluxvmSid4         = "fluxvm_sid4"
 	serviceTierSMapFluxvmSid6         = "fluxvm_sid6"
 	serviceTierSMapFluxvmSnat         = "fluxvm_snat"
+	serviceTierSMapFluxvmSnatPeers    = "fluxvm_snat_peers"
 	serviceTierSMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
 	serviceTierSMapFluxvmSockFwd      = "fluxvm_sock_fwd"
 	serviceTierSMapFluxvmSockRev      = "fluxvm_sock_rev"
@@ -134,6 +135,7 @@ type serviceTierSMapSpecs struct {
 	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
@@ -197,6 +199,7 @@ type serviceTierSMaps struct {
 	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
@@ -233,6 +236,7 @@ func (m *serviceTierSMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,

@@ -42,6 +42,7 @@ const (
 	serviceXdpMapFluxvmSid4         = "fluxvm_sid4"
 	serviceXdpMapFluxvmSid6         = "fluxvm_sid6"
 	serviceXdpMapFluxvmSnat         = "fluxvm_snat"
+	serviceXdpMapFluxvmSnatPeers    = "fluxvm_snat_peers"
 	serviceXdpMapFluxvmSnatScratch  = "fluxvm_snat_scratch"
 	serviceXdpMapFluxvmSockFwd      = "fluxvm_sock_fwd"
 	serviceXdpMapFluxvmSockRev      = "fluxvm_sock_rev"
@@ -131,6 +132,7 @@ type serviceXdpMapSpecs struct {
 	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
@@ -196,6 +198,7 @@ type serviceXdpMaps struct {
 	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
@@ -234,6 +237,7 @@ func (m *serviceXdpMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,

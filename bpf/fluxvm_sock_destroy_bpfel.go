@@ -40,6 +40,7 @@ const (
 	sockDestroyMapFluxvmSid4            = "fluxvm_sid4"
 	sockDestroyMapFluxvmSid6            = "fluxvm_sid6"
 	sockDestroyMapFluxvmSnat            = "fluxvm_snat"
+	sockDestroyMapFluxvmSnatPeers       = "fluxvm_snat_peers"
 	sockDestroyMapFluxvmSockFwd         = "fluxvm_sock_fwd"
 	sockDestroyMapFluxvmSockRev         = "fluxvm_sock_rev"
 	sockDestroyMapFluxvmSpol            = "fluxvm_spol"
@@ -122,6 +123,7 @@ type sockDestroyMapSpecs struct {
 	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
@@ -180,6 +182,7 @@ type sockDestroyMaps struct {
 	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
@@ -214,6 +217,7 @@ func (m *sockDestroyMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
 		m.FluxvmSpol,

@@ -41,6 +41,7 @@ const (
 	serviceTestMapFluxvmSid4            = "fluxvm_sid4"
 	serviceTestMapFluxvmSid6            = "fluxvm_sid6"
 	serviceTestMapFluxvmSnat            = "fluxvm_snat"
+	serviceTestMapFluxvmSnatPeers       = "fluxvm_snat_peers"
 	serviceTestMapFluxvmSnatScratch     = "fluxvm_snat_scratch"
 	serviceTestMapFluxvmSockFwd         = "fluxvm_sock_fwd"
 	serviceTestMapFluxvmSockRev         = "fluxvm_sock_rev"
@@ -141,6 +142,7 @@ type serviceTestMapSpecs struct {
 	FluxvmSid4        *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.MapSpec `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
@@ -211,6 +213,7 @@ type serviceTestMaps struct {
 	FluxvmSid4        *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6        *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat        *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers   *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSnatScratch *ebpf.Map `ebpf:"fluxvm_snat_scratch"`
 	FluxvmSockFwd     *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev     *ebpf.Map `ebpf:"fluxvm_sock_rev"`
@@ -247,6 +250,7 @@ func (m *serviceTestMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSnatScratch,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,

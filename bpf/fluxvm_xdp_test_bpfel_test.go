@@ -40,6 +40,7 @@ const (
 	xdpTestMapFluxvmSid4        = "fluxvm_sid4"
 	xdpTestMapFluxvmSid6        = "fluxvm_sid6"
 	xdpTestMapFluxvmSnat        = "fluxvm_snat"
+	xdpTestMapFluxvmSnatPeers   = "fluxvm_snat_peers"
 	xdpTestMapFluxvmSockFwd     = "fluxvm_sock_fwd"
 	xdpTestMapFluxvmSockRev     = "fluxvm_sock_rev"
 	xdpTestMapFluxvmSpol        = "fluxvm_spol"
@@ -124,6 +125,7 @@ type xdpTestMapSpecs struct {
 	FluxvmSid4       *ebpf.MapSpec `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.MapSpec `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.MapSpec `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.MapSpec `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.MapSpec `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.MapSpec `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.MapSpec `ebpf:"fluxvm_spol"`
@@ -184,6 +186,7 @@ type xdpTestMaps struct {
 	FluxvmSid4       *ebpf.Map `ebpf:"fluxvm_sid4"`
 	FluxvmSid6       *ebpf.Map `ebpf:"fluxvm_sid6"`
 	FluxvmSnat       *ebpf.Map `ebpf:"fluxvm_snat"`
+	FluxvmSnatPeers  *ebpf.Map `ebpf:"fluxvm_snat_peers"`
 	FluxvmSockFwd    *ebpf.Map `ebpf:"fluxvm_sock_fwd"`
 	FluxvmSockRev    *ebpf.Map `ebpf:"fluxvm_sock_rev"`
 	FluxvmSpol       *ebpf.Map `ebpf:"fluxvm_spol"`
@@ -218,6 +221,7 @@ func (m *xdpTestMaps) Close() error {
 		m.FluxvmSid4,
 		m.FluxvmSid6,
 		m.FluxvmSnat,
+		m.FluxvmSnatPeers,
 		m.FluxvmSockFwd,
 		m.FluxvmSockRev,
 		m.FluxvmSpol,

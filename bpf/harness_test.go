@@ -119,6 +119,7 @@ func (h *harness) reset() {
 		"fluxvm_fct4": h.objs.FluxvmFct4, "fluxvm_fct6": h.objs.FluxvmFct6,
 		"fluxvm_nat4": h.objs.FluxvmNat4, "fluxvm_nat6": h.objs.FluxvmNat6,
 		"fluxvm_maglev": h.objs.FluxvmMaglev, "fluxvm_be2fe": h.objs.FluxvmBe2fe,
+		"fluxvm_snat_peers": h.objs.FluxvmSnatPeers,
 	} {
 		var keys []any
 		it := m.Iterate()

@@ -37,6 +37,8 @@ func TestLayoutsMatchBTF(t *testing.T) {
 		{"fluxvm_meta_value", 48, Meta{}},
 		{"fluxvm_edge_slot", 8, EdgeSlot{}},
 		{"fluxvm_snat_cfg", 32, SNATConfig{}},
+		{"fluxvm_snat_peer_key", 20, SNATPeerKey{}},
+		{"fluxvm_snat_peer_value", 8, SNATPeerValue{}},
 		{"fluxvm_be2fe_key", 20, Be2feKey{}},
 		{"fluxvm_be2fe_slot", 28, Be2feSlot{}},
 		{"fluxvm_be2fe_value", 116, Be2feValue{}},

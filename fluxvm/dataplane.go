@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"net/netip"
 	"slices"
 	"sync"
 
@@ -75,16 +76,19 @@ type Dataplane struct {
 	// prog programs the services' frontends, backends and Maglev tables
 	// and keeps what it wrote (fluxvm/internal/services; programmer.go);
 	// its state is under mu.
-	prog     *services.Programmer
-	ifaces   map[string]*iface
-	pacing   *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
-	snat     bpf.SNATConfig
-	revision uint64
-	lastGC   *GCResult
-	scope    *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)
-	sock     *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
-	health   *healthchecks.Checks       // active health checks (internal/health; health.go)
-	adv      *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
+	prog   *services.Programmer
+	ifaces map[string]*iface
+	pacing *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
+	snat   bpf.SNATConfig
+	// snatPeers are the group's other SNAT addresses in fluxvm_snat_peers
+	// (SetSNATPeers; snatpeers.go), sorted.
+	snatPeers []netip.Addr
+	revision  uint64
+	lastGC    *GCResult
+	scope     *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)
+	sock      *socklb.LB                 // socket load balancing (internal/socklb; socklb.go); set by Open
+	health    *healthchecks.Checks       // active health checks (internal/health; health.go)
+	adv       *advertisements.Advertiser // VIP advertisements (internal/advertisements; advertise.go)
 	// testHealthDial, set by tests before the first check, replaces
 	// dialNode for the health checks.
 	testHealthDial func(ctx context.Context, network, address string) (net.Conn, error)

@@ -197,7 +197,8 @@ func (d *Dataplane) haTarget(what, service string, prune bool) (ha.Target, error
 		return ha.Target{}, err
 	}
 	cfg := d.opts.settings()
-	var snat []netip.Addr
+	// The node's own SNAT addresses and its group's (SetSNATPeers).
+	snat := d.snatPeersCopy()
 	for _, a := range []netip.Addr{cfg.SNATAddressFor(false), cfg.SNATAddressFor(true)} {
 		if a.IsValid() {
 			snat = append(snat, a.Unmap())

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"reflect"
 	"slices"
 	"testing"
 	"time"
@@ -149,7 +150,7 @@ func TestDataplaneNorthSouth(t *testing.T) {
 	if kinds[nsUplink] != InterfaceNorthSouth || kinds[e.cli.NodeIf] != InterfaceVMEdge || len(kinds) != 5 {
 		t.Errorf("interface kinds %v", kinds)
 	}
-	if want := (SNATStatus{Address4: nsSNAT4, Address6: nsSNAT6, PortMin: 62000, PortMax: 62999}); st.SNAT != want {
+	if want := (SNATStatus{Address4: nsSNAT4, Address6: nsSNAT6, PortMin: 62000, PortMax: 62999}); !reflect.DeepEqual(st.SNAT, want) {
 		t.Errorf("status SNAT %+v, want %+v", st.SNAT, want)
 	}
 

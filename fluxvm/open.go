@@ -295,6 +295,9 @@ func (d *Dataplane) init(ctx context.Context, undo *undoStack) error {
 	if err := d.dp.Maps().FluxvmSnat.Lookup(uint32(0), &prevSNAT); err != nil {
 		return fmt.Errorf("fluxvm: open: snat config: %w", err)
 	}
+	if err := d.readSNATPeers(); err != nil {
+		return fmt.Errorf("fluxvm: open: %w", err)
+	}
 	if err := d.writeSNAT(); err != nil {
 		return fmt.Errorf("fluxvm: open: %w", err)
 	}

@@ -26,6 +26,9 @@ func restoreOpenMeta(m *bpf.Meta, prev bpf.Meta) {
 func (d *Dataplane) writeSNAT() error {
 	cfg := d.opts.settings()
 	v := cfg.SNATConfig()
+	if len(d.snatPeers) > 0 {
+		v.Flags |= bpf.SNATFlagPeers
+	}
 	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
 		return fmt.Errorf("snat config: %w", err)
 	}

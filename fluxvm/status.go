@@ -188,6 +188,9 @@ type SNATStatus struct {
 	Address6 netip.Addr `json:"address_v6,omitzero"`
 	PortMin  uint16     `json:"port_min"`
 	PortMax  uint16     `json:"port_max"`
+	// Peers are the SNAT addresses of the other edges of the node's
+	// group whose flows it continues (SetSNATPeers), sorted.
+	Peers []netip.Addr `json:"peers,omitempty"`
 }
 
 // Capacities are the map sizes of the loaded tier.

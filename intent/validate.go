@@ -413,13 +413,14 @@ func checkName(name string) *ValidationError {
 var reservedNames = map[string]bool{
 	"status": true, "stats": true, "health": true, "conntrack": true, "pressure": true,
 	"advertisements": true, "flows": true, "telemetry": true, "policies": true,
-	"ha": true,
+	"ha": true, "snat": true,
 }
 
 // ReservedNames returns, sorted, the words that cannot be service names:
 // the fixed path segments under /v1/network/services/ of the REST API,
 // those it has (status, stats, health, conntrack, advertisements, flows,
-// policies, telemetry, ha, pressure: POST …/pressure/reconcile). Validation
+// policies, telemetry, ha, pressure: POST …/pressure/reconcile, snat: POST
+// …/snat/peers). Validation
 // rejects them with ErrReservedName.
 func ReservedNames() []string {
 	out := make([]string, 0, len(reservedNames))

@@ -526,7 +526,7 @@ func TestValidateCatalog(t *testing.T) {
 // ErrInvalid) on the field "name", and that names merely close to one
 // are not.
 func TestReservedNames(t *testing.T) {
-	words := []string{"advertisements", "conntrack", "flows", "ha", "health", "policies", "pressure", "stats", "status", "telemetry"}
+	words := []string{"advertisements", "conntrack", "flows", "ha", "health", "policies", "pressure", "snat", "stats", "status", "telemetry"}
 	if got := ReservedNames(); !reflect.DeepEqual(got, words) {
 		t.Errorf("ReservedNames() = %v, want %v", got, words)
 	}

@@ -232,6 +232,14 @@ struct {
 	__uint(max_entries, 1);
 } fluxvm_snat SEC(".maps");
 
+/* The group's other SNAT addresses (fluxvm_abi_ct.bpf.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct fluxvm_snat_peer_key);
+	__type(value, struct fluxvm_snat_peer_value);
+	__uint(max_entries, FLUXVM_SNAT_PEERS_MAX);
+} fluxvm_snat_peers SEC(".maps");
+
 /* HA mutation queue (lib/ha.h) and the records it had no room for. */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);

@@ -56,19 +56,52 @@ static __always_inline struct fluxvm_snat_cfg *fluxvm_snat_cfg_get(void)
 	return bpf_map_lookup_elem(&fluxvm_snat, &zero);
 }
 
-/* Is @addr the SNAT address of its family? Replies are looked up only for
- * packets to it, so other traffic pays one inlined array lookup. */
+/* An address as a global function's argument: the verifier lets the
+ * callee read as many bytes as the pointed-to type has. */
+struct fluxvm_addr16 {
+	__be32 w[4];
+};
+
+/* Is @addr, of an edge of this node's group, in fluxvm_snat_peers? A
+ * global function: the rare path (nodes in a group only) stays off the
+ * callers' frames and is verified once. */
+__attribute__((noinline)) int fluxvm_is_snat_peer(const struct fluxvm_addr16 *addr, __u32 v6)
+{
+	struct fluxvm_snat_peer_key k = {};
+
+	if (!addr)
+		return 0;
+	if (v6) {
+		__builtin_memcpy(k.addr, addr->w, 16);
+		k.family = FLUXVM_AF_INET6;
+	} else {
+		k.addr[0] = addr->w[0];
+		k.family = FLUXVM_AF_INET;
+	}
+	return bpf_map_lookup_elem(&fluxvm_snat_peers, &k) != NULL;
+}
+
+/* Is @addr the SNAT address of its family, or one of the group's
+ * (fluxvm_snat_peers)? Replies are looked up only for packets to them, so
+ * other traffic pays one inlined array lookup, and one hash lookup more
+ * on a node in a group only. */
 static __always_inline int fluxvm_is_snat_addr(const __be32 *addr, const int v6)
 {
 	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
+	__u32 flags;
 
 	if (!cfg)
 		return 0;
-	if (v6)
-		return (cfg->flags & FLUXVM_SNAT_F_V6) && addr[0] == cfg->addr6[0] &&
-		       addr[1] == cfg->addr6[1] && addr[2] == cfg->addr6[2] &&
-		       addr[3] == cfg->addr6[3];
-	return (cfg->flags & FLUXVM_SNAT_F_V4) && addr[0] == cfg->addr4;
+	flags = cfg->flags;
+	if (v6) {
+		if ((flags & FLUXVM_SNAT_F_V6) && addr[0] == cfg->addr6[0] && addr[1] == cfg->addr6[1] &&
+		    addr[2] == cfg->addr6[2] && addr[3] == cfg->addr6[3])
+			return 1;
+	} else if ((flags & FLUXVM_SNAT_F_V4) && addr[0] == cfg->addr4) {
+		return 1;
+	}
+	/* Every caller passes a 16-byte address (struct fluxvm_pkt's). */
+	return (flags & FLUXVM_SNAT_F_PEERS) && fluxvm_is_snat_peer((const struct fluxvm_addr16 *)addr, v6);
 }
 
 /* The mapping's key and value for the flow @pkt (client -> VIP) pinned to

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
 	"strconv"
@@ -36,6 +37,7 @@ const (
 	pathPolicies     = pathServices + "/policies"
 	pathHA           = pathServices + "/ha"
 	pathLease        = pathHA + "/lease"
+	pathSNATPeers    = pathServices + "/snat/peers"
 	pathPolicyRecon  = pathPolicies + "/reconcile"
 	pathPressureRec  = pathServices + "/pressure/reconcile"
 	pathTelemetryExp = pathServices + "/telemetry/export"
@@ -77,6 +79,7 @@ var commands = []command{
 	{"policy delete", "policy delete NAME", "remove the identity policy of a service (admin)", cmdPolicyDelete},
 	{"pressure reconcile", "pressure reconcile", "run one round of the map pressure controller now (admin)", cmdPressureReconcile},
 	{"ha lease", "ha lease [-epoch N] [-superseded-by N]", "record a lease update: renew/advance, or fence this edge (admin)", cmdHALease},
+	{"snat peers", "snat peers ADDR... | -none", "set the SNAT addresses of the group's other edges, whose flows this node continues (admin)", cmdSNATPeers},
 	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout; needs the north-south edge, not ha_epoch", cmdConntrackExport},
 	{"conntrack import", "conntrack import NAME FILE|- [-prune]", "apply a flow snapshot; -prune deletes the flows it lacks (admin)", cmdConntrackImport},
 	{"delta import", "delta import NAME FILE|-", "apply a delta of the peer's journal (admin)", cmdDeltaImport},
@@ -138,7 +141,7 @@ func (inv *invocation) flags() *flag.FlagSet {
 
 // parse parses the command's arguments (flags may come before or after
 // the positional ones) and checks that there is one positional argument
-// for each name of what.
+// for each name of what (a last name ending in "..." takes any number).
 func (inv *invocation) parse(fs *flag.FlagSet, what ...string) ([]string, error) {
 	var pos []string
 	args := inv.args
@@ -155,6 +158,11 @@ func (inv *invocation) parse(fs *flag.FlagSet, what ...string) ([]string, error)
 		}
 		pos = append(pos, args[0])
 		args = args[1:]
+	}
+	// A last name ending in "..." takes any number of arguments, none too.
+	variadic := len(what) > 0 && strings.HasSuffix(what[len(what)-1], "...")
+	if variadic && len(pos) >= len(what)-1 {
+		what = pos
 	}
 	if len(pos) != len(what) {
 		if len(what) == 0 {
@@ -580,6 +588,34 @@ func cmdHALease(inv *invocation) error {
 	}
 	var st fluxvm.HAStatus
 	return inv.call(request{method: http.MethodPost, path: pathLease, body: bytes.NewReader(body)}, &st, func(w io.Writer) { haTable(w, st) })
+}
+
+func cmdSNATPeers(inv *invocation) error {
+	fs := inv.flags()
+	none := fs.Bool("none", false, "clear the list (no address may follow)")
+	args, err := inv.parse(fs, "ADDR...")
+	if err != nil {
+		return err
+	}
+	if *none == (len(args) > 0) {
+		return usagef("usage: fluxvmctl snat peers ADDR... | -none (the whole list: addresses, or -none to clear it)")
+	}
+	addrs := make([]netip.Addr, 0, len(args))
+	for _, a := range args {
+		ip, err := netip.ParseAddr(a)
+		if err != nil {
+			return usagef("snat peers: %q is not an IP address", a)
+		}
+		addrs = append(addrs, ip)
+	}
+	body, err := json.Marshal(struct {
+		Addresses []netip.Addr `json:"addresses"`
+	}{addrs})
+	if err != nil {
+		return err
+	}
+	var st fluxvm.SNATStatus
+	return inv.call(request{method: http.MethodPost, path: pathSNATPeers, body: bytes.NewReader(body)}, &st, func(w io.Writer) { snatTable(w, st) })
 }
 
 func cmdTelemetryExport(inv *invocation) error {

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -121,6 +122,8 @@ func TestMoreRequests(t *testing.T) {
 		"GET /v1/network/services/delete/policy":       ok(t, fluxvm.PolicyStatus{Service: "delete"}),
 		"GET /v1/network/services/web/l7/envoy":        ok(t, fluxvm.EnvoyDocument{Service: "web", Mode: fluxvm.L7Enforce}),
 		"POST /v1/network/services/ha/lease":           ok(t, fluxvm.HAStatus{Enabled: true, Epoch: 5, SupersededBy: 6}),
+		"POST /v1/network/services/snat/peers": ok(t, fluxvm.SNATStatus{Address4: netip.MustParseAddr("10.97.0.1"), PortMin: 61000, PortMax: 65535,
+			Peers: []netip.Addr{netip.MustParseAddr("10.97.0.2"), netip.MustParseAddr("fd00:97::2")}}),
 		"POST /v1/network/services/web/conntrack/import": ok(t, ha.ImportResult{Header: ha.Header{Service: "web", Node: "edge-1", Epoch: 4, Journal: "j1", Seq: 17, Created: applied},
 			Flows: 10, Written: 8, Fresher: 1, NoBackend: 1}),
 		"POST /v1/network/services/moved/conntrack/import": ok(t, ha.ImportResult{Header: ha.Header{Service: "moved", Node: "edge-1", Created: applied},
@@ -160,6 +163,10 @@ func TestMoreRequests(t *testing.T) {
 			[]string{"{\n  \"service\": \"web\",\n  \"mode\": \"enforce\","}},
 		{"ha lease", []string{"ha", "lease", "-epoch", "5", "-superseded-by", "6"}, "", "POST", "/v1/network/services/ha/lease", "", `{"epoch":5,"superseded_by":6}`, "application/json",
 			[]string{"Replication:  on, epoch 5, FENCED (superseded by epoch 6)\n"}},
+		{"snat peers", []string{"snat", "peers", "10.97.0.2", "fd00:97::2"}, "", "POST", "/v1/network/services/snat/peers", "", `{"addresses":["10.97.0.2","fd00:97::2"]}`, "application/json",
+			[]string{"Address v4:  10.97.0.1\n", "Address v6:  -\n", "Peers:       10.97.0.2, fd00:97::2\n"}},
+		{"snat peers none", []string{"snat", "peers", "-none"}, "", "POST", "/v1/network/services/snat/peers", "", `{"addresses":[]}`, "application/json",
+			[]string{"Ports:       61000-65535\n"}},
 		{"conntrack import", []string{"conntrack", "import", "web", snap, "-prune"}, "", "POST", "/v1/network/services/web/conntrack/import", "prune=true", string(snapBytes), "application/octet-stream",
 			[]string{"Service:         web\n", "Journal cursor:  j1 at seq 17\n", "Created:         2026-11-30T12:00:00Z\n", "Written:         8\n", "Fresher here:    1\n"}},
 		{"conntrack import of no lease", []string{"conntrack", "import", "moved", snap, "-prune"}, "", "POST", "/v1/network/services/moved/conntrack/import", "prune=true", string(snapBytes), "application/octet-stream",
@@ -213,6 +220,10 @@ func TestMoreUsageErrors(t *testing.T) {
 		stderr string
 	}{
 		{"lease without flags", []string{"ha", "lease"}, "ha lease: give -epoch, -superseded-by or both"},
+		{"snat peers nothing", []string{"snat", "peers"}, "usage: fluxvmctl snat peers ADDR... | -none"},
+		{"snat peers both", []string{"snat", "peers", "-none", "10.97.0.2"}, "usage: fluxvmctl snat peers ADDR... | -none"},
+		{"snat peers bad", []string{"snat", "peers", "10.97.0"}, `snat peers: "10.97.0" is not an IP address`},
+		{"snat alone", []string{"snat"}, "usage: fluxvmctl snat peers ADDR... | -none"},
 		{"lease epoch 0", []string{"ha", "lease", "-epoch", "0"}, "-epoch must be positive"},
 		{"lease bad epoch", []string{"ha", "lease", "-epoch", "-3"}, `invalid value "-3" for flag -epoch`},
 		{"ack bad seq", []string{"delta", "ack", "web", "x"}, `SEQ "x": want an unsigned integer`},

@@ -157,6 +157,33 @@ func featuresSummary(fs []string) string {
 	return strings.Join(fs, ", ")
 }
 
+// snatTable prints the node's SNAT configuration with its peers.
+func snatTable(w io.Writer, st fluxvm.SNATStatus) {
+	for _, r := range []struct {
+		name string
+		a    netip.Addr
+	}{{"Address v4:", st.Address4}, {"Address v6:", st.Address6}} {
+		v := "-"
+		if r.a.IsValid() {
+			v = r.a.String()
+		}
+		row(w, r.name, v)
+	}
+	row(w, "Ports:", fmt.Sprintf("%d-%d", st.PortMin, st.PortMax))
+	row(w, "Peers:", snatPeersSummary(st.Peers))
+}
+
+func snatPeersSummary(peers []netip.Addr) string {
+	if len(peers) == 0 {
+		return "none"
+	}
+	s := make([]string, len(peers))
+	for i, a := range peers {
+		s[i] = a.String()
+	}
+	return strings.Join(s, ", ")
+}
+
 func statusTable(w io.Writer, st fluxvm.Status) {
 	row(w, "Schema:", st.SchemaVersion)
 	row(w, "Generation:", st.Generation)
@@ -175,6 +202,9 @@ func statusTable(w io.Writer, st fluxvm.Status) {
 		snat = fmt.Sprintf("%s ports %d-%d", strings.Join(as, ","), st.SNAT.PortMin, st.SNAT.PortMax)
 	}
 	row(w, "SNAT:", snat)
+	if len(st.SNAT.Peers) > 0 {
+		row(w, "SNAT peers:", snatPeersSummary(st.SNAT.Peers))
+	}
 	xdp := "off"
 	if st.XDPRouteCache.Enabled {
 		xdp = "on"

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -142,7 +143,7 @@ maglev_seed = 99
 		t.Errorf("status interfaces %s", body)
 	}
 	wantSNAT := fluxvm.SNATStatus{Address4: netip.MustParseAddr("10.250.0.100"), Address6: netip.MustParseAddr("fd00:250::100"), PortMin: 62000, PortMax: 62999}
-	if status.SNAT != wantSNAT {
+	if !reflect.DeepEqual(status.SNAT, wantSNAT) {
 		t.Errorf("status snat %+v, want %+v", status.SNAT, wantSNAT)
 	}
 	if status.Advertisements.Path != advPath || status.Advertisements.Generation != 1 {

@@ -624,6 +624,7 @@ func TestAuthMatrix(t *testing.T) {
 		{"health", req{method: "GET", path: "/v1/network/services/health"}, read},
 		{"reconcile health", req{method: "POST", path: "/v1/network/services/health/reconcile"}, admin},
 		{"reconcile pressure", req{method: "POST", path: "/v1/network/services/pressure/reconcile"}, admin},
+		{"snat peers", req{method: "POST", path: "/v1/network/services/snat/peers", body: `{"addresses":[]}`}, admin},
 		{"advertisements", req{method: "GET", path: "/v1/network/services/advertisements"}, read},
 		{"delete", req{method: "DELETE", path: "/v1/network/services/web"}, admin},
 		{"policies", req{method: "GET", path: "/v1/network/services/policies"}, read},

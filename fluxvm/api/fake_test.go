@@ -41,13 +41,15 @@ type fakeDataplane struct {
 	statusPanic bool
 	statusAbort bool // Status panics with http.ErrAbortHandler
 	gcErr       error
-	status      fluxvm.Status
-	stats       fluxvm.Stats
-	vms         map[string]fluxvm.VMStats
-	flows       []flows.Record // what Flows returns, before limit and filter
-	flowsErr    error
-	flowReads   []flowRead      // every Flows call
-	lastCtx     context.Context // the context of the last ApplyService or GC
+	// SetSNATPeers: its error.
+	snatPeersErr error
+	status       fluxvm.Status
+	stats        fluxvm.Stats
+	vms          map[string]fluxvm.VMStats
+	flows        []flows.Record // what Flows returns, before limit and filter
+	flowsErr     error
+	flowReads    []flowRead      // every Flows call
+	lastCtx      context.Context // the context of the last ApplyService or GC
 
 	// Identity policies.
 	policies      map[string]fluxvm.Policy
@@ -195,6 +197,17 @@ func (f *fakeDataplane) VMStats(_ context.Context, vmID string) (fluxvm.VMStats,
 		return fluxvm.VMStats{}, fmt.Errorf("vm %q: %w", vmID, fluxvm.ErrNotFound)
 	}
 	return s, nil
+}
+
+func (f *fakeDataplane) SetSNATPeers(ctx context.Context, addrs []netip.Addr) (fluxvm.SNATStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lastCtx = ctx
+	if f.snatPeersErr != nil {
+		return fluxvm.SNATStatus{}, f.snatPeersErr
+	}
+	f.status.SNAT.Peers = slices.Clone(addrs)
+	return f.status.SNAT, nil
 }
 
 func (f *fakeDataplane) GC(ctx context.Context) (fluxvm.GCResult, error) {

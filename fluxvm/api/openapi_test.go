@@ -194,6 +194,7 @@ func TestOpenAPISchemas(t *testing.T) {
 		"ShedCounts":             reflect.TypeFor[conntrack.ShedCounts](),
 		"GCRequest":              reflect.TypeFor[gcRequest](),
 		"HealthReconcileRequest": reflect.TypeFor[reconcileRequest](),
+		"SNATPeersRequest":       reflect.TypeFor[snatPeersRequest](),
 		"HealthReport":           reflect.TypeFor[fluxvm.HealthReport](),
 		"ServiceHealth":          reflect.TypeFor[fluxvm.ServiceHealth](),
 		"BackendHealth":          reflect.TypeFor[fluxvm.BackendHealth](),

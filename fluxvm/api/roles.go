@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
@@ -60,6 +61,11 @@ type Admin interface {
 	// ReconcilePressure runs one round of the map pressure controller
 	// now and returns what it did.
 	ReconcilePressure(ctx context.Context) (fluxvm.PressureRound, error)
+	// SetSNATPeers replaces the SNAT addresses of the other edges of the
+	// node's group (POST …/snat/peers): a refused set wraps
+	// fluxvm.ErrInvalid, a node without a north-south edge
+	// fluxvm.ErrPrerequisite, and nothing changes.
+	SetSNATPeers(ctx context.Context, addrs []netip.Addr) (fluxvm.SNATStatus, error)
 }
 
 // FlowReader reads the FluxScope flow records: GET …/flows and POST

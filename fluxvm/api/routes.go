@@ -8,6 +8,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -49,6 +50,7 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/health", handle: (*handler).health},
 	{method: http.MethodPost, path: "/v1/network/services/health/reconcile", admin: true, body: true, handle: (*handler).reconcileHealth},
 	{method: http.MethodPost, path: "/v1/network/services/pressure/reconcile", admin: true, body: true, handle: (*handler).reconcilePressure},
+	{method: http.MethodPost, path: "/v1/network/services/snat/peers", admin: true, body: true, handle: (*handler).setSNATPeers},
 	{method: http.MethodGet, path: "/v1/network/services/advertisements", handle: (*handler).advertisements},
 	{method: http.MethodGet, path: "/v1/network/services/flows", handle: (*handler).flows},
 	{method: http.MethodPost, path: "/v1/network/services/telemetry/export", admin: true, handle: (*handler).exportFlows},
@@ -259,6 +261,34 @@ func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	h.writeJSON(w, r, http.StatusOK, res)
+	return nil
+}
+
+// snatPeersRequest is the body of POST /v1/network/services/snat/peers:
+// the whole set; an empty list clears it, a missing one is refused.
+type snatPeersRequest struct {
+	Addresses *[]netip.Addr `json:"addresses"`
+}
+
+func (h *handler) setSNATPeers(w http.ResponseWriter, r *http.Request) error {
+	body, err := readBody(r)
+	if err != nil {
+		return err
+	}
+	var req snatPeersRequest
+	if err := decodeStrictNoRepeat(body, &req); err != nil {
+		return err
+	}
+	if req.Addresses == nil {
+		e := newAPIError(CodeInvalidRequest, "addresses: required (the whole set; [] clears it)")
+		e.field = "addresses"
+		return e
+	}
+	st, err := h.roles.Admin.SetSNATPeers(r.Context(), *req.Addresses)
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
 	return nil
 }
 

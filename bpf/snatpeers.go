@@ -1,0 +1,93 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	"github.com/cilium/ebpf"
+)
+
+// SNATPeersMax is how many addresses fluxvm_snat_peers holds.
+const SNATPeersMax = int(serviceFluxvmAbiConstFLUXVM_SNAT_PEERS_MAX)
+
+// SNATFlagPeers (SNATConfig.Flags) makes the datapath look replies'
+// destinations up in fluxvm_snat_peers too.
+const SNATFlagPeers = uint32(serviceFluxvmSnatFlagsFLUXVM_SNAT_F_PEERS)
+
+// SNATPeerKey and SNATPeerValue are fluxvm_snat_peers' layouts.
+type (
+	SNATPeerKey   = serviceFluxvmSnatPeerKey
+	SNATPeerValue = serviceFluxvmSnatPeerValue
+)
+
+// SNATPeerKeyOf is the key of address a (IPv4 or IPv6; a 4-in-6 address
+// is its IPv4 one).
+func SNATPeerKeyOf(a netip.Addr) SNATPeerKey {
+	a = a.Unmap()
+	k := SNATPeerKey{Addr: AddrWords(a), Family: FamilyIPv4}
+	if a.Is6() {
+		k.Family = FamilyIPv6
+	}
+	return k
+}
+
+// SNATPeers reads and writes fluxvm_snat_peers: the SNAT addresses of the
+// other edges of this node's group, whose flows (brought here by
+// replication) the datapath continues with their own translation and
+// whose replies it translates back. The SNATFlagPeers flag of
+// fluxvm_snat is the caller's: set it once the addresses are in, clear it
+// before the last goes.
+type SNATPeers struct{ m *ebpf.Map }
+
+// NewSNATPeers wraps the map m (fluxvm_snat_peers).
+func NewSNATPeers(m *ebpf.Map) (SNATPeers, error) {
+	if m == nil {
+		return SNATPeers{}, errors.New("snat peers: no map")
+	}
+	return SNATPeers{m: m}, nil
+}
+
+// List returns the addresses in the map, sorted.
+func (p SNATPeers) List() ([]netip.Addr, error) {
+	var (
+		k    SNATPeerKey
+		v    SNATPeerValue
+		out  []netip.Addr
+		iter = p.m.Iterate()
+	)
+	for iter.Next(&k, &v) {
+		if k.Family != FamilyIPv4 && k.Family != FamilyIPv6 {
+			return nil, fmt.Errorf("snat peers: entry of family %d", k.Family)
+		}
+		out = append(out, Addr(k.Addr, k.Family))
+	}
+	if err := iter.Err(); err != nil {
+		return nil, fmt.Errorf("snat peers: list: %w", err)
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out, nil
+}
+
+// Add puts addresses into the map (existing ones stay). On error the
+// ones it added are taken out again.
+func (p SNATPeers) Add(addrs []netip.Addr) error {
+	for i, a := range addrs {
+		if err := p.m.Update(SNATPeerKeyOf(a), SNATPeerValue{}, ebpf.UpdateAny); err != nil {
+			return errors.Join(fmt.Errorf("snat peers: add %s: %w", a, err), p.Remove(addrs[:i]))
+		}
+	}
+	return nil
+}
+
+// Remove takes addresses out of the map; absent ones are no error.
+func (p SNATPeers) Remove(addrs []netip.Addr) error {
+	var errs []error
+	for _, a := range addrs {
+		if err := p.m.Delete(SNATPeerKeyOf(a)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, fmt.Errorf("snat peers: remove %s: %w", a, err))
+		}
+	}
+	return errors.Join(errs...)
+}

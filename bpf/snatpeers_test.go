@@ -1,0 +1,145 @@
+package bpf
+
+import (
+	"bytes"
+	"net/netip"
+	"slices"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
+)
+
+// The SNAT addresses of another edge of the group, in the peer tests.
+var (
+	peer4 = netip.MustParseAddr("10.250.0.9")
+	peer6 = netip.MustParseAddr("fd00:250::9")
+)
+
+func (v variant) peerAddr() netip.Addr {
+	if v.client.Is4() {
+		return peer4
+	}
+	return peer6
+}
+
+// TestSNATPeers: a flow another edge of the group translated to its own
+// SNAT address (brought here as replication writes it: the conntrack
+// entry naming that address and port, the mapping keyed by them) is
+// continued here only while that address is in fluxvm_snat_peers and the
+// SNAT configuration has SNATFlagPeers: its replies are translated back
+// on every hook that may see them first, and its packets keep their
+// original source. Otherwise its replies are not ours and pass untouched.
+func TestSNATPeers(t *testing.T) {
+	h := newHarness(t)
+	peers, err := NewSNATPeers(h.objs.FluxvmSnatPeers)
+	h.must(err)
+	for _, v := range variants() {
+		t.Run(v.name, func(t *testing.T) {
+			h.reset()
+			v.nsSetup(h, 0)
+			b := v.backends[0]
+			c := v.clientAt(snatMin + 2)
+			port := nsForward(t, h, v, c, pkt.SYN, b)
+
+			// Move the flow to the peer's address, as an import of the
+			// peer's snapshot would have written it.
+			own, peer := v.snatKey(b, port), tuple{b, netip.AddrPortFrom(v.peerAddr(), port), v.proto}
+			nv, ok := h.nat(own)
+			if !ok {
+				t.Fatal("no SNAT mapping")
+			}
+			h.must(h.natMap(own).Delete(own.key()))
+			h.must(h.natMap(peer).Put(peer.key(), nv))
+			ct, _ := h.ct(tuple{c, v.vip, v.proto})
+			ct.NatAddr = AddrWords(v.peerAddr())
+			h.must(h.ctMap(tuple{c, v.vip, v.proto}).Put(tuple{c, v.vip, v.proto}.key(), ct))
+
+			reply := v.frame(b, peer.dst, pkt.ACK)
+			translated := v.frame(v.vip, c, pkt.ACK)
+			hooks := []struct {
+				name string
+				prog *ebpf.Program
+			}{{"from_vm", h.objs.FluxvmFromVm}, {"ns_in", h.objs.FluxvmNsIn}, {"ns_out", h.objs.FluxvmNsOut}}
+			expect := func(step string, ours bool) {
+				t.Helper()
+				for _, hook := range hooks {
+					ret, got := h.run(hook.prog, reply)
+					switch {
+					case ours && (ret != tcOK || !bytes.Equal(got, translated)):
+						t.Fatalf("%s: reply on %s: verdict %d\n got %x\nwant %x", step, hook.name, int32(ret), got, translated)
+					case !ours && (ret != tcNext || !bytes.Equal(got, reply)):
+						t.Fatalf("%s: reply on %s: verdict %d, want it untouched\n got %x\n in %x", step, hook.name, int32(ret), got, reply)
+					}
+				}
+			}
+			setFlag := func(on bool) {
+				var cfg SNATConfig
+				h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
+				cfg.Flags &^= SNATFlagPeers
+				if on {
+					cfg.Flags |= SNATFlagPeers
+				}
+				h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
+			}
+
+			expect("not a peer", false)
+			h.must(peers.Add([]netip.Addr{v.peerAddr()}))
+			expect("a peer, without the flag", false)
+			setFlag(true)
+			expect("a peer", true)
+			if err := pkt.VerifyChecksums(translated); err != nil {
+				t.Fatal(err)
+			}
+
+			// The client's next packet leaves from the peer's address
+			// and port, as on the edge that translated it first.
+			ret, out := h.run(h.objs.FluxvmNsIn, v.frame(c, v.vip, pkt.ACK))
+			if want := v.frame(peer.dst, b, pkt.ACK); ret != tcOK || !bytes.Equal(out, want) {
+				t.Fatalf("forward of the peer's flow: verdict %d\n got %x\nwant %x", int32(ret), out, want)
+			}
+			// A new flow still takes this node's own address.
+			nsForward(t, h, v, v.clientAt(snatMin+5), pkt.SYN, b)
+
+			h.must(peers.Remove([]netip.Addr{v.peerAddr()}))
+			expect("no longer a peer", false)
+			setFlag(false)
+		})
+	}
+}
+
+// TestSNATPeersMap: List, Add and Remove on the real map, bounded by its
+// size.
+func TestSNATPeersMap(t *testing.T) {
+	h := newHarness(t)
+	peers, err := NewSNATPeers(h.objs.FluxvmSnatPeers)
+	h.must(err)
+	h.must(peers.Remove([]netip.Addr{peer4, peer6}))
+	in := []netip.Addr{peer6, peer4, netip.MustParseAddr("::ffff:10.250.0.10")}
+	h.must(peers.Add(in))
+	got, err := peers.List()
+	h.must(err)
+	want := []netip.Addr{peer4, netip.MustParseAddr("10.250.0.10"), peer6}
+	if !slices.Equal(got, want) {
+		t.Fatalf("List = %v, want %v", got, want)
+	}
+	h.must(peers.Remove(append(want, netip.MustParseAddr("10.1.1.1"))))
+	if got, _ := peers.List(); len(got) != 0 {
+		t.Fatalf("after Remove: %v", got)
+	}
+	// One more than the map holds: the whole Add is undone.
+	var many []netip.Addr
+	for i := range SNATPeersMax + 1 {
+		many = append(many, netip.AddrFrom4([4]byte{10, 251, byte(i >> 8), byte(i)}))
+	}
+	if err := peers.Add(many); err == nil {
+		t.Fatal("Add of more addresses than the map holds succeeded")
+	}
+	if got, _ := peers.List(); len(got) != 0 {
+		t.Fatalf("after a failed Add: %d addresses left", len(got))
+	}
+	if _, err := NewSNATPeers(nil); err == nil {
+		t.Fatal("NewSNATPeers(nil) succeeded")
+	}
+}

@@ -25,6 +25,9 @@ const (
 	// ReasonNoReadyBackend: no backend for this VIP is Ready after health
 	// checks.
 	ReasonNoReadyBackend Reason = "no ready backend"
+	// ReasonSNATNotAdvertised: an SNAT address the node holds, while the
+	// node leaves its routing to others (advertise_snat=false).
+	ReasonSNATNotAdvertised Reason = "advertise_snat=false"
 )
 
 // Exposure values, as in the service intent. An empty exposure means the
@@ -84,6 +87,18 @@ func Decide(in Input) Entry {
 		e.Reason = ReasonNoReadyBackend
 	default:
 		e.Advertised = true
+	}
+	return e
+}
+
+// DecideSNAT returns the entry of an SNAT address the node wants routed
+// to it: its own (KindSNAT) or a gone peer's it took over (KindSNATPeer).
+// It is advertised when advertise is true (advertise_snat), else
+// withdrawn with ReasonSNATNotAdvertised.
+func DecideSNAT(addr netip.Addr, kind Kind, advertise bool) Entry {
+	e := Entry{VIP: addr, Service: SNATService, Kind: kind, Advertised: advertise}
+	if !advertise {
+		e.Reason = ReasonSNATNotAdvertised
 	}
 	return e
 }

@@ -2,6 +2,8 @@ package advert
 
 import (
 	"net/netip"
+	"path/filepath"
+	"slices"
 	"testing"
 )
 
@@ -59,5 +61,48 @@ func TestDecideCopiesPorts(t *testing.T) {
 	ports[0].Port = 81
 	if e.Ports[0].Port != 80 {
 		t.Fatal("Decide shares the caller's Ports slice")
+	}
+}
+
+// TestDecideSNAT: an SNAT address's entry is advertised exactly when the
+// node announces its SNAT addresses, is a valid entry either way, and
+// reads back through Decode with its kind; AdvertisedPrefixes includes it
+// beside the VIPs.
+func TestDecideSNAT(t *testing.T) {
+	own, peer := netip.MustParseAddr("10.97.0.1"), netip.MustParseAddr("fd00:97::2")
+	vip := Decide(Input{VIP: netip.MustParseAddr("10.96.0.10"), Service: "web", Exposure: ExposureNorthSouth, Enabled: true, Advertise: true, ReadyBackends: 1})
+	for _, advertise := range []bool{true, false} {
+		entries := []Entry{DecideSNAT(peer, KindSNATPeer, advertise), vip, DecideSNAT(own, KindSNAT, advertise)}
+		for _, e := range []Entry{entries[0], entries[2]} {
+			if e.Advertised != advertise || (e.Reason == "") != advertise || e.Service != SNATService {
+				t.Errorf("advertise %v: %+v", advertise, e)
+			}
+		}
+		p, err := NewPublisher(Options{Path: filepath.Join(t.TempDir(), "adv.json")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, _, err := p.Publish(entries)
+		if err != nil {
+			t.Fatalf("advertise %v: %v", advertise, err)
+		}
+		back, err := Read(p.Path())
+		if err != nil || !EqualEntries(back.Entries, s.Entries) {
+			t.Fatalf("advertise %v: read back %+v, %v", advertise, back.Entries, err)
+		}
+		kinds := map[netip.Addr]Kind{}
+		for _, e := range back.Entries {
+			kinds[e.VIP] = e.Kind
+		}
+		if kinds[own] != KindSNAT || kinds[peer] != KindSNATPeer || kinds[vip.VIP] != KindVIP {
+			t.Errorf("advertise %v: kinds %v", advertise, kinds)
+		}
+		want := []netip.Prefix{netip.MustParsePrefix("10.96.0.10/32")}
+		if advertise {
+			want = []netip.Prefix{netip.MustParsePrefix("10.96.0.10/32"), netip.MustParsePrefix("10.97.0.1/32"), netip.MustParsePrefix("fd00:97::2/128")}
+		}
+		if got := back.AdvertisedPrefixes(); !slices.Equal(got, want) {
+			t.Errorf("advertise %v: prefixes %v, want %v", advertise, got, want)
+		}
 	}
 }

@@ -55,8 +55,15 @@ type Entry struct {
 	Prefix netip.Prefix `json:"prefix"`
 	// Family is "ipv4" or "ipv6". Publish derives it from VIP.
 	Family Family `json:"family"`
-	// Service is the name of the service the VIP belongs to.
+	// Service is the name of the service the VIP belongs to; SNATService
+	// for the entries of SNAT addresses (Kind KindSNAT, KindSNATPeer).
 	Service string `json:"service"`
+	// Kind is what the address is: a VIP (KindVIP, empty and omitted),
+	// or an SNAT address the node wants routed to it (KindSNAT,
+	// KindSNATPeer). An adapter announces every advertised entry's prefix
+	// alike; one that knows no kinds reads an SNAT entry as a VIP of the
+	// service SNATService, and announces it too.
+	Kind Kind `json:"kind,omitempty"`
 	// Exposure is the service's exposure ("east-west", "north-south",
 	// "both"), when known.
 	Exposure string `json:"exposure,omitempty"`
@@ -71,6 +78,27 @@ type Entry struct {
 	// Advertised is true, never empty when it is false.
 	Reason Reason `json:"reason,omitempty"`
 }
+
+// Kind is what an entry's address is.
+type Kind string
+
+// Kinds of entries.
+const (
+	// KindVIP is a VIP of a service (the empty kind, omitted in JSON).
+	KindVIP Kind = ""
+	// KindSNAT is the node's own SNAT address: the source of its
+	// north-south NAT flows, to which their backends reply.
+	KindSNAT Kind = "snat"
+	// KindSNATPeer is the SNAT address of another edge of the node's
+	// group that this node has taken over (that edge is gone): the
+	// replies of that edge's flows are to come here, where replication
+	// brought the flows.
+	KindSNATPeer Kind = "snat-peer"
+)
+
+// SNATService is the Service of every SNAT entry: a name the REST API
+// reserves, so that no service has it.
+const SNATService = "snat"
 
 // Port is one frontend port of a service.
 type Port struct {
@@ -245,7 +273,7 @@ func canonicalEntry(e Entry) Entry {
 func EqualEntries(a, b []Entry) bool {
 	return slices.EqualFunc(a, b, func(x, y Entry) bool {
 		return x.VIP == y.VIP && x.Prefix == y.Prefix && x.Family == y.Family &&
-			x.Service == y.Service && x.Exposure == y.Exposure &&
+			x.Service == y.Service && x.Kind == y.Kind && x.Exposure == y.Exposure &&
 			x.Advertised == y.Advertised && x.Reason == y.Reason &&
 			slices.Equal(x.Ports, y.Ports)
 	})
@@ -285,6 +313,15 @@ func checkEntry(e Entry) error {
 		return fmt.Errorf("reason %q on an advertised entry", e.Reason)
 	case !e.Advertised && e.Reason == "":
 		return errors.New("reason is required when advertised is false")
+	}
+	switch e.Kind {
+	case KindVIP:
+	case KindSNAT, KindSNATPeer:
+		if e.Service != SNATService || e.Exposure != "" || len(e.Ports) != 0 {
+			return fmt.Errorf("an entry of kind %s has service %q (want %q), no exposure and no ports", e.Kind, e.Service, SNATService)
+		}
+	default:
+		return fmt.Errorf("kind %q is not %q, %q or empty (a VIP)", e.Kind, KindSNAT, KindSNATPeer)
 	}
 	switch e.Exposure {
 	case "", ExposureEastWest, ExposureNorthSouth, ExposureBoth:

@@ -102,6 +102,10 @@ func TestPublishRejectsInvalidEntries(t *testing.T) {
 		{"port 0", []Entry{{VIP: v4, Service: "s", Advertised: true, Ports: []Port{{0, "tcp"}}}}, "port 0"},
 		{"bad protocol", []Entry{{VIP: v4, Service: "s", Advertised: true, Ports: []Port{{80, "TCP"}}}}, "protocol"},
 		{"duplicate vip and service", []Entry{ok, ok}, "listed twice"},
+		{"unknown kind", []Entry{{VIP: v4, Service: "s", Kind: "nat", Advertised: true}}, `kind "nat"`},
+		{"SNAT entry of a service", []Entry{{VIP: v4, Service: "web", Kind: KindSNAT, Advertised: true}}, "kind snat has service"},
+		{"SNAT entry with ports", []Entry{{VIP: v4, Service: SNATService, Kind: KindSNATPeer, Advertised: true, Ports: []Port{{80, "tcp"}}}}, "no ports"},
+		{"SNAT entry with exposure", []Entry{{VIP: v4, Service: SNATService, Kind: KindSNAT, Advertised: true, Exposure: ExposureBoth}}, "no exposure"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

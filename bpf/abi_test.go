@@ -134,9 +134,10 @@ var goEnums = map[string]map[string]uint64{
 	"fluxvm_ct_flags": {"FLUXVM_CT_F_SNAT": uint64(CTFlagSNAT), "FLUXVM_CT_F_DSR": uint64(CTFlagDSR),
 		"FLUXVM_CT_F_REV_DERIVED": uint64(CTFlagRevDerived), "FLUXVM_CT_F_AUDITED": uint64(CTFlagAudited),
 		"FLUXVM_CT_F_L7": uint64(CTFlagL7)},
-	"fluxvm_be2fe_flags": {"FLUXVM_BE2FE_F_OVERFLOW": uint64(Be2feFlagOverflow)},
-	"fluxvm_nat_flags":   {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
-	"fluxvm_snat_flags":  {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6), "FLUXVM_SNAT_F_PEERS": uint64(SNATFlagPeers)},
+	"fluxvm_be2fe_flags":     {"FLUXVM_BE2FE_F_OVERFLOW": uint64(Be2feFlagOverflow)},
+	"fluxvm_nat_flags":       {"FLUXVM_NAT_F_SNAT": uint64(NATFlagSNAT), "FLUXVM_NAT_F_HOST_ROUTING": uint64(NATFlagHostRouting)},
+	"fluxvm_snat_flags":      {"FLUXVM_SNAT_F_V4": uint64(SNATFlagV4), "FLUXVM_SNAT_F_V6": uint64(SNATFlagV6), "FLUXVM_SNAT_F_PEERS": uint64(SNATFlagPeers)},
+	"fluxvm_snat_peer_flags": {"FLUXVM_SNAT_PEER_F_ANNOUNCE": uint64(SNATPeerFlagAnnounce)},
 	"fluxvm_timeout_default": {
 		"FLUXVM_TIMEOUT_TCP_SYN_S":         uint64(DefaultTimeoutTCPSyn),
 		"FLUXVM_TIMEOUT_TCP_ESTABLISHED_S": uint64(DefaultTimeoutTCPEstablished),

@@ -195,7 +195,9 @@ _Static_assert(sizeof(struct fluxvm_snat_cfg) == 32, "fluxvm_snat_cfg size");
  * address are, so that any edge continues any edge's flow. New flows take
  * the node's own address only. Looked up only while fluxvm_snat_cfg has
  * FLUXVM_SNAT_F_PEERS, so a node outside a group pays nothing for it.
- * The value is reserved (zero).
+ * The value's flags are the control plane's (the datapath reads only the
+ * key): FLUXVM_SNAT_PEER_F_ANNOUNCE marks an address this node took over
+ * from an edge that is gone, which it asks the routing to send here.
  */
 struct fluxvm_snat_peer_key {
 	__be32 addr[4]; /* IPv4 uses addr[0], the rest zero */
@@ -204,8 +206,12 @@ struct fluxvm_snat_peer_key {
 };
 _Static_assert(sizeof(struct fluxvm_snat_peer_key) == 20, "fluxvm_snat_peer_key size");
 
+enum fluxvm_snat_peer_flags {
+	FLUXVM_SNAT_PEER_F_ANNOUNCE = 1U << 0, /* announced by this node (taken over) */
+};
+
 struct fluxvm_snat_peer_value {
-	__u32 flags; /* reserved, zero */
+	enum fluxvm_snat_peer_flags flags; /* 4 bytes; the enum named for BTF and Go */
 	__u32 pad;
 };
 _Static_assert(sizeof(struct fluxvm_snat_peer_value) == 8, "fluxvm_snat_peer_value size");

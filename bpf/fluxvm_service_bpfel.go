@@ -438,6 +438,12 @@ const (
 	serviceFluxvmSnatFlagsFLUXVM_SNAT_F_PEERS serviceFluxvmSnatFlags = 4
 )
 
+type serviceFluxvmSnatPeerFlags uint32
+
+const (
+	serviceFluxvmSnatPeerFlagsFLUXVM_SNAT_PEER_F_ANNOUNCE serviceFluxvmSnatPeerFlags = 1
+)
+
 type serviceFluxvmSnatPeerKey struct {
 	_      structs.HostLayout
 	Addr   [4]uint32
@@ -447,7 +453,7 @@ type serviceFluxvmSnatPeerKey struct {
 
 type serviceFluxvmSnatPeerValue struct {
 	_     structs.HostLayout
-	Flags uint32
+	Flags serviceFluxvmSnatPeerFlags
 	Pad   uint32
 }
 

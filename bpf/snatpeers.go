@@ -33,6 +33,17 @@ func SNATPeerKeyOf(a netip.Addr) SNATPeerKey {
 	return k
 }
 
+// SNATPeerFlagAnnounce (SNATPeerValue.Flags) marks a peer address this
+// node announces: it took it over from an edge that is gone. The
+// datapath reads only the key; the flag is the control plane's.
+const SNATPeerFlagAnnounce = serviceFluxvmSnatPeerFlagsFLUXVM_SNAT_PEER_F_ANNOUNCE
+
+// SNATPeer is one entry of fluxvm_snat_peers.
+type SNATPeer struct {
+	Addr     netip.Addr
+	Announce bool // SNATPeerFlagAnnounce
+}
+
 // SNATPeers reads and writes fluxvm_snat_peers: the SNAT addresses of the
 // other edges of this node's group, whose flows (brought here by
 // replication) the datapath continues with their own translation and
@@ -49,33 +60,37 @@ func NewSNATPeers(m *ebpf.Map) (SNATPeers, error) {
 	return SNATPeers{m: m}, nil
 }
 
-// List returns the addresses in the map, sorted.
-func (p SNATPeers) List() ([]netip.Addr, error) {
+// List returns the entries of the map, sorted by address.
+func (p SNATPeers) List() ([]SNATPeer, error) {
 	var (
 		k    SNATPeerKey
 		v    SNATPeerValue
-		out  []netip.Addr
+		out  []SNATPeer
 		iter = p.m.Iterate()
 	)
 	for iter.Next(&k, &v) {
 		if k.Family != FamilyIPv4 && k.Family != FamilyIPv6 {
 			return nil, fmt.Errorf("snat peers: entry of family %d", k.Family)
 		}
-		out = append(out, Addr(k.Addr, k.Family))
+		out = append(out, SNATPeer{Addr: Addr(k.Addr, k.Family), Announce: v.Flags&SNATPeerFlagAnnounce != 0})
 	}
 	if err := iter.Err(); err != nil {
 		return nil, fmt.Errorf("snat peers: list: %w", err)
 	}
-	slices.SortFunc(out, netip.Addr.Compare)
+	slices.SortFunc(out, func(a, b SNATPeer) int { return a.Addr.Compare(b.Addr) })
 	return out, nil
 }
 
-// Add puts addresses into the map (existing ones stay). On error the
-// ones it added are taken out again.
-func (p SNATPeers) Add(addrs []netip.Addr) error {
-	for i, a := range addrs {
-		if err := p.m.Update(SNATPeerKeyOf(a), SNATPeerValue{}, ebpf.UpdateAny); err != nil {
-			return errors.Join(fmt.Errorf("snat peers: add %s: %w", a, err), p.Remove(addrs[:i]))
+// Put adds the entries, or updates the flags of those the map has. It
+// stops at the first error: the caller puts its earlier set back.
+func (p SNATPeers) Put(peers []SNATPeer) error {
+	for _, e := range peers {
+		var v SNATPeerValue
+		if e.Announce {
+			v.Flags = SNATPeerFlagAnnounce
+		}
+		if err := p.m.Update(SNATPeerKeyOf(e.Addr), v, ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("snat peers: put %s: %w", e.Addr, err)
 		}
 	}
 	return nil

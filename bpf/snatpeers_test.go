@@ -85,7 +85,7 @@ func TestSNATPeers(t *testing.T) {
 			}
 
 			expect("not a peer", false)
-			h.must(peers.Add([]netip.Addr{v.peerAddr()}))
+			h.must(peers.Put([]SNATPeer{{Addr: v.peerAddr()}}))
 			expect("a peer, without the flag", false)
 			setFlag(true)
 			expect("a peer", true)
@@ -109,36 +109,42 @@ func TestSNATPeers(t *testing.T) {
 	}
 }
 
-// TestSNATPeersMap: List, Add and Remove on the real map, bounded by its
-// size.
+// TestSNATPeersMap: List, Put and Remove on the real map, bounded by its
+// size; the announce flag round-trips.
 func TestSNATPeersMap(t *testing.T) {
 	h := newHarness(t)
 	peers, err := NewSNATPeers(h.objs.FluxvmSnatPeers)
 	h.must(err)
 	h.must(peers.Remove([]netip.Addr{peer4, peer6}))
-	in := []netip.Addr{peer6, peer4, netip.MustParseAddr("::ffff:10.250.0.10")}
-	h.must(peers.Add(in))
+	ten := netip.MustParseAddr("10.250.0.10")
+	h.must(peers.Put([]SNATPeer{{Addr: peer6, Announce: true}, {Addr: peer4}, {Addr: netip.MustParseAddr("::ffff:10.250.0.10")}}))
 	got, err := peers.List()
 	h.must(err)
-	want := []netip.Addr{peer4, netip.MustParseAddr("10.250.0.10"), peer6}
+	want := []SNATPeer{{Addr: peer4}, {Addr: ten}, {Addr: peer6, Announce: true}}
 	if !slices.Equal(got, want) {
 		t.Fatalf("List = %v, want %v", got, want)
 	}
-	h.must(peers.Remove(append(want, netip.MustParseAddr("10.1.1.1"))))
+	h.must(peers.Put([]SNATPeer{{Addr: peer6}, {Addr: peer4, Announce: true}}))
+	got, _ = peers.List()
+	if want := []SNATPeer{{Addr: peer4, Announce: true}, {Addr: ten}, {Addr: peer6}}; !slices.Equal(got, want) {
+		t.Fatalf("after a flag change: %v, want %v", got, want)
+	}
+	h.must(peers.Remove([]netip.Addr{peer4, ten, peer6, netip.MustParseAddr("10.1.1.1")}))
 	if got, _ := peers.List(); len(got) != 0 {
 		t.Fatalf("after Remove: %v", got)
 	}
-	// One more than the map holds: the whole Add is undone.
-	var many []netip.Addr
+	// One more than the map holds: Put fails on the last one.
+	var many []SNATPeer
 	for i := range SNATPeersMax + 1 {
-		many = append(many, netip.AddrFrom4([4]byte{10, 251, byte(i >> 8), byte(i)}))
+		many = append(many, SNATPeer{Addr: netip.AddrFrom4([4]byte{10, 251, byte(i >> 8), byte(i)})})
 	}
-	if err := peers.Add(many); err == nil {
-		t.Fatal("Add of more addresses than the map holds succeeded")
+	if err := peers.Put(many); err == nil {
+		t.Fatal("Put of more addresses than the map holds succeeded")
 	}
-	if got, _ := peers.List(); len(got) != 0 {
-		t.Fatalf("after a failed Add: %d addresses left", len(got))
+	if got, _ := peers.List(); len(got) != SNATPeersMax {
+		t.Fatalf("after a Put past the size: %d entries, want %d", len(got), SNATPeersMax)
 	}
+	h.reset()
 	if _, err := NewSNATPeers(nil); err == nil {
 		t.Fatal("NewSNATPeers(nil) succeeded")
 	}

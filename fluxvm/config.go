@@ -235,6 +235,15 @@ type Config struct {
 	// families (snat_address then holds the IPv4 one). Optional; IPv6
 	// only, with the rules of snat_address.
 	SNATAddressV6 netip.Addr `toml:"snat_address_v6"`
+	// AdvertiseSNAT lists the node's SNAT addresses in the advertisement
+	// snapshot as advertised (kind "snat"), beside the VIPs, so that the
+	// routing adapters announce them and backends' replies find the node
+	// through the same BGP sessions; and the SNAT addresses of gone edges
+	// of its group that it took over (SetSNATPeers, kind "snat-peer").
+	// Default false: the entries are listed withdrawn
+	// ("advertise_snat=false"), and the SNAT addresses are routed by other
+	// means. Needs snat_address or snat_address_v6.
+	AdvertiseSNAT bool `toml:"advertise_snat"`
 	// SNATPortMin and SNATPortMax are the source ports north-south SNAT
 	// allocates from, inclusive. Defaults DefaultSNATPortMin (61000) and
 	// DefaultSNATPortMax (65535), outside Linux's default ephemeral range

@@ -38,6 +38,7 @@ import (
 //     loopback or link-local); snat_address_v6: unset or such an IPv6
 //     address, and then snat_address, if set, is IPv4;
 //   - snat_port_min and snat_port_max: 1024..65535 each, min <= max;
+//   - advertise_snat: only with an SNAT address;
 //   - cgroup_path: empty, or an absolute path and then cgroup_connect
 //     true;
 //   - edt_horizon bpf.MinEDTHorizon..bpf.MaxEDTHorizon (1ms..10s);

@@ -86,6 +86,7 @@ snat_address = "203.0.113.10"
 snat_address_v6 = "2001:db8:10::10"
 snat_port_min = 20000
 snat_port_max = 29999
+advertise_snat = true
 cgroup_connect = true
 cgroup_path = "/sys/fs/cgroup/unified/fluxvm"
 edt_enabled = true
@@ -130,6 +131,7 @@ edt_horizon_fallback = true
 		SNATAddressV6:          netip.MustParseAddr("2001:db8:10::10"),
 		SNATPortMin:            20000,
 		SNATPortMax:            29999,
+		AdvertiseSNAT:          true,
 		CgroupConnect:          true,
 		CgroupPath:             "/sys/fs/cgroup/unified/fluxvm",
 		EDTEnabled:             true,
@@ -281,6 +283,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "snat_port_min zero", doc: table + "snat_port_min = 0\n", field: k("snat_port_min"), kind: ErrInvalid},
 		{name: "snat_port_max above 65535", doc: table + "snat_port_max = 65536\n", field: k("snat_port_max"), kind: ErrInvalid},
 		{name: "snat_port_max negative", doc: table + "snat_port_max = -1\n", field: k("snat_port_max"), kind: ErrInvalid},
+		{name: "advertise_snat without an address", doc: table + "advertise_snat = true\n", field: k("advertise_snat"), kind: ErrPrerequisite},
 		{name: "snat ports reversed", doc: table + "snat_port_min = 62000\nsnat_port_max = 61999\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max"},
 		{name: "snat_port_min below the default max", doc: table + "snat_port_max = 2000\n", field: k("snat_port_min"), kind: ErrInvalid, reason: "above snat_port_max (2000)"},
 		{name: "snat_port_min a string", doc: table + "snat_port_min = \"61000\"\n", field: k("snat_port_min"), kind: ErrMalformed, reason: "integer"},

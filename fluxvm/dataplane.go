@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"net"
-	"net/netip"
 	"slices"
 	"sync"
 
@@ -81,8 +80,8 @@ type Dataplane struct {
 	pacing *edt.Pacing // EDT pacing's node side (fluxvm/internal/edt)
 	snat   bpf.SNATConfig
 	// snatPeers are the group's other SNAT addresses in fluxvm_snat_peers
-	// (SetSNATPeers; snatpeers.go), sorted.
-	snatPeers []netip.Addr
+	// (SetSNATPeers; snatpeers.go), sorted by address.
+	snatPeers []bpf.SNATPeer
 	revision  uint64
 	lastGC    *GCResult
 	scope     *flowview.Scope            // flow records, counters, VM edge slots (internal/flows; flows.go, stats.go)

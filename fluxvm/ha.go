@@ -198,7 +198,7 @@ func (d *Dataplane) haTarget(what, service string, prune bool) (ha.Target, error
 	}
 	cfg := d.opts.settings()
 	// The node's own SNAT addresses and its group's (SetSNATPeers).
-	snat := d.snatPeersCopy()
+	snat := d.snatPeerAddrs()
 	for _, a := range []netip.Addr{cfg.SNATAddressFor(false), cfg.SNATAddressFor(true)} {
 		if a.IsValid() {
 			snat = append(snat, a.Unmap())

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"iter"
 	"net"
+	"net/netip"
 
+	"github.com/fluxvm/servicefabric/fluxvm/internal/advertisements"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 )
 
@@ -175,4 +177,23 @@ func (d *Dataplane) ReconcileHealth(ctx context.Context) (_ HealthReport, err er
 	}
 	span.SetAttributes(AttrServices.Int(rounds), AttrHealthBackends.Int(backends))
 	return rep, err
+}
+
+// SNAT is the node's SNAT addresses for the advertisements: its own, the
+// peers' it took over, and advertise_snat; the caller holds d.mu
+// (advertisements.View).
+func (v servicesView) SNAT() advertisements.SNAT {
+	ns := v.d.opts.NorthSouth
+	s := advertisements.SNAT{Advertise: ns.AdvertiseSNAT}
+	for _, a := range []netip.Addr{ns.SNATAddress, ns.SNATAddressV6} {
+		if a.IsValid() {
+			s.Own = append(s.Own, a.Unmap())
+		}
+	}
+	for _, p := range v.d.snatPeers {
+		if p.Announce {
+			s.TakenOver = append(s.TakenOver, p.Addr)
+		}
+	}
+	return s
 }

@@ -219,13 +219,15 @@ type SocketLBOptions struct {
 // keys of the same names mean (north_south_interfaces, snat_address,
 // snat_address_v6, snat_port_min, snat_port_max); a port range left 0..0
 // takes the defaults (DefaultSNATPortMin..DefaultSNATPortMax). XDPMode
-// is xdp_mode (empty means off), XDPEgress xdp_egress_interfaces.
+// is xdp_mode (empty means off), XDPEgress xdp_egress_interfaces,
+// AdvertiseSNAT advertise_snat.
 type NorthSouth struct {
 	Interfaces                 []string
 	SNATAddress, SNATAddressV6 netip.Addr
 	SNATPortMin, SNATPortMax   int
 	XDPMode                    bpf.XDPMode
 	XDPEgress                  []string
+	AdvertiseSNAT              bool
 }
 
 // Validate checks the SNAT settings and the XDP mode with the

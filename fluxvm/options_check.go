@@ -38,6 +38,7 @@ var (
 	sSNATPortMax        = setting{"NorthSouth.SNATPortMax", "snat_port_max"}
 	sXDPMode            = setting{"NorthSouth.XDPMode", "xdp_mode"}
 	sXDPEgress          = setting{"NorthSouth.XDPEgress", "xdp_egress_interfaces"}
+	sAdvertiseSNAT      = setting{"NorthSouth.AdvertiseSNAT", "advertise_snat"}
 	sEDTEnabled         = setting{"EDT.Enabled", "edt_enabled"}
 	sEDTHorizon         = setting{"EDT.Horizon", "edt_horizon"}
 	sEDTManageFQ        = setting{"EDT.ManageFQ", "edt_manage_fq"}
@@ -200,6 +201,9 @@ func (o Options) checkNorthSouth(name func(setting) string, bad badFunc) {
 	}
 	if len(ns.XDPEgress) > 0 && (ns.XDPMode == "" || ns.XDPMode == bpf.XDPOff) {
 		bad(ErrInvalid, sXDPEgress, "set, but %s is off: set %[1]s too, or leave this empty", name(sXDPMode))
+	}
+	if ns.AdvertiseSNAT && !ns.SNATAddress.IsValid() && !ns.SNATAddressV6.IsValid() {
+		bad(ErrPrerequisite, sAdvertiseSNAT, "set, but the node has no SNAT address to advertise: set %s", name(sSNATAddress))
 	}
 	// Socket LB's rules go with the north-south ones: NorthSouth.Validate
 	// has always checked the settings Open applies to the node's edge.

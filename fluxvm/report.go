@@ -80,7 +80,13 @@ func (d *Dataplane) memoryStatus() *MemoryStatus {
 
 // snatStatus describes what writeSNAT put in fluxvm_snat.
 func (d *Dataplane) snatStatus() SNATStatus {
-	st := SNATStatus{PortMin: d.snat.PortMin, PortMax: d.snat.PortMax, Peers: slices.Clone(d.snatPeers)}
+	st := SNATStatus{PortMin: d.snat.PortMin, PortMax: d.snat.PortMax}
+	for _, p := range d.snatPeers {
+		st.Peers = append(st.Peers, p.Addr)
+		if p.Announce {
+			st.Announced = append(st.Announced, p.Addr)
+		}
+	}
 	if d.snat.Flags&bpf.SNATFlagV4 != 0 {
 		st.Address4 = bpf.Addr([4]uint32{d.snat.Addr4}, bpf.FamilyIPv4)
 	}

@@ -14,6 +14,20 @@ import (
 // (SetSNATPeers).
 const MaxSNATPeers = bpf.SNATPeersMax
 
+// SNATPeers is what SetSNATPeers takes, and the body of POST
+// /v1/network/services/snat/peers.
+type SNATPeers struct {
+	// Addresses are the SNAT addresses of the other edges of the node's
+	// group: the whole set, at most MaxSNATPeers; empty clears it.
+	Addresses []netip.Addr `json:"addresses"`
+	// Announce are those of Addresses that the node asks the routing to
+	// send to it: the addresses of edges that are gone, which it took
+	// over. They are listed in the advertisement snapshot (kind
+	// snat-peer), advertised with advertise_snat, so that the adapters
+	// announce them beside the VIPs.
+	Announce []netip.Addr `json:"announce,omitempty"`
+}
+
 // SetSNATPeers replaces the node's SNAT peers: the SNAT addresses of the
 // other edges of its group (edges behind the same ECMP router that
 // replicate their north-south flows to each other). A flow another edge
@@ -23,19 +37,20 @@ const MaxSNATPeers = bpf.SNATPeersMax
 // the backends' replies to that address are translated back here, as
 // replies to the node's own address are, wherever they arrive (a VM
 // edge, a north-south interface). New flows still take the node's own
-// SNAT address. Routing those replies to this node is the routing's: the
-// group's BGP announcements (docs/operations.md, "SNAT peers").
+// SNAT address. Routing those replies here is the routing's: p.Announce
+// puts the addresses the node took over into the advertisement snapshot
+// (docs/operations.md, "SNAT peers").
 //
-// addrs is the whole set (empty clears it), at most MaxSNATPeers
-// addresses, each a unicast address that is not one of this node's own
-// SNAT addresses, none twice (an IPv4-mapped IPv6 address is refused:
-// write the IPv4 one). A refused set changes nothing (ValidationError of
-// kind ErrInvalid naming addresses[i]); so does a failed write, which
-// puts the earlier set back. The set is kept in the pinned map
+// p.Addresses is the whole set: unicast addresses, none of them one of
+// this node's own SNAT addresses, none twice (an IPv4-mapped IPv6 address
+// is refused: write the IPv4 one); p.Announce a subset of it, none twice.
+// A refused set changes nothing (ValidationError of kind ErrInvalid
+// naming addresses[i] or announce[i]); so does a failed write, which puts
+// the earlier set back. The set is kept in the pinned map
 // fluxvm_snat_peers, so a restart keeps it; a node without a north-south
 // edge refuses it (ErrPrerequisite). Taking an address out while flows
 // of it live breaks them: do it once the group no longer routes it here.
-func (d *Dataplane) SetSNATPeers(ctx context.Context, addrs []netip.Addr) (SNATStatus, error) {
+func (d *Dataplane) SetSNATPeers(ctx context.Context, p SNATPeers) (SNATStatus, error) {
 	if err := d.opened("set SNAT peers"); err != nil {
 		return SNATStatus{}, err
 	}
@@ -46,7 +61,7 @@ func (d *Dataplane) SetSNATPeers(ctx context.Context, addrs []netip.Addr) (SNATS
 		return SNATStatus{}, fmt.Errorf("fluxvm: set SNAT peers: %w", err)
 	}
 	cfg := d.opts.settings()
-	want, err := checkSNATPeers(addrs, cfg.SNATAddressFor(false), cfg.SNATAddressFor(true))
+	want, err := checkSNATPeers(p, cfg.SNATAddressFor(false), cfg.SNATAddressFor(true))
 	if err != nil {
 		return SNATStatus{}, fmt.Errorf("fluxvm: set SNAT peers: %w", err)
 	}
@@ -58,49 +73,81 @@ func (d *Dataplane) SetSNATPeers(ctx context.Context, addrs []netip.Addr) (SNATS
 	if err := d.writeSNATPeers(want); err != nil {
 		return SNATStatus{}, fmt.Errorf("fluxvm: set SNAT peers: %w", err)
 	}
-	d.log.Info("fluxvm: SNAT peers set", "peers", want)
-	return d.snatStatus(), nil
+	d.advertise()
+	st := d.snatStatus()
+	d.log.Info("fluxvm: SNAT peers set", "peers", st.Peers, "announced", st.Announced)
+	return st, nil
 }
 
-// checkSNATPeers validates a set for SetSNATPeers and returns it sorted.
-func checkSNATPeers(addrs []netip.Addr, own4, own6 netip.Addr) ([]netip.Addr, error) {
-	if len(addrs) > MaxSNATPeers {
-		return nil, verr(ErrInvalid, "addresses", "%d addresses, at most %d", len(addrs), MaxSNATPeers)
+// checkSNATPeers validates a set for SetSNATPeers and returns its
+// entries sorted by address.
+func checkSNATPeers(p SNATPeers, own4, own6 netip.Addr) ([]bpf.SNATPeer, error) {
+	if len(p.Addresses) > MaxSNATPeers {
+		return nil, verr(ErrInvalid, "addresses", "%d addresses, at most %d", len(p.Addresses), MaxSNATPeers)
 	}
-	seen := make(map[netip.Addr]int, len(addrs))
-	for i, a := range addrs {
+	index := make(map[netip.Addr]int, len(p.Addresses))
+	out := make([]bpf.SNATPeer, 0, len(p.Addresses))
+	for i, a := range p.Addresses {
 		field := fmt.Sprintf("addresses[%d]", i)
-		if p := snatAddrProblem(a); p != "" {
-			return nil, verr(ErrInvalid, field, "%s", p)
+		if why := snatAddrProblem(a); why != "" {
+			return nil, verr(ErrInvalid, field, "%s", why)
 		}
 		if a == own4 || a == own6 {
 			return nil, verr(ErrInvalid, field, "%s is this node's own SNAT address", a)
 		}
-		if j, dup := seen[a]; dup {
+		if j, dup := index[a]; dup {
 			return nil, verr(ErrInvalid, field, "%s is addresses[%d] too", a, j)
 		}
-		seen[a] = i
+		index[a] = i
+		out = append(out, bpf.SNATPeer{Addr: a})
 	}
-	out := slices.Clone(addrs)
-	slices.SortFunc(out, netip.Addr.Compare)
+	announced := make(map[netip.Addr]int, len(p.Announce))
+	for i, a := range p.Announce {
+		field := fmt.Sprintf("announce[%d]", i)
+		j, ok := index[a]
+		if !ok {
+			return nil, verr(ErrInvalid, field, "%s is not among the addresses: announce only peers' addresses this node holds", a)
+		}
+		if k, dup := announced[a]; dup {
+			return nil, verr(ErrInvalid, field, "%s is announce[%d] too", a, k)
+		}
+		announced[a] = i
+		out[j].Announce = true
+	}
+	slices.SortFunc(out, func(a, b bpf.SNATPeer) int { return a.Addr.Compare(b.Addr) })
 	return out, nil
 }
 
 // writeSNATPeers makes fluxvm_snat_peers hold want and fluxvm_snat's
 // SNATFlagPeers say whether it holds any, in the order that never
 // leaves a packet to an address of either set untranslated: the new
-// addresses first, then the flag, then the old ones out. On error it
+// entries first, then the flag, then the old addresses out. On error it
 // puts the earlier set back. d.mu held.
-func (d *Dataplane) writeSNATPeers(want []netip.Addr) error {
+func (d *Dataplane) writeSNATPeers(want []bpf.SNATPeer) error {
 	peers, err := bpf.NewSNATPeers(d.dp.Maps().FluxvmSnatPeers)
 	if err != nil {
 		return err
 	}
 	old := d.snatPeers
-	added := slices.DeleteFunc(slices.Clone(want), func(a netip.Addr) bool { return slices.Contains(old, a) })
-	gone := slices.DeleteFunc(slices.Clone(old), func(a netip.Addr) bool { return slices.Contains(want, a) })
-	if err := peers.Add(added); err != nil {
-		return err
+	has := func(set []bpf.SNATPeer, a netip.Addr) bool {
+		return slices.ContainsFunc(set, func(p bpf.SNATPeer) bool { return p.Addr == a })
+	}
+	var gone, added []netip.Addr
+	for _, p := range old {
+		if !has(want, p.Addr) {
+			gone = append(gone, p.Addr)
+		}
+	}
+	for _, p := range want {
+		if !has(old, p.Addr) {
+			added = append(added, p.Addr)
+		}
+	}
+	undo := func(err error) error {
+		return errors.Join(err, peers.Put(old), peers.Remove(added), d.dp.Maps().FluxvmSnat.Put(uint32(0), d.snat))
+	}
+	if err := peers.Put(want); err != nil {
+		return undo(err)
 	}
 	v := d.snat
 	v.Flags &^= bpf.SNATFlagPeers
@@ -108,11 +155,10 @@ func (d *Dataplane) writeSNATPeers(want []netip.Addr) error {
 		v.Flags |= bpf.SNATFlagPeers
 	}
 	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
-		return errors.Join(fmt.Errorf("snat config: %w", err), peers.Remove(added))
+		return undo(fmt.Errorf("snat config: %w", err))
 	}
 	if err := peers.Remove(gone); err != nil {
-		// Back to the earlier set: its addresses in, its flag.
-		return errors.Join(err, peers.Add(gone), d.dp.Maps().FluxvmSnat.Put(uint32(0), d.snat), peers.Remove(added))
+		return undo(err)
 	}
 	d.snat, d.snatPeers = v, want
 	return nil
@@ -129,9 +175,14 @@ func (d *Dataplane) readSNATPeers() error {
 	return err
 }
 
-// snatPeersCopy is the current set, for imports (which run without d.mu).
-func (d *Dataplane) snatPeersCopy() []netip.Addr {
+// snatPeerAddrs are the set's addresses, for imports (which run without
+// d.mu).
+func (d *Dataplane) snatPeerAddrs() []netip.Addr {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return slices.Clone(d.snatPeers)
+	out := make([]netip.Addr, len(d.snatPeers))
+	for i, p := range d.snatPeers {
+		out[i] = p.Addr
+	}
+	return out
 }

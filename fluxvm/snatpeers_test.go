@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
@@ -27,27 +28,32 @@ func TestCheckSNATPeers(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name  string
-		in    []netip.Addr
+		in    SNATPeers
 		field string // "" for a set that is taken
-		want  []netip.Addr
+		want  []bpf.SNATPeer
 	}{
-		{"empty", nil, "", nil},
-		{"sorted", []netip.Addr{b, a}, "", []netip.Addr{a, b}},
-		{"the most", many[:MaxSNATPeers], "", many[:MaxSNATPeers]},
-		{"too many", many, "addresses", nil},
-		{"own IPv4", []netip.Addr{a, own4}, "addresses[1]", nil},
-		{"own IPv6", []netip.Addr{own6}, "addresses[0]", nil},
-		{"twice", []netip.Addr{a, b, a}, "addresses[2]", nil},
-		{"invalid", []netip.Addr{{}}, "addresses[0]", nil},
-		{"unspecified", []netip.Addr{netip.IPv4Unspecified()}, "addresses[0]", nil},
-		{"multicast", []netip.Addr{netip.MustParseAddr("224.0.0.1")}, "addresses[0]", nil},
-		{"IPv4-mapped", []netip.Addr{netip.MustParseAddr("::ffff:10.250.0.2")}, "addresses[0]", nil},
+		{"empty", SNATPeers{}, "", []bpf.SNATPeer{}},
+		{"sorted", SNATPeers{Addresses: []netip.Addr{b, a}}, "", []bpf.SNATPeer{{Addr: a}, {Addr: b}}},
+		{"announced", SNATPeers{Addresses: []netip.Addr{b, a}, Announce: []netip.Addr{b}}, "", []bpf.SNATPeer{{Addr: a}, {Addr: b, Announce: true}}},
+		{"the most", SNATPeers{Addresses: many[:MaxSNATPeers]}, "", nil},
+		{"too many", SNATPeers{Addresses: many}, "addresses", nil},
+		{"own IPv4", SNATPeers{Addresses: []netip.Addr{a, own4}}, "addresses[1]", nil},
+		{"own IPv6", SNATPeers{Addresses: []netip.Addr{own6}}, "addresses[0]", nil},
+		{"twice", SNATPeers{Addresses: []netip.Addr{a, b, a}}, "addresses[2]", nil},
+		{"invalid", SNATPeers{Addresses: []netip.Addr{{}}}, "addresses[0]", nil},
+		{"unspecified", SNATPeers{Addresses: []netip.Addr{netip.IPv4Unspecified()}}, "addresses[0]", nil},
+		{"multicast", SNATPeers{Addresses: []netip.Addr{netip.MustParseAddr("224.0.0.1")}}, "addresses[0]", nil},
+		{"IPv4-mapped", SNATPeers{Addresses: []netip.Addr{netip.MustParseAddr("::ffff:10.250.0.2")}}, "addresses[0]", nil},
+		{"announce of no peer", SNATPeers{Addresses: []netip.Addr{a}, Announce: []netip.Addr{a, b}}, "announce[1]", nil},
+		{"announce twice", SNATPeers{Addresses: []netip.Addr{a, b}, Announce: []netip.Addr{b, b}}, "announce[1]", nil},
 	} {
 		got, err := checkSNATPeers(tc.in, own4, own6)
 		var ve *ValidationError
 		switch {
-		case tc.field == "" && (err != nil || !slices.Equal(got, tc.want)):
-			t.Errorf("%s: %v, %v; want %v", tc.name, got, err, tc.want)
+		case tc.field == "" && err != nil:
+			t.Errorf("%s: %v", tc.name, err)
+		case tc.field == "" && tc.want != nil && !slices.Equal(got, tc.want):
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
 		case tc.field != "" && (!errors.Is(err, ErrInvalid) || !errors.As(err, &ve) || ve.Field != tc.field):
 			t.Errorf("%s: %v; want ErrInvalid naming %s", tc.name, err, tc.field)
 		}
@@ -109,7 +115,10 @@ func TestSNATPeersContinueFlows(t *testing.T) {
 	}
 
 	// Refused sets change nothing.
-	for _, bad := range [][]netip.Addr{{nsSNAT4, b4}, {nsSNAT4, nsSNAT4}, {{}}} {
+	for _, bad := range []SNATPeers{
+		{Addresses: []netip.Addr{nsSNAT4, b4}}, {Addresses: []netip.Addr{nsSNAT4, nsSNAT4}}, {Addresses: []netip.Addr{{}}},
+		{Addresses: []netip.Addr{nsSNAT4}, Announce: []netip.Addr{nsSNAT6}},
+	} {
 		if _, err := b.SetSNATPeers(ctx, bad); !errors.Is(err, ErrInvalid) {
 			t.Errorf("SetSNATPeers(%v): %v, want ErrInvalid", bad, err)
 		}
@@ -117,9 +126,17 @@ func TestSNATPeersContinueFlows(t *testing.T) {
 	if p := b.Status().SNAT.Peers; len(p) != 0 {
 		t.Fatalf("peers after refused sets: %v", p)
 	}
-	st, err := b.SetSNATPeers(ctx, []netip.Addr{nsSNAT6, nsSNAT4})
-	if want := []netip.Addr{nsSNAT4, nsSNAT6}; err != nil || !slices.Equal(st.Peers, want) || st.Address4 != b4 {
-		t.Fatalf("SetSNATPeers: %+v, %v; want peers %v beside B's own %s", st, err, want, b4)
+	st, err := b.SetSNATPeers(ctx, SNATPeers{Addresses: []netip.Addr{nsSNAT6, nsSNAT4}, Announce: []netip.Addr{nsSNAT4}})
+	if want := []netip.Addr{nsSNAT4, nsSNAT6}; err != nil || !slices.Equal(st.Peers, want) || !slices.Equal(st.Announced, want[:1]) || st.Address4 != b4 {
+		t.Fatalf("SetSNATPeers: %+v, %v; want peers %v, %s announced, beside B's own %s", st, err, want, nsSNAT4, b4)
+	}
+	// The address B took over is in the advertisement snapshot, withdrawn
+	// (this node leaves its SNAT routing to others: advertise_snat off).
+	if e, ok := advertEntry(b, nsSNAT4); !ok || e.Kind != advert.KindSNATPeer || e.Advertised || e.Reason != advert.ReasonSNATNotAdvertised {
+		t.Errorf("advertisement of the address taken over: %+v (listed %v)", e, ok)
+	}
+	if _, ok := advertEntry(b, nsSNAT6); ok {
+		t.Error("a peer's address not taken over is in the advertisement snapshot")
 	}
 	if f := snatFlags(t, b); f&bpf.SNATFlagPeers == 0 {
 		t.Fatalf("fluxvm_snat flags %#x without SNATFlagPeers", f)
@@ -175,12 +192,12 @@ func TestSNATPeersContinueFlows(t *testing.T) {
 		t.Fatal(err)
 	}
 	b = e.open(t)
-	if p := b.Status().SNAT.Peers; !slices.Equal(p, []netip.Addr{nsSNAT4, nsSNAT6}) {
-		t.Fatalf("peers after a restart: %v", p)
+	if s := b.Status().SNAT; !slices.Equal(s.Peers, []netip.Addr{nsSNAT4, nsSNAT6}) || !slices.Equal(s.Announced, []netip.Addr{nsSNAT4}) {
+		t.Fatalf("peers after a restart: %+v", s)
 	}
 	echoAll("after B restarted")
 
-	if st, err := b.SetSNATPeers(ctx, nil); err != nil || len(st.Peers) != 0 {
+	if st, err := b.SetSNATPeers(ctx, SNATPeers{}); err != nil || len(st.Peers) != 0 || len(st.Announced) != 0 {
 		t.Fatalf("clearing: %+v, %v", st, err)
 	}
 	if f := snatFlags(t, b); f&bpf.SNATFlagPeers != 0 {
@@ -188,6 +205,45 @@ func TestSNATPeersContinueFlows(t *testing.T) {
 	}
 	if l, err := b.snatPeerList(); err != nil || len(l) != 0 {
 		t.Errorf("fluxvm_snat_peers after clearing: %v, %v", l, err)
+	}
+
+	// advertise_snat: B's own addresses and the one it takes over are
+	// advertised beside the VIPs, for the adapters to announce.
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.opts.NorthSouth.AdvertiseSNAT = true
+	b = e.open(t)
+	if _, err := b.SetSNATPeers(ctx, SNATPeers{Addresses: []netip.Addr{nsSNAT4, nsSNAT6}, Announce: []netip.Addr{nsSNAT4}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []struct {
+		a    netip.Addr
+		kind advert.Kind
+	}{{b4, advert.KindSNAT}, {b6, advert.KindSNAT}, {nsSNAT4, advert.KindSNATPeer}} {
+		if e, ok := advertEntry(b, w.a); !ok || e.Kind != w.kind || !e.Advertised || e.Service != advert.SNATService {
+			t.Errorf("advertise_snat: entry of %s: %+v (listed %v), want kind %s advertised", w.a, e, ok, w.kind)
+		}
+	}
+	if _, ok := advertEntry(b, nsSNAT6); ok {
+		t.Error("advertise_snat: a peer's address not taken over is listed")
+	}
+	if !slices.Contains(b.Advertisements().AdvertisedPrefixes(), netip.PrefixFrom(nsSNAT4, 32)) {
+		t.Error("advertise_snat: the address taken over is not among the prefixes to announce")
+	}
+}
+
+// TestAdvertiseSNATNeedsAnAddress: advertise_snat without an SNAT address
+// has nothing to advertise and is refused.
+func TestAdvertiseSNATNeedsAnAddress(t *testing.T) {
+	ns := NorthSouth{Interfaces: []string{"uplink"}, AdvertiseSNAT: true}
+	var ve *ValidationError
+	if err := ns.Validate(); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "NorthSouth.AdvertiseSNAT" {
+		t.Errorf("Validate: %v; want ErrPrerequisite naming NorthSouth.AdvertiseSNAT", err)
+	}
+	ns.SNATAddress = netip.MustParseAddr("10.97.0.1")
+	if err := ns.Validate(); err != nil {
+		t.Errorf("with an address: %v", err)
 	}
 }
 
@@ -201,8 +257,18 @@ func snatFlags(t *testing.T, d *Dataplane) uint32 {
 	return v.Flags
 }
 
+// advertEntry is the advertisement snapshot's entry of address a.
+func advertEntry(d *Dataplane, a netip.Addr) (advert.Entry, bool) {
+	for _, e := range d.Advertisements().Entries {
+		if e.VIP == a {
+			return e, true
+		}
+	}
+	return advert.Entry{}, false
+}
+
 // snatPeerList reads fluxvm_snat_peers.
-func (d *Dataplane) snatPeerList() ([]netip.Addr, error) {
+func (d *Dataplane) snatPeerList() ([]bpf.SNATPeer, error) {
 	p, err := bpf.NewSNATPeers(d.dp.Maps().FluxvmSnatPeers)
 	if err != nil {
 		return nil, err

@@ -189,8 +189,10 @@ type SNATStatus struct {
 	PortMin  uint16     `json:"port_min"`
 	PortMax  uint16     `json:"port_max"`
 	// Peers are the SNAT addresses of the other edges of the node's
-	// group whose flows it continues (SetSNATPeers), sorted.
-	Peers []netip.Addr `json:"peers,omitempty"`
+	// group whose flows it continues (SetSNATPeers), sorted; Announced
+	// those of them it took over and wants routed to it.
+	Peers     []netip.Addr `json:"peers,omitempty"`
+	Announced []netip.Addr `json:"announced,omitempty"`
 }
 
 // Capacities are the map sizes of the loaded tier.

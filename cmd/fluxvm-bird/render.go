@@ -29,7 +29,9 @@ type RenderOptions struct {
 
 // Render turns a snapshot into a BIRD 2 include file: two static
 // protocols, one per family, each with a host route (/32, /128) for every
-// VIP the snapshot advertises, in the snapshot's canonical order (IPv4
+// VIP the snapshot advertises (and every SNAT address it advertises:
+// advert.KindSNAT, KindSNATPeer, named so in the comment), in the
+// snapshot's canonical order (IPv4
 // before IPv6, then numerically). Withdrawn VIPs are not in it. Both
 // protocols are always present, empty when nothing of their family is
 // advertised, so that the node's BIRD configuration can refer to them at
@@ -40,11 +42,16 @@ type RenderOptions struct {
 // timestamp: a new snapshot that changes nothing BIRD uses renders the same
 // bytes and needs no reconfiguration.
 func Render(s advert.Snapshot, o RenderOptions) []byte {
-	// The services advertising each prefix, for the comment.
+	// The services advertising each prefix, for the comment; an SNAT
+	// address (advert.KindSNAT, KindSNATPeer) is named by its kind.
 	services := map[netip.Prefix][]string{}
 	for _, e := range s.Entries {
-		if e.Advertised && !slices.Contains(services[e.Prefix], e.Service) {
-			services[e.Prefix] = append(services[e.Prefix], e.Service)
+		name := e.Service
+		if e.Kind != advert.KindVIP {
+			name = string(e.Kind)
+		}
+		if e.Advertised && !slices.Contains(services[e.Prefix], name) {
+			services[e.Prefix] = append(services[e.Prefix], name)
 		}
 	}
 	var b bytes.Buffer

@@ -59,6 +59,11 @@ func TestRender(t *testing.T) {
 		{name: "protocol stem and route type", snap: snapshotOf(entry("198.51.100.1", "web", true), entry("2001:db8::1", "web", true)),
 			opts: RenderOptions{Protocol: "anycast", RouteType: "unreachable", Source: "/run/fluxvm/service-advertisements.json"},
 			v4:   "\troute 198.51.100.1/32 unreachable;\t# web\n", v6: "\troute 2001:db8::1/128 unreachable;\t# web\n"},
+		{name: "SNAT addresses, named by their kind; a withdrawn one absent", snap: snapshotOf(
+			entry("203.0.113.10", "web", true), advert.DecideSNAT(netip.MustParseAddr("10.97.0.1"), advert.KindSNAT, true),
+			advert.DecideSNAT(netip.MustParseAddr("10.97.0.2"), advert.KindSNATPeer, true),
+			advert.DecideSNAT(netip.MustParseAddr("fd00:97::2"), advert.KindSNATPeer, false)),
+			v4: "\troute 10.97.0.1/32 blackhole;\t# snat\n\troute 10.97.0.2/32 blackhole;\t# snat-peer\n\troute 203.0.113.10/32 blackhole;\t# web\n"},
 		{name: "service name cannot end the comment", snap: snapshotOf(entry("198.51.100.1", "a\nroute 0.0.0.0/0 blackhole;", true)),
 			v4: "\troute 198.51.100.1/32 blackhole;\t# a?route 0.0.0.0/0 blackhole;\n"},
 	}

@@ -79,7 +79,7 @@ var commands = []command{
 	{"policy delete", "policy delete NAME", "remove the identity policy of a service (admin)", cmdPolicyDelete},
 	{"pressure reconcile", "pressure reconcile", "run one round of the map pressure controller now (admin)", cmdPressureReconcile},
 	{"ha lease", "ha lease [-epoch N] [-superseded-by N]", "record a lease update: renew/advance, or fence this edge (admin)", cmdHALease},
-	{"snat peers", "snat peers ADDR... | -none", "set the SNAT addresses of the group's other edges, whose flows this node continues (admin)", cmdSNATPeers},
+	{"snat peers", "snat peers ADDR... [-announce ADDR,...] | -none", "set the SNAT addresses of the group's other edges, whose flows this node continues; -announce: those it took over (admin)", cmdSNATPeers},
 	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout; needs the north-south edge, not ha_epoch", cmdConntrackExport},
 	{"conntrack import", "conntrack import NAME FILE|- [-prune]", "apply a flow snapshot; -prune deletes the flows it lacks (admin)", cmdConntrackImport},
 	{"delta import", "delta import NAME FILE|-", "apply a delta of the peer's journal (admin)", cmdDeltaImport},
@@ -593,24 +593,35 @@ func cmdHALease(inv *invocation) error {
 func cmdSNATPeers(inv *invocation) error {
 	fs := inv.flags()
 	none := fs.Bool("none", false, "clear the list (no address may follow)")
+	announce := fs.String("announce", "", "comma-separated: the listed addresses this node took over from gone edges, for the routing to send here")
 	args, err := inv.parse(fs, "ADDR...")
 	if err != nil {
 		return err
 	}
-	if *none == (len(args) > 0) {
-		return usagef("usage: fluxvmctl snat peers ADDR... | -none (the whole list: addresses, or -none to clear it)")
+	if *none == (len(args) > 0) || (*none && *announce != "") {
+		return usagef("usage: fluxvmctl snat peers ADDR... [-announce ADDR,...] | -none (the whole list: addresses, or -none to clear it)")
 	}
-	addrs := make([]netip.Addr, 0, len(args))
-	for _, a := range args {
-		ip, err := netip.ParseAddr(a)
-		if err != nil {
-			return usagef("snat peers: %q is not an IP address", a)
+	parse := func(list []string) ([]netip.Addr, error) {
+		out := make([]netip.Addr, 0, len(list))
+		for _, a := range list {
+			ip, err := netip.ParseAddr(strings.TrimSpace(a))
+			if err != nil {
+				return nil, usagef("snat peers: %q is not an IP address", a)
+			}
+			out = append(out, ip)
 		}
-		addrs = append(addrs, ip)
+		return out, nil
 	}
-	body, err := json.Marshal(struct {
-		Addresses []netip.Addr `json:"addresses"`
-	}{addrs})
+	var p fluxvm.SNATPeers
+	if p.Addresses, err = parse(args); err != nil {
+		return err
+	}
+	if *announce != "" {
+		if p.Announce, err = parse(strings.Split(*announce, ",")); err != nil {
+			return err
+		}
+	}
+	body, err := json.Marshal(p)
 	if err != nil {
 		return err
 	}

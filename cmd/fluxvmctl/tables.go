@@ -171,6 +171,7 @@ func snatTable(w io.Writer, st fluxvm.SNATStatus) {
 	}
 	row(w, "Ports:", fmt.Sprintf("%d-%d", st.PortMin, st.PortMax))
 	row(w, "Peers:", snatPeersSummary(st.Peers))
+	row(w, "Taken over:", snatPeersSummary(st.Announced))
 }
 
 func snatPeersSummary(peers []netip.Addr) string {

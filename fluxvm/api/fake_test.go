@@ -199,14 +199,14 @@ func (f *fakeDataplane) VMStats(_ context.Context, vmID string) (fluxvm.VMStats,
 	return s, nil
 }
 
-func (f *fakeDataplane) SetSNATPeers(ctx context.Context, addrs []netip.Addr) (fluxvm.SNATStatus, error) {
+func (f *fakeDataplane) SetSNATPeers(ctx context.Context, p fluxvm.SNATPeers) (fluxvm.SNATStatus, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.lastCtx = ctx
 	if f.snatPeersErr != nil {
 		return fluxvm.SNATStatus{}, f.snatPeersErr
 	}
-	f.status.SNAT.Peers = slices.Clone(addrs)
+	f.status.SNAT.Peers, f.status.SNAT.Announced = slices.Clone(p.Addresses), slices.Clone(p.Announce)
 	return f.status.SNAT, nil
 }
 

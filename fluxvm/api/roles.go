@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/netip"
 
 	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/flows"
@@ -65,7 +64,7 @@ type Admin interface {
 	// node's group (POST …/snat/peers): a refused set wraps
 	// fluxvm.ErrInvalid, a node without a north-south edge
 	// fluxvm.ErrPrerequisite, and nothing changes.
-	SetSNATPeers(ctx context.Context, addrs []netip.Addr) (fluxvm.SNATStatus, error)
+	SetSNATPeers(ctx context.Context, p fluxvm.SNATPeers) (fluxvm.SNATStatus, error)
 }
 
 // FlowReader reads the FluxScope flow records: GET …/flows and POST

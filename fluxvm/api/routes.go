@@ -264,10 +264,12 @@ func (h *handler) gc(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// snatPeersRequest is the body of POST /v1/network/services/snat/peers:
-// the whole set; an empty list clears it, a missing one is refused.
+// snatPeersRequest is the body of POST /v1/network/services/snat/peers
+// (fluxvm.SNATPeers): the whole set; an empty list clears it, a missing
+// one is refused.
 type snatPeersRequest struct {
 	Addresses *[]netip.Addr `json:"addresses"`
+	Announce  []netip.Addr  `json:"announce,omitempty"`
 }
 
 func (h *handler) setSNATPeers(w http.ResponseWriter, r *http.Request) error {
@@ -284,7 +286,7 @@ func (h *handler) setSNATPeers(w http.ResponseWriter, r *http.Request) error {
 		e.field = "addresses"
 		return e
 	}
-	st, err := h.roles.Admin.SetSNATPeers(r.Context(), *req.Addresses)
+	st, err := h.roles.Admin.SetSNATPeers(r.Context(), fluxvm.SNATPeers{Addresses: *req.Addresses, Announce: req.Announce})
 	if err != nil {
 		return err
 	}

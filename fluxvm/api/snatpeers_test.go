@@ -17,9 +17,9 @@ func TestSetSNATPeers(t *testing.T) {
 	const path = "/v1/network/services/snat/peers"
 	want := []netip.Addr{netip.MustParseAddr("10.97.0.2"), netip.MustParseAddr("fd00:97::2")}
 	got := decodeOK[fluxvm.SNATStatus](t, e.do(req{method: "POST", path: path, token: adminToken,
-		body: `{"addresses":["10.97.0.2","fd00:97::2"]}`}), 200)
-	if !slices.Equal(got.Peers, want) || !slices.Equal(e.dp.status.SNAT.Peers, want) {
-		t.Errorf("answer %+v, dataplane %v; want peers %v", got, e.dp.status.SNAT.Peers, want)
+		body: `{"addresses":["10.97.0.2","fd00:97::2"],"announce":["fd00:97::2"]}`}), 200)
+	if !slices.Equal(got.Peers, want) || !slices.Equal(e.dp.status.SNAT.Peers, want) || !slices.Equal(got.Announced, want[1:]) {
+		t.Errorf("answer %+v, dataplane %v; want peers %v, %v announced", got, e.dp.status.SNAT.Peers, want, want[1])
 	}
 	if got := decodeOK[fluxvm.SNATStatus](t, e.do(req{method: "POST", path: path, token: adminToken, body: `{"addresses":[]}`}), 200); len(got.Peers) != 0 {
 		t.Errorf("clearing: %+v", got)
@@ -30,6 +30,7 @@ func TestSetSNATPeers(t *testing.T) {
 		{`{"addresses":["10.97.0.2"],"addresses":[]}`, "addresses"},
 		{`{"addresses":["10.97.0"]}`, ""},
 		{`{"addresses":["10.97.0.2"],"extra":1}`, "extra"},
+		{`{"announce":["10.97.0.2"]}`, "addresses"},
 	} {
 		wantError(t, e.do(req{method: "POST", path: path, token: adminToken, body: tc.body}), 400, api.CodeInvalidRequest, tc.field)
 	}

@@ -38,6 +38,7 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -54,6 +55,21 @@ type View interface {
 	// EffectiveState is the state the datapath has for backend b of svc:
 	// its intent state with the health overlay.
 	EffectiveState(svc *intent.Service, b *intent.Backend) intent.BackendState
+	// SNAT is what the node wants routed to it of SNAT addresses.
+	SNAT() SNAT
+}
+
+// SNAT is the node's SNAT addresses as the advertisements see them.
+type SNAT struct {
+	// Own are the node's own SNAT addresses (one a family at most), and
+	// TakenOver those of gone edges of its group it took over
+	// (SetSNATPeers' Announce).
+	Own, TakenOver []netip.Addr
+	// Advertise is advertise_snat: the entries are advertised. Without
+	// it the node's own addresses are not listed (they are routed by
+	// other means), and the taken-over ones are listed withdrawn, so
+	// that the snapshot shows what the node was asked for.
+	Advertise bool
 }
 
 // Publisher is what the component needs from a publisher:
@@ -206,9 +222,19 @@ func (a *Advertiser) Submit(entries []advert.Entry) {
 }
 
 // Entries decides every VIP of every service of v that is exposed
-// north-south (or both), or asks to be advertised.
+// north-south (or both), or asks to be advertised, and the SNAT addresses
+// (SNAT).
 func Entries(v View) []advert.Entry {
 	out := []advert.Entry{}
+	snat := v.SNAT()
+	if snat.Advertise {
+		for _, a := range snat.Own {
+			out = append(out, advert.DecideSNAT(a.Unmap(), advert.KindSNAT, true))
+		}
+	}
+	for _, a := range snat.TakenOver {
+		out = append(out, advert.DecideSNAT(a.Unmap(), advert.KindSNATPeer, snat.Advertise))
+	}
 	for svc := range v.Services() {
 		if !svc.IsNorthSouth() && !svc.Advertise {
 			continue

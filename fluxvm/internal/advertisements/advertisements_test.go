@@ -27,8 +27,11 @@ type fakeServices struct {
 	mu        sync.Mutex
 	services  map[string]*intent.Service
 	unhealthy map[string]map[netip.AddrPort]bool // observed unhealthy
+	snat      SNAT
 	adv       *Advertiser
 }
+
+func (f *fakeServices) SNAT() SNAT { return f.snat }
 
 func (f *fakeServices) Services() iter.Seq[*intent.Service] {
 	return func(yield func(*intent.Service) bool) {
@@ -528,5 +531,50 @@ func TestAdvertiserRetries(t *testing.T) {
 			}
 			goleak.VerifyNone(t, leaks)
 		})
+	}
+}
+
+// TestEntriesSNAT: the node's own SNAT addresses are listed, advertised,
+// only with advertise_snat; the ones it took over from gone edges are
+// always listed, advertised with it and withdrawn without it; none of
+// them changes the VIPs' entries.
+func TestEntriesSNAT(t *testing.T) {
+	own4, own6 := netip.MustParseAddr("10.97.0.1"), netip.MustParseAddr("fd00:97::1")
+	taken := netip.MustParseAddr("10.97.0.2")
+	vip := netip.MustParseAddr("10.96.0.10")
+	svc := &intent.Service{Name: "web", VIPs: []netip.Addr{vip}, Exposure: intent.ExposureNorthSouth, Advertise: true,
+		Ports:    []intent.ServicePort{{Port: 80, Protocol: intent.TCP}},
+		Backends: []intent.Backend{{Address: netip.MustParseAddr("10.1.0.1"), Port: 8080}}}
+	for _, tc := range []struct {
+		name string
+		snat SNAT
+		want map[netip.Addr]string // address -> kind/advertised or reason
+	}{
+		{"off, nothing taken over", SNAT{Own: []netip.Addr{own4, own6}}, map[netip.Addr]string{vip: "/true"}},
+		{"off, one taken over", SNAT{Own: []netip.Addr{own4}, TakenOver: []netip.Addr{taken}},
+			map[netip.Addr]string{vip: "/true", taken: "snat-peer/" + string(advert.ReasonSNATNotAdvertised)}},
+		{"on", SNAT{Own: []netip.Addr{own4, own6}, TakenOver: []netip.Addr{taken}, Advertise: true},
+			map[netip.Addr]string{vip: "/true", own4: "snat/true", own6: "snat/true", taken: "snat-peer/true"}},
+	} {
+		f := &fakeServices{services: map[string]*intent.Service{"web": svc}, snat: tc.snat}
+		got := map[netip.Addr]string{}
+		for _, e := range Entries(f) {
+			v := "true"
+			if !e.Advertised {
+				v = string(e.Reason)
+			}
+			got[e.VIP] = string(e.Kind) + "/" + v
+		}
+		if !maps.Equal(got, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+		// Every set is a valid snapshot.
+		p, err := advert.NewPublisher(advert.Options{Path: filepath.Join(t.TempDir(), "a.json")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := p.Publish(Entries(f)); err != nil {
+			t.Errorf("%s: publish: %v", tc.name, err)
+		}
 	}
 }

@@ -57,7 +57,10 @@ func newTestLab(t *testing.T, ctx context.Context) *Lab {
 // spread is what a batch of flows did: the edge each landed on.
 type spread struct {
 	byEdge map[string]int
-	flows  int
+	// byClient is the edges each client's flows landed on: with L4
+	// hashing one client's flows spread too.
+	byClient map[string]map[string]int
+	flows    int
 }
 
 func (s spread) String() string {
@@ -65,10 +68,14 @@ func (s spread) String() string {
 	for _, name := range sortedKeys(s.byEdge) {
 		parts = append(parts, fmt.Sprintf("%s %d", name, s.byEdge[name]))
 	}
-	return fmt.Sprintf("%d flows: %s", s.flows, strings.Join(parts, ", "))
+	var clients []string
+	for _, c := range sortedKeys(s.byClient) {
+		clients = append(clients, fmt.Sprintf("%s on %d edges", c, len(s.byClient[c])))
+	}
+	return fmt.Sprintf("%d flows: %s (%s)", s.flows, strings.Join(parts, ", "), strings.Join(clients, ", "))
 }
 
-func sortedKeys(m map[string]int) []string {
+func sortedKeys[V any](m map[string]V) []string {
 	var ks []string
 	for k := range m {
 		ks = append(ks, k)
@@ -89,7 +96,7 @@ func sortedKeys(m map[string]int) []string {
 // edge's own SNAT address (what the backend saw).
 func shortFlows(t *testing.T, l *Lab, network string, vip netip.Addr, n int) spread {
 	t.Helper()
-	s := spread{byEdge: map[string]int{}}
+	s := spread{byEdge: map[string]int{}, byClient: map[string]map[string]int{}}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -116,6 +123,10 @@ func shortFlows(t *testing.T, l *Lab, network string, vip netip.Addr, n int) spr
 				}
 				mu.Lock()
 				s.byEdge[e.Name]++
+				if s.byClient[f.Client.Name] == nil {
+					s.byClient[f.Client.Name] = map[string]int{}
+				}
+				s.byClient[f.Client.Name][e.Name]++
 				s.flows++
 				mu.Unlock()
 			}
@@ -137,6 +148,11 @@ func requireSpread(t *testing.T, what string, s spread, want []*Edge) {
 	for _, e := range want {
 		if s.byEdge[e.Name] == 0 {
 			t.Errorf("%s: edge %s carried none of %d flows (%v)", what, e.Name, s.flows, s)
+		}
+	}
+	for c, edges := range s.byClient {
+		if len(edges) != len(want) {
+			t.Errorf("%s: %s's flows on %d edges, want all %d (the router hashes on L4)", what, c, len(edges), len(want))
 		}
 	}
 	if len(s.byEdge) > len(want) {

@@ -292,8 +292,12 @@ func TestECMPLab(t *testing.T) {
 	silent := time.Since(froze)
 	t.Logf("%s's BIRD frozen (SIGSTOP: session silent) -> router withdrew it after %v (hold timer %v, keepalives every %v)",
 		e3.Name, silent.Round(time.Millisecond), l.cfg.HoldTime, l.cfg.HoldTime/3)
-	if silent < l.cfg.HoldTime-time.Second || silent > l.cfg.HoldTime+2*time.Second {
-		t.Errorf("silent failure withdrawn after %v, want the hold time %v (±1-2 s)", silent, l.cfg.HoldTime)
+	// BIRD shortens every timer start by up to a quarter (RFC 4271
+	// section 10 jitter), and the last keepalive came up to a keepalive
+	// interval before the freeze: the window is [3/4 hold - keepalive,
+	// hold], plus a second for a loaded machine on the late side.
+	if lo, hi := l.cfg.HoldTime*3/4-l.cfg.HoldTime/3, l.cfg.HoldTime+time.Second; silent < lo || silent > hi {
+		t.Errorf("silent failure withdrawn after %v, want the hold timer's window %v..%v", silent, lo, hi)
 	}
 	if err := e3.Thaw(); err != nil {
 		t.Fatal(err)

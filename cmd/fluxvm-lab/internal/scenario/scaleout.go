@@ -129,7 +129,8 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 			return err
 		}
 	}
-	printFlows(w, l, flows, edges, nil)
+	dead := make([]bool, len(flows))
+	printFlows(w, l, flows, edges, dead, nil)
 
 	victim := edges[0]
 	fmt.Fprintf(w, "\n== %s leaves: kill -9 of its fluxvmd, BIRD and adapter (a crash)\n", victim.Name)
@@ -147,7 +148,7 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	fmt.Fprintf(w, "   the router withdrew %s after %v: the kernel closed the dead BIRD's TCP session (a silent\n   failure would wait for the hold timer, 3 s here)\n",
 		victim.Name, time.Since(killed).Round(time.Millisecond))
 	printRoutes(w, l, "")
-	edges = printFlows(w, l, flows, edges, victim)
+	edges = printFlows(w, l, flows, edges, dead, victim)
 
 	fmt.Fprintf(w, "\n== a new edge joins: started, given the catalog, then peered by the router\n")
 	joined := time.Now()
@@ -160,7 +161,7 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	}
 	fmt.Fprintf(w, "   %s: fluxvmd serving, BGP %s, in the multipath route %v after it was started\n", e.Name, e.BGPState(), time.Since(joined).Round(time.Millisecond))
 	printRoutes(w, l, "")
-	printFlows(w, l, flows, edges, nil)
+	printFlows(w, l, flows, edges, dead, nil)
 	fmt.Fprintf(w, "\n== %d new short TCP connections after the join\n", o.Short)
 	if err := printSplit(ctx, w, l, o.Short); err != nil {
 		return err
@@ -252,11 +253,11 @@ func openFlows(ctx context.Context, l *ecmplab.Lab, n int) ([]*ecmplab.Flow, err
 
 // printFlows pings every flow and prints a table: where it was, where it
 // is now, and whether it still works. It returns the edges the flows are
-// on now (the old one for a broken flow). gone names an edge that just
-// left (its flows are marked).
-func printFlows(w io.Writer, l *ecmplab.Lab, flows []*ecmplab.Flow, was []*ecmplab.Edge, gone *ecmplab.Edge) []*ecmplab.Edge {
+// on now; dead marks the flows that broke (they are not tried again).
+// gone names an edge that just left (its flows are marked).
+func printFlows(w io.Writer, l *ecmplab.Lab, flows []*ecmplab.Flow, was []*ecmplab.Edge, dead []bool, gone *ecmplab.Edge) []*ecmplab.Edge {
 	now := make([]*ecmplab.Edge, len(flows))
-	fmt.Fprintf(w, "   %-3s %-19s %-8s %-8s %-5s %-5s %-18s %s\n", "#", "client", "service", "backend", "was", "now", "translated to", "state")
+	fmt.Fprintf(w, "   %-3s %-22s %-8s %-8s %-5s %-5s %-18s %s\n", "#", "client", "service", "backend", "was", "now", "translated to", "state")
 	ok := 0
 	for i, f := range flows {
 		svc, snat, state := "web", "-", "ok"
@@ -264,6 +265,10 @@ func printFlows(w io.Writer, l *ecmplab.Lab, flows []*ecmplab.Flow, was []*ecmpl
 			svc = "web-dsr"
 		}
 		now[i] = was[i]
+		if dead[i] {
+			fmt.Fprintf(w, "   %-3d %-22s %-8s %-8s %-5s %-5s %-18s %s\n", i+1, f.Client.Name+" "+f.Local.String(), svc, f.Backend, was[i].Name, "", "", "broken earlier")
+			continue
+		}
 		perr := f.Ping(2 * time.Second)
 		e, en, err := l.EdgeOf(f)
 		if err == nil {
@@ -275,6 +280,7 @@ func printFlows(w io.Writer, l *ecmplab.Lab, flows []*ecmplab.Flow, was []*ecmpl
 		switch {
 		case perr != nil:
 			state = "BROKEN: " + shortErr(perr)
+			dead[i] = true
 		case now[i] != was[i]:
 			state = "ok, moved to another edge"
 		}
@@ -285,7 +291,7 @@ func printFlows(w io.Writer, l *ecmplab.Lab, flows []*ecmplab.Flow, was []*ecmpl
 		if was[i] == gone {
 			mark = "*"
 		}
-		fmt.Fprintf(w, "   %-3d %-19s %-8s %-8s %-5s %-5s %-18s %s\n", i+1, f.Client.Name+" "+f.Local.String(), svc, f.Backend, was[i].Name+mark, now[i].Name, snat, state)
+		fmt.Fprintf(w, "   %-3d %-22s %-8s %-8s %-5s %-5s %-18s %s\n", i+1, f.Client.Name+" "+f.Local.String(), svc, f.Backend, was[i].Name+mark, now[i].Name, snat, state)
 	}
 	fmt.Fprintf(w, "   %d of %d flows answer", ok, len(flows))
 	if gone != nil {

@@ -3,10 +3,7 @@
 package ecmplab
 
 import (
-	"bufio"
-	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"strings"
@@ -26,7 +23,7 @@ type Flow struct {
 	// Backend is the name of the backend that answered first.
 	Backend string
 	conn    net.Conn
-	rd      *bufio.Reader
+	tcp     *lab.Conn // the TCP connection (nil for UDP)
 }
 
 // Dial opens a flow from client c to vip:port (network "tcp" or "udp")
@@ -35,75 +32,65 @@ type Flow struct {
 // unresolved neighbour).
 func Dial(c *lab.VM, network string, vip netip.AddrPort, timeout time.Duration) (*Flow, error) {
 	f := &Flow{Client: c, VIP: vip, Proto: conntrack.ProtoTCP}
-	if network == "udp" {
-		f.Proto = conntrack.ProtoUDP
+	switch network {
+	case "udp":
+	case "tcp":
+		tc, err := c.DialTCP(vip, timeout)
+		if err != nil {
+			return nil, fmt.Errorf("ecmplab: %s tcp %s: %w", c.Name, vip, err)
+		}
+		f.tcp, f.conn, f.Backend = tc, tc, tc.Backend
+		f.Local = netip.MustParseAddrPort(tc.LocalAddr().String())
+		return f, nil
+	default:
+		return nil, fmt.Errorf("ecmplab: network %q: want tcp or udp", network)
 	}
+	f.Proto = conntrack.ProtoUDP
 	err := c.NS.Do(func() (err error) {
-		f.conn, err = net.DialTimeout(network+"4", vip.String(), timeout)
+		f.conn, err = net.DialTimeout("udp4", vip.String(), timeout)
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("ecmplab: %s dial %s %s: %w", c.Name, network, vip, err)
+		return nil, fmt.Errorf("ecmplab: %s udp %s: %w", c.Name, vip, err)
 	}
 	f.Local = netip.MustParseAddrPort(f.conn.LocalAddr().String())
-	f.rd = bufio.NewReader(f.conn)
-	for try := 0; ; try++ {
-		if f.Backend, err = f.exchange(timeout); err == nil || f.Proto == conntrack.ProtoTCP || try == 2 {
-			break
+	for range 3 { // the first datagram may meet an unresolved neighbour
+		if f.Backend, err = f.ask(timeout); err == nil {
+			return f, nil
 		}
 	}
-	if err != nil {
-		f.conn.Close()
-		return nil, fmt.Errorf("ecmplab: %s %s -> %s: first exchange: %w", c.Name, network, vip, err)
-	}
-	return f, nil
+	f.conn.Close()
+	return nil, fmt.Errorf("ecmplab: %s udp %s: first exchange: %w", c.Name, vip, err)
 }
 
-// exchange is the first message: TCP reads the identity line, UDP sends
-// "who" and reads "<name>\nwho".
-func (f *Flow) exchange(timeout time.Duration) (string, error) {
+// ask sends "who" over the UDP socket and returns the name in the answer
+// ("<name>\nwho").
+func (f *Flow) ask(timeout time.Duration) (string, error) {
 	f.conn.SetDeadline(time.Now().Add(timeout))
 	defer f.conn.SetDeadline(time.Time{})
-	if f.Proto == conntrack.ProtoUDP {
-		if _, err := f.conn.Write([]byte("who")); err != nil {
-			return "", err
-		}
-		buf := make([]byte, 512)
-		n, err := f.conn.Read(buf)
-		if err != nil {
-			return "", err
-		}
-		name, _, _ := strings.Cut(string(buf[:n]), "\n")
-		return name, nil
+	if _, err := f.conn.Write([]byte("who")); err != nil {
+		return "", err
 	}
-	line, err := f.rd.ReadString('\n')
-	return strings.TrimSpace(line), err
+	buf := make([]byte, 512)
+	n, err := f.conn.Read(buf)
+	if err != nil {
+		return "", err
+	}
+	name, _, _ := strings.Cut(string(buf[:n]), "\n")
+	return name, nil
 }
 
 // Ping checks the flow still works end to end: a TCP connection echoes
 // a message back; a UDP socket is answered by the same backend.
 func (f *Flow) Ping(timeout time.Duration) error {
-	if f.Proto == conntrack.ProtoUDP {
-		name, err := f.exchange(timeout)
-		if err == nil && name != f.Backend {
-			err = fmt.Errorf("answered by %s, was %s", name, f.Backend)
-		}
-		return err
+	if f.tcp != nil {
+		return f.tcp.Echo([]byte("ping\n"), timeout)
 	}
-	msg := []byte("ping\n")
-	f.conn.SetDeadline(time.Now().Add(timeout))
-	defer f.conn.SetDeadline(time.Time{})
-	if _, err := f.conn.Write(msg); err != nil {
-		return err
+	name, err := f.ask(timeout)
+	if err == nil && name != f.Backend {
+		err = fmt.Errorf("answered by %s, was %s", name, f.Backend)
 	}
-	got := make([]byte, len(msg))
-	if _, err := io.ReadFull(f.rd, got); err != nil {
-		return err
-	}
-	if string(got) != string(msg) {
-		return errors.New("echo differs")
-	}
-	return nil
+	return err
 }
 
 // Close closes the flow's socket.

@@ -5,10 +5,8 @@ package ecmplab
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/netip"
 	"os"
@@ -22,6 +20,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/restjson"
 	"github.com/fluxvm/servicefabric/nat"
 )
 
@@ -230,35 +229,8 @@ func (e *Edge) Output() string {
 // REST API with its admin token and decodes the answer into out (nil:
 // discarded); a status of 300 or more is an error.
 func (e *Edge) Request(ctx context.Context, method, path string, body, out any) error {
-	var rd io.Reader
-	if body != nil {
-		raw, err := json.Marshal(body)
-		if err != nil {
-			return err
-		}
-		rd = bytes.NewReader(raw)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, "http://"+apiAddr+path, rd)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Authorization", "Bearer "+e.token)
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := e.http.Do(req)
-	if err != nil {
+	if err := restjson.Do(ctx, e.http, e.token, method, "http://"+apiAddr+path, body, out); err != nil {
 		return fmt.Errorf("%s: %w", e.Name, err)
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(resp.Body)
-	switch {
-	case err != nil:
-		return fmt.Errorf("%s: %s %s: %w", e.Name, method, path, err)
-	case resp.StatusCode >= 300:
-		return fmt.Errorf("%s: %s %s: %s: %s", e.Name, method, path, resp.Status, bytes.TrimSpace(raw))
-	case out != nil:
-		return json.Unmarshal(raw, out)
 	}
 	return nil
 }

@@ -102,8 +102,26 @@ func (f *Flow) Key() conntrack.Key { return conntrack.Key{Client: f.Local, VIP: 
 // EdgeOf returns the edge whose flow table holds f (read from its pinned
 // conntrack map) and the entry: the edge the router sent the flow to.
 // With the flow on several edges (moved by a route change) it returns the
-// one that saw it last; none is an error.
+// one that saw it last; none is an error. The maps are opened once per
+// edge; when no edge holds the flow they are opened again and looked up
+// once more, since a daemon replaces its maps when it grows them (docs/
+// operations.md, "Maps sized by need") or restarts at another tier.
 func (l *Lab) EdgeOf(f *Flow) (*Edge, conntrack.Entry, error) {
+	for try := 0; ; try++ {
+		e, en := l.edgeOf(f)
+		if e != nil {
+			return e, en, nil
+		}
+		if try == 1 {
+			return nil, en, fmt.Errorf("ecmplab: flow %s -> %s on no edge", f.Local, f.VIP)
+		}
+		for _, e := range l.Edges {
+			e.closeMaps()
+		}
+	}
+}
+
+func (l *Lab) edgeOf(f *Flow) (*Edge, conntrack.Entry) {
 	var best *Edge
 	var found conntrack.Entry
 	for _, e := range l.Edges {
@@ -119,8 +137,5 @@ func (l *Lab) EdgeOf(f *Flow) (*Edge, conntrack.Entry, error) {
 			best, found = e, en
 		}
 	}
-	if best == nil {
-		return nil, found, fmt.Errorf("ecmplab: flow %s -> %s on no edge", f.Local, f.VIP)
-	}
-	return best, found, nil
+	return best, found
 }

@@ -106,7 +106,10 @@ func (f *Flow) Key() conntrack.Key { return conntrack.Key{Client: f.Local, VIP: 
 // edge; when no edge holds the flow they are opened again and looked up
 // once more, since a daemon replaces its maps when it grows them (docs/
 // operations.md, "Maps sized by need") or restarts at another tier.
+// Safe for concurrent use (the lookups are serialised).
 func (l *Lab) EdgeOf(f *Flow) (*Edge, conntrack.Entry, error) {
+	l.flowMu.Lock()
+	defer l.flowMu.Unlock()
 	for try := 0; ; try++ {
 		e, en := l.edgeOf(f)
 		if e != nil {

@@ -69,9 +69,9 @@ const (
 	BackendPort = 8080
 )
 
-// Lab is a running topology. Its methods are safe for one goroutine at a
-// time, except Close, which may come from another (a signal handler's
-// cleanup) once the others returned.
+// Lab is a running topology. Its methods are for one goroutine at a
+// time, except EdgeOf and the flows' methods, which any number may call
+// at once.
 type Lab struct {
 	cfg    Config
 	suffix string
@@ -91,9 +91,12 @@ type Lab struct {
 	// edge that joins.
 	Services []fluxvm.Service
 
-	mu     sync.Mutex
+	mu     sync.Mutex // guards nss and closed
 	nss    []*nsutil.NS
 	closed bool
+	// flowMu serialises EdgeOf: it opens and replaces edges' map
+	// handles.
+	flowMu sync.Mutex
 }
 
 // FindBIRD returns the paths of bird and birdc (Debian package bird2), in

@@ -132,6 +132,9 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	dead := make([]bool, len(flows))
 	printFlows(w, l, flows, edges, dead, nil)
 
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	victim := edges[0]
 	fmt.Fprintf(w, "\n== %s leaves: kill -9 of its fluxvmd, BIRD and adapter (a crash)\n", victim.Name)
 	killed := time.Now()
@@ -150,6 +153,9 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	printRoutes(w, l, "")
 	edges = printFlows(w, l, flows, edges, dead, victim)
 
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	fmt.Fprintf(w, "\n== a new edge joins: started, given the catalog, then peered by the router\n")
 	joined := time.Now()
 	e, err := l.AddEdge(ctx)

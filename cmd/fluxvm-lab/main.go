@@ -19,6 +19,10 @@
 //	fluxvm-lab rss-affinity
 //	                  the RSS-affinity gate: fluxvmd with 1M conntrack
 //	                  entries; its RSS, the map memory and one GC
+//	fluxvm-lab scale-out
+//	                  edges behind a BIRD 2 ECMP router: the multipath
+//	                  route, which edge carries each flow, an edge
+//	                  leaving (kill -9) and one joining
 //
 // The gates exit 1 and print each figure beyond its bound (the scripts
 // scripts/test-service-fabric-{slo,rss,rss-affinity}.sh state the bounds).

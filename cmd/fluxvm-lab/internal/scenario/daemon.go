@@ -4,12 +4,9 @@ package scenario
 
 import (
 	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -27,6 +24,7 @@ import (
 	"github.com/fluxvm/servicefabric/internal/daemonlog"
 	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
+	"github.com/fluxvm/servicefabric/internal/testutils/restjson"
 )
 
 // daemonAPI is where the lab's fluxvmd listens, inside the node namespace
@@ -122,38 +120,7 @@ func startLabDaemon(ctx context.Context, bin string, l *lab.Lab, tier, conf stri
 // request sends method path with body as JSON (nil: none) and decodes the
 // answer into out (nil: discarded); a status of 300 or more is an error.
 func (d *labDaemon) request(ctx context.Context, method, path string, body, out any) error {
-	var r io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return err
-		}
-		r = bytes.NewReader(b)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, "http://"+daemonAPI+path, r)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Authorization", "Bearer "+d.token)
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := d.http.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return err
-	}
-	if resp.StatusCode >= 300 {
-		return fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, bytes.TrimSpace(b))
-	}
-	if out != nil {
-		return json.Unmarshal(b, out)
-	}
-	return nil
+	return restjson.Do(ctx, d.http, d.token, method, "http://"+daemonAPI+path, body, out)
 }
 
 // status is GET /v1/network/services/status.

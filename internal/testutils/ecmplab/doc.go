@@ -1,0 +1,19 @@
+// Package ecmplab builds a group of FluxVM edges behind a real ECMP
+// router, all in network namespaces it creates and removes:
+//
+//	cli1 ─┐                 ┌─ uplink  e1 (fluxvmd + BIRD + fluxvm-bird) uplink2 ─┐
+//	cli2 ─┼─ rtr (BIRD 2) ──┼─ uplink  e2 (fluxvmd + BIRD + fluxvm-bird) uplink2 ─┼─ bbr (bridge in rtr) ─ be1, be2, be3
+//	      │  eBGP to each   └─ uplink  e3 (fluxvmd + BIRD + fluxvm-bird) uplink2 ─┘
+//
+// The router runs BIRD 2 with an eBGP session to every edge and installs
+// what it learns with its kernel protocol merging paths: one route per VIP
+// with one nexthop per edge announcing it, hashed on L4
+// (fib_multipath_hash_policy=1). Every edge runs the real fluxvmd with the
+// same seeds and the same catalog (applied over REST, as Fabric would),
+// its own SNAT address, and BIRD fed by the real fluxvm-bird adapter.
+// Backends share an L2 segment (a bridge in the router's namespace) with
+// every edge's uplink2, so routed DSR reaches them without tunnels, and
+// hold a static route to each edge's SNAT address via that edge.
+//
+// The code is Linux only; on other systems the package is empty.
+package ecmplab

@@ -1,0 +1,327 @@
+//go:build linux
+
+package ecmplab
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
+	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
+)
+
+// newTestLab builds the lab with the real binaries; it is closed when the
+// test ends, after the edges' output is logged if the test failed.
+func newTestLab(t *testing.T, ctx context.Context) *Lab {
+	t.Helper()
+	testenv.RequirePrivileged(t)
+	birdBin, birdc, err := FindBIRD()
+	if err != nil {
+		if testenv.Required() {
+			t.Fatalf("%v (%s=1 is set, so this fails instead of skipping; apt-get install bird2)", err, testenv.RequireEnv)
+		}
+		t.Skipf("skipping: %v", err)
+	}
+	cfg := Config{
+		Fluxvmd: daemontest.Build(t), Adapter: daemontest.BuildCommand(t, "./cmd/fluxvm-bird"),
+		Bird: birdBin, Birdc: birdc, PinBase: testenv.PinRoot(t),
+	}
+	start := time.Now()
+	l, err := New(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, e := range l.Edges {
+				t.Logf("%s:\n%s", e.Name, e.Output())
+			}
+		}
+		if err := l.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	})
+	t.Logf("lab up in %v: %d edges with BGP sessions established", time.Since(start).Round(time.Millisecond), len(l.Edges))
+	if err := l.Apply(ctx, l.DefaultServices()...); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// spread is what a batch of flows did: the edge each landed on.
+type spread struct {
+	byEdge map[string]int
+	// byClient is the edges each client's flows landed on: with L4
+	// hashing one client's flows spread too.
+	byClient map[string]map[string]int
+	flows    int
+}
+
+func (s spread) String() string {
+	var parts []string
+	for _, name := range sortedKeys(s.byEdge) {
+		parts = append(parts, fmt.Sprintf("%s %d", name, s.byEdge[name]))
+	}
+	var clients []string
+	for _, c := range sortedKeys(s.byClient) {
+		clients = append(clients, fmt.Sprintf("%s on %d edges", c, len(s.byClient[c])))
+	}
+	return fmt.Sprintf("%d flows: %s (%s)", s.flows, strings.Join(parts, ", "), strings.Join(clients, ", "))
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	var ks []string
+	for k := range m {
+		ks = append(ks, k)
+	}
+	for i := range ks {
+		for j := i + 1; j < len(ks); j++ {
+			if ks[j] < ks[i] {
+				ks[i], ks[j] = ks[j], ks[i]
+			}
+		}
+	}
+	return ks
+}
+
+// shortFlows opens n flows to vip from the clients in turn, 8 at a time,
+// checks each reached a backend and found its edge, and closes them. The
+// edge's conntrack entry must name this flow's kind and, for SNAT, the
+// edge's own SNAT address (what the backend saw).
+func shortFlows(t *testing.T, l *Lab, network string, vip netip.Addr, n int) spread {
+	t.Helper()
+	s := spread{byEdge: map[string]int{}, byClient: map[string]map[string]int{}}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += 8 {
+				f, err := Dial(l.Clients[i%len(l.Clients)], network, netip.AddrPortFrom(vip, ServicePort), 3*time.Second)
+				if err != nil {
+					errs <- err
+					continue
+				}
+				e, en, err := l.EdgeOf(f)
+				f.Close()
+				switch {
+				case err != nil:
+					errs <- err
+					continue
+				case !strings.HasPrefix(f.Backend, "be"):
+					errs <- fmt.Errorf("flow %s answered by %q", f.Local, f.Backend)
+				case en.Kind == conntrack.SNAT && en.SNAT.Addr() != e.SNAT:
+					errs <- fmt.Errorf("flow %s on %s translated to %s, not the edge's %s", f.Local, e.Name, en.SNAT, e.SNAT)
+				}
+				mu.Lock()
+				s.byEdge[e.Name]++
+				if s.byClient[f.Client.Name] == nil {
+					s.byClient[f.Client.Name] = map[string]int{}
+				}
+				s.byClient[f.Client.Name][e.Name]++
+				s.flows++
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	return s
+}
+
+// requireSpread fails unless every edge of want carried some flows and no
+// other edge did.
+func requireSpread(t *testing.T, what string, s spread, want []*Edge) {
+	t.Helper()
+	t.Logf("%s: %v", what, s)
+	for _, e := range want {
+		if s.byEdge[e.Name] == 0 {
+			t.Errorf("%s: edge %s carried none of %d flows (%v)", what, e.Name, s.flows, s)
+		}
+	}
+	for c, edges := range s.byClient {
+		if len(edges) != len(want) {
+			t.Errorf("%s: %s's flows on %d edges, want all %d (the router hashes on L4)", what, c, len(edges), len(want))
+		}
+	}
+	if len(s.byEdge) > len(want) {
+		t.Errorf("%s: flows on edges beyond %v: %v", what, want, s)
+	}
+}
+
+// longFlows opens n long-lived TCP flows to vip and records each one's edge.
+func longFlows(t *testing.T, l *Lab, vip netip.Addr, n int) ([]*Flow, []*Edge) {
+	t.Helper()
+	var fs []*Flow
+	var es []*Edge
+	for i := range n {
+		f, err := Dial(l.Clients[i%len(l.Clients)], "tcp", netip.AddrPortFrom(vip, ServicePort), 3*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		e, _, err := l.EdgeOf(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fs, es = append(fs, f), append(es, e)
+	}
+	return fs, es
+}
+
+// broken pings every flow at once and counts those that fail, split by
+// whether they were on edge gone.
+func broken(fs []*Flow, es []*Edge, gone *Edge) (onGone, elsewhere, total int) {
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i, f := range fs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f.Ping(2 * time.Second); err != nil {
+				mu.Lock()
+				if es[i] == gone {
+					onGone++
+				} else {
+					elsewhere++
+				}
+				total++
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return onGone, elsewhere, total
+}
+
+func countOn(es []*Edge, e *Edge) int {
+	n := 0
+	for _, x := range es {
+		if x == e {
+			n++
+		}
+	}
+	return n
+}
+
+// TestECMPLab proves the lab: three edges behind a BIRD 2 router that
+// installs one multipath route per VIP, L4 hashing spreading flows of two
+// clients over every edge (TCP and UDP through SNAT, TCP through routed
+// DSR), an edge killed with -9 withdrawn at once and a frozen one on the
+// hold timer, and an edge joining that gets its nexthop and new flows.
+// It also counts, as a baseline for issue 37's later points, the
+// long-lived flows an edge leaving or joining breaks today (no flow state
+// shared between edges yet): it reports them, it does not assert them.
+func TestECMPLab(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	l := newTestLab(t, ctx)
+	e1, e2, e3 := l.Edges[0], l.Edges[1], l.Edges[2]
+	all := []*Edge{e1, e2, e3}
+
+	// One route per VIP, one nexthop per edge.
+	for _, vip := range []netip.Addr{DefaultSNATVIP, DefaultDSRVIP} {
+		took, err := l.WaitNexthops(ctx, vip, all, 20*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("router: %s via %v (multipath) %v after the catalog was applied", vip, all, took.Round(time.Millisecond))
+	}
+
+	// Short flows from two clients, many source ports: every edge
+	// carries some, every flow reaches a backend.
+	requireSpread(t, "SNAT TCP", shortFlows(t, l, "tcp", DefaultSNATVIP, 240), all)
+	requireSpread(t, "SNAT UDP", shortFlows(t, l, "udp", DefaultSNATVIP, 60), all)
+	requireSpread(t, "DSR TCP", shortFlows(t, l, "tcp", DefaultDSRVIP, 60), all)
+
+	// Baseline: long-lived flows, then e2 is killed with -9.
+	long, longEdges := longFlows(t, l, DefaultSNATVIP, 60)
+	dsrLong, dsrEdges := longFlows(t, l, DefaultDSRVIP, 30)
+	killed := time.Now()
+	e2.Kill()
+	took, err := l.WaitNexthops(ctx, DefaultSNATVIP, []*Edge{e1, e3}, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("kill -9 of %s (fluxvmd, BIRD, adapter) -> router withdrew it after %v (the kernel closes the dead BIRD's TCP session; hold timer %v bounds a silent failure)",
+		e2.Name, time.Since(killed).Round(time.Millisecond), l.cfg.HoldTime)
+	if took > l.cfg.HoldTime+time.Second {
+		t.Errorf("withdrawal after a kill took %v, beyond the hold time %v + 1s", took, l.cfg.HoldTime)
+	}
+	if _, err := l.WaitNexthops(ctx, DefaultDSRVIP, []*Edge{e1, e3}, 5*time.Second); err != nil {
+		t.Error(err)
+	}
+	requireSpread(t, "SNAT TCP after the kill", shortFlows(t, l, "tcp", DefaultSNATVIP, 120), []*Edge{e1, e3})
+	onGone, elsewhere, n := broken(long, longEdges, e2)
+	t.Logf("baseline (no replication): %s left -> %d of %d long-lived SNAT TCP flows broke: %d of the %d it carried, %d of the %d on the survivors (rehashed by the router)",
+		e2.Name, n, len(long), onGone, countOn(longEdges, e2), elsewhere, len(long)-countOn(longEdges, e2))
+	onGone, elsewhere, n = broken(dsrLong, dsrEdges, e2)
+	t.Logf("baseline (no replication): %s left -> %d of %d long-lived DSR TCP flows broke: %d of the %d it carried, %d of the %d on the survivors",
+		e2.Name, n, len(dsrLong), onGone, countOn(dsrEdges, e2), elsewhere, len(dsrLong)-countOn(dsrEdges, e2))
+
+	// e2 comes back: the router peers it again.
+	if err := e2.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if took, err := l.WaitNexthops(ctx, DefaultSNATVIP, all, 20*time.Second); err != nil {
+		t.Fatal(err)
+	} else {
+		t.Logf("%s restarted -> back in the multipath route after %v", e2.Name, took.Round(time.Millisecond))
+	}
+
+	// A silent failure: e3's BIRD frozen, the router waits for the hold
+	// timer.
+	if err := e3.Freeze(); err != nil {
+		t.Fatal(err)
+	}
+	froze := time.Now()
+	if _, err := l.WaitNexthops(ctx, DefaultSNATVIP, []*Edge{e1, e2}, l.cfg.HoldTime+5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	silent := time.Since(froze)
+	t.Logf("%s's BIRD frozen (SIGSTOP: session silent) -> router withdrew it after %v (hold timer %v, keepalives every %v)",
+		e3.Name, silent.Round(time.Millisecond), l.cfg.HoldTime, l.cfg.HoldTime/3)
+	// BIRD shortens every timer start by up to a quarter (RFC 4271
+	// section 10 jitter), and the last keepalive came up to a keepalive
+	// interval before the freeze: the window is [3/4 hold - keepalive,
+	// hold], plus a second for a loaded machine on the late side.
+	if lo, hi := l.cfg.HoldTime*3/4-l.cfg.HoldTime/3, l.cfg.HoldTime+time.Second; silent < lo || silent > hi {
+		t.Errorf("silent failure withdrawn after %v, want the hold timer's window %v..%v", silent, lo, hi)
+	}
+	if err := e3.Thaw(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.WaitNexthops(ctx, DefaultSNATVIP, all, 20*time.Second); err != nil {
+		t.Fatal(err)
+	}
+
+	// A fourth edge joins: it gets the catalog, then a nexthop, then a
+	// share of the new flows; some long-lived flows are rehashed to it.
+	long, longEdges = longFlows(t, l, DefaultSNATVIP, 60)
+	joined := time.Now()
+	e4, err := l.AddEdge(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	all = append(all, e4)
+	took, err = l.WaitNexthops(ctx, DefaultSNATVIP, all, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s joined -> in the multipath route %v after it was started (%v after its session came up)",
+		e4.Name, time.Since(joined).Round(time.Millisecond), took.Round(time.Millisecond))
+	requireSpread(t, "SNAT TCP after the join", shortFlows(t, l, "tcp", DefaultSNATVIP, 240), all)
+	_, _, n = broken(long, longEdges, nil)
+	t.Logf("baseline (no replication): %s joined -> %d of %d long-lived SNAT TCP flows broke (moved to another edge by the router's rehash)", e4.Name, n, len(long))
+}

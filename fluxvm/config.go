@@ -171,6 +171,13 @@ type Config struct {
 	// a standby further behind resyncs from a snapshot. 0: the default
 	// (ha.DefaultMaxOps), at most MaxHAJournalOps.
 	HAJournalMaxOps int `toml:"ha_journal_max_ops"`
+	// HAGroup is ha_group: the edge is one of a group of edges behind an
+	// ECMP router, all active, each holding a lease of its own and
+	// following every other edge's journals (a cursor per service and
+	// source edge, named by node_name), so that any edge continues any
+	// edge's flow (docs/operations.md, "Edges of a group"). Needs ha_epoch
+	// and node_name. Default false: an active/standby pair.
+	HAGroup bool `toml:"ha_group"`
 	// PressureSoftPercent and PressureHardPercent are the map pressure
 	// controller's thresholds (pressure_soft_percent,
 	// pressure_hard_percent): the fill, in percent, of a flow map

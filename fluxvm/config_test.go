@@ -69,6 +69,7 @@ flow_sample_rate = 100
 ha_epoch = 12
 ha_interval = "250ms"
 ha_journal_max_ops = 2048
+ha_group = true
 pressure_soft_percent = 70
 pressure_hard_percent = 90
 pressure_interval = "5s"
@@ -114,6 +115,7 @@ edt_horizon_fallback = true
 		HAEpoch:                12,
 		HAInterval:             Duration{Duration: 250 * time.Millisecond},
 		HAJournalMaxOps:        2048,
+		HAGroup:                true,
 		PressureSoftPercent:    70,
 		PressureHardPercent:    90,
 		PressureInterval:       Duration{Duration: 5 * time.Second},
@@ -242,6 +244,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "ha_epoch without the north-south edge", doc: table + "ha_epoch = 3\n", field: k("ha_epoch"), kind: ErrPrerequisite, reason: "north_south_interfaces"},
 		{name: "ha_interval too short", doc: table + "ha_interval = \"10ms\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
 		{name: "ha_interval zero", doc: table + "ha_interval = \"0s\"\n", field: k("ha_interval"), kind: ErrInvalid, reason: "100ms..1m0s"},
+		{name: "ha_group without ha_epoch", doc: table + "node_name = \"e1\"\nha_group = true\n", field: k("ha_group"), kind: ErrPrerequisite, reason: "ha_epoch"},
+		{name: "ha_group without node_name", doc: table + "north_south_interfaces = [\"eth1\"]\nha_epoch = 3\nha_group = true\n", field: k("ha_group"), kind: ErrPrerequisite, reason: "node_name"},
 		{name: "ha_journal_max_ops too large", doc: table + "ha_journal_max_ops = 4194305\n", field: k("ha_journal_max_ops"), kind: ErrInvalid, reason: "0..4194304"},
 		{name: "pressure_soft_percent zero", doc: table + "pressure_soft_percent = 0\n", field: k("pressure_soft_percent"), kind: ErrInvalid, reason: "1..100"},
 		{name: "pressure_hard_percent too large", doc: table + "pressure_hard_percent = 101\n", field: k("pressure_hard_percent"), kind: ErrInvalid, reason: "1..100"},

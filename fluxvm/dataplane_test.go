@@ -416,6 +416,9 @@ func TestClosedDataplaneChangesNothing(t *testing.T) {
 		}},
 		"Pressure":          {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.Pressure(context.Background()) }},
 		"ReconcilePressure": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) { return d.ReconcilePressure(ctx) }},
+		"SetSNATPeers": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
+			return d.SetSNATPeers(ctx, SNATPeers{Addresses: []netip.Addr{netip.MustParseAddr("10.97.0.9")}})
+		}},
 		// The deprecated wrappers, and HA's calls themselves.
 		"FlowDelta": {wantErr: true, call: func(e *env, d *Dataplane) (any, error) {
 			return d.FlowDelta(context.Background(), "web", FlowDeltaRequest{})

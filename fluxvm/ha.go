@@ -137,6 +137,10 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	if err := d.needNorthSouth("import flows of " + service); err != nil {
 		return ha.ImportResult{}, err
 	}
+	if prune && d.opts.HA.Group {
+		return ha.ImportResult{}, fmt.Errorf("fluxvm: %w", verr(ErrInvalid, "prune",
+			"import flows of %s: in a group (ha_group) a snapshot-diff would delete the flows of the other edges: import without prune", service))
+	}
 	h := d.ha
 	ctx, done, err := d.haBegin(ctx, "import flows of "+service)
 	if err != nil {

@@ -47,6 +47,7 @@ func (r HA) FlowDelta(ctx context.Context, service string, req FlowDeltaRequest)
 	if err != nil {
 		return ha.Delta{}, fmt.Errorf("fluxvm: flow delta of %s: %w", service, err)
 	}
+	delta.Node = r.d.opts.NodeName // whose journal: what a group edge keeps its cursor under
 	return delta, nil
 }
 

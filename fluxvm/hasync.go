@@ -36,6 +36,10 @@ type HAOptions struct {
 	JournalMaxOps int
 	// Deprecated: use JournalMaxOps.
 	MaxOps int
+	// Group is ha_group: the edge is one of a group, all active, each
+	// following every other edge's journals (hasync.Config.Group). Needs
+	// Epoch and Options.NodeName.
+	Group bool
 }
 
 // HALease is what the control plane tells an edge about leases
@@ -63,6 +67,11 @@ type HAStatus struct {
 	// its peer's journal (reset at a restart: the next pull asks for a
 	// snapshot).
 	Cursors map[string]ha.Cursor `json:"cursors,omitempty"`
+	// Group says the edge is one of a group (ha_group), Node its name;
+	// Sources then replaces Cursors: by service, then source edge.
+	Group   bool                            `json:"group,omitempty"`
+	Node    string                          `json:"node,omitempty"`
+	Sources map[string]map[string]ha.Cursor `json:"sources,omitempty"`
 }
 
 // HAQueueStatus counts the mutation queue (ha.Drainer.Stats).
@@ -75,7 +84,8 @@ type HADeltaResult = hasync.DeltaResult
 // haStatusOf is the component's status as the facade reports it.
 func haStatusOf(s hasync.Status) HAStatus {
 	return HAStatus{Enabled: true, Epoch: s.Epoch, SupersededBy: s.SupersededBy, Interval: Duration{Duration: s.Interval},
-		Queue: s.Queue, GCDeletes: s.GCDeletes, Journals: s.Journals, Cursors: s.Cursors}
+		Queue: s.Queue, GCDeletes: s.GCDeletes, Journals: s.Journals, Cursors: s.Cursors,
+		Group: s.Group, Node: s.Node, Sources: s.Sources}
 }
 
 // FlowDeltaRequest is what a standby asks FlowDelta for: the batches of
@@ -139,7 +149,8 @@ func newHASync(o Options) (*hasync.Sync, *haLink, error) {
 	if o.HA.Epoch == 0 {
 		return nil, link, nil
 	}
-	cfg := hasync.Config{Epoch: o.HA.Epoch, Interval: o.HA.Interval, JournalMaxOps: o.HA.JournalMaxOps, Logger: o.Logger}
+	cfg := hasync.Config{Epoch: o.HA.Epoch, Interval: o.HA.Interval, JournalMaxOps: o.HA.JournalMaxOps, Logger: o.Logger,
+		Group: o.HA.Group, Node: o.NodeName}
 	if o.CatalogPath != "" {
 		cfg.LeasePath = o.CatalogPath + LeaseFileSuffix
 	}

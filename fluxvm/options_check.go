@@ -58,6 +58,7 @@ var (
 	sHAEpoch            = setting{"HA.Epoch", "ha_epoch"}
 	sHAInterval         = setting{"HA.Interval", "ha_interval"}
 	sHAJournalMaxOps    = setting{"HA.JournalMaxOps", "ha_journal_max_ops"}
+	sHAGroup            = setting{"HA.Group", "ha_group"}
 	sOmitFeatures       = setting{"Loader.OmitFeatures", "loader.omit_features"}
 )
 
@@ -289,6 +290,12 @@ func (o Options) checkHA(name func(setting) string, bad badFunc) {
 	}
 	if n := o.HA.JournalMaxOps; n < 0 || n > MaxHAJournalOps {
 		bad(ErrInvalid, sHAJournalMaxOps, "%d is outside 0..%d (0: the default, %d)", n, MaxHAJournalOps, ha.DefaultMaxOps)
+	}
+	if o.HA.Group && o.HA.Epoch == 0 {
+		bad(ErrPrerequisite, sHAGroup, "a group replicates flows: set %s", name(sHAEpoch))
+	}
+	if o.HA.Group && o.NodeName == "" {
+		bad(ErrPrerequisite, sHAGroup, "the edges of a group tell their data apart by node name: set %s", name(sNodeName))
 	}
 }
 

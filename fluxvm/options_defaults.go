@@ -204,6 +204,7 @@ func OptionsFrom(cfg Config) Options {
 		SocketLB: SocketLBOptions{CgroupConnect: cfg.CgroupConnect, CgroupPath: cfg.CgroupPath},
 		HA: HAOptions{
 			Epoch: ha.Epoch(cfg.HAEpoch), Interval: cfg.HAInterval.Duration, JournalMaxOps: cfg.HAJournalMaxOps,
+			Group: cfg.HAGroup,
 		},
 	}
 }

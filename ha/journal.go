@@ -78,6 +78,11 @@ type Batch struct {
 // cursor, or the word that it must resync from a snapshot.
 type Delta struct {
 	Service string `json:"service"`
+	// Node is the source edge's name (its node_name), when it has one:
+	// what a group edge, which follows several sources, keeps a cursor
+	// of this journal under. Journal.Since leaves it empty; the node
+	// serving the delta fills it.
+	Node string `json:"node,omitempty"`
 	// Journal is the journal incarnation the batches belong to; a target
 	// whose cursor names another must resync.
 	Journal string `json:"journal"`

@@ -61,6 +61,13 @@ type Replicator struct {
 	DiffEvery time.Duration
 	// Log receives a line per snapshot and per refused delta (nil: none).
 	Log *slog.Logger
+	// Group replicates from one edge of a group to another
+	// (GroupReplicator): snapshots are imported without prune, since a
+	// snapshot-diff would delete the flows the target holds of the
+	// group's other edges, and nothing is acked on the active, whose
+	// journals serve every other edge: the group acks the least cursor of
+	// them all.
+	Group bool
 
 	lastDiff map[string]time.Time
 }
@@ -171,6 +178,9 @@ func (r *Replicator) deltas(ctx context.Context, svc string, c Cursor, res Round
 			res.Ops += len(b.Ops)
 		}
 		c, res.Cursor = next, next
+		if r.Group {
+			continue
+		}
 		if err := r.Active.Ack(ctx, svc, next.Seq); err != nil {
 			return res, fmt.Errorf("ack %d: %w", next.Seq, err)
 		}
@@ -194,7 +204,7 @@ func (r *Replicator) snapshot(ctx context.Context, svc, reason string, diff bool
 		pw.CloseWithError(err)
 		exported <- err
 	}()
-	imp, err := r.Standby.Import(ctx, svc, pr, true)
+	imp, err := r.Standby.Import(ctx, svc, pr, !r.Group)
 	// The import read the stream to its end, or failed: either way the
 	// export ends (a failed import closes the pipe under it).
 	pr.CloseWithError(errReaderGone)
@@ -214,6 +224,9 @@ func (r *Replicator) snapshot(ctx context.Context, svc, reason string, diff bool
 	if r.Log != nil {
 		r.Log.Info("ha: replicator: snapshot loaded", "service", svc, "reason", reason, "flows", imp.Flows,
 			"written", imp.Written, "fresher", imp.Fresher, "pruned", imp.Pruned, "journal", imp.Header.Journal, "seq", imp.Header.Seq)
+	}
+	if r.Group {
+		return res, nil
 	}
 	if err := r.Active.Ack(ctx, svc, imp.Header.Seq); err != nil {
 		return res, fmt.Errorf("ack snapshot checkpoint %d: %w", imp.Header.Seq, err)

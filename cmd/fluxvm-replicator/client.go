@@ -180,3 +180,22 @@ func (n *node) services(ctx context.Context) ([]string, error) {
 	}
 	return out, nil
 }
+
+// sourceView is a group edge as the target of one source edge's
+// journals: its cursor of them (HAStatus.Sources); the imports are the
+// node's.
+type sourceView struct {
+	*node
+	source string
+}
+
+func (v sourceView) Cursor(ctx context.Context, service string) (ha.Cursor, error) {
+	st, err := v.status(ctx)
+	if err != nil {
+		return ha.Cursor{}, err
+	}
+	if !st.Group {
+		return ha.Cursor{}, fmt.Errorf("%s is not a group edge (ha_group = false): it cannot follow several sources", v.base)
+	}
+	return st.Sources[service][v.source], nil
+}

@@ -11,6 +11,15 @@
 //
 //	fluxvm-replicator -active http://10.0.0.1:7788 -standby http://10.0.0.2:7788 [-services web,api]
 //
+// With -group it replicates a group of edges instead (ha_group on every
+// edge; docs/operations.md, "Edges of a group"): every edge's journals to
+// every other edge, snapshots without prune, each journal acked up to the
+// least cursor the other edges hold of it:
+//
+//	fluxvm-replicator -group e1=http://10.0.0.1:7788,e2=http://10.0.0.2:7788,e3=http://10.0.0.3:7788
+//
+// Each name is the edge's node_name, which its deltas and snapshots carry.
+//
 // The admin token comes from -token-file or FLUXVM_ADMIN_TOKEN (the
 // standby's imports and the active's acks need it). It prints one JSON
 // line per round that changed something, and per failed round.
@@ -55,12 +64,21 @@ func run(args []string) error {
 	maxOps := fs.Int("max-ops", 0, "ops per delta (0: the default)")
 	timeout := fs.Duration("timeout", 30*time.Second, "bound of one request (a snapshot included)")
 	once := fs.Bool("once", false, "run one round and exit (non-zero when it failed)")
+	groupList := fs.String("group", "", "replicate a group instead: comma-separated NAME=URL, one per edge (NAME: its node_name); not with -active/-standby")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *active == "" || *standby == "" || *interval <= 0 || *diffEvery < 0 || *maxOps < 0 || *maxOps > api.MaxDeltaOps {
+	pair := *active != "" || *standby != ""
+	if (*groupList == "") == !pair || (pair && (*active == "" || *standby == "")) || *interval <= 0 || *diffEvery < 0 || *maxOps < 0 || *maxOps > api.MaxDeltaOps {
 		fs.Usage()
-		return fmt.Errorf("-active and -standby are required; -interval must be positive, -diff-every not negative, -max-ops within 0..%d", api.MaxDeltaOps)
+		return fmt.Errorf("-active and -standby, or -group, are required; -interval must be positive, -diff-every not negative, -max-ops within 0..%d", api.MaxDeltaOps)
+	}
+	var members []groupMember
+	if *groupList != "" {
+		var err error
+		if members, err = parseGroup(*groupList); err != nil {
+			return err
+		}
 	}
 	token := os.Getenv("FLUXVM_ADMIN_TOKEN")
 	if *tokenFile != "" {
@@ -74,17 +92,47 @@ func run(args []string) error {
 		return errors.New("no admin token: set -token-file or FLUXVM_ADMIN_TOKEN")
 	}
 	hc := &http.Client{Timeout: *timeout}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	enc := json.NewEncoder(os.Stdout)
+	if members != nil {
+		g := &ha.GroupReplicator{MaxOps: *maxOps, DiffEvery: *diffEvery, Log: log}
+		for _, m := range members {
+			n := &node{base: m.url, token: token, http: hc}
+			g.Edges = append(g.Edges, ha.GroupEdge{Name: m.name, Source: n, Services: n.services,
+				Target: func(source string) ha.Standby { return sourceView{node: n, source: source} }})
+		}
+		round := func() error {
+			start := time.Now()
+			res, err := g.Round(ctx)
+			changed := err != nil
+			for _, x := range res {
+				changed = changed || x.Ops > 0 || x.Snapshot != nil
+			}
+			if changed {
+				line := struct {
+					At       time.Time        `json:"at"`
+					Duration string           `json:"duration"`
+					Pairs    []ha.GroupResult `json:"pairs"`
+					Error    string           `json:"error,omitempty"`
+				}{At: start.UTC(), Duration: time.Since(start).String(), Pairs: res}
+				if err != nil {
+					line.Error = err.Error()
+				}
+				enc.Encode(line)
+			}
+			return err
+		}
+		return loop(ctx, log, *once, *interval, round)
+	}
 	a := &node{base: strings.TrimSuffix(*active, "/"), token: token, http: hc}
 	s := &node{base: strings.TrimSuffix(*standby, "/"), token: token, http: hc}
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	r := &ha.Replicator{Active: a, Standby: s, MaxOps: *maxOps, DiffEvery: *diffEvery, Log: log}
 	var fixed []string
 	if *services != "" {
 		fixed = strings.Split(*services, ",")
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	enc := json.NewEncoder(os.Stdout)
 	round := func() error {
 		r.Services = fixed
 		if fixed == nil {
@@ -114,19 +162,24 @@ func run(args []string) error {
 		}
 		return err
 	}
-	if *once {
+	return loop(ctx, log, *once, *interval, round)
+}
+
+// loop runs round every interval until ctx ends (once: one round, its
+// error the command's). Failing rounds back off, up to maxBackoff: a
+// refused lease (stale_epoch, fenced) or an edge that is down is for the
+// control plane to fix, and every retry may stream a whole snapshot.
+func loop(ctx context.Context, log *slog.Logger, once bool, interval time.Duration, round func() error) error {
+	if once {
 		return round()
 	}
-	// Failing rounds back off, up to maxBackoff: a refused lease
-	// (stale_epoch, fenced) or an edge that is down is for the control
-	// plane to fix, and every retry may stream a whole snapshot.
-	wait := *interval
+	wait := interval
 	for {
 		if err := round(); err != nil && ctx.Err() == nil {
-			wait = min(2*wait, max(maxBackoff, *interval))
+			wait = min(2*wait, max(maxBackoff, interval))
 			log.Warn("fluxvm-replicator: round failed", "err", err, "retry_in", wait)
 		} else {
-			wait = *interval
+			wait = interval
 		}
 		select {
 		case <-ctx.Done():
@@ -134,4 +187,28 @@ func run(args []string) error {
 		case <-time.After(wait):
 		}
 	}
+}
+
+// groupMember is one NAME=URL of -group.
+type groupMember struct{ name, url string }
+
+// parseGroup reads -group: at least two NAME=URL, names unique.
+func parseGroup(s string) ([]groupMember, error) {
+	var out []groupMember
+	seen := map[string]bool{}
+	for _, f := range strings.Split(s, ",") {
+		name, url, ok := strings.Cut(strings.TrimSpace(f), "=")
+		if !ok || name == "" || !strings.HasPrefix(url, "http") {
+			return nil, fmt.Errorf("-group: %q is not NAME=URL (the edge's node_name, its REST base URL)", f)
+		}
+		if seen[name] {
+			return nil, fmt.Errorf("-group: %q is named twice", name)
+		}
+		seen[name] = true
+		out = append(out, groupMember{name: name, url: strings.TrimSuffix(url, "/")})
+	}
+	if len(out) < 2 {
+		return nil, fmt.Errorf("-group: %d edge(s); a group has at least two", len(out))
+	}
+	return out, nil
 }

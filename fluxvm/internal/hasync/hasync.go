@@ -68,7 +68,27 @@ type Config struct {
 	// Logger receives the lease changes and the drainer's failure; nil
 	// discards them.
 	Logger *slog.Logger
+	// Group makes the edge one of a group (ha_group): every edge holds a
+	// lease of its own and is a source, and each follows every other
+	// edge's journals, with a cursor per service and source edge (named
+	// by the deltas' and snapshots' Node). An edge's own lease then
+	// fences only its own journals: it neither forgets the cursors nor
+	// stops the imports when it advances, and the data of a source is
+	// checked against the newest epoch taken from that source alone. Node
+	// is required with it.
+	Group bool
+	// Node is this edge's name (node_name): data naming it is refused in
+	// a group (an edge never imports itself).
+	Node string
 }
+
+// ErrSource wraps the refusal of a group edge's import whose source is
+// not another edge of the group: data naming no node, or this one.
+var ErrSource = fmt.Errorf("%w: not another edge's data", intent.ErrInvalid)
+
+// source is whose journal a cursor follows: the service, and in a group
+// the source edge ("" for the one peer of a pair).
+type source struct{ service, node string }
 
 // View is the read-only view of the services the journals follow. Sync
 // reads it in its caller's goroutine only: the caller holds whatever
@@ -144,9 +164,14 @@ type Status struct {
 	// the journals carry.
 	Queue     QueueStatus
 	GCDeletes uint64
-	// Journals are the source side, Cursors the target side, by service.
+	// Journals are the source side, Cursors the target side, by service;
+	// in a group Sources replaces Cursors: by service, then source edge.
 	Journals map[string]ha.JournalStats
 	Cursors  map[string]ha.Cursor
+	Sources  map[string]map[string]ha.Cursor
+	// Group and Node are Config's.
+	Group bool
+	Node  string
 }
 
 // Sync is the replication state of a dataplane with HA on.
@@ -162,7 +187,7 @@ type Sync struct {
 	services  map[string]bool // as of the last Sync
 	journals  map[string]*ha.Journal
 	sids      map[uint32]string // datapath service id -> service
-	cursors   map[string]ha.Cursor
+	cursors   map[source]ha.Cursor
 	gcDeletes uint64
 	// syncGen counts Sync calls; unknown remembers, per datapath id no
 	// service had, the syncGen of that miss, so that a record of a
@@ -214,10 +239,12 @@ func New(cfg Config, deps Deps) (*Sync, error) {
 		return nil, fmt.Errorf("hasync: %w: the seal interval must be positive", intent.ErrInvalid)
 	case deps.Services == nil || deps.NewDrainer == nil:
 		return nil, fmt.Errorf("hasync: %w: the services' view and the drainer are required", intent.ErrInvalid)
+	case cfg.Group && cfg.Node == "":
+		return nil, fmt.Errorf("hasync: %w: a group edge needs its node name", intent.ErrInvalid)
 	}
 	s := &Sync{cfg: cfg, deps: deps, jopts: ha.JournalOptions{MaxOps: cfg.JournalMaxOps}, log: cfg.Logger, epoch: cfg.Epoch,
 		services: map[string]bool{}, journals: map[string]*ha.Journal{}, sids: map[uint32]string{},
-		cursors: map[string]ha.Cursor{}, unknown: map[uint32]uint64{}}
+		cursors: map[source]ha.Cursor{}, unknown: map[uint32]uint64{}}
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -405,9 +432,9 @@ func (s *Sync) Sync() {
 			delete(s.journals, name)
 		}
 	}
-	for name := range s.cursors {
-		if !names[name] {
-			delete(s.cursors, name)
+	for src := range s.cursors {
+		if !names[src.service] {
+			delete(s.cursors, src)
 		}
 	}
 }

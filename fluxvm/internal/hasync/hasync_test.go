@@ -118,7 +118,7 @@ func TestJournalsFollowServices(t *testing.T) {
 		t.Fatalf("status %+v: want 2 records of no service, journals of web and db", st)
 	}
 	// A cursor of db, then db goes: its journal and cursor with it.
-	f.s.cursors["db"] = ha.Cursor{Journal: "j", Seq: 1, Epoch: 3}
+	f.s.cursors[source{service: "db"}] = ha.Cursor{Journal: "j", Seq: 1, Epoch: 3}
 	f.view = fakeView{"web": {1}, "idle": nil, "new": {9}}
 	f.s.Sync()
 	if j := f.s.journalOf(9); j == nil || j.Service() != "new" {
@@ -225,7 +225,7 @@ func TestLease(t *testing.T) {
 				t.Fatal(err)
 			}
 			id := j.ID()
-			f.s.cursors["web"] = ha.Cursor{Journal: "peer", Seq: 1, Epoch: c.epoch}
+			f.s.cursors[source{service: "web"}] = ha.Cursor{Journal: "peer", Seq: 1, Epoch: c.epoch}
 			for i, s := range c.steps {
 				changed, err := f.s.UpdateLease(context.Background(), s.lease)
 				st := f.s.Status()
@@ -276,8 +276,8 @@ func TestLeaseFileErrors(t *testing.T) {
 	}
 }
 
-// source is a peer's journal of web with n sealed batches.
-func source(t *testing.T, epoch ha.Epoch, n int) *ha.Journal {
+// peerJournal is a peer's journal of web with n sealed batches.
+func peerJournal(t *testing.T, epoch ha.Epoch, n int) *ha.Journal {
 	t.Helper()
 	j, err := ha.NewJournal("web", epoch, ha.JournalOptions{})
 	if err != nil {
@@ -296,7 +296,7 @@ func source(t *testing.T, epoch ha.Epoch, n int) *ha.Journal {
 // what does not continue it (stale, gap, another journal) applies
 // nothing.
 func TestCursorRules(t *testing.T) {
-	peer := source(t, 3, 4)
+	peer := peerJournal(t, 3, 4)
 	cp, _ := peer.Checkpoint()
 	snapshot := func(epoch ha.Epoch, journal string, seq uint64) func(context.Context, func(ha.Header) error) (ha.ImportResult, error) {
 		return func(_ context.Context, accept func(ha.Header) error) (ha.ImportResult, error) {
@@ -350,7 +350,7 @@ func TestCursorRules(t *testing.T) {
 // lease that advances (it cancels the apply) keep the cursor where it
 // was.
 func TestCursorStaysWhenImportLosesItsRace(t *testing.T) {
-	peer := source(t, 3, 2)
+	peer := peerJournal(t, 3, 2)
 	cp, _ := peer.Checkpoint()
 	delta, _ := peer.Since(0, cp.Journal, 0)
 	for _, c := range []struct {
@@ -422,5 +422,78 @@ func TestStartClose(t *testing.T) {
 	}
 	if n := f.drainer.closes.Load(); n != 1 {
 		t.Fatalf("the drainer closed %d times, want 1", n)
+	}
+}
+
+// TestGroupCursors: a group edge follows every other edge's journal of a
+// service with a cursor of its own, takes each source's data against the
+// newest epoch of that source alone (not its own lease: every edge holds
+// one), refuses data naming no edge or itself, and keeps its cursors when
+// its own lease advances.
+func TestGroupCursors(t *testing.T) {
+	if _, err := New(Config{Epoch: 1, Interval: time.Second, Group: true}, Deps{Services: &fakeView{}, NewDrainer: func(func(uint32) *ha.Journal) (Drainer, error) { return nil, nil }}); !errors.Is(err, intent.ErrInvalid) {
+		t.Fatalf("a group edge without a node name: %v", err)
+	}
+	f := newFixture(t, Config{Epoch: 9, Group: true, Node: "e1"}, fakeView{"web": {1}})
+	ctx := context.Background()
+	b, c := peerJournal(t, 3, 3), peerJournal(t, 5, 2)
+	snapshot := func(node string, j *ha.Journal, seq uint64) func(context.Context, func(ha.Header) error) (ha.ImportResult, error) {
+		return func(_ context.Context, accept func(ha.Header) error) (ha.ImportResult, error) {
+			cp, _ := j.Checkpoint()
+			hd := ha.Header{Service: "web", Node: node, Epoch: cp.Epoch, Journal: cp.Journal, Seq: seq}
+			if err := accept(hd); err != nil {
+				return ha.ImportResult{}, err
+			}
+			return ha.ImportResult{Header: hd}, nil
+		}
+	}
+	applied := 0
+	apply := func(context.Context, ha.Delta) (ha.ImportResult, error) { applied++; return ha.ImportResult{}, nil }
+	since := func(node string, j *ha.Journal, seq uint64) ha.Delta {
+		cp, _ := j.Checkpoint()
+		d, err := j.Since(seq, cp.Journal, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Node = node
+		return d
+	}
+	// e2's data, of an epoch below this edge's own lease: taken.
+	if _, err := f.s.ImportSnapshot(ctx, "web", snapshot("e2", b, 1)); err != nil {
+		t.Fatalf("e2's snapshot: %v", err)
+	}
+	if _, err := f.s.ImportDelta(ctx, "web", since("e2", b, 1), apply); err != nil || applied != 1 {
+		t.Fatalf("e2's delta: %v (applied %d)", err, applied)
+	}
+	// e3 has a cursor of its own: none yet.
+	if _, err := f.s.ImportDelta(ctx, "web", since("e3", c, 0), apply); !errors.Is(err, ha.ErrResetRequired) {
+		t.Fatalf("e3's delta before its snapshot: %v, want reset required", err)
+	}
+	if _, err := f.s.ImportSnapshot(ctx, "web", snapshot("e3", c, 2)); err != nil {
+		t.Fatalf("e3's snapshot: %v", err)
+	}
+	for _, bad := range []struct {
+		node string
+		want error
+	}{{"", ErrSource}, {"e1", ErrSource}} {
+		if _, err := f.s.ImportDelta(ctx, "web", since(bad.node, b, 3), apply); !errors.Is(err, bad.want) {
+			t.Errorf("a delta naming %q: %v, want %v", bad.node, err, bad.want)
+		}
+		if _, err := f.s.ImportSnapshot(ctx, "web", snapshot(bad.node, b, 3)); !errors.Is(err, bad.want) {
+			t.Errorf("a snapshot naming %q: %v, want %v", bad.node, err, bad.want)
+		}
+	}
+	// e2's older incarnation (epoch 2) is stale for e2, whatever e3's is.
+	old := peerJournal(t, 2, 1)
+	if _, err := f.s.ImportSnapshot(ctx, "web", snapshot("e2", old, 1)); !errors.Is(err, ha.ErrStaleEpoch) {
+		t.Errorf("e2's snapshot of epoch 2 after epoch 3: %v, want stale", err)
+	}
+	if _, err := f.s.UpdateLease(ctx, Lease{Epoch: 12}); err != nil {
+		t.Fatal(err)
+	}
+	st := f.s.Status()
+	want := map[string]ha.Cursor{"e2": {Journal: since("e2", b, 0).Journal, Seq: 3, Epoch: 3}, "e3": {Journal: since("e3", c, 0).Journal, Seq: 2, Epoch: 5}}
+	if !st.Group || st.Node != "e1" || len(st.Cursors) != 0 || !maps.Equal(st.Sources["web"], want) {
+		t.Fatalf("status after the edge's lease advanced: group %v node %q cursors %v sources %v; want %v", st.Group, st.Node, st.Cursors, st.Sources, want)
 	}
 }

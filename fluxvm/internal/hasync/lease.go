@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/intent"
@@ -48,8 +47,22 @@ func (s *Sync) Status() Status {
 			st.Journals[name] = j.Stats()
 		}
 	}
-	if len(s.cursors) > 0 {
-		st.Cursors = maps.Clone(s.cursors)
+	st.Group, st.Node = s.cfg.Group, s.cfg.Node
+	for src, c := range s.cursors {
+		if !s.cfg.Group {
+			if st.Cursors == nil {
+				st.Cursors = map[string]ha.Cursor{}
+			}
+			st.Cursors[src.service] = c
+			continue
+		}
+		if st.Sources == nil {
+			st.Sources = map[string]map[string]ha.Cursor{}
+		}
+		if st.Sources[src.service] == nil {
+			st.Sources[src.service] = map[string]ha.Cursor{}
+		}
+		st.Sources[src.service][src.node] = c
 	}
 	return st
 }

@@ -9,11 +9,31 @@ import (
 	"github.com/fluxvm/servicefabric/ha"
 )
 
-// floor is the oldest epoch this edge takes data of for service: the
-// newest it accepted from its peer, or its own lease when newer. s.mu
-// held.
-func (s *Sync) floor(service string) ha.Epoch {
-	return max(s.cursors[service].Epoch, s.epoch, s.pending)
+// floor is the oldest epoch this edge takes data of src from: the newest
+// it accepted from that source, and in a pair its own lease when newer
+// (the peer's data is then stale: this edge took over). In a group the
+// edges' leases are their own, so only the source's counts. s.mu held.
+func (s *Sync) floor(src source) ha.Epoch {
+	if s.cfg.Group {
+		return s.cursors[src].Epoch
+	}
+	return max(s.cursors[src].Epoch, s.epoch, s.pending)
+}
+
+// sourceOf is whose data an import of service is, named node by the data:
+// in a pair the one peer (whatever it names), in a group the edge it
+// names, which must be another one (ErrSource).
+func (s *Sync) sourceOf(service, node string) (source, error) {
+	if !s.cfg.Group {
+		return source{service: service}, nil
+	}
+	switch node {
+	case "":
+		return source{}, fmt.Errorf("data that names no source edge, in a group: %w", ErrSource)
+	case s.cfg.Node:
+		return source{}, fmt.Errorf("data of this edge itself (%s): %w", node, ErrSource)
+	}
+	return source{service: service, node: node}, nil
 }
 
 // beginImport takes targetMu for an import and makes ctx cancellable by
@@ -34,28 +54,29 @@ func (s *Sync) beginImport(ctx context.Context) (context.Context, func()) {
 	}
 }
 
-// setCursor stores service's cursor after an import, unless the service
+// setCursor stores src's cursor after an import, unless the service
 // went away meanwhile (its cursor must not outlive it: a service applied
-// again under the name starts from a snapshot) or the edge's lease
-// advanced past the data's epoch meanwhile.
-func (s *Sync) setCursor(service string, c ha.Cursor) error {
+// again under the name starts from a snapshot) or, in a pair, the edge's
+// lease advanced past the data's epoch meanwhile.
+func (s *Sync) setCursor(src source, c ha.Cursor) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.services[service] {
+	if !s.services[src.service] {
 		return fmt.Errorf("the service was deleted meanwhile: %w", errs.ErrNotFound)
 	}
-	if e := max(s.epoch, s.pending); c.Epoch < e {
+	if e := max(s.epoch, s.pending); !s.cfg.Group && c.Epoch < e {
 		return fmt.Errorf("data of epoch %d, the edge's lease advanced to %d meanwhile: %w", c.Epoch, e, ha.ErrStaleEpoch)
 	}
-	s.cursors[service] = c
+	s.cursors[src] = c
 	return nil
 }
 
 // ImportDelta applies delta, a batch run of service's journal on the
-// peer, with apply, after checking that it continues this edge's cursor:
-// an error wrapping ha.ErrStaleEpoch (data of an epoch older than the
-// newest this edge accepted or its own lease), ha.ErrResetRequired or
-// ha.ErrGap applies nothing. Imports run one at a time (targetMu, held
+// peer (in a group: on the edge delta.Node names), with apply, after
+// checking that it continues this edge's cursor of it: an error wrapping
+// ha.ErrStaleEpoch (data of an epoch older than the newest this edge
+// accepted from the source, or in a pair its own lease),
+// ha.ErrResetRequired, ha.ErrGap or ErrSource applies nothing. Imports run one at a time (targetMu, held
 // while apply runs); ctx is cancelled by a lease that advances meanwhile.
 // A ctx that ended before the delta is applied applies nothing and moves
 // no cursor; an apply that fails keeps the cursor where it was. Its
@@ -68,10 +89,14 @@ func (s *Sync) ImportDelta(ctx context.Context, service string, delta ha.Delta,
 	if err := ctx.Err(); err != nil {
 		return DeltaResult{}, err
 	}
+	src, err := s.sourceOf(service, delta.Node)
+	if err != nil {
+		return DeltaResult{}, err
+	}
 	s.mu.Lock()
-	c := s.cursors[service]
+	c := s.cursors[src]
 	check := c
-	check.Epoch = s.floor(service)
+	check.Epoch = s.floor(src)
 	s.mu.Unlock()
 	if err := check.Check(delta); err != nil {
 		return DeltaResult{Cursor: c}, err
@@ -81,7 +106,7 @@ func (s *Sync) ImportDelta(ctx context.Context, service string, delta ha.Delta,
 		return DeltaResult{Cursor: c, Applied: res}, err
 	}
 	c.Advance(delta)
-	return DeltaResult{Cursor: c, Applied: res}, s.setCursor(service, c)
+	return DeltaResult{Cursor: c, Applied: res}, s.setCursor(src, c)
 }
 
 // ErrCursorStays wraps the error of an ImportSnapshot that applied the
@@ -91,17 +116,23 @@ var ErrCursorStays = errors.New("applied, but the cursor stays")
 // ImportSnapshot applies a snapshot of service's flows with imp, which
 // calls accept with the snapshot's header before it applies any flow:
 // accept refuses (ha.ErrStaleEpoch) a snapshot of an epoch older than
-// the newest this edge accepted or its own lease, and one of a source
-// without a lease. Once the whole snapshot is applied, the cursor moves
+// the newest this edge accepted from its source (in a pair: or its own
+// lease), and one of a source without a lease; in a group, one that
+// names no other edge of it (ErrSource). Once the whole snapshot is applied, the cursor moves
 // to its checkpoint; when it cannot, the error wraps ErrCursorStays.
 // Imports run one at a time, as ImportDelta's.
 func (s *Sync) ImportSnapshot(ctx context.Context, service string,
 	imp func(ctx context.Context, accept func(ha.Header) error) (ha.ImportResult, error)) (ha.ImportResult, error) {
 	ctx, end := s.beginImport(ctx)
 	defer end()
+	var src source
 	res, err := imp(ctx, func(hd ha.Header) error {
+		var err error
+		if src, err = s.sourceOf(service, hd.Node); err != nil {
+			return err
+		}
 		s.mu.Lock()
-		floor := s.floor(service)
+		floor := s.floor(src)
 		s.mu.Unlock()
 		if hd.Epoch == 0 {
 			return fmt.Errorf("snapshot of a source without a lease (epoch 0: it runs without ha_epoch), this edge holds a lease and takes epoch %d or newer: %w", floor, ha.ErrStaleEpoch)
@@ -115,11 +146,11 @@ func (s *Sync) ImportSnapshot(ctx context.Context, service string,
 		return res, err
 	}
 	s.mu.Lock()
-	c := s.cursors[service]
+	c := s.cursors[src]
 	err = c.Reset(res.Header.Journal, res.Header.Seq, res.Header.Epoch)
 	s.mu.Unlock()
 	if err == nil {
-		err = s.setCursor(service, c)
+		err = s.setCursor(src, c)
 	}
 	if err != nil {
 		return res, fmt.Errorf("%w: %w", ErrCursorStays, err)
@@ -163,8 +194,11 @@ func (s *Sync) UpdateLease(ctx context.Context, l Lease) (changed bool, err erro
 	if l.SupersededBy > epoch {
 		fenced = max(fenced, l.SupersededBy)
 	}
+	// In a pair, a lease that advances makes this edge the active: what
+	// its old active sends is stale. In a group the edge's lease is its
+	// own, and the other edges' data goes on.
 	advanced := epoch > prevEpoch
-	if advanced {
+	if advanced && !s.cfg.Group {
 		s.pending = epoch
 		if s.importCancel != nil {
 			s.importCancel()
@@ -182,7 +216,7 @@ func (s *Sync) UpdateLease(ctx context.Context, l Lease) (changed bool, err erro
 	}
 	s.mu.Lock()
 	s.epoch, s.fencedBy, s.pending = epoch, fenced, 0
-	if advanced {
+	if advanced && !s.cfg.Group {
 		clear(s.cursors)
 	}
 	for name, j := range s.journals {

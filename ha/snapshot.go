@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/group"
 )
 
 // The snapshot stream:
@@ -80,21 +81,10 @@ var (
 )
 
 // Seeds are the two seeds that decide a new flow's backend on an edge
-// (fluxvm's hash_seed and maglev_seed). Edges that continue each other's
-// flows (an HA pair, the edges of a group behind ECMP) must have the same.
-type Seeds struct {
-	// FlowHash seeds the datapath's hash of a new flow's 5-tuple, which
-	// picks its Maglev slot.
-	FlowHash uint64 `json:"hash_seed"`
-	// Maglev seeds the Maglev tables: which slots each backend holds.
-	Maglev uint64 `json:"maglev_seed"`
-}
-
-// String is "hash_seed=0x.. maglev_seed=0x..": both seeds, as an error
-// names them.
-func (s Seeds) String() string {
-	return fmt.Sprintf("hash_seed=%#x maglev_seed=%#x", s.FlowHash, s.Maglev)
-}
+// (hash_seed and maglev_seed): package group's, which compares the edges
+// of a group. Edges that continue each other's flows (an HA pair, the
+// edges of a group behind ECMP) must have the same.
+type Seeds = group.Seeds
 
 // CheckSeeds reports, wrapping ErrSeeds, when the header's seeds are not
 // want; a format-1 header (no seeds) passes: see FormatV1.

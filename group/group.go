@@ -192,23 +192,22 @@ func diffTable(fe, edge string, ref, got map[string][]netip.AddrPort) (TableDiff
 // first differing slots and the backend each edge has there.
 func (r Report) Err() error {
 	var lines []string
-	var errs []error
-	if len(r.Seeds) > 0 {
-		errs = append(errs, ErrSeeds)
-		for _, s := range r.Seeds {
-			lines = append(lines, fmt.Sprintf("edge %s has %s, %s has %s", s.Edge, s.Seeds, r.Reference, s.Ref))
-		}
+	for _, s := range r.Seeds {
+		lines = append(lines, fmt.Sprintf("edge %s has %s, %s has %s", s.Edge, s.Seeds, r.Reference, s.Ref))
 	}
-	if len(r.Tables) > 0 {
-		errs = append(errs, ErrTables)
-		for _, t := range r.Tables {
-			lines = append(lines, t.String(r.Reference))
-		}
+	for _, t := range r.Tables {
+		lines = append(lines, t.String(r.Reference))
 	}
-	if len(errs) == 0 {
-		return nil
+	detail := strings.Join(lines, "; ")
+	switch {
+	case len(r.Seeds) > 0 && len(r.Tables) > 0:
+		return fmt.Errorf("%w, %w: %s", ErrSeeds, ErrTables, detail)
+	case len(r.Seeds) > 0:
+		return fmt.Errorf("%w: %s", ErrSeeds, detail)
+	case len(r.Tables) > 0:
+		return fmt.Errorf("%w: %s", ErrTables, detail)
 	}
-	return fmt.Errorf("%w: %s", errors.Join(errs...), strings.Join(lines, "; "))
+	return nil
 }
 
 // String describes the difference, ref naming the reference edge.

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/netip"
 	"reflect"
+	"strings"
 	"runtime"
 	"testing"
 	"time"
@@ -360,4 +361,34 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		b.ReportMetric(float64(len(flows)*b.N)/b.Elapsed().Seconds(), "flows/s")
 	})
+}
+
+// TestHeaderCheckSeeds: a header of other seeds is refused naming both
+// pairs; the same seeds pass, and so does a format-1 header, which names
+// none (an edge before seeds were carried).
+func TestHeaderCheckSeeds(t *testing.T) {
+	mine := Seeds{FlowHash: 0x5eed, Maglev: 7}
+	for _, tc := range []struct {
+		name  string
+		seeds *Seeds
+		want  []string // in the error; nil: accepted
+	}{
+		{"same seeds", &Seeds{FlowHash: 0x5eed, Maglev: 7}, nil},
+		{"format 1, no seeds", nil, nil},
+		{"other maglev seed", &Seeds{FlowHash: 0x5eed, Maglev: 8}, []string{`node "edge-a" wrote it with hash_seed=0x5eed maglev_seed=0x8, this edge has hash_seed=0x5eed maglev_seed=0x7`}},
+		{"other hash seed", &Seeds{Maglev: 7}, []string{"hash_seed=0x0 maglev_seed=0x7, this edge has hash_seed=0x5eed"}},
+	} {
+		h := testHeader()
+		h.Seeds = tc.seeds
+		err := h.CheckSeeds(mine)
+		if (err != nil) != (tc.want != nil) || err != nil && !errors.Is(err, ErrSeeds) {
+			t.Errorf("%s: %v, want ErrSeeds: %v", tc.name, err, tc.want != nil)
+			continue
+		}
+		for _, s := range tc.want {
+			if !strings.Contains(err.Error(), s) {
+				t.Errorf("%s: %q lacks %q", tc.name, err, s)
+			}
+		}
+	}
 }

@@ -9,8 +9,8 @@ import (
 	"io"
 	"net/netip"
 	"reflect"
-	"strings"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -96,22 +97,16 @@ func TestCompare(t *testing.T) {
 				}
 				// Differing and First are the slots that differ, counted
 				// and listed independently here.
-				n := 0
-				var first []SlotDiff
-				rt, gt := ref.Tables[d.Frontend], tc.edge.Tables[d.Frontend]
-				for s := range max(len(rt), len(gt)) {
-					var a, b netip.AddrPort
-					if s < len(rt) {
-						a = rt[s]
+				rt, gt := padded(ref.Tables[d.Frontend], tc.edge.Tables[d.Frontend])
+				var all []SlotDiff
+				for s := range rt {
+					if rt[s] != gt[s] {
+						all = append(all, SlotDiff{s, rt[s], gt[s]})
 					}
-					if s < len(gt) {
-						b = gt[s]
-					}
-					if a != b {
-						if n++; len(first) < MaxSlotDiffs {
-							first = append(first, SlotDiff{s, a, b})
-						}
-					}
+				}
+				n, first := len(all), all[:min(len(all), MaxSlotDiffs)]
+				if n == 0 {
+					first = nil
 				}
 				if n == 0 && !d.Extra || d.Differing != n || !reflect.DeepEqual(d.First, first) {
 					t.Errorf("%s: %d differing, first %v; want %d, %v", d.Frontend, d.Differing, d.First, n, first)
@@ -134,6 +129,13 @@ func TestCompare(t *testing.T) {
 			}
 		})
 	}
+}
+
+// padded returns copies of a and b of the same length, the shorter one
+// filled with zero AddrPorts (what a slot past a table's end compares as).
+func padded(a, b []netip.AddrPort) ([]netip.AddrPort, []netip.AddrPort) {
+	n := max(len(a), len(b))
+	return append(slices.Clone(a), make([]netip.AddrPort, n-len(a))...), append(slices.Clone(b), make([]netip.AddrPort, n-len(b))...)
 }
 
 // TestCheckSeeds: every edge with other seeds than the first is named

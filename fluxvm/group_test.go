@@ -33,33 +33,50 @@ type groupEdge struct {
 	name string
 	lab  *lab.Lab
 	root string
+	opts Options
 	d    *Dataplane
 }
 
 func newGroupEdge(t *testing.T, name string, s seeds) *groupEdge {
+	t.Helper()
+	return newGroupEdgeHA(t, name, s, HAOptions{})
+}
+
+// newGroupEdgeHA is newGroupEdge with replication options (the zero
+// HAOptions: none).
+func newGroupEdgeHA(t *testing.T, name string, s seeds, h HAOptions) *groupEdge {
 	t.Helper()
 	l := lab.NewForTest(t)
 	if _, err := l.AddExternal(); err != nil {
 		t.Fatal(err)
 	}
 	e := &groupEdge{name: name, lab: l, root: filepath.Join(testenv.PinRoot(t), "service")}
-	d, err := Open(context.Background(), Options{
-		Loader:              bpf.Options{PinRoot: e.root, Tier: bpf.TierS, HashSeed: s.hash},
-		MaglevSeed:          s.maglev,
+	e.opts = Options{
+		Loader:              bpf.Options{PinRoot: e.root, Tier: bpf.TierS},
 		NodeName:            name,
 		CatalogPath:         filepath.Join(t.TempDir(), "catalog.json"),
 		ConntrackGCInterval: -1,
 		InNamespace:         l.Node.Do,
 		NorthSouth: NorthSouth{Interfaces: []string{nsUplink}, SNATAddress: nsSNAT4, SNATAddressV6: nsSNAT6,
 			SNATPortMin: 1024, SNATPortMax: 65535},
+		HA:     h,
 		Logger: slog.New(slog.DiscardHandler),
-	})
+	}
+	e.open(t, s)
+	return e
+}
+
+// open (re)opens the edge's dataplane with seeds s, on its pins and
+// catalog.
+func (e *groupEdge) open(t *testing.T, s seeds) {
+	t.Helper()
+	e.opts.Loader.HashSeed, e.opts.MaglevSeed = s.hash, s.maglev
+	d, err := Open(context.Background(), e.opts)
 	if err != nil {
-		t.Fatalf("open edge %s: %v", name, err)
+		t.Fatalf("open edge %s: %v", e.name, err)
 	}
 	t.Cleanup(func() { d.Close() })
 	e.d = d
-	return e
 }
 
 // apply applies each service in turn, as Fabric would, one call each.
@@ -483,5 +500,97 @@ func checkWeights(t *testing.T, slots []netip.AddrPort, bs []Backend) {
 		if got := float64(count[netip.AddrPortFrom(b.Address, b.Port)]); got < want*0.8 || got > want*1.2 {
 			t.Errorf("backend %s of weight %d holds %v slots, want about %.0f", b.Address, *b.Weight, got, want)
 		}
+	}
+}
+
+// TestGroupDeltasFollowACheckedSnapshot: deltas carry no seeds and need
+// none. An edge applies a delta only to continue the cursor a snapshot
+// set, and seeds change only when a dataplane is opened again, which
+// forgets the cursors: the standby reopened with another maglev_seed
+// refuses the active's next delta (ha.ErrResetRequired) and the snapshot
+// that would reset it (ha.ErrSeeds), its flow maps unchanged by both.
+// Before the reopen, with the same seeds, the snapshot and a delta both
+// apply (the control).
+func TestGroupDeltasFollowACheckedSnapshot(t *testing.T) {
+	ctx := context.Background()
+	same := seeds{hash: 0x5eed, maglev: 42}
+	a := newGroupEdgeHA(t, "edge-a", same, HAOptions{Epoch: 2, Interval: MinHAInterval})
+	b := newGroupEdgeHA(t, "edge-b", same, HAOptions{Epoch: 1, Interval: MinHAInterval})
+	cat := groupCatalog{func(bs []Backend) []Backend { return bs }}
+	a.apply(t, cat.web())
+	b.apply(t, cat.web())
+	var fes []groupFrontend
+	for _, fe := range cat.frontends() {
+		if fe.vip.Addr() == cat.web().VIPs[0] || fe.vip.Addr() == cat.web().VIPs[1] {
+			fes = append(fes, fe)
+		}
+	}
+	ts := groupTuples(600, fes)
+
+	a.picks(t, ts[:200], false)
+	export := func() []byte {
+		t.Helper()
+		var snap bytes.Buffer
+		if exp, err := a.d.ExportFlows(ctx, "web", &snap); err != nil || exp.Flows < 200 {
+			t.Fatalf("export: %+v, %v; want 200 flows or more", exp, err)
+		}
+		return snap.Bytes()
+	}
+	if res, err := b.d.ImportFlows(ctx, "web", bytes.NewReader(export()), false); err != nil || res.Written < 200 {
+		t.Fatalf("snapshot into the standby of the same seeds: %+v, %v", res, err)
+	}
+	cur := b.d.HA().Status().Cursors["web"]
+	a.picks(t, ts[200:400], false)
+	delta := groupDelta(t, a, cur, 200)
+	if dr, err := b.d.HA().ImportFlowDelta(ctx, "web", delta); err != nil || dr.Applied.Written < 200 {
+		t.Fatalf("delta into the standby of the same seeds: %+v, %v", dr, err)
+	}
+
+	// The standby comes back with another maglev_seed.
+	if err := b.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b.open(t, seeds{hash: same.hash, maglev: same.maglev + 1})
+	a.picks(t, ts[400:], false)
+	next := groupDelta(t, a, ha.Cursor{Journal: delta.Journal, Seq: delta.To}, 200)
+	before := b.flowMaps(t)
+	if len(before) == 0 {
+		t.Fatal("the standby holds no flows: refusals would prove nothing")
+	}
+	if _, err := b.d.HA().ImportFlowDelta(ctx, "web", next); !errors.Is(err, ha.ErrResetRequired) {
+		t.Errorf("the active's next delta into the reopened standby: %v, want ErrResetRequired", err)
+	}
+	if _, err := b.d.ImportFlows(ctx, "web", bytes.NewReader(export()), false); !errors.Is(err, ha.ErrSeeds) {
+		t.Errorf("the resync snapshot into the standby of another maglev_seed: %v, want ErrSeeds", err)
+	}
+	if after := b.flowMaps(t); !maps.Equal(before, after) {
+		t.Errorf("refused imports changed the standby's flow maps: %d entries before, %d after", len(before), len(after))
+	}
+	if c, ok := b.d.HA().Status().Cursors["web"]; ok {
+		t.Errorf("the reopened standby holds cursor %+v after the refusals", c)
+	}
+}
+
+// groupDelta waits for the edge's journal of "web" to hold at least ops
+// ops after cursor c and returns them.
+func groupDelta(t *testing.T, e *groupEdge, c ha.Cursor, ops int) ha.Delta {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		delta, err := e.d.HA().FlowDelta(context.Background(), "web", FlowDeltaRequest{Journal: c.Journal, Seq: c.Seq})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, b := range delta.Batches {
+			n += len(b.Ops)
+		}
+		if n >= ops && !delta.ResetRequired {
+			return delta
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("edge %s: delta after %s/%d: %d ops (reset %v), want %d", e.name, c.Journal, c.Seq, n, delta.ResetRequired, ops)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

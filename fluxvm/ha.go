@@ -92,7 +92,8 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 	if err != nil {
 		return ha.ExportResult{}, err
 	}
-	hdr := ha.Header{Node: d.opts.NodeName, Service: service}
+	seeds := d.seeds()
+	hdr := ha.Header{Node: d.opts.NodeName, Service: service, Seeds: &seeds}
 	if j != nil {
 		// The checkpoint before the scan: every flow learned after it is
 		// in a later batch, every flow before it in the maps the scan
@@ -130,6 +131,13 @@ func (d *Dataplane) ExportFlows(ctx context.Context, service string, w io.Writer
 // checkpoint, and FlowDelta after it continues. An edge without a lease
 // takes a snapshot of any epoch, and keeps neither its epoch nor its
 // cursor (it has no journal to continue).
+//
+// Whatever the lease, a snapshot written by an edge of other seeds
+// (hash_seed, maglev_seed: Status.Seeds) is refused before anything is
+// judged or applied, with an error wrapping ha.ErrSeeds that names both
+// edges' seeds: the two would send the same new flow to different
+// backends. A snapshot of format 1 (an edge before the header carried
+// seeds) is taken unchecked, as before (docs/upgrading.md).
 func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader, prune bool) (ha.ImportResult, error) {
 	if err := d.opened("import flows"); err != nil {
 		return ha.ImportResult{}, err
@@ -179,6 +187,12 @@ func (d *Dataplane) ImportFlows(ctx context.Context, service string, r io.Reader
 	return res, nil
 }
 
+// seeds are this edge's hash_seed and maglev_seed, as a snapshot carries
+// them (the values Status.Seeds reports).
+func (d *Dataplane) seeds() ha.Seeds {
+	return ha.Seeds{FlowHash: d.opts.Loader.HashSeed, Maglev: d.opts.MaglevSeed}
+}
+
 // needNorthSouth fails, wrapping ErrPrerequisite, when the dataplane has
 // no north-south edge: what flow snapshots need.
 func (d *Dataplane) needNorthSouth(what string) error {
@@ -208,7 +222,8 @@ func (d *Dataplane) haTarget(what, service string, prune bool) (ha.Target, error
 			snat = append(snat, a.Unmap())
 		}
 	}
-	return ha.Target{CT: d.ct, Service: service, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat,
+	seeds := d.seeds()
+	return ha.Target{CT: d.ct, Service: service, Prune: prune, ServiceIDs: v.sids, SNATAddrs: snat, Seeds: &seeds,
 		Frontend: func(vip netip.AddrPort, proto uint8) (uint32, bool) {
 			sid, ok := v.frontend[services.Key{VIP: vip.Addr().Unmap(), Port: vip.Port(), Proto: proto}]
 			return sid, ok

@@ -94,7 +94,7 @@ func TestExportImportFlows(t *testing.T) {
 	// The same flows from a source without a lease (epoch 0, no
 	// journal): an edge holding a lease refuses them before any flow.
 	var unleased bytes.Buffer
-	uw, err := ha.NewWriter(&unleased, ha.Header{Service: "web"})
+	uw, err := ha.NewWriter(&unleased, ha.Header{Service: "web", Seeds: &ha.Seeds{}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -449,7 +449,7 @@ func TestExportImportFlowsWithoutHA(t *testing.T) {
 		t.Errorf("the snapshot again: %+v, %v; want nothing written or pruned", again, err)
 	}
 	var leased bytes.Buffer
-	w, err := ha.NewWriter(&leased, ha.Header{Service: "web", Epoch: 9, Journal: "j9", Seq: 4})
+	w, err := ha.NewWriter(&leased, ha.Header{Service: "web", Epoch: 9, Journal: "j9", Seq: 4, Seeds: &ha.Seeds{}})
 	if err != nil || w.Close() != nil {
 		t.Fatal(err)
 	}

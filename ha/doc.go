@@ -6,6 +6,12 @@
 // source that holds no lease and keeps no journal: its header then
 // carries epoch 0 and no journal cursor, older than any lease: a target
 // holding one refuses it (Target.Accept, as package fluxvm sets it).
+// Every snapshot also names the seeds of the edge that wrote it
+// (Header.Seeds, format 2): an edge of other seeds would send the same new
+// flow to other backends, and refuses it before anything else
+// (Target.Seeds, ErrSeeds). Deltas carry no seeds: they only continue a
+// cursor a snapshot set, and an edge's seeds change only when it restarts,
+// which resets its cursors.
 //
 // What travels is a service's flows as any node can apply them (Flow):
 // the conntrack entry (fluxvm_fct4/6) and its reverse-NAT half

@@ -273,7 +273,7 @@ func TestReplicationOverflow(t *testing.T) {
 	}
 	time.Sleep(60 * time.Millisecond) // B's flows were last seen before the export (past the slack)
 	var snap bytes.Buffer
-	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1}, a.source()); err != nil {
+	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1, Seeds: &Seeds{}}, a.source()); err != nil {
 		t.Fatal(err)
 	}
 	tgt := b.target()

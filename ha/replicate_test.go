@@ -42,7 +42,7 @@ func (a *fakeActive) Export(_ context.Context, svc string, w io.Writer) error {
 	if err != nil {
 		return err
 	}
-	sw, err := NewWriter(w, Header{Service: svc, Node: "a", Epoch: cp.Epoch, Journal: cp.Journal, Seq: cp.Seq})
+	sw, err := NewWriter(w, Header{Service: svc, Node: "a", Epoch: cp.Epoch, Journal: cp.Journal, Seq: cp.Seq, Seeds: &Seeds{}})
 	if err != nil {
 		return err
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/bpf"
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/group"
 )
 
 // The snapshot stream:
@@ -31,11 +32,17 @@ import (
 // truncated or altered stream is refused where it breaks. The header names
 // the format, the datapath schema, the maps the flows come from and the
 // record size, so that a reader refuses what it cannot read rather than
-// misread it.
+// misread it, and (from format 2) the seeds of the edge that wrote it, so
+// that an edge of other seeds refuses it (ErrSeeds).
 const (
-	// FormatVersion is the version of the stream this package writes and
-	// reads.
-	FormatVersion = 1
+	// FormatVersion is the version of the stream this package writes.
+	// Format 2 added Header.Seeds (required); a reader takes format 1 as
+	// well, whose header has none (FormatV1).
+	FormatVersion = 2
+	// FormatV1 is the format before the header carried the seeds: still
+	// read, and imported without a seed check (there is none to make),
+	// so that an edge not yet upgraded replicates to one that is.
+	FormatV1 = 1
 	// RecordSize is the size of one encoded Flow.
 	RecordSize = 128
 	// MaxChunkFlows bounds a chunk; writers fill chunks of ChunkFlows.
@@ -66,7 +73,27 @@ var (
 	ErrCorrupt = errors.New("ha: snapshot corrupt")
 	// ErrTruncated: the stream ended before its end record.
 	ErrTruncated = errors.New("ha: snapshot truncated")
+	// ErrSeeds: the snapshot comes from an edge whose flow-hash or Maglev
+	// seed differs from the importer's (Target.Seeds): the two would send
+	// the same new flow to different backends, so they are no group, and
+	// the import applies nothing.
+	ErrSeeds = errors.New("ha: snapshot of an edge with other seeds")
 )
+
+// Seeds are the two seeds that decide a new flow's backend on an edge
+// (hash_seed and maglev_seed): package group's, which compares the edges
+// of a group. Edges that continue each other's flows (an HA pair, the
+// edges of a group behind ECMP) must have the same.
+type Seeds = group.Seeds
+
+// CheckSeeds reports, wrapping ErrSeeds, when the header's seeds are not
+// want; a format-1 header (no seeds) passes: see FormatV1.
+func (h *Header) CheckSeeds(want Seeds) error {
+	if h.Seeds == nil || *h.Seeds == want {
+		return nil
+	}
+	return fmt.Errorf("%w: node %q wrote it with %s, this edge has %s", ErrSeeds, h.Node, *h.Seeds, want)
+}
 
 // Header describes a snapshot.
 type Header struct {
@@ -92,6 +119,9 @@ type Header struct {
 	Maps []string `json:"maps"`
 	// RecordSize is the size of one encoded flow (RecordSize).
 	RecordSize int `json:"record_size"`
+	// Seeds are the source edge's seeds: required from format 2 on
+	// (NewWriter refuses a header without), absent in format 1.
+	Seeds *Seeds `json:"seeds,omitempty"`
 	// Created is when the export began (wall clock, for people).
 	Created time.Time `json:"created"`
 }
@@ -99,8 +129,12 @@ type Header struct {
 // check verifies that h describes a stream this package reads.
 func (h *Header) check() error {
 	switch {
-	case h.Format != FormatVersion:
-		return fmt.Errorf("%w: format %d, this node reads %d", ErrFormat, h.Format, FormatVersion)
+	case h.Format != FormatVersion && h.Format != FormatV1:
+		return fmt.Errorf("%w: format %d, this node reads %d and %d", ErrFormat, h.Format, FormatV1, FormatVersion)
+	case h.Format == FormatVersion && h.Seeds == nil:
+		return fmt.Errorf("%w: format %d without the source's seeds", ErrFormat, h.Format)
+	case h.Format == FormatV1 && h.Seeds != nil:
+		return fmt.Errorf("%w: format %d with seeds (format %d carries them)", ErrFormat, h.Format, FormatVersion)
 	case h.Schema != bpf.SchemaVersion:
 		return fmt.Errorf("%w: datapath schema %d, this node has %d", ErrFormat, h.Schema, bpf.SchemaVersion)
 	case h.RecordSize != RecordSize:
@@ -129,7 +163,8 @@ type Writer struct {
 }
 
 // NewWriter writes the magic and h (Format, Schema, Maps and RecordSize
-// filled in) to w.
+// filled in) to w. h.Seeds must be set: the seeds of the edge whose flows
+// these are (an error wrapping ErrFormat otherwise).
 func NewWriter(w io.Writer, h Header) (*Writer, error) {
 	h.Format, h.Schema, h.Maps, h.RecordSize = FormatVersion, bpf.SchemaVersion, slices.Clone(Maps), RecordSize
 	if err := h.check(); err != nil {

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"reflect"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -49,7 +50,8 @@ func testFlow(i int) Flow {
 }
 
 func testHeader() Header {
-	return Header{Node: "edge-a", Service: "web", Epoch: 7, Journal: "j1", Seq: 42, Created: time.Unix(1700000000, 0).UTC()}
+	return Header{Node: "edge-a", Service: "web", Epoch: 7, Journal: "j1", Seq: 42, Created: time.Unix(1700000000, 0).UTC(),
+		Seeds: &Seeds{FlowHash: 0x5eed, Maglev: 7}}
 }
 
 func writeStream(t testing.TB, flows []Flow) []byte {
@@ -155,7 +157,13 @@ func TestSnapshotRefuses(t *testing.T) {
 	}{
 		{"not a snapshot", []byte("GET / HTTP/1.1\r\n\r\n"), ErrFormat, 0},
 		{"empty", nil, ErrFormat, 0},
-		{"another format", header(func(h *Header) { h.Format = 2 }), ErrFormat, 0},
+		{"another format", header(func(h *Header) { h.Format = 3 }), ErrFormat, 0},
+		{"format 0", header(func(h *Header) { h.Format = 0 }), ErrFormat, 0},
+		// Format 2 names the source's seeds, format 1 does not: a
+		// format-1 stream is read whole (an edge not yet upgraded).
+		{"format 2 without seeds", header(func(h *Header) { h.Seeds = nil }), ErrFormat, 0},
+		{"format 1 with seeds", header(func(h *Header) { h.Format = FormatV1 }), ErrFormat, 0},
+		{"format 1", header(func(h *Header) { h.Format, h.Seeds = FormatV1, nil }), nil, len(flows)},
 		{"another schema", header(func(h *Header) { h.Schema++ }), ErrFormat, 0},
 		{"another record size", header(func(h *Header) { h.RecordSize = 96 }), ErrFormat, 0},
 		{"a map off the allowlist", header(func(h *Header) { h.Maps = append(h.Maps, "fluxvm_spol") }), ErrFormat, 0},
@@ -236,11 +244,14 @@ func TestSnapshotWriterRefusesBadFlows(t *testing.T) {
 			t.Errorf("%s: written", name)
 		}
 	}
-	if _, err := NewWriter(&buf, Header{Service: "web", Journal: "j1", Seq: 3}); !errors.Is(err, ErrFormat) {
+	if _, err := NewWriter(&buf, Header{Service: "web", Journal: "j1", Seq: 3, Seeds: &Seeds{}}); !errors.Is(err, ErrFormat) {
 		t.Errorf("a journal cursor without an epoch: %v, want ErrFormat", err)
 	}
+	if _, err := NewWriter(&buf, Header{Service: "web"}); !errors.Is(err, ErrFormat) {
+		t.Errorf("a header without the source's seeds: %v, want ErrFormat", err)
+	}
 	// A source without a lease writes epoch 0 and no cursor.
-	if _, err := NewWriter(&buf, Header{Service: "web"}); err != nil {
+	if _, err := NewWriter(&buf, Header{Service: "web", Seeds: &Seeds{}}); err != nil {
 		t.Errorf("a header of no lease and no journal: %v", err)
 	}
 }
@@ -350,4 +361,34 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		b.ReportMetric(float64(len(flows)*b.N)/b.Elapsed().Seconds(), "flows/s")
 	})
+}
+
+// TestHeaderCheckSeeds: a header of other seeds is refused naming both
+// pairs; the same seeds pass, and so does a format-1 header, which names
+// none (an edge before seeds were carried).
+func TestHeaderCheckSeeds(t *testing.T) {
+	mine := Seeds{FlowHash: 0x5eed, Maglev: 7}
+	for _, tc := range []struct {
+		name  string
+		seeds *Seeds
+		want  []string // in the error; nil: accepted
+	}{
+		{"same seeds", &Seeds{FlowHash: 0x5eed, Maglev: 7}, nil},
+		{"format 1, no seeds", nil, nil},
+		{"other maglev seed", &Seeds{FlowHash: 0x5eed, Maglev: 8}, []string{`node "edge-a" wrote it with hash_seed=0x5eed maglev_seed=0x8, this edge has hash_seed=0x5eed maglev_seed=0x7`}},
+		{"other hash seed", &Seeds{Maglev: 7}, []string{"hash_seed=0x0 maglev_seed=0x7, this edge has hash_seed=0x5eed"}},
+	} {
+		h := testHeader()
+		h.Seeds = tc.seeds
+		err := h.CheckSeeds(mine)
+		if (err != nil) != (tc.want != nil) || err != nil && !errors.Is(err, ErrSeeds) {
+			t.Errorf("%s: %v, want ErrSeeds: %v", tc.name, err, tc.want != nil)
+			continue
+		}
+		for _, s := range tc.want {
+			if !strings.Contains(err.Error(), s) {
+				t.Errorf("%s: %q lacks %q", tc.name, err, s)
+			}
+		}
+	}
 }

@@ -148,6 +148,10 @@ type Target struct {
 	// BackendID is the id of the backend at addr of datapath service
 	// sid on this node; false when the service has no such backend.
 	BackendID func(sid uint32, addr netip.AddrPort) (uint32, bool)
+	// Seeds, when set, are this edge's seeds: a snapshot naming others
+	// is refused before anything else is judged or applied (ErrSeeds);
+	// one of format 1, which names none, is taken (FormatV1).
+	Seeds *Seeds
 	// Accept, when set, judges the header before any flow is applied
 	// (the lease epoch and the journal cursor: Cursor.Reset).
 	Accept func(Header) error
@@ -224,6 +228,11 @@ func Import(ctx context.Context, r io.Reader, t Target) (ImportResult, error) {
 	res.Header = sr.Header()
 	if res.Header.Service != t.Service {
 		return res, fmt.Errorf("ha: import into %s: %w: the snapshot is of %q", t.Service, ErrService, res.Header.Service)
+	}
+	if t.Seeds != nil {
+		if err := res.Header.CheckSeeds(*t.Seeds); err != nil {
+			return res, fmt.Errorf("ha: import into %s: %w", t.Service, err)
+		}
 	}
 	if t.Accept != nil {
 		if err := t.Accept(res.Header); err != nil {

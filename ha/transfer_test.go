@@ -178,7 +178,8 @@ func TestTransfer(t *testing.T) {
 	}
 
 	var snap bytes.Buffer
-	h := Header{Node: "a", Service: "web", Epoch: 3, Journal: "j", Seq: 9}
+	seeds := Seeds{FlowHash: 0x5eed, Maglev: 7}
+	h := Header{Node: "a", Service: "web", Epoch: 3, Journal: "j", Seq: 9, Seeds: &seeds}
 	exp, err := Export(context.Background(), &snap, h, a.source())
 	if err != nil || exp.Flows != uint64(len(flows)) {
 		t.Fatalf("export: %+v, %v; want %d flows", exp, err, len(flows))
@@ -202,11 +203,22 @@ func TestTransfer(t *testing.T) {
 	if _, err := Import(context.Background(), bytes.NewReader(data), refusing); !errors.Is(err, stale) {
 		t.Errorf("import the target refuses: %v", err)
 	}
+	// An edge of other seeds: refused before its Accept is asked.
+	for _, other := range []Seeds{{FlowHash: seeds.FlowHash, Maglev: 8}, {FlowHash: 1, Maglev: seeds.Maglev}} {
+		judged := false
+		tg := b.target()
+		tg.Seeds, tg.Accept = &other, func(Header) error { judged = true; return nil }
+		if _, err := Import(context.Background(), bytes.NewReader(data), tg); !errors.Is(err, ErrSeeds) || judged {
+			t.Errorf("import into an edge of %s: %v (accept asked: %v), want ErrSeeds before the accept", other, err, judged)
+		}
+	}
 	if es, _ := b.ct.List(conntrack.Filter{}); len(es) != 0 {
 		t.Fatalf("refused imports wrote %d flows", len(es))
 	}
 
-	res, err := Import(context.Background(), bytes.NewReader(data), b.target())
+	same := b.target()
+	same.Seeds = &Seeds{FlowHash: seeds.FlowHash, Maglev: seeds.Maglev}
+	res, err := Import(context.Background(), bytes.NewReader(data), same)
 	if err != nil || res.Written != uint64(len(flows)) || res.Header.Epoch != 3 || res.Header.Seq != 9 {
 		t.Fatalf("import: %+v, %v", res, err)
 	}
@@ -291,7 +303,7 @@ func TestTransferKeepsFresher(t *testing.T) {
 	k := conntrack.Key{Client: netip.MustParseAddrPort("10.0.0.9:41000"), VIP: frontends[0].vip, Proto: conntrack.ProtoTCP}
 	a.send(k, pkt.SYN, false)
 	var snap bytes.Buffer
-	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1}, a.source()); err != nil {
+	if _, err := Export(context.Background(), &snap, Header{Node: "a", Service: "web", Epoch: 1, Seeds: &Seeds{}}, a.source()); err != nil {
 		t.Fatal(err)
 	}
 	// B learned the flow itself since (a SYN-ACK's later ACK): its entry
@@ -308,7 +320,7 @@ func TestTransferKeepsFresher(t *testing.T) {
 		t.Errorf("B's fresher flow changed: %+v\nwas %+v", after, before)
 	}
 	// Expired on A: not exported.
-	exp, err := Export(context.Background(), &bytes.Buffer{}, Header{Node: "a", Service: "web", Epoch: 1},
+	exp, err := Export(context.Background(), &bytes.Buffer{}, Header{Node: "a", Service: "web", Epoch: 1, Seeds: &Seeds{}},
 		Source{CT: a.ct, ServiceIDs: a.source().ServiceIDs, Backend: a.source().Backend,
 			Now: func() (time.Duration, error) { return 100 * time.Hour * 24, nil }})
 	if err != nil || exp.Flows != 0 || exp.Expired != 1 {
@@ -333,7 +345,7 @@ func TestExportCarriesHold(t *testing.T) {
 		t.Fatalf("entry %+v: HAUntil %v not past the deadline %v after a transition's record", e.Key, e.HAUntil, e.Deadline)
 	}
 	var snap bytes.Buffer
-	if _, err := Export(context.Background(), &snap, Header{Service: "web", Epoch: 1}, a.source()); err != nil {
+	if _, err := Export(context.Background(), &snap, Header{Service: "web", Epoch: 1, Seeds: &Seeds{}}, a.source()); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := Import(context.Background(), &snap, b.target()); err != nil {

@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/fluxvm/servicefabric/fluxvm"
+	"github.com/fluxvm/servicefabric/group"
 	"github.com/fluxvm/servicefabric/ha"
 )
 
@@ -47,6 +48,8 @@ func (e *apiError) Is(target error) bool {
 		return target == ha.ErrFenced
 	case "cursor_ahead":
 		return target == ha.ErrCursorAhead
+	case "seed_mismatch":
+		return target == ha.ErrSeeds
 	}
 	return false
 }
@@ -166,6 +169,40 @@ func (n *node) ImportDelta(ctx context.Context, service string, d ha.Delta) (ha.
 		return ha.Cursor{}, err
 	}
 	return res.Cursor, nil
+}
+
+// seeds reads the node's hash_seed and maglev_seed from its status.
+func (n *node) seeds(ctx context.Context) (group.Seeds, error) {
+	var st struct {
+		Seeds *fluxvm.SeedStatus `json:"seeds"`
+	}
+	if err := n.json(ctx, http.MethodGet, "/v1/network/services/status", nil, &st); err != nil {
+		return group.Seeds{}, err
+	}
+	if st.Seeds == nil {
+		return group.Seeds{}, fmt.Errorf("%s: the status reports no seeds (an edge older than seed reporting): upgrade it", n.base)
+	}
+	return group.Seeds{FlowHash: st.Seeds.FlowHash, Maglev: st.Seeds.Maglev}, nil
+}
+
+// checkSeeds refuses a pair whose ends have other seeds: they would pick
+// other backends for the same new flow, and the standby refuses the
+// active's snapshots anyway (seed_mismatch). The error names both ends
+// and both seeds.
+func checkSeeds(ctx context.Context, active, standby *node) error {
+	sa, err := active.seeds(ctx)
+	if err != nil {
+		return fmt.Errorf("the active's seeds: %w", err)
+	}
+	ss, err := standby.seeds(ctx)
+	if err != nil {
+		return fmt.Errorf("the standby's seeds: %w", err)
+	}
+	err = group.CheckSeeds(group.Edge{Name: "active " + active.base, Seeds: sa}, group.Edge{Name: "standby " + standby.base, Seeds: ss})
+	if err != nil {
+		return fmt.Errorf("refusing to replicate: %w (set the same hash_seed and maglev_seed on both and restart one)", err)
+	}
+	return nil
 }
 
 // services lists the services the node has.

@@ -8,6 +8,9 @@
 // instead, and every -diff-every it runs the snapshot-diff (a snapshot
 // import with prune) whatever the deltas say. Data of a superseded active
 // is refused by the standby (stale_epoch) and reported, never applied.
+// Every round first reads both edges' seeds (hash_seed, maglev_seed, from
+// GET /v1/network/services/status) and replicates nothing while they
+// differ: the round fails with an error naming both ends and both seeds.
 //
 //	fluxvm-replicator -active http://10.0.0.1:7788 -standby http://10.0.0.2:7788 [-services web,api]
 //
@@ -143,7 +146,14 @@ func run(args []string) error {
 			r.Services = list
 		}
 		start := time.Now()
-		res, err := r.Round(ctx)
+		var res []ha.RoundResult
+		// Edges of other seeds are no pair: nothing is replicated
+		// until they agree (an edge may restart with other seeds at
+		// any time, so every round checks).
+		err := checkSeeds(ctx, a, s)
+		if err == nil {
+			res, err = r.Round(ctx)
+		}
 		changed := err != nil
 		for _, x := range res {
 			changed = changed || x.Ops > 0 || x.Snapshot != nil

@@ -270,7 +270,7 @@ func TestTablesDecode(t *testing.T) {
 	gcAt := applied
 	node := newFakeNode(t, map[string]answer{
 		"GET /v1/network/services/status": ok(t, fluxvm.Status{
-			SchemaVersion: 6, Generation: 3, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm", Services: 2,
+			SchemaVersion: 6, Generation: 3, Tier: "M", PinRoot: "/sys/fs/bpf/fluxvm", Services: 2, Seeds: fluxvm.SeedStatus{FlowHash: 777, Maglev: 42},
 			Load: fluxvm.LoadStatus{Features: []string{"flow_records", "edt"}},
 			SNAT: fluxvm.SNATStatus{Address4: netip.MustParseAddr("192.0.2.1"), PortMin: 32768, PortMax: 60999},
 			Interfaces: []fluxvm.InterfaceStatus{{Name: "eth0", Kind: "north-south", Index: 2, Hooks: []fluxvm.HookStatus{{Hook: "ns_in", Mode: "tcx"}}, XDP: "native"},
@@ -297,7 +297,7 @@ func TestTablesDecode(t *testing.T) {
 		wants []string
 	}{
 		{[]string{"status"}, "/v1/network/services/status", "", []string{
-			"Schema:           6\n", "Tier:             M\n", "Features:         flow_records, edt\n", "SNAT:             192.0.2.1 ports 32768-60999\n",
+			"Schema:           6\n", "Tier:             M\n", "Features:         flow_records, edt\n", "Seeds:            hash_seed=0x309 maglev_seed=0x2a\n", "SNAT:             192.0.2.1 ports 32768-60999\n",
 			"HA:               on, epoch 9, FENCED (superseded by epoch 10)\n",
 			"Map pressure:     soft (soft 80%, hard 95%), fullest fluxvm_fct4 83.9%, 2 rounds\n", "Last GC:          2026-11-30T12:00:00Z, 100 scanned, 5 expired\n",
 			"eth0       north-south  2        -   ns_in/tcx  native  -\n", "eth1       north-south  3        -   ns_in/tcx  off     xdp off: rx-vlan-hw-parse on\n"}},

@@ -14,6 +14,7 @@ import (
 	"github.com/fluxvm/servicefabric/flows"
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/group"
 	"github.com/fluxvm/servicefabric/ha"
 )
 
@@ -192,6 +193,8 @@ func statusTable(w io.Writer, st fluxvm.Status) {
 	row(w, "Features:", featuresSummary(st.Load.Features))
 	row(w, "Pin root:", st.PinRoot)
 	row(w, "Services:", st.Services)
+	// Edges of a pair or group must show the same (docs/scale-out-consistency.md).
+	row(w, "Seeds:", group.Seeds{FlowHash: st.Seeds.FlowHash, Maglev: st.Seeds.Maglev})
 	snat := "-"
 	if st.SNAT.Address4.IsValid() || st.SNAT.Address6.IsValid() {
 		var as []string

@@ -720,7 +720,7 @@ func TestAuthMatrix(t *testing.T) {
 var (
 	authSnapshot = func() string {
 		var buf bytes.Buffer
-		sw, err := ha.NewWriter(&buf, ha.Header{Node: "b", Service: "web", Epoch: 3})
+		sw, err := ha.NewWriter(&buf, ha.Header{Node: "b", Service: "web", Epoch: 3, Seeds: &ha.Seeds{}})
 		if err != nil {
 			panic(err)
 		}

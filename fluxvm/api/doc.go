@@ -143,6 +143,7 @@
 //	snapshot_corrupt        400     a snapshot truncated or failing its checksums (ha.ErrTruncated, ha.ErrCorrupt)
 //	service_mismatch        400     a snapshot or delta of another service than the path's (ha.ErrService)
 //	snapshot_unreadable     422     not a snapshot, or a format, schema or map set this node does not read (ha.ErrFormat)
+//	seed_mismatch           409     a snapshot of an edge whose hash_seed or maglev_seed differs from this edge's (ha.ErrSeeds)
 //
 // "field" is present when a [fluxvm.ValidationError] names one.
 //

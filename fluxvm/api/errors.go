@@ -67,6 +67,10 @@ const (
 	// CodeServiceMismatch: a snapshot or delta of another service than
 	// the one of the path (ha.ErrService).
 	CodeServiceMismatch Code = "service_mismatch" // 400
+	// CodeSeedMismatch: a snapshot written by an edge whose hash_seed or
+	// maglev_seed differs from this edge's (ha.ErrSeeds): the two are no
+	// group; nothing was applied.
+	CodeSeedMismatch Code = "seed_mismatch" // 409
 )
 
 // allCodes lists every code, in the order of the documentation.
@@ -76,7 +80,7 @@ var allCodes = []Code{
 	CodeUnsupportedMediaType, CodeUnsupported, CodeMissingPrerequisite, CodeLimitExceeded,
 	CodeInternal, CodeUnavailable,
 	CodeResetRequired, CodeSequenceGap, CodeStaleEpoch, CodeFenced, CodeCursorAhead,
-	CodeSnapshotCorrupt, CodeSnapshotUnreadable, CodeServiceMismatch,
+	CodeSnapshotCorrupt, CodeSnapshotUnreadable, CodeServiceMismatch, CodeSeedMismatch,
 }
 
 // Status returns the HTTP status an error with code c is sent with
@@ -95,7 +99,7 @@ func (c Code) Status() int {
 		return http.StatusMethodNotAllowed
 	case CodeRequestTimeout:
 		return http.StatusRequestTimeout
-	case CodeConflict, CodeResetRequired, CodeSequenceGap, CodeStaleEpoch, CodeFenced, CodeCursorAhead:
+	case CodeConflict, CodeResetRequired, CodeSequenceGap, CodeStaleEpoch, CodeFenced, CodeCursorAhead, CodeSeedMismatch:
 		return http.StatusConflict
 	case CodePayloadTooLarge:
 		return http.StatusRequestEntityTooLarge
@@ -232,6 +236,8 @@ func haAPIError(err error) *apiError {
 		code = CodeCursorAhead
 	case errors.Is(err, ha.ErrService):
 		code = CodeServiceMismatch
+	case errors.Is(err, ha.ErrSeeds):
+		code = CodeSeedMismatch
 	case errors.Is(err, ha.ErrFormat):
 		code = CodeSnapshotUnreadable
 	case errors.Is(err, ha.ErrCorrupt), errors.Is(err, ha.ErrTruncated):

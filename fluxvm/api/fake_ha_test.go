@@ -139,9 +139,9 @@ func (f *fakeDataplane) ExportFlows(ctx context.Context, service string, w io.Wr
 		return ha.ExportResult{}, err
 	}
 	n, errAfter, gate, at := f.ha.exportFlows, f.ha.exportErrAfter, f.ha.exportGate, f.ha.exportGateAt
-	hdr := ha.Header{Node: "node-a", Service: service, Epoch: max(f.ha.status.Epoch, 1), Journal: f.ha.journal, Seq: f.ha.lastSeq}
+	hdr := ha.Header{Node: "node-a", Service: service, Epoch: max(f.ha.status.Epoch, 1), Journal: f.ha.journal, Seq: f.ha.lastSeq, Seeds: &ha.Seeds{}}
 	if f.ha.off {
-		hdr = ha.Header{Node: "node-a", Service: service} // no lease, no journal
+		hdr = ha.Header{Node: "node-a", Service: service, Seeds: &ha.Seeds{}} // no lease, no journal
 	}
 	f.mu.Unlock()
 

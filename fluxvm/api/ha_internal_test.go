@@ -25,6 +25,7 @@ func TestHAErrorCodes(t *testing.T) {
 		{ha.ErrFenced, CodeFenced, http.StatusConflict},
 		{ha.ErrCursorAhead, CodeCursorAhead, http.StatusConflict},
 		{ha.ErrService, CodeServiceMismatch, http.StatusBadRequest},
+		{ha.ErrSeeds, CodeSeedMismatch, http.StatusConflict},
 		{ha.ErrFormat, CodeSnapshotUnreadable, http.StatusUnprocessableEntity},
 		{ha.ErrCorrupt, CodeSnapshotCorrupt, http.StatusBadRequest},
 		{ha.ErrTruncated, CodeSnapshotCorrupt, http.StatusBadRequest},

@@ -25,7 +25,7 @@ import (
 func snapshot(t testing.TB, service string, n int) []byte {
 	t.Helper()
 	var buf bytes.Buffer
-	sw, err := ha.NewWriter(&buf, ha.Header{Node: "node-b", Service: service, Epoch: 3, Journal: "jb", Seq: 7})
+	sw, err := ha.NewWriter(&buf, ha.Header{Node: "node-b", Service: service, Epoch: 3, Journal: "jb", Seq: 7, Seeds: &ha.Seeds{}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,6 +46,13 @@ func newGroupEdge(t *testing.T, name string, s seeds) *groupEdge {
 // HAOptions: none).
 func newGroupEdgeHA(t *testing.T, name string, s seeds, h HAOptions) *groupEdge {
 	t.Helper()
+	return newGroupEdgeWith(t, name, s, func(o *Options) { o.HA = h })
+}
+
+// newGroupEdgeWith is newGroupEdge with options changed by set before the
+// dataplane opens.
+func newGroupEdgeWith(t *testing.T, name string, s seeds, set func(*Options)) *groupEdge {
+	t.Helper()
 	l := lab.NewForTest(t)
 	if _, err := l.AddExternal(); err != nil {
 		t.Fatal(err)
@@ -59,9 +66,9 @@ func newGroupEdgeHA(t *testing.T, name string, s seeds, h HAOptions) *groupEdge 
 		InNamespace:         l.Node.Do,
 		NorthSouth: NorthSouth{Interfaces: []string{nsUplink}, SNATAddress: nsSNAT4, SNATAddressV6: nsSNAT6,
 			SNATPortMin: 1024, SNATPortMax: 65535},
-		HA:     h,
 		Logger: slog.New(slog.DiscardHandler),
 	}
+	set(&e.opts)
 	e.open(t, s)
 	return e
 }

@@ -205,6 +205,23 @@ func checkSeeds(ctx context.Context, active, standby *node) error {
 	return nil
 }
 
+// checkGroupSeeds refuses a group whose edges have other seeds: the
+// error names every edge that differs from the first, with its seeds.
+func checkGroupSeeds(ctx context.Context, names []string, nodes []*node) error {
+	edges := make([]group.Edge, len(nodes))
+	for i, n := range nodes {
+		s, err := n.seeds(ctx)
+		if err != nil {
+			return fmt.Errorf("the seeds of %s: %w", names[i], err)
+		}
+		edges[i] = group.Edge{Name: names[i] + " " + n.base, Seeds: s}
+	}
+	if err := group.CheckSeeds(edges...); err != nil {
+		return fmt.Errorf("refusing to replicate: %w (set the same hash_seed and maglev_seed on every edge and restart those that differ)", err)
+	}
+	return nil
+}
+
 // services lists the services the node has.
 func (n *node) services(ctx context.Context) ([]string, error) {
 	var ss []fluxvm.ServiceStatus

@@ -101,13 +101,27 @@ func run(args []string) error {
 	enc := json.NewEncoder(os.Stdout)
 	if members != nil {
 		g := &ha.GroupReplicator{MaxOps: *maxOps, DiffEvery: *diffEvery, Log: log}
+		var (
+			names []string
+			nodes []*node
+		)
 		for _, m := range members {
 			n := &node{base: m.url, token: token, http: hc}
+			names, nodes = append(names, m.name), append(nodes, n)
 			g.Edges = append(g.Edges, ha.GroupEdge{Name: m.name, Source: n, Services: n.services,
 				Target: func(source string) ha.Standby { return sourceView{node: n, source: source} }})
 		}
 		round := func() error {
 			start := time.Now()
+			// Edges of other seeds are no group: nothing is replicated
+			// until they all agree.
+			if err := checkGroupSeeds(ctx, names, nodes); err != nil {
+				enc.Encode(struct {
+					At    time.Time `json:"at"`
+					Error string    `json:"error"`
+				}{start.UTC(), err.Error()})
+				return err
+			}
 			res, err := g.Round(ctx)
 			changed := err != nil
 			for _, x := range res {

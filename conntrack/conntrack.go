@@ -228,10 +228,11 @@ type Config struct {
 	Timeouts Timeouts
 	// Removed, when set, is told of every flow GC removed (expired,
 	// drained or of a backend gone) once its entry is deleted, with its
-	// datapath service id and kind: what a replication journal turns into
-	// deletes for a standby. It runs on GC's goroutine and must not block
-	// for long.
-	Removed func(k Key, serviceID uint32, kind Kind)
+	// datapath service id, kind and how long it had been idle (GC's now
+	// less its LastSeen): what a replication journal turns into deletes
+	// for a standby, which keeps a copy it saw more recently. It runs on
+	// GC's goroutine and must not block for long.
+	Removed func(k Key, serviceID uint32, kind Kind, idle time.Duration)
 }
 
 // Map is the typed view of the conntrack maps fluxvm_fct4/6 and their
@@ -244,7 +245,7 @@ type Map struct {
 	mode     mapscan.Mode
 	chunk    int
 	gcMu     sync.Mutex
-	removed  func(Key, uint32, Kind)
+	removed  func(Key, uint32, Kind, time.Duration)
 }
 
 // NAT returns the reverse-NAT table the Map pairs its flows with

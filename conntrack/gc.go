@@ -409,6 +409,7 @@ type removedFlow struct {
 	key  Key
 	sid  uint32
 	kind Kind
+	idle time.Duration
 }
 
 // sweep is pass 1 over one conntrack map: remove dead flows, both halves.
@@ -437,7 +438,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 			why = append(why, r)
 			k := decode(&s.Keys[i])
 			if g.m.removed != nil {
-				flows = append(flows, removedFlow{k, v.ServiceId, kindOf(v)})
+				flows = append(flows, removedFlow{k, v.ServiceId, kindOf(v), time.Duration(g.now - min(g.now, v.LastSeenNs))})
 			}
 			g.removed[maphash.Comparable(g.seed, k)] = struct{}{}
 			if !owns(&b, v.ServiceId) {
@@ -472,7 +473,7 @@ func sweep[K any](g *gcRun, ctm *ebpf.Map, fam Family, decode func(*K) Key) erro
 		}
 		for i, r := range why {
 			if r != keep && g.m.removed != nil {
-				g.m.removed(flows[i].key, flows[i].sid, flows[i].kind)
+				g.m.removed(flows[i].key, flows[i].sid, flows[i].kind, flows[i].idle)
 			}
 			switch r {
 			case shedClosed, shedHalfOpen, shedUDP, shedEstablished:

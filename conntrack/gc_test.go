@@ -52,10 +52,15 @@ func TestGCExpiresEachStateOnItsTimeout(t *testing.T) {
 				if res := d.gc(e.Deadline); res.Removed() != 0 {
 					t.Fatalf("GC at the %s deadline removed %d entries: %v", f.state, res.Removed(), res)
 				}
-				d.removed = nil
+				d.removed, d.removedIdle = nil, nil
 				res := d.gc(e.Deadline + 1)
 				if !slices.Equal(d.removed, []Key{f.k}) {
 					t.Errorf("GC just past the %s deadline told Config.Removed of %v, want [%s]", f.state, d.removed, f.k)
+				}
+				// Idle for its timeout and a nanosecond: what a target of
+				// replication weighs the delete against.
+				if want := e.Deadline + 1 - e.LastSeen; len(d.removedIdle) != 1 || d.removedIdle[0] != want {
+					t.Errorf("GC just past the %s deadline told idle %v, want %v", f.state, d.removedIdle, want)
 				}
 				want := GCResult{Scanned: len(flows) - i, Expired: 1, PairedNATRemoved: v.halves(), NATScanned: (len(flows) - i - 1) * v.halves()}
 				if res != want {

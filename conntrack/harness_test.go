@@ -29,6 +29,8 @@ type dataplane struct {
 	ct  *Map
 	// removed collects what Config.Removed was told of, since reset.
 	removed []Key
+	// removedIdle is the idle time each removal was told with.
+	removedIdle []time.Duration
 }
 
 type sizes struct{ ct, nat uint32 }
@@ -89,7 +91,9 @@ func load(sz sizes, to Timeouts) (*dataplane, error) {
 	d := &dataplane{o: o}
 	if d.nat, err = nat.New(o.Maps.FluxvmNat4, o.Maps.FluxvmNat6); err == nil {
 		d.ct, err = New(Config{CT4: o.Maps.FluxvmFct4, CT6: o.Maps.FluxvmFct6, Backends: o.Maps.FluxvmBackends, NAT: d.nat, Timeouts: to,
-			Removed: func(k Key, sid uint32, kind Kind) { d.removed = append(d.removed, k) }})
+			Removed: func(k Key, sid uint32, kind Kind, idle time.Duration) {
+				d.removed, d.removedIdle = append(d.removed, k), append(d.removedIdle, idle)
+			}})
 	}
 	if err == nil && to != (Timeouts{}) {
 		var m bpf.Meta
@@ -119,7 +123,7 @@ func (d *dataplane) must(err error) {
 // earlier case must not stay listed for the next one's endpoints.
 func (d *dataplane) reset() {
 	d.t.Helper()
-	d.removed = nil
+	d.removed, d.removedIdle = nil, nil
 	for id := uint32(0); id < 32; id++ {
 		d.must(d.o.RemoveBackend(id))
 	}

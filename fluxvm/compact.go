@@ -133,7 +133,9 @@ func (d *Dataplane) compactFlows(keep map[string]int) (*PressureCompaction, erro
 		if err := d.ct.DeleteHalf(dk.key, dk.value); err != nil && herr == nil {
 			herr = err
 		}
-		d.haRemoved(e.Key, e.ServiceID, e.Kind)
+		// Dropped by the compaction, not idle: the delete applies on
+		// every target (idle 0).
+		d.haRemoved(e.Key, e.ServiceID, e.Kind, 0)
 	}
 	// The old handles close once no scan uses them: without flowMu (a
 	// scan's callback may run a GC, which takes it).

@@ -167,9 +167,9 @@ func (d *Dataplane) syncHA() {
 }
 
 // haRemoved journals a flow GC removed (conntrack.Config.Removed).
-func (d *Dataplane) haRemoved(k conntrack.Key, sid uint32, kind conntrack.Kind) {
+func (d *Dataplane) haRemoved(k conntrack.Key, sid uint32, kind conntrack.Kind, idle time.Duration) {
 	if d.ha != nil {
-		d.ha.Removed(k, sid, kind)
+		d.ha.Removed(k, sid, kind, idle)
 	}
 }
 

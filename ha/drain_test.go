@@ -322,3 +322,47 @@ func TestApplyLaterWins(t *testing.T) {
 		t.Errorf("after the delta %+v (%v): want the later upsert, backend %s", e, err, second)
 	}
 }
+
+// TestApplyDeleteKeepsFresher: a source's GC delete names how long the
+// source had not seen the flow; a target that saw it more recently than
+// that (by more than the refresh granularity) keeps it, counted fresher,
+// while a delete of a flow the target saw no later, or one that names no
+// idle time, applies.
+func TestApplyDeleteKeepsFresher(t *testing.T) {
+	b := newNode(t, 40, 100)
+	flow := func(port uint16, idle time.Duration) (conntrack.Key, *Flow) {
+		k := conntrack.Key{Client: netip.AddrPortFrom(netip.MustParseAddr("198.51.100.8"), port), VIP: frontends[1].vip, Proto: conntrack.ProtoTCP}
+		return k, &Flow{Client: k.Client, VIP: k.VIP, Proto: k.Proto, Backend: frontends[1].backends[0], Kind: conntrack.SNAT,
+			SNAT: netip.AddrPortFrom(snat4, port), State: bpf.CTTCPEstablished, Idle: idle, TTL: time.Hour, NAT: &NATHalf{Idle: idle}}
+	}
+	for _, tc := range []struct {
+		name      string
+		localIdle time.Duration // how long ago the target saw the flow
+		opIdle    time.Duration // the source's idle time at its delete (0: none said)
+		kept      bool
+	}{
+		{"the target carries it now", 0, 90 * time.Second, true},
+		{"seen here a minute ago, idle there 90s", time.Minute, 90 * time.Second, true},
+		{"seen here no later than there", 90 * time.Second, 90 * time.Second, false},
+		{"within the refresh granularity", 89 * time.Second, 90 * time.Second, false},
+		{"a delete naming no idle time", 0, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k, f := flow(uint16(22000+len(tc.name)), tc.localIdle)
+			up := Delta{Service: "web", Journal: "j", Epoch: 1, To: 1, Batches: []Batch{{Seq: 1, Epoch: 1, Ops: []Op{{Kind: OpUpsert, Flow: f}}}}}
+			if _, err := Apply(context.Background(), up, b.target()); err != nil {
+				t.Fatal(err)
+			}
+			del := Op{Kind: OpDelete, Key: k, IdleMS: uint64(tc.opIdle / time.Millisecond)}
+			d := Delta{Service: "web", Journal: "j", Epoch: 1, From: 1, To: 2, Batches: []Batch{{Seq: 2, Epoch: 1, Ops: []Op{del}}}}
+			res, err := Apply(context.Background(), d, b.target())
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, lerr := b.ct.Lookup(k)
+			if kept := lerr == nil; kept != tc.kept || (res.Fresher == 1) != tc.kept {
+				t.Errorf("after the delete: kept %v (fresher %d); want kept %v", kept, res.Fresher, tc.kept)
+			}
+		})
+	}
+}

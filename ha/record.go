@@ -89,4 +89,10 @@ type Op struct {
 	Flow *Flow `json:"flow,omitempty"`
 	// Key names the flow an OpDelete removes.
 	Key conntrack.Key `json:"key,omitzero"`
+	// IdleMS is, for an OpDelete of a flow the source's GC removed, how
+	// long the source had not seen it, in milliseconds: a target that saw
+	// the flow more recently than that (it carries the flow now: an ECMP
+	// router moved it there) keeps it (ImportResult.Fresher). 0: the
+	// delete applies whatever the target saw (a source that does not say).
+	IdleMS uint64 `json:"idle_ms,omitempty"`
 }

@@ -421,6 +421,16 @@ func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
 					return res, fmt.Errorf("ha: apply to %s: batch %d: %s: %w", t.Service, b.Seq, op.Flow, err)
 				}
 			case OpDelete:
+				if op.IdleMS > 0 {
+					fresher, err := seenSince(t.CT, op.Key, now, time.Duration(op.IdleMS)*time.Millisecond)
+					if err != nil {
+						return res, fmt.Errorf("ha: apply to %s: batch %d: delete %s: %w", t.Service, b.Seq, op.Key, err)
+					}
+					if fresher {
+						res.Fresher++
+						continue
+					}
+				}
 				if err := t.CT.Delete(op.Key); err != nil && !errors.Is(err, conntrack.ErrNotFound) {
 					return res, fmt.Errorf("ha: apply to %s: batch %d: delete %s: %w", t.Service, b.Seq, op.Key, err)
 				}
@@ -430,4 +440,24 @@ func Apply(ctx context.Context, d Delta, t Target) (ImportResult, error) {
 		}
 	}
 	return res, nil
+}
+
+// deleteSlack is how much more recently than the source a target must
+// have seen a flow to keep it against the source's delete: the datapath
+// refreshes an entry's LastSeen at most once a second, so two copies of
+// one flow seen at the same moment may differ by that much.
+const deleteSlack = 2 * time.Second
+
+// seenSince reports whether the target holds flow k and saw it more
+// recently than a source that had not seen it for idle (as of now): then
+// the source's delete is of a flow that lives on here.
+func seenSince(ct *conntrack.Map, k conntrack.Key, now, idle time.Duration) (bool, error) {
+	e, err := ct.Lookup(k)
+	if errors.Is(err, conntrack.ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return now-e.LastSeen+deleteSlack < idle, nil
 }

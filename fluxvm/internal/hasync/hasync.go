@@ -440,12 +440,18 @@ func (s *Sync) Sync() {
 }
 
 // Removed journals a flow GC removed (conntrack.Config.Removed): the
-// north-south kinds, which are what a standby edge holds.
-func (s *Sync) Removed(k conntrack.Key, sid uint32, kind conntrack.Kind) {
+// north-south kinds, which are what a standby edge holds, with how long
+// GC had not seen the flow (ha.Op.IdleMS: a target that saw it since
+// keeps it).
+func (s *Sync) Removed(k conntrack.Key, sid uint32, kind conntrack.Kind, idle time.Duration) {
 	if kind != conntrack.SNAT && kind != conntrack.DSR {
 		return
 	}
-	if j := s.journalOf(sid); j != nil && j.Record(ha.Op{Kind: ha.OpDelete, Key: k}) == nil {
+	op := ha.Op{Kind: ha.OpDelete, Key: k}
+	if idle > 0 {
+		op.IdleMS = uint64(max(idle, time.Millisecond) / time.Millisecond)
+	}
+	if j := s.journalOf(sid); j != nil && j.Record(op) == nil {
 		s.mu.Lock()
 		s.gcDeletes++
 		s.mu.Unlock()

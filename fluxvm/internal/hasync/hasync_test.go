@@ -160,7 +160,7 @@ func TestRemoved(t *testing.T) {
 		{conntrack.SNAT, 4, false},
 	} {
 		before := f.s.Status().GCDeletes
-		f.s.Removed(key(1000), c.sid, c.kind)
+		f.s.Removed(key(1000), c.sid, c.kind, 90*time.Second)
 		if got := f.s.Status().GCDeletes - before; got != map[bool]uint64{true: 1}[c.journal] {
 			t.Fatalf("kind %v sid %d: %d deletes journaled, want journaled=%v", c.kind, c.sid, got, c.journal)
 		}
@@ -168,6 +168,11 @@ func TestRemoved(t *testing.T) {
 	j, _ := f.s.SourceJournal(context.Background(), "web")
 	if st := j.Stats(); st.OpenOps != 2 {
 		t.Fatalf("web's journal: %+v, want the 2 deletes open", st)
+	}
+	j.Seal()
+	d, _ := j.Since(0, "", 0)
+	if d, err := j.Since(0, d.Journal, 0); err != nil || len(d.Batches) != 1 || d.Batches[0].Ops[0].IdleMS != 90000 {
+		t.Fatalf("the journaled delete: %+v, %v; want idle_ms 90000", d, err)
 	}
 }
 

@@ -28,6 +28,10 @@ const (
 	// ReasonSNATNotAdvertised: an SNAT address the node holds, while the
 	// node leaves its routing to others (advertise_snat=false).
 	ReasonSNATNotAdvertised Reason = "advertise_snat=false"
+	// ReasonGroupJoining: the node is an edge of a group that has not
+	// loaded the other edges' flows since it started; it attracts no
+	// traffic until it has (the entries are otherwise advertised).
+	ReasonGroupJoining Reason = "joining the group"
 )
 
 // Exposure values, as in the service intent. An empty exposure means the

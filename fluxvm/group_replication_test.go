@@ -3,6 +3,7 @@ package fluxvm
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/netip"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/pkt"
@@ -97,7 +99,8 @@ func TestGroupReplication(t *testing.T) {
 		}
 		r.Edges = append(r.Edges, ha.GroupEdge{Name: e.name, Source: groupSource{e.d},
 			Target:   func(source string) ha.Standby { return groupTarget{d: e.d, source: source} },
-			Services: func(context.Context) ([]string, error) { return []string{"web"}, nil }})
+			Services: func(context.Context) ([]string, error) { return []string{"web"}, nil },
+			Join:     func(ctx context.Context) error { _, err := e.d.HA().Join(ctx); return err }})
 	}
 	ts := groupTuples(240, fes)
 	learn := func(i int, part []groupTuple) {
@@ -158,6 +161,11 @@ func TestGroupReplication(t *testing.T) {
 		}
 	}
 	converge("first round", 120)
+	for _, e := range edges {
+		if st := e.d.HA().Status(); !st.Joined {
+			t.Errorf("%s has not joined after the rounds that brought it every edge's flows: %+v", e.name, st)
+		}
+	}
 	// Every copy is the learning edge's translation.
 	owner := func(k conntrack.Key) int {
 		for i := range edges {
@@ -267,5 +275,51 @@ func TestGroupReplication(t *testing.T) {
 	ret, out = run(e2, pkt.TCP(flow.Key.Client, flow.Key.VIP, pkt.ACK, nil))
 	if want := pkt.TCP(flow.SNAT, be, pkt.ACK, nil); (ret != 0 && ret != 7) || !bytes.Equal(out[:len(want)], want) {
 		t.Fatalf("e1's flow's next packet through e2: verdict %d\n got %x\nwant %x (e1's translation)", ret, out, want)
+	}
+}
+
+// TestGroupJoinHoldsAdvertisements: a group edge withdraws its VIPs
+// ("joining the group") from its start until HA.Join, then advertises
+// them; a restart holds them again; an edge outside a group refuses Join.
+func TestGroupJoinHoldsAdvertisements(t *testing.T) {
+	ctx := context.Background()
+	same := seeds{hash: 1, maglev: 2}
+	e := newGroupEdgeWith(t, "e1", same, func(o *Options) {
+		o.HA = HAOptions{Epoch: 3, Interval: MinHAInterval, Group: true}
+	})
+	svc := groupCatalog{func(bs []Backend) []Backend { return bs }}.web()
+	svc.Advertise = true
+	e.apply(t, svc)
+	reason := func() advert.Reason {
+		t.Helper()
+		for _, en := range e.d.Advertisements().Entries {
+			if en.VIP == svc.VIPs[0] {
+				return en.Reason
+			}
+		}
+		t.Fatal("the VIP is not in the advertisement snapshot")
+		return ""
+	}
+	if r := reason(); r != advert.ReasonGroupJoining {
+		t.Fatalf("before Join: reason %q, want %q", r, advert.ReasonGroupJoining)
+	}
+	st, err := e.d.HA().Join(ctx)
+	if err != nil || !st.Joined {
+		t.Fatalf("Join: %+v, %v", st, err)
+	}
+	if r := reason(); r != "" {
+		t.Fatalf("after Join: withdrawn (%q)", r)
+	}
+	if err := e.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.open(t, same)
+	if r := reason(); r != advert.ReasonGroupJoining {
+		t.Fatalf("after a restart: reason %q, want %q", r, advert.ReasonGroupJoining)
+	}
+	pair := newGroupEdgeWith(t, "p1", same, func(o *Options) { o.HA = HAOptions{Epoch: 3, Interval: MinHAInterval} })
+	var ve *ValidationError
+	if _, err := pair.d.HA().Join(ctx); !errors.Is(err, ErrPrerequisite) || !errors.As(err, &ve) || ve.Field != "ha_group" {
+		t.Errorf("Join outside a group: %v, want ErrPrerequisite naming ha_group", err)
 	}
 }

@@ -150,6 +150,40 @@ func (r HA) UpdateLease(ctx context.Context, l HALease) (HAStatus, error) {
 	return r.Status(), nil
 }
 
+// Join tells a group edge (ha_group) that the control plane loaded the
+// other edges' flows into it since it started: until then it withdraws
+// every advertisement (reason "joining the group"), so that no router
+// sends it a flow another edge carries before it holds that flow's
+// state; afterwards it advertises as its services say. The control plane
+// calls it once every other edge that is up delivered its journals
+// (ha.GroupReplicator does); a group's first edge, with nothing to load,
+// is joined by hand. It is idempotent; a restart joins anew. An edge
+// outside a group refuses it (ErrPrerequisite naming ha_group).
+func (r HA) Join(ctx context.Context) (HAStatus, error) {
+	d := r.d
+	if err := d.begin(ctx, "join the group"); err != nil {
+		return HAStatus{}, err
+	}
+	h, err := d.haOn("join the group")
+	if err != nil {
+		return HAStatus{}, err
+	}
+	if !d.opts.HA.Group {
+		return HAStatus{}, fmt.Errorf("fluxvm: %w", verr(ErrPrerequisite, "ha_group", "join the group: this edge is not one of a group"))
+	}
+	if h.Join() {
+		d.mu.Lock()
+		if err := d.checkOpen("join the group"); err != nil {
+			d.mu.Unlock()
+			return HAStatus{}, err
+		}
+		d.advertise()
+		d.mu.Unlock()
+		d.log.Info("fluxvm: HA group joined: advertising", "node", d.opts.NodeName)
+	}
+	return r.Status(), nil
+}
+
 // Status reports flow-state replication (Enabled false when it is off,
 // and the zero HAStatus on a Dataplane Open did not make). It reads no
 // kernel state and takes no context.

@@ -69,8 +69,11 @@ type HAStatus struct {
 	Cursors map[string]ha.Cursor `json:"cursors,omitempty"`
 	// Group says the edge is one of a group (ha_group), Node its name;
 	// Sources then replaces Cursors: by service, then source edge.
+	// Joined says the group edge loaded the other edges' state since it
+	// started (HA.Join): until then its advertisements are withdrawn.
 	Group   bool                            `json:"group,omitempty"`
 	Node    string                          `json:"node,omitempty"`
+	Joined  bool                            `json:"joined,omitempty"`
 	Sources map[string]map[string]ha.Cursor `json:"sources,omitempty"`
 }
 
@@ -85,7 +88,7 @@ type HADeltaResult = hasync.DeltaResult
 func haStatusOf(s hasync.Status) HAStatus {
 	return HAStatus{Enabled: true, Epoch: s.Epoch, SupersededBy: s.SupersededBy, Interval: Duration{Duration: s.Interval},
 		Queue: s.Queue, GCDeletes: s.GCDeletes, Journals: s.Journals, Cursors: s.Cursors,
-		Group: s.Group, Node: s.Node, Sources: s.Sources}
+		Group: s.Group, Node: s.Node, Joined: s.Joined, Sources: s.Sources}
 }
 
 // FlowDeltaRequest is what a standby asks FlowDelta for: the batches of

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 
+	"github.com/fluxvm/servicefabric/advert"
 	"github.com/fluxvm/servicefabric/fluxvm/internal/advertisements"
 	healthchecks "github.com/fluxvm/servicefabric/fluxvm/internal/health"
 )
@@ -196,4 +197,14 @@ func (v servicesView) SNAT() advertisements.SNAT {
 		}
 	}
 	return s
+}
+
+// Hold withdraws every advertisement while the node is an edge of a group
+// that has not joined since it started (HA.Join); the caller holds d.mu
+// (advertisements.View).
+func (v servicesView) Hold() advert.Reason {
+	if v.d.ha != nil && !v.d.ha.Joined() {
+		return advert.ReasonGroupJoining
+	}
+	return ""
 }

@@ -22,6 +22,11 @@ type GroupEdge struct {
 	Target func(source string) Standby
 	// Services lists the services the edge replicates (nil: none).
 	Services func(ctx context.Context) ([]string, error)
+	// Join, when set, tells the edge it holds the other edges' state (a
+	// group edge advertises only once joined): called after each round
+	// in which every other edge that is up delivered every service's
+	// journal to it. The edge takes it as often as it comes.
+	Join func(ctx context.Context) error
 }
 
 // GroupReplicator does the control plane's part of flow replication for
@@ -59,10 +64,15 @@ func (g *GroupReplicator) Round(ctx context.Context) ([]GroupResult, error) {
 	var (
 		errs []error
 		out  []GroupResult
+		// behind: an edge some source that is up could not bring up to
+		// date this round; it does not join.
+		behind = map[string]bool{}
 	)
 	for _, src := range g.Edges {
 		services, err := src.Services(ctx)
 		if err != nil {
+			// A source that is down has nothing to deliver: the others
+			// may join without it.
 			errs = append(errs, fmt.Errorf("ha: group: services of %s: %w", src.Name, err))
 			continue
 		}
@@ -80,6 +90,7 @@ func (g *GroupReplicator) Round(ctx context.Context) ([]GroupResult, error) {
 			res, err := r.Round(ctx)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("ha: group: %s to %s: %w", src.Name, dst.Name, err))
+				behind[dst.Name] = true
 			}
 			done := map[string]bool{}
 			for _, x := range res {
@@ -102,6 +113,11 @@ func (g *GroupReplicator) Round(ctx context.Context) ([]GroupResult, error) {
 					held[svc] = true
 				}
 			}
+			for _, x := range res {
+				if x.Cursor.Journal == "" {
+					behind[dst.Name] = true
+				}
+			}
 		}
 		for _, svc := range services {
 			c, ok := least[svc]
@@ -111,6 +127,14 @@ func (g *GroupReplicator) Round(ctx context.Context) ([]GroupResult, error) {
 			if err := src.Source.Ack(ctx, svc, c.Seq); err != nil && !errors.Is(err, ErrCursorAhead) {
 				errs = append(errs, fmt.Errorf("ha: group: ack %s of %s at %d: %w", svc, src.Name, c.Seq, err))
 			}
+		}
+	}
+	for _, e := range g.Edges {
+		if e.Join == nil || behind[e.Name] {
+			continue
+		}
+		if err := e.Join(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("ha: group: join %s: %w", e.Name, err))
 		}
 	}
 	return out, errors.Join(errs...)

@@ -19,6 +19,7 @@ type groupFake struct {
 	held    map[conntrack.Key]Flow
 	targets map[string]*fakeStandby
 	down    bool
+	joins   int // Join calls
 }
 
 var errDown = errors.New("edge down")
@@ -67,7 +68,14 @@ func (t groupTarget) ImportDelta(ctx context.Context, svc string, d Delta) (Curs
 func (g *groupFake) edge() GroupEdge {
 	return GroupEdge{Name: g.name, Source: g.a,
 		Target:   func(source string) Standby { return groupTarget{g: g, source: source} },
-		Services: func(context.Context) ([]string, error) { return []string{"web"}, nil }}
+		Services: func(context.Context) ([]string, error) { return []string{"web"}, nil },
+		Join: func(context.Context) error {
+			if g.down {
+				return errDown
+			}
+			g.joins++
+			return nil
+		}}
 }
 
 // TestGroupReplicator: every edge's flows reach every other edge, without
@@ -126,6 +134,11 @@ func TestGroupReplicator(t *testing.T) {
 		}
 	}
 	holdsAll("after the snapshots")
+	for _, g := range edges {
+		if g.joins != 1 {
+			t.Fatalf("%s joined %d times after the first round, want once", g.name, g.joins)
+		}
+	}
 
 	// Deltas from two edges at once; e1's journal acked to the least of
 	// e2's and e3's cursors, which both follow it to its end.
@@ -162,6 +175,11 @@ func TestGroupReplicator(t *testing.T) {
 	}
 	if _, ok := e2.held[testKey(35)]; !ok {
 		t.Fatal("e2 lacks e1's new flow while e3 is down")
+	}
+	// e1 and e2 hold what every edge that is up has: they join; e3, down,
+	// is not asked.
+	if e1.joins != 3 || e2.joins != 3 || e3.joins != 2 {
+		t.Fatalf("joins with e3 down: e1 %d, e2 %d, e3 %d; want 3, 3, 2", e1.joins, e2.joins, e3.joins)
 	}
 	e3.down = false
 	if _, err := r.Round(ctx); err != nil {

@@ -253,3 +253,10 @@ func (v sourceView) Cursor(ctx context.Context, service string) (ha.Cursor, erro
 	}
 	return st.Sources[service][v.source], nil
 }
+
+// join tells a group edge it holds the other edges' state (POST
+// …/ha/join): it advertises from then on.
+func (n *node) join(ctx context.Context) error {
+	var st fluxvm.HAStatus
+	return n.json(ctx, http.MethodPost, "/v1/network/services/ha/join", struct{}{}, &st)
+}

@@ -22,6 +22,9 @@
 //	fluxvm-replicator -group e1=http://10.0.0.1:7788,e2=http://10.0.0.2:7788,e3=http://10.0.0.3:7788
 //
 // Each name is the edge's node_name, which its deltas and snapshots carry.
+// After a round that brought an edge every other (reachable) edge's
+// journals, it tells the edge so (POST …/ha/join): a group edge
+// advertises its VIPs only once it holds the group's flows.
 //
 // The admin token comes from -token-file or FLUXVM_ADMIN_TOKEN (the
 // standby's imports and the active's acks need it). It prints one JSON
@@ -108,7 +111,7 @@ func run(args []string) error {
 		for _, m := range members {
 			n := &node{base: m.url, token: token, http: hc}
 			names, nodes = append(names, m.name), append(nodes, n)
-			g.Edges = append(g.Edges, ha.GroupEdge{Name: m.name, Source: n, Services: n.services,
+			g.Edges = append(g.Edges, ha.GroupEdge{Name: m.name, Source: n, Services: n.services, Join: n.join,
 				Target: func(source string) ha.Standby { return sourceView{node: n, source: source} }})
 		}
 		round := func() error {

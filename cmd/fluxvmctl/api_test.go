@@ -103,6 +103,10 @@ func (stubHA) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxvm.HAStatus,
 	return fluxvm.HAStatus{Enabled: true, Epoch: l.Epoch, SupersededBy: l.SupersededBy}, nil
 }
 
+func (stubHA) Join(context.Context) (fluxvm.HAStatus, error) {
+	return fluxvm.HAStatus{Enabled: true, Group: true, Joined: true}, nil
+}
+
 // snapshotBytes is what the stub's ExportFlows streams.
 var snapshotBytes = bytes.Repeat([]byte("FXVMHA-snapshot-"), 4096)
 

@@ -79,6 +79,7 @@ var commands = []command{
 	{"policy delete", "policy delete NAME", "remove the identity policy of a service (admin)", cmdPolicyDelete},
 	{"pressure reconcile", "pressure reconcile", "run one round of the map pressure controller now (admin)", cmdPressureReconcile},
 	{"ha lease", "ha lease [-epoch N] [-superseded-by N]", "record a lease update: renew/advance, or fence this edge (admin)", cmdHALease},
+	{"ha join", "ha join", "tell a group edge it holds the group's flows: it advertises from then on (admin)", cmdHAJoin},
 	{"snat peers", "snat peers ADDR... [-announce ADDR,...] | -none", "set the SNAT addresses of the group's other edges, whose flows this node continues; -announce: those it took over (admin)", cmdSNATPeers},
 	{"conntrack export", "conntrack export NAME [-out FILE]", "stream a service's flow snapshot (binary) to FILE or stdout; needs the north-south edge, not ha_epoch", cmdConntrackExport},
 	{"conntrack import", "conntrack import NAME FILE|- [-prune]", "apply a flow snapshot; -prune deletes the flows it lacks (admin)", cmdConntrackImport},
@@ -627,6 +628,14 @@ func cmdSNATPeers(inv *invocation) error {
 	}
 	var st fluxvm.SNATStatus
 	return inv.call(request{method: http.MethodPost, path: pathSNATPeers, body: bytes.NewReader(body)}, &st, func(w io.Writer) { snatTable(w, st) })
+}
+
+func cmdHAJoin(inv *invocation) error {
+	if _, err := inv.parse(inv.flags()); err != nil {
+		return err
+	}
+	var st fluxvm.HAStatus
+	return inv.call(request{method: http.MethodPost, path: pathHA + "/join"}, &st, func(w io.Writer) { haTable(w, st) })
 }
 
 func cmdTelemetryExport(inv *invocation) error {

@@ -437,6 +437,13 @@ func haTable(w io.Writer, st fluxvm.HAStatus) {
 	}
 	row(w, "Queue:", fmt.Sprintf("read %d, skipped %d, dropped %d", st.Queue.Read, st.Queue.Skipped, st.Queue.Dropped))
 	row(w, "GC deletes:", st.GCDeletes)
+	if st.Group {
+		joined := "joining (advertisements withdrawn until the group's flows are loaded)"
+		if st.Joined {
+			joined = "joined"
+		}
+		row(w, "Group:", st.Node+", "+joined)
+	}
 
 	fmt.Fprintln(w)
 	row(w, "SERVICE", "JOURNAL", "EPOCH", "FENCED", "FIRST", "LAST", "ACKED", "BATCHES", "OPS", "OPEN OPS", "DROPPED BATCHES")
@@ -446,6 +453,16 @@ func haTable(w io.Writer, st fluxvm.HAStatus) {
 	}
 
 	fmt.Fprintln(w)
+	if st.Group {
+		row(w, "SERVICE", "SOURCE", "CURSOR JOURNAL", "SEQ", "EPOCH")
+		for _, name := range slices.Sorted(maps.Keys(st.Sources)) {
+			for _, src := range slices.Sorted(maps.Keys(st.Sources[name])) {
+				c := st.Sources[name][src]
+				row(w, name, src, c.Journal, c.Seq, c.Epoch)
+			}
+		}
+		return
+	}
 	row(w, "SERVICE", "CURSOR JOURNAL", "SEQ", "EPOCH")
 	for _, name := range slices.Sorted(maps.Keys(st.Cursors)) {
 		c := st.Cursors[name]

@@ -637,6 +637,7 @@ func TestAuthMatrix(t *testing.T) {
 		{"flows", req{method: "GET", path: "/v1/network/services/flows"}, read},
 		{"ha status", req{method: "GET", path: "/v1/network/services/ha"}, read},
 		{"ha lease", req{method: "POST", path: "/v1/network/services/ha/lease", body: `{"epoch":4}`}, admin},
+		{"ha join", req{method: "POST", path: "/v1/network/services/ha/join"}, admin},
 		{"conntrack export", req{method: "GET", path: "/v1/network/services/web/conntrack/export"}, read},
 		{"conntrack import", req{method: "POST", path: "/v1/network/services/web/conntrack/import", body: authSnapshot, contentType: "application/octet-stream"}, admin},
 		{"conntrack delta", req{method: "GET", path: "/v1/network/services/web/conntrack/delta?journal=j1"}, read},

@@ -56,6 +56,8 @@ type fakeHA struct {
 	deltaImports []ha.Delta
 	acks         []uint64
 	leases       []fluxvm.HALease
+	joins        int
+	joinErr      error
 }
 
 type fakeImport struct {
@@ -313,6 +315,20 @@ func (f fakeReplication) UpdateLease(_ context.Context, l fluxvm.HALease) (fluxv
 	if l.SupersededBy > f.ha.status.Epoch {
 		f.ha.status.SupersededBy = max(f.ha.status.SupersededBy, l.SupersededBy)
 	}
+	return f.haStatusLocked(), nil
+}
+
+func (f fakeReplication) Join(context.Context) (fluxvm.HAStatus, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.ha.off {
+		return fluxvm.HAStatus{}, haOff("join the group")
+	}
+	if f.ha.joinErr != nil {
+		return fluxvm.HAStatus{}, f.ha.joinErr
+	}
+	f.ha.joins++
+	f.ha.status.Joined = true
 	return f.haStatusLocked(), nil
 }
 

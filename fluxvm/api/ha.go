@@ -287,6 +287,23 @@ func (h *handler) haStatus(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
+// joinRequest is the body of POST /v1/network/services/ha/join: empty or
+// "{}".
+type joinRequest struct{}
+
+// joinGroup answers POST /v1/network/services/ha/join.
+func (h *handler) joinGroup(w http.ResponseWriter, r *http.Request) error {
+	if err := emptyBody(r, &joinRequest{}); err != nil {
+		return err
+	}
+	st, err := h.roles.Replication.Join(r.Context())
+	if err != nil {
+		return err
+	}
+	h.writeJSON(w, r, http.StatusOK, st)
+	return nil
+}
+
 // updateLease answers POST /v1/network/services/ha/lease.
 func (h *handler) updateLease(w http.ResponseWriter, r *http.Request) error {
 	body, err := readBody(r)

@@ -762,3 +762,25 @@ func TestExportCancelled(t *testing.T) {
 	e.h.ServeHTTP(w, hr)
 	wantError(t, w, 503, api.CodeUnavailable, "")
 }
+
+// TestHAJoin: POST …/ha/join (admin; empty body or {}) answers the status,
+// joined; the dataplane's refusals map to 422 naming their field.
+func TestHAJoin(t *testing.T) {
+	e := newEnv(t)
+	const path = "/v1/network/services/ha/join"
+	for _, body := range []string{"", "{}"} {
+		if st := decodeOK[fluxvm.HAStatus](t, e.do(req{method: "POST", path: path, token: adminToken, body: body}), 200); !st.Joined {
+			t.Errorf("join (body %q): %+v, want joined", body, st)
+		}
+	}
+	wantError(t, e.do(req{method: "POST", path: path, token: adminToken, body: `{"now":true}`}), 400, api.CodeInvalidRequest, "now")
+	wantError(t, e.do(req{method: "POST", path: path, token: readToken}), 403, api.CodeForbidden, "")
+	wantError(t, e.do(req{method: "GET", path: path, token: adminToken}), 405, api.CodeMethodNotAllowed, "")
+	if e.dp.ha.joins != 2 {
+		t.Errorf("%d joins reached the dataplane, want 2", e.dp.ha.joins)
+	}
+	e.dp.ha.joinErr = &fluxvm.ValidationError{Field: "ha_group", Reason: "not one of a group", Kind: fluxvm.ErrPrerequisite}
+	wantError(t, e.do(req{method: "POST", path: path, token: adminToken}), 422, api.CodeMissingPrerequisite, "ha_group")
+	e.dp.ha.joinErr, e.dp.ha.off = nil, true
+	wantError(t, e.do(req{method: "POST", path: path, token: adminToken}), 422, api.CodeMissingPrerequisite, "ha_epoch")
+}

@@ -151,6 +151,10 @@ type Replication interface {
 	// older than the edge's wraps ha.ErrStaleEpoch, an empty one
 	// fluxvm.ErrInvalid.
 	UpdateLease(ctx context.Context, l fluxvm.HALease) (fluxvm.HAStatus, error)
+	// Join tells a group edge it holds the other edges' state (POST
+	// …/ha/join): it advertises from then on. An edge outside a group
+	// wraps fluxvm.ErrPrerequisite naming ha_group.
+	Join(ctx context.Context) (fluxvm.HAStatus, error)
 	// Status reports replication (Enabled false when it is off).
 	Status() fluxvm.HAStatus
 }

@@ -64,6 +64,7 @@ var routes = []route{
 	{method: http.MethodGet, path: "/v1/network/services/{name}/l7/envoy", handle: (*handler).getEnvoy},
 	{method: http.MethodGet, path: "/v1/network/services/ha", handle: (*handler).haStatus},
 	{method: http.MethodPost, path: "/v1/network/services/ha/lease", admin: true, body: true, handle: (*handler).updateLease},
+	{method: http.MethodPost, path: "/v1/network/services/ha/join", admin: true, body: true, handle: (*handler).joinGroup},
 	{method: http.MethodGet, path: "/v1/network/services/{name}/conntrack/export", handle: (*handler).exportConntrack},
 	{method: http.MethodPost, path: "/v1/network/services/{name}/conntrack/import", admin: true, body: true, media: octetStream,
 		maxBody: func(h *handler) int64 { return h.maxSnapshot }, handle: (*handler).importConntrack},

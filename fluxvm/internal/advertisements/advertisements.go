@@ -57,6 +57,9 @@ type View interface {
 	EffectiveState(svc *intent.Service, b *intent.Backend) intent.BackendState
 	// SNAT is what the node wants routed to it of SNAT addresses.
 	SNAT() SNAT
+	// Hold, when not empty, withdraws every entry that would be
+	// advertised, with this reason (advert.ReasonGroupJoining).
+	Hold() advert.Reason
 }
 
 // SNAT is the node's SNAT addresses as the advertisements see them.
@@ -225,6 +228,18 @@ func (a *Advertiser) Submit(entries []advert.Entry) {
 // north-south (or both), or asks to be advertised, and the SNAT addresses
 // (SNAT).
 func Entries(v View) []advert.Entry {
+	out := entries(v)
+	if hold := v.Hold(); hold != "" {
+		for i := range out {
+			if out[i].Advertised {
+				out[i].Advertised, out[i].Reason = false, hold
+			}
+		}
+	}
+	return out
+}
+
+func entries(v View) []advert.Entry {
 	out := []advert.Entry{}
 	snat := v.SNAT()
 	if snat.Advertise {

@@ -28,10 +28,13 @@ type fakeServices struct {
 	services  map[string]*intent.Service
 	unhealthy map[string]map[netip.AddrPort]bool // observed unhealthy
 	snat      SNAT
+	hold      advert.Reason
 	adv       *Advertiser
 }
 
 func (f *fakeServices) SNAT() SNAT { return f.snat }
+
+func (f *fakeServices) Hold() advert.Reason { return f.hold }
 
 func (f *fakeServices) Services() iter.Seq[*intent.Service] {
 	return func(yield func(*intent.Service) bool) {
@@ -576,5 +579,31 @@ func TestEntriesSNAT(t *testing.T) {
 		if _, _, err := p.Publish(Entries(f)); err != nil {
 			t.Errorf("%s: publish: %v", tc.name, err)
 		}
+	}
+}
+
+// TestEntriesHold: a hold (a group edge still joining) withdraws every
+// entry that would be advertised, VIPs and SNAT addresses, with its
+// reason, and leaves the others' reasons.
+func TestEntriesHold(t *testing.T) {
+	vip, down := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("10.96.0.11")
+	be := []intent.Backend{{Address: netip.MustParseAddr("10.1.0.1"), Port: 8080}}
+	f := &fakeServices{services: map[string]*intent.Service{
+		"web":  {Name: "web", VIPs: []netip.Addr{vip}, Exposure: intent.ExposureNorthSouth, Advertise: true, Backends: be},
+		"down": {Name: "down", VIPs: []netip.Addr{down}, Exposure: intent.ExposureNorthSouth, Advertise: true},
+	}, snat: SNAT{Own: []netip.Addr{netip.MustParseAddr("10.97.0.1")}, Advertise: true}}
+	reasons := func() map[netip.Addr]advert.Reason {
+		out := map[netip.Addr]advert.Reason{}
+		for _, e := range Entries(f) {
+			out[e.VIP] = e.Reason
+		}
+		return out
+	}
+	if got := reasons(); got[vip] != "" || got[down] != advert.ReasonNoReadyBackend || got[netip.MustParseAddr("10.97.0.1")] != "" {
+		t.Fatalf("without a hold: %v", got)
+	}
+	f.hold = advert.ReasonGroupJoining
+	if got := reasons(); got[vip] != advert.ReasonGroupJoining || got[down] != advert.ReasonNoReadyBackend || got[netip.MustParseAddr("10.97.0.1")] != advert.ReasonGroupJoining {
+		t.Fatalf("held: %v", got)
 	}
 }

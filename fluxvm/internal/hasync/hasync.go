@@ -169,9 +169,12 @@ type Status struct {
 	Journals map[string]ha.JournalStats
 	Cursors  map[string]ha.Cursor
 	Sources  map[string]map[string]ha.Cursor
-	// Group and Node are Config's.
-	Group bool
-	Node  string
+	// Group and Node are Config's; Joined says a group edge loaded the
+	// other edges' state since it started (Join): until then it attracts
+	// no traffic.
+	Group  bool
+	Node   string
+	Joined bool
 }
 
 // Sync is the replication state of a dataplane with HA on.
@@ -189,6 +192,7 @@ type Sync struct {
 	sids      map[uint32]string // datapath service id -> service
 	cursors   map[source]ha.Cursor
 	gcDeletes uint64
+	joined    bool // a group edge loaded the others' state (Join)
 	// syncGen counts Sync calls; unknown remembers, per datapath id no
 	// service had, the syncGen of that miss, so that a record of a
 	// removed service waits for no change in progress twice.
@@ -473,4 +477,28 @@ func (s *Sync) SourceJournal(ctx context.Context, service string) (*ha.Journal, 
 		return nil, err
 	}
 	return s.journal(service)
+}
+
+// Join records that the control plane loaded the other edges' state into
+// this group edge since it started: it may attract traffic now. changed
+// says whether it had not joined before. Outside a group it does nothing.
+func (s *Sync) Join() (changed bool) {
+	if !s.cfg.Group {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	changed, s.joined = !s.joined, true
+	return changed
+}
+
+// Joined reports whether the edge may attract traffic: a group edge once
+// it joined (Join), any other edge always.
+func (s *Sync) Joined() bool {
+	if !s.cfg.Group {
+		return true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.joined
 }

@@ -47,7 +47,7 @@ func (s *Sync) Status() Status {
 			st.Journals[name] = j.Stats()
 		}
 	}
-	st.Group, st.Node = s.cfg.Group, s.cfg.Node
+	st.Group, st.Node, st.Joined = s.cfg.Group, s.cfg.Node, s.joined
 	for src, c := range s.cursors {
 		if !s.cfg.Group {
 			if st.Cursors == nil {

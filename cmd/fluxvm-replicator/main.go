@@ -118,30 +118,16 @@ func run(args []string) error {
 			start := time.Now()
 			// Edges of other seeds are no group: nothing is replicated
 			// until they all agree.
-			if err := checkGroupSeeds(ctx, names, nodes); err != nil {
-				enc.Encode(struct {
-					At    time.Time `json:"at"`
-					Error string    `json:"error"`
-				}{start.UTC(), err.Error()})
-				return err
+			var res []ha.GroupResult
+			err := checkGroupSeeds(ctx, names, nodes)
+			if err == nil {
+				res, err = g.Round(ctx)
 			}
-			res, err := g.Round(ctx)
-			changed := err != nil
+			changed := false
 			for _, x := range res {
 				changed = changed || x.Ops > 0 || x.Snapshot != nil
 			}
-			if changed {
-				line := struct {
-					At       time.Time        `json:"at"`
-					Duration string           `json:"duration"`
-					Pairs    []ha.GroupResult `json:"pairs"`
-					Error    string           `json:"error,omitempty"`
-				}{At: start.UTC(), Duration: time.Since(start).String(), Pairs: res}
-				if err != nil {
-					line.Error = err.Error()
-				}
-				enc.Encode(line)
-			}
+			reportRound(enc, start, "pairs", res, changed, err)
 			return err
 		}
 		return loop(ctx, log, *once, *interval, round)
@@ -171,25 +157,28 @@ func run(args []string) error {
 		if err == nil {
 			res, err = r.Round(ctx)
 		}
-		changed := err != nil
+		changed := false
 		for _, x := range res {
 			changed = changed || x.Ops > 0 || x.Snapshot != nil
 		}
-		if changed {
-			line := struct {
-				At       time.Time        `json:"at"`
-				Duration string           `json:"duration"`
-				Services []ha.RoundResult `json:"services"`
-				Error    string           `json:"error,omitempty"`
-			}{At: start.UTC(), Duration: time.Since(start).String(), Services: res}
-			if err != nil {
-				line.Error = err.Error()
-			}
-			enc.Encode(line)
-		}
+		reportRound(enc, start, "services", res, changed, err)
 		return err
 	}
 	return loop(ctx, log, *once, *interval, round)
+}
+
+// reportRound prints one JSON line for a round that changed something or
+// failed: when it started, how long it took, what it did (under key:
+// "services" for a pair, "pairs" for a group) and its error.
+func reportRound(enc *json.Encoder, start time.Time, key string, what any, changed bool, err error) {
+	if !changed && err == nil {
+		return
+	}
+	line := map[string]any{"at": start.UTC(), "duration": time.Since(start).String(), key: what}
+	if err != nil {
+		line["error"] = err.Error()
+	}
+	enc.Encode(line)
 }
 
 // loop runs round every interval until ctx ends (once: one round, its

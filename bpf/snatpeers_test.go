@@ -149,3 +149,77 @@ func TestSNATPeersMap(t *testing.T) {
 		t.Fatal("NewSNATPeers(nil) succeeded")
 	}
 }
+
+// BenchmarkSNATPeers: what a group costs the datapath, in alternate
+// blocks on fluxvm_ns_in (IPv4 TCP). A reply to the node's own SNAT
+// address with no peers and with eight peers listed (its own address is
+// checked first: *own-peers-minus-none-ns* should be about 0); a reply of
+// a flow another edge translated, to that edge's address (the peer
+// lookup: *peer-minus-own-ns*, the price of continuing another edge's
+// flow); and a packet that is neither to a VIP nor to an SNAT address,
+// with no peers and with peers (the hash miss every such packet of a group
+// node pays: *pass-peers-minus-none-ns*).
+func BenchmarkSNATPeers(b *testing.B) {
+	h := newHarnessSized(b, 0)
+	v := variants()[0]
+	v.nsSetup(h, 0)
+	peers, err := NewSNATPeers(h.objs.FluxvmSnatPeers)
+	h.must(err)
+	var list []SNATPeer
+	for i := range 8 {
+		list = append(list, SNATPeer{Addr: netip.AddrFrom4([4]byte{10, 250, 1, byte(i + 1)})})
+	}
+	list[3].Addr = peer4
+	h.must(peers.Put(list))
+	setFlag := func(on bool) func() {
+		return func() {
+			var cfg SNATConfig
+			h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
+			cfg.Flags &^= SNATFlagPeers
+			if on {
+				cfg.Flags |= SNATFlagPeers
+			}
+			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
+		}
+	}
+	// An own flow, and a flow moved to the peer's address as an import
+	// writes it.
+	b4 := v.backends[0]
+	learn := func(c netip.AddrPort) uint16 {
+		if ret, _ := h.run(h.objs.FluxvmNsIn, v.frame(c, v.vip, pkt.SYN)); ret != tcOK {
+			b.Fatalf("%s: flow not set up", c)
+		}
+		ct, ok := h.ct(tuple{c, v.vip, v.proto})
+		if !ok {
+			b.Fatalf("%s: no conntrack entry", c)
+		}
+		return Port(ct.NatPort)
+	}
+	c, moved := v.clientAt(snatMin+1), v.clientAt(snatMin+2)
+	port, mport := learn(c), learn(moved)
+	own, peer := v.snatKey(b4, mport), tuple{b4, netip.AddrPortFrom(peer4, mport), v.proto}
+	nv, _ := h.nat(own)
+	h.must(h.natMap(own).Delete(own.key()))
+	h.must(h.natMap(peer).Put(peer.key(), nv))
+	ct, _ := h.ct(tuple{moved, v.vip, v.proto})
+	ct.NatAddr = AddrWords(peer4)
+	h.must(h.ctMap(tuple{moved, v.vip, v.proto}).Put(tuple{moved, v.vip, v.proto}.key(), ct))
+
+	ownReply := func(int) []byte { return v.frame(b4, netip.AddrPortFrom(snat4, port), pkt.ACK) }
+	peerReply := func(int) []byte { return v.frame(b4, peer.dst, pkt.ACK) }
+	other := func(int) []byte {
+		return v.frame(netip.MustParseAddrPort("192.0.2.9:443"), netip.MustParseAddrPort("198.51.100.9:5555"), pkt.ACK)
+	}
+	cases := []*benchCase{
+		{name: "reply to the own SNAT address, no peers", metric: "own", prog: h.objs.FluxvmNsIn, frame: ownReply, want: tcOK, before: setFlag(false)},
+		{name: "reply to the own SNAT address, 8 peers", metric: "own-peers", prog: h.objs.FluxvmNsIn, frame: ownReply, want: tcOK, before: setFlag(true)},
+		{name: "reply to a peer's SNAT address", metric: "peer", prog: h.objs.FluxvmNsIn, frame: peerReply, want: tcOK, before: setFlag(true)},
+		{name: "pass-through (not a VIP, not SNAT), no peers", metric: "pass", prog: h.objs.FluxvmNsIn, frame: other, want: tcNext, before: setFlag(false)},
+		{name: "pass-through (not a VIP, not SNAT), 8 peers", metric: "pass-peers", prog: h.objs.FluxvmNsIn, frame: other, want: tcNext, before: setFlag(true)},
+	}
+	measureInterleaved(b, h.th, benchCalls(b), cases, false)
+	avg := func(i int) float64 { return float64(cases[i].sum) / float64(cases[i].n) }
+	b.ReportMetric(avg(1)-avg(0), "own-peers-minus-none-ns")
+	b.ReportMetric(avg(2)-avg(1), "peer-minus-own-ns")
+	b.ReportMetric(avg(4)-avg(3), "pass-peers-minus-none-ns")
+}

@@ -83,8 +83,11 @@ static __always_inline int fluxvm_lb_reply(struct __ctx_buff *ctx,
 		return CTX_ACT_NEXT;
 	if (pkt->frag == FLUXVM_FRAG_LATER)
 		return CTX_ACT_NEXT;
-	if (kind == FLUXVM_REPLY_SNAT && !fluxvm_is_snat_addr(pkt->daddr, v6))
-		return CTX_ACT_NEXT;
+	/* FLUXVM_REPLY_SNAT: every caller sent only packets to an SNAT
+	 * address of the node or its group (fluxvm_is_snat_addr), and the
+	 * mapping found must be an SNAT one (below), so the address is not
+	 * looked up again: a second fluxvm_snat_peers lookup would be the
+	 * whole cost of a reply to a peer's address twice. */
 
 	/* IPv6: the reverse-NAT key in per-CPU scratch, off the frame of
 	 * the global paths this runs in (the deepest call chains). */

@@ -55,7 +55,10 @@ const MaxEdges = 9
 
 // The lab's fixed addresses.
 var (
-	routerBridge4 = netip.MustParseAddr("10.251.0.1") // the router on the backend segment
+	// RouterBackside is the router's address on the backend segment:
+	// the backends' default route, by which their replies reach the
+	// edges' SNAT addresses.
+	RouterBackside = netip.MustParseAddr("10.251.0.1")
 	// DefaultSNATVIP is the VIP of DefaultServices' SNAT service, and
 	// DefaultDSRVIP the one of its routed-DSR service.
 	DefaultSNATVIP = netip.MustParseAddr("10.96.0.10")
@@ -90,6 +93,9 @@ type Lab struct {
 	// Services is the catalog applied to every edge (Apply), and to an
 	// edge that joins.
 	Services []fluxvm.Service
+	// held maps the SNAT address of an edge that is gone to the edge
+	// that took it over (TakeOver) and announces it.
+	held map[netip.Addr]*Edge
 
 	mu     sync.Mutex // guards nss and closed
 	nss    []*nsutil.NS
@@ -167,7 +173,7 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	l = &Lab{cfg: cfg, suffix: nsutil.Suffix()}
+	l = &Lab{cfg: cfg, suffix: nsutil.Suffix(), held: map[netip.Addr]*Edge{}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, l.Close())
@@ -192,7 +198,7 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	if err := l.rtrNL.LinkAdd(br); err != nil {
 		return l, fmt.Errorf("ecmplab: bridge: %w", err)
 	}
-	if err := setUp(l.rtrNL, "bbr", netip.PrefixFrom(routerBridge4, 24)); err != nil {
+	if err := setUp(l.rtrNL, "bbr", netip.PrefixFrom(RouterBackside, 24)); err != nil {
 		return l, err
 	}
 	for i := 1; i <= cfg.Clients; i++ {
@@ -359,7 +365,7 @@ func (l *Lab) addBackend(i int) error {
 	if err := l.link(ns, fmt.Sprintf("rk%d", i), netip.Prefix{}, true, "eth0", netip.PrefixFrom(vm.Addr4, 24)); err != nil {
 		return err
 	}
-	if err := addRoute(ns, anyRoute4, routerBridge4); err != nil {
+	if err := addRoute(ns, anyRoute4, RouterBackside); err != nil {
 		return err
 	}
 	if err := vm.AddLocalAddress(DefaultDSRVIP); err != nil {

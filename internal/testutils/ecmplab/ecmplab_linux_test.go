@@ -5,6 +5,7 @@ package ecmplab
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"strings"
 	"sync"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -234,6 +236,42 @@ func requireSNATRoutes(t *testing.T, ctx context.Context, l *Lab, edges []*Edge)
 	}
 }
 
+// strays tries n UDP datagrams from backend be to dst (an SNAT address
+// and a port no flow uses) and returns how many were sent and how many
+// packets the router sent toward edge via meanwhile (BGP keepalives
+// included).
+func strays(t *testing.T, l *Lab, be *lab.VM, dst netip.AddrPort, via *Edge, n int) (sent, out int) {
+	t.Helper()
+	txPackets := func() int {
+		lk, err := l.rtrNL.LinkByName("r" + via.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int(lk.Attrs().Statistics.TxPackets)
+	}
+	before := txPackets()
+	err := be.NS.Do(func() error {
+		c, err := net.Dial("udp4", dst.String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		for range n {
+			// An ICMP error for the previous datagram fails this
+			// write (nothing sent): not counted.
+			if _, err := c.Write([]byte("stray")); err == nil {
+				sent++
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	return sent, txPackets() - before
+}
+
 // TestECMPLab proves the lab: three edges behind a BIRD 2 router that
 // installs one multipath route per VIP, L4 hashing spreading flows of two
 // clients over every edge (TCP and UDP through SNAT, TCP through routed
@@ -331,6 +369,13 @@ func TestECMPLab(t *testing.T) {
 		t.Errorf("HeldBy(%s) = %v, want %s", e2.Name, l.HeldBy(e2), e1.Name)
 	}
 	requireSNATRoutes(t, ctx, l, []*Edge{e1, e3})
+	// A packet to the taken-over address that no flow of e1 matches
+	// stops at e1: it does not bounce between e1 and the router.
+	if sent, out := strays(t, l, l.Backends[0], netip.AddrPortFrom(e2.SNAT, 45000), e1, 20); out > sent+10 {
+		t.Errorf("%d stray datagrams to %s: the router sent %d packets to %s (a routing loop), want about %d", sent, e2.SNAT, out, e1.Name, sent)
+	} else {
+		t.Logf("%d stray datagrams to %s (no flow): %d packets from the router to %s (no loop)", sent, e2.SNAT, out, e1.Name)
+	}
 	onGone, elsewhere, n := broken(long, longEdges, e2)
 	t.Logf("no replication: after the kill of %s and the takeover of its SNAT address, %d of %d long-lived SNAT TCP flows broke: %d of the %d it carried (%d work again), %d of the %d on the survivors (rehashed by the router)",
 		e2.Name, n, len(long), onGone, countOn(longEdges, e2), countOn(longEdges, e2)-onGone, elsewhere, len(long)-countOn(longEdges, e2))

@@ -89,7 +89,13 @@ func (l *Lab) createEdge(ctx context.Context, i int) (*Edge, error) {
 	// The way back for SNAT flows is BGP: the edge announces its SNAT
 	// address beside the VIPs (advertise_snat), the router routes it
 	// here, and the backends reach it through their default route, the
-	// router's leg on the segment.
+	// router's leg on the segment. A packet to an SNAT address that the
+	// datapath does not translate (no flow of it here) stops at the
+	// edge: without this route the kernel would send it back to the
+	// router, which routes it here again, until its TTL runs out.
+	if err := addRoute(ns, snatRange, netip.Addr{}); err != nil {
+		return e, err
+	}
 	conf := fmt.Sprintf(`[sandbox.dataplane.service]
 map_tier = "S"
 pin_root = %q

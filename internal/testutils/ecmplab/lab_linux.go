@@ -318,7 +318,9 @@ func setUp(h *netlink.Handle, ifname string, p netip.Prefix) error {
 	return nil
 }
 
-// addRoute adds (replaces) the route to dst via gw in ns.
+// addRoute adds (replaces) the route to dst via gw in ns; an invalid gw
+// makes it unreachable (packets to dst dropped, an ICMP error to their
+// source).
 func addRoute(ns *nsutil.NS, dst netip.Prefix, gw netip.Addr) error {
 	h, err := netlink.NewHandleAt(ns.Handle())
 	if err != nil {
@@ -326,13 +328,20 @@ func addRoute(ns *nsutil.NS, dst netip.Prefix, gw netip.Addr) error {
 	}
 	defer h.Close()
 	r := &netlink.Route{Dst: &net.IPNet{IP: dst.Addr().AsSlice(), Mask: net.CIDRMask(dst.Bits(), dst.Addr().BitLen())}, Gw: gw.AsSlice()}
+	if !gw.IsValid() {
+		r.Type = unix.RTN_UNREACHABLE
+	}
 	if err := h.RouteReplace(r); err != nil {
 		return fmt.Errorf("ecmplab: %s: route %s via %s: %w", ns.Name, dst, gw, err)
 	}
 	return nil
 }
 
-var anyRoute4 = netip.MustParsePrefix("0.0.0.0/0")
+var (
+	anyRoute4 = netip.MustParsePrefix("0.0.0.0/0")
+	// snatRange holds every edge's SNAT address (10.97.0.<i>).
+	snatRange = netip.MustParsePrefix("10.97.0.0/24")
+)
 
 // addClient wires client i: 10.250.i.2/24, router 10.250.i.1.
 func (l *Lab) addClient(i int) error {

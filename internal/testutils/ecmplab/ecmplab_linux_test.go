@@ -440,7 +440,13 @@ func TestECMPLab(t *testing.T) {
 	t.Logf("%s joined -> in the multipath route %v after it was started (%v after its session came up)",
 		e4.Name, time.Since(joined).Round(time.Millisecond), took.Round(time.Millisecond))
 	requireSNATRoutes(t, ctx, l, all)
+	// The router keeps its MAC on the backend segment when the joiner's
+	// port is added to the bridge (the backends' ARP entries stay right).
+	if br, err := l.rtrNL.LinkByName("bbr"); err != nil || br.Attrs().HardwareAddr.String() != RouterBacksideMAC.String() {
+		t.Errorf("router's bridge MAC after the join: %v (%v), want %s", br.Attrs().HardwareAddr, err, RouterBacksideMAC)
+	}
 	requireSpread(t, "SNAT TCP after the join", shortFlows(t, l, "tcp", DefaultSNATVIP, 240), all)
+	requireSpread(t, "DSR TCP after the join", shortFlows(t, l, "tcp", DefaultDSRVIP, 60), all)
 	_, _, n = broken(long, longEdges, nil)
 	t.Logf("baseline (no replication): %s joined -> %d of %d long-lived SNAT TCP flows broke (moved to another edge by the router's rehash)", e4.Name, n, len(long))
 }

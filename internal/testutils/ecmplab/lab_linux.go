@@ -59,6 +59,9 @@ var (
 	// the backends' default route, by which their replies reach the
 	// edges' SNAT addresses.
 	RouterBackside = netip.MustParseAddr("10.251.0.1")
+	// RouterBacksideMAC is the router's MAC on the segment (the bridge's,
+	// set so that ports joining do not change it).
+	RouterBacksideMAC = net.HardwareAddr{0x02, 0xfb, 0x00, 0x00, 0x00, 0x01}
 	// DefaultSNATVIP is the VIP of DefaultServices' SNAT service, and
 	// DefaultDSRVIP the one of its routed-DSR service.
 	DefaultSNATVIP = netip.MustParseAddr("10.96.0.10")
@@ -197,6 +200,13 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "bbr"}}
 	if err := l.rtrNL.LinkAdd(br); err != nil {
 		return l, fmt.Errorf("ecmplab: bridge: %w", err)
+	}
+	// A bridge without an address of its own takes its ports' lowest:
+	// an edge joining with a lower one would change the router's MAC on
+	// the segment, and the backends, still sending to the old one, would
+	// lose every reply (DSR's and SNAT's) until their ARP entry expired.
+	if err := l.rtrNL.LinkSetHardwareAddr(br, RouterBacksideMAC); err != nil {
+		return l, fmt.Errorf("ecmplab: bridge address: %w", err)
 	}
 	if err := setUp(l.rtrNL, "bbr", netip.PrefixFrom(RouterBackside, 24)); err != nil {
 		return l, err

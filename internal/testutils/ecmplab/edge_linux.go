@@ -35,8 +35,10 @@ type Edge struct {
 	Name string
 	NS   *nsutil.NS
 	// Uplink is its address toward the router (the BGP session's, and
-	// the nexthop the router installs); Backside its address on the
-	// backend segment, where backends send replies to its SNAT address.
+	// the nexthop the router installs, for the VIPs and for its SNAT
+	// address); Backside its address on the backend segment, out of
+	// which it sends flows to the backends (their replies come back
+	// through the router).
 	Uplink, Backside netip.Addr
 	// SNAT is its SNAT address (one per edge), announced over BGP: the
 	// router routes it to this edge, or to the edge that took it over

@@ -44,10 +44,11 @@ const scaleOutUsage = `usage: fluxvm-lab scale-out -fluxvmd BIN -fluxvm-bird BIN
 A group of edges behind a real ECMP router, in namespaces: the router runs
 BIRD 2 with an eBGP session to each edge and merges their paths into one
 multipath route per VIP (hashed on L4); each edge runs fluxvmd (same
-seeds, same catalog over REST), BIRD and the fluxvm-bird adapter. Shows
-the edges and their BGP state, the route, which edge carries each flow,
-then an edge killed with -9 and a new edge joining: what the router did
-and which flows survived. Needs root and BIRD 2 (Debian package bird2).
+seeds, same catalog over REST), BIRD and the fluxvm-bird adapter, and
+announces its SNAT address beside the VIPs. Shows the edges and their BGP
+state, the routes, which edge carries each flow, then an edge killed with
+-9, a survivor taking over its SNAT address, and a new edge joining: what
+the router did and which flows survived. Needs root and BIRD 2 (Debian package bird2).
 Everything is removed on exit and on Ctrl-C. See docs/scale-out.md.
 
 Flags:

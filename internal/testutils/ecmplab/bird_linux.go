@@ -95,6 +95,7 @@ func bgpTimers(hold time.Duration) string {
 }
 
 // routerConf is the router's bird.conf: an eBGP session to every edge
+// importing whatever it announces (VIPs and SNAT addresses, /32 each)
 // (defined even while an edge is down, so it reconnects when the edge
 // comes back), and the kernel protocol merging equal paths into one
 // multipath route. Only IPv4 is routed in the lab.
@@ -111,7 +112,7 @@ template bgp edge {
 	local as %d;
 %s	ipv4 { import all; export none; };
 }
-`, routerBridge4, RouterAS, bgpTimers(hold))
+`, RouterBackside, RouterAS, bgpTimers(hold))
 	for _, e := range edges {
 		fmt.Fprintf(&b, "protocol bgp %s from edge {\n\tneighbor %s as %d;\n\tsource address %s;\n}\n", e.Name, e.Uplink, EdgeAS, e.routerSide)
 	}
@@ -119,9 +120,10 @@ template bgp edge {
 }
 
 // edgeConf is an edge's bird.conf: the adapter's include file (static
-// protocols fluxvm_vips4/6 of blackhole routes, one per advertised VIP)
-// and an eBGP session to the router exporting only fluxvm_vips4. No
-// kernel protocol: the blackholes stay out of the edge's table.
+// protocols fluxvm_vips4/6 of blackhole routes, one per advertised VIP
+// and one per SNAT address the edge announces: its own, and those it took
+// over) and an eBGP session to the router exporting only fluxvm_vips4.
+// No kernel protocol: the blackholes stay out of the edge's table.
 func edgeConf(e *Edge, include string, hold time.Duration) string {
 	return fmt.Sprintf(`log stderr all;
 router id %[1]s;

@@ -12,8 +12,11 @@
 // same seeds and the same catalog (applied over REST, as Fabric would),
 // its own SNAT address, and BIRD fed by the real fluxvm-bird adapter.
 // Backends share an L2 segment (a bridge in the router's namespace) with
-// every edge's uplink2, so routed DSR reaches them without tunnels, and
-// hold a static route to each edge's SNAT address via that edge.
+// every edge's uplink2, so routed DSR reaches them without tunnels.
+// Their replies to SNAT addresses go through the router: every edge
+// announces its SNAT address over BGP beside the VIPs (advertise_snat),
+// holds the other edges' as SNAT peers, and a survivor takes over the
+// address of an edge that is gone (Lab.TakeOver).
 //
 // The code is Linux only; on other systems the package is empty.
 package ecmplab

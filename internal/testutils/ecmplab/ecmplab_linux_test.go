@@ -5,6 +5,7 @@ package ecmplab
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"strings"
 	"sync"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/testenv"
 )
 
@@ -215,11 +217,70 @@ func countOn(es []*Edge, e *Edge) int {
 	return n
 }
 
+// requireSNATRoutes fails unless the router routes each edge's SNAT
+// address to that edge alone, and every backend's kernel reaches it
+// through the router (no route past it).
+func requireSNATRoutes(t *testing.T, ctx context.Context, l *Lab, edges []*Edge) {
+	t.Helper()
+	for _, e := range edges {
+		took, err := l.WaitNexthops(ctx, e.SNAT, []*Edge{e}, 20*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("router: SNAT %s/32 via %s alone (%v)", e.SNAT, e.Name, took.Round(time.Millisecond))
+		for _, be := range l.Backends {
+			if gw, err := l.ReturnPath(be, e.SNAT); err != nil || gw != RouterBackside {
+				t.Errorf("%s reaches %s via %v (%v), want the router %s", be.Name, e.SNAT, gw, err, RouterBackside)
+			}
+		}
+	}
+}
+
+// strays tries n UDP datagrams from backend be to dst (an SNAT address
+// and a port no flow uses) and returns how many were sent and how many
+// packets the router sent toward edge via meanwhile (BGP keepalives
+// included).
+func strays(t *testing.T, l *Lab, be *lab.VM, dst netip.AddrPort, via *Edge, n int) (sent, out int) {
+	t.Helper()
+	txPackets := func() int {
+		lk, err := l.rtrNL.LinkByName("r" + via.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int(lk.Attrs().Statistics.TxPackets)
+	}
+	before := txPackets()
+	err := be.NS.Do(func() error {
+		c, err := net.Dial("udp4", dst.String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		for range n {
+			// An ICMP error for the previous datagram fails this
+			// write (nothing sent): not counted.
+			if _, err := c.Write([]byte("stray")); err == nil {
+				sent++
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	return sent, txPackets() - before
+}
+
 // TestECMPLab proves the lab: three edges behind a BIRD 2 router that
 // installs one multipath route per VIP, L4 hashing spreading flows of two
 // clients over every edge (TCP and UDP through SNAT, TCP through routed
 // DSR), an edge killed with -9 withdrawn at once and a frozen one on the
 // hold timer, and an edge joining that gets its nexthop and new flows.
+// Every edge announces its SNAT address over BGP (the backends' replies
+// go through the router); a killed edge's address is withdrawn with it,
+// routed to a survivor that takes it over (TakeOver), and back to the
+// edge when it restarts.
 // It also counts, as a baseline for issue 37's later points, the
 // long-lived flows an edge leaving or joining breaks today (no flow state
 // shared between edges yet): it reports them, it does not assert them.
@@ -239,11 +300,35 @@ func TestECMPLab(t *testing.T) {
 		t.Logf("router: %s via %v (multipath) %v after the catalog was applied", vip, all, took.Round(time.Millisecond))
 	}
 
+	// Each edge's SNAT address: announced over BGP by that edge alone
+	// (one owner, no multipath), and the backends' way back to it is the
+	// router.
+	requireSNATRoutes(t, ctx, l, all)
+
 	// Short flows from two clients, many source ports: every edge
-	// carries some, every flow reaches a backend.
+	// carries some, every flow reaches a backend (SNAT replies through
+	// the router).
 	requireSpread(t, "SNAT TCP", shortFlows(t, l, "tcp", DefaultSNATVIP, 240), all)
 	requireSpread(t, "SNAT UDP", shortFlows(t, l, "udp", DefaultSNATVIP, 60), all)
 	requireSpread(t, "DSR TCP", shortFlows(t, l, "tcp", DefaultDSRVIP, 60), all)
+
+	// A takeover needs a gone edge and a running one: refused otherwise,
+	// nothing changes.
+	for _, tc := range []struct {
+		name     string
+		gone, by *Edge
+		want     string
+	}{
+		{"from a running edge", e2, e1, "still runs"},
+		{"of its own address", e1, e1, "its own SNAT address"},
+	} {
+		if _, err := l.TakeOver(ctx, tc.gone, tc.by); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("TakeOver %s: %v, want an error with %q", tc.name, err, tc.want)
+		}
+		if h := l.HeldBy(tc.gone); h != nil {
+			t.Errorf("TakeOver %s refused, yet %s's address is held by %s", tc.name, tc.gone.Name, h.Name)
+		}
+	}
 
 	// Baseline: long-lived flows, then e2 is killed with -9.
 	long, longEdges := longFlows(t, l, DefaultSNATVIP, 60)
@@ -262,10 +347,38 @@ func TestECMPLab(t *testing.T) {
 	if _, err := l.WaitNexthops(ctx, DefaultDSRVIP, []*Edge{e1, e3}, 5*time.Second); err != nil {
 		t.Error(err)
 	}
+	// Its SNAT address goes with it: nothing routes replies to the dead
+	// edge, whose programs stay attached until Close.
+	if _, err := l.WaitNexthops(ctx, e2.SNAT, nil, 5*time.Second); err != nil {
+		t.Error(err)
+	}
+	t.Logf("kill -9 of %s -> its SNAT address %s withdrawn by the router %v after the kill", e2.Name, e2.SNAT, time.Since(killed).Round(time.Millisecond))
 	requireSpread(t, "SNAT TCP after the kill", shortFlows(t, l, "tcp", DefaultSNATVIP, 120), []*Edge{e1, e3})
+
+	// e1 takes e2's SNAT address over: the router routes it to e1 alone.
+	tookOver, err := l.TakeOver(ctx, e2, e1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s took over %s's SNAT address %s -> the router routes it via %s %v after the POST (adapter, BIRD, BGP update)",
+		e1.Name, e2.Name, e2.SNAT, e1.Name, tookOver.Round(time.Millisecond))
+	if tookOver > 5*time.Second {
+		t.Errorf("takeover routed after %v, want within 5s", tookOver)
+	}
+	if l.HeldBy(e2) != e1 {
+		t.Errorf("HeldBy(%s) = %v, want %s", e2.Name, l.HeldBy(e2), e1.Name)
+	}
+	requireSNATRoutes(t, ctx, l, []*Edge{e1, e3})
+	// A packet to the taken-over address that no flow of e1 matches
+	// stops at e1: it does not bounce between e1 and the router.
+	if sent, out := strays(t, l, l.Backends[0], netip.AddrPortFrom(e2.SNAT, 45000), e1, 20); out > sent+10 {
+		t.Errorf("%d stray datagrams to %s: the router sent %d packets to %s (a routing loop), want about %d", sent, e2.SNAT, out, e1.Name, sent)
+	} else {
+		t.Logf("%d stray datagrams to %s (no flow): %d packets from the router to %s (no loop)", sent, e2.SNAT, out, e1.Name)
+	}
 	onGone, elsewhere, n := broken(long, longEdges, e2)
-	t.Logf("baseline (no replication): %s left -> %d of %d long-lived SNAT TCP flows broke: %d of the %d it carried, %d of the %d on the survivors (rehashed by the router)",
-		e2.Name, n, len(long), onGone, countOn(longEdges, e2), elsewhere, len(long)-countOn(longEdges, e2))
+	t.Logf("no replication: after the kill of %s and the takeover of its SNAT address, %d of %d long-lived SNAT TCP flows broke: %d of the %d it carried (%d work again), %d of the %d on the survivors (rehashed by the router)",
+		e2.Name, n, len(long), onGone, countOn(longEdges, e2), countOn(longEdges, e2)-onGone, elsewhere, len(long)-countOn(longEdges, e2))
 	onGone, elsewhere, n = broken(dsrLong, dsrEdges, e2)
 	t.Logf("baseline (no replication): %s left -> %d of %d long-lived DSR TCP flows broke: %d of the %d it carried, %d of the %d on the survivors",
 		e2.Name, n, len(dsrLong), onGone, countOn(dsrEdges, e2), elsewhere, len(dsrLong)-countOn(dsrEdges, e2))
@@ -279,6 +392,11 @@ func TestECMPLab(t *testing.T) {
 	} else {
 		t.Logf("%s restarted -> back in the multipath route after %v", e2.Name, took.Round(time.Millisecond))
 	}
+	// It gets its SNAT address back: e1 no longer announces it.
+	if l.HeldBy(e2) != nil {
+		t.Errorf("%s's SNAT address still held by %v after its restart", e2.Name, l.HeldBy(e2))
+	}
+	requireSNATRoutes(t, ctx, l, all)
 
 	// A silent failure: e3's BIRD frozen, the router waits for the hold
 	// timer.
@@ -321,7 +439,14 @@ func TestECMPLab(t *testing.T) {
 	}
 	t.Logf("%s joined -> in the multipath route %v after it was started (%v after its session came up)",
 		e4.Name, time.Since(joined).Round(time.Millisecond), took.Round(time.Millisecond))
+	requireSNATRoutes(t, ctx, l, all)
+	// The router keeps its MAC on the backend segment when the joiner's
+	// port is added to the bridge (the backends' ARP entries stay right).
+	if br, err := l.rtrNL.LinkByName("bbr"); err != nil || br.Attrs().HardwareAddr.String() != RouterBacksideMAC.String() {
+		t.Errorf("router's bridge MAC after the join: %v (%v), want %s", br.Attrs().HardwareAddr, err, RouterBacksideMAC)
+	}
 	requireSpread(t, "SNAT TCP after the join", shortFlows(t, l, "tcp", DefaultSNATVIP, 240), all)
+	requireSpread(t, "DSR TCP after the join", shortFlows(t, l, "tcp", DefaultDSRVIP, 60), all)
 	_, _, n = broken(long, longEdges, nil)
 	t.Logf("baseline (no replication): %s joined -> %d of %d long-lived SNAT TCP flows broke (moved to another edge by the router's rehash)", e4.Name, n, len(long))
 }

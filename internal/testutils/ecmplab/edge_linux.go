@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/fluxvm/servicefabric/conntrack"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 	"github.com/fluxvm/servicefabric/internal/testutils/nsutil"
 	"github.com/fluxvm/servicefabric/internal/testutils/restjson"
 	"github.com/fluxvm/servicefabric/nat"
@@ -34,11 +35,14 @@ type Edge struct {
 	Name string
 	NS   *nsutil.NS
 	// Uplink is its address toward the router (the BGP session's, and
-	// the nexthop the router installs); Backside its address on the
-	// backend segment, where backends send replies to its SNAT address.
+	// the nexthop the router installs, for the VIPs and for its SNAT
+	// address); Backside its address on the backend segment, out of
+	// which it sends flows to the backends (their replies come back
+	// through the router).
 	Uplink, Backside netip.Addr
-	// SNAT is its SNAT address (one per edge: backends route it back to
-	// this edge statically).
+	// SNAT is its SNAT address (one per edge), announced over BGP: the
+	// router routes it to this edge, or to the edge that took it over
+	// once this one is gone (Lab.TakeOver).
 	SNAT netip.Addr
 
 	lab        *Lab
@@ -84,12 +88,15 @@ func (l *Lab) createEdge(ctx context.Context, i int) (*Edge, error) {
 	if err := addRoute(ns, anyRoute4, e.routerSide); err != nil {
 		return e, err
 	}
-	// The way back for SNAT flows: every backend routes this edge's
-	// SNAT address to it over the segment.
-	for _, be := range l.Backends {
-		if err := addRoute(be.NS, netip.PrefixFrom(e.SNAT, 32), e.Backside); err != nil {
-			return e, err
-		}
+	// The way back for SNAT flows is BGP: the edge announces its SNAT
+	// address beside the VIPs (advertise_snat), the router routes it
+	// here, and the backends reach it through their default route, the
+	// router's leg on the segment. A packet to an SNAT address that the
+	// datapath does not translate (no flow of it here) stops at the
+	// edge: without this route the kernel would send it back to the
+	// router, which routes it here again, until its TTL runs out.
+	if err := addRoute(ns, snatRange, netip.Addr{}); err != nil {
+		return e, err
 	}
 	conf := fmt.Sprintf(`[sandbox.dataplane.service]
 map_tier = "S"
@@ -99,6 +106,7 @@ advertisements_path = %q
 node_name = "ecmp-%s"
 north_south_interfaces = ["uplink", "uplink2"]
 snat_address = %q
+advertise_snat = true
 snat_port_min = 40000
 snat_port_max = 49999
 hash_seed = %d
@@ -142,6 +150,14 @@ func (e *Edge) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("ecmplab: %s fluxvmd did not come up within 30s:\n%s", e.Name, e.fluxvmd.Out.Tail(3000))
 	case <-ctx.Done():
 		return ctx.Err()
+	}
+	// The group's SNAT addresses, as Fabric would set them: this edge
+	// gets every other edge's address, the others get this one's; an
+	// edge that took this one's address over gives it back, so that the
+	// address has one owner again once this edge announces it.
+	delete(e.lab.held, e.SNAT)
+	if err := e.lab.syncPeers(ctx); err != nil {
+		return err
 	}
 	// The adapter first, as at boot: it writes the include file (no
 	// routes yet), which BIRD's configuration needs.
@@ -310,7 +326,7 @@ func (l *Lab) waitEstablished(ctx context.Context, e *Edge) error {
 
 // Nexthops returns the edges the router's kernel table sends vip to (the
 // gateways of its /32 route, multipath or not), sorted by name; none when
-// it has no route.
+// it has no route. vip may be a VIP or an edge's SNAT address.
 func (l *Lab) Nexthops(vip netip.Addr) ([]*Edge, error) {
 	routes, err := l.rtrNL.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Dst: netlink.NewIPNet(vip.AsSlice())}, netlink.RT_FILTER_DST)
 	if err != nil {
@@ -342,8 +358,27 @@ func (l *Lab) Nexthops(vip netip.Addr) ([]*Edge, error) {
 	return out, nil
 }
 
-// WaitNexthops polls the router's route to vip every 5 ms until it has
-// exactly the edges want (nil: no route), and returns how long that took.
+// ReturnPath is the gateway backend be's kernel picks to reach addr (an
+// edge's SNAT address: the router's leg on the segment, RouterBackside,
+// since SNAT addresses are routed over BGP); invalid when addr is on
+// its link.
+func (l *Lab) ReturnPath(be *lab.VM, addr netip.Addr) (netip.Addr, error) {
+	h, err := netlink.NewHandleAt(be.NS.Handle())
+	if err != nil {
+		return netip.Addr{}, fmt.Errorf("ecmplab: netlink in %s: %w", be.Name, err)
+	}
+	defer h.Close()
+	routes, err := h.RouteGet(addr.AsSlice())
+	if err != nil || len(routes) == 0 {
+		return netip.Addr{}, fmt.Errorf("ecmplab: %s's route to %s: %v", be.Name, addr, err)
+	}
+	gw, _ := netip.AddrFromSlice(routes[0].Gw)
+	return gw.Unmap(), nil
+}
+
+// WaitNexthops polls the router's route to vip (a VIP or an SNAT address)
+// every 5 ms until it has exactly the edges want (nil: no route), and
+// returns how long that took.
 func (l *Lab) WaitNexthops(ctx context.Context, vip netip.Addr, want []*Edge, timeout time.Duration) (time.Duration, error) {
 	start := time.Now()
 	deadline := start.Add(timeout)

@@ -55,7 +55,13 @@ const MaxEdges = 9
 
 // The lab's fixed addresses.
 var (
-	routerBridge4 = netip.MustParseAddr("10.251.0.1") // the router on the backend segment
+	// RouterBackside is the router's address on the backend segment:
+	// the backends' default route, by which their replies reach the
+	// edges' SNAT addresses.
+	RouterBackside = netip.MustParseAddr("10.251.0.1")
+	// RouterBacksideMAC is the router's MAC on the segment (the bridge's,
+	// set so that ports joining do not change it).
+	RouterBacksideMAC = net.HardwareAddr{0x02, 0xfb, 0x00, 0x00, 0x00, 0x01}
 	// DefaultSNATVIP is the VIP of DefaultServices' SNAT service, and
 	// DefaultDSRVIP the one of its routed-DSR service.
 	DefaultSNATVIP = netip.MustParseAddr("10.96.0.10")
@@ -90,6 +96,9 @@ type Lab struct {
 	// Services is the catalog applied to every edge (Apply), and to an
 	// edge that joins.
 	Services []fluxvm.Service
+	// held maps the SNAT address of an edge that is gone to the edge
+	// that took it over (TakeOver) and announces it.
+	held map[netip.Addr]*Edge
 
 	mu     sync.Mutex // guards nss and closed
 	nss    []*nsutil.NS
@@ -167,7 +176,7 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	l = &Lab{cfg: cfg, suffix: nsutil.Suffix()}
+	l = &Lab{cfg: cfg, suffix: nsutil.Suffix(), held: map[netip.Addr]*Edge{}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, l.Close())
@@ -192,7 +201,14 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	if err := l.rtrNL.LinkAdd(br); err != nil {
 		return l, fmt.Errorf("ecmplab: bridge: %w", err)
 	}
-	if err := setUp(l.rtrNL, "bbr", netip.PrefixFrom(routerBridge4, 24)); err != nil {
+	// A bridge without an address of its own takes its ports' lowest:
+	// an edge joining with a lower one would change the router's MAC on
+	// the segment, and the backends, still sending to the old one, would
+	// lose every reply (DSR's and SNAT's) until their ARP entry expired.
+	if err := l.rtrNL.LinkSetHardwareAddr(br, RouterBacksideMAC); err != nil {
+		return l, fmt.Errorf("ecmplab: bridge address: %w", err)
+	}
+	if err := setUp(l.rtrNL, "bbr", netip.PrefixFrom(RouterBackside, 24)); err != nil {
 		return l, err
 	}
 	for i := 1; i <= cfg.Clients; i++ {
@@ -312,7 +328,9 @@ func setUp(h *netlink.Handle, ifname string, p netip.Prefix) error {
 	return nil
 }
 
-// addRoute adds (replaces) the route to dst via gw in ns.
+// addRoute adds (replaces) the route to dst via gw in ns; an invalid gw
+// makes it unreachable (packets to dst dropped, an ICMP error to their
+// source).
 func addRoute(ns *nsutil.NS, dst netip.Prefix, gw netip.Addr) error {
 	h, err := netlink.NewHandleAt(ns.Handle())
 	if err != nil {
@@ -320,13 +338,20 @@ func addRoute(ns *nsutil.NS, dst netip.Prefix, gw netip.Addr) error {
 	}
 	defer h.Close()
 	r := &netlink.Route{Dst: &net.IPNet{IP: dst.Addr().AsSlice(), Mask: net.CIDRMask(dst.Bits(), dst.Addr().BitLen())}, Gw: gw.AsSlice()}
+	if !gw.IsValid() {
+		r.Type = unix.RTN_UNREACHABLE
+	}
 	if err := h.RouteReplace(r); err != nil {
 		return fmt.Errorf("ecmplab: %s: route %s via %s: %w", ns.Name, dst, gw, err)
 	}
 	return nil
 }
 
-var anyRoute4 = netip.MustParsePrefix("0.0.0.0/0")
+var (
+	anyRoute4 = netip.MustParsePrefix("0.0.0.0/0")
+	// snatRange holds every edge's SNAT address (10.97.0.<i>).
+	snatRange = netip.MustParsePrefix("10.97.0.0/24")
+)
 
 // addClient wires client i: 10.250.i.2/24, router 10.250.i.1.
 func (l *Lab) addClient(i int) error {
@@ -359,7 +384,7 @@ func (l *Lab) addBackend(i int) error {
 	if err := l.link(ns, fmt.Sprintf("rk%d", i), netip.Prefix{}, true, "eth0", netip.PrefixFrom(vm.Addr4, 24)); err != nil {
 		return err
 	}
-	if err := addRoute(ns, anyRoute4, routerBridge4); err != nil {
+	if err := addRoute(ns, anyRoute4, RouterBackside); err != nil {
 		return err
 	}
 	if err := vm.AddLocalAddress(DefaultDSRVIP); err != nil {

@@ -58,8 +58,9 @@ func (o ScaleOutOptions) validate() error {
 
 // ScaleOut builds a group of edges behind a BIRD 2 router doing ECMP
 // (ecmplab), shows the router's multipath route and which edge carries
-// each flow, then kills one edge (-9) and adds another, showing what the
-// router and the flows did. Everything is removed on return, on error and
+// each flow, then kills one edge (-9), has a survivor take over its SNAT
+// address, and adds another edge, showing what the router and the flows
+// did. Everything is removed on return, on error and
 // when ctx ends (Ctrl-C).
 func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	if err := o.validate(); err != nil {
@@ -106,7 +107,12 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 			return err
 		}
 	}
-	printRoutes(w, l, "the router learned both VIPs from every edge and merged the paths")
+	for _, e := range l.Edges {
+		if _, err := l.WaitNexthops(ctx, e.SNAT, []*ecmplab.Edge{e}, 30*time.Second); err != nil {
+			return err
+		}
+	}
+	printRoutes(w, l, "the router learned both VIPs from every edge and merged the paths; each SNAT address from its edge")
 
 	fmt.Fprintf(w, "\n== %d short TCP connections to %s from both clients (new source port each)\n", o.Short, ecmplab.DefaultSNATVIP)
 	if err := printSplit(ctx, w, l, o.Short); err != nil {
@@ -150,6 +156,23 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	}
 	fmt.Fprintf(w, "   the router withdrew %s after %v: the kernel closed the dead BIRD's TCP session (a silent\n   failure would wait for the hold timer, 3 s here)\n",
 		victim.Name, time.Since(killed).Round(time.Millisecond))
+	if _, err := l.WaitNexthops(ctx, victim.SNAT, nil, 10*time.Second); err != nil {
+		return err
+	}
+	printRoutes(w, l, "")
+
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	by := rest[0]
+	fmt.Fprintf(w, "\n== %s takes over %s's SNAT address %s (POST /v1/network/services/snat/peers with announce)\n", by.Name, victim.Name, victim.SNAT)
+	took, err := l.TakeOver(ctx, victim, by)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "   the router routes %s via %s %v after the POST (adapter, BIRD, BGP update): the backends'\n"+
+		"   replies to it reach %s, which holds no translation for %s's flows (no replication yet)\n",
+		victim.SNAT, by.Name, took.Round(time.Millisecond), by.Name, victim.Name)
 	printRoutes(w, l, "")
 	edges = printFlows(w, l, flows, edges, dead, victim)
 
@@ -175,6 +198,8 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	fmt.Fprintln(w, "\nWhy flows broke: a flow the router moves to another edge meets the same backend there (same\n"+
 		"seeds, same Maglev table), which is enough for routed DSR (nothing translated). A SNAT flow\n"+
 		"breaks: its translation lives on the old edge only, the new edge gives it another SNAT address.\n"+
+		"Taking over a dead edge's SNAT address brings the backends' replies to a survivor, which\n"+
+		"cannot continue the flows without their state.\n"+
 		"The router's hash-threshold multipath also moves flows between edges that stay when the set\n"+
 		"changes. Sharing flow state in the group (docs/scale-out.md) is the remedy.")
 	return nil
@@ -187,28 +212,42 @@ func describe(w io.Writer, l *ecmplab.Lab) {
 		fmt.Fprintf(w, "   %-8s netns %-14s AS %d, uplink %s, uplink2 %s, SNAT %s, BGP %s\n", e.Name, e.NS.Name, ecmplab.EdgeAS, e.Uplink, e.Backside, e.SNAT, e.BGPState())
 	}
 	for _, b := range l.Backends {
-		fmt.Fprintf(w, "   %-8s netns %-14s %s, routes each edge's SNAT address to that edge\n", b.Name, b.NS.Name, b.Addr4)
+		fmt.Fprintf(w, "   %-8s netns %-14s %s, default route via the router (%s): SNAT replies follow BGP\n", b.Name, b.NS.Name, b.Addr4, ecmplab.RouterBackside)
 	}
 	for _, c := range l.Clients {
 		fmt.Fprintf(w, "   %-8s netns %-14s %s\n", c.Name, c.NS.Name, c.Addr4)
 	}
 }
 
-// printRoutes prints the router's route to each VIP.
+// printRoutes prints the router's route to each VIP and to each edge's
+// SNAT address (withdrawn, or via the edge that took it over).
 func printRoutes(w io.Writer, l *ecmplab.Lab, note string) {
 	if note != "" {
 		fmt.Fprintf(w, "\n== %s\n", note)
 	}
-	for _, vip := range []netip.Addr{ecmplab.DefaultSNATVIP, ecmplab.DefaultDSRVIP} {
-		nh, err := l.Nexthops(vip)
+	route := func(label string, addr netip.Addr, tail string) {
+		nh, err := l.Nexthops(addr)
 		var parts []string
 		for _, e := range nh {
 			parts = append(parts, fmt.Sprintf("via %s (%s)", e.Uplink, e.Name))
 		}
-		if err != nil {
+		switch {
+		case err != nil:
 			parts = append(parts, err.Error())
+		case len(nh) == 0:
+			parts = append(parts, "withdrawn")
 		}
-		fmt.Fprintf(w, "   router: %s/32 %s\n", vip, strings.Join(parts, " "))
+		fmt.Fprintf(w, "   router: %-4s %s/32 %s%s\n", label, addr, strings.Join(parts, " "), tail)
+	}
+	for _, vip := range []netip.Addr{ecmplab.DefaultSNATVIP, ecmplab.DefaultDSRVIP} {
+		route("VIP", vip, "")
+	}
+	for _, e := range l.Edges {
+		tail := fmt.Sprintf("   %s's own", e.Name)
+		if by := l.HeldBy(e); by != nil {
+			tail = fmt.Sprintf("   %s's, taken over by %s", e.Name, by.Name)
+		}
+		route("SNAT", e.SNAT, tail)
 	}
 }
 

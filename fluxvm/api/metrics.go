@@ -65,6 +65,9 @@ var (
 	descXDPRouteInv = desc("xdp_route_cache_invalidations_total", "Times the XDP route cache was emptied since the dataplane opened: batches of routing changes heard, turning it on or off, backend ids given back for reuse.")
 
 	descSockEnabled   = desc("socket_lb_enabled", "1 when socket load balancing (cgroup_connect) is on, else 0.")
+	descSNATPeers     = desc("snat_peers", "SNAT addresses of the other edges of the node's group it holds (state held), and of them those it took over and announces (state announced).", "state")
+	descGroupJoined   = desc("ha_group_joined", "On an edge of a group (ha_group): 1 once it holds the group's flows and advertises, 0 while it joins.")
+	descGroupCursor   = desc("ha_group_cursor_seq", "On an edge of a group: the last batch of each source edge's journal of each service it applied.", "service", "source")
 	descSockHooks     = desc("socket_lb_hooks", "Socket hooks attached to the cgroup of socket load balancing (value 1).", "hook")
 	descSockDestroyed = desc("socket_lb_destroyed_sockets_total", "Connected UDP sockets terminated because their backend was removed, Unhealthy or past its drain deadline, since the dataplane opened.")
 	descSockRuns      = desc("socket_lb_destroy_runs_total", "Runs of the socket iterator that terminates connected UDP sockets of gone backends, since the dataplane opened.")
@@ -110,6 +113,9 @@ type collector struct{ src MetricsSource }
 //	fluxvm_xdp_mode                             gauge 1 {interface, mode}: north-south XDP mode in force
 //	fluxvm_xdp_route_cache_enabled              gauge: 1 while XDP reuses its route lookups
 //	fluxvm_xdp_route_cache_invalidations_total  counter: times the route cache was emptied
+//	fluxvm_snat_peers                           gauge {state: held, announced}: the group's other SNAT addresses
+//	fluxvm_ha_group_joined                      gauge: on a group edge, 1 once joined (advertising)
+//	fluxvm_ha_group_cursor_seq                  gauge {service, source}: on a group edge, the last batch applied
 //	fluxvm_socket_lb_enabled                    gauge: 1 when cgroup_connect is on
 //	fluxvm_socket_lb_hooks                      gauge 1 {hook}: socket hooks attached
 //	fluxvm_socket_lb_destroyed_sockets_total    counter: connected UDP sockets of gone backends terminated
@@ -152,6 +158,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 		descMapMemory, descMaglevInner, descPressure, descXDPMode, descXDPRoutes, descXDPRouteInv,
 		descSockEnabled, descSockHooks, descSockDestroyed, descSockRuns, descSockSupported,
 		descEDTRate, descEDTDrops, descEDTEnabled, descEDTHorizon, descEDTMode,
+		descSNATPeers, descGroupJoined, descGroupCursor,
 	} {
 		ch <- d
 	}
@@ -184,6 +191,16 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	emit(descXDPRoutes, prometheus.GaugeValue, enabled)
 	emit(descXDPRouteInv, prometheus.CounterValue, float64(rc.Invalidations))
+	emit(descSNATPeers, prometheus.GaugeValue, float64(len(st.SNAT.Peers)), "held")
+	emit(descSNATPeers, prometheus.GaugeValue, float64(len(st.SNAT.Announced)), "announced")
+	if st.HA.Group {
+		emit(descGroupJoined, prometheus.GaugeValue, b2f(st.HA.Joined))
+		for svc, srcs := range st.HA.Sources {
+			for src, c := range srcs {
+				emit(descGroupCursor, prometheus.GaugeValue, float64(c.Seq), svc, src)
+			}
+		}
+	}
 	sock := st.SocketLB
 	emit(descSockEnabled, prometheus.GaugeValue, b2f(sock.Enabled))
 	for _, h := range sock.Hooks {

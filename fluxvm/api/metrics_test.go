@@ -3,6 +3,7 @@ package api_test
 import (
 	"errors"
 	"net/http"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/fluxvm/servicefabric/fluxvm"
 	"github.com/fluxvm/servicefabric/fluxvm/api"
+	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/health"
 )
 
@@ -33,6 +35,10 @@ func withMetricsData(dp *fakeDataplane) *fakeDataplane {
 			"web": {MaxEgressMbps: 100, RateBytesPerSec: 12_500_000, Horizon: fluxvm.Duration{Duration: 20 * time.Millisecond}, Bytes: 4000, HorizonDrops: 7},
 		},
 	}
+	dp.status.SNAT.Peers = []netip.Addr{netip.MustParseAddr("10.97.0.2"), netip.MustParseAddr("10.97.0.3")}
+	dp.status.SNAT.Announced = []netip.Addr{netip.MustParseAddr("10.97.0.3")}
+	dp.status.HA = fluxvm.HAStatus{Enabled: true, Group: true, Node: "e1", Joined: true,
+		Sources: map[string]map[string]ha.Cursor{"web": {"e2": {Journal: "j2", Seq: 41, Epoch: 3}}}}
 	dp.status.EDT = fluxvm.EDTStatus{Enabled: true, Horizon: fluxvm.Duration{Duration: 20 * time.Millisecond},
 		Interfaces: []fluxvm.EDTInterfaceStatus{
 			{Name: "eth1", Mode: fluxvm.EDTModeFQ, Qdisc: "fq", Managed: true, PreviousQdisc: "mq"},
@@ -223,6 +229,16 @@ fluxvm_edt_horizon_seconds 0.02
 # TYPE fluxvm_edt_interface_mode gauge
 fluxvm_edt_interface_mode{interface="eth1",mode="fq"} 1
 fluxvm_edt_interface_mode{interface="tap-vm1",mode="horizon-policing"} 1
+# HELP fluxvm_snat_peers SNAT addresses of the other edges of the node's group it holds (state held), and of them those it took over and announces (state announced).
+# TYPE fluxvm_snat_peers gauge
+fluxvm_snat_peers{state="announced"} 1
+fluxvm_snat_peers{state="held"} 2
+# HELP fluxvm_ha_group_joined On an edge of a group (ha_group): 1 once it holds the group's flows and advertises, 0 while it joins.
+# TYPE fluxvm_ha_group_joined gauge
+fluxvm_ha_group_joined 1
+# HELP fluxvm_ha_group_cursor_seq On an edge of a group: the last batch of each source edge's journal of each service it applied.
+# TYPE fluxvm_ha_group_cursor_seq gauge
+fluxvm_ha_group_cursor_seq{service="web",source="e2"} 41
 `
 	if err := testutil.CollectAndCompare(api.NewCollector(dp), strings.NewReader(want)); err != nil {
 		t.Fatal(err)
@@ -356,6 +372,10 @@ func TestMetricsEndpoint(t *testing.T) {
 		`fluxvm_datapath_stats_up 1`,
 		`fluxvm_map_memory_bytes{map="fluxvm_maglev_inner"} 393600`,
 		`fluxvm_maglev_inner_maps 3`,
+		`fluxvm_snat_peers{state="held"} 2`,
+		`fluxvm_snat_peers{state="announced"} 1`,
+		`fluxvm_ha_group_joined 1`,
+		`fluxvm_ha_group_cursor_seq{service="web",source="e2"} 41`,
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("/metrics lacks %q", want)

@@ -182,7 +182,7 @@ struct fluxvm_snat_cfg {
 	__u16 port_min;
 	__u16 port_max;
 	__u32 flags;         /* enum fluxvm_snat_flags */
-	__u32 pad;
+	__u32 peer_filter;   /* a bit per fluxvm_snat_peers address (lib/snat.h) */
 };
 _Static_assert(sizeof(struct fluxvm_snat_cfg) == 32, "fluxvm_snat_cfg size");
 

@@ -421,13 +421,13 @@ type serviceFluxvmSidValue struct {
 }
 
 type serviceFluxvmSnatCfg struct {
-	_       structs.HostLayout
-	Addr4   uint32
-	Addr6   [4]uint32
-	PortMin uint16
-	PortMax uint16
-	Flags   uint32
-	Pad     uint32
+	_          structs.HostLayout
+	Addr4      uint32
+	Addr6      [4]uint32
+	PortMin    uint16
+	PortMax    uint16
+	Flags      uint32
+	PeerFilter uint32
 }
 
 type serviceFluxvmSnatFlags uint32

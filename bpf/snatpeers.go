@@ -44,6 +44,24 @@ type SNATPeer struct {
 	Announce bool // SNATPeerFlagAnnounce
 }
 
+// SNATPeerFilter is the peer_filter word of fluxvm_snat (SNATConfig) for
+// the addresses: the bit of each, as the datapath computes it
+// (lib/snat.h, fluxvm_snat_peer_bit). The datapath looks an address up in
+// fluxvm_snat_peers only when its bit is set, so the word must hold every
+// address of the map.
+func SNATPeerFilter(addrs []netip.Addr) uint32 {
+	var f uint32
+	for _, a := range addrs {
+		w := AddrWords(a.Unmap())
+		x := w[0]
+		if a.Unmap().Is6() {
+			x ^= w[1] ^ w[2] ^ w[3]
+		}
+		f |= 1 << ((x * 0x9E3779B1) >> 27)
+	}
+	return f
+}
+
 // SNATPeers reads and writes fluxvm_snat_peers: the SNAT addresses of the
 // other edges of this node's group, whose flows (brought here by
 // replication) the datapath continues with their own translation and

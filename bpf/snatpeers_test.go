@@ -78,8 +78,10 @@ func TestSNATPeers(t *testing.T) {
 				var cfg SNATConfig
 				h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
 				cfg.Flags &^= SNATFlagPeers
+				cfg.PeerFilter = 0
 				if on {
 					cfg.Flags |= SNATFlagPeers
+					cfg.PeerFilter = SNATPeerFilter([]netip.Addr{v.peerAddr()})
 				}
 				h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
 			}
@@ -92,6 +94,15 @@ func TestSNATPeers(t *testing.T) {
 			if err := pkt.VerifyChecksums(translated); err != nil {
 				t.Fatal(err)
 			}
+			// The filter is consulted: without the peer's bit, no lookup.
+			var cfg SNATConfig
+			h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
+			full := cfg.PeerFilter
+			cfg.PeerFilter = ^full
+			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
+			expect("a peer whose filter bit is clear", false)
+			cfg.PeerFilter = full
+			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
 
 			// The client's next packet leaves from the peer's address
 			// and port, as on the edge that translated it first.
@@ -171,13 +182,19 @@ func BenchmarkSNATPeers(b *testing.B) {
 	}
 	list[3].Addr = peer4
 	h.must(peers.Put(list))
+	addrs := make([]netip.Addr, len(list))
+	for i, p := range list {
+		addrs[i] = p.Addr
+	}
 	setFlag := func(on bool) func() {
 		return func() {
 			var cfg SNATConfig
 			h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
 			cfg.Flags &^= SNATFlagPeers
+			cfg.PeerFilter = 0
 			if on {
 				cfg.Flags |= SNATFlagPeers
+				cfg.PeerFilter = SNATPeerFilter(addrs)
 			}
 			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
 		}
@@ -222,4 +239,47 @@ func BenchmarkSNATPeers(b *testing.B) {
 	b.ReportMetric(avg(1)-avg(0), "own-peers-minus-none-ns")
 	b.ReportMetric(avg(2)-avg(1), "peer-minus-own-ns")
 	b.ReportMetric(avg(4)-avg(3), "pass-peers-minus-none-ns")
+}
+
+// TestSNATPeerFilter: the filter word the control plane computes holds the
+// bit the datapath checks for every address: 256 peer addresses of each
+// family, each alone in the map with the word of its own set, all
+// translated; and the word has one bit an address (so 8 peers leave most
+// bits clear).
+func TestSNATPeerFilter(t *testing.T) {
+	h := newHarness(t)
+	peers, err := NewSNATPeers(h.objs.FluxvmSnatPeers)
+	h.must(err)
+	for _, v := range []variant{variants()[0], variants()[2]} {
+		h.reset()
+		v.nsSetup(h, 0)
+		b := v.backends[0]
+		c := v.clientAt(snatMin + 3)
+		port := nsForward(t, h, v, c, pkt.SYN, b)
+		own := v.snatKey(b, port)
+		nv, _ := h.nat(own)
+		for i := range 256 {
+			a := netip.AddrFrom4([4]byte{10, 250, byte(i), byte(i*7 + 1)})
+			if !v.client.Is4() {
+				a = netip.AddrFrom16([16]byte{0xfd, 0, 2, 0x50, 0, 0, 0, 0, 0, 0, 0, 0, byte(i), byte(i * 3), byte(i * 5), byte(i*7 + 1)})
+			}
+			f := SNATPeerFilter([]netip.Addr{a})
+			if f == 0 || f&(f-1) != 0 {
+				t.Fatalf("%s: filter %#x, want one bit", a, f)
+			}
+			key := tuple{b, netip.AddrPortFrom(a, port), v.proto}
+			h.must(h.natMap(key).Put(key.key(), nv))
+			h.must(peers.Put([]SNATPeer{{Addr: a}}))
+			var cfg SNATConfig
+			h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
+			cfg.Flags, cfg.PeerFilter = cfg.Flags|SNATFlagPeers, f
+			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
+			ret, out := h.run(h.objs.FluxvmNsIn, v.frame(b, key.dst, pkt.ACK))
+			if want := v.frame(v.vip, c, pkt.ACK); ret != tcOK || !bytes.Equal(out, want) {
+				t.Fatalf("%s: reply to peer %s not translated (verdict %d): Go's filter bit %#x is not the datapath's", v.name, a, int32(ret), f)
+			}
+			h.must(peers.Remove([]netip.Addr{a}))
+			h.must(h.natMap(key).Delete(key.key()))
+		}
+	}
 }

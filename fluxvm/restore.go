@@ -28,6 +28,7 @@ func (d *Dataplane) writeSNAT() error {
 	v := cfg.SNATConfig()
 	if len(d.snatPeers) > 0 {
 		v.Flags |= bpf.SNATFlagPeers
+		v.PeerFilter = peerFilter(d.snatPeers)
 	}
 	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
 		return fmt.Errorf("snat config: %w", err)

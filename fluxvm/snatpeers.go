@@ -154,6 +154,7 @@ func (d *Dataplane) writeSNATPeers(want []bpf.SNATPeer) error {
 	if len(want) > 0 {
 		v.Flags |= bpf.SNATFlagPeers
 	}
+	v.PeerFilter = peerFilter(want)
 	if err := d.dp.Maps().FluxvmSnat.Put(uint32(0), v); err != nil {
 		return undo(fmt.Errorf("snat config: %w", err))
 	}
@@ -185,4 +186,13 @@ func (d *Dataplane) snatPeerAddrs() []netip.Addr {
 		out[i] = p.Addr
 	}
 	return out
+}
+
+// peerFilter is fluxvm_snat's peer_filter for a set (bpf.SNATPeerFilter).
+func peerFilter(peers []bpf.SNATPeer) uint32 {
+	addrs := make([]netip.Addr, len(peers))
+	for i, p := range peers {
+		addrs[i] = p.Addr
+	}
+	return bpf.SNATPeerFilter(addrs)
 }

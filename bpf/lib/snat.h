@@ -81,10 +81,25 @@ __attribute__((noinline)) int fluxvm_is_snat_peer(const struct fluxvm_addr16 *ad
 	return bpf_map_lookup_elem(&fluxvm_snat_peers, &k) != NULL;
 }
 
+/* The bit of @addr in fluxvm_snat_cfg's peer_filter: its (folded) word
+ * multiplied and its top 5 bits taken. The control plane sets the bit of
+ * every fluxvm_snat_peers address (bpf.SNATPeerFilter computes the same),
+ * so an address whose bit is clear is no peer's, and most packets of a
+ * group node that are neither to a VIP nor to an SNAT address skip the
+ * hash lookup (measured: BenchmarkSNATPeers, docs/benchmarks.md). */
+static __always_inline __u32 fluxvm_snat_peer_bit(const __be32 *addr, const int v6)
+{
+	__u32 x = addr[0];
+
+	if (v6)
+		x ^= addr[1] ^ addr[2] ^ addr[3];
+	return 1U << ((x * 0x9E3779B1U) >> 27);
+}
+
 /* Is @addr the SNAT address of its family, or one of the group's
  * (fluxvm_snat_peers)? Replies are looked up only for packets to them, so
- * other traffic pays one inlined array lookup, and one hash lookup more
- * on a node in a group only. */
+ * other traffic pays one inlined array lookup, and on a node in a group a
+ * filter check, and a hash lookup when its bit is set. */
 static __always_inline int fluxvm_is_snat_addr(const __be32 *addr, const int v6)
 {
 	struct fluxvm_snat_cfg *cfg = fluxvm_snat_cfg_get();
@@ -101,7 +116,8 @@ static __always_inline int fluxvm_is_snat_addr(const __be32 *addr, const int v6)
 		return 1;
 	}
 	/* Every caller passes a 16-byte address (struct fluxvm_pkt's). */
-	return (flags & FLUXVM_SNAT_F_PEERS) && fluxvm_is_snat_peer((const struct fluxvm_addr16 *)addr, v6);
+	return (flags & FLUXVM_SNAT_F_PEERS) && (cfg->peer_filter & fluxvm_snat_peer_bit(addr, v6)) &&
+	       fluxvm_is_snat_peer((const struct fluxvm_addr16 *)addr, v6);
 }
 
 /* The mapping's key and value for the flow @pkt (client -> VIP) pinned to

@@ -24,6 +24,41 @@ func (v variant) peerAddr() netip.Addr {
 	return peer6
 }
 
+// peersOn sets fluxvm_snat's SNATFlagPeers and peer_filter for addrs (on),
+// or clears both.
+func (h *harness) peersOn(on bool, addrs ...netip.Addr) {
+	h.t.Helper()
+	var cfg SNATConfig
+	h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
+	cfg.Flags &^= SNATFlagPeers
+	cfg.PeerFilter = 0
+	if on {
+		cfg.Flags |= SNATFlagPeers
+		cfg.PeerFilter = SNATPeerFilter(addrs)
+	}
+	h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
+}
+
+// moveToPeer rewrites client c's SNAT flow to backend b on port as
+// another edge's, translated to peer: the conntrack entry names peer's
+// address, the mapping is keyed by it (what an import of that edge's
+// snapshot writes). It returns the mapping's key.
+func (h *harness) moveToPeer(v variant, c, b netip.AddrPort, port uint16, peer netip.Addr) tuple {
+	h.t.Helper()
+	own, moved := v.snatKey(b, port), tuple{b, netip.AddrPortFrom(peer, port), v.proto}
+	nv, ok := h.nat(own)
+	if !ok {
+		h.t.Fatalf("%s: no SNAT mapping", c)
+	}
+	h.must(h.natMap(own).Delete(own.key()))
+	h.must(h.natMap(moved).Put(moved.key(), nv))
+	flow := tuple{c, v.vip, v.proto}
+	ct, _ := h.ct(flow)
+	ct.NatAddr = AddrWords(peer)
+	h.must(h.ctMap(flow).Put(flow.key(), ct))
+	return moved
+}
+
 // TestSNATPeers: a flow another edge of the group translated to its own
 // SNAT address (brought here as replication writes it: the conntrack
 // entry naming that address and port, the mapping keyed by them) is
@@ -45,16 +80,7 @@ func TestSNATPeers(t *testing.T) {
 
 			// Move the flow to the peer's address, as an import of the
 			// peer's snapshot would have written it.
-			own, peer := v.snatKey(b, port), tuple{b, netip.AddrPortFrom(v.peerAddr(), port), v.proto}
-			nv, ok := h.nat(own)
-			if !ok {
-				t.Fatal("no SNAT mapping")
-			}
-			h.must(h.natMap(own).Delete(own.key()))
-			h.must(h.natMap(peer).Put(peer.key(), nv))
-			ct, _ := h.ct(tuple{c, v.vip, v.proto})
-			ct.NatAddr = AddrWords(v.peerAddr())
-			h.must(h.ctMap(tuple{c, v.vip, v.proto}).Put(tuple{c, v.vip, v.proto}.key(), ct))
+			peer := h.moveToPeer(v, c, b, port, v.peerAddr())
 
 			reply := v.frame(b, peer.dst, pkt.ACK)
 			translated := v.frame(v.vip, c, pkt.ACK)
@@ -74,22 +100,11 @@ func TestSNATPeers(t *testing.T) {
 					}
 				}
 			}
-			setFlag := func(on bool) {
-				var cfg SNATConfig
-				h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
-				cfg.Flags &^= SNATFlagPeers
-				cfg.PeerFilter = 0
-				if on {
-					cfg.Flags |= SNATFlagPeers
-					cfg.PeerFilter = SNATPeerFilter([]netip.Addr{v.peerAddr()})
-				}
-				h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
-			}
 
 			expect("not a peer", false)
 			h.must(peers.Put([]SNATPeer{{Addr: v.peerAddr()}}))
 			expect("a peer, without the flag", false)
-			setFlag(true)
+			h.peersOn(true, v.peerAddr())
 			expect("a peer", true)
 			if err := pkt.VerifyChecksums(translated); err != nil {
 				t.Fatal(err)
@@ -115,7 +130,7 @@ func TestSNATPeers(t *testing.T) {
 
 			h.must(peers.Remove([]netip.Addr{v.peerAddr()}))
 			expect("no longer a peer", false)
-			setFlag(false)
+			h.peersOn(false)
 		})
 	}
 }
@@ -186,19 +201,7 @@ func BenchmarkSNATPeers(b *testing.B) {
 	for i, p := range list {
 		addrs[i] = p.Addr
 	}
-	setFlag := func(on bool) func() {
-		return func() {
-			var cfg SNATConfig
-			h.must(h.objs.FluxvmSnat.Lookup(uint32(0), &cfg))
-			cfg.Flags &^= SNATFlagPeers
-			cfg.PeerFilter = 0
-			if on {
-				cfg.Flags |= SNATFlagPeers
-				cfg.PeerFilter = SNATPeerFilter(addrs)
-			}
-			h.must(h.objs.FluxvmSnat.Put(uint32(0), cfg))
-		}
-	}
+	setFlag := func(on bool) func() { return func() { h.peersOn(on, addrs...) } }
 	// An own flow, and a flow moved to the peer's address as an import
 	// writes it.
 	b4 := v.backends[0]
@@ -214,13 +217,7 @@ func BenchmarkSNATPeers(b *testing.B) {
 	}
 	c, moved := v.clientAt(snatMin+1), v.clientAt(snatMin+2)
 	port, mport := learn(c), learn(moved)
-	own, peer := v.snatKey(b4, mport), tuple{b4, netip.AddrPortFrom(peer4, mport), v.proto}
-	nv, _ := h.nat(own)
-	h.must(h.natMap(own).Delete(own.key()))
-	h.must(h.natMap(peer).Put(peer.key(), nv))
-	ct, _ := h.ct(tuple{moved, v.vip, v.proto})
-	ct.NatAddr = AddrWords(peer4)
-	h.must(h.ctMap(tuple{moved, v.vip, v.proto}).Put(tuple{moved, v.vip, v.proto}.key(), ct))
+	peer := h.moveToPeer(v, moved, b4, mport, peer4)
 
 	ownReply := func(int) []byte { return v.frame(b4, netip.AddrPortFrom(snat4, port), pkt.ACK) }
 	peerReply := func(int) []byte { return v.frame(b4, peer.dst, pkt.ACK) }

@@ -323,3 +323,104 @@ func TestGroupJoinHoldsAdvertisements(t *testing.T) {
 		t.Errorf("Join outside a group: %v, want ErrPrerequisite naming ha_group", err)
 	}
 }
+
+// BenchmarkGroupReplication: what a group's replication costs, against a
+// pair's, in one run: edges of a group of three (and, as the baseline, a
+// pair) each learn flows through their real north-south program, and the
+// group replicator (in process, over the SDK calls the REST routes serve)
+// carries them to the other edges by delta; the time of the rounds that
+// carry them, per flow and per target edge (µs-per-flow-target), is what
+// every edge of a group pays for each flow of every other edge. Blocks of
+// the group and of the pair alternate.
+func BenchmarkGroupReplication(b *testing.B) {
+	ctx := context.Background()
+	same := seeds{hash: 0x6e0b, maglev: 7}
+	cat := groupCatalog{func(bs []Backend) []Backend { return bs }}
+	var fes []groupFrontend
+	for _, fe := range cat.frontends() {
+		if fe.vip.Addr() == cat.web().VIPs[0] && fe.proto == conntrack.ProtoTCP {
+			fes = append(fes, fe)
+		}
+	}
+	build := func(names ...string) ([]*groupEdge, *ha.GroupReplicator) {
+		var edges []*groupEdge
+		r := &ha.GroupReplicator{MaxOps: 4096}
+		for i, name := range names {
+			e := newGroupEdgeWith(b, name, same, func(o *Options) {
+				o.HA = HAOptions{Epoch: ha.Epoch(10 - i), Interval: MinHAInterval, Group: true}
+				o.NorthSouth.SNATAddress = netip.AddrFrom4([4]byte{10, 97, byte(len(names)), byte(i + 1)})
+				o.NorthSouth.SNATAddressV6 = netip.MustParseAddr(fmt.Sprintf("fd00:97:%d::%d", len(names), i+1))
+			})
+			e.apply(b, cat.web())
+			edges = append(edges, e)
+		}
+		for i, e := range edges {
+			var peers []netip.Addr
+			for j, o := range edges {
+				if j != i {
+					peers = append(peers, o.opts.NorthSouth.SNATAddress, o.opts.NorthSouth.SNATAddressV6)
+				}
+			}
+			if _, err := e.d.SetSNATPeers(ctx, SNATPeers{Addresses: peers}); err != nil {
+				b.Fatal(err)
+			}
+			r.Edges = append(r.Edges, ha.GroupEdge{Name: e.name, Source: groupSource{e.d},
+				Target:   func(source string) ha.Standby { return groupTarget{d: e.d, source: source} },
+				Services: func(context.Context) ([]string, error) { return []string{"web"}, nil }})
+		}
+		// The first round loads the (empty) snapshots: cursors exist.
+		if _, err := r.Round(ctx); err != nil {
+			b.Fatal(err)
+		}
+		return edges, r
+	}
+	group, gr := build("g1", "g2", "g3")
+	pair, pr := build("p1", "p2")
+	const perEdge = 400 // flows each edge learns a block
+	ts := groupTuples(perEdge*3*b.N*4+perEdge*3, fes)
+	next := 0
+	block := func(edges []*groupEdge, r *ha.GroupReplicator) (time.Duration, int) {
+		b.Helper()
+		for _, e := range edges {
+			e.picks(b, ts[next:next+perEdge], false)
+			next += perEdge
+		}
+		time.Sleep(3 * MinHAInterval) // the journals sealed
+		start := time.Now()
+		ops := 0
+		for range 10 {
+			res, err := r.Round(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			n := 0
+			for _, x := range res {
+				if x.Snapshot != nil {
+					b.Fatalf("%s -> %s loaded a snapshot (%s)", x.Source, x.Target, x.Reason)
+				}
+				n += x.Ops
+			}
+			if n == 0 {
+				break
+			}
+			ops += n
+		}
+		return time.Since(start), ops
+	}
+	var gt, pt time.Duration
+	var gops, pops int
+	for range b.N * 2 {
+		d, n := block(group, gr)
+		gt, gops = gt+d, gops+n
+		d, n = block(pair, pr)
+		pt, pops = pt+d, pops+n
+	}
+	// Each op is one flow applied on one target edge.
+	if gops == 0 || pops == 0 {
+		b.Fatal("no op carried")
+	}
+	b.ReportMetric(float64(gt.Microseconds())/float64(gops), "group-µs-per-flow-target")
+	b.ReportMetric(float64(pt.Microseconds())/float64(pops), "pair-µs-per-flow-target")
+	b.ReportMetric(float64(gops)/float64(b.N*2), "group-ops-per-block")
+	b.ReportMetric(float64(pops)/float64(b.N*2), "pair-ops-per-block")
+}

@@ -51,7 +51,7 @@ func newGroupEdgeHA(t *testing.T, name string, s seeds, h HAOptions) *groupEdge 
 
 // newGroupEdgeWith is newGroupEdge with options changed by set before the
 // dataplane opens.
-func newGroupEdgeWith(t *testing.T, name string, s seeds, set func(*Options)) *groupEdge {
+func newGroupEdgeWith(t testing.TB, name string, s seeds, set func(*Options)) *groupEdge {
 	t.Helper()
 	l := lab.NewForTest(t)
 	if _, err := l.AddExternal(); err != nil {
@@ -75,7 +75,7 @@ func newGroupEdgeWith(t *testing.T, name string, s seeds, set func(*Options)) *g
 
 // open (re)opens the edge's dataplane with seeds s, on its pins and
 // catalog.
-func (e *groupEdge) open(t *testing.T, s seeds) {
+func (e *groupEdge) open(t testing.TB, s seeds) {
 	t.Helper()
 	e.opts.Loader.HashSeed, e.opts.MaglevSeed = s.hash, s.maglev
 	d, err := Open(context.Background(), e.opts)
@@ -87,7 +87,7 @@ func (e *groupEdge) open(t *testing.T, s seeds) {
 }
 
 // apply applies each service in turn, as Fabric would, one call each.
-func (e *groupEdge) apply(t *testing.T, svcs ...Service) {
+func (e *groupEdge) apply(t testing.TB, svcs ...Service) {
 	t.Helper()
 	for _, s := range svcs {
 		if _, err := e.d.ApplyService(context.Background(), s); err != nil {
@@ -210,7 +210,7 @@ func groupTuples(n int, fes []groupFrontend) []groupTuple {
 // backend the datapath picked. With forget, each flow is deleted again
 // (conntrack and NAT halves), so that a hundred thousand tuples neither
 // fill the maps nor exhaust SNAT ports.
-func (e *groupEdge) picks(t *testing.T, tuples []groupTuple, forget bool) []netip.AddrPort {
+func (e *groupEdge) picks(t testing.TB, tuples []groupTuple, forget bool) []netip.AddrPort {
 	t.Helper()
 	prog := e.d.dp.Programs().FluxvmNsIn
 	ct, err := e.d.Conntrack()

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
 )
@@ -186,28 +187,45 @@ func byKind(fs []*groupFlow) string {
 }
 
 // moved counts the flows of fs (not broken) that another edge carries
-// now than before (by: the edge each was on), and records the new one.
-// The edge carrying a flow is the one that saw it last (EdgeOf): run it
-// after a check pinged every flow. (Which edge the router picks cannot be
-// computed from the 5-tuple here: a local socket's packets carry its
-// random hash, sk_txhash, which the router's multipath hash uses as is.)
-func moved(t *testing.T, l *Lab, fs []*groupFlow, by map[*groupFlow]*Edge) int {
+// now than before (by: the edge each was on), records the new one, and
+// counts those whose edge it cannot tell. The edge carrying a flow is
+// the one whose entry a packet refreshed since checked (the datapath
+// clock when the check that pinged every flow began), besides, for SNAT,
+// the edge its replies reach (announcer): the others hold copies,
+// refreshed only by their source's journal. (Which edge the
+// router picks cannot be computed from the 5-tuple here: a local
+// socket's packets carry its random hash, sk_txhash, which the router's
+// multipath hash uses as it is.)
+func moved(t *testing.T, l *Lab, fs []*groupFlow, by map[*groupFlow]*Edge, checked time.Duration) (n, unknown int) {
 	t.Helper()
-	n := 0
 	for _, f := range fs {
 		if f.broken {
 			continue
 		}
-		e, _, err := l.EdgeOf(f.Flow)
-		if err != nil {
-			t.Fatal(err)
+		var now []*Edge
+		es, ens := l.Holders(f.Flow)
+		for i, en := range ens {
+			if en.LastSeen >= checked {
+				now = append(now, es[i])
+			}
 		}
-		if by[f] != e {
+		// A SNAT flow's replies go to the edge announcing its SNAT
+		// address, which refreshes its copy too: the other one is where
+		// the router sends the client's packets.
+		if len(now) == 2 && ens[0].Kind == conntrack.SNAT {
+			replies := l.announcer(ens[0].SNAT.Addr())
+			now = slices.DeleteFunc(now, func(e *Edge) bool { return e == replies })
+		}
+		if len(now) != 1 {
+			unknown++
+			continue
+		}
+		if by[f] != now[0] {
 			n++
 		}
-		by[f] = e
+		by[f] = now[0]
 	}
-	return n
+	return n, unknown
 }
 
 // explain logs, for the broken flows (at most 8), where the router sends
@@ -234,7 +252,10 @@ func explain(t *testing.T, l *Lab, what string, bad []*groupFlow) {
 // event checks old (every one at least minAge old at the event, at) and
 // young flows after an event, logs the counts and fails for any old flow
 // broken, explaining which.
-func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupFlow) {
+// Right after the old flows' check, before their refreshes replicate, it
+// logs how many of them another edge carries than before (moved; to: how
+// many are on that edge, when not nil).
+func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupFlow, by map[*groupFlow]*Edge, to *Edge) {
 	t.Helper()
 	const minAge = 5 * time.Second
 	oldest, youngest := time.Duration(0), time.Duration(1<<62)
@@ -250,7 +271,13 @@ func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupF
 		yAge = append(yAge, at.Sub(f.opened))
 	}
 	slices.Sort(yAge)
-	badOld, badYoung := checkFlows(old), checkFlows(young)
+	checked, err := conntrack.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	badOld := checkFlows(old)
+	logMoved(t, l, name, old, by, checked, to)
+	badYoung := checkFlows(young)
 	t.Logf("%s: %d of %d flows %v..%v old at the event broke (%s); %d of %d younger flows (%v..%v old) broke (%s)",
 		name, len(badOld), len(old), youngest.Round(time.Millisecond), oldest.Round(time.Millisecond), byKind(badOld),
 		len(badYoung), len(young), pct(yAge, 0), pct(yAge, 1), byKind(badYoung))
@@ -351,11 +378,9 @@ func TestECMPGroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	all := append(slices.Clone(oldA), youngA...)
 	t.Logf("kill -9 of %s (carried %d of the old flows) -> withdrawn by the router %v after the kill; %s took its SNAT address over, routed %v after the POST",
 		e2.Name, countOrigin(oldA, e2), took.Round(time.Millisecond), e1.Name, tookOver.Round(time.Millisecond))
-	event(t, l, "a. edge killed", killed, oldA, youngA)
-	t.Logf("a. edge killed: %d of the %d flows that work are on another edge than before", moved(t, l, all, on), len(alive(all)))
+	event(t, l, "a. edge killed", killed, oldA, youngA, on, nil)
 
 	// b. An edge added: fresh flows on the survivors, 5 s old, with the
 	// survivors of a (older still).
@@ -384,11 +409,9 @@ func TestECMPGroup(t *testing.T) {
 	routed := time.Now()
 	oldAll := append(alive(oldA), alive(youngA)...)
 	oldAll = append(oldAll, oldB...)
-	all = append(slices.Clone(oldAll), youngB...)
 	t.Logf("%s added: joined and routed %v after its start (replicator restarted with it: %s)",
 		e4.Name, routed.Sub(added).Round(time.Millisecond), replicatorLag(t, l, linesBefore))
-	event(t, l, "b. edge added", routed, oldAll, youngB)
-	t.Logf("b. edge added: %d of the %d flows that work are on another edge than before, %d of them on %s", moved(t, l, all, on), len(alive(all)), countNow(all, on, e4), e4.Name)
+	event(t, l, "b. edge added", routed, oldAll, youngB, on, e4)
 
 	// c. A backend's weight changed (be1: 6, the others 1: Maglev moves
 	// about half of the new picks), then an edge removed (e3, stopped;
@@ -419,12 +442,37 @@ func TestECMPGroup(t *testing.T) {
 	if _, err := l.TakeOver(ctx, e3, e4); err != nil {
 		t.Fatal(err)
 	}
-	all = append(slices.Clone(oldC), youngC...)
 	t.Logf("backend %s's weight 6 on every edge, then %s stopped (withdrawn %v after) and its SNAT address taken over by %s",
 		l.Backends[0].Name, e3.Name, withdrawn.Round(time.Millisecond), e4.Name)
-	event(t, l, "c. weight changed, edge removed", removed, oldC, youngC)
-	t.Logf("c. weight changed, edge removed: %d of the %d flows that work are on another edge than before", moved(t, l, all, on), len(alive(all)))
+	event(t, l, "c. weight changed, edge removed", removed, oldC, youngC, on, nil)
 	t.Logf("whole run %v", time.Since(start).Round(time.Millisecond))
+}
+
+// announcer is the edge the router sends addr (an SNAT address) to: its
+// edge, or the edge that took it over.
+func (l *Lab) announcer(addr netip.Addr) *Edge {
+	if e := l.held[addr]; e != nil {
+		return e
+	}
+	for _, e := range l.Edges {
+		if e.SNAT == addr {
+			return e
+		}
+	}
+	return nil
+}
+
+// logMoved logs moved's counts (and how many flows are on to, when not
+// nil).
+func logMoved(t *testing.T, l *Lab, name string, fs []*groupFlow, by map[*groupFlow]*Edge, checked time.Duration, to *Edge) {
+	t.Helper()
+	n, unknown := moved(t, l, fs, by, checked)
+	on := ""
+	if to != nil {
+		on = fmt.Sprintf(", %d flows on %s now", countNow(fs, by, to), to.Name)
+	}
+	t.Logf("%s: %d of the %d old flows that work are on another edge than before (%d on no edge or on several: not told)%s",
+		name, n, len(alive(fs)), unknown, on)
 }
 
 // countNow counts the flows of fs (not broken) on e now (by).

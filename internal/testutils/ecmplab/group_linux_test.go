@@ -495,3 +495,36 @@ func countOrigin(fs []*groupFlow, e *Edge) int {
 	}
 	return n
 }
+
+// TestECMPGroupMemberDown: an edge of the group killed and left in the
+// replicator's members (Fabric has not ended its lease yet, no
+// takeover), the other edges go on replicating each other's new flows
+// within two intervals (the edges' seal, the replicator's round): the
+// replicator neither stops at the seed check nor backs off because one
+// member does not answer.
+func TestECMPGroupMemberDown(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	l := newTestLabWith(t, ctx, func(c *Config) {
+		c.Group = true
+		c.Replicator = daemontest.BuildCommand(t, "./cmd/fluxvm-replicator")
+	})
+	e1, e2, e3 := l.Edges[0], l.Edges[1], l.Edges[2]
+	if _, err := l.WaitNexthops(ctx, DefaultSNATVIP, []*Edge{e1, e2, e3}, 20*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	e2.Kill()
+	if _, err := l.WaitNexthops(ctx, DefaultSNATVIP, []*Edge{e1, e3}, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// Long enough for a backing-off replicator to wait 2 s, then 4 s.
+	time.Sleep(5 * time.Second)
+	fs := openGroupFlows(t, l, 20, 5, 5)
+	lags := waitReplicated(t, l, fs, []*Edge{e1, e3}, 40*time.Second)
+	bound := 2*l.cfg.HAInterval + time.Second
+	t.Logf("%s down, still a member: %d new flows on both survivors after p50 %v max %v (bound %v); %s",
+		e2.Name, len(fs), pct(lags, 0.5), pct(lags, 1), bound, replicatorLag(t, l, 0))
+	if lags[len(lags)-1] > bound {
+		t.Errorf("with %s down the survivors' flows replicated after up to %v, want within %v", e2.Name, lags[len(lags)-1], bound)
+	}
+}

@@ -76,8 +76,10 @@ func (l *Lab) GroupMembers() []*Edge {
 // nothing the edges do not (their cursors are theirs), so a restart
 // costs one round. With one running edge there is nothing to replicate:
 // it is joined by hand (a group's first edge). A replicator that keeps
-// an edge that is down fails its rounds and backs off (up to 30 s), which
-// is why the lab drops gone edges (TakeOver) rather than let it retry.
+// an edge that is down goes on replicating the others (its rounds fail
+// for that edge's pairs); the lab drops a gone edge when a survivor
+// takes its SNAT address over (TakeOver), as Fabric would once its
+// lease ended.
 func (l *Lab) Regroup(ctx context.Context) error {
 	if !l.cfg.Group {
 		return fmt.Errorf("ecmplab: not a group (Config.Group)")

@@ -24,7 +24,11 @@ type groupFlow struct {
 	kind   string // "SNAT TCP", "DSR TCP", "SNAT UDP"
 	origin *Edge  // the edge that carried it when it opened
 	opened time.Time
+	// snat is a SNAT flow's translation when it opened: what its backend
+	// knows it by.
+	snat   netip.AddrPort
 	broken bool // it failed a check: not counted again
+	why    string
 }
 
 // openGroupFlows opens snat SNAT TCP, dsr DSR TCP and udp SNAT UDP flows
@@ -70,7 +74,7 @@ func openGroupFlows(t *testing.T, l *Lab, snat, dsr, udp int) []*groupFlow {
 				if err != nil {
 					errs <- err
 				}
-				g.origin = e
+				g.origin, g.snat = e, en.SNAT
 				out[i] = g
 			}
 		}()
@@ -134,9 +138,9 @@ func waitAge(fs []*groupFlow, age time.Duration) {
 	time.Sleep(time.Until(youngest.Add(age)))
 }
 
-// checkFlows pings every flow not broken yet at once (3 s each) and
-// returns those that failed now, marking them broken.
-func checkFlows(fs []*groupFlow) []*groupFlow {
+// pingFlows pings every flow not broken yet at once (3 s each) and
+// returns those that failed, marking them broken.
+func pingFlows(fs []*groupFlow) []*groupFlow {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	var bad []*groupFlow
@@ -149,13 +153,34 @@ func checkFlows(fs []*groupFlow) []*groupFlow {
 			defer wg.Done()
 			if err := f.Ping(3 * time.Second); err != nil {
 				mu.Lock()
-				f.broken = true
+				f.broken, f.why = true, err.Error()
 				bad = append(bad, f)
 				mu.Unlock()
 			}
 		}()
 	}
 	wg.Wait()
+	return bad
+}
+
+// retranslated returns the SNAT flows of fs (not broken) that an edge
+// holds with another translation than they had, marking them broken: an
+// edge without their state translated them anew (a UDP flow's backend
+// answers even so; a TCP one resets it).
+func retranslated(l *Lab, fs []*groupFlow) []*groupFlow {
+	var bad []*groupFlow
+	for _, f := range fs {
+		if f.broken || !f.snat.IsValid() {
+			continue
+		}
+		es, ens := l.Holders(f.Flow)
+		for i, en := range ens {
+			if en.SNAT != f.snat && !f.broken {
+				f.broken, f.why = true, fmt.Sprintf("translated to %s on %s, was %s", en.SNAT, es[i], f.snat)
+				bad = append(bad, f)
+			}
+		}
+	}
 	return bad
 }
 
@@ -244,15 +269,15 @@ func explain(t *testing.T, l *Lab, what string, bad []*groupFlow) {
 			en := ens[j]
 			held = append(held, fmt.Sprintf("%s: %v backend id %d snat %v state %v last seen %v", e.Name, en.Kind, en.BackendID, en.SNAT, en.State, en.LastSeen.Round(time.Second)))
 		}
-		t.Logf("%s: %s %s -> %s (backend %s) opened on %s %v ago, last seen on %v (%v); held by [%s]",
-			what, f.kind, f.Local, f.VIP, f.Backend, f.origin, time.Since(f.opened).Round(time.Millisecond), now, err, strings.Join(held, "; "))
+		t.Logf("%s: %s %s -> %s (backend %s) opened on %s %v ago: %s; last seen on %v (%v); held by [%s]",
+			what, f.kind, f.Local, f.VIP, f.Backend, f.origin, time.Since(f.opened).Round(time.Millisecond), f.why, now, err, strings.Join(held, "; "))
 	}
 }
 
 // event checks old (every one at least minAge old at the event, at) and
 // young flows after an event, logs the counts and fails for any old flow
 // broken, explaining which.
-// Right after the old flows' check, before their refreshes replicate, it
+// Right after the old flows' pings, before their refreshes replicate, it
 // logs how many of them another edge carries than before (moved; to: how
 // many are on that edge, when not nil).
 func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupFlow, by map[*groupFlow]*Edge, to *Edge) {
@@ -275,9 +300,10 @@ func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupF
 	if err != nil {
 		t.Fatal(err)
 	}
-	badOld := checkFlows(old)
+	badOld := pingFlows(old)
 	logMoved(t, l, name, old, by, checked, to)
-	badYoung := checkFlows(young)
+	badOld = append(badOld, retranslated(l, old)...)
+	badYoung := append(pingFlows(young), retranslated(l, young)...)
 	t.Logf("%s: %d of %d flows %v..%v old at the event broke (%s); %d of %d younger flows (%v..%v old) broke (%s)",
 		name, len(badOld), len(old), youngest.Round(time.Millisecond), oldest.Round(time.Millisecond), byKind(badOld),
 		len(badYoung), len(young), pct(yAge, 0), pct(yAge, 1), byKind(badYoung))

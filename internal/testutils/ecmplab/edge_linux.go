@@ -150,6 +150,7 @@ func (e *Edge) Start(ctx context.Context) error {
 	if err := e.start(ctx); err != nil {
 		return err
 	}
+	e.lab.dropMaps(e) // a restart may have replaced them
 	if !e.lab.cfg.Group {
 		return nil
 	}
@@ -344,6 +345,7 @@ func (l *Lab) AddEdge(ctx context.Context) (*Edge, error) {
 			return e, fmt.Errorf("ecmplab: apply %s on %s: %w", s.Name, e.Name, err)
 		}
 	}
+	l.dropMaps(e)
 	if l.cfg.Group {
 		// The replicator learns the edge once it has the catalog (the
 		// other edges' flows need its services); it joins the edge

@@ -16,6 +16,7 @@ import (
 	"github.com/fluxvm/servicefabric/conntrack"
 	"github.com/fluxvm/servicefabric/ha"
 	"github.com/fluxvm/servicefabric/internal/testutils/daemontest"
+	"github.com/fluxvm/servicefabric/internal/testutils/lab"
 )
 
 // groupFlow is one long-lived flow of the group test.
@@ -31,23 +32,50 @@ type groupFlow struct {
 	why    string
 }
 
+// flowSpec is a kind of flow the group test opens.
+type flowSpec struct {
+	kind, network string
+	vip           netip.Addr
+}
+
+var (
+	snatTCP = flowSpec{"SNAT TCP", "tcp", DefaultSNATVIP}
+	dsrTCP  = flowSpec{"DSR TCP", "tcp", DefaultDSRVIP}
+	snatUDP = flowSpec{"SNAT UDP", "udp", DefaultSNATVIP}
+)
+
+// openGroupFlow opens one flow of kind s from client c, with the edge
+// carrying it and, for SNAT, its translation. Safe for concurrent use.
+func openGroupFlow(t *testing.T, l *Lab, c *lab.VM, s flowSpec) (*groupFlow, error) {
+	f, err := Dial(c, s.network, netip.AddrPortFrom(s.vip, ServicePort), 3*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { f.Close() })
+	g := &groupFlow{Flow: f, kind: s.kind, opened: time.Now()}
+	// Its edge: the one holding it, before replication copies it (about
+	// a second).
+	e, en, err := l.EdgeOf(f)
+	if err == nil && s.vip == DefaultSNATVIP && en.SNAT.Addr() != e.SNAT {
+		err = fmt.Errorf("%s %s on %s translated to %s, not the edge's address", s.kind, f.Local, e, en.SNAT)
+	}
+	g.origin, g.snat = e, en.SNAT
+	return g, err
+}
+
 // openGroupFlows opens snat SNAT TCP, dsr DSR TCP and udp SNAT UDP flows
 // from the clients in turn, 8 at a time, each with the edge carrying it.
 func openGroupFlows(t *testing.T, l *Lab, snat, dsr, udp int) []*groupFlow {
 	t.Helper()
-	type spec struct {
-		kind, network string
-		vip           netip.Addr
-	}
-	var specs []spec
+	var specs []flowSpec
 	for range snat {
-		specs = append(specs, spec{"SNAT TCP", "tcp", DefaultSNATVIP})
+		specs = append(specs, snatTCP)
 	}
 	for range dsr {
-		specs = append(specs, spec{"DSR TCP", "tcp", DefaultDSRVIP})
+		specs = append(specs, dsrTCP)
 	}
 	for range udp {
-		specs = append(specs, spec{"SNAT UDP", "udp", DefaultSNATVIP})
+		specs = append(specs, snatUDP)
 	}
 	out := make([]*groupFlow, len(specs))
 	errs := make(chan error, len(specs))
@@ -57,24 +85,10 @@ func openGroupFlows(t *testing.T, l *Lab, snat, dsr, udp int) []*groupFlow {
 		go func() {
 			defer wg.Done()
 			for i := w; i < len(specs); i += 8 {
-				s := specs[i]
-				f, err := Dial(l.Clients[i%len(l.Clients)], s.network, netip.AddrPortFrom(s.vip, ServicePort), 3*time.Second)
-				if err != nil {
-					errs <- err
-					continue
-				}
-				t.Cleanup(func() { f.Close() })
-				g := &groupFlow{Flow: f, kind: s.kind, opened: time.Now()}
-				// Its edge: the one holding it, before replication
-				// copies it (about a second).
-				e, en, err := l.EdgeOf(f)
-				if err == nil && s.vip == DefaultSNATVIP && en.SNAT.Addr() != e.SNAT {
-					err = fmt.Errorf("%s %s on %s translated to %s, not the edge's address", s.kind, f.Local, e, en.SNAT)
-				}
+				g, err := openGroupFlow(t, l, l.Clients[i%len(l.Clients)], specs[i])
 				if err != nil {
 					errs <- err
 				}
-				g.origin, g.snat = e, en.SNAT
 				out[i] = g
 			}
 		}()
@@ -88,6 +102,43 @@ func openGroupFlows(t *testing.T, l *Lab, snat, dsr, udp int) []*groupFlow {
 		t.FailNow()
 	}
 	return out
+}
+
+// trickle opens a flow every interval (SNAT TCP, DSR TCP, SNAT UDP in
+// turn, from the clients in turn) until the returned func is called,
+// which returns them: flows of every age up to the event they span.
+func trickle(t *testing.T, l *Lab, every time.Duration) func() []*groupFlow {
+	stop, done := make(chan struct{}), make(chan struct{})
+	var out []*groupFlow
+	var errs []error
+	go func() {
+		defer close(done)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(every):
+			}
+			g, err := openGroupFlow(t, l, l.Clients[i%len(l.Clients)], []flowSpec{snatTCP, dsrTCP, snatUDP}[i%3])
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			out = append(out, g)
+		}
+	}()
+	return func() []*groupFlow {
+		t.Helper()
+		close(stop)
+		<-done
+		for _, err := range errs {
+			t.Error(err)
+		}
+		if t.Failed() {
+			t.FailNow()
+		}
+		return out
+	}
 }
 
 // waitReplicated waits until every flow is in the flow table of every
@@ -304,9 +355,14 @@ func event(t *testing.T, l *Lab, name string, at time.Time, old, young []*groupF
 	logMoved(t, l, name, old, by, checked, to)
 	badOld = append(badOld, retranslated(l, old)...)
 	badYoung := append(pingFlows(young), retranslated(l, young)...)
-	t.Logf("%s: %d of %d flows %v..%v old at the event broke (%s); %d of %d younger flows (%v..%v old) broke (%s)",
+	var bAge []time.Duration
+	for _, f := range badYoung {
+		bAge = append(bAge, at.Sub(f.opened))
+	}
+	slices.Sort(bAge)
+	t.Logf("%s: %d of %d flows %v..%v old at the event broke (%s); %d of %d younger flows (%v..%v old) broke (%s; %v..%v old)",
 		name, len(badOld), len(old), youngest.Round(time.Millisecond), oldest.Round(time.Millisecond), byKind(badOld),
-		len(badYoung), len(young), pct(yAge, 0), pct(yAge, 1), byKind(badYoung))
+		len(badYoung), len(young), pct(yAge, 0), pct(yAge, 1), byKind(badYoung), pct(bAge, 0), pct(bAge, 1))
 	if len(badOld) > 0 {
 		t.Errorf("%s: %d flows at least %v old broke, want 0", name, len(badOld), minAge)
 		explain(t, l, name+": broken", badOld)
@@ -416,15 +472,24 @@ func TestECMPGroup(t *testing.T) {
 	}
 	waitReplicated(t, l, oldB, l.GroupMembers(), 15*time.Second)
 	waitAge(oldB, 5*time.Second)
-	youngB := openGroupFlows(t, l, 20, 10, 5)
-	for _, f := range youngB {
-		on[f] = f.origin
-	}
+	// The younger flows: one every 60 ms while e4 starts and joins,
+	// so that they span every age up to the route change.
+	stopYoung := trickle(t, l, 60*time.Millisecond)
 	linesBefore := len(l.ReplicatorLines())
 	added := time.Now()
 	e4, err := l.AddEdge(ctx)
 	if err != nil {
 		t.Fatal(err)
+	}
+	routedSNAT := time.Now()
+	var youngB []*groupFlow
+	for _, f := range stopYoung() {
+		if f.opened.Before(routedSNAT) {
+			youngB = append(youngB, f)
+			on[f] = f.origin
+		} else {
+			f.Close() // opened after the event: not counted
+		}
 	}
 	if _, err := l.WaitNexthops(ctx, DefaultSNATVIP, []*Edge{e1, e3, e4}, 10*time.Second); err != nil {
 		t.Fatal(err)
@@ -437,7 +502,7 @@ func TestECMPGroup(t *testing.T) {
 	oldAll = append(oldAll, oldB...)
 	t.Logf("%s added: joined and routed %v after its start (replicator restarted with it: %s)",
 		e4.Name, routed.Sub(added).Round(time.Millisecond), replicatorLag(t, l, linesBefore))
-	event(t, l, "b. edge added", routed, oldAll, youngB, on, e4)
+	event(t, l, "b. edge added", routedSNAT, oldAll, youngB, on, e4)
 
 	// c. A backend's weight changed (be1: 6, the others 1: Maglev moves
 	// about half of the new picks), then an edge removed (e3, stopped;

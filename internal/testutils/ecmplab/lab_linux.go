@@ -477,7 +477,20 @@ func (l *Lab) Apply(ctx context.Context, svcs ...fluxvm.Service) error {
 			l.Services = append(l.Services, s)
 		}
 	}
+	l.dropMaps(l.Edges...)
 	return nil
+}
+
+// dropMaps closes the flow maps the lab opened of edges (EdgeOf,
+// Holders), to be opened again at the next lookup: an apply may grow
+// them, and a daemon that grows its maps replaces them (a handle of the
+// old ones reads nothing new).
+func (l *Lab) dropMaps(edges ...*Edge) {
+	l.flowMu.Lock()
+	defer l.flowMu.Unlock()
+	for _, e := range edges {
+		e.closeMaps()
+	}
 }
 
 // Close stops every process (SIGTERM), removes the namespaces, the

@@ -109,6 +109,9 @@ func openGroupFlows(t *testing.T, l *Lab, snat, dsr, udp int) []*groupFlow {
 // which returns them: flows of every age up to the event they span.
 func trickle(t *testing.T, l *Lab, every time.Duration) func() []*groupFlow {
 	stop, done := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	halt := func() { once.Do(func() { close(stop); <-done }) }
+	t.Cleanup(halt) // a test that fails before it stops them
 	var out []*groupFlow
 	var errs []error
 	go func() {
@@ -129,8 +132,7 @@ func trickle(t *testing.T, l *Lab, every time.Duration) func() []*groupFlow {
 	}()
 	return func() []*groupFlow {
 		t.Helper()
-		close(stop)
-		<-done
+		halt()
 		for _, err := range errs {
 			t.Error(err)
 		}

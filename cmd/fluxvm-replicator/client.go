@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -205,21 +206,29 @@ func checkSeeds(ctx context.Context, active, standby *node) error {
 	return nil
 }
 
-// checkGroupSeeds refuses a group whose edges have other seeds: the
-// error names every edge that differs from the first, with its seeds.
-func checkGroupSeeds(ctx context.Context, names []string, nodes []*node) error {
-	edges := make([]group.Edge, len(nodes))
+// checkGroupSeeds refuses a group whose edges have other seeds (refused):
+// the error names every edge that differs from the first, with its
+// seeds. An edge whose seeds cannot be read (down) is left out of the
+// comparison and named in down: the round's pairs with it fail anyway,
+// and when it answers again it gets snapshots first, whose import checks
+// the seeds (ha.ErrSeeds); the other edges go on replicating meanwhile.
+func checkGroupSeeds(ctx context.Context, names []string, nodes []*node) (down, refused error) {
+	var edges []group.Edge
+	var downs []error
 	for i, n := range nodes {
 		s, err := n.seeds(ctx)
 		if err != nil {
-			return fmt.Errorf("the seeds of %s: %w", names[i], err)
+			downs = append(downs, fmt.Errorf("the seeds of %s: %w", names[i], err))
+			continue
 		}
-		edges[i] = group.Edge{Name: names[i] + " " + n.base, Seeds: s}
+		edges = append(edges, group.Edge{Name: names[i] + " " + n.base, Seeds: s})
 	}
-	if err := group.CheckSeeds(edges...); err != nil {
-		return fmt.Errorf("refusing to replicate: %w (set the same hash_seed and maglev_seed on every edge and restart those that differ)", err)
+	if len(edges) > 1 {
+		if err := group.CheckSeeds(edges...); err != nil {
+			return errors.Join(downs...), fmt.Errorf("refusing to replicate: %w (set the same hash_seed and maglev_seed on every edge and restart those that differ)", err)
+		}
 	}
-	return nil
+	return errors.Join(downs...), nil
 }
 
 // services lists the services the node has.

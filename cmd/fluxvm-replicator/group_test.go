@@ -1,8 +1,13 @@
 package main
 
 import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
 	"slices"
 	"testing"
+	"time"
 )
 
 // TestParseGroup: -group is NAME=URL, at least two, names unique.
@@ -24,6 +29,31 @@ func TestParseGroup(t *testing.T) {
 	} {
 		if err := run(args); err == nil {
 			t.Errorf("run(%q): no error", args)
+		}
+	}
+}
+
+// TestLoopPartial: a group round that failed in part (an edge down,
+// others replicated) keeps the interval; a failed round backs off.
+func TestLoopPartial(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for _, tc := range []struct {
+		name     string
+		err      error
+		min, max int
+	}{
+		// 20 ms interval over 330 ms: about 16 rounds at the interval;
+		// backing off (20, 40, 80, 160 ms) about 5.
+		{"partial", partialError{errors.New("ecmp-e2 down")}, 10, 20},
+		{"failed", errors.New("refusing to replicate"), 3, 6},
+		{"ok", nil, 10, 20},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 330*time.Millisecond)
+		n := 0
+		err := loop(ctx, log, false, 20*time.Millisecond, func() error { n++; return tc.err })
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) || n < tc.min || n > tc.max {
+			t.Errorf("%s: %d rounds (%v), want %d..%d", tc.name, n, err, tc.min, tc.max)
 		}
 	}
 }

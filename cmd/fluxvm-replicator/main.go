@@ -22,6 +22,8 @@
 //	fluxvm-replicator -group e1=http://10.0.0.1:7788,e2=http://10.0.0.2:7788,e3=http://10.0.0.3:7788
 //
 // Each name is the edge's node_name, which its deltas and snapshots carry.
+// An edge that is down does not stop the others: they go on replicating
+// every interval (its seeds are checked once it answers again).
 // After a round that brought an edge every other (reachable) edge's
 // journals, it tells the edge so (POST …/ha/join): a group edge
 // advertises its VIPs only once it holds the group's flows.
@@ -41,6 +43,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -117,17 +120,24 @@ func run(args []string) error {
 		round := func() error {
 			start := time.Now()
 			// Edges of other seeds are no group: nothing is replicated
-			// until they all agree.
+			// until they all agree. An edge that is down stops nothing:
+			// the others go on (its pairs fail, its journals keep their
+			// history for it), and while one is down a round that
+			// brought some pair up to date fails without backing off.
 			var res []ha.GroupResult
-			err := checkGroupSeeds(ctx, names, nodes)
+			down, err := checkGroupSeeds(ctx, names, nodes)
 			if err == nil {
 				res, err = g.Round(ctx)
+				err = errors.Join(down, err)
 			}
 			changed := false
 			for _, x := range res {
 				changed = changed || x.Ops > 0 || x.Snapshot != nil
 			}
 			reportRound(enc, start, "pairs", res, changed, err)
+			if err != nil && down != nil && slices.ContainsFunc(res, func(x ha.GroupResult) bool { return x.Cursor.Journal != "" }) {
+				return partialError{err}
+			}
 			return err
 		}
 		return loop(ctx, log, *once, *interval, round)
@@ -191,7 +201,12 @@ func loop(ctx context.Context, log *slog.Logger, once bool, interval time.Durati
 	}
 	wait := interval
 	for {
-		if err := round(); err != nil && ctx.Err() == nil {
+		err := round()
+		var partial partialError
+		if errors.As(err, &partial) && ctx.Err() == nil {
+			wait = interval
+			log.Warn("fluxvm-replicator: round failed in part", "err", partial.err)
+		} else if err != nil && ctx.Err() == nil {
 			wait = min(2*wait, max(maxBackoff, interval))
 			log.Warn("fluxvm-replicator: round failed", "err", err, "retry_in", wait)
 		} else {
@@ -204,6 +219,14 @@ func loop(ctx context.Context, log *slog.Logger, once bool, interval time.Durati
 		}
 	}
 }
+
+// partialError is a group round that failed for some pairs while an
+// edge was down, and brought others up to date: loop does not back off
+// for it, so that the edges that answer keep replicating every interval.
+type partialError struct{ err error }
+
+func (e partialError) Error() string { return e.err.Error() }
+func (e partialError) Unwrap() error { return e.err }
 
 // groupMember is one NAME=URL of -group.
 type groupMember struct{ name, url string }

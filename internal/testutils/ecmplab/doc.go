@@ -18,5 +18,10 @@
 // holds the other edges' as SNAT peers, and a survivor takes over the
 // address of an edge that is gone (Lab.TakeOver).
 //
+// With Config.Group the edges are one group (ha_group): the real
+// fluxvm-replicator -group runs in the router's namespace and replicates
+// every edge's flows to every other; an edge advertises once it joined
+// (Lab.Regroup, docs/scale-out.md).
+//
 // The code is Linux only; on other systems the package is empty.
 package ecmplab

@@ -22,6 +22,13 @@ import (
 // test ends, after the edges' output is logged if the test failed.
 func newTestLab(t *testing.T, ctx context.Context) *Lab {
 	t.Helper()
+	return newTestLabWith(t, ctx, nil)
+}
+
+// newTestLabWith is newTestLab with shape (nil: none) changing the
+// configuration first.
+func newTestLabWith(t *testing.T, ctx context.Context, shape func(*Config)) *Lab {
+	t.Helper()
 	testenv.RequirePrivileged(t)
 	birdBin, birdc, err := FindBIRD()
 	if err != nil {
@@ -34,6 +41,9 @@ func newTestLab(t *testing.T, ctx context.Context) *Lab {
 		Fluxvmd: daemontest.Build(t), Adapter: daemontest.BuildCommand(t, "./cmd/fluxvm-bird"),
 		Bird: birdBin, Birdc: birdc, PinBase: testenv.PinRoot(t),
 	}
+	if shape != nil {
+		shape(&cfg)
+	}
 	start := time.Now()
 	l, err := New(ctx, cfg)
 	if err != nil {
@@ -43,6 +53,10 @@ func newTestLab(t *testing.T, ctx context.Context) *Lab {
 		if t.Failed() {
 			for _, e := range l.Edges {
 				t.Logf("%s:\n%s", e.Name, e.Output())
+			}
+			if l.cfg.Group {
+				lines := l.ReplicatorLines()
+				t.Logf("replicator (last lines):\n%s\n%s", strings.Join(lines[max(0, len(lines)-10):], "\n"), l.ReplicatorOutput())
 			}
 		}
 		if err := l.Close(); err != nil {

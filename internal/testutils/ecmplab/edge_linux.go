@@ -25,8 +25,13 @@ import (
 	"github.com/fluxvm/servicefabric/nat"
 )
 
-// apiAddr is where every edge's fluxvmd listens, inside its namespace.
-const apiAddr = "127.0.0.1:7788"
+// apiAddr is where the lab reaches every edge's fluxvmd, inside its
+// namespace; apiPort its port (a group's edges listen on every address,
+// the replicator reaching them at their uplink's).
+const (
+	apiAddr = "127.0.0.1:7788"
+	apiPort = 7788
+)
 
 // Edge is one edge: a namespace with an uplink toward the router (VIP
 // traffic and the BGP session) and uplink2 on the backend segment, the
@@ -70,7 +75,7 @@ func (l *Lab) createEdge(ctx context.Context, i int) (*Edge, error) {
 		routerSide: netip.MustParseAddr(fmt.Sprintf("10.252.%d.1", i)),
 		Backside:   netip.MustParseAddr(fmt.Sprintf("10.251.0.%d", 10+i)),
 		SNAT:       netip.MustParseAddr(fmt.Sprintf("10.97.0.%d", i)),
-		token:      "fluxvm-ecmplab-" + nsutil.Suffix(),
+		token:      l.token,
 		http:       &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext}},
 	}
 	e.dir = filepath.Join(l.tmp, e.Name)
@@ -112,10 +117,20 @@ snat_port_max = 49999
 hash_seed = %d
 maglev_seed = %d
 `, e.pinRoot, filepath.Join(e.dir, "catalog.json"), e.advPath(), e.Name, e.SNAT, l.cfg.HashSeed, l.cfg.MaglevSeed)
+	if l.cfg.Group {
+		conf += fmt.Sprintf(`ha_epoch = %d
+ha_interval = %q
+ha_group = true
+
+[sandbox.dataplane.service.api]
+listen = "0.0.0.0:%d"
+allow_insecure_non_loopback = true
+`, 10+i, l.cfg.HAInterval, apiPort)
+	}
 	if err := os.WriteFile(e.cfgPath(), []byte(conf), 0o600); err != nil {
 		return e, fmt.Errorf("ecmplab: %w", err)
 	}
-	return e, e.Start(ctx)
+	return e, e.start(ctx)
 }
 
 func (e *Edge) cfgPath() string { return filepath.Join(e.dir, "fluxvmd.toml") }
@@ -128,8 +143,24 @@ func (e *Edge) String() string  { return e.Name }
 
 // Start starts the edge's fluxvmd (waiting until it serves), the adapter
 // and BIRD (waiting until it answers). The catalog persists across a
-// restart (catalog_path); a new edge gets it from AddEdge.
-func (e *Edge) Start(ctx context.Context) (err error) {
+// restart (catalog_path); a new edge gets it from AddEdge. In a group
+// (Config.Group) the edge rejoins it: Start returns once the replicator
+// (restarted with it among the members) joined it.
+func (e *Edge) Start(ctx context.Context) error {
+	if err := e.start(ctx); err != nil {
+		return err
+	}
+	e.lab.dropMaps(e) // a restart may have replaced them
+	if !e.lab.cfg.Group {
+		return nil
+	}
+	if err := e.lab.Regroup(ctx); err != nil {
+		return err
+	}
+	return e.waitJoined(ctx)
+}
+
+func (e *Edge) start(ctx context.Context) (err error) {
 	if e.Running() {
 		return fmt.Errorf("ecmplab: %s already runs", e.Name)
 	}
@@ -297,7 +328,10 @@ func (e *Edge) closeMaps() {
 // AddEdge creates a new edge (the next free number), starts it, applies
 // the lab's catalog to it, then peers the router with it (birdc
 // configure) and waits until the session is established: the edge has
-// the catalog before it announces anything.
+// the catalog before it announces anything. In a group (Config.Group) the
+// replicator is restarted with the edge among its members, and AddEdge
+// returns once the edge is joined (it loaded every other running edge's
+// flows) and the router routes its SNAT address to it.
 func (l *Lab) AddEdge(ctx context.Context) (*Edge, error) {
 	if len(l.Edges) >= MaxEdges {
 		return nil, fmt.Errorf("ecmplab: at most %d edges", MaxEdges)
@@ -311,10 +345,29 @@ func (l *Lab) AddEdge(ctx context.Context) (*Edge, error) {
 			return e, fmt.Errorf("ecmplab: apply %s on %s: %w", s.Name, e.Name, err)
 		}
 	}
+	l.dropMaps(e)
+	if l.cfg.Group {
+		// The replicator learns the edge once it has the catalog (the
+		// other edges' flows need its services); it joins the edge
+		// after a round that brought it every other edge's journals.
+		if err := l.Regroup(ctx); err != nil {
+			return e, err
+		}
+	}
 	if err := l.rbird.reconfigure(routerConf(l.Edges, l.cfg.HoldTime)); err != nil {
 		return e, err
 	}
-	return e, l.waitEstablished(ctx, e)
+	if err := l.waitEstablished(ctx, e); err != nil || !l.cfg.Group {
+		return e, err
+	}
+	if err := e.waitJoined(ctx); err != nil {
+		return e, err
+	}
+	// Joined, it announces: its SNAT address first of all.
+	if _, err := l.WaitNexthops(ctx, e.SNAT, []*Edge{e}, 20*time.Second); err != nil {
+		return e, fmt.Errorf("ecmplab: %s joined but not announced: %w", e.Name, err)
+	}
+	return e, nil
 }
 
 func (l *Lab) waitEstablished(ctx context.Context, e *Edge) error {

@@ -142,3 +142,25 @@ func (l *Lab) edgeOf(f *Flow) (*Edge, conntrack.Entry) {
 	}
 	return best, found
 }
+
+// Holders are the running edges whose flow table holds f, with their
+// entries: in a group every edge once replicated.
+func (l *Lab) Holders(f *Flow) ([]*Edge, []conntrack.Entry) {
+	l.flowMu.Lock()
+	defer l.flowMu.Unlock()
+	var es []*Edge
+	var ens []conntrack.Entry
+	for _, e := range l.Edges {
+		if !e.Running() {
+			continue
+		}
+		ct, err := e.Conntrack()
+		if err != nil {
+			continue
+		}
+		if en, err := ct.Lookup(f.Key()); err == nil {
+			es, ens = append(es, e), append(ens, en)
+		}
+	}
+	return es, ens
+}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -48,6 +49,19 @@ type Config struct {
 	// The group needs them equal for a moved flow to meet the same
 	// backend.
 	HashSeed, MaglevSeed uint32
+	// Group runs the edges as one group (docs/operations.md, "Edges of
+	// a group"): each edge with ha_group, a lease epoch of its own
+	// (ha_epoch 10+i for edge i), HAInterval, and its REST API on its
+	// uplink address too, and the real fluxvm-replicator -group in the
+	// router's namespace replicating every running edge to every other
+	// and joining them (see Lab.Regroup). Without it the edges share no
+	// flow state.
+	Group bool
+	// Replicator is the fluxvm-replicator binary (required with Group).
+	Replicator string
+	// HAInterval is the edges' ha_interval and the replicator's
+	// -interval with Group (0: 1 s, the default of both).
+	HAInterval time.Duration
 }
 
 // MaxEdges bounds the edges of a lab (interface names and addresses).
@@ -99,6 +113,12 @@ type Lab struct {
 	// held maps the SNAT address of an edge that is gone to the edge
 	// that took it over (TakeOver) and announces it.
 	held map[netip.Addr]*Edge
+	// token is every edge's admin token (the replicator's too).
+	token string
+	// repl is the group's replicator (Config.Group), replLines what
+	// every replicator run printed on stdout (one JSON object a line).
+	repl      *proc
+	replLines *lineLog
 
 	mu     sync.Mutex // guards nss and closed
 	nss    []*nsutil.NS
@@ -148,6 +168,9 @@ func (c *Config) defaults() error {
 	if c.MaglevSeed == 0 {
 		c.MaglevSeed = 42
 	}
+	if c.HAInterval == 0 {
+		c.HAInterval = time.Second
+	}
 	switch {
 	case c.Edges < 1 || c.Edges > MaxEdges:
 		return fmt.Errorf("ecmplab: edges %d out of 1..%d", c.Edges, MaxEdges)
@@ -159,6 +182,10 @@ func (c *Config) defaults() error {
 		return errors.New("ecmplab: the fluxvmd and fluxvm-bird binaries are required")
 	case c.PinBase == "":
 		return errors.New("ecmplab: a pin base directory is required")
+	case c.Group && c.Replicator == "":
+		return errors.New("ecmplab: a group needs the fluxvm-replicator binary")
+	case c.HAInterval < 0:
+		return fmt.Errorf("ecmplab: ha interval %v is negative", c.HAInterval)
 	}
 	if c.Bird == "" || c.Birdc == "" {
 		var err error
@@ -176,7 +203,8 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	l = &Lab{cfg: cfg, suffix: nsutil.Suffix(), held: map[netip.Addr]*Edge{}}
+	l = &Lab{cfg: cfg, suffix: nsutil.Suffix(), held: map[netip.Addr]*Edge{}, replLines: &lineLog{}}
+	l.token = "fluxvm-ecmplab-" + l.suffix
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, l.Close())
@@ -235,6 +263,11 @@ func New(ctx context.Context, cfg Config) (l *Lab, err error) {
 	}
 	for _, e := range l.Edges {
 		if err := l.waitEstablished(ctx, e); err != nil {
+			return l, err
+		}
+	}
+	if cfg.Group {
+		if err := l.Regroup(ctx); err != nil {
 			return l, err
 		}
 	}
@@ -426,7 +459,8 @@ func (l *Lab) DefaultServices() []fluxvm.Service {
 }
 
 // Apply posts every service to every running edge over REST, as Fabric
-// would, and keeps them for edges that join later.
+// would, and keeps them for edges that join later (a service of a name
+// applied before replaces it).
 func (l *Lab) Apply(ctx context.Context, svcs ...fluxvm.Service) error {
 	for _, s := range svcs {
 		for _, e := range l.Edges {
@@ -437,9 +471,26 @@ func (l *Lab) Apply(ctx context.Context, svcs ...fluxvm.Service) error {
 				return fmt.Errorf("ecmplab: apply %s on %s: %w", s.Name, e.Name, err)
 			}
 		}
-		l.Services = append(l.Services, s)
+		if i := slices.IndexFunc(l.Services, func(o fluxvm.Service) bool { return o.Name == s.Name }); i >= 0 {
+			l.Services[i] = s
+		} else {
+			l.Services = append(l.Services, s)
+		}
 	}
+	l.dropMaps(l.Edges...)
 	return nil
+}
+
+// dropMaps closes the flow maps the lab opened of edges (EdgeOf,
+// Holders), to be opened again at the next lookup: an apply may grow
+// them, and a daemon that grows its maps replaces them (a handle of the
+// old ones reads nothing new).
+func (l *Lab) dropMaps(edges ...*Edge) {
+	l.flowMu.Lock()
+	defer l.flowMu.Unlock()
+	for _, e := range edges {
+		e.closeMaps()
+	}
 }
 
 // Close stops every process (SIGTERM), removes the namespaces, the
@@ -452,6 +503,7 @@ func (l *Lab) Close() error {
 	}
 	l.closed = true
 	var errs []error
+	errs = append(errs, l.repl.stop(10*time.Second))
 	for _, s := range l.servers {
 		errs = append(errs, s.Close())
 	}

@@ -5,6 +5,7 @@ package ecmplab
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"runtime"
@@ -34,10 +35,19 @@ type proc struct {
 // parent-death signal fires when the thread that started it exits, so it
 // is started from a thread of its own, locked for good, that waits for it.
 func startProc(ns *nsutil.NS, name string, env []string, bin string, args ...string) (*proc, error) {
+	return startProcOut(ns, name, env, nil, bin, args...)
+}
+
+// startProcOut is startProc with the process's stdout to stdout (nil:
+// kept with its stderr in Out).
+func startProcOut(ns *nsutil.NS, name string, env []string, stdout io.Writer, bin string, args ...string) (*proc, error) {
 	p := &proc{name: name, Out: daemonlog.New(), done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
 	p.cmd.Env = append(os.Environ(), env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.Out, p.Out
+	if stdout != nil {
+		p.cmd.Stdout = stdout
+	}
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	started := make(chan error, 1)
 	go func() {

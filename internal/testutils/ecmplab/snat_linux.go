@@ -63,7 +63,8 @@ func (l *Lab) syncPeers(ctx context.Context) error {
 // adapter puts it into BIRD beside the VIPs (kind snat-peer), and the
 // router routes it to by. It returns once the router's kernel route to
 // the address names by alone, with the time from the POST to that. The
-// address goes back to gone when gone starts again (Start).
+// address goes back to gone when gone starts again (Start). In a group
+// the replicator first drops gone from its members (Regroup).
 func (l *Lab) TakeOver(ctx context.Context, gone, by *Edge) (time.Duration, error) {
 	switch {
 	case gone == by:
@@ -72,6 +73,13 @@ func (l *Lab) TakeOver(ctx context.Context, gone, by *Edge) (time.Duration, erro
 		return 0, fmt.Errorf("ecmplab: %s still runs: its SNAT address is its own", gone.Name)
 	case !by.Running():
 		return 0, fmt.Errorf("ecmplab: %s does not run", by.Name)
+	}
+	if l.cfg.Group {
+		// The gone edge leaves the group (its lease ended, for Fabric):
+		// the replicator no longer waits for it.
+		if err := l.Regroup(ctx); err != nil {
+			return 0, err
+		}
 	}
 	prev, had := l.held[gone.SNAT]
 	l.held[gone.SNAT] = by

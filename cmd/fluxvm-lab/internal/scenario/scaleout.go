@@ -24,6 +24,11 @@ type ScaleOutOptions struct {
 	// Fluxvmd and Adapter are the fluxvmd and fluxvm-bird binaries
 	// (required).
 	Fluxvmd, Adapter string
+	// Replicator, when set, is the fluxvm-replicator binary: the edges
+	// then run as a group sharing their flows (ha_group, the replicator
+	// with -group in the router's namespace), and the flows survive the
+	// leave and the join. Empty: no state shared (the baseline).
+	Replicator string
 	// Edges is how many edges start (2..8); one more joins later.
 	Edges int
 	// Short is how many short TCP connections show the split (1..10000).
@@ -77,8 +82,14 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, os.RemoveAll(pins)) }()
-	fmt.Fprintf(w, "building: a router (BIRD 2, multipath), %d edges (fluxvmd + BIRD + fluxvm-bird each), 3 backends, 2 clients\n", o.Edges)
-	l, err := ecmplab.New(ctx, ecmplab.Config{Edges: o.Edges, Fluxvmd: o.Fluxvmd, Adapter: o.Adapter, PinBase: pins})
+	group := o.Replicator != ""
+	shared := "no flow state shared (run with -fluxvm-replicator for a group that shares it)"
+	if group {
+		shared = "the edges a group (ha_group): fluxvm-replicator -group shares every edge's flows with the others every second"
+	}
+	fmt.Fprintf(w, "building: a router (BIRD 2, multipath), %d edges (fluxvmd + BIRD + fluxvm-bird each), 3 backends, 2 clients;\n   %s\n", o.Edges, shared)
+	l, err := ecmplab.New(ctx, ecmplab.Config{Edges: o.Edges, Fluxvmd: o.Fluxvmd, Adapter: o.Adapter, PinBase: pins,
+		Group: group, Replicator: o.Replicator})
 	if err != nil {
 		return err
 	}
@@ -135,6 +146,16 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 			return err
 		}
 	}
+	if group {
+		// A flow's state reaches the other edges within about two
+		// intervals (the edge seals its journal, the replicator pulls).
+		fmt.Fprintf(w, "   (waiting 3 s: the edges seal their journals every second and the replicator pulls them, so\n   every flow's state reaches the other edges)\n")
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(3 * time.Second):
+		}
+	}
 	dead := make([]bool, len(flows))
 	printFlows(w, l, flows, edges, dead, nil)
 
@@ -170,8 +191,12 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	if err != nil {
 		return err
 	}
+	holds := "which holds no translation for %s's flows (no state shared)"
+	if group {
+		holds = "which holds every one of %s's flows (replicated): they go on"
+	}
 	fmt.Fprintf(w, "   the router routes %s via %s %v after the POST (adapter, BIRD, BGP update): the backends'\n"+
-		"   replies to it reach %s, which holds no translation for %s's flows (no replication yet)\n",
+		"   replies to it reach %s, "+holds+"\n",
 		victim.SNAT, by.Name, took.Round(time.Millisecond), by.Name, victim.Name)
 	printRoutes(w, l, "")
 	edges = printFlows(w, l, flows, edges, dead, victim)
@@ -194,6 +219,15 @@ func ScaleOut(ctx context.Context, w io.Writer, o ScaleOutOptions) (err error) {
 	fmt.Fprintf(w, "\n== %d new short TCP connections after the join\n", o.Short)
 	if err := printSplit(ctx, w, l, o.Short); err != nil {
 		return err
+	}
+	if group {
+		fmt.Fprintln(w, "\nWhy no flow broke: a flow the router moves to another edge meets the same backend there (same\n"+
+			"seeds, same Maglev table), and the edge holds its state: the replicator copied every edge's\n"+
+			"flows to the others (same backend, same SNAT address and port, so the backend sees nothing\n"+
+			"change), the survivor that took the dead edge's SNAT address over translates its replies, and\n"+
+			"the new edge advertised only once it held the group's flows (the join gate). Only flows younger\n"+
+			"than the replication lag (about two intervals) can break. docs/scale-out.md.")
+		return nil
 	}
 	fmt.Fprintln(w, "\nWhy flows broke: a flow the router moves to another edge meets the same backend there (same\n"+
 		"seeds, same Maglev table), which is enough for routed DSR (nothing translated). A SNAT flow\n"+

@@ -46,7 +46,8 @@ func TestScaleOutOptions(t *testing.T) {
 // to each VIP names every edge, then the survivors after the kill, then
 // the joiner; the killed edge's SNAT address is routed to it, withdrawn,
 // then routed to the survivor that took it over; every flow gets a row
-// in each of the three tables; the lab is torn down.
+// in each of the three tables, and, the edges running as a group that
+// shares its flows, every flow answers in each; the lab is torn down.
 func TestScaleOut(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	if _, _, err := ecmplab.FindBIRD(); err != nil {
@@ -57,6 +58,7 @@ func TestScaleOut(t *testing.T) {
 	}
 	o := DefaultScaleOutOptions()
 	o.Fluxvmd, o.Adapter = daemontest.Build(t), daemontest.BuildCommand(t, "./cmd/fluxvm-bird")
+	o.Replicator = daemontest.BuildCommand(t, "./cmd/fluxvm-replicator")
 	o.Short, o.Flows = 30, 6
 	var out bytes.Buffer
 	if err := ScaleOut(context.Background(), &out, o); err != nil {
@@ -112,6 +114,18 @@ func TestScaleOut(t *testing.T) {
 	}
 	if n := len(regexp.MustCompile(`(?m)^   \d+ +cli\d `).FindAllString(s, -1)); n != 3*o.Flows {
 		t.Errorf("%d flow rows, want %d", n, 3*o.Flows)
+	}
+	// The group shares its flows: every long-lived flow answers in each
+	// of the three tables (at the start, after the leave and takeover,
+	// after the join).
+	answer := regexp.MustCompile(`(?m)^   (\d+) of (\d+) flows answer`).FindAllStringSubmatch(s, -1)
+	if len(answer) != 3 {
+		t.Fatalf("%d flow tables, want 3", len(answer))
+	}
+	for i, a := range answer {
+		if a[1] != a[2] {
+			t.Errorf("table %d: %s of %s flows answer; a group breaks none", i, a[1], a[2])
+		}
 	}
 	if !strings.Contains(s, "== teardown:") {
 		t.Error("no teardown line")

@@ -55,6 +55,62 @@ func (g groupTarget) ImportDelta(ctx context.Context, svc string, d ha.Delta) (h
 	return res.Cursor, err
 }
 
+// newGroup opens edges named names as a group (ha_group, leases 10, 9,
+// ..., SNAT addresses 10.97.<net>.<i+1> and fd00:97:<net>::<i+1>), applies
+// "web", gives each the others' SNAT addresses as peers, and returns them
+// with a group replicator over them (in process, over the SDK calls the
+// REST routes serve).
+func newGroup(tb testing.TB, net int, names ...string) ([]*groupEdge, *ha.GroupReplicator) {
+	tb.Helper()
+	ctx := context.Background()
+	snat4 := func(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 97, byte(net), byte(i + 1)}) }
+	snat6 := func(i int) netip.Addr { return netip.MustParseAddr(fmt.Sprintf("fd00:97:%d::%d", net, i+1)) }
+	var edges []*groupEdge
+	for i, name := range names {
+		e := newGroupEdgeWith(tb, name, seeds{hash: 0x6e0b, maglev: 7}, func(o *Options) {
+			o.HA = HAOptions{Epoch: ha.Epoch(10 - i), Interval: MinHAInterval, Group: true}
+			o.NorthSouth.SNATAddress, o.NorthSouth.SNATAddressV6 = snat4(i), snat6(i)
+		})
+		e.apply(tb, groupCatalog{func(bs []Backend) []Backend { return bs }}.web())
+		edges = append(edges, e)
+	}
+	r := &ha.GroupReplicator{MaxOps: 4096}
+	for i, e := range edges {
+		var peers []netip.Addr
+		for j := range edges {
+			if j != i {
+				peers = append(peers, snat4(j), snat6(j))
+			}
+		}
+		if _, err := e.d.SetSNATPeers(ctx, SNATPeers{Addresses: peers}); err != nil {
+			tb.Fatal(err)
+		}
+		r.Edges = append(r.Edges, ha.GroupEdge{Name: e.name, Source: groupSource{e.d},
+			Target:   func(source string) ha.Standby { return groupTarget{d: e.d, source: source} },
+			Services: func(context.Context) ([]string, error) { return []string{"web"}, nil },
+			Join:     func(ctx context.Context) error { _, err := e.d.HA().Join(ctx); return err }})
+	}
+	return edges, r
+}
+
+// deltaRound runs one round of r and returns the ops it applied; a round
+// that had to load a snapshot fails tb (deltas were to continue).
+func deltaRound(tb testing.TB, r *ha.GroupReplicator) int {
+	tb.Helper()
+	res, err := r.Round(context.Background())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	ops := 0
+	for _, x := range res {
+		if x.Snapshot != nil {
+			tb.Fatalf("%s -> %s loaded a snapshot (%s) where deltas continue", x.Source, x.Target, x.Reason)
+		}
+		ops += x.Ops
+	}
+	return ops
+}
+
 // TestGroupReplication: three edges of a group (ha_group, a lease and an
 // SNAT address each, the others' addresses as SNAT peers) each learn
 // flows of their own through their real north-south program; the group
@@ -68,39 +124,16 @@ func (g groupTarget) ImportDelta(ctx context.Context, svc string, d ha.Delta) (h
 // same backend.
 func TestGroupReplication(t *testing.T) {
 	ctx := context.Background()
-	same := seeds{hash: 0x6e0b, maglev: 7}
 	names := []string{"e1", "e2", "e3"}
 	snat := func(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 97, 0, byte(i + 1)}) }
-	var edges []*groupEdge
-	for i, name := range names {
-		edges = append(edges, newGroupEdgeWith(t, name, same, func(o *Options) {
-			o.HA = HAOptions{Epoch: ha.Epoch(10 - i), Interval: MinHAInterval, Group: true}
-			o.NorthSouth.SNATAddress, o.NorthSouth.SNATAddressV6 = snat(i), netip.MustParseAddr(fmt.Sprintf("fd00:97::%d", i+1))
-		}))
-	}
+	edges, r := newGroup(t, 0, names...)
+	r.MaxOps = 64
 	cat := groupCatalog{func(bs []Backend) []Backend { return bs }}
 	var fes []groupFrontend
 	for _, fe := range cat.frontends() {
 		if fe.vip.Addr() == cat.web().VIPs[0] {
 			fes = append(fes, fe)
 		}
-	}
-	r := &ha.GroupReplicator{MaxOps: 64}
-	for i, e := range edges {
-		e.apply(t, cat.web())
-		var peers []netip.Addr
-		for j := range edges {
-			if j != i {
-				peers = append(peers, snat(j), netip.MustParseAddr(fmt.Sprintf("fd00:97::%d", j+1)))
-			}
-		}
-		if _, err := e.d.SetSNATPeers(ctx, SNATPeers{Addresses: peers}); err != nil {
-			t.Fatal(err)
-		}
-		r.Edges = append(r.Edges, ha.GroupEdge{Name: e.name, Source: groupSource{e.d},
-			Target:   func(source string) ha.Standby { return groupTarget{d: e.d, source: source} },
-			Services: func(context.Context) ([]string, error) { return []string{"web"}, nil },
-			Join:     func(ctx context.Context) error { _, err := e.d.HA().Join(ctx); return err }})
 	}
 	ts := groupTuples(240, fes)
 	learn := func(i int, part []groupTuple) {
@@ -209,18 +242,7 @@ func TestGroupReplication(t *testing.T) {
 		learn(i, ts[120+i*40:120+(i+1)*40])
 	}
 	time.Sleep(2 * MinHAInterval) // sealed
-	res, err := r.Round(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ops := 0
-	for _, x := range res {
-		if x.Snapshot != nil {
-			t.Errorf("%s -> %s loaded a snapshot (%s) where deltas continue", x.Source, x.Target, x.Reason)
-		}
-		ops += x.Ops
-	}
-	if ops == 0 {
+	if ops := deltaRound(t, r); ops == 0 {
 		t.Fatal("the second round carried no op")
 	}
 	converge("deltas", 240)
@@ -334,7 +356,6 @@ func TestGroupJoinHoldsAdvertisements(t *testing.T) {
 // the group and of the pair alternate.
 func BenchmarkGroupReplication(b *testing.B) {
 	ctx := context.Background()
-	same := seeds{hash: 0x6e0b, maglev: 7}
 	cat := groupCatalog{func(bs []Backend) []Backend { return bs }}
 	var fes []groupFrontend
 	for _, fe := range cat.frontends() {
@@ -342,40 +363,16 @@ func BenchmarkGroupReplication(b *testing.B) {
 			fes = append(fes, fe)
 		}
 	}
-	build := func(names ...string) ([]*groupEdge, *ha.GroupReplicator) {
-		var edges []*groupEdge
-		r := &ha.GroupReplicator{MaxOps: 4096}
-		for i, name := range names {
-			e := newGroupEdgeWith(b, name, same, func(o *Options) {
-				o.HA = HAOptions{Epoch: ha.Epoch(10 - i), Interval: MinHAInterval, Group: true}
-				o.NorthSouth.SNATAddress = netip.AddrFrom4([4]byte{10, 97, byte(len(names)), byte(i + 1)})
-				o.NorthSouth.SNATAddressV6 = netip.MustParseAddr(fmt.Sprintf("fd00:97:%d::%d", len(names), i+1))
-			})
-			e.apply(b, cat.web())
-			edges = append(edges, e)
-		}
-		for i, e := range edges {
-			var peers []netip.Addr
-			for j, o := range edges {
-				if j != i {
-					peers = append(peers, o.opts.NorthSouth.SNATAddress, o.opts.NorthSouth.SNATAddressV6)
-				}
-			}
-			if _, err := e.d.SetSNATPeers(ctx, SNATPeers{Addresses: peers}); err != nil {
-				b.Fatal(err)
-			}
-			r.Edges = append(r.Edges, ha.GroupEdge{Name: e.name, Source: groupSource{e.d},
-				Target:   func(source string) ha.Standby { return groupTarget{d: e.d, source: source} },
-				Services: func(context.Context) ([]string, error) { return []string{"web"}, nil }})
-		}
+	build := func(net int, names ...string) ([]*groupEdge, *ha.GroupReplicator) {
+		edges, r := newGroup(b, net, names...)
 		// The first round loads the (empty) snapshots: cursors exist.
 		if _, err := r.Round(ctx); err != nil {
 			b.Fatal(err)
 		}
 		return edges, r
 	}
-	group, gr := build("g1", "g2", "g3")
-	pair, pr := build("p1", "p2")
+	group, gr := build(3, "g1", "g2", "g3")
+	pair, pr := build(2, "p1", "p2")
 	const perEdge = 400 // flows each edge learns a block
 	ts := groupTuples(perEdge*3*b.N*4+perEdge*3, fes)
 	next := 0
@@ -389,17 +386,7 @@ func BenchmarkGroupReplication(b *testing.B) {
 		start := time.Now()
 		ops := 0
 		for range 10 {
-			res, err := r.Round(ctx)
-			if err != nil {
-				b.Fatal(err)
-			}
-			n := 0
-			for _, x := range res {
-				if x.Snapshot != nil {
-					b.Fatalf("%s -> %s loaded a snapshot (%s)", x.Source, x.Target, x.Reason)
-				}
-				n += x.Ops
-			}
+			n := deltaRound(b, r)
 			if n == 0 {
 				break
 			}

@@ -191,9 +191,18 @@ func (c *Conn) Echo(msg []byte, timeout time.Duration) error {
 // AskUDP sends one datagram from vm to addr and returns the name of the VM
 // that answered.
 func (vm *VM) AskUDP(addr netip.AddrPort, timeout time.Duration) (string, error) {
+	return vm.AskUDPFrom(addr, 0, timeout)
+}
+
+// AskUDPFrom is AskUDP from local port port (0: any). A test that wants a
+// new flow names a port no earlier flow of its used: a socket on a port
+// the kernel gives again continues the datapath's flow of that 5-tuple,
+// which may still be pinned to another backend.
+func (vm *VM) AskUDPFrom(addr netip.AddrPort, port uint16, timeout time.Duration) (string, error) {
 	var c net.Conn
 	err := vm.NS.Do(func() (err error) {
-		c, err = net.Dial("udp", addr.String())
+		d := net.Dialer{LocalAddr: &net.UDPAddr{Port: int(port)}}
+		c, err = d.Dial("udp", addr.String())
 		return err
 	})
 	if err != nil {

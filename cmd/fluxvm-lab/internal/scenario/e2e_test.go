@@ -19,6 +19,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -263,6 +264,15 @@ func e2eKeep(t *testing.T, phase string, fl e2eFlows, only ...string) {
 // e2eNewFlows opens n fresh TCP connections (closed right away) and n
 // fresh UDP flows (one datagram each, ephemeral ports) to vip:80 and
 // counts the backends that answered.
+// e2eFreshPorts hands out UDP source ports no flow of the e2e tests used
+// before: above the kernel's default ephemeral range (32768-60999), so
+// that no socket the kernel numbers takes one either.
+var e2eFreshPorts atomic.Uint32
+
+func e2eFreshPort() uint16 {
+	return uint16(61000 + e2eFreshPorts.Add(1)%4500)
+}
+
 func e2eNewFlows(t *testing.T, e *Env, vip netip.Addr, n int) (tcp, udp map[string]int) {
 	t.Helper()
 	dst := netip.AddrPortFrom(vip, 80)
@@ -277,7 +287,9 @@ func e2eNewFlows(t *testing.T, e *Env, vip netip.Addr, n int) (tcp, udp map[stri
 		c.Close()
 	}
 	for range n {
-		name, err := e.Client.AskUDP(dst, e2eOK)
+		// A port of its own: one the kernel gave again could continue
+		// an earlier flow of the test, pinned to an earlier backend.
+		name, err := e.Client.AskUDPFrom(dst, e2eFreshPort(), e2eOK)
 		if err != nil {
 			t.Errorf("%s udp: new flow: %v", vip, err)
 			continue
